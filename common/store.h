@@ -1,0 +1,71 @@
+/* store: blocking client of meshrun's TCP key-value store (the server is launcher/store_server).
+ *
+ * Used by the launcher's rendezvous and heartbeat threads and by the trainer (MESHRUN_STORE)
+ * to exchange endpoints. Keys are strings (at most STORE_MAX_KEY bytes), values are bytes.
+ * Every call is one request and one reply on one TCP connection; a store_t is not shared
+ * between threads without a lock of the caller's. Calls that wait take a timeout in
+ * milliseconds (< 0: forever). The wire format is in common/store_proto.h.
+ *
+ * Errors are negative STORE_E* codes; store_errmsg() returns the last message of that
+ * client, naming the cause ("connect 127.0.0.1:29400: connection refused"). */
+#ifndef MESHRUN_STORE_H
+#define MESHRUN_STORE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define STORE_MAX_KEY 1024
+#define STORE_MAX_FRAME (64u << 20) /* whole frame, header included */
+
+enum {
+  STORE_OK = 0,
+  STORE_EINVAL = -1,    /* bad argument from the caller */
+  STORE_ECONNECT = -2,  /* could not connect to any address of the endpoint */
+  STORE_EIO = -3,       /* connection lost or reset mid-request */
+  STORE_EPROTO = -4,    /* the peer sent something that is not our protocol */
+  STORE_ETIMEDOUT = -5, /* the key(s) did not appear / reply did not come in time */
+  STORE_ENOKEY = -6,    /* key absent (store_get_nowait, store_delete) */
+  STORE_ETOOBIG = -7,   /* key or value over the limits */
+  STORE_ENOMEM = -8,
+};
+
+typedef struct store store_t;
+
+/* Connects to host:port (IPv4, IPv6 or a hostname: every address getaddrinfo returns is tried,
+ * retrying refused connections until timeout_ms passes). Returns 0 and *out, or a code with
+ * the reason in err. */
+int store_connect(store_t **out, const char *host, int port, int timeout_ms, char *err, size_t errlen);
+/* Parses "host:port", "[v6addr]:port" (as in MESHRUN_STORE) and connects. */
+int store_connect_endpoint(store_t **out, const char *endpoint, int timeout_ms, char *err, size_t errlen);
+void store_close(store_t *s); /* accepts NULL */
+const char *store_errmsg(const store_t *s);
+const char *store_strerror(int code);
+
+int store_set(store_t *s, const char *key, const void *val, size_t len);
+/* Waits until key exists (or timeout), then returns a malloc'ed copy (caller frees; a NUL is
+ * appended past len for convenience). */
+int store_get(store_t *s, const char *key, void **val, size_t *len, int timeout_ms);
+/* Like store_get but returns STORE_ENOKEY at once when the key is absent. */
+int store_get_nowait(store_t *s, const char *key, void **val, size_t *len);
+/* Adds delta to the integer stored at key (absent counts as 0; stored as decimal text) and
+ * returns the new value. */
+int store_add(store_t *s, const char *key, int64_t delta, int64_t *result);
+/* If key's value equals expected (expected_len 0 with expected NULL: key absent), sets it to
+ * desired. Returns in *actual (malloc'ed) the value after the call, whether or not it swapped. */
+int store_compare_set(store_t *s, const char *key, const void *expected, size_t expected_len,
+                      const void *desired, size_t desired_len, void **actual, size_t *actual_len);
+/* Waits until every key exists. STORE_ETIMEDOUT if they don't within timeout_ms. */
+int store_wait(store_t *s, const char *const *keys, size_t nkeys, int timeout_ms);
+/* Sets *exist to 1 if every key exists now, else 0. Never waits. */
+int store_check(store_t *s, const char *const *keys, size_t nkeys, int *exist);
+/* Deletes key; *deleted = 1 if it existed. */
+int store_delete(store_t *s, const char *key, int *deleted);
+/* Waits for all keys (timeout_ms) and returns their values: vals[i] malloc'ed, lens[i]. */
+int store_multi_get(store_t *s, const char *const *keys, size_t nkeys, void **vals, size_t *lens,
+                    int timeout_ms);
+int store_multi_set(store_t *s, const char *const *keys, const void *const *vals, const size_t *lens,
+                    size_t nkeys);
+/* Number of keys in the store (for tests and diagnostics). */
+int store_num_keys(store_t *s, int64_t *n);
+
+#endif

@@ -1,0 +1,67 @@
+/* cli: meshrun's command line, torchrun's spellings.
+ *
+ * Parses argv into launcher_opts_t and validates it. Flags accept '-' and '_' alike
+ * (--nproc-per-node == --nproc_per_node), "--flag=value" and "--flag value". Parsing stops
+ * at the first argument that is not a flag: that is PROGRAM, the rest are its ARGS.
+ * Errors: one line "meshrun: --flag: <what is wrong>; expected <form>" in err, return
+ * CLI_EUSAGE (main prints it and exits 2). --help / --version return CLI_HELP / CLI_VERSION. */
+#ifndef MESHRUN_CLI_H
+#define MESHRUN_CLI_H
+
+#include <stddef.h>
+
+#define CLI_HELP 1
+#define CLI_VERSION 2
+#define CLI_EUSAGE (-2)
+
+#define MESHRUN_VERSION "0.1.0"
+
+typedef enum { RDZV_BACKEND_C10D = 0, RDZV_BACKEND_STATIC } rdzv_backend_t;
+
+typedef struct {
+  /* Workers on this node: >= 1. --nproc_per_node=auto resolves here (GPUs if any, else CPUs). */
+  int nproc_per_node;
+  int nnodes_min, nnodes_max; /* --nnodes=N gives N:N; MIN:MAX for elastic */
+  int node_rank;              /* -1: assigned by join order (c10d); required for static */
+
+  rdzv_backend_t rdzv_backend;
+  char rdzv_host[256]; /* --rdzv_endpoint host part ("" when not given); IPv6 without brackets */
+  int rdzv_port;       /* 29400 when the endpoint names no port; 0 with --standalone: pick free */
+  char rdzv_id[128];   /* --rdzv_id / --run_id; default "none" */
+  /* --rdzv_conf key=value,key=value (seconds, may be fractional) */
+  double join_timeout_s;       /* default 600 */
+  double last_call_timeout_s;  /* default 30 (elastic only) */
+  double close_timeout_s;      /* default 60 */
+  double heartbeat_interval_s; /* default 1 */
+  double heartbeat_timeout_s;  /* default 5; a node silent longer is dead */
+  int standalone;
+
+  char master_addr[256]; /* static backend (and MASTER_ADDR override); "" = unset */
+  int master_port;       /* 0 = unset */
+
+  int max_restarts;          /* default 0 */
+  double monitor_interval_s; /* default 0.1 (torchrun 5); only a fallback: exits are events */
+  /* --redirects / --tee: 0 none, 1 stdout, 2 stderr, 3 both; per local rank overrides
+   * ("0:1,1:2") are stored in redirects_per_rank (-1 = use the default). */
+  int redirects, tee;
+  int redirects_per_rank[256], tee_per_rank[256];
+  char log_dir[1024];        /* "" = no per-rank log files unless redirects/tee need one (then a temp dir) */
+  int local_ranks_filter[256]; /* 1 = show this local rank's console lines; all 1 by default */
+  int local_ranks_filter_set;
+  double shutdown_timeout_s; /* SIGTERM -> SIGKILL grace, default 30 */
+  char role[64];             /* ROLE_NAME, default "default" */
+  int no_python;             /* accepted for compatibility; meshrun never prepends python */
+  int run_module;            /* -m: run "python3 -m PROGRAM" */
+
+  char *program;   /* argv element, not copied */
+  char **prog_argv; /* NULL-terminated: program then its arguments (points into argv) */
+  int prog_argc;
+} launcher_opts_t;
+
+void cli_defaults(launcher_opts_t *o);
+/* Returns 0, CLI_HELP, CLI_VERSION or CLI_EUSAGE (message in err). */
+int cli_parse(launcher_opts_t *o, int argc, char **argv, char *err, size_t errlen);
+/* The --help text. */
+const char *cli_usage(void);
+
+#endif

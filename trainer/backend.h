@@ -1,0 +1,108 @@
+/* backend: memory and the kernels the Llama model needs, forward and backward.
+ *
+ * The model calls kernels only through this table, so it never sees a device type: "cpu"
+ * (fp32, OpenBLAS sgemm, OpenMP threads for the rest; backend_cpu.c) and, later, "cuda".
+ * All tensor pointers are device memory of the backend (plain host memory for cpu),
+ * row-major, fp32. Integer ids (tokens, targets) are int32 device memory.
+ *
+ * Conventions, the same for every kernel:
+ * - Shapes in comments use N = B*T rows, C = model dim, H = heads, KV = kv heads, D = head dim,
+ *   V = vocab (local shard under tensor parallelism), F = hidden dim of the feed-forward.
+ * - Backward kernels ACCUMULATE into every gradient they produce (dx +=, dw +=), as llm.c does:
+ *   callers zero gradient buffers once per step. The one exception, rope_bwd, works in place.
+ * - Kernels are deterministic: the same inputs and thread count give the same bits.
+ * - A kernel never allocates per call beyond scratch it caches inside the backend. */
+#ifndef MESHRUN_BACKEND_H
+#define MESHRUN_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct backend backend_t;
+
+struct backend {
+  const char *name; /* "cpu", "cuda" */
+  void *impl;       /* backend-private state */
+
+  /* --- memory (bytes). alloc returns zeroed memory, or NULL when it cannot. */
+  void *(*alloc)(backend_t *be, size_t bytes);
+  void (*free)(backend_t *be, void *p); /* accepts NULL */
+  void (*to_device)(backend_t *be, void *dst, const void *host_src, size_t bytes);
+  void (*to_host)(backend_t *be, void *host_dst, const void *src, size_t bytes);
+  void (*copy)(backend_t *be, void *dst, const void *src, size_t bytes); /* device to device */
+  void (*zero)(backend_t *be, void *p, size_t bytes);
+  void (*synchronize)(backend_t *be);
+
+  /* --- dense algebra. c(m,n) = alpha * op(a) op(b) + beta * c, row-major; op(a) is (m,k):
+   * a is (m,k) or, with trans_a, (k,m); op(b) is (k,n): b is (k,n) or, with trans_b, (n,k).
+   * A linear layer y = x W^T with W (out,in):  matmul(y, x, W, N, out, in, 0, 1, 1, 0)
+   *   dx += dy W:                               matmul(dx, dy, W, N, in, out, 0, 0, 1, 1)
+   *   dW += dy^T x:                             matmul(dW, dy, x, out, in, N, 1, 0, 1, 1) */
+  void (*matmul)(backend_t *be, float *c, const float *a, const float *b, int m, int n, int k,
+                 int trans_a, int trans_b, float alpha, float beta);
+
+  /* --- elementwise */
+  void (*add)(backend_t *be, float *out, const float *a, const float *b, size_t n); /* out = a + b (out may alias) */
+  void (*scale)(backend_t *be, float *x, float s, size_t n);                        /* x *= s */
+  /* Sum of squares of x, accumulated in double, returned to the host (for gradient norms). */
+  double (*sumsq)(backend_t *be, const float *x, size_t n);
+
+  /* --- embedding. out(N,C) = table[tok - vocab_start] for tokens in [vocab_start,
+   * vocab_start + rows); other tokens give zero rows (vocab-parallel embedding under TP). */
+  void (*embedding_fwd)(backend_t *be, float *out, const float *table, const int32_t *tokens,
+                        int n, int c, int vocab_start, int rows);
+  void (*embedding_bwd)(backend_t *be, float *dtable, const float *dout, const int32_t *tokens,
+                        int n, int c, int vocab_start, int rows);
+
+  /* --- RMSNorm. out(N,C) = x / rms(x) * w; rstd(N) saved for backward. */
+  void (*rmsnorm_fwd)(backend_t *be, float *out, float *rstd, const float *x, const float *w,
+                      int n, int c, float eps);
+  void (*rmsnorm_bwd)(backend_t *be, float *dx, float *dw, const float *dout, const float *x,
+                      const float *w, const float *rstd, int n, int c);
+
+  /* --- RoPE, in place on x (B,T,H,D). Adjacent pairs (2i, 2i+1) of each head rotate by
+   * angle pos * theta^(-2i/D), pos = pos_offset + t (Meta's layout, as llama2.c checkpoints).
+   * rope_bwd rotates a gradient back (by -angle), in place. */
+  void (*rope_fwd)(backend_t *be, float *x, int b, int t, int h, int d, int pos_offset, float theta);
+  void (*rope_bwd)(backend_t *be, float *dx, int b, int t, int h, int d, int pos_offset, float theta);
+
+  /* --- causal attention with grouped-query heads, scale 1/sqrt(D).
+   * q (B,T,H,D), k and v (B,T,KV,D), out (B,T,H,D); head h uses kv head h / (H/KV).
+   * lse (B,H,T) saves the log-sum-exp of each softmax row for the backward, which recomputes
+   * the probabilities (no (T,T) matrix is kept between forward and backward). */
+  void (*attention_fwd)(backend_t *be, float *out, float *lse, const float *q, const float *k,
+                        const float *v, int b, int t, int h, int kv, int d);
+  void (*attention_bwd)(backend_t *be, float *dq, float *dk, float *dv, const float *dout,
+                        const float *q, const float *k, const float *v, const float *out,
+                        const float *lse, int b, int t, int h, int kv, int d);
+
+  /* --- SwiGLU. out(N,F) = silu(a) * g, with a = x W1^T and g = x W3^T. */
+  void (*swiglu_fwd)(backend_t *be, float *out, const float *a, const float *g, size_t n);
+  void (*swiglu_bwd)(backend_t *be, float *da, float *dg, const float *dout, const float *a,
+                     const float *g, size_t n);
+
+  /* --- softmax cross-entropy, fused forward and backward.
+   * logits (N, ld) with V valid columns (ld >= V: columns past V are padding and ignored).
+   * losses(N) = -log softmax(logits)[target]; a target < 0 is ignored (loss 0, zero gradient).
+   * If dlogits is non-NULL it receives (softmax - onehot) * grad_scale (may alias logits;
+   * padding columns get 0). */
+  void (*cross_entropy)(backend_t *be, float *losses, float *dlogits, const float *logits,
+                        const int32_t *targets, int n, int v, int ld, float grad_scale);
+
+  /* --- AdamW with decoupled weight decay on n elements. g is multiplied by grad_scale
+   * first (gradient clipping). step counts from 1 (bias correction). */
+  void (*adamw)(backend_t *be, float *param, const float *grad, float *m, float *v, size_t n,
+                float lr, float beta1, float beta2, float eps, float weight_decay, int step,
+                float grad_scale);
+
+  void (*destroy)(backend_t *be);
+};
+
+/* Creates a backend by name ("cpu"; "cuda" where built). threads <= 0: OMP_NUM_THREADS or
+ * the number of CPUs. Returns NULL with a message in err. */
+backend_t *backend_create(const char *name, int threads, char *err, size_t errlen);
+void backend_destroy(backend_t *be); /* accepts NULL */
+
+backend_t *backend_cpu_create(int threads, char *err, size_t errlen);
+
+#endif

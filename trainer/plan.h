@@ -1,0 +1,152 @@
+/* plan: the trainer's JSON parallelism plan, parsed and validated into plain structs.
+ *
+ * plan_load reads a JSON file (or the embedded default, configs/demo.json's content, when path
+ * is NULL), applies "--set key.path=value" overrides, checks keys and types, and fills plan_t
+ * with defaults for absent keys. plan_resolve then checks everything that depends on the
+ * world size (mesh product, batch divisibility) and computes the derived fields. Every error is
+ * one line "plan error: <key.path>: <what is wrong and what is allowed>" in err; main prints it
+ * and exits 2. The cJSON tree never leaves plan.c. Keys are documented in docs/plan.md. */
+#ifndef MESHRUN_PLAN_H
+#define MESHRUN_PLAN_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define PLAN_PATH_MAX 1024
+#define PLAN_EINVAL (-2)
+
+typedef enum { PLAN_DEVICE_AUTO = 0, PLAN_DEVICE_CPU, PLAN_DEVICE_CUDA } plan_device_t;
+typedef enum { PLAN_SCHED_COSINE = 0, PLAN_SCHED_LINEAR, PLAN_SCHED_CONSTANT } plan_sched_t;
+typedef enum {
+  PLAN_DATA_AUTO = 0, /* by extension/header: .txt -> text, llm.c magic -> llmc, .u16/.u32 raw */
+  PLAN_DATA_TEXT,     /* bytes, vocab 256 */
+  PLAN_DATA_LLMC,     /* 256 x int32 header (magic 20240520, version 1), then uint16 tokens */
+  PLAN_DATA_U16,      /* raw uint16 tokens */
+  PLAN_DATA_U32,      /* raw uint32 tokens */
+  PLAN_DATA_SYNTHETIC /* deterministic pseudo-random tokens from the seed */
+} plan_data_format_t;
+typedef enum { PLAN_DTYPE_FP32 = 0, PLAN_DTYPE_BF16 } plan_dtype_t;
+typedef enum {
+  PLAN_TP_COLWISE = 0,
+  PLAN_TP_ROWWISE,
+  PLAN_TP_SEQUENCE_PARALLEL,
+  PLAN_TP_PREPARE_INPUT,
+  PLAN_TP_REPLICATE
+} plan_tp_style_t;
+
+typedef struct {
+  int dim;               /* model width C */
+  int n_layers;
+  int n_heads;
+  int n_kv_heads;        /* grouped-query attention; divides n_heads */
+  int vocab_size;
+  int max_seq_len;
+  int multiple_of;       /* Llama hidden-size rule, default 256 */
+  double ffn_dim_multiplier; /* 0 = none */
+  int hidden_dim;        /* derived by plan_resolve (or given explicitly: model.hidden_dim > 0) */
+  double rope_theta;     /* default 10000 */
+  double norm_eps;       /* default 1e-5 */
+  double init_std;       /* default 0.02 */
+  char init[PLAN_PATH_MAX]; /* "" = random from seed; else a checkpoint/export file (issue 6) */
+} plan_model_t;
+
+typedef struct {
+  int dp_replicate, dp_shard, tp; /* one may be -1 in the file: "the rest of WORLD_SIZE" */
+} plan_mesh_t;
+
+#define PLAN_TP_PLAN_MAX 32
+typedef struct {
+  char module[96];       /* e.g. "attention.wq", "feed_forward.w2", "norm", "output", "tok_embeddings" */
+  plan_tp_style_t style;
+} plan_tp_entry_t;
+
+typedef struct {
+  int zero;                  /* 0 (none) or 1 (ZeRO-1: optimizer state sharded over dp) */
+  int reshard_after_forward; /* FSDP: free gathered params after forward (default 1) */
+  int sequence_parallel;     /* TP: default 1 when tp > 1 */
+  int loss_parallel;         /* TP: default 1 when tp > 1 */
+  plan_tp_entry_t tp_plan[PLAN_TP_PLAN_MAX]; /* default Llama plan when absent */
+  int n_tp_plan;
+  plan_dtype_t param_dtype;  /* mixed_precision.param_dtype (cuda), default bf16 on cuda, fp32 on cpu */
+  plan_dtype_t reduce_dtype; /* mixed_precision.reduce_dtype, default fp32 */
+} plan_parallel_t;
+
+typedef struct {
+  int steps;              /* optimizer steps */
+  int seq_len;            /* T, <= model.max_seq_len */
+  int micro_batch_size;   /* B per rank per forward */
+  int global_batch_size;  /* sequences per optimizer step, all ranks; default micro*dp */
+  int grad_accum_steps;   /* derived: global / (micro * dp degree) */
+  double lr;              /* peak */
+  double min_lr;          /* default lr/10 */
+  int warmup_steps;       /* linear warmup from 0 */
+  plan_sched_t decay;     /* after warmup: cosine (default), linear, constant */
+  double weight_decay;    /* default 0.1 */
+  int decay_norms;        /* apply weight decay to norm weights (default 0) */
+  int decay_embeddings;   /* apply weight decay to the token embedding (default 0) */
+  double beta1, beta2, eps; /* 0.9, 0.95, 1e-8 */
+  double grad_clip;       /* global norm clip, default 1.0; 0 = off */
+} plan_train_t;
+
+typedef struct {
+  char train[PLAN_PATH_MAX]; /* path; "" with format synthetic */
+  char val[PLAN_PATH_MAX];   /* "" = split off the end of train */
+  plan_data_format_t format;
+  double val_fraction;       /* when val is "", default 0.1 */
+} plan_data_t;
+
+typedef struct {
+  int interval; /* optimizer steps between evals; 0 = never (default: steps/10 rounded, min 1) */
+  int batches;  /* micro-batches per eval, default 8 */
+} plan_eval_t;
+
+typedef struct {
+  char dir[PLAN_PATH_MAX]; /* "" = no checkpoints */
+  int interval;            /* steps; 0 = only at the end */
+  char resume[PLAN_PATH_MAX]; /* "none" (default), "auto", or a checkpoint path */
+  int keep;                /* newest kept, default 3 */
+  int async;               /* default 0 */
+} plan_checkpoint_t;
+
+typedef struct {
+  int interval;                     /* console line every N steps, default 1 */
+  char metrics_file[PLAN_PATH_MAX]; /* JSONL, "" = none */
+} plan_log_t;
+
+typedef struct {
+  int sample_tokens; /* tokens generated at the end of training (default 200; 0 = none) */
+  double temperature; /* default 0.8; 0 = greedy */
+  char prompt[256];   /* default "\n" */
+} plan_sample_t;
+
+typedef struct {
+  plan_device_t device;
+  uint64_t seed;
+  plan_model_t model;
+  plan_mesh_t mesh;
+  plan_parallel_t parallel;
+  plan_train_t train;
+  plan_data_t data;
+  plan_eval_t eval;
+  plan_checkpoint_t checkpoint;
+  plan_log_t log;
+  plan_sample_t sample;
+  char source[PLAN_PATH_MAX]; /* file it came from, "(embedded default)" otherwise */
+} plan_t;
+
+/* Parses path (NULL = the embedded default) and applies the overrides "key.path=value" in order.
+ * Values of --set are parsed as JSON when they parse (numbers, true/false, arrays, objects),
+ * else taken as strings. Returns 0 or PLAN_EINVAL with the one-line message in err. */
+int plan_load(plan_t *p, const char *path, const char *const *sets, int nsets, char *err, size_t errlen);
+/* Checks the plan against world_size, resolves mesh -1 entries, hidden_dim, grad_accum_steps,
+ * defaults that depend on other keys. Returns 0 or PLAN_EINVAL. */
+int plan_resolve(plan_t *p, int world_size, char *err, size_t errlen);
+/* Serializes the (resolved) plan as JSON (malloc'ed string, caller frees): for logs, metrics
+ * and checkpoint metadata. */
+char *plan_to_json(const plan_t *p);
+/* The embedded default plan text (same content as configs/demo.json). */
+const char *plan_default_json(void);
+/* Llama's hidden-size rule: 4*dim, *2/3, *multiplier, rounded up to multiple_of. */
+int plan_llama_hidden_dim(int dim, int multiple_of, double ffn_dim_multiplier);
+
+#endif
