@@ -1,0 +1,36 @@
+/* net: small socket helpers shared by the store client, the launcher and the cpu comm backend.
+ *
+ * Addresses are "host" strings as users type them: IPv4 literals, IPv6 literals (without
+ * brackets here) and hostnames, resolved with getaddrinfo; every returned address is tried.
+ * Errors return a negative errno-style code and a one-line message in err that names the
+ * address ("connect [::1]:29400: connection refused"). */
+#ifndef MESHRUN_NET_H
+#define MESHRUN_NET_H
+
+#include <stddef.h>
+
+/* Splits "host", "host:port", "[v6]:port", "[v6]" or a bare IPv6 literal ("::1") into host
+ * (without brackets) and port (default_port when absent). Rejects empty hosts, ports outside
+ * 1..65535 (0 allowed only when allow_zero) and junk. Returns 0 or -EINVAL. */
+int net_parse_endpoint(const char *s, char *host, size_t hostlen, int *port, int default_port,
+                       int allow_zero, char *err, size_t errlen);
+/* Formats host:port, bracketing IPv6 literals. */
+void net_format_endpoint(char *out, size_t outlen, const char *host, int port);
+/* Connects a TCP socket (TCP_NODELAY, blocking, CLOEXEC) to any address of host:port. Refused or
+ * unreachable connections are retried with backoff until timeout_ms (< 0: forever) passes.
+ * Returns the fd, or a negative code with the reason in err. */
+int net_connect(const char *host, int port, int timeout_ms, char *err, size_t errlen);
+/* Creates a listening TCP socket on host:port (port 0: the kernel picks; host "" = any) and
+ * returns the fd; *bound_port gets the real port. -EADDRINUSE when the port is taken. */
+int net_listen(const char *host, int port, int backlog, int *bound_port, char *err, size_t errlen);
+/* A port that was free a moment ago on host (bind port 0, read it, close). Racy by nature:
+ * used only for ports another program binds itself (MASTER_PORT). */
+int net_free_port(const char *host, int *port, char *err, size_t errlen);
+/* Sends/receives exactly len bytes (retrying EINTR and short transfers). 0, or negative errno
+ * (-ECONNRESET when the peer closed). timeout_ms < 0: no timeout (recv only). */
+int net_send_all(int fd, const void *buf, size_t len);
+int net_recv_all(int fd, void *buf, size_t len, int timeout_ms);
+/* This machine's hostname (never fails: "localhost" as a last resort). */
+void net_hostname(char *buf, size_t len);
+
+#endif
