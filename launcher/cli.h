@@ -15,6 +15,8 @@
 #define CLI_EUSAGE (-2)
 
 #define MESHRUN_VERSION "0.1.0"
+/* Most workers one agent runs (sizes the per-local-rank tables below). */
+#define CLI_MAX_LOCAL_RANKS 256
 
 typedef enum { RDZV_BACKEND_C10D = 0, RDZV_BACKEND_STATIC } rdzv_backend_t;
 
@@ -25,8 +27,12 @@ typedef struct {
   int node_rank;              /* -1: assigned by join order (c10d); required for static */
 
   rdzv_backend_t rdzv_backend;
-  char rdzv_host[256]; /* --rdzv_endpoint host part ("" when not given); IPv6 without brackets */
-  int rdzv_port;       /* 29400 when the endpoint names no port; 0 with --standalone: pick free */
+  /* Where the rendezvous store lives, always set by a successful cli_parse: the --rdzv_endpoint
+   * (IPv6 without brackets; port 29400 when it names none); with --rdzv_backend=static and no
+   * endpoint, --master_addr:--master_port (port 29500 when not given); 127.0.0.1 port 0 (pick a
+   * free one) with --standalone, which is also implied by c10d with no endpoint and nnodes 1. */
+  char rdzv_host[256];
+  int rdzv_port;
   char rdzv_id[128];   /* --rdzv_id / --run_id; default "none" */
   /* --rdzv_conf key=value,key=value (seconds, may be fractional) */
   double join_timeout_s;       /* default 600 */
@@ -44,9 +50,9 @@ typedef struct {
   /* --redirects / --tee: 0 none, 1 stdout, 2 stderr, 3 both; per local rank overrides
    * ("0:1,1:2") are stored in redirects_per_rank (-1 = use the default). */
   int redirects, tee;
-  int redirects_per_rank[256], tee_per_rank[256];
+  int redirects_per_rank[CLI_MAX_LOCAL_RANKS], tee_per_rank[CLI_MAX_LOCAL_RANKS];
   char log_dir[1024];        /* "" = no per-rank log files unless redirects/tee need one (then a temp dir) */
-  int local_ranks_filter[256]; /* 1 = show this local rank's console lines; all 1 by default */
+  int local_ranks_filter[CLI_MAX_LOCAL_RANKS]; /* 1 = show this local rank's console lines; all 1 by default */
   int local_ranks_filter_set;
   double shutdown_timeout_s; /* SIGTERM -> SIGKILL grace, default 30 */
   char role[64];             /* ROLE_NAME, default "default" */
@@ -63,5 +69,11 @@ void cli_defaults(launcher_opts_t *o);
 int cli_parse(launcher_opts_t *o, int argc, char **argv, char *err, size_t errlen);
 /* The --help text. */
 const char *cli_usage(void);
+/* What --nproc_per_node=auto counts, exposed for tests. GPUs: /dev/nvidiaN files under dev_dir
+ * ("/dev"), restricted by cuda_visible_devices when non-NULL (CUDA's rules: a list of ordinals or
+ * GPU-/MIG- UUIDs, cut at the first invalid entry; "" means none). CPUs: this process's
+ * affinity mask (sched_getaffinity), at least 1. */
+int cli_count_gpus(const char *dev_dir, const char *cuda_visible_devices);
+int cli_count_cpus(void);
 
 #endif

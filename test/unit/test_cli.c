@@ -1,0 +1,768 @@
+// deps: launcher/cli.c common/net.c
+/* test_cli: meshrun's command line (launcher/cli.c).
+ *
+ * Every value flag is parsed in four ways (underscore/dash spelling x "--flag=v"/"--flag v")
+ * and the field it sets is checked; every error path is checked to return CLI_EUSAGE with a
+ * one-line message that starts with the flag it blames and says what was expected. The
+ * --nproc_per_node=auto counting is tested against a fake /dev with nvidiaN files and, for CPUs,
+ * in a child process whose affinity is narrowed to one CPU. Nothing here touches the network. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "launcher/cli.h"
+
+#define MAX_ARGS 32
+
+typedef struct {
+  char *argv[MAX_ARGS + 1];
+  int argc;
+  char err[512];
+  launcher_opts_t o;
+} run_t;
+
+/* Parses "meshrun" followed by the NULL-terminated list of arguments. argv stays alive in the
+ * run_t, so prog_argv can be checked afterwards. */
+static int run_list(run_t *r, const char *const *args) {
+  memset(r, 0, sizeof *r);
+  r->argv[r->argc++] = (char *)"meshrun";
+  for (; *args; args++) {
+    assert_true(r->argc < MAX_ARGS);
+    r->argv[r->argc++] = (char *)*args;
+  }
+  r->argv[r->argc] = NULL;
+  return cli_parse(&r->o, r->argc, r->argv, r->err, sizeof r->err);
+}
+
+#define RUN(r, ...) run_list((r), (const char *const[]){__VA_ARGS__, NULL})
+
+static void expect_ok(const run_t *r, int rc) {
+  if (rc != 0) print_error("unexpected failure rc=%d: %s\n", rc, r->err);
+  assert_int_equal(rc, 0);
+  assert_string_equal(r->err, "");
+}
+
+/* The error names `flag` first ("meshrun: --flag: ..."), says what was expected, one line. */
+static void expect_usage(const run_t *r, int rc, const char *flag) {
+  char prefix[96];
+  snprintf(prefix, sizeof prefix, "meshrun: %s:", flag);
+  if (rc != CLI_EUSAGE || strncmp(r->err, prefix, strlen(prefix)) != 0)
+    print_error("args:%s%s%s%s%s -> rc=%d err=\"%s\", wanted \"%s ...\"\n",
+                r->argc > 1 ? " " : "", r->argc > 1 ? r->argv[1] : "",
+                r->argc > 2 ? " " : "", r->argc > 2 ? r->argv[2] : "",
+                r->argc > 3 ? " ..." : "", rc, r->err, prefix);
+  assert_int_equal(rc, CLI_EUSAGE);
+  assert_memory_equal(r->err, prefix, strlen(prefix));
+  assert_non_null(strstr(r->err, "expected"));
+  assert_null(strchr(r->err, '\n'));
+}
+
+/* ---- defaults ---- */
+
+static void test_defaults_struct(void **state) {
+  launcher_opts_t o;
+  memset(&o, 0x5a, sizeof o);
+  cli_defaults(&o);
+  assert_int_equal(o.nproc_per_node, 1);
+  assert_int_equal(o.nnodes_min, 1);
+  assert_int_equal(o.nnodes_max, 1);
+  assert_int_equal(o.node_rank, -1);
+  assert_int_equal(o.rdzv_backend, RDZV_BACKEND_C10D);
+  assert_string_equal(o.rdzv_host, "");
+  assert_int_equal(o.rdzv_port, 29400);
+  assert_string_equal(o.rdzv_id, "none");
+  assert_true(o.join_timeout_s == 600);
+  assert_true(o.last_call_timeout_s == 30);
+  assert_true(o.close_timeout_s == 60);
+  assert_true(o.heartbeat_interval_s == 1);
+  assert_true(o.heartbeat_timeout_s == 5);
+  assert_int_equal(o.standalone, 0);
+  assert_string_equal(o.master_addr, "");
+  assert_int_equal(o.master_port, 0);
+  assert_int_equal(o.max_restarts, 0);
+  assert_true(o.monitor_interval_s == 0.1);
+  assert_int_equal(o.redirects, 0);
+  assert_int_equal(o.tee, 0);
+  for (int i = 0; i < CLI_MAX_LOCAL_RANKS; i++) {
+    assert_int_equal(o.redirects_per_rank[i], -1);
+    assert_int_equal(o.tee_per_rank[i], -1);
+    assert_int_equal(o.local_ranks_filter[i], 1);
+  }
+  assert_int_equal(o.local_ranks_filter_set, 0);
+  assert_string_equal(o.log_dir, "");
+  assert_true(o.shutdown_timeout_s == 30);
+  assert_string_equal(o.role, "default");
+  assert_int_equal(o.no_python, 0);
+  assert_int_equal(o.run_module, 0);
+  assert_null(o.program);
+  assert_null(o.prog_argv);
+  assert_int_equal(o.prog_argc, 0);
+}
+
+/* "meshrun prog" alone: one worker, one node, c10d standalone on 127.0.0.1 with a free port. */
+static void test_defaults_parsed(void **state) {
+  run_t r;
+  expect_ok(&r, RUN(&r, "prog"));
+  assert_int_equal(r.o.nproc_per_node, 1);
+  assert_int_equal(r.o.nnodes_min, 1);
+  assert_int_equal(r.o.nnodes_max, 1);
+  assert_int_equal(r.o.node_rank, -1);
+  assert_int_equal(r.o.rdzv_backend, RDZV_BACKEND_C10D);
+  assert_int_equal(r.o.standalone, 1);
+  assert_string_equal(r.o.rdzv_host, "127.0.0.1");
+  assert_int_equal(r.o.rdzv_port, 0);
+  assert_string_equal(r.o.rdzv_id, "none");
+  assert_string_equal(r.o.role, "default");
+  assert_int_equal(r.o.max_restarts, 0);
+  assert_string_equal(r.o.program, "prog");
+  assert_int_equal(r.o.prog_argc, 1);
+  assert_ptr_equal(r.o.prog_argv, &r.argv[1]);
+  assert_null(r.o.prog_argv[1]);
+}
+
+/* ---- every value flag, four ways ---- */
+
+typedef struct {
+  const char *flag; /* canonical, underscores */
+  const char *value;
+  const char *extra[6]; /* other flags the case needs to be valid, before it */
+  void (*check)(const launcher_opts_t *o);
+} flag_case_t;
+
+static void chk_nproc(const launcher_opts_t *o) { assert_int_equal(o->nproc_per_node, 4); }
+static void chk_nnodes(const launcher_opts_t *o) {
+  assert_int_equal(o->nnodes_min, 2);
+  assert_int_equal(o->nnodes_max, 4);
+  assert_int_equal(o->standalone, 0);
+}
+static void chk_nnodes_single(const launcher_opts_t *o) {
+  assert_int_equal(o->nnodes_min, 3);
+  assert_int_equal(o->nnodes_max, 3);
+}
+static void chk_node_rank(const launcher_opts_t *o) { assert_int_equal(o->node_rank, 1); }
+static void chk_endpoint_v6(const launcher_opts_t *o) {
+  assert_string_equal(o->rdzv_host, "::1");
+  assert_int_equal(o->rdzv_port, 29401);
+  assert_int_equal(o->standalone, 0);
+}
+static void chk_endpoint_v4(const launcher_opts_t *o) {
+  assert_string_equal(o->rdzv_host, "10.1.2.3");
+  assert_int_equal(o->rdzv_port, 1234);
+}
+static void chk_endpoint_name(const launcher_opts_t *o) {
+  assert_string_equal(o->rdzv_host, "node0.example");
+  assert_int_equal(o->rdzv_port, 29400);
+}
+static void chk_endpoint_bare_v6(const launcher_opts_t *o) {
+  assert_string_equal(o->rdzv_host, "fe80::2");
+  assert_int_equal(o->rdzv_port, 29400);
+}
+static void chk_rdzv_id(const launcher_opts_t *o) { assert_string_equal(o->rdzv_id, "job-42"); }
+static void chk_backend_static(const launcher_opts_t *o) {
+  assert_int_equal(o->rdzv_backend, RDZV_BACKEND_STATIC);
+  assert_int_equal(o->node_rank, 0); /* one node: rank 0 implied */
+  assert_string_equal(o->rdzv_host, "127.0.0.1");
+  assert_int_equal(o->rdzv_port, 0);
+  assert_int_equal(o->standalone, 0);
+}
+static void chk_backend_c10d(const launcher_opts_t *o) {
+  assert_int_equal(o->rdzv_backend, RDZV_BACKEND_C10D);
+  assert_string_equal(o->rdzv_host, "h");
+}
+static void chk_conf(const launcher_opts_t *o) {
+  assert_true(o->join_timeout_s == 12.5);
+  assert_true(o->last_call_timeout_s == 0);
+  assert_true(o->close_timeout_s == 7);
+  assert_true(o->heartbeat_interval_s == 0.25);
+  assert_true(o->heartbeat_timeout_s == 3);
+}
+static void chk_master_addr(const launcher_opts_t *o) {
+  assert_string_equal(o->master_addr, "10.0.0.1");
+  assert_string_equal(o->rdzv_host, "10.0.0.1"); /* static without endpoint: store on master */
+  assert_int_equal(o->rdzv_port, 29500);
+}
+static void chk_master_addr_v6(const launcher_opts_t *o) {
+  assert_string_equal(o->master_addr, "::1");
+}
+static void chk_master_port(const launcher_opts_t *o) {
+  assert_int_equal(o->master_port, 1234);
+  assert_string_equal(o->rdzv_host, "h");
+  assert_int_equal(o->rdzv_port, 1234);
+}
+static void chk_max_restarts(const launcher_opts_t *o) { assert_int_equal(o->max_restarts, 3); }
+static void chk_monitor(const launcher_opts_t *o) { assert_true(o->monitor_interval_s == 0.5); }
+static void chk_redirects_all(const launcher_opts_t *o) {
+  assert_int_equal(o->redirects, 3);
+  for (int i = 0; i < CLI_MAX_LOCAL_RANKS; i++) assert_int_equal(o->redirects_per_rank[i], -1);
+}
+static void chk_redirects_map(const launcher_opts_t *o) {
+  assert_int_equal(o->redirects, 0);
+  assert_int_equal(o->redirects_per_rank[0], 1);
+  assert_int_equal(o->redirects_per_rank[1], 2);
+  assert_int_equal(o->redirects_per_rank[2], -1);
+}
+static void chk_tee_all(const launcher_opts_t *o) {
+  assert_int_equal(o->tee, 2);
+  assert_int_equal(o->redirects, 0);
+}
+static void chk_tee_map(const launcher_opts_t *o) {
+  assert_int_equal(o->tee, 0);
+  assert_int_equal(o->tee_per_rank[0], -1);
+  assert_int_equal(o->tee_per_rank[1], 3);
+  assert_int_equal(o->tee_per_rank[2], 0);
+}
+static void chk_log_dir(const launcher_opts_t *o) { assert_string_equal(o->log_dir, "/tmp/logs x"); }
+static void chk_filter(const launcher_opts_t *o) {
+  assert_int_equal(o->local_ranks_filter_set, 1);
+  assert_int_equal(o->local_ranks_filter[0], 1);
+  assert_int_equal(o->local_ranks_filter[1], 0);
+  assert_int_equal(o->local_ranks_filter[2], 1);
+  assert_int_equal(o->local_ranks_filter[3], 0);
+}
+static void chk_filter_empty(const launcher_opts_t *o) {
+  assert_int_equal(o->local_ranks_filter_set, 0);
+  for (int i = 0; i < CLI_MAX_LOCAL_RANKS; i++) assert_int_equal(o->local_ranks_filter[i], 1);
+}
+static void chk_role(const launcher_opts_t *o) { assert_string_equal(o->role, "trainer"); }
+static void chk_shutdown(const launcher_opts_t *o) { assert_true(o->shutdown_timeout_s == 2.5); }
+
+static const flag_case_t flag_cases[] = {
+    {"nproc_per_node", "4", {NULL}, chk_nproc},
+    {"nnodes", "2:4", {"--rdzv_endpoint=h:1"}, chk_nnodes},
+    {"nnodes", "3", {"--rdzv_endpoint=h"}, chk_nnodes_single},
+    {"node_rank", "1", {"--nnodes=2", "--rdzv_endpoint=h"}, chk_node_rank},
+    {"rdzv_endpoint", "[::1]:29401", {NULL}, chk_endpoint_v6},
+    {"rdzv_endpoint", "10.1.2.3:1234", {NULL}, chk_endpoint_v4},
+    {"rdzv_endpoint", "node0.example", {NULL}, chk_endpoint_name},
+    {"rdzv_endpoint", "fe80::2", {NULL}, chk_endpoint_bare_v6},
+    {"rdzv_id", "job-42", {NULL}, chk_rdzv_id},
+    {"run_id", "job-42", {NULL}, chk_rdzv_id},
+    {"rdzv_backend", "static", {NULL}, chk_backend_static},
+    {"rdzv_backend", "c10d", {"--rdzv_endpoint=h"}, chk_backend_c10d},
+    {"rdzv_conf",
+     "join_timeout=12.5,last_call_timeout=0,close_timeout=7,heartbeat_interval=0.25,"
+     "heartbeat_timeout=3",
+     {NULL},
+     chk_conf},
+    {"master_addr", "10.0.0.1", {"--rdzv_backend=static", "--nnodes=2", "--node_rank=1"},
+     chk_master_addr},
+    {"master_addr", "[::1]", {NULL}, chk_master_addr_v6},
+    {"master_addr", "::1", {NULL}, chk_master_addr_v6},
+    {"master_port", "1234", {"--rdzv_backend", "static", "--master_addr", "h"}, chk_master_port},
+    {"max_restarts", "3", {NULL}, chk_max_restarts},
+    {"monitor_interval", "0.5", {NULL}, chk_monitor},
+    {"redirects", "3", {NULL}, chk_redirects_all},
+    {"redirects", "0:1,1:2", {"--nproc_per_node=3"}, chk_redirects_map},
+    {"tee", "2", {NULL}, chk_tee_all},
+    {"tee", "1:3,2:0", {"--nproc_per_node=3"}, chk_tee_map},
+    {"log_dir", "/tmp/logs x", {NULL}, chk_log_dir},
+    {"local_ranks_filter", "0,2", {"--nproc_per_node=4"}, chk_filter},
+    {"local_ranks_filter", "", {NULL}, chk_filter_empty},
+    {"role", "trainer", {NULL}, chk_role},
+    {"shutdown_timeout", "2.5", {NULL}, chk_shutdown},
+};
+
+static void test_value_flags_four_ways(void **state) {
+  for (size_t c = 0; c < sizeof flag_cases / sizeof flag_cases[0]; c++) {
+    const flag_case_t *fc = &flag_cases[c];
+    for (int dash = 0; dash < 2; dash++) {
+      for (int joined = 0; joined < 2; joined++) {
+        char name[64], joined_arg[512];
+        snprintf(name, sizeof name, "--%s", fc->flag);
+        if (dash)
+          for (char *p = name + 2; *p; p++)
+            if (*p == '_') *p = '-';
+        snprintf(joined_arg, sizeof joined_arg, "%s=%s", name, fc->value);
+
+        const char *args[MAX_ARGS];
+        int n = 0;
+        for (int k = 0; k < 6 && fc->extra[k]; k++) args[n++] = fc->extra[k];
+        if (joined) {
+          args[n++] = joined_arg;
+        } else {
+          args[n++] = name;
+          args[n++] = fc->value;
+        }
+        args[n++] = "prog";
+        args[n++] = "a1";
+        args[n] = NULL;
+
+        run_t r;
+        int rc = run_list(&r, args);
+        if (rc != 0)
+          print_error("case %s=\"%s\" (%s, %s): %s\n", fc->flag, fc->value,
+                      dash ? "dashes" : "underscores", joined ? "--f=v" : "--f v", r.err);
+        expect_ok(&r, rc);
+        fc->check(&r.o);
+        assert_string_equal(r.o.program, "prog");
+        assert_int_equal(r.o.prog_argc, 2);
+        assert_string_equal(r.o.prog_argv[1], "a1");
+      }
+    }
+  }
+}
+
+static void test_boolean_flags(void **state) {
+  run_t r;
+  expect_ok(&r, RUN(&r, "--standalone", "prog"));
+  assert_int_equal(r.o.standalone, 1);
+  assert_string_equal(r.o.rdzv_host, "127.0.0.1");
+  assert_int_equal(r.o.rdzv_port, 0);
+  expect_ok(&r, RUN(&r, "--standalone", "--nnodes=1", "--rdzv_backend=c10d", "prog"));
+  assert_int_equal(r.o.standalone, 1);
+
+  expect_ok(&r, RUN(&r, "--no_python", "prog"));
+  assert_int_equal(r.o.no_python, 1);
+  expect_ok(&r, RUN(&r, "--no-python", "prog"));
+  assert_int_equal(r.o.no_python, 1);
+
+  expect_ok(&r, RUN(&r, "--module", "pkg.mod", "x"));
+  assert_int_equal(r.o.run_module, 1);
+  assert_string_equal(r.o.program, "pkg.mod");
+  expect_ok(&r, RUN(&r, "-m", "pkg.mod"));
+  assert_int_equal(r.o.run_module, 1);
+  assert_int_equal(r.o.prog_argc, 1);
+}
+
+static void test_short_forms(void **state) {
+  run_t r;
+  const char *forms[][2] = {{"-r", "3"}, {"-r3", NULL}, {"-r=3", NULL}};
+  for (size_t i = 0; i < 3; i++) {
+    int rc = forms[i][1] ? RUN(&r, forms[i][0], forms[i][1], "prog") : RUN(&r, forms[i][0], "prog");
+    expect_ok(&r, rc);
+    assert_int_equal(r.o.redirects, 3);
+  }
+  expect_ok(&r, RUN(&r, "--nproc_per_node=2", "-t", "0:1,1:2", "prog"));
+  assert_int_equal(r.o.tee_per_rank[0], 1);
+  assert_int_equal(r.o.tee_per_rank[1], 2);
+  expect_ok(&r, RUN(&r, "-t1", "prog"));
+  assert_int_equal(r.o.tee, 1);
+}
+
+static void test_help_version(void **state) {
+  run_t r;
+  assert_int_equal(RUN(&r, "--help"), CLI_HELP);
+  assert_int_equal(RUN(&r, "-h"), CLI_HELP);
+  assert_int_equal(RUN(&r, "--nproc_per_node=2", "--help", "prog"), CLI_HELP);
+  assert_int_equal(RUN(&r, "--version"), CLI_VERSION);
+  /* After PROGRAM, --help belongs to PROGRAM. */
+  expect_ok(&r, RUN(&r, "prog", "--help"));
+  assert_string_equal(r.o.prog_argv[1], "--help");
+}
+
+static void test_repeated_flags(void **state) {
+  run_t r;
+  expect_ok(&r, RUN(&r, "--nproc_per_node=2", "--nproc-per-node", "3", "prog"));
+  assert_int_equal(r.o.nproc_per_node, 3);
+  /* --rdzv_conf keys accumulate across repeats. */
+  expect_ok(&r, RUN(&r, "--rdzv_conf=join_timeout=9", "--rdzv_conf", "close_timeout=8", "prog"));
+  assert_true(r.o.join_timeout_s == 9);
+  assert_true(r.o.close_timeout_s == 8);
+  /* A per-rank list replaced by a plain value clears the per-rank entries. */
+  expect_ok(&r, RUN(&r, "--nproc_per_node=2", "--redirects=1:3", "--redirects=2", "prog"));
+  assert_int_equal(r.o.redirects, 2);
+  assert_int_equal(r.o.redirects_per_rank[1], -1);
+  /* Key spelling with dashes is accepted too; empty items are skipped. */
+  expect_ok(&r, RUN(&r, "--rdzv_conf=heartbeat-interval=2,,heartbeat_timeout=10,", "prog"));
+  assert_true(r.o.heartbeat_interval_s == 2);
+  assert_true(r.o.heartbeat_timeout_s == 10);
+}
+
+/* ---- program and its arguments ---- */
+
+static void test_program_split(void **state) {
+  run_t r;
+  expect_ok(&r, RUN(&r, "--nnodes=1", "prog", "--nnodes=5", "-x", "--", "y"));
+  assert_int_equal(r.o.nnodes_max, 1);
+  assert_string_equal(r.o.program, "prog");
+  assert_int_equal(r.o.prog_argc, 5);
+  assert_ptr_equal(r.o.prog_argv, &r.argv[2]);
+  assert_string_equal(r.o.prog_argv[0], "prog");
+  assert_string_equal(r.o.prog_argv[1], "--nnodes=5");
+  assert_string_equal(r.o.prog_argv[2], "-x");
+  assert_string_equal(r.o.prog_argv[3], "--");
+  assert_string_equal(r.o.prog_argv[4], "y");
+  assert_null(r.o.prog_argv[5]);
+
+  /* A value is taken as is, even when it looks like a flag. */
+  expect_ok(&r, RUN(&r, "--log_dir", "--odd", "prog"));
+  assert_string_equal(r.o.log_dir, "--odd");
+  assert_string_equal(r.o.program, "prog");
+
+  /* "-" alone is a program name, not a flag. */
+  expect_ok(&r, RUN(&r, "-"));
+  assert_string_equal(r.o.program, "-");
+}
+
+static void test_double_dash(void **state) {
+  run_t r;
+  expect_ok(&r, RUN(&r, "--nproc_per_node", "2", "--", "prog", "a"));
+  assert_int_equal(r.o.nproc_per_node, 2);
+  assert_string_equal(r.o.program, "prog");
+  assert_int_equal(r.o.prog_argc, 2);
+
+  /* After "--", even a flag-shaped word is the program. */
+  expect_ok(&r, RUN(&r, "--", "--standalone", "x"));
+  assert_string_equal(r.o.program, "--standalone");
+  assert_int_equal(r.o.standalone, 1); /* implied (single node), not parsed */
+  assert_int_equal(r.o.prog_argc, 2);
+
+  expect_ok(&r, RUN(&r, "--", "--"));
+  assert_string_equal(r.o.program, "--");
+}
+
+static void test_missing_program(void **state) {
+  const char *const *lists[] = {
+      (const char *const[]){NULL},
+      (const char *const[]){"--nnodes=1", NULL},
+      (const char *const[]){"--nproc_per_node", "2", "--", NULL},
+      (const char *const[]){"--standalone", NULL},
+  };
+  for (size_t i = 0; i < sizeof lists / sizeof lists[0]; i++) {
+    run_t r;
+    int rc = run_list(&r, lists[i]);
+    assert_int_equal(rc, CLI_EUSAGE);
+    assert_non_null(strstr(r.err, "missing PROGRAM"));
+    assert_non_null(strstr(r.err, "expected"));
+  }
+}
+
+/* ---- errors ---- */
+
+typedef struct {
+  const char *blamed; /* the flag the message must start with */
+  const char *args[8];
+} error_case_t;
+
+static const error_case_t error_cases[] = {
+    {"--nproc_per_node", {"--nproc_per_node=0", "p"}},
+    {"--nproc_per_node", {"--nproc_per_node=abc", "p"}},
+    {"--nproc_per_node", {"--nproc_per_node=257", "p"}},
+    {"--nproc_per_node", {"--nproc_per_node=2x", "p"}},
+    {"--nproc_per_node", {"--nproc_per_node= 2", "p"}},
+    {"--nproc_per_node", {"--nproc-per-node"}},
+    {"--nproc_per_node", {"--nproc_per_node="}},
+    {"--nnodes", {"--nnodes=2:1", "p"}},
+    {"--nnodes", {"--nnodes=0", "p"}},
+    {"--nnodes", {"--nnodes=0:2", "p"}},
+    {"--nnodes", {"--nnodes=a:b", "p"}},
+    {"--nnodes", {"--nnodes=1:", "p"}},
+    {"--nnodes", {"--nnodes=:2", "p"}},
+    {"--nnodes", {"--nnodes=1:2:3", "p"}},
+    {"--nnodes", {"--nnodes=-1", "p"}},
+    {"--nnodes", {"--nnodes"}},
+    {"--node_rank", {"--node_rank=-1", "p"}},
+    {"--node_rank", {"--node-rank=x", "p"}},
+    {"--node_rank", {"--nnodes=2", "--rdzv_endpoint=h", "--node_rank=2", "p"}},
+    {"--node_rank", {"--node_rank=1", "p"}},
+    {"--rdzv_endpoint", {"--rdzv_endpoint=host:0", "p"}},
+    {"--rdzv_endpoint", {"--rdzv_endpoint=host:70000", "p"}},
+    {"--rdzv_endpoint", {"--rdzv_endpoint=host:", "p"}},
+    {"--rdzv_endpoint", {"--rdzv_endpoint=host:port", "p"}},
+    {"--rdzv_endpoint", {"--rdzv_endpoint=[::1", "p"}},
+    {"--rdzv_endpoint", {"--rdzv_endpoint=[::1]x", "p"}},
+    {"--rdzv_endpoint", {"--rdzv_endpoint=:29400", "p"}},
+    {"--rdzv_endpoint", {"--rdzv_endpoint=", "p"}},
+    {"--rdzv_endpoint", {"--rdzv-endpoint"}},
+    {"--rdzv_endpoint", {"--nnodes=2", "p"}},
+    {"--rdzv_endpoint", {"--nnodes=1:2", "--rdzv_backend=c10d", "p"}},
+    {"--rdzv_id", {"--rdzv_id=", "p"}},
+    {"--rdzv_id", {"--rdzv_id=a b", "p"}},
+    {"--run_id", {"--run_id=", "p"}},
+    {"--rdzv_backend", {"--rdzv_backend=etcd", "p"}},
+    {"--rdzv_backend", {"--rdzv_backend=", "p"}},
+    {"--rdzv_conf", {"--rdzv_conf=timeout=1", "p"}},
+    {"--rdzv_conf", {"--rdzv_conf=join_timeout", "p"}},
+    {"--rdzv_conf", {"--rdzv_conf=join_timeout=-1", "p"}},
+    {"--rdzv_conf", {"--rdzv_conf=join_timeout=0", "p"}},
+    {"--rdzv_conf", {"--rdzv_conf=join_timeout=abc", "p"}},
+    {"--rdzv_conf", {"--rdzv_conf=join_timeout=", "p"}},
+    {"--rdzv_conf", {"--rdzv_conf=join_timeout=inf", "p"}},
+    {"--rdzv_conf", {"--rdzv_conf=close_timeout=nan", "p"}},
+    {"--rdzv_conf", {"--rdzv_conf=last_call_timeout=-0.5", "p"}},
+    {"--rdzv_conf", {"--rdzv_conf=heartbeat_interval=0", "p"}},
+    {"--rdzv_conf", {"--rdzv_conf=heartbeat_timeout=1", "p"}},
+    {"--rdzv_conf", {"--rdzv_conf=heartbeat_interval=5,heartbeat_timeout=5", "p"}},
+    {"--standalone", {"--standalone=1", "p"}},
+    {"--standalone", {"--standalone", "--rdzv_endpoint=h:1", "p"}},
+    {"--standalone", {"--rdzv_endpoint=h:1", "--standalone", "p"}},
+    {"--standalone", {"--standalone", "--rdzv_backend=static", "p"}},
+    {"--standalone", {"--standalone", "--nnodes=2", "p"}},
+    {"--master_addr", {"--master_addr=host:123", "p"}},
+    {"--master_addr", {"--master_addr=", "p"}},
+    {"--master_addr", {"--master_addr=[::1", "p"}},
+    {"--master_addr", {"--master_addr=[host]", "p"}},
+    {"--master_addr", {"--master_addr=a b", "p"}},
+    {"--master_addr", {"--rdzv_backend=static", "--nnodes=2", "--node_rank=0", "p"}},
+    {"--master_port", {"--master_port=0", "p"}},
+    {"--master_port", {"--master_port=65536", "p"}},
+    {"--master_port", {"--master-port=x", "p"}},
+    {"--max_restarts", {"--max_restarts=-1", "p"}},
+    {"--max_restarts", {"--max-restarts=x", "p"}},
+    {"--monitor_interval", {"--monitor_interval=0", "p"}},
+    {"--monitor_interval", {"--monitor_interval=-1", "p"}},
+    {"--monitor_interval", {"--monitor_interval=0x10", "p"}},
+    {"--shutdown_timeout", {"--shutdown_timeout=-1", "p"}},
+    {"--shutdown_timeout", {"--shutdown-timeout=soon", "p"}},
+    {"--redirects", {"--redirects=4", "p"}},
+    {"--redirects", {"--redirects=0:4", "p"}},
+    {"--redirects", {"--redirects=a:1", "p"}},
+    {"--redirects", {"--redirects=0:1,", "p"}},
+    {"--redirects", {"--redirects=0:1,1", "p"}},
+    {"--redirects", {"--redirects=256:1", "p"}},
+    {"--redirects", {"--nproc_per_node=2", "--redirects=2:1", "p"}},
+    {"--redirects", {"-r", "x", "p"}},
+    {"--redirects", {"-r"}},
+    {"--tee", {"--tee=9", "p"}},
+    {"--tee", {"-t=", "p"}},
+    {"--tee", {"--tee=1:1", "p"}},
+    {"--log_dir", {"--log_dir=", "p"}},
+    {"--local_ranks_filter", {"--local_ranks_filter=0,,1", "p"}},
+    {"--local_ranks_filter", {"--local_ranks_filter=x", "p"}},
+    {"--local_ranks_filter", {"--local_ranks_filter=-1", "p"}},
+    {"--local_ranks_filter", {"--nproc_per_node=2", "--local-ranks-filter=3", "p"}},
+    {"--role", {"--role=", "p"}},
+    {"--role", {"--role=a b", "p"}},
+    {"--module", {"--no_python", "--module", "p"}},
+    {"--module", {"-m=1", "p"}},
+    {"--no_python", {"--no_python=yes", "p"}},
+    {"--nnodes", {"--rdzv_backend=static", "--nnodes=1:2", "--node_rank=0", "p"}},
+    {"--node_rank", {"--rdzv_backend=static", "--nnodes=2", "--master_addr=h", "p"}},
+    {"--help", {"--help=1", "p"}},
+    {"--bogus", {"--bogus", "p"}},
+    {"--bogus", {"--bogus=1", "p"}},
+    {"--nproc_per_nod", {"--nproc_per_nod=2", "p"}},
+    {"---", {"---", "p"}},
+    {"-x", {"-x", "p"}},
+};
+
+static void test_errors_name_the_flag(void **state) {
+  for (size_t i = 0; i < sizeof error_cases / sizeof error_cases[0]; i++) {
+    run_t r;
+    int rc = run_list(&r, error_cases[i].args);
+    expect_usage(&r, rc, error_cases[i].blamed);
+  }
+}
+
+/* The message quotes the bad value and states the accepted form, as the issue asks. */
+static void test_error_text(void **state) {
+  run_t r;
+  int rc = RUN(&r, "--nnodes=2:1", "p");
+  assert_int_equal(rc, CLI_EUSAGE);
+  assert_string_equal(r.err, "meshrun: --nnodes: \"2:1\" is not valid; expected N or MIN:MAX with "
+                             "1 <= MIN <= MAX");
+  /* Dash spelling still blames the canonical flag. */
+  rc = RUN(&r, "--max-restarts", "many", "p");
+  assert_int_equal(rc, CLI_EUSAGE);
+  assert_non_null(strstr(r.err, "\"many\""));
+  /* The endpoint error carries net's reason (it names the port). */
+  rc = RUN(&r, "--rdzv_endpoint=h:99999", "p");
+  assert_int_equal(rc, CLI_EUSAGE);
+  assert_non_null(strstr(r.err, "99999"));
+}
+
+static void test_error_buffer_small_or_null(void **state) {
+  char *argv[] = {(char *)"meshrun", (char *)"--nnodes=2:1", (char *)"p", NULL};
+  launcher_opts_t o;
+  char tiny[12];
+  memset(tiny, 'X', sizeof tiny);
+  assert_int_equal(cli_parse(&o, 3, argv, tiny, sizeof tiny), CLI_EUSAGE);
+  assert_true(strlen(tiny) < sizeof tiny);
+  assert_int_equal(cli_parse(&o, 3, argv, NULL, 0), CLI_EUSAGE);
+}
+
+/* ---- static and standalone resolution ---- */
+
+static void test_static_resolution(void **state) {
+  run_t r;
+  expect_ok(&r, RUN(&r, "--rdzv_backend=static", "--nnodes=2", "--node_rank=1",
+                    "--rdzv_endpoint=10.0.0.9:777", "--master_addr=10.0.0.1", "p"));
+  assert_string_equal(r.o.rdzv_host, "10.0.0.9"); /* an endpoint wins over master_addr */
+  assert_int_equal(r.o.rdzv_port, 777);
+  assert_string_equal(r.o.master_addr, "10.0.0.1");
+
+  expect_ok(&r, RUN(&r, "--rdzv_backend=static", "--master_port=4321", "p"));
+  assert_string_equal(r.o.rdzv_host, "127.0.0.1");
+  assert_int_equal(r.o.rdzv_port, 4321);
+  assert_int_equal(r.o.node_rank, 0);
+
+  /* c10d with an explicit node rank keeps it (orders nodes). */
+  expect_ok(&r, RUN(&r, "--nnodes=1:3", "--node_rank=2", "--rdzv_endpoint=h", "p"));
+  assert_int_equal(r.o.node_rank, 2);
+  assert_int_equal(r.o.standalone, 0);
+}
+
+/* ---- --nproc_per_node=auto ---- */
+
+static void touch(const char *dir, const char *name) {
+  char path[512];
+  snprintf(path, sizeof path, "%s/%s", dir, name);
+  int fd = open(path, O_CREAT | O_WRONLY | O_CLOEXEC, 0600);
+  assert_true(fd >= 0);
+  close(fd);
+}
+
+static void rm(const char *dir, const char *name) {
+  char path[512];
+  snprintf(path, sizeof path, "%s/%s", dir, name);
+  assert_int_equal(remove(path), 0);
+}
+
+static void test_count_gpus_fake_dev(void **state) {
+  char dir[] = "/tmp/meshrun_test_cli_XXXXXX";
+  assert_non_null(mkdtemp(dir));
+  assert_int_equal(cli_count_gpus(dir, NULL), 0);
+  static const char *files[] = {"nvidia0", "nvidia1", "nvidia2", "nvidia3",
+                                "nvidiactl", "nvidia-uvm", "nvidia-modeset", "nvidia"};
+  for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) touch(dir, files[i]);
+  char caps[600];
+  snprintf(caps, sizeof caps, "%s/nvidia-caps", dir);
+  assert_int_equal(mkdir(caps, 0700), 0);
+
+  assert_int_equal(cli_count_gpus(dir, NULL), 4);
+  assert_int_equal(cli_count_gpus(dir, ""), 0);
+  assert_int_equal(cli_count_gpus(dir, "1,3"), 2);
+  assert_int_equal(cli_count_gpus(dir, " 2 , 3 "), 2);
+  assert_int_equal(cli_count_gpus(dir, "0,7,1"), 1); /* CUDA stops at the first invalid */
+  assert_int_equal(cli_count_gpus(dir, "0,0"), 1);
+  assert_int_equal(cli_count_gpus(dir, "-1"), 0);
+  assert_int_equal(cli_count_gpus(dir, "none"), 0);
+  assert_int_equal(cli_count_gpus(dir, "GPU-8a2f,MIG-11"), 2);
+  assert_int_equal(cli_count_gpus(dir, "GPU-a,GPU-b,GPU-c,GPU-d,GPU-e"), 4);
+  assert_int_equal(cli_count_gpus(dir, "3,2,1,0"), 4);
+
+  for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) rm(dir, files[i]);
+  assert_int_equal(rmdir(caps), 0);
+  assert_int_equal(rmdir(dir), 0);
+  assert_int_equal(cli_count_gpus(dir, NULL), 0); /* no such directory */
+}
+
+/* The affinity mask is what counts: a child pinned to one CPU sees 1. */
+static void test_count_cpus_follows_affinity(void **state) {
+  int n = cli_count_cpus();
+  assert_true(n >= 1);
+  long conf = sysconf(_SC_NPROCESSORS_CONF);
+  if (conf > 0) assert_true(n <= conf);
+
+  cpu_set_t cur;
+  assert_int_equal(sched_getaffinity(0, sizeof cur, &cur), 0);
+  int first = -1;
+  for (int c = 0; c < CPU_SETSIZE && first < 0; c++)
+    if (CPU_ISSET(c, &cur)) first = c;
+  assert_true(first >= 0);
+
+  pid_t pid = fork();
+  assert_true(pid >= 0);
+  if (pid == 0) {
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(first, &one);
+    if (sched_setaffinity(0, sizeof one, &one) != 0) _exit(100);
+    _exit(cli_count_cpus());
+  }
+  int st;
+  assert_int_equal(waitpid(pid, &st, 0), pid);
+  assert_true(WIFEXITED(st));
+  assert_int_equal(WEXITSTATUS(st), 1);
+}
+
+static void test_nproc_auto(void **state) {
+  char *saved = getenv("CUDA_VISIBLE_DEVICES");
+  saved = saved ? strdup(saved) : NULL;
+  run_t r;
+
+  /* Whatever this machine has, auto is at least one worker. */
+  expect_ok(&r, RUN(&r, "--nproc_per_node=auto", "p"));
+  assert_true(r.o.nproc_per_node >= 1);
+  int gpus = cli_count_gpus("/dev", saved);
+  int cpus = cli_count_cpus();
+  if (cpus > CLI_MAX_LOCAL_RANKS) cpus = CLI_MAX_LOCAL_RANKS;
+  assert_int_equal(r.o.nproc_per_node, gpus > 0 ? gpus : cpus);
+
+  /* All GPUs hidden: auto falls back to CPUs, gpu is an error naming the flag. */
+  assert_int_equal(setenv("CUDA_VISIBLE_DEVICES", "", 1), 0);
+  expect_ok(&r, RUN(&r, "--nproc-per-node", "auto", "p"));
+  assert_int_equal(r.o.nproc_per_node, cpus);
+  expect_usage(&r, RUN(&r, "--nproc_per_node=gpu", "p"), "--nproc_per_node");
+
+  expect_ok(&r, RUN(&r, "--nproc_per_node=cpu", "p"));
+  assert_int_equal(r.o.nproc_per_node, cpus);
+
+  if (saved) {
+    assert_int_equal(setenv("CUDA_VISIBLE_DEVICES", saved, 1), 0);
+    free(saved);
+  } else {
+    assert_int_equal(unsetenv("CUDA_VISIBLE_DEVICES"), 0);
+  }
+  if (gpus > 0) {
+    expect_ok(&r, RUN(&r, "--nproc_per_node=gpu", "p"));
+    assert_int_equal(r.o.nproc_per_node, gpus);
+  }
+}
+
+/* ---- --help text ---- */
+
+static void test_usage_text(void **state) {
+  const char *u = cli_usage();
+  static const char *must[] = {
+      "--nproc_per_node", "--nnodes", "--node_rank", "--rdzv_backend", "--rdzv_endpoint",
+      "--rdzv_id", "--run_id", "--rdzv_conf", "join_timeout", "last_call_timeout",
+      "close_timeout", "heartbeat_interval", "heartbeat_timeout", "--standalone",
+      "--master_addr", "--master_port", "--max_restarts", "--monitor_interval",
+      "--shutdown_timeout", "-r, --redirects", "-t, --tee", "--log_dir", "--local_ranks_filter",
+      "--role", "--no_python", "-m, --module", "-h, --help", "--version", "auto",
+      "default 600", "default 30", "default 60", "default 1", "default 5", "default 0.1",
+      "default 29400", "default 29500", "default none", "default default", "default c10d",
+      "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+      "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
+      "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE",
+      "OMP_NUM_THREADS", "MESHRUN_STORE", "ROLE_NAME", MESHRUN_VERSION,
+  };
+  for (size_t i = 0; i < sizeof must / sizeof must[0]; i++) {
+    if (!strstr(u, must[i])) print_error("--help lacks \"%s\"\n", must[i]);
+    assert_non_null(strstr(u, must[i]));
+  }
+  /* Fits a terminal: no line over 100 columns. */
+  for (const char *line = u; *line;) {
+    const char *nl = strchr(line, '\n');
+    size_t len = nl ? (size_t)(nl - line) : strlen(line);
+    assert_true(len <= 100);
+    line += len + (nl ? 1 : 0);
+  }
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_defaults_struct),
+      cmocka_unit_test(test_defaults_parsed),
+      cmocka_unit_test(test_value_flags_four_ways),
+      cmocka_unit_test(test_boolean_flags),
+      cmocka_unit_test(test_short_forms),
+      cmocka_unit_test(test_help_version),
+      cmocka_unit_test(test_repeated_flags),
+      cmocka_unit_test(test_program_split),
+      cmocka_unit_test(test_double_dash),
+      cmocka_unit_test(test_missing_program),
+      cmocka_unit_test(test_errors_name_the_flag),
+      cmocka_unit_test(test_error_text),
+      cmocka_unit_test(test_error_buffer_small_or_null),
+      cmocka_unit_test(test_static_resolution),
+      cmocka_unit_test(test_count_gpus_fake_dev),
+      cmocka_unit_test(test_count_cpus_follows_affinity),
+      cmocka_unit_test(test_nproc_auto),
+      cmocka_unit_test(test_usage_text),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}

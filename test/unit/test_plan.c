@@ -1,0 +1,605 @@
+// deps: trainer/plan.c
+/* test_plan: the plan module: defaults, one-line errors naming the key path, --set overrides,
+ * plan_resolve (mesh, shapes, batches), Llama's hidden-size rule, the plan_to_json round trip,
+ * and every shipped config under configs/ (run from the repository root, as `make unit` does).
+ * It does not start a trainer; the files are read, never trained on. */
+#include <dirent.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+#include <cJSON.h>
+
+#include "trainer/plan.h"
+
+static char tmp_path[64];
+
+/* Writes text to a fresh temporary file; returns its path (valid until the next call). */
+static const char *write_tmp(const char *text) {
+  if (tmp_path[0]) unlink(tmp_path);
+  snprintf(tmp_path, sizeof tmp_path, "/tmp/test_plan_XXXXXX");
+  int fd = mkstemp(tmp_path);
+  assert_true(fd >= 0);
+  size_t n = strlen(text);
+  assert_int_equal(write(fd, text, n), (ssize_t)n);
+  close(fd);
+  return tmp_path;
+}
+
+/* Loads json (with sets), and resolves at world when world > 0; expects an error whose one line
+ * starts with "plan error: <key>: ". Returns the message for further checks. */
+static char err_buf[2048];
+static const char *expect_error_sets(const char *json, const char *const *sets, int nsets, int world,
+                                     const char *key) {
+  plan_t p;
+  char want[256];
+  err_buf[0] = '\0';
+  int rc = plan_load(&p, write_tmp(json), sets, nsets, err_buf, sizeof err_buf);
+  if (rc == 0 && world > 0) rc = plan_resolve(&p, world, err_buf, sizeof err_buf);
+  printf("  %-34s -> %s\n", key, err_buf);
+  assert_int_equal(rc, PLAN_EINVAL);
+  snprintf(want, sizeof want, "plan error: %s: ", key);
+  if (strncmp(err_buf, want, strlen(want)) != 0) fail_msg("expected prefix '%s', got '%s'", want, err_buf);
+  assert_null(strchr(err_buf, '\n'));
+  assert_true(strlen(err_buf) > strlen(want)); /* says what is wrong */
+  return err_buf;
+}
+static const char *expect_error(const char *json, int world, const char *key) {
+  return expect_error_sets(json, NULL, 0, world, key);
+}
+
+static void load_ok(plan_t *p, const char *json, const char *const *sets, int nsets) {
+  char err[1024] = "";
+  int rc = plan_load(p, json ? write_tmp(json) : NULL, sets, nsets, err, sizeof err);
+  if (rc != 0) fail_msg("plan_load: %s", err);
+}
+
+static void resolve_ok(plan_t *p, int world) {
+  char err[1024] = "";
+  int rc = plan_resolve(p, world, err, sizeof err);
+  if (rc != 0) fail_msg("plan_resolve(%d): %s", world, err);
+}
+
+/* ---- defaults --------------------------------------------------------------------------- */
+
+static void test_defaults(void **state) {
+  (void)state;
+  plan_t p;
+  load_ok(&p, "{}", NULL, 0);
+  assert_int_equal(p.device, PLAN_DEVICE_AUTO);
+  assert_int_equal(p.seed, 1337);
+  assert_int_equal(p.model.dim, 128);
+  assert_int_equal(p.model.n_kv_heads, p.model.n_heads); /* absent: MHA */
+  assert_int_equal(p.model.multiple_of, 256);
+  assert_true(p.model.ffn_dim_multiplier == 0);
+  assert_int_equal(p.model.hidden_dim, 0);
+  assert_true(p.model.rope_theta == 10000);
+  assert_true(p.model.norm_eps == 1e-5);
+  assert_true(p.model.init_std == 0.02);
+  assert_string_equal(p.model.init, "");
+  assert_int_equal(p.mesh.dp_replicate, 1);
+  assert_int_equal(p.mesh.dp_shard, -1);
+  assert_int_equal(p.mesh.tp, 1);
+  assert_int_equal(p.parallel.zero, 0);
+  assert_int_equal(p.parallel.reshard_after_forward, 1);
+  assert_int_equal(p.parallel.sequence_parallel, -1);
+  assert_int_equal(p.parallel.loss_parallel, -1);
+  assert_int_equal(p.parallel.n_tp_plan, 12);
+  assert_string_equal(p.parallel.tp_plan[0].module, "tok_embeddings");
+  assert_int_equal(p.parallel.tp_plan[0].style, PLAN_TP_ROWWISE);
+  for (int i = 0; i < p.parallel.n_tp_plan; i++) {
+    const plan_tp_entry_t *e = &p.parallel.tp_plan[i];
+    if (!strcmp(e->module, "attention.wo") || !strcmp(e->module, "feed_forward.w2"))
+      assert_int_equal(e->style, PLAN_TP_ROWWISE);
+    if (!strcmp(e->module, "attention.wq") || !strcmp(e->module, "feed_forward.w3") ||
+        !strcmp(e->module, "output"))
+      assert_int_equal(e->style, PLAN_TP_COLWISE);
+    if (!strcmp(e->module, "norm") || !strcmp(e->module, "ffn_norm"))
+      assert_int_equal(e->style, PLAN_TP_SEQUENCE_PARALLEL);
+  }
+  assert_int_equal(p.parallel.param_dtype, PLAN_DTYPE_BF16);
+  assert_int_equal(p.parallel.reduce_dtype, PLAN_DTYPE_FP32);
+  assert_int_equal(p.train.steps, 1000);
+  assert_int_equal(p.train.global_batch_size, 0);
+  assert_true(p.train.min_lr == p.train.lr / 10);
+  assert_int_equal(p.train.decay, PLAN_SCHED_COSINE);
+  assert_true(p.train.weight_decay == 0.1);
+  assert_true(p.train.beta1 == 0.9 && p.train.beta2 == 0.95 && p.train.eps == 1e-8);
+  assert_true(p.train.grad_clip == 1.0);
+  assert_int_equal(p.data.format, PLAN_DATA_AUTO);
+  assert_true(p.data.val_fraction == 0.1);
+  assert_int_equal(p.eval.interval, 100); /* steps/10 */
+  assert_int_equal(p.eval.batches, 8);
+  assert_string_equal(p.checkpoint.resume, "none");
+  assert_int_equal(p.checkpoint.keep, 3);
+  assert_int_equal(p.log.interval, 1);
+  assert_int_equal(p.sample.sample_tokens, 200);
+  assert_true(p.sample.temperature == 0.8);
+  assert_string_equal(p.sample.prompt, "\n");
+
+  /* Defaults that follow other keys. */
+  load_ok(&p, "{\"device\":\"cpu\",\"train\":{\"steps\":7,\"lr\":0.5},\"model\":{\"n_heads\":8}}", NULL, 0);
+  assert_int_equal(p.parallel.param_dtype, PLAN_DTYPE_FP32);
+  assert_int_equal(p.eval.interval, 1);
+  assert_true(p.train.min_lr == 0.05);
+  assert_int_equal(p.model.n_kv_heads, 8);
+
+  /* null means "the default". */
+  load_ok(&p, "{\"model\":{\"dim\":null},\"eval\":null}", NULL, 0);
+  assert_int_equal(p.model.dim, 128);
+}
+
+static void test_embedded_default_is_demo_json(void **state) {
+  (void)state;
+  plan_t a, b;
+  char err[1024];
+  assert_int_equal(plan_load(&a, NULL, NULL, 0, err, sizeof err), 0);
+  assert_string_equal(a.source, "(embedded default)");
+  assert_int_equal(plan_load(&b, "configs/demo.json", NULL, 0, err, sizeof err), 0);
+  char *ja = plan_to_json(&a), *jb = plan_to_json(&b);
+  assert_non_null(ja);
+  assert_non_null(jb);
+  assert_string_equal(ja, jb);
+  free(ja);
+  free(jb);
+  /* The demo: byte-level model on tinyshakespeare. */
+  assert_int_equal(a.model.vocab_size, 256);
+  assert_string_equal(a.data.train, "data/tinyshakespeare.txt");
+  assert_int_equal(plan_resolve(&a, 1, err, sizeof err), 0);
+  assert_int_equal(a.model.hidden_dim, 352);
+}
+
+/* ---- errors from the file --------------------------------------------------------------- */
+
+static void test_file_errors(void **state) {
+  (void)state;
+  plan_t p;
+  char err[1024];
+  assert_int_equal(plan_load(&p, "configs/does-not-exist.json", NULL, 0, err, sizeof err), PLAN_EINVAL);
+  printf("  %s\n", err);
+  assert_true(strncmp(err, "plan error: configs/does-not-exist.json: ", 41) == 0);
+  assert_non_null(strstr(err, "cannot open"));
+
+  const char *path = write_tmp("{\n  \"seed\": 1,\n  \"model\": { \"dim\": 64,, }\n}\n");
+  char want[128];
+  snprintf(want, sizeof want, "plan error: %s: invalid JSON at line 3", path);
+  assert_int_equal(plan_load(&p, path, NULL, 0, err, sizeof err), PLAN_EINVAL);
+  printf("  %s\n", err);
+  assert_true(strncmp(err, want, strlen(want)) == 0);
+
+  path = write_tmp("[1, 2]");
+  assert_int_equal(plan_load(&p, path, NULL, 0, err, sizeof err), PLAN_EINVAL);
+  assert_non_null(strstr(err, "must be a JSON object"));
+  path = write_tmp("");
+  assert_int_equal(plan_load(&p, path, NULL, 0, err, sizeof err), PLAN_EINVAL);
+  assert_non_null(strstr(err, "invalid JSON at line 1"));
+}
+
+static void test_key_errors(void **state) {
+  (void)state;
+  /* Unknown keys, at every level, and duplicates. */
+  const char *m = expect_error("{\"model\":{\"dimm\":64}}", 0, "model.dimm");
+  assert_non_null(strstr(m, "unknown key"));
+  assert_non_null(strstr(m, "n_kv_heads")); /* says what is allowed */
+  expect_error("{\"modle\":{}}", 0, "modle");
+  expect_error("{\"parallel\":{\"mixed_precision\":{\"param\":\"bf16\"}}}", 0,
+               "parallel.mixed_precision.param");
+  expect_error("{\"seed\":1,\"seed\":2}", 0, "seed");
+  /* The first problem in document order is the one reported. */
+  expect_error("{\"train\":{\"steps\":0},\"model\":{\"dim\":0}}", 0, "train.steps");
+
+  /* Wrong types. */
+  expect_error("{\"model\":{\"dim\":\"64\"}}", 0, "model.dim");
+  expect_error("{\"model\":{\"n_layers\":2.5}}", 0, "model.n_layers");
+  expect_error("{\"model\":3}", 0, "model");
+  expect_error("{\"parallel\":{\"reshard_after_forward\":1}}", 0, "parallel.reshard_after_forward");
+  expect_error("{\"data\":{\"train\":7}}", 0, "data.train");
+  expect_error("{\"train\":{\"lr\":\"fast\"}}", 0, "train.lr");
+  expect_error("{\"parallel\":{\"tp_plan\":[]}}", 0, "parallel.tp_plan");
+
+  /* Out of range. */
+  expect_error("{\"model\":{\"dim\":0}}", 0, "model.dim");
+  expect_error("{\"model\":{\"n_heads\":-4}}", 0, "model.n_heads");
+  expect_error("{\"model\":{\"dim\":1e12}}", 0, "model.dim");
+  expect_error("{\"model\":{\"norm_eps\":0}}", 0, "model.norm_eps");
+  expect_error("{\"train\":{\"lr\":0}}", 0, "train.lr");
+  expect_error("{\"train\":{\"beta1\":1.0}}", 0, "train.beta1");
+  expect_error("{\"train\":{\"beta2\":0}}", 0, "train.beta2");
+  expect_error("{\"train\":{\"weight_decay\":-0.1}}", 0, "train.weight_decay");
+  expect_error("{\"train\":{\"warmup_steps\":-1}}", 0, "train.warmup_steps");
+  expect_error("{\"seed\":-1}", 0, "seed");
+  expect_error("{\"seed\":9007199254740994}", 0, "seed");
+  expect_error("{\"mesh\":{\"tp\":0}}", 0, "mesh.tp");
+  expect_error("{\"mesh\":{\"dp_shard\":-2}}", 0, "mesh.dp_shard");
+  expect_error("{\"parallel\":{\"zero\":2}}", 0, "parallel.zero");
+  expect_error("{\"data\":{\"val_fraction\":1}}", 0, "data.val_fraction");
+  expect_error("{\"log\":{\"interval\":0}}", 0, "log.interval");
+
+  /* Enumerations. */
+  m = expect_error("{\"device\":\"gpu\"}", 0, "device");
+  assert_non_null(strstr(m, "cpu, cuda"));
+  expect_error("{\"train\":{\"decay\":\"step\"}}", 0, "train.decay");
+  expect_error("{\"data\":{\"format\":\"bin\"}}", 0, "data.format");
+  expect_error("{\"parallel\":{\"mixed_precision\":{\"param_dtype\":\"fp16\"}}}", 0,
+               "parallel.mixed_precision.param_dtype");
+  expect_error("{\"parallel\":{\"tp_plan\":{\"attention.wq\":\"rowwise\"}}}", 0,
+               "parallel.tp_plan.attention.wq");
+  expect_error("{\"parallel\":{\"tp_plan\":{\"attention.wz\":\"colwise\"}}}", 0,
+               "parallel.tp_plan.attention.wz");
+
+  /* Strings that do not fit. */
+  char big[1200 + 64];
+  memset(big, 0, sizeof big);
+  strcpy(big, "{\"data\":{\"train\":\"");
+  memset(big + strlen(big), 'a', 1100);
+  strcat(big, "\"}}");
+  expect_error(big, 0, "data.train");
+
+  /* A valid value at the edge of its range is accepted. */
+  plan_t p;
+  load_ok(&p, "{\"seed\":9007199254740992,\"train\":{\"weight_decay\":0,\"grad_clip\":0}}", NULL, 0);
+  assert_true(p.seed == 9007199254740992ull);
+}
+
+/* ---- --set ------------------------------------------------------------------------------ */
+
+static void test_set_overrides(void **state) {
+  (void)state;
+  plan_t p;
+  const char *sets[] = {"model.dim=64", "data.train=foo.txt", "train.lr=1e-3", "device=cpu",
+                        "seed=42", "parallel.mixed_precision.reduce_dtype=bf16",
+                        "parallel.tp_plan.attention.wq=replicate", "sample.prompt=To be",
+                        "checkpoint.async=true", "model.dim=96"};
+  load_ok(&p, NULL, sets, 10);
+  assert_int_equal(p.model.dim, 96); /* the later --set wins */
+  assert_string_equal(p.data.train, "foo.txt");
+  assert_true(p.train.lr == 1e-3);
+  assert_true(p.train.min_lr == 3e-4); /* given in demo.json, not derived */
+  assert_int_equal(p.device, PLAN_DEVICE_CPU);
+  assert_int_equal(p.seed, 42);
+  assert_int_equal(p.parallel.reduce_dtype, PLAN_DTYPE_BF16);
+  assert_int_equal(p.parallel.param_dtype, PLAN_DTYPE_FP32); /* follows device=cpu */
+  assert_int_equal(p.checkpoint.async, 1);
+  assert_string_equal(p.sample.prompt, "To be");
+  int found = 0;
+  for (int i = 0; i < p.parallel.n_tp_plan; i++)
+    if (!strcmp(p.parallel.tp_plan[i].module, "attention.wq")) {
+      found = 1;
+      assert_int_equal(p.parallel.tp_plan[i].style, PLAN_TP_REPLICATE);
+    }
+  assert_true(found);
+  assert_int_equal(p.parallel.n_tp_plan, 12); /* merged, not appended */
+
+  /* Sections created by --set, JSON objects as values, null back to the default. */
+  const char *sets2[] = {"parallel.mixed_precision.param_dtype=fp32", "mesh={\"tp\":2,\"dp_shard\":2}",
+                         "train.min_lr=null", "eval.interval=0"};
+  load_ok(&p, "{}", sets2, 4);
+  assert_int_equal(p.parallel.param_dtype, PLAN_DTYPE_FP32);
+  assert_int_equal(p.mesh.tp, 2);
+  assert_int_equal(p.mesh.dp_shard, 2);
+  assert_int_equal(p.mesh.dp_replicate, 1);
+  assert_true(p.train.min_lr == p.train.lr / 10);
+  assert_int_equal(p.eval.interval, 0);
+
+  /* A value that is not JSON is a string; a string where a number belongs is a type error. */
+  const char *s1[] = {"model.dim=abc"};
+  expect_error_sets("{}", s1, 1, 0, "model.dim");
+  const char *s2[] = {"model.dimm=64"};
+  expect_error_sets("{}", s2, 1, 0, "model.dimm");
+  const char *s3[] = {"modle.dim=64"};
+  expect_error_sets("{}", s3, 1, 0, "modle");
+  const char *s4[] = {"model.dim"};
+  expect_error_sets("{}", s4, 1, 0, "--set");
+  const char *s5[] = {"=3"};
+  expect_error_sets("{}", s5, 1, 0, "--set");
+  const char *s6[] = {"seed.low=3"};
+  expect_error_sets("{}", s6, 1, 0, "seed");
+  const char *s7[] = {"model..dim=3"};
+  expect_error_sets("{}", s7, 1, 0, "--set");
+  const char *s8[] = {"parallel.tp_plan.attention.wx=colwise"};
+  expect_error_sets("{}", s8, 1, 0, "parallel.tp_plan.attention.wx");
+  const char *s9[] = {"model.n_layers=2.5"};
+  expect_error_sets("{}", s9, 1, 0, "model.n_layers");
+}
+
+/* ---- resolve ---------------------------------------------------------------------------- */
+
+#define BASE "\"data\":{\"train\":\"x.txt\"}"
+
+static void test_resolve(void **state) {
+  (void)state;
+  plan_t p;
+  /* -1 takes the rest of the world; batches and TP defaults follow the mesh. */
+  load_ok(&p, "{" BASE ",\"mesh\":{\"dp_replicate\":1,\"dp_shard\":-1,\"tp\":2},"
+              "\"model\":{\"dim\":128,\"n_heads\":4,\"n_kv_heads\":2,\"multiple_of\":32,\"max_seq_len\":64},"
+              "\"train\":{\"micro_batch_size\":4,\"seq_len\":64}}", NULL, 0);
+  resolve_ok(&p, 8);
+  assert_int_equal(p.mesh.dp_shard, 4);
+  assert_int_equal(p.train.global_batch_size, 16);
+  assert_int_equal(p.train.grad_accum_steps, 1);
+  assert_int_equal(p.parallel.sequence_parallel, 1);
+  assert_int_equal(p.parallel.loss_parallel, 1);
+  assert_int_equal(p.model.hidden_dim, 352);
+  resolve_ok(&p, 8); /* idempotent */
+  assert_int_equal(p.mesh.dp_shard, 4);
+
+  load_ok(&p, "{" BASE ",\"mesh\":{\"dp_replicate\":-1,\"dp_shard\":2},"
+              "\"train\":{\"micro_batch_size\":2,\"global_batch_size\":48}}", NULL, 0);
+  resolve_ok(&p, 6);
+  assert_int_equal(p.mesh.dp_replicate, 3);
+  assert_int_equal(p.train.grad_accum_steps, 4); /* 48 / (2 * 6) */
+  assert_int_equal(p.parallel.sequence_parallel, 0); /* tp 1 */
+  assert_int_equal(p.parallel.loss_parallel, 0);
+
+  /* Explicit hidden_dim is kept; output replicated means no loss parallel by default. */
+  load_ok(&p, "{" BASE ",\"model\":{\"hidden_dim\":100},\"mesh\":{\"dp_shard\":1,\"tp\":2},"
+              "\"parallel\":{\"tp_plan\":{\"output\":\"replicate\"}}}", NULL, 0);
+  resolve_ok(&p, 2);
+  assert_int_equal(p.model.hidden_dim, 100);
+  assert_int_equal(p.parallel.loss_parallel, 0);
+  assert_int_equal(p.parallel.sequence_parallel, 1);
+
+  /* Synthetic data needs no file. */
+  load_ok(&p, "{\"data\":{\"format\":\"synthetic\"}}", NULL, 0);
+  resolve_ok(&p, 1);
+}
+
+static void test_resolve_errors(void **state) {
+  (void)state;
+  const char *m = expect_error("{" BASE ",\"mesh\":{\"dp_replicate\":1,\"dp_shard\":2,\"tp\":2}}", 8, "mesh");
+  assert_string_equal(m, "plan error: mesh: dp_replicate*dp_shard*tp = 4 does not equal WORLD_SIZE 8");
+  expect_error("{" BASE ",\"mesh\":{\"dp_replicate\":-1,\"dp_shard\":-1,\"tp\":1}}", 8, "mesh");
+  expect_error("{" BASE ",\"mesh\":{\"dp_replicate\":1,\"dp_shard\":-1,\"tp\":3}}", 8, "mesh");
+  expect_error("{" BASE ",\"mesh\":{\"dp_replicate\":16,\"dp_shard\":-1,\"tp\":1}}", 8, "mesh");
+  expect_error("{" BASE ",\"model\":{\"dim\":100,\"n_heads\":3,\"n_kv_heads\":1}}", 1, "model.dim");
+  expect_error("{" BASE ",\"model\":{\"n_heads\":4,\"n_kv_heads\":3}}", 1, "model.n_kv_heads");
+  expect_error("{" BASE ",\"model\":{\"dim\":12,\"n_heads\":4}}", 1, "model.dim"); /* head dim 3 */
+  m = expect_error("{" BASE ",\"model\":{\"max_seq_len\":128},\"train\":{\"seq_len\":256}}", 1, "train.seq_len");
+  assert_non_null(strstr(m, "128"));
+  expect_error("{" BASE ",\"model\":{\"n_heads\":4,\"n_kv_heads\":1},\"mesh\":{\"dp_shard\":1,\"tp\":2}}", 2,
+               "mesh.tp");
+  expect_error("{" BASE ",\"model\":{\"dim\":192,\"n_heads\":6},\"mesh\":{\"dp_shard\":1,\"tp\":4}}", 4, "mesh.tp");
+  expect_error("{" BASE ",\"model\":{\"vocab_size\":255},\"mesh\":{\"dp_shard\":1,\"tp\":2}}", 2, "mesh.tp");
+  m = expect_error("{" BASE ",\"train\":{\"micro_batch_size\":4,\"global_batch_size\":24}}", 4,
+                   "train.global_batch_size");
+  assert_non_null(strstr(m, "24"));
+  assert_non_null(strstr(m, "micro_batch_size 4"));
+  assert_non_null(strstr(m, "dp 4"));
+  assert_non_null(strstr(m, "= 16"));
+  expect_error("{" BASE ",\"train\":{\"lr\":1e-3,\"min_lr\":1e-2}}", 1, "train.min_lr");
+  expect_error("{}", 1, "data.train");
+  expect_error("{" BASE ",\"checkpoint\":{\"resume\":\"auto\"}}", 1, "checkpoint.resume");
+  expect_error("{" BASE ",\"parallel\":{\"tp_plan\":{\"attention.wo\":\"replicate\"}}}", 1,
+               "parallel.tp_plan.attention.wo");
+  expect_error("{" BASE ",\"parallel\":{\"tp_plan\":{\"feed_forward.w1\":\"replicate\"}}}", 1,
+               "parallel.tp_plan.feed_forward.w3");
+  expect_error("{" BASE ",\"mesh\":{\"dp_shard\":1,\"tp\":2},\"parallel\":{\"loss_parallel\":true,"
+               "\"tp_plan\":{\"output\":\"replicate\"}}}", 2, "parallel.loss_parallel");
+  expect_error("{" BASE ",\"mesh\":{\"dp_shard\":1,\"tp\":2},\"parallel\":{\"sequence_parallel\":true,"
+               "\"tp_plan\":{\"norm\":\"replicate\"}}}", 2, "parallel.tp_plan.norm");
+  expect_error("{" BASE ",\"mesh\":{\"dp_shard\":1,\"tp\":2},\"train\":{\"seq_len\":127}}", 2, "train.seq_len");
+}
+
+/* ---- hidden size ------------------------------------------------------------------------ */
+
+static void test_hidden_dim(void **state) {
+  (void)state;
+  assert_int_equal(plan_llama_hidden_dim(4096, 1024, 1.3), 14336); /* Llama-3-8B */
+  assert_int_equal(plan_llama_hidden_dim(2048, 256, 1.5), 8192);   /* Llama-3.2-1B */
+  assert_int_equal(plan_llama_hidden_dim(4096, 256, 0), 11008);    /* Llama-2-7B */
+  assert_int_equal(plan_llama_hidden_dim(8192, 4096, 1.3), 28672); /* Llama-3-70B */
+  assert_int_equal(plan_llama_hidden_dim(5120, 256, 0), 13824);    /* Llama-2-13B */
+  assert_int_equal(plan_llama_hidden_dim(3072, 256, 1.0), 8192);   /* Llama-3.2-3B */
+}
+
+/* ---- round trip ------------------------------------------------------------------------- */
+
+static void round_trip(const char *path, const char *const *sets, int nsets, int world) {
+  plan_t a, b;
+  char err[1024];
+  if (plan_load(&a, path, sets, nsets, err, sizeof err)) fail_msg("%s", err);
+  if (world > 0 && plan_resolve(&a, world, err, sizeof err)) fail_msg("%s", err);
+  char *ja = plan_to_json(&a);
+  assert_non_null(ja);
+  load_ok(&b, ja, NULL, 0);
+  if (world > 0) resolve_ok(&b, world);
+  char *jb = plan_to_json(&b);
+  assert_string_equal(ja, jb);
+  memcpy(b.source, a.source, sizeof b.source);
+  assert_memory_equal(&a, &b, sizeof a);
+  free(ja);
+  free(jb);
+}
+
+static void test_round_trip(void **state) {
+  (void)state;
+  const char *sets[] = {"seed=9007199254740991", "train.lr=0.0003", "train.beta2=0.999",
+                        "model.norm_eps=1e-6", "model.ffn_dim_multiplier=1.3", "data.val_fraction=0.05",
+                        "sample.prompt=\"quotes\" and \\ and\ttab", "parallel.tp_plan.attention=prepare_module_input",
+                        "checkpoint.resume=auto", "checkpoint.dir=ckpt"};
+  round_trip(NULL, NULL, 0, 0);
+  round_trip(NULL, NULL, 0, 1);
+  round_trip(NULL, sets, 10, 1);
+  round_trip("configs/2d.json", NULL, 0, 4);
+  round_trip("configs/llama-8b.json", NULL, 0, 16);
+
+  /* The JSON has every key, including the resolved ones. */
+  plan_t p;
+  load_ok(&p, NULL, NULL, 0);
+  resolve_ok(&p, 1);
+  char *j = plan_to_json(&p);
+  const char *keys[] = {"\"hidden_dim\":\t352", "\"global_batch_size\":\t16", "\"dp_shard\":\t1",
+                        "\"sequence_parallel\":\tfalse", "\"tp_plan\"", "\"mixed_precision\"",
+                        "\"min_lr\":\t0.0003", "\"seed\":\t1337", "\"prompt\":\t\"\\n\"",
+                        "\"rope_theta\":\t10000,"};
+  for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
+    if (!strstr(j, keys[i])) fail_msg("missing %s in\n%s", keys[i], j);
+  free(j);
+}
+
+/* ---- shipped configs -------------------------------------------------------------------- */
+
+static const struct {
+  const char *file;
+  int world;
+  int dp_replicate, dp_shard, tp;
+} config_worlds[] = {
+    {"demo.json", 1, 1, 1, 1},
+    {"demo.json", 2, 1, 2, 1},
+    {"tiny.json", 1, 1, 1, 1},
+    {"ddp.json", 4, 4, 1, 1},
+    {"ddp.json", 8, 8, 1, 1},
+    {"fsdp.json", 4, 1, 4, 1},
+    {"fsdp.json", 8, 1, 8, 1},
+    {"hsdp.json", 4, 2, 2, 1},
+    {"hsdp.json", 8, 2, 4, 1},
+    {"tp.json", 4, 1, 1, 4},
+    {"2d.json", 4, 1, 2, 2},
+    {"2d.json", 8, 1, 4, 2},
+    {"llama-1b.json", 8, 1, 8, 1},
+    {"llama-1b-fsdp-tp.json", 8, 1, 4, 2},
+    {"llama-8b.json", 8, 1, 1, 8},
+    {"llama-8b.json", 16, 1, 2, 8},
+};
+#define N_CONFIG_WORLDS ((int)(sizeof config_worlds / sizeof config_worlds[0]))
+
+static void test_configs(void **state) {
+  (void)state;
+  for (int i = 0; i < N_CONFIG_WORLDS; i++) {
+    char path[256], err[1024];
+    plan_t p;
+    snprintf(path, sizeof path, "configs/%s", config_worlds[i].file);
+    if (plan_load(&p, path, NULL, 0, err, sizeof err)) fail_msg("%s", err);
+    if (plan_resolve(&p, config_worlds[i].world, err, sizeof err)) fail_msg("%s at world %d: %s", path, config_worlds[i].world, err);
+    printf("  %-24s world %2d: mesh %d x %d x %d, hidden %d, accum %d\n", config_worlds[i].file,
+           config_worlds[i].world, p.mesh.dp_replicate, p.mesh.dp_shard, p.mesh.tp, p.model.hidden_dim,
+           p.train.grad_accum_steps);
+    assert_int_equal(p.mesh.dp_replicate, config_worlds[i].dp_replicate);
+    assert_int_equal(p.mesh.dp_shard, config_worlds[i].dp_shard);
+    assert_int_equal(p.mesh.tp, config_worlds[i].tp);
+  }
+  /* The realistic sizes have the real shapes. */
+  plan_t p;
+  char err[1024];
+  assert_int_equal(plan_load(&p, "configs/llama-8b.json", NULL, 0, err, sizeof err), 0);
+  assert_int_equal(plan_resolve(&p, 16, err, sizeof err), 0);
+  assert_int_equal(p.model.hidden_dim, 14336);
+  assert_int_equal(p.parallel.sequence_parallel, 1);
+  assert_int_equal(p.parallel.loss_parallel, 1);
+  assert_int_equal(plan_load(&p, "configs/llama-1b.json", NULL, 0, err, sizeof err), 0);
+  assert_int_equal(plan_resolve(&p, 8, err, sizeof err), 0);
+  assert_int_equal(p.model.hidden_dim, 8192);
+  assert_true(p.model.rope_theta == 500000);
+  /* tiny has grouped-query heads. */
+  assert_int_equal(plan_load(&p, "configs/tiny.json", NULL, 0, err, sizeof err), 0);
+  assert_true(p.model.n_kv_heads < p.model.n_heads);
+
+  /* Every file in configs/ is covered above, or resolves at some world size. */
+  DIR *d = opendir("configs");
+  assert_non_null(d);
+  struct dirent *e;
+  int n = 0;
+  while ((e = readdir(d))) {
+    size_t len = strlen(e->d_name);
+    if (len < 5 || strcmp(e->d_name + len - 5, ".json") != 0) continue;
+    n++;
+    int covered = 0;
+    for (int i = 0; i < N_CONFIG_WORLDS; i++)
+      if (!strcmp(config_worlds[i].file, e->d_name)) covered = 1;
+    if (covered) continue;
+    char path[512];
+    snprintf(path, sizeof path, "configs/%s", e->d_name);
+    int ok = 0;
+    for (int w = 1; w <= 16 && !ok; w *= 2) {
+      if (plan_load(&p, path, NULL, 0, err, sizeof err)) fail_msg("%s", err);
+      ok = plan_resolve(&p, w, err, sizeof err) == 0;
+    }
+    if (!ok) fail_msg("%s resolves at no world size in 1..16: %s", path, err);
+  }
+  closedir(d);
+  assert_true(n >= 10);
+}
+
+
+/* ---- docs/plan.md ----------------------------------------------------------------------- */
+
+static char *slurp(const char *path) {
+  FILE *f = fopen(path, "rb");
+  if (!f) fail_msg("cannot open %s", path);
+  fseek(f, 0, SEEK_END);
+  long n = ftell(f);
+  fseek(f, 0, SEEK_SET);
+  char *buf = malloc((size_t)n + 1);
+  assert_non_null(buf);
+  assert_int_equal(fread(buf, 1, (size_t)n, f), (size_t)n);
+  buf[n] = '\0';
+  fclose(f);
+  return buf;
+}
+
+/* Every key of the serialized plan is documented as `key.path`. */
+static void check_documented(const cJSON *obj, const char *prefix, const char *doc) {
+  for (const cJSON *c = obj->child; c; c = c->next) {
+    char path[256], quoted[260];
+    snprintf(path, sizeof path, "%s%s%s", prefix, prefix[0] ? "." : "", c->string);
+    if (!strcmp(prefix, "parallel.tp_plan")) continue; /* modules: their own table */
+    if (cJSON_IsObject(c) && strcmp(path, "parallel.tp_plan") != 0) {
+      check_documented(c, path, doc);
+      continue;
+    }
+    snprintf(quoted, sizeof quoted, "`%s`", path);
+    if (!strstr(doc, quoted)) fail_msg("docs/plan.md does not document %s", quoted);
+  }
+}
+
+static void test_docs(void **state) {
+  (void)state;
+  char *doc = slurp("docs/plan.md");
+  plan_t p;
+  load_ok(&p, NULL, NULL, 0);
+  char *j = plan_to_json(&p);
+  cJSON *root = cJSON_Parse(j);
+  assert_non_null(root);
+  check_documented(root, "", doc);
+  cJSON_Delete(root);
+  free(j);
+
+  /* The full example loads and resolves at world 8. */
+  const char *start = strstr(doc, "```json\n");
+  assert_non_null(start);
+  start += 8;
+  const char *end = strstr(start, "```");
+  assert_non_null(end);
+  char *example = strndup(start, (size_t)(end - start));
+  load_ok(&p, example, NULL, 0);
+  resolve_ok(&p, 8);
+  assert_int_equal(p.mesh.dp_shard, 4);
+  assert_int_equal(p.model.hidden_dim, 8192);
+  free(example);
+  free(doc);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_defaults),
+      cmocka_unit_test(test_embedded_default_is_demo_json),
+      cmocka_unit_test(test_file_errors),
+      cmocka_unit_test(test_key_errors),
+      cmocka_unit_test(test_set_overrides),
+      cmocka_unit_test(test_resolve),
+      cmocka_unit_test(test_resolve_errors),
+      cmocka_unit_test(test_hidden_dim),
+      cmocka_unit_test(test_round_trip),
+      cmocka_unit_test(test_configs),
+      cmocka_unit_test(test_docs),
+  };
+  int rc = cmocka_run_group_tests(tests, NULL, NULL);
+  if (tmp_path[0]) unlink(tmp_path);
+  return rc;
+}
