@@ -49,7 +49,8 @@ ifneq ($(CU_SRC),)
   HAVE_CUDA := 1
   NVCCFLAGS := -O3 -std=c++17 -I. -arch=sm_90 -Xcompiler -Wall,-Werror,-fPIC -Werror all-warnings -MMD -MP
   CFLAGS += -DMESHRUN_HAVE_CUDA=1 -I$(CUDA_HOME)/include
-  CUDA_LIBS := -L$(CUDA_HOME)/lib64 -lcublasLt -lcublas -lcudart -lnccl -lstdc++
+  CUDA_LIBDIRS := $(CUDA_HOME)/lib64 $(CUDA_HOME)/lib
+  CUDA_LIBS := $(foreach d,$(CUDA_LIBDIRS),-L$(d) -Wl,-rpath,$(d)) -lcublasLt -lcublas -lcudart -lnccl -lstdc++
 endif
 endif
 
@@ -62,11 +63,13 @@ TRAINER_OBJ  := $(TRAINER_SRC:%.c=$(BUILD)/%.o) $(if $(HAVE_CUDA),$(CU_SRC:%.cu=
 
 UNIT_SRC  := $(wildcard test/unit/test_*.c)
 UNIT_BIN  := $(UNIT_SRC:test/unit/%.c=$(BUILD)/test/%)
+GPU_SRC   := $(if $(HAVE_CUDA),$(wildcard test/gpu/test_*.c))
+GPU_BIN   := $(GPU_SRC:test/gpu/%.c=$(BUILD)/test-gpu/%)
 TOOL_SRC  := $(wildcard test/tools/*.c)
 TOOL_BIN  := $(TOOL_SRC:test/tools/%.c=$(BUILD)/tools/%)
 
 .PHONY: all test unit integration test-gpu demo bench bench-gpu install clean
-all: $(BIN)/meshrun $(BIN)/trainer $(UNIT_BIN) $(TOOL_BIN)
+all: $(BIN)/meshrun $(BIN)/trainer $(UNIT_BIN) $(TOOL_BIN) $(GPU_BIN)
 
 $(BIN)/meshrun: $(LAUNCHER_OBJ) $(COMMON_OBJ)
 	@mkdir -p $(@D)
@@ -89,7 +92,7 @@ $(BUILD)/%.o: %.cu
 	$(Q)$(NVCC) $(NVCCFLAGS) -c -o $@ $<
 
 # A test or tool links its own object plus the sources its "// deps:" line names.
-deps_of = $(patsubst %.c,$(BUILD)/%.o,$(shell sed -n '1s|^// deps: *||p' $(1)))
+deps_of = $(patsubst %.cu,$(BUILD)/%.o,$(patsubst %.c,$(BUILD)/%.o,$(shell sed -n '1s|^// deps: *||p' $(1))))
 define link_rule
 $(2): $(BUILD)/$(1:%.c=%.o) $(call deps_of,$(1))
 	@mkdir -p $$(@D)
@@ -98,6 +101,8 @@ $(2): $(BUILD)/$(1:%.c=%.o) $(call deps_of,$(1))
 endef
 $(foreach t,$(UNIT_SRC),$(eval $(call link_rule,$(t),$(t:test/unit/%.c=$(BUILD)/test/%))))
 $(foreach t,$(TOOL_SRC),$(eval $(call link_rule,$(t),$(t:test/tools/%.c=$(BUILD)/tools/%))))
+# GPU tests (test/gpu/test_*.c) build only with the cuda backend and run only under test-gpu.
+$(foreach t,$(GPU_SRC),$(eval $(call link_rule,$(t),$(t:test/gpu/%.c=$(BUILD)/test-gpu/%))))
 
 # The whole suite: C unit tests (each in its own process), then integration tests with real
 # processes on loopback and the PyTorch oracle.
@@ -118,7 +123,7 @@ bench: all
 	$(Q)MESHRUN_BIN=$(abspath $(BIN)) MESHRUN_BUILD=$(abspath $(BUILD)) scripts/bench.sh
 
 test-gpu: all
-	$(Q)scripts/test-gpu.sh
+	$(Q)MESHRUN_BIN=$(abspath $(BIN)) MESHRUN_BUILD=$(abspath $(BUILD)) scripts/test-gpu.sh $(GPU_BIN)
 
 bench-gpu: all
 	$(Q)scripts/bench-gpu.sh
