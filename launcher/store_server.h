@@ -28,5 +28,7 @@ void store_server_close(store_server_t *srv);
 /* Counters for tests and diagnostics. */
 size_t store_server_num_clients(const store_server_t *srv);
 size_t store_server_num_keys(const store_server_t *srv);
+/* Requests parked waiting for keys (GET, WAIT, MULTI_GET not yet answered). */
+size_t store_server_num_waiters(const store_server_t *srv);
 
 #endif
