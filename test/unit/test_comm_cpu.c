@@ -1,0 +1,665 @@
+// deps: trainer/comm.c trainer/comm_cpu.c trainer/mesh.c common/store.c common/store_proto.c common/net.c common/log.c launcher/store_server.c
+/* test_comm_cpu: the cpu collective backend with real processes on loopback.
+ *
+ * Each test starts a store server on its own libuv loop in a thread (port 0), forks one
+ * process per rank into a fresh process group, and waits for them; a failing rank gets the
+ * whole group killed, and every rank has an alarm so that nothing can hang the suite. Ranks
+ * check their own results against an expectation computed locally and print the first
+ * difference. Data are small integers unless said otherwise, so every sum is exact and the
+ * tolerance is zero (bit equality); the random-float test states its own tolerance. */
+#include <math.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+#include <uv.h>
+
+#include <cmocka.h>
+
+#include "common/store.h"
+#include "launcher/store_server.h"
+#include "trainer/comm.h"
+#include "trainer/mesh.h"
+
+#define CHILD_ALARM_S 60
+
+/* ---- harness: store server thread + forked ranks ---- */
+
+typedef struct {
+  uv_loop_t loop;
+  uv_async_t stop;
+  store_server_t *srv;
+  pthread_t thread;
+  int port;
+} server_t;
+
+static void on_stop(uv_async_t *a) {
+  server_t *s = a->data;
+  store_server_close(s->srv);
+  uv_close((uv_handle_t *)&s->stop, NULL);
+}
+
+static void *server_main(void *arg) {
+  server_t *s = arg;
+  uv_run(&s->loop, UV_RUN_DEFAULT);
+  return NULL;
+}
+
+static void server_start(server_t *s) {
+  char err[256] = "";
+  assert_int_equal(uv_loop_init(&s->loop), 0);
+  s->stop.data = s;
+  assert_int_equal(uv_async_init(&s->loop, &s->stop, on_stop), 0);
+  int rc = store_server_start(&s->srv, &s->loop, "127.0.0.1", 0, &s->port, err, sizeof err);
+  if (rc != 0) fail_msg("store_server_start: %s", err);
+  assert_int_equal(pthread_create(&s->thread, NULL, server_main, s), 0);
+}
+
+static void server_stop(server_t *s) {
+  uv_async_send(&s->stop);
+  pthread_join(s->thread, NULL);
+  uv_loop_close(&s->loop);
+}
+
+/* What one rank runs; returns 0 when its checks pass. */
+typedef int (*rank_fn)(int rank, int n, store_t *store, void *arg);
+
+static int g_port;
+
+static void child_run(int rank, int n, rank_fn fn, void *arg) {
+  alarm(CHILD_ALARM_S);
+  char err[512] = "", ep[64];
+  snprintf(ep, sizeof ep, "127.0.0.1:%d", g_port);
+  store_t *st = NULL;
+  if (store_connect_endpoint(&st, ep, 10000, err, sizeof err) != 0) {
+    fprintf(stderr, "rank %d: store: %s\n", rank, err);
+    _exit(3);
+  }
+  int rc = fn(rank, n, st, arg);
+  store_close(st);
+  _exit(rc == 0 ? 0 : 1);
+}
+
+/* Forks n ranks running fn and waits for all of them. Returns how many failed; on the first
+ * failure the rest of the group is killed (they may be waiting on the failed one). */
+static int run_ranks(int n, rank_fn fn, void *arg) {
+  server_t srv;
+  server_start(&srv);
+  g_port = srv.port;
+  fflush(NULL);
+  pid_t pgid = 0;
+  pid_t pids[64];
+  for (int r = 0; r < n; r++) {
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+      setpgid(0, pgid);
+      child_run(r, n, fn, arg);
+    }
+    setpgid(pid, pgid ? pgid : pid); /* also here, so the group exists before we kill it */
+    if (!pgid) pgid = pid;
+    pids[r] = pid;
+  }
+  int failed = 0, left = n;
+  while (left > 0) {
+    int st;
+    pid_t pid = waitpid(-pgid, &st, 0);
+    if (pid < 0) break;
+    left--;
+    int ok = WIFEXITED(st) && WEXITSTATUS(st) == 0;
+    if (!ok) {
+      int r = -1;
+      for (int i = 0; i < n; i++)
+        if (pids[i] == pid) r = i;
+      if (WIFSIGNALED(st))
+        print_message("rank %d: killed by signal %d\n", r, WTERMSIG(st));
+      else
+        print_message("rank %d: exit status %d\n", r, WEXITSTATUS(st));
+      if (!failed) kill(-pgid, SIGKILL);
+      failed++;
+    }
+  }
+  server_stop(&srv);
+  return failed;
+}
+
+static int comm_open(comm_t **c, const char *name, int rank, int n, store_t *st, int timeout_ms) {
+  char err[512] = "";
+  comm_config_t cfg = {.name = name, .rank = rank, .size = n, .store = st, .host = "127.0.0.1",
+                       .timeout_ms = timeout_ms};
+  int rc = comm_create(c, "cpu", &cfg, err, sizeof err);
+  if (rc != COMM_OK) fprintf(stderr, "rank %d: comm_create: %s\n", rank, err);
+  return rc;
+}
+
+static float val(int rank, size_t i) { return (float)((int)((i * 31 + (size_t)rank * 17) % 23) - 11); }
+
+static float expect_reduce(int n, size_t i, comm_op_t op) {
+  float acc = val(0, i);
+  for (int r = 1; r < n; r++) acc = op == COMM_MAX ? fmaxf(acc, val(r, i)) : acc + val(r, i);
+  return op == COMM_AVG ? acc / (float)n : acc;
+}
+
+static int check_equal(int rank, const char *what, const float *got, size_t count, float (*want)(size_t, void *),
+                       void *ctx) {
+  for (size_t i = 0; i < count; i++) {
+    float w = want(i, ctx);
+    if (memcmp(&got[i], &w, sizeof w) != 0) {
+      fprintf(stderr, "rank %d: %s: element %zu of %zu is %.9g, want %.9g (tolerance: exact)\n",
+              rank, what, i, count, got[i], w);
+      return 1;
+    }
+  }
+  return 0;
+}
+
+static const size_t k_counts[] = {0, 1, 7, 1000, 1u << 20};
+#define NCOUNTS (sizeof k_counts / sizeof k_counts[0])
+static const comm_op_t k_ops[] = {COMM_SUM, COMM_AVG, COMM_MAX};
+static const float GUARD = 12345.5f;
+
+typedef struct {
+  int n;
+  comm_op_t op;
+} exp_ctx_t;
+
+static float want_reduce(size_t i, void *ctx) {
+  exp_ctx_t *e = ctx;
+  return expect_reduce(e->n, i, e->op);
+}
+
+/* ---- all_reduce ---- */
+
+static int rank_all_reduce(int rank, int n, store_t *st, void *arg) {
+  comm_t *c;
+  if (comm_open(&c, "ar", rank, n, st, 10000)) return 1;
+  int bad = 0;
+  for (size_t k = 0; k < NCOUNTS && !bad; k++) {
+    size_t count = k_counts[k];
+    float *buf = malloc((count + 1) * sizeof(float));
+    for (size_t o = 0; o < 3 && !bad; o++) {
+      for (size_t i = 0; i < count; i++) buf[i] = val(rank, i);
+      buf[count] = GUARD;
+      int rc = comm_all_reduce(c, buf, count, COMM_FLOAT32, k_ops[o]);
+      if (rc) {
+        fprintf(stderr, "rank %d: %s\n", rank, comm_errmsg(c));
+        bad = 1;
+        break;
+      }
+      char what[64];
+      snprintf(what, sizeof what, "all_reduce(%s, n=%d, count=%zu)", comm_op_name(k_ops[o]), n, count);
+      exp_ctx_t e = {n, k_ops[o]};
+      bad = check_equal(rank, what, buf, count, want_reduce, &e);
+      if (!bad && buf[count] != GUARD) {
+        fprintf(stderr, "rank %d: %s wrote past the end of the buffer\n", rank, what);
+        bad = 1;
+      }
+    }
+    free(buf);
+  }
+  comm_destroy(c);
+  return bad;
+}
+
+static void test_all_reduce(void **state) {
+  for (int n = 1; n <= 4; n++) assert_int_equal(run_ranks(n, rank_all_reduce, NULL), 0);
+}
+
+/* ---- all_gather ---- */
+
+static float want_gather(size_t i, void *ctx) {
+  size_t count = *(size_t *)ctx;
+  return val((int)(i / count), i % count);
+}
+
+static int rank_all_gather(int rank, int n, store_t *st, void *arg) {
+  comm_t *c;
+  if (comm_open(&c, "ag", rank, n, st, 10000)) return 1;
+  int bad = 0;
+  for (size_t k = 0; k < NCOUNTS && !bad; k++) {
+    size_t count = k_counts[k], total = count * (size_t)n;
+    float *in = malloc((count + 1) * sizeof(float)), *out = malloc((total + 1) * sizeof(float));
+    for (int inplace = 0; inplace <= 1 && !bad; inplace++) {
+      for (size_t i = 0; i < total; i++) out[i] = -99.0f;
+      out[total] = GUARD;
+      float *src = inplace ? out + (size_t)rank * count : in;
+      for (size_t i = 0; i < count; i++) src[i] = val(rank, i);
+      if (comm_all_gather(c, src, out, count, COMM_FLOAT32)) {
+        fprintf(stderr, "rank %d: %s\n", rank, comm_errmsg(c));
+        bad = 1;
+        break;
+      }
+      char what[64];
+      snprintf(what, sizeof what, "all_gather(n=%d, count=%zu, %s)", n, count,
+               inplace ? "in place" : "out of place");
+      bad = count ? check_equal(rank, what, out, total, want_gather, &count) : 0;
+      if (!bad && out[total] != GUARD) {
+        fprintf(stderr, "rank %d: %s wrote past the end of the output\n", rank, what);
+        bad = 1;
+      }
+    }
+    free(in);
+    free(out);
+  }
+  comm_destroy(c);
+  return bad;
+}
+
+static void test_all_gather(void **state) {
+  for (int n = 1; n <= 4; n++) assert_int_equal(run_ranks(n, rank_all_gather, NULL), 0);
+}
+
+/* ---- reduce_scatter ---- */
+
+typedef struct {
+  int n, rank;
+  size_t count;
+  comm_op_t op;
+} rs_ctx_t;
+
+static float want_rs(size_t i, void *ctx) {
+  rs_ctx_t *e = ctx;
+  return expect_reduce(e->n, (size_t)e->rank * e->count + i, e->op);
+}
+
+static int rank_reduce_scatter(int rank, int n, store_t *st, void *arg) {
+  comm_t *c;
+  if (comm_open(&c, "rs", rank, n, st, 10000)) return 1;
+  int bad = 0;
+  for (size_t k = 0; k < NCOUNTS && !bad; k++) {
+    size_t count = k_counts[k], total = count * (size_t)n;
+    float *in = malloc((total + 1) * sizeof(float)), *out = malloc((count + 1) * sizeof(float));
+    for (size_t i = 0; i < total; i++) in[i] = val(rank, i);
+    for (size_t o = 0; o < 3 && !bad; o++) {
+      for (size_t i = 0; i < count; i++) out[i] = -99.0f;
+      out[count] = GUARD;
+      if (comm_reduce_scatter(c, in, out, count, COMM_FLOAT32, k_ops[o])) {
+        fprintf(stderr, "rank %d: %s\n", rank, comm_errmsg(c));
+        bad = 1;
+        break;
+      }
+      char what[80];
+      snprintf(what, sizeof what, "reduce_scatter(%s, n=%d, count=%zu)", comm_op_name(k_ops[o]), n, count);
+      rs_ctx_t e = {n, rank, count, k_ops[o]};
+      bad = check_equal(rank, what, out, count, want_rs, &e);
+      if (!bad && out[count] != GUARD) {
+        fprintf(stderr, "rank %d: %s wrote past the end of the output\n", rank, what);
+        bad = 1;
+      }
+      for (size_t i = 0; i < total && !bad; i++)
+        if (in[i] != val(rank, i)) {
+          fprintf(stderr, "rank %d: %s modified its input at %zu\n", rank, what, i);
+          bad = 1;
+        }
+    }
+    free(in);
+    free(out);
+  }
+  comm_destroy(c);
+  return bad;
+}
+
+static void test_reduce_scatter(void **state) {
+  for (int n = 1; n <= 4; n++) assert_int_equal(run_ranks(n, rank_reduce_scatter, NULL), 0);
+}
+
+/* ---- broadcast ---- */
+
+static float want_bcast(size_t i, void *ctx) { return val(*(int *)ctx, i); }
+
+static int rank_broadcast(int rank, int n, store_t *st, void *arg) {
+  comm_t *c;
+  if (comm_open(&c, "bc", rank, n, st, 10000)) return 1;
+  int bad = 0;
+  for (size_t k = 0; k < NCOUNTS && !bad; k++) {
+    size_t count = k_counts[k];
+    float *buf = malloc((count + 1) * sizeof(float));
+    for (int root = 0; root < n && !bad; root++) {
+      for (size_t i = 0; i < count; i++) buf[i] = val(rank, i);
+      buf[count] = GUARD;
+      if (comm_broadcast(c, buf, count, COMM_FLOAT32, root)) {
+        fprintf(stderr, "rank %d: %s\n", rank, comm_errmsg(c));
+        bad = 1;
+        break;
+      }
+      char what[64];
+      snprintf(what, sizeof what, "broadcast(root=%d, n=%d, count=%zu)", root, n, count);
+      bad = check_equal(rank, what, buf, count, want_bcast, &root) || buf[count] != GUARD;
+    }
+    free(buf);
+  }
+  comm_destroy(c);
+  return bad;
+}
+
+static void test_broadcast(void **state) {
+  for (int n = 1; n <= 4; n++) assert_int_equal(run_ranks(n, rank_broadcast, NULL), 0);
+}
+
+/* ---- barrier: nobody leaves before everyone has arrived ---- */
+
+static int rank_barrier(int rank, int n, store_t *st, void *arg) {
+  comm_t *c;
+  if (comm_open(&c, "bar", rank, n, st, 10000)) return 1;
+  int bad = 0;
+  for (int round = 0; round < 3 && !bad; round++) {
+    char key[32];
+    snprintf(key, sizeof key, "arrived/%d", round);
+    int64_t v = 0;
+    if (store_add(st, key, 1, &v) != 0) return 1;
+    if (comm_barrier(c)) {
+      fprintf(stderr, "rank %d: %s\n", rank, comm_errmsg(c));
+      return 1;
+    }
+    if (store_add(st, key, 0, &v) != 0) return 1;
+    if (v != n) {
+      fprintf(stderr, "rank %d: left barrier %d when only %lld of %d ranks had arrived\n", rank,
+              round, (long long)v, n);
+      bad = 1;
+    }
+  }
+  comm_destroy(c);
+  return bad;
+}
+
+static void test_barrier(void **state) {
+  for (int n = 1; n <= 4; n++) assert_int_equal(run_ranks(n, rank_barrier, NULL), 0);
+}
+
+/* ---- random floats: identical bits on every rank and in every run ---- */
+
+static uint64_t fnv1a(const void *p, size_t len) {
+  const unsigned char *b = p;
+  uint64_t h = 1469598103934665603ull;
+  for (size_t i = 0; i < len; i++) h = (h ^ b[i]) * 1099511628211ull;
+  return h;
+}
+
+static float rnd(int rank, size_t i) {
+  uint64_t x = (uint64_t)rank * 0x9E3779B97F4A7C15ull + i * 0xBF58476D1CE4E5B9ull + 1;
+  x ^= x >> 31;
+  x *= 0x94D049BB133111EBull;
+  x ^= x >> 29;
+  return (float)((double)(x >> 11) / 9007199254740992.0 * 2.0 - 1.0);
+}
+
+static int rank_determinism(int rank, int n, store_t *st, void *arg) {
+  comm_t *c;
+  if (comm_open(&c, "det", rank, n, st, 10000)) return 1;
+  size_t count = 100003;
+  float *buf = malloc(count * sizeof(float));
+  uint64_t h[2];
+  for (int run = 0; run < 2; run++) {
+    for (size_t i = 0; i < count; i++) buf[i] = rnd(rank, i);
+    if (comm_all_reduce(c, buf, count, COMM_FLOAT32, COMM_SUM)) {
+      fprintf(stderr, "rank %d: %s\n", rank, comm_errmsg(c));
+      return 1;
+    }
+    h[run] = fnv1a(buf, count * sizeof(float));
+  }
+  int bad = 0;
+  if (h[0] != h[1]) {
+    fprintf(stderr, "rank %d: two identical all_reduces gave different bits\n", rank);
+    bad = 1;
+  }
+  /* Against a double-precision sum: |got - want| <= 1e-6 * sum |x| (fp32 rounding of n terms). */
+  double maxdiff = 0;
+  for (size_t i = 0; i < count; i++) {
+    double want = 0, mag = 0;
+    for (int r = 0; r < n; r++) {
+      want += rnd(r, i);
+      mag += fabs(rnd(r, i));
+    }
+    double d = fabs(buf[i] - want) / (mag > 0 ? mag : 1);
+    if (d > maxdiff) maxdiff = d;
+  }
+  if (maxdiff > 1e-6) {
+    fprintf(stderr, "rank %d: relative difference %.3g exceeds tolerance 1e-6\n", rank, maxdiff);
+    bad = 1;
+  }
+  /* Every rank publishes its hash; each compares against all. */
+  char key[32], val_s[32];
+  snprintf(key, sizeof key, "hash/%d", rank);
+  snprintf(val_s, sizeof val_s, "%016llx", (unsigned long long)h[0]);
+  store_set(st, key, val_s, strlen(val_s));
+  for (int r = 0; r < n && !bad; r++) {
+    void *v = NULL;
+    size_t len = 0;
+    snprintf(key, sizeof key, "hash/%d", r);
+    if (store_get(st, key, &v, &len, 10000) != 0) return 1;
+    if (len != strlen(val_s) || memcmp(v, val_s, len) != 0) {
+      fprintf(stderr, "rank %d: result bits differ from rank %d's (%s vs %.*s)\n", rank, r, val_s,
+              (int)len, (char *)v);
+      bad = 1;
+    }
+    free(v);
+  }
+  if (rank == 0) printf("  determinism: n=%d count=%zu max relative difference %.3g (tolerance 1e-6)\n", n, count, maxdiff);
+  free(buf);
+  comm_destroy(c);
+  return bad;
+}
+
+static void test_determinism(void **state) {
+  assert_int_equal(run_ranks(3, rank_determinism, NULL), 0);
+  assert_int_equal(run_ranks(4, rank_determinism, NULL), 0);
+}
+
+/* ---- traffic: all_reduce sends 2 (n-1)/n of the buffer per rank ---- */
+
+static int rank_bytes(int rank, int n, store_t *st, void *arg) {
+  size_t count = *(size_t *)arg;
+  comm_t *c;
+  if (comm_open(&c, "bytes", rank, n, st, 10000)) return 1;
+  float *buf = calloc(count, sizeof(float));
+  comm_reset_stats(c);
+  if (comm_all_reduce(c, buf, count, COMM_FLOAT32, COMM_SUM)) {
+    fprintf(stderr, "rank %d: %s\n", rank, comm_errmsg(c));
+    return 1;
+  }
+  comm_stats_t s;
+  comm_get_stats(c, &s);
+  double size = (double)count * sizeof(float);
+  double ideal = 2.0 * (n - 1) / n * size;
+  double ratio = (double)s.bytes_sent / ideal;
+  /* Balanced chunks: rank r sends every chunk but its own in the reduce-scatter and every
+   * chunk but its right neighbour's in the all-gather, exactly. */
+  size_t q = count / (size_t)n, rem = count % (size_t)n;
+  size_t len_r = q + ((size_t)rank < rem), len_r1 = q + ((size_t)((rank + 1) % n) < rem);
+  uint64_t exact = (uint64_t)(2 * count - len_r - len_r1) * sizeof(float);
+  int bad = 0;
+  if (s.bytes_sent != exact || fabs(ratio - 1.0) > 0.01 || s.bytes_sent >= (n - 1) * size) {
+    fprintf(stderr, "rank %d: sent %llu bytes for a %.0f-byte all_reduce on %d ranks; want %llu; "
+            "2(n-1)/n*size = %.0f (ratio %.4f, tolerance 1%%), naive (n-1)*size = %.0f\n", rank,
+            (unsigned long long)s.bytes_sent, size, n, (unsigned long long)exact, ideal, ratio,
+            (n - 1) * size);
+    bad = 1;
+  }
+  if (rank == 0)
+    printf("  all_reduce n=%d size=%.0f B: sent %llu B/rank = %.4f x 2(n-1)/n*size\n", n, size,
+           (unsigned long long)s.bytes_sent, ratio);
+  free(buf);
+  comm_destroy(c);
+  return bad;
+}
+
+static void test_all_reduce_bytes(void **state) {
+  size_t big = 1u << 20, odd = 1000;
+  assert_int_equal(run_ranks(4, rank_bytes, &big), 0);
+  assert_int_equal(run_ranks(3, rank_bytes, &odd), 0);
+}
+
+/* ---- failures: a dead peer, a stalled peer ---- */
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* Rank 2 of 3 exits right after setup; the others are mid all_reduce with a 20 s timeout and
+ * must fail within 5 s, rank 0 (rank 2's right neighbour) naming rank 2. */
+static int rank_peer_exit(int rank, int n, store_t *st, void *arg) {
+  comm_t *c;
+  if (comm_open(&c, "dead", rank, n, st, 20000)) return 1;
+  if (comm_barrier(c)) return 1;
+  if (rank == 2) _exit(0); /* dies without a word, sockets closed by the kernel */
+  size_t count = 1u << 20;
+  float *buf = calloc(count, sizeof(float));
+  double t0 = now_s();
+  int rc = comm_all_reduce(c, buf, count, COMM_FLOAT32, COMM_SUM);
+  double dt = now_s() - t0;
+  const char *msg = comm_errmsg(c);
+  printf("  rank %d: rc=%s after %.3f s: %s\n", rank, comm_strerror(rc), dt, msg);
+  int bad = 0;
+  if (rc != COMM_EREMOTE && rc != COMM_ETIMEDOUT) bad = 1;
+  if (rc == COMM_ETIMEDOUT || dt > 5.0) bad = 1;
+  if (rank == 0 && !strstr(msg, "rank 2 (127.0.0.1:")) bad = 1;
+  if (!strstr(msg, "comm dead (rank ")) bad = 1;
+  /* The communicator is broken now: later calls fail at once with the first message. */
+  if (comm_barrier(c) != rc || strstr(comm_errmsg(c), "all_reduce") == NULL) bad = 1;
+  if (bad) fprintf(stderr, "rank %d: unexpected failure report\n", rank);
+  free(buf);
+  comm_destroy(c);
+  return bad;
+}
+
+static void test_peer_exit(void **state) { assert_int_equal(run_ranks(3, rank_peer_exit, NULL), 0); }
+
+/* Rank 2 of 3 stays alive but never joins the collective (it waits on a store key the others
+ * set when they are done); with a 0.5 s timeout rank 0 must report a timeout naming rank 2. */
+static int rank_stall(int rank, int n, store_t *st, void *arg) {
+  comm_t *c;
+  if (comm_open(&c, "stall", rank, n, st, 500)) return 1;
+  if (rank == 2) {
+    void *v = NULL;
+    size_t len;
+    int rc = store_get(st, "release/0", &v, &len, 20000);
+    free(v);
+    if (rc == 0) rc = store_get(st, "release/1", &v, &len, 20000);
+    free(v);
+    comm_destroy(c);
+    return rc;
+  }
+  float buf[1000] = {0};
+  double t0 = now_s();
+  int rc = comm_all_reduce(c, buf, 1000, COMM_FLOAT32, COMM_SUM);
+  double dt = now_s() - t0;
+  const char *msg = comm_errmsg(c);
+  printf("  rank %d: rc=%s after %.3f s: %s\n", rank, comm_strerror(rc), dt, msg);
+  int bad = 0;
+  if (rc == COMM_OK || dt > 3.0) bad = 1;
+  if (rank == 0 && (rc != COMM_ETIMEDOUT || dt < 0.45 ||
+                    !strstr(msg, "all_reduce timed out after 0.5 s waiting for rank 2 (127.0.0.1:")))
+    bad = 1;
+  char key[32];
+  snprintf(key, sizeof key, "release/%d", rank);
+  store_set(st, key, "1", 1);
+  if (bad) fprintf(stderr, "rank %d: unexpected failure report\n", rank);
+  comm_destroy(c);
+  return bad;
+}
+
+static void test_stall_timeout(void **state) { assert_int_equal(run_ranks(3, rank_stall, NULL), 0); }
+
+/* ---- argument checks (one-rank groups need no store) ---- */
+
+static void test_invalid_arguments(void **state) {
+  char err[512] = "";
+  comm_t *c = NULL;
+  comm_config_t cfg = {.name = "solo", .rank = 0, .size = 1};
+  assert_int_equal(comm_create(&c, "cpu", &cfg, err, sizeof err), COMM_OK);
+  float x[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+  assert_int_equal(comm_broadcast(c, x, 8, COMM_FLOAT32, 1), COMM_EINVAL);
+  assert_non_null(strstr(comm_errmsg(c), "comm solo (rank 0/1): broadcast: root 1"));
+  assert_int_equal(comm_all_reduce(c, NULL, 8, COMM_FLOAT32, COMM_SUM), COMM_EINVAL);
+  assert_int_equal(comm_all_reduce(c, x, 8, COMM_FLOAT32, (comm_op_t)7), COMM_EINVAL);
+  assert_int_equal(comm_all_reduce(c, x, 8, (comm_dtype_t)9, COMM_SUM), COMM_EINVAL);
+  assert_int_equal(comm_all_gather(c, x + 1, x, 4, COMM_FLOAT32), COMM_EINVAL); /* overlap */
+  assert_int_equal(comm_reduce_scatter(c, x, x + 2, 4, COMM_FLOAT32, COMM_SUM), COMM_EINVAL);
+  /* Invalid arguments do not break the communicator. */
+  assert_int_equal(comm_all_reduce(c, x, 8, COMM_FLOAT32, COMM_SUM), COMM_OK);
+  assert_true(x[7] == 8.0f);
+  float y[4];
+  assert_int_equal(comm_reduce_scatter(c, x, y, 4, COMM_FLOAT32, COMM_AVG), COMM_OK);
+  assert_true(y[3] == 4.0f);
+  comm_destroy(c);
+
+  cfg.size = 2;
+  assert_int_equal(comm_create(&c, "cpu", &cfg, err, sizeof err), COMM_EINVAL); /* no store */
+  assert_non_null(strstr(err, "needs a store"));
+  cfg.name = "bad name";
+  assert_int_equal(comm_create(&c, "cpu", &cfg, err, sizeof err), COMM_EINVAL);
+  cfg.name = "x";
+  cfg.size = 1;
+  assert_int_equal(comm_create(&c, "mpi", &cfg, err, sizeof err), COMM_EINVAL);
+  assert_non_null(strstr(err, "unknown backend 'mpi'"));
+  assert_null(c);
+}
+
+/* ---- a 2x2x2 mesh: each group's all_reduce mixes exactly its members ---- */
+
+/* Membership written out from the coordinates, independently of mesh.c. */
+static int same_group(const char *g, int a, int b) {
+  int ar = a / 4, as = (a / 2) % 2, at = a % 2, br = b / 4, bs = (b / 2) % 2, bt = b % 2;
+  if (!strcmp(g, "tp")) return ar == br && as == bs;
+  if (!strcmp(g, "dp_shard")) return ar == br && at == bt;
+  if (!strcmp(g, "dp_replicate")) return as == bs && at == bt;
+  if (!strcmp(g, "dp")) return at == bt;
+  return 1; /* world */
+}
+
+static int rank_mesh(int rank, int n, store_t *st, void *arg) {
+  char err[512] = "";
+  mesh_t *m = NULL;
+  if (mesh_create(&m, 2, 2, 2, rank, n, err, sizeof err) ||
+      mesh_connect(m, "cpu", st, 0, "127.0.0.1", 10000, err, sizeof err)) {
+    fprintf(stderr, "rank %d: %s\n", rank, err);
+    mesh_destroy(m);
+    return 1;
+  }
+  static const char *names[] = {"tp", "dp_shard", "dp_replicate", "dp", "world"};
+  int bad = 0;
+  for (int g = 0; g < 5 && !bad; g++) {
+    comm_t *c = mesh_comm(m, names[g]);
+    float x[3] = {(float)(1 << rank), 1.0f, (float)rank};
+    if (!c || comm_all_reduce(c, x, 3, COMM_FLOAT32, COMM_SUM)) {
+      fprintf(stderr, "rank %d: group %s: %s\n", rank, names[g], c ? comm_errmsg(c) : "missing");
+      bad = 1;
+      break;
+    }
+    int mask = 0, size = 0;
+    for (int q = 0; q < n; q++)
+      if (same_group(names[g], rank, q)) mask |= 1 << q, size++;
+    if ((int)x[0] != mask || (int)x[1] != size || comm_size(c) != size) {
+      fprintf(stderr, "rank %d: group %s mixed members 0x%02x (size %d), want 0x%02x (size %d)\n",
+              rank, names[g], (int)x[0], (int)x[1], mask, size);
+      bad = 1;
+    }
+  }
+  mesh_destroy(m);
+  return bad;
+}
+
+static void test_mesh_2x2x2(void **state) { assert_int_equal(run_ranks(8, rank_mesh, NULL), 0); }
+
+int main(void) {
+  setvbuf(stdout, NULL, _IOLBF, 0);
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_invalid_arguments), cmocka_unit_test(test_all_reduce),
+      cmocka_unit_test(test_all_gather),        cmocka_unit_test(test_reduce_scatter),
+      cmocka_unit_test(test_broadcast),         cmocka_unit_test(test_barrier),
+      cmocka_unit_test(test_determinism),       cmocka_unit_test(test_all_reduce_bytes),
+      cmocka_unit_test(test_peer_exit),         cmocka_unit_test(test_stall_timeout),
+      cmocka_unit_test(test_mesh_2x2x2),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,228 @@
+/* comm: the dispatch in front of the collective backends.
+ *
+ * Checks arguments, answers what needs no communication (groups of one rank, empty buffers)
+ * and keeps the communicator's error state; then calls the backend's table. It moves no bytes
+ * itself and knows nothing about sockets or devices. See comm.h for the contract. */
+#include "trainer/comm.h"
+
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+size_t comm_dtype_size(comm_dtype_t dtype) {
+  switch (dtype) {
+  case COMM_FLOAT32: return 4;
+  case COMM_BFLOAT16: return 2;
+  }
+  return 0;
+}
+
+const char *comm_op_name(comm_op_t op) {
+  switch (op) {
+  case COMM_SUM: return "sum";
+  case COMM_AVG: return "avg";
+  case COMM_MAX: return "max";
+  }
+  return "unknown";
+}
+
+const char *comm_strerror(int code) {
+  switch (code) {
+  case COMM_OK: return "success";
+  case COMM_EINVAL: return "invalid argument";
+  case COMM_ESYSTEM: return "system error";
+  case COMM_EREMOTE: return "remote error";
+  case COMM_ETIMEDOUT: return "timed out";
+  }
+  return "unknown error";
+}
+
+int comm_set_error(comm_t *c, int code, const char *fmt, ...) {
+  int n = snprintf(c->err, sizeof c->err, "comm %s (rank %d/%d): ", c->name, c->rank, c->size);
+  if (n < 0 || (size_t)n >= sizeof c->err) n = 0;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(c->err + n, sizeof c->err - (size_t)n, fmt, ap);
+  va_end(ap);
+  if (code == COMM_ESYSTEM || code == COMM_EREMOTE || code == COMM_ETIMEDOUT) {
+    if (!c->broken) c->broken = code;
+  }
+  return code;
+}
+
+static int valid_name(const char *s) {
+  if (!s || !*s || strlen(s) >= COMM_NAME_MAX) return 0;
+  for (; *s; s++) {
+    char ch = *s;
+    int ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
+             ch == '_' || ch == '.' || ch == '-';
+    if (!ok) return 0;
+  }
+  return 1;
+}
+
+static int default_timeout_ms(void) {
+  const char *s = getenv("MESHRUN_COMM_TIMEOUT");
+  if (s && *s) {
+    char *end;
+    double v = strtod(s, &end);
+    if (*end == '\0' && v > 0 && v < 1e6) return (int)(v * 1000.0);
+  }
+  return COMM_DEFAULT_TIMEOUT_MS;
+}
+
+int comm_create(comm_t **out, const char *backend, const comm_config_t *cfg, char *err,
+                size_t errlen) {
+  if (out) *out = NULL;
+  if (!out || !cfg) {
+    snprintf(err, errlen, "comm_create: NULL argument");
+    return COMM_EINVAL;
+  }
+  if (!valid_name(cfg->name)) {
+    snprintf(err, errlen, "comm_create: group name '%s' must be 1..%d characters of [A-Za-z0-9_.-]",
+             cfg->name ? cfg->name : "(null)", COMM_NAME_MAX - 1);
+    return COMM_EINVAL;
+  }
+  if (cfg->size < 1 || cfg->rank < 0 || cfg->rank >= cfg->size) {
+    snprintf(err, errlen, "comm_create %s: rank %d is not in a group of size %d", cfg->name,
+             cfg->rank, cfg->size);
+    return COMM_EINVAL;
+  }
+  if (cfg->size > 1 && !cfg->store) {
+    snprintf(err, errlen, "comm_create %s: a group of %d ranks needs a store", cfg->name,
+             cfg->size);
+    return COMM_EINVAL;
+  }
+  if (!backend) backend = "cpu";
+  if (strcmp(backend, "cpu") != 0) {
+    snprintf(err, errlen, "comm_create %s: unknown backend '%s' (this build has: cpu)", cfg->name,
+             backend);
+    return COMM_EINVAL;
+  }
+  comm_t *c = calloc(1, sizeof *c);
+  if (!c) {
+    snprintf(err, errlen, "comm_create %s: out of memory", cfg->name);
+    return COMM_ESYSTEM;
+  }
+  snprintf(c->name, sizeof c->name, "%s", cfg->name);
+  c->rank = cfg->rank;
+  c->size = cfg->size;
+  c->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : default_timeout_ms();
+  int rc = comm_cpu_create(c, cfg, err, errlen);
+  if (rc != COMM_OK) {
+    comm_destroy(c);
+    return rc;
+  }
+  *out = c;
+  return COMM_OK;
+}
+
+void comm_destroy(comm_t *c) {
+  if (!c) return;
+  if (c->ops && c->ops->destroy) c->ops->destroy(c);
+  free(c);
+}
+
+int comm_rank(const comm_t *c) { return c->rank; }
+int comm_size(const comm_t *c) { return c->size; }
+const char *comm_name(const comm_t *c) { return c->name; }
+const char *comm_errmsg(const comm_t *c) { return c ? c->err : "comm: NULL communicator"; }
+void comm_get_stats(const comm_t *c, comm_stats_t *out) { *out = c->stats; }
+void comm_reset_stats(comm_t *c) { memset(&c->stats, 0, sizeof c->stats); }
+
+int comm_set_timeout(comm_t *c, int timeout_ms) {
+  if (!c || timeout_ms <= 0) return COMM_EINVAL;
+  c->timeout_ms = timeout_ms;
+  return COMM_OK;
+}
+
+/* Common checks of every collective: a usable communicator, a known dtype the backend
+ * supports (the cpu backend reduces float32 only), a known op. */
+static int check_call(comm_t *c, const char *what, comm_dtype_t dtype, int has_op, comm_op_t op) {
+  /* A broken communicator keeps its first message: it names the peer that started it. */
+  if (c->broken) {
+    return c->broken;
+  }
+  if (comm_dtype_size(dtype) == 0)
+    return comm_set_error(c, COMM_EINVAL, "%s: unknown dtype %d", what, (int)dtype);
+  if (dtype != COMM_FLOAT32 && c->size > 1)
+    return comm_set_error(c, COMM_EINVAL, "%s: backend %s supports float32 only", what,
+                          c->ops ? c->ops->name : "?");
+  if (has_op && op != COMM_SUM && op != COMM_AVG && op != COMM_MAX)
+    return comm_set_error(c, COMM_EINVAL, "%s: unknown reduction op %d", what, (int)op);
+  return COMM_OK;
+}
+
+int comm_all_reduce(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, comm_op_t op) {
+  if (!c) return COMM_EINVAL;
+  int rc = check_call(c, "all_reduce", dtype, 1, op);
+  if (rc) return rc;
+  if (count > 0 && !buf) return comm_set_error(c, COMM_EINVAL, "all_reduce: NULL buffer");
+  if (c->size == 1 || count == 0) return COMM_OK; /* sum, avg and max of one value is itself */
+  c->stats.calls++;
+  return c->ops->all_reduce(c, buf, count, dtype, op);
+}
+
+int comm_all_gather(comm_t *c, const void *in, void *out, size_t count, comm_dtype_t dtype) {
+  if (!c) return COMM_EINVAL;
+  int rc = check_call(c, "all_gather", dtype, 0, COMM_SUM);
+  if (rc) return rc;
+  if (count > 0 && (!in || !out)) return comm_set_error(c, COMM_EINVAL, "all_gather: NULL buffer");
+  if (count == 0) return COMM_OK;
+  size_t esz = comm_dtype_size(dtype);
+  char *slot = (char *)out + (size_t)c->rank * count * esz;
+  if ((const char *)in != slot) {
+    const char *i0 = in, *i1 = i0 + count * esz, *o0 = out, *o1 = o0 + (size_t)c->size * count * esz;
+    if (i0 < o1 && o0 < i1)
+      return comm_set_error(c, COMM_EINVAL, "all_gather: input overlaps the output but is not "
+                            "this rank's slot (out + rank * count)");
+    memcpy(slot, in, count * esz);
+  }
+  if (c->size == 1) return COMM_OK;
+  c->stats.calls++;
+  return c->ops->all_gather(c, slot, out, count, dtype);
+}
+
+int comm_reduce_scatter(comm_t *c, const void *in, void *out, size_t count, comm_dtype_t dtype,
+                        comm_op_t op) {
+  if (!c) return COMM_EINVAL;
+  int rc = check_call(c, "reduce_scatter", dtype, 1, op);
+  if (rc) return rc;
+  if (count > 0 && (!in || !out))
+    return comm_set_error(c, COMM_EINVAL, "reduce_scatter: NULL buffer");
+  if (count == 0) return COMM_OK;
+  size_t esz = comm_dtype_size(dtype);
+  const char *i0 = in, *i1 = i0 + (size_t)c->size * count * esz, *o0 = out, *o1 = o0 + count * esz;
+  if (i0 < o1 && o0 < i1)
+    return comm_set_error(c, COMM_EINVAL, "reduce_scatter: output overlaps the input");
+  if (c->size == 1) {
+    memcpy(out, in, count * esz);
+    return COMM_OK;
+  }
+  c->stats.calls++;
+  return c->ops->reduce_scatter(c, in, out, count, dtype, op);
+}
+
+int comm_broadcast(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, int root) {
+  if (!c) return COMM_EINVAL;
+  int rc = check_call(c, "broadcast", dtype, 0, COMM_SUM);
+  if (rc) return rc;
+  if (root < 0 || root >= c->size)
+    return comm_set_error(c, COMM_EINVAL, "broadcast: root %d is not in a group of size %d", root,
+                          c->size);
+  if (count > 0 && !buf) return comm_set_error(c, COMM_EINVAL, "broadcast: NULL buffer");
+  if (c->size == 1 || count == 0) return COMM_OK;
+  c->stats.calls++;
+  return c->ops->broadcast(c, buf, count, dtype, root);
+}
+
+int comm_barrier(comm_t *c) {
+  if (!c) return COMM_EINVAL;
+  int rc = check_call(c, "barrier", COMM_FLOAT32, 0, COMM_SUM);
+  if (rc) return rc;
+  if (c->size == 1) return COMM_OK;
+  c->stats.calls++;
+  return c->ops->barrier(c);
+}

@@ -1,0 +1,159 @@
+/* mesh: layout arithmetic of the (dp_replicate, dp_shard, tp) mesh and the creation of each
+ * group's communicator. The layout is computed once, from the same formula for every rank, so
+ * all members of a group agree on its members, order and uid without talking. It does not
+ * decide the dimensions (the plan does) or move data (comm does). */
+#include "trainer/mesh.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static const char *const group_names[MESH_NGROUPS] = {"dp_replicate", "dp_shard", "tp", "dp",
+                                                      "world"};
+
+static int group_index(const char *name) {
+  if (!name) return -1;
+  for (int g = 0; g < MESH_NGROUPS; g++)
+    if (strcmp(name, group_names[g]) == 0) return g;
+  return -1;
+}
+
+void mesh_coords(const mesh_t *m, int rank, int coord[MESH_NDIMS]) {
+  int tp = m->dims[MESH_TP], ds = m->dims[MESH_DP_SHARD];
+  coord[MESH_TP] = rank % tp;
+  coord[MESH_DP_SHARD] = (rank / tp) % ds;
+  coord[MESH_DP_REPLICATE] = rank / (tp * ds);
+}
+
+int mesh_rank_at(const mesh_t *m, int r, int s, int t) {
+  return (r * m->dims[MESH_DP_SHARD] + s) * m->dims[MESH_TP] + t;
+}
+
+/* Members of group g containing `rank`, in group-rank order: the group's free coordinates vary
+ * (r outer, s inner for "dp"), the others stay at rank's values. */
+static int members_of(const mesh_t *m, int g, int rank, int *ranks) {
+  int c[MESH_NDIMS];
+  mesh_coords(m, rank, c);
+  int R = m->dims[MESH_DP_REPLICATE], S = m->dims[MESH_DP_SHARD], T = m->dims[MESH_TP];
+  int n = 0;
+  switch (g) {
+  case MESH_GROUP_DP_REPLICATE:
+    for (int r = 0; r < R; r++) ranks[n++] = mesh_rank_at(m, r, c[1], c[2]);
+    break;
+  case MESH_GROUP_DP_SHARD:
+    for (int s = 0; s < S; s++) ranks[n++] = mesh_rank_at(m, c[0], s, c[2]);
+    break;
+  case MESH_GROUP_TP:
+    for (int t = 0; t < T; t++) ranks[n++] = mesh_rank_at(m, c[0], c[1], t);
+    break;
+  case MESH_GROUP_DP:
+    for (int r = 0; r < R; r++)
+      for (int s = 0; s < S; s++) ranks[n++] = mesh_rank_at(m, r, s, c[2]);
+    break;
+  case MESH_GROUP_WORLD:
+    for (int i = 0; i < m->world; i++) ranks[n++] = i;
+    break;
+  }
+  return n;
+}
+
+int mesh_members(const mesh_t *m, const char *name, int rank, int *ranks) {
+  int g = group_index(name);
+  if (g < 0 || rank < 0 || rank >= m->world || !ranks) return MESH_EINVAL;
+  return members_of(m, g, rank, ranks);
+}
+
+int mesh_create(mesh_t **out, int dp_replicate, int dp_shard, int tp, int rank, int world,
+                char *err, size_t errlen) {
+  *out = NULL;
+  if (dp_replicate < 1 || dp_shard < 1 || tp < 1) {
+    snprintf(err, errlen, "mesh error: dimensions must be >= 1, got dp_replicate=%d dp_shard=%d "
+             "tp=%d", dp_replicate, dp_shard, tp);
+    return MESH_EINVAL;
+  }
+  if ((long long)dp_replicate * dp_shard * tp != world) {
+    snprintf(err, errlen, "mesh error: dp_replicate=%d x dp_shard=%d x tp=%d = %lld ranks, but "
+             "the world has %d", dp_replicate, dp_shard, tp,
+             (long long)dp_replicate * dp_shard * tp, world);
+    return MESH_EINVAL;
+  }
+  if (rank < 0 || rank >= world) {
+    snprintf(err, errlen, "mesh error: rank %d is outside a world of %d", rank, world);
+    return MESH_EINVAL;
+  }
+  mesh_t *m = calloc(1, sizeof *m);
+  if (!m) {
+    snprintf(err, errlen, "mesh error: out of memory");
+    return MESH_EINVAL;
+  }
+  m->world = world;
+  m->rank = rank;
+  m->dims[MESH_DP_REPLICATE] = dp_replicate;
+  m->dims[MESH_DP_SHARD] = dp_shard;
+  m->dims[MESH_TP] = tp;
+  mesh_coords(m, rank, m->coord);
+  for (int g = 0; g < MESH_NGROUPS; g++) {
+    mesh_group_t *grp = &m->groups[g];
+    snprintf(grp->name, sizeof grp->name, "%s", group_names[g]);
+    grp->ranks = calloc((size_t)world, sizeof *grp->ranks);
+    if (!grp->ranks) {
+      mesh_destroy(m);
+      snprintf(err, errlen, "mesh error: out of memory");
+      return MESH_EINVAL;
+    }
+    grp->size = members_of(m, g, rank, grp->ranks);
+    grp->rank = -1;
+    for (int i = 0; i < grp->size; i++)
+      if (grp->ranks[i] == rank) grp->rank = i;
+    /* Members are listed in increasing rank order, so ranks[0] is the lowest. */
+    snprintf(grp->uid, sizeof grp->uid, "%s.%d", group_names[g], grp->ranks[0]);
+  }
+  *out = m;
+  return 0;
+}
+
+int mesh_connect(mesh_t *m, const char *backend, store_t *store, int generation, const char *host,
+                 int timeout_ms, char *err, size_t errlen) {
+  if (generation < 0) {
+    const char *s = getenv("TORCHELASTIC_RESTART_COUNT");
+    generation = s && *s ? atoi(s) : 0;
+    if (generation < 0) generation = 0;
+  }
+  /* Every rank creates the groups in the same order; a group's setup waits only on its own
+   * members, who are at the same point of the same sequence, so no two ranks wait on each
+   * other across groups. */
+  for (int g = 0; g < MESH_NGROUPS; g++) {
+    mesh_group_t *grp = &m->groups[g];
+    comm_config_t cfg = {.name = grp->uid, .rank = grp->rank, .size = grp->size,
+                         .generation = generation, .store = store, .host = host,
+                         .timeout_ms = timeout_ms, .global_ranks = grp->ranks};
+    int rc = comm_create(&grp->comm, backend, &cfg, err, errlen);
+    if (rc != COMM_OK) {
+      for (int k = 0; k < g; k++) {
+        comm_destroy(m->groups[k].comm);
+        m->groups[k].comm = NULL;
+      }
+      return rc;
+    }
+  }
+  return 0;
+}
+
+void mesh_destroy(mesh_t *m) {
+  if (!m) return;
+  for (int g = 0; g < MESH_NGROUPS; g++) {
+    comm_destroy(m->groups[g].comm);
+    free(m->groups[g].ranks);
+  }
+  free(m);
+}
+
+const mesh_group_t *mesh_group(const mesh_t *m, const char *name) {
+  int g = group_index(name);
+  return g < 0 ? NULL : &m->groups[g];
+}
+
+comm_t *mesh_comm(const mesh_t *m, const char *name) {
+  const mesh_group_t *g = mesh_group(m, name);
+  return g ? g->comm : NULL;
+}

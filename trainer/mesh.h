@@ -1,0 +1,75 @@
+/* mesh: the device mesh, as PyTorch's DeviceMesh: ranks laid out on (dp_replicate, dp_shard, tp)
+ * with tp innermost, and one communication group per dimension.
+ *
+ *   rank = ((r * dp_shard) + s) * tp + t        coordinates (r, s, t)
+ *
+ * Groups, each identified by name:
+ *   "dp_replicate"  ranks that differ only in r        (HSDP's replicas; DDP)
+ *   "dp_shard"      ranks that differ only in s        (FSDP's shards)
+ *   "tp"            ranks that differ only in t        (tensor parallel; consecutive ranks)
+ *   "dp"            ranks that differ in r or s: dp_replicate x dp_shard flattened, group rank
+ *                   r * dp_shard + s (the data-parallel index: which batch slice a rank reads)
+ *   "world"         every rank
+ * Members are listed in group-rank order. Dimensions of size 1 still get a (trivial) group, so
+ * callers never test for NULL.
+ *
+ * mesh_create computes the layout only (pure arithmetic, no I/O); mesh_connect then creates the
+ * comm_t of every group through the store. Each group's store keys are unique in the job: the
+ * group's uid is "<name>.<lowest member rank>" ("tp.4") and keys carry the generation (restart
+ * count), so a restarted job never reads an earlier attempt's endpoints. It does not choose the
+ * dimensions: the plan resolves them (trainer/plan.h) and passes them in. */
+#ifndef MESHRUN_MESH_H
+#define MESHRUN_MESH_H
+
+#include <stddef.h>
+
+#include "common/store.h"
+#include "trainer/comm.h"
+
+#define MESH_EINVAL (-1)
+
+enum { MESH_DP_REPLICATE = 0, MESH_DP_SHARD, MESH_TP, MESH_NDIMS };
+enum { MESH_GROUP_DP_REPLICATE = 0, MESH_GROUP_DP_SHARD, MESH_GROUP_TP, MESH_GROUP_DP,
+       MESH_GROUP_WORLD, MESH_NGROUPS };
+
+typedef struct {
+  char name[16];           /* "dp_replicate", "dp_shard", "tp", "dp", "world" */
+  char uid[COMM_NAME_MAX]; /* "tp.4": name and lowest member rank, unique in the job */
+  int size;                /* members */
+  int rank;                /* this process's rank in the group */
+  int *ranks;              /* (size) members' global ranks in group-rank order */
+  comm_t *comm;            /* NULL until mesh_connect */
+} mesh_group_t;
+
+typedef struct {
+  int world, rank;         /* job size and this process's rank */
+  int dims[MESH_NDIMS];    /* dp_replicate, dp_shard, tp */
+  int coord[MESH_NDIMS];   /* this rank's (r, s, t) */
+  mesh_group_t groups[MESH_NGROUPS];
+} mesh_t;
+
+/* Lays out world = dp_replicate * dp_shard * tp ranks (each >= 1) and this rank's groups.
+ * Returns 0, or MESH_EINVAL with "mesh error: ..." in err. */
+int mesh_create(mesh_t **out, int dp_replicate, int dp_shard, int tp, int rank, int world,
+                char *err, size_t errlen);
+/* Creates every group's communicator (collective over the job: every rank calls it). backend:
+ * "cpu"; generation < 0: TORCHELASTIC_RESTART_COUNT (else 0); host and timeout_ms as in
+ * comm_config_t. On failure returns the comm code with the reason in err, and no comm is left. */
+int mesh_connect(mesh_t *m, const char *backend, store_t *store, int generation, const char *host,
+                 int timeout_ms, char *err, size_t errlen);
+void mesh_destroy(mesh_t *m); /* accepts NULL and half-built meshes; destroys the comms */
+
+/* This rank's group by name; NULL for an unknown name. */
+const mesh_group_t *mesh_group(const mesh_t *m, const char *name);
+/* The group's communicator (NULL for an unknown name or before mesh_connect). */
+comm_t *mesh_comm(const mesh_t *m, const char *name);
+
+/* Coordinates (r, s, t) of any rank, and back. */
+void mesh_coords(const mesh_t *m, int rank, int coord[MESH_NDIMS]);
+int mesh_rank_at(const mesh_t *m, int r, int s, int t);
+/* Members of the group `name` that contains `rank` (any rank of the job), in group-rank order,
+ * into ranks (room for world entries). Returns the group size, or MESH_EINVAL for an unknown
+ * name or a rank out of range. */
+int mesh_members(const mesh_t *m, const char *name, int rank, int *ranks);
+
+#endif
