@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# bench: every benchmark of the project, one section each, tables on stdout (`make bench`).
+#
+# Environment: MESHRUN_BIN (dir with meshrun and trainer) and MESHRUN_BUILD (build dir), set by
+# the Makefile; BENCH_THREADS (default: OMP_NUM_THREADS, else all CPUs); BENCH_ONLY=name to run
+# one section. Each section is a function named bench_<name>, listed in SECTIONS; add new
+# sections the same way. A failing section is reported and the others still run; the exit
+# status is non-zero if any failed.
+set -u
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-/usr/bin/python3}
+export MESHRUN_BIN=${MESHRUN_BIN:-$PWD/bin}
+export MESHRUN_BUILD=${MESHRUN_BUILD:-$PWD/build}
+THREADS=${BENCH_THREADS:-${OMP_NUM_THREADS:-$(nproc)}}
+
+# --- section: trainer. Full training steps (forward, backward, clip, AdamW) of bin/trainer on
+# the cpu backend against PyTorch eager on CPU, same model, batch and threads.
+bench_trainer() {
+  "$PYTHON" scripts/bench_trainer.py --threads "$THREADS"
+}
+
+SECTIONS="trainer"
+
+failed=()
+for s in $SECTIONS; do
+  [ -n "${BENCH_ONLY:-}" ] && [ "$BENCH_ONLY" != "$s" ] && continue
+  echo "== $s =="
+  if ! "bench_$s"; then failed+=("$s"); echo "bench: section $s failed"; fi
+  echo
+done
+[ ${#failed[@]} -eq 0 ] || { echo "bench: failed sections: ${failed[*]}"; exit 1; }

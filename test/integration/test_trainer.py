@@ -1,0 +1,276 @@
+"""test_trainer: the trainer program end to end on the cpu backend, as a user runs it.
+
+A tiny plan trains and its loss falls; two identical runs write bit-identical losses; the
+metrics file has its fields; `trainer sample` reproduces the sample printed after training from
+the saved weights; and each bad input (missing or unreadable data, data shorter than one
+sequence, token id >= vocab, a diverging run, plan errors, unsupported worlds and devices) ends
+with a one-line message naming the cause and a non-zero exit.
+
+Binaries come from MESHRUN_BIN (the Makefile's `integration` target sets it); runs use one
+thread and tiny models so the whole file takes a few seconds.
+"""
+import json
+import os
+import struct
+import subprocess
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BIN = os.environ.get("MESHRUN_BIN", os.path.join(REPO, "bin"))
+TRAINER = os.path.join(BIN, "trainer")
+TEXT = os.path.join(REPO, "data", "tinyshakespeare.txt")
+
+# A plan small enough to run 30 steps in well under a second.
+TINY = {
+    "device": "cpu",
+    "seed": 7,
+    "model": {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 256,
+              "max_seq_len": 32, "multiple_of": 16},
+    "train": {"steps": 30, "seq_len": 32, "micro_batch_size": 4, "global_batch_size": 8,
+              "lr": 1e-2, "warmup_steps": 3},
+    "data": {"train": TEXT, "format": "auto", "val_fraction": 0.1},
+    "eval": {"interval": 10, "batches": 2},
+    "log": {"interval": 5},
+    "sample": {"tokens": 40, "temperature": 0.8, "prompt": "ROMEO:"},
+}
+
+
+def run(args, cwd, timeout=120, env_extra=None):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(k, None)
+    env.update(env_extra or {})
+    return subprocess.run([TRAINER] + args, cwd=cwd, env=env, capture_output=True, text=True,
+                          errors="replace", timeout=timeout)
+
+
+def write_plan(tmp_path, plan, name="plan.json"):
+    path = tmp_path / name
+    path.write_text(json.dumps(plan))
+    return str(path)
+
+
+def read_metrics(path):
+    with open(path) as f:
+        recs = [json.loads(line) for line in f if line.strip()]
+    steps = [r for r in recs if "loss" in r]
+    evals = [r for r in recs if "eval_loss" in r]
+    return recs, steps, evals
+
+
+def train(tmp_path, extra_sets=(), plan=TINY, name="m.jsonl"):
+    plan_path = write_plan(tmp_path, plan)
+    metrics = str(tmp_path / name)
+    sets = ["--set", f"log.metrics_file={metrics}", "--set", f"checkpoint.dir={tmp_path / 'ck'}"]
+    for s in extra_sets:
+        sets += ["--set", s]
+    r = run([plan_path] + sets, cwd=tmp_path)
+    return r, metrics
+
+
+def one_error_line(r):
+    """The trainer's last stderr line, which must name the cause."""
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert lines, "no message on stderr"
+    return lines[-1]
+
+
+def test_help_and_version(tmp_path):
+    r = run(["--help"], cwd=tmp_path)
+    assert r.returncode == 0 and "usage: trainer" in r.stdout and "--set" in r.stdout
+    r = run(["--version"], cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.startswith("trainer (meshrun)")
+
+
+def test_tiny_plan_trains_and_loss_falls(tmp_path):
+    r, metrics = train(tmp_path)
+    assert r.returncode == 0, r.stderr
+    recs, steps, evals = read_metrics(metrics)
+    first = recs[0]
+    assert first["plan"]["model"]["dim"] == 32 and first["num_params"] > 0
+    assert first["plan"]["train"]["global_batch_size"] == 8 and first["tokens_per_step"] == 8 * 32
+    assert [s["step"] for s in steps] == list(range(1, 31))
+    for s in steps:
+        assert set(s) == {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_ms"}
+        assert s["tokens_per_s"] > 0 and s["step_ms"] > 0 and s["grad_norm"] > 0
+    assert [e["step"] for e in evals] == [10, 20, 30]
+    # Warmup then cosine decay: lr rises for 3 steps, then falls to min_lr (lr/10 by default).
+    lrs = [s["lr"] for s in steps]
+    assert lrs[2] == pytest.approx(1e-2) and lrs[0] == pytest.approx(1e-2 / 3)
+    assert all(a >= b for a, b in zip(lrs[3:], lrs[4:]))
+    first_loss, last_loss = steps[0]["loss"], sum(s["loss"] for s in steps[-5:]) / 5
+    print(f"loss {first_loss:.4f} -> {last_loss:.4f} (mean of the last 5 steps); eval {evals[0]['eval_loss']:.4f}"
+          f" -> {evals[-1]['eval_loss']:.4f}")
+    assert first_loss == pytest.approx(5.545, abs=0.15)  # ln(256) at init
+    assert last_loss < first_loss - 1.0
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
+    # The console line, the saved weights and the sample.
+    assert "step 30/30 | loss " in r.stderr and " tok/s | " in r.stderr and "| ETA " in r.stderr
+    assert os.path.getsize(tmp_path / "ck" / "final.safetensors") > first["num_params"] * 4
+    assert r.stdout.startswith("ROMEO:") and len(r.stdout) >= len("ROMEO:") + 40
+
+
+def test_two_runs_give_identical_losses(tmp_path):
+    r1, m1 = train(tmp_path, name="a.jsonl")
+    r2, m2 = train(tmp_path, name="b.jsonl")
+    assert r1.returncode == 0 and r2.returncode == 0
+    _, s1, e1 = read_metrics(m1)
+    _, s2, e2 = read_metrics(m2)
+    l1 = [(s["loss"], s["grad_norm"]) for s in s1] + [e["eval_loss"] for e in e1]
+    l2 = [(s["loss"], s["grad_norm"]) for s in s2] + [e["eval_loss"] for e in e2]
+    diffs = sum(a != b for a, b in zip(l1, l2))
+    print(f"{len(l1)} values compared, {diffs} differ (tolerance: 0, bit-identical)")
+    assert l1 == l2
+    # A different seed draws other batches and weights.
+    r3, m3 = train(tmp_path, ["seed=8"], name="c.jsonl")
+    assert r3.returncode == 0
+    assert read_metrics(m3)[1][0]["loss"] != s1[0]["loss"]
+
+
+def test_sample_from_saved_weights(tmp_path):
+    r, _ = train(tmp_path)
+    assert r.returncode == 0, r.stderr
+    plan_path = write_plan(tmp_path, TINY)
+    weights = str(tmp_path / "ck" / "final.safetensors")
+    s = run(["sample", plan_path, "--weights", weights], cwd=tmp_path)
+    assert s.returncode == 0, s.stderr
+    # Same weights, seed and settings: the same text as printed at the end of training.
+    assert s.stdout == r.stdout
+    s2 = run(["sample", plan_path, "--weights", weights, "--set", "sample.tokens=10",
+              "--set", "sample.temperature=0"], cwd=tmp_path)
+    assert s2.returncode == 0 and len(s2.stdout) == len("ROMEO:") + 10 + 1
+    # A weights file from another model is refused by tensor name and size.
+    bad = run(["sample", plan_path, "--weights", weights, "--set", "model.dim=64"], cwd=tmp_path)
+    assert bad.returncode == 1 and "the model wants" in one_error_line(bad)
+    none = run(["sample", plan_path], cwd=tmp_path)
+    assert none.returncode == 2 and "--weights" in one_error_line(none)
+
+
+def test_default_weights_path_and_synthetic_data(tmp_path):
+    plan = json.loads(json.dumps(TINY))
+    plan["data"] = {"format": "synthetic", "train": ""}
+    plan["model"]["vocab_size"] = 64
+    plan["sample"] = {"tokens": 5, "prompt": "1 2 3"}
+    plan_path = write_plan(tmp_path, plan, "synth.json")
+    r = run([plan_path, "--set", "train.steps=40"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "out" / "synth" / "final.safetensors").exists()
+    # Non-text data samples ids: the prompt's ids, a bar, then 5 generated ids.
+    words = r.stdout.split()
+    assert words[:4] == ["1", "2", "3", "|"] and len(words) == 9
+    assert all(0 <= int(w) < 64 for w in words if w != "|")
+
+
+# --- bad inputs: each a one-line message and a non-zero exit ----------------------------------
+
+
+def test_missing_data_file(tmp_path):
+    r, _ = train(tmp_path, [f"data.train={tmp_path / 'nope.txt'}"])
+    line = one_error_line(r)
+    print(line)
+    assert r.returncode == 1 and "nope.txt" in line and "No such file" in line
+
+
+def test_unreadable_data_file(tmp_path):
+    if os.geteuid() == 0:  # root reads mode-000 files; a directory is unreadable as data for anyone
+        bad = tmp_path / "dir.txt"
+        bad.mkdir()
+    else:
+        bad = tmp_path / "secret.txt"
+        bad.write_text("x" * 1000)
+        bad.chmod(0)
+    r, _ = train(tmp_path, [f"data.train={bad}"])
+    line = one_error_line(r)
+    print(line)
+    assert r.returncode == 1 and str(bad) in line and "cannot" in line
+
+
+def test_data_shorter_than_one_sequence(tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("a" * 32)  # seq_len 32 needs 33 tokens
+    r, _ = train(tmp_path, [f"data.train={short}", "data.val_fraction=0", "eval.interval=0"])
+    line = one_error_line(r)
+    print(line)
+    assert r.returncode == 1 and "short.txt" in line and "fewer than one sequence" in line
+
+
+def test_token_id_out_of_vocab(tmp_path):
+    ids = [3] * 500
+    ids[123] = 300  # >= vocab_size 256
+    path = tmp_path / "toks.u16"
+    path.write_bytes(struct.pack(f"<{len(ids)}H", *ids))
+    r, _ = train(tmp_path, [f"data.train={path}"])
+    line = one_error_line(r)
+    print(line)
+    assert r.returncode == 1 and "toks.u16" in line and "token id 300 at position 123" in line
+
+
+def test_nan_loss_stops_at_once(tmp_path):
+    # A learning rate of 1e30 survives step 1 (the loss is computed before the update), then
+    # the weights are ~1e30 and the loss of step 2's first micro-batch is not finite.
+    r, metrics = train(tmp_path, ["train.lr=1e30", "train.warmup_steps=0", "train.grad_clip=0"])
+    line = one_error_line(r)
+    print(line)
+    assert r.returncode == 1
+    assert line.startswith("trainer: loss is nan at step 2 (micro-batch 1);") or \
+        line.startswith("trainer: loss is inf at step 2 (micro-batch 1);")
+    assert [s["step"] for s in read_metrics(metrics)[1]] == [1]  # step 1 was logged, no more
+    # Huge initial weights: RMSNorm keeps the forward finite, but the gradients overflow.
+    r, metrics = train(tmp_path, ["model.init_std=1e30"])
+    line = one_error_line(r)
+    print(line)
+    assert r.returncode == 1 and "is nan at step 1" in line
+    assert not read_metrics(metrics)[1]
+
+
+@pytest.mark.parametrize("sets,needle", [
+    (["train.steps=-3"], "train.steps"),
+    (["train.nosuchkey=1"], "nosuchkey"),
+    (["model.n_kv_heads=3"], "n_kv_heads"),
+])
+def test_plan_errors_exit_2(tmp_path, sets, needle):
+    r, _ = train(tmp_path, sets)
+    line = one_error_line(r)
+    print(line)
+    assert r.returncode == 2 and "plan error" in line and needle in line
+
+
+def test_usage_errors(tmp_path):
+    r = run([str(tmp_path / "missing-plan.json")], cwd=tmp_path)
+    assert r.returncode == 2 and "missing-plan.json" in one_error_line(r)
+    r = run(["--bogus"], cwd=tmp_path)
+    assert r.returncode == 2 and "--bogus" in one_error_line(r)
+    bad_json = tmp_path / "bad.json"
+    bad_json.write_text("{ not json")
+    r = run([str(bad_json)], cwd=tmp_path)
+    assert r.returncode == 2 and "bad.json" in one_error_line(r)
+
+
+def test_world_and_device_errors(tmp_path):
+    plan_path = write_plan(tmp_path, TINY)
+    r = run([plan_path], cwd=tmp_path, env_extra={"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+    line = one_error_line(r)
+    print(line)
+    assert r.returncode != 0 and "mesh" in line
+    v = run(["--version"], cwd=tmp_path)
+    if "cuda" not in v.stdout:
+        r = run([plan_path, "--set", "device=cuda"], cwd=tmp_path)
+        line = one_error_line(r)
+        print(line)
+        assert r.returncode == 2 and "built without the cuda backend" in line
+
+
+def test_plot_metrics_draws_a_png(tmp_path):
+    r, metrics = train(tmp_path)
+    assert r.returncode == 0, r.stderr
+    png = tmp_path / "loss.png"
+    p = subprocess.run(["/usr/bin/python3", os.path.join(REPO, "scripts", "plot_metrics.py"), metrics, metrics,
+                        "--labels", "a,b", "--lr", "-o", str(png)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10000
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text('{"plan": {}}\n')
+    p = subprocess.run(["/usr/bin/python3", os.path.join(REPO, "scripts", "plot_metrics.py"), str(empty),
+                        "-o", str(png)], capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "no loss records" in p.stderr
