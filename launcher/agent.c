@@ -1,0 +1,395 @@
+/* agent: meshrun's per-round state machine (see agent.h), on one libuv loop.
+ *
+ * Events in: rdzv (round assigned, round ended, done, fatal error), workers (one exited; all
+ * idle), signals, the join backstop timer. A round ends for this node in one place,
+ * round_over(), and only when both halves are in: the reason (the store's end key, seen by
+ * rdzv's watch thread, identical on every node) and the local workers idle. So every node
+ * decides "restart" or "fatal" from the same record, and never spawns over live workers.
+ * Not here: what the keys are (rdzv), how children are made (workers). */
+#include "launcher/agent.h"
+
+#include <errno.h>
+#include <ftw.h>
+#include <limits.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+#include <uv.h>
+
+#include "common/log.h"
+#include "common/net.h"
+#include "launcher/errfile.h"
+#include "launcher/rdzv.h"
+#include "launcher/store_server.h"
+#include "launcher/workers.h"
+
+typedef enum { AGENT_JOINING = 0, AGENT_RUNNING, AGENT_STOPPING, AGENT_FINISHING, AGENT_EXITING } agent_state_t;
+
+static const int FORWARDED[] = {SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2};
+#define NFORWARDED ((int)(sizeof FORWARDED / sizeof FORWARDED[0]))
+
+typedef struct {
+  uv_loop_t loop;
+  launcher_opts_t *opts;
+  agent_state_t state;
+  store_server_t *srv;
+  char store_host[256];
+  int store_port;
+  char store_ep[300];
+  rdzv_t *rz;
+  workers_t *wk;
+  rdzv_assignment_t asg;
+  uv_signal_t sigs[NFORWARDED];
+  uv_timer_t join_timer;
+  char base_dir[PATH_MAX]; /* <log_dir>/<run_id>, or a temporary directory */
+  int base_is_tmp;
+  int have_end;    /* the round's end record is in */
+  rdzv_end_t end;
+  int local_failure; /* this node reported the round's failure */
+  int exit_code;
+  int shutdown_sig;  /* INT/TERM/HUP received */
+} agent_t;
+
+static void fmt_time(double t, char *out, size_t len) {
+  time_t s = (time_t)t;
+  struct tm tm;
+  gmtime_r(&s, &tm);
+  size_t n = strftime(out, len, "%Y-%m-%dT%H:%M:%S", &tm);
+  snprintf(out + n, len - n, ".%03dZ", (int)((t - (double)s) * 1000));
+}
+
+static const char *sig_name(int sig, char *buf, size_t len) {
+  const char *abbrev = sigabbrev_np(sig);
+  if (abbrev) snprintf(buf, len, "SIG%s", abbrev);
+  else snprintf(buf, len, "signal %d", sig);
+  return buf;
+}
+
+static void close_all(agent_t *a);
+
+/* Leaves: workers first (a grace period if they run), then every handle, so uv_run returns. */
+static void agent_exit(agent_t *a, int code) {
+  if (a->state == AGENT_EXITING) return;
+  a->state = AGENT_EXITING;
+  a->exit_code = code;
+  uv_timer_stop(&a->join_timer);
+  rdzv_shutdown(a->rz);
+  a->rz = NULL;
+  if (a->wk && !workers_idle(a->wk)) {
+    workers_stop(a->wk, SIGTERM, a->opts->shutdown_timeout_s);
+    return; /* on_idle finishes */
+  }
+  close_all(a);
+}
+
+static void close_all(agent_t *a) {
+  /* Whatever may linger in the workers' process groups goes now, success or not. */
+  workers_kill_all(a->wk);
+  workers_close(a->wk);
+  for (int i = 0; i < NFORWARDED; i++)
+    if (!uv_is_closing((uv_handle_t *)&a->sigs[i])) uv_close((uv_handle_t *)&a->sigs[i], NULL);
+  if (!uv_is_closing((uv_handle_t *)&a->join_timer)) uv_close((uv_handle_t *)&a->join_timer, NULL);
+  store_server_close(a->srv);
+  a->srv = NULL;
+}
+
+static void print_summary(agent_t *a) {
+  const rdzv_end_t *e = &a->end;
+  char tbuf[64], sbuf[32];
+  log_error("job failed: %s", e->reason);
+  if (e->kind == RDZV_END_FAILURE && e->rank >= 0) {
+    fmt_time(e->time, tbuf, sizeof tbuf);
+    log_error("root cause (first observed failure):");
+    log_error("  rank:      %d (local_rank %d)", e->rank, e->local_rank);
+    log_error("  host:      %s", e->host);
+    if (e->signal)
+      log_error("  exitcode:  %d (%s)", e->exit_code, sig_name(e->signal, sbuf, sizeof sbuf));
+    else
+      log_error("  exitcode:  %d", e->exit_code);
+    log_error("  time:      %s", tbuf);
+    if (e->message[0]) log_error("  message:   %s", e->message);
+    else log_error("  message:   <no error file written>");
+  }
+}
+
+static void start_join(agent_t *a) {
+  a->state = AGENT_JOINING;
+  a->have_end = 0;
+  a->local_failure = 0;
+  /* The rdzv thread enforces join_timeout with precise messages; this timer is the backstop
+   * for a peer that accepts and never answers. */
+  rdzv_join(a->rz);
+}
+
+static void on_join_timeout(uv_timer_t *t) {
+  agent_t *a = t->data;
+  if (a->state != AGENT_JOINING) return;
+  log_error("--rdzv_endpoint %s: rendezvous did not complete within join_timeout=%gs (no meshrun store "
+            "answered, or too few nodes joined)",
+            a->store_ep, a->opts->join_timeout_s);
+  agent_exit(a, 1);
+}
+
+static void arm_join_timer(agent_t *a) {
+  uv_timer_start(&a->join_timer, on_join_timeout, (uint64_t)(a->opts->join_timeout_s * 1000) + 2000, 0);
+}
+
+/* Both halves of a round's end are in: restart or leave. */
+static void round_over(agent_t *a) {
+  if (a->state != AGENT_STOPPING || !a->have_end || !workers_idle(a->wk)) return;
+  if (a->end.fatal) {
+    print_summary(a);
+    agent_exit(a, a->end.exit_code ? a->end.exit_code : 1);
+    return;
+  }
+  log_info("round %d ended (%s): %s; re-rendezvous", a->asg.round, rdzv_end_kind_name(a->end.kind), a->end.reason);
+  start_join(a);
+  arm_join_timer(a);
+}
+
+static void on_worker_exit(workers_t *w, const workers_info_t *info, void *arg) {
+  agent_t *a = arg;
+  char sbuf[32];
+  if (info->exit_code == 0) {
+    log_debug("rank %d exited 0", info->rank);
+    return;
+  }
+  if (a->state != AGENT_RUNNING) {
+    log_debug("rank %d exited with %d while stopping", info->rank, info->exit_code);
+    return;
+  }
+  /* The first failure of the round on this node: the root cause if this node wins the claim. */
+  rdzv_end_t e = {.kind = RDZV_END_FAILURE, .exit_code = info->exit_code, .rank = info->rank,
+                  .local_rank = info->local_rank, .signal = info->term_signal, .time = info->exit_time};
+  net_hostname(e.host, sizeof e.host);
+  char ts[64], err[256];
+  if (errfile_read(info->error_file, e.message, sizeof e.message, ts, sizeof ts, err, sizeof err) == -EINVAL)
+    snprintf(e.message, sizeof e.message, "(unreadable error file: %s)", err);
+  if (info->term_signal)
+    snprintf(e.reason, sizeof e.reason, "rank %d (pid %d) on %s died by %s", info->rank, (int)info->pid, e.host,
+             sig_name(info->term_signal, sbuf, sizeof sbuf));
+  else
+    snprintf(e.reason, sizeof e.reason, "rank %d (pid %d) on %s exited with code %d", info->rank, (int)info->pid,
+             e.host, info->exit_code);
+  log_warn("%s: stopping the other workers", e.reason);
+  a->state = AGENT_STOPPING;
+  a->local_failure = 1;
+  workers_stop(a->wk, SIGTERM, a->opts->shutdown_timeout_s);
+  rdzv_end_round(a->rz, &e);
+}
+
+static void on_workers_idle(workers_t *w, void *arg) {
+  agent_t *a = arg;
+  switch (a->state) {
+  case AGENT_RUNNING:
+    /* Every worker exited 0. */
+    log_info("round %d: all %d workers exited 0", a->asg.round, workers_count(w));
+    a->state = AGENT_FINISHING;
+    rdzv_done(a->rz);
+    break;
+  case AGENT_STOPPING: round_over(a); break;
+  case AGENT_EXITING: close_all(a); break;
+  default: break;
+  }
+}
+
+static int make_attempt_dir(agent_t *a, int attempt, char *out, size_t len) {
+  if (snprintf(out, len, "%.4000s/attempt_%d", a->base_dir, attempt) >= (int)len) return -ENAMETOOLONG;
+  return 0;
+}
+
+static void on_rdzv(rdzv_t *rz, const rdzv_event_t *ev, void *arg) {
+  agent_t *a = arg;
+  if (a->state == AGENT_EXITING) return;
+  switch (ev->kind) {
+  case RDZV_EV_ASSIGNED: {
+    if (a->state != AGENT_JOINING) return;
+    uv_timer_stop(&a->join_timer);
+    a->asg = ev->assignment;
+    const rdzv_assignment_t *g = &a->asg;
+    log_info("round %d: node %d of %d (group rank %d), ranks %d..%d of %d, master %s:%d", g->round, g->group_rank,
+             g->nnodes, g->group_rank, g->rank_offset, g->rank_offset + g->nproc - 1, g->world_size, g->master_addr,
+             g->master_port);
+    workers_round_t r = {.restart_count = g->round, .rank_offset = g->rank_offset, .world_size = g->world_size,
+                         .group_rank = g->group_rank, .group_world_size = g->nnodes, .nproc = g->nproc,
+                         .master_port = g->master_port, .max_restarts = a->opts->max_restarts,
+                         .log_files = a->opts->log_dir[0] != 0};
+    snprintf(r.master_addr, sizeof r.master_addr, "%s", g->master_addr);
+    snprintf(r.store_endpoint, sizeof r.store_endpoint, "%s", a->store_ep);
+    snprintf(r.run_id, sizeof r.run_id, "%s", a->opts->rdzv_id);
+    make_attempt_dir(a, g->round, r.attempt_dir, sizeof r.attempt_dir);
+    char err[512];
+    a->state = AGENT_RUNNING;
+    if (workers_start(a->wk, &r, err, sizeof err)) {
+      log_error("starting workers: %s", err);
+      agent_exit(a, 1);
+    }
+    break;
+  }
+  case RDZV_EV_ROUND_END:
+    if (a->state == AGENT_RUNNING) {
+      log_warn("round %d ended elsewhere (%s): %s; stopping workers", a->asg.round,
+               rdzv_end_kind_name(ev->end.kind), ev->end.reason);
+      a->state = AGENT_STOPPING;
+      workers_stop(a->wk, SIGTERM, a->opts->shutdown_timeout_s);
+    }
+    if (a->state != AGENT_STOPPING) return; /* FINISHING: our work is done */
+    a->end = ev->end;
+    a->have_end = 1;
+    round_over(a);
+    break;
+  case RDZV_EV_DONE:
+    if (a->state == AGENT_FINISHING) agent_exit(a, 0);
+    break;
+  case RDZV_EV_ERROR:
+    log_error("%s", ev->message);
+    agent_exit(a, 1);
+    break;
+  }
+}
+
+static void on_signal(uv_signal_t *h, int sig) {
+  agent_t *a = h->data;
+  char sbuf[32];
+  if (sig == SIGUSR1 || sig == SIGUSR2) {
+    log_info("forwarding %s to the workers", sig_name(sig, sbuf, sizeof sbuf));
+    if (a->wk) workers_signal(a->wk, sig);
+    return;
+  }
+  if (a->shutdown_sig) {
+    /* A second INT/TERM/HUP: no more grace. */
+    log_warn("%s again: SIGKILL to the workers", sig_name(sig, sbuf, sizeof sbuf));
+    workers_kill_all(a->wk);
+    return;
+  }
+  a->shutdown_sig = sig;
+  log_warn("got %s: forwarding to the workers, then shutting down (grace %gs)", sig_name(sig, sbuf, sizeof sbuf),
+           a->opts->shutdown_timeout_s);
+  /* Forward the signal itself (torchrun does the same), SIGKILL after the grace period. */
+  if (a->wk) workers_stop(a->wk, sig, a->opts->shutdown_timeout_s);
+  agent_exit(a, 128 + sig);
+}
+
+static int is_loopback(const char *h) {
+  return !strncmp(h, "127.", 4) || !strcmp(h, "localhost") || !strcmp(h, "::1");
+}
+
+static int rm_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw) {
+  (void)st;
+  (void)flag;
+  (void)ftw;
+  remove(path);
+  return 0;
+}
+
+static int setup_base_dir(agent_t *a, char *err, size_t errlen) {
+  const launcher_opts_t *o = a->opts;
+  if (o->log_dir[0]) {
+    snprintf(a->base_dir, sizeof a->base_dir, "%s/%s", o->log_dir, o->rdzv_id);
+    if (mkdir(o->log_dir, 0755) && errno != EEXIST) {
+      snprintf(err, errlen, "--log_dir %.900s: %s", o->log_dir, strerror(errno));
+      return -errno;
+    }
+    if (mkdir(a->base_dir, 0755) && errno != EEXIST) {
+      snprintf(err, errlen, "--log_dir: mkdir %.900s: %s", a->base_dir, strerror(errno));
+      return -errno;
+    }
+    return 0;
+  }
+  const char *tmp = getenv("TMPDIR");
+  snprintf(a->base_dir, sizeof a->base_dir, "%s/meshrun-%s-XXXXXX", tmp && *tmp ? tmp : "/tmp", o->rdzv_id);
+  if (!mkdtemp(a->base_dir)) {
+    snprintf(err, errlen, "creating a temporary directory %.900s: %s", a->base_dir, strerror(errno));
+    return -errno;
+  }
+  a->base_is_tmp = 1;
+  /* Redirected or teed streams without --log_dir live here; keep it then, and say where. */
+  int any = o->redirects || o->tee;
+  for (int i = 0; i < CLI_MAX_LOCAL_RANKS; i++) any |= o->redirects_per_rank[i] > 0 || o->tee_per_rank[i] > 0;
+  if (any) {
+    log_info("worker logs (no --log_dir given): %s", a->base_dir);
+    a->base_is_tmp = 0;
+  }
+  return 0;
+}
+
+int agent_run(launcher_opts_t *o) {
+  agent_t *a = calloc(1, sizeof *a);
+  char err[1024];
+  int rc, code = 1;
+  if (!a) {
+    log_error("out of memory");
+    return 1;
+  }
+  a->opts = o;
+  if ((rc = uv_loop_init(&a->loop))) {
+    log_error("event loop: %s", uv_strerror(rc));
+    free(a);
+    return 1;
+  }
+  uv_timer_init(&a->loop, &a->join_timer);
+  a->join_timer.data = a;
+  for (int i = 0; i < NFORWARDED; i++) {
+    uv_signal_init(&a->loop, &a->sigs[i]);
+    a->sigs[i].data = a;
+    uv_signal_start(&a->sigs[i], on_signal, FORWARDED[i]);
+  }
+  /* Host the store when this node can bind the endpoint; otherwise be a client of whoever
+   * does. A port taken by something else is found out on the first request (rdzv). */
+  snprintf(a->store_host, sizeof a->store_host, "%s", o->rdzv_host);
+  rc = store_server_start(&a->srv, &a->loop, o->rdzv_host, o->rdzv_port, &a->store_port, err, sizeof err);
+  if (rc == 0) {
+    log_debug("serving the rendezvous store on port %d", a->store_port);
+  } else if (o->rdzv_port == 0) {
+    log_error("--standalone: cannot start the store: %s", err);
+    goto out;
+  } else {
+    log_debug("not hosting the store (%s): connecting as a client", err);
+    a->srv = NULL;
+    a->store_port = o->rdzv_port;
+  }
+  net_format_endpoint(a->store_ep, sizeof a->store_ep, a->store_host, a->store_port);
+  if (setup_base_dir(a, err, sizeof err)) {
+    log_error("%s", err);
+    goto out;
+  }
+  rdzv_config_t cfg = {.store_port = a->store_port, .nnodes_min = o->nnodes_min, .nnodes_max = o->nnodes_max,
+                       .node_rank = o->node_rank, .nproc = o->nproc_per_node, .join_timeout_s = o->join_timeout_s,
+                       .last_call_timeout_s = o->last_call_timeout_s, .close_timeout_s = o->close_timeout_s,
+                       .heartbeat_interval_s = o->heartbeat_interval_s,
+                       .heartbeat_timeout_s = o->heartbeat_timeout_s, .max_restarts = o->max_restarts,
+                       .is_store_host = a->srv != NULL};
+  snprintf(cfg.store_host, sizeof cfg.store_host, "%s", a->store_host);
+  snprintf(cfg.run_id, sizeof cfg.run_id, "%s", o->rdzv_id);
+  /* The address peers dial for MASTER_ADDR: loopback jobs stay on loopback; otherwise
+   * --master_addr when given, else this host's name. */
+  if (is_loopback(o->rdzv_host)) snprintf(cfg.addr, sizeof cfg.addr, "%s", "127.0.0.1");
+  else if (o->master_addr[0]) snprintf(cfg.addr, sizeof cfg.addr, "%s", o->master_addr);
+  else net_hostname(cfg.addr, sizeof cfg.addr);
+  if (workers_create(&a->wk, &a->loop, o, on_worker_exit, on_workers_idle, a, err, sizeof err)) {
+    log_error("%s", err);
+    goto out;
+  }
+  if (rdzv_create(&a->rz, &a->loop, &cfg, on_rdzv, a, err, sizeof err)) {
+    log_error("%s", err);
+    goto out;
+  }
+  start_join(a);
+  arm_join_timer(a);
+  uv_run(&a->loop, UV_RUN_DEFAULT);
+  code = a->exit_code;
+  goto cleanup;
+out:
+  code = 1;
+  agent_exit(a, 1);
+  uv_run(&a->loop, UV_RUN_DEFAULT);
+cleanup:
+  if (a->base_is_tmp) nftw(a->base_dir, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+  /* rdzv's threads may still be inside a bounded store wait; they end with the process, so
+   * neither the loop nor the agent is torn down under them. */
+  return code;
+}

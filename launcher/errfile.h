@@ -1,0 +1,18 @@
+/* errfile: reads the JSON error file a worker may write at TORCHELASTIC_ERROR_FILE.
+ *
+ * Accepts torch's format {"message": {"message": "...", "extraInfo": {"timestamp": "..."}}}
+ * and a plain {"message": "..."}. Only reads; the worker writes it, the agent chooses the
+ * path (launcher/workers) and reports the message in the failure summary (launcher/agent). */
+#ifndef MESHRUN_ERRFILE_H
+#define MESHRUN_ERRFILE_H
+
+#include <stddef.h>
+
+/* Parses JSON text. Fills msg (the message; "" if none) and ts (extraInfo.timestamp; "" if
+ * none). Returns 0, or -EINVAL (not JSON, or no "message") with the reason in err. */
+int errfile_parse(const char *json, size_t len, char *msg, size_t msglen, char *ts, size_t tslen, char *err,
+                  size_t errlen);
+/* Reads path and parses it. -ENOENT when the file does not exist (the worker wrote none). */
+int errfile_read(const char *path, char *msg, size_t msglen, char *ts, size_t tslen, char *err, size_t errlen);
+
+#endif

@@ -1,0 +1,50 @@
+/* main: meshrun's entry point: flags, a check that PROGRAM can run, then the agent.
+ *
+ * Exit statuses: 0 success; 2 a usage error (one line naming the flag); 127 PROGRAM not found
+ * or not executable (like a shell's "command not found"; checked before any rendezvous so a
+ * typo fails at once on every node); otherwise what agent_run returns: the root-cause
+ * worker's code (128+signal when it died by a signal), 128+sig when meshrun itself got
+ * INT/TERM/HUP, 1 for launcher errors. */
+#include <errno.h>
+#include <limits.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common/log.h"
+#include "launcher/agent.h"
+#include "launcher/cli.h"
+#include "launcher/workers.h"
+
+int main(int argc, char **argv) {
+  log_init("[meshrun]");
+  launcher_opts_t opts;
+  char err[1024];
+  cli_defaults(&opts);
+  int rc = cli_parse(&opts, argc, argv, err, sizeof err);
+  if (rc == CLI_HELP) {
+    fputs(cli_usage(), stdout);
+    return 0;
+  }
+  if (rc == CLI_VERSION) {
+    printf("meshrun %s\n", MESHRUN_VERSION);
+    return 0;
+  }
+  if (rc) {
+    fprintf(stderr, "%s\n", err[0] ? err : "meshrun: bad arguments (see --help)");
+    return 2;
+  }
+  if (!opts.run_module) {
+    char path[PATH_MAX], why[128];
+    if (workers_find_program(opts.program, path, sizeof path, why, sizeof why)) {
+      fprintf(stderr, "meshrun: %s: %s\n", opts.program, why);
+      return 127;
+    }
+  }
+  /* A store peer that vanishes mid-write must be an error code, not a dead launcher. Workers
+   * get default dispositions back before exec. */
+  signal(SIGPIPE, SIG_IGN);
+  return agent_run(&opts);
+}

@@ -1,0 +1,848 @@
+/* rdzv: rendezvous rounds, round ends and heartbeats over the store, on two threads that
+ * report to the agent's loop (see rdzv.h for the key schema and the division of work).
+ *
+ * Every store call here blocks, which is why none of it runs on the loop thread. Waits are cut
+ * into slices of at most RDZV_SLICE_MS so that the stop flag is seen promptly. The pure
+ * decision functions at the bottom hold the rules; the thread code only moves data. */
+#include "launcher/rdzv.h"
+
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "common/log.h"
+#include "common/net.h"
+#include "common/store.h"
+
+#define RDZV_SLICE_MS 500
+#define RDZV_KEY_MAX 512
+
+typedef enum { CMD_JOIN = 0, CMD_END, CMD_DONE } cmd_kind_t;
+
+typedef struct {
+  cmd_kind_t kind;
+  rdzv_end_t end;
+} cmd_t;
+
+struct rdzv {
+  rdzv_config_t cfg;
+  uv_loop_t *loop;
+  uv_async_t async;
+  rdzv_event_cb cb;
+  void *arg;
+  char prefix[256]; /* "meshrun/<run_id>/" */
+  atomic_int stop;
+  atomic_int done; /* this node said it is done: a store going away now is the host leaving */
+
+  uv_mutex_t mu;
+  uv_cond_t cmd_cond, watch_cond;
+  cmd_t cmds[16];
+  int ncmds;
+  rdzv_event_t *events;
+  int nevents, capevents;
+
+  /* The running round, published by the command thread for the watch thread. */
+  int cur_round, cur_n, cur_my_idx, watch_gen;
+  rdzv_node_t *cur_nodes;
+
+  store_t *cs, *ws; /* command and watch connections */
+  uv_thread_t cmd_thr, watch_thr;
+};
+
+static double mono_now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static double wall_now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static void emit(rdzv_t *rz, const rdzv_event_t *ev) {
+  uv_mutex_lock(&rz->mu);
+  if (rz->nevents == rz->capevents) {
+    int cap = rz->capevents ? rz->capevents * 2 : 8;
+    rdzv_event_t *p = realloc(rz->events, (size_t)cap * sizeof *p);
+    if (!p) {
+      uv_mutex_unlock(&rz->mu);
+      log_error("rdzv: out of memory queueing an event");
+      return;
+    }
+    rz->events = p;
+    rz->capevents = cap;
+  }
+  rz->events[rz->nevents++] = *ev;
+  uv_mutex_unlock(&rz->mu);
+  uv_async_send(&rz->async);
+}
+
+static void emit_error(rdzv_t *rz, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void emit_error(rdzv_t *rz, const char *fmt, ...) {
+  if (atomic_load(&rz->stop)) return;
+  rdzv_event_t *ev = calloc(1, sizeof *ev);
+  if (!ev) return;
+  ev->kind = RDZV_EV_ERROR;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(ev->message, sizeof ev->message, fmt, ap);
+  va_end(ap);
+  emit(rz, ev);
+  free(ev);
+}
+
+static void store_lost(rdzv_t *rz, store_t *s, int rc) {
+  char ep[300];
+  net_format_endpoint(ep, sizeof ep, rz->cfg.store_host, rz->cfg.store_port);
+  emit_error(rz, "rendezvous store at %s lost: %s", ep, s ? store_errmsg(s) : store_strerror(rc));
+}
+
+static void on_async(uv_async_t *h) {
+  rdzv_t *rz = h->data;
+  for (;;) {
+    uv_mutex_lock(&rz->mu);
+    if (rz->nevents == 0) {
+      uv_mutex_unlock(&rz->mu);
+      return;
+    }
+    rdzv_event_t ev = rz->events[0];
+    memmove(rz->events, rz->events + 1, (size_t)(rz->nevents - 1) * sizeof ev);
+    rz->nevents--;
+    uv_mutex_unlock(&rz->mu);
+    if (!atomic_load(&rz->stop)) rz->cb(rz, &ev, rz->arg);
+  }
+}
+
+static void keyf(rdzv_t *rz, char *out, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void keyf(rdzv_t *rz, char *out, const char *fmt, ...) {
+  int n = snprintf(out, RDZV_KEY_MAX, "%s", rz->prefix);
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(out + n, (size_t)(RDZV_KEY_MAX - n), fmt, ap);
+  va_end(ap);
+}
+
+/* Reads an integer key; absent reads as dflt. */
+static int read_int(store_t *s, const char *key, int64_t dflt, int64_t *out) {
+  void *v = NULL;
+  size_t len = 0;
+  int rc = store_get_nowait(s, key, &v, &len);
+  if (rc == STORE_ENOKEY) {
+    *out = dflt;
+    return 0;
+  }
+  if (rc) return rc;
+  *out = strtoll(v, NULL, 10);
+  free(v);
+  return 0;
+}
+
+static int set_str(store_t *s, const char *key, const char *val) { return store_set(s, key, val, strlen(val)); }
+
+static int key_exists(store_t *s, const char *key, int *exist) {
+  const char *k[1] = {key};
+  return store_check(s, k, 1, exist);
+}
+
+/* Waits for key up to timeout_ms (< 0: until stop), in slices so the stop flag is seen.
+ * Returns 0, STORE_ETIMEDOUT, 1 when stopped, or a store error. */
+static int wait_key(rdzv_t *rz, store_t *s, const char *key, int timeout_ms) {
+  double deadline = mono_now() + timeout_ms / 1000.0;
+  const char *k[1] = {key};
+  for (;;) {
+    if (atomic_load(&rz->stop)) return 1;
+    int slice = RDZV_SLICE_MS;
+    if (timeout_ms >= 0) {
+      double left = (deadline - mono_now()) * 1000.0;
+      if (left <= 0) return STORE_ETIMEDOUT;
+      if (left < slice) slice = (int)left + 1;
+    }
+    int rc = store_wait(s, k, 1, slice);
+    if (rc != STORE_ETIMEDOUT) return rc;
+  }
+}
+
+static int ensure_conn(rdzv_t *rz, store_t **s, int timeout_ms) {
+  if (*s) return 0;
+  char err[512];
+  int rc = store_connect(s, rz->cfg.store_host, rz->cfg.store_port, timeout_ms, err, sizeof err);
+  if (rc) {
+    char ep[300];
+    net_format_endpoint(ep, sizeof ep, rz->cfg.store_host, rz->cfg.store_port);
+    if (rc == STORE_EPROTO)
+      emit_error(rz, "--rdzv_endpoint %s: port is in use by another program (not a meshrun store): %s", ep, err);
+    else
+      emit_error(rz, "--rdzv_endpoint %s: %s", ep, err);
+    *s = NULL;
+  }
+  return rc;
+}
+
+/* round r -> r+1, unless someone already did it. */
+static int bump_round(rdzv_t *rz, store_t *s, int r) {
+  char key[RDZV_KEY_MAX], cur[32], next[32];
+  keyf(rz, key, "round");
+  snprintf(cur, sizeof cur, "%d", r);
+  snprintf(next, sizeof next, "%d", r + 1);
+  void *actual = NULL;
+  size_t alen = 0;
+  int rc = store_compare_set(s, key, r == 0 ? NULL : cur, r == 0 ? 0 : strlen(cur), next, strlen(next), &actual,
+                             &alen);
+  free(actual);
+  return rc;
+}
+
+/* Ends round r with e unless another node ended it first. Only the node that wins the claim
+ * counts a failure against the job's budget and decides whether the job is over. */
+static int post_end(rdzv_t *rz, store_t *s, int r, rdzv_end_t *e, int survivors) {
+  char key[RDZV_KEY_MAX], token[RDZV_ADDR_MAX + 64];
+  snprintf(token, sizeof token, "%s/%d/%d", rz->cfg.addr, (int)getpid(), e->node_idx);
+  keyf(rz, key, "r%d/claim", r);
+  void *actual = NULL;
+  size_t alen = 0;
+  int rc = store_compare_set(s, key, NULL, 0, token, strlen(token), &actual, &alen);
+  if (rc) return rc;
+  int won = alen == strlen(token) && memcmp(actual, token, alen) == 0;
+  free(actual);
+  if (!won) return 0;
+  int64_t failures = 0;
+  if (e->kind == RDZV_END_FAILURE) {
+    keyf(rz, key, "failures");
+    if ((rc = store_add(s, key, 1, &failures))) return rc;
+  }
+  e->fatal = e->fatal || rdzv_end_fatal(e->kind, failures, rz->cfg.max_restarts, survivors, rz->cfg.nnodes_min);
+  char *json = rdzv_end_encode(e);
+  if (!json) return STORE_ENOMEM;
+  keyf(rz, key, "r%d/end", r);
+  rc = set_str(s, key, json);
+  free(json);
+  if (rc) return rc;
+  return bump_round(rz, s, r);
+}
+
+static int parse_node(const char *v, int idx, rdzv_node_t *n) {
+  n->idx = idx;
+  char addr[RDZV_ADDR_MAX];
+  if (sscanf(v, "%d %d %255s", &n->node_rank, &n->nproc, addr) != 3) return -1;
+  snprintf(n->addr, sizeof n->addr, "%s", addr);
+  return 0;
+}
+
+/* Publishes the round to the watch thread. */
+static void watch_round(rdzv_t *rz, int r, int n, int my_idx, rdzv_node_t *nodes) {
+  uv_mutex_lock(&rz->mu);
+  free(rz->cur_nodes);
+  rz->cur_nodes = nodes;
+  rz->cur_round = r;
+  rz->cur_n = n;
+  rz->cur_my_idx = my_idx;
+  rz->watch_gen++;
+  uv_cond_signal(&rz->watch_cond);
+  uv_mutex_unlock(&rz->mu);
+}
+
+static void do_join(rdzv_t *rz) {
+  const rdzv_config_t *c = &rz->cfg;
+  double deadline = mono_now() + c->join_timeout_s;
+  int join_ms = (int)(c->join_timeout_s * 1000);
+  if (ensure_conn(rz, &rz->cs, join_ms)) return;
+  store_t *s = rz->cs;
+  char key[RDZV_KEY_MAX], val[RDZV_ADDR_MAX + 64];
+  int rc;
+  rdzv_node_t *nodes = NULL;
+  const char **keys = NULL;
+  void **vals = NULL;
+  size_t *lens = NULL;
+  int n = 0;
+  for (;;) {
+    if (atomic_load(&rz->stop)) return;
+    int64_t r64;
+    keyf(rz, key, "round");
+    if ((rc = read_int(s, key, 0, &r64))) goto store_error;
+    int r = (int)r64;
+    keyf(rz, key, "r%d/closed", r);
+    int64_t closed;
+    if ((rc = read_int(s, key, -1, &closed))) goto store_error;
+    if (closed >= 0) {
+      /* Round r is closed: over (then help bump the round) or running (we are late). */
+      int ended;
+      keyf(rz, key, "r%d/end", r);
+      if ((rc = key_exists(s, key, &ended))) goto store_error;
+      if (ended) {
+        if ((rc = bump_round(rz, s, r))) goto store_error;
+        continue;
+      }
+      if (rdzv_late_action((int)closed, c->nnodes_max) == RDZV_LATE_SCALE_UP) {
+        rdzv_end_t e = {.kind = RDZV_END_SCALE_UP, .exit_code = 0, .rank = -1, .node_idx = 0, .time = wall_now()};
+        snprintf(e.host, sizeof e.host, "%s", c->addr);
+        snprintf(e.reason, sizeof e.reason, "node %s joined; round %d had %d of max %d nodes", c->addr, r,
+                 (int)closed, c->nnodes_max);
+        log_info("round %d is running with %d of max %d nodes: asking it to restart with this node", r,
+                 (int)closed, c->nnodes_max);
+        if ((rc = post_end(rz, s, r, &e, (int)closed + 1))) goto store_error;
+        continue;
+      }
+      log_info("round %d is full (%d nodes): waiting for it to end", r, (int)closed);
+      rc = wait_key(rz, s, key, -1);
+      if (rc == 1) return;
+      if (rc) goto store_error;
+      continue;
+    }
+    /* Open round: take a join index, describe ourselves, then wait for it to close. */
+    int64_t idx;
+    keyf(rz, key, "r%d/n", r);
+    if ((rc = store_add(s, key, 1, &idx))) goto store_error;
+    keyf(rz, key, "r%d/node/%d", r, (int)idx);
+    snprintf(val, sizeof val, "%d %d %s", c->node_rank, c->nproc, c->addr);
+    if ((rc = set_str(s, key, val))) goto store_error;
+    keyf(rz, key, "r%d/hb/%d", r, (int)idx);
+    if ((rc = set_str(s, key, "0"))) goto store_error;
+    log_debug("round %d: joined as node %d", r, (int)idx);
+
+    char closed_key[RDZV_KEY_MAX];
+    keyf(rz, closed_key, "r%d/closed", r);
+    rdzv_close_action_t act = rdzv_close_action((int)idx, c->nnodes_min, c->nnodes_max);
+    if (act == RDZV_CLOSE_AFTER_LAST_CALL) {
+      rc = wait_key(rz, s, closed_key, act == RDZV_CLOSE_NOW ? 0 : (int)(c->last_call_timeout_s * 1000));
+      if (rc == 1) return;
+      if (rc && rc != STORE_ETIMEDOUT) goto store_error;
+    }
+    if (act != RDZV_CLOSE_WAIT) {
+      /* Close with everyone who has joined so far (at least us, so at least min). */
+      int64_t count = idx;
+      if (act == RDZV_CLOSE_AFTER_LAST_CALL) {
+        keyf(rz, key, "r%d/n", r);
+        if ((rc = store_add(s, key, 0, &count))) goto store_error;
+        if (count > c->nnodes_max) count = c->nnodes_max;
+      }
+      snprintf(val, sizeof val, "%d", (int)count);
+      void *actual = NULL;
+      size_t alen = 0;
+      if ((rc = store_compare_set(s, closed_key, NULL, 0, val, strlen(val), &actual, &alen))) goto store_error;
+      free(actual);
+    } else {
+      double left = deadline - mono_now();
+      rc = wait_key(rz, s, closed_key, left > 0 ? (int)(left * 1000) : 0);
+      if (rc == 1) return;
+      if (rc == STORE_ETIMEDOUT) {
+        int64_t count = 0;
+        keyf(rz, key, "r%d/n", r);
+        store_add(s, key, 0, &count);
+        emit_error(rz, "rendezvous round %d did not close within join_timeout=%gs: %d of min %d nodes joined", r,
+                   c->join_timeout_s, (int)count, c->nnodes_min);
+        return;
+      }
+      if (rc) goto store_error;
+    }
+    if ((rc = read_int(s, closed_key, -1, &closed))) goto store_error;
+    if (idx > closed) {
+      log_info("round %d closed with %d nodes before this node (index %d) joined", r, (int)closed, (int)idx);
+      continue;
+    }
+
+    /* Participants 1..N. Each wrote its node key right after taking its index. */
+    n = (int)closed;
+    nodes = calloc((size_t)n, sizeof *nodes);
+    keys = calloc((size_t)n, sizeof *keys);
+    vals = calloc((size_t)n, sizeof *vals);
+    lens = calloc((size_t)n, sizeof *lens);
+    char *keybuf = malloc((size_t)n * RDZV_KEY_MAX);
+    if (!nodes || !keys || !vals || !lens || !keybuf) {
+      free(keybuf);
+      rc = STORE_ENOMEM;
+      goto store_error;
+    }
+    for (int i = 0; i < n; i++) {
+      keyf(rz, keybuf + (size_t)i * RDZV_KEY_MAX, "r%d/node/%d", r, i + 1);
+      keys[i] = keybuf + (size_t)i * RDZV_KEY_MAX;
+    }
+    rc = store_multi_get(s, keys, (size_t)n, vals, lens, (int)(c->close_timeout_s * 1000));
+    free(keybuf);
+    if (rc) goto store_error;
+    for (int i = 0; i < n; i++) {
+      if (parse_node(vals[i], i + 1, &nodes[i])) {
+        emit_error(rz, "rendezvous round %d: node %d published a malformed description", r, i + 1);
+        goto out;
+      }
+    }
+    rdzv_assignment_t a;
+    int rank0_idx = 0;
+    char err[RDZV_MSG_MAX];
+    if (rdzv_assign_ranks(nodes, n, (int)idx, &a, &rank0_idx, err, sizeof err)) {
+      emit_error(rz, "rendezvous round %d: %s", r, err);
+      goto out;
+    }
+    a.round = r;
+    int64_t failures;
+    keyf(rz, key, "failures");
+    if ((rc = read_int(s, key, 0, &failures))) goto store_error;
+    a.failures = (int)failures;
+    keyf(rz, key, "r%d/master", r);
+    if (rank0_idx == idx) {
+      /* A fresh port each round: the previous round's rank 0 may still hold the old one in
+       * TIME_WAIT, and a PyTorch rank 0 binds MASTER_PORT itself. */
+      int port = 0;
+      if (net_free_port("", &port, err, sizeof err)) {
+        emit_error(rz, "choosing MASTER_PORT: %s", err);
+        goto out;
+      }
+      snprintf(val, sizeof val, "%s %d", c->addr, port);
+      if ((rc = set_str(s, key, val))) goto store_error;
+    }
+    void *mv = NULL;
+    size_t mlen = 0;
+    if ((rc = store_get(s, key, &mv, &mlen, (int)(c->close_timeout_s * 1000)))) goto store_error;
+    if (sscanf(mv, "%255s %d", a.master_addr, &a.master_port) != 2) {
+      free(mv);
+      emit_error(rz, "rendezvous round %d: malformed master endpoint", r);
+      goto out;
+    }
+    free(mv);
+    rdzv_event_t *ev = calloc(1, sizeof *ev);
+    if (!ev) goto out;
+    ev->kind = RDZV_EV_ASSIGNED;
+    ev->assignment = a;
+    watch_round(rz, r, n, (int)idx, nodes);
+    nodes = NULL;
+    emit(rz, ev);
+    free(ev);
+    goto out;
+  }
+store_error:
+  if (rc == STORE_ETIMEDOUT)
+    emit_error(rz, "rendezvous timed out: %s", store_errmsg(s));
+  else
+    store_lost(rz, s, rc);
+out:
+  if (vals)
+    for (int i = 0; i < n; i++) free(vals[i]);
+  free(vals);
+  free(lens);
+  free(keys);
+  free(nodes);
+}
+
+static void do_end(rdzv_t *rz, rdzv_end_t *e) {
+  if (ensure_conn(rz, &rz->cs, (int)(rz->cfg.join_timeout_s * 1000))) return;
+  uv_mutex_lock(&rz->mu);
+  int r = rz->cur_round, n = rz->cur_n;
+  e->node_idx = rz->cur_my_idx;
+  uv_mutex_unlock(&rz->mu);
+  int rc = post_end(rz, rz->cs, r, e, n);
+  if (rc) store_lost(rz, rz->cs, rc);
+}
+
+static void do_done(rdzv_t *rz) {
+  store_t *s = rz->cs;
+  char key[RDZV_KEY_MAX];
+  uv_mutex_lock(&rz->mu);
+  int r = rz->cur_round, n = rz->cur_n, me = rz->cur_my_idx;
+  uv_mutex_unlock(&rz->mu);
+  keyf(rz, key, "r%d/done/%d", r, me);
+  /* Before the set: once it lands, the host may leave at any moment, and the watch thread's
+   * connection dropping then is expected, not a lost store. */
+  atomic_store(&rz->done, 1);
+  int rc = set_str(s, key, "1");
+  if (rc) {
+    store_lost(rz, s, rc);
+    return;
+  }
+  /* The store host waits for the others to finish (or the round to end) before exiting, since
+   * leaving would take the store from under them. Others leave at once. */
+  if (rz->cfg.is_store_host) {
+    char end_key[RDZV_KEY_MAX];
+    keyf(rz, end_key, "r%d/end", r);
+    for (int i = 1; i <= n && !atomic_load(&rz->stop);) {
+      keyf(rz, key, "r%d/done/%d", r, i);
+      int ended = 0;
+      rc = key_exists(s, end_key, &ended);
+      if (rc || ended) break;
+      rc = wait_key(rz, s, key, (int)(rz->cfg.heartbeat_interval_s * 1000));
+      if (rc == 0) i++;
+      else if (rc != STORE_ETIMEDOUT) break;
+    }
+  }
+  rdzv_event_t ev = {.kind = RDZV_EV_DONE};
+  emit(rz, &ev);
+}
+
+static void cmd_main(void *arg) {
+  rdzv_t *rz = arg;
+  for (;;) {
+    uv_mutex_lock(&rz->mu);
+    while (rz->ncmds == 0 && !atomic_load(&rz->stop)) uv_cond_wait(&rz->cmd_cond, &rz->mu);
+    if (atomic_load(&rz->stop)) {
+      uv_mutex_unlock(&rz->mu);
+      return;
+    }
+    cmd_t cmd = rz->cmds[0];
+    memmove(rz->cmds, rz->cmds + 1, (size_t)(rz->ncmds - 1) * sizeof cmd);
+    rz->ncmds--;
+    uv_mutex_unlock(&rz->mu);
+    switch (cmd.kind) {
+    case CMD_JOIN: do_join(rz); break;
+    case CMD_END: do_end(rz, &cmd.end); break;
+    case CMD_DONE: do_done(rz); break;
+    }
+  }
+}
+
+/* Watches one round: its end key (event-driven), our heartbeat, the peers' heartbeats. */
+static void watch_one(rdzv_t *rz, int gen, int r, int n, int me, const rdzv_node_t *nodes) {
+  const rdzv_config_t *c = &rz->cfg;
+  store_t *s = rz->ws;
+  char end_key[RDZV_KEY_MAX], key[RDZV_KEY_MAX];
+  keyf(rz, end_key, "r%d/end", r);
+  rdzv_hb_t hb;
+  if (rdzv_hb_init(&hb, n, mono_now())) return;
+  char *done = calloc((size_t)n, 1);
+  int64_t counter = 0;
+  int interval_ms = (int)(c->heartbeat_interval_s * 1000);
+  if (interval_ms < 1) interval_ms = 1;
+  int rc = 0;
+  int posted = 0;
+  while (!atomic_load(&rz->stop)) {
+    uv_mutex_lock(&rz->mu);
+    int stale = rz->watch_gen != gen;
+    uv_mutex_unlock(&rz->mu);
+    if (stale) break;
+    /* Wait and read in one request: the value is in hand even if the store goes away next. */
+    void *v = NULL;
+    size_t len = 0;
+    rc = store_get(s, end_key, &v, &len, interval_ms);
+    if (rc == 0) {
+      rdzv_event_t *ev = calloc(1, sizeof *ev);
+      if (ev) {
+        ev->kind = RDZV_EV_ROUND_END;
+        if (rdzv_end_decode(v, len, &ev->end)) {
+          ev->end.kind = RDZV_END_FAILURE;
+          ev->end.fatal = 1;
+          ev->end.exit_code = 1;
+          snprintf(ev->end.reason, sizeof ev->end.reason, "round %d ended with an unreadable reason", r);
+        }
+        emit(rz, ev);
+        free(ev);
+      }
+      free(v);
+      goto out;
+    }
+    if (rc != STORE_ETIMEDOUT) break;
+    keyf(rz, key, "r%d/hb/%d", r, me);
+    char val[32];
+    snprintf(val, sizeof val, "%lld", (long long)++counter);
+    if ((rc = set_str(s, key, val))) break;
+    double now = mono_now();
+    for (int i = 0; i < n && !posted; i++) {
+      if (i + 1 == me || done[i]) continue;
+      int64_t v;
+      keyf(rz, key, "r%d/hb/%d", r, i + 1);
+      if ((rc = read_int(s, key, 0, &v))) goto lost;
+      rdzv_hb_observe(&hb, i, v, now);
+      if (!rdzv_hb_is_dead(&hb, i, now, c->heartbeat_timeout_s)) continue;
+      int is_done = 0;
+      keyf(rz, key, "r%d/done/%d", r, i + 1);
+      if ((rc = key_exists(s, key, &is_done))) goto lost;
+      if (is_done) {
+        done[i] = 1;
+        continue;
+      }
+      int survivors = 0;
+      for (int j = 0; j < n; j++)
+        if (j != i && !done[j]) survivors++;
+      rdzv_end_t e = {.kind = RDZV_END_DEAD_NODE, .exit_code = 1, .rank = -1, .node_idx = me, .time = wall_now()};
+      snprintf(e.host, sizeof e.host, "%s", nodes[i].addr);
+      snprintf(e.reason, sizeof e.reason,
+               "node %d (%s) sent no heartbeat for %.1fs (heartbeat_timeout=%gs); %d node(s) remain, min %d", i + 1,
+               nodes[i].addr, now - hb.changed_at[i], c->heartbeat_timeout_s, survivors, c->nnodes_min);
+      log_warn("%s", e.reason);
+      if ((rc = post_end(rz, s, r, &e, survivors))) goto lost;
+      posted = 1;
+    }
+  }
+lost:
+  if (rc && rc != STORE_ETIMEDOUT && !atomic_load(&rz->stop) && !atomic_load(&rz->done)) store_lost(rz, s, rc);
+out:
+  free(done);
+  rdzv_hb_free(&hb);
+}
+
+static void watch_main(void *arg) {
+  rdzv_t *rz = arg;
+  int seen = 0;
+  for (;;) {
+    uv_mutex_lock(&rz->mu);
+    while (rz->watch_gen == seen && !atomic_load(&rz->stop)) uv_cond_wait(&rz->watch_cond, &rz->mu);
+    if (atomic_load(&rz->stop)) {
+      uv_mutex_unlock(&rz->mu);
+      return;
+    }
+    seen = rz->watch_gen;
+    int r = rz->cur_round, n = rz->cur_n, me = rz->cur_my_idx;
+    rdzv_node_t *nodes = malloc((size_t)n * sizeof *nodes);
+    if (nodes) memcpy(nodes, rz->cur_nodes, (size_t)n * sizeof *nodes);
+    uv_mutex_unlock(&rz->mu);
+    if (!nodes) continue;
+    if (ensure_conn(rz, &rz->ws, (int)(rz->cfg.join_timeout_s * 1000)) == 0) watch_one(rz, seen, r, n, me, nodes);
+    free(nodes);
+  }
+}
+
+int rdzv_create(rdzv_t **out, uv_loop_t *loop, const rdzv_config_t *cfg, rdzv_event_cb cb, void *arg, char *err,
+                size_t errlen) {
+  rdzv_t *rz = calloc(1, sizeof *rz);
+  if (!rz) {
+    snprintf(err, errlen, "rdzv: out of memory");
+    return -ENOMEM;
+  }
+  rz->cfg = *cfg;
+  rz->loop = loop;
+  rz->cb = cb;
+  rz->arg = arg;
+  snprintf(rz->prefix, sizeof rz->prefix, "meshrun/%s/", cfg->run_id);
+  int rc;
+  if ((rc = uv_mutex_init(&rz->mu))) goto error;
+  if ((rc = uv_cond_init(&rz->cmd_cond))) goto error;
+  if ((rc = uv_cond_init(&rz->watch_cond))) goto error;
+  if ((rc = uv_async_init(loop, &rz->async, on_async))) goto error;
+  rz->async.data = rz;
+  if ((rc = uv_thread_create(&rz->cmd_thr, cmd_main, rz))) goto error;
+  if ((rc = uv_thread_create(&rz->watch_thr, watch_main, rz))) goto error;
+  *out = rz;
+  return 0;
+error:
+  /* Half-built: threads that did start see stop and leave; rz is not freed under them. */
+  snprintf(err, errlen, "rdzv: starting: %s", uv_strerror(rc));
+  atomic_store(&rz->stop, 1);
+  return rc;
+}
+
+static void push_cmd(rdzv_t *rz, const cmd_t *c) {
+  uv_mutex_lock(&rz->mu);
+  if (rz->ncmds < (int)(sizeof rz->cmds / sizeof rz->cmds[0])) rz->cmds[rz->ncmds++] = *c;
+  else log_error("rdzv: command queue full");
+  uv_cond_signal(&rz->cmd_cond);
+  uv_mutex_unlock(&rz->mu);
+}
+
+void rdzv_join(rdzv_t *rz) {
+  cmd_t c = {.kind = CMD_JOIN};
+  push_cmd(rz, &c);
+}
+
+void rdzv_end_round(rdzv_t *rz, const rdzv_end_t *e) {
+  cmd_t c = {.kind = CMD_END, .end = *e};
+  push_cmd(rz, &c);
+}
+
+void rdzv_done(rdzv_t *rz) {
+  cmd_t c = {.kind = CMD_DONE};
+  push_cmd(rz, &c);
+}
+
+void rdzv_shutdown(rdzv_t *rz) {
+  if (!rz) return;
+  atomic_store(&rz->stop, 1);
+  uv_mutex_lock(&rz->mu);
+  uv_cond_broadcast(&rz->cmd_cond);
+  uv_cond_broadcast(&rz->watch_cond);
+  uv_mutex_unlock(&rz->mu);
+  if (!uv_is_closing((uv_handle_t *)&rz->async)) uv_close((uv_handle_t *)&rz->async, NULL);
+}
+
+/* ---- pure decision logic ---- */
+
+rdzv_close_action_t rdzv_close_action(int idx, int nmin, int nmax) {
+  if (idx >= nmax) return RDZV_CLOSE_NOW;
+  if (idx >= nmin) return RDZV_CLOSE_AFTER_LAST_CALL;
+  return RDZV_CLOSE_WAIT;
+}
+
+rdzv_late_action_t rdzv_late_action(int closed_n, int nmax) {
+  return closed_n < nmax ? RDZV_LATE_SCALE_UP : RDZV_LATE_WAIT_END;
+}
+
+int rdzv_assign_ranks(const rdzv_node_t *nodes, int n, int my_idx, rdzv_assignment_t *a, int *rank0_idx, char *err,
+                      size_t errlen) {
+  if (n <= 0) {
+    snprintf(err, errlen, "no participants");
+    return -EINVAL;
+  }
+  /* By node rank only when every node gave one; then they must be distinct. */
+  int by_rank = 1;
+  for (int i = 0; i < n; i++)
+    if (nodes[i].node_rank < 0) by_rank = 0;
+  int *order = malloc((size_t)n * sizeof *order);
+  if (!order) {
+    snprintf(err, errlen, "out of memory");
+    return -ENOMEM;
+  }
+  for (int i = 0; i < n; i++) order[i] = i;
+  /* Insertion sort by (node_rank or join index): n is small and this stays obvious. */
+  for (int i = 1; i < n; i++) {
+    int x = order[i], j = i - 1;
+    int kx = by_rank ? nodes[x].node_rank : nodes[x].idx;
+    while (j >= 0 && (by_rank ? nodes[order[j]].node_rank : nodes[order[j]].idx) > kx) {
+      order[j + 1] = order[j];
+      j--;
+    }
+    order[j + 1] = x;
+  }
+  if (by_rank)
+    for (int i = 1; i < n; i++)
+      if (nodes[order[i]].node_rank == nodes[order[i - 1]].node_rank) {
+        snprintf(err, errlen, "two nodes (%s and %s) both have --node_rank=%d", nodes[order[i - 1]].addr,
+                 nodes[order[i]].addr, nodes[order[i]].node_rank);
+        free(order);
+        return -EINVAL;
+      }
+  int found = 0, offset = 0, world = 0;
+  memset(a, 0, sizeof *a);
+  for (int g = 0; g < n; g++) {
+    const rdzv_node_t *nd = &nodes[order[g]];
+    if (nd->idx == my_idx) {
+      found = 1;
+      a->group_rank = g;
+      a->rank_offset = offset;
+      a->nproc = nd->nproc;
+      a->my_idx = my_idx;
+    }
+    offset += nd->nproc;
+    world += nd->nproc;
+  }
+  *rank0_idx = nodes[order[0]].idx;
+  free(order);
+  if (!found) {
+    snprintf(err, errlen, "node %d is not a participant", my_idx);
+    return -EINVAL;
+  }
+  a->nnodes = n;
+  a->world_size = world;
+  return 0;
+}
+
+int rdzv_end_fatal(rdzv_end_kind_t kind, int64_t failures, int max_restarts, int survivors, int nmin) {
+  switch (kind) {
+  case RDZV_END_FAILURE: return failures > max_restarts;
+  case RDZV_END_DEAD_NODE: return survivors < nmin;
+  case RDZV_END_SCALE_UP: return 0;
+  }
+  return 1;
+}
+
+int rdzv_hb_init(rdzv_hb_t *hb, int n, double now) {
+  hb->n = n;
+  hb->value = calloc((size_t)n, sizeof *hb->value);
+  hb->changed_at = calloc((size_t)n, sizeof *hb->changed_at);
+  if (!hb->value || !hb->changed_at) {
+    rdzv_hb_free(hb);
+    return -ENOMEM;
+  }
+  for (int i = 0; i < n; i++) hb->changed_at[i] = now;
+  return 0;
+}
+
+void rdzv_hb_free(rdzv_hb_t *hb) {
+  if (!hb) return;
+  free(hb->value);
+  free(hb->changed_at);
+  hb->value = NULL;
+  hb->changed_at = NULL;
+  hb->n = 0;
+}
+
+void rdzv_hb_observe(rdzv_hb_t *hb, int slot, int64_t value, double now) {
+  if (slot < 0 || slot >= hb->n) return;
+  if (value != hb->value[slot]) {
+    hb->value[slot] = value;
+    hb->changed_at[slot] = now;
+  }
+}
+
+int rdzv_hb_is_dead(const rdzv_hb_t *hb, int slot, double now, double timeout) {
+  if (slot < 0 || slot >= hb->n) return 0;
+  return now - hb->changed_at[slot] > timeout;
+}
+
+const char *rdzv_end_kind_name(rdzv_end_kind_t k) {
+  switch (k) {
+  case RDZV_END_FAILURE: return "failure";
+  case RDZV_END_DEAD_NODE: return "dead_node";
+  case RDZV_END_SCALE_UP: return "scale_up";
+  }
+  return "unknown";
+}
+
+char *rdzv_end_encode(const rdzv_end_t *e) {
+  cJSON *o = cJSON_CreateObject();
+  if (!o) return NULL;
+  cJSON_AddStringToObject(o, "kind", rdzv_end_kind_name(e->kind));
+  cJSON_AddBoolToObject(o, "fatal", e->fatal);
+  cJSON_AddNumberToObject(o, "exit_code", e->exit_code);
+  cJSON_AddNumberToObject(o, "rank", e->rank);
+  cJSON_AddNumberToObject(o, "local_rank", e->local_rank);
+  cJSON_AddNumberToObject(o, "signal", e->signal);
+  cJSON_AddNumberToObject(o, "time", e->time);
+  cJSON_AddNumberToObject(o, "node_idx", e->node_idx);
+  cJSON_AddStringToObject(o, "host", e->host);
+  cJSON_AddStringToObject(o, "message", e->message);
+  cJSON_AddStringToObject(o, "reason", e->reason);
+  char *s = cJSON_PrintUnformatted(o);
+  cJSON_Delete(o);
+  return s;
+}
+
+static int get_num(const cJSON *o, const char *name, double *out) {
+  const cJSON *x = cJSON_GetObjectItemCaseSensitive(o, name);
+  if (!cJSON_IsNumber(x)) return -1;
+  *out = x->valuedouble;
+  return 0;
+}
+
+static void get_str(const cJSON *o, const char *name, char *out, size_t len) {
+  const cJSON *x = cJSON_GetObjectItemCaseSensitive(o, name);
+  snprintf(out, len, "%s", cJSON_IsString(x) ? x->valuestring : "");
+}
+
+int rdzv_end_decode(const char *json, size_t len, rdzv_end_t *e) {
+  memset(e, 0, sizeof *e);
+  cJSON *o = cJSON_ParseWithLength(json, len);
+  if (!o) return -EINVAL;
+  int rc = -EINVAL;
+  char kind[32];
+  get_str(o, "kind", kind, sizeof kind);
+  if (!strcmp(kind, "failure")) e->kind = RDZV_END_FAILURE;
+  else if (!strcmp(kind, "dead_node")) e->kind = RDZV_END_DEAD_NODE;
+  else if (!strcmp(kind, "scale_up")) e->kind = RDZV_END_SCALE_UP;
+  else goto out;
+  double d;
+  const cJSON *f = cJSON_GetObjectItemCaseSensitive(o, "fatal");
+  if (!cJSON_IsBool(f)) goto out;
+  e->fatal = cJSON_IsTrue(f);
+  if (get_num(o, "exit_code", &d)) goto out;
+  e->exit_code = (int)d;
+  if (get_num(o, "rank", &d)) goto out;
+  e->rank = (int)d;
+  if (get_num(o, "local_rank", &d)) goto out;
+  e->local_rank = (int)d;
+  if (get_num(o, "signal", &d)) goto out;
+  e->signal = (int)d;
+  if (get_num(o, "time", &d)) goto out;
+  e->time = d;
+  if (get_num(o, "node_idx", &d)) goto out;
+  e->node_idx = (int)d;
+  get_str(o, "host", e->host, sizeof e->host);
+  get_str(o, "message", e->message, sizeof e->message);
+  get_str(o, "reason", e->reason, sizeof e->reason);
+  rc = 0;
+out:
+  cJSON_Delete(o);
+  return rc;
+}

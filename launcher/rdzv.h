@@ -1,0 +1,176 @@
+/* rdzv: meshrun's rendezvous and heartbeats over the store, off the event loop.
+ *
+ * The blocking store client (common/store.h) must never run on the loop thread, because that
+ * loop may be the one serving the store. So rdzv owns two threads, each with its own store_t:
+ *   - the command thread joins rounds, posts round ends and marks this node done;
+ *   - the watch thread, while a round runs, waits on the round's "end" key (event-driven: the
+ *     server answers the wait the moment the key is set) with a timeout of one heartbeat
+ *     interval, writes this node's heartbeat on each timeout and judges its peers'.
+ * Both report to the loop with uv_async_send; the callback runs on the loop thread. The loop
+ * stops them with a flag; every store wait they make is bounded (heartbeat interval or join
+ * timeout), so they notice. At process exit they are not joined (exit ends them).
+ *
+ * Key schema, all under P = "meshrun/<run_id>/":
+ *   P/round              current round number (decimal); absent = 0. Bumped r -> r+1 with
+ *                        compare_set by whoever ends round r (and by anyone who finds r ended).
+ *   P/failures           failure rounds so far, job-wide (store_add). The restart budget is
+ *                        spent when it exceeds --max_restarts; it lives in the store so that
+ *                        every node sees one budget.
+ *   P/r<r>/n             join counter of round r: store_add gives each node its join index
+ *                        (1-based). Nodes with index <= the closed count are the participants.
+ *   P/r<r>/node/<i>      participant i: "node_rank nproc addr" (node_rank -1 when not given).
+ *   P/r<r>/closed        participant count N, set once (compare_set) when the round closes: at
+ *                        max nodes at once, or by the node whose index is min once
+ *                        last_call_timeout has passed since it joined (a node with a higher
+ *                        index joined later, so the min-th node's timer is the first to fire).
+ *   P/r<r>/master        "addr:port": MASTER_ADDR/MASTER_PORT, chosen fresh each round by the
+ *                        node with group rank 0 (a port free on that node, not the store's).
+ *   P/r<r>/hb/<i>        heartbeat of participant i: a counter it bumps every heartbeat interval.
+ *                        Peers compare values, not clocks, so clock skew does not matter.
+ *   P/r<r>/done/<i>      participant i's workers all exited 0 (it stops heartbeating).
+ *   P/r<r>/claim         compare_set by the first node to end round r (only that one counts a
+ *                        failure), which then writes:
+ *   P/r<r>/end           JSON rdzv_end_t: why round r ended (failure, dead node, scale-up), the
+ *                        root cause and whether the job is over (fatal). Every agent watches it.
+ * A node arriving while round r runs with fewer than max nodes ends round r ("scale_up") and
+ * joins r+1; everyone else follows. When the round is full it waits for the round's end.
+ *
+ * Not here: the store server (launcher/store_server), workers (launcher/workers), the state
+ * machine that reacts to events (launcher/agent). The decision logic (round closing, rank
+ * assignment, heartbeat verdicts, fatal ends) is in pure functions at the end of this header,
+ * tested without sockets in test/unit/test_rdzv.c. */
+#ifndef MESHRUN_RDZV_H
+#define MESHRUN_RDZV_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <uv.h>
+
+#define RDZV_ADDR_MAX 256
+#define RDZV_MSG_MAX 1024
+
+typedef struct {
+  char store_host[RDZV_ADDR_MAX];
+  int store_port;
+  char run_id[128];
+  int nnodes_min, nnodes_max;
+  int node_rank; /* -1: by join order */
+  int nproc;     /* this node's workers */
+  char addr[RDZV_ADDR_MAX]; /* this node's address as peers should dial it (MASTER_ADDR) */
+  double join_timeout_s, last_call_timeout_s, close_timeout_s;
+  double heartbeat_interval_s, heartbeat_timeout_s;
+  int max_restarts;
+  int is_store_host; /* this node serves the store: it waits for the others before exiting */
+} rdzv_config_t;
+
+typedef struct {
+  int idx;       /* join index in the round, 1-based */
+  int node_rank; /* -1 when not given */
+  int nproc;
+  char addr[RDZV_ADDR_MAX];
+} rdzv_node_t;
+
+/* This node's place in a closed round. */
+typedef struct {
+  int round;
+  int nnodes;      /* participants (GROUP_WORLD_SIZE) */
+  int my_idx;      /* join index */
+  int group_rank;  /* GROUP_RANK: position after ordering */
+  int rank_offset; /* global rank of local rank 0 */
+  int world_size;
+  int nproc;
+  int failures;    /* failure restarts so far (job-wide) */
+  char master_addr[RDZV_ADDR_MAX];
+  int master_port;
+} rdzv_assignment_t;
+
+typedef enum { RDZV_END_FAILURE = 0, RDZV_END_DEAD_NODE, RDZV_END_SCALE_UP } rdzv_end_kind_t;
+
+/* Why a round ended. For failures, the root cause: the first worker to fail on the node that
+ * claimed the end. */
+typedef struct {
+  rdzv_end_kind_t kind;
+  int fatal;     /* the job is over: every agent exits with exit_code */
+  int exit_code; /* the worker's code, 128+signal for a signal; 1 for non-worker causes */
+  int rank;      /* global rank of the root-cause worker, -1 if none */
+  int local_rank;
+  int signal;    /* 0 unless the worker died by a signal */
+  double time;   /* seconds since the epoch of the failure */
+  int node_idx;  /* join index of the node that ended the round */
+  char host[RDZV_ADDR_MAX];
+  char message[RDZV_MSG_MAX]; /* the worker's error file message, or "" */
+  char reason[RDZV_MSG_MAX];  /* one line for humans */
+} rdzv_end_t;
+
+typedef enum {
+  RDZV_EV_ASSIGNED = 0, /* a round closed: ev->assignment */
+  RDZV_EV_ROUND_END,    /* the running round ended: ev->end */
+  RDZV_EV_DONE,         /* after rdzv_done: this agent may exit */
+  RDZV_EV_ERROR,        /* fatal: join timeout, store lost, bad peers; ev->message */
+} rdzv_event_kind_t;
+
+typedef struct {
+  rdzv_event_kind_t kind;
+  rdzv_assignment_t assignment;
+  rdzv_end_t end;
+  char message[RDZV_MSG_MAX];
+} rdzv_event_t;
+
+typedef struct rdzv rdzv_t;
+/* Runs on the loop thread. */
+typedef void (*rdzv_event_cb)(rdzv_t *rz, const rdzv_event_t *ev, void *arg);
+
+/* Starts both threads (they connect to the store lazily, on the first command). */
+int rdzv_create(rdzv_t **out, uv_loop_t *loop, const rdzv_config_t *cfg, rdzv_event_cb cb, void *arg,
+                char *err, size_t errlen);
+/* Asynchronous requests, answered by events. */
+void rdzv_join(rdzv_t *rz);                       /* -> ASSIGNED or ERROR */
+void rdzv_end_round(rdzv_t *rz, const rdzv_end_t *e); /* ends the running round; -> ROUND_END */
+void rdzv_done(rdzv_t *rz);                       /* -> DONE */
+/* Tells the threads to stop and closes the async handle (the loop must run for it to close).
+ * The threads are left to end on their own or with the process. */
+void rdzv_shutdown(rdzv_t *rz);
+
+/* ---- pure decision logic (no sockets; unit tested) ---- */
+
+typedef enum {
+  RDZV_CLOSE_NOW = 0,        /* this node completed max: close at once */
+  RDZV_CLOSE_AFTER_LAST_CALL, /* index >= min: close after last_call unless already closed */
+  RDZV_CLOSE_WAIT,           /* index < min: only wait for someone to close */
+} rdzv_close_action_t;
+rdzv_close_action_t rdzv_close_action(int idx, int nmin, int nmax);
+
+typedef enum {
+  RDZV_LATE_SCALE_UP = 0, /* the running round has room: end it so the next one includes us */
+  RDZV_LATE_WAIT_END,     /* the running round is full: wait for it to end */
+} rdzv_late_action_t;
+rdzv_late_action_t rdzv_late_action(int closed_n, int nmax);
+
+/* Orders the n participants (by node_rank when every node gave a distinct one, else by join
+ * index) and fills group_rank, rank_offset, world_size, nnodes, nproc of the node with join
+ * index my_idx. *rank0_idx gets the join index of the node with group rank 0. Returns 0, or
+ * -EINVAL with a message (duplicate node ranks, my_idx absent). */
+int rdzv_assign_ranks(const rdzv_node_t *nodes, int n, int my_idx, rdzv_assignment_t *a, int *rank0_idx,
+                      char *err, size_t errlen);
+
+/* Whether an end makes the job over: failures past the budget, or fewer than min nodes left. */
+int rdzv_end_fatal(rdzv_end_kind_t kind, int64_t failures, int max_restarts, int survivors, int nmin);
+
+/* Heartbeat verdicts: peers' counters are sampled each interval; a peer whose counter has not
+ * changed for longer than timeout (by our own monotonic clock) is dead. */
+typedef struct {
+  int n;
+  int64_t *value;    /* last counter seen, per participant slot */
+  double *changed_at; /* our clock when it last changed */
+} rdzv_hb_t;
+int rdzv_hb_init(rdzv_hb_t *hb, int n, double now);
+void rdzv_hb_free(rdzv_hb_t *hb);
+void rdzv_hb_observe(rdzv_hb_t *hb, int slot, int64_t value, double now);
+int rdzv_hb_is_dead(const rdzv_hb_t *hb, int slot, double now, double timeout);
+
+/* rdzv_end_t <-> JSON (the value of P/r<r>/end). encode returns a malloc'ed string. */
+char *rdzv_end_encode(const rdzv_end_t *e);
+int rdzv_end_decode(const char *json, size_t len, rdzv_end_t *e);
+const char *rdzv_end_kind_name(rdzv_end_kind_t k);
+
+#endif

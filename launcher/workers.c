@@ -1,0 +1,671 @@
+/* workers: fork/exec of one round's workers, their output, their exits, their stop.
+ *
+ * Order inside the child, between fork and exec (only async-signal-safe calls: the parent has
+ * threads): own process group first, so that a signal to the group never reaches meshrun;
+ * then PR_SET_PDEATHSIG=SIGKILL and a getppid() check (if meshrun died before the prctl, the
+ * child was already reparented and exits); then default signal dispositions and an empty mask
+ * (ignored signals and masks survive exec); then the fds; then execve of the path that
+ * workers_find_program resolved once in the parent. An exec failure is
+ * reported through a CLOEXEC pipe, so workers_start can name the cause.
+ * Environment and argv are built before fork, since the child must not allocate. */
+#include "launcher/workers.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "common/log.h"
+
+extern char **environ;
+
+#define LINE_MAX_BYTES 65536
+
+typedef struct worker worker_t;
+
+typedef struct {
+  worker_t *owner;
+  uv_pipe_t pipe;
+  int is_err;    /* stderr (else stdout) */
+  int open;      /* pipe handle initialized and not yet closed */
+  int console;   /* lines go to meshrun's stdout/stderr */
+  int file_fd;   /* copy to this file, -1 none */
+  char *line;    /* partial line, LINE_MAX_BYTES */
+  size_t len;
+} stream_t;
+
+struct worker {
+  workers_t *owner;
+  workers_info_t info;
+  stream_t out, err;
+  int group_alive; /* the process group may still hold processes: kill it on exit paths */
+};
+
+struct workers {
+  uv_loop_t *loop;
+  const launcher_opts_t *opts;
+  workers_exit_cb on_exit;
+  workers_idle_cb on_idle;
+  void *arg;
+  uv_signal_t sigchld;
+  uv_timer_t tick, grace;
+  worker_t *ws;
+  int n;
+  int running;
+  int open_pipes; /* pipe handles not yet closed (close callback done) */
+  int prefix;     /* world > 1: "[rank<R>]:" before each console line */
+  int stopping;
+  int idle_reported;
+};
+
+static double wall_now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static int mkdir_p(const char *path, char *err, size_t errlen) {
+  char buf[PATH_MAX];
+  snprintf(buf, sizeof buf, "%s", path);
+  for (char *p = buf + 1;; p++) {
+    if (*p == '/' || *p == 0) {
+      char c = *p;
+      *p = 0;
+      if (mkdir(buf, 0755) && errno != EEXIST) {
+        snprintf(err, errlen, "mkdir %s: %s", buf, strerror(errno));
+        return -errno;
+      }
+      *p = c;
+      if (!c) return 0;
+    }
+  }
+}
+
+static void check_idle(workers_t *w) {
+  if (w->running == 0 && w->open_pipes == 0 && w->n > 0 && !w->idle_reported) {
+    w->idle_reported = 1;
+    uv_timer_stop(&w->grace);
+    uv_timer_stop(&w->tick);
+    if (w->on_idle) w->on_idle(w, w->arg);
+  }
+}
+
+/* ---- output ---- */
+
+static void emit_line(stream_t *s, const char *p, size_t n) {
+  if (!s->console) return;
+  worker_t *wk = s->owner;
+  char pre[32];
+  int pn = wk->owner->prefix ? snprintf(pre, sizeof pre, "[rank%d]:", wk->info.rank) : 0;
+  /* One write per line, so lines from different workers never interleave mid-line. */
+  char stackbuf[4096];
+  size_t total = (size_t)pn + n + 1;
+  char *buf = total <= sizeof stackbuf ? stackbuf : malloc(total);
+  if (!buf) return;
+  memcpy(buf, pre, (size_t)pn);
+  memcpy(buf + pn, p, n);
+  buf[total - 1] = '\n';
+  int fd = s->is_err ? STDERR_FILENO : STDOUT_FILENO;
+  for (size_t off = 0; off < total;) {
+    ssize_t k = write(fd, buf + off, total - off);
+    if (k < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN) continue; /* meshrun's own stdout is non-blocking only if its parent made it so */
+      break;
+    }
+    off += (size_t)k;
+  }
+  if (buf != stackbuf) free(buf);
+}
+
+static void write_file(stream_t *s, const char *p, size_t n) {
+  if (s->file_fd < 0) return;
+  while (n > 0) {
+    ssize_t k = write(s->file_fd, p, n);
+    if (k < 0) {
+      if (errno == EINTR) continue;
+      log_warn("writing rank %d's log: %s", s->owner->info.rank, strerror(errno));
+      close(s->file_fd);
+      s->file_fd = -1;
+      return;
+    }
+    p += k;
+    n -= (size_t)k;
+  }
+}
+
+static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
+  static __thread char chunk[65536]; /* the loop is one thread; data is copied out at once */
+  (void)h;
+  (void)suggested;
+  buf->base = chunk;
+  buf->len = sizeof chunk;
+}
+
+static void on_pipe_closed(uv_handle_t *h) {
+  stream_t *s = h->data;
+  workers_t *w = s->owner->owner;
+  free(s->line);
+  s->line = NULL;
+  if (s->file_fd >= 0) close(s->file_fd);
+  s->file_fd = -1;
+  w->open_pipes--;
+  check_idle(w);
+}
+
+static void close_stream(stream_t *s) {
+  if (!s->open) return;
+  s->open = 0;
+  if (s->len) emit_line(s, s->line, s->len);
+  s->len = 0;
+  uv_close((uv_handle_t *)&s->pipe, on_pipe_closed);
+}
+
+static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf) {
+  stream_t *s = st->data;
+  if (nread < 0) {
+    close_stream(s); /* EOF, or an error that ends this stream alike */
+    return;
+  }
+  write_file(s, buf->base, (size_t)nread);
+  for (ssize_t i = 0; i < nread; i++) {
+    char c = buf->base[i];
+    if (c == '\n') {
+      emit_line(s, s->line, s->len);
+      s->len = 0;
+      continue;
+    }
+    if (s->len == LINE_MAX_BYTES) {
+      emit_line(s, s->line, s->len);
+      s->len = 0;
+    }
+    s->line[s->len++] = c;
+  }
+}
+
+/* ---- exits ---- */
+
+static void reap(workers_t *w) {
+  for (int i = 0; i < w->n; i++) {
+    worker_t *wk = &w->ws[i];
+    if (!wk->info.running) continue;
+    int st;
+    pid_t p = waitpid(wk->info.pid, &st, WNOHANG);
+    if (p == 0 || (p < 0 && errno == EINTR)) continue;
+    wk->info.running = 0;
+    wk->info.exit_time = wall_now();
+    if (p < 0) {
+      wk->info.exit_code = 1; /* someone else reaped it: unknown status, count as a failure */
+    } else if (WIFSIGNALED(st)) {
+      wk->info.term_signal = WTERMSIG(st);
+      wk->info.exit_code = 128 + wk->info.term_signal;
+    } else {
+      wk->info.exit_code = WEXITSTATUS(st);
+    }
+    w->running--;
+    /* While stopping, take the worker's whole group with it: grandchildren die too. */
+    if (w->stopping) kill(-wk->info.pid, SIGKILL);
+    if (w->on_exit) w->on_exit(w, &wk->info, w->arg);
+  }
+  check_idle(w);
+}
+
+static void on_sigchld(uv_signal_t *h, int sig) {
+  (void)sig;
+  reap(h->data);
+}
+
+static void on_tick(uv_timer_t *t) { reap(t->data); }
+
+static void on_grace(uv_timer_t *t) {
+  workers_t *w = t->data;
+  for (int i = 0; i < w->n; i++)
+    if (w->ws[i].info.running) {
+      log_warn("rank %d did not exit within %gs of SIGTERM: SIGKILL", w->ws[i].info.rank,
+               w->opts->shutdown_timeout_s);
+      kill(-w->ws[i].info.pid, SIGKILL);
+    }
+}
+
+int workers_create(workers_t **out, uv_loop_t *loop, const launcher_opts_t *opts, workers_exit_cb on_exit,
+                   workers_idle_cb on_idle, void *arg, char *err, size_t errlen) {
+  workers_t *w = calloc(1, sizeof *w);
+  if (!w) {
+    snprintf(err, errlen, "workers: out of memory");
+    return -ENOMEM;
+  }
+  w->loop = loop;
+  w->opts = opts;
+  w->on_exit = on_exit;
+  w->on_idle = on_idle;
+  w->arg = arg;
+  int rc;
+  if ((rc = uv_signal_init(loop, &w->sigchld))) goto error;
+  w->sigchld.data = w;
+  if ((rc = uv_signal_start(&w->sigchld, on_sigchld, SIGCHLD))) goto error;
+  uv_timer_init(loop, &w->tick);
+  uv_timer_init(loop, &w->grace);
+  w->tick.data = w->grace.data = w;
+  *out = w;
+  return 0;
+error:
+  snprintf(err, errlen, "workers: SIGCHLD handler: %s", uv_strerror(rc));
+  free(w);
+  return rc;
+}
+
+/* ---- spawning ---- */
+
+static int env_push(char ***env, int *n, int *cap, char *kv) {
+  if (!kv) return -ENOMEM;
+  if (*n + 2 > *cap) {
+    int c = *cap ? *cap * 2 : 64;
+    char **p = realloc(*env, (size_t)c * sizeof *p);
+    if (!p) {
+      free(kv);
+      return -ENOMEM;
+    }
+    *env = p;
+    *cap = c;
+  }
+  (*env)[(*n)++] = kv;
+  (*env)[*n] = NULL;
+  return 0;
+}
+
+static int env_add(char ***env, int *n, int *cap, const char *name, const char *fmt, ...)
+    __attribute__((format(printf, 5, 6)));
+static int env_add(char ***env, int *n, int *cap, const char *name, const char *fmt, ...) {
+  char val[PATH_MAX + 64];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(val, sizeof val, fmt, ap);
+  va_end(ap);
+  char *kv = malloc(strlen(name) + strlen(val) + 2);
+  if (kv) sprintf(kv, "%s=%s", name, val);
+  return env_push(env, n, cap, kv);
+}
+
+static const char *const OWN_VARS[] = {
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+    "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "MESHRUN_STORE",
+    "TORCHELASTIC_USE_AGENT_STORE", NULL};
+
+static int is_own_var(const char *kv) {
+  for (int i = 0; OWN_VARS[i]; i++) {
+    size_t l = strlen(OWN_VARS[i]);
+    if (!strncmp(kv, OWN_VARS[i], l) && kv[l] == '=') return 1;
+  }
+  return 0;
+}
+
+static void env_free(char **env) {
+  if (!env) return;
+  for (char **p = env; *p; p++) free(*p);
+  free(env);
+}
+
+/* meshrun's environment without the variables it sets, then the worker's own. */
+static char **build_env(const workers_t *w, const workers_round_t *r, const worker_t *wk) {
+  char **env = NULL;
+  int n = 0, cap = 0;
+  int rc = 0;
+  for (char **p = environ; *p && !rc; p++) {
+    if (is_own_var(*p)) continue;
+    rc = env_push(&env, &n, &cap, strdup(*p));
+  }
+  const workers_info_t *i = &wk->info;
+  if (!rc) rc = env_add(&env, &n, &cap, "RANK", "%d", i->rank);
+  if (!rc) rc = env_add(&env, &n, &cap, "LOCAL_RANK", "%d", i->local_rank);
+  if (!rc) rc = env_add(&env, &n, &cap, "WORLD_SIZE", "%d", r->world_size);
+  if (!rc) rc = env_add(&env, &n, &cap, "LOCAL_WORLD_SIZE", "%d", r->nproc);
+  if (!rc) rc = env_add(&env, &n, &cap, "GROUP_RANK", "%d", r->group_rank);
+  if (!rc) rc = env_add(&env, &n, &cap, "GROUP_WORLD_SIZE", "%d", r->group_world_size);
+  if (!rc) rc = env_add(&env, &n, &cap, "ROLE_RANK", "%d", i->rank);
+  if (!rc) rc = env_add(&env, &n, &cap, "ROLE_WORLD_SIZE", "%d", r->world_size);
+  if (!rc) rc = env_add(&env, &n, &cap, "ROLE_NAME", "%s", w->opts->role);
+  if (!rc) rc = env_add(&env, &n, &cap, "MASTER_ADDR", "%s", r->master_addr);
+  if (!rc) rc = env_add(&env, &n, &cap, "MASTER_PORT", "%d", r->master_port);
+  if (!rc) rc = env_add(&env, &n, &cap, "TORCHELASTIC_RESTART_COUNT", "%d", r->restart_count);
+  if (!rc) rc = env_add(&env, &n, &cap, "TORCHELASTIC_MAX_RESTARTS", "%d", r->max_restarts);
+  if (!rc) rc = env_add(&env, &n, &cap, "TORCHELASTIC_RUN_ID", "%s", r->run_id);
+  if (!rc) rc = env_add(&env, &n, &cap, "TORCHELASTIC_USE_AGENT_STORE", "False");
+  if (!rc) rc = env_add(&env, &n, &cap, "TORCHELASTIC_ERROR_FILE", "%s", i->error_file);
+  if (!rc) rc = env_add(&env, &n, &cap, "MESHRUN_STORE", "%s", r->store_endpoint);
+  if (!rc && !getenv("OMP_NUM_THREADS")) rc = env_add(&env, &n, &cap, "OMP_NUM_THREADS", "1");
+  if (rc) {
+    env_free(env);
+    return NULL;
+  }
+  return env;
+}
+
+static int open_log(const char *dir, const char *name, char *err, size_t errlen) {
+  char path[PATH_MAX];
+  snprintf(path, sizeof path, "%s/%s", dir, name);
+  int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC, 0644);
+  if (fd < 0) snprintf(err, errlen, "open %s: %s", path, strerror(errno));
+  return fd;
+}
+
+/* Decides, per stream, where the child's fd points and where its lines go. child_fd gets the
+ * fd to dup2 onto 1/2 in the child (-1: keep meshrun's own); *pipe_rd the parent's end. */
+static int setup_stream(workers_t *w, worker_t *wk, stream_t *s, int is_err, const workers_round_t *r,
+                        const char *rank_dir, int *child_fd, int *pipe_rd, char *err, size_t errlen) {
+  const launcher_opts_t *o = w->opts;
+  int lr = wk->info.local_rank;
+  int bit = is_err ? 2 : 1;
+  int redir = (lr < CLI_MAX_LOCAL_RANKS && o->redirects_per_rank[lr] >= 0) ? o->redirects_per_rank[lr] : o->redirects;
+  int tee = (lr < CLI_MAX_LOCAL_RANKS && o->tee_per_rank[lr] >= 0) ? o->tee_per_rank[lr] : o->tee;
+  int shown = lr >= CLI_MAX_LOCAL_RANKS || o->local_ranks_filter[lr];
+  int to_file = r->log_files || (redir & bit) || (tee & bit);
+  int console = shown && (!(redir & bit) || (tee & bit));
+  s->owner = wk;
+  s->is_err = is_err;
+  s->file_fd = -1;
+  s->console = console;
+  *child_fd = -1;
+  *pipe_rd = -1;
+  if (to_file && !console) {
+    /* Straight to the file: no pipe, no loop work. */
+    int fd = open_log(rank_dir, is_err ? "stderr.log" : "stdout.log", err, errlen);
+    if (fd < 0) return -errno;
+    *child_fd = fd;
+    return 0;
+  }
+  if (!to_file && !console) {
+    int fd = open("/dev/null", O_WRONLY | O_CLOEXEC);
+    if (fd < 0) {
+      snprintf(err, errlen, "open /dev/null: %s", strerror(errno));
+      return -errno;
+    }
+    *child_fd = fd;
+    return 0;
+  }
+  if (!to_file && !w->prefix) return 0; /* console as is: the child writes to our fd */
+  if (to_file) {
+    s->file_fd = open_log(rank_dir, is_err ? "stderr.log" : "stdout.log", err, errlen);
+    if (s->file_fd < 0) return -errno;
+  }
+  int p[2];
+  if (pipe2(p, O_CLOEXEC)) {
+    snprintf(err, errlen, "pipe: %s", strerror(errno));
+    return -errno;
+  }
+  s->line = malloc(LINE_MAX_BYTES);
+  if (!s->line) {
+    close(p[0]);
+    close(p[1]);
+    snprintf(err, errlen, "out of memory");
+    return -ENOMEM;
+  }
+  *pipe_rd = p[0];
+  *child_fd = p[1];
+  return 0;
+}
+
+static int open_pipe(workers_t *w, stream_t *s, int fd) {
+  int rc = uv_pipe_init(w->loop, &s->pipe, 0);
+  if (rc) return rc;
+  s->pipe.data = s;
+  s->open = 1;
+  w->open_pipes++;
+  if ((rc = uv_pipe_open(&s->pipe, fd))) {
+    close_stream(s);
+    close(fd);
+    return rc;
+  }
+  if ((rc = uv_read_start((uv_stream_t *)&s->pipe, on_alloc, on_read))) close_stream(s);
+  return rc;
+}
+
+/* 0 when path names an executable regular file; else the errno that explains why not. */
+static int check_exec(const char *path) {
+  struct stat st;
+  if (stat(path, &st)) return errno;
+  if (S_ISDIR(st.st_mode)) return EISDIR;
+  if (access(path, X_OK)) return errno;
+  return 0;
+}
+
+int workers_find_program(const char *prog, char *out, size_t outlen, char *why, size_t whylen) {
+  if (strchr(prog, '/')) {
+    int e = check_exec(prog);
+    if (e) snprintf(why, whylen, "%s", e == ENOENT ? "no such file" : e == EACCES ? "not executable" : strerror(e));
+    else snprintf(out, outlen, "%s", prog);
+    return e;
+  }
+  const char *path = getenv("PATH");
+  if (!path || !*path) path = "/usr/local/bin:/usr/bin:/bin";
+  int seen_noexec = 0;
+  for (const char *p = path; *p;) {
+    const char *colon = strchr(p, ':');
+    size_t n = colon ? (size_t)(colon - p) : strlen(p);
+    char cand[PATH_MAX];
+    if (snprintf(cand, sizeof cand, "%.*s/%s", (int)n, n ? p : ".", prog) < (int)sizeof cand) {
+      int e = check_exec(cand);
+      if (!e) {
+        snprintf(out, outlen, "%s", cand);
+        return 0;
+      }
+      if (e == EACCES) seen_noexec = 1;
+    }
+    p += n;
+    if (*p == ':') p++;
+  }
+  snprintf(why, whylen, "%s", seen_noexec ? "not executable" : "command not found");
+  return seen_noexec ? EACCES : ENOENT;
+}
+
+/* The child side: see the order and reasons at the top of the file. */
+static void __attribute__((noreturn)) child_exec(pid_t parent, int out_fd, int err_fd, int report_fd,
+                                                 const char *file, char **argv, char **env) {
+  setpgid(0, 0);
+  prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (getppid() != parent) _exit(137);
+  for (int sig = 1; sig < NSIG; sig++) signal(sig, SIG_DFL);
+  sigset_t none;
+  sigemptyset(&none);
+  sigprocmask(SIG_SETMASK, &none, NULL);
+  if (out_fd >= 0) dup2(out_fd, STDOUT_FILENO);
+  if (err_fd >= 0) dup2(err_fd, STDERR_FILENO);
+  execve(file, argv, env);
+  int e = errno;
+  ssize_t k = write(report_fd, &e, sizeof e);
+  (void)k;
+  _exit(127);
+}
+
+static void free_round(workers_t *w) {
+  free(w->ws);
+  w->ws = NULL;
+  w->n = 0;
+}
+
+int workers_start(workers_t *w, const workers_round_t *r, char *err, size_t errlen) {
+  const launcher_opts_t *o = w->opts;
+  /* The previous round is idle (the agent waits for it), so its handles are closed. */
+  free_round(w);
+  w->ws = calloc((size_t)r->nproc, sizeof *w->ws);
+  if (!w->ws) {
+    snprintf(err, errlen, "out of memory");
+    return -ENOMEM;
+  }
+  w->n = r->nproc;
+  w->running = 0;
+  w->stopping = 0;
+  w->idle_reported = 0;
+  w->prefix = r->world_size > 1;
+  char **argv = o->prog_argv;
+  char *margv[3 + 256];
+  if (o->run_module) {
+    /* -m: python3 -m PROGRAM ARGS */
+    int k = 0;
+    margv[k++] = "python3";
+    margv[k++] = "-m";
+    for (int i = 0; o->prog_argv[i] && k < (int)(sizeof margv / sizeof *margv) - 1; i++) margv[k++] = o->prog_argv[i];
+    margv[k] = NULL;
+    argv = margv;
+  }
+  /* PATH is searched once here, not by each child's execvp. */
+  char file[PATH_MAX], why[128];
+  if (workers_find_program(argv[0], file, sizeof file, why, sizeof why)) {
+    snprintf(err, errlen, "%s: %s", argv[0], why);
+    return -ENOENT;
+  }
+  pid_t self = getpid();
+  int rc = 0;
+  int *reports = malloc((size_t)r->nproc * sizeof *reports);
+  if (!reports) {
+    snprintf(err, errlen, "out of memory");
+    return -ENOMEM;
+  }
+  for (int i = 0; i < r->nproc; i++) reports[i] = -1;
+  for (int i = 0; i < r->nproc; i++) {
+    worker_t *wk = &w->ws[i];
+    wk->owner = w;
+    wk->info.local_rank = i;
+    wk->info.rank = r->rank_offset + i;
+    wk->out.file_fd = wk->err.file_fd = -1;
+    char rank_dir[PATH_MAX];
+    snprintf(rank_dir, sizeof rank_dir, "%.3900s/%d", r->attempt_dir, wk->info.rank);
+    if ((rc = mkdir_p(rank_dir, err, errlen))) goto error;
+    snprintf(wk->info.error_file, sizeof wk->info.error_file, "%.4000s/error.json", rank_dir);
+    unlink(wk->info.error_file);
+    int out_child, out_rd, err_child, err_rd;
+    if ((rc = setup_stream(w, wk, &wk->out, 0, r, rank_dir, &out_child, &out_rd, err, errlen))) goto error;
+    if ((rc = setup_stream(w, wk, &wk->err, 1, r, rank_dir, &err_child, &err_rd, err, errlen))) {
+      if (out_child >= 0) close(out_child);
+      if (out_rd >= 0) close(out_rd);
+      goto error;
+    }
+    char **env = build_env(w, r, wk);
+    int rep[2] = {-1, -1};
+    if (!env || pipe2(rep, O_CLOEXEC)) {
+      snprintf(err, errlen, "preparing rank %d: %s", wk->info.rank, env ? strerror(errno) : "out of memory");
+      rc = -ENOMEM;
+    }
+    pid_t pid = -1;
+    if (!rc) {
+      pid = fork();
+      if (pid == 0) child_exec(self, out_child, err_child, rep[1], file, argv, env);
+      if (pid < 0) {
+        rc = -errno;
+        snprintf(err, errlen, "fork: %s", strerror(errno));
+      }
+    }
+    env_free(env);
+    if (out_child >= 0) close(out_child);
+    if (err_child >= 0) close(err_child);
+    if (rep[1] >= 0) close(rep[1]);
+    if (!rc) {
+      wk->info.pid = pid;
+      wk->info.running = 1;
+      wk->group_alive = 1;
+      w->running++;
+      reports[i] = rep[0]; /* read after every worker is forked: the execs overlap */
+      rep[0] = -1;
+    }
+    if (rep[0] >= 0) close(rep[0]);
+    if (rc) {
+      if (out_rd >= 0) close(out_rd);
+      if (err_rd >= 0) close(err_rd);
+      if (wk->out.file_fd >= 0) close(wk->out.file_fd);
+      if (wk->err.file_fd >= 0) close(wk->err.file_fd);
+      wk->out.file_fd = wk->err.file_fd = -1;
+      free(wk->out.line);
+      free(wk->err.line);
+      wk->out.line = wk->err.line = NULL;
+      goto error;
+    }
+    if (out_rd >= 0 && (rc = open_pipe(w, &wk->out, out_rd))) {
+      snprintf(err, errlen, "reading rank %d's stdout: %s", wk->info.rank, uv_strerror(rc));
+      if (err_rd >= 0) close(err_rd);
+      goto error;
+    }
+    if (err_rd >= 0 && (rc = open_pipe(w, &wk->err, err_rd))) {
+      snprintf(err, errlen, "reading rank %d's stderr: %s", wk->info.rank, uv_strerror(rc));
+      goto error;
+    }
+  }
+  /* Each report pipe gives EOF when its child's exec succeeded (CLOEXEC), or the errno. */
+  for (int i = 0; i < r->nproc; i++) {
+    int e = 0;
+    ssize_t k;
+    do k = read(reports[i], &e, sizeof e);
+    while (k < 0 && errno == EINTR);
+    close(reports[i]);
+    reports[i] = -1;
+    if (k == (ssize_t)sizeof e && !rc) {
+      snprintf(err, errlen, "exec %s: %s", argv[0], strerror(e));
+      rc = -e;
+    }
+  }
+  free(reports);
+  reports = NULL;
+  if (rc) goto error;
+  uint64_t tick_ms = (uint64_t)(o->monitor_interval_s * 1000);
+  if (tick_ms < 1) tick_ms = 1;
+  uv_timer_start(&w->tick, on_tick, tick_ms, tick_ms);
+  return 0;
+error:
+  if (reports)
+    for (int i = 0; i < r->nproc; i++)
+      if (reports[i] >= 0) close(reports[i]);
+  free(reports);
+  /* Nothing of this round may survive a failed start: kill what started; reaping and the
+   * pipes' EOF make the round idle as usual. Workers not yet started count as not running. */
+  w->stopping = 1;
+  workers_kill_all(w);
+  return rc;
+}
+
+void workers_signal(workers_t *w, int sig) {
+  for (int i = 0; i < w->n; i++)
+    if (w->ws[i].info.running) kill(-w->ws[i].info.pid, sig);
+}
+
+void workers_stop(workers_t *w, int sig, double grace_s) {
+  if (w->stopping) return;
+  w->stopping = 1;
+  /* SIGTERM (or the signal meshrun got) first so workers can flush and write their error
+   * files; SIGKILL after the grace period for those that ignore it or hang. */
+  workers_signal(w, sig);
+  if (w->running) uv_timer_start(&w->grace, on_grace, (uint64_t)(grace_s * 1000), 0);
+}
+
+void workers_kill_all(workers_t *w) {
+  if (!w) return;
+  for (int i = 0; i < w->n; i++)
+    if (w->ws[i].group_alive) kill(-w->ws[i].info.pid, SIGKILL);
+}
+
+int workers_running(const workers_t *w) { return w->running; }
+
+int workers_idle(const workers_t *w) { return w->running == 0 && w->open_pipes == 0; }
+
+const workers_info_t *workers_info(const workers_t *w, int local_rank) {
+  return local_rank >= 0 && local_rank < w->n ? &w->ws[local_rank].info : NULL;
+}
+
+int workers_count(const workers_t *w) { return w->n; }
+
+void workers_close(workers_t *w) {
+  if (!w) return;
+  uv_close((uv_handle_t *)&w->sigchld, NULL);
+  uv_close((uv_handle_t *)&w->tick, NULL);
+  uv_close((uv_handle_t *)&w->grace, NULL);
+  for (int i = 0; i < w->n; i++) {
+    close_stream(&w->ws[i].out);
+    close_stream(&w->ws[i].err);
+  }
+}

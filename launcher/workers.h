@@ -1,0 +1,80 @@
+/* workers: one round's worker processes on this node: spawn, environment, output, stop.
+ *
+ * Spawning is fork + exec done here, not uv_spawn: libuv has no pre-exec hook, and every
+ * child must, before exec, enter its own process group (setpgid) and ask to be SIGKILLed when
+ * meshrun dies (prctl PR_SET_PDEATHSIG, then getppid() to close the race with a parent that
+ * died before the prctl). Exits are events: a uv_signal on SIGCHLD reaps with waitpid(pid,
+ * WNOHANG), plus a fallback tick every --monitor_interval. Output comes back through pipes
+ * read on the loop (uv_pipe_open): lines are prefixed "[rank<R>]:" when the world has more
+ * than one worker, filtered by --local_ranks_filter, copied to per-rank files under
+ * <attempt_dir>/<rank>/{stdout,stderr}.log when there is a log dir. --redirects without tee
+ * points the child's fd straight at its file (no pipe); a stream nobody needs goes to the
+ * console directly or to /dev/null.
+ *
+ * Stopping is SIGTERM to each worker's process group, then SIGKILL to the groups still alive
+ * after the grace period. Not here: deciding when to stop or restart (launcher/agent),
+ * rendezvous (launcher/rdzv). */
+#ifndef MESHRUN_WORKERS_H
+#define MESHRUN_WORKERS_H
+
+#include <limits.h>
+#include <stddef.h>
+#include <sys/types.h>
+#include <uv.h>
+
+#include "launcher/cli.h"
+
+/* What one round gives its workers (the environment) and where their files go. */
+typedef struct {
+  int restart_count; /* TORCHELASTIC_RESTART_COUNT and the attempt number */
+  int rank_offset, world_size, group_rank, group_world_size, nproc;
+  char master_addr[256];
+  int master_port;
+  char store_endpoint[300]; /* MESHRUN_STORE */
+  char run_id[128];
+  int max_restarts;
+  char attempt_dir[PATH_MAX]; /* <base>/attempt_<n>: <rank>/error.json and logs go below */
+  int log_files;              /* write stdout.log/stderr.log for every stream */
+} workers_round_t;
+
+typedef struct {
+  int local_rank, rank;
+  pid_t pid;
+  int running;
+  int exit_code;   /* valid when !running: exit status, or 128+signal */
+  int term_signal; /* 0 unless killed by a signal */
+  double exit_time; /* epoch seconds when reaped */
+  char error_file[PATH_MAX];
+} workers_info_t;
+
+typedef struct workers workers_t;
+/* A worker exited (on the loop thread). */
+typedef void (*workers_exit_cb)(workers_t *w, const workers_info_t *info, void *arg);
+/* Every worker of the round was reaped and its output drained. */
+typedef void (*workers_idle_cb)(workers_t *w, void *arg);
+
+/* Resolves PROGRAM as execvp would (a path when it has a '/', else along $PATH) into out.
+ * Returns 0, or an errno with "no such file", "command not found" or "not executable" in why. */
+int workers_find_program(const char *prog, char *out, size_t outlen, char *why, size_t whylen);
+
+int workers_create(workers_t **out, uv_loop_t *loop, const launcher_opts_t *opts, workers_exit_cb on_exit,
+                   workers_idle_cb on_idle, void *arg, char *err, size_t errlen);
+/* Spawns the round's nproc workers. On error, the ones already started are killed and the
+ * message names the cause ("exec ./train: Permission denied"). */
+int workers_start(workers_t *w, const workers_round_t *round, char *err, size_t errlen);
+/* Sends sig to every running worker's process group (forwarding). */
+void workers_signal(workers_t *w, int sig);
+/* sig (SIGTERM, or the signal being forwarded) now, SIGKILL to the groups still running after
+ * grace_s. Idempotent: a second call does nothing. */
+void workers_stop(workers_t *w, int sig, double grace_s);
+/* SIGKILL to every process group this round started, running or not (exit paths). */
+void workers_kill_all(workers_t *w);
+int workers_running(const workers_t *w);
+/* 1 when no worker runs and every pipe is drained. */
+int workers_idle(const workers_t *w);
+const workers_info_t *workers_info(const workers_t *w, int local_rank);
+int workers_count(const workers_t *w);
+/* Closes the handles (run the loop afterwards to let them close); accepts NULL. */
+void workers_close(workers_t *w);
+
+#endif

@@ -1,0 +1,142 @@
+"""Shared fixtures for meshrun's integration tests: real meshrun processes on loopback.
+
+- MESHRUN_BIN names the directory holding meshrun and trainer (the Makefile sets it).
+- Meshrun() starts one meshrun process in its own session with captured output and a
+  deadline; wait_for() polls a condition with a deadline (no fixed sleeps: every wait ends
+  as soon as the observed event happens).
+- free_port() asks the kernel for a port on 127.0.0.1 (nothing fixed).
+- pids_alive() scans /proc, for the "no orphan survives" checks.
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "worker.py")
+PYTHON = "/usr/bin/python3"
+
+
+def bin_dir():
+    d = os.environ.get("MESHRUN_BIN")
+    if not d:
+        d = os.path.join(HERE, "..", "..", "bin")
+    return os.path.abspath(d)
+
+
+MESHRUN = os.path.join(bin_dir(), "meshrun")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(cond, timeout, what):
+    """Polls cond() until truthy (returned) or timeout seconds pass (the test fails, naming what)."""
+    deadline = time.monotonic() + timeout
+    delay = 0.005
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            pytest.fail("timed out after %.1fs waiting for %s" % (timeout, what))
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
+def pid_alive(pid):
+    """True if pid exists and is not a zombie (read from /proc)."""
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        return state != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def pids_alive(pids):
+    return [p for p in pids if pid_alive(p)]
+
+
+# Small timeouts so that tests take seconds; every one is still an upper bound, not a sleep.
+FAST_CONF = "join_timeout=20,last_call_timeout=0.5,heartbeat_interval=0.1,heartbeat_timeout=1"
+
+
+class Meshrun:
+    """One meshrun process. args: meshrun flags then the program and its arguments."""
+
+    def __init__(self, args, env=None, cwd=None):
+        e = dict(os.environ)
+        e.pop("OMP_NUM_THREADS", None)
+        if env:
+            e.update(env)
+        self.args = [MESHRUN] + list(args)
+        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=e,
+                                     cwd=cwd, start_new_session=True)
+        self.out = self.err = None
+
+    @property
+    def pid(self):
+        return self.proc.pid
+
+    def wait(self, timeout=60):
+        try:
+            out, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            out, err = self.proc.communicate()
+            pytest.fail("meshrun did not exit within %ss\nstdout:\n%s\nstderr:\n%s" %
+                        (timeout, out.decode(errors="replace"), err.decode(errors="replace")))
+        self.out, self.err = out.decode(errors="replace"), err.decode(errors="replace")
+        return self.proc.returncode
+
+    def signal(self, sig):
+        self.proc.send_signal(sig)
+
+    def kill(self):
+        """SIGKILL meshrun's whole session (meshrun and anything it left)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def describe(self):
+        return "rc=%s\nstdout:\n%s\nstderr:\n%s" % (self.proc.returncode, self.out, self.err)
+
+
+@pytest.fixture
+def launch():
+    """Starts Meshrun processes and guarantees none outlives the test."""
+    started = []
+
+    def start(args, **kw):
+        m = Meshrun(args, **kw)
+        started.append(m)
+        return m
+
+    yield start
+    for m in started:
+        if m.proc.poll() is None:
+            m.kill()
+            m.proc.communicate()
+
+
+def worker_cmd(d, *extra):
+    return [PYTHON, WORKER, "--dir", str(d)] + list(extra)
+
+
+def read_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def worker_file(d, rank, attempt, suffix):
+    return os.path.join(str(d), "rank%d.attempt%d.%s" % (rank, attempt, suffix))

@@ -1,0 +1,187 @@
+"""meshrun on one node: CLI errors, the worker environment, failures and restarts, signals,
+orphans, logs. Each test starts real meshrun processes; waits are on files and exits."""
+import os
+import re
+import signal
+import stat
+
+from conftest import (FAST_CONF, MESHRUN, PYTHON, WORKER, pids_alive, read_json, wait_for, worker_cmd,
+                      worker_file)
+
+import subprocess
+
+
+def test_unknown_flag_exits_2_naming_it(launch):
+    m = launch(["--no_such_flag=1", "true"])
+    assert m.wait(10) == 2, m.describe()
+    lines = [l for l in m.err.splitlines() if l.strip()]
+    assert len(lines) == 1 and "--no_such_flag" in lines[0], m.describe()
+
+
+def test_bad_value_exits_2_naming_flag(launch):
+    m = launch(["--nproc_per_node=zero", "true"])
+    assert m.wait(10) == 2, m.describe()
+    assert "--nproc_per_node" in m.err, m.describe()
+
+
+def test_missing_program_exits_127(launch, tmp_path):
+    m = launch(["--nproc_per_node=2", "/nonexistent/prog"])
+    assert m.wait(10) == 127, m.describe()
+    assert "meshrun: /nonexistent/prog: no such file" in m.err, m.describe()
+    m = launch(["no-such-command-meshrun-test"])
+    assert m.wait(10) == 127, m.describe()
+    assert "command not found" in m.err, m.describe()
+    f = tmp_path / "notexec.sh"
+    f.write_text("#!/bin/sh\ntrue\n")
+    m = launch([str(f)])
+    assert m.wait(10) == 127, m.describe()
+    assert "not executable" in m.err, m.describe()
+
+
+def test_worker_environment(launch, tmp_path):
+    m = launch(["--nproc_per_node=2", "--max_restarts=3", "--rdzv_id=envjob"] + worker_cmd(tmp_path))
+    assert m.wait(30) == 0, m.describe()
+    envs = [read_json(worker_file(tmp_path, r, 0, "json")) for r in range(2)]
+    store = None
+    for r, e in enumerate(envs):
+        assert e["RANK"] == str(r)
+        assert e["LOCAL_RANK"] == str(r)
+        assert e["WORLD_SIZE"] == "2"
+        assert e["LOCAL_WORLD_SIZE"] == "2"
+        assert e["GROUP_RANK"] == "0"
+        assert e["GROUP_WORLD_SIZE"] == "1"
+        assert e["ROLE_RANK"] == str(r)
+        assert e["ROLE_WORLD_SIZE"] == "2"
+        assert e["ROLE_NAME"] == "default"
+        assert e["MASTER_ADDR"] == "127.0.0.1"
+        assert e["TORCHELASTIC_RESTART_COUNT"] == "0"
+        assert e["TORCHELASTIC_MAX_RESTARTS"] == "3"
+        assert e["TORCHELASTIC_RUN_ID"] == "envjob"
+        assert e["TORCHELASTIC_ERROR_FILE"].endswith("/attempt_0/%d/error.json" % r)
+        assert e["OMP_NUM_THREADS"] == "1"
+        host, port = e["MESHRUN_STORE"].rsplit(":", 1)
+        assert host == "127.0.0.1" and 0 < int(port) < 65536
+        assert 0 < int(e["MASTER_PORT"]) < 65536 and e["MASTER_PORT"] != port
+        store = store or e["MESHRUN_STORE"]
+        assert e["MESHRUN_STORE"] == store
+    assert envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"]
+
+
+def test_omp_num_threads_kept_when_set(launch, tmp_path):
+    m = launch(["--nproc_per_node=1"] + worker_cmd(tmp_path), env={"OMP_NUM_THREADS": "7"})
+    assert m.wait(30) == 0, m.describe()
+    assert read_json(worker_file(tmp_path, 0, 0, "json"))["OMP_NUM_THREADS"] == "7"
+
+
+def test_restarts_exhausted_exit_code_and_summary(launch, tmp_path):
+    m = launch(["--nproc_per_node=2", "--max_restarts=1"] +
+               worker_cmd(tmp_path, "--fail-rank=1", "--code=7", "--errfile=boom: rank one broke"))
+    assert m.wait(30) == 7, m.describe()
+    # attempt 0 and attempt 1 both ran, then the budget (1 restart) was spent.
+    assert os.path.exists(worker_file(tmp_path, 1, 0, "exit"))
+    assert os.path.exists(worker_file(tmp_path, 1, 1, "exit"))
+    assert not os.path.exists(worker_file(tmp_path, 0, 2, "json"))
+    assert "root cause" in m.err and "boom: rank one broke" in m.err, m.describe()
+    assert re.search(r"rank:\s+1\b", m.err) and re.search(r"exitcode:\s+7\b", m.err), m.describe()
+    assert re.search(r"host:\s+\S+", m.err) and re.search(r"time:\s+\d{4}-", m.err), m.describe()
+
+
+def test_plain_error_file_message(launch, tmp_path):
+    m = launch(["--nproc_per_node=1"] +
+               worker_cmd(tmp_path, "--fail-rank=0", "--code=5", "--errfile=plain message", "--errfile-plain"))
+    assert m.wait(30) == 5, m.describe()
+    assert "plain message" in m.err, m.describe()
+
+
+def test_restart_after_failure_increments_attempt(launch, tmp_path):
+    m = launch(["--nproc_per_node=2", "--max_restarts=2"] +
+               worker_cmd(tmp_path, "--fail-rank=0", "--fail-attempts=1", "--code=4"))
+    assert m.wait(30) == 0, m.describe()
+    for r in range(2):
+        e = read_json(worker_file(tmp_path, r, 1, "json"))
+        assert e["TORCHELASTIC_RESTART_COUNT"] == "1"
+        assert os.path.exists(worker_file(tmp_path, r, 1, "done"))
+
+
+def test_kill9_worker_restarts(launch, tmp_path):
+    m = launch(["--nproc_per_node=2", "--max_restarts=1", "--shutdown_timeout=5"] +
+               worker_cmd(tmp_path, "--hang-until=%s" % (tmp_path / "go")))
+    f = wait_for(lambda: os.path.exists(worker_file(tmp_path, 1, 0, "json")) and worker_file(tmp_path, 1, 0, "json"),
+                 20, "rank 1 to start")
+    pid = read_json(f)["_pid"]
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: os.path.exists(worker_file(tmp_path, 0, 1, "json")) and
+             os.path.exists(worker_file(tmp_path, 1, 1, "json")), 20, "attempt 1 to start")
+    (tmp_path / "go").write_text("")
+    assert m.wait(30) == 0, m.describe()
+    assert "SIGKILL" in m.err, m.describe()
+    assert read_json(worker_file(tmp_path, 1, 1, "json"))["TORCHELASTIC_RESTART_COUNT"] == "1"
+
+
+def test_signal_death_exit_code_is_128_plus_signal(launch, tmp_path):
+    m = launch(["--nproc_per_node=1", "sh", "-c", "kill -SEGV $$"])
+    assert m.wait(20) == 128 + signal.SIGSEGV, m.describe()
+    assert "SIGSEGV" in m.err, m.describe()
+
+
+def test_sigint_is_forwarded_then_meshrun_exits(launch, tmp_path):
+    m = launch(["--nproc_per_node=2", "--shutdown_timeout=10"] + worker_cmd(tmp_path, "--hang"))
+    wait_for(lambda: all(os.path.exists(worker_file(tmp_path, r, 0, "json")) for r in range(2)), 20,
+             "both workers to start")
+    pids = [read_json(worker_file(tmp_path, r, 0, "json"))["_pid"] for r in range(2)]
+    m.signal(signal.SIGINT)
+    assert m.wait(20) == 128 + signal.SIGINT, m.describe()
+    for r in range(2):
+        assert os.path.exists(worker_file(tmp_path, r, 0, "sig%d" % signal.SIGINT)), "rank %d got no SIGINT" % r
+    assert pids_alive(pids) == []
+
+
+def test_sigusr1_is_forwarded_and_job_continues(launch, tmp_path):
+    m = launch(["--nproc_per_node=2"] + worker_cmd(tmp_path, "--hang-until=%s" % (tmp_path / "go")))
+    wait_for(lambda: all(os.path.exists(worker_file(tmp_path, r, 0, "json")) for r in range(2)), 20,
+             "both workers to start")
+    m.signal(signal.SIGUSR1)
+    wait_for(lambda: all(os.path.exists(worker_file(tmp_path, r, 0, "sig%d" % signal.SIGUSR1)) for r in range(2)),
+             20, "SIGUSR1 to reach both workers")
+    (tmp_path / "go").write_text("")
+    assert m.wait(20) == 0, m.describe()
+
+
+def test_kill9_meshrun_leaves_no_process(launch, tmp_path):
+    m = launch(["--nproc_per_node=3"] + worker_cmd(tmp_path, "--hang"))
+    wait_for(lambda: all(os.path.exists(worker_file(tmp_path, r, 0, "json")) for r in range(3)), 20,
+             "three workers to start")
+    pids = [read_json(worker_file(tmp_path, r, 0, "json"))["_pid"] for r in range(3)]
+    assert len(pids_alive(pids)) == 3
+    m.proc.send_signal(signal.SIGKILL)  # meshrun only, not its session
+    m.wait(10)
+    wait_for(lambda: pids_alive(pids) == [], 10, "workers %s to die with their agent" % pids)
+
+
+def test_log_dir_redirects_tee_and_filter(launch, tmp_path):
+    logs = tmp_path / "logs"
+    d = tmp_path / "w"
+    d.mkdir()
+    # stdout of every rank redirected (files only); stderr teed (files and console);
+    # only local rank 1 reaches the console.
+    m = launch(["--nproc_per_node=2", "--rdzv_id=logjob", "--log_dir", str(logs), "--redirects=1", "--tee=2",
+                "--local_ranks_filter=1"] + worker_cmd(d, "--print=2"))
+    assert m.wait(30) == 0, m.describe()
+    for r in range(2):
+        base = logs / "logjob" / "attempt_0" / str(r)
+        out = (base / "stdout.log").read_text()
+        err = (base / "stderr.log").read_text()
+        assert out == "".join("out line %d from %d\n" % (i, r) for i in range(2)), out
+        assert err == "".join("err line %d from %d\n" % (i, r) for i in range(2)), err
+    assert "out line" not in m.out, m.describe()  # redirected: not on the console
+    assert "[rank1]:err line 0 from 1" in m.err, m.describe()  # teed, prefixed
+    assert "from 0" not in m.err, m.describe()  # filtered out
+
+
+def test_console_prefix_only_with_several_workers(launch, tmp_path):
+    m = launch(["--nproc_per_node=2"] + worker_cmd(tmp_path, "--print=1"))
+    assert m.wait(30) == 0, m.describe()
+    assert "[rank0]:out line 0 from 0" in m.out and "[rank1]:out line 0 from 1" in m.out, m.describe()
+    m = launch(["--nproc_per_node=1"] + worker_cmd(tmp_path, "--print=1"))
+    assert m.wait(30) == 0, m.describe()
+    assert "out line 0 from 0\n" in m.out and "[rank" not in m.out, m.describe()

@@ -1,0 +1,191 @@
+"""Several meshrun processes on loopback forming one job: heterogeneous nodes, a node that
+dies, a node that arrives late, garbage on the store port, a port held by another program."""
+import os
+import signal
+import socket
+import threading
+
+from conftest import FAST_CONF, free_port, pids_alive, read_json, wait_for, worker_cmd, worker_file
+
+
+def endpoint_up(port):
+    def check():
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return True
+        except OSError:
+            return False
+    return check
+
+
+def node(launch, port, nnodes, nproc, prog, extra=()):
+    return launch(["--nnodes=%s" % nnodes, "--nproc_per_node=%d" % nproc, "--rdzv_endpoint=127.0.0.1:%d" % port,
+                   "--rdzv_conf=" + FAST_CONF, "--shutdown_timeout=5"] + list(extra) + prog)
+
+
+def test_two_nodes_heterogeneous_ranks(launch, tmp_path):
+    port = free_port()
+    a = node(launch, port, "2", 1, worker_cmd(tmp_path), ["--node_rank=1"])
+    b = node(launch, port, "2", 2, worker_cmd(tmp_path), ["--node_rank=0"])
+    assert a.wait(30) == 0, a.describe()
+    assert b.wait(30) == 0, b.describe()
+    envs = {r: read_json(worker_file(tmp_path, r, 0, "json")) for r in range(3)}
+    # node_rank 0 (two workers) owns ranks 0,1; node_rank 1 owns rank 2.
+    assert envs[0]["GROUP_RANK"] == "0" and envs[1]["GROUP_RANK"] == "0" and envs[2]["GROUP_RANK"] == "1"
+    assert envs[2]["LOCAL_RANK"] == "0" and envs[2]["LOCAL_WORLD_SIZE"] == "1"
+    assert envs[1]["LOCAL_RANK"] == "1" and envs[1]["LOCAL_WORLD_SIZE"] == "2"
+    for e in envs.values():
+        assert e["WORLD_SIZE"] == "3" and e["GROUP_WORLD_SIZE"] == "2"
+        assert e["MASTER_PORT"] == envs[0]["MASTER_PORT"] and e["MASTER_ADDR"] == "127.0.0.1"
+        assert int(e["MASTER_PORT"]) != port
+        assert e["MESHRUN_STORE"] == "127.0.0.1:%d" % port
+    # output of the node with 2 workers is prefixed by global rank
+    assert "[rank" not in a.out
+
+
+def start_two(launch, tmp_path, port, nnodes, extra_worker=()):
+    """Node A first (it hosts the store), then node B; both running their workers."""
+    prog = worker_cmd(tmp_path, "--hang-until=%s" % (tmp_path / "go"), *extra_worker)
+    a = node(launch, port, nnodes, 1, prog, ["--max_restarts=0"])
+    wait_for(endpoint_up(port), 20, "node A to serve the store")
+    b = node(launch, port, nnodes, 1, prog, ["--max_restarts=0"])
+    wait_for(lambda: all(os.path.exists(worker_file(tmp_path, r, 0, "json")) for r in range(2)), 30,
+             "both ranks of attempt 0")
+    return a, b
+
+
+def node_of_rank(tmp_path, r):
+    return read_json(worker_file(tmp_path, r, 0, "json"))["_pid"]
+
+
+def test_whole_node_dies_elastic_survivor_restarts_alone(launch, tmp_path):
+    port = free_port()
+    a, b = start_two(launch, tmp_path, port, "1:2")
+    worker_pids = [node_of_rank(tmp_path, r) for r in range(2)]
+    b.proc.send_signal(signal.SIGKILL)  # B's meshrun; its worker dies with it (PDEATHSIG)
+    b.wait(10)
+    # A notices B's silence within heartbeat_timeout, restarts alone as a world of 1.
+    f = wait_for(lambda: os.path.exists(worker_file(tmp_path, 0, 1, "json")) and worker_file(tmp_path, 0, 1, "json"),
+                 20, "the survivor's attempt 1")
+    e = read_json(f)
+    assert e["WORLD_SIZE"] == "1" and e["GROUP_WORLD_SIZE"] == "1" and e["TORCHELASTIC_RESTART_COUNT"] == "1"
+    (tmp_path / "go").write_text("")
+    assert a.wait(30) == 0, a.describe()
+    assert "heartbeat" in a.err, a.describe()
+    assert pids_alive(worker_pids) == []
+
+
+def test_whole_node_dies_fixed_size_exits_with_error(launch, tmp_path):
+    port = free_port()
+    a, b = start_two(launch, tmp_path, port, "2")
+    b.proc.send_signal(signal.SIGKILL)
+    b.wait(10)
+    rc = a.wait(30)
+    assert rc != 0, a.describe()
+    assert "no heartbeat" in a.err and "min 2" in a.err, a.describe()
+
+
+def test_store_host_dies_client_reports_store_lost(launch, tmp_path):
+    port = free_port()
+    a, b = start_two(launch, tmp_path, port, "2")
+    a.proc.send_signal(signal.SIGKILL)
+    a.wait(10)
+    rc = b.wait(30)
+    assert rc != 0, b.describe()
+    assert "rendezvous store at 127.0.0.1:%d lost" % port in b.err, b.describe()
+
+
+def test_late_joiner_scales_the_job_up(launch, tmp_path):
+    port = free_port()
+    prog = worker_cmd(tmp_path, "--hang-until=%s" % (tmp_path / "go"))
+    a = node(launch, port, "1:2", 1, prog)
+    f = wait_for(lambda: os.path.exists(worker_file(tmp_path, 0, 0, "json")) and worker_file(tmp_path, 0, 0, "json"),
+                 20, "node A's round of one")
+    assert read_json(f)["WORLD_SIZE"] == "1"
+    b = node(launch, port, "1:2", 1, prog)
+    wait_for(lambda: all(os.path.exists(worker_file(tmp_path, r, 1, "json")) for r in range(2)), 20,
+             "the bigger round (attempt 1, two ranks)")
+    for r in range(2):
+        e = read_json(worker_file(tmp_path, r, 1, "json"))
+        assert e["WORLD_SIZE"] == "2" and e["GROUP_WORLD_SIZE"] == "2"
+    (tmp_path / "go").write_text("")
+    assert a.wait(30) == 0, a.describe()
+    assert b.wait(30) == 0, b.describe()
+
+
+def test_garbage_to_store_port_does_not_disturb(launch, tmp_path):
+    port = free_port()
+    prog = worker_cmd(tmp_path, "--hang-until=%s" % (tmp_path / "go"))
+    a = node(launch, port, "1", 2, prog)
+    wait_for(lambda: all(os.path.exists(worker_file(tmp_path, r, 0, "json")) for r in range(2)), 20,
+             "workers to start")
+    for payload in (b"GET / HTTP/1.0\r\n\r\n", os.urandom(4096), b"\xff" * 16, b""):
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(payload)
+            s.shutdown(socket.SHUT_WR)
+            s.settimeout(5)
+            try:
+                while s.recv(4096):
+                    pass  # the server must close on us, not hang
+            except ConnectionResetError:
+                pass
+    (tmp_path / "go").write_text("")
+    assert a.wait(30) == 0, a.describe()
+    assert not os.path.exists(worker_file(tmp_path, 0, 1, "json"))  # no restart happened
+
+
+class ForeignServer:
+    """A program that is not a meshrun store: answers HTTP garbage, or nothing at all."""
+
+    def __init__(self, silent):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.silent = silent
+        self.conns = []
+        self.t = threading.Thread(target=self.serve, daemon=True)
+        self.t.start()
+
+    def serve(self):
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(c)
+            if not self.silent:
+                try:
+                    c.sendall(b"HTTP/1.0 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+                    c.close()
+                except OSError:
+                    pass
+
+    def close(self):
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+
+
+def test_endpoint_taken_by_another_program(launch, tmp_path):
+    srv = ForeignServer(silent=False)
+    try:
+        m = node(launch, srv.port, "1", 1, ["true"])
+        rc = m.wait(30)
+        assert rc != 0, m.describe()
+        assert ("--rdzv_endpoint 127.0.0.1:%d: port is in use by another program (not a meshrun store)" % srv.port
+                in m.err), m.describe()
+    finally:
+        srv.close()
+
+
+def test_endpoint_that_never_answers_ends_after_join_timeout(launch, tmp_path):
+    srv = ForeignServer(silent=True)
+    try:
+        m = launch(["--nnodes=1", "--nproc_per_node=1", "--rdzv_endpoint=127.0.0.1:%d" % srv.port,
+                    "--rdzv_conf=join_timeout=1.5,heartbeat_interval=0.1,heartbeat_timeout=1", "true"])
+        rc = m.wait(30)
+        assert rc != 0, m.describe()
+        assert "127.0.0.1:%d" % srv.port in m.err and "answer" in m.err, m.describe()
+    finally:
+        srv.close()

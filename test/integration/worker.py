@@ -1,0 +1,79 @@
+"""A worker for meshrun's integration tests: run under meshrun, does what its flags say.
+
+Every action that a test synchronizes on leaves a file in --dir (written atomically: tmp +
+rename), so tests wait on files with deadlines instead of sleeping. Imports only the standard
+library, so it starts fast.
+"""
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+
+def atomic_write(path, text):
+    tmp = path + ".tmp%d" % os.getpid()
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.rename(tmp, path)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--dir", required=True)
+    p.add_argument("--fail-rank", type=int, default=-1, help="this global rank fails")
+    p.add_argument("--fail-attempts", type=int, default=1 << 30, help="fail while restart count < this")
+    p.add_argument("--code", type=int, default=3)
+    p.add_argument("--errfile", default="", help="write this message to TORCHELASTIC_ERROR_FILE before failing")
+    p.add_argument("--errfile-plain", action="store_true", help='use {"message": "..."} instead of torch\'s format')
+    p.add_argument("--hang", action="store_true", help="after starting, wait until a signal ends us")
+    p.add_argument("--hang-until", default="", help="wait until this file exists (30 s cap)")
+    p.add_argument("--print", type=int, default=0, help="print N lines to stdout and stderr")
+    a = p.parse_args()
+
+    rank = int(os.environ["RANK"])
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    tag = "rank%d.attempt%d" % (rank, attempt)
+
+    def on_signal(sig, frame):
+        atomic_write(os.path.join(a.dir, "%s.sig%d" % (tag, sig)), str(time.time()))
+        if sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            sys.exit(128 + sig)
+
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(s, on_signal)
+
+    env = {k: v for k, v in os.environ.items()}
+    env["_pid"] = os.getpid()
+    env["_start"] = time.time()
+    atomic_write(os.path.join(a.dir, tag + ".json"), json.dumps(env))
+
+    for i in range(a.print):
+        print("out line %d from %d" % (i, rank), flush=True)
+        print("err line %d from %d" % (i, rank), file=sys.stderr, flush=True)
+
+    if rank == a.fail_rank and attempt < a.fail_attempts:
+        if a.errfile:
+            if a.errfile_plain:
+                doc = {"message": a.errfile}
+            else:
+                doc = {"message": {"message": a.errfile, "extraInfo": {"timestamp": str(int(time.time()))}}}
+            with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+                json.dump(doc, f)
+        atomic_write(os.path.join(a.dir, tag + ".exit"), str(time.time()))
+        sys.exit(a.code)
+
+    if a.hang_until:
+        deadline = time.time() + 30
+        while not os.path.exists(a.hang_until) and time.time() < deadline:
+            time.sleep(0.01)
+    if a.hang:
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            signal.pause() if hasattr(signal, "pause") else time.sleep(1)
+    atomic_write(os.path.join(a.dir, tag + ".done"), str(time.time()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+// deps: launcher/rdzv.c common/store.c common/store_proto.c common/net.c common/log.c
+/* Unit tests of rdzv's pure decision logic: round closing, late joiners, rank assignment,
+ * heartbeat verdicts, fatal ends, and the end record's JSON round trip. No sockets. */
+#include <errno.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "launcher/rdzv.h"
+
+static rdzv_node_t mk(int idx, int node_rank, int nproc, const char *addr) {
+  rdzv_node_t n = {.idx = idx, .node_rank = node_rank, .nproc = nproc};
+  strcpy(n.addr, addr);
+  return n;
+}
+
+static void test_close_action(void **state) {
+  (void)state;
+  /* --nnodes=2:4 */
+  assert_int_equal(rdzv_close_action(1, 2, 4), RDZV_CLOSE_WAIT);
+  assert_int_equal(rdzv_close_action(2, 2, 4), RDZV_CLOSE_AFTER_LAST_CALL);
+  assert_int_equal(rdzv_close_action(3, 2, 4), RDZV_CLOSE_AFTER_LAST_CALL);
+  assert_int_equal(rdzv_close_action(4, 2, 4), RDZV_CLOSE_NOW);
+  /* fixed size: only the last one closes, at once */
+  assert_int_equal(rdzv_close_action(1, 2, 2), RDZV_CLOSE_WAIT);
+  assert_int_equal(rdzv_close_action(2, 2, 2), RDZV_CLOSE_NOW);
+  assert_int_equal(rdzv_close_action(1, 1, 1), RDZV_CLOSE_NOW);
+  /* over-subscribed joins still say "now" (the round is already closed by then) */
+  assert_int_equal(rdzv_close_action(5, 2, 4), RDZV_CLOSE_NOW);
+}
+
+static void test_late_action(void **state) {
+  (void)state;
+  assert_int_equal(rdzv_late_action(1, 2), RDZV_LATE_SCALE_UP);
+  assert_int_equal(rdzv_late_action(2, 2), RDZV_LATE_WAIT_END);
+  assert_int_equal(rdzv_late_action(3, 8), RDZV_LATE_SCALE_UP);
+}
+
+static void test_ranks_by_join_order_heterogeneous(void **state) {
+  (void)state;
+  rdzv_node_t nodes[3] = {mk(1, -1, 2, "a"), mk(2, -1, 4, "b"), mk(3, -1, 1, "c")};
+  rdzv_assignment_t a;
+  int r0;
+  char err[256];
+  assert_int_equal(rdzv_assign_ranks(nodes, 3, 2, &a, &r0, err, sizeof err), 0);
+  assert_int_equal(a.group_rank, 1);
+  assert_int_equal(a.rank_offset, 2);
+  assert_int_equal(a.world_size, 7);
+  assert_int_equal(a.nnodes, 3);
+  assert_int_equal(a.nproc, 4);
+  assert_int_equal(r0, 1);
+  assert_int_equal(rdzv_assign_ranks(nodes, 3, 3, &a, &r0, err, sizeof err), 0);
+  assert_int_equal(a.group_rank, 2);
+  assert_int_equal(a.rank_offset, 6);
+}
+
+static void test_ranks_by_node_rank(void **state) {
+  (void)state;
+  /* joined as a, b, c but node ranks say c, a, b */
+  rdzv_node_t nodes[3] = {mk(1, 1, 2, "a"), mk(2, 2, 3, "b"), mk(3, 0, 1, "c")};
+  rdzv_assignment_t a;
+  int r0;
+  char err[256];
+  assert_int_equal(rdzv_assign_ranks(nodes, 3, 1, &a, &r0, err, sizeof err), 0);
+  assert_int_equal(a.group_rank, 1);
+  assert_int_equal(a.rank_offset, 1);
+  assert_int_equal(r0, 3);
+  assert_int_equal(rdzv_assign_ranks(nodes, 3, 2, &a, &r0, err, sizeof err), 0);
+  assert_int_equal(a.group_rank, 2);
+  assert_int_equal(a.rank_offset, 3);
+  assert_int_equal(a.world_size, 6);
+  /* one node without a node rank: join order for all */
+  nodes[1].node_rank = -1;
+  assert_int_equal(rdzv_assign_ranks(nodes, 3, 3, &a, &r0, err, sizeof err), 0);
+  assert_int_equal(a.group_rank, 2);
+  assert_int_equal(r0, 1);
+}
+
+static void test_ranks_errors(void **state) {
+  (void)state;
+  rdzv_node_t nodes[2] = {mk(1, 0, 1, "hostA"), mk(2, 0, 1, "hostB")};
+  rdzv_assignment_t a;
+  int r0;
+  char err[256] = "";
+  assert_int_equal(rdzv_assign_ranks(nodes, 2, 1, &a, &r0, err, sizeof err), -EINVAL);
+  assert_non_null(strstr(err, "--node_rank=0"));
+  assert_non_null(strstr(err, "hostA"));
+  nodes[1].node_rank = 1;
+  assert_int_equal(rdzv_assign_ranks(nodes, 2, 9, &a, &r0, err, sizeof err), -EINVAL);
+  assert_non_null(strstr(err, "not a participant"));
+}
+
+static void test_heartbeat_verdicts(void **state) {
+  (void)state;
+  rdzv_hb_t hb;
+  assert_int_equal(rdzv_hb_init(&hb, 3, 100.0), 0);
+  assert_false(rdzv_hb_is_dead(&hb, 0, 100.5, 1.0));
+  rdzv_hb_observe(&hb, 0, 1, 100.8);
+  rdzv_hb_observe(&hb, 1, 0, 100.8); /* unchanged counter: no news */
+  assert_false(rdzv_hb_is_dead(&hb, 0, 101.5, 1.0));
+  assert_true(rdzv_hb_is_dead(&hb, 1, 101.5, 1.0));
+  rdzv_hb_observe(&hb, 1, 7, 101.6); /* it came back */
+  assert_false(rdzv_hb_is_dead(&hb, 1, 102.0, 1.0));
+  assert_true(rdzv_hb_is_dead(&hb, 2, 101.01, 1.0));
+  assert_false(rdzv_hb_is_dead(&hb, 9, 1e9, 1.0)); /* out of range: never dead */
+  rdzv_hb_free(&hb);
+  rdzv_hb_free(&hb); /* twice is fine */
+}
+
+static void test_end_fatal(void **state) {
+  (void)state;
+  assert_false(rdzv_end_fatal(RDZV_END_FAILURE, 1, 1, 2, 2));
+  assert_true(rdzv_end_fatal(RDZV_END_FAILURE, 2, 1, 2, 2));
+  assert_true(rdzv_end_fatal(RDZV_END_FAILURE, 1, 0, 2, 2));
+  assert_false(rdzv_end_fatal(RDZV_END_DEAD_NODE, 0, 0, 1, 1));
+  assert_true(rdzv_end_fatal(RDZV_END_DEAD_NODE, 0, 5, 1, 2));
+  assert_false(rdzv_end_fatal(RDZV_END_SCALE_UP, 99, 0, 1, 2));
+}
+
+static void test_end_json_round_trip(void **state) {
+  (void)state;
+  rdzv_end_t e = {.kind = RDZV_END_FAILURE, .fatal = 1, .exit_code = 137, .rank = 5, .local_rank = 1,
+                  .signal = 9, .time = 1700000000.25, .node_idx = 2};
+  strcpy(e.host, "node-a");
+  strcpy(e.message, "RuntimeError: \"quoted\"\nsecond line");
+  strcpy(e.reason, "rank 5 died");
+  char *s = rdzv_end_encode(&e);
+  assert_non_null(s);
+  rdzv_end_t d;
+  assert_int_equal(rdzv_end_decode(s, strlen(s), &d), 0);
+  assert_int_equal(d.kind, e.kind);
+  assert_int_equal(d.fatal, 1);
+  assert_int_equal(d.exit_code, 137);
+  assert_int_equal(d.rank, 5);
+  assert_int_equal(d.local_rank, 1);
+  assert_int_equal(d.signal, 9);
+  assert_int_equal(d.node_idx, 2);
+  assert_true(d.time == e.time);
+  assert_string_equal(d.host, "node-a");
+  assert_string_equal(d.message, e.message);
+  assert_string_equal(d.reason, e.reason);
+  free(s);
+  assert_int_equal(rdzv_end_decode("{\"kind\":\"nope\"}", 15, &d), -EINVAL);
+  assert_int_equal(rdzv_end_decode("garbage", 7, &d), -EINVAL);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_close_action),
+      cmocka_unit_test(test_late_action),
+      cmocka_unit_test(test_ranks_by_join_order_heterogeneous),
+      cmocka_unit_test(test_ranks_by_node_rank),
+      cmocka_unit_test(test_ranks_errors),
+      cmocka_unit_test(test_heartbeat_verdicts),
+      cmocka_unit_test(test_end_fatal),
+      cmocka_unit_test(test_end_json_round_trip),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
