@@ -91,13 +91,18 @@ $(BUILD)/%.o: %.cu
 	@$(if $(Q),echo "  NVCC    $<")
 	$(Q)$(NVCC) $(NVCCFLAGS) -c -o $@ $<
 
-# A test or tool links its own object plus the sources its "// deps:" line names.
-deps_of = $(patsubst %.cu,$(BUILD)/%.o,$(patsubst %.c,$(BUILD)/%.o,$(shell sed -n '1s|^// deps: *||p' $(1))))
+# A test or tool links its own object plus the sources its "// deps:" line names. Where the cuda
+# backend is built, whatever links trainer/backend.c (the backend factory) also gets it and CUDA.
+raw_deps = $(shell sed -n '1s|^// deps: *||p' $(1))
+needs_cuda = $(if $(HAVE_CUDA),$(or $(filter trainer/backend.c %.cu,$(call raw_deps,$(1))),$(findstring test/gpu/,$(1))))
+CU_OBJ := $(CU_SRC:%.cu=$(BUILD)/%.o)
+deps_of = $(sort $(patsubst %.cu,$(BUILD)/%.o,$(patsubst %.c,$(BUILD)/%.o,$(call raw_deps,$(1)))) \
+          $(if $(call needs_cuda,$(1)),$(CU_OBJ)))
 define link_rule
 $(2): $(BUILD)/$(1:%.c=%.o) $(call deps_of,$(1))
 	@mkdir -p $$(@D)
 	@$$(if $$(Q),echo "  LD      $$@")
-	$$(Q)$$(CC) $$(LDFLAGS) -o $$@ $$^ $$(ALL_LIBS) $$(CMOCKA_LIBS) $$(if $$(findstring .cu,$$(shell sed -n '1p' $(1))),$$(CUDA_LIBS))
+	$$(Q)$$(CC) $$(LDFLAGS) -o $$@ $$^ $$(ALL_LIBS) $$(CMOCKA_LIBS) $(if $(call needs_cuda,$(1)),$$(CUDA_LIBS))
 endef
 $(foreach t,$(UNIT_SRC),$(eval $(call link_rule,$(t),$(t:test/unit/%.c=$(BUILD)/test/%))))
 $(foreach t,$(TOOL_SRC),$(eval $(call link_rule,$(t),$(t:test/tools/%.c=$(BUILD)/tools/%))))
