@@ -105,4 +105,12 @@ void backend_destroy(backend_t *be); /* accepts NULL */
 
 backend_t *backend_cpu_create(int threads, char *err, size_t errlen);
 
+/* The cuda backend, in builds with MESHRUN_HAVE_CUDA only (backend_cuda.cu). device < 0: the
+ * only visible GPU, else the one numbered LOCAL_RANK. With no GPU visible it returns NULL and
+ * err starts "cuda: no GPU visible" (device "auto" falls back to cpu on it). */
+backend_t *backend_cuda_create(int device, char *err, size_t errlen);
+/* Lets the cuda backend's matmuls use TF32 tensor cores (10-bit mantissa inputs, fp32
+ * accumulation); off by default (plain fp32). No effect on other backends. */
+void backend_cuda_set_tf32(backend_t *be, int allow);
+
 #endif
