@@ -35,15 +35,60 @@ typedef struct {
   int ndim;        /* 1 or 2 */
   int shape[2];    /* (rows, cols) for 2-D; (n, 1) for 1-D */
   int decay;       /* weight decay applies (per plan.train.decay_norms / decay_embeddings) */
+  /* Tensor parallelism: how this rank's tensor relates to the full one.
+   * MODEL_TP_REPLICATED: the same full tensor on every tp rank (norm weights);
+   * MODEL_TP_ROWS: rows split across tp (colwise linear: output features; vocab-parallel
+   *   embedding and output), this rank holds rows [tp_rank*shape[0], (tp_rank+1)*shape[0]);
+   * MODEL_TP_COLS: columns split (rowwise linear: input features).
+   * full_shape is the unsplit shape. With tp = 1 every tensor is MODEL_TP_REPLICATED. */
+  int tp_split;
+  int full_shape[2];
 } model_tensor_t;
+
+enum { MODEL_TP_REPLICATED = 0, MODEL_TP_ROWS = 1, MODEL_TP_COLS = 2 };
+
+struct comm; /* trainer/comm.h */
+
+/* Tensor parallelism of one model instance (one rank of the tp group). */
+typedef struct {
+  struct comm *comm;     /* the tp group (mesh_comm(mesh, "tp")); NULL = no tensor parallelism */
+  int sequence_parallel; /* activations between blocks sharded on the sequence (norms per shard) */
+  int loss_parallel;     /* cross-entropy on vocab-sharded logits, never gathered */
+  const plan_tp_entry_t *plan; /* styles per module (plan.parallel.tp_plan) */
+  int n_plan;
+} model_tp_t;
+
+typedef struct {
+  int max_b, max_t;        /* activations are sized for batches up to (max_b, max_t) */
+  int decay_norms, decay_embeddings;
+  const model_tp_t *tp;    /* NULL: no tensor parallelism */
+  /* FSDP: the model allocates no flat parameter/gradient buffers (model_params and
+   * model_grads return NULL); the strategy owns the shards and must point every unit at full
+   * buffers with model_set_unit_buffers before the unit is used (dp gather). */
+  int no_flat_buffers;
+} model_opts_t;
 
 /* Builds the model for cfg (hidden_dim already resolved) and activations for batches of up to
  * max_b sequences of max_t tokens. decay_norms / decay_embeddings fill model_tensor_t.decay. */
 int model_create(model_t **out, const plan_model_t *cfg, backend_t *be, int max_b, int max_t,
                  int decay_norms, int decay_embeddings, char *err, size_t errlen);
+/* The general form: model_create is model_create_opts with tp NULL and flat buffers. */
+int model_create_opts(model_t **out, const plan_model_t *cfg, backend_t *be, const model_opts_t *opts,
+                      char *err, size_t errlen);
 void model_destroy(model_t *m); /* accepts NULL */
 
 void model_init_random(model_t *m, uint64_t seed, double init_std);
+/* The initial values of one unit's local parameters (this tp rank's slices of the full
+ * tensors, exactly what model_init_random writes there), into host memory of unit numel
+ * floats. FSDP initializes its shards from this without a full flat buffer. */
+void model_init_unit_host(const model_t *m, int unit, float *host_out, uint64_t seed, double init_std);
+/* Full (unsplit) tensor i from this rank's local slice, assembled across the tp group
+ * (collective over tp: every tp rank calls it; all receive the full tensor into host_full,
+ * full_shape[0]*full_shape[1] floats). The unit must be gathered (its current buffer holds
+ * this rank's local values). Returns 0 or a negative comm error. */
+int model_export_tensor(model_t *m, int i, float *host_full);
+/* Sets this rank's slice of tensor i from the full tensor in host memory (unit gathered). */
+void model_import_tensor(model_t *m, int i, const float *host_full);
 /* Optional strategy hooks (NULL = serial). */
 void model_set_dp(model_t *m, dp_t *dp);
 
