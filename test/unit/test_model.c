@@ -1,0 +1,349 @@
+// deps: trainer/model.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c common/log.c
+/* test_model: the model's contract with the training loop and the dp strategies.
+ *
+ * Numerics against PyTorch are in test/integration/test_oracle_model.py; here: tensor names,
+ * shapes and contiguous units; the dp hook order; bad token/target ids giving NAN; ignored
+ * targets; same bits twice; gradient accumulation; redirected unit buffers. Tolerances are
+ * stated where results are not bit-exact. */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "trainer/model.h"
+
+enum { B = 2, T = 9, V = 31 };
+
+static backend_t *be;
+
+static plan_model_t small_cfg(void) {
+  plan_model_t c;
+  memset(&c, 0, sizeof c);
+  c.dim = 32;
+  c.n_layers = 2;
+  c.n_heads = 4;
+  c.n_kv_heads = 2;
+  c.vocab_size = V;
+  c.max_seq_len = 16;
+  c.hidden_dim = 96;
+  c.rope_theta = 10000.0;
+  c.norm_eps = 1e-5;
+  c.init_std = 0.1;
+  return c;
+}
+
+static model_t *make(void) {
+  plan_model_t c = small_cfg();
+  model_t *m = NULL;
+  char err[256];
+  int rc = model_create(&m, &c, be, B, T, 0, 0, err, sizeof err);
+  if (rc) printf("model_create: %s\n", err);
+  assert_int_equal(rc, 0);
+  model_init_random(m, 7, 0.1);
+  return m;
+}
+
+static void batch(int32_t *tok, int32_t *tgt) {
+  for (int i = 0; i < B * T; i++) {
+    tok[i] = (i * 7 + 3) % V;
+    tgt[i] = (i * 5 + 1) % V;
+  }
+  tgt[4] = -1;
+}
+
+static void test_layout(void **state) {
+  model_t *m = make();
+  int L = 2;
+  assert_int_equal(model_num_tensors(m), 9 * L + 3);
+  assert_int_equal(model_num_units(m), L + 2);
+  const model_tensor_t *t = model_find_tensor(m, "layers.1.attention.wk.weight");
+  assert_non_null(t);
+  assert_int_equal(t->unit, 2);
+  assert_int_equal(t->shape[0], 2 * 8); /* KV * D */
+  assert_int_equal(t->shape[1], 32);
+  t = model_find_tensor(m, "layers.0.attention.wo.weight");
+  assert_int_equal(t->shape[0], 32);
+  assert_int_equal(t->shape[1], 32);
+  t = model_find_tensor(m, "layers.0.feed_forward.w2.weight");
+  assert_int_equal(t->shape[0], 32);
+  assert_int_equal(t->shape[1], 96);
+  assert_int_equal(model_find_tensor(m, "output.weight")->unit, L + 1);
+  assert_int_equal(model_find_tensor(m, "tok_embeddings.weight")->decay, 0);
+  assert_int_equal(model_find_tensor(m, "norm.weight")->decay, 0);
+  assert_int_equal(model_find_tensor(m, "layers.0.feed_forward.w1.weight")->decay, 1);
+  /* units tile [0, num_params) in order, each tensor inside its unit */
+  size_t next = 0;
+  for (int u = 0; u < model_num_units(m); u++) {
+    size_t off, n;
+    model_unit_range(m, u, &off, &n);
+    assert_int_equal(off, next);
+    next = off + n;
+  }
+  assert_int_equal(next, model_num_params(m));
+  for (int i = 0; i < model_num_tensors(m); i++) {
+    const model_tensor_t *ti = model_tensor(m, i);
+    size_t off, n;
+    model_unit_range(m, ti->unit, &off, &n);
+    assert_true(ti->offset >= off && ti->offset + ti->numel <= off + n);
+  }
+  /* norms start at 1 */
+  const float *p = model_params(m) + model_find_tensor(m, "layers.1.ffn_norm.weight")->offset;
+  assert_true(p[0] == 1.0f && p[31] == 1.0f);
+  model_destroy(m);
+}
+
+static void test_bad_config(void **state) {
+  plan_model_t c = small_cfg();
+  c.n_kv_heads = 3;
+  model_t *m = NULL;
+  char err[256] = "";
+  assert_int_not_equal(model_create(&m, &c, be, B, T, 0, 0, err, sizeof err), 0);
+  printf("  %s\n", err);
+  assert_null(m);
+  c = small_cfg();
+  assert_int_not_equal(model_create(&m, &c, be, B, 17, 0, 0, err, sizeof err), 0);
+  printf("  %s\n", err);
+  model_destroy(NULL);
+}
+
+static void test_bad_ids(void **state) {
+  model_t *m = make();
+  int32_t tok[B * T], tgt[B * T];
+  batch(tok, tgt);
+  tok[11] = V; /* out of range */
+  float loss = model_forward(m, tok, tgt, B, T);
+  printf("  token id %d at position 11: loss %f\n", V, loss);
+  assert_true(isnan(loss));
+  batch(tok, tgt);
+  tgt[3] = -2; /* negative targets are ignored */
+  assert_true(isfinite(model_forward(m, tok, tgt, B, T)));
+  tgt[5] = V + 4;
+  assert_true(isnan(model_forward(m, tok, tgt, B, T)));
+  tok[0] = -1;
+  assert_true(isnan(model_forward(m, tok, NULL, B, T)));
+  model_destroy(m);
+}
+
+static void test_loss_and_determinism(void **state) {
+  model_t *m = make();
+  int32_t tok[B * T], tgt[B * T];
+  batch(tok, tgt);
+  size_t np = model_num_params(m);
+  float *g1 = malloc(np * sizeof *g1);
+  model_zero_grad(m);
+  float l1 = model_forward(m, tok, tgt, B, T);
+  model_backward(m, 1.0f);
+  memcpy(g1, model_grads(m), np * sizeof *g1);
+  printf("  loss %.7f (ln V = %.7f)\n", l1, log((double)V));
+  assert_true(fabs(l1 - log((double)V)) < 1.0);
+  model_zero_grad(m);
+  float l2 = model_forward(m, tok, tgt, B, T);
+  model_backward(m, 1.0f);
+  assert_true(memcmp(&l1, &l2, sizeof l1) == 0);
+  assert_memory_equal(g1, model_grads(m), np * sizeof *g1);
+  printf("  forward+backward twice: same bits\n");
+
+  /* accumulation: two micro-steps with loss_scale 0.5 equal one with 1 (tol 1e-6 relative) */
+  model_zero_grad(m);
+  for (int k = 0; k < 2; k++) {
+    model_forward(m, tok, tgt, B, T);
+    model_backward(m, 0.5f);
+  }
+  double md = 0, mr = 0;
+  for (size_t i = 0; i < np; i++) {
+    md = fmax(md, fabs(model_grads(m)[i] - g1[i]));
+    mr = fmax(mr, fabs(g1[i]));
+  }
+  printf("  accumulated 2 x 0.5 vs 1 x 1.0: max rel diff %.3e (tol 1e-6)\n", md / mr);
+  assert_true(md / mr < 1e-6);
+
+  /* all targets ignored: loss 0, no gradient */
+  int32_t none[B * T];
+  for (int i = 0; i < B * T; i++)
+    none[i] = -1;
+  model_zero_grad(m);
+  assert_true(model_forward(m, tok, none, B, T) == 0.0f);
+  model_backward(m, 1.0f);
+  double s = be->sumsq(be, model_grads(m), np);
+  assert_true(s == 0.0);
+  /* a shorter batch than the arena's */
+  assert_true(isfinite(model_forward(m, tok, tgt, 1, 5)));
+  free(g1);
+  model_destroy(m);
+}
+
+/* A dp that records the hook calls and redirects unit 1 to a private copy in gather. */
+typedef struct {
+  char log[1024];
+  model_t *m;
+  float *copy_p, *copy_g;
+} rec_t;
+
+static int rec_gather(dp_t *dp, int u, int bwd) {
+  rec_t *r = dp->ctx;
+  snprintf(r->log + strlen(r->log), sizeof r->log - strlen(r->log), "g%d%s ", u, bwd ? "b" : "");
+  if (u == 1) model_set_unit_buffers(r->m, 1, r->copy_p, r->copy_g);
+  return 0;
+}
+static int rec_release(dp_t *dp, int u, int bwd) {
+  rec_t *r = dp->ctx;
+  snprintf(r->log + strlen(r->log), sizeof r->log - strlen(r->log), "r%d%s ", u, bwd ? "b" : "");
+  return 0;
+}
+static int rec_reduce(dp_t *dp, int u) {
+  rec_t *r = dp->ctx;
+  snprintf(r->log + strlen(r->log), sizeof r->log - strlen(r->log), "s%d ", u);
+  return 0;
+}
+
+static void test_dp_hooks(void **state) {
+  model_t *m = make();
+  int32_t tok[B * T], tgt[B * T];
+  batch(tok, tgt);
+  size_t np = model_num_params(m), off, n;
+  model_zero_grad(m);
+  float l0 = model_forward(m, tok, tgt, B, T);
+  model_backward(m, 1.0f);
+  float *g0 = malloc(np * sizeof *g0);
+  memcpy(g0, model_grads(m), np * sizeof *g0);
+
+  rec_t r = {.m = m};
+  model_unit_range(m, 1, &off, &n);
+  r.copy_p = malloc(n * sizeof(float));
+  r.copy_g = calloc(n, sizeof(float));
+  memcpy(r.copy_p, model_params(m) + off, n * sizeof(float));
+  dp_t dp = {.name = "record", .ctx = &r, .gather = rec_gather, .release = rec_release, .reduce_grads = rec_reduce};
+  model_set_dp(m, &dp);
+  model_zero_grad(m);
+  memset(model_params(m) + off, 0, n * sizeof(float)); /* unit 1 now lives only in the copy */
+  float l1 = model_forward(m, tok, tgt, B, T);
+  model_backward(m, 1.0f);
+  printf("  hooks: %s\n", r.log);
+  assert_string_equal(r.log, "g0 r0 g1 r1 g2 r2 g3 r3 g3b s3 r3b g2b s2 r2b g1b s1 r1b g0b s0 r0b ");
+  assert_true(l0 == l1);
+  assert_memory_equal(r.copy_g, g0 + off, n * sizeof(float)); /* unit 1's grads went to the copy */
+  model_set_unit_buffers(m, 1, NULL, NULL);
+  assert_true(model_grads(m)[off] == 0.0f);
+  model_set_dp(m, NULL);
+  free(g0);
+  free(r.copy_p);
+  free(r.copy_g);
+  model_destroy(m);
+}
+
+/* model_init_unit_host gives exactly what model_init_random writes; export/import round trip. */
+static void test_unit_init_export_import(void **state) {
+  model_t *m = make();
+  for (int u = 0; u < model_num_units(m); u++) {
+    size_t off, n;
+    model_unit_range(m, u, &off, &n);
+    float *h = malloc(n * sizeof *h);
+    model_init_unit_host(m, u, h, 7, 0.1);
+    assert_memory_equal(h, model_params(m) + off, n * sizeof *h);
+    free(h);
+  }
+  int i = 3;
+  const model_tensor_t *t = model_tensor(m, i);
+  assert_int_equal(t->tp_split, MODEL_TP_REPLICATED);
+  assert_int_equal(t->full_shape[0], t->shape[0]);
+  assert_int_equal(t->full_shape[1], t->shape[1]);
+  float *full = malloc(t->numel * sizeof *full);
+  assert_int_equal(model_export_tensor(m, i, full), 0);
+  assert_memory_equal(full, model_params(m) + t->offset, t->numel * sizeof *full);
+  for (size_t j = 0; j < t->numel; j++)
+    full[j] = (float)j;
+  model_import_tensor(m, i, full);
+  assert_true(model_params(m)[t->offset + 5] == 5.0f);
+  printf("  unit host init == model_init_random; export/import of %s round trip\n", t->name);
+  free(full);
+  model_destroy(m);
+}
+
+/* FSDP shape: no flat buffers; the units must be provided by gather. */
+typedef struct {
+  float **p, **g;
+  model_t *m;
+} fsdp_fake_t;
+
+static int fake_gather(dp_t *dp, int u, int bwd) {
+  fsdp_fake_t *f = dp->ctx;
+  model_set_unit_buffers(f->m, u, f->p[u], f->g[u]);
+  return 0;
+}
+static int fake_release(dp_t *dp, int u, int bwd) {
+  fsdp_fake_t *f = dp->ctx;
+  model_set_unit_buffers(f->m, u, NULL, NULL);
+  return 0;
+}
+
+static void test_no_flat_buffers(void **state) {
+  model_t *ref = make();
+  int32_t tok[B * T], tgt[B * T];
+  batch(tok, tgt);
+  model_zero_grad(ref);
+  float lref = model_forward(ref, tok, tgt, B, T);
+  model_backward(ref, 1.0f);
+
+  plan_model_t c = small_cfg();
+  model_opts_t o = {.max_b = B, .max_t = T, .no_flat_buffers = 1};
+  model_t *m = NULL;
+  char err[256];
+  assert_int_equal(model_create_opts(&m, &c, be, &o, err, sizeof err), 0);
+  assert_null(model_params(m));
+  assert_null(model_grads(m));
+  float l = model_forward(m, tok, tgt, B, T); /* no strategy: units have no buffers */
+  printf("  forward without gathered units: %f\n", l);
+  assert_true(isnan(l));
+
+  int U = model_num_units(m);
+  float *p[8], *g[8];
+  for (int u = 0; u < U; u++) {
+    size_t off, n;
+    model_unit_range(m, u, &off, &n);
+    p[u] = malloc(n * sizeof(float));
+    g[u] = calloc(n, sizeof(float));
+    model_init_unit_host(m, u, p[u], 7, 0.1);
+  }
+  fsdp_fake_t f = {.p = p, .g = g, .m = m};
+  dp_t dp = {.name = "fake-fsdp", .ctx = &f, .gather = fake_gather, .release = fake_release};
+  model_set_dp(m, &dp);
+  float l2 = model_forward(m, tok, tgt, B, T);
+  model_backward(m, 1.0f);
+  printf("  no_flat_buffers loss %.7f vs flat %.7f\n", l2, lref);
+  assert_true(l2 == lref);
+  for (int u = 0; u < U; u++) {
+    size_t off, n;
+    model_unit_range(m, u, &off, &n);
+    assert_memory_equal(g[u], model_grads(ref) + off, n * sizeof(float));
+    free(p[u]);
+    free(g[u]);
+  }
+  model_destroy(m);
+  model_destroy(ref);
+}
+
+static int setup(void **state) {
+  char err[256];
+  be = backend_create("cpu", 2, err, sizeof err);
+  return be ? 0 : -1;
+}
+static int teardown(void **state) {
+  backend_destroy(be);
+  return 0;
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_layout),          cmocka_unit_test(test_bad_config),
+      cmocka_unit_test(test_bad_ids),         cmocka_unit_test(test_loss_and_determinism),
+      cmocka_unit_test(test_dp_hooks),        cmocka_unit_test(test_unit_init_export_import),
+      cmocka_unit_test(test_no_flat_buffers),
+  };
+  return cmocka_run_group_tests_name("model", tests, setup, teardown);
+}
