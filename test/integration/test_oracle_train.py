@@ -11,8 +11,10 @@ llama_ref.py model, torch.optim.AdamW with the plan's betas/eps and weight decay
 tensors (not on norms or the embedding: the plan's defaults), global-norm clipping
 (scale = min(1, clip / norm), the trainer's rule; torch's clip_grad_norm_ adds 1e-6 to the norm),
 and the schedule of trainer/optim.h re-implemented below. Every step's loss must agree within
-1e-4 relative; the lr must agree within 1e-8 relative (the metrics file keeps 9 digits) and the gradient norm within 1e-3 relative.
-The observed maxima are printed.
+1e-4 relative; the lr must agree within 1e-8 relative (the metrics file keeps 9 digits) and the gradient
+norm within 5e-3 relative. The grad-norm bound is wider because the norm is the most rounding-sensitive
+figure of fp32 training: PyTorch's own fp32 run of this test drifts 1.5e-3 from its float64 run, and ours
+has been seen between 4e-4 and 1.2e-3 from float64. The observed maxima are printed.
 """
 import json
 import math
@@ -43,7 +45,7 @@ PLAN = {
     "log": {"interval": 5},
     "sample": {"tokens": 0},
 }
-LOSS_RTOL, LR_RTOL, GNORM_RTOL = 1e-4, 1e-8, 1e-3
+LOSS_RTOL, LR_RTOL, GNORM_RTOL = 1e-4, 1e-8, 5e-3
 
 
 def schedule(t, s):
