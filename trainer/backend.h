@@ -89,6 +89,32 @@ struct backend {
   void (*cross_entropy)(backend_t *be, float *losses, float *dlogits, const float *logits,
                         const int32_t *targets, int n, int v, int ld, float grad_scale);
 
+  /* --- 2-D strided copy (device to device): dst[i*ldd + j] = src[i*lds + j] for i < rows,
+   * j < cols. Tensor parallelism rearranges column blocks with it (gathered vocab shards into
+   * full logit rows, and back). */
+  void (*copy_2d)(backend_t *be, float *dst, int ldd, const float *src, int lds, int rows, int cols);
+
+  /* --- vocab-parallel cross-entropy (loss parallel under tensor parallelism). logits (N, ld)
+   * hold one rank's vocabulary shard: column j is vocabulary id vocab_start + j, and only the
+   * first v columns are real (v may be 0 on a shard that is all padding). targets are ids of
+   * the full vocabulary (< 0 = ignored). The model all-reduces across the shards between the
+   * steps, so no rank ever holds all logits of a row:
+   *   ce_shard_max:   rowmax(N) = max over the shard's v columns (-FLT_MAX when v = 0)
+   *                   -> all_reduce(max)
+   *   ce_shard_stats: stats(2N): stats[i] = sum_j exp(logit - rowmax[i]) over the v columns,
+   *                   stats[N + i] = the target's logit when this shard holds it, else 0
+   *                   -> all_reduce(sum)
+   *   ce_shard_loss:  losses(N) = log(stats[i]) + rowmax[i] - stats[N + i] (0 for ignored
+   *                   targets); if dlogits is non-NULL (it may alias logits) it receives
+   *                   (exp(logit - rowmax) / stats[i] - onehot) * grad_scale over the v columns,
+   *                   0 on padding columns and ignored rows. (Written, not accumulated.) */
+  void (*ce_shard_max)(backend_t *be, float *rowmax, const float *logits, int n, int v, int ld);
+  void (*ce_shard_stats)(backend_t *be, float *stats, const float *logits, const float *rowmax,
+                         const int32_t *targets, int n, int v, int ld, int vocab_start);
+  void (*ce_shard_loss)(backend_t *be, float *losses, float *dlogits, const float *logits,
+                        const float *rowmax, const float *stats, const int32_t *targets, int n,
+                        int v, int ld, int vocab_start, float grad_scale);
+
   /* --- AdamW with decoupled weight decay on n elements. g is multiplied by grad_scale
    * first (gradient clipping). step counts from 1 (bias correction). */
   void (*adamw)(backend_t *be, float *param, const float *grad, float *m, float *v, size_t n,

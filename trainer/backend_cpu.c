@@ -27,6 +27,7 @@
 #include "trainer/backend.h"
 
 #include <cblas.h>
+#include <float.h>
 #include <math.h>
 #include <omp.h>
 #include <stdio.h>
@@ -594,6 +595,62 @@ static void cpu_cross_entropy(backend_t *be, float *losses, float *dlogits, cons
   }
 }
 
+/* ------------------------------------------------------------------ tensor-parallel pieces */
+
+static void cpu_copy_2d(backend_t *be, float *dst, int ldd, const float *src, int lds, int rows, int cols) {
+  if (cols <= 0) return;
+  for (int i = 0; i < rows; i++)
+    memmove(dst + (size_t)i * ldd, src + (size_t)i * lds, (size_t)cols * sizeof(float));
+}
+
+/* The vocab-parallel cross-entropy in three steps (backend.h); each row reduces in the same
+ * fixed order as cpu_cross_entropy's (row_max, row_sumexp). */
+static void cpu_ce_shard_max(backend_t *be, float *rowmax, const float *logits, int n, int v, int ld) {
+  int nt = cpu_of(be)->threads;
+#pragma omp parallel for num_threads(nt) schedule(static) if ((size_t)n * v > PAR_MIN)
+  for (int i = 0; i < n; i++)
+    rowmax[i] = v > 0 ? row_max(logits + (size_t)i * ld, v) : -FLT_MAX;
+}
+
+static void cpu_ce_shard_stats(backend_t *be, float *stats, const float *logits, const float *rowmax,
+                               const int32_t *targets, int n, int v, int ld, int vocab_start) {
+  int nt = cpu_of(be)->threads;
+#pragma omp parallel for num_threads(nt) schedule(static) if ((size_t)n * v > PAR_MIN)
+  for (int i = 0; i < n; i++) {
+    const float *li = logits + (size_t)i * ld;
+    int j = targets[i] - vocab_start;
+    stats[i] = v > 0 ? (float)row_sumexp(li, v, rowmax[i]) : 0.0f;
+    stats[n + i] = targets[i] >= 0 && j >= 0 && j < v ? li[j] : 0.0f;
+  }
+}
+
+static void cpu_ce_shard_loss(backend_t *be, float *losses, float *dlogits, const float *logits, const float *rowmax,
+                              const float *stats, const int32_t *targets, int n, int v, int ld, int vocab_start,
+                              float grad_scale) {
+  int nt = cpu_of(be)->threads;
+#pragma omp parallel for num_threads(nt) schedule(static) if ((size_t)n * v > PAR_MIN)
+  for (int i = 0; i < n; i++) {
+    int tg = targets[i];
+    float *di = dlogits ? dlogits + (size_t)i * ld : NULL;
+    if (tg < 0) {
+      losses[i] = 0.0f;
+      if (di) memset(di, 0, (size_t)ld * sizeof(float));
+      continue;
+    }
+    float mx = rowmax[i], sum = stats[i];
+    losses[i] = mx + logf(sum) - stats[n + i];
+    if (!di) continue;
+    const float *li = logits + (size_t)i * ld;
+    float k = grad_scale / sum;
+    for (int j = 0; j < v; j++)
+      di[j] = vexpf(li[j] - mx) * k;
+    int jt = tg - vocab_start;
+    if (jt >= 0 && jt < v) di[jt] -= grad_scale;
+    for (int j = v > 0 ? v : 0; j < ld; j++)
+      di[j] = 0.0f;
+  }
+}
+
 /* ------------------------------------------------------------------ AdamW */
 
 /* PyTorch's AdamW, step for step: p *= 1 - lr wd; m, v moments; p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps). */
@@ -667,6 +724,10 @@ backend_t *backend_cpu_create(int threads, char *err, size_t errlen) {
   be->swiglu_fwd = cpu_swiglu_fwd;
   be->swiglu_bwd = cpu_swiglu_bwd;
   be->cross_entropy = cpu_cross_entropy;
+  be->copy_2d = cpu_copy_2d;
+  be->ce_shard_max = cpu_ce_shard_max;
+  be->ce_shard_stats = cpu_ce_shard_stats;
+  be->ce_shard_loss = cpu_ce_shard_loss;
   be->adamw = cpu_adamw;
   be->destroy = cpu_destroy;
   return be;

@@ -26,6 +26,7 @@
 #include <cublasLt.h>
 #include <cublas_api.h>
 #include <cuda_runtime.h>
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -1093,6 +1094,106 @@ static void cu_cross_entropy(backend_t *be, float *losses, float *dlogits, const
   LAUNCH_CHECK("cross_entropy_kernel");
 }
 
+/* ------------------------------------------------------------------ tensor-parallel pieces */
+
+static void cu_copy_2d(backend_t *be, float *dst, int ldd, const float *src, int lds, int rows, int cols) {
+  if (rows <= 0 || cols <= 0) return;
+  CUDA_CHECK(cudaMemcpy2DAsync(dst, (size_t)ldd * sizeof(float), src, (size_t)lds * sizeof(float),
+                               (size_t)cols * sizeof(float), (size_t)rows, cudaMemcpyDeviceToDevice,
+                               cuda_of(be)->stream));
+}
+
+/* Vocab-parallel cross-entropy (backend.h), one block per row; reductions in a fixed tree. */
+__device__ float block_reduce(float x, int is_max) {
+  __shared__ float sh[32];
+  int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  for (int o = 16; o > 0; o >>= 1) {
+    float y = __shfl_xor_sync(0xffffffffu, x, o);
+    x = is_max ? fmaxf(x, y) : x + y;
+  }
+  __syncthreads(); /* sh may still be read by an earlier call */
+  if (lane == 0) sh[w] = x;
+  __syncthreads();
+  float init = is_max ? -FLT_MAX : 0.0f;
+  x = lane < nw ? sh[lane] : init;
+  for (int o = 16; o > 0; o >>= 1) {
+    float y = __shfl_xor_sync(0xffffffffu, x, o);
+    x = is_max ? fmaxf(x, y) : x + y;
+  }
+  return x; /* every thread gets the total */
+}
+
+__global__ void ce_shard_max_kernel(float *rowmax, const float *logits, int v, int ld) {
+  const float *li = logits + (size_t)blockIdx.x * ld;
+  float m = -FLT_MAX;
+  for (int j = threadIdx.x; j < v; j += blockDim.x) m = fmaxf(m, li[j]);
+  m = block_reduce(m, 1);
+  if (threadIdx.x == 0) rowmax[blockIdx.x] = m;
+}
+
+__global__ void ce_shard_stats_kernel(float *stats, const float *logits, const float *rowmax, const int32_t *targets,
+                                      int n, int v, int ld, int vocab_start) {
+  int i = blockIdx.x;
+  const float *li = logits + (size_t)i * ld;
+  float mx = rowmax[i], s = 0.0f;
+  for (int j = threadIdx.x; j < v; j += blockDim.x) s += expf(li[j] - mx);
+  s = block_reduce(s, 0);
+  if (threadIdx.x == 0) {
+    int tg = targets[i], j = tg - vocab_start;
+    stats[i] = s;
+    stats[n + i] = tg >= 0 && j >= 0 && j < v ? li[j] : 0.0f;
+  }
+}
+
+__global__ void ce_shard_loss_kernel(float *losses, float *dlogits, const float *logits, const float *rowmax,
+                                     const float *stats, const int32_t *targets, int n, int v, int ld, int vocab_start,
+                                     float grad_scale) {
+  int i = blockIdx.x, tg = targets[i];
+  float *di = dlogits ? dlogits + (size_t)i * ld : NULL;
+  if (tg < 0) {
+    if (threadIdx.x == 0) losses[i] = 0.0f;
+    if (di)
+      for (int j = threadIdx.x; j < ld; j += blockDim.x) di[j] = 0.0f;
+    return;
+  }
+  float mx = rowmax[i], sum = stats[i];
+  if (threadIdx.x == 0) losses[i] = mx + logf(sum) - stats[n + i];
+  if (!di) return;
+  const float *li = logits + (size_t)i * ld;
+  float k = grad_scale / sum;
+  int jt = tg - vocab_start;
+  for (int j = threadIdx.x; j < ld; j += blockDim.x) {
+    float g = 0.0f;
+    if (j < v) g = expf(li[j] - mx) * k - (j == jt ? grad_scale : 0.0f);
+    di[j] = g;
+  }
+}
+
+static int ce_threads(int v) { return v >= 8192 ? 1024 : v >= 1024 ? 256 : 64; }
+
+static void cu_ce_shard_max(backend_t *be, float *rowmax, const float *logits, int n, int v, int ld) {
+  if (n <= 0) return;
+  ce_shard_max_kernel<<<n, ce_threads(v), 0, cuda_of(be)->stream>>>(rowmax, logits, v, ld);
+  LAUNCH_CHECK("ce_shard_max_kernel");
+}
+
+static void cu_ce_shard_stats(backend_t *be, float *stats, const float *logits, const float *rowmax,
+                              const int32_t *targets, int n, int v, int ld, int vocab_start) {
+  if (n <= 0) return;
+  ce_shard_stats_kernel<<<n, ce_threads(v), 0, cuda_of(be)->stream>>>(stats, logits, rowmax, targets, n, v, ld,
+                                                                       vocab_start);
+  LAUNCH_CHECK("ce_shard_stats_kernel");
+}
+
+static void cu_ce_shard_loss(backend_t *be, float *losses, float *dlogits, const float *logits, const float *rowmax,
+                             const float *stats, const int32_t *targets, int n, int v, int ld, int vocab_start,
+                             float grad_scale) {
+  if (n <= 0) return;
+  ce_shard_loss_kernel<<<n, ce_threads(v), 0, cuda_of(be)->stream>>>(losses, dlogits, logits, rowmax, stats, targets,
+                                                                      n, v, ld, vocab_start, grad_scale);
+  LAUNCH_CHECK("ce_shard_loss_kernel");
+}
+
 /* ------------------------------------------------------------------ AdamW */
 
 /* PyTorch's AdamW, step for step; the bias corrections come from the host, computed as the cpu
@@ -1222,6 +1323,10 @@ extern "C" backend_t *backend_cuda_create(int device, char *err, size_t errlen) 
   be->swiglu_fwd = cu_swiglu_fwd;
   be->swiglu_bwd = cu_swiglu_bwd;
   be->cross_entropy = cu_cross_entropy;
+  be->copy_2d = cu_copy_2d;
+  be->ce_shard_max = cu_ce_shard_max;
+  be->ce_shard_stats = cu_ce_shard_stats;
+  be->ce_shard_loss = cu_ce_shard_loss;
   be->adamw = cu_adamw;
   be->destroy = cu_destroy;
   return be;

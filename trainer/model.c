@@ -10,12 +10,32 @@
  * its lse, the mid residual, SwiGLU inputs and output), then the final norm, logits and
  * backward scratch. No kernel call allocates.
  *
- * Tensor parallelism: the API (model_opts_t.tp, tp_split/full_shape, export/import of full
- * tensors, per-unit host init of local slices) is in place, and sizes are already split: the
- * tp degree divides heads, kv heads and the feed-forward width (colwise wq/wk/wv/w1/w3 and
- * vocab-parallel embedding/output split rows; rowwise wo/w2 split columns). The collectives
- * in forward/backward are not written yet, so a tp group of more than one rank is refused at
- * creation; rowwise outputs are where the all-reduce (or reduce-scatter) will go.
+ * Tensor parallelism (model_opts_t.tp, a tp group of size tp > 1), Megatron-style as in
+ * PyTorch's Llama plan; each module follows its style in the plan ("replicate" keeps it whole):
+ * - colwise wq/wk/wv, w1/w3: this rank's output features (its heads, its kv heads, its slice
+ *   of the feed-forward width); rowwise wo, w2: the matching input features, so a rank's
+ *   attention and SwiGLU run on its heads / its features alone and the rowwise product is a
+ *   partial sum, all-reduced (or reduce-scattered onto the sequence under SP);
+ * - tok_embeddings rowwise = vocab-parallel: rows [r*Vp/tp, (r+1)*Vp/tp) of the vocabulary
+ *   padded to Vp (a multiple of tp); a token outside the shard gives a zero row, and the
+ *   partial embeddings are all-reduced (reduce-scattered under SP);
+ * - output colwise: this rank's logits for the same vocab shard. With loss parallel the
+ *   cross-entropy combines row max (all_reduce max), sum of exp and target logit (one
+ *   all_reduce sum) and never gathers logits; without it the logits are all-gathered and the
+ *   ordinary loss runs on every rank. Padding columns never enter the loss.
+ * - sequence parallel: the residual stream between the sharded linears holds only this rank's
+ *   rows. Layout: the B*T rows flattened and padded to Np, a multiple of tp (padding rows carry
+ *   token and target -1: zero embedding, ignored by the loss, so they stay zero throughout);
+ *   rank r holds rows [r*Np/tp, (r+1)*Np/tp). A contiguous block per rank is exactly what
+ *   all_gather concatenates and reduce_scatter hands out, so no permutation is needed; RoPE and
+ *   attention run after the all-gather on full rows, where (b, t) are ordinary. Norms run on
+ *   the local rows; their weight gradients are partial per rank and are all-reduced over tp.
+ * - prepare_module_input ("attention", "feed_forward") is PyTorch's way of asking for this
+ *   input layout change (Shard(seq) -> Replicate before the colwise linears): here it is implied
+ *   by sequence parallelism (the all-gather of normed rows) and is otherwise a no-op.
+ * Backward mirrors every collective: all_gather <-> reduce_scatter, identity <-> all_reduce.
+ * Replicated parameters end every backward with identical full gradients on all tp ranks.
+ * Collectives take the backend's memory (host for cpu; device memory wants the nccl comm).
  *
  * FSDP (model_opts_t.no_flat_buffers): no flat buffers; every unit must be pointed at full
  * buffers by the strategy's gather before use, which forward/backward check. Residual
@@ -40,22 +60,23 @@ typedef struct {
   int attention_norm, wq, wk, wv, wo, ffn_norm, w1, w2, w3;
 } layer_tensors_t;
 
-/* One layer's saved activations, slots sized for N = max_b * max_t rows. */
+/* One layer's saved activations. "Local" rows are this rank's sequence shard under SP (Ns),
+ * else all rows; "full" rows are all Np rows (N plus SP padding). */
 typedef struct {
-  float *x;        /* (N, C) block input (the residual stream) */
-  float *xn_att;   /* (N, C) attention_norm(x) */
-  float *rstd_att; /* (N) */
-  float *q;        /* (N, Hl*D) = (B, T, Hl, D), after RoPE */
-  float *k;        /* (N, KVl*D) after RoPE */
-  float *v;        /* (N, KVl*D) */
-  float *att;      /* (N, Hl*D) attention output, before wo */
+  float *x;        /* (Ns, C) block input (the residual stream) */
+  float *xn_att;   /* (Np, C) attention_norm(x), gathered */
+  float *rstd_att; /* (Ns) */
+  float *q;        /* (Np, Hl*D) = (B, T, Hl, D), after RoPE */
+  float *k;        /* (Np, KVl*D) after RoPE */
+  float *v;        /* (Np, KVl*D) */
+  float *att;      /* (Np, Hl*D) attention output, before wo */
   float *lse;      /* (B, Hl, T) softmax log-sum-exp */
-  float *x_mid;    /* (N, C) x + attention */
-  float *xn_ffn;   /* (N, C) ffn_norm(x_mid) */
-  float *rstd_ffn; /* (N) */
-  float *a;        /* (N, Fl) xn_ffn w1^T */
-  float *g;        /* (N, Fl) xn_ffn w3^T */
-  float *h;        /* (N, Fl) silu(a) * g */
+  float *x_mid;    /* (Ns, C) x + attention */
+  float *xn_ffn;   /* (Np, C) ffn_norm(x_mid), gathered */
+  float *rstd_ffn; /* (Ns) */
+  float *a;        /* (Np, Fl) xn_ffn w1^T */
+  float *g;        /* (Np, Fl) xn_ffn w3^T */
+  float *h;        /* (Np, Fl) silu(a) * g */
 } layer_acts_t;
 
 struct model {
@@ -64,10 +85,15 @@ struct model {
   /* config */
   int C, L, H, KV, D, F, V, max_seq_len;
   float eps, theta;
-  /* tensor parallel split (tp = 1 for now): local heads, kv heads, ffn width */
-  int tp, tp_rank, Hl, KVl, Fl, Vl;
+  /* tensor parallelism: local heads, kv heads, ffn width; local rows of the vocab tables */
+  comm_t *tpc; /* NULL when tp == 1 */
+  int tp, tp_rank, Hl, KVl, Fl;
+  int Vp, Ve, Vo;   /* padded vocab; local rows of tok_embeddings and output */
+  int emb_split, attn_split, ffn_split, out_split, sp, lp;
+  int comm_rc;      /* first collective failure (sticky), 0 when none */
   int no_flat; /* FSDP: params/grads NULL, units point at the strategy's buffers */
   int max_b, max_t;
+  int Np, Ns, row0; /* rows of the current batch: full (padded), local, first local row */
 
   /* parameters */
   int n_tensors;
@@ -83,23 +109,34 @@ struct model {
   /* activations */
   float *arena;
   layer_acts_t *acts;                /* (L) */
-  float *x_final;                    /* (N, C) output of the last block */
-  float *xn_final;                   /* (N, C) */
-  float *rstd_final;                 /* (N) */
-  float *logits;                     /* (N, V); after model_backward it holds dlogits */
-  float *losses;                     /* (N) */
-  int32_t *tokens_dev, *targets_dev; /* (N) */
+  float *x_final;                    /* (Ns, C) output of the last block */
+  float *xn_final;                   /* (Np, C) gathered */
+  float *rstd_final;                 /* (Ns) */
+  float *logits;                     /* (Np, Vo) this rank's logits; after model_backward dlogits */
+  float *losses;                     /* (Np) */
+  int32_t *tokens_dev, *targets_dev; /* (Np), padding rows -1 */
   /* backward scratch */
-  float *dres;         /* (N, C) gradient of the residual stream */
-  float *dxn;          /* (N, C) gradient of a norm's output */
-  float *datt;         /* (N, Hl*D) */
-  float *dq;           /* (N, Hl*D) */
-  float *dk, *dv;      /* (N, KVl*D) */
-  float *dh, *da, *dg; /* (N, Fl) */
+  float *dres;         /* (Ns, C) gradient of the residual stream */
+  float *dxn;          /* (Np, C) gradient of a norm's (gathered) output */
+  float *datt;         /* (Np, Hl*D) */
+  float *dq;           /* (Np, Hl*D) */
+  float *dk, *dv;      /* (Np, KVl*D) */
+  float *dh, *da, *dg; /* (Np, Fl) */
+  /* tensor-parallel scratch (NULL when unused) */
+  float *xn_loc;        /* (Ns, C) SP: a norm's output on the local rows, before the all-gather */
+  float *sc_full;       /* (Np, C) partial rowwise outputs; gathered residual gradients */
+  float *sc_loc;        /* (Ns, C) SP: reduce-scatter results */
+  float *dnorm;         /* (C) SP: one norm weight's partial gradient */
+  float *logits_full;   /* (Np, V) output colwise: gathered logits (model_logits) */
+  float *logits_gather; /* (tp, Np, Vo) output colwise: all_gather landing buffer */
+  float *ce_max;        /* (Np) loss parallel: row max */
+  float *ce_stats;      /* (2, Np) loss parallel: sum of exp, target logit */
+  const float *logits_out; /* what model_logits returns for the last forward */
+  int32_t pad_ids[64];  /* -1s: token and target ids of SP padding rows (< tp of them) */
 
   /* state of the last forward */
-  float *host_losses; /* (N) host */
-  int last_b, last_t, last_has_targets, last_ok;
+  float *host_losses; /* (Np) host */
+  int last_b, last_t, last_has_targets, last_ok, last_gathered;
   int n_valid;
 };
 
@@ -114,14 +151,19 @@ static float *grad_of(model_t *m, int ti) {
   return m->unit_grads[t->unit] + (t->offset - m->unit_offset[t->unit]);
 }
 
-/* rows x cols is this rank's local shape; split says how it relates to the full tensor. */
-static int add_tensor(model_t *m, const char *name, int unit, int rows, int cols, int ndim, int decay, int split) {
+/* Adds a tensor of full shape (full_rows, full_cols); split says how this rank's slice is cut
+ * from it. ROWS: ceil(full_rows / tp) rows each, the last rank's tail past full_rows being
+ * padding (the vocabulary); COLS: full_cols / tp columns (tp divides, checked at creation). */
+static int add_tensor(model_t *m, const char *name, int unit, int full_rows, int full_cols, int ndim, int decay,
+                      int split) {
   int i = m->n_tensors++;
   model_tensor_t *t = &m->tensors[i];
   if (m->tp == 1) split = MODEL_TP_REPLICATED;
+  int rows = split == MODEL_TP_ROWS ? (full_rows + m->tp - 1) / m->tp : full_rows;
+  int cols = split == MODEL_TP_COLS ? full_cols / m->tp : full_cols;
   t->tp_split = split;
-  t->full_shape[0] = split == MODEL_TP_ROWS ? rows * m->tp : rows;
-  t->full_shape[1] = split == MODEL_TP_COLS ? cols * m->tp : cols;
+  t->full_shape[0] = full_rows;
+  t->full_shape[1] = full_cols;
   snprintf(t->name, sizeof t->name, "%s", name);
   t->unit = unit;
   t->offset = m->num_params;
@@ -150,16 +192,60 @@ static int dp_gather(model_t *m, int u, int bwd) {
   return rc;
 }
 static int dp_release(model_t *m, int u, int bwd) {
-  if (!m->dp || !m->dp->release) return 0;
-  int rc = m->dp->release(m->dp, u, bwd);
-  if (rc) log_error("model: dp %s release of unit %d failed (%d)", m->dp->name, u, rc);
-  return rc;
+  int rc = m->comm_rc; /* a failed tp collective fails the unit */
+  if (!m->dp || !m->dp->release) return rc;
+  int rc2 = m->dp->release(m->dp, u, bwd);
+  if (rc2) log_error("model: dp %s release of unit %d failed (%d)", m->dp->name, u, rc2);
+  return rc ? rc : rc2;
 }
 static int dp_reduce(model_t *m, int u) {
+  if (m->comm_rc) return m->comm_rc;
   if (!m->dp || !m->dp->reduce_grads) return 0;
   int rc = m->dp->reduce_grads(m->dp, u);
   if (rc) log_error("model: dp %s reduce_grads of unit %d failed (%d)", m->dp->name, u, rc);
   return rc;
+}
+
+/* ------------------------------------------------------------------ tp collectives */
+
+/* The first failure is logged and kept in comm_rc; later collectives are skipped (the
+ * communicator is broken by then anyway) and the pass fails at the next unit boundary. */
+static void tp_check(model_t *m, int rc, const char *what) {
+  if (!rc) return;
+  log_error("model: tensor-parallel %s failed: %s", what, comm_errmsg(m->tpc));
+  m->comm_rc = rc;
+}
+static void tp_all_reduce(model_t *m, float *buf, size_t n, comm_op_t op, const char *what) {
+  if (!m->comm_rc) tp_check(m, comm_all_reduce(m->tpc, buf, n, COMM_FLOAT32, op), what);
+}
+static void tp_all_gather(model_t *m, float *out, const float *in, size_t n, const char *what) {
+  if (!m->comm_rc) tp_check(m, comm_all_gather(m->tpc, in, out, n, COMM_FLOAT32), what);
+}
+static void tp_reduce_scatter(model_t *m, float *out, const float *in, size_t n, const char *what) {
+  if (!m->comm_rc) tp_check(m, comm_reduce_scatter(m->tpc, in, out, n, COMM_FLOAT32, COMM_SUM), what);
+}
+
+/* Local rows -> all rows (cols wide). Under SP each rank holds its block of rows and the
+ * colwise linears (or the replicated computations) need every row: all_gather into full.
+ * Without SP local rows are all rows: returns local itself. */
+static const float *rows_to_full(model_t *m, float *full, const float *local, int cols, const char *what) {
+  if (!m->sp) return local;
+  tp_all_gather(m, full, local, (size_t)m->Ns * cols, what);
+  return full;
+}
+
+/* All rows -> local rows. partial: each rank holds a partial sum (a rowwise product, or the
+ * input gradient of colwise linears), summed across tp: all_reduce in place, or under SP
+ * reduce_scatter so that each rank receives only the sum of its own rows. Not partial: every
+ * rank holds the same full value and keeps its rows. */
+static const float *rows_from_full(model_t *m, float *full, float *local_scratch, int cols, int partial,
+                                   const char *what) {
+  if (partial && m->sp) {
+    tp_reduce_scatter(m, local_scratch, full, (size_t)m->Ns * cols, what);
+    return local_scratch;
+  }
+  if (partial && m->tp > 1) tp_all_reduce(m, full, (size_t)m->Np * cols, COMM_SUM, what);
+  return full + (size_t)m->row0 * cols;
 }
 
 /* ------------------------------------------------------------------ create / destroy */
@@ -176,50 +262,75 @@ static int fail(char *err, size_t errlen, const char *fmt, ...) {
 }
 
 /* Carves n floats at the arena offset *off (64-byte aligned slots). With base NULL it only
- * counts, so that one function both sizes the arena and lays it out. */
+ * counts, so that one function both sizes the arena and lays it out. n = 0 gives NULL. */
 static float *carve(float *base, size_t *off, size_t n) {
+  if (!n) return NULL;
   float *p = base ? base + *off : NULL;
   *off += (n + 15) & ~(size_t)15;
   return p;
 }
 
+/* Rows of a batch of n = b*t tokens: Np all rows (padded to a multiple of tp under SP), Ns
+ * this rank's rows, from row0. */
+static void batch_rows(const model_t *m, int n, int *np, int *ns, int *row0) {
+  if (m->sp) {
+    *np = (n + m->tp - 1) / m->tp * m->tp;
+    *ns = *np / m->tp;
+    *row0 = m->tp_rank * *ns;
+  } else {
+    *np = *ns = n;
+    *row0 = 0;
+  }
+}
+
 /* Lays the activations out from base (NULL: only counts); returns the floats needed. */
 static size_t layout_acts(model_t *m, float *base) {
-  size_t N = (size_t)m->max_b * m->max_t, C = m->C, HD = (size_t)m->Hl * m->D, KD = (size_t)m->KVl * m->D, F = m->Fl;
+  int np, ns, r0;
+  batch_rows(m, m->max_b * m->max_t, &np, &ns, &r0);
+  size_t Np = (size_t)np, Ns = (size_t)ns, C = m->C, HD = (size_t)m->Hl * m->D, KD = (size_t)m->KVl * m->D,
+         F = m->Fl;
   size_t lse_n = (size_t)m->max_b * m->Hl * m->max_t, off = 0;
   for (int l = 0; l < m->L; l++) {
     layer_acts_t *a = &m->acts[l];
-    a->x = carve(base, &off, N * C);
-    a->xn_att = carve(base, &off, N * C);
-    a->rstd_att = carve(base, &off, N);
-    a->q = carve(base, &off, N * HD);
-    a->k = carve(base, &off, N * KD);
-    a->v = carve(base, &off, N * KD);
-    a->att = carve(base, &off, N * HD);
+    a->x = carve(base, &off, Ns * C);
+    a->xn_att = carve(base, &off, Np * C);
+    a->rstd_att = carve(base, &off, Ns);
+    a->q = carve(base, &off, Np * HD);
+    a->k = carve(base, &off, Np * KD);
+    a->v = carve(base, &off, Np * KD);
+    a->att = carve(base, &off, Np * HD);
     a->lse = carve(base, &off, lse_n);
-    a->x_mid = carve(base, &off, N * C);
-    a->xn_ffn = carve(base, &off, N * C);
-    a->rstd_ffn = carve(base, &off, N);
-    a->a = carve(base, &off, N * F);
-    a->g = carve(base, &off, N * F);
-    a->h = carve(base, &off, N * F);
+    a->x_mid = carve(base, &off, Ns * C);
+    a->xn_ffn = carve(base, &off, Np * C);
+    a->rstd_ffn = carve(base, &off, Ns);
+    a->a = carve(base, &off, Np * F);
+    a->g = carve(base, &off, Np * F);
+    a->h = carve(base, &off, Np * F);
   }
-  m->x_final = carve(base, &off, N * C);
-  m->xn_final = carve(base, &off, N * C);
-  m->rstd_final = carve(base, &off, N);
-  m->logits = carve(base, &off, N * m->Vl);
-  m->losses = carve(base, &off, N);
-  m->tokens_dev = (int32_t *)carve(base, &off, N); /* int32 ids in float-sized slots */
-  m->targets_dev = (int32_t *)carve(base, &off, N);
-  m->dres = carve(base, &off, N * C);
-  m->dxn = carve(base, &off, N * C);
-  m->datt = carve(base, &off, N * HD);
-  m->dq = carve(base, &off, N * HD);
-  m->dk = carve(base, &off, N * KD);
-  m->dv = carve(base, &off, N * KD);
-  m->dh = carve(base, &off, N * F);
-  m->da = carve(base, &off, N * F);
-  m->dg = carve(base, &off, N * F);
+  m->x_final = carve(base, &off, Ns * C);
+  m->xn_final = carve(base, &off, Np * C);
+  m->rstd_final = carve(base, &off, Ns);
+  m->logits = carve(base, &off, Np * m->Vo);
+  m->losses = carve(base, &off, Np);
+  m->tokens_dev = (int32_t *)carve(base, &off, Np); /* int32 ids in float-sized slots */
+  m->targets_dev = (int32_t *)carve(base, &off, Np);
+  m->dres = carve(base, &off, Ns * C);
+  m->dxn = carve(base, &off, Np * C);
+  m->datt = carve(base, &off, Np * HD);
+  m->dq = carve(base, &off, Np * HD);
+  m->dk = carve(base, &off, Np * KD);
+  m->dv = carve(base, &off, Np * KD);
+  m->dh = carve(base, &off, Np * F);
+  m->da = carve(base, &off, Np * F);
+  m->dg = carve(base, &off, Np * F);
+  m->xn_loc = carve(base, &off, m->sp ? Ns * C : 0);
+  m->sc_full = carve(base, &off, m->tp > 1 ? Np * C : 0);
+  m->sc_loc = carve(base, &off, m->sp ? Ns * C : 0);
+  m->dnorm = carve(base, &off, m->sp ? C : 0);
+  m->logits_full = carve(base, &off, m->out_split ? Np * m->V : 0);
+  m->logits_gather = carve(base, &off, m->out_split ? (size_t)m->tp * Np * m->Vo : 0);
+  m->ce_max = carve(base, &off, m->lp ? Np : 0);
+  m->ce_stats = carve(base, &off, m->lp ? 2 * Np : 0);
   return off;
 }
 
@@ -248,21 +359,61 @@ int model_create(model_t **out, const plan_model_t *cfg, backend_t *be, int max_
   return model_create_opts(out, cfg, be, &opts, err, errlen);
 }
 
+/* The style of module in the tp plan: the default Llama plan when none is given, "replicate"
+ * for a module a given plan leaves out (as plan.c reads it). */
+static plan_tp_style_t tp_style(const model_tp_t *tpo, const char *module, plan_tp_style_t def) {
+  if (!tpo->plan || tpo->n_plan <= 0) return def;
+  for (int i = 0; i < tpo->n_plan; i++)
+    if (!strcmp(tpo->plan[i].module, module)) return tpo->plan[i].style;
+  return PLAN_TP_REPLICATE;
+}
+
+/* Reads the plan into the split flags; checks what the plan module checks too, for callers
+ * that build model_opts_t by hand. */
+static int tp_setup(model_t *m, const model_tp_t *tpo, char *err, size_t errlen) {
+  static const char *const attn[] = {"attention.wq", "attention.wk", "attention.wv", "attention.wo"};
+  static const char *const ffn[] = {"feed_forward.w1", "feed_forward.w3", "feed_forward.w2"};
+  int na = 0, nf = 0;
+  for (int i = 0; i < 4; i++)
+    na += tp_style(tpo, attn[i], i < 3 ? PLAN_TP_COLWISE : PLAN_TP_ROWWISE) ==
+          (i < 3 ? PLAN_TP_COLWISE : PLAN_TP_ROWWISE);
+  for (int i = 0; i < 3; i++)
+    nf += tp_style(tpo, ffn[i], i < 2 ? PLAN_TP_COLWISE : PLAN_TP_ROWWISE) ==
+          (i < 2 ? PLAN_TP_COLWISE : PLAN_TP_ROWWISE);
+  if (na != 0 && na != 4)
+    return fail(err, errlen, "model error: tp plan: attention.wq/wk/wv colwise and wo rowwise go together");
+  if (nf != 0 && nf != 3)
+    return fail(err, errlen, "model error: tp plan: feed_forward.w1/w3 colwise and w2 rowwise go together");
+  m->attn_split = na == 4;
+  m->ffn_split = nf == 3;
+  m->emb_split = tp_style(tpo, "tok_embeddings", PLAN_TP_ROWWISE) == PLAN_TP_ROWWISE;
+  m->out_split = tp_style(tpo, "output", PLAN_TP_COLWISE) == PLAN_TP_COLWISE;
+  m->sp = tpo->sequence_parallel != 0;
+  m->lp = tpo->loss_parallel != 0 && m->out_split; /* output replicate: the ordinary loss */
+  if (m->sp && (!m->attn_split || !m->ffn_split))
+    return fail(err, errlen, "model error: sequence parallelism needs the attention and feed_forward linears "
+                             "sharded in the tp plan");
+  if (m->attn_split && (m->H % m->tp || m->KV % m->tp))
+    return fail(err, errlen, "model error: mesh.tp=%d must divide n_heads=%d and n_kv_heads=%d", m->tp, m->H, m->KV);
+  if (m->ffn_split && m->F % m->tp)
+    return fail(err, errlen, "model error: mesh.tp=%d must divide hidden_dim=%d", m->tp, m->F);
+  if (m->tp > (int)(sizeof m->pad_ids / sizeof m->pad_ids[0]))
+    return fail(err, errlen, "model error: mesh.tp=%d is above the supported 64", m->tp);
+  const backend_t *be = m->be;
+  if ((m->out_split && !be->copy_2d) || (m->lp && (!be->ce_shard_max || !be->ce_shard_stats || !be->ce_shard_loss)))
+    return fail(err, errlen, "model error: backend %s lacks the tensor-parallel kernels (copy_2d, ce_shard_*)",
+                be->name);
+  if (strcmp(be->name, "cpu") != 0 && m->tpc->ops && !strcmp(m->tpc->ops->name, "cpu"))
+    return fail(err, errlen, "model error: tensor parallelism on backend %s needs a comm that takes device memory "
+                             "(nccl); comm %s is cpu", be->name, comm_name(m->tpc));
+  return 0;
+}
+
 int model_create_opts(model_t **out, const plan_model_t *cfg, backend_t *be, const model_opts_t *opts, char *err,
                       size_t errlen) {
   *out = NULL;
   if (!cfg || !be || !opts) return fail(err, errlen, "model error: no config, backend or options");
   int max_b = opts->max_b, max_t = opts->max_t;
-  int tp = opts->tp && opts->tp->comm ? opts->tp->comm->size : 1;
-  int tp_rank = opts->tp && opts->tp->comm ? opts->tp->comm->rank : 0;
-  if (tp > 1)
-    return fail(err, errlen,
-                "model error: tensor parallelism (mesh.tp=%d) is not implemented in the model yet; use mesh.tp=1", tp);
-  if (cfg->n_heads > 0 && (cfg->n_heads % tp || (cfg->n_kv_heads > 0 ? cfg->n_kv_heads : cfg->n_heads) % tp ||
-                           cfg->hidden_dim % tp || cfg->vocab_size % tp))
-    return fail(err, errlen,
-                "model error: mesh.tp=%d must divide n_heads=%d, n_kv_heads=%d, hidden_dim=%d, vocab_size=%d", tp,
-                cfg->n_heads, cfg->n_kv_heads, cfg->hidden_dim, cfg->vocab_size);
   if (cfg->dim <= 0 || cfg->n_layers <= 0 || cfg->n_heads <= 0 || cfg->vocab_size <= 0 || cfg->hidden_dim <= 0)
     return fail(err, errlen, "model error: dim=%d n_layers=%d n_heads=%d vocab_size=%d hidden_dim=%d must all be > 0",
                 cfg->dim, cfg->n_layers, cfg->n_heads, cfg->vocab_size, cfg->hidden_dim);
@@ -291,18 +442,32 @@ int model_create_opts(model_t **out, const plan_model_t *cfg, backend_t *be, con
   m->max_seq_len = cfg->max_seq_len;
   m->eps = cfg->norm_eps > 0 ? (float)cfg->norm_eps : 1e-5f;
   m->theta = cfg->rope_theta > 0 ? (float)cfg->rope_theta : 10000.0f;
-  m->tp = tp;
-  m->tp_rank = tp_rank;
-  m->Hl = m->H / m->tp;
-  m->KVl = m->KV / m->tp;
-  m->Fl = m->F / m->tp;
-  m->Vl = m->V / m->tp;
+  m->tp = 1;
+  if (opts->tp && opts->tp->comm && comm_size(opts->tp->comm) > 1) {
+    m->tpc = opts->tp->comm;
+    m->tp = comm_size(m->tpc);
+    m->tp_rank = comm_rank(m->tpc);
+    if (tp_setup(m, opts->tp, err, errlen)) {
+      model_destroy(m);
+      return -1;
+    }
+  }
+  for (int i = 0; i < (int)(sizeof m->pad_ids / sizeof m->pad_ids[0]); i++)
+    m->pad_ids[i] = -1;
+  m->Hl = m->attn_split ? m->H / m->tp : m->H;
+  m->KVl = m->attn_split ? m->KV / m->tp : m->KV;
+  m->Fl = m->ffn_split ? m->F / m->tp : m->F;
+  m->Vp = (m->V + m->tp - 1) / m->tp * m->tp;
+  m->Ve = m->emb_split ? m->Vp / m->tp : m->V;
+  m->Vo = m->out_split ? m->Vp / m->tp : m->V;
   m->no_flat = opts->no_flat_buffers;
   m->max_b = max_b;
   m->max_t = max_t;
 
-  int L = m->L, C = m->C, HD = m->Hl * m->D, KD = m->KVl * m->D, F = m->Fl;
+  int L = m->L, C = m->C, HD = m->H * m->D, KD = m->KV * m->D, F = m->F;
   m->n_units = L + 2;
+  int np, ns, r0;
+  batch_rows(m, max_b * max_t, &np, &ns, &r0);
   m->tensors = calloc((size_t)(9 * L + 3), sizeof *m->tensors);
   m->layer = calloc((size_t)L, sizeof *m->layer);
   m->unit_offset = calloc((size_t)m->n_units, sizeof *m->unit_offset);
@@ -310,16 +475,21 @@ int model_create_opts(model_t **out, const plan_model_t *cfg, backend_t *be, con
   m->unit_params = calloc((size_t)m->n_units, sizeof *m->unit_params);
   m->unit_grads = calloc((size_t)m->n_units, sizeof *m->unit_grads);
   m->acts = calloc((size_t)L, sizeof *m->acts);
-  m->host_losses = calloc((size_t)max_b * max_t, sizeof *m->host_losses);
+  m->host_losses = calloc((size_t)np, sizeof *m->host_losses);
   if (!m->tensors || !m->layer || !m->unit_offset || !m->unit_numel || !m->unit_params || !m->unit_grads || !m->acts ||
       !m->host_losses) {
     model_destroy(m);
     return fail(err, errlen, "model error: out of memory");
   }
 
-  /* Tensors in unit order; within a layer, in Meta's order. */
+  /* Tensors in unit order; within a layer, in Meta's order. Shapes are the full ones. */
+  int s_att_col = m->attn_split ? MODEL_TP_ROWS : MODEL_TP_REPLICATED;
+  int s_att_row = m->attn_split ? MODEL_TP_COLS : MODEL_TP_REPLICATED;
+  int s_ffn_col = m->ffn_split ? MODEL_TP_ROWS : MODEL_TP_REPLICATED;
+  int s_ffn_row = m->ffn_split ? MODEL_TP_COLS : MODEL_TP_REPLICATED;
   char name[96];
-  m->tok_embeddings = add_tensor(m, "tok_embeddings.weight", 0, m->Vl, C, 2, opts->decay_embeddings, MODEL_TP_ROWS);
+  m->tok_embeddings = add_tensor(m, "tok_embeddings.weight", 0, m->V, C, 2, opts->decay_embeddings,
+                                 m->emb_split ? MODEL_TP_ROWS : MODEL_TP_REPLICATED);
   for (int l = 0; l < L; l++) {
     int u = 1 + l;
     layer_tensors_t *lt = &m->layer[l];
@@ -327,18 +497,18 @@ int model_create_opts(model_t **out, const plan_model_t *cfg, backend_t *be, con
   snprintf(name, sizeof name, "layers.%d.%s", l, suffix);                                                              \
   lt->field = add_tensor(m, name, u, rows, cols, ndim, decay, split)
     LAYER_TENSOR(attention_norm, "attention_norm.weight", C, 1, 1, opts->decay_norms, MODEL_TP_REPLICATED);
-    LAYER_TENSOR(wq, "attention.wq.weight", HD, C, 2, 1, MODEL_TP_ROWS);
-    LAYER_TENSOR(wk, "attention.wk.weight", KD, C, 2, 1, MODEL_TP_ROWS);
-    LAYER_TENSOR(wv, "attention.wv.weight", KD, C, 2, 1, MODEL_TP_ROWS);
-    LAYER_TENSOR(wo, "attention.wo.weight", C, HD, 2, 1, MODEL_TP_COLS);
+    LAYER_TENSOR(wq, "attention.wq.weight", HD, C, 2, 1, s_att_col);
+    LAYER_TENSOR(wk, "attention.wk.weight", KD, C, 2, 1, s_att_col);
+    LAYER_TENSOR(wv, "attention.wv.weight", KD, C, 2, 1, s_att_col);
+    LAYER_TENSOR(wo, "attention.wo.weight", C, HD, 2, 1, s_att_row);
     LAYER_TENSOR(ffn_norm, "ffn_norm.weight", C, 1, 1, opts->decay_norms, MODEL_TP_REPLICATED);
-    LAYER_TENSOR(w1, "feed_forward.w1.weight", F, C, 2, 1, MODEL_TP_ROWS);
-    LAYER_TENSOR(w2, "feed_forward.w2.weight", C, F, 2, 1, MODEL_TP_COLS);
-    LAYER_TENSOR(w3, "feed_forward.w3.weight", F, C, 2, 1, MODEL_TP_ROWS);
+    LAYER_TENSOR(w1, "feed_forward.w1.weight", F, C, 2, 1, s_ffn_col);
+    LAYER_TENSOR(w2, "feed_forward.w2.weight", C, F, 2, 1, s_ffn_row);
+    LAYER_TENSOR(w3, "feed_forward.w3.weight", F, C, 2, 1, s_ffn_col);
 #undef LAYER_TENSOR
   }
   m->norm = add_tensor(m, "norm.weight", L + 1, C, 1, 1, opts->decay_norms, MODEL_TP_REPLICATED);
-  m->output = add_tensor(m, "output.weight", L + 1, m->Vl, C, 2, 1, MODEL_TP_ROWS);
+  m->output = add_tensor(m, "output.weight", L + 1, m->V, C, 2, 1, m->out_split ? MODEL_TP_ROWS : MODEL_TP_REPLICATED);
   for (int u = 0; u < m->n_units; u++)
     m->unit_offset[u] = (size_t)-1;
   for (int i = 0; i < m->n_tensors; i++) {
@@ -361,6 +531,10 @@ int model_create_opts(model_t **out, const plan_model_t *cfg, backend_t *be, con
   layout_acts(m, m->arena);
   for (int u = 0; u < m->n_units; u++)
     model_set_unit_buffers(m, u, NULL, NULL);
+  if (m->tp > 1)
+    log_debug("model: tp %d/%d: heads %d/%d, kv %d/%d, ffn %d/%d, vocab rows %d+%d (padded %d)%s%s", m->tp_rank, m->tp,
+              m->Hl, m->H, m->KVl, m->KV, m->Fl, m->F, m->Ve, m->Vo, m->Vp, m->sp ? ", sequence parallel" : "",
+              m->lp ? ", loss parallel" : "");
 
   *out = m;
   return 0;
@@ -385,16 +559,21 @@ static void init_full_tensor(const model_t *m, const model_tensor_t *t, float *f
     full[j] = (float)(rng_normal(&r) * std);
 }
 
-/* This rank's slice of a full tensor (host to host), and back. */
+/* This rank's slice of a full tensor (host to host). Rows past the full tensor (vocabulary
+ * padding on the last ranks) are zero. */
 static void slice_of(const model_t *m, const model_tensor_t *t, const float *full, float *local) {
-  int rows = t->shape[0], cols = t->shape[1], fcols = t->full_shape[1];
-  if (t->tp_split == MODEL_TP_REPLICATED)
+  int rows = t->shape[0], cols = t->shape[1], frows = t->full_shape[0], fcols = t->full_shape[1];
+  if (t->tp_split == MODEL_TP_REPLICATED) {
     memcpy(local, full, t->numel * sizeof(float));
-  else if (t->tp_split == MODEL_TP_ROWS)
-    memcpy(local, full + (size_t)m->tp_rank * rows * cols, t->numel * sizeof(float));
-  else
+  } else if (t->tp_split == MODEL_TP_ROWS) {
+    int r0 = m->tp_rank * rows, have = frows - r0;
+    have = have < 0 ? 0 : have > rows ? rows : have;
+    memcpy(local, full + (size_t)r0 * cols, (size_t)have * cols * sizeof(float));
+    memset(local + (size_t)have * cols, 0, (size_t)(rows - have) * cols * sizeof(float));
+  } else {
     for (int r = 0; r < rows; r++)
       memcpy(local + (size_t)r * cols, full + (size_t)r * fcols + (size_t)m->tp_rank * cols, cols * sizeof(float));
+  }
 }
 
 void model_init_unit_host(const model_t *m, int unit, float *host_out, uint64_t seed, double init_std) {
@@ -442,15 +621,39 @@ void model_init_random(model_t *m, uint64_t seed, double init_std) {
 }
 
 int model_export_tensor(model_t *m, int i, float *host_full) {
+  if (i < 0 || i >= m->n_tensors) return -1;
   const model_tensor_t *t = &m->tensors[i];
   if (!m->unit_params[t->unit]) {
     log_error("model: export of %s: unit %d is not gathered", t->name, t->unit);
     return -1;
   }
-  /* With tp > 1 this becomes an all_gather over the tp group (rows: concatenation; columns:
-   * gather then interleave); creation refuses tp > 1 until the collectives are written. */
-  m->be->to_host(m->be, host_full, param_of(m, i), t->numel * sizeof(float));
-  return 0;
+  if (t->tp_split == MODEL_TP_REPLICATED) {
+    m->be->to_host(m->be, host_full, param_of(m, i), t->numel * sizeof(float));
+    return 0;
+  }
+  /* all_gather the slices (in the backend's memory, as every tp collective), then lay them out
+   * on the host: rows concatenate (and drop the vocabulary padding); columns interleave. */
+  size_t n = t->numel, tp = (size_t)m->tp;
+  float *dev = m->be->alloc(m->be, tp * n * sizeof(float)), *host = malloc(tp * n * sizeof(float));
+  int rc = dev && host ? 0 : -1;
+  if (rc) log_error("model: export of %s: out of memory", t->name);
+  if (!rc) {
+    rc = comm_all_gather(m->tpc, param_of(m, i), dev, n, COMM_FLOAT32);
+    if (rc) log_error("model: export of %s: %s", t->name, comm_errmsg(m->tpc));
+  }
+  if (!rc) {
+    m->be->to_host(m->be, host, dev, tp * n * sizeof(float));
+    int rows = t->shape[0], cols = t->shape[1], fcols = t->full_shape[1];
+    if (t->tp_split == MODEL_TP_ROWS)
+      memcpy(host_full, host, (size_t)t->full_shape[0] * fcols * sizeof(float));
+    else
+      for (int r = 0; r < rows; r++)
+        for (size_t k = 0; k < tp; k++)
+          memcpy(host_full + (size_t)r * fcols + k * cols, host + k * n + (size_t)r * cols, cols * sizeof(float));
+  }
+  m->be->free(m->be, dev);
+  free(host);
+  return rc;
 }
 
 void model_import_tensor(model_t *m, int i, const float *host_full) {
@@ -510,36 +713,60 @@ void model_zero_grad(model_t *m) {
       m->be->zero(m->be, m->unit_grads[u], m->unit_numel[u] * sizeof(float));
 }
 
-const float *model_logits(const model_t *m) { return m->logits; }
+const float *model_logits(const model_t *m) { return m->logits_out; }
 int model_vocab_size(const model_t *m) { return m->V; }
 
 /* ------------------------------------------------------------------ forward */
 
-/* One transformer block, x -> out (both (N, C)). */
+/* out(local) = resid(local) + in(full) W^T, W (C, K). Sharded (rowwise): in and W hold this
+ * rank's K slice, so the product is a partial sum over tp, reduced across the group before the
+ * residual add. Replicated: each rank multiplies only its own rows. */
+static void rowwise_fwd(model_t *m, float *out, const float *resid, const float *in, const float *w, int k, int split,
+                        const char *what) {
+  backend_t *be = m->be;
+  int C = m->C;
+  if (!split) {
+    be->copy(be, out, resid, (size_t)m->Ns * C * sizeof(float));
+    be->matmul(be, out, in + (size_t)m->row0 * k, w, m->Ns, C, k, 0, 1, 1.0f, 1.0f);
+    return;
+  }
+  be->matmul(be, m->sc_full, in, w, m->Np, C, k, 0, 1, 1.0f, 0.0f);
+  const float *y = rows_from_full(m, m->sc_full, m->sc_loc, C, 1, what);
+  be->add(be, out, resid, y, (size_t)m->Ns * C);
+}
+
+/* xn_full = norm(x) over the local rows, then gathered to all rows under SP (the colwise
+ * linears after it need every row). */
+static void norm_fwd(model_t *m, float *xn_full, float *rstd, const float *x, const float *w, const char *what) {
+  float *xn = m->sp ? m->xn_loc : xn_full;
+  m->be->rmsnorm_fwd(m->be, xn, rstd, x, w, m->Ns, m->C, m->eps);
+  rows_to_full(m, xn_full, xn, m->C, what);
+}
+
+/* One transformer block, x -> out (both local rows (Ns, C)). */
 static void block_forward(model_t *m, int l, float *out, int b, int t) {
   backend_t *be = m->be;
   const layer_tensors_t *lt = &m->layer[l];
   layer_acts_t *a = &m->acts[l];
-  int N = b * t, C = m->C, HD = m->Hl * m->D, KD = m->KVl * m->D, F = m->Fl;
+  int N = b * t, Np = m->Np, C = m->C, HD = m->Hl * m->D, KD = m->KVl * m->D, F = m->Fl;
 
-  be->rmsnorm_fwd(be, a->xn_att, a->rstd_att, a->x, param_of(m, lt->attention_norm), N, C, m->eps);
-  be->matmul(be, a->q, a->xn_att, param_of(m, lt->wq), N, HD, C, 0, 1, 1.0f, 0.0f);
-  be->matmul(be, a->k, a->xn_att, param_of(m, lt->wk), N, KD, C, 0, 1, 1.0f, 0.0f);
-  be->matmul(be, a->v, a->xn_att, param_of(m, lt->wv), N, KD, C, 0, 1, 1.0f, 0.0f);
+  norm_fwd(m, a->xn_att, a->rstd_att, a->x, param_of(m, lt->attention_norm), "all_gather of attention_norm output");
+  be->matmul(be, a->q, a->xn_att, param_of(m, lt->wq), Np, HD, C, 0, 1, 1.0f, 0.0f);
+  be->matmul(be, a->k, a->xn_att, param_of(m, lt->wk), Np, KD, C, 0, 1, 1.0f, 0.0f);
+  be->matmul(be, a->v, a->xn_att, param_of(m, lt->wv), Np, KD, C, 0, 1, 1.0f, 0.0f);
   be->rope_fwd(be, a->q, b, t, m->Hl, m->D, 0, m->theta);
   be->rope_fwd(be, a->k, b, t, m->KVl, m->D, 0, m->theta);
   be->attention_fwd(be, a->att, a->lse, a->q, a->k, a->v, b, t, m->Hl, m->KVl, m->D);
-  /* x_mid = x + att wo^T (rowwise under TP: partial sums, all-reduce before the add) */
-  be->copy(be, a->x_mid, a->x, (size_t)N * C * sizeof(float));
-  be->matmul(be, a->x_mid, a->att, param_of(m, lt->wo), N, C, HD, 0, 1, 1.0f, 1.0f);
+  if (Np > N) be->zero(be, a->att + (size_t)N * HD, (size_t)(Np - N) * HD * sizeof(float)); /* SP padding rows */
+  /* x_mid = x + att wo^T */
+  rowwise_fwd(m, a->x_mid, a->x, a->att, param_of(m, lt->wo), HD, m->attn_split, "reduction of attention.wo output");
 
-  be->rmsnorm_fwd(be, a->xn_ffn, a->rstd_ffn, a->x_mid, param_of(m, lt->ffn_norm), N, C, m->eps);
-  be->matmul(be, a->a, a->xn_ffn, param_of(m, lt->w1), N, F, C, 0, 1, 1.0f, 0.0f);
-  be->matmul(be, a->g, a->xn_ffn, param_of(m, lt->w3), N, F, C, 0, 1, 1.0f, 0.0f);
-  be->swiglu_fwd(be, a->h, a->a, a->g, (size_t)N * F);
-  /* out = x_mid + h w2^T (rowwise under TP) */
-  be->copy(be, out, a->x_mid, (size_t)N * C * sizeof(float));
-  be->matmul(be, out, a->h, param_of(m, lt->w2), N, C, F, 0, 1, 1.0f, 1.0f);
+  norm_fwd(m, a->xn_ffn, a->rstd_ffn, a->x_mid, param_of(m, lt->ffn_norm), "all_gather of ffn_norm output");
+  be->matmul(be, a->a, a->xn_ffn, param_of(m, lt->w1), Np, F, C, 0, 1, 1.0f, 0.0f);
+  be->matmul(be, a->g, a->xn_ffn, param_of(m, lt->w3), Np, F, C, 0, 1, 1.0f, 0.0f);
+  be->swiglu_fwd(be, a->h, a->a, a->g, (size_t)Np * F);
+  /* out = x_mid + h w2^T */
+  rowwise_fwd(m, out, a->x_mid, a->h, param_of(m, lt->w2), F, m->ffn_split, "reduction of feed_forward.w2 output");
 }
 
 /* Checks ids on the host; logs the first bad one. */
@@ -555,23 +782,64 @@ static int check_ids(const model_t *m, const int32_t *ids, int n, int t, int all
   return 0;
 }
 
+/* ids (N) to device rows (Np), the SP padding rows -1. */
+static void ids_to_device(model_t *m, int32_t *dev, const int32_t *ids, int n) {
+  m->be->to_device(m->be, dev, ids, (size_t)n * sizeof(int32_t));
+  if (m->Np > n) m->be->to_device(m->be, dev + n, m->pad_ids, (size_t)(m->Np - n) * sizeof(int32_t));
+}
+
+/* Valid vocabulary columns of this rank's output shard (the last ones may be padding). */
+static int shard_vocab(const model_t *m) {
+  int v = m->V - m->tp_rank * m->Vo;
+  return v < 0 ? 0 : v > m->Vo ? m->Vo : v;
+}
+
+/* Output colwise: all_gather every rank's (Np, Vo) logits, then lay the column blocks side by
+ * side into logits_full (Np, V), dropping padding columns. */
+static void gather_logits(model_t *m) {
+  tp_all_gather(m, m->logits_gather, m->logits, (size_t)m->Np * m->Vo, "all_gather of logits");
+  for (int r = 0; r < m->tp; r++) {
+    int cols = m->V - r * m->Vo;
+    cols = cols > m->Vo ? m->Vo : cols;
+    if (cols > 0)
+      m->be->copy_2d(m->be, m->logits_full + (size_t)r * m->Vo, m->V, m->logits_gather + (size_t)r * m->Np * m->Vo,
+                     m->Vo, m->Np, cols);
+  }
+}
+
 float model_forward(model_t *m, const int32_t *tokens, const int32_t *targets, int b, int t) {
   backend_t *be = m->be;
   m->last_ok = 0;
   m->last_has_targets = 0;
+  m->logits_out = NULL;
   if (b <= 0 || t <= 0 || b > m->max_b || t > m->max_t) {
     log_error("model: batch %d x %d tokens outside the model's capacity %d x %d", b, t, m->max_b, m->max_t);
+    return NAN;
+  }
+  if (m->comm_rc) {
+    log_error("model: an earlier tensor-parallel collective failed; the tp group is unusable");
     return NAN;
   }
   int N = b * t, C = m->C;
   if (check_ids(m, tokens, N, t, 0, "token") != 0) return NAN;
   if (targets && check_ids(m, targets, N, t, 1, "target") != 0) return NAN;
-  be->to_device(be, m->tokens_dev, tokens, (size_t)N * sizeof(int32_t));
-  if (targets) be->to_device(be, m->targets_dev, targets, (size_t)N * sizeof(int32_t));
+  batch_rows(m, N, &m->Np, &m->Ns, &m->row0);
+  int Np = m->Np;
+  ids_to_device(m, m->tokens_dev, tokens, N);
+  if (targets) ids_to_device(m, m->targets_dev, targets, N);
 
   if (dp_gather(m, 0, 0)) return NAN;
-  /* vocab-parallel under TP: rows [tp_rank * V/tp, ...), then an all-reduce */
-  be->embedding_fwd(be, m->acts[0].x, param_of(m, m->tok_embeddings), m->tokens_dev, N, C, m->tp_rank * m->Vl, m->Vl);
+  float *x0 = m->acts[0].x;
+  const float *table = param_of(m, m->tok_embeddings);
+  if (m->emb_split) {
+    /* vocab-parallel: rows [tp_rank * Ve, ...) here, zero rows for the other tokens; the sum
+     * over tp is the embedding (reduce-scattered onto this rank's rows under SP) */
+    float *y = m->sp ? m->sc_full : x0;
+    be->embedding_fwd(be, y, table, m->tokens_dev, Np, C, m->tp_rank * m->Ve, m->Ve);
+    rows_from_full(m, y, x0, C, 1, "reduction of tok_embeddings output");
+  } else {
+    be->embedding_fwd(be, x0, table, m->tokens_dev + m->row0, m->Ns, C, 0, m->V);
+  }
   if (dp_release(m, 0, 0)) return NAN;
 
   for (int l = 0; l < m->L; l++) {
@@ -582,17 +850,36 @@ float model_forward(model_t *m, const int32_t *tokens, const int32_t *targets, i
 
   int uo = m->L + 1;
   if (dp_gather(m, uo, 0)) return NAN;
-  be->rmsnorm_fwd(be, m->xn_final, m->rstd_final, m->x_final, param_of(m, m->norm), N, C, m->eps);
-  be->matmul(be, m->logits, m->xn_final, param_of(m, m->output), N, m->Vl, C, 0, 1, 1.0f, 0.0f);
+  norm_fwd(m, m->xn_final, m->rstd_final, m->x_final, param_of(m, m->norm), "all_gather of norm output");
+  be->matmul(be, m->logits, m->xn_final, param_of(m, m->output), Np, m->Vo, C, 0, 1, 1.0f, 0.0f);
   if (dp_release(m, uo, 0)) return NAN;
+
+  /* The loss, the same on every tp rank: every rank ends with the same per-row losses. */
+  m->last_gathered = 0;
+  if (!m->out_split) {
+    m->logits_out = m->logits;
+    if (targets) be->cross_entropy(be, m->losses, NULL, m->logits, m->targets_dev, Np, m->V, m->V, 1.0f);
+  } else if (m->lp && targets) {
+    /* loss parallel: the softmax denominators from per-shard pieces, logits never gathered */
+    int v = shard_vocab(m), v0 = m->tp_rank * m->Vo;
+    be->ce_shard_max(be, m->ce_max, m->logits, Np, v, m->Vo);
+    tp_all_reduce(m, m->ce_max, (size_t)Np, COMM_MAX, "all_reduce(max) of logit row maxima");
+    be->ce_shard_stats(be, m->ce_stats, m->logits, m->ce_max, m->targets_dev, Np, v, m->Vo, v0);
+    tp_all_reduce(m, m->ce_stats, 2 * (size_t)Np, COMM_SUM, "all_reduce of exp sums and target logits");
+    be->ce_shard_loss(be, m->losses, NULL, m->logits, m->ce_max, m->ce_stats, m->targets_dev, Np, v, m->Vo, v0, 1.0f);
+  } else {
+    gather_logits(m);
+    m->last_gathered = 1;
+    m->logits_out = m->logits_full;
+    if (targets) be->cross_entropy(be, m->losses, NULL, m->logits_full, m->targets_dev, Np, m->V, m->V, 1.0f);
+  }
+  if (m->comm_rc) return NAN;
 
   m->last_b = b;
   m->last_t = t;
   m->last_ok = 1;
   if (!targets) return 0.0f;
 
-  /* loss parallel under TP: max and sum-exp all-reduced across the vocab shards */
-  be->cross_entropy(be, m->losses, NULL, m->logits, m->targets_dev, N, m->Vl, m->Vl, 1.0f);
   be->to_host(be, m->host_losses, m->losses, (size_t)N * sizeof(float));
   double sum = 0.0;
   int valid = 0;
@@ -608,44 +895,70 @@ float model_forward(model_t *m, const int32_t *tokens, const int32_t *targets, i
 
 /* ------------------------------------------------------------------ backward */
 
-/* On entry m->dres holds d(block output); on return d(block input) (the skip connections are
- * the accumulation into dres). */
+/* Backward of rowwise_fwd: from d(out) = m->dres (local rows), gw += dy^T in and din = dy W
+ * over all rows. Every rank needs the output gradient of every row (its slice of W touched
+ * all of them): all_gather under SP, which also serves the replicated case. */
+static void rowwise_bwd(model_t *m, float *din, const float *in, const float *w, float *gw, int k, const char *what) {
+  backend_t *be = m->be;
+  int C = m->C;
+  const float *dy = rows_to_full(m, m->sc_full, m->dres, C, what);
+  be->matmul(be, gw, dy, in, C, k, m->Np, 1, 0, 1.0f, 1.0f);
+  be->matmul(be, din, dy, w, m->Np, k, C, 0, 0, 1.0f, 0.0f);
+}
+
+/* Backward of norm_fwd: m->dxn (all rows) holds d(xn), partial over tp when the linears that
+ * read xn are sharded; reduce it onto the local rows, then the norm's backward adds into
+ * m->dres. Under SP the weight's gradient covers only the local rows: it is summed over tp
+ * (the weight is replicated) before it joins the accumulated gradient, which is why it goes
+ * through a scratch buffer rather than into gw directly. */
+static void norm_bwd(model_t *m, int wi, const float *x, const float *rstd, int partial, const char *what) {
+  backend_t *be = m->be;
+  int C = m->C;
+  const float *dxn = rows_from_full(m, m->dxn, m->sc_loc, C, partial, what);
+  if (!m->sp) {
+    be->rmsnorm_bwd(be, m->dres, grad_of(m, wi), dxn, x, param_of(m, wi), rstd, m->Ns, C);
+    return;
+  }
+  be->zero(be, m->dnorm, (size_t)C * sizeof(float));
+  be->rmsnorm_bwd(be, m->dres, m->dnorm, dxn, x, param_of(m, wi), rstd, m->Ns, C);
+  tp_all_reduce(m, m->dnorm, (size_t)C, COMM_SUM, "all_reduce of a norm weight gradient");
+  be->add(be, grad_of(m, wi), grad_of(m, wi), m->dnorm, (size_t)C);
+}
+
+/* On entry m->dres holds d(block output) (local rows); on return d(block input) (the skip
+ * connections are the accumulation into dres). */
 static void block_backward(model_t *m, int l, int b, int t) {
   backend_t *be = m->be;
   const layer_tensors_t *lt = &m->layer[l];
   layer_acts_t *a = &m->acts[l];
-  int N = b * t, C = m->C, HD = m->Hl * m->D, KD = m->KVl * m->D, F = m->Fl;
+  int Np = m->Np, C = m->C, HD = m->Hl * m->D, KD = m->KVl * m->D, F = m->Fl;
 
   /* out = x_mid + h w2^T */
-  be->matmul(be, grad_of(m, lt->w2), m->dres, a->h, C, F, N, 1, 0, 1.0f, 1.0f);
-  be->matmul(be, m->dh, m->dres, param_of(m, lt->w2), N, F, C, 0, 0, 1.0f, 0.0f);
-  be->zero(be, m->da, (size_t)N * F * sizeof(float));
-  be->zero(be, m->dg, (size_t)N * F * sizeof(float));
-  be->swiglu_bwd(be, m->da, m->dg, m->dh, a->a, a->g, (size_t)N * F);
-  be->matmul(be, grad_of(m, lt->w1), m->da, a->xn_ffn, F, C, N, 1, 0, 1.0f, 1.0f);
-  be->matmul(be, grad_of(m, lt->w3), m->dg, a->xn_ffn, F, C, N, 1, 0, 1.0f, 1.0f);
-  be->matmul(be, m->dxn, m->da, param_of(m, lt->w1), N, C, F, 0, 0, 1.0f, 0.0f);
-  be->matmul(be, m->dxn, m->dg, param_of(m, lt->w3), N, C, F, 0, 0, 1.0f, 1.0f);
-  be->rmsnorm_bwd(be, m->dres, grad_of(m, lt->ffn_norm), m->dxn, a->x_mid, param_of(m, lt->ffn_norm), a->rstd_ffn, N,
-                  C);
+  rowwise_bwd(m, m->dh, a->h, param_of(m, lt->w2), grad_of(m, lt->w2), F, "all_gather of feed_forward gradient");
+  be->zero(be, m->da, (size_t)Np * F * sizeof(float));
+  be->zero(be, m->dg, (size_t)Np * F * sizeof(float));
+  be->swiglu_bwd(be, m->da, m->dg, m->dh, a->a, a->g, (size_t)Np * F);
+  be->matmul(be, grad_of(m, lt->w1), m->da, a->xn_ffn, F, C, Np, 1, 0, 1.0f, 1.0f);
+  be->matmul(be, grad_of(m, lt->w3), m->dg, a->xn_ffn, F, C, Np, 1, 0, 1.0f, 1.0f);
+  be->matmul(be, m->dxn, m->da, param_of(m, lt->w1), Np, C, F, 0, 0, 1.0f, 0.0f);
+  be->matmul(be, m->dxn, m->dg, param_of(m, lt->w3), Np, C, F, 0, 0, 1.0f, 1.0f);
+  norm_bwd(m, lt->ffn_norm, a->x_mid, a->rstd_ffn, m->ffn_split, "reduction of ffn_norm output gradient");
 
   /* x_mid = x + att wo^T */
-  be->matmul(be, grad_of(m, lt->wo), m->dres, a->att, C, HD, N, 1, 0, 1.0f, 1.0f);
-  be->matmul(be, m->datt, m->dres, param_of(m, lt->wo), N, HD, C, 0, 0, 1.0f, 0.0f);
-  be->zero(be, m->dq, (size_t)N * HD * sizeof(float));
-  be->zero(be, m->dk, (size_t)N * KD * sizeof(float));
-  be->zero(be, m->dv, (size_t)N * KD * sizeof(float));
+  rowwise_bwd(m, m->datt, a->att, param_of(m, lt->wo), grad_of(m, lt->wo), HD, "all_gather of attention gradient");
+  be->zero(be, m->dq, (size_t)Np * HD * sizeof(float));
+  be->zero(be, m->dk, (size_t)Np * KD * sizeof(float));
+  be->zero(be, m->dv, (size_t)Np * KD * sizeof(float));
   be->attention_bwd(be, m->dq, m->dk, m->dv, m->datt, a->q, a->k, a->v, a->att, a->lse, b, t, m->Hl, m->KVl, m->D);
   be->rope_bwd(be, m->dq, b, t, m->Hl, m->D, 0, m->theta);
   be->rope_bwd(be, m->dk, b, t, m->KVl, m->D, 0, m->theta);
-  be->matmul(be, grad_of(m, lt->wq), m->dq, a->xn_att, HD, C, N, 1, 0, 1.0f, 1.0f);
-  be->matmul(be, grad_of(m, lt->wk), m->dk, a->xn_att, KD, C, N, 1, 0, 1.0f, 1.0f);
-  be->matmul(be, grad_of(m, lt->wv), m->dv, a->xn_att, KD, C, N, 1, 0, 1.0f, 1.0f);
-  be->matmul(be, m->dxn, m->dq, param_of(m, lt->wq), N, C, HD, 0, 0, 1.0f, 0.0f);
-  be->matmul(be, m->dxn, m->dk, param_of(m, lt->wk), N, C, KD, 0, 0, 1.0f, 1.0f);
-  be->matmul(be, m->dxn, m->dv, param_of(m, lt->wv), N, C, KD, 0, 0, 1.0f, 1.0f);
-  be->rmsnorm_bwd(be, m->dres, grad_of(m, lt->attention_norm), m->dxn, a->x, param_of(m, lt->attention_norm),
-                  a->rstd_att, N, C);
+  be->matmul(be, grad_of(m, lt->wq), m->dq, a->xn_att, HD, C, Np, 1, 0, 1.0f, 1.0f);
+  be->matmul(be, grad_of(m, lt->wk), m->dk, a->xn_att, KD, C, Np, 1, 0, 1.0f, 1.0f);
+  be->matmul(be, grad_of(m, lt->wv), m->dv, a->xn_att, KD, C, Np, 1, 0, 1.0f, 1.0f);
+  be->matmul(be, m->dxn, m->dq, param_of(m, lt->wq), Np, C, HD, 0, 0, 1.0f, 0.0f);
+  be->matmul(be, m->dxn, m->dk, param_of(m, lt->wk), Np, C, KD, 0, 0, 1.0f, 1.0f);
+  be->matmul(be, m->dxn, m->dv, param_of(m, lt->wv), Np, C, KD, 0, 0, 1.0f, 1.0f);
+  norm_bwd(m, lt->attention_norm, a->x, a->rstd_att, m->attn_split, "reduction of attention_norm output gradient");
 }
 
 void model_backward(model_t *m, float loss_scale) {
@@ -654,27 +967,44 @@ void model_backward(model_t *m, float loss_scale) {
     log_error("model: model_backward needs a successful forward with targets first");
     return;
   }
-  int b = m->last_b, t = m->last_t, N = b * t, C = m->C;
+  int Np = m->Np, C = m->C;
   float gs = m->n_valid > 0 ? loss_scale / (float)m->n_valid : 0.0f;
-  /* dlogits overwrite the logits (their last use) */
-  be->cross_entropy(be, m->losses, m->logits, m->logits, m->targets_dev, N, m->Vl, m->Vl, gs);
+  /* dlogits (this rank's columns) overwrite the logits (their last use) */
+  if (!m->out_split) {
+    be->cross_entropy(be, m->losses, m->logits, m->logits, m->targets_dev, Np, m->V, m->V, gs);
+  } else if (m->lp) {
+    int v = shard_vocab(m), v0 = m->tp_rank * m->Vo;
+    be->ce_shard_loss(be, m->losses, m->logits, m->logits, m->ce_max, m->ce_stats, m->targets_dev, Np, v, m->Vo, v0,
+                      gs);
+  } else {
+    /* every rank has the gathered logits and the full gradient; it keeps its columns */
+    be->cross_entropy(be, m->losses, m->logits_full, m->logits_full, m->targets_dev, Np, m->V, m->V, gs);
+    be->zero(be, m->logits, (size_t)Np * m->Vo * sizeof(float));
+    be->copy_2d(be, m->logits, m->Vo, m->logits_full + (size_t)m->tp_rank * m->Vo, m->V, Np, shard_vocab(m));
+  }
   m->last_ok = 0;
 
   int uo = m->L + 1;
   if (dp_gather(m, uo, 1)) return;
-  be->matmul(be, grad_of(m, m->output), m->logits, m->xn_final, m->Vl, C, N, 1, 0, 1.0f, 1.0f);
-  be->matmul(be, m->dxn, m->logits, param_of(m, m->output), N, C, m->Vl, 0, 0, 1.0f, 0.0f);
-  be->zero(be, m->dres, (size_t)N * C * sizeof(float));
-  be->rmsnorm_bwd(be, m->dres, grad_of(m, m->norm), m->dxn, m->x_final, param_of(m, m->norm), m->rstd_final, N, C);
+  be->matmul(be, grad_of(m, m->output), m->logits, m->xn_final, m->Vo, C, Np, 1, 0, 1.0f, 1.0f);
+  be->matmul(be, m->dxn, m->logits, param_of(m, m->output), Np, C, m->Vo, 0, 0, 1.0f, 0.0f);
+  be->zero(be, m->dres, (size_t)m->Ns * C * sizeof(float));
+  norm_bwd(m, m->norm, m->x_final, m->rstd_final, m->out_split, "reduction of norm output gradient");
   if (dp_reduce(m, uo) || dp_release(m, uo, 1)) return;
 
   for (int l = m->L - 1; l >= 0; l--) {
     if (dp_gather(m, 1 + l, 1)) return;
-    block_backward(m, l, b, t);
+    block_backward(m, l, m->last_b, m->last_t);
     if (dp_reduce(m, 1 + l) || dp_release(m, 1 + l, 1)) return;
   }
 
   if (dp_gather(m, 0, 1)) return;
-  be->embedding_bwd(be, grad_of(m, m->tok_embeddings), m->dres, m->tokens_dev, N, C, m->tp_rank * m->Vl, m->Vl);
+  /* the embedding's gradient needs every row's residual gradient (all_gather under SP): the
+   * vocab shard's rows come from any position, and a replicated table stays identical */
+  const float *dy = rows_to_full(m, m->sc_full, m->dres, C, "all_gather of the embedding gradient");
+  if (m->emb_split)
+    be->embedding_bwd(be, grad_of(m, m->tok_embeddings), dy, m->tokens_dev, Np, C, m->tp_rank * m->Ve, m->Ve);
+  else
+    be->embedding_bwd(be, grad_of(m, m->tok_embeddings), dy, m->tokens_dev, Np, C, 0, m->V);
   if (dp_reduce(m, 0) || dp_release(m, 0, 1)) return;
 }

@@ -39,8 +39,13 @@ typedef struct {
    * MODEL_TP_REPLICATED: the same full tensor on every tp rank (norm weights);
    * MODEL_TP_ROWS: rows split across tp (colwise linear: output features; vocab-parallel
    *   embedding and output), this rank holds rows [tp_rank*shape[0], (tp_rank+1)*shape[0]);
+   *   the vocabulary is padded to a multiple of tp, so for the vocab tables shape[0] is
+   *   ceil(vocab/tp) and the last ranks' rows past full_shape[0] are padding (zero, never
+   *   read by the loss; their gradients stay zero);
    * MODEL_TP_COLS: columns split (rowwise linear: input features).
-   * full_shape is the unsplit shape. With tp = 1 every tensor is MODEL_TP_REPLICATED. */
+   * full_shape is the unsplit shape (the real vocabulary size, without padding). With tp = 1,
+   * or a module the tp plan marks "replicate", the tensor is MODEL_TP_REPLICATED; replicated
+   * tensors end every backward with identical full gradients on all tp ranks. */
   int tp_split;
   int full_shape[2];
 } model_tensor_t;
@@ -49,7 +54,14 @@ enum { MODEL_TP_REPLICATED = 0, MODEL_TP_ROWS = 1, MODEL_TP_COLS = 2 };
 
 struct comm; /* trainer/comm.h */
 
-/* Tensor parallelism of one model instance (one rank of the tp group). */
+/* Tensor parallelism of one model instance (one rank of the tp group). Plan styles per module
+ * as PyTorch's (model.c explains the collectives): colwise / rowwise linears, rowwise
+ * tok_embeddings (vocab-parallel), colwise output, sequence_parallel norms, "replicate" to keep
+ * a module whole; prepare_module_input on "attention"/"feed_forward" is implied by
+ * sequence_parallel (the all-gather of normed rows before the colwise linears). plan NULL or
+ * n_plan 0: the default Llama plan. Under sequence parallelism any B*T works (rows are padded
+ * to a multiple of tp internally). Collectives run on backend memory: the cpu comm with the
+ * cpu backend (cuda needs a comm on device memory; creation says so). */
 typedef struct {
   struct comm *comm;     /* the tp group (mesh_comm(mesh, "tp")); NULL = no tensor parallelism */
   int sequence_parallel; /* activations between blocks sharded on the sequence (norms per shard) */
@@ -113,7 +125,9 @@ float model_forward(model_t *m, const int32_t *tokens, const int32_t *targets, i
  * loss_scale is 1/grad_accum_steps under accumulation. */
 void model_backward(model_t *m, float loss_scale);
 void model_zero_grad(model_t *m);
-/* Logits of the last forward, device memory (B, T, V). */
+/* Logits of the last forward, device memory (B, T, V), the full vocabulary on every tp rank
+ * (gathered when the output is vocab-sharded). NULL after a loss-parallel forward with targets,
+ * which never assembles them, and after a failed forward. */
 const float *model_logits(const model_t *m);
 int model_vocab_size(const model_t *m);
 
