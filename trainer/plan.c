@@ -730,10 +730,8 @@ int plan_resolve(plan_t *p, int world_size, char *err, size_t errlen) {
       return perr(err, errlen, "mesh.tp", "%d does not divide model.n_kv_heads %d", tp, md->n_kv_heads);
     if (md->hidden_dim % tp != 0)
       return perr(err, errlen, "mesh.tp", "%d does not divide model.hidden_dim %d", tp, md->hidden_dim);
-    if ((tp_style(p, "tok_embeddings") != PLAN_TP_REPLICATE || tp_style(p, "output") != PLAN_TP_REPLICATE) &&
-        md->vocab_size % tp != 0)
-      return perr(err, errlen, "mesh.tp", "%d does not divide model.vocab_size %d (the vocabulary is sharded)",
-                  tp, md->vocab_size);
+    /* The vocabulary need not divide: the model pads it to a multiple of tp and masks the
+     * padding out of the loss. */
   }
 
   /* Sequence parallel: the norms run on sequence shards between the sharded linears. */

@@ -365,7 +365,13 @@ static void test_resolve_errors(void **state) {
   expect_error("{" BASE ",\"model\":{\"n_heads\":4,\"n_kv_heads\":1},\"mesh\":{\"dp_shard\":1,\"tp\":2}}", 2,
                "mesh.tp");
   expect_error("{" BASE ",\"model\":{\"dim\":192,\"n_heads\":6},\"mesh\":{\"dp_shard\":1,\"tp\":4}}", 4, "mesh.tp");
-  expect_error("{" BASE ",\"model\":{\"vocab_size\":255},\"mesh\":{\"dp_shard\":1,\"tp\":2}}", 2, "mesh.tp");
+  {
+    /* A vocabulary tp does not divide is fine: the model pads it to a multiple of tp. */
+    plan_t odd;
+    load_ok(&odd, "{" BASE ",\"model\":{\"vocab_size\":255},\"mesh\":{\"dp_shard\":1,\"tp\":2}}", NULL, 0);
+    resolve_ok(&odd, 2);
+    assert_int_equal(odd.model.vocab_size, 255);
+  }
   m = expect_error("{" BASE ",\"train\":{\"micro_batch_size\":4,\"global_batch_size\":24}}", 4,
                    "train.global_batch_size");
   assert_non_null(strstr(m, "24"));
