@@ -15,11 +15,19 @@ THREADS=${BENCH_THREADS:-${OMP_NUM_THREADS:-$(nproc)}}
 
 # --- section: trainer. Full training steps (forward, backward, clip, AdamW) of bin/trainer on
 # the cpu backend against PyTorch eager on CPU, same model, batch and threads.
+# PyTorch's matmuls run in OpenBLAS, which ignores torch.set_num_threads: pin its pool too, so
+# both sides really use THREADS threads.
 bench_trainer() {
-  "$PYTHON" scripts/bench_trainer.py --threads "$THREADS"
+  OPENBLAS_NUM_THREADS="$THREADS" "$PYTHON" scripts/bench_trainer.py --threads "$THREADS"
 }
 
-SECTIONS="trainer"
+# --- section: parallel. Each data/tensor-parallel plan at 4 ranks under bin/meshrun on the cpu
+# backend against one process: ms/step, tokens/s, ratio, and bytes each collective moves per step.
+bench_parallel() {
+  "$PYTHON" scripts/bench_parallel.py
+}
+
+SECTIONS="trainer parallel"
 
 failed=()
 for s in $SECTIONS; do

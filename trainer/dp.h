@@ -15,6 +15,13 @@
 #ifndef MESHRUN_DP_H
 #define MESHRUN_DP_H
 
+#include <stddef.h>
+#include <stdint.h>
+
+#include "trainer/backend.h"
+#include "trainer/mesh.h"
+#include "trainer/plan.h"
+
 typedef struct dp dp_t;
 
 struct dp {
@@ -24,5 +31,54 @@ struct dp {
   int (*release)(dp_t *dp, int unit, int after_backward);
   int (*reduce_grads)(dp_t *dp, int unit);
 };
+
+/* --- creating and driving a strategy (trainer/dp.c), called from main.
+ *
+ * The strategy follows from the mesh (NULL or world 1: serial): dp_shard > 1 is FSDP (HSDP when
+ * dp_replicate > 1 too), else dp_replicate > 1 is DDP (ZeRO-1 with plan.parallel.zero = 1).
+ * It owns the optimizer (trainer/optim) over the range of parameters this rank updates, and for
+ * FSDP the parameter and gradient shards; the model must have been created with
+ * model_opts_t.no_flat_buffers exactly when dp_is_sharded(mesh). */
+
+struct model;
+
+typedef struct {
+  size_t param_bytes, grad_bytes, optim_bytes; /* persistent per-rank state */
+  size_t work_bytes; /* FSDP: gathered parameter / gradient buffers and scratch */
+} dp_memory_t;
+
+/* Bytes this rank's strategy collectives moved (sent) since creation, by operation. */
+typedef struct {
+  uint64_t all_reduce, all_gather, reduce_scatter, broadcast;
+} dp_traffic_t;
+
+int dp_is_sharded(const mesh_t *mesh);
+/* Builds the strategy for model m and installs its hooks (model_set_dp). Not collective.
+ * Returns 0, or a negative code with the reason in err. */
+int dp_create(dp_t **out, struct model *m, backend_t *be, const mesh_t *mesh, const plan_t *p, char *err,
+              size_t errlen);
+void dp_destroy(dp_t *dp); /* accepts NULL; uninstalls the hooks */
+/* Random initial parameters (as model_init_random would give the unsharded model). */
+int dp_init_params(dp_t *dp, uint64_t seed, double init_std);
+/* Gradient synchronization on the coming backward: 0 on all but the last micro-step of an
+ * accumulation (DDP's no_sync; HSDP's replicate all-reduce), 1 (the default) on the last. */
+void dp_set_sync(dp_t *dp, int sync);
+void dp_zero_grad(dp_t *dp);
+/* Global gradient norm over all ranks (collective over the mesh's dp_shard and tp groups). */
+int dp_grad_norm(dp_t *dp, double *norm);
+/* One AdamW update of this rank's range, then whatever makes parameters whole again. */
+int dp_step(dp_t *dp, double lr, double grad_scale);
+/* Unit u's full local parameters (this tp rank's slices) in the model's unit buffers, and back.
+ * dp_unit_open is collective over dp_shard for FSDP; dp_unit_commit writes the rank's shard (or
+ * the flat buffer) from the unit buffer after the caller changed it (model_import_tensor). */
+int dp_unit_open(dp_t *dp, int unit);
+int dp_unit_commit(dp_t *dp, int unit);
+/* Host copy of unit u's local parameters (after dp_unit_open), unit numel floats. */
+void dp_unit_to_host(dp_t *dp, int unit, float *host);
+void dp_memory(const dp_t *dp, dp_memory_t *out);
+void dp_traffic(const dp_t *dp, dp_traffic_t *out);
+/* 0, or the first error of a hook (the model's hooks return void through model_backward). */
+int dp_status(const dp_t *dp);
+const char *dp_errmsg(const dp_t *dp);
 
 #endif

@@ -3,20 +3,32 @@
  *   trainer [PLAN.json] [--set key.path=value ...]                  train (no PLAN: embedded default)
  *   trainer sample [PLAN.json] --weights FILE [--set key.path=value ...]   print generated text
  *
- * Reads top to bottom: environment (RANK, WORLD_SIZE, LOCAL_RANK) -> plan -> backend -> model
- * -> data -> optimizer -> loop { accumulate micro-batch gradients, clip, AdamW, log, eval }
- * -> final weights -> a text sample. Progress goes to stderr through the log ([trainer r0/1]),
- * the sample to stdout, one JSON object per optimizer step to log.metrics_file.
+ * Reads top to bottom: environment (RANK, WORLD_SIZE, LOCAL_RANK) -> plan -> mesh (WORLD_SIZE > 1:
+ * the plan's dp_replicate x dp_shard x tp, groups connected through MESHRUN_STORE) -> backend ->
+ * model (tensor-parallel when tp > 1) -> data -> data-parallel strategy (trainer/dp: serial,
+ * DDP, ZeRO-1, FSDP, HSDP; it owns the optimizer) -> loop { accumulate micro-batch gradients,
+ * clip, AdamW, log, eval } -> final weights -> a text sample. Progress goes to stderr through
+ * the log ([trainer r0/1]), the sample to stdout, one JSON object per optimizer step to
+ * log.metrics_file. Only rank 0 prints progress and writes metrics and weights.
+ *
+ * Under a mesh: ranks of one dp slot (the tp ranks) read the same micro-batches, as dp rank
+ * mesh "dp".rank of "dp".size; the logged loss is the mean over dp (equal to the one-process
+ * loss of the same global batch); eval batch k runs on dp rank k mod dp and the sums are
+ * added up. Every rank takes part in saving (gathers across dp_shard and tp); rank 0 writes.
+ * The first metrics record holds this rank's memory (param_bytes, grad_bytes, optim_bytes,
+ * work_bytes) and the maximum over ranks (*_max); each step record holds the bytes this rank
+ * sent per step, by strategy collective and by group ("comm").
  *
  * Where the final weights go: <checkpoint.dir>/final.safetensors when checkpoint.dir is set,
  * else out/<plan file name without .json>/final.safetensors ("default" for the embedded plan),
  * with the resolved plan JSON in the safetensors metadata under "plan".
  *
- * Exit codes: 0 done; 1 runtime failure (data, memory, NaN loss, I/O); 2 usage or plan error
- * (including device "cuda" in a build without it and WORLD_SIZE > 1 before the mesh is wired).
+ * Exit codes: 0 done; 1 runtime failure (data, memory, NaN loss, I/O, a collective); 2 usage or
+ * plan error (including device "cuda" in a build without it, WORLD_SIZE > 1 without MESHRUN_STORE).
  * Startup: when OMP_WAIT_POLICY is unset the program sets it to passive and re-execs itself once
  * (see ensure_passive_omp); nothing else runs before the first step but loading the data.
- * Not here yet: the mesh (WORLD_SIZE > 1 is refused), periodic checkpoints and resume.
+ * Not here yet: periodic checkpoints and resume; parallel plans on the cuda backend (the nccl
+ * comm backend); bf16 parameters.
  * Two hidden flags serve the PyTorch oracle test: --dump-init FILE (the initial weights, as
  * safetensors) and --dump-batches FILE (every micro-batch's tokens then targets, int32, in
  * training order). */
@@ -30,8 +42,12 @@
 #include <unistd.h>
 
 #include "common/log.h"
+#include "common/store.h"
 #include "trainer/backend.h"
+#include "trainer/comm.h"
 #include "trainer/data.h"
+#include "trainer/dp.h"
+#include "trainer/mesh.h"
 #include "trainer/model.h"
 #include "trainer/optim.h"
 #include "trainer/plan.h"
@@ -50,7 +66,8 @@ static const char *usage_text =
     "default plan (configs/demo.json). --set overrides one key, e.g. --set train.steps=50\n"
     "--set model.dim=128; values parse as JSON when they can, else as strings.\n"
     "'sample' loads weights saved by a training run and prints sample.tokens generated tokens.\n"
-    "Environment: RANK, WORLD_SIZE, LOCAL_RANK (set by meshrun; default 0, 1, 0),\n"
+    "Environment: RANK, WORLD_SIZE, LOCAL_RANK (set by meshrun; default 0, 1, 0), MESHRUN_STORE\n"
+    "(host:port of meshrun's store; needed when WORLD_SIZE > 1), TORCHELASTIC_RESTART_COUNT,\n"
     "OMP_NUM_THREADS (cpu threads), MESHRUN_LOG_LEVEL (error, warn, info, debug).\n"
     "Exit status: 0 done, 1 runtime failure, 2 usage or plan error.\n";
 
@@ -184,36 +201,114 @@ static int parse_args(args_t *a, int argc, char **argv, char *err, size_t errlen
 /* ------------------------------------------------------------------------------------------ */
 /* weights: safetensors with the model's tensor names */
 
-static int weights_save(model_t *m, backend_t *be, const char *path, const char *plan_json, int step, char *err,
-                        size_t errlen) {
-  size_t np = model_num_params(m);
-  int nt = model_num_tensors(m);
-  float *host = malloc(np * sizeof(float));
+/* Full tensors from every rank's pieces, written by rank 0. Collective over the job: each unit
+ * is gathered across dp_shard (dp_unit_open) and each tensor assembled across tp
+ * (model_export_tensor); replicas other than the first (dp_replicate coordinate > 0) hold the
+ * same values and return at once. */
+static int weights_save(model_t *m, dp_t *dp, const mesh_t *mesh, int rank, const char *path, const char *plan_json,
+                        int step, char *err, size_t errlen) {
+  const int r = mesh ? mesh->coord[MESH_DP_REPLICATE] : 0, sh = mesh ? mesh->coord[MESH_DP_SHARD] : 0;
+  const int tp = mesh ? mesh->dims[MESH_TP] : 1;
+  if (r != 0) return 0;
+  const int exporter = sh == 0; /* the tp group of shard 0 assembles; rank 0 is one of them */
+  const int nt = model_num_tensors(m), nu = model_num_units(m);
+  size_t total = 0, umax = 0, uoff, unum;
+  for (int i = 0; i < nt; i++) {
+    const model_tensor_t *t = model_tensor(m, i);
+    total += t->full_shape[0] > 0 ? (size_t)t->full_shape[0] * (size_t)(t->ndim == 2 ? t->full_shape[1] : 1) : t->numel;
+  }
+  for (int u = 0; u < nu; u++) {
+    model_unit_range(m, u, &uoff, &unum);
+    if (unum > umax) umax = unum;
+  }
+  float *host = malloc(total * sizeof(float)), *unit = tp > 1 ? NULL : malloc(umax * sizeof(float));
   st_tensor_t *ts = calloc((size_t)nt, sizeof *ts);
-  if (!host || !ts) {
+  if (!host || !ts || (tp == 1 && !unit)) {
     free(host);
+    free(unit);
     free(ts);
-    snprintf(err, errlen, "out of memory copying %zu parameters to save them", np);
+    snprintf(err, errlen, "out of memory copying %zu parameters to save them", total);
     return -1;
   }
-  be->to_host(be, host, model_params(m), np * sizeof(float));
-  for (int i = 0; i < nt; i++) {
+  int rc = 0;
+  size_t at = 0;
+  for (int i = 0; i < nt; i++) { /* full-tensor layout of the file, in the model's order */
     const model_tensor_t *t = model_tensor(m, i);
     ts[i].name = t->name;
     ts[i].dtype = ST_F32;
     ts[i].ndim = t->ndim;
-    ts[i].shape[0] = t->shape[0];
-    ts[i].shape[1] = t->ndim == 2 ? t->shape[1] : 1;
-    ts[i].data = host + t->offset;
+    ts[i].shape[0] = t->full_shape[0] > 0 ? t->full_shape[0] : t->shape[0];
+    ts[i].shape[1] = t->ndim == 2 ? (t->full_shape[0] > 0 ? t->full_shape[1] : t->shape[1]) : 1;
+    ts[i].data = host + at;
+    at += (size_t)ts[i].shape[0] * (size_t)ts[i].shape[1];
   }
-  char stepbuf[32];
-  snprintf(stepbuf, sizeof stepbuf, "%d", step);
-  const char *meta[] = {"format", "meshrun", "plan", plan_json ? plan_json : "{}", "step", stepbuf};
-  int rc = make_parent_dirs(path, err, errlen);
-  if (rc == 0) rc = st_write(path, ts, nt, meta, 3, err, errlen);
+  for (int u = 0; u < nu && rc == 0; u++) {
+    if (dp_unit_open(dp, u)) {
+      snprintf(err, errlen, "saving weights: %s", dp_errmsg(dp));
+      rc = -1;
+      break;
+    }
+    if (!exporter) continue;
+    if (tp == 1) dp_unit_to_host(dp, u, unit);
+    model_unit_range(m, u, &uoff, &unum);
+    for (int i = 0; i < nt && rc == 0; i++) {
+      const model_tensor_t *t = model_tensor(m, i);
+      if (t->unit != u) continue;
+      if (tp == 1) {
+        memcpy((float *)ts[i].data, unit + (t->offset - uoff), t->numel * sizeof(float));
+      } else if (model_export_tensor(m, i, (float *)ts[i].data) != 0) {
+        snprintf(err, errlen, "saving weights: assembling %s across tp failed (see the log)", t->name);
+        rc = -1;
+      }
+    }
+  }
+  if (rc == 0 && rank == 0) {
+    char stepbuf[32];
+    snprintf(stepbuf, sizeof stepbuf, "%d", step);
+    const char *meta[] = {"format", "meshrun", "plan", plan_json ? plan_json : "{}", "step", stepbuf};
+    rc = make_parent_dirs(path, err, errlen);
+    if (rc == 0) rc = st_write(path, ts, nt, meta, 3, err, errlen);
+  }
   free(host);
+  free(unit);
   free(ts);
   return rc ? -1 : 0;
+}
+
+/* model.init under a mesh: every rank reads the file and keeps its part (its tp slice through
+ * model_import_tensor, then its FSDP shard through dp_unit_commit). */
+static int weights_load_parallel(model_t *m, dp_t *dp, const char *path, char *err, size_t errlen) {
+  st_file_t *f = NULL;
+  if (st_open(&f, path, err, errlen) != 0) return -1;
+  const int nt = model_num_tensors(m), nu = model_num_units(m);
+  int rc = 0;
+  for (int u = 0; u < nu && rc == 0; u++) {
+    if (dp_unit_open(dp, u)) {
+      snprintf(err, errlen, "loading %s: %s", path, dp_errmsg(dp));
+      rc = -1;
+      break;
+    }
+    for (int i = 0; i < nt && rc == 0; i++) {
+      const model_tensor_t *t = model_tensor(m, i);
+      if (t->unit != u) continue;
+      size_t full = t->full_shape[0] > 0 ? (size_t)t->full_shape[0] * (size_t)(t->ndim == 2 ? t->full_shape[1] : 1)
+                                         : t->numel;
+      const st_tensor_t *s = st_find(f, t->name);
+      if (!s) {
+        snprintf(err, errlen, "%s: no tensor %s (is it from a model of this plan?)", path, t->name);
+        rc = -1;
+      } else if (s->dtype != ST_F32 || st_numel(s) != full) {
+        snprintf(err, errlen, "%s: tensor %s has %zu elements, the model wants %zu F32", path, t->name, st_numel(s),
+                 full);
+        rc = -1;
+      } else {
+        model_import_tensor(m, i, s->data);
+      }
+    }
+    if (rc == 0) dp_unit_commit(dp, u);
+  }
+  st_close(f);
+  return rc;
 }
 
 static int weights_load(model_t *m, backend_t *be, const char *path, char *err, size_t errlen) {
@@ -327,10 +422,12 @@ static void json_one_line(char *s) {
 /* ------------------------------------------------------------------------------------------ */
 /* metrics: JSONL, one object per line, flushed as written so a crash keeps what was logged */
 
-static void metrics_step(FILE *f, int step, double loss, double lr, double gnorm, double tps, double ms) {
+/* comm: ",\"comm\":{...}" with this rank's bytes sent during the step, or "". */
+static void metrics_step(FILE *f, int step, double loss, double lr, double gnorm, double tps, double ms,
+                         const char *comm) {
   if (!f) return;
-  fprintf(f, "{\"step\":%d,\"loss\":%.9g,\"lr\":%.9g,\"grad_norm\":%.9g,\"tokens_per_s\":%.1f,\"step_ms\":%.3f}\n",
-          step, loss, lr, gnorm, tps, ms);
+  fprintf(f, "{\"step\":%d,\"loss\":%.9g,\"lr\":%.9g,\"grad_norm\":%.9g,\"tokens_per_s\":%.1f,\"step_ms\":%.3f%s}\n",
+          step, loss, lr, gnorm, tps, ms, comm);
   fflush(f);
 }
 
@@ -356,13 +453,93 @@ static void final_weights_path(const plan_t *p, char *out, size_t len) {
 
 /* ------------------------------------------------------------------------------------------ */
 
-static double evaluate(model_t *m, const data_t *d, int batches, int b, int t, int32_t *tok, int32_t *tgt) {
+/* Mean eval loss over batches k = 0..batches-1 (the one-process value). Under a mesh, dp rank
+ * r runs batches k = r, r + dp, ... and the sums are added over "dp"; every rank runs the same
+ * number of forwards (FSDP and TP forwards are collective), the spare ones on a repeated
+ * batch whose loss is not counted. */
+static int evaluate(model_t *m, const data_t *d, comm_t *dpc, int batches, int b, int t, int32_t *tok, int32_t *tgt,
+                    double *out) {
+  const int n = dpc ? comm_size(dpc) : 1, r = dpc ? comm_rank(dpc) : 0;
   double sum = 0;
-  for (int k = 0; k < batches; k++) {
-    data_eval_batch(d, k, b, tok, tgt);
-    sum += model_forward(m, tok, tgt, b, t);
+  for (int j = 0; j < (batches + n - 1) / n; j++) {
+    const int k = j * n + r;
+    data_eval_batch(d, k < batches ? k : k % batches, b, tok, tgt);
+    float l = model_forward(m, tok, tgt, b, t);
+    if (k < batches) sum += l;
   }
-  return sum / batches;
+  if (n > 1) {
+    float s = (float)sum;
+    if (comm_all_reduce(dpc, &s, 1, COMM_FLOAT32, COMM_SUM)) return -1;
+    sum = s;
+  }
+  *out = sum / batches;
+  return 0;
+}
+
+/* Per-rank bytes of state, and their maximum over the job. */
+typedef struct {
+  dp_memory_t mine, max;
+} memory_report_t;
+
+static int memory_report(dp_t *dp, comm_t *world, memory_report_t *r) {
+  dp_memory(dp, &r->mine);
+  r->max = r->mine;
+  if (!world || comm_size(world) == 1) return 0;
+  /* KiB in fp32 (the cpu comm's dtype): exact up to 16 GiB per rank. */
+  float v[4] = {(float)(r->mine.param_bytes / 1024.0), (float)(r->mine.grad_bytes / 1024.0),
+                (float)(r->mine.optim_bytes / 1024.0), (float)(r->mine.work_bytes / 1024.0)};
+  if (comm_all_reduce(world, v, 4, COMM_FLOAT32, COMM_MAX)) return -1;
+  r->max.param_bytes = (size_t)((double)v[0] * 1024.0);
+  r->max.grad_bytes = (size_t)((double)v[1] * 1024.0);
+  r->max.optim_bytes = (size_t)((double)v[2] * 1024.0);
+  r->max.work_bytes = (size_t)((double)v[3] * 1024.0);
+  return 0;
+}
+
+/* Bytes sent by this rank since the last call: by strategy collective, and per mesh group
+ * (the groups' totals include main's loss and norm reductions). */
+typedef struct {
+  dp_traffic_t dp;
+  uint64_t group[MESH_NGROUPS];
+} traffic_t;
+
+static void traffic_step(dp_t *dp, const mesh_t *mesh, traffic_t *last, char *out, size_t len) {
+  out[0] = 0;
+  if (!mesh) return;
+  traffic_t now;
+  dp_traffic(dp, &now.dp);
+  int o = snprintf(out, len, ",\"comm\":{\"all_reduce\":%llu,\"all_gather\":%llu,\"reduce_scatter\":%llu,"
+                   "\"broadcast\":%llu",
+                   (unsigned long long)(now.dp.all_reduce - last->dp.all_reduce),
+                   (unsigned long long)(now.dp.all_gather - last->dp.all_gather),
+                   (unsigned long long)(now.dp.reduce_scatter - last->dp.reduce_scatter),
+                   (unsigned long long)(now.dp.broadcast - last->dp.broadcast));
+  for (int g = 0; g < MESH_NGROUPS; g++) {
+    comm_stats_t st = {0};
+    if (mesh->groups[g].comm) comm_get_stats(mesh->groups[g].comm, &st);
+    now.group[g] = st.bytes_sent;
+    if (o > 0 && (size_t)o < len)
+      o += snprintf(out + o, len - (size_t)o, ",\"%s\":%llu", mesh->groups[g].name,
+                    (unsigned long long)(now.group[g] - last->group[g]));
+  }
+  if (o > 0 && (size_t)o < len) snprintf(out + o, len - (size_t)o, "}");
+  *last = now;
+}
+
+/* Builds the mesh of a multi-process run and connects its groups through meshrun's store. */
+static int mesh_setup(mesh_t **out, const plan_t *p, int rank, int world, char *err, size_t errlen) {
+  const char *ep = getenv("MESHRUN_STORE");
+  if (!ep || !*ep) {
+    snprintf(err, errlen, "WORLD_SIZE=%d: the mesh's groups connect through meshrun's store, and MESHRUN_STORE is "
+                          "not set: run under meshrun, or set MESHRUN_STORE=host:port", world);
+    return 2;
+  }
+  if (mesh_create(out, p->mesh.dp_replicate, p->mesh.dp_shard, p->mesh.tp, rank, world, err, errlen)) return 2;
+  store_t *st = NULL;
+  if (store_connect_endpoint(&st, ep, 60000, err, errlen)) return 1;
+  int rc = mesh_connect(*out, "cpu", st, -1, NULL, 0, err, errlen);
+  store_close(st);
+  return rc ? 1 : 0;
 }
 
 int main(int argc, char **argv) {
@@ -413,8 +590,9 @@ int main(int argc, char **argv) {
     free(p);
     return 2;
   }
-  if (world > 1) {
-    fprintf(stderr, "trainer: WORLD_SIZE=%d: parallel plans need the mesh (not built yet); run one process\n", world);
+  if (world > 1 && (a.sample_mode || a.dump_init || a.dump_batches)) {
+    fprintf(stderr, "trainer: 'trainer sample', --dump-init and --dump-batches run in one process (WORLD_SIZE=%d)\n",
+            world);
     free(p);
     return 2;
   }
@@ -422,6 +600,18 @@ int main(int argc, char **argv) {
   if (p->device == PLAN_DEVICE_CUDA) {
 #ifdef MESHRUN_HAVE_CUDA
     be_name = "cuda";
+    if (p->parallel.param_dtype == PLAN_DTYPE_BF16) {
+      fprintf(stderr, "trainer: parallel.mixed_precision.param_dtype bf16 is not built yet (the cuda backend trains "
+                      "in fp32): add --set parallel.mixed_precision.param_dtype=fp32\n");
+      free(p);
+      return 2;
+    }
+    if (world > 1) {
+      fprintf(stderr, "trainer: device \"cuda\" with WORLD_SIZE=%d needs the nccl comm backend, which is not built "
+                      "yet; use device \"cpu\" for parallel plans\n", world);
+      free(p);
+      return 2;
+    }
 #else
     fprintf(stderr, "trainer: device \"cuda\": this trainer was built without the cuda backend; "
                     "use device \"cpu\" or \"auto\", or rebuild where nvcc is found\n");
@@ -432,27 +622,54 @@ int main(int argc, char **argv) {
 
   /* Everything below releases through the cleanup label. */
   int status = 1;
+  mesh_t *mesh = NULL;
   backend_t *be = NULL;
   model_t *m = NULL;
+  dp_t *dp = NULL;
+  model_tp_t tpo = {0}; /* lives as long as the model, which may keep a pointer to it */
   data_t data = {0};
-  optim_t opt = {0};
   FILE *metrics = NULL, *dump = NULL;
   int32_t *tok = NULL, *tgt = NULL;
   char *plan_json = NULL;
-  model_tensor_t *tensors = NULL;
+
+  /* --- mesh: the groups every later collective runs on */
+  if (world > 1) {
+    int rc = mesh_setup(&mesh, p, rank, world, err, sizeof err);
+    if (rc) {
+      fprintf(stderr, "trainer: %s\n", err);
+      mesh_destroy(mesh);
+      free(p);
+      return rc;
+    }
+  }
+  comm_t *dpc = mesh ? mesh_comm(mesh, "dp") : NULL;
+  const int dp_size = dpc ? comm_size(dpc) : 1, dp_rank = dpc ? comm_rank(dpc) : 0;
+  const int tp = mesh ? mesh->dims[MESH_TP] : 1;
 
   const int T = p->train.seq_len, B = p->train.micro_batch_size, accum = p->train.grad_accum_steps;
-  const int steps = p->train.steps, dp = 1, dp_rank = 0;
+  const int steps = p->train.steps;
   if (!(be = backend_create(be_name, 0, err, sizeof err))) goto fail;
   /* Data before the model: a wrong path fails before a large allocation. */
   const int eval_on = p->eval.interval > 0 && p->eval.batches > 0;
   if (!a.sample_mode && data_load(&data, p, eval_on, err, sizeof err)) goto fail;
-  if (model_create(&m, &p->model, be, B, T, p->train.decay_norms, p->train.decay_embeddings, err, sizeof err))
-    goto fail;
+  if (!mesh) {
+    if (model_create(&m, &p->model, be, B, T, p->train.decay_norms, p->train.decay_embeddings, err, sizeof err))
+      goto fail;
+  } else {
+    tpo = (model_tp_t){.comm = tp > 1 ? mesh_comm(mesh, "tp") : NULL,
+                       .sequence_parallel = p->parallel.sequence_parallel,
+                       .loss_parallel = p->parallel.loss_parallel,
+                       .plan = p->parallel.tp_plan,
+                       .n_plan = p->parallel.n_tp_plan};
+    model_opts_t opts = {.max_b = B, .max_t = T, .decay_norms = p->train.decay_norms,
+                         .decay_embeddings = p->train.decay_embeddings, .tp = tp > 1 ? &tpo : NULL,
+                         .no_flat_buffers = dp_is_sharded(mesh)};
+    if (model_create_opts(&m, &p->model, be, &opts, err, sizeof err)) goto fail;
+  }
   plan_json = plan_to_json(p);
   json_one_line(plan_json);
 
-  /* --- sample mode: weights in, text out */
+  /* --- sample mode: weights in, text out (one process) */
   if (a.sample_mode) {
     if (weights_load(m, be, a.weights, err, sizeof err)) goto fail;
     if (generate(m, be, p, plan_is_text(p), stdout, err, sizeof err)) goto fail;
@@ -460,13 +677,19 @@ int main(int argc, char **argv) {
     goto cleanup;
   }
 
+  /* --- the data-parallel strategy (it owns the optimizer over this rank's range) */
+  if (dp_create(&dp, m, be, mesh, p, err, sizeof err)) goto fail;
+
   /* --- initial weights */
   if (p->model.init[0]) {
-    if (weights_load(m, be, p->model.init, err, sizeof err)) goto fail;
-  } else {
-    model_init_random(m, p->seed, p->model.init_std);
+    if (mesh ? weights_load_parallel(m, dp, p->model.init, err, sizeof err)
+             : weights_load(m, be, p->model.init, err, sizeof err))
+      goto fail;
+  } else if (dp_init_params(dp, p->seed, p->model.init_std)) {
+    snprintf(err, sizeof err, "%s", dp_errmsg(dp));
+    goto fail;
   }
-  if (a.dump_init && weights_save(m, be, a.dump_init, plan_json, 0, err, sizeof err)) goto fail;
+  if (a.dump_init && weights_save(m, dp, mesh, rank, a.dump_init, plan_json, 0, err, sizeof err)) goto fail;
 
   tok = malloc((size_t)B * T * sizeof(int32_t));
   tgt = malloc((size_t)B * T * sizeof(int32_t));
@@ -475,25 +698,37 @@ int main(int argc, char **argv) {
     goto fail;
   }
 
-  /* --- optimizer over the whole flat buffer (a sharded strategy would pass its range) */
-  const int nt = model_num_tensors(m);
-  const size_t np = model_num_params(m);
-  if (!(tensors = malloc((size_t)nt * sizeof *tensors))) {
-    snprintf(err, sizeof err, "out of memory");
+  /* --- memory per rank (this rank's, and the largest of any rank) */
+  memory_report_t mem;
+  if (memory_report(dp, mesh ? mesh_comm(mesh, "world") : NULL, &mem)) {
+    snprintf(err, sizeof err, "%s", comm_errmsg(mesh_comm(mesh, "world")));
     goto fail;
   }
-  for (int i = 0; i < nt; i++) tensors[i] = *model_tensor(m, i);
-  if (optim_init(&opt, be, &p->train, tensors, nt, 0, np, err, sizeof err)) goto fail;
+  const size_t np = model_num_params(m);
+  if (mesh)
+    log_rank0("mesh dp_replicate %d x dp_shard %d x tp %d: %s; per rank: parameters %.2f MiB, gradients %.2f MiB, "
+              "optimizer state %.2f MiB, working buffers %.2f MiB (max over ranks: %.2f / %.2f / %.2f / %.2f MiB)",
+              mesh->dims[MESH_DP_REPLICATE], mesh->dims[MESH_DP_SHARD], tp, dp->name,
+              mem.mine.param_bytes / 1048576.0, mem.mine.grad_bytes / 1048576.0, mem.mine.optim_bytes / 1048576.0,
+              mem.mine.work_bytes / 1048576.0, mem.max.param_bytes / 1048576.0, mem.max.grad_bytes / 1048576.0,
+              mem.max.optim_bytes / 1048576.0, mem.max.work_bytes / 1048576.0);
 
-  /* --- outputs */
-  if (p->log.metrics_file[0]) {
+  /* --- outputs (rank 0) */
+  if (rank == 0 && p->log.metrics_file[0]) {
     if (make_parent_dirs(p->log.metrics_file, err, sizeof err)) goto fail;
     if (!(metrics = fopen(p->log.metrics_file, "w"))) {
       snprintf(err, sizeof err, "cannot open log.metrics_file %s: %s", p->log.metrics_file, strerror(errno));
       goto fail;
     }
-    fprintf(metrics, "{\"plan\":%s,\"num_params\":%zu,\"world_size\":%d,\"tokens_per_step\":%lld,\"data_tokens\":%zu}\n",
-            plan_json ? plan_json : "{}", np, world, (long long)p->train.global_batch_size * T, data.n_train);
+    fprintf(metrics,
+            "{\"plan\":%s,\"num_params\":%zu,\"world_size\":%d,\"tokens_per_step\":%lld,\"data_tokens\":%zu,"
+            "\"strategy\":\"%s\",\"mesh\":[%d,%d,%d],\"param_bytes\":%zu,\"grad_bytes\":%zu,\"optim_bytes\":%zu,"
+            "\"work_bytes\":%zu,\"param_bytes_max\":%zu,\"grad_bytes_max\":%zu,\"optim_bytes_max\":%zu,"
+            "\"work_bytes_max\":%zu}\n",
+            plan_json ? plan_json : "{}", np, world, (long long)p->train.global_batch_size * T, data.n_train,
+            dp->name, mesh ? mesh->dims[MESH_DP_REPLICATE] : 1, mesh ? mesh->dims[MESH_DP_SHARD] : 1, tp,
+            mem.mine.param_bytes, mem.mine.grad_bytes, mem.mine.optim_bytes, mem.mine.work_bytes,
+            mem.max.param_bytes, mem.max.grad_bytes, mem.max.optim_bytes, mem.max.work_bytes);
     fflush(metrics);
   }
   if (a.dump_batches && !(dump = fopen(a.dump_batches, "wb"))) {
@@ -504,28 +739,35 @@ int main(int argc, char **argv) {
     log_warn("checkpoint.interval and checkpoint.resume are not implemented yet; only final weights are saved");
 
   const long long tokens_per_step = (long long)p->train.global_batch_size * T;
-  log_rank0("%s: %.2fM parameters, %d layers, dim %d, %s data %s (%zu train / %zu val tokens), "
-            "%d steps of %lld tokens (%d x %d x %d accum), %s backend",
-            p->source, (double)np / 1e6, p->model.n_layers, p->model.dim, data_format_name(data.format),
-            data.format == PLAN_DATA_SYNTHETIC ? "" : p->data.train, data.n_train, data.n_val, steps,
-            tokens_per_step, B, T, accum, be->name);
+  log_rank0("%s: %.2fM parameters%s, %d layers, dim %d, %s data %s (%zu train / %zu val tokens), "
+            "%d steps of %lld tokens (%d x %d x %d accum x %d dp), %s backend",
+            p->source, (double)np / 1e6, tp > 1 ? " per tp rank" : "", p->model.n_layers, p->model.dim,
+            data_format_name(data.format), data.format == PLAN_DATA_SYNTHETIC ? "" : p->data.train, data.n_train,
+            data.n_val, steps, tokens_per_step, B, T, accum, dp_size, be->name);
 
   /* --- the loop. Step s (0-based) is logged as s + 1. */
+  traffic_t traffic = {0};
+  char comm_json[512];
+  traffic_step(dp, mesh, &traffic, comm_json, sizeof comm_json); /* start counting here */
   const double t_loop = now_s();
   double t_in_steps = 0;
   for (int s = 0; s < steps; s++) {
     const double t0 = now_s();
     const double lr = optim_lr(&p->train, s);
     double loss = 0;
-    model_zero_grad(m);
+    dp_zero_grad(dp);
     for (int micro = 0; micro < accum; micro++) {
-      data_train_batch(&data, s, micro, dp_rank, dp, B, tok, tgt);
+      data_train_batch(&data, s, micro, dp_rank, dp_size, B, tok, tgt);
       if (dump && (fwrite(tok, sizeof(int32_t), (size_t)B * T, dump) != (size_t)B * T ||
                    fwrite(tgt, sizeof(int32_t), (size_t)B * T, dump) != (size_t)B * T)) {
         snprintf(err, sizeof err, "cannot write %s: %s", a.dump_batches, strerror(errno));
         goto fail;
       }
       float l = model_forward(m, tok, tgt, B, T);
+      if (dp_status(dp)) {
+        snprintf(err, sizeof err, "%s", dp_errmsg(dp));
+        goto fail;
+      }
       if (!isfinite(l)) {
         snprintf(err, sizeof err,
                  "loss is %s at step %d (micro-batch %d); the model diverged: lower train.lr, raise "
@@ -533,24 +775,45 @@ int main(int argc, char **argv) {
                  isnan(l) ? "nan" : "inf", s + 1, micro + 1);
         goto fail;
       }
+      dp_set_sync(dp, micro == accum - 1); /* gradients are synchronized once, on the last micro-step */
       model_backward(m, 1.0f / (float)accum);
+      if (dp_status(dp)) {
+        snprintf(err, sizeof err, "%s", dp_errmsg(dp));
+        goto fail;
+      }
       loss += l;
     }
     loss /= accum;
+    if (dpc && dp_size > 1) { /* the logged loss is the global batch's: the mean over dp */
+      float lf = (float)loss;
+      if (comm_all_reduce(dpc, &lf, 1, COMM_FLOAT32, COMM_AVG)) {
+        snprintf(err, sizeof err, "%s", comm_errmsg(dpc));
+        goto fail;
+      }
+      loss = lf;
+    }
 
-    const double gnorm = sqrt(optim_grad_sumsq(&opt, model_grads(m)));
+    double gnorm = 0;
+    if (dp_grad_norm(dp, &gnorm)) {
+      snprintf(err, sizeof err, "%s", dp_errmsg(dp));
+      goto fail;
+    }
     if (!isfinite(gnorm)) {
       snprintf(err, sizeof err, "gradient norm is %s at step %d (loss %.4f); lower train.lr or check model.init_std",
                isnan(gnorm) ? "nan" : "inf", s + 1, loss);
       goto fail;
     }
-    optim_step(&opt, model_params(m), model_grads(m), lr, optim_clip_scale(gnorm, p->train.grad_clip));
+    if (dp_step(dp, lr, optim_clip_scale(gnorm, p->train.grad_clip))) {
+      snprintf(err, sizeof err, "%s", dp_errmsg(dp));
+      goto fail;
+    }
     be->synchronize(be);
 
     const double dt = now_s() - t0;
     t_in_steps += dt;
     const double tps = (double)tokens_per_step / dt;
-    metrics_step(metrics, s + 1, loss, lr, gnorm, tps, dt * 1e3);
+    traffic_step(dp, mesh, &traffic, comm_json, sizeof comm_json);
+    metrics_step(metrics, s + 1, loss, lr, gnorm, tps, dt * 1e3, comm_json);
     if (p->log.interval > 0 && ((s + 1) % p->log.interval == 0 || s == 0 || s + 1 == steps)) {
       char tps_s[32], eta[32];
       fmt_thousands(tps_s, sizeof tps_s, tps);
@@ -560,9 +823,14 @@ int main(int argc, char **argv) {
                 loss, lr, gnorm, tps_s, dt * 1e3, eta);
     }
     if (eval_on && ((s + 1) % p->eval.interval == 0 || s + 1 == steps)) {
-      double el = evaluate(m, &data, p->eval.batches, B, T, tok, tgt);
+      double el = 0;
+      if (evaluate(m, &data, dpc, p->eval.batches, B, T, tok, tgt, &el) || dp_status(dp)) {
+        snprintf(err, sizeof err, "eval: %s", dp_status(dp) ? dp_errmsg(dp) : comm_errmsg(dpc));
+        goto fail;
+      }
       metrics_eval(metrics, s + 1, el);
       log_rank0("step %d/%d | eval loss %.4f (%d batches of %d x %d)", s + 1, steps, el, p->eval.batches, B, T);
+      traffic_step(dp, mesh, &traffic, comm_json, sizeof comm_json); /* eval traffic is not a step's */
     }
   }
   if (steps > 0) {
@@ -572,15 +840,23 @@ int main(int argc, char **argv) {
     log_rank0("done: %d steps in %s, %s tok/s on average", steps, total, tps_s);
   }
 
-  /* --- final weights, then a sample */
-  if (rank == 0) {
+  /* --- final weights (every rank helps assemble them; rank 0 writes), then a sample. Under a
+   * mesh every rank runs the sample's forwards (they are collective under FSDP and TP) and
+   * draws the same tokens from the same seed; rank 0 prints them. */
+  {
     char path[PLAN_PATH_MAX + 32];
     final_weights_path(p, path, sizeof path);
-    if (weights_save(m, be, path, plan_json, steps, err, sizeof err)) goto fail;
+    if (weights_save(m, dp, mesh, rank, path, plan_json, steps, err, sizeof err)) goto fail;
     log_rank0("saved %s", path);
-    if (p->sample.sample_tokens > 0) {
+    if (p->sample.sample_tokens > 0 && (rank == 0 || dp_is_sharded(mesh) || tp > 1)) {
       log_rank0("sample (%d tokens, temperature %.2f):", p->sample.sample_tokens, p->sample.temperature);
-      if (generate(m, be, p, data.is_text, stdout, err, sizeof err)) goto fail;
+      FILE *out = rank == 0 ? stdout : fopen("/dev/null", "w");
+      int rc = out ? generate(m, be, p, data.is_text, out, err, sizeof err) : 0;
+      if (out && out != stdout) fclose(out);
+      if (rc || dp_status(dp)) {
+        if (dp_status(dp)) snprintf(err, sizeof err, "sample: %s", dp_errmsg(dp));
+        goto fail;
+      }
     }
   }
   status = 0;
@@ -592,14 +868,14 @@ fail:
 cleanup:
   if (dump) fclose(dump);
   if (metrics) fclose(metrics);
-  optim_free(&opt);
-  free(tensors);
+  dp_destroy(dp);
   free(tok);
   free(tgt);
   data_free(&data);
   free(plan_json);
   model_destroy(m);
   backend_destroy(be);
+  mesh_destroy(mesh);
   free(p);
   return status;
 }
