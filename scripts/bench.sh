@@ -27,7 +27,13 @@ bench_parallel() {
   "$PYTHON" scripts/bench_parallel.py
 }
 
-SECTIONS="trainer parallel"
+# --- section: launcher. meshrun's start-to-exit, failure-to-restart and 64-node rendezvous
+# times, beside torchrun's when one is installed.
+bench_launcher() {
+  scripts/bench-launcher.sh
+}
+
+SECTIONS="launcher trainer parallel"
 
 failed=()
 for s in $SECTIONS; do
