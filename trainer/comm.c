@@ -2,7 +2,12 @@
  *
  * Checks arguments, answers what needs no communication (groups of one rank, empty buffers)
  * and keeps the communicator's error state; then calls the backend's table. It moves no bytes
- * itself and knows nothing about sockets or devices. See comm.h for the contract. */
+ * itself beyond the local copies a contract implies (all_gather's own slot, reduce_scatter on
+ * one rank), and those go through the backend's copy when its buffers are device memory. It
+ * knows nothing about sockets or devices. See comm.h for the contract.
+ *
+ * The nccl and staged backends are referenced weakly: a program that links only comm_cpu.c
+ * (most unit tests and tools) still links, and asking it for them is a clear error. */
 #include "trainer/comm.h"
 
 #include <errno.h>
@@ -10,6 +15,28 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#pragma weak comm_nccl_create
+#pragma weak comm_staged_create
+
+typedef int (*backend_create_fn)(comm_t *c, const comm_config_t *cfg, char *err, size_t errlen);
+
+/* The backend's create function by name; NULL for an unknown name or one not linked here. */
+static backend_create_fn backend_by_name(const char *name, int *known) {
+  *known = 1;
+  if (!strcmp(name, "cpu")) return comm_cpu_create;
+  if (!strcmp(name, "nccl")) return comm_nccl_create;
+  if (!strcmp(name, "staged")) return comm_staged_create;
+  *known = 0;
+  return NULL;
+}
+
+/* Local copy of bytes between two buffers of the communicator's memory kind. */
+static int local_copy(comm_t *c, void *dst, const void *src, size_t bytes) {
+  if (c->ops && c->ops->copy) return c->ops->copy(c, dst, src, bytes);
+  memcpy(dst, src, bytes);
+  return COMM_OK;
+}
 
 size_t comm_dtype_size(comm_dtype_t dtype) {
   switch (dtype) {
@@ -96,9 +123,15 @@ int comm_create(comm_t **out, const char *backend, const comm_config_t *cfg, cha
     return COMM_EINVAL;
   }
   if (!backend) backend = "cpu";
-  if (strcmp(backend, "cpu") != 0) {
-    snprintf(err, errlen, "comm_create %s: unknown backend '%s' (this build has: cpu)", cfg->name,
-             backend);
+  int known = 0;
+  backend_create_fn create = backend_by_name(backend, &known);
+  if (!create) {
+    if (known)
+      snprintf(err, errlen, "comm_create %s: backend '%s' is not linked into this program (link "
+               "trainer/comm_%s.c)", cfg->name, backend, backend);
+    else
+      snprintf(err, errlen, "comm_create %s: unknown backend '%s' (known: cpu, nccl, staged)",
+               cfg->name, backend);
     return COMM_EINVAL;
   }
   comm_t *c = calloc(1, sizeof *c);
@@ -110,7 +143,7 @@ int comm_create(comm_t **out, const char *backend, const comm_config_t *cfg, cha
   c->rank = cfg->rank;
   c->size = cfg->size;
   c->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : default_timeout_ms();
-  int rc = comm_cpu_create(c, cfg, err, errlen);
+  int rc = create(c, cfg, err, errlen);
   if (rc != COMM_OK) {
     comm_destroy(c);
     return rc;
@@ -139,7 +172,7 @@ int comm_set_timeout(comm_t *c, int timeout_ms) {
 }
 
 /* Common checks of every collective: a usable communicator, a known dtype the backend
- * supports (the cpu backend reduces float32 only), a known op. */
+ * supports (cpu and staged reduce float32 only; nccl bfloat16 too), a known op. */
 static int check_call(comm_t *c, const char *what, comm_dtype_t dtype, int has_op, comm_op_t op) {
   /* A broken communicator keeps its first message: it names the peer that started it. */
   if (c->broken) {
@@ -147,7 +180,7 @@ static int check_call(comm_t *c, const char *what, comm_dtype_t dtype, int has_o
   }
   if (comm_dtype_size(dtype) == 0)
     return comm_set_error(c, COMM_EINVAL, "%s: unknown dtype %d", what, (int)dtype);
-  if (dtype != COMM_FLOAT32 && c->size > 1)
+  if (dtype != COMM_FLOAT32 && c->size > 1 && !(c->ops && c->ops->bf16))
     return comm_set_error(c, COMM_EINVAL, "%s: backend %s supports float32 only", what,
                           c->ops ? c->ops->name : "?");
   if (has_op && op != COMM_SUM && op != COMM_AVG && op != COMM_MAX)
@@ -178,7 +211,8 @@ int comm_all_gather(comm_t *c, const void *in, void *out, size_t count, comm_dty
     if (i0 < o1 && o0 < i1)
       return comm_set_error(c, COMM_EINVAL, "all_gather: input overlaps the output but is not "
                             "this rank's slot (out + rank * count)");
-    memcpy(slot, in, count * esz);
+    rc = local_copy(c, slot, in, count * esz);
+    if (rc) return rc;
   }
   if (c->size == 1) return COMM_OK;
   c->stats.calls++;
@@ -197,10 +231,7 @@ int comm_reduce_scatter(comm_t *c, const void *in, void *out, size_t count, comm
   const char *i0 = in, *i1 = i0 + (size_t)c->size * count * esz, *o0 = out, *o1 = o0 + count * esz;
   if (i0 < o1 && o0 < i1)
     return comm_set_error(c, COMM_EINVAL, "reduce_scatter: output overlaps the input");
-  if (c->size == 1) {
-    memcpy(out, in, count * esz);
-    return COMM_OK;
-  }
+  if (c->size == 1) return local_copy(c, out, in, count * esz);
   c->stats.calls++;
   return c->ops->reduce_scatter(c, in, out, count, dtype, op);
 }

@@ -6,7 +6,10 @@
  * element counts are size_t. All calls are blocking and return when this rank's part is done.
  *
  * Backends plug in through comm_ops_t: "cpu" (comm_cpu.c: TCP rings between the ranks,
- * endpoints exchanged through the store) now, "nccl" later. The dispatch (comm.c) checks
+ * endpoints exchanged through the store; host memory), "nccl" (comm_nccl.c: one NCCL
+ * communicator per group, device memory; builds with CUDA only) and "staged" (comm_staged.c:
+ * device memory copied through host buffers and reduced by an inner "cpu" communicator, so that
+ * several ranks can share one GPU). The dispatch (comm.c) checks
  * arguments, handles groups of one rank and empty buffers, and keeps the error message, so
  * backends only move bytes.
  *
@@ -21,8 +24,8 @@
  * fail at once (connection closed), and they close theirs, so the failure runs around the
  * group instead of waiting for the timeout.
  *
- * A comm_t is not thread-safe: one thread calls it at a time. It does not know about devices:
- * the cpu backend takes host pointers, the nccl one will take device pointers. */
+ * A comm_t is not thread-safe: one thread calls it at a time. Pointers are memory of the
+ * backend's kind: host for "cpu", device for "nccl" and "staged" (of comm_config_t.device). */
 #ifndef MESHRUN_COMM_H
 #define MESHRUN_COMM_H
 
@@ -30,6 +33,8 @@
 #include <stdint.h>
 
 #include "common/store.h"
+
+struct backend; /* trainer/backend.h: the device whose memory "nccl" and "staged" move */
 
 enum {
   COMM_OK = 0,
@@ -39,7 +44,7 @@ enum {
   COMM_ETIMEDOUT = -4, /* no progress from a peer within the timeout */
 };
 
-typedef enum { COMM_FLOAT32 = 0, COMM_BFLOAT16 } comm_dtype_t; /* cpu backend: float32 only */
+typedef enum { COMM_FLOAT32 = 0, COMM_BFLOAT16 } comm_dtype_t; /* cpu, staged: float32 only */
 typedef enum { COMM_SUM = 0, COMM_AVG, COMM_MAX } comm_op_t;
 
 #define COMM_NAME_MAX 64
@@ -64,6 +69,10 @@ typedef struct {
                         on all addresses and publish this machine's hostname */
   int timeout_ms;    /* stall timeout of each collective and of setup; <= 0: default */
   const int *global_ranks; /* optional (size entries): members' job ranks, for messages */
+  struct backend *device; /* "staged": required, its to_host/to_device/copy move the buffers.
+                             "nccl": optional, its synchronize() orders a collective after the
+                             compute queued so far (unless comm_nccl_set_stream gave the compute
+                             stream). "cpu": unused. Borrowed for the communicator's life. */
 } comm_config_t;
 
 typedef struct comm comm_t;
@@ -79,6 +88,11 @@ typedef struct {
   int (*broadcast)(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, int root);
   int (*barrier)(comm_t *c);
   void (*destroy)(comm_t *c); /* releases impl; must accept a half-built impl */
+  /* Optional, for backends whose buffers are not host memory: the copies the dispatch makes
+   * itself (all_gather's own slot, reduce_scatter on one rank), done before returning. NULL:
+   * memcpy. */
+  int (*copy)(comm_t *c, void *dst, const void *src, size_t bytes);
+  int bf16; /* 1: reduces and moves COMM_BFLOAT16 too (else float32 only) */
 } comm_ops_t;
 
 struct comm {
@@ -92,9 +106,10 @@ struct comm {
   comm_stats_t stats;
 };
 
-/* Creates the communicator of one group with backend "cpu" ("nccl" later). Collective over the
- * group: every member calls it with the same name, size and generation. Returns 0 and *out,
- * or a code with the reason in err. */
+/* Creates the communicator of one group with backend "cpu" (NULL), "nccl" or "staged".
+ * Collective over the group: every member calls it with the same name, size and generation.
+ * Returns 0 and *out, or a code with the reason in err. A backend that this program was not
+ * built or linked with is COMM_EINVAL with a message saying so. */
 int comm_create(comm_t **out, const char *backend, const comm_config_t *cfg, char *err,
                 size_t errlen);
 void comm_destroy(comm_t *c); /* accepts NULL */
@@ -131,5 +146,20 @@ const char *comm_op_name(comm_op_t op);     /* "sum", "avg", "max" */
  * timeout code also marks the communicator broken. */
 int comm_set_error(comm_t *c, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 int comm_cpu_create(comm_t *c, const comm_config_t *cfg, char *err, size_t errlen);
+/* comm.c refers to these two weakly, so programs that link only comm_cpu.c (tests, tools) still
+ * link; bin/trainer links every trainer .c file. Without CUDA, comm_nccl_create says so. */
+int comm_nccl_create(comm_t *c, const comm_config_t *cfg, char *err, size_t errlen);
+int comm_staged_create(comm_t *c, const comm_config_t *cfg, char *err, size_t errlen);
+
+/* --- nccl backend hooks (comm_nccl.c, CUDA builds) */
+/* Gives an nccl communicator the compute stream (a cudaStream_t) that produces and consumes its
+ * buffers: collectives then wait for it with an event instead of synchronizing the device
+ * backend, and the compute stream waits for them likewise. NULL goes back to the conservative
+ * order. COMM_EINVAL for a communicator of another backend. */
+int comm_nccl_set_stream(comm_t *c, void *compute_stream);
+/* Aborts every live nccl communicator of this process (ncclCommAbort), so that peers blocked in
+ * a collective with it fail instead of hanging. For fatal-error paths (a CUDA check macro)
+ * right before exit; the communicators are unusable afterwards. Weak-link it the same way. */
+void comm_nccl_abort_all(void);
 
 #endif
