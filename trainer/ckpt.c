@@ -709,8 +709,12 @@ static int commit_rank0(ckpt_writer_t *w, job_t *j, const rec_t *recs, int world
   int n = 0, kept = 0;
   int64_t *steps = list_steps(w->dir, &n);
   for (int i = 0; i < n; i++) {
-    if (steps[i] > step)
+    if (steps[i] > step) {
+      log_warn("checkpoint: removing %s/step-%" PRId64 ": newer than the step-%" PRId64
+               " just saved (an abandoned timeline: the run resumed from an older checkpoint)",
+               w->dir, steps[i], step);
       remove_step(w->dir, steps[i]);
+    }
     else if (w->keep > 0 && ++kept > w->keep)
       remove_step(w->dir, steps[i]);
   }

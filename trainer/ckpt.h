@@ -123,7 +123,7 @@ typedef struct {
 void ckpt_group_from_comm(ckpt_group_t *g, comm_t *c);
 
 /* --- building chunks from the model's flat layout */
-typedef struct {
+typedef struct ckpt_chunks {
   ckpt_chunk_t *v;
   int n, cap;
 } ckpt_chunks_t;

@@ -35,6 +35,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "trainer/ckpt.h"
 #include "trainer/comm.h"
 #include "trainer/model.h"
 #include "trainer/optim.h"
@@ -75,6 +76,8 @@ typedef struct {
 
   dp_part_t *parts;
   int n_parts;
+  model_tensor_t *ck_ts; /* (ck_nt) copies of the model's tensors: checkpoint chunks name them */
+  int ck_nt;
   optim_t opt;
   dp_traffic_t traffic;
   int status;
@@ -196,6 +199,7 @@ void dp_destroy(dp_t *dp) {
   free(d->goff);
   free(d->holder);
   free(d->parts);
+  free(d->ck_ts);
   free(d);
 }
 
@@ -457,6 +461,115 @@ int dp_step(dp_t *dp, double lr, double grad_scale) {
   }
   return 0;
 }
+
+/* ------------------------------------------------------------------ checkpoints */
+
+/* A contiguous range of the model's flat (tp-local) layout and where one kind of state for it
+ * lives on the device. */
+typedef struct {
+  const char *kind;
+  size_t flat, count;
+  float *dev;
+  int save; /* this rank saves it (no other rank saves the same values) */
+} ck_range_t;
+
+static int rank_of(comm_t *c) { return c ? comm_rank(c) : 0; }
+
+/* The ranges of state this rank holds: at most 3 per unit (FSDP) or 3 (serial, DDP). */
+static int ck_ranges(dp_impl_t *d, ck_range_t *r) {
+  int n = 0;
+  if (d->kind >= DP_FSDP) {
+    const int save = rank_of(d->rep_comm) == 0; /* HSDP: replica 0's shards */
+    for (int u = 0; u < d->n_units; u++) {
+      size_t lo = (size_t)d->s * d->chunk[u];
+      if (lo >= d->unumel[u]) continue; /* all padding */
+      size_t cnt = d->unumel[u] - lo < d->chunk[u] ? d->unumel[u] - lo : d->chunk[u];
+      size_t flat = d->uoff[u] + lo, at = d->soff[u];
+      r[n++] = (ck_range_t){"param", flat, cnt, d->sparams + at, save};
+      r[n++] = (ck_range_t){"adam_m", flat, cnt, d->opt.m + at, save};
+      r[n++] = (ck_range_t){"adam_v", flat, cnt, d->opt.v + at, save};
+    }
+    return n;
+  }
+  const int dp0 = d->kind == DP_SERIAL || rank_of(d->dp_comm) == 0;
+  const int mv = dp0 || (d->kind == DP_DDP && d->zero); /* ZeRO-1: each rank its slice */
+  r[n++] = (ck_range_t){"param", 0, d->num_params, d->params, dp0};
+  if (d->opt_count) {
+    r[n++] = (ck_range_t){"adam_m", d->opt_off, d->opt_count, d->opt.m, mv};
+    r[n++] = (ck_range_t){"adam_v", d->opt_off, d->opt_count, d->opt.v, mv};
+  }
+  return n;
+}
+
+/* The model's tensor table as an array (what ckpt wants), kept: chunks borrow its names until
+ * the save has copied them. */
+static model_tensor_t *ck_tensors(dp_impl_t *d, int *nt) {
+  if (!d->ck_ts) {
+    int n = model_num_tensors(d->m);
+    if (!(d->ck_ts = malloc((size_t)n * sizeof *d->ck_ts))) return NULL;
+    for (int i = 0; i < n; i++) d->ck_ts[i] = *model_tensor(d->m, i);
+    d->ck_nt = n;
+  }
+  *nt = d->ck_nt;
+  return d->ck_ts;
+}
+
+int dp_ckpt_to_host(dp_t *dp, ckpt_chunks_t *cs, float **host, char *err, size_t errlen) {
+  dp_impl_t *d = impl_of(dp);
+  *host = NULL;
+  ck_range_t *r = malloc((size_t)(3 * d->n_units + 3) * sizeof *r);
+  int nt = 0;
+  model_tensor_t *ts = ck_tensors(d, &nt);
+  if (!r || !ts) goto nomem;
+  int n = ck_ranges(d, r);
+  size_t total = 0;
+  for (int i = 0; i < n; i++) total += r[i].save ? r[i].count : 0;
+  float *h = *host = malloc((total ? total : 1) * sizeof(float));
+  if (!h) goto nomem;
+  const int tp_rank = rank_of(d->tp_comm);
+  for (int i = 0; i < n; i++) {
+    if (!r[i].save) continue;
+    d->be->to_host(d->be, h, r[i].dev, r[i].count * sizeof(float));
+    if (ckpt_chunks_add_range(cs, r[i].kind, ts, nt, tp_rank, r[i].flat, r[i].count, h)) goto nomem;
+    h += r[i].count;
+  }
+  free(r);
+  return 0;
+nomem:
+  free(r);
+  free(*host);
+  *host = NULL;
+  snprintf(err, errlen, "dp error: out of memory copying the %s state for a checkpoint", d->pub.name);
+  return -4;
+}
+
+int dp_ckpt_from_host(dp_t *dp, ckpt_t *ck, char *err, size_t errlen) {
+  dp_impl_t *d = impl_of(dp);
+  ck_range_t *r = malloc((size_t)(3 * d->n_units + 3) * sizeof *r);
+  int nt = 0, rc = 0;
+  model_tensor_t *ts = ck_tensors(d, &nt);
+  int n = r && ts ? ck_ranges(d, r) : 0;
+  size_t cmax = 0;
+  for (int i = 0; i < n; i++) cmax = r[i].count > cmax ? r[i].count : cmax;
+  float *h = malloc((cmax ? cmax : 1) * sizeof(float));
+  if (!r || !ts || !h) {
+    snprintf(err, errlen, "dp error: out of memory loading a checkpoint");
+    rc = -4;
+  }
+  const int tp_rank = rank_of(d->tp_comm);
+  for (int i = 0; i < n && rc == 0; i++) {
+    rc = ckpt_read_range(ck, r[i].kind, ts, nt, tp_rank, r[i].flat, r[i].count, h, err, errlen);
+    if (rc == 0) d->be->to_device(d->be, r[i].dev, h, r[i].count * sizeof(float));
+  }
+  if (d->kind >= DP_FSDP)
+    for (int u = 0; u < d->n_units; u++) d->holder[u] = -1; /* gathered copies are stale */
+  free(r);
+  free(h);
+  return rc;
+}
+
+int dp_optim_step(const dp_t *dp) { return ((const dp_impl_t *)dp->ctx)->opt.step; }
+void dp_set_optim_step(dp_t *dp, int step) { impl_of(dp)->opt.step = step; }
 
 /* ------------------------------------------------------------------ reports */
 

@@ -76,6 +76,22 @@ int dp_unit_commit(dp_t *dp, int unit);
 /* Host copy of unit u's local parameters (after dp_unit_open), unit numel floats. */
 void dp_unit_to_host(dp_t *dp, int unit, float *host);
 void dp_memory(const dp_t *dp, dp_memory_t *out);
+
+/* --- checkpoints (trainer/ckpt). Parameters are saved as kind "param", AdamW moments as
+ * "adam_m" and "adam_v", each as chunks of full tensors (ckpt_chunks_add_range), so a
+ * checkpoint loads under any other strategy and mesh.
+ * dp_ckpt_to_host appends this rank's share to cs: what no other rank saves too (DDP: dp rank 0
+ * saves the parameters and moments; ZeRO-1: every dp rank its slice of the moments; FSDP: each
+ * shard; HSDP: the shards of replica 0; tp replicated tensors: tp rank 0). The chunks point
+ * into *host (a host copy made here; the caller frees it after the save). Not collective.
+ * dp_ckpt_from_host fills everything this rank holds (replicas included) from ck. Not
+ * collective. The optimizer's update count travels separately (dp_optim_step). */
+struct ckpt_chunks;
+struct ckpt;
+int dp_ckpt_to_host(dp_t *dp, struct ckpt_chunks *cs, float **host, char *err, size_t errlen);
+int dp_ckpt_from_host(dp_t *dp, struct ckpt *ck, char *err, size_t errlen);
+int dp_optim_step(const dp_t *dp);
+void dp_set_optim_step(dp_t *dp, int step);
 void dp_traffic(const dp_t *dp, dp_traffic_t *out);
 /* 0, or the first error of a hook (the model's hooks return void through model_backward). */
 int dp_status(const dp_t *dp);

@@ -27,8 +27,12 @@
  * plan error (including device "cuda" in a build without it, WORLD_SIZE > 1 without MESHRUN_STORE).
  * Startup: when OMP_WAIT_POLICY is unset the program sets it to passive and re-execs itself once
  * (see ensure_passive_omp); nothing else runs before the first step but loading the data.
- * Not here yet: periodic checkpoints and resume; parallel plans on the cuda backend (the nccl
- * comm backend); bf16 parameters.
+ * Checkpoints (trainer/ckpt, checkpoint.*): every checkpoint.interval steps and after the last
+ * step, each rank saves its share of parameters and AdamW moments as chunks of full tensors;
+ * checkpoint.resume loads them under any strategy, mesh and world (the global batch must be the
+ * same: the data order is a function of (seed, step)). The hidden flag --stop-after N ends the
+ * run after step N (and its checkpoint) as if it had been killed there, for resume tests.
+ * Not here yet: parallel plans on the cuda backend (the nccl comm backend); bf16 parameters.
  * Two hidden flags serve the PyTorch oracle test: --dump-init FILE (the initial weights, as
  * safetensors) and --dump-batches FILE (every micro-batch's tokens then targets, int32, in
  * training order). */
@@ -44,9 +48,11 @@
 #include "common/log.h"
 #include "common/store.h"
 #include "trainer/backend.h"
+#include "trainer/ckpt.h"
 #include "trainer/comm.h"
 #include "trainer/data.h"
 #include "trainer/dp.h"
+#include "trainer/interop.h"
 #include "trainer/mesh.h"
 #include "trainer/model.h"
 #include "trainer/optim.h"
@@ -60,19 +66,27 @@
 static const char *usage_text =
     "usage: trainer [PLAN.json] [--set key.path=value ...]\n"
     "       trainer sample [PLAN.json] --weights FILE [--set key.path=value ...]\n"
+    "       trainer export --format llama2c|hf [PLAN.json] --weights FILE --out PATH [--set ...]\n"
     "       trainer --help | --version\n"
     "\n"
     "Trains a Llama model as the JSON plan says (keys: docs/plan.md); without PLAN, the embedded\n"
     "default plan (configs/demo.json). --set overrides one key, e.g. --set train.steps=50\n"
     "--set model.dim=128; values parse as JSON when they can, else as strings.\n"
     "'sample' loads weights saved by a training run and prints sample.tokens generated tokens.\n"
+    "'export' writes saved weights as a llama2.c file or a Hugging Face directory; model.init\n"
+    "also reads both (a .bin file or a directory), checked against the plan's model.\n"
+    "Checkpoints: checkpoint.dir, .interval (steps; also at the end), .keep, .async, .resume\n"
+    "(none, auto = the latest intact one or a fresh start, or a step directory).\n"
     "Environment: RANK, WORLD_SIZE, LOCAL_RANK (set by meshrun; default 0, 1, 0), MESHRUN_STORE\n"
     "(host:port of meshrun's store; needed when WORLD_SIZE > 1), TORCHELASTIC_RESTART_COUNT,\n"
     "OMP_NUM_THREADS (cpu threads), MESHRUN_LOG_LEVEL (error, warn, info, debug).\n"
     "Exit status: 0 done, 1 runtime failure, 2 usage or plan error.\n";
 
 typedef struct {
-  int sample_mode;
+  int sample_mode, export_mode;
+  const char *format;       /* export */
+  const char *out;          /* export */
+  int stop_after;           /* hidden: stop (as if killed) after this step; 0 = never */
   const char *plan_path; /* NULL: embedded default */
   const char *sets[MAX_SETS];
   int nsets;
@@ -148,7 +162,11 @@ static int parse_args(args_t *a, int argc, char **argv, char *err, size_t errlen
   if (i < argc && !strcmp(argv[i], "sample")) {
     a->sample_mode = 1;
     i++;
+  } else if (i < argc && !strcmp(argv[i], "export")) {
+    a->export_mode = 1;
+    i++;
   }
+  const char *stop = NULL;
   for (; i < argc; i++) {
     const char *s = argv[i];
     const char **target = NULL;
@@ -167,6 +185,12 @@ static int parse_args(args_t *a, int argc, char **argv, char *err, size_t errlen
       continue;
     } else if (!strcmp(s, "--weights")) {
       target = &a->weights;
+    } else if (!strcmp(s, "--format") && a->export_mode) {
+      target = &a->format;
+    } else if (!strcmp(s, "--out") && a->export_mode) {
+      target = &a->out;
+    } else if (!strcmp(s, "--stop-after")) {
+      target = &stop;
     } else if (!strcmp(s, "--dump-init")) {
       target = &a->dump_init;
     } else if (!strcmp(s, "--dump-batches")) {
@@ -187,11 +211,19 @@ static int parse_args(args_t *a, int argc, char **argv, char *err, size_t errlen
     }
     *target = argv[++i];
   }
-  if (a->sample_mode && !a->weights) {
-    snprintf(err, errlen, "trainer sample needs --weights FILE");
+  if (stop && (a->stop_after = atoi(stop)) <= 0) {
+    snprintf(err, errlen, "--stop-after needs a step number > 0, got %s", stop);
     return -1;
   }
-  if (!a->sample_mode && a->weights) {
+  if ((a->sample_mode || a->export_mode) && !a->weights) {
+    snprintf(err, errlen, "trainer %s needs --weights FILE", a->sample_mode ? "sample" : "export");
+    return -1;
+  }
+  if (a->export_mode && (!a->format || !a->out)) {
+    snprintf(err, errlen, "trainer export needs --format llama2c|hf and --out PATH");
+    return -1;
+  }
+  if (!a->sample_mode && !a->export_mode && a->weights) {
     snprintf(err, errlen, "--weights is for 'trainer sample'; to start training from weights, set model.init");
     return -1;
   }
@@ -200,6 +232,11 @@ static int parse_args(args_t *a, int argc, char **argv, char *err, size_t errlen
 
 /* ------------------------------------------------------------------------------------------ */
 /* weights: safetensors with the model's tensor names */
+
+/* Elements of tensor t's full (unsplit) form. */
+static size_t full_numel(const model_tensor_t *t) {
+  return t->full_shape[0] > 0 ? (size_t)t->full_shape[0] * (size_t)(t->ndim == 2 ? t->full_shape[1] : 1) : t->numel;
+}
 
 /* Full tensors from every rank's pieces, written by rank 0. Collective over the job: each unit
  * is gathered across dp_shard (dp_unit_open) and each tensor assembled across tp
@@ -215,7 +252,7 @@ static int weights_save(model_t *m, dp_t *dp, const mesh_t *mesh, int rank, cons
   size_t total = 0, umax = 0, uoff, unum;
   for (int i = 0; i < nt; i++) {
     const model_tensor_t *t = model_tensor(m, i);
-    total += t->full_shape[0] > 0 ? (size_t)t->full_shape[0] * (size_t)(t->ndim == 2 ? t->full_shape[1] : 1) : t->numel;
+    total += full_numel(t);
   }
   for (int u = 0; u < nu; u++) {
     model_unit_range(m, u, &uoff, &unum);
@@ -291,8 +328,7 @@ static int weights_load_parallel(model_t *m, dp_t *dp, const char *path, char *e
     for (int i = 0; i < nt && rc == 0; i++) {
       const model_tensor_t *t = model_tensor(m, i);
       if (t->unit != u) continue;
-      size_t full = t->full_shape[0] > 0 ? (size_t)t->full_shape[0] * (size_t)(t->ndim == 2 ? t->full_shape[1] : 1)
-                                         : t->numel;
+      size_t full = full_numel(t);
       const st_tensor_t *s = st_find(f, t->name);
       if (!s) {
         snprintf(err, errlen, "%s: no tensor %s (is it from a model of this plan?)", path, t->name);
@@ -333,6 +369,129 @@ static int weights_load(model_t *m, backend_t *be, const char *path, char *err, 
   }
   st_close(f);
   return rc;
+}
+
+/* model.init of a llama2.c file or a Hugging Face directory (trainer/interop): checked against
+ * the plan's model first (a mismatch is a plan error: returns 2), then unit by unit as
+ * weights_load_parallel does, so it works under every strategy (dp may be a serial one). */
+static int weights_load_interop(model_t *m, dp_t *dp, const plan_t *p, char *err, size_t errlen) {
+  interop_file_t *f = NULL;
+  int rc = interop_open(&f, p->model.init, INTEROP_AUTO, err, errlen);
+  if (rc) return rc == INTEROP_EMISMATCH ? 2 : 1;
+  if (interop_check_plan(f, &p->model, err, errlen)) {
+    interop_close(f);
+    return 2;
+  }
+  const int nt = model_num_tensors(m), nu = model_num_units(m);
+  size_t fmax = 0;
+  for (int i = 0; i < nt; i++) {
+    const model_tensor_t *t = model_tensor(m, i);
+    size_t full = full_numel(t);
+    fmax = full > fmax ? full : fmax;
+  }
+  log_rank0("model.init: %s (%s, checked against the plan's model)", p->model.init,
+            interop_format_name(interop_file_format(f)));
+  float *buf = malloc(fmax * sizeof(float));
+  rc = buf ? 0 : 1;
+  if (!buf) snprintf(err, errlen, "out of memory loading %s", p->model.init);
+  for (int u = 0; u < nu && rc == 0; u++) {
+    if (dp_unit_open(dp, u)) {
+      snprintf(err, errlen, "loading %s: %s", p->model.init, dp_errmsg(dp));
+      rc = 1;
+      break;
+    }
+    for (int i = 0; i < nt && rc == 0; i++) {
+      const model_tensor_t *t = model_tensor(m, i);
+      if (t->unit != u) continue;
+      size_t full = full_numel(t);
+      if (interop_read_tensor(f, t->name, buf, full, err, errlen)) rc = 2;
+      else model_import_tensor(m, i, buf);
+    }
+    if (rc == 0) dp_unit_commit(dp, u);
+  }
+  free(buf);
+  interop_close(f);
+  return rc;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* checkpoints (trainer/ckpt): the strategy's state as chunks of full tensors, and the scalars.
+ * Training draws no random numbers of its own (batches are a function of (seed, step); no
+ * dropout), so the RNG state is empty; the seed and global batch are recorded as extras. */
+
+static int checkpoint_save(ckpt_writer_t *w, dp_t *dp, const plan_t *p, int step, char *err, size_t errlen) {
+  ckpt_state_t st;
+  memset(&st, 0, sizeof st);
+  st.step = step;
+  st.optim_step = dp_optim_step(dp);
+  st.data_position = (uint64_t)step * (uint64_t)p->train.global_batch_size;
+  char v[64];
+  snprintf(v, sizeof v, "%llu", (unsigned long long)p->seed);
+  ckpt_state_set(&st, "seed", v);
+  snprintf(v, sizeof v, "%d", p->train.global_batch_size);
+  ckpt_state_set(&st, "global_batch_size", v);
+  snprintf(v, sizeof v, "%d", p->train.steps);
+  ckpt_state_set(&st, "train_steps", v);
+  ckpt_chunks_t cs = {0};
+  float *host = NULL;
+  /* A rank that cannot copy still joins the collective save with no chunks: the coverage check
+   * then fails the save on every rank instead of leaving the others waiting. */
+  char cerr[256] = "";
+  int crc = dp_ckpt_to_host(dp, &cs, &host, cerr, sizeof cerr);
+  int rc = ckpt_writer_save(w, &st, crc ? NULL : cs.v, crc ? 0 : cs.n, err, errlen);
+  if (crc) snprintf(err, errlen, "%s", cerr);
+  ckpt_chunks_free(&cs);
+  free(host);
+  return rc || crc ? -1 : 0;
+}
+
+/* checkpoint.resume: "none", "auto" or a step directory. Sets *start_step (0: fresh) and
+ * *saved_world; returns 0, or 2 (usage: wrong shape, no such checkpoint, another global batch)
+ * or 1 (nothing intact, I/O, a collective) with the message in err. Collective. */
+static int checkpoint_resume(const plan_t *p, dp_t *dp, const ckpt_group_t *g, int world, int *start_step,
+                             int *resumed, char *err, size_t errlen) {
+  *start_step = 0;
+  *resumed = 0;
+  const char *which = p->checkpoint.resume;
+  if (!strcmp(which, "none")) return 0;
+  ckpt_shape_t shape;
+  ckpt_shape_from_plan(&shape, &p->model);
+  ckpt_t *ck = NULL;
+  int rc = ckpt_open(&ck, p->checkpoint.dir[0] ? p->checkpoint.dir : ".", which, &shape, g, err, errlen);
+  if (rc == CKPT_ENOENT && !strcmp(which, "auto")) {
+    log_rank0("checkpoint.resume auto: no checkpoint in %s; starting from step 0", p->checkpoint.dir);
+    return 0;
+  }
+  if (rc) return rc == CKPT_ESHAPE || rc == CKPT_ENOENT ? 2 : 1;
+  const ckpt_meta_t *meta = ckpt_meta(ck);
+  const uint64_t G = (uint64_t)p->train.global_batch_size, step = (uint64_t)meta->state.step;
+  if (meta->state.data_position != step * G) {
+    snprintf(err, errlen, "checkpoint error: %s consumed %llu samples in %llu steps (global batch %llu) but this "
+             "plan's train.global_batch_size is %llu: the data order would not continue; set "
+             "train.global_batch_size=%llu", meta->path, (unsigned long long)meta->state.data_position,
+             (unsigned long long)step, step ? (unsigned long long)(meta->state.data_position / step) : 0ULL,
+             (unsigned long long)G, step ? (unsigned long long)(meta->state.data_position / step) : 0ULL);
+    ckpt_close(ck);
+    return 2;
+  }
+  if (step > (uint64_t)p->train.steps) {
+    snprintf(err, errlen, "checkpoint error: %s is at step %llu, beyond train.steps %d", meta->path,
+             (unsigned long long)step, p->train.steps);
+    ckpt_close(ck);
+    return 2;
+  }
+  if (dp_ckpt_from_host(dp, ck, err, errlen)) {
+    ckpt_close(ck);
+    return 1;
+  }
+  dp_set_optim_step(dp, (int)meta->state.optim_step);
+  int restart = env_int("TORCHELASTIC_RESTART_COUNT", 0);
+  log_rank0("resumed from %s (step %llu, saved by world %d, now world %d, restart %d)", meta->path,
+            (unsigned long long)step, meta->world_size, world, restart < 0 ? 0 : restart);
+  *start_step = (int)step;
+  *resumed = 1;
+  ckpt_close(ck);
+  return 0;
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -590,11 +749,24 @@ int main(int argc, char **argv) {
     free(p);
     return 2;
   }
-  if (world > 1 && (a.sample_mode || a.dump_init || a.dump_batches)) {
-    fprintf(stderr, "trainer: 'trainer sample', --dump-init and --dump-batches run in one process (WORLD_SIZE=%d)\n",
-            world);
+  if (world > 1 && (a.sample_mode || a.export_mode || a.dump_init || a.dump_batches)) {
+    fprintf(stderr, "trainer: 'trainer sample', 'trainer export', --dump-init and --dump-batches run in one process "
+                    "(WORLD_SIZE=%d)\n", world);
     free(p);
     return 2;
+  }
+
+  /* --- export mode: our weights file to llama2.c or Hugging Face, no model built */
+  if (a.export_mode) {
+    interop_format_t fmt;
+    int rc = 2;
+    if (interop_format_parse(a.format, &fmt) || (fmt != INTEROP_LLAMA2C && fmt != INTEROP_HF))
+      snprintf(err, sizeof err, "--format %s: export writes llama2c or hf", a.format);
+    else if ((rc = interop_export_weights(&p->model, a.weights, fmt, a.out, err, sizeof err)) == 0)
+      log_info("exported %s to %s (%s)", a.weights, a.out, interop_format_name(fmt));
+    if (rc) fprintf(stderr, "trainer: %s\n", err);
+    free(p);
+    return rc == 0 ? 0 : rc == INTEROP_EMISMATCH || rc == INTEROP_EINVAL || rc == 2 ? 2 : 1;
   }
   const char *be_name = "cpu";
   if (p->device == PLAN_DEVICE_CUDA) {
@@ -620,8 +792,10 @@ int main(int argc, char **argv) {
 #endif
   }
 
-  /* Everything below releases through the cleanup label. */
-  int status = 1;
+  /* Everything below releases through the cleanup label; fail exits with fail_code. */
+  int status = 1, fail_code = 1;
+  ckpt_writer_t *ckw = NULL;
+  ckpt_group_t cgroup;
   mesh_t *mesh = NULL;
   backend_t *be = NULL;
   model_t *m = NULL;
@@ -680,8 +854,31 @@ int main(int argc, char **argv) {
   /* --- the data-parallel strategy (it owns the optimizer over this rank's range) */
   if (dp_create(&dp, m, be, mesh, p, err, sizeof err)) goto fail;
 
-  /* --- initial weights */
-  if (p->model.init[0]) {
+  /* --- checkpoints: resume (collective over the job), then a writer when checkpoint.dir is set */
+  const ckpt_group_t *cg = NULL;
+  if (mesh) {
+    ckpt_group_from_comm(&cgroup, mesh_comm(mesh, "world"));
+    cg = &cgroup;
+  }
+  int start_step = 0, resumed = 0;
+  if ((fail_code = checkpoint_resume(p, dp, cg, world, &start_step, &resumed, err, sizeof err)) != 0) goto fail;
+  fail_code = 1;
+  if (p->checkpoint.dir[0]) {
+    ckpt_writer_config_t wc = {.dir = p->checkpoint.dir, .keep = p->checkpoint.keep, .async = p->checkpoint.async,
+                               .group = cg, .plan_json = plan_json,
+                               .mesh = {mesh ? mesh->dims[MESH_DP_REPLICATE] : 1, mesh ? mesh->dims[MESH_DP_SHARD] : 1,
+                                        tp}};
+    ckpt_shape_from_plan(&wc.shape, &p->model);
+    if (ckpt_writer_create(&ckw, &wc, err, sizeof err)) goto fail;
+  }
+
+  /* --- initial weights (unless resumed): random, our safetensors, llama2.c or Hugging Face */
+  if (resumed) {
+    /* the parameters and optimizer state came from the checkpoint */
+  } else if (p->model.init[0] && interop_detect(p->model.init) != INTEROP_MESHRUN) {
+    if ((fail_code = weights_load_interop(m, dp, p, err, sizeof err)) != 0) goto fail;
+    fail_code = 1;
+  } else if (p->model.init[0]) {
     if (mesh ? weights_load_parallel(m, dp, p->model.init, err, sizeof err)
              : weights_load(m, be, p->model.init, err, sizeof err))
       goto fail;
@@ -716,27 +913,32 @@ int main(int argc, char **argv) {
   /* --- outputs (rank 0) */
   if (rank == 0 && p->log.metrics_file[0]) {
     if (make_parent_dirs(p->log.metrics_file, err, sizeof err)) goto fail;
-    if (!(metrics = fopen(p->log.metrics_file, "w"))) {
+    /* A resumed run appends: the steps before the checkpoint stay; steps logged after it by the
+     * run that stopped are logged again (readers take the last record of a step). */
+    if (!(metrics = fopen(p->log.metrics_file, resumed ? "a+" : "w"))) {
       snprintf(err, sizeof err, "cannot open log.metrics_file %s: %s", p->log.metrics_file, strerror(errno));
       goto fail;
     }
+    /* A killed writer's torn last line stays a line of its own (reads and writes of an update
+     * stream are separated by a seek). */
+    int torn = resumed && fseek(metrics, -1, SEEK_END) == 0 && fgetc(metrics) != '\n';
+    fseek(metrics, 0, SEEK_END);
+    if (torn) fputc('\n', metrics);
     fprintf(metrics,
             "{\"plan\":%s,\"num_params\":%zu,\"world_size\":%d,\"tokens_per_step\":%lld,\"data_tokens\":%zu,"
             "\"strategy\":\"%s\",\"mesh\":[%d,%d,%d],\"param_bytes\":%zu,\"grad_bytes\":%zu,\"optim_bytes\":%zu,"
             "\"work_bytes\":%zu,\"param_bytes_max\":%zu,\"grad_bytes_max\":%zu,\"optim_bytes_max\":%zu,"
-            "\"work_bytes_max\":%zu}\n",
+            "\"work_bytes_max\":%zu,\"start_step\":%d}\n",
             plan_json ? plan_json : "{}", np, world, (long long)p->train.global_batch_size * T, data.n_train,
             dp->name, mesh ? mesh->dims[MESH_DP_REPLICATE] : 1, mesh ? mesh->dims[MESH_DP_SHARD] : 1, tp,
             mem.mine.param_bytes, mem.mine.grad_bytes, mem.mine.optim_bytes, mem.mine.work_bytes,
-            mem.max.param_bytes, mem.max.grad_bytes, mem.max.optim_bytes, mem.max.work_bytes);
+            mem.max.param_bytes, mem.max.grad_bytes, mem.max.optim_bytes, mem.max.work_bytes, start_step);
     fflush(metrics);
   }
   if (a.dump_batches && !(dump = fopen(a.dump_batches, "wb"))) {
     snprintf(err, sizeof err, "cannot open %s: %s", a.dump_batches, strerror(errno));
     goto fail;
   }
-  if (p->checkpoint.interval > 0 || (p->checkpoint.resume[0] && strcmp(p->checkpoint.resume, "none")))
-    log_warn("checkpoint.interval and checkpoint.resume are not implemented yet; only final weights are saved");
 
   const long long tokens_per_step = (long long)p->train.global_batch_size * T;
   log_rank0("%s: %.2fM parameters%s, %d layers, dim %d, %s data %s (%zu train / %zu val tokens), "
@@ -751,7 +953,8 @@ int main(int argc, char **argv) {
   traffic_step(dp, mesh, &traffic, comm_json, sizeof comm_json); /* start counting here */
   const double t_loop = now_s();
   double t_in_steps = 0;
-  for (int s = 0; s < steps; s++) {
+  int stopped = 0;
+  for (int s = start_step; s < steps; s++) {
     const double t0 = now_s();
     const double lr = optim_lr(&p->train, s);
     double loss = 0;
@@ -817,7 +1020,7 @@ int main(int argc, char **argv) {
     if (p->log.interval > 0 && ((s + 1) % p->log.interval == 0 || s == 0 || s + 1 == steps)) {
       char tps_s[32], eta[32];
       fmt_thousands(tps_s, sizeof tps_s, tps);
-      double per_step = (now_s() - t_loop) / (s + 1);
+      double per_step = (now_s() - t_loop) / (s + 1 - start_step);
       fmt_duration(eta, sizeof eta, per_step * (steps - s - 1));
       log_rank0("step %d/%d | loss %.4f | lr %.2e | grad norm %.4f | %s tok/s | %.1f ms | ETA %s", s + 1, steps,
                 loss, lr, gnorm, tps_s, dt * 1e3, eta);
@@ -832,12 +1035,31 @@ int main(int argc, char **argv) {
       log_rank0("step %d/%d | eval loss %.4f (%d batches of %d x %d)", s + 1, steps, el, p->eval.batches, B, T);
       traffic_step(dp, mesh, &traffic, comm_json, sizeof comm_json); /* eval traffic is not a step's */
     }
+    /* Checkpoints: every interval steps and after the last; an async save in flight is
+     * committed by the first poll that finds every rank's writer done (poll is collective:
+     * every rank calls it after every step). */
+    if (ckw) {
+      const int due = s + 1 == steps || (p->checkpoint.interval > 0 && (s + 1) % p->checkpoint.interval == 0);
+      if (due ? checkpoint_save(ckw, dp, p, s + 1, err, sizeof err) : ckpt_writer_poll(ckw, NULL, err, sizeof err))
+        goto fail;
+      traffic_step(dp, mesh, &traffic, comm_json, sizeof comm_json); /* nor is a checkpoint's */
+    }
+    if (a.stop_after && s + 1 == a.stop_after && s + 1 < steps) { /* hidden: as if killed here */
+      log_rank0("stopping after step %d (--stop-after)", s + 1);
+      stopped = 1;
+      break;
+    }
   }
-  if (steps > 0) {
+  if (ckw && ckpt_writer_wait(ckw, err, sizeof err)) goto fail;
+  if (stopped) {
+    status = 0;
+    goto cleanup;
+  }
+  if (steps > start_step) {
     char tps_s[32], total[32];
-    fmt_thousands(tps_s, sizeof tps_s, (double)tokens_per_step * steps / t_in_steps);
+    fmt_thousands(tps_s, sizeof tps_s, (double)tokens_per_step * (steps - start_step) / t_in_steps);
     fmt_duration(total, sizeof total, now_s() - t_loop);
-    log_rank0("done: %d steps in %s, %s tok/s on average", steps, total, tps_s);
+    log_rank0("done: %d steps in %s, %s tok/s on average", steps - start_step, total, tps_s);
   }
 
   /* --- final weights (every rank helps assemble them; rank 0 writes), then a sample. Under a
@@ -864,8 +1086,9 @@ int main(int argc, char **argv) {
 
 fail:
   fprintf(stderr, "trainer: %s\n", err);
-  status = 1;
+  status = fail_code;
 cleanup:
+  ckpt_writer_destroy(ckw); /* a save still in flight (only after a failure) is waited for */
   if (dump) fclose(dump);
   if (metrics) fclose(metrics);
   dp_destroy(dp);

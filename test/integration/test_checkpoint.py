@@ -1,0 +1,294 @@
+"""test_checkpoint: the trainer's checkpoints (trainer/ckpt through trainer/main.c and trainer/dp.c).
+
+Every run is bin/trainer (one process) or bin/trainer under bin/meshrun, on a tiny Llama (dim 64,
+n_heads 4, n_kv_heads 2, vocab 256, 2 layers, seq 32) with synthetic data, 20 steps of a global
+batch of 16 sequences (24 for the 8 -> 6 ranks case, so that both worlds divide it).
+
+- Exact resume: a run stopped after step 12 (--stop-after, as if killed there; checkpoints every
+  5 steps) and resumed with checkpoint.resume=auto continues from step-10 on the SAME loss bits
+  (every step and eval after the checkpoint; tolerance 0) as a run that never stopped, for one
+  process, fsdp4 and tp2, and fsdp4 with asynchronous saves.
+- Resharding: the never-stopped run's step-10 checkpoint loads under another mesh and world
+  (fsdp4 -> fsdp2, tp2 -> fsdp4, ddp2 -> fsdp4, 8 ranks (hsdp 2x2 x tp2) -> 6 ranks (fsdp3 x tp2))
+  and the losses of steps 11..20 stay within 1e-4 relative of the run that kept its layout
+  (observed about 1e-7: the reductions' order).
+- Corruption through the trainer: a truncated shard of step-10 and a flipped bit in step-15 ->
+  resume auto names both files, falls back to step-5, and still ends on the never-stopped run's
+  bits; saving step-10 again removes the abandoned step-15 with a warning.
+- Another model shape -> refused with a message naming the shape, exit 2; another global batch ->
+  exit 2.
+- Interop: `trainer export` to llama2.c and HF from a run's final weights; model.init from each
+  (and from our safetensors) trains step 1 to the same loss bits; a wrong shape is refused with
+  the interop message (exit 2); configs/stories260K.json loads ../shared/data/stories260K.bin.
+OMP_NUM_THREADS=1 everywhere (2 shared cores).
+"""
+import json
+import os
+import shutil
+import struct
+import subprocess
+
+import pytest
+
+from conftest import FAST_CONF, Meshrun, bin_dir
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TRAINER = os.path.join(bin_dir(), "trainer")
+TOL = 1e-4
+
+PLAN = {
+    "device": "cpu",
+    "seed": 1337,
+    "model": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 256,
+              "max_seq_len": 32, "multiple_of": 32},
+    "mesh": {"dp_replicate": 1, "dp_shard": 1, "tp": 1},
+    "train": {"steps": 20, "seq_len": 32, "micro_batch_size": 2, "global_batch_size": 16,
+              "lr": 3e-3, "warmup_steps": 2, "decay": "cosine"},
+    "data": {"format": "synthetic"},
+    "eval": {"interval": 10, "batches": 2},
+    "log": {"interval": 10},
+    "sample": {"tokens": 0},
+}
+
+# name: (ranks, mesh (dp_replicate, dp_shard, tp), extra --set)
+LAYOUTS = {
+    "serial": (1, (1, 1, 1), []),
+    "fsdp4": (4, (1, 4, 1), []),
+    "fsdp2": (2, (1, 2, 1), []),
+    "tp2": (2, (1, 1, 2), []),
+    "ddp2": (2, (2, 1, 1), []),
+    "hsdp2x2_tp2": (8, (2, 2, 2), ["train.global_batch_size=24"]),
+    "fsdp3_tp2": (6, (1, 3, 2), ["train.global_batch_size=24"]),
+}
+
+
+def write_plan(d, plan=None):
+    path = os.path.join(str(d), "plan.json")
+    with open(path, "w") as f:
+        json.dump(plan or PLAN, f)
+    return path
+
+
+def clean_env():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MESHRUN_STORE", "TORCHELASTIC_RESTART_COUNT"):
+        env.pop(k, None)
+    return env
+
+
+def layout_sets(d, name, extra=()):
+    nproc, (r, s, t), lx = LAYOUTS[name]
+    out = []
+    for kv in ["mesh.dp_replicate=%d" % r, "mesh.dp_shard=%d" % s, "mesh.tp=%d" % t,
+               "log.metrics_file=%s" % os.path.join(str(d), "metrics.jsonl"),
+               "checkpoint.dir=%s" % os.path.join(str(d), "ck")] + lx + list(extra):
+        out += ["--set", kv]
+    return out
+
+
+class Result:
+    def __init__(self, rc, out, err):
+        self.rc, self.out, self.err = rc, out, err
+
+    def describe(self):
+        return "rc=%s\nstdout:\n%s\nstderr:\n%s" % (self.rc, self.out, self.err)
+
+
+def run(d, name, extra=(), flags=(), timeout=120):
+    """Runs layout `name` in directory d (one process, or meshrun with its ranks)."""
+    nproc = LAYOUTS[name][0]
+    args = [write_plan(d)] + layout_sets(d, name, extra) + list(flags)
+    if nproc == 1:
+        r = subprocess.run([TRAINER] + args, cwd=str(d), env=clean_env(), capture_output=True, text=True,
+                           timeout=timeout)
+        return Result(r.returncode, r.stdout, r.stderr)
+    m = Meshrun(["--nproc_per_node=%d" % nproc, "--rdzv_conf=" + FAST_CONF, TRAINER] + args,
+                env={"OMP_NUM_THREADS": "1"}, cwd=str(d))
+    rc = m.wait(timeout)
+    return Result(rc, m.out, m.err)
+
+
+def read_records(path):
+    """Metrics records; a line torn by a killed writer (not JSON) is skipped."""
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+    return out
+
+
+def losses(d_or_path):
+    """{(is_eval, step): loss}; a step logged twice (by a run that stopped after its checkpoint,
+    then by the resumed run) keeps the last record."""
+    p = str(d_or_path)
+    if os.path.isdir(p):
+        p = os.path.join(p, "metrics.jsonl")
+    out = {}
+    for r in read_records(p):
+        if "step" in r:
+            out[("eval_loss" in r, r["step"])] = r.get("loss", r.get("eval_loss"))
+    return out
+
+
+def max_rel(ref, got, keys):
+    return max(abs(got[k] - ref[k]) / abs(ref[k]) for k in keys)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """straight(name) -> directory of a never-stopped 20-step run of layout name, checkpoints every
+    5 steps, all kept (each run once per module)."""
+    runs = {}
+
+    def get(name):
+        if name not in runs:
+            d = tmp_path_factory.mktemp("straight_" + name)
+            r = run(d, name, ["checkpoint.interval=5", "checkpoint.keep=0"])
+            assert r.rc == 0, r.describe()
+            runs[name] = d
+        return runs[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name,mode", [("serial", "sync"), ("fsdp4", "sync"), ("tp2", "sync"), ("fsdp4", "async")])
+def test_exact_resume(straight, tmp_path, name, mode):
+    ref = losses(straight(name))
+    asyn = "checkpoint.async=%s" % ("true" if mode == "async" else "false")
+    r = run(tmp_path, name, ["checkpoint.interval=5", asyn], ["--stop-after", "12"])
+    assert r.rc == 0, r.describe()
+    assert "stopping after step 12" in r.err
+    assert sorted(os.listdir(tmp_path / "ck")) == ["latest", "step-10", "step-5"]
+    r = run(tmp_path, name, ["checkpoint.interval=5", "checkpoint.resume=auto", asyn])
+    assert r.rc == 0, r.describe()
+    assert "resumed from %s/step-10 (step 10, saved by world %d, now world %d, restart 0)" % (
+        tmp_path / "ck", LAYOUTS[name][0], LAYOUTS[name][0]) in r.err, r.describe()
+    got = losses(tmp_path)
+    assert sorted(got) == sorted(ref)
+    after = [k for k in ref if k[1] > 10]
+    diff = [(k, got[k], ref[k]) for k in sorted(after) if got[k] != ref[k]]
+    print("%-7s (%s saves) resumed at step 10: %d losses after it (steps + evals), %d differ in any bit (tolerance 0)%s" %
+          (name, mode, len(after), len(diff), "" if not diff else ": max rel %.2e" % max_rel(ref, got, after)))
+    assert not diff, "%s: losses after resume differ from the never-stopped run: %s" % (name, diff[:3])
+
+
+@pytest.mark.parametrize("src,dst", [("fsdp4", "fsdp2"), ("tp2", "fsdp4"), ("ddp2", "fsdp4"),
+                                     ("hsdp2x2_tp2", "fsdp3_tp2")])
+def test_resharded_resume(tmp_path_factory, straight, tmp_path, src, dst):
+    if LAYOUTS[src][2] != LAYOUTS[dst][2]:
+        pytest.fail("the global batch must be the same in both layouts")
+    if src == "hsdp2x2_tp2":  # global batch 24: its own never-stopped run (8 ranks)
+        sd = tmp_path_factory.mktemp("straight_8")
+        r = run(sd, src, ["checkpoint.interval=10"])
+        assert r.rc == 0, r.describe()
+    else:
+        sd = straight(src)
+    ref = losses(sd)
+    r = run(tmp_path, dst, ["checkpoint.resume=%s" % (sd / "ck" / "step-10")])
+    assert r.rc == 0, r.describe()
+    assert "(step 10, saved by world %d, now world %d, restart 0)" % (LAYOUTS[src][0], LAYOUTS[dst][0]) in r.err
+    got = losses(tmp_path)
+    keys = sorted(k for k in ref if k[1] > 10)
+    assert sorted(got) == keys, "the resumed run logged other steps than 11..20"
+    d = max_rel(ref, got, keys)
+    print("%s (%d ranks) -> %s (%d ranks): %d losses after step 10, max rel diff %.2e (tolerance %.0e)" %
+          (src, LAYOUTS[src][0], dst, LAYOUTS[dst][0], len(keys), d, TOL))
+    assert d <= TOL
+
+
+def flip_bit(path, at):
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+def test_corrupt_shards_fall_back(straight, tmp_path):
+    ref = losses(straight("fsdp2"))
+    r = run(tmp_path, "fsdp2", ["checkpoint.interval=5"], ["--stop-after", "16"])
+    assert r.rc == 0, r.describe()
+    ck = tmp_path / "ck"
+    assert sorted(os.listdir(ck)) == ["latest", "step-10", "step-15", "step-5"]
+    trunc = ck / "step-10" / "shard-1.safetensors"
+    with open(trunc, "r+b") as f:
+        f.truncate(os.path.getsize(trunc) - 100)
+    flipped = ck / "step-15" / "shard-0.safetensors"
+    flip_bit(flipped, os.path.getsize(flipped) - 7)  # inside the last tensor's data
+    r = run(tmp_path, "fsdp2", ["checkpoint.interval=5", "checkpoint.resume=auto"])
+    assert r.rc == 0, r.describe()
+    print("\n".join(l for l in r.err.splitlines() if "checkpoint" in l or "resumed" in l))
+    assert "%s" % flipped in r.err and "falling back to step-10" in r.err, r.describe()
+    assert "%s" % trunc in r.err and "falling back to step-5" in r.err, r.describe()
+    assert "resumed from %s/step-5 (step 5" % ck in r.err
+    assert "removing %s/step-15" % ck in r.err and "abandoned" in r.err, r.describe()
+    got = losses(tmp_path)
+    after = sorted(k for k in ref if k[1] > 5)
+    diff = [k for k in after if got[k] != ref[k]]
+    print("fallback to step-5: %d losses after it, %d differ in any bit (tolerance 0)" % (len(after), len(diff)))
+    assert not diff
+
+
+def test_wrong_shape_and_batch_refused(straight, tmp_path):
+    src = straight("serial") / "ck" / "step-10"
+    r = run(tmp_path, "serial", ["checkpoint.resume=%s" % src, "model.n_layers=3"])
+    print(r.err.strip().splitlines()[-1])
+    assert r.rc == 2, r.describe()
+    assert "n_layers" in r.err and "step-10" in r.err, r.describe()
+    r = run(tmp_path, "serial", ["checkpoint.resume=%s" % src, "train.global_batch_size=8"])
+    print(r.err.strip().splitlines()[-1])
+    assert r.rc == 2, r.describe()
+    assert "global_batch_size" in r.err, r.describe()
+    r = run(tmp_path, "serial", ["checkpoint.resume=%s" % (tmp_path / "nowhere")])
+    assert r.rc == 2 and "no such checkpoint" in r.err, r.describe()
+
+
+# ---------------------------------------------------------------------------------------- interop
+
+def test_export_and_reimport(straight, tmp_path):
+    weights = straight("serial") / "ck" / "final.safetensors"
+    ref = None
+    for fmt, out in [("llama2c", tmp_path / "model.bin"), ("hf", tmp_path / "hf")]:
+        r = subprocess.run([TRAINER, "export", "--format", fmt, write_plan(tmp_path), "--weights", str(weights),
+                            "--out", str(out)], cwd=str(tmp_path), env=clean_env(), capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert os.path.exists(out)
+    # One step from each: the same weights, so the same first loss bits.
+    firsts = {}
+    for label, init in [("ours", weights), ("llama2c", tmp_path / "model.bin"), ("hf", tmp_path / "hf")]:
+        d = tmp_path / ("run_" + label)
+        d.mkdir()
+        r = run(d, "serial", ["model.init=%s" % init, "train.steps=1", "eval.interval=0"])
+        assert r.rc == 0, r.describe()
+        firsts[label] = losses(d)[(False, 1)]
+    print("first loss from our weights %.9g, from llama2.c export %.9g, from HF export %.9g (tolerance 0)" %
+          (firsts["ours"], firsts["llama2c"], firsts["hf"]))
+    assert firsts["llama2c"] == firsts["ours"] and firsts["hf"] == firsts["ours"]
+    # and under a mesh (fsdp2 shards what interop reads)
+    d = tmp_path / "run_hf_fsdp2"
+    d.mkdir()
+    r = run(d, "fsdp2", ["model.init=%s" % (tmp_path / "hf"), "train.steps=1", "eval.interval=0"])
+    assert r.rc == 0, r.describe()
+    got = losses(d)[(False, 1)]
+    print("fsdp2 from the HF export: %.9g (rel diff %.2e, tolerance %.0e)" %
+          (got, abs(got - firsts["ours"]) / firsts["ours"], TOL))
+    assert abs(got - firsts["ours"]) <= TOL * firsts["ours"]
+    # a plan of another shape is refused with the interop message
+    r = run(tmp_path, "serial", ["model.init=%s" % (tmp_path / "model.bin"), "model.n_kv_heads=4"])
+    print(r.err.strip().splitlines()[-1])
+    assert r.rc == 2 and "interop error" in r.err and "n_kv_heads" in r.err, r.describe()
+
+
+def test_stories260k_config(tmp_path):
+    bin_path = os.path.join(REPO, "..", "shared", "data", "stories260K.bin")
+    if not os.path.exists(bin_path):
+        pytest.skip("no %s" % bin_path)
+    r = subprocess.run([TRAINER, os.path.join(REPO, "configs", "stories260K.json"), "--set", "train.steps=2",
+                        "--set", "sample.tokens=8", "--set", "checkpoint.dir=%s" % (tmp_path / "ck")],
+                       cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "step 2/2" in r.stderr and "model.init: ../shared/data/stories260K.bin (llama2c" in r.stderr, r.stderr
