@@ -47,7 +47,7 @@ typedef struct {
   double rope_theta;     /* default 10000 */
   double norm_eps;       /* default 1e-5 */
   double init_std;       /* default 0.02 */
-  char init[PLAN_PATH_MAX]; /* "" = random from seed; else a checkpoint/export file (issue 6) */
+  char init[PLAN_PATH_MAX]; /* "" = random from seed; else weights: ours, llama2.c .bin, HF dir */
 } plan_model_t;
 
 typedef struct {
