@@ -745,7 +745,8 @@ int main(int argc, char **argv) {
   }
   if (plan_load(p, a.plan_path, a.sets, a.nsets, err, sizeof err) != 0 ||
       plan_resolve(p, world, err, sizeof err) != 0) {
-    fprintf(stderr, "trainer: %s\n", err);
+    /* The message is already the documented one-liner "plan error: <key.path>: ...". */
+    fprintf(stderr, "%s\n", err);
     free(p);
     return 2;
   }
