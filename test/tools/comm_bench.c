@@ -1,4 +1,4 @@
-// deps: trainer/comm.c trainer/comm_cpu.c common/store.c common/store_proto.c common/net.c common/log.c launcher/store_server.c
+// deps: test/support/fixture.c trainer/comm.c trainer/comm_cpu.c common/store.c common/store_proto.c common/net.c common/log.c launcher/store_server.c
 /* comm_bench: bandwidth of the collectives, printed as nccl-tests' fixed-width table.
  *
  *   comm_bench [-n RANKS] [-b MIN] [-e MAX] [-f FACTOR] [-o OP|all] [-w WARMUP] [-i ITERS]
@@ -14,19 +14,15 @@
  * Under meshrun (MESHRUN_STORE, RANK and WORLD_SIZE set) each worker is one rank. Alone it
  * starts a store on loopback in a thread and forks RANKS local ranks. It does not pin cores or
  * measure latency percentiles. */
-#include <pthread.h>
-#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
-#include <uv.h>
 
 #include "common/store.h"
-#include "launcher/store_server.h"
+#include "test/support/fixture.h"
 #include "trainer/comm.h"
 
 typedef enum { OP_ALL_REDUCE = 0, OP_ALL_GATHER, OP_REDUCE_SCATTER, OP_BROADCAST, OP_COUNT } bench_op_t;
@@ -196,74 +192,15 @@ static int bench_rank(int rank, int n, store_t *st, int generation, const char *
   return rc ? 1 : 0;
 }
 
-/* ---- standalone: a store on loopback in a thread, RANKS forked ranks ---- */
+/* ---- standalone: test/support/fixture starts a store on loopback in a thread and forks
+ * RANKS local ranks (killed together if one fails: the others would wait for it) ---- */
 
-typedef struct {
-  uv_loop_t loop;
-  uv_async_t stop;
-  store_server_t *srv;
-} server_t;
-
-static void on_stop(uv_async_t *h) {
-  server_t *s = h->data;
-  store_server_close(s->srv);
-  uv_close((uv_handle_t *)&s->stop, NULL);
-}
-
-static void *server_main(void *arg) {
-  uv_run(&((server_t *)arg)->loop, UV_RUN_DEFAULT);
-  return NULL;
+static int local_rank(int rank, int n, store_t *st, void *arg) {
+  return bench_rank(rank, n, st, 0, "127.0.0.1", arg);
 }
 
 static int run_local(const opts_t *o) {
-  server_t s;
-  char err[256] = "";
-  int port = 0;
-  uv_loop_init(&s.loop);
-  s.stop.data = &s;
-  uv_async_init(&s.loop, &s.stop, on_stop);
-  if (store_server_start(&s.srv, &s.loop, "127.0.0.1", 0, &port, err, sizeof err) != 0) {
-    fprintf(stderr, "comm_bench: store: %s\n", err);
-    return 1;
-  }
-  pthread_t th;
-  pthread_create(&th, NULL, server_main, &s);
-  fflush(NULL);
-  pid_t pgid = 0;
-  for (int r = 0; r < o->nranks; r++) {
-    pid_t pid = fork();
-    if (pid < 0) {
-      perror("comm_bench: fork");
-      if (pgid) kill(-pgid, SIGKILL);
-      break;
-    }
-    if (pid == 0) {
-      setpgid(0, pgid);
-      char ep[64];
-      snprintf(ep, sizeof ep, "127.0.0.1:%d", port);
-      store_t *st = NULL;
-      if (store_connect_endpoint(&st, ep, 10000, err, sizeof err) != 0) {
-        fprintf(stderr, "comm_bench rank %d: %s\n", r, err);
-        _exit(1);
-      }
-      int rc = bench_rank(r, o->nranks, st, 0, "127.0.0.1", o);
-      store_close(st);
-      _exit(rc);
-    }
-    setpgid(pid, pgid ? pgid : pid);
-    if (!pgid) pgid = pid;
-  }
-  int failed = 0, st;
-  while (pgid && waitpid(-pgid, &st, 0) > 0) {
-    if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) {
-      if (!failed) kill(-pgid, SIGKILL); /* the others would wait for it until their timeout */
-      failed++;
-    }
-  }
-  uv_async_send(&s.stop);
-  pthread_join(th, NULL);
-  uv_loop_close(&s.loop);
-  return failed ? 1 : 0;
+  return fixture_run_ranks(o->nranks, local_rank, (void *)o, 3600) == 0 ? 0 : 1;
 }
 
 static void usage(void) {

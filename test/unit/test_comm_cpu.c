@@ -1,4 +1,4 @@
-// deps: trainer/comm.c trainer/comm_cpu.c trainer/mesh.c common/store.c common/store_proto.c common/net.c common/log.c launcher/store_server.c
+// deps: test/support/fixture.c trainer/comm.c trainer/comm_cpu.c trainer/mesh.c common/store.c common/store_proto.c common/net.c common/log.c launcher/store_server.c
 /* test_comm_cpu: the cpu collective backend with real processes on loopback.
  *
  * Each test starts a store server on its own libuv loop in a thread (port 0), forks one
@@ -8,7 +8,6 @@
  * difference. Data are small integers unless said otherwise, so every sum is exact and the
  * tolerance is zero (bit equality); the random-float test states its own tolerance. */
 #include <math.h>
-#include <pthread.h>
 #include <setjmp.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -20,124 +19,29 @@
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
-#include <uv.h>
 
 #include <cmocka.h>
 
 #include "common/store.h"
-#include "launcher/store_server.h"
+#include "test/support/fixture.h"
 #include "trainer/comm.h"
 #include "trainer/mesh.h"
 
 #define CHILD_ALARM_S 60
 
-/* ---- harness: store server thread + forked ranks ---- */
+/* ---- harness: test/support/fixture (store server thread + forked ranks, killed together
+ * on the first failure) ---- */
 
-typedef struct {
-  uv_loop_t loop;
-  uv_async_t stop;
-  store_server_t *srv;
-  pthread_t thread;
-  int port;
-} server_t;
+typedef fixture_rank_fn rank_fn;
 
-static void on_stop(uv_async_t *a) {
-  server_t *s = a->data;
-  store_server_close(s->srv);
-  uv_close((uv_handle_t *)&s->stop, NULL);
-}
-
-static void *server_main(void *arg) {
-  server_t *s = arg;
-  uv_run(&s->loop, UV_RUN_DEFAULT);
-  return NULL;
-}
-
-static void server_start(server_t *s) {
-  char err[256] = "";
-  assert_int_equal(uv_loop_init(&s->loop), 0);
-  s->stop.data = s;
-  assert_int_equal(uv_async_init(&s->loop, &s->stop, on_stop), 0);
-  int rc = store_server_start(&s->srv, &s->loop, "127.0.0.1", 0, &s->port, err, sizeof err);
-  if (rc != 0) fail_msg("store_server_start: %s", err);
-  assert_int_equal(pthread_create(&s->thread, NULL, server_main, s), 0);
-}
-
-static void server_stop(server_t *s) {
-  uv_async_send(&s->stop);
-  pthread_join(s->thread, NULL);
-  uv_loop_close(&s->loop);
-}
-
-/* What one rank runs; returns 0 when its checks pass. */
-typedef int (*rank_fn)(int rank, int n, store_t *store, void *arg);
-
-static int g_port;
-
-static void child_run(int rank, int n, rank_fn fn, void *arg) {
-  alarm(CHILD_ALARM_S);
-  char err[512] = "", ep[64];
-  snprintf(ep, sizeof ep, "127.0.0.1:%d", g_port);
-  store_t *st = NULL;
-  if (store_connect_endpoint(&st, ep, 10000, err, sizeof err) != 0) {
-    fprintf(stderr, "rank %d: store: %s\n", rank, err);
-    _exit(3);
-  }
-  int rc = fn(rank, n, st, arg);
-  store_close(st);
-  _exit(rc == 0 ? 0 : 1);
-}
-
-/* Forks n ranks running fn and waits for all of them. Returns how many failed; on the first
- * failure the rest of the group is killed (they may be waiting on the failed one). */
 static int run_ranks(int n, rank_fn fn, void *arg) {
-  server_t srv;
-  server_start(&srv);
-  g_port = srv.port;
-  fflush(NULL);
-  pid_t pgid = 0;
-  pid_t pids[64];
-  for (int r = 0; r < n; r++) {
-    pid_t pid = fork();
-    assert_true(pid >= 0);
-    if (pid == 0) {
-      setpgid(0, pgid);
-      child_run(r, n, fn, arg);
-    }
-    setpgid(pid, pgid ? pgid : pid); /* also here, so the group exists before we kill it */
-    if (!pgid) pgid = pid;
-    pids[r] = pid;
-  }
-  int failed = 0, left = n;
-  while (left > 0) {
-    int st;
-    pid_t pid = waitpid(-pgid, &st, 0);
-    if (pid < 0) break;
-    left--;
-    int ok = WIFEXITED(st) && WEXITSTATUS(st) == 0;
-    if (!ok) {
-      int r = -1;
-      for (int i = 0; i < n; i++)
-        if (pids[i] == pid) r = i;
-      if (WIFSIGNALED(st))
-        print_message("rank %d: killed by signal %d\n", r, WTERMSIG(st));
-      else
-        print_message("rank %d: exit status %d\n", r, WEXITSTATUS(st));
-      if (!failed) kill(-pgid, SIGKILL);
-      failed++;
-    }
-  }
-  server_stop(&srv);
+  int failed = fixture_run_ranks(n, fn, arg, CHILD_ALARM_S);
+  assert_true(failed >= 0); /* the harness itself started */
   return failed;
 }
 
 static int comm_open(comm_t **c, const char *name, int rank, int n, store_t *st, int timeout_ms) {
-  char err[512] = "";
-  comm_config_t cfg = {.name = name, .rank = rank, .size = n, .store = st, .host = "127.0.0.1",
-                       .timeout_ms = timeout_ms};
-  int rc = comm_create(c, "cpu", &cfg, err, sizeof err);
-  if (rc != COMM_OK) fprintf(stderr, "rank %d: comm_create: %s\n", rank, err);
-  return rc;
+  return fixture_comm_open(c, name, rank, n, st, timeout_ms);
 }
 
 static float val(int rank, size_t i) { return (float)((int)((i * 31 + (size_t)rank * 17) % 23) - 11); }
