@@ -334,6 +334,92 @@ int net_listen(const char *host, int port, int backlog, int *bound_port, char *e
   return fd;
 }
 
+/* Order for net_listen_all: family, then address bytes. Any fixed order does; what matters is
+ * that every process binding the same name walks the addresses in the same one. */
+static int addr_cmp(const void *pa, const void *pb) {
+  const struct addrinfo *a = *(const struct addrinfo *const *)pa, *b = *(const struct addrinfo *const *)pb;
+  if (a->ai_family != b->ai_family) return a->ai_family < b->ai_family ? -1 : 1;
+  if (a->ai_family == AF_INET)
+    return memcmp(&((const struct sockaddr_in *)a->ai_addr)->sin_addr,
+                  &((const struct sockaddr_in *)b->ai_addr)->sin_addr, sizeof(struct in_addr));
+  if (a->ai_family == AF_INET6)
+    return memcmp(&((const struct sockaddr_in6 *)a->ai_addr)->sin6_addr,
+                  &((const struct sockaddr_in6 *)b->ai_addr)->sin6_addr, sizeof(struct in6_addr));
+  return 0;
+}
+
+static void set_port(struct sockaddr *sa, int port) {
+  if (sa->sa_family == AF_INET) ((struct sockaddr_in *)sa)->sin_port = htons((uint16_t)port);
+  else if (sa->sa_family == AF_INET6) ((struct sockaddr_in6 *)sa)->sin6_port = htons((uint16_t)port);
+}
+
+int net_listen_all(const char *host, int port, int backlog, int *fds, int maxfds, int *bound_port, char *err,
+                   size_t errlen) {
+  if (!host || !*host || maxfds < 1) {
+    if (maxfds < 1) {
+      set_err(err, errlen, "net_listen_all: no room for a socket");
+      return -EINVAL;
+    }
+    int fd = net_listen(host, port, backlog, bound_port, err, errlen);
+    if (fd < 0) return fd;
+    fds[0] = fd;
+    return 1;
+  }
+  char ep[300];
+  net_format_endpoint(ep, sizeof ep, host, port);
+  struct addrinfo *res = NULL;
+  int rc = resolve(host, port, 1, &res, err, errlen);
+  if (rc < 0) return rc;
+  int na = 0;
+  for (struct addrinfo *ai = res; ai; ai = ai->ai_next) na++;
+  struct addrinfo **v = calloc((size_t)na, sizeof *v);
+  if (!v) {
+    freeaddrinfo(res);
+    set_err(err, errlen, "listen %s: out of memory", ep);
+    return -ENOMEM;
+  }
+  na = 0;
+  for (struct addrinfo *ai = res; ai; ai = ai->ai_next)
+    if (ai->ai_family == AF_INET || ai->ai_family == AF_INET6) v[na++] = ai;
+  qsort(v, (size_t)na, sizeof *v, addr_cmp);
+  int n = 0, last = -EADDRNOTAVAIL, bp = port;
+  for (int i = 0; i < na; i++) {
+    /* /etc/hosts may name an address twice: binding it again would collide with ourselves. */
+    if (i > 0 && addr_cmp(&v[i - 1], &v[i]) == 0) continue;
+    set_port(v[i]->ai_addr, bp);
+    int fd = listen_one(v[i]->ai_addr, v[i]->ai_addrlen, 1, backlog);
+    if (fd >= 0) {
+      if (n == maxfds) {
+        close(fd);
+        break;
+      }
+      fds[n++] = fd;
+      if (bp == 0) bp = bound_port_of(fd); /* port 0: the rest take the port the first got */
+      continue;
+    }
+    last = fd;
+    /* A taken address means the endpoint is someone else's (another meshrun, or a foreign
+     * program): serving on the rest would split the job between two stores. With a kernel-
+     * chosen port nobody competes for it, so such an address is only skipped. Addresses this
+     * machine cannot bind (no IPv6, not ours) are skipped. */
+    if (fd == -EADDRINUSE && port != 0) {
+      for (int j = 0; j < n; j++) close(fds[j]);
+      n = 0;
+      break;
+    }
+  }
+  free(v);
+  freeaddrinfo(res);
+  if (n == 0) {
+    char et[128];
+    err_text(et, sizeof et, -last);
+    set_err(err, errlen, "listen %s: %s", ep, et);
+    return last;
+  }
+  if (bound_port) *bound_port = bp;
+  return n;
+}
+
 int net_free_port(const char *host, int *port, char *err, size_t errlen) {
   int fd = net_listen(host, 0, 1, port, err, errlen);
   if (fd < 0) return fd;

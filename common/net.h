@@ -23,6 +23,15 @@ int net_connect(const char *host, int port, int timeout_ms, char *err, size_t er
 /* Creates a listening TCP socket on host:port (port 0: the kernel picks; host "" = any) and
  * returns the fd; *bound_port gets the real port. -EADDRINUSE when the port is taken. */
 int net_listen(const char *host, int port, int backlog, int *bound_port, char *err, size_t errlen);
+/* Like net_listen, but listens on every address host resolves to (up to maxfds sockets, all on
+ * one port) so that a client meets the server whichever address it tries first ("localhost"
+ * may give ::1 and 127.0.0.1). Addresses are bound in a fixed order, the same in every
+ * process, so two processes racing for one endpoint collide on the first address and exactly
+ * one wins. When any address is taken (port > 0) nothing stays bound and -EADDRINUSE is
+ * returned. host "" is one dual-stack socket. Returns the number of fds in fds, or a
+ * negative code with the reason in err. */
+int net_listen_all(const char *host, int port, int backlog, int *fds, int maxfds, int *bound_port, char *err,
+                   size_t errlen);
 /* A port that was free a moment ago on host (bind port 0, read it, close). Racy by nature:
  * used only for ports another program binds itself (MASTER_PORT). */
 int net_free_port(const char *host, int *port, char *err, size_t errlen);

@@ -338,6 +338,12 @@ int store_connect_endpoint(store_t **out, const char *endpoint, int timeout_ms, 
   return store_connect(out, host, port, timeout_ms, err, errlen);
 }
 
+void store_interrupt(store_t *s) {
+  /* shutdown, not close: the owner's thread may be inside recv/send on this fd, and a closed
+   * number could be reused by another open before that call returns. */
+  if (s && s->fd >= 0) shutdown(s->fd, SHUT_RDWR);
+}
+
 void store_close(store_t *s) {
   if (!s) return;
   if (s->fd >= 0) close(s->fd);

@@ -38,6 +38,10 @@ int store_connect(store_t **out, const char *host, int port, int timeout_ms, cha
 /* Parses "host:port", "[v6addr]:port" (as in MESHRUN_STORE) and connects. */
 int store_connect_endpoint(store_t **out, const char *endpoint, int timeout_ms, char *err, size_t errlen);
 void store_close(store_t *s); /* accepts NULL */
+/* May be called from another thread than the owner's: a call blocked on s returns at once
+ * (STORE_EIO) and later calls fail. For stopping a thread that owns s; the owner, or whoever
+ * joined it, still calls store_close. Accepts NULL. */
+void store_interrupt(store_t *s);
 const char *store_errmsg(const store_t *s);
 const char *store_strerror(int code);
 

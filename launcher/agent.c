@@ -8,6 +8,7 @@
  * Not here: what the keys are (rdzv), how children are made (workers). */
 #include "launcher/agent.h"
 
+#include <arpa/inet.h>
 #include <errno.h>
 #include <ftw.h>
 #include <limits.h>
@@ -26,6 +27,10 @@
 #include "launcher/rdzv.h"
 #include "launcher/store_server.h"
 #include "launcher/workers.h"
+
+/* How long meshrun's exit waits for the rendezvous threads to return (they usually do in
+ * microseconds once their sockets are shut down). */
+#define RDZV_JOIN_WAIT_MS 500
 
 typedef enum { AGENT_JOINING = 0, AGENT_RUNNING, AGENT_STOPPING, AGENT_FINISHING, AGENT_EXITING } agent_state_t;
 
@@ -77,8 +82,7 @@ static void agent_exit(agent_t *a, int code) {
   a->state = AGENT_EXITING;
   a->exit_code = code;
   uv_timer_stop(&a->join_timer);
-  rdzv_shutdown(a->rz);
-  a->rz = NULL;
+  rdzv_shutdown(a->rz); /* no rdzv event comes after this; agent_run destroys it */
   if (a->wk && !workers_idle(a->wk)) {
     workers_stop(a->wk, SIGTERM, a->opts->shutdown_timeout_s);
     return; /* on_idle finishes */
@@ -167,8 +171,9 @@ static void on_worker_exit(workers_t *w, const workers_info_t *info, void *arg) 
                   .local_rank = info->local_rank, .signal = info->term_signal, .time = info->exit_time};
   net_hostname(e.host, sizeof e.host);
   char ts[64], err[256];
-  if (errfile_read(info->error_file, e.message, sizeof e.message, ts, sizeof ts, err, sizeof err) == -EINVAL)
-    snprintf(e.message, sizeof e.message, "(unreadable error file: %s)", err);
+  /* No file is the usual case (the worker wrote none); any other fault is worth saying. */
+  int erc = errfile_read(info->error_file, e.message, sizeof e.message, ts, sizeof ts, err, sizeof err);
+  if (erc && erc != -ENOENT) snprintf(e.message, sizeof e.message, "(unreadable error file: %.900s)", err);
   if (info->term_signal)
     snprintf(e.reason, sizeof e.reason, "rank %d (pid %d) on %s died by %s", info->rank, (int)info->pid, e.host,
              sig_name(info->term_signal, sbuf, sizeof sbuf));
@@ -274,8 +279,14 @@ static void on_signal(uv_signal_t *h, int sig) {
   agent_exit(a, 128 + sig);
 }
 
-static int is_loopback(const char *h) {
-  return !strncmp(h, "127.", 4) || !strcmp(h, "localhost") || !strcmp(h, "::1");
+/* The MASTER_ADDR of a loopback job, or NULL when host is not loopback. It stays in the
+ * endpoint's family: an IPv6 endpoint may be used on a host whose workers cannot reach
+ * 127.0.0.1 the same way. torch takes MASTER_ADDR bare, so "::1" goes without brackets. */
+static const char *loopback_addr(const char *h) {
+  struct in6_addr a6;
+  if (!strncmp(h, "127.", 4) || !strcmp(h, "localhost")) return "127.0.0.1";
+  if (inet_pton(AF_INET6, h, &a6) == 1 && IN6_IS_ADDR_LOOPBACK(&a6)) return "::1";
+  return NULL;
 }
 
 static int rm_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw) {
@@ -367,7 +378,8 @@ int agent_run(launcher_opts_t *o) {
   snprintf(cfg.run_id, sizeof cfg.run_id, "%s", o->rdzv_id);
   /* The address peers dial for MASTER_ADDR: loopback jobs stay on loopback; otherwise
    * --master_addr when given, else this host's name. */
-  if (is_loopback(o->rdzv_host)) snprintf(cfg.addr, sizeof cfg.addr, "%s", "127.0.0.1");
+  const char *lo = loopback_addr(o->rdzv_host);
+  if (lo) snprintf(cfg.addr, sizeof cfg.addr, "%s", lo);
   else if (o->master_addr[0]) snprintf(cfg.addr, sizeof cfg.addr, "%s", o->master_addr);
   else net_hostname(cfg.addr, sizeof cfg.addr);
   if (workers_create(&a->wk, &a->loop, o, on_worker_exit, on_workers_idle, a, err, sizeof err)) {
@@ -389,7 +401,15 @@ out:
   uv_run(&a->loop, UV_RUN_DEFAULT);
 cleanup:
   if (a->base_is_tmp) nftw(a->base_dir, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
-  /* rdzv's threads may still be inside a bounded store wait; they end with the process, so
-   * neither the loop nor the agent is torn down under them. */
+  /* rdzv's threads are interrupted and joined. One still inside a connect attempt after
+   * RDZV_JOIN_WAIT_MS keeps rdzv, the loop and the agent (it may still touch them) until the
+   * process exits, which ends it: neither is torn down under it. */
+  if (rdzv_destroy(a->rz, RDZV_JOIN_WAIT_MS)) {
+    log_debug("rendezvous thread still connecting at exit; left to the process exit");
+    return code;
+  }
+  workers_destroy(a->wk);
+  if (uv_loop_close(&a->loop)) log_debug("event loop: handles still open at exit");
+  else free(a);
   return code;
 }

@@ -1,14 +1,31 @@
 /* errfile: the worker's error file (TORCHELASTIC_ERROR_FILE) to a message and a timestamp.
- * Files over 1 MiB are read only in their first MiB (then they fail to parse, which is reported). */
+ * Only regular files up to 1 MiB are read (a bigger one is reported as such, not parsed in
+ * part); a message longer than the caller's buffer is cut at a UTF-8 character boundary. */
 #include "launcher/errfile.h"
 
 #include <cjson/cJSON.h>
 #include <errno.h>
+#include <fcntl.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #define ERRFILE_MAX (1u << 20)
+
+/* snprintf, but never ending inside a multi-byte UTF-8 sequence when it truncates. */
+static void copy_text(char *out, size_t outlen, const char *s) {
+  if (!outlen) return;
+  size_t n = strlen(s);
+  if (n >= outlen) {
+    n = outlen - 1;
+    while (n > 0 && ((unsigned char)s[n] & 0xC0) == 0x80) n--; /* s[n] continues a character */
+  }
+  memcpy(out, s, n);
+  out[n] = 0;
+}
 
 int errfile_parse(const char *json, size_t len, char *msg, size_t msglen, char *ts, size_t tslen, char *err,
                   size_t errlen) {
@@ -22,13 +39,13 @@ int errfile_parse(const char *json, size_t len, char *msg, size_t msglen, char *
   int rc = -EINVAL;
   const cJSON *m = cJSON_GetObjectItemCaseSensitive(root, "message");
   if (cJSON_IsString(m)) {
-    snprintf(msg, msglen, "%s", m->valuestring);
+    copy_text(msg, msglen, m->valuestring);
     rc = 0;
   } else if (cJSON_IsObject(m)) {
     /* torch's layout: the message object holds the text and extraInfo. */
     const cJSON *inner = cJSON_GetObjectItemCaseSensitive(m, "message");
     if (cJSON_IsString(inner)) {
-      snprintf(msg, msglen, "%s", inner->valuestring);
+      copy_text(msg, msglen, inner->valuestring);
       rc = 0;
     }
     const cJSON *extra = cJSON_GetObjectItemCaseSensitive(m, "extraInfo");
@@ -36,26 +53,56 @@ int errfile_parse(const char *json, size_t len, char *msg, size_t msglen, char *
     if (cJSON_IsString(t)) snprintf(ts, tslen, "%s", t->valuestring);
     else if (cJSON_IsNumber(t)) snprintf(ts, tslen, "%.0f", t->valuedouble);
   }
-  if (rc) snprintf(err, errlen, "error file has no \"message\" string");
+  if (rc) {
+    snprintf(err, errlen, "error file has no \"message\" string");
+    if (tslen) ts[0] = 0;
+  }
   cJSON_Delete(root);
   return rc;
 }
 
 int errfile_read(const char *path, char *msg, size_t msglen, char *ts, size_t tslen, char *err, size_t errlen) {
-  FILE *f = fopen(path, "rb");
-  if (!f) {
+  if (msglen) msg[0] = 0;
+  if (tslen) ts[0] = 0;
+  /* O_NONBLOCK: a FIFO at the path must not block the agent's loop waiting for a writer. */
+  int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) {
     int e = errno;
     snprintf(err, errlen, "%s: %s", path, strerror(e));
     return -e;
   }
-  char *buf = malloc(ERRFILE_MAX);
+  struct stat st;
+  if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode)) {
+    snprintf(err, errlen, "%s: not a regular file", path);
+    close(fd);
+    return -EINVAL;
+  }
+  if (st.st_size == 0) {
+    snprintf(err, errlen, "%s: error file is empty", path);
+    close(fd);
+    return -EINVAL;
+  }
+  if ((uint64_t)st.st_size > ERRFILE_MAX) {
+    snprintf(err, errlen, "%s: error file is %lld bytes, over the %u byte limit; not read", path,
+             (long long)st.st_size, ERRFILE_MAX);
+    close(fd);
+    return -EFBIG;
+  }
+  size_t cap = (size_t)st.st_size, n = 0;
+  char *buf = malloc(cap);
   if (!buf) {
-    fclose(f);
+    close(fd);
     snprintf(err, errlen, "%s: out of memory", path);
     return -ENOMEM;
   }
-  size_t n = fread(buf, 1, ERRFILE_MAX, f);
-  fclose(f);
+  /* Read what fstat promised; a file that shrinks meanwhile is parsed as far as it goes. */
+  while (n < cap) {
+    ssize_t k = read(fd, buf + n, cap - n);
+    if (k < 0 && errno == EINTR) continue;
+    if (k <= 0) break;
+    n += (size_t)k;
+  }
+  close(fd);
   int rc = errfile_parse(buf, n, msg, msglen, ts, tslen, err, errlen);
   free(buf);
   return rc;

@@ -12,7 +12,9 @@
  * none). Returns 0, or -EINVAL (not JSON, or no "message") with the reason in err. */
 int errfile_parse(const char *json, size_t len, char *msg, size_t msglen, char *ts, size_t tslen, char *err,
                   size_t errlen);
-/* Reads path and parses it. -ENOENT when the file does not exist (the worker wrote none). */
+/* Reads path and parses it. -ENOENT when the file does not exist (the worker wrote none),
+ * -EFBIG over 1 MiB, -EINVAL for an empty or non-regular file or what errfile_parse rejects;
+ * err names the path and the fault. msg and ts are "" on any error. */
 int errfile_read(const char *path, char *msg, size_t msglen, char *ts, size_t tslen, char *err, size_t errlen);
 
 #endif

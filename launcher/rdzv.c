@@ -41,7 +41,8 @@ struct rdzv {
   atomic_int done; /* this node said it is done: a store going away now is the host leaving */
 
   uv_mutex_t mu;
-  uv_cond_t cmd_cond, watch_cond;
+  uv_cond_t cmd_cond, watch_cond, exit_cond;
+  int live_threads; /* started and not yet returned (under mu) */
   cmd_t cmds[16];
   int ncmds;
   rdzv_event_t *events;
@@ -51,7 +52,7 @@ struct rdzv {
   int cur_round, cur_n, cur_my_idx, watch_gen;
   rdzv_node_t *cur_nodes;
 
-  store_t *cs, *ws; /* command and watch connections */
+  store_t *cs, *ws; /* command and watch connections; set under mu (rdzv_destroy reads them) */
   uv_thread_t cmd_thr, watch_thr;
 };
 
@@ -67,8 +68,15 @@ static double wall_now(void) {
   return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
+/* Queues ev for the loop. Nothing is queued or sent once stop is set: the async handle may be
+ * closed (and the loop gone) from then on, so the check and the send are under mu, the same
+ * lock rdzv_shutdown sets stop under. */
 static void emit(rdzv_t *rz, const rdzv_event_t *ev) {
   uv_mutex_lock(&rz->mu);
+  if (atomic_load(&rz->stop)) {
+    uv_mutex_unlock(&rz->mu);
+    return;
+  }
   if (rz->nevents == rz->capevents) {
     int cap = rz->capevents ? rz->capevents * 2 : 8;
     rdzv_event_t *p = realloc(rz->events, (size_t)cap * sizeof *p);
@@ -81,8 +89,8 @@ static void emit(rdzv_t *rz, const rdzv_event_t *ev) {
     rz->capevents = cap;
   }
   rz->events[rz->nevents++] = *ev;
-  uv_mutex_unlock(&rz->mu);
   uv_async_send(&rz->async);
+  uv_mutex_unlock(&rz->mu);
 }
 
 static void emit_error(rdzv_t *rz, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -173,7 +181,11 @@ static int wait_key(rdzv_t *rz, store_t *s, const char *key, int timeout_ms) {
 static int ensure_conn(rdzv_t *rz, store_t **s, int timeout_ms) {
   if (*s) return 0;
   char err[512];
-  int rc = store_connect(s, rz->cfg.store_host, rz->cfg.store_port, timeout_ms, err, sizeof err);
+  store_t *conn = NULL;
+  int rc = store_connect(&conn, rz->cfg.store_host, rz->cfg.store_port, timeout_ms, err, sizeof err);
+  uv_mutex_lock(&rz->mu);
+  *s = conn;
+  uv_mutex_unlock(&rz->mu);
   if (rc) {
     char ep[300];
     net_format_endpoint(ep, sizeof ep, rz->cfg.store_host, rz->cfg.store_port);
@@ -474,8 +486,14 @@ static void do_done(rdzv_t *rz) {
   emit(rz, &ev);
 }
 
-static void cmd_main(void *arg) {
-  rdzv_t *rz = arg;
+static void thread_exited(rdzv_t *rz) {
+  uv_mutex_lock(&rz->mu);
+  rz->live_threads--;
+  uv_cond_signal(&rz->exit_cond);
+  uv_mutex_unlock(&rz->mu);
+}
+
+static void cmd_loop(rdzv_t *rz) {
   for (;;) {
     uv_mutex_lock(&rz->mu);
     while (rz->ncmds == 0 && !atomic_load(&rz->stop)) uv_cond_wait(&rz->cmd_cond, &rz->mu);
@@ -493,6 +511,11 @@ static void cmd_main(void *arg) {
     case CMD_DONE: do_done(rz); break;
     }
   }
+}
+
+static void cmd_main(void *arg) {
+  cmd_loop(arg);
+  thread_exited(arg);
 }
 
 /* Watches one round: its end key (event-driven), our heartbeat, the peers' heartbeats. */
@@ -574,8 +597,7 @@ out:
   rdzv_hb_free(&hb);
 }
 
-static void watch_main(void *arg) {
-  rdzv_t *rz = arg;
+static void watch_loop(rdzv_t *rz) {
   int seen = 0;
   for (;;) {
     uv_mutex_lock(&rz->mu);
@@ -595,8 +617,22 @@ static void watch_main(void *arg) {
   }
 }
 
+static void watch_main(void *arg) {
+  watch_loop(arg);
+  thread_exited(arg);
+}
+
+static void free_rdzv(rdzv_t *rz) {
+  store_close(rz->cs);
+  store_close(rz->ws);
+  free(rz->events);
+  free(rz->cur_nodes);
+  free(rz);
+}
+
 int rdzv_create(rdzv_t **out, uv_loop_t *loop, const rdzv_config_t *cfg, rdzv_event_cb cb, void *arg, char *err,
                 size_t errlen) {
+  *out = NULL;
   rdzv_t *rz = calloc(1, sizeof *rz);
   if (!rz) {
     snprintf(err, errlen, "rdzv: out of memory");
@@ -607,20 +643,42 @@ int rdzv_create(rdzv_t **out, uv_loop_t *loop, const rdzv_config_t *cfg, rdzv_ev
   rz->cb = cb;
   rz->arg = arg;
   snprintf(rz->prefix, sizeof rz->prefix, "meshrun/%s/", cfg->run_id);
-  int rc;
+  int rc, nsync = 0, nthr = 0;
   if ((rc = uv_mutex_init(&rz->mu))) goto error;
+  nsync++;
   if ((rc = uv_cond_init(&rz->cmd_cond))) goto error;
+  nsync++;
   if ((rc = uv_cond_init(&rz->watch_cond))) goto error;
+  nsync++;
+  if ((rc = uv_cond_init(&rz->exit_cond))) goto error;
+  nsync++;
+  /* The threads touch the async handle only when a command makes them emit, and no command
+   * can come before we return, so it is initialized last: a failure before it needs no loop
+   * run to undo. */
+  rz->live_threads = 2;
+  if ((rc = uv_thread_create(&rz->cmd_thr, cmd_main, rz))) goto error;
+  nthr++;
+  if ((rc = uv_thread_create(&rz->watch_thr, watch_main, rz))) goto error;
+  nthr++;
   if ((rc = uv_async_init(loop, &rz->async, on_async))) goto error;
   rz->async.data = rz;
-  if ((rc = uv_thread_create(&rz->cmd_thr, cmd_main, rz))) goto error;
-  if ((rc = uv_thread_create(&rz->watch_thr, watch_main, rz))) goto error;
   *out = rz;
   return 0;
 error:
-  /* Half-built: threads that did start see stop and leave; rz is not freed under them. */
+  /* Half-built: the threads that started see stop at once (no command queued) and are joined. */
   snprintf(err, errlen, "rdzv: starting: %s", uv_strerror(rc));
+  uv_mutex_lock(&rz->mu);
   atomic_store(&rz->stop, 1);
+  uv_cond_broadcast(&rz->cmd_cond);
+  uv_cond_broadcast(&rz->watch_cond);
+  uv_mutex_unlock(&rz->mu);
+  if (nthr > 0) uv_thread_join(&rz->cmd_thr);
+  if (nthr > 1) uv_thread_join(&rz->watch_thr);
+  if (nsync > 3) uv_cond_destroy(&rz->exit_cond);
+  if (nsync > 2) uv_cond_destroy(&rz->watch_cond);
+  if (nsync > 1) uv_cond_destroy(&rz->cmd_cond);
+  if (nsync > 0) uv_mutex_destroy(&rz->mu);
+  free_rdzv(rz);
   return rc;
 }
 
@@ -649,12 +707,37 @@ void rdzv_done(rdzv_t *rz) {
 
 void rdzv_shutdown(rdzv_t *rz) {
   if (!rz) return;
-  atomic_store(&rz->stop, 1);
   uv_mutex_lock(&rz->mu);
+  atomic_store(&rz->stop, 1);
   uv_cond_broadcast(&rz->cmd_cond);
   uv_cond_broadcast(&rz->watch_cond);
   uv_mutex_unlock(&rz->mu);
   if (!uv_is_closing((uv_handle_t *)&rz->async)) uv_close((uv_handle_t *)&rz->async, NULL);
+}
+
+int rdzv_destroy(rdzv_t *rz, int wait_ms) {
+  if (!rz) return 0;
+  rdzv_shutdown(rz);
+  uv_mutex_lock(&rz->mu);
+  /* Wake store calls in progress: they fail at once, see stop and return. */
+  store_interrupt(rz->cs);
+  store_interrupt(rz->ws);
+  uint64_t deadline = uv_hrtime() + (uint64_t)(wait_ms > 0 ? wait_ms : 0) * 1000000u;
+  while (rz->live_threads > 0) {
+    uint64_t t = uv_hrtime();
+    if (t >= deadline || uv_cond_timedwait(&rz->exit_cond, &rz->mu, deadline - t) == UV_ETIMEDOUT) break;
+  }
+  int live = rz->live_threads;
+  uv_mutex_unlock(&rz->mu);
+  if (live > 0) return -EBUSY; /* left to the threads; the process's exit ends them */
+  uv_thread_join(&rz->cmd_thr);
+  uv_thread_join(&rz->watch_thr);
+  uv_cond_destroy(&rz->exit_cond);
+  uv_cond_destroy(&rz->watch_cond);
+  uv_cond_destroy(&rz->cmd_cond);
+  uv_mutex_destroy(&rz->mu);
+  free_rdzv(rz);
+  return 0;
 }
 
 /* ---- pure decision logic ---- */

@@ -8,7 +8,10 @@
  *     interval, writes this node's heartbeat on each timeout and judges its peers'.
  * Both report to the loop with uv_async_send; the callback runs on the loop thread. The loop
  * stops them with a flag; every store wait they make is bounded (heartbeat interval or join
- * timeout), so they notice. At process exit they are not joined (exit ends them).
+ * timeout), so they notice. rdzv_destroy also shuts their store sockets down so that they
+ * notice at once, joins them and frees everything; only a thread still inside a connect
+ * attempt past its wait (a store that stopped answering) is left to end with the process,
+ * holding the rdzv_t (reachable from its stack: not a leak, and bounded by join_timeout).
  *
  * Key schema, all under P = "meshrun/<run_id>/":
  *   P/round              current round number (decimal); absent = 0. Bumped r -> r+1 with
@@ -23,8 +26,10 @@
  *                        max nodes at once, or by the node whose index is min once
  *                        last_call_timeout has passed since it joined (a node with a higher
  *                        index joined later, so the min-th node's timer is the first to fire).
- *   P/r<r>/master        "addr:port": MASTER_ADDR/MASTER_PORT, chosen fresh each round by the
- *                        node with group rank 0 (a port free on that node, not the store's).
+ *   P/r<r>/master        "addr port" (a space, since addr may be an IPv6 literal, kept bare as
+ *                        torch wants MASTER_ADDR): MASTER_ADDR/MASTER_PORT, chosen fresh each
+ *                        round by the node with group rank 0 (a port free on that node, not the
+ *                        store's).
  *   P/r<r>/hb/<i>        heartbeat of participant i: a counter it bumps every heartbeat interval.
  *                        Peers compare values, not clocks, so clock skew does not matter.
  *   P/r<r>/done/<i>      participant i's workers all exited 0 (it stops heartbeating).
@@ -128,8 +133,13 @@ void rdzv_join(rdzv_t *rz);                       /* -> ASSIGNED or ERROR */
 void rdzv_end_round(rdzv_t *rz, const rdzv_end_t *e); /* ends the running round; -> ROUND_END */
 void rdzv_done(rdzv_t *rz);                       /* -> DONE */
 /* Tells the threads to stop and closes the async handle (the loop must run for it to close).
- * The threads are left to end on their own or with the process. */
+ * No event is delivered after it. Idempotent; accepts NULL. */
 void rdzv_shutdown(rdzv_t *rz);
+/* After rdzv_shutdown and the loop run that closed the handle: interrupts the threads' store
+ * calls, waits up to wait_ms for both threads to return, joins them and frees rz. Returns 0,
+ * or -EBUSY when a thread is still busy (then rz stays allocated for it; see above).
+ * Accepts NULL. */
+int rdzv_destroy(rdzv_t *rz, int wait_ms);
 
 /* ---- pure decision logic (no sockets; unit tested) ---- */
 

@@ -29,6 +29,7 @@
 #define READ_CHUNK (64u << 10)        /* buffer size for frames up to this size */
 #define OUT_LIMIT STORE_MAX_FRAME     /* queued reply bytes that stop reading from a client */
 #define LISTEN_BACKLOG 1024
+#define MAX_LISTENERS 8 /* one per address the endpoint's host resolves to */
 
 typedef struct entry {
   struct entry *next;
@@ -70,7 +71,8 @@ struct conn {
 
 struct store_server {
   uv_loop_t *loop;
-  uv_tcp_t listener;
+  uv_tcp_t listeners[MAX_LISTENERS];
+  int nlisteners;
   uv_idle_t idle; /* resumes connections whose parked request was answered */
   int closing, handles_open;
   conn_t *conns, *waiters, *ready;
@@ -827,34 +829,43 @@ static void server_handle_closed(uv_handle_t *h) {
 int store_server_start(store_server_t **out, uv_loop_t *loop, const char *host, int port, int *bound_port,
                        char *err, size_t errlen) {
   *out = NULL;
-  int bp = 0;
-  /* net_listen does the address work (dual-stack "any", every resolved address, EADDRINUSE);
-   * libuv then adopts the socket. */
-  int fd = net_listen(host, port, LISTEN_BACKLOG, &bp, err, errlen);
-  if (fd < 0) return fd == -EADDRINUSE ? STORE_SERVER_EADDRINUSE : fd;
+  int bp = 0, fds[MAX_LISTENERS];
+  /* net_listen_all does the address work (dual-stack "any"; every address a name resolves to,
+   * so clients meet us whichever they try first; EADDRINUSE when the endpoint is taken);
+   * libuv then adopts the sockets. */
+  int nfd = net_listen_all(host, port, LISTEN_BACKLOG, fds, MAX_LISTENERS, &bp, err, errlen);
+  if (nfd < 0) return nfd == -EADDRINUSE ? STORE_SERVER_EADDRINUSE : nfd;
   store_server_t *srv = calloc(1, sizeof *srv);
   if (!srv) {
-    close(fd);
+    for (int i = 0; i < nfd; i++) close(fds[i]);
     snprintf(err, errlen, "store server: out of memory");
     return -ENOMEM;
   }
   srv->loop = loop;
-  srv->listener.data = srv;
   srv->idle.data = srv;
-  uv_tcp_init(loop, &srv->listener);
   uv_idle_init(loop, &srv->idle);
-  srv->handles_open = 2;
-  int rc = uv_tcp_open(&srv->listener, fd);
-  int adopted = rc == 0; /* from here on, closing the handle closes fd */
-  if (rc == 0) rc = uv_listen((uv_stream_t *)&srv->listener, LISTEN_BACKLOG, on_connection);
+  srv->handles_open = 1 + nfd;
+  srv->nlisteners = nfd;
+  int rc = 0;
+  for (int i = 0; i < nfd; i++) {
+    srv->listeners[i].data = srv;
+    uv_tcp_init(loop, &srv->listeners[i]);
+    /* Once adopted, closing the handle closes the fd; before, it is ours to close. */
+    int orc = rc ? rc : uv_tcp_open(&srv->listeners[i], fds[i]);
+    if (orc) {
+      close(fds[i]);
+      rc = orc;
+      continue;
+    }
+    rc = uv_listen((uv_stream_t *)&srv->listeners[i], LISTEN_BACKLOG, on_connection);
+  }
   if (rc < 0) {
     char ep[300];
     net_format_endpoint(ep, sizeof ep, host && *host ? host : "*", bp);
     snprintf(err, errlen, "store server: listen %s: %s", ep, uv_strerror(rc));
-    if (!adopted) close(fd);
     /* The handles are released by their close callbacks on the next loop run. */
     srv->closing = 1;
-    uv_close((uv_handle_t *)&srv->listener, server_handle_closed);
+    for (int i = 0; i < nfd; i++) uv_close((uv_handle_t *)&srv->listeners[i], server_handle_closed);
     uv_close((uv_handle_t *)&srv->idle, server_handle_closed);
     return rc;
   }
@@ -868,7 +879,7 @@ void store_server_close(store_server_t *srv) {
   srv->closing = 1;
   while (srv->conns) conn_close(srv->conns, NULL);
   srv->ready = NULL;
-  uv_close((uv_handle_t *)&srv->listener, server_handle_closed);
+  for (int i = 0; i < srv->nlisteners; i++) uv_close((uv_handle_t *)&srv->listeners[i], server_handle_closed);
   uv_close((uv_handle_t *)&srv->idle, server_handle_closed);
 }
 

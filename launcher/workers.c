@@ -659,6 +659,12 @@ const workers_info_t *workers_info(const workers_t *w, int local_rank) {
 
 int workers_count(const workers_t *w) { return w->n; }
 
+void workers_destroy(workers_t *w) {
+  if (!w) return;
+  free_round(w);
+  free(w);
+}
+
 void workers_close(workers_t *w) {
   if (!w) return;
   uv_close((uv_handle_t *)&w->sigchld, NULL);

@@ -76,5 +76,7 @@ const workers_info_t *workers_info(const workers_t *w, int local_rank);
 int workers_count(const workers_t *w);
 /* Closes the handles (run the loop afterwards to let them close); accepts NULL. */
 void workers_close(workers_t *w);
+/* Frees w once workers_close's handles have closed (the loop ran); accepts NULL. */
+void workers_destroy(workers_t *w);
 
 #endif

@@ -4,7 +4,8 @@
 - Meshrun() starts one meshrun process in its own session with captured output and a
   deadline; wait_for() polls a condition with a deadline (no fixed sleeps: every wait ends
   as soon as the observed event happens).
-- free_port() asks the kernel for a port on 127.0.0.1 (nothing fixed).
+- free_port() asks the kernel for a port on 127.0.0.1 (nothing fixed); free_port6() on ::1,
+  or None where this machine cannot bind ::1 (IPv6 tests skip then).
 - pids_alive() scans /proc, for the "no orphan survives" checks.
 """
 import json
@@ -36,6 +37,15 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_port6():
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+            return s.getsockname()[1]
+    except OSError:
+        return None
 
 
 def wait_for(cond, timeout, what):

@@ -10,6 +10,8 @@ from conftest import (FAST_CONF, MESHRUN, PYTHON, WORKER, pids_alive, read_json,
 
 import subprocess
 
+import pytest
+
 
 def test_unknown_flag_exits_2_naming_it(launch):
     m = launch(["--no_such_flag=1", "true"])
@@ -134,6 +136,37 @@ def test_sigint_is_forwarded_then_meshrun_exits(launch, tmp_path):
     for r in range(2):
         assert os.path.exists(worker_file(tmp_path, r, 0, "sig%d" % signal.SIGINT)), "rank %d got no SIGINT" % r
     assert pids_alive(pids) == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_term_and_hup_are_forwarded_then_meshrun_exits(launch, tmp_path, sig):
+    m = launch(["--nproc_per_node=2", "--shutdown_timeout=10"] + worker_cmd(tmp_path, "--hang"))
+    wait_for(lambda: all(os.path.exists(worker_file(tmp_path, r, 0, "json")) for r in range(2)), 20,
+             "both workers to start")
+    pids = [read_json(worker_file(tmp_path, r, 0, "json"))["_pid"] for r in range(2)]
+    m.signal(sig)
+    assert m.wait(20) == 128 + sig, m.describe()
+    for r in range(2):
+        # The worker saw the signal meshrun got (not a SIGTERM of meshrun's own choosing).
+        assert os.path.exists(worker_file(tmp_path, r, 0, "sig%d" % sig)), "rank %d got no %s\n%s" % (
+            r, sig.name, m.describe())
+    assert pids_alive(pids) == []
+    assert not os.path.exists(worker_file(tmp_path, 0, 1, "json"))  # a shutdown, not a restart
+
+
+def test_sigusr2_is_forwarded_and_job_continues(launch, tmp_path):
+    m = launch(["--nproc_per_node=2"] + worker_cmd(tmp_path, "--hang-until=%s" % (tmp_path / "go")))
+    wait_for(lambda: all(os.path.exists(worker_file(tmp_path, r, 0, "json")) for r in range(2)), 20,
+             "both workers to start")
+    m.signal(signal.SIGUSR2)
+    wait_for(lambda: all(os.path.exists(worker_file(tmp_path, r, 0, "sig%d" % signal.SIGUSR2)) for r in range(2)),
+             20, "SIGUSR2 to reach both workers")
+    assert m.proc.poll() is None, m.describe()
+    (tmp_path / "go").write_text("")
+    assert m.wait(20) == 0, m.describe()
+    for r in range(2):
+        assert os.path.exists(worker_file(tmp_path, r, 0, "done"))
+        assert not os.path.exists(worker_file(tmp_path, r, 1, "json"))
 
 
 def test_sigusr1_is_forwarded_and_job_continues(launch, tmp_path):

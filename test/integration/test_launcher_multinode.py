@@ -1,25 +1,32 @@
 """Several meshrun processes on loopback forming one job: heterogeneous nodes, a node that
-dies, a node that arrives late, garbage on the store port, a port held by another program."""
+dies, a node that arrives late, garbage on the store port, a port held by another program,
+IPv6 and hostname endpoints, worker failures on one node restarting every node, the job-wide
+restart budget."""
+import glob
 import os
+import re
 import signal
 import socket
 import threading
 
-from conftest import FAST_CONF, free_port, pids_alive, read_json, wait_for, worker_cmd, worker_file
+import pytest
+
+from conftest import (FAST_CONF, free_port, free_port6, pids_alive, read_json, wait_for, worker_cmd,
+                      worker_file)
 
 
-def endpoint_up(port):
+def endpoint_up(port, host="127.0.0.1"):
     def check():
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            with socket.create_connection((host, port), timeout=0.5):
                 return True
         except OSError:
             return False
     return check
 
 
-def node(launch, port, nnodes, nproc, prog, extra=()):
-    return launch(["--nnodes=%s" % nnodes, "--nproc_per_node=%d" % nproc, "--rdzv_endpoint=127.0.0.1:%d" % port,
+def node(launch, port, nnodes, nproc, prog, extra=(), host="127.0.0.1"):
+    return launch(["--nnodes=%s" % nnodes, "--nproc_per_node=%d" % nproc, "--rdzv_endpoint=%s:%d" % (host, port),
                    "--rdzv_conf=" + FAST_CONF, "--shutdown_timeout=5"] + list(extra) + prog)
 
 
@@ -189,3 +196,106 @@ def test_endpoint_that_never_answers_ends_after_join_timeout(launch, tmp_path):
         assert "127.0.0.1:%d" % srv.port in m.err and "answer" in m.err, m.describe()
     finally:
         srv.close()
+
+
+def check_met(tmp_path, world):
+    """Every rank reached the store and rank 0's MASTER_ADDR:MASTER_PORT (worker.py --meet)."""
+    for r in range(world):
+        m = read_json(worker_file(tmp_path, r, 0, "meet"))
+        assert m["store"] is True
+    assert read_json(worker_file(tmp_path, 0, 0, "meet"))["peers"] == list(range(1, world))
+
+
+def test_rendezvous_over_ipv6(launch, tmp_path):
+    port = free_port6()
+    if port is None:
+        pytest.skip("::1 cannot be bound on this machine")
+    prog = worker_cmd(tmp_path, "--meet")
+    a = node(launch, port, "2", 1, prog, ["--node_rank=0"], host="[::1]")
+    b = node(launch, port, "2", 1, prog, ["--node_rank=1"], host="[::1]")
+    assert a.wait(30) == 0, a.describe()
+    assert b.wait(30) == 0, b.describe()
+    envs = [read_json(worker_file(tmp_path, r, 0, "json")) for r in range(2)]
+    for e in envs:
+        assert e["WORLD_SIZE"] == "2" and e["GROUP_WORLD_SIZE"] == "2"
+        # torch wants MASTER_ADDR bare (no brackets); MESHRUN_STORE is host:port, bracketed for v6.
+        assert e["MASTER_ADDR"] == "::1", e["MASTER_ADDR"]
+        assert e["MESHRUN_STORE"] == "[::1]:%d" % port, e["MESHRUN_STORE"]
+        assert e["MASTER_PORT"] == envs[0]["MASTER_PORT"]
+    check_met(tmp_path, 2)
+
+
+def test_rendezvous_over_hostname(launch, tmp_path):
+    port = free_port()
+    go = tmp_path / "go"
+    prog = worker_cmd(tmp_path, "--meet", "--hang-until=%s" % go)
+    a = node(launch, port, "2", 1, prog, ["--node_rank=0"], host="localhost")
+    b = node(launch, port, "2", 1, prog, ["--node_rank=1"], host="localhost")
+    wait_for(lambda: all(os.path.exists(worker_file(tmp_path, r, 0, "meet")) for r in range(2)), 30,
+             "both ranks to meet")
+    # Whichever address of "localhost" a client tries first, the store answers there.
+    addrs = {ai[4][0] for ai in socket.getaddrinfo("localhost", port, 0, socket.SOCK_STREAM)}
+    for ip in addrs:
+        assert endpoint_up(port, ip)(), "store not reachable on %s (localhost resolves to %s)" % (ip, addrs)
+    go.write_text("")
+    assert a.wait(30) == 0, a.describe()
+    assert b.wait(30) == 0, b.describe()
+    for r in range(2):
+        e = read_json(worker_file(tmp_path, r, 0, "json"))
+        assert e["WORLD_SIZE"] == "2" and e["MESHRUN_STORE"] == "localhost:%d" % port, e
+    check_met(tmp_path, 2)
+
+
+def start_two_by_two(launch, tmp_path, port, prog, max_restarts):
+    """Node A (node rank 0: ranks 0,1) serves the store; node B (node rank 1: ranks 2,3) joins."""
+    extra = ["--max_restarts=%d" % max_restarts]
+    a = node(launch, port, "2", 2, prog, ["--node_rank=0"] + extra)
+    wait_for(endpoint_up(port), 20, "node A to serve the store")
+    b = node(launch, port, "2", 2, prog, ["--node_rank=1"] + extra)
+    return a, b
+
+
+def test_worker_failure_on_one_node_restarts_every_node(launch, tmp_path):
+    port = free_port()
+    go = tmp_path / "go"
+    prog = worker_cmd(tmp_path, "--fail-rank=3", "--fail-attempts=1", "--code=5", "--hang-until=%s" % go)
+    a, b = start_two_by_two(launch, tmp_path, port, prog, 1)
+    wait_for(lambda: all(os.path.exists(worker_file(tmp_path, r, 1, "json")) for r in range(4)), 30,
+             "all four ranks of attempt 1")
+    # Attempt 0 is over on both nodes before attempt 1 starts: nothing of it still runs.
+    first = [read_json(worker_file(tmp_path, r, 0, "json"))["_pid"] for r in range(4)
+             if os.path.exists(worker_file(tmp_path, r, 0, "json"))]
+    assert pids_alive(first) == [], first
+    go.write_text("")
+    assert a.wait(30) == 0, a.describe()
+    assert b.wait(30) == 0, b.describe()
+    assert os.path.exists(worker_file(tmp_path, 3, 0, "exit"))
+    for r in range(4):
+        e = read_json(worker_file(tmp_path, r, 1, "json"))
+        assert e["TORCHELASTIC_RESTART_COUNT"] == "1" and e["WORLD_SIZE"] == "4", e
+        assert os.path.exists(worker_file(tmp_path, r, 1, "done"))
+        assert not os.path.exists(worker_file(tmp_path, r, 0, "done"))  # stopped, not finished
+        assert not os.path.exists(worker_file(tmp_path, r, 2, "json"))
+
+
+def test_restart_budget_is_global_to_the_job(launch, tmp_path):
+    port = free_port()
+    prog = worker_cmd(tmp_path, "--fail-rank=3", "--code=9", "--errfile=rank three broke",
+                      "--hang-until=%s" % (tmp_path / "never"))
+    a, b = start_two_by_two(launch, tmp_path, port, prog, 2)
+    assert a.wait(60) == 9, a.describe()
+    assert b.wait(60) == 9, b.describe()
+    # 2 restarts job-wide: attempts 0, 1, 2 and no attempt 3 on either node.
+    exits = sorted(glob.glob(os.path.join(str(tmp_path), "rank3.attempt*.exit")))
+    assert [os.path.basename(f) for f in exits] == ["rank3.attempt%d.exit" % i for i in range(3)], exits
+    assert glob.glob(os.path.join(str(tmp_path), "rank*.attempt3.*")) == []
+    # Node A took part in all three (its other ranks may be stopped before they write a file:
+    # rank 3 fails fast, so A's own log says which rounds it ran).
+    assert [int(x) for x in re.findall(r"round (\d+): node 0 of 2", a.err)] == [0, 1, 2], a.describe()
+    # Node A reports the remote root cause: rank 3 on B (its pid proves which process).
+    pid = read_json(worker_file(tmp_path, 3, 2, "json"))["_pid"]
+    assert "root cause" in a.err and "rank three broke" in a.err, a.describe()
+    assert re.search(r"rank:\s+3 \(local_rank 1\)", a.err), a.describe()
+    assert re.search(r"host:\s+%s\b" % re.escape(socket.gethostname()), a.err), a.describe()
+    assert re.search(r"exitcode:\s+9\b", a.err), a.describe()
+    assert "rank 3 (pid %d)" % pid in a.err, a.describe()

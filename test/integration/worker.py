@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -17,6 +18,43 @@ def atomic_write(path, text):
     with open(tmp, "w") as f:
         f.write(text)
     os.rename(tmp, path)
+
+
+def meet(path, deadline_s=20):
+    """Proves the endpoints are usable as given: every rank opens a TCP connection to
+    MESHRUN_STORE ("host:port" or "[v6]:port"); rank 0 listens on (MASTER_ADDR, MASTER_PORT)
+    as torch's TCPStore does (MASTER_ADDR is a bare host: no brackets) and the other ranks dial
+    it and send their rank. Writes {"store": true, "peers": [...]} (peers: rank 0 only)."""
+    host, port = os.environ["MESHRUN_STORE"].rsplit(":", 1)
+    with socket.create_connection((host.strip("[]"), int(port)), timeout=10):
+        pass
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    addr, mport = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    peers = []
+    if rank == 0:
+        fam, _, _, _, sa = socket.getaddrinfo(addr, mport, 0, socket.SOCK_STREAM)[0]
+        with socket.socket(fam, socket.SOCK_STREAM) as ls:
+            ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            ls.bind(sa)
+            ls.listen(world)
+            ls.settimeout(deadline_s)
+            while len(peers) < world - 1:
+                c, _ = ls.accept()
+                with c:
+                    c.settimeout(deadline_s)
+                    peers.append(int(c.recv(16).decode()))
+    else:
+        end = time.time() + deadline_s
+        while True:
+            try:
+                with socket.create_connection((addr, mport), timeout=5) as c:
+                    c.sendall(str(rank).encode())
+                break
+            except OSError:
+                if time.time() > end:
+                    raise
+                time.sleep(0.02)  # rank 0 is not listening yet: retry until the deadline
+    atomic_write(path, json.dumps({"store": True, "peers": sorted(peers)}))
 
 
 def main():
@@ -30,6 +68,8 @@ def main():
     p.add_argument("--hang", action="store_true", help="after starting, wait until a signal ends us")
     p.add_argument("--hang-until", default="", help="wait until this file exists (30 s cap)")
     p.add_argument("--print", type=int, default=0, help="print N lines to stdout and stderr")
+    p.add_argument("--meet", action="store_true",
+                   help="use MASTER_ADDR/MASTER_PORT and MESHRUN_STORE as a torch program would (see meet())")
     a = p.parse_args()
 
     rank = int(os.environ["RANK"])
@@ -48,6 +88,9 @@ def main():
     env["_pid"] = os.getpid()
     env["_start"] = time.time()
     atomic_write(os.path.join(a.dir, tag + ".json"), json.dumps(env))
+
+    if a.meet:
+        meet(os.path.join(a.dir, tag + ".meet"))
 
     for i in range(a.print):
         print("out line %d from %d" % (i, rank), flush=True)

@@ -1,0 +1,222 @@
+// deps: launcher/errfile.c common/log.c
+/* Unit tests of errfile: the worker's TORCHELASTIC_ERROR_FILE to a message. torch's nested
+ * format, the plain one, and the ways a file can be wrong (missing, empty, not JSON, no
+ * message, too deep, too big, not a regular file); each gives the message or an error naming
+ * the fault, never a crash or a stale message. Files live in a mkdtemp directory per test. */
+#include <errno.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "launcher/errfile.h"
+
+typedef struct {
+  char dir[64];
+  char path[128];
+} fx_t;
+
+static int setup(void **state) {
+  fx_t *f = calloc(1, sizeof *f);
+  if (!f) return -1;
+  snprintf(f->dir, sizeof f->dir, "/tmp/test_errfile-XXXXXX");
+  if (!mkdtemp(f->dir)) return -1;
+  snprintf(f->path, sizeof f->path, "%s/error.json", f->dir);
+  *state = f;
+  return 0;
+}
+
+static int teardown(void **state) {
+  fx_t *f = *state;
+  unlink(f->path);
+  rmdir(f->path); /* the not-a-file test makes a directory there */
+  rmdir(f->dir);
+  free(f);
+  return 0;
+}
+
+static void write_file(const char *path, const char *text, size_t len) {
+  FILE *fp = fopen(path, "wb");
+  assert_non_null(fp);
+  assert_int_equal(fwrite(text, 1, len, fp), len);
+  assert_int_equal(fclose(fp), 0);
+}
+
+/* Writes {"message": "<len times ch>"} in chunks. */
+static void write_long_message(const char *path, char ch, size_t len) {
+  static char chunk[64 << 10];
+  memset(chunk, ch, sizeof chunk);
+  FILE *fp = fopen(path, "wb");
+  assert_non_null(fp);
+  assert_true(fputs("{\"message\": \"", fp) >= 0);
+  for (size_t done = 0; done < len;) {
+    size_t k = len - done < sizeof chunk ? len - done : sizeof chunk;
+    assert_int_equal(fwrite(chunk, 1, k, fp), k);
+    done += k;
+  }
+  assert_true(fputs("\"}", fp) >= 0);
+  assert_int_equal(fclose(fp), 0);
+}
+
+/* Reads path with buffers pre-filled with junk, so a result that leaves them alone shows. */
+static int rd(const char *path, char *msg, size_t msglen, char *ts, size_t tslen, char *err, size_t errlen) {
+  memset(msg, 'x', msglen - 1);
+  msg[msglen - 1] = 0;
+  memset(ts, 'y', tslen - 1);
+  ts[tslen - 1] = 0;
+  err[0] = 0;
+  return errfile_read(path, msg, msglen, ts, tslen, err, errlen);
+}
+
+static void test_torch_format(void **state) {
+  fx_t *f = *state;
+  const char *doc = "{\"message\": {\"message\": \"RuntimeError: boom\", \"extraInfo\": "
+                    "{\"py_callstack\": \"Traceback...\", \"timestamp\": \"1700000000\"}}}";
+  write_file(f->path, doc, strlen(doc));
+  char msg[256], ts[64], err[256];
+  assert_int_equal(rd(f->path, msg, sizeof msg, ts, sizeof ts, err, sizeof err), 0);
+  assert_string_equal(msg, "RuntimeError: boom");
+  assert_string_equal(ts, "1700000000");
+}
+
+static void test_torch_format_numeric_timestamp(void **state) {
+  (void)state;
+  const char *doc = "{\"message\": {\"message\": \"m\", \"extraInfo\": {\"timestamp\": 1700000001}}}";
+  char msg[64], ts[64], err[256];
+  assert_int_equal(errfile_parse(doc, strlen(doc), msg, sizeof msg, ts, sizeof ts, err, sizeof err), 0);
+  assert_string_equal(msg, "m");
+  assert_string_equal(ts, "1700000001");
+}
+
+static void test_plain_format(void **state) {
+  fx_t *f = *state;
+  const char *doc = "{\"message\": \"plain message\"}";
+  write_file(f->path, doc, strlen(doc));
+  char msg[256], ts[64], err[256];
+  assert_int_equal(rd(f->path, msg, sizeof msg, ts, sizeof ts, err, sizeof err), 0);
+  assert_string_equal(msg, "plain message");
+  assert_string_equal(ts, "");
+}
+
+static void test_missing_file(void **state) {
+  fx_t *f = *state;
+  char msg[64], ts[64], err[256];
+  assert_int_equal(rd(f->path, msg, sizeof msg, ts, sizeof ts, err, sizeof err), -ENOENT);
+  assert_string_equal(msg, "");
+  assert_string_equal(ts, "");
+  assert_non_null(strstr(err, f->path));
+}
+
+static void test_invalid_json(void **state) {
+  fx_t *f = *state;
+  const char *bad[] = {"{\"message\": \"unterminated", "not json at all", "{\"message\": }", "\xff\xfe\x00garbage"};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    write_file(f->path, bad[i], strlen(bad[i]) + (i == 3 ? 4 : 0));
+    char msg[64], ts[64], err[256];
+    assert_int_equal(rd(f->path, msg, sizeof msg, ts, sizeof ts, err, sizeof err), -EINVAL);
+    assert_string_equal(msg, "");
+    assert_string_equal(ts, "");
+    assert_non_null(strstr(err, "not JSON"));
+  }
+}
+
+static void test_json_without_message(void **state) {
+  (void)state;
+  const char *docs[] = {"{}", "[]", "\"just a string\"", "{\"message\": null}", "{\"message\": 42}",
+                        "{\"message\": {\"extraInfo\": {\"timestamp\": \"1\"}}}", "{\"Message\": \"case\"}"};
+  for (size_t i = 0; i < sizeof docs / sizeof docs[0]; i++) {
+    char msg[64] = "stale", ts[64] = "stale", err[256] = "";
+    assert_int_equal(errfile_parse(docs[i], strlen(docs[i]), msg, sizeof msg, ts, sizeof ts, err, sizeof err),
+                     -EINVAL);
+    assert_string_equal(msg, "");
+    assert_string_equal(ts, "");
+    assert_non_null(strstr(err, "no \"message\""));
+  }
+}
+
+static void test_empty_file(void **state) {
+  fx_t *f = *state;
+  write_file(f->path, "", 0);
+  char msg[64], ts[64], err[256];
+  assert_int_equal(rd(f->path, msg, sizeof msg, ts, sizeof ts, err, sizeof err), -EINVAL);
+  assert_string_equal(msg, "");
+  assert_non_null(strstr(err, "empty"));
+}
+
+/* Over the 1 MiB limit: reported with its size, not parsed in part (a valid document whose
+ * message alone is 2 MiB). */
+static void test_huge_file(void **state) {
+  fx_t *f = *state;
+  write_long_message(f->path, 'a', 2u << 20);
+  char msg[64], ts[64], err[256];
+  assert_int_equal(rd(f->path, msg, sizeof msg, ts, sizeof ts, err, sizeof err), -EFBIG);
+  assert_string_equal(msg, "");
+  assert_non_null(strstr(err, "bytes"));
+  assert_non_null(strstr(err, "limit"));
+}
+
+/* Just under the limit it is read whole; the message is cut to the caller's buffer. */
+static void test_large_message_truncated(void **state) {
+  fx_t *f = *state;
+  write_long_message(f->path, 'b', (1u << 20) - 64);
+  char msg[100], ts[16], err[256];
+  assert_int_equal(rd(f->path, msg, sizeof msg, ts, sizeof ts, err, sizeof err), 0);
+  assert_int_equal(strlen(msg), sizeof msg - 1);
+  assert_int_equal(strspn(msg, "b"), sizeof msg - 1);
+}
+
+/* Truncation never leaves half a UTF-8 character: "é" is 2 bytes, 3 of them in a 6-byte buffer
+ * leave room for 5 bytes: two whole characters. */
+static void test_truncation_keeps_utf8_whole(void **state) {
+  (void)state;
+  const char *doc = "{\"message\": \"\xc3\xa9\xc3\xa9\xc3\xa9\"}";
+  char msg[6], ts[8], err[128];
+  assert_int_equal(errfile_parse(doc, strlen(doc), msg, sizeof msg, ts, sizeof ts, err, sizeof err), 0);
+  assert_string_equal(msg, "\xc3\xa9\xc3\xa9");
+}
+
+static void test_deep_nesting(void **state) {
+  (void)state;
+  size_t depth = 100000;
+  char *doc = malloc(2 * depth);
+  assert_non_null(doc);
+  memset(doc, '[', depth);
+  memset(doc + depth, ']', depth);
+  char msg[64], ts[64], err[256];
+  assert_int_equal(errfile_parse(doc, 2 * depth, msg, sizeof msg, ts, sizeof ts, err, sizeof err), -EINVAL);
+  free(doc);
+  assert_string_equal(msg, "");
+}
+
+static void test_not_a_regular_file(void **state) {
+  fx_t *f = *state;
+  assert_int_equal(mkdir(f->path, 0755), 0);
+  char msg[64], ts[64], err[256];
+  assert_int_equal(rd(f->path, msg, sizeof msg, ts, sizeof ts, err, sizeof err), -EINVAL);
+  assert_string_equal(msg, "");
+  assert_non_null(strstr(err, "not a regular file"));
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test_setup_teardown(test_torch_format, setup, teardown),
+      cmocka_unit_test(test_torch_format_numeric_timestamp),
+      cmocka_unit_test_setup_teardown(test_plain_format, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_missing_file, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_invalid_json, setup, teardown),
+      cmocka_unit_test(test_json_without_message),
+      cmocka_unit_test_setup_teardown(test_empty_file, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_huge_file, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_large_message_truncated, setup, teardown),
+      cmocka_unit_test(test_truncation_keeps_utf8_whole),
+      cmocka_unit_test(test_deep_nesting),
+      cmocka_unit_test_setup_teardown(test_not_a_regular_file, setup, teardown),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
