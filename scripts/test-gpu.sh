@@ -4,21 +4,36 @@
 #   1. each GPU test binary given as an argument, in its own process: CUDA kernels against the cpu
 #      backend, determinism, NCCL bootstrap in a group of one through the store and the staged
 #      comm over the cuda backend (test_nccl);
-#   2. training equivalence: 20 steps of a small plan in fp32 (TF32 off) on device cuda vs device
-#      cpu, every step's loss within 1e-4 (max difference printed), and the cuda run twice for the
-#      same loss bits;
+#   2. training equivalence: 20 steps of a small plan in fp32 (TF32 off:
+#      parallel.mixed_precision.allow_tf32=false) on device cuda vs device cpu, every step's loss
+#      within 1e-4 (max difference printed), and the cuda run twice for the same loss bits;
 #   3. bf16 mixed precision on cuda vs the cpu fp32 losses, within 2e-2 (while the trainer refuses
-#      bf16 this is "not yet", counted as neither passed nor failed);
+#      an explicit bf16 this is "not yet", counted as neither passed nor failed); and the defaults
+#      of a GPU machine: device auto picks cuda, and param_dtype left at its default (bf16 on
+#      cuda) trains in fp32 with one log line saying so;
 #   4. multi-rank plans on the one GPU through the staged comm under bin/meshrun (ddp2, fsdp2,
 #      tp2; MESHRUN_COMM_BACKEND=staged), each against the serial cuda losses within 1e-4 relative
-#      (the parallel plans' tolerance on cpu); "not yet" while the trainer refuses cuda with
-#      WORLD_SIZE > 1;
+#      (the parallel plans' tolerance on cpu), TF32 off; then, with 2 or more GPUs, the same plans
+#      with the comm backend the trainer picks there (nccl: one GPU per rank), within 1e-4 of the
+#      serial cuda losses too (skipped on one GPU);
 #   5. compute-sanitizer memcheck on a 2-step cuda run (when compute-sanitizer exists).
 # Closing line: "test-gpu: N passed, N failed (N not yet: ...)". Exits non-zero on any failure,
 # when no GPU is visible, or when there is nothing to run (a build without nvcc has no GPU tests).
 # Environment (set by the Makefile): MESHRUN_BIN (programs), MESHRUN_BUILD (objects).
 # TEST_GPU_DEVICE=cpu dry-runs the script's own logic on a machine without a GPU: every "cuda"
-# run becomes a cpu run (then the comparisons must pass trivially, and nothing about CUDA is shown).
+# run becomes a cpu run (then the comparisons must pass trivially, and nothing about CUDA is shown;
+# the device-auto check and the nccl plans are skipped).
+#
+# In a GPU session (from the repository root; nvcc and NCCL present, one GPU is enough):
+#   make BUILD=build/gpu BIN=build/gpu/bin all            # builds the cuda backend and GPU tests
+#   make BUILD=build/gpu BIN=build/gpu/bin test-gpu       # runs this script with the GPU tests
+# or, the script alone on an existing build:
+#   MESHRUN_BIN=build/gpu/bin MESHRUN_BUILD=build/gpu scripts/test-gpu.sh build/gpu/test-gpu/test_*
+# The dry run of the script's logic, anywhere:
+#   TEST_GPU_DEVICE=cpu MESHRUN_BIN=build/gpu/bin scripts/test-gpu.sh /bin/true
+# One staged plan by hand (2 ranks sharing the GPU):
+#   MESHRUN_COMM_BACKEND=staged build/gpu/bin/meshrun --standalone --nproc_per_node=2 \
+#     build/gpu/bin/trainer configs/tiny.json --set device=cuda --set mesh.dp_shard=2
 set -u
 DEV=${TEST_GPU_DEVICE:-cuda}
 pass=0; fail=0; failed=(); notyet=(); skipped=()
@@ -79,7 +94,7 @@ EOF
 run() {
   local name=$1 dev=$2 dtype=$3; shift 3
   local sets=(--set "device=$dev" --set "parallel.mixed_precision.param_dtype=$dtype"
-              --set "log.metrics_file=$work/$name.jsonl")
+              --set parallel.mixed_precision.allow_tf32=false --set "log.metrics_file=$work/$name.jsonl")
   for kv in "$@"; do sets+=(--set "$kv"); done
   (unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MESHRUN_STORE
    OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} timeout 300 "$TRAINER" "$work/plan.json" "${sets[@]}") \
@@ -130,27 +145,56 @@ elif grep -q "bf16 is not built yet" "$work/cuda_bf16.log"; then
   notyet+=("bf16")
 else bad "cuda bf16 run"; tail_log cuda_bf16; fi
 
-# --- 4. multi-rank plans on one GPU (staged comm) -----------------------------------------------
-echo "== parallel plans on one GPU through the staged comm (meshrun, 2 ranks each) vs serial cuda"
+echo "== the defaults on a GPU machine: device auto, param_dtype unset"
+if [ "$DEV" = cuda ]; then
+  (unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MESHRUN_STORE
+   timeout 300 "$TRAINER" "$work/plan.json" --set device=auto --set train.steps=2) >"$work/defaults.log" 2>&1
+  rc=$?
+  if [ $rc -ne 0 ]; then bad "device auto, default param_dtype (status $rc)"; tail_log defaults
+  elif ! grep -q "device auto: cuda" "$work/defaults.log"; then
+    bad "device auto did not pick cuda"; grep -m1 "device auto" "$work/defaults.log" | sed 's/^/   /'
+  elif ! grep -q "is not built yet; training in fp32" "$work/defaults.log"; then
+    bad "default param_dtype on cuda: no line saying it trains in fp32"
+  else ok "device auto picks cuda; default param_dtype trains in fp32 with a log line"; fi
+else
+  echo "   skipped: TEST_GPU_DEVICE=$DEV"; skipped+=("defaults")
+fi
+
+# --- 4. multi-rank plans on one GPU (staged comm), then on several GPUs (nccl) -----------------
 FAST_CONF="join_timeout=20,last_call_timeout=0.5,heartbeat_interval=0.1,heartbeat_timeout=1"
 declare -A MESH=([ddp2]="2 1 1" [fsdp2]="1 2 1" [tp2]="1 1 2")
-for plan in ddp2 fsdp2 tp2; do
+# parallel_plan PLAN COMM: 2 ranks under meshrun with MESHRUN_COMM_BACKEND=COMM ("" = the
+# trainer's choice), losses against the serial cuda run; the comm backend rank 0 logged must be
+# WANT (the third argument).
+parallel_plan() {
+  local plan=$1 comm=$2 want=$3 name="$1_${3}" r s t rc
   read -r r s t <<<"${MESH[$plan]}"
-  if [ ! -s "$work/cuda.jsonl" ]; then bad "$plan (no serial cuda losses to compare with)"; continue; fi
+  if [ ! -s "$work/cuda.jsonl" ]; then bad "$name (no serial cuda losses to compare with)"; return; fi
   (unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MESHRUN_STORE
-   MESHRUN_COMM_BACKEND=staged OMP_NUM_THREADS=2 timeout 300 "$MESHRUN" --standalone --nproc_per_node=2 \
+   MESHRUN_COMM_BACKEND=$comm OMP_NUM_THREADS=2 timeout 300 "$MESHRUN" --standalone --nproc_per_node=2 \
      --rdzv_conf="$FAST_CONF" "$TRAINER" "$work/plan.json" --set "device=$DEV" \
-     --set parallel.mixed_precision.param_dtype=fp32 --set "log.metrics_file=$work/$plan.jsonl" \
-     --set mesh.dp_replicate=$r --set mesh.dp_shard=$s --set mesh.tp=$t) >"$work/$plan.log" 2>&1
+     --set parallel.mixed_precision.param_dtype=fp32 --set parallel.mixed_precision.allow_tf32=false \
+     --set "log.metrics_file=$work/$name.jsonl" \
+     --set mesh.dp_replicate=$r --set mesh.dp_shard=$s --set mesh.tp=$t) >"$work/$name.log" 2>&1
   rc=$?
-  if [ $rc -eq 0 ]; then
-    if compare "$work/cuda.jsonl" "$work/$plan.jsonl" 1e-4 rel; then ok "$plan (staged) losses = serial cuda within 1e-4"
-    else bad "$plan (staged) losses vs serial cuda"; fi
-  elif grep -q "needs the nccl comm backend, which is not built" "$work/$plan.log"; then
-    echo "   not yet: $plan (the trainer refuses device cuda with WORLD_SIZE > 1; main.c must select the staged comm)"
-    notyet+=("$plan")
-  else bad "$plan (staged) run, status $rc"; grep -m3 -i "error\|trainer:" "$work/$plan.log" | sed 's/^/   /'; fi
-done
+  if [ $rc -ne 0 ]; then
+    bad "$name run, status $rc"; grep -m3 -i "error\|trainer:" "$work/$name.log" | sed 's/^/   /'
+  elif ! grep -q "comm backend $want " "$work/$name.log"; then
+    bad "$name: rank 0 did not log comm backend $want"; grep -m1 "comm backend" "$work/$name.log" | sed 's/^/   /'
+  elif compare "$work/cuda.jsonl" "$work/$name.jsonl" 1e-4 rel; then ok "$name losses = serial cuda within 1e-4"
+  else bad "$name losses vs serial cuda"; fi
+}
+echo "== parallel plans on one GPU through the staged comm (meshrun, 2 ranks each) vs serial cuda"
+for plan in ddp2 fsdp2 tp2; do parallel_plan $plan staged staged; done
+
+echo "== parallel plans on 2 GPUs through nccl (the trainer's choice with one GPU per rank)"
+ngpu=0
+[ "$DEV" = cuda ] && command -v nvidia-smi >/dev/null 2>&1 && ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
+if [ "$ngpu" -ge 2 ]; then
+  for plan in ddp2 fsdp2 tp2; do parallel_plan $plan "" nccl; done
+else
+  echo "   skipped: $ngpu GPU(s) visible, nccl needs one per rank"; skipped+=("nccl plans")
+fi
 
 # --- 5. compute-sanitizer -----------------------------------------------------------------------
 echo "== compute-sanitizer memcheck (2 cuda steps)"

@@ -161,5 +161,8 @@ int comm_nccl_set_stream(comm_t *c, void *compute_stream);
  * a collective with it fail instead of hanging. For fatal-error paths (a CUDA check macro)
  * right before exit; the communicators are unusable afterwards. Weak-link it the same way. */
 void comm_nccl_abort_all(void);
+/* GPUs visible to this process (cudaGetDeviceCount), 0 when none or in a build without CUDA.
+ * The trainer picks "nccl" when LOCAL_WORLD_SIZE of them are visible, else "staged". */
+int comm_nccl_visible_gpus(void);
 
 #endif

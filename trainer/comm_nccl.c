@@ -369,6 +369,15 @@ static int exchange_id(const comm_config_t *cfg, int timeout_ms, ncclUniqueId *i
   return COMM_OK;
 }
 
+int comm_nccl_visible_gpus(void) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return count;
+}
+
 int comm_nccl_create(comm_t *c, const comm_config_t *cfg, char *err, size_t errlen) {
   char why[COMM_ERR_MAX] = "";
   int rc = COMM_OK;
@@ -464,5 +473,7 @@ int comm_nccl_create(comm_t *c, const comm_config_t *cfg, char *err, size_t errl
 int comm_nccl_set_stream(comm_t *c, void *compute_stream) { return COMM_EINVAL; }
 
 void comm_nccl_abort_all(void) {}
+
+int comm_nccl_visible_gpus(void) { return 0; }
 
 #endif

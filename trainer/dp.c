@@ -53,7 +53,8 @@ typedef struct {
   model_t *m;
   backend_t *be;
   int kind, zero, reshard, sync, tp;
-  comm_t *dp_comm, *shard_comm, *rep_comm, *tp_comm;
+  comm_t *dp_comm, *shard_comm, *rep_comm, *tp_comm; /* device memory (the backend's) */
+  comm_t *shard_hcomm, *tp_hcomm;                     /* host memory: the norm's shares */
   int n_units;
   size_t *uoff, *unumel; /* (n_units) the model's local layout */
   size_t num_params;
@@ -345,8 +346,10 @@ int dp_create(dp_t **out, model_t *m, backend_t *be, const mesh_t *mesh, const p
     d->shard_comm = mesh_comm(mesh, "dp_shard");
     d->rep_comm = mesh_comm(mesh, "dp_replicate");
     d->tp_comm = mesh_comm(mesh, "tp");
+    d->shard_hcomm = mesh_host_comm(mesh, "dp_shard");
+    d->tp_hcomm = mesh_host_comm(mesh, "tp");
     d->tp = mesh->dims[MESH_TP];
-    if (!d->dp_comm || !d->shard_comm || !d->rep_comm || !d->tp_comm) {
+    if (!d->dp_comm || !d->shard_comm || !d->rep_comm || !d->tp_comm || !d->shard_hcomm || !d->tp_hcomm) {
       dp_destroy(&d->pub);
       snprintf(err, errlen, "dp error: the mesh is not connected (call mesh_connect first)");
       return -2;
@@ -432,10 +435,12 @@ int dp_grad_norm(dp_t *dp, double *norm) {
     if (d->tp > 1 && d->parts[i].tp_split == MODEL_TP_REPLICATED) repl += s;
     else split += s;
   }
-  /* Shares travel as fp32 (the cpu comm's only dtype): 1e-7 relative on a clip scale. */
+  /* Shares travel as fp32 (the cpu comm's only dtype): 1e-7 relative on a clip scale. They are
+   * host values, so they go through the groups' host communicators (the device ones themselves
+   * when the comm backend is cpu). */
   float sums[2] = {(float)split, (float)repl};
-  if (d->kind >= DP_FSDP && c_all_reduce(d, d->shard_comm, sums, 2, COMM_SUM, "gradient norm")) return d->status;
-  if (d->tp > 1 && c_all_reduce(d, d->tp_comm, sums, 1, COMM_SUM, "gradient norm")) return d->status;
+  if (d->kind >= DP_FSDP && c_all_reduce(d, d->shard_hcomm, sums, 2, COMM_SUM, "gradient norm")) return d->status;
+  if (d->tp > 1 && c_all_reduce(d, d->tp_hcomm, sums, 1, COMM_SUM, "gradient norm")) return d->status;
   *norm = d->kind >= DP_FSDP || d->tp > 1 ? sqrt((double)sums[0] + (double)sums[1]) : sqrt(split + repl);
   return 0;
 }

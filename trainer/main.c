@@ -24,7 +24,13 @@
  * with the resolved plan JSON in the safetensors metadata under "plan".
  *
  * Exit codes: 0 done; 1 runtime failure (data, memory, NaN loss, I/O, a collective); 2 usage or
- * plan error (including device "cuda" in a build without it, WORLD_SIZE > 1 without MESHRUN_STORE).
+ * plan error (including device "cuda" in a build without it, WORLD_SIZE > 1 without MESHRUN_STORE,
+ * an unknown or unsuitable MESHRUN_COMM_BACKEND, param_dtype bf16 given explicitly on cuda).
+ * Device and comm: device "auto" is cuda when built and a GPU is visible, else cpu (logged). A
+ * multi-rank run's device collectives use the comm backend MESHRUN_COMM_BACKEND names, else
+ * "cpu" on cpu, and on cuda "nccl" with one GPU per local rank, else "staged" (logged once).
+ * Host values (the loss, eval sums, the memory report, checkpoint coordination, gradient-norm
+ * shares in trainer/dp) go through the mesh's host comms, cpu rings whatever the backend.
  * Startup: when OMP_WAIT_POLICY is unset the program sets it to passive and re-execs itself once
  * (see ensure_passive_omp); nothing else runs before the first step but loading the data.
  * Checkpoints (trainer/ckpt, checkpoint.*): every checkpoint.interval steps and after the last
@@ -32,7 +38,7 @@
  * checkpoint.resume loads them under any strategy, mesh and world (the global batch must be the
  * same: the data order is a function of (seed, step)). The hidden flag --stop-after N ends the
  * run after step N (and its checkpoint) as if it had been killed there, for resume tests.
- * Not here yet: parallel plans on the cuda backend (the nccl comm backend); bf16 parameters.
+ * Not here yet: bf16 parameters (on cuda, the default bf16 trains in fp32, with a log line).
  * Two hidden flags serve the PyTorch oracle test: --dump-init FILE (the initial weights, as
  * safetensors) and --dump-batches FILE (every micro-batch's tokens then targets, int32, in
  * training order). */
@@ -79,7 +85,9 @@ static const char *usage_text =
     "(none, auto = the latest intact one or a fresh start, or a step directory).\n"
     "Environment: RANK, WORLD_SIZE, LOCAL_RANK (set by meshrun; default 0, 1, 0), MESHRUN_STORE\n"
     "(host:port of meshrun's store; needed when WORLD_SIZE > 1), TORCHELASTIC_RESTART_COUNT,\n"
-    "OMP_NUM_THREADS (cpu threads), MESHRUN_LOG_LEVEL (error, warn, info, debug).\n"
+    "OMP_NUM_THREADS (cpu threads), MESHRUN_LOG_LEVEL (error, warn, info, debug), MESHRUN_COMM_BACKEND\n"
+    "(cpu, nccl or staged: the collectives of a multi-rank run; default by device: cpu on cpu, on cuda\n"
+    "nccl with a GPU per local rank, else staged).\n"
     "Exit status: 0 done, 1 runtime failure, 2 usage or plan error.\n";
 
 typedef struct {
@@ -656,7 +664,8 @@ static int memory_report(dp_t *dp, comm_t *world, memory_report_t *r) {
 }
 
 /* Bytes sent by this rank since the last call: by strategy collective, and per mesh group
- * (the groups' totals include main's loss and norm reductions). */
+ * (the groups' totals include main's loss and norm reductions: a group's host comm is counted
+ * with its device comm when they differ, so every comm backend reports the same totals). */
 typedef struct {
   dp_traffic_t dp;
   uint64_t group[MESH_NGROUPS];
@@ -674,9 +683,11 @@ static void traffic_step(dp_t *dp, const mesh_t *mesh, traffic_t *last, char *ou
                    (unsigned long long)(now.dp.reduce_scatter - last->dp.reduce_scatter),
                    (unsigned long long)(now.dp.broadcast - last->dp.broadcast));
   for (int g = 0; g < MESH_NGROUPS; g++) {
-    comm_stats_t st = {0};
-    if (mesh->groups[g].comm) comm_get_stats(mesh->groups[g].comm, &st);
-    now.group[g] = st.bytes_sent;
+    comm_stats_t st = {0}, hst = {0};
+    const mesh_group_t *grp = &mesh->groups[g];
+    if (grp->comm) comm_get_stats(grp->comm, &st);
+    if (grp->host_comm && grp->host_comm != grp->comm) comm_get_stats(grp->host_comm, &hst);
+    now.group[g] = st.bytes_sent + hst.bytes_sent;
     if (o > 0 && (size_t)o < len)
       o += snprintf(out + o, len - (size_t)o, ",\"%s\":%llu", mesh->groups[g].name,
                     (unsigned long long)(now.group[g] - last->group[g]));
@@ -685,8 +696,109 @@ static void traffic_step(dp_t *dp, const mesh_t *mesh, traffic_t *last, char *ou
   *last = now;
 }
 
-/* Builds the mesh of a multi-process run and connects its groups through meshrun's store. */
-static int mesh_setup(mesh_t **out, const plan_t *p, int rank, int world, char *err, size_t errlen) {
+/* ------------------------------------------------------------------------------------------ */
+/* device and comm backend */
+
+#ifdef MESHRUN_HAVE_CUDA
+/* The cuda backend on GPU LOCAL_RANK mod the visible ones: one GPU per rank when there are
+ * enough, else ranks share them (the staged comm's case). With none visible, the backend's own
+ * message ("cuda: no GPU visible ..."). */
+static backend_t *cuda_open(int local_rank, char *err, size_t errlen) {
+  int gpus = comm_nccl_visible_gpus();
+  return backend_cuda_create(gpus > 0 ? local_rank % gpus : -1, err, errlen);
+}
+#endif
+
+/* Creates the backend of the plan's device. "auto": cuda when this trainer has the cuda backend
+ * and creating it succeeds (a GPU is visible), else cpu, with the choice and its reason logged
+ * on rank 0. Returns 0 with *out, or 2 (device cuda in a build without it) or 1 (the backend
+ * failed) with the message in err. */
+static int device_open(const plan_t *p, int local_rank, backend_t **out, char *err, size_t errlen) {
+  *out = NULL;
+  if (p->device == PLAN_DEVICE_CUDA) {
+#ifdef MESHRUN_HAVE_CUDA
+    *out = cuda_open(local_rank, err, errlen);
+    return *out ? 0 : 1;
+#else
+    snprintf(err, errlen, "device \"cuda\": this trainer was built without the cuda backend; use device \"cpu\" or "
+             "\"auto\", or rebuild where nvcc is found");
+    return 2;
+#endif
+  }
+  if (p->device == PLAN_DEVICE_AUTO) {
+#ifdef MESHRUN_HAVE_CUDA
+    char why[512] = "";
+    if ((*out = cuda_open(local_rank, why, sizeof why))) {
+      log_rank0("device auto: cuda (the cuda backend is built and a GPU is visible)");
+      return 0;
+    }
+    log_rank0("device auto: cpu (%s)", why);
+#else
+    log_rank0("device auto: cpu (this trainer was built without the cuda backend)");
+#endif
+  }
+  *out = backend_create("cpu", 0, err, errlen);
+  return *out ? 0 : 1;
+}
+
+/* MESHRUN_COMM_BACKEND: NULL when unset or empty, else one of "cpu", "nccl", "staged". Checked
+ * first, before any device is opened, so that a typo is the only line printed. Returns 0, or 2
+ * with the message in err. */
+static int comm_backend_env(const char **out, char *err, size_t errlen) {
+  static const char *const names[] = {"cpu", "nccl", "staged"};
+  const char *env = getenv("MESHRUN_COMM_BACKEND");
+  *out = NULL;
+  if (!env || !*env) return 0;
+  for (int i = 0; i < 3; i++)
+    if (!strcmp(env, names[i])) *out = names[i];
+  if (*out) return 0;
+  snprintf(err, errlen, "MESHRUN_COMM_BACKEND=%s: unknown comm backend (known: cpu, nccl, staged; unset it to "
+           "choose by device)", env);
+  return 2;
+}
+
+/* The comm backend of the mesh's device collectives on device dev ("cpu" or "cuda"): env
+ * (MESHRUN_COMM_BACKEND, checked by comm_backend_env) when set; else "cpu" on cpu, and on cuda
+ * "nccl" when LOCAL_WORLD_SIZE GPUs are visible (NCCL wants one GPU per rank), else "staged"
+ * (ranks share a GPU; buffers are reduced through host memory). "staged" is valid on cpu too:
+ * staging is then a copy, and the reductions are the cpu comm's, bit for bit. Whether env suits
+ * the device is checked only when world > 1 (a single process creates no comm). Returns 0 with
+ * *out and the reason in why, or 2 with the message in err. */
+static int comm_backend_choose(const char *dev, const char *env, int world, const char **out, char *why,
+                               size_t whylen, char *err, size_t errlen) {
+  *out = env;
+  if (env) {
+    const int on_cpu = !strcmp(dev, "cpu");
+    if (world > 1 && on_cpu && !strcmp(env, "nccl")) {
+      snprintf(err, errlen, "MESHRUN_COMM_BACKEND=nccl needs device cuda, and this run's device is cpu: use cpu or "
+               "staged");
+      return 2;
+    }
+    if (world > 1 && !on_cpu && !strcmp(env, "cpu")) {
+      snprintf(err, errlen, "MESHRUN_COMM_BACKEND=cpu moves host memory, and device %s keeps tensors in device "
+               "memory: use nccl or staged", dev);
+      return 2;
+    }
+    snprintf(why, whylen, "MESHRUN_COMM_BACKEND");
+    return 0;
+  }
+  if (!strcmp(dev, "cpu")) {
+    *out = "cpu";
+    snprintf(why, whylen, "device cpu");
+    return 0;
+  }
+  int gpus = comm_nccl_visible_gpus(), local = env_int("LOCAL_WORLD_SIZE", 1);
+  if (local < 1) local = 1;
+  *out = local <= gpus ? "nccl" : "staged";
+  snprintf(why, whylen, "LOCAL_WORLD_SIZE %d, %d GPU%s visible%s", local, gpus, gpus == 1 ? "" : "s",
+           local <= gpus ? ": one GPU per rank" : ": ranks share GPUs");
+  return 0;
+}
+
+/* Builds the mesh of a multi-process run and connects its groups through meshrun's store, with
+ * comm backend comm_backend on device be's memory. */
+static int mesh_setup(mesh_t **out, const plan_t *p, int rank, int world, const char *comm_backend, backend_t *be,
+                      char *err, size_t errlen) {
   const char *ep = getenv("MESHRUN_STORE");
   if (!ep || !*ep) {
     snprintf(err, errlen, "WORLD_SIZE=%d: the mesh's groups connect through meshrun's store, and MESHRUN_STORE is "
@@ -696,7 +808,7 @@ static int mesh_setup(mesh_t **out, const plan_t *p, int rank, int world, char *
   if (mesh_create(out, p->mesh.dp_replicate, p->mesh.dp_shard, p->mesh.tp, rank, world, err, errlen)) return 2;
   store_t *st = NULL;
   if (store_connect_endpoint(&st, ep, 60000, err, errlen)) return 1;
-  int rc = mesh_connect(*out, "cpu", st, -1, NULL, 0, err, errlen);
+  int rc = mesh_connect(*out, comm_backend, be, st, -1, NULL, 0, err, errlen);
   store_close(st);
   return rc ? 1 : 0;
 }
@@ -769,28 +881,36 @@ int main(int argc, char **argv) {
     free(p);
     return rc == 0 ? 0 : rc == INTEROP_EMISMATCH || rc == INTEROP_EINVAL || rc == 2 ? 2 : 1;
   }
-  const char *be_name = "cpu";
-  if (p->device == PLAN_DEVICE_CUDA) {
+  /* --- device (the backend), its dtype and TF32, and the comm backend of a multi-rank run */
+  backend_t *be = NULL;
+  const char *comm_backend = NULL;
+  {
+    char why[256] = "";
+    const char *comm_env = NULL;
+    int rc = comm_backend_env(&comm_env, err, sizeof err);
+    if (rc == 0) rc = device_open(p, local_rank, &be, err, sizeof err);
+    const int on_cuda = be && strcmp(be->name, "cpu") != 0;
+    if (rc == 0 && on_cuda && p->parallel.param_dtype == PLAN_DTYPE_BF16) {
+      if (p->parallel.param_dtype_explicit) {
+        snprintf(err, sizeof err, "parallel.mixed_precision.param_dtype bf16 is not built yet (the cuda backend trains "
+                                  "in fp32): add --set parallel.mixed_precision.param_dtype=fp32");
+        rc = 2;
+      } else {
+        log_rank0("parallel.mixed_precision.param_dtype: bf16 (the default on cuda) is not built yet; training in fp32");
+      }
+    }
+    if (rc == 0 && !p->parallel.param_dtype_explicit) p->parallel.param_dtype = PLAN_DTYPE_FP32; /* what runs */
 #ifdef MESHRUN_HAVE_CUDA
-    be_name = "cuda";
-    if (p->parallel.param_dtype == PLAN_DTYPE_BF16) {
-      fprintf(stderr, "trainer: parallel.mixed_precision.param_dtype bf16 is not built yet (the cuda backend trains "
-                      "in fp32): add --set parallel.mixed_precision.param_dtype=fp32\n");
-      free(p);
-      return 2;
-    }
-    if (world > 1) {
-      fprintf(stderr, "trainer: device \"cuda\" with WORLD_SIZE=%d needs the nccl comm backend, which is not built "
-                      "yet; use device \"cpu\" for parallel plans\n", world);
-      free(p);
-      return 2;
-    }
-#else
-    fprintf(stderr, "trainer: device \"cuda\": this trainer was built without the cuda backend; "
-                    "use device \"cpu\" or \"auto\", or rebuild where nvcc is found\n");
-    free(p);
-    return 2;
+    if (rc == 0 && on_cuda) backend_cuda_set_tf32(be, p->parallel.allow_tf32);
 #endif
+    if (rc == 0) rc = comm_backend_choose(be->name, comm_env, world, &comm_backend, why, sizeof why, err, sizeof err);
+    if (rc == 0 && world > 1) log_rank0("comm backend %s (%s)", comm_backend, why);
+    if (rc) {
+      fprintf(stderr, "trainer: %s\n", err);
+      backend_destroy(be);
+      free(p);
+      return rc;
+    }
   }
 
   /* Everything below releases through the cleanup label; fail exits with fail_code. */
@@ -798,7 +918,6 @@ int main(int argc, char **argv) {
   ckpt_writer_t *ckw = NULL;
   ckpt_group_t cgroup;
   mesh_t *mesh = NULL;
-  backend_t *be = NULL;
   model_t *m = NULL;
   dp_t *dp = NULL;
   model_tp_t tpo = {0}; /* lives as long as the model, which may keep a pointer to it */
@@ -809,21 +928,23 @@ int main(int argc, char **argv) {
 
   /* --- mesh: the groups every later collective runs on */
   if (world > 1) {
-    int rc = mesh_setup(&mesh, p, rank, world, err, sizeof err);
+    int rc = mesh_setup(&mesh, p, rank, world, comm_backend, be, err, sizeof err);
     if (rc) {
       fprintf(stderr, "trainer: %s\n", err);
       mesh_destroy(mesh);
+      backend_destroy(be);
       free(p);
       return rc;
     }
   }
-  comm_t *dpc = mesh ? mesh_comm(mesh, "dp") : NULL;
+  /* Host values (the logged loss, eval sums) go through the host comm of "dp"; device tensors
+   * never pass through main. */
+  comm_t *dpc = mesh ? mesh_host_comm(mesh, "dp") : NULL;
   const int dp_size = dpc ? comm_size(dpc) : 1, dp_rank = dpc ? comm_rank(dpc) : 0;
   const int tp = mesh ? mesh->dims[MESH_TP] : 1;
 
   const int T = p->train.seq_len, B = p->train.micro_batch_size, accum = p->train.grad_accum_steps;
   const int steps = p->train.steps;
-  if (!(be = backend_create(be_name, 0, err, sizeof err))) goto fail;
   /* Data before the model: a wrong path fails before a large allocation. */
   const int eval_on = p->eval.interval > 0 && p->eval.batches > 0;
   if (!a.sample_mode && data_load(&data, p, eval_on, err, sizeof err)) goto fail;
@@ -858,7 +979,7 @@ int main(int argc, char **argv) {
   /* --- checkpoints: resume (collective over the job), then a writer when checkpoint.dir is set */
   const ckpt_group_t *cg = NULL;
   if (mesh) {
-    ckpt_group_from_comm(&cgroup, mesh_comm(mesh, "world"));
+    ckpt_group_from_comm(&cgroup, mesh_host_comm(mesh, "world")); /* host memory, whatever the device */
     cg = &cgroup;
   }
   int start_step = 0, resumed = 0;
@@ -898,8 +1019,8 @@ int main(int argc, char **argv) {
 
   /* --- memory per rank (this rank's, and the largest of any rank) */
   memory_report_t mem;
-  if (memory_report(dp, mesh ? mesh_comm(mesh, "world") : NULL, &mem)) {
-    snprintf(err, sizeof err, "%s", comm_errmsg(mesh_comm(mesh, "world")));
+  if (memory_report(dp, mesh ? mesh_host_comm(mesh, "world") : NULL, &mem)) {
+    snprintf(err, sizeof err, "%s", comm_errmsg(mesh_host_comm(mesh, "world")));
     goto fail;
   }
   const size_t np = model_num_params(m);

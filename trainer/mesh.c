@@ -112,27 +112,43 @@ int mesh_create(mesh_t **out, int dp_replicate, int dp_shard, int tp, int rank, 
   return 0;
 }
 
-int mesh_connect(mesh_t *m, const char *backend, store_t *store, int generation, const char *host,
-                 int timeout_ms, char *err, size_t errlen) {
+/* Destroys group g's communicators; the host one only when it is not the device one. */
+static void group_disconnect(mesh_group_t *grp) {
+  if (grp->host_comm != grp->comm) comm_destroy(grp->host_comm);
+  comm_destroy(grp->comm);
+  grp->comm = grp->host_comm = NULL;
+}
+
+int mesh_connect(mesh_t *m, const char *backend, struct backend *device, store_t *store,
+                 int generation, const char *host, int timeout_ms, char *err, size_t errlen) {
+  if (!backend) backend = "cpu";
   if (generation < 0) {
     const char *s = getenv("TORCHELASTIC_RESTART_COUNT");
     generation = s && *s ? atoi(s) : 0;
     if (generation < 0) generation = 0;
   }
-  /* Every rank creates the groups in the same order; a group's setup waits only on its own
-   * members, who are at the same point of the same sequence, so no two ranks wait on each
-   * other across groups. */
+  const int host_is_device = strcmp(backend, "cpu") == 0;
+  /* Every rank creates the groups in the same order (each group's device comm, then its host
+   * comm); a group's setup waits only on its own members, who are at the same point of the same
+   * sequence, so no two ranks wait on each other across groups. */
   for (int g = 0; g < MESH_NGROUPS; g++) {
     mesh_group_t *grp = &m->groups[g];
     comm_config_t cfg = {.name = grp->uid, .rank = grp->rank, .size = grp->size,
                          .generation = generation, .store = store, .host = host,
-                         .timeout_ms = timeout_ms, .global_ranks = grp->ranks};
+                         .timeout_ms = timeout_ms, .global_ranks = grp->ranks,
+                         .device = device};
     int rc = comm_create(&grp->comm, backend, &cfg, err, errlen);
+    if (rc == COMM_OK && host_is_device) {
+      grp->host_comm = grp->comm;
+    } else if (rc == COMM_OK) {
+      char uid[COMM_NAME_MAX];
+      snprintf(uid, sizeof uid, "host.%s", grp->uid); /* uids are < 20 characters */
+      cfg.name = uid;
+      cfg.device = NULL;
+      rc = comm_create(&grp->host_comm, "cpu", &cfg, err, errlen);
+    }
     if (rc != COMM_OK) {
-      for (int k = 0; k < g; k++) {
-        comm_destroy(m->groups[k].comm);
-        m->groups[k].comm = NULL;
-      }
+      for (int k = 0; k <= g; k++) group_disconnect(&m->groups[k]);
       return rc;
     }
   }
@@ -142,7 +158,7 @@ int mesh_connect(mesh_t *m, const char *backend, store_t *store, int generation,
 void mesh_destroy(mesh_t *m) {
   if (!m) return;
   for (int g = 0; g < MESH_NGROUPS; g++) {
-    comm_destroy(m->groups[g].comm);
+    group_disconnect(&m->groups[g]);
     free(m->groups[g].ranks);
   }
   free(m);
@@ -156,4 +172,9 @@ const mesh_group_t *mesh_group(const mesh_t *m, const char *name) {
 comm_t *mesh_comm(const mesh_t *m, const char *name) {
   const mesh_group_t *g = mesh_group(m, name);
   return g ? g->comm : NULL;
+}
+
+comm_t *mesh_host_comm(const mesh_t *m, const char *name) {
+  const mesh_group_t *g = mesh_group(m, name);
+  return g ? g->host_comm : NULL;
 }

@@ -14,7 +14,14 @@
  * callers never test for NULL.
  *
  * mesh_create computes the layout only (pure arithmetic, no I/O); mesh_connect then creates the
- * comm_t of every group through the store. Each group's store keys are unique in the job: the
+ * comm_t of every group through the store, with the comm backend the caller chose ("cpu" on host
+ * memory; "nccl" or "staged" on the device backend's memory).
+ *
+ * Two communicators per group. `comm` moves tensors of the device backend (the model's and the
+ * strategy's collectives). `host_comm` moves host values (a loss, norm shares, the memory report,
+ * eval sums, checkpoint metadata): it is always a "cpu" communicator, and it is `comm` itself
+ * when the backend is "cpu" (one ring, the traffic counted once), else a ring of its own whose
+ * uid is "host.<uid>" ("host.tp.4"). A host pointer never reaches a device communicator. Each group's store keys are unique in the job: the
  * group's uid is "<name>.<lowest member rank>" ("tp.4") and keys carry the generation (restart
  * count), so a restarted job never reads an earlier attempt's endpoints. It does not choose the
  * dimensions: the plan resolves them (trainer/plan.h) and passes them in. */
@@ -38,7 +45,8 @@ typedef struct {
   int size;                /* members */
   int rank;                /* this process's rank in the group */
   int *ranks;              /* (size) members' global ranks in group-rank order */
-  comm_t *comm;            /* NULL until mesh_connect */
+  comm_t *comm;            /* device-memory communicator; NULL until mesh_connect */
+  comm_t *host_comm;       /* host-memory ("cpu") one: comm itself when comm is "cpu" */
 } mesh_group_t;
 
 typedef struct {
@@ -52,17 +60,21 @@ typedef struct {
  * Returns 0, or MESH_EINVAL with "mesh error: ..." in err. */
 int mesh_create(mesh_t **out, int dp_replicate, int dp_shard, int tp, int rank, int world,
                 char *err, size_t errlen);
-/* Creates every group's communicator (collective over the job: every rank calls it). backend:
- * "cpu"; generation < 0: TORCHELASTIC_RESTART_COUNT (else 0); host and timeout_ms as in
- * comm_config_t. On failure returns the comm code with the reason in err, and no comm is left. */
-int mesh_connect(mesh_t *m, const char *backend, store_t *store, int generation, const char *host,
-                 int timeout_ms, char *err, size_t errlen);
+/* Creates every group's communicators (collective over the job: every rank calls it with the
+ * same backend). backend: "cpu" (NULL), "nccl" or "staged"; device: the backend whose memory
+ * "nccl" and "staged" move (comm_config_t.device; required by "staged", unused by "cpu");
+ * generation < 0: TORCHELASTIC_RESTART_COUNT (else 0); host and timeout_ms as in comm_config_t.
+ * On failure returns the comm code with the reason in err, and no comm is left. */
+int mesh_connect(mesh_t *m, const char *backend, struct backend *device, store_t *store,
+                 int generation, const char *host, int timeout_ms, char *err, size_t errlen);
 void mesh_destroy(mesh_t *m); /* accepts NULL and half-built meshes; destroys the comms */
 
 /* This rank's group by name; NULL for an unknown name. */
 const mesh_group_t *mesh_group(const mesh_t *m, const char *name);
-/* The group's communicator (NULL for an unknown name or before mesh_connect). */
+/* The group's communicator (NULL for an unknown name or before mesh_connect): device memory. */
 comm_t *mesh_comm(const mesh_t *m, const char *name);
+/* The group's host-memory ("cpu") communicator, for values that live on the host. */
+comm_t *mesh_host_comm(const mesh_t *m, const char *name);
 
 /* Coordinates (r, s, t) of any rank, and back. */
 void mesh_coords(const mesh_t *m, int rank, int coord[MESH_NDIMS]);

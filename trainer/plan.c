@@ -140,6 +140,7 @@ static const field_t mesh_fields[] = {
 static const field_t mp_fields[] = {
     K_ENUM("param_dtype", parallel.param_dtype, dtype_names, PLAN_DTYPE_BF16), /* absent: by device */
     K_ENUM("reduce_dtype", parallel.reduce_dtype, dtype_names, PLAN_DTYPE_FP32),
+    K_BOOL("allow_tf32", parallel.allow_tf32, 1),
     K_END};
 
 static const field_t parallel_fields[] = {
@@ -627,7 +628,8 @@ int plan_load(plan_t *p, const char *path, const char *const *sets, int nsets, c
     if (p->eval.interval < 1) p->eval.interval = 1;
   }
   const cJSON *par = lookup(root, "parallel", NULL);
-  if (!(par && lookup(par, "mixed_precision", "param_dtype")))
+  p->parallel.param_dtype_explicit = par && lookup(par, "mixed_precision", "param_dtype");
+  if (!p->parallel.param_dtype_explicit)
     p->parallel.param_dtype = p->device == PLAN_DEVICE_CPU ? PLAN_DTYPE_FP32 : PLAN_DTYPE_BF16;
   cJSON_Delete(root);
   snprintf(p->source, sizeof p->source, "%s", name);

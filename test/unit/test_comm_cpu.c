@@ -525,7 +525,7 @@ static int rank_mesh(int rank, int n, store_t *st, void *arg) {
   char err[512] = "";
   mesh_t *m = NULL;
   if (mesh_create(&m, 2, 2, 2, rank, n, err, sizeof err) ||
-      mesh_connect(m, "cpu", st, 0, "127.0.0.1", 10000, err, sizeof err)) {
+      mesh_connect(m, "cpu", NULL, st, 0, "127.0.0.1", 10000, err, sizeof err)) {
     fprintf(stderr, "rank %d: %s\n", rank, err);
     mesh_destroy(m);
     return 1;

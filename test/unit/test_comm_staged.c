@@ -1,4 +1,4 @@
-// deps: test/support/fixture.c trainer/comm.c trainer/comm_cpu.c trainer/comm_staged.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c common/store.c common/store_proto.c common/net.c common/log.c launcher/store_server.c
+// deps: test/support/fixture.c trainer/comm.c trainer/comm_cpu.c trainer/comm_staged.c trainer/mesh.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c common/store.c common/store_proto.c common/net.c common/log.c launcher/store_server.c
 /* test_comm_staged: the staged comm backend (device buffers through host memory, reduced by an
  * inner cpu communicator) against the cpu backend, with real forked ranks and a store server.
  *
@@ -8,8 +8,10 @@
  * difference is a bug). Two devices play the GPU: the cpu backend itself, and a fake device
  * whose pointers are host pointers with a high bit set, so that any direct dereference of device
  * memory (a memcpy that should have been a to_host) crashes instead of passing unnoticed. Also:
- * the configuration errors, and that a peer's exit fails the others with a message naming the
- * group and the operation. Needs no GPU. */
+ * the configuration errors, that a peer's exit fails the others with a message naming the
+ * group and the operation, and a mesh connected with "staged": every group's device comm moves
+ * fake-device buffers while its host comm (a "cpu" ring of its own) moves host values. Needs no
+ * GPU. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -24,6 +26,7 @@
 #include "test/support/fixture.h"
 #include "trainer/backend.h"
 #include "trainer/comm.h"
+#include "trainer/mesh.h"
 
 #define ALARM_S 60
 #define TIMEOUT_MS 20000
@@ -315,12 +318,82 @@ static int rank_peer_exit(int rank, int n, store_t *st, void *arg) {
 
 static void test_peer_exit(void **state) { assert_int_equal(fixture_run_ranks(3, rank_peer_exit, NULL, ALARM_S), 0); }
 
+/* ---- a 2x1x2 mesh over "staged": device and host communicators of every group ---- */
+
+static int rank_mesh_staged(int rank, int n, store_t *st, void *arg) {
+  char err[512] = "";
+  mesh_t *m = NULL;
+  if (mesh_create(&m, 2, 1, 2, rank, n, err, sizeof err) ||
+      mesh_connect(m, "staged", &fake_device, st, 0, "127.0.0.1", TIMEOUT_MS, err, sizeof err)) {
+    fprintf(stderr, "rank %d: %s\n", rank, err);
+    mesh_destroy(m);
+    return 1;
+  }
+  static const char *names[] = {"dp_replicate", "dp_shard", "tp", "dp", "world"};
+  int bad = 0;
+  float *d = fake_alloc(NULL, 2 * sizeof(float));
+  for (int g = 0; g < 5 && !bad; g++) {
+    comm_t *c = mesh_comm(m, names[g]), *h = mesh_host_comm(m, names[g]);
+    if (!c || !h || c == h || comm_size(c) != comm_size(h) || comm_rank(c) != comm_rank(h)) {
+      fprintf(stderr, "rank %d: group %s: device and host comms missing or not of the same group\n", rank,
+              names[g]);
+      bad = 1;
+      break;
+    }
+    /* Device memory through the staged comm (a host pointer here would fault in to_host), host
+     * memory through the cpu one: both sum 1 + rank over the same members. */
+    float x[2] = {1.0f, (float)rank}, y[2] = {1.0f, (float)rank}, got[2];
+    fake_to_device(NULL, d, x, sizeof x);
+    if (comm_all_reduce(c, d, 2, COMM_FLOAT32, COMM_SUM) || comm_all_reduce(h, y, 2, COMM_FLOAT32, COMM_SUM)) {
+      fprintf(stderr, "rank %d: group %s: %s%s\n", rank, names[g], comm_errmsg(c), comm_errmsg(h));
+      bad = 1;
+      break;
+    }
+    fake_to_host(NULL, got, d, sizeof got);
+    if (got[0] != (float)comm_size(c) || got[0] != y[0] || got[1] != y[1]) {
+      fprintf(stderr, "rank %d: group %s: device sum (%g, %g), host sum (%g, %g), size %d\n", rank, names[g],
+              got[0], got[1], y[0], y[1], comm_size(c));
+      bad = 1;
+    }
+  }
+  /* The host comm of a staged mesh has a uid of its own (its ring must not meet the staged
+   * comm's inner ring of the same group in the store). */
+  if (!bad && !strstr(comm_name(mesh_host_comm(m, "tp")), "host.tp.")) {
+    fprintf(stderr, "rank %d: host tp comm is named %s\n", rank, comm_name(mesh_host_comm(m, "tp")));
+    bad = 1;
+  }
+  fake_free(NULL, d);
+  mesh_destroy(m);
+  return bad;
+}
+
+static void test_mesh_staged(void **state) {
+  assert_int_equal(fixture_run_ranks(4, rank_mesh_staged, NULL, ALARM_S), 0);
+  /* "cpu": the host comm is the device comm. */
+  char err[256] = "";
+  mesh_t *m = NULL;
+  assert_int_equal(mesh_create(&m, 1, 1, 1, 0, 1, err, sizeof err), 0);
+  assert_int_equal(mesh_connect(m, "cpu", NULL, NULL, 0, "127.0.0.1", 1000, err, sizeof err), 0);
+  assert_ptr_equal(mesh_comm(m, "world"), mesh_host_comm(m, "world"));
+  mesh_destroy(m);
+  /* "staged" without a device fails and leaves no comm. */
+  assert_int_equal(mesh_create(&m, 1, 1, 1, 0, 1, err, sizeof err), 0);
+  assert_int_equal(mesh_connect(m, "staged", NULL, NULL, 0, "127.0.0.1", 1000, err, sizeof err), COMM_EINVAL);
+  assert_non_null(strstr(err, "needs comm_config_t.device"));
+  for (int g = 0; g < MESH_NGROUPS; g++) {
+    assert_null(m->groups[g].comm);
+    assert_null(m->groups[g].host_comm);
+  }
+  mesh_destroy(m);
+}
+
 int main(void) {
   setvbuf(stdout, NULL, _IOLBF, 0);
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_config_errors),           cmocka_unit_test(test_single_rank),
       cmocka_unit_test(test_equivalence_cpu_backend), cmocka_unit_test(test_equivalence_fake_device),
       cmocka_unit_test(test_bf16_refused),            cmocka_unit_test(test_peer_exit),
+      cmocka_unit_test(test_mesh_staged),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

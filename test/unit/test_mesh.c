@@ -109,7 +109,7 @@ static void test_groups_consistent(void **state) {
 static void test_world_of_one(void **state) {
   char err[256] = "";
   mesh_t *m = make(1, 1, 1, 0);
-  assert_int_equal(mesh_connect(m, "cpu", NULL, 0, "127.0.0.1", 1000, err, sizeof err), 0);
+  assert_int_equal(mesh_connect(m, "cpu", NULL, NULL, 0, "127.0.0.1", 1000, err, sizeof err), 0);
   const char *names[] = {"dp_replicate", "dp_shard", "tp", "dp", "world"};
   for (int g = 0; g < 5; g++) {
     comm_t *c = mesh_comm(m, names[g]);
@@ -140,7 +140,7 @@ static void test_errors(void **state) {
   assert_int_equal(mesh_members(m, "nope", 0, ranks), MESH_EINVAL);
   assert_int_equal(mesh_members(m, "tp", 8, ranks), MESH_EINVAL);
   /* Groups of more than one rank need a store to meet: connect fails and leaves no comm. */
-  assert_true(mesh_connect(m, "cpu", NULL, 0, "127.0.0.1", 1000, err, sizeof err) < 0);
+  assert_true(mesh_connect(m, "cpu", NULL, NULL, 0, "127.0.0.1", 1000, err, sizeof err) < 0);
   assert_non_null(strstr(err, "needs a store"));
   for (int g = 0; g < MESH_NGROUPS; g++) assert_null(m->groups[g].comm);
   mesh_destroy(m);

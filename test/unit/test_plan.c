@@ -104,7 +104,9 @@ static void test_defaults(void **state) {
       assert_int_equal(e->style, PLAN_TP_SEQUENCE_PARALLEL);
   }
   assert_int_equal(p.parallel.param_dtype, PLAN_DTYPE_BF16);
+  assert_int_equal(p.parallel.param_dtype_explicit, 0); /* defaulted: main may train fp32 instead */
   assert_int_equal(p.parallel.reduce_dtype, PLAN_DTYPE_FP32);
+  assert_int_equal(p.parallel.allow_tf32, 1);
   assert_int_equal(p.train.steps, 1000);
   assert_int_equal(p.train.global_batch_size, 0);
   assert_true(p.train.min_lr == p.train.lr / 10);
@@ -281,11 +283,25 @@ static void test_set_overrides(void **state) {
                          "train.min_lr=null", "eval.interval=0"};
   load_ok(&p, "{}", sets2, 4);
   assert_int_equal(p.parallel.param_dtype, PLAN_DTYPE_FP32);
+  assert_int_equal(p.parallel.param_dtype_explicit, 1);
   assert_int_equal(p.mesh.tp, 2);
   assert_int_equal(p.mesh.dp_shard, 2);
   assert_int_equal(p.mesh.dp_replicate, 1);
   assert_true(p.train.min_lr == p.train.lr / 10);
   assert_int_equal(p.eval.interval, 0);
+
+  /* param_dtype given in the file counts as explicit too, bf16 included; allow_tf32 turns off. */
+  load_ok(&p, "{\"device\":\"cuda\",\"parallel\":{\"mixed_precision\":{\"param_dtype\":\"bf16\","
+              "\"allow_tf32\":false}}}", NULL, 0);
+  assert_int_equal(p.parallel.param_dtype, PLAN_DTYPE_BF16);
+  assert_int_equal(p.parallel.param_dtype_explicit, 1);
+  assert_int_equal(p.parallel.allow_tf32, 0);
+  const char *sets3[] = {"parallel.mixed_precision.allow_tf32=false"};
+  load_ok(&p, "{\"device\":\"cuda\"}", sets3, 1);
+  assert_int_equal(p.parallel.param_dtype_explicit, 0);
+  assert_int_equal(p.parallel.allow_tf32, 0);
+  expect_error("{\"parallel\":{\"mixed_precision\":{\"allow_tf32\":\"yes\"}}}", 0,
+               "parallel.mixed_precision.allow_tf32");
 
   /* A value that is not JSON is a string; a string where a number belongs is a type error. */
   const char *s1[] = {"model.dim=abc"};
@@ -418,6 +434,9 @@ static void round_trip(const char *path, const char *const *sets, int nsets, int
   char *jb = plan_to_json(&b);
   assert_string_equal(ja, jb);
   memcpy(b.source, a.source, sizeof b.source);
+  /* The serialized plan states every key, so param_dtype reads back as given explicitly. */
+  assert_int_equal(b.parallel.param_dtype_explicit, 1);
+  b.parallel.param_dtype_explicit = a.parallel.param_dtype_explicit;
   assert_memory_equal(&a, &b, sizeof a);
   free(ja);
   free(jb);
