@@ -216,10 +216,13 @@ static void on_rdzv(rdzv_t *rz, const rdzv_event_t *ev, void *arg) {
     uv_timer_stop(&a->join_timer);
     a->asg = ev->assignment;
     const rdzv_assignment_t *g = &a->asg;
-    log_info("round %d: node %d of %d (group rank %d), ranks %d..%d of %d, master %s:%d", g->round, g->group_rank,
-             g->nnodes, g->group_rank, g->rank_offset, g->rank_offset + g->nproc - 1, g->world_size, g->master_addr,
-             g->master_port);
-    workers_round_t r = {.restart_count = g->round, .rank_offset = g->rank_offset, .world_size = g->world_size,
+    log_info("round %d: node %d of %d (group rank %d), ranks %d..%d of %d, master %s:%d, %d failure restart%s so far",
+             g->round, g->group_rank, g->nnodes, g->group_rank, g->rank_offset, g->rank_offset + g->nproc - 1,
+             g->world_size, g->master_addr, g->master_port, g->failures, g->failures == 1 ? "" : "s");
+    /* Two counters: the round names everything of this round (attempt dir, MESHRUN_ROUND) and
+     * goes up on every restart; the restart count, torchrun's, only on failures, so a node
+     * joining or leaving does not look like a failure to the program. */
+    workers_round_t r = {.restart_count = g->failures, .round = g->round, .rank_offset = g->rank_offset, .world_size = g->world_size,
                          .group_rank = g->group_rank, .group_world_size = g->nnodes, .nproc = g->nproc,
                          .master_port = g->master_port, .max_restarts = a->opts->max_restarts,
                          .log_files = a->opts->log_dir[0] != 0};

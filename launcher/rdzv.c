@@ -393,28 +393,35 @@ static void do_join(rdzv_t *rz) {
       goto out;
     }
     a.round = r;
-    int64_t failures;
-    keyf(rz, key, "failures");
-    if ((rc = read_int(s, key, 0, &failures))) goto store_error;
-    a.failures = (int)failures;
     keyf(rz, key, "r%d/master", r);
     if (rank0_idx == idx) {
       /* A fresh port each round: the previous round's rank 0 may still hold the old one in
-       * TIME_WAIT, and a PyTorch rank 0 binds MASTER_PORT itself. */
+       * TIME_WAIT, and a PyTorch rank 0 binds MASTER_PORT itself. The failure count goes in
+       * the same value, read here, before any worker of round r exists: every failure of
+       * earlier rounds is in (the claimer adds it before it ends the round, and round r only
+       * opens after that), and none of round r can be yet. Each node reading P/failures for
+       * itself could see a failure of round r posted before a slow node got there. */
       int port = 0;
       if (net_free_port("", &port, err, sizeof err)) {
         emit_error(rz, "choosing MASTER_PORT: %s", err);
         goto out;
       }
-      snprintf(val, sizeof val, "%s %d", c->addr, port);
+      int64_t failures;
+      char fkey[RDZV_KEY_MAX];
+      keyf(rz, fkey, "failures");
+      if ((rc = read_int(s, fkey, 0, &failures))) goto store_error;
+      if (rdzv_master_encode(val, sizeof val, c->addr, port, (int)failures)) {
+        emit_error(rz, "rendezvous round %d: master endpoint %s too long", r, c->addr);
+        goto out;
+      }
       if ((rc = set_str(s, key, val))) goto store_error;
     }
     void *mv = NULL;
     size_t mlen = 0;
     if ((rc = store_get(s, key, &mv, &mlen, (int)(c->close_timeout_s * 1000)))) goto store_error;
-    if (sscanf(mv, "%255s %d", a.master_addr, &a.master_port) != 2) {
+    if (rdzv_master_decode(mv, mlen, &a)) {
       free(mv);
-      emit_error(rz, "rendezvous round %d: malformed master endpoint", r);
+      emit_error(rz, "rendezvous round %d: malformed master record", r);
       goto out;
     }
     free(mv);
@@ -818,6 +825,27 @@ int rdzv_end_fatal(rdzv_end_kind_t kind, int64_t failures, int max_restarts, int
   case RDZV_END_SCALE_UP: return 0;
   }
   return 1;
+}
+
+int rdzv_master_encode(char *buf, size_t len, const char *addr, int port, int failures) {
+  size_t alen = strlen(addr);
+  if (alen == 0 || alen >= RDZV_ADDR_MAX || strpbrk(addr, " \t\n")) return -EINVAL;
+  int w = snprintf(buf, len, "%s %d %d", addr, port, failures);
+  return w < 0 || (size_t)w >= len ? -ENAMETOOLONG : 0;
+}
+
+int rdzv_master_decode(const char *v, size_t len, rdzv_assignment_t *a) {
+  char tmp[RDZV_ADDR_MAX + 64], addr[RDZV_ADDR_MAX];
+  int port, failures, used = 0;
+  if (len >= sizeof tmp) return -EINVAL;
+  memcpy(tmp, v, len);
+  tmp[len] = 0;
+  if (sscanf(tmp, "%255s %d %d%n", addr, &port, &failures, &used) != 3 || tmp[used] != 0) return -EINVAL;
+  if (port <= 0 || port > 65535 || failures < 0) return -EINVAL;
+  snprintf(a->master_addr, sizeof a->master_addr, "%s", addr);
+  a->master_port = port;
+  a->failures = failures;
+  return 0;
 }
 
 int rdzv_hb_init(rdzv_hb_t *hb, int n, double now) {

@@ -18,7 +18,8 @@
  *                        compare_set by whoever ends round r (and by anyone who finds r ended).
  *   P/failures           failure rounds so far, job-wide (store_add). The restart budget is
  *                        spent when it exceeds --max_restarts; it lives in the store so that
- *                        every node sees one budget.
+ *                        every node sees one budget. Dead-node and scale-up rounds do not count
+ *                        (torchrun's TORCHELASTIC_RESTART_COUNT; see P/r<r>/master).
  *   P/r<r>/n             join counter of round r: store_add gives each node its join index
  *                        (1-based). Nodes with index <= the closed count are the participants.
  *   P/r<r>/node/<i>      participant i: "node_rank nproc addr" (node_rank -1 when not given).
@@ -26,10 +27,12 @@
  *                        max nodes at once, or by the node whose index is min once
  *                        last_call_timeout has passed since it joined (a node with a higher
  *                        index joined later, so the min-th node's timer is the first to fire).
- *   P/r<r>/master        "addr port" (a space, since addr may be an IPv6 literal, kept bare as
- *                        torch wants MASTER_ADDR): MASTER_ADDR/MASTER_PORT, chosen fresh each
- *                        round by the node with group rank 0 (a port free on that node, not the
- *                        store's).
+ *   P/r<r>/master        "addr port failures" (spaces, since addr may be an IPv6 literal, kept
+ *                        bare as torch wants MASTER_ADDR): MASTER_ADDR/MASTER_PORT, chosen fresh
+ *                        each round by the node with group rank 0 (a port free on that node, not
+ *                        the store's), and P/failures as that node read it when round r closed:
+ *                        the round's TORCHELASTIC_RESTART_COUNT, one value for every node (a node
+ *                        reading P/failures itself could already see a failure of round r).
  *   P/r<r>/hb/<i>        heartbeat of participant i: a counter it bumps every heartbeat interval.
  *                        Peers compare values, not clocks, so clock skew does not matter.
  *   P/r<r>/done/<i>      participant i's workers all exited 0 (it stops heartbeating).
@@ -84,7 +87,8 @@ typedef struct {
   int rank_offset; /* global rank of local rank 0 */
   int world_size;
   int nproc;
-  int failures;    /* failure restarts so far (job-wide) */
+  int failures;    /* failure restarts before this round, job-wide (TORCHELASTIC_RESTART_COUNT);
+                    * the round number counts every restart, this one failures only */
   char master_addr[RDZV_ADDR_MAX];
   int master_port;
 } rdzv_assignment_t;
@@ -165,6 +169,13 @@ int rdzv_assign_ranks(const rdzv_node_t *nodes, int n, int my_idx, rdzv_assignme
 
 /* Whether an end makes the job over: failures past the budget, or fewer than min nodes left. */
 int rdzv_end_fatal(rdzv_end_kind_t kind, int64_t failures, int max_restarts, int survivors, int nmin);
+
+/* The value of P/r<r>/master: "addr port failures". encode returns 0, or -EINVAL (addr empty,
+ * too long or with a space), -ENAMETOOLONG (buf too small). decode fills master_addr,
+ * master_port and failures of a, or returns -EINVAL for anything else than exactly three
+ * fields with a port in 1..65535 and failures >= 0; v need not be NUL-terminated. */
+int rdzv_master_encode(char *buf, size_t len, const char *addr, int port, int failures);
+int rdzv_master_decode(const char *v, size_t len, rdzv_assignment_t *a);
 
 /* Heartbeat verdicts: peers' counters are sampled each interval; a peer whose counter has not
  * changed for longer than timeout (by our own monotonic clock) is dead. */

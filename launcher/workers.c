@@ -298,7 +298,7 @@ static const char *const OWN_VARS[] = {
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
     "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
     "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "MESHRUN_STORE",
-    "TORCHELASTIC_USE_AGENT_STORE", NULL};
+    "MESHRUN_ROUND", "TORCHELASTIC_USE_AGENT_STORE", NULL};
 
 static int is_own_var(const char *kv) {
   for (int i = 0; OWN_VARS[i]; i++) {
@@ -341,6 +341,7 @@ static char **build_env(const workers_t *w, const workers_round_t *r, const work
   if (!rc) rc = env_add(&env, &n, &cap, "TORCHELASTIC_USE_AGENT_STORE", "False");
   if (!rc) rc = env_add(&env, &n, &cap, "TORCHELASTIC_ERROR_FILE", "%s", i->error_file);
   if (!rc) rc = env_add(&env, &n, &cap, "MESHRUN_STORE", "%s", r->store_endpoint);
+  if (!rc) rc = env_add(&env, &n, &cap, "MESHRUN_ROUND", "%d", r->round);
   if (!rc && !getenv("OMP_NUM_THREADS")) rc = env_add(&env, &n, &cap, "OMP_NUM_THREADS", "1");
   if (rc) {
     env_free(env);

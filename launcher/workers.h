@@ -26,14 +26,15 @@
 
 /* What one round gives its workers (the environment) and where their files go. */
 typedef struct {
-  int restart_count; /* TORCHELASTIC_RESTART_COUNT and the attempt number */
+  int restart_count; /* TORCHELASTIC_RESTART_COUNT: failure restarts so far, job-wide */
+  int round;         /* MESHRUN_ROUND: the rendezvous round, unique per round */
   int rank_offset, world_size, group_rank, group_world_size, nproc;
   char master_addr[256];
   int master_port;
   char store_endpoint[300]; /* MESHRUN_STORE */
   char run_id[128];
   int max_restarts;
-  char attempt_dir[PATH_MAX]; /* <base>/attempt_<n>: <rank>/error.json and logs go below */
+  char attempt_dir[PATH_MAX]; /* <base>/attempt_<round>: <rank>/error.json and logs go below */
   int log_files;              /* write stdout.log/stderr.log for every stream */
 } workers_round_t;
 

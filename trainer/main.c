@@ -84,7 +84,7 @@ static const char *usage_text =
     "Checkpoints: checkpoint.dir, .interval (steps; also at the end), .keep, .async, .resume\n"
     "(none, auto = the latest intact one or a fresh start, or a step directory).\n"
     "Environment: RANK, WORLD_SIZE, LOCAL_RANK (set by meshrun; default 0, 1, 0), MESHRUN_STORE\n"
-    "(host:port of meshrun's store; needed when WORLD_SIZE > 1), TORCHELASTIC_RESTART_COUNT,\n"
+    "(host:port of meshrun's store; needed when WORLD_SIZE > 1), TORCHELASTIC_RESTART_COUNT, MESHRUN_ROUND,\n"
     "OMP_NUM_THREADS (cpu threads), MESHRUN_LOG_LEVEL (error, warn, info, debug), MESHRUN_COMM_BACKEND\n"
     "(cpu, nccl or staged: the collectives of a multi-rank run; default by device: cpu on cpu, on cuda\n"
     "nccl with a GPU per local rank, else staged).\n"
@@ -493,9 +493,9 @@ static int checkpoint_resume(const plan_t *p, dp_t *dp, const ckpt_group_t *g, i
     return 1;
   }
   dp_set_optim_step(dp, (int)meta->state.optim_step);
-  int restart = env_int("TORCHELASTIC_RESTART_COUNT", 0);
-  log_rank0("resumed from %s (step %llu, saved by world %d, now world %d, restart %d)", meta->path,
-            (unsigned long long)step, meta->world_size, world, restart < 0 ? 0 : restart);
+  int restart = env_int("TORCHELASTIC_RESTART_COUNT", 0), round = env_int("MESHRUN_ROUND", restart);
+  log_rank0("resumed from %s (step %llu, saved by world %d, now world %d, restart %d, round %d)", meta->path,
+            (unsigned long long)step, meta->world_size, world, restart < 0 ? 0 : restart, round < 0 ? 0 : round);
   *start_step = (int)step;
   *resumed = 1;
   ckpt_close(ck);

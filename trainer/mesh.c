@@ -123,7 +123,10 @@ int mesh_connect(mesh_t *m, const char *backend, struct backend *device, store_t
                  int generation, const char *host, int timeout_ms, char *err, size_t errlen) {
   if (!backend) backend = "cpu";
   if (generation < 0) {
-    const char *s = getenv("TORCHELASTIC_RESTART_COUNT");
+    /* MESHRUN_ROUND is unique per rendezvous round; the restart count is not (a scale-up
+     * round keeps it), so it only serves programs started by another launcher. */
+    const char *s = getenv("MESHRUN_ROUND");
+    if (!s || !*s) s = getenv("TORCHELASTIC_RESTART_COUNT");
     generation = s && *s ? atoi(s) : 0;
     if (generation < 0) generation = 0;
   }

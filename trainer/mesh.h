@@ -21,9 +21,10 @@
  * strategy's collectives). `host_comm` moves host values (a loss, norm shares, the memory report,
  * eval sums, checkpoint metadata): it is always a "cpu" communicator, and it is `comm` itself
  * when the backend is "cpu" (one ring, the traffic counted once), else a ring of its own whose
- * uid is "host.<uid>" ("host.tp.4"). A host pointer never reaches a device communicator. Each group's store keys are unique in the job: the
- * group's uid is "<name>.<lowest member rank>" ("tp.4") and keys carry the generation (restart
- * count), so a restarted job never reads an earlier attempt's endpoints. It does not choose the
+ * uid is "host.<uid>" ("host.tp.4"). A host pointer never reaches a device communicator.
+ * Each group's store keys are unique in the job: the group's uid is "<name>.<lowest member
+ * rank>" ("tp.4") and keys carry the generation (meshrun's rendezvous round), so a restarted
+ * job never reads an earlier attempt's endpoints. It does not choose the
  * dimensions: the plan resolves them (trainer/plan.h) and passes them in. */
 #ifndef MESHRUN_MESH_H
 #define MESHRUN_MESH_H
@@ -63,7 +64,7 @@ int mesh_create(mesh_t **out, int dp_replicate, int dp_shard, int tp, int rank, 
 /* Creates every group's communicators (collective over the job: every rank calls it with the
  * same backend). backend: "cpu" (NULL), "nccl" or "staged"; device: the backend whose memory
  * "nccl" and "staged" move (comm_config_t.device; required by "staged", unused by "cpu");
- * generation < 0: TORCHELASTIC_RESTART_COUNT (else 0); host and timeout_ms as in comm_config_t.
+ * generation < 0: MESHRUN_ROUND, else TORCHELASTIC_RESTART_COUNT (else 0); host and timeout_ms as in comm_config_t.
  * On failure returns the comm code with the reason in err, and no comm is left. */
 int mesh_connect(mesh_t *m, const char *backend, struct backend *device, store_t *store,
                  int generation, const char *host, int timeout_ms, char *err, size_t errlen);

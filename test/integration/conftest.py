@@ -148,5 +148,6 @@ def read_json(path):
         return json.load(f)
 
 
-def worker_file(d, rank, attempt, suffix):
-    return os.path.join(str(d), "rank%d.attempt%d.%s" % (rank, attempt, suffix))
+def worker_file(d, rank, rnd, suffix):
+    """A file worker.py wrote in round rnd (its MESHRUN_ROUND, not its restart count)."""
+    return os.path.join(str(d), "rank%d.attempt%d.%s" % (rank, rnd, suffix))

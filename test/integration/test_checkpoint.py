@@ -164,7 +164,7 @@ def test_exact_resume(straight, tmp_path, name, mode):
     assert sorted(os.listdir(tmp_path / "ck")) == ["latest", "step-10", "step-5"]
     r = run(tmp_path, name, ["checkpoint.interval=5", "checkpoint.resume=auto", asyn])
     assert r.rc == 0, r.describe()
-    assert "resumed from %s/step-10 (step 10, saved by world %d, now world %d, restart 0)" % (
+    assert "resumed from %s/step-10 (step 10, saved by world %d, now world %d, restart 0, round 0)" % (
         tmp_path / "ck", LAYOUTS[name][0], LAYOUTS[name][0]) in r.err, r.describe()
     got = losses(tmp_path)
     assert sorted(got) == sorted(ref)
@@ -189,7 +189,7 @@ def test_resharded_resume(tmp_path_factory, straight, tmp_path, src, dst):
     ref = losses(sd)
     r = run(tmp_path, dst, ["checkpoint.resume=%s" % (sd / "ck" / "step-10")])
     assert r.rc == 0, r.describe()
-    assert "(step 10, saved by world %d, now world %d, restart 0)" % (LAYOUTS[src][0], LAYOUTS[dst][0]) in r.err
+    assert "(step 10, saved by world %d, now world %d, restart 0, round 0)" % (LAYOUTS[src][0], LAYOUTS[dst][0]) in r.err
     got = losses(tmp_path)
     keys = sorted(k for k in ref if k[1] > 10)
     assert sorted(got) == keys, "the resumed run logged other steps than 11..20"

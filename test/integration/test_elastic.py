@@ -139,7 +139,8 @@ def test_kill_random_worker(uninterrupted, tmp_path):
     step, line = resumed_step(m.err)
     print("killed worker pid %d at step %d (target %d); %s; kill -> training again: %.2f s" %
           (victim, seen, at, line, t_back - t_kill))
-    assert "restart 1)" in line and "now world 4" in line
+    # A worker failure is a failure restart: the restart count and the round both go up.
+    assert "restart 1, round 1)" in line and "now world 4" in line
     check_against(uninterrupted, tmp_path, step, "kill -9 of a worker")
 
 

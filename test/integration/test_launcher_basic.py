@@ -57,6 +57,7 @@ def test_worker_environment(launch, tmp_path):
         assert e["ROLE_NAME"] == "default"
         assert e["MASTER_ADDR"] == "127.0.0.1"
         assert e["TORCHELASTIC_RESTART_COUNT"] == "0"
+        assert e["MESHRUN_ROUND"] == "0"
         assert e["TORCHELASTIC_MAX_RESTARTS"] == "3"
         assert e["TORCHELASTIC_RUN_ID"] == "envjob"
         assert e["TORCHELASTIC_ERROR_FILE"].endswith("/attempt_0/%d/error.json" % r)
@@ -101,7 +102,7 @@ def test_restart_after_failure_increments_attempt(launch, tmp_path):
     assert m.wait(30) == 0, m.describe()
     for r in range(2):
         e = read_json(worker_file(tmp_path, r, 1, "json"))
-        assert e["TORCHELASTIC_RESTART_COUNT"] == "1"
+        assert e["TORCHELASTIC_RESTART_COUNT"] == "1" and e["MESHRUN_ROUND"] == "1", e
         assert os.path.exists(worker_file(tmp_path, r, 1, "done"))
 
 
@@ -117,7 +118,8 @@ def test_kill9_worker_restarts(launch, tmp_path):
     (tmp_path / "go").write_text("")
     assert m.wait(30) == 0, m.describe()
     assert "SIGKILL" in m.err, m.describe()
-    assert read_json(worker_file(tmp_path, 1, 1, "json"))["TORCHELASTIC_RESTART_COUNT"] == "1"
+    e = read_json(worker_file(tmp_path, 1, 1, "json"))
+    assert e["TORCHELASTIC_RESTART_COUNT"] == "1" and e["MESHRUN_ROUND"] == "1", e
 
 
 def test_signal_death_exit_code_is_128_plus_signal(launch, tmp_path):

@@ -75,7 +75,9 @@ def test_whole_node_dies_elastic_survivor_restarts_alone(launch, tmp_path):
     f = wait_for(lambda: os.path.exists(worker_file(tmp_path, 0, 1, "json")) and worker_file(tmp_path, 0, 1, "json"),
                  20, "the survivor's attempt 1")
     e = read_json(f)
-    assert e["WORLD_SIZE"] == "1" and e["GROUP_WORLD_SIZE"] == "1" and e["TORCHELASTIC_RESTART_COUNT"] == "1"
+    assert e["WORLD_SIZE"] == "1" and e["GROUP_WORLD_SIZE"] == "1", e
+    # A dead node is a new round, not a failure restart (torchrun's meaning of the count).
+    assert e["TORCHELASTIC_RESTART_COUNT"] == "0" and e["MESHRUN_ROUND"] == "1", e
     (tmp_path / "go").write_text("")
     assert a.wait(30) == 0, a.describe()
     assert "heartbeat" in a.err, a.describe()
@@ -115,9 +117,37 @@ def test_late_joiner_scales_the_job_up(launch, tmp_path):
     for r in range(2):
         e = read_json(worker_file(tmp_path, r, 1, "json"))
         assert e["WORLD_SIZE"] == "2" and e["GROUP_WORLD_SIZE"] == "2"
+        # A scale-up is a new round, not a failure restart.
+        assert e["TORCHELASTIC_RESTART_COUNT"] == "0" and e["MESHRUN_ROUND"] == "1", e
     (tmp_path / "go").write_text("")
     assert a.wait(30) == 0, a.describe()
     assert b.wait(30) == 0, b.describe()
+
+
+def test_scale_up_then_failure_counts_only_the_failure(launch, tmp_path):
+    """Round 0: A alone. Round 1: B joined (scale-up, count 0); rank 1 (on B) fails while the
+    count is 0. Round 2: the failure restart, count 1 on both nodes; with --max_restarts=1 the
+    job succeeds, so the scale-up spent no budget."""
+    port = free_port()
+    prog = worker_cmd(tmp_path, "--fail-rank=1", "--fail-attempts=1", "--code=6",
+                      "--hang-until=%s" % (tmp_path / "go"))
+    a = node(launch, port, "1:2", 1, prog, ["--max_restarts=1"])
+    wait_for(lambda: os.path.exists(worker_file(tmp_path, 0, 0, "json")), 20, "node A's round of one")
+    b = node(launch, port, "1:2", 1, prog, ["--max_restarts=1"])
+    wait_for(lambda: all(os.path.exists(worker_file(tmp_path, r, 2, "json")) for r in range(2)), 30,
+             "round 2 (after the scale-up and the failure), two ranks")
+    assert os.path.exists(worker_file(tmp_path, 1, 1, "exit"))
+    assert read_json(worker_file(tmp_path, 1, 1, "json"))["TORCHELASTIC_RESTART_COUNT"] == "0"
+    for r in range(2):
+        e = read_json(worker_file(tmp_path, r, 2, "json"))
+        assert e["TORCHELASTIC_RESTART_COUNT"] == "1" and e["MESHRUN_ROUND"] == "2", e
+        assert e["WORLD_SIZE"] == "2", e
+    (tmp_path / "go").write_text("")
+    assert a.wait(30) == 0, a.describe()
+    assert b.wait(30) == 0, b.describe()
+    for r in range(2):
+        assert os.path.exists(worker_file(tmp_path, r, 2, "done"))
+        assert not os.path.exists(worker_file(tmp_path, r, 3, "json"))
 
 
 def test_garbage_to_store_port_does_not_disturb(launch, tmp_path):
@@ -272,7 +302,7 @@ def test_worker_failure_on_one_node_restarts_every_node(launch, tmp_path):
     assert os.path.exists(worker_file(tmp_path, 3, 0, "exit"))
     for r in range(4):
         e = read_json(worker_file(tmp_path, r, 1, "json"))
-        assert e["TORCHELASTIC_RESTART_COUNT"] == "1" and e["WORLD_SIZE"] == "4", e
+        assert e["TORCHELASTIC_RESTART_COUNT"] == "1" and e["MESHRUN_ROUND"] == "1" and e["WORLD_SIZE"] == "4", e
         assert os.path.exists(worker_file(tmp_path, r, 1, "done"))
         assert not os.path.exists(worker_file(tmp_path, r, 0, "done"))  # stopped, not finished
         assert not os.path.exists(worker_file(tmp_path, r, 2, "json"))
@@ -289,6 +319,10 @@ def test_restart_budget_is_global_to_the_job(launch, tmp_path):
     exits = sorted(glob.glob(os.path.join(str(tmp_path), "rank3.attempt*.exit")))
     assert [os.path.basename(f) for f in exits] == ["rank3.attempt%d.exit" % i for i in range(3)], exits
     assert glob.glob(os.path.join(str(tmp_path), "rank*.attempt3.*")) == []
+    # Only failures here, so each round's restart count is its number, the same on both nodes.
+    for rnd in range(3):
+        e = read_json(worker_file(tmp_path, 3, rnd, "json"))
+        assert e["TORCHELASTIC_RESTART_COUNT"] == str(rnd) and e["MESHRUN_ROUND"] == str(rnd), e
     # Node A took part in all three (its other ranks may be stopped before they write a file:
     # rank 3 fails fast, so A's own log says which rounds it ran).
     assert [int(x) for x in re.findall(r"round (\d+): node 0 of 2", a.err)] == [0, 1, 2], a.describe()

@@ -1,6 +1,7 @@
 """A plain PyTorch program (nothing meshrun-specific): gloo all_reduce over env:// init.
-With --fail-first, rank 1 exits 1 on attempt 0, after the group formed, so the restart must
-re-form it on a fresh MASTER_PORT."""
+With --fail-first, rank 1 exits 1 on attempt 0 (TORCHELASTIC_RESTART_COUNT: failure restarts,
+as under torchrun), after the group formed, so the restart must re-form it on a fresh
+MASTER_PORT."""
 import os
 import sys
 

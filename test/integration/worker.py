@@ -1,7 +1,9 @@
 """A worker for meshrun's integration tests: run under meshrun, does what its flags say.
 
 Every action that a test synchronizes on leaves a file in --dir (written atomically: tmp +
-rename), so tests wait on files with deadlines instead of sleeping. Imports only the standard
+rename), so tests wait on files with deadlines instead of sleeping. Files are named
+rank<RANK>.attempt<MESHRUN_ROUND>.<what>: the round is unique per round, where the restart count
+(failures only) repeats across rounds a node joining or leaving started. Imports only the standard
 library, so it starts fast.
 """
 import argparse
@@ -61,7 +63,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--dir", required=True)
     p.add_argument("--fail-rank", type=int, default=-1, help="this global rank fails")
-    p.add_argument("--fail-attempts", type=int, default=1 << 30, help="fail while restart count < this")
+    p.add_argument("--fail-attempts", type=int, default=1 << 30, help="fail while TORCHELASTIC_RESTART_COUNT (failure restarts) < this")
     p.add_argument("--code", type=int, default=3)
     p.add_argument("--errfile", default="", help="write this message to TORCHELASTIC_ERROR_FILE before failing")
     p.add_argument("--errfile-plain", action="store_true", help='use {"message": "..."} instead of torch\'s format')
@@ -73,8 +75,8 @@ def main():
     a = p.parse_args()
 
     rank = int(os.environ["RANK"])
-    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-    tag = "rank%d.attempt%d" % (rank, attempt)
+    restarts = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    tag = "rank%d.attempt%d" % (rank, int(os.environ["MESHRUN_ROUND"]))
 
     def on_signal(sig, frame):
         atomic_write(os.path.join(a.dir, "%s.sig%d" % (tag, sig)), str(time.time()))
@@ -96,7 +98,7 @@ def main():
         print("out line %d from %d" % (i, rank), flush=True)
         print("err line %d from %d" % (i, rank), file=sys.stderr, flush=True)
 
-    if rank == a.fail_rank and attempt < a.fail_attempts:
+    if rank == a.fail_rank and restarts < a.fail_attempts:
         if a.errfile:
             if a.errfile_plain:
                 doc = {"message": a.errfile}

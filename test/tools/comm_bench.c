@@ -248,7 +248,8 @@ int main(int argc, char **argv) {
     fprintf(stderr, "comm_bench: store %s: %s\n", store_ep, err);
     return 1;
   }
-  const char *gen = getenv("TORCHELASTIC_RESTART_COUNT");
+  const char *gen = getenv("MESHRUN_ROUND"); /* unique per rendezvous round */
+  if (!gen) gen = getenv("TORCHELASTIC_RESTART_COUNT");
   int rc = bench_rank(atoi(rank_s), atoi(world_s), st, gen ? atoi(gen) : 0, NULL, &o);
   store_close(st);
   return rc;

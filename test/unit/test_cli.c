@@ -728,7 +728,7 @@ static void test_usage_text(void **state) {
       "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
       "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
       "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE",
-      "OMP_NUM_THREADS", "MESHRUN_STORE", "ROLE_NAME", MESHRUN_VERSION,
+      "OMP_NUM_THREADS", "MESHRUN_STORE", "MESHRUN_ROUND", "ROLE_NAME", MESHRUN_VERSION,
   };
   for (size_t i = 0; i < sizeof must / sizeof must[0]; i++) {
     if (!strstr(u, must[i])) print_error("--help lacks \"%s\"\n", must[i]);

@@ -1,6 +1,7 @@
 // deps: launcher/rdzv.c common/store.c common/store_proto.c common/net.c common/log.c
 /* Unit tests of rdzv's pure decision logic: round closing, late joiners, rank assignment,
- * heartbeat verdicts, fatal ends, and the end record's JSON round trip. No sockets. */
+ * heartbeat verdicts, fatal ends, the end record's JSON round trip and the master record that
+ * carries each round's restart count. No sockets. */
 #include <errno.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -121,6 +122,41 @@ static void test_end_fatal(void **state) {
   assert_false(rdzv_end_fatal(RDZV_END_SCALE_UP, 99, 0, 1, 2));
 }
 
+/* P/r<r>/master carries MASTER_ADDR, MASTER_PORT and the round's failure count, so every node
+ * gives its workers the same TORCHELASTIC_RESTART_COUNT. */
+static void test_master_record(void **state) {
+  (void)state;
+  char buf[RDZV_ADDR_MAX + 64];
+  rdzv_assignment_t a;
+  memset(&a, 0, sizeof a);
+  assert_int_equal(rdzv_master_encode(buf, sizeof buf, "fe80::1%eth0", 41234, 3), 0);
+  assert_string_equal(buf, "fe80::1%eth0 41234 3");
+  /* Not NUL-terminated, as a store value may be: trailing bytes past len are ignored. */
+  char raw[64];
+  memcpy(raw, buf, strlen(buf));
+  memcpy(raw + strlen(buf), "9999", 5);
+  assert_int_equal(rdzv_master_decode(raw, strlen(buf), &a), 0);
+  assert_string_equal(a.master_addr, "fe80::1%eth0");
+  assert_int_equal(a.master_port, 41234);
+  assert_int_equal(a.failures, 3);
+
+  assert_int_equal(rdzv_master_encode(buf, sizeof buf, "node0", 29500, 0), 0);
+  assert_int_equal(rdzv_master_decode(buf, strlen(buf), &a), 0);
+  assert_string_equal(a.master_addr, "node0");
+  assert_int_equal(a.failures, 0);
+
+  /* An addr with a space would shift the fields; a buffer too small must not truncate. */
+  assert_int_equal(rdzv_master_encode(buf, sizeof buf, "a b", 1, 0), -EINVAL);
+  assert_int_equal(rdzv_master_encode(buf, sizeof buf, "", 1, 0), -EINVAL);
+  assert_int_equal(rdzv_master_encode(buf, 8, "127.0.0.1", 29500, 0), -ENAMETOOLONG);
+
+  /* The old two-field form, extra fields, bad ports and counts are malformed. */
+  const char *bad[] = {"127.0.0.1 29500", "127.0.0.1 29500 1 2", "127.0.0.1 0 1", "127.0.0.1 70000 1",
+                       "127.0.0.1 29500 -1", "127.0.0.1 29500 x", "", "127.0.0.1 29500 1x"};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+    assert_int_equal(rdzv_master_decode(bad[i], strlen(bad[i]), &a), -EINVAL);
+}
+
 static void test_end_json_round_trip(void **state) {
   (void)state;
   rdzv_end_t e = {.kind = RDZV_END_FAILURE, .fatal = 1, .exit_code = 137, .rank = 5, .local_rank = 1,
@@ -157,6 +193,7 @@ int main(void) {
       cmocka_unit_test(test_ranks_errors),
       cmocka_unit_test(test_heartbeat_verdicts),
       cmocka_unit_test(test_end_fatal),
+      cmocka_unit_test(test_master_record),
       cmocka_unit_test(test_end_json_round_trip),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
