@@ -315,7 +315,8 @@ static void expect_open_error(const char *path, interop_format_t fmt, int code, 
   assert_null(f);
   assert_non_null(strstr(err, "interop error: "));
   assert_null(strchr(err, '\n'));
-  if (!strstr(err, want)) printf("  (wanted \"%s\")\n", want);
+  assert_non_null(want);
+  if (!strstr(err, want)) printf("  (wanted \"%s\")\n", want ? want : "");
   assert_non_null(strstr(err, want));
 }
 
