@@ -1,8 +1,8 @@
-/* fixture: store server thread + forked ranks for multi-process C tests (see fixture.h). */
+/* fixture: a store server process + forked ranks for multi-process C tests (see fixture.h). */
 #include "test/support/fixture.h"
 
-#include <pthread.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/wait.h>
@@ -11,42 +11,61 @@
 
 #include "launcher/store_server.h"
 
+/* The store server runs in a process of its own, not a thread: the ranks are forked from this
+ * process, and a fork while another thread holds a lock (ASAN's allocator lock, say) leaves
+ * the child deadlocked on it. The parent stays single-threaded; the server process reports its
+ * port through a pipe and runs until it is killed. */
 typedef struct {
-  uv_loop_t loop;
-  uv_async_t stop;
-  store_server_t *srv;
-  pthread_t thread;
+  pid_t pid;
   int port;
 } server_t;
 
-static void on_stop(uv_async_t *a) {
-  server_t *s = a->data;
-  store_server_close(s->srv);
-  uv_close((uv_handle_t *)&s->stop, NULL);
-}
-
-static void *server_main(void *arg) {
-  server_t *s = arg;
-  uv_run(&s->loop, UV_RUN_DEFAULT);
-  return NULL;
+static void server_main(int wfd) {
+  prctl(PR_SET_PDEATHSIG, SIGKILL); /* never outlive the test, even if it crashes */
+  uv_loop_t loop;
+  store_server_t *srv = NULL;
+  char err[256] = "";
+  int port = -1;
+  if (uv_loop_init(&loop) != 0 ||
+      store_server_start(&srv, &loop, "127.0.0.1", 0, &port, err, sizeof err) != 0) {
+    fprintf(stderr, "fixture: store_server_start: %s\n", err);
+    port = -1;
+  }
+  ssize_t w = write(wfd, &port, sizeof port);
+  close(wfd);
+  if (port < 0 || w != (ssize_t)sizeof port) _exit(1);
+  uv_run(&loop, UV_RUN_DEFAULT);
+  _exit(0);
 }
 
 static int server_start(server_t *s) {
-  char err[256] = "";
-  if (uv_loop_init(&s->loop) != 0) return -1;
-  s->stop.data = s;
-  if (uv_async_init(&s->loop, &s->stop, on_stop) != 0) return -1;
-  if (store_server_start(&s->srv, &s->loop, "127.0.0.1", 0, &s->port, err, sizeof err) != 0) {
-    fprintf(stderr, "fixture: store_server_start: %s\n", err);
+  int fds[2];
+  if (pipe(fds) != 0) return -1;
+  fflush(NULL);
+  s->pid = fork();
+  if (s->pid < 0) {
+    close(fds[0]);
+    close(fds[1]);
     return -1;
   }
-  return pthread_create(&s->thread, NULL, server_main, s) == 0 ? 0 : -1;
+  if (s->pid == 0) {
+    close(fds[0]);
+    server_main(fds[1]);
+  }
+  close(fds[1]);
+  ssize_t r = read(fds[0], &s->port, sizeof s->port);
+  close(fds[0]);
+  if (r != (ssize_t)sizeof s->port || s->port <= 0) {
+    kill(s->pid, SIGKILL);
+    waitpid(s->pid, NULL, 0);
+    return -1;
+  }
+  return 0;
 }
 
 static void server_stop(server_t *s) {
-  uv_async_send(&s->stop);
-  pthread_join(s->thread, NULL);
-  uv_loop_close(&s->loop);
+  kill(s->pid, SIGKILL);
+  waitpid(s->pid, NULL, 0);
 }
 
 static void child_run(int rank, int n, int port, fixture_rank_fn fn, void *arg, int alarm_s) {

@@ -1,8 +1,9 @@
 /* fixture: multi-process test harness shared by C tests that need real ranks.
  *
- * fixture_run_ranks starts a store server on its own libuv loop in a thread (port 0, so no
- * fixed port), forks one process per rank into a fresh process group, connects each to the
- * store and runs fn in it, then waits. A rank that fails (non-zero return, signal) gets the
+ * fixture_run_ranks starts a store server on its own libuv loop in a process of its own (port
+ * 0, so no fixed port; not a thread, so that the ranks are forked from a single-threaded
+ * process and never inherit a lock held by another thread), forks one process per rank into
+ * a fresh process group, connects each to the store and runs fn in it, then waits. A rank that fails (non-zero return, signal) gets the
  * whole group killed, since the others may be blocked in a collective with it; every rank has
  * an alarm so that nothing can hang a suite. fixture_comm_open creates a cpu communicator on
  * loopback through that store. The test links test/support/fixture.c plus
