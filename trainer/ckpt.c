@@ -819,7 +819,11 @@ int ckpt_writer_save(ckpt_writer_t *w, const ckpt_state_t *st, const ckpt_chunk_
   /* Local problems become this rank's failure record, still carried through the commit's
    * collectives so that every rank fails the same save. */
   rec_t *r = &j->rec;
-  if (st->step < 0 || n_chunks < 0 || (n_chunks > 0 && !chunks))
+  if (n_chunks < 0)
+    r->rc = fail(r->msg, sizeof r->msg, CKPT_EINVAL,
+                 "checkpoint error: rank %d could not collect its state for step %" PRId64 " (see its log)",
+                 grp_rank(wgroup(w)), st->step);
+  else if (st->step < 0 || (n_chunks > 0 && !chunks))
     r->rc = fail(r->msg, sizeof r->msg, CKPT_EINVAL, "checkpoint error: invalid step or chunk list");
   for (int i = 0; !r->rc && i < n_chunks; i++) {
     const ckpt_chunk_t *c = &chunks[i];

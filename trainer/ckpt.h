@@ -156,7 +156,9 @@ typedef struct {
 
 int ckpt_writer_create(ckpt_writer_t **out, const ckpt_writer_config_t *cfg, char *err, size_t errlen);
 /* Saves st->step with this rank's chunks (collective; every rank calls it, with any number of
- * chunks, including none). Sync: returns when step-<N> is committed. Async: returns after
+ * chunks, including none; n_chunks < 0 says this rank could not collect its state, and the save
+ * then fails on every rank: no chunks would commit a checkpoint without this rank's tensors
+ * whenever it is their only holder). Sync: returns when step-<N> is committed. Async: returns after
  * copying the data; an earlier in-flight save is committed first, and its error, if any, is
  * returned here. Returns 0 or a negative code with "checkpoint error: ..." in err. */
 int ckpt_writer_save(ckpt_writer_t *w, const ckpt_state_t *st, const ckpt_chunk_t *chunks, int n_chunks,

@@ -310,6 +310,20 @@ static int open_llama2c(interop_file_t *f, char *err, size_t errlen) {
     if (n + 1 < errlen) snprintf(err + n, errlen - n, " in the header; not a llama2.c version 0 checkpoint?");
     return rc;
   }
+  /* Every dimension may be up to DIM_MAX (2^20), so the implied size can pass 2^64 bytes and
+   * wrap in size_t to a small number that a tiny file matches; reads would then run past the
+   * mapping. The same sum in double cannot wrap: beyond 2^62 bytes no file is that size. */
+  double approx = (double)c->max_seq_len * (double)(c->dim / c->n_heads) +
+                  (f->shared ? 0.0 : (double)kind_numel(c, K_OUT));
+  for (int k = K_EMB; k < K_OUT; k++)
+    approx += (double)kind_numel(c, k) * (kind_per_layer(k) ? (double)c->n_layers : 1.0);
+  approx = approx * sizeof(float) + LLAMA2C_HEADER_INTS * sizeof(int32_t);
+  if (approx > 0x1p62)
+    return fail(err, errlen, INTEROP_ECORRUPT, path,
+                "%zu bytes, but its header (dim %d, hidden_dim %d, n_layers %d, n_heads %d, n_kv_heads %d, "
+                "vocab_size %d, seq_len %d) implies %.3g bytes (not a llama2.c version 0 checkpoint?)",
+                len, c->dim, c->hidden_dim, c->n_layers, c->n_heads, c->n_kv_heads, c->vocab_size, c->max_seq_len,
+                approx);
   size_t want = LLAMA2C_HEADER_INTS * sizeof(int32_t) +
                 (llama2c_offset(c, K_OUT, 0) + (f->shared ? 0 : kind_numel(c, K_OUT))) * sizeof(float);
   if (len != want)

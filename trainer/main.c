@@ -442,11 +442,13 @@ static int checkpoint_save(ckpt_writer_t *w, dp_t *dp, const plan_t *p, int step
   ckpt_state_set(&st, "train_steps", v);
   ckpt_chunks_t cs = {0};
   float *host = NULL;
-  /* A rank that cannot copy still joins the collective save with no chunks: the coverage check
-   * then fails the save on every rank instead of leaving the others waiting. */
+  /* A rank that cannot copy still joins the collective save, with n_chunks -1: the save then
+   * fails on every rank instead of leaving the others waiting. (No chunks would not do: the
+   * coverage check sees only tensors some rank saved, so when this rank was the only holder of
+   * a tensor, e.g. DDP's rank 0 of every parameter, a checkpoint without it would commit.) */
   char cerr[256] = "";
   int crc = dp_ckpt_to_host(dp, &cs, &host, cerr, sizeof cerr);
-  int rc = ckpt_writer_save(w, &st, crc ? NULL : cs.v, crc ? 0 : cs.n, err, errlen);
+  int rc = ckpt_writer_save(w, &st, crc ? NULL : cs.v, crc ? -1 : cs.n, err, errlen);
   if (crc) snprintf(err, errlen, "%s", cerr);
   ckpt_chunks_free(&cs);
   free(host);

@@ -212,6 +212,7 @@ typedef struct {
   int keep, async, nkinds;
   int bad_rank;  /* -1, or a rank that passes an invalid chunk */
   int drop_rank; /* -1, or a rank that saves nothing (a hole in the checkpoint) */
+  int fail_rank; /* -1, or a rank that could not collect its state (passes n_chunks -1) */
   int (*hook)(const char *, void *);
   void *hook_arg;
   int scribble; /* async: overwrite the buffers right after each save returns */
@@ -239,6 +240,7 @@ static int save_rank(rank_ctx_t *rc) {
     }
     if (rc->rank == a->bad_rank && cs.n > 0) cs.v[0].b = cs.v[0].rows * cs.v[0].cols + 1;
     if (rc->rank == a->drop_rank) cs.n = 0;
+    if (rc->rank == a->fail_rank) cs.n = -1;
     ckpt_state_t st = {.step = step, .optim_step = step, .data_position = (uint64_t)step * 64, .n_rng = 2,
                        .rng = {0xDEADBEEFCAFEF00Dull + (uint64_t)step, 42}};
     ckpt_state_set(&st, "loss", "2.5");
@@ -262,6 +264,7 @@ static int save(save_t a) {
   if (!a.nkinds) a.nkinds = 2;
   if (!a.bad_rank) a.bad_rank = -1;
   if (!a.drop_rank) a.drop_rank = -1;
+  if (!a.fail_rank) a.fail_rank = -1;
   int rc = run_ranks(a.R * a.S * a.T, save_rank, &a);
   if (rc) printf("save: %s\n", ranks[0].err[0] ? ranks[0].err : "(no message)");
   return rc;
@@ -610,6 +613,23 @@ static void test_incomplete_save_refused(void **state) {
   assert_false(exists("step-10"));
 }
 
+/* A rank that could not collect its state (n_chunks -1) fails the save on every rank, naming
+ * itself, even when the others' chunks would pass the coverage check: with S = 1 and R = 2
+ * replica 1 holds the same values as replica 0, so saving nothing would leave no hole. */
+static void test_rank_without_state_fails_everyone(void **state) {
+  assert_int_equal(save((save_t){.R = 2, .steps = {10}, .n_steps = 1, .drop_rank = 1}), 0);
+  assert_true(exists("step-10"));
+  assert_int_equal(save((save_t){.R = 2, .steps = {20}, .n_steps = 1, .fail_rank = 1}), CKPT_EINVAL);
+  for (int r = 0; r < 2; r++) {
+    printf("  rank %d: %s\n", r, ranks[r].err);
+    assert_non_null(strstr(ranks[r].err, "rank 1 could not collect its state for step 20"));
+  }
+  assert_false(exists("step-20"));
+  char latest[64];
+  read_latest(latest, sizeof latest);
+  assert_string_equal(latest, "step-10\n");
+}
+
 static void test_keep_and_abandoned_timeline(void **state) {
   assert_int_equal(save((save_t){.S = 2, .steps = {10, 20, 30}, .n_steps = 3, .keep = 2}), 0);
   assert_false(exists("step-10"));
@@ -768,6 +788,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_crash_during_save_keeps_previous, setup, teardown),
       cmocka_unit_test_setup_teardown(test_failing_rank_fails_everyone, setup, teardown),
       cmocka_unit_test_setup_teardown(test_incomplete_save_refused, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_rank_without_state_fails_everyone, setup, teardown),
       cmocka_unit_test_setup_teardown(test_keep_and_abandoned_timeline, setup, teardown),
       cmocka_unit_test_setup_teardown(test_async_equals_sync, setup, teardown),
       cmocka_unit_test_setup_teardown(test_async_poll, setup, teardown),

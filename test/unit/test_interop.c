@@ -358,6 +358,11 @@ static void test_bad_llama2c_files(void **state) {
     spit(bad, x, len);
     expect_open_error(bad, INTEROP_AUTO, INTEROP_ECORRUPT, cases[k].want);
   }
+  /* Dimensions in range whose implied size is 2^64 + 36 bytes: in size_t it wraps to the 36
+   * bytes of this file, which must not pass for a whole checkpoint. */
+  int32_t wrap[9] = {1 << 20, 699047, 1 << 20, 1 << 19, 2, (1 << 20) - 1, 1, 0, 0};
+  spit(bad, wrap, sizeof wrap);
+  expect_open_error(bad, INTEROP_AUTO, INTEROP_ECORRUPT, "implies");
   path_in(bad, sizeof bad, "missing.bin");
   expect_open_error(bad, INTEROP_AUTO, INTEROP_EIO, "cannot open");
   /* llama2.c cannot hold another theta */
