@@ -598,7 +598,9 @@ static void watch_one(rdzv_t *rz, int gen, int r, int n, int me, const rdzv_node
     }
   }
 lost:
-  if (rc && rc != STORE_ETIMEDOUT && !atomic_load(&rz->stop) && !atomic_load(&rz->done)) store_lost(rz, s, rc);
+  /* Any error here is the connection's: the wait's own timeout (the server's TIMEOUT reply)
+   * never gets here, so STORE_ETIMEDOUT means a reply that never came and a broken stream. */
+  if (rc && !atomic_load(&rz->stop) && !atomic_load(&rz->done)) store_lost(rz, s, rc);
 out:
   free(done);
   rdzv_hb_free(&hb);

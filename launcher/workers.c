@@ -4,7 +4,8 @@
  * threads): own process group first, so that a signal to the group never reaches meshrun;
  * then PR_SET_PDEATHSIG=SIGKILL and a getppid() check (if meshrun died before the prctl, the
  * child was already reparented and exits); then default signal dispositions and an empty mask
- * (ignored signals and masks survive exec); then the fds; then execve of the path that
+ * (ignored signals and masks survive exec; the parent forks with every signal blocked, so
+ * none reaches an inherited handler before this); then the fds; then execve of the path that
  * workers_find_program resolved once in the parent. An exec failure is
  * reported through a CLOEXEC pipe, so workers_start can name the cause.
  * Environment and argv are built before fork, since the child must not allocate. */
@@ -12,6 +13,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -28,6 +30,9 @@
 extern char **environ;
 
 #define LINE_MAX_BYTES 65536
+/* After the last worker of a round is reaped and its process group killed, how long its
+ * output pipes may stay open (held by a process that left the group) before they are closed. */
+#define DRAIN_MS 2000
 
 typedef struct worker worker_t;
 
@@ -63,6 +68,7 @@ struct workers {
   int open_pipes; /* pipe handles not yet closed (close callback done) */
   int prefix;     /* world > 1: "[rank<R>]:" before each console line */
   int stopping;
+  int draining; /* every worker reaped; pipes closing (see reap) */
   int idle_reported;
 };
 
@@ -193,6 +199,18 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf) {
 
 /* ---- exits ---- */
 
+static void on_drain(uv_timer_t *t) {
+  workers_t *w = t->data;
+  for (int i = 0; i < w->n; i++) {
+    worker_t *wk = &w->ws[i];
+    if (wk->out.open || wk->err.open)
+      log_warn("rank %d exited but a process outside its group still holds its output open: closing it",
+               wk->info.rank);
+    close_stream(&wk->out);
+    close_stream(&wk->err);
+  }
+}
+
 static void reap(workers_t *w) {
   for (int i = 0; i < w->n; i++) {
     worker_t *wk = &w->ws[i];
@@ -214,6 +232,15 @@ static void reap(workers_t *w) {
     /* While stopping, take the worker's whole group with it: grandchildren die too. */
     if (w->stopping) kill(-wk->info.pid, SIGKILL);
     if (w->on_exit) w->on_exit(w, &wk->info, w->arg);
+  }
+  /* Every worker is gone but a pipe is still open: something the worker started holds it.
+   * Waiting for its EOF could take forever, so the groups go now (exit paths would kill them
+   * anyway), and a pipe held from outside the groups is closed after DRAIN_MS. */
+  if (w->running == 0 && w->open_pipes > 0 && w->n > 0 && !w->draining) {
+    w->draining = 1;
+    for (int i = 0; i < w->n; i++)
+      if (w->ws[i].group_alive) kill(-w->ws[i].info.pid, SIGKILL);
+    uv_timer_start(&w->grace, on_drain, DRAIN_MS, 0);
   }
   check_idle(w);
 }
@@ -504,6 +531,7 @@ int workers_start(workers_t *w, const workers_round_t *r, char *err, size_t errl
   w->n = r->nproc;
   w->running = 0;
   w->stopping = 0;
+  w->draining = 0;
   w->idle_reported = 0;
   w->prefix = r->world_size > 1;
   char **argv = o->prog_argv;
@@ -557,11 +585,19 @@ int workers_start(workers_t *w, const workers_round_t *r, char *err, size_t errl
     }
     pid_t pid = -1;
     if (!rc) {
+      /* Every signal blocked across fork: until the child has reset the dispositions, a
+       * signal would run libuv's handler in it, which writes to the parent's signal pipe
+       * (meshrun would see, say, a second SIGTERM it never got). The child unblocks. */
+      sigset_t all, old;
+      sigfillset(&all);
+      pthread_sigmask(SIG_SETMASK, &all, &old);
       pid = fork();
       if (pid == 0) child_exec(self, out_child, err_child, rep[1], file, argv, env);
+      int fork_errno = errno;
+      pthread_sigmask(SIG_SETMASK, &old, NULL);
       if (pid < 0) {
-        rc = -errno;
-        snprintf(err, errlen, "fork: %s", strerror(errno));
+        rc = -fork_errno;
+        snprintf(err, errlen, "fork: %s", strerror(fork_errno));
       }
     }
     env_free(env);

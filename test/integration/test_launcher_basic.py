@@ -220,3 +220,37 @@ def test_console_prefix_only_with_several_workers(launch, tmp_path):
     m = launch(["--nproc_per_node=1"] + worker_cmd(tmp_path, "--print=1"))
     assert m.wait(30) == 0, m.describe()
     assert "out line 0 from 0\n" in m.out and "[rank" not in m.out, m.describe()
+
+
+@pytest.mark.parametrize("code", [0, 3], ids=["success", "failure"])
+def test_background_child_holding_output_neither_hangs_nor_survives(launch, tmp_path, code):
+    # Each worker leaves a long sleep in its process group that inherited its stdout/stderr pipes
+    # (two workers: the console is prefixed, so output goes through pipes). meshrun must not wait
+    # for those pipes' EOF, and the sleeps must not outlive it.
+    script = 'sleep 300 & echo $! > "%s/bg.$RANK"; exit %d' % (tmp_path, code)
+    m = launch(["--nproc_per_node=2", "--max_restarts=0", "sh", "-c", script])
+    assert m.wait(30) == code, m.describe()
+    # Rank 0 always got as far as its background child; with a failure rank 1 may be stopped first.
+    assert (tmp_path / "bg.0").exists(), m.describe()
+    pids = [int(f.read_text()) for f in tmp_path.glob("bg.*")]
+    wait_for(lambda: pids_alive(pids) == [], 10, "background children %s to die with their group" % pids)
+
+
+def test_output_held_outside_the_group_does_not_hang(launch, tmp_path):
+    # A process that left the worker's group (setsid) keeps the output pipe open; meshrun cannot
+    # kill it, but it still exits after a bounded drain.
+    # The worker exits only once its child has left the group (polled, not slept).
+    script = ('setsid sh -c \'echo $$ > "$0.tmp" && mv "$0.tmp" "$0" && exec sleep 300\' "%s/bg.$RANK" & '
+              'while [ ! -e "%s/bg.$RANK" ]; do :; done; exit 0') % (tmp_path, tmp_path)
+    m = launch(["--nproc_per_node=2", "sh", "-c", script])
+    try:
+        assert m.wait(30) == 0, m.describe()
+        assert "holds its output open" in m.err, m.describe()
+    finally:
+        for r in range(2):
+            f = tmp_path / ("bg.%d" % r)
+            if f.exists():
+                try:
+                    os.kill(int(f.read_text()), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass

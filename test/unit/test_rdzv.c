@@ -1,7 +1,8 @@
-// deps: launcher/rdzv.c common/store.c common/store_proto.c common/net.c common/log.c
+// deps: launcher/rdzv.c launcher/store_server.c common/store.c common/store_proto.c common/net.c common/log.c
 /* Unit tests of rdzv's pure decision logic: round closing, late joiners, rank assignment,
  * heartbeat verdicts, fatal ends, the end record's JSON round trip and the master record that
- * carries each round's restart count. No sockets. */
+ * carries each round's restart count. No sockets, except the last test: a store that stops
+ * answering mid-round must be reported, not silently end the heartbeats. */
 #include <errno.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -12,6 +13,7 @@
 #include <string.h>
 
 #include "launcher/rdzv.h"
+#include "launcher/store_server.h"
 
 static rdzv_node_t mk(int idx, int node_rank, int nproc, const char *addr) {
   rdzv_node_t n = {.idx = idx, .node_rank = node_rank, .nproc = nproc};
@@ -184,6 +186,122 @@ static void test_end_json_round_trip(void **state) {
   assert_int_equal(rdzv_end_decode("garbage", 7, &d), -EINVAL);
 }
 
+/* ---- a store that stops answering while a round runs ---- */
+
+typedef struct {
+  uv_loop_t loop;
+  uv_async_t freeze, stop;
+  uv_timer_t poll;
+  uv_sem_t release;
+  store_server_t *srv;
+  int port;
+} frozen_store_t;
+
+/* Freezes once the watch thread is connected and parked on the round's end key: from then on
+ * its connection stays open and nothing is answered. */
+static void fs_on_poll(uv_timer_t *t) {
+  frozen_store_t *fs = t->data;
+  if (store_server_num_waiters(fs->srv) == 0) return;
+  uv_timer_stop(t);
+  uv_sem_wait(&fs->release); /* the store's loop stops here */
+}
+
+static void fs_on_freeze(uv_async_t *h) {
+  frozen_store_t *fs = h->data;
+  uv_timer_start(&fs->poll, fs_on_poll, 1, 1);
+}
+
+static void fs_on_stop(uv_async_t *h) {
+  frozen_store_t *fs = h->data;
+  store_server_close(fs->srv);
+  uv_close((uv_handle_t *)&fs->freeze, NULL);
+  uv_close((uv_handle_t *)&fs->stop, NULL);
+  uv_close((uv_handle_t *)&fs->poll, NULL);
+}
+
+static void fs_thread(void *arg) { uv_run(&((frozen_store_t *)arg)->loop, UV_RUN_DEFAULT); }
+
+typedef struct {
+  rdzv_t *rz;
+  frozen_store_t *fs;
+  uv_timer_t deadline;
+  int assigned, errors, timed_out;
+  char message[RDZV_MSG_MAX];
+} watch_probe_t;
+
+static void probe_finish(watch_probe_t *p) {
+  rdzv_shutdown(p->rz);
+  uv_close((uv_handle_t *)&p->deadline, NULL);
+}
+
+static void probe_on_event(rdzv_t *rz, const rdzv_event_t *ev, void *arg) {
+  watch_probe_t *p = arg;
+  (void)rz;
+  if (ev->kind == RDZV_EV_ASSIGNED) {
+    p->assigned = 1;
+    uv_async_send(&p->fs->freeze);
+  } else if (ev->kind == RDZV_EV_ERROR) {
+    p->errors++;
+    snprintf(p->message, sizeof p->message, "%s", ev->message);
+    probe_finish(p);
+  }
+}
+
+static void probe_on_deadline(uv_timer_t *t) {
+  watch_probe_t *p = t->data;
+  p->timed_out = 1;
+  probe_finish(p);
+}
+
+static void test_store_that_stops_answering_is_reported(void **state) {
+  (void)state;
+  frozen_store_t fs;
+  memset(&fs, 0, sizeof fs);
+  char err[512];
+  assert_int_equal(uv_loop_init(&fs.loop), 0);
+  assert_int_equal(store_server_start(&fs.srv, &fs.loop, "127.0.0.1", 0, &fs.port, err, sizeof err), 0);
+  assert_int_equal(uv_sem_init(&fs.release, 0), 0);
+  uv_async_init(&fs.loop, &fs.freeze, fs_on_freeze);
+  uv_async_init(&fs.loop, &fs.stop, fs_on_stop);
+  uv_timer_init(&fs.loop, &fs.poll);
+  fs.freeze.data = fs.stop.data = fs.poll.data = &fs;
+  uv_thread_t thr;
+  assert_int_equal(uv_thread_create(&thr, fs_thread, &fs), 0);
+
+  uv_loop_t loop;
+  assert_int_equal(uv_loop_init(&loop), 0);
+  rdzv_config_t cfg = {.store_port = fs.port, .nnodes_min = 1, .nnodes_max = 1, .node_rank = -1, .nproc = 1,
+                       .join_timeout_s = 10, .last_call_timeout_s = 0.1, .close_timeout_s = 10,
+                       .heartbeat_interval_s = 0.1, .heartbeat_timeout_s = 30, .max_restarts = 0};
+  snprintf(cfg.store_host, sizeof cfg.store_host, "127.0.0.1");
+  snprintf(cfg.run_id, sizeof cfg.run_id, "frozen");
+  snprintf(cfg.addr, sizeof cfg.addr, "127.0.0.1");
+  watch_probe_t p;
+  memset(&p, 0, sizeof p);
+  p.fs = &fs;
+  uv_timer_init(&loop, &p.deadline);
+  p.deadline.data = &p;
+  /* The client gives up on a reply after the wait (0.1 s) plus its 5 s slack; 30 s bounds the test. */
+  uv_timer_start(&p.deadline, probe_on_deadline, 30000, 0);
+  assert_int_equal(rdzv_create(&p.rz, &loop, &cfg, probe_on_event, &p, err, sizeof err), 0);
+  rdzv_join(p.rz);
+  uv_run(&loop, UV_RUN_DEFAULT);
+
+  uv_sem_post(&fs.release);
+  uv_async_send(&fs.stop);
+  uv_thread_join(&thr);
+  uv_sem_destroy(&fs.release);
+  assert_int_equal(uv_loop_close(&fs.loop), 0);
+  assert_int_equal(rdzv_destroy(p.rz, 10000), 0);
+  assert_int_equal(uv_loop_close(&loop), 0);
+
+  assert_true(p.assigned);
+  assert_false(p.timed_out);
+  assert_int_equal(p.errors, 1);
+  print_message("rdzv error: %s\n", p.message);
+  assert_non_null(strstr(p.message, "lost"));
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_close_action),
@@ -195,6 +313,7 @@ int main(void) {
       cmocka_unit_test(test_end_fatal),
       cmocka_unit_test(test_master_record),
       cmocka_unit_test(test_end_json_round_trip),
+      cmocka_unit_test(test_store_that_stops_answering_is_reported),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
