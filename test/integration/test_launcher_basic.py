@@ -227,12 +227,14 @@ def test_background_child_holding_output_neither_hangs_nor_survives(launch, tmp_
     # Each worker leaves a long sleep in its process group that inherited its stdout/stderr pipes
     # (two workers: the console is prefixed, so output goes through pipes). meshrun must not wait
     # for those pipes' EOF, and the sleeps must not outlive it.
-    script = 'sleep 300 & echo $! > "%s/bg.$RANK"; exit %d' % (tmp_path, code)
-    m = launch(["--nproc_per_node=2", "--max_restarts=0", "sh", "-c", script])
+    # Each pid file appears whole (written aside, then renamed), and each rank exits only once the
+    # other's exists (polled, not slept), so both background children exist before any exit.
+    script = ('sleep 300 & echo $! > "$0/bg.$RANK.tmp" && mv "$0/bg.$RANK.tmp" "$0/bg.$RANK"; '
+              'while [ ! -e "$0/bg.$((1 - RANK))" ]; do :; done; exit %d') % code
+    m = launch(["--nproc_per_node=2", "--max_restarts=0", "sh", "-c", script, str(tmp_path)])
     assert m.wait(30) == code, m.describe()
-    # Rank 0 always got as far as its background child; with a failure rank 1 may be stopped first.
-    assert (tmp_path / "bg.0").exists(), m.describe()
-    pids = [int(f.read_text()) for f in tmp_path.glob("bg.*")]
+    assert (tmp_path / "bg.0").exists() and (tmp_path / "bg.1").exists(), m.describe()
+    pids = [int(f.read_text()) for f in tmp_path.glob("bg.[0-9]")]
     wait_for(lambda: pids_alive(pids) == [], 10, "background children %s to die with their group" % pids)
 
 
