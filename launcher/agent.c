@@ -23,6 +23,7 @@
 
 #include "common/log.h"
 #include "common/net.h"
+#include "common/store.h"
 #include "launcher/errfile.h"
 #include "launcher/rdzv.h"
 #include "launcher/store_server.h"
@@ -330,6 +331,34 @@ static int setup_base_dir(agent_t *a, char *err, size_t errlen) {
   }
   return 0;
 }
+/* Binds the rendezvous endpoint and serves the store there, or leaves it to whoever does.
+ * EADDRINUSE alone does not mean another node hosts it: the port can be the source port of some
+ * outgoing connection for a moment, with nobody listening. So while a probe of the endpoint is
+ * refused, binding is tried again, for up to HOST_RETRY_S; then this node is a client and rdzv
+ * keeps connecting until join_timeout (the loop is running by then, so signals work). Returns
+ * store_server_start's code. */
+#define HOST_RETRY_S 5.0
+static int host_or_join(agent_t *a, char *err, size_t errlen) {
+  const launcher_opts_t *o = a->opts;
+  uint64_t start = uv_hrtime();
+  int64_t nap_ms = 5;
+  for (;;) {
+    int rc = store_server_start(&a->srv, &a->loop, o->rdzv_host, o->rdzv_port, &a->store_port, err, errlen);
+    if (rc != STORE_SERVER_EADDRINUSE || o->rdzv_port == 0) return rc;
+    char perr[256];
+    store_t *probe = NULL;
+    int prc = store_connect(&probe, o->rdzv_host, o->rdzv_port, 50, perr, sizeof perr);
+    store_close(probe);
+    if (prc != STORE_ECONNECT) return rc; /* someone listens there: a store, or another program */
+    if ((double)(uv_hrtime() - start) / 1e9 >= HOST_RETRY_S) return rc;
+    if (nap_ms == 5)
+      log_debug("--rdzv_endpoint port %d is taken but nobody listens there: retrying the bind", o->rdzv_port);
+    struct timespec ts = {.tv_sec = 0, .tv_nsec = nap_ms * 1000000};
+    nanosleep(&ts, NULL);
+    if (nap_ms < 100) nap_ms *= 2;
+  }
+}
+
 
 int agent_run(launcher_opts_t *o) {
   agent_t *a = calloc(1, sizeof *a);
@@ -355,7 +384,7 @@ int agent_run(launcher_opts_t *o) {
   /* Host the store when this node can bind the endpoint; otherwise be a client of whoever
    * does. A port taken by something else is found out on the first request (rdzv). */
   snprintf(a->store_host, sizeof a->store_host, "%s", o->rdzv_host);
-  rc = store_server_start(&a->srv, &a->loop, o->rdzv_host, o->rdzv_port, &a->store_port, err, sizeof err);
+  rc = host_or_join(a, err, sizeof err);
   if (rc == 0) {
     log_debug("serving the rendezvous store on port %d", a->store_port);
   } else if (o->rdzv_port == 0) {

@@ -5,9 +5,11 @@ restart budget."""
 import glob
 import os
 import re
+import select
 import signal
 import socket
 import threading
+import time
 
 import pytest
 
@@ -333,3 +335,26 @@ def test_restart_budget_is_global_to_the_job(launch, tmp_path):
     assert re.search(r"host:\s+%s\b" % re.escape(socket.gethostname()), a.err), a.describe()
     assert re.search(r"exitcode:\s+9\b", a.err), a.describe()
     assert "rank 3 (pid %d)" % pid in a.err, a.describe()
+
+
+def test_endpoint_port_busy_without_listener_is_retried(launch, tmp_path):
+    # The endpoint port is bound by a socket that does not listen (as when it is some outgoing
+    # connection's source port): binding fails, nobody answers. meshrun must keep trying to host
+    # the store instead of waiting as a client of nobody until join_timeout.
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    port = holder.getsockname()[1]
+    m = launch(["--nnodes=1", "--nproc_per_node=1", "--rdzv_endpoint=127.0.0.1:%d" % port,
+                "--rdzv_conf=" + FAST_CONF, "true"], env={"MESHRUN_LOG_LEVEL": "debug"})
+    deadline = time.monotonic() + 20
+    seen = b""
+    while b"retrying the bind" not in seen:
+        left = deadline - time.monotonic()
+        assert left > 0, "meshrun never said it retries the bind:\n" + seen.decode(errors="replace")
+        r, _, _ = select.select([m.proc.stderr], [], [], left)
+        if r:
+            chunk = os.read(m.proc.stderr.fileno(), 4096)
+            assert chunk, "meshrun closed stderr first:\n" + seen.decode(errors="replace")
+            seen += chunk
+    holder.close()  # the port is free now: meshrun must bind it and run the job
+    assert m.wait(30) == 0, seen.decode(errors="replace") + m.describe()
