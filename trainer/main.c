@@ -1078,11 +1078,18 @@ int main(int argc, char **argv) {
   const double t_loop = now_s();
   double t_in_steps = 0;
   int stopped = 0;
+  /* Test hook, MESHRUN_FAULT_NAN=RANK:STEP: that rank's first micro-batch of that step reports a
+   * nan loss, as a rank whose data made the model diverge would (the tests check that every
+   * rank then stops together). */
+  int fault_nan_rank = -1, fault_nan_step = -1;
+  const char *fault = getenv("MESHRUN_FAULT_NAN");
+  if (fault && sscanf(fault, "%d:%d", &fault_nan_rank, &fault_nan_step) != 2) fault_nan_rank = -1;
   for (int s = start_step; s < steps; s++) {
     const double t0 = now_s();
     const double lr = optim_lr(&p->train, s);
     double loss = 0;
     dp_zero_grad(dp);
+    int bad_micro = 0; /* first micro-batch of this step whose loss was nan/inf (1-based) */
     for (int micro = 0; micro < accum; micro++) {
       data_train_batch(&data, s, micro, dp_rank, dp_size, B, tok, tgt);
       if (dump && (fwrite(tok, sizeof(int32_t), (size_t)B * T, dump) != (size_t)B * T ||
@@ -1095,13 +1102,16 @@ int main(int argc, char **argv) {
         snprintf(err, sizeof err, "%s", dp_errmsg(dp));
         goto fail;
       }
-      if (!isfinite(l)) {
-        snprintf(err, sizeof err,
-                 "loss is %s at step %d (micro-batch %d); the model diverged: lower train.lr, raise "
-                 "train.warmup_steps, check model.init_std, or enable train.grad_clip",
-                 isnan(l) ? "nan" : "inf", s + 1, micro + 1);
+      if (!isfinite(l) && !model_forward_ok(m)) {
+        snprintf(err, sizeof err, "step %d (micro-batch %d): the forward pass failed (see the model error above)",
+                 s + 1, micro + 1);
         goto fail;
       }
+      /* A diverged loss is not acted on here but after the loss is averaged over dp, where every
+       * rank sees it and stops at the same point: a rank leaving alone would strand its peers
+       * in the gradient reduction (and in a pending checkpoint commit). */
+      if (fault_nan_rank == rank && fault_nan_step == s + 1 && micro == 0) l = NAN; /* tests only */
+      if (!isfinite(l) && !bad_micro) bad_micro = micro + 1;
       dp_set_sync(dp, micro == accum - 1); /* gradients are synchronized once, on the last micro-step */
       model_backward(m, 1.0f / (float)accum);
       if (dp_status(dp)) {
@@ -1118,6 +1128,15 @@ int main(int argc, char **argv) {
         goto fail;
       }
       loss = lf;
+    }
+    if (!isfinite(loss)) {
+      char where[64] = "on another data-parallel rank";
+      if (bad_micro) snprintf(where, sizeof where, "micro-batch %d", bad_micro);
+      snprintf(err, sizeof err,
+               "loss is %s at step %d (%s); the model diverged: lower train.lr, raise train.warmup_steps, "
+               "check model.init_std, or enable train.grad_clip",
+               isnan(loss) ? "nan" : "inf", s + 1, where);
+      goto fail;
     }
 
     double gnorm = 0;

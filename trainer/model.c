@@ -961,6 +961,8 @@ static void block_backward(model_t *m, int l, int b, int t) {
   norm_bwd(m, lt->attention_norm, a->x, a->rstd_att, m->attn_split, "reduction of attention_norm output gradient");
 }
 
+int model_forward_ok(const model_t *m) { return m->last_ok; }
+
 void model_backward(model_t *m, float loss_scale) {
   backend_t *be = m->be;
   if (!m->last_ok || !m->last_has_targets) {

@@ -124,6 +124,9 @@ float model_forward(model_t *m, const int32_t *tokens, const int32_t *targets, i
 /* Backward of the last forward (which must have had targets): grads += d(loss * loss_scale)/dp.
  * loss_scale is 1/grad_accum_steps under accumulation. */
 void model_backward(model_t *m, float loss_scale);
+/* 1 when the last forward ran to the end (its loss may still be nan/inf: the model diverged),
+ * 0 when it stopped on an error (bad ids, capacity, a failed collective) and logged it. */
+int model_forward_ok(const model_t *m);
 void model_zero_grad(model_t *m);
 /* Logits of the last forward, device memory (B, T, V), the full vocabulary on every tp rank
  * (gathered when the output is vocab-sharded). NULL after a loss-parallel forward with targets,

@@ -26,6 +26,7 @@ import os
 import re
 import struct
 import subprocess
+import time
 
 import pytest
 
@@ -263,3 +264,27 @@ def test_init_from_weights(serial, tmp_path):
     rc, m = run_meshrun(d, 4, [write_plan(d)] + sets_for(d, (2, 2, 1), extra))
     assert rc == 0, m.describe()
     compare(ref, d, "init + hsdp2x2")
+
+
+def test_diverged_loss_stops_every_rank_together(tmp_path):
+    """A nan loss on ONE rank under DDP (with an async checkpoint in flight) ends every rank at the
+    same step with the loss message, at once: no rank is left waiting in a collective for a comm
+    timeout, and no rank reports a mere comm error. MESHRUN_COMM_TIMEOUT is 60 s here, so a
+    stranded rank would show as a run of a minute. MESHRUN_FAULT_NAN makes rank 1's loss nan at
+    step 3 (a test hook of the trainer)."""
+    extra = ["checkpoint.interval=1", "checkpoint.async=true"]
+    t0 = time.monotonic()
+    m = Meshrun(["--nproc_per_node=2", "--rdzv_conf=" + FAST_CONF, TRAINER, write_plan(tmp_path)] +
+                sets_for(tmp_path, (2, 1, 1), extra),
+                env={"OMP_NUM_THREADS": "1", "MESHRUN_COMM_TIMEOUT": "60", "MESHRUN_FAULT_NAN": "1:3"},
+                cwd=str(tmp_path))
+    rc = m.wait(120)
+    took = time.monotonic() - t0
+    print("diverged ddp2 run ended in %.2f s with rc %d" % (took, rc))
+    assert rc == 1, m.describe()
+    lines = [l for l in m.err.splitlines() if "loss is nan at step" in l or "loss is inf at step" in l]
+    ranks = {l.split("]:")[0] for l in lines}
+    assert ranks == {"[rank0", "[rank1"}, m.describe()  # both ranks name the loss, not a comm error
+    steps = {l.split(" at step ")[1].split(" ")[0] for l in lines}
+    assert steps == {"3"}, m.describe()  # at the same step, the faulty one
+    assert took < 30, m.describe()
