@@ -1,4 +1,4 @@
-// deps: trainer/ckpt.c trainer/safetensors.c trainer/comm.c trainer/comm_cpu.c common/store.c common/store_proto.c common/net.c common/log.c
+// deps: trainer/ckpt.c trainer/safetensors.c trainer/comm.c trainer/comm_cpu.c common/store.c common/store_proto.c common/net.c common/log.c test/support/files.c
 /* test_ckpt: distributed checkpoints saved under one layout and loaded under another.
  *
  * A small synthetic Llama-like tensor set (embedding and output split by rows under tp, wq/w1
@@ -25,6 +25,8 @@
 #include <ftw.h>
 
 #include <cmocka.h>
+
+#include "test/support/files.h"
 
 #include "trainer/ckpt.h"
 
@@ -358,17 +360,9 @@ static int count_tmp(void) {
 }
 
 static unsigned char *slurp(const char *rel, size_t *len) {
-  char p[512];
+  char p[640];
   snprintf(p, sizeof p, "%s/%s", root, rel);
-  FILE *f = fopen(p, "rb");
-  assert_non_null(f);
-  fseek(f, 0, SEEK_END);
-  *len = (size_t)ftell(f);
-  fseek(f, 0, SEEK_SET);
-  unsigned char *b = malloc(*len + 1);
-  assert_int_equal(fread(b, 1, *len, f), *len);
-  fclose(f);
-  return b;
+  return testfile_read(p, len);
 }
 
 /* --- tests */

@@ -1,4 +1,4 @@
-// deps: trainer/interop.c trainer/model.c trainer/comm.c trainer/comm_cpu.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c trainer/safetensors.c common/net.c common/store.c common/store_proto.c common/log.c
+// deps: trainer/interop.c trainer/model.c trainer/comm.c trainer/comm_cpu.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c trainer/safetensors.c common/net.c common/store.c common/store_proto.c common/log.c test/support/files.c
 /* test_interop: llama2.c and HF import/export of our model, in C.
  *
  * Round trips (ours -> llama2.c -> ours, ours -> HF -> ours) must be bit-identical; the HF
@@ -21,6 +21,8 @@
 #include <unistd.h>
 
 #include <cmocka.h>
+
+#include "test/support/files.h"
 
 #include "common/log.h"
 #include "trainer/backend.h"
@@ -125,24 +127,8 @@ static void round_trip(const plan_model_t *c, model_t *m, interop_format_t fmt, 
   model_destroy(m2);
 }
 
-static unsigned char *slurp(const char *path, size_t *len) {
-  FILE *f = fopen(path, "rb");
-  assert_non_null(f);
-  fseek(f, 0, SEEK_END);
-  *len = (size_t)ftell(f);
-  fseek(f, 0, SEEK_SET);
-  unsigned char *b = malloc(*len + 1);
-  assert_int_equal(fread(b, 1, *len, f), *len);
-  fclose(f);
-  return b;
-}
-
-static void spit(const char *path, const void *b, size_t len) {
-  FILE *f = fopen(path, "wb");
-  assert_non_null(f);
-  assert_int_equal(fwrite(b, 1, len, f), len);
-  fclose(f);
-}
+static unsigned char *slurp(const char *path, size_t *len) { return testfile_read(path, len); }
+static void spit(const char *path, const void *b, size_t len) { testfile_write(path, b, len); }
 
 static void test_llama2c_round_trip(void **state) {
   plan_model_t c = small_cfg();

@@ -1,4 +1,4 @@
-// deps: trainer/safetensors.c
+// deps: trainer/safetensors.c test/support/files.c
 /* test_safetensors: round trip of fp32/int32 tensors and metadata; corrupt files refused.
  *
  * Each corrupt case starts from a valid file and breaks one thing (truncation, header length,
@@ -14,6 +14,8 @@
 #include <unistd.h>
 
 #include <cmocka.h>
+
+#include "test/support/files.h"
 
 #include "trainer/safetensors.h"
 
@@ -38,24 +40,8 @@ static void write_valid(const char *path) {
   assert_int_equal(rc, 0);
 }
 
-static unsigned char *slurp(const char *path, size_t *len) {
-  FILE *f = fopen(path, "rb");
-  assert_non_null(f);
-  fseek(f, 0, SEEK_END);
-  *len = (size_t)ftell(f);
-  fseek(f, 0, SEEK_SET);
-  unsigned char *b = malloc(*len + 1);
-  assert_int_equal(fread(b, 1, *len, f), *len);
-  fclose(f);
-  return b;
-}
-
-static void spit(const char *path, const void *b, size_t len) {
-  FILE *f = fopen(path, "wb");
-  assert_non_null(f);
-  assert_int_equal(fwrite(b, 1, len, f), len);
-  fclose(f);
-}
+static unsigned char *slurp(const char *path, size_t *len) { return testfile_read(path, len); }
+static void spit(const char *path, const void *b, size_t len) { testfile_write(path, b, len); }
 
 static void test_round_trip(void **state) {
   char p[300];
