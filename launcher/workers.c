@@ -25,6 +25,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/fs.h"
 #include "common/log.h"
 
 extern char **environ;
@@ -79,20 +80,10 @@ static double wall_now(void) {
 }
 
 static int mkdir_p(const char *path, char *err, size_t errlen) {
-  char buf[PATH_MAX];
-  snprintf(buf, sizeof buf, "%s", path);
-  for (char *p = buf + 1;; p++) {
-    if (*p == '/' || *p == 0) {
-      char c = *p;
-      *p = 0;
-      if (mkdir(buf, 0755) && errno != EEXIST) {
-        snprintf(err, errlen, "mkdir %s: %s", buf, strerror(errno));
-        return -errno;
-      }
-      *p = c;
-      if (!c) return 0;
-    }
-  }
+  char failed[PATH_MAX];
+  int rc = fs_mkdir_p(path, failed, sizeof failed);
+  if (rc) snprintf(err, errlen, "mkdir %s: %s", failed, strerror(-rc));
+  return rc;
 }
 
 static void check_idle(workers_t *w) {

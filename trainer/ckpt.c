@@ -30,6 +30,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "common/fs.h"
 #include "common/log.h"
 #include "trainer/safetensors.h"
 
@@ -265,19 +266,6 @@ static int write_durable(const char *path, const char *text, char *err, size_t e
     return fail(err, errlen, CKPT_EIO, "checkpoint error: fsync %s: %s", path, strerror(e));
   }
   if (close(fd) != 0) return fail(err, errlen, CKPT_EIO, "checkpoint error: close %s: %s", path, strerror(errno));
-  return 0;
-}
-
-static int mkdir_p(const char *dir) {
-  char buf[CKPT_PATH];
-  snprintf(buf, sizeof buf, "%s", dir);
-  for (char *p = buf + 1; *p; p++) {
-    if (*p != '/') continue;
-    *p = 0;
-    if (mkdir(buf, 0755) != 0 && errno != EEXIST) return -errno;
-    *p = '/';
-  }
-  if (mkdir(buf, 0755) != 0 && errno != EEXIST) return -errno;
   return 0;
 }
 
@@ -568,7 +556,7 @@ static int save_prepare(ckpt_writer_t *w, int64_t step, char *err, size_t errlen
   if (grp_rank(wgroup(w)) == 0) {
     char tmp[CKPT_PATH];
     pathf(tmp, sizeof tmp, "%s/step-%" PRId64 ".tmp", w->dir, step);
-    int rc = mkdir_p(w->dir);
+    int rc = fs_mkdir_p(w->dir, NULL, 0);
     if (rc)
       r.rc = fail(r.msg, sizeof r.msg, CKPT_EIO, "checkpoint error: mkdir %s: %s", w->dir, strerror(-rc));
     else {

@@ -28,6 +28,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "common/fs.h"
 #include "trainer/safetensors.h"
 
 #define LLAMA2C_HEADER_INTS 7
@@ -709,17 +710,9 @@ static int export_llama2c(const plan_model_t *c, const source_t *src, const char
 }
 
 static int mkdir_p(const char *dir, char *err, size_t errlen) {
-  char buf[PLAN_PATH_MAX];
-  snprintf(buf, sizeof buf, "%s", dir);
-  for (char *p = buf + 1;; p++) {
-    if (*p != '/' && *p) continue;
-    char was = *p;
-    *p = 0;
-    if (mkdir(buf, 0755) != 0 && errno != EEXIST)
-      return fail(err, errlen, INTEROP_EIO, dir, "cannot create directory %s: %s", buf, strerror(errno));
-    if (!was) break;
-    *p = was;
-  }
+  char failed[PLAN_PATH_MAX];
+  int rc = fs_mkdir_p(dir, failed, sizeof failed);
+  if (rc) return fail(err, errlen, INTEROP_EIO, dir, "cannot create directory %s: %s", failed, strerror(-rc));
   return 0;
 }
 

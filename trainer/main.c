@@ -51,6 +51,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/fs.h"
 #include "common/log.h"
 #include "common/store.h"
 #include "trainer/backend.h"
@@ -140,16 +141,11 @@ static void fmt_duration(char *buf, size_t len, double s) {
 
 /* mkdir -p of the directory part of path. */
 static int make_parent_dirs(const char *path, char *err, size_t errlen) {
-  char buf[PLAN_PATH_MAX + 64];
-  snprintf(buf, sizeof buf, "%s", path);
-  for (char *p = buf + 1; *p; p++) {
-    if (*p != '/') continue;
-    *p = 0;
-    if (mkdir(buf, 0755) != 0 && errno != EEXIST) {
-      snprintf(err, errlen, "cannot create directory %s: %s", buf, strerror(errno));
-      return -1;
-    }
-    *p = '/';
+  char failed[PLAN_PATH_MAX + 64];
+  int rc = fs_mkdir_parent(path, failed, sizeof failed);
+  if (rc) {
+    snprintf(err, errlen, "cannot create directory %s: %s", failed, strerror(-rc));
+    return -1;
   }
   return 0;
 }

@@ -1,4 +1,4 @@
-// deps: trainer/ckpt.c trainer/safetensors.c trainer/comm.c trainer/comm_cpu.c common/store.c common/store_proto.c common/net.c common/log.c test/support/files.c
+// deps: trainer/ckpt.c trainer/safetensors.c trainer/comm.c trainer/comm_cpu.c common/store.c common/store_proto.c common/net.c common/log.c test/support/files.c common/fs.c
 /* test_ckpt: distributed checkpoints saved under one layout and loaded under another.
  *
  * A small synthetic Llama-like tensor set (embedding and output split by rows under tp, wq/w1

@@ -1,4 +1,4 @@
-// deps: trainer/interop.c trainer/model.c trainer/comm.c trainer/comm_cpu.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c trainer/safetensors.c common/net.c common/store.c common/store_proto.c common/log.c test/support/files.c
+// deps: trainer/interop.c trainer/model.c trainer/comm.c trainer/comm_cpu.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c trainer/safetensors.c common/net.c common/store.c common/store_proto.c common/log.c test/support/files.c common/fs.c
 /* test_interop: llama2.c and HF import/export of our model, in C.
  *
  * Round trips (ours -> llama2.c -> ours, ours -> HF -> ours) must be bit-identical; the HF

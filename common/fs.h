@@ -1,0 +1,15 @@
+/* fs: small filesystem helpers shared by the launcher (log directories) and the trainer
+ * (metrics, weights, checkpoints, exports). Errors are -errno; callers word the message. */
+#ifndef MESHRUN_FS_H
+#define MESHRUN_FS_H
+
+#include <stddef.h>
+
+/* mkdir -p: creates dir and every missing parent (mode 0755); existing ones are fine. Returns 0
+ * or -errno, with the component that could not be made in failed (when non-NULL). "" is a
+ * no-op. */
+int fs_mkdir_p(const char *dir, char *failed, size_t failedlen);
+/* mkdir -p of the directory part of path ("a/b/c.json" makes a/b; "c.json" makes nothing). */
+int fs_mkdir_parent(const char *path, char *failed, size_t failedlen);
+
+#endif
