@@ -24,7 +24,7 @@
 #include <time.h>
 #include <unistd.h>
 
-static int64_t now_ms(void) {
+int64_t net_now_ms(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
@@ -189,10 +189,10 @@ static int connect_one(const struct addrinfo *ai, int timeout_ms) {
     return -e;
   }
   if (rc < 0) {
-    int64_t deadline = timeout_ms < 0 ? -1 : now_ms() + timeout_ms;
+    int64_t deadline = timeout_ms < 0 ? -1 : net_now_ms() + timeout_ms;
     for (;;) {
       struct pollfd pfd = {.fd = fd, .events = POLLOUT};
-      int wait = deadline < 0 ? -1 : (int)(deadline - now_ms() > 0 ? deadline - now_ms() : 0);
+      int wait = deadline < 0 ? -1 : (int)(deadline - net_now_ms() > 0 ? deadline - net_now_ms() : 0);
       int n = poll(&pfd, 1, wait);
       if (n < 0 && errno == EINTR) continue;
       if (n < 0) {
@@ -230,7 +230,7 @@ static int retryable(int e) {
 int net_connect(const char *host, int port, int timeout_ms, char *err, size_t errlen) {
   char ep[300];
   net_format_endpoint(ep, sizeof ep, host, port);
-  int64_t start = now_ms();
+  int64_t start = net_now_ms();
   int64_t deadline = timeout_ms < 0 ? -1 : start + timeout_ms;
   int backoff = 10;
   for (;;) {
@@ -239,7 +239,7 @@ int net_connect(const char *host, int port, int timeout_ms, char *err, size_t er
     int last = 0;
     if (rc == 0) {
       for (struct addrinfo *ai = res; ai; ai = ai->ai_next) {
-        int left = deadline < 0 ? -1 : (int)(deadline - now_ms() > 0 ? deadline - now_ms() : 1);
+        int left = deadline < 0 ? -1 : (int)(deadline - net_now_ms() > 0 ? deadline - net_now_ms() : 1);
         int fd = connect_one(ai, left);
         if (fd >= 0) {
           freeaddrinfo(res);
@@ -255,7 +255,7 @@ int net_connect(const char *host, int port, int timeout_ms, char *err, size_t er
       rc = -last;
     }
     if (!retryable(-rc)) return rc;
-    int64_t t = now_ms();
+    int64_t t = net_now_ms();
     if (deadline >= 0 && t >= deadline) {
       size_t n = err ? strlen(err) : 0;
       if (err && n + 1 < errlen)
@@ -444,10 +444,10 @@ int net_send_all(int fd, const void *buf, size_t len) {
 
 int net_recv_all(int fd, void *buf, size_t len, int timeout_ms) {
   char *p = buf;
-  int64_t deadline = timeout_ms < 0 ? -1 : now_ms() + timeout_ms;
+  int64_t deadline = timeout_ms < 0 ? -1 : net_now_ms() + timeout_ms;
   while (len > 0) {
     if (deadline >= 0) {
-      int64_t left = deadline - now_ms();
+      int64_t left = deadline - net_now_ms();
       if (left < 0) left = 0;
       struct pollfd pfd = {.fd = fd, .events = POLLIN};
       int r = poll(&pfd, 1, (int)left);

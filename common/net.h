@@ -8,6 +8,7 @@
 #define MESHRUN_NET_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 /* Splits "host", "host:port", "[v6]:port", "[v6]" or a bare IPv6 literal ("::1") into host
  * (without brackets) and port (default_port when absent). Rejects empty hosts, ports outside
@@ -39,6 +40,8 @@ int net_free_port(const char *host, int *port, char *err, size_t errlen);
  * (-ECONNRESET when the peer closed). timeout_ms < 0: no timeout (recv only). */
 int net_send_all(int fd, const void *buf, size_t len);
 int net_recv_all(int fd, void *buf, size_t len, int timeout_ms);
+/* Milliseconds on the monotonic clock: the clock of every deadline in net, store and comm. */
+int64_t net_now_ms(void);
 /* This machine's hostname (never fails: "localhost" as a last resort). */
 void net_hostname(char *buf, size_t len);
 

@@ -67,12 +67,6 @@ const char *store_strerror(int code) {
 
 const char *store_errmsg(const store_t *s) { return s ? s->err : "no store"; }
 
-static int64_t now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
 static int check_key(store_t *s, const char *key) {
   if (!key) {
     seterr(s, "key is NULL");
@@ -122,7 +116,7 @@ static int mark_broken(store_t *s, int code) {
 static int recv_until(store_t *s, void *buf, size_t n, int64_t deadline, int *sys) {
   int left = -1;
   if (deadline >= 0) {
-    int64_t l = deadline - now_ms();
+    int64_t l = deadline - net_now_ms();
     left = l < 0 ? 0 : (l > INT_MAX ? INT_MAX : (int)l);
   }
   int rc = net_recv_all(s->fd, buf, n, left);
@@ -161,7 +155,7 @@ static int roundtrip(store_t *s, int reply_ms, int *op) {
     seterr(s, "%s to store %s: send: %s", what, s->ep, strerror(-rc));
     return mark_broken(s, STORE_EIO);
   }
-  int64_t deadline = reply_ms < 0 ? -1 : now_ms() + reply_ms;
+  int64_t deadline = reply_ms < 0 ? -1 : net_now_ms() + reply_ms;
   uint8_t hdr[STORE_PROTO_HEADER];
   int sys = 0;
   rc = recv_until(s, hdr, sizeof hdr, deadline, &sys);
@@ -297,7 +291,7 @@ int store_connect(store_t **out, const char *host, int port, int timeout_ms, cha
     return STORE_ENOMEM;
   }
   net_format_endpoint(s->ep, sizeof s->ep, host, port);
-  int64_t start = now_ms();
+  int64_t start = net_now_ms();
   s->fd = net_connect(host, port, timeout_ms, s->err, sizeof s->err);
   if (s->fd < 0) {
     if (err && errlen) snprintf(err, errlen, "%s", s->err);
@@ -313,7 +307,7 @@ int store_connect(store_t **out, const char *host, int port, int timeout_ms, cha
   setsockopt(s->fd, IPPROTO_TCP, TCP_KEEPCNT, &cnt, sizeof cnt);
   int hello_ms = CLIENT_HELLO_TIMEOUT_MS;
   if (timeout_ms >= 0) {
-    int64_t left = timeout_ms - (now_ms() - start);
+    int64_t left = timeout_ms - (net_now_ms() - start);
     hello_ms = left < 1000 ? 1000 : (int)left;
   }
   int rc = hello(s, hello_ms);

@@ -77,12 +77,6 @@ typedef struct {
   size_t reduced; /* floats already combined */
 } xfer_t;
 
-static int64_t now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
 /* Closes both links. Called on every failure: the neighbours see the connection close and
  * fail at once instead of waiting for their timeout, and so on around the ring. */
 static void cpu_abort_links(cpu_t *p) {
@@ -112,7 +106,7 @@ static void combine(float *dst, const float *a, const float *b, size_t n, comm_o
 
 static int xfer_run(comm_t *c, const char *what, xfer_t *x) {
   cpu_t *p = c->impl;
-  int64_t deadline = now_ms() + c->timeout_ms;
+  int64_t deadline = net_now_ms() + c->timeout_ms;
   while (x->sent < x->slen || x->rcvd < x->rlen) {
     struct pollfd pf[2];
     int np = 0, is = -1, ir = -1;
@@ -126,7 +120,7 @@ static int xfer_run(comm_t *c, const char *what, xfer_t *x) {
       pf[np] = (struct pollfd){.fd = p->fd_recv, .events = POLLIN};
       ir = np++;
     }
-    int64_t left_ms = deadline - now_ms();
+    int64_t left_ms = deadline - net_now_ms();
     if (left_ms <= 0) {
       /* Waiting to receive means the left peer is behind; else the right one stopped reading. */
       const char *who = x->rcvd < x->rlen ? p->left_label : p->right_label;
@@ -178,7 +172,7 @@ static int xfer_run(comm_t *c, const char *what, xfer_t *x) {
         return fail(c, COMM_ESYSTEM, "%s: recv from %s: %s", what, p->left_label, strerror(e));
       }
     }
-    if (progress) deadline = now_ms() + c->timeout_ms;
+    if (progress) deadline = net_now_ms() + c->timeout_ms;
   }
   return COMM_OK;
 }
@@ -375,7 +369,7 @@ static int set_nonblocking(int fd) {
 static int accept_left(const comm_config_t *cfg, int lfd, int left, int64_t deadline, char *err,
                        size_t errlen) {
   for (;;) {
-    int64_t wait = deadline - now_ms();
+    int64_t wait = deadline - net_now_ms();
     if (wait <= 0) {
       snprintf(err, errlen, "rank %d did not connect within the setup timeout", left);
       return COMM_ETIMEDOUT;
@@ -394,7 +388,7 @@ static int accept_left(const comm_config_t *cfg, int lfd, int left, int64_t dead
       return COMM_ESYSTEM;
     }
     hello_t h;
-    int64_t hw = deadline - now_ms();
+    int64_t hw = deadline - net_now_ms();
     int rc = net_recv_all(fd, &h, sizeof h, hw > 0 ? (int)hw : 1);
     if (rc == 0 && h.magic == HELLO_MAGIC && h.version == HELLO_VERSION &&
         h.generation == (uint32_t)cfg->generation && h.src_rank == (uint32_t)left &&
@@ -429,7 +423,7 @@ int comm_cpu_create(comm_t *c, const comm_config_t *cfg, char *err, size_t errle
 
   char why[COMM_ERR_MAX] = "";
   int rc = COMM_OK, lfd = -1, port = 0;
-  int64_t deadline = now_ms() + c->timeout_ms;
+  int64_t deadline = net_now_ms() + c->timeout_ms;
   const char *host = cfg->host;
   if (!host || !*host) host = getenv("MESHRUN_COMM_HOST");
   char advertise[256];
@@ -458,7 +452,7 @@ int comm_cpu_create(comm_t *c, const comm_config_t *cfg, char *err, size_t errle
   /* 2. Connect to the right neighbour and introduce ourselves. */
   char rep[EP_MAX], lep[EP_MAX], rhost[256];
   int rport = 0;
-  int64_t wait = deadline - now_ms();
+  int64_t wait = deadline - net_now_ms();
   rc = read_endpoint(cfg, p->right, wait > 0 ? (int)wait : 1, rep, sizeof rep, why, sizeof why);
   if (rc) goto error;
   peer_label(p->right_label, sizeof p->right_label, cfg, p->right, rep);
@@ -466,7 +460,7 @@ int comm_cpu_create(comm_t *c, const comm_config_t *cfg, char *err, size_t errle
     rc = COMM_EREMOTE;
     goto error;
   }
-  wait = deadline - now_ms();
+  wait = deadline - net_now_ms();
   p->fd_send = net_connect(rhost, rport, wait > 0 ? (int)wait : 1, why, sizeof why);
   if (p->fd_send < 0) {
     p->fd_send = -1;
@@ -490,7 +484,7 @@ int comm_cpu_create(comm_t *c, const comm_config_t *cfg, char *err, size_t errle
   }
 
   /* 3. Accept the left neighbour. Its endpoint is read only to name it in messages. */
-  wait = deadline - now_ms();
+  wait = deadline - net_now_ms();
   rc = read_endpoint(cfg, p->left, wait > 0 ? (int)wait : 1, lep, sizeof lep, why, sizeof why);
   if (rc) goto error;
   peer_label(p->left_label, sizeof p->left_label, cfg, p->left, lep);

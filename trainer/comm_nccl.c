@@ -45,6 +45,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/net.h"
 #include "trainer/backend.h"
 
 typedef struct nccl_impl {
@@ -95,12 +96,6 @@ static void fatal(const char *file, int line, const char *call, const char *msg)
     if (e_ != cudaSuccess) fatal(__FILE__, __LINE__, #call, cudaGetErrorString(e_));           \
   } while (0)
 
-static int64_t now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
 /* Yields the CPU between polls: the first few hundred polls only yield (short collectives finish
  * in microseconds), later ones sleep 50 us so a long wait does not burn a core. This is pacing
  * of a poll loop, not synchronization: every exit is decided by a query. */
@@ -142,10 +137,10 @@ static const char *last_error(ncclComm_t comm, ncclResult_t r) {
 static int wait_state(comm_t *c, const char *what, ncclResult_t r) {
   nccl_impl_t *p = c->impl;
   if (r == ncclSuccess) return COMM_OK;
-  int64_t deadline = now_ms() + c->timeout_ms;
+  int64_t deadline = net_now_ms() + c->timeout_ms;
   int polls = 0;
   while (r == ncclInProgress) {
-    if (now_ms() > deadline)
+    if (net_now_ms() > deadline)
       return fail(c, COMM_ETIMEDOUT, "%s timed out after %g s (NCCL still in progress; is a peer "
                   "stuck or dead?)", what, c->timeout_ms / 1000.0);
     poll_pause(&polls);
@@ -178,7 +173,7 @@ static int finish(comm_t *c, const char *what, ncclResult_t r) {
   int rc = wait_state(c, what, r);
   if (rc) return rc;
   NCCL_CUDA_CHECK(cudaEventRecord(p->done, p->stream));
-  int64_t deadline = now_ms() + c->timeout_ms;
+  int64_t deadline = net_now_ms() + c->timeout_ms;
   int polls = 0;
   for (;;) {
     cudaError_t q = cudaEventQuery(p->done);
@@ -192,7 +187,7 @@ static int finish(comm_t *c, const char *what, ncclResult_t r) {
     if (ae != ncclSuccess && ae != ncclInProgress)
       return fail(c, COMM_EREMOTE, "%s: NCCL error: %s (%s); did a peer exit?", what,
                   ncclGetErrorString(ae), last_error(p->comm, ae));
-    if (now_ms() > deadline)
+    if (net_now_ms() > deadline)
       return fail(c, COMM_ETIMEDOUT, "%s timed out after %g s (the NCCL kernel did not complete: "
                   "a peer is missing, dead, or in another collective)", what, c->timeout_ms / 1000.0);
     poll_pause(&polls);
@@ -282,10 +277,10 @@ static void nccl_destroy(comm_t *c) {
   if (!p) return;
   live_remove(p);
   if (p->comm && !c->broken) {
-    int64_t deadline = now_ms() + c->timeout_ms;
+    int64_t deadline = net_now_ms() + c->timeout_ms;
     ncclResult_t r = ncclCommFinalize(p->comm);
     int polls = 0;
-    while (r == ncclInProgress && now_ms() <= deadline) {
+    while (r == ncclInProgress && net_now_ms() <= deadline) {
       poll_pause(&polls);
       if (ncclCommGetAsyncError(p->comm, &r) != ncclSuccess) break;
     }
@@ -424,7 +419,7 @@ int comm_nccl_create(comm_t *c, const comm_config_t *cfg, char *err, size_t errl
   }
 
   /* 2. The id, through the store. */
-  int64_t deadline = now_ms() + c->timeout_ms;
+  int64_t deadline = net_now_ms() + c->timeout_ms;
   ncclUniqueId id;
   rc = exchange_id(cfg, c->timeout_ms, &id, why, sizeof why);
   if (rc) goto error;
@@ -436,7 +431,7 @@ int comm_nccl_create(comm_t *c, const comm_config_t *cfg, char *err, size_t errl
   ncclResult_t r = ncclCommInitRankConfig(&p->comm, cfg->size, id, cfg->rank, &conf);
   int polls = 0;
   while (r == ncclInProgress && p->comm) {
-    if (now_ms() > deadline) {
+    if (net_now_ms() > deadline) {
       snprintf(why, sizeof why, "ncclCommInitRankConfig did not complete within %g s (are all %d "
                "members starting?)", c->timeout_ms / 1000.0, cfg->size);
       rc = COMM_ETIMEDOUT;
