@@ -574,16 +574,6 @@ static int plan_is_text(const plan_t *p) {
   return f >= 0 ? f == PLAN_DATA_TEXT : p->model.vocab_size <= 256;
 }
 
-/* plan_to_json pretty-prints; JSONL and metadata want one line. Raw newlines and tabs occur
- * only as layout (inside JSON strings they are escaped), so dropping them keeps the meaning. */
-static void json_one_line(char *s) {
-  if (!s) return;
-  char *o = s;
-  for (const char *i = s; *i; i++)
-    if (*i != '\n' && *i != '\t' && *i != '\r') *o++ = *i;
-  *o = 0;
-}
-
 /* ------------------------------------------------------------------------------------------ */
 /* metrics: JSONL, one object per line, flushed as written so a crash keeps what was logged */
 
@@ -961,7 +951,6 @@ int main(int argc, char **argv) {
     if (model_create_opts(&m, &p->model, be, &opts, err, sizeof err)) goto fail;
   }
   plan_json = plan_to_json(p);
-  json_one_line(plan_json);
 
   /* --- sample mode: weights in, text out (one process) */
   if (a.sample_mode) {

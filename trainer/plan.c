@@ -856,7 +856,7 @@ static cJSON *write_object(const plan_t *p, const field_t *f) {
 char *plan_to_json(const plan_t *p) {
   cJSON *root = write_object(p, root_fields);
   if (!root) return NULL;
-  char *s = cJSON_Print(root);
+  char *s = cJSON_PrintUnformatted(root); /* one line: JSONL records and metadata values */
   cJSON_Delete(root);
   if (!s) return NULL;
   char *out = strdup(s); /* caller frees with free(), whatever allocator cJSON was built with */

@@ -144,7 +144,7 @@ int plan_load(plan_t *p, const char *path, const char *const *sets, int nsets, c
 /* Checks the plan against world_size, resolves mesh -1 entries, hidden_dim, grad_accum_steps,
  * defaults that depend on other keys. Returns 0 or PLAN_EINVAL. */
 int plan_resolve(plan_t *p, int world_size, char *err, size_t errlen);
-/* Serializes the (resolved) plan as JSON (malloc'ed string, caller frees): for logs, metrics
+/* Serializes the (resolved) plan as one line of JSON (malloc'ed string, caller frees): for logs, metrics
  * and checkpoint metadata. */
 char *plan_to_json(const plan_t *p);
 /* The embedded default plan text (same content as configs/demo.json). */

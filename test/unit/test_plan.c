@@ -459,12 +459,14 @@ static void test_round_trip(void **state) {
   load_ok(&p, NULL, NULL, 0);
   resolve_ok(&p, 1);
   char *j = plan_to_json(&p);
-  const char *keys[] = {"\"hidden_dim\":\t352", "\"global_batch_size\":\t16", "\"dp_shard\":\t1",
-                        "\"sequence_parallel\":\tfalse", "\"tp_plan\"", "\"mixed_precision\"",
-                        "\"min_lr\":\t0.0003", "\"seed\":\t1337", "\"prompt\":\t\"\\n\"",
-                        "\"rope_theta\":\t10000,"};
+  const char *keys[] = {"\"hidden_dim\":352", "\"global_batch_size\":16", "\"dp_shard\":1",
+                        "\"sequence_parallel\":false", "\"tp_plan\"", "\"mixed_precision\"",
+                        "\"min_lr\":0.0003", "\"seed\":1337", "\"prompt\":\"\\n\"",
+                        "\"rope_theta\":10000,"};
   for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
     if (!strstr(j, keys[i])) fail_msg("missing %s in\n%s", keys[i], j);
+  /* One line: JSONL records and metadata values embed it as is. */
+  assert_null(strchr(j, '\n'));
   free(j);
 }
 
