@@ -1,6 +1,12 @@
 # meshrun: one Makefile for both programs, their tests, the demo and the benchmarks.
 # Objects go under $(BUILD), programs under $(BIN). Knobs: V=1 (show commands), DEBUG=1, ASAN=1,
-# CUDA_HOME (the cuda backend builds only where nvcc exists), BUILD/BIN (separate trees).
+# CUDA_HOME (the cuda backend builds only where nvcc exists), BUILD/BIN (separate trees), and for
+# a machine without the -dev packages (the GPU machine; see scripts/make-kit.sh):
+#   DEPS_PREFIX=DIR  headers and libraries from .debs unpacked into DIR (dpkg -x), not the system
+#   NCCL_HOME=DIR    NCCL's include/ and lib/; lib/ may hold only libnccl.so.2, as in PyTorch's
+#                    nvidia/nccl wheel folder
+#   WERROR=0|1       warnings as errors; default 1 only with the compiler CI and development use
+#                    (gcc 12), since a newer compiler's new warnings must not stop a build there
 #
 # Unit tests are test/unit/test_*.c, one binary each. The first line of each test names the
 # project sources it links:  // deps: common/store.c launcher/store_server.c
@@ -11,8 +17,18 @@ BIN   ?= bin
 PYTHON ?= /usr/bin/python3
 
 CC      ?= cc
-CFLAGS  := -std=gnu11 -Wall -Wextra -Werror -Wno-unused-parameter -Wno-missing-field-initializers \
+CC_MAJOR := $(shell $(CC) -dumpversion 2>/dev/null | cut -d. -f1)
+CC_IS_GCC := $(shell $(CC) -v 2>&1 | grep -q '^gcc version' && echo 1)
+ifeq ($(CC_IS_GCC)$(CC_MAJOR),112)
+  WERROR ?= 1
+else
+  WERROR ?= 0
+endif
+CFLAGS  := -std=gnu11 -Wall -Wextra -Wno-unused-parameter -Wno-missing-field-initializers \
            -fno-strict-aliasing -MMD -MP -I. -D_GNU_SOURCE
+ifeq ($(WERROR),1)
+  CFLAGS += -Werror
+endif
 LDLIBS  := -lm -lpthread
 
 ifeq ($(DEBUG),1)
@@ -25,6 +41,7 @@ ifeq ($(ASAN),1)
   LDFLAGS += -fsanitize=address,undefined
 endif
 
+ifeq ($(DEPS_PREFIX),)
 UV_CFLAGS    := $(shell pkg-config --cflags libuv 2>/dev/null)
 UV_LIBS      := $(shell pkg-config --libs libuv 2>/dev/null || echo -luv)
 CJSON_CFLAGS := $(shell pkg-config --cflags libcjson 2>/dev/null)
@@ -32,9 +49,27 @@ CJSON_LIBS   := $(shell pkg-config --libs libcjson 2>/dev/null || echo -lcjson)
 BLAS_CFLAGS  := $(shell pkg-config --cflags openblas 2>/dev/null)
 BLAS_LIBS    := $(shell pkg-config --libs openblas 2>/dev/null || echo -lopenblas)
 CMOCKA_LIBS  := $(shell pkg-config --libs cmocka 2>/dev/null || echo -lcmocka)
-CFLAGS += $(UV_CFLAGS) $(CJSON_CFLAGS) $(BLAS_CFLAGS) -fopenmp
+# OpenSSL's libcrypto: HMAC-SHA256 and random bytes for the store's job secret.
+CRYPTO_CFLAGS := $(shell pkg-config --cflags libcrypto 2>/dev/null)
+CRYPTO_LIBS   := $(shell pkg-config --libs libcrypto 2>/dev/null || echo -lcrypto)
+else
+# Unpacked .debs: no pkg-config files to trust (they name /usr), and no update-alternatives links,
+# so OpenBLAS is taken from its openblas-pthread folder directly.
+DEPS_INC := $(DEPS_PREFIX)/usr/include
+DEPS_LIB := $(DEPS_PREFIX)/usr/lib/x86_64-linux-gnu
+UV_CFLAGS    := -I$(DEPS_INC)
+UV_LIBS      := -L$(DEPS_LIB) -Wl,-rpath-link,$(DEPS_LIB) -luv
+CJSON_CFLAGS := -I$(DEPS_INC)/cjson
+CJSON_LIBS   := -lcjson
+BLAS_CFLAGS  := -I$(DEPS_INC)/x86_64-linux-gnu/openblas-pthread
+BLAS_LIBS    := -L$(DEPS_LIB)/openblas-pthread -Wl,-rpath-link,$(DEPS_LIB)/openblas-pthread -lopenblas
+CMOCKA_LIBS  := -lcmocka
+CRYPTO_CFLAGS :=
+CRYPTO_LIBS   := -lcrypto
+endif
+CFLAGS += $(UV_CFLAGS) $(CJSON_CFLAGS) $(BLAS_CFLAGS) $(CRYPTO_CFLAGS) -fopenmp
 LDFLAGS += -fopenmp
-ALL_LIBS := $(UV_LIBS) $(CJSON_LIBS) $(BLAS_LIBS) $(LDLIBS)
+ALL_LIBS := $(UV_LIBS) $(CJSON_LIBS) $(BLAS_LIBS) $(CRYPTO_LIBS) $(LDLIBS)
 
 ifneq ($(V),1)
   Q := @
@@ -47,10 +82,22 @@ CU_SRC := $(wildcard trainer/*.cu)
 ifneq ($(NVCC),)
 ifneq ($(CU_SRC),)
   HAVE_CUDA := 1
-  NVCCFLAGS := -O3 -std=c++17 -I. -arch=sm_90 -Xcompiler -Wall,-Werror,-fPIC -Werror all-warnings -MMD -MP
+  NVCCFLAGS := -O3 -std=c++17 -I. -arch=sm_90 -Xcompiler -Wall,-fPIC -MMD -MP
+  ifeq ($(WERROR),1)
+    NVCCFLAGS += -Xcompiler -Werror -Werror all-warnings
+  endif
   CFLAGS += -DMESHRUN_HAVE_CUDA=1 -I$(CUDA_HOME)/include
   CUDA_LIBDIRS := $(CUDA_HOME)/lib64 $(CUDA_HOME)/lib
-  CUDA_LIBS := $(foreach d,$(CUDA_LIBDIRS),-L$(d) -Wl,-rpath,$(d)) -lcublasLt -lcublas -lcudart -lnccl -lstdc++
+  # NCCL: the toolkit's, or NCCL_HOME's; a lib/ without the unversioned link (a wheel) is linked
+  # by its soname.
+  NCCL_LIB := -lnccl
+  ifneq ($(NCCL_HOME),)
+    CFLAGS += -I$(NCCL_HOME)/include
+    NVCCFLAGS += -I$(NCCL_HOME)/include
+    CUDA_LIBDIRS := $(NCCL_HOME)/lib $(CUDA_LIBDIRS)
+    NCCL_LIB := $(if $(wildcard $(NCCL_HOME)/lib/libnccl.so),-lnccl,-l:libnccl.so.2)
+  endif
+  CUDA_LIBS := $(foreach d,$(CUDA_LIBDIRS),-L$(d) -Wl,-rpath,$(d)) -lcublasLt -lcublas -lcudart $(NCCL_LIB) -lstdc++
 endif
 endif
 

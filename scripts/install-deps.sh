@@ -10,6 +10,8 @@ pkgs=(
   libcjson-dev      # plan parsing
   libopenblas-dev   # cpu backend GEMMs
   libcmocka-dev     # C unit tests
+  libssl-dev        # libcrypto: HMAC-SHA256 and random bytes for the store's job secret
+  clang libclang-rt-dev  # libFuzzer for the fuzz targets (make fuzz; short runs in make test)
   python3-pytest    # integration tests (real processes on loopback)
   python3-numpy python3-torch  # numerical oracle
   python3-matplotlib           # scripts/plot_metrics.py

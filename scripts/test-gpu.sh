@@ -24,7 +24,18 @@
 # run becomes a cpu run (then the comparisons must pass trivially, and nothing about CUDA is shown;
 # the device-auto check and the nccl plans are skipped).
 #
-# In a GPU session (from the repository root; nvcc and NCCL present, one GPU is enough):
+# In a GPU session. The GPU machine has no network and no libuv/cJSON/OpenBLAS/cmocka/OpenSSL, so
+# the programs travel as a kit built here (nvcc 13 and NCCL exist here; scripts/make-kit.sh says
+# what it holds, scripts/test-kit.sh proves it runs with the system's copies hidden):
+#   here:   scripts/make-kit.sh && scripts/test-kit.sh     # build/kit, ~54 MiB (carry limit 64)
+#   there, with the device tool, carry ["build/kit"], each one command writing into $OUT:
+#     (a) scripts/gpu-session.sh test $OUT     # versions, 2-step smoke test, this script over the
+#                                              # kit's GPU tests; bounded to 8 min
+#     (b) scripts/gpu-session.sh bench $OUT    # bench-gpu.sh --sizes 125m,1b; bounded to 9 min
+# To build there instead (a newer host compiler: WERROR defaults to 0 off gcc 12; NCCL from
+# PyTorch's wheel): unpack the -dev .debs into a prefix and
+#   make DEPS_PREFIX=/tmp/deps NCCL_HOME=$(python3 -c 'import nvidia.nccl as n; print(n.__path__[0])') all
+# Where the dependencies are installed (nvcc and NCCL present, one GPU is enough):
 #   make BUILD=build/gpu BIN=build/gpu/bin all            # builds the cuda backend and GPU tests
 #   make BUILD=build/gpu BIN=build/gpu/bin test-gpu       # runs this script with the GPU tests
 # or, the script alone on an existing build:

@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# make-kit: everything the GPU machine needs to run meshrun's GPU tests and benchmark, in one
+# folder to carry there (that machine has CUDA, cuBLAS and PyTorch with NCCL in its wheels, but
+# no network and no libuv, cJSON, OpenBLAS, cmocka or OpenSSL headers).
+#
+#   scripts/make-kit.sh [KIT]        # default KIT = build/kit (ignored by git), under 60 MiB
+#
+# The kit holds binaries built here (nvcc and NCCL exist here; the CUDA major version is the
+# GPU machine's, 13) and the shared libraries they need that a bare machine lacks, beside them:
+#
+#   KIT/bin/          meshrun, trainer (debug info stripped)
+#   KIT/test-gpu/     the GPU test binaries (test/gpu/*.c)
+#   KIT/test/         the C unit tests (cpu; a quick check that the kit's libraries load there)
+#   KIT/lib/          libuv, libcjson, libopenblas (+ libgfortran, libquadmath), libcmocka,
+#                     libcrypto, libgomp: whatever ldd resolves outside glibc and CUDA
+#   KIT/env.sh        source it: sets LD_LIBRARY_PATH to KIT/lib, then the CUDA libraries and
+#                     NCCL (a system libnccl, or the one in PyTorch's nvidia/nccl wheel), and
+#                     MESHRUN_BIN / MESHRUN_KIT; prints what it found
+#   KIT/MANIFEST      every file with its size, and where each library came from
+#
+# CUDA's own libraries (cudart, cublas, cublasLt) are not carried: they are the GPU machine's
+# (same major version), and NCCL is found there by env.sh. The kit is proven to work without
+# the system's copies by scripts/test-kit.sh.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+kit=${1:-$root/build/kit}
+case "$kit" in /*) ;; *) kit=$PWD/$kit ;; esac
+obj=$root/build/kit-obj
+cd "$root"
+
+command -v nvcc >/dev/null 2>&1 || { echo "make-kit: nvcc not found: the kit carries the cuda backend, build it where nvcc exists" >&2; exit 1; }
+
+jobs=$(nproc 2>/dev/null || echo 2)
+make -j"$jobs" --no-print-directory BUILD="$obj" BIN="$obj/bin" all >&2
+
+rm -rf "$kit"
+mkdir -p "$kit/bin" "$kit/test-gpu" "$kit/test" "$kit/lib"
+install -m 755 "$obj/bin/meshrun" "$obj/bin/trainer" "$kit/bin/"
+for t in "$obj"/test-gpu/test_*; do [ -x "$t" ] && install -m 755 "$t" "$kit/test-gpu/"; done
+for t in "$obj"/test/test_*; do [ -x "$t" ] && install -m 755 "$t" "$kit/test/"; done
+[ -n "$(ls "$kit/test-gpu")" ] || { echo "make-kit: no GPU test binaries were built" >&2; exit 1; }
+strip --strip-debug "$kit"/bin/* "$kit"/test-gpu/* "$kit"/test/*
+
+# Libraries: what ldd resolves for every binary, less glibc's own (always there, and must match
+# the machine's loader) and CUDA's (the GPU machine's toolkit). Symlinks are resolved: the kit
+# holds each library under its soname, as the loader asks for it.
+: >"$kit/MANIFEST.libs"
+for b in "$kit"/bin/* "$kit"/test-gpu/* "$kit"/test/*; do
+  ldd "$b" | awk '$2 == "=>" && $3 ~ /^\// {print $1, $3}'
+done | sort -u | while read -r soname path; do
+  case "$soname" in
+    libc.so.*|libm.so.*|libpthread.so.*|libdl.so.*|librt.so.*|ld-linux*|libgcc_s.so.*|libstdc++.so.*) continue ;;
+    libcuda.so.*|libcudart.so.*|libcublas.so.*|libcublasLt.so.*|libnccl.so.*|libnvidia*) continue ;;
+  esac
+  cp -L "$path" "$kit/lib/$soname"
+  echo "$soname <- $(readlink -f "$path")" >>"$kit/MANIFEST.libs"
+done
+# OpenBLAS built with gfortran needs these two, which ldd lists only through libopenblas itself.
+for l in libgfortran.so.5 libquadmath.so.0; do
+  if [ ! -e "$kit/lib/$l" ]; then
+    p=$(ldconfig -p | awk -v l="$l" '$1 == l && $NF ~ /^\// {print $NF; exit}')
+    [ -n "$p" ] && cp -L "$p" "$kit/lib/$l" && echo "$l <- $(readlink -f "$p")" >>"$kit/MANIFEST.libs"
+  fi
+done
+
+cat >"$kit/env.sh" <<'EOF'
+# Source me: . KIT/env.sh   (sets the library path for the kit's binaries; prints what it found)
+MESHRUN_KIT=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+export MESHRUN_KIT MESHRUN_BIN=$MESHRUN_KIT/bin
+_kit_path=$MESHRUN_KIT/lib
+# CUDA's libraries: beside nvcc, else the usual prefix.
+for _d in "$(dirname "$(command -v nvcc 2>/dev/null || echo /usr/local/cuda/bin/nvcc)")/../lib64" /usr/local/cuda/lib64; do
+  [ -e "$_d/libcudart.so" ] || ls "$_d"/libcudart.so.* >/dev/null 2>&1 || continue
+  _kit_path=$_kit_path:$(cd "$_d" && pwd); break
+done
+# NCCL: a system libnccl.so.2 if the loader knows one, else PyTorch's wheel (nvidia/nccl/lib).
+if ! ldconfig -p 2>/dev/null | grep -q 'libnccl.so.2 '; then
+  _nccl=$(python3 -c 'import os, nvidia.nccl as n; print(os.path.join(list(n.__path__)[0], "lib"))' 2>/dev/null || true)
+  [ -n "$_nccl" ] && [ -e "$_nccl/libnccl.so.2" ] && _kit_path=$_kit_path:$_nccl
+  # cuBLAS too may live only in wheels (nvidia/cublas/lib) on a machine without the toolkit.
+  _cublas=$(python3 -c 'import os, nvidia.cublas as n; print(os.path.join(list(n.__path__)[0], "lib"))' 2>/dev/null || true)
+  [ -n "$_cublas" ] && [ -e "$_cublas" ] && _kit_path=$_kit_path:$_cublas
+fi
+export LD_LIBRARY_PATH=$_kit_path${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+echo "kit: $MESHRUN_KIT; LD_LIBRARY_PATH=$LD_LIBRARY_PATH" >&2
+_missing=$(ldd "$MESHRUN_BIN/trainer" 2>/dev/null | grep 'not found' || true)
+[ -z "$_missing" ] || echo "kit: trainer is missing libraries: $_missing" >&2
+unset _kit_path _d _nccl _cublas _missing
+EOF
+
+{
+  echo "meshrun kit, built $(date -u +%Y-%m-%dT%H:%M:%SZ) from $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo '?')"
+  echo "nvcc: $(nvcc --version | tail -1); cc: $(${CC:-cc} --version | head -1)"
+  cat "$kit/MANIFEST.libs"
+  (cd "$kit" && find . -type f ! -name MANIFEST ! -name MANIFEST.libs -printf '%s %p\n' | sort -k2)
+} >"$kit/MANIFEST"
+rm -f "$kit/MANIFEST.libs"
+size=$(du -sm "$kit" | cut -f1)
+echo "make-kit: $kit, ${size} MiB" >&2
+if [ "$size" -ge 60 ]; then echo "make-kit: the kit is over 60 MiB" >&2; exit 1; fi
