@@ -1,7 +1,9 @@
 /* store: the blocking store client (API in store.h, wire format in store_proto.h).
  *
- * One TCP connection, one request in flight. store_connect says HELLO first, so that a port
- * held by some other program is reported as such instead of failing later in odd ways.
+ * One TCP connection, one request in flight. store_connect shakes hands first (HELLO with our
+ * run id, then AUTH when the store has a secret; store_proto.h has the exchange), so that a
+ * port held by some other program, or by another job's store, is reported as such instead of
+ * failing later in odd ways. The secret is used for the proofs and not kept.
  * Waits are timed on the server (the request carries timeout_ms and the server answers
  * TIMEOUT); the client also bounds every reply by a deadline a little longer than that
  * (CLIENT_SLACK_MS), and TCP keepalive covers waits without a timeout, so a dead server never
@@ -28,8 +30,11 @@
 #define CLIENT_SLACK_MS 5000
 /* Deadline for replies to requests that never wait (SET, ADD, ...). */
 #define CLIENT_OP_TIMEOUT_MS 60000
-/* Deadline for the HELLO reply when connect was given no timeout. */
+/* Deadline for the handshake when connect was given no timeout. */
 #define CLIENT_HELLO_TIMEOUT_MS 30000
+/* Pause between tries at a store that answered STORE_EBUSY: doubles up to the second. */
+#define CLIENT_BUSY_RETRY_MS 50
+#define CLIENT_BUSY_RETRY_MAX_MS 1000
 
 struct store {
   int fd;
@@ -37,6 +42,7 @@ struct store {
   char ep[300];
   char err[512];
   char detail[200]; /* why the last reply was not our protocol (for the handshake message) */
+  char job[STORE_MAX_RUN_ID + 1]; /* run id of the job that owns the store (from its HELLO) */
   store_proto_writer_t w;
   uint8_t *reply; /* payload of the last reply (owned; freed by the next request) */
   size_t reply_len;
@@ -61,6 +67,8 @@ const char *store_strerror(int code) {
   case STORE_ENOKEY: return "no such key";
   case STORE_ETOOBIG: return "key or value too big";
   case STORE_ENOMEM: return "out of memory";
+  case STORE_EAUTH: return "the store refused this job, or this job refused the store";
+  case STORE_EBUSY: return "the store is at one of its limits";
   default: return "unknown store error";
   }
 }
@@ -195,7 +203,7 @@ static int roundtrip(store_t *s, int reply_ms, int *op) {
     int64_t code = store_proto_get_i64(&r);
     size_t mlen;
     const uint8_t *msg = store_proto_get_bytes(&r, &mlen);
-    if (!store_proto_reader_done(&r) || code >= 0 || code < STORE_ENOMEM) {
+    if (!store_proto_reader_done(&r) || code >= 0 || code < STORE_EBUSY) { /* STORE_EBUSY: the last code */
       seterr(s, "%s to store %s: malformed error reply", what, s->ep);
       return mark_broken(s, STORE_EPROTO);
     }
@@ -247,9 +255,18 @@ static int value_reply(store_t *s, int op, void **val, size_t *len) {
   return copy_out(s, p, n, val, len);
 }
 
-static int hello(store_t *s, int timeout_ms) {
+static int left_ms(int64_t deadline) {
+  int64_t l = deadline - net_now_ms();
+  return l < 0 ? 0 : (l > INT_MAX ? INT_MAX : (int)l);
+}
+
+/* HELLO: the reply must be a meshrun store of our version; fills s->job and the server nonce. */
+static int hello(store_t *s, const char *run_id, const uint8_t cn[STORE_PROTO_NONCE], uint8_t sn[STORE_PROTO_NONCE],
+                 int *secret_required, int timeout_ms) {
   store_proto_begin(&s->w, STORE_OP_HELLO);
   store_proto_put_bytes(&s->w, STORE_PROTO_BANNER, strlen(STORE_PROTO_BANNER));
+  store_proto_put_bytes(&s->w, run_id, strlen(run_id));
+  store_proto_put_bytes(&s->w, cn, STORE_PROTO_NONCE);
   int op;
   int rc = roundtrip(s, timeout_ms, &op);
   if (rc == STORE_ETIMEDOUT) {
@@ -266,37 +283,95 @@ static int hello(store_t *s, int timeout_ms) {
     seterr(s, "%s is not a meshrun store (bad reply: %s)", s->ep, s->detail[0] ? s->detail : "malformed");
     return rc;
   }
+  if (rc) return rc; /* the store's ERROR reply (at its connection limit, say), already in s->err */
+  store_proto_reader_t r;
+  store_proto_reader_init(&r, s->reply, s->reply_len);
+  size_t bn, jn, nn;
+  const uint8_t *b = store_proto_get_bytes(&r, &bn);
+  const uint8_t *job = store_proto_get_bytes(&r, &jn);
+  uint8_t req = store_proto_get_u8(&r);
+  const uint8_t *nonce = store_proto_get_bytes(&r, &nn);
+  if (op != STORE_REP_HELLO || !store_proto_reader_done(&r) || bn != strlen(STORE_PROTO_BANNER) ||
+      memcmp(b, STORE_PROTO_BANNER, bn) != 0 || jn > STORE_MAX_RUN_ID || memchr(job, 0, jn) || req > 1 ||
+      nn != STORE_PROTO_NONCE) {
+    seterr(s, "%s is not a meshrun store (bad reply to the handshake)", s->ep);
+    return mark_broken(s, STORE_EPROTO);
+  }
+  memcpy(s->job, job, jn);
+  s->job[jn] = 0;
+  memcpy(sn, nonce, STORE_PROTO_NONCE);
+  *secret_required = req;
+  return 0;
+}
+
+/* The handshake (store_proto.h): HELLO, then, when the store has a secret, our proof and a
+ * check of the store's. A secret on one side only is refused here, before any key is touched. */
+static int handshake(store_t *s, const char *run_id, const char *secret, int timeout_ms) {
+  int64_t deadline = net_now_ms() + timeout_ms;
+  uint8_t cn[STORE_PROTO_NONCE], sn[STORE_PROTO_NONCE];
+  uint8_t proof[STORE_PROTO_PROOF], want[STORE_PROTO_PROOF];
+  if (store_proto_nonce(cn)) {
+    seterr(s, "store %s: no random bytes for the handshake (RAND_bytes failed)", s->ep);
+    return STORE_ENOMEM;
+  }
+  int required = 0;
+  int rc = hello(s, run_id, cn, sn, &required, timeout_ms);
+  if (rc) return rc;
+  int have = secret[0] != 0;
+  if (required && !have) {
+    seterr(s, "the store %s of job '%s' requires a secret and this client has none (set %s, or give meshrun "
+              "--rdzv_conf=token_file=PATH)", s->ep, s->job, STORE_ENV_SECRET);
+    return mark_broken(s, STORE_EAUTH);
+  }
+  if (!required && have) {
+    seterr(s, "the store %s of job '%s' is open but this job has a secret: refusing a store that cannot prove "
+              "it belongs to this job", s->ep, s->job);
+    return mark_broken(s, STORE_EAUTH);
+  }
+  if (!required) return 0;
+  if (store_proto_proof(proof, secret, 0, cn, sn, run_id, strlen(run_id)) ||
+      store_proto_proof(want, secret, 1, cn, sn, s->job, strlen(s->job))) {
+    seterr(s, "store %s: cannot compute the handshake's HMAC-SHA256", s->ep);
+    return mark_broken(s, STORE_ENOMEM);
+  }
+  store_proto_begin(&s->w, STORE_OP_AUTH);
+  store_proto_put_bytes(&s->w, proof, sizeof proof);
+  int op, ms = left_ms(deadline);
+  rc = roundtrip(s, ms, &op);
+  if (rc == STORE_EAUTH) {
+    seterr(s, "store %s belongs to job '%s' and refused the secret of job '%s'", s->ep, s->job, run_id);
+    return mark_broken(s, rc);
+  }
+  if (rc == STORE_ETIMEDOUT) {
+    seterr(s, "store %s (job '%s') did not answer the secret's proof within %d ms", s->ep, s->job, ms);
+    return rc;
+  }
+  if (rc == STORE_EIO) {
+    seterr(s, "store %s (job '%s') closed the connection during authentication", s->ep, s->job);
+    return rc;
+  }
   if (rc) return rc;
   store_proto_reader_t r;
   store_proto_reader_init(&r, s->reply, s->reply_len);
   size_t n;
-  const uint8_t *b = store_proto_get_bytes(&r, &n);
-  if (op != STORE_REP_HELLO || !store_proto_reader_done(&r) || n != strlen(STORE_PROTO_BANNER) ||
-      memcmp(b, STORE_PROTO_BANNER, n) != 0) {
-    seterr(s, "%s is not a meshrun store (bad reply to the handshake)", s->ep);
-    return mark_broken(s, STORE_EPROTO);
+  const uint8_t *p = store_proto_get_bytes(&r, &n);
+  if (op != STORE_REP_AUTH) return unexpected(s, op);
+  if (!store_proto_reader_done(&r) || n != STORE_PROTO_PROOF) return malformed(s, op);
+  if (!store_proto_proof_equal(p, want)) {
+    seterr(s, "store %s claims to be job '%s' but cannot prove it holds this job's secret: it is not this job's "
+              "store", s->ep, s->job);
+    return mark_broken(s, STORE_EAUTH);
   }
   return 0;
 }
 
-int store_connect(store_t **out, const char *host, int port, int timeout_ms, char *err, size_t errlen) {
-  if (!out || !host || !*host || port <= 0 || port > 65535) {
-    if (err && errlen) snprintf(err, errlen, "store_connect: bad host or port");
-    return STORE_EINVAL;
-  }
-  *out = NULL;
-  store_t *s = calloc(1, sizeof *s);
-  if (!s) {
-    if (err && errlen) snprintf(err, errlen, "store_connect: out of memory");
-    return STORE_ENOMEM;
-  }
-  net_format_endpoint(s->ep, sizeof s->ep, host, port);
+/* One connection and handshake; s->err says why not. */
+static int connect_once(store_t *s, const char *host, int port, const char *run_id, const char *secret,
+                        int timeout_ms) {
   int64_t start = net_now_ms();
   s->fd = net_connect(host, port, timeout_ms, s->err, sizeof s->err);
   if (s->fd < 0) {
-    if (err && errlen) snprintf(err, errlen, "%s", s->err);
     s->fd = -1;
-    store_close(s);
     return STORE_ECONNECT;
   }
   /* Keepalive probes notice a vanished server host during long waits without a timeout. */
@@ -310,27 +385,78 @@ int store_connect(store_t **out, const char *host, int port, int timeout_ms, cha
     int64_t left = timeout_ms - (net_now_ms() - start);
     hello_ms = left < 1000 ? 1000 : (int)left;
   }
-  int rc = hello(s, hello_ms);
-  if (rc) {
-    if (err && errlen) snprintf(err, errlen, "%s", s->err);
-    store_close(s);
-    return rc;
-  }
-  s->err[0] = 0;
-  *out = s;
-  return 0;
+  return handshake(s, run_id, secret, hello_ms);
 }
 
-int store_connect_endpoint(store_t **out, const char *endpoint, int timeout_ms, char *err, size_t errlen) {
+int store_connect(store_t **out, const char *host, int port, const store_auth_t *auth, int timeout_ms,
+                  char *err, size_t errlen) {
+  if (!out || !host || !*host || port <= 0 || port > 65535) {
+    if (err && errlen) snprintf(err, errlen, "store_connect: bad host or port");
+    return STORE_EINVAL;
+  }
+  *out = NULL;
+  const char *run_id = auth && auth->run_id ? auth->run_id : "";
+  const char *secret = auth && auth->secret ? auth->secret : "";
+  if (strlen(run_id) > STORE_MAX_RUN_ID) {
+    if (err && errlen)
+      snprintf(err, errlen, "store_connect: run id '%.40s...' is %zu bytes, over the limit of %d", run_id,
+               strlen(run_id), STORE_MAX_RUN_ID);
+    return STORE_EINVAL;
+  }
+  int64_t deadline = timeout_ms < 0 ? -1 : net_now_ms() + timeout_ms;
+  int pause_ms = CLIENT_BUSY_RETRY_MS;
+  for (;;) {
+    store_t *s = calloc(1, sizeof *s);
+    if (!s) {
+      if (err && errlen) snprintf(err, errlen, "store_connect: out of memory");
+      return STORE_ENOMEM;
+    }
+    s->fd = -1;
+    net_format_endpoint(s->ep, sizeof s->ep, host, port);
+    int rc = connect_once(s, host, port, run_id, secret, deadline < 0 ? -1 : left_ms(deadline));
+    if (rc == 0) {
+      s->err[0] = 0;
+      *out = s;
+      return 0;
+    }
+    if (err && errlen) snprintf(err, errlen, "%s", s->err);
+    store_close(s);
+    /* A store at its connection limit may have room a moment later (its unauthenticated
+     * connections time out or are evicted); anything else is answered already. */
+    if (rc != STORE_EBUSY || (deadline >= 0 && net_now_ms() + pause_ms >= deadline)) return rc;
+    struct timespec ts = {pause_ms / 1000, (long)(pause_ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+    pause_ms = pause_ms * 2 > CLIENT_BUSY_RETRY_MAX_MS ? CLIENT_BUSY_RETRY_MAX_MS : pause_ms * 2;
+  }
+}
+
+int store_connect_endpoint(store_t **out, const char *endpoint, const store_auth_t *auth, int timeout_ms,
+                           char *err, size_t errlen) {
   char host[256];
   int port;
+  if (out) *out = NULL;
   if (net_parse_endpoint(endpoint, host, sizeof host, &port, 0, 0, err, errlen)) return STORE_EINVAL;
   if (port == 0) {
     if (err && errlen) snprintf(err, errlen, "store endpoint '%s' has no port; expected HOST:PORT", endpoint);
     return STORE_EINVAL;
   }
-  return store_connect(out, host, port, timeout_ms, err, errlen);
+  return store_connect(out, host, port, auth, timeout_ms, err, errlen);
 }
+
+int store_connect_env(store_t **out, int timeout_ms, char *err, size_t errlen) {
+  if (out) *out = NULL;
+  const char *ep = getenv(STORE_ENV_ENDPOINT);
+  if (!ep || !*ep) {
+    if (err && errlen)
+      snprintf(err, errlen, "%s is not set: run under meshrun, or set %s=host:port (with %s and %s as the job's)",
+               STORE_ENV_ENDPOINT, STORE_ENV_ENDPOINT, STORE_ENV_RUN_ID, STORE_ENV_SECRET);
+    return STORE_EINVAL;
+  }
+  store_auth_t auth = {.run_id = getenv(STORE_ENV_RUN_ID), .secret = getenv(STORE_ENV_SECRET)};
+  return store_connect_endpoint(out, ep, &auth, timeout_ms, err, errlen);
+}
+
+const char *store_server_job(const store_t *s) { return s ? s->job : ""; }
 
 void store_interrupt(store_t *s) {
   /* shutdown, not close: the owner's thread may be inside recv/send on this fd, and a closed

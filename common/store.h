@@ -7,7 +7,14 @@
  * milliseconds (< 0: forever). The wire format is in common/store_proto.h.
  *
  * Errors are negative STORE_E* codes; store_errmsg() returns the last message of that
- * client, naming the cause ("connect 127.0.0.1:29400: connection refused"). */
+ * client, naming the cause ("connect 127.0.0.1:29400: connection refused").
+ *
+ * Jobs and secrets. Every connection belongs to one job: the handshake names the client's run
+ * id, and the server keeps each job's keys apart (a job can neither see nor touch another's
+ * keys, whatever names it uses). A store with a secret admits only clients that prove they
+ * hold it (HMAC-SHA256 challenge and response in the handshake, both ways: the client also
+ * checks the server's proof, so a stranger on the port cannot pose as the store). A refused
+ * client gets STORE_EAUTH with a message naming the job that owns the store. */
 #ifndef MESHRUN_STORE_H
 #define MESHRUN_STORE_H
 
@@ -16,6 +23,7 @@
 
 #define STORE_MAX_KEY 1024
 #define STORE_MAX_FRAME (64u << 20) /* whole frame, header included */
+#define STORE_MAX_RUN_ID 255        /* bytes; the server prefixes keys with its length in one byte */
 
 enum {
   STORE_OK = 0,
@@ -27,16 +35,40 @@ enum {
   STORE_ENOKEY = -6,    /* key absent (store_get_nowait, store_delete) */
   STORE_ETOOBIG = -7,   /* key or value over the limits */
   STORE_ENOMEM = -8,
+  STORE_EAUTH = -9,     /* secret missing, wrong, or not asked for by a store we hold one for */
+  STORE_EBUSY = -10,    /* the server is at a limit (connections, bytes in flight) */
 };
+
+/* Who a client is: its job's run id (its key namespace on the server; "" is a namespace too;
+ * NULL = "") and the job secret (NUL-terminated text; NULL or "" = none). A client with a
+ * secret refuses a store that has none (it could be anyone's), and the other way round. */
+typedef struct {
+  const char *run_id;
+  const char *secret;
+} store_auth_t;
+
+/* The environment a worker finds the store by, as meshrun sets it. */
+#define STORE_ENV_ENDPOINT "MESHRUN_STORE"      /* host:port */
+#define STORE_ENV_SECRET "MESHRUN_RDZV_TOKEN"   /* the job secret */
+#define STORE_ENV_RUN_ID "TORCHELASTIC_RUN_ID"  /* the run id (namespace) */
 
 typedef struct store store_t;
 
 /* Connects to host:port (IPv4, IPv6 or a hostname: every address getaddrinfo returns is tried,
- * retrying refused connections until timeout_ms passes). Returns 0 and *out, or a code with
- * the reason in err. */
-int store_connect(store_t **out, const char *host, int port, int timeout_ms, char *err, size_t errlen);
+ * retrying refused connections until timeout_ms passes) and shakes hands as auth says (NULL:
+ * run id "" and no secret). Returns 0 and *out, or a code with the reason in err;
+ * STORE_EAUTH is final (retrying cannot help). A store that answers STORE_EBUSY (at its
+ * connection limit) is tried again until timeout_ms passes. */
+int store_connect(store_t **out, const char *host, int port, const store_auth_t *auth, int timeout_ms,
+                  char *err, size_t errlen);
 /* Parses "host:port", "[v6addr]:port" (as in MESHRUN_STORE) and connects. */
-int store_connect_endpoint(store_t **out, const char *endpoint, int timeout_ms, char *err, size_t errlen);
+int store_connect_endpoint(store_t **out, const char *endpoint, const store_auth_t *auth, int timeout_ms,
+                           char *err, size_t errlen);
+/* Connects as a worker: endpoint, run id and secret from STORE_ENV_* (run id "" and no secret
+ * when unset). STORE_EINVAL with a message when STORE_ENV_ENDPOINT is unset. */
+int store_connect_env(store_t **out, int timeout_ms, char *err, size_t errlen);
+/* The run id of the job that owns the server, as its handshake said ("" for NULL). */
+const char *store_server_job(const store_t *s);
 void store_close(store_t *s); /* accepts NULL */
 /* May be called from another thread than the owner's: a call blocked on s returns at once
  * (STORE_EIO) and later calls fail. For stopping a thread that owns s; the owner, or whoever

@@ -2,9 +2,15 @@
  *
  * Big-endian integers, u32-length-prefixed byte strings, a fixed 8-byte header. Writers grow
  * one malloc'ed buffer and refuse to pass STORE_MAX_FRAME; readers never read past the frame.
- * No I/O and no policy here: the caller decides what a malformed frame means. */
+ * The handshake's nonces and proofs come from OpenSSL's libcrypto (RAND_bytes, HMAC-SHA256,
+ * CRYPTO_memcmp), never from a hash of our own. No I/O and no policy here: the caller decides
+ * what a malformed frame or a wrong proof means. */
 #include "common/store_proto.h"
 
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+#include <openssl/rand.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -169,6 +175,38 @@ int store_proto_parse_header(const uint8_t hdr[STORE_PROTO_HEADER], int want_req
   return 0;
 }
 
+int store_proto_nonce(uint8_t out[STORE_PROTO_NONCE]) {
+  return RAND_bytes(out, (int)STORE_PROTO_NONCE) == 1 ? 0 : -1;
+}
+
+/* The labels keep a client proof from ever being accepted as a server proof (or a proof of any
+ * other protocol keyed by the same secret). */
+#define PROOF_LABEL_CLIENT "meshrun-store/2 client"
+#define PROOF_LABEL_SERVER "meshrun-store/2 server"
+_Static_assert(sizeof PROOF_LABEL_CLIENT == sizeof PROOF_LABEL_SERVER, "proof labels size the message buffer");
+
+int store_proto_proof(uint8_t out[STORE_PROTO_PROOF], const char *secret, int server_side,
+                      const uint8_t client_nonce[STORE_PROTO_NONCE], const uint8_t server_nonce[STORE_PROTO_NONCE],
+                      const void *run_id, size_t run_id_len) {
+  const char *label = server_side ? PROOF_LABEL_SERVER : PROOF_LABEL_CLIENT;
+  size_t ln = strlen(label);
+  uint8_t msg[sizeof PROOF_LABEL_CLIENT + 2 * STORE_PROTO_NONCE + STORE_MAX_RUN_ID];
+  if (!secret || run_id_len > STORE_MAX_RUN_ID || (run_id_len && !run_id)) return -1;
+  memcpy(msg, label, ln);
+  memcpy(msg + ln, client_nonce, STORE_PROTO_NONCE);
+  memcpy(msg + ln + STORE_PROTO_NONCE, server_nonce, STORE_PROTO_NONCE);
+  if (run_id_len) memcpy(msg + ln + 2 * STORE_PROTO_NONCE, run_id, run_id_len);
+  unsigned int mdlen = 0;
+  if (!HMAC(EVP_sha256(), secret, (int)strlen(secret), msg, ln + 2 * STORE_PROTO_NONCE + run_id_len, out, &mdlen) ||
+      mdlen != STORE_PROTO_PROOF)
+    return -1;
+  return 0;
+}
+
+int store_proto_proof_equal(const uint8_t a[STORE_PROTO_PROOF], const uint8_t b[STORE_PROTO_PROOF]) {
+  return CRYPTO_memcmp(a, b, STORE_PROTO_PROOF) == 0;
+}
+
 const char *store_proto_op_name(int op) {
   switch (op) {
   case STORE_OP_HELLO: return "HELLO";
@@ -183,6 +221,7 @@ const char *store_proto_op_name(int op) {
   case STORE_OP_MULTI_GET: return "MULTI_GET";
   case STORE_OP_MULTI_SET: return "MULTI_SET";
   case STORE_OP_NUM_KEYS: return "NUM_KEYS";
+  case STORE_OP_AUTH: return "AUTH";
   case STORE_REP_OK: return "REP_OK";
   case STORE_REP_HELLO: return "REP_HELLO";
   case STORE_REP_VALUE: return "REP_VALUE";
@@ -191,6 +230,7 @@ const char *store_proto_op_name(int op) {
   case STORE_REP_TIMEOUT: return "REP_TIMEOUT";
   case STORE_REP_NOKEY: return "REP_NOKEY";
   case STORE_REP_ERROR: return "REP_ERROR";
+  case STORE_REP_AUTH: return "REP_AUTH";
   default: return "unknown op";
   }
 }

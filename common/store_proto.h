@@ -13,7 +13,10 @@
  * Fields: u8; u32 and i64 big-endian; "bytes" = u32 length + that many bytes; "keys" = u32 n
  * followed by n bytes. Requests and their replies (ERROR can answer any request):
  *
- *     HELLO      bytes banner                      -> HELLO bytes banner (STORE_PROTO_BANNER)
+ *     HELLO      bytes banner, bytes run_id, bytes client_nonce
+ *                                -> HELLO bytes banner, bytes owner_run_id, u8 secret_required,
+ *                                         bytes server_nonce
+ *     AUTH       bytes client_proof               -> AUTH bytes server_proof
  *     SET        bytes key, bytes value            -> OK
  *     GET        bytes key, i64 timeout_ms         -> VALUE bytes | TIMEOUT
  *     GET_NOWAIT bytes key                         -> VALUE bytes | NOKEY
@@ -25,10 +28,30 @@
  *     DELETE     bytes key                         -> INT (1 existed, 0 not)
  *     MULTI_GET  i64 timeout_ms, keys              -> VALUES u32 n, n x bytes | TIMEOUT
  *     MULTI_SET  u32 n, n x (bytes key, bytes value) -> OK
- *     NUM_KEYS   (nothing)                         -> INT
+ *     NUM_KEYS   (nothing)                         -> INT (keys of the caller's job)
  *     ERROR      i64 code (a STORE_E*), bytes message
  *
- * timeout_ms < 0 waits forever. This module only encodes and decodes; it does no I/O. */
+ * timeout_ms < 0 waits forever.
+ *
+ * The handshake (version 2). A connection starts with HELLO: the banner, the client's run id
+ * (at most STORE_MAX_RUN_ID bytes, no NUL; it names the key namespace of every later request)
+ * and STORE_PROTO_NONCE random bytes. The server answers with the banner, the run id of the
+ * job that hosts it, whether it requires a secret and its own random nonce. An open store
+ * (no secret) is done then. A store with a secret waits for AUTH:
+ *
+ *     client_proof = HMAC-SHA256(secret, "meshrun-store/2 client" | client_nonce | server_nonce | run_id)
+ *     server_proof = HMAC-SHA256(secret, "meshrun-store/2 server" | client_nonce | server_nonce | owner_run_id)
+ *
+ * (labels without their NUL; | is concatenation). The server compares in constant time and
+ * answers AUTH with its own proof, which the client checks in turn, so neither side can be
+ * impersonated without the secret and an old exchange cannot be replayed (fresh nonces on both
+ * sides). A wrong proof gets ERROR STORE_EAUTH naming the owner's job, and the connection is
+ * closed. Until the handshake is done a connection may send only these two requests, each in
+ * a frame of at most STORE_PROTO_PREAUTH_FRAME bytes; anything else is answered with ERROR
+ * and the connection closed. A client holding a secret refuses a store that requires none,
+ * and a client without one gives up on a store that requires one (both STORE_EAUTH).
+ *
+ * This module only encodes and decodes (and computes the proofs); it does no I/O. */
 #ifndef MESHRUN_STORE_PROTO_H
 #define MESHRUN_STORE_PROTO_H
 
@@ -38,9 +61,12 @@
 #include "common/store.h"
 
 #define STORE_PROTO_MAGIC 0x4du /* 'M' */
-#define STORE_PROTO_VERSION 1u
+#define STORE_PROTO_VERSION 2u
 #define STORE_PROTO_HEADER 8u
 #define STORE_PROTO_BANNER "meshrun-store"
+#define STORE_PROTO_NONCE 32u           /* bytes of each side's handshake nonce */
+#define STORE_PROTO_PROOF 32u           /* bytes of an HMAC-SHA256 proof */
+#define STORE_PROTO_PREAUTH_FRAME 4096u /* largest frame before the handshake is done */
 
 enum {
   STORE_OP_HELLO = 1,
@@ -55,7 +81,8 @@ enum {
   STORE_OP_MULTI_GET,
   STORE_OP_MULTI_SET,
   STORE_OP_NUM_KEYS,
-  STORE_OP_LAST_ = STORE_OP_NUM_KEYS,
+  STORE_OP_AUTH,
+  STORE_OP_LAST_ = STORE_OP_AUTH,
 
   STORE_REP_OK = 0x80,
   STORE_REP_HELLO,
@@ -65,7 +92,8 @@ enum {
   STORE_REP_TIMEOUT,
   STORE_REP_NOKEY,
   STORE_REP_ERROR,
-  STORE_REP_LAST_ = STORE_REP_ERROR,
+  STORE_REP_AUTH,
+  STORE_REP_LAST_ = STORE_REP_AUTH,
 };
 
 /* A growing output frame. Writers never fail mid-way: an allocation failure or a frame past
@@ -110,6 +138,18 @@ int store_proto_reader_done(const store_proto_reader_t *r);
  * *frame_len and *op, or STORE_EPROTO with the reason in err. */
 int store_proto_parse_header(const uint8_t hdr[STORE_PROTO_HEADER], int want_request, uint32_t *frame_len,
                              int *op, char *err, size_t errlen);
+/* STORE_PROTO_NONCE fresh random bytes (OpenSSL's RAND_bytes). Returns 0, or -1 when the
+ * generator failed. */
+int store_proto_nonce(uint8_t out[STORE_PROTO_NONCE]);
+/* A handshake proof (formulas above): the client's when server_side is 0, the server's
+ * otherwise; run_id is the client's run id or the owner's, respectively. Returns 0, or -1 when
+ * the HMAC could not be computed. */
+int store_proto_proof(uint8_t out[STORE_PROTO_PROOF], const char *secret, int server_side,
+                      const uint8_t client_nonce[STORE_PROTO_NONCE], const uint8_t server_nonce[STORE_PROTO_NONCE],
+                      const void *run_id, size_t run_id_len);
+/* Compares two proofs in constant time (CRYPTO_memcmp); 1 when equal. */
+int store_proto_proof_equal(const uint8_t a[STORE_PROTO_PROOF], const uint8_t b[STORE_PROTO_PROOF]);
+
 /* The op's name for messages ("GET", "REP_VALUE", "op 0x7f"). Returns a static string. */
 const char *store_proto_op_name(int op);
 

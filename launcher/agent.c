@@ -5,6 +5,13 @@
  * round_over(), and only when both halves are in: the reason (the store's end key, seen by
  * rdzv's watch thread, identical on every node) and the local workers idle. So every node
  * decides "restart" or "fatal" from the same record, and never spawns over live workers.
+ *
+ * The store and other jobs. The store belongs to this job (its run id and secret), but jobs
+ * that hold the same secret may share its port: the server keeps each job's keys apart. So
+ * when this job ends while other jobs still have connections, the agent keeps the loop, the
+ * store and the signal handlers, and leaves once the last of them is gone (a timer checks;
+ * INT/TERM/HUP end the wait at once). A second job that finds the endpoint held by a store
+ * that refuses its secret stops at once: rendezvous there can never succeed.
  * Not here: what the keys are (rdzv), how children are made (workers). */
 #include "launcher/agent.h"
 
@@ -12,6 +19,7 @@
 #include <errno.h>
 #include <ftw.h>
 #include <limits.h>
+#include <openssl/rand.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -32,6 +40,9 @@
 /* How long meshrun's exit waits for the rendezvous threads to return (they usually do in
  * microseconds once their sockets are shut down). */
 #define RDZV_JOIN_WAIT_MS 500
+/* While other jobs use this agent's store after its job ended: how often it looks whether
+ * they have all gone (the server has no event for it; a connection closing is rare here). */
+#define LINGER_CHECK_MS 100
 
 typedef enum { AGENT_JOINING = 0, AGENT_RUNNING, AGENT_STOPPING, AGENT_FINISHING, AGENT_EXITING } agent_state_t;
 
@@ -51,6 +62,8 @@ typedef struct {
   rdzv_assignment_t asg;
   uv_signal_t sigs[NFORWARDED];
   uv_timer_t join_timer;
+  uv_timer_t linger_timer; /* running while the store serves only other jobs */
+  int lingering;
   char base_dir[PATH_MAX]; /* <log_dir>/<run_id>, or a temporary directory */
   int base_is_tmp;
   int have_end;    /* the round's end record is in */
@@ -91,15 +104,38 @@ static void agent_exit(agent_t *a, int code) {
   close_all(a);
 }
 
+/* The last handles: signals, timers, the store. uv_run returns once they have closed. */
+static void close_store(agent_t *a) {
+  a->lingering = 0;
+  for (int i = 0; i < NFORWARDED; i++)
+    if (!uv_is_closing((uv_handle_t *)&a->sigs[i])) uv_close((uv_handle_t *)&a->sigs[i], NULL);
+  if (!uv_is_closing((uv_handle_t *)&a->linger_timer)) uv_close((uv_handle_t *)&a->linger_timer, NULL);
+  store_server_close(a->srv);
+  a->srv = NULL;
+}
+
+static void on_linger(uv_timer_t *t) {
+  agent_t *a = t->data;
+  size_t n = store_server_num_foreign(a->srv);
+  if (n) return;
+  log_info("the other jobs have left the store: exiting");
+  close_store(a);
+}
+
 static void close_all(agent_t *a) {
   /* Whatever may linger in the workers' process groups goes now, success or not. */
   workers_kill_all(a->wk);
   workers_close(a->wk);
-  for (int i = 0; i < NFORWARDED; i++)
-    if (!uv_is_closing((uv_handle_t *)&a->sigs[i])) uv_close((uv_handle_t *)&a->sigs[i], NULL);
   if (!uv_is_closing((uv_handle_t *)&a->join_timer)) uv_close((uv_handle_t *)&a->join_timer, NULL);
-  store_server_close(a->srv);
-  a->srv = NULL;
+  /* Other jobs sharing the port would lose their store: serve them until they leave. */
+  size_t foreign = a->srv ? store_server_num_foreign(a->srv) : 0;
+  if (foreign && !a->lingering) {
+    log_info("job '%s' is done; the store stays up for %zu connection(s) of other jobs", a->opts->rdzv_id, foreign);
+    a->lingering = 1;
+    uv_timer_start(&a->linger_timer, on_linger, LINGER_CHECK_MS, LINGER_CHECK_MS);
+    return;
+  }
+  close_store(a);
 }
 
 static void print_summary(agent_t *a) {
@@ -172,15 +208,25 @@ static void on_worker_exit(workers_t *w, const workers_info_t *info, void *arg) 
                   .local_rank = info->local_rank, .signal = info->term_signal, .time = info->exit_time};
   net_hostname(e.host, sizeof e.host);
   char ts[64], err[256];
+  int restart = 1;
   /* No file is the usual case (the worker wrote none); any other fault is worth saying. */
-  int erc = errfile_read(info->error_file, e.message, sizeof e.message, ts, sizeof ts, err, sizeof err);
+  int erc = errfile_read(info->error_file, e.message, sizeof e.message, ts, sizeof ts, &restart, err, sizeof err);
   if (erc && erc != -ENOENT) snprintf(e.message, sizeof e.message, "(unreadable error file: %.900s)", err);
+  int n;
   if (info->term_signal)
-    snprintf(e.reason, sizeof e.reason, "rank %d (pid %d) on %s died by %s", info->rank, (int)info->pid, e.host,
-             sig_name(info->term_signal, sbuf, sizeof sbuf));
+    n = snprintf(e.reason, sizeof e.reason, "rank %d (pid %d) on %s died by %s", info->rank, (int)info->pid, e.host,
+                 sig_name(info->term_signal, sbuf, sizeof sbuf));
   else
-    snprintf(e.reason, sizeof e.reason, "rank %d (pid %d) on %s exited with code %d", info->rank, (int)info->pid,
-             e.host, info->exit_code);
+    n = snprintf(e.reason, sizeof e.reason, "rank %d (pid %d) on %s exited with code %d", info->rank,
+                 (int)info->pid, e.host, info->exit_code);
+  if (!restart) {
+    /* The worker knows a restart cannot help (a bad plan, a missing file): the job ends now,
+     * whatever budget is left. The reason travels to every node, so each one says why. */
+    e.fatal = 1;
+    if (n > 0 && (size_t)n < sizeof e.reason)
+      snprintf(e.reason + n, sizeof e.reason - (size_t)n,
+               "; no restart tried: its error file asks for none (\"meshrun\": {\"restart\": false})");
+  }
   log_warn("%s: stopping the other workers", e.reason);
   a->state = AGENT_STOPPING;
   a->local_failure = 1;
@@ -229,13 +275,15 @@ static void on_rdzv(rdzv_t *rz, const rdzv_event_t *ev, void *arg) {
                          .log_files = a->opts->log_dir[0] != 0};
     snprintf(r.master_addr, sizeof r.master_addr, "%s", g->master_addr);
     snprintf(r.store_endpoint, sizeof r.store_endpoint, "%s", a->store_ep);
+    memcpy(r.store_secret, a->opts->secret, sizeof r.store_secret);
     snprintf(r.run_id, sizeof r.run_id, "%s", a->opts->rdzv_id);
     make_attempt_dir(a, g->round, r.attempt_dir, sizeof r.attempt_dir);
     char err[512];
     a->state = AGENT_RUNNING;
-    if (workers_start(a->wk, &r, err, sizeof err)) {
+    int wrc = workers_start(a->wk, &r, err, sizeof err);
+    if (wrc) {
       log_error("starting workers: %s", err);
-      agent_exit(a, 1);
+      agent_exit(a, wrc == -ENOEXEC ? 127 : 1); /* the program cannot run: a shell's "command not found" */
     }
     break;
   }
@@ -264,6 +312,14 @@ static void on_rdzv(rdzv_t *rz, const rdzv_event_t *ev, void *arg) {
 static void on_signal(uv_signal_t *h, int sig) {
   agent_t *a = h->data;
   char sbuf[32];
+  if (a->lingering && sig != SIGUSR1 && sig != SIGUSR2) {
+    /* Told to stop while serving other jobs only: they lose the store, as they would on any
+     * node's exit; this job's exit code stays its own. */
+    log_warn("got %s: closing the store under %zu connection(s) of other jobs", sig_name(sig, sbuf, sizeof sbuf),
+             store_server_num_foreign(a->srv));
+    close_store(a);
+    return;
+  }
   if (sig == SIGUSR1 || sig == SIGUSR2) {
     log_info("forwarding %s to the workers", sig_name(sig, sbuf, sizeof sbuf));
     if (a->wk) workers_signal(a->wk, sig);
@@ -331,25 +387,70 @@ static int setup_base_dir(agent_t *a, char *err, size_t errlen) {
   }
   return 0;
 }
+/* The job's secret. cli read the user's (token file or MESHRUN_RDZV_TOKEN). A single-node job
+ * without one gets a random one: nobody outside this process tree needs it, and its workers
+ * get it in their environment. A multi-node job without one runs an open store: said once. */
+static int prepare_secret(agent_t *a, char *err, size_t errlen) {
+  launcher_opts_t *o = a->opts;
+  if (o->secret_source == CLI_SECRET_FILE && (o->token_file_mode & 077))
+    log_warn("warning: --rdzv_conf token_file=%s is accessible by group or others (mode %04o); chmod 600 it",
+             o->token_file, o->token_file_mode);
+  if (o->secret[0]) return 0;
+  if (o->nnodes_max > 1) {
+    char ep[300];
+    net_format_endpoint(ep, sizeof ep, o->rdzv_host, o->rdzv_port);
+    log_warn("warning: the rendezvous store at %s is open: any program that reaches the port can read and change "
+             "this job's keys; set --rdzv_conf=token_file=PATH or " STORE_ENV_SECRET,
+             ep);
+    return 0;
+  }
+  unsigned char raw[32];
+  if (RAND_bytes(raw, sizeof raw) != 1) {
+    snprintf(err, errlen, "generating the job secret: the system's random source failed");
+    return -EIO;
+  }
+  static const char hex[] = "0123456789abcdef";
+  for (size_t i = 0; i < sizeof raw; i++) {
+    o->secret[2 * i] = hex[raw[i] >> 4];
+    o->secret[2 * i + 1] = hex[raw[i] & 15];
+  }
+  o->secret[2 * sizeof raw] = '\0';
+  o->secret_source = CLI_SECRET_GENERATED;
+  return 0;
+}
+
 /* Binds the rendezvous endpoint and serves the store there, or leaves it to whoever does.
  * EADDRINUSE alone does not mean another node hosts it: the port can be the source port of some
  * outgoing connection for a moment, with nobody listening. So while a probe of the endpoint is
  * refused, binding is tried again, for up to HOST_RETRY_S; then this node is a client and rdzv
- * keeps connecting until join_timeout (the loop is running by then, so signals work). Returns
- * store_server_start's code. */
+ * keeps connecting until join_timeout (the loop is running by then, so signals work). The probe
+ * shakes hands as this job: a store that refuses our secret is another job's, and rendezvous
+ * there can never succeed (*refused = 1, the reason in err). Returns store_server_start's code. */
 #define HOST_RETRY_S 5.0
-static int host_or_join(agent_t *a, char *err, size_t errlen) {
+#define PROBE_MS 50
+static int host_or_join(agent_t *a, int *refused, char *err, size_t errlen) {
   const launcher_opts_t *o = a->opts;
+  store_server_opts_t so = {.run_id = o->rdzv_id, .secret = o->secret,
+                            .handshake_ms = (int)(o->handshake_timeout_s * 1000)};
+  store_auth_t auth = {.run_id = o->rdzv_id, .secret = o->secret};
   uint64_t start = uv_hrtime();
   int64_t nap_ms = 5;
+  *refused = 0;
   for (;;) {
-    int rc = store_server_start(&a->srv, &a->loop, o->rdzv_host, o->rdzv_port, &a->store_port, err, errlen);
-    if (rc != STORE_SERVER_EADDRINUSE || o->rdzv_port == 0) return rc;
-    char perr[256];
+    int rc = store_server_start(&a->srv, &a->loop, o->rdzv_host, o->rdzv_port, &so, &a->store_port, err, errlen);
+    if (rc == 0 || o->rdzv_port == 0) return rc;
+    char perr[512];
     store_t *probe = NULL;
-    int prc = store_connect(&probe, o->rdzv_host, o->rdzv_port, 50, perr, sizeof perr);
+    int prc = store_connect(&probe, o->rdzv_host, o->rdzv_port, &auth, PROBE_MS, perr, sizeof perr);
     store_close(probe);
-    if (prc != STORE_ECONNECT) return rc; /* someone listens there: a store, or another program */
+    if (prc == STORE_EAUTH) {
+      *refused = 1;
+      snprintf(err, errlen, "%s", perr);
+      return rc;
+    }
+    /* Someone listens there (a store, or another program), or the endpoint is not this host's
+     * (rdzv connects until join_timeout and names what it finds). */
+    if (rc != STORE_SERVER_EADDRINUSE || prc != STORE_ECONNECT) return rc;
     if ((double)(uv_hrtime() - start) / 1e9 >= HOST_RETRY_S) return rc;
     if (nap_ms == 5)
       log_debug("--rdzv_endpoint port %d is taken but nobody listens there: retrying the bind", o->rdzv_port);
@@ -358,7 +459,6 @@ static int host_or_join(agent_t *a, char *err, size_t errlen) {
     if (nap_ms < 100) nap_ms *= 2;
   }
 }
-
 
 int agent_run(launcher_opts_t *o) {
   agent_t *a = calloc(1, sizeof *a);
@@ -376,15 +476,33 @@ int agent_run(launcher_opts_t *o) {
   }
   uv_timer_init(&a->loop, &a->join_timer);
   a->join_timer.data = a;
+  uv_timer_init(&a->loop, &a->linger_timer);
+  a->linger_timer.data = a;
   for (int i = 0; i < NFORWARDED; i++) {
     uv_signal_init(&a->loop, &a->sigs[i]);
     a->sigs[i].data = a;
     uv_signal_start(&a->sigs[i], on_signal, FORWARDED[i]);
   }
+  /* The store holds a connection per worker and per peer node: the soft file limit (often
+   * 1024) is too tight for big jobs and for weathering idle connections from strangers. */
+  long nofile = store_server_raise_nofile();
+  log_debug("open file limit: %ld", nofile);
+  if (prepare_secret(a, err, sizeof err)) {
+    log_error("%s", err);
+    goto out;
+  }
   /* Host the store when this node can bind the endpoint; otherwise be a client of whoever
    * does. A port taken by something else is found out on the first request (rdzv). */
   snprintf(a->store_host, sizeof a->store_host, "%s", o->rdzv_host);
-  rc = host_or_join(a, err, sizeof err);
+  int refused;
+  rc = host_or_join(a, &refused, err, sizeof err);
+  if (refused) {
+    /* err names the endpoint and the job that owns it (store_connect's message). */
+    log_error("error: not joining: %s; give both jobs the same secret to share the port, or use another "
+              "--rdzv_endpoint",
+              err);
+    goto out;
+  }
   if (rc == 0) {
     log_debug("serving the rendezvous store on port %d", a->store_port);
   } else if (o->rdzv_port == 0) {
@@ -406,6 +524,8 @@ int agent_run(launcher_opts_t *o) {
                        .heartbeat_interval_s = o->heartbeat_interval_s,
                        .heartbeat_timeout_s = o->heartbeat_timeout_s, .max_restarts = o->max_restarts,
                        .is_store_host = a->srv != NULL};
+  _Static_assert(sizeof o->secret <= sizeof cfg.secret, "rdzv must hold any secret cli accepts");
+  memcpy(cfg.secret, o->secret, sizeof o->secret);
   snprintf(cfg.store_host, sizeof cfg.store_host, "%s", a->store_host);
   snprintf(cfg.run_id, sizeof cfg.run_id, "%s", o->rdzv_id);
   /* The address peers dial for MASTER_ADDR: loopback jobs stay on loopback; otherwise

@@ -13,23 +13,30 @@
  * --nproc_per_node, ...) and resolves where the rendezvous store lives. Every error is one line
  * naming the flag and the expected form, returned as CLI_EUSAGE.
  *
+ * The job secret is read here too (token_file, else MESHRUN_RDZV_TOKEN), so that a token file
+ * that cannot be used is a usage error on every node before anything starts.
+ *
  * What it does not do: look anything up on the network (hostnames are resolved by the agent),
- * pick ports, read the environment other than CUDA_VISIBLE_DEVICES for --nproc_per_node=auto,
- * or print anything (main prints err or cli_usage()). */
+ * pick ports, read the environment other than CUDA_VISIBLE_DEVICES for --nproc_per_node=auto
+ * and MESHRUN_RDZV_TOKEN, make a secret up (the agent does, for single-node jobs), or print
+ * anything (main prints err or cli_usage(); the agent warns about a token file's mode). */
 #include "launcher/cli.h"
 
 #include <ctype.h>
 #include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <math.h>
 #include <sched.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "common/net.h"
+#include "common/store.h"
 
 /* Defaults, written once: cli_defaults() uses them and cli_usage() prints them. */
 #define DEF_RDZV_PORT 29400
@@ -310,12 +317,13 @@ static int set_rdzv_backend(launcher_opts_t *o, cli_seen_t *seen, const char *fl
 static int set_rdzv_conf(launcher_opts_t *o, cli_seen_t *seen, const char *flag, const char *val,
                          char *err, size_t errlen) {
   static const char expected[] =
-      "expected KEY=SECONDS[,...] with KEY one of join_timeout, last_call_timeout, "
-      "close_timeout, heartbeat_interval, heartbeat_timeout";
+      "expected KEY=VALUE[,...] with KEY one of join_timeout, last_call_timeout, "
+      "close_timeout, heartbeat_interval, heartbeat_timeout, handshake_timeout (seconds), "
+      "token_file (a path)";
   const char *p = val;
   while (*p) {
     size_t len = strcspn(p, ",");
-    char item[256];
+    char item[1100];
     if (len >= sizeof item)
       return usage_error(err, errlen, "%s: \"%.*s\" is too long; %s", flag, (int)len, p, expected);
     memcpy(item, p, len);
@@ -332,6 +340,13 @@ static int set_rdzv_conf(launcher_opts_t *o, cli_seen_t *seen, const char *flag,
     for (char *k = item; *k; k++)
       if (*k == '-') *k = '_';
 
+    if (strcmp(item, "token_file") == 0) {
+      /* Read in cli_validate, once the last token_file given is known. */
+      if (copy_string(o->token_file, sizeof o->token_file, value) != 0)
+        return usage_error(err, errlen, "%s: token_file=\"%s\" is not valid; expected a path of 1..%zu bytes",
+                           flag, value, sizeof o->token_file - 1);
+      continue;
+    }
     double *dst;
     int zero_ok = 0;
     if (strcmp(item, "join_timeout") == 0)
@@ -344,12 +359,90 @@ static int set_rdzv_conf(launcher_opts_t *o, cli_seen_t *seen, const char *flag,
       dst = &o->heartbeat_interval_s;
     else if (strcmp(item, "heartbeat_timeout") == 0)
       dst = &o->heartbeat_timeout_s;
+    else if (strcmp(item, "handshake_timeout") == 0)
+      dst = &o->handshake_timeout_s;
     else
       return usage_error(err, errlen, "%s: unknown key \"%s\"; %s", flag, item, expected);
     if (parse_seconds(value, 0, zero_ok, dst) != 0)
       return usage_error(err, errlen, "%s: %s=\"%s\" is not valid; expected seconds %s 0", flag,
                          item, value, zero_ok ? ">=" : ">");
   }
+  return 0;
+}
+
+/* Cuts trailing whitespace (a token file usually ends in a newline) and checks what is left:
+ * no NUL inside, CLI_SECRET_MIN..CLI_SECRET_MAX bytes. Returns 0 or a reason in why. */
+static int check_secret(char *buf, size_t n, char *why, size_t whylen) {
+  while (n > 0 && isspace((unsigned char)buf[n - 1])) n--;
+  buf[n] = '\0';
+  if (memchr(buf, '\0', n)) {
+    snprintf(why, whylen, "holds a NUL byte");
+    return -1;
+  }
+  if (n < CLI_SECRET_MIN || n > CLI_SECRET_MAX) {
+    snprintf(why, whylen, "is %zu bytes%s", n, n ? "" : " (empty)");
+    return -1;
+  }
+  return 0;
+}
+
+/* The job secret: token_file when given (it wins), else MESHRUN_RDZV_TOKEN when set and not
+ * empty. A file is read whole (it must be a regular file: a FIFO would block), at most
+ * CLI_SECRET_MAX bytes plus some trailing whitespace. Its mode is kept for the agent, which
+ * warns, as ssh does, when group or others may access it. */
+static int resolve_secret(launcher_opts_t *o, char *err, size_t errlen) {
+  static const char form[] = "expected a readable file holding the job secret (" STR(CLI_SECRET_MIN) ".." STR(
+      CLI_SECRET_MAX) " bytes, trailing whitespace ignored)";
+  char why[256];
+  o->secret[0] = '\0';
+  o->secret_source = CLI_SECRET_NONE;
+  if (o->token_file[0]) {
+    char buf[CLI_SECRET_MAX + 256];
+    struct stat st;
+    int fd = open(o->token_file, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    if (fd < 0)
+      return usage_error(err, errlen, "--rdzv_conf: token_file=%s: %s; %s", o->token_file, strerror(errno), form);
+    if (fstat(fd, &st) || !S_ISREG(st.st_mode)) {
+      close(fd);
+      return usage_error(err, errlen, "--rdzv_conf: token_file=%s: not a regular file; %s", o->token_file, form);
+    }
+    size_t n = 0;
+    for (;;) {
+      ssize_t k = read(fd, buf + n, sizeof buf - 1 - n);
+      if (k < 0 && errno == EINTR) continue;
+      if (k < 0) {
+        int e = errno;
+        close(fd);
+        return usage_error(err, errlen, "--rdzv_conf: token_file=%s: %s; %s", o->token_file, strerror(e), form);
+      }
+      if (k == 0 || (n += (size_t)k) == sizeof buf - 1) break;
+    }
+    close(fd);
+    if (n == sizeof buf - 1) {
+      snprintf(why, sizeof why, "is over %d bytes", CLI_SECRET_MAX);
+      return usage_error(err, errlen, "--rdzv_conf: token_file=%s %s; %s", o->token_file, why, form);
+    }
+    if (check_secret(buf, n, why, sizeof why))
+      return usage_error(err, errlen, "--rdzv_conf: token_file=%s %s; %s", o->token_file, why, form);
+    memcpy(o->secret, buf, strlen(buf) + 1);
+    o->secret_source = CLI_SECRET_FILE;
+    o->token_file_mode = (int)(st.st_mode & 07777);
+    return 0;
+  }
+  const char *env = getenv(STORE_ENV_SECRET);
+  if (!env || !*env) return 0;
+  char buf[CLI_SECRET_MAX + 1];
+  size_t n = strlen(env);
+  int bad = n > CLI_SECRET_MAX;
+  if (bad) snprintf(why, sizeof why, "is %zu bytes", n);
+  else bad = check_secret(memcpy(buf, env, n + 1), n, why, sizeof why);
+  if (bad)
+    return usage_error(err, errlen,
+                       STORE_ENV_SECRET ": %s; expected the job secret (" STR(CLI_SECRET_MIN) ".." STR(
+                           CLI_SECRET_MAX) " bytes), or unset",
+                       why);
+  memcpy(o->secret, buf, strlen(buf) + 1);
+  o->secret_source = CLI_SECRET_ENV;
   return 0;
 }
 
@@ -697,6 +790,9 @@ static int cli_validate(launcher_opts_t *o, const cli_seen_t *seen, char *err, s
                        "heartbeat_interval=%g; expected heartbeat_timeout > heartbeat_interval",
                        o->heartbeat_timeout_s, o->heartbeat_interval_s);
 
+  int rc = resolve_secret(o, err, errlen);
+  if (rc) return rc;
+
   static const struct {
     const char *flag;
     size_t off;
@@ -810,15 +906,18 @@ const char *cli_usage(void) {
          "                          and nnodes>1 (PORT default " STR(DEF_RDZV_PORT) ")\n"
          "  --rdzv_id ID, --run_id ID\n"
          "                          id shared by every node of one run (default " DEF_RDZV_ID ")\n"
-         "  --rdzv_conf KEY=SECONDS[,KEY=SECONDS...]\n"
-         "                          join_timeout (default " STR(DEF_JOIN_TIMEOUT) "),\n"
+         "  --rdzv_conf KEY=VALUE[,KEY=VALUE...]\n"
+         "                          token_file=PATH: the job secret (see Secret below);\n"
+         "                          in seconds: join_timeout (default " STR(DEF_JOIN_TIMEOUT) "),\n"
          "                          last_call_timeout (default " STR(
              DEF_LAST_CALL_TIMEOUT) ": wait after MIN nodes joined),\n"
          "                          close_timeout (default " STR(DEF_CLOSE_TIMEOUT) "),\n"
          "                          heartbeat_interval (default " STR(
              DEF_HEARTBEAT_INTERVAL) "),\n"
          "                          heartbeat_timeout (default " STR(
-             DEF_HEARTBEAT_TIMEOUT) ": a node silent longer is dead)\n"
+             DEF_HEARTBEAT_TIMEOUT) ": a node silent longer is dead),\n"
+         "                          handshake_timeout (default: the store's, a few seconds: a\n"
+         "                          connection that has not proved the secret by then is closed)\n"
          "  --standalone            one node, store on 127.0.0.1 on a free port; implied by\n"
          "                          c10d without --rdzv_endpoint and nnodes 1 (not with\n"
          "                          --rdzv_endpoint)\n"
@@ -845,6 +944,16 @@ const char *cli_usage(void) {
          "  --local_ranks_filter R[,R...]\n"
          "                          show console lines of these local ranks only (default: all)\n"
          "\n"
+         "Secret (the store admits only programs that hold it; every node needs the same one):\n"
+         "  --rdzv_conf token_file=PATH\n"
+         "                          read it from PATH (" STR(CLI_SECRET_MIN) ".." STR(
+             CLI_SECRET_MAX) " bytes, trailing whitespace\n"
+         "                          ignored; keep the file's mode 600)\n"
+         "  " STORE_ENV_SECRET "=SECRET\n"
+         "                          the same from the environment; token_file wins if both\n"
+         "                          are given. Neither: a single-node job makes a random one;\n"
+         "                          a multi-node job runs an open store (with a warning)\n"
+         "\n"
          "  -h, --help              this text\n"
          "  --version               meshrun's version (" MESHRUN_VERSION ")\n"
          "\n"
@@ -861,6 +970,7 @@ const char *cli_usage(void) {
          "  TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID, TORCHELASTIC_ERROR_FILE\n"
          "  OMP_NUM_THREADS=1             unless already set\n"
          "  MESHRUN_STORE=HOST:PORT       the agent's key-value store\n"
+         "  " STORE_ENV_SECRET "            the job secret for that store (when there is one)\n"
          "\n"
          "Examples:\n"
          "  meshrun --nproc_per_node=8 bin/trainer configs/llama-1b-fsdp-tp.json\n"

@@ -4,7 +4,11 @@
  * (--nproc-per-node == --nproc_per_node), "--flag=value" and "--flag value". Parsing stops
  * at the first argument that is not a flag: that is PROGRAM, the rest are its ARGS.
  * Errors: one line "meshrun: --flag: <what is wrong>; expected <form>" in err, return
- * CLI_EUSAGE (main prints it and exits 2). --help / --version return CLI_HELP / CLI_VERSION. */
+ * CLI_EUSAGE (main prints it and exits 2). --help / --version return CLI_HELP / CLI_VERSION.
+ *
+ * The job secret (the store admits only clients that hold it) comes from
+ * --rdzv_conf=token_file=PATH, else from MESHRUN_RDZV_TOKEN; cli reads either (a file it cannot
+ * use is a usage error). A single-node job without one gets a random one from the agent. */
 #ifndef MESHRUN_CLI_H
 #define MESHRUN_CLI_H
 
@@ -19,6 +23,17 @@
 #define CLI_MAX_LOCAL_RANKS 256
 
 typedef enum { RDZV_BACKEND_C10D = 0, RDZV_BACKEND_STATIC } rdzv_backend_t;
+
+/* The job secret's bounds in bytes: shorter is guessable, longer is surely a wrong file. */
+#define CLI_SECRET_MIN 16
+#define CLI_SECRET_MAX 512
+
+typedef enum {
+  CLI_SECRET_NONE = 0,  /* none: an open store (the agent generates one for a single node) */
+  CLI_SECRET_FILE,      /* --rdzv_conf token_file=PATH */
+  CLI_SECRET_ENV,       /* MESHRUN_RDZV_TOKEN (STORE_ENV_SECRET) */
+  CLI_SECRET_GENERATED, /* set by the agent: random, this job only */
+} cli_secret_source_t;
 
 typedef struct {
   /* Workers on this node: >= 1. --nproc_per_node=auto resolves here (GPUs if any, else CPUs). */
@@ -40,7 +55,15 @@ typedef struct {
   double close_timeout_s;      /* default 60 */
   double heartbeat_interval_s; /* default 1 */
   double heartbeat_timeout_s;  /* default 5; a node silent longer is dead */
+  double handshake_timeout_s;  /* a connection still in the handshake then is closed; 0: store's */
+  char token_file[1024];       /* token_file=PATH; "" = none */
   int standalone;
+
+  /* The job secret: text without NUL, trailing whitespace stripped, CLI_SECRET_MIN..MAX bytes;
+   * "" = none. token_file wins over MESHRUN_RDZV_TOKEN. */
+  char secret[CLI_SECRET_MAX + 1];
+  cli_secret_source_t secret_source;
+  int token_file_mode; /* the file's permission bits, for the agent's warning when group or others have any */
 
   char master_addr[256]; /* static backend (and MASTER_ADDR override); "" = unset */
   int master_port;       /* 0 = unset */

@@ -27,15 +27,19 @@ static void copy_text(char *out, size_t outlen, const char *s) {
   out[n] = 0;
 }
 
-int errfile_parse(const char *json, size_t len, char *msg, size_t msglen, char *ts, size_t tslen, char *err,
-                  size_t errlen) {
+int errfile_parse(const char *json, size_t len, char *msg, size_t msglen, char *ts, size_t tslen, int *restart,
+                  char *err, size_t errlen) {
   if (msglen) msg[0] = 0;
   if (tslen) ts[0] = 0;
+  if (restart) *restart = 1;
   cJSON *root = cJSON_ParseWithLength(json, len);
   if (!root) {
     snprintf(err, errlen, "error file is not JSON");
     return -EINVAL;
   }
+  /* Read first: a worker that asks for no restart is heard even if its message is malformed. */
+  const cJSON *own = cJSON_GetObjectItemCaseSensitive(root, "meshrun");
+  if (restart && cJSON_IsFalse(cJSON_GetObjectItemCaseSensitive(own, "restart"))) *restart = 0;
   int rc = -EINVAL;
   const cJSON *m = cJSON_GetObjectItemCaseSensitive(root, "message");
   if (cJSON_IsString(m)) {
@@ -61,9 +65,11 @@ int errfile_parse(const char *json, size_t len, char *msg, size_t msglen, char *
   return rc;
 }
 
-int errfile_read(const char *path, char *msg, size_t msglen, char *ts, size_t tslen, char *err, size_t errlen) {
+int errfile_read(const char *path, char *msg, size_t msglen, char *ts, size_t tslen, int *restart, char *err,
+                 size_t errlen) {
   if (msglen) msg[0] = 0;
   if (tslen) ts[0] = 0;
+  if (restart) *restart = 1;
   /* O_NONBLOCK: a FIFO at the path must not block the agent's loop waiting for a writer. */
   int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) {
@@ -103,7 +109,7 @@ int errfile_read(const char *path, char *msg, size_t msglen, char *ts, size_t ts
     n += (size_t)k;
   }
   close(fd);
-  int rc = errfile_parse(buf, n, msg, msglen, ts, tslen, err, errlen);
+  int rc = errfile_parse(buf, n, msg, msglen, ts, tslen, restart, err, errlen);
   free(buf);
   return rc;
 }

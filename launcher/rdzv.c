@@ -182,7 +182,8 @@ static int ensure_conn(rdzv_t *rz, store_t **s, int timeout_ms) {
   if (*s) return 0;
   char err[512];
   store_t *conn = NULL;
-  int rc = store_connect(&conn, rz->cfg.store_host, rz->cfg.store_port, timeout_ms, err, sizeof err);
+  store_auth_t auth = {.run_id = rz->cfg.run_id, .secret = rz->cfg.secret};
+  int rc = store_connect(&conn, rz->cfg.store_host, rz->cfg.store_port, &auth, timeout_ms, err, sizeof err);
   uv_mutex_lock(&rz->mu);
   *s = conn;
   uv_mutex_unlock(&rz->mu);

@@ -56,11 +56,13 @@
 
 #define RDZV_ADDR_MAX 256
 #define RDZV_MSG_MAX 1024
+#define RDZV_SECRET_MAX 1024 /* bytes of the job secret, its NUL included */
 
 typedef struct {
   char store_host[RDZV_ADDR_MAX];
   int store_port;
-  char run_id[128];
+  char run_id[128];           /* the job: its namespace in the store */
+  char secret[RDZV_SECRET_MAX]; /* the job secret the store checks ("" = none, an open store) */
   int nnodes_min, nnodes_max;
   int node_rank; /* -1: by join order */
   int nproc;     /* this node's workers */

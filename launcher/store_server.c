@@ -1,24 +1,48 @@
 /* store_server: meshrun's key-value store on a libuv loop (API in store_server.h, wire format
  * in common/store_proto.h).
  *
- * Each connection reads into one buffer that grows only to the frame being received (never
- * past STORE_MAX_FRAME) and handles whole frames in order. A header is checked as soon as its
- * 8 bytes arrive, so a frame announcing 1 GiB or a foreign magic/version closes that
- * connection before anything is buffered. A waiting request (GET, WAIT, MULTI_GET) parks the
- * connection: its payload is copied, a timer armed, and the connection joins the waiters
- * list; every write to the store rechecks the waiters. While parked a connection handles no
- * further frames (replies must keep request order). Replies that the client does not read
- * pile up to STORE_MAX_FRAME at most, then reading from it stops until they drain.
- * Nothing here blocks, so a client idling with half a frame costs only its buffer.
- * Not here: persistence, authentication, per-client quotas beyond the frame limit. */
+ * A connection first shakes hands (HELLO, then AUTH when the store has a secret; the exchange
+ * is in store_proto.h). Until it is done the connection sits on the "unauthenticated" list,
+ * oldest first, under a deadline, may send only frames of STORE_PROTO_PREAUTH_FRAME bytes, and
+ * any other request closes it. Once done it belongs to its job: every key it names is kept
+ * under that job's namespace (a prefix of one byte of run id length and the run id, which no
+ * key of another job can produce), so jobs sharing a store never meet.
+ *
+ * Each connection reads into one buffer that holds at most the frame being received. A header
+ * is checked as soon as its 8 bytes arrive, so a frame announcing 1 GiB or a foreign
+ * magic/version closes that connection before anything is buffered. The buffer grows only as
+ * bytes arrive (doubling when full, never past the announced length), and a frame bigger than
+ * BASE_BUF must first fit in what is left of the server's budget for partly received frames,
+ * or the connection is refused with STORE_EBUSY: twenty connections announcing 64 MiB and
+ * sending half cost what they sent, within the budget, not 64 MiB each. An idle connection
+ * holds no buffer at all.
+ *
+ * A waiting request (GET, WAIT, MULTI_GET) parks the connection: its payload is copied, a timer
+ * armed, and the connection joins the waiters list; every write to the store rechecks the
+ * waiters of that job. While parked a connection handles no further frames (replies must keep
+ * request order). Replies that the client does not read pile up to STORE_MAX_FRAME at most,
+ * then reading from it stops until they drain. Nothing here blocks.
+ *
+ * Closing, two ways. Refusals a client must be able to read (wrong secret, a request before
+ * the handshake, over a limit) send an ERROR, shut down our side once it is written and wait
+ * LINGER_MS for the client's EOF, discarding what it sends: closing at once with its request
+ * unread would reset the connection and could lose the ERROR. Evictions and deadlines write
+ * the ERROR only if the socket takes it at once, then close.
+ *
+ * Not here: persistence, per-job quotas beyond the whole store's STORE_SERVER_MAX_BYTES. */
 #include "launcher/store_server.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <openssl/crypto.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include "common/log.h"
@@ -26,17 +50,60 @@
 #include "common/store.h"
 #include "common/store_proto.h"
 
-#define READ_CHUNK (64u << 10)        /* buffer size for frames up to this size */
-#define OUT_LIMIT STORE_MAX_FRAME     /* queued reply bytes that stop reading from a client */
+/* Default limits (store_server_opts_t fields left 0), and why:
+ *
+ * - max_conns: the soft RLIMIT_NOFILE less NOFILE_RESERVE. The agent serving the store also
+ *   opens its workers' pipes, log and error files, its listeners and libuv's own descriptors
+ *   (three or four per worker), and running out of those must never be the store's doing;
+ *   256 covers 64 workers with room to spare. Never below MIN_CONNS.
+ * - max_unauth 64, max_unauth_per_addr 16: a real job's connections finish the handshake
+ *   within a round trip or two, so even thousands of nodes starting at once rarely have more
+ *   than a few in it at a time; 16 per address leaves room for a node's workers connecting
+ *   together. Past a limit the oldest unauthenticated connection (of that address, for the
+ *   per-address one) is closed: idle sockets of an attacker go first and a node arriving
+ *   later still gets in, where a refusal of newcomers would lock every real node out.
+ * - handshake_ms 3000: the handshake is two round trips of under 100 bytes, milliseconds even
+ *   across a data center or on a loaded host; three seconds is ample, and short enough that
+ *   idle sockets do not pile up between evictions.
+ * - inflight_budget 256 MiB: four frames of the STORE_MAX_FRAME maximum being received at
+ *   once. Real jobs send a few big values at most (checkpoint metadata, comm bench payloads),
+ *   one at a time per connection; the budget bounds what clients that announce big frames and
+ *   stall can pin. Frames up to BASE_BUF (every rendezvous and heartbeat request) never wait
+ *   on it, so big frames cannot starve them; those buffers are bounded by max_conns. */
+#define NOFILE_RESERVE 256
+#define MIN_CONNS 16
+#define DEFAULT_MAX_UNAUTH 64
+#define DEFAULT_MAX_UNAUTH_PER_ADDR 16
+#define DEFAULT_HANDSHAKE_MS 3000
+#define DEFAULT_INFLIGHT_BUDGET ((size_t)256 << 20)
+
+#define BASE_BUF 4096u              /* room every connection may hold for a frame, budget aside */
+#define OUT_LIMIT STORE_MAX_FRAME   /* queued reply bytes that stop reading from a client */
+#define LINGER_MS 2000              /* wait for the client's EOF after a refusal */
+#define WARN_INTERVAL_MS 1000       /* at most one rate-limited warning per interval */
+#define RELISTEN_MS 500            /* pause of the last resort when accepting keeps failing */
+#define ACCEPT_FAILURES_MAX 64     /* accept errors in a row (no success between) that pause it */
 #define LISTEN_BACKLOG 1024
 #define MAX_LISTENERS 8 /* one per address the endpoint's host resolves to */
+
+_Static_assert(STORE_PROTO_PREAUTH_FRAME <= BASE_BUF, "handshake frames never touch the budget");
+
+/* A job's key namespace: the prefix of all its keys in the table. Lives while it has keys or
+ * connections. */
+typedef struct ns {
+  struct ns *next;
+  size_t nkeys;  /* keys stored under it */
+  size_t nconns; /* authenticated connections of the job */
+  size_t len;    /* of prefix: 1 + run id length */
+  uint8_t prefix[]; /* u8 run id length, run id bytes */
+} ns_t;
 
 typedef struct entry {
   struct entry *next;
   uint64_t hash;
-  size_t klen, vlen;
-  uint8_t *val; /* vlen bytes plus a NUL, so ADD can parse it in place */
-  uint8_t key[];
+  size_t klen, vlen; /* klen includes the namespace prefix */
+  uint8_t *val;      /* vlen bytes plus a NUL, so ADD can parse it in place */
+  uint8_t key[];     /* namespace prefix, then the client's key */
 } entry_t;
 
 typedef struct {
@@ -45,19 +112,33 @@ typedef struct {
   size_t bytes; /* sum of key and value lengths, against STORE_SERVER_MAX_BYTES */
 } table_t;
 
+enum { CONN_HELLO = 0, CONN_AUTH, CONN_READY }; /* handshake progress */
+
 typedef struct conn conn_t;
 struct conn {
   uv_tcp_t tcp;
-  uv_timer_t timer; /* the parked request's timeout */
+  uv_timer_t timer;     /* the handshake deadline, then a parked request's timeout or the linger */
+  uv_shutdown_t shut;   /* after a refusal */
   store_server_t *srv;
   conn_t *prev, *next;   /* all live connections */
   conn_t *wprev, *wnext; /* parked connections */
   conn_t *rnext;         /* connections with buffered frames to resume */
+  conn_t *uprev, *unext; /* connections in the handshake, oldest first */
   int on_ready, closing, handles_open;
-  char peer[64];
+  int finishing; /* refused: the ERROR is on its way, then our side shuts down */
+  int state;     /* CONN_* */
+  int unauth;    /* on the unauthenticated list */
+  int foreign;   /* authenticated with a run id other than the hosting job's */
+  char peer[64]; /* address:port, for messages */
+  char addr[48]; /* address alone, for the per-address limit */
+  char run_id[STORE_MAX_RUN_ID + 1]; /* from HELLO */
+  ns_t *ns;      /* once authenticated */
+  uint8_t cnonce[STORE_PROTO_NONCE], snonce[STORE_PROTO_NONCE];
 
-  uint8_t *buf; /* received bytes not yet handled: [0, len) of cap */
+  uint8_t *buf;  /* received bytes not yet handled: [0, len) of cap; NULL when empty */
   size_t len, cap;
+  uint32_t frame_len; /* announced length of the partly received frame at buf's head, 0: not known */
+  size_t reserved;    /* bytes of the budget held for that frame */
 
   int parked_op; /* 0, or the op of the parked request */
   uint8_t *wpayload; /* owned copy of the parked request's payload */
@@ -72,13 +153,30 @@ struct conn {
 struct store_server {
   uv_loop_t *loop;
   uv_tcp_t listeners[MAX_LISTENERS];
-  int nlisteners;
+  int nlisteners;          /* listening now (0 while paused) */
+  int nlisteners_closing;  /* closed, their callbacks still to come */
+  char *host;              /* what we listen on, for listening again */
+  int port;                /* bound */
+  uv_timer_t relisten;     /* ends a pause in accepting; takes the spare descriptor back */
+  int spare_fd;            /* a descriptor kept to give back when out of them (-1: none) */
+  int accept_failures;     /* accept errors since the last success */
   uv_idle_t idle; /* resumes connections whose parked request was answered */
   int closing, handles_open;
   conn_t *conns, *waiters, *ready;
-  size_t nclients, nwaiters;
+  conn_t *uhead, *utail; /* unauthenticated connections, oldest first */
+  size_t nclients, nwaiters, nunauth, nforeign;
+  size_t buffered; /* sum of the connections' buffer capacities */
+  size_t reserved; /* sum of their budget reservations, <= budget */
+  char *run_id;    /* the hosting job */
+  char *secret;    /* NULL: open store */
+  size_t max_conns, max_unauth, max_unauth_per_addr, budget;
+  int handshake_ms;
+  int64_t warned_ms;  /* last rate-limited warning */
+  size_t nsuppressed; /* warnings not printed since */
+  ns_t *spaces;
   table_t tab;
   store_proto_writer_t w; /* scratch for building one reply at a time */
+  uint8_t discard[4096];  /* where lingering connections' bytes go */
 };
 
 static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *b);
@@ -92,10 +190,60 @@ typedef struct {
   size_t len;
 } wreq_t;
 
+/* Warnings a flood could repeat thousands of times a second: one per WARN_INTERVAL_MS. */
+static void warn_limited(store_server_t *srv, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void warn_limited(store_server_t *srv, const char *fmt, ...) {
+  int64_t now = net_now_ms();
+  if (srv->warned_ms && now - srv->warned_ms < WARN_INTERVAL_MS) {
+    srv->nsuppressed++;
+    return;
+  }
+  char msg[512];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  if (srv->nsuppressed) log_warn("store: %s (%zu similar warnings before it not shown)", msg, srv->nsuppressed);
+  else log_warn("store: %s", msg);
+  srv->warned_ms = now;
+  srv->nsuppressed = 0;
+}
+
+/* ---- namespaces ---------------------------------------------------------------------- */
+
+static ns_t *ns_get(store_server_t *srv, const char *run_id) {
+  size_t n = strlen(run_id);
+  for (ns_t *s = srv->spaces; s; s = s->next)
+    if (s->len == 1 + n && memcmp(s->prefix + 1, run_id, n) == 0) return s;
+  ns_t *s = calloc(1, sizeof *s + 1 + n);
+  if (!s) return NULL;
+  s->len = 1 + n;
+  s->prefix[0] = (uint8_t)n;
+  memcpy(s->prefix + 1, run_id, n);
+  s->next = srv->spaces;
+  srv->spaces = s;
+  return s;
+}
+
+static void ns_maybe_free(store_server_t *srv, ns_t *s) {
+  if (!s || s->nkeys || s->nconns) return;
+  for (ns_t **pp = &srv->spaces; *pp; pp = &(*pp)->next) {
+    if (*pp == s) {
+      *pp = s->next;
+      free(s);
+      return;
+    }
+  }
+}
+
 /* ---- hash table ---------------------------------------------------------------------- */
 
-static uint64_t hash_key(const uint8_t *k, size_t n) {
-  uint64_t h = 1469598103934665603ull; /* FNV-1a */
+static uint64_t hash_key(const ns_t *ns, const uint8_t *k, size_t n) {
+  uint64_t h = 1469598103934665603ull; /* FNV-1a over prefix and key */
+  for (size_t i = 0; i < ns->len; i++) {
+    h ^= ns->prefix[i];
+    h *= 1099511628211ull;
+  }
   for (size_t i = 0; i < n; i++) {
     h ^= k[i];
     h *= 1099511628211ull;
@@ -103,16 +251,20 @@ static uint64_t hash_key(const uint8_t *k, size_t n) {
   return h;
 }
 
-static entry_t **tab_slot(table_t *t, const uint8_t *k, size_t n, uint64_t h) {
+static entry_t **tab_slot(table_t *t, const ns_t *ns, const uint8_t *k, size_t n, uint64_t h) {
   if (!t->nb) return NULL;
   entry_t **pp = &t->b[h & (t->nb - 1)];
-  for (; *pp; pp = &(*pp)->next)
-    if ((*pp)->hash == h && (*pp)->klen == n && memcmp((*pp)->key, k, n) == 0) return pp;
+  for (; *pp; pp = &(*pp)->next) {
+    entry_t *e = *pp;
+    if (e->hash == h && e->klen == ns->len + n && memcmp(e->key, ns->prefix, ns->len) == 0 &&
+        memcmp(e->key + ns->len, k, n) == 0)
+      return pp;
+  }
   return NULL;
 }
 
-static entry_t *tab_find(table_t *t, const uint8_t *k, size_t n) {
-  entry_t **pp = tab_slot(t, k, n, hash_key(k, n));
+static entry_t *tab_find(table_t *t, const ns_t *ns, const uint8_t *k, size_t n) {
+  entry_t **pp = tab_slot(t, ns, k, n, hash_key(ns, k, n));
   return pp ? *pp : NULL;
 }
 
@@ -133,13 +285,14 @@ static int tab_grow(table_t *t) {
   return 0;
 }
 
-/* Sets key to val; STORE_ENOMEM when memory or the STORE_SERVER_MAX_BYTES budget runs out. */
-static int tab_set(table_t *t, const uint8_t *k, size_t kn, const uint8_t *v, size_t vn) {
-  uint64_t h = hash_key(k, kn);
-  entry_t **pp = tab_slot(t, k, kn, h);
+/* Sets key (in ns) to val; STORE_ENOMEM when memory or the STORE_SERVER_MAX_BYTES budget runs
+ * out. */
+static int tab_set(table_t *t, ns_t *ns, const uint8_t *k, size_t kn, const uint8_t *v, size_t vn) {
+  uint64_t h = hash_key(ns, k, kn);
+  entry_t **pp = tab_slot(t, ns, k, kn, h);
   entry_t *e = pp ? *pp : NULL;
-  size_t old = e ? e->klen + e->vlen : 0;
-  if (t->bytes - old + kn + vn > STORE_SERVER_MAX_BYTES) return STORE_ENOMEM;
+  size_t old = e ? e->klen + e->vlen : 0, fk = ns->len + kn;
+  if (t->bytes - old + fk + vn > STORE_SERVER_MAX_BYTES) return STORE_ENOMEM;
   uint8_t *nv = malloc(vn + 1);
   if (!nv) return STORE_ENOMEM;
   if (vn) memcpy(nv, v, vn);
@@ -149,34 +302,37 @@ static int tab_set(table_t *t, const uint8_t *k, size_t kn, const uint8_t *v, si
       free(nv);
       return STORE_ENOMEM;
     }
-    e = malloc(sizeof *e + kn);
+    e = malloc(sizeof *e + fk);
     if (!e) {
       free(nv);
       return STORE_ENOMEM;
     }
     e->hash = h;
-    e->klen = kn;
-    memcpy(e->key, k, kn);
+    e->klen = fk;
+    memcpy(e->key, ns->prefix, ns->len);
+    memcpy(e->key + ns->len, k, kn);
     e->val = NULL;
     e->vlen = 0;
     e->next = t->b[h & (t->nb - 1)];
     t->b[h & (t->nb - 1)] = e;
     t->n++;
+    ns->nkeys++;
   }
   free(e->val);
   e->val = nv;
   e->vlen = vn;
-  t->bytes = t->bytes - old + kn + vn;
+  t->bytes = t->bytes - old + fk + vn;
   return 0;
 }
 
-static int tab_del(table_t *t, const uint8_t *k, size_t kn) {
-  entry_t **pp = tab_slot(t, k, kn, hash_key(k, kn));
+static int tab_del(table_t *t, ns_t *ns, const uint8_t *k, size_t kn) {
+  entry_t **pp = tab_slot(t, ns, k, kn, hash_key(ns, k, kn));
   if (!pp) return 0;
   entry_t *e = *pp;
   *pp = e->next;
   t->bytes -= e->klen + e->vlen;
   t->n--;
+  ns->nkeys--;
   free(e->val);
   free(e);
   return 1;
@@ -194,12 +350,48 @@ static void tab_free(table_t *t) {
   memset(t, 0, sizeof *t);
 }
 
+/* ---- buffers and the budget ---------------------------------------------------------- */
+
+/* Resizes c's receive buffer to cap bytes (0 frees it), keeping srv->buffered the sum of all
+ * capacities. Returns 0, or -1 when realloc failed (the buffer is unchanged). */
+static int buf_resize(conn_t *c, size_t cap) {
+  store_server_t *srv = c->srv;
+  if (cap == 0) {
+    free(c->buf);
+    c->buf = NULL;
+  } else {
+    uint8_t *nb = realloc(c->buf, cap);
+    if (!nb) return -1;
+    c->buf = nb;
+  }
+  srv->buffered = srv->buffered - c->cap + cap;
+  c->cap = cap;
+  return 0;
+}
+
+static void unreserve(conn_t *c) {
+  c->srv->reserved -= c->reserved;
+  c->reserved = 0;
+}
+
 /* ---- connection lifetime ------------------------------------------------------------- */
 
 static void server_maybe_free(store_server_t *srv) {
   if (!srv->closing || srv->handles_open > 0 || srv->conns) return;
   tab_free(&srv->tab);
   store_proto_writer_free(&srv->w);
+  while (srv->spaces) {
+    ns_t *s = srv->spaces;
+    srv->spaces = s->next;
+    free(s);
+  }
+  free(srv->run_id);
+  free(srv->host);
+  if (srv->spare_fd >= 0) close(srv->spare_fd);
+  if (srv->secret) {
+    OPENSSL_cleanse(srv->secret, strlen(srv->secret));
+    free(srv->secret);
+  }
   free(srv);
 }
 
@@ -224,6 +416,29 @@ static void unpark(conn_t *c) {
   c->parked_op = 0;
   free_wait(c);
   if (!c->closing) uv_timer_stop(&c->timer);
+}
+
+static void unauth_push(conn_t *c) {
+  store_server_t *srv = c->srv;
+  c->uprev = srv->utail;
+  c->unext = NULL;
+  if (srv->utail) srv->utail->unext = c;
+  else srv->uhead = c;
+  srv->utail = c;
+  c->unauth = 1;
+  srv->nunauth++;
+}
+
+static void unauth_remove(conn_t *c) {
+  store_server_t *srv = c->srv;
+  if (!c->unauth) return;
+  if (c->uprev) c->uprev->unext = c->unext;
+  else srv->uhead = c->unext;
+  if (c->unext) c->unext->uprev = c->uprev;
+  else srv->utail = c->uprev;
+  c->uprev = c->unext = NULL;
+  c->unauth = 0;
+  srv->nunauth--;
 }
 
 static void conn_handle_closed(uv_handle_t *h) {
@@ -255,10 +470,89 @@ static void conn_close(conn_t *c, const char *why) {
   else srv->conns = c->next;
   if (c->next) c->next->prev = c->prev;
   srv->nclients--;
+  unauth_remove(c);
+  if (c->foreign) srv->nforeign--;
+  if (c->ns) {
+    c->ns->nconns--;
+    ns_maybe_free(srv, c->ns);
+    c->ns = NULL;
+  }
+  /* The budget and the count of buffered bytes let go now; the memory itself goes with the
+   * conn, since a request being handled may still point into it. */
+  unreserve(c);
+  srv->buffered -= c->cap;
+  c->cap = c->len = 0;
   /* The conn stays allocated (off every list) until both handles report closed. */
   srv->handles_open++;
   uv_close((uv_handle_t *)&c->tcp, conn_handle_closed);
   uv_close((uv_handle_t *)&c->timer, conn_handle_closed);
+}
+
+/* Builds an ERROR frame in srv->w. Returns 0, or -1 when it could not be built. */
+static int build_error(store_server_t *srv, int code, const char *msg) {
+  store_proto_writer_t *w = &srv->w;
+  store_proto_begin(w, STORE_REP_ERROR);
+  store_proto_put_i64(w, code);
+  store_proto_put_bytes(w, msg, strlen(msg));
+  return store_proto_finish(w) ? -1 : 0;
+}
+
+/* Closes c at once, telling it why if its socket takes the ERROR without waiting. */
+static void conn_abort(conn_t *c, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void conn_abort(conn_t *c, int code, const char *fmt, ...) {
+  if (c->closing) return;
+  char msg[512];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  if (!c->finishing && build_error(c->srv, code, msg) == 0) {
+    uv_buf_t b = uv_buf_init((char *)c->srv->w.buf, (unsigned)c->srv->w.len);
+    uv_try_write((uv_stream_t *)&c->tcp, &b, 1);
+  }
+  conn_close(c, msg);
+}
+
+static void on_linger_timeout(uv_timer_t *t) { conn_close(t->data, "no EOF after a refusal"); }
+
+static void on_shutdown(uv_shutdown_t *req, int status) {
+  conn_t *c = req->data;
+  if (status < 0 && !c->closing) conn_close(c, uv_strerror(status));
+}
+
+static void send_error(conn_t *c, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+
+/* Refuses c: sends an ERROR, shuts our side down once it is written and waits up to LINGER_MS
+ * for the client's EOF (see the top of the file). Nothing more of c is handled. */
+static void conn_finish(conn_t *c, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void conn_finish(conn_t *c, int code, const char *fmt, ...) {
+  if (c->closing || c->finishing) return;
+  char msg[512];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  log_debug("store: refusing client %s: %s", c->peer, msg);
+  unpark(c);
+  send_error(c, code, "%s", msg);
+  if (c->closing) return;
+  c->finishing = 1;
+  unreserve(c);
+  if (c->out_paused) {
+    c->out_paused = 0;
+    int err = uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
+    if (err < 0) {
+      conn_close(c, uv_strerror(err));
+      return;
+    }
+  }
+  c->shut.data = c;
+  int err = uv_shutdown(&c->shut, (uv_stream_t *)&c->tcp, on_shutdown);
+  if (err < 0) {
+    conn_close(c, uv_strerror(err));
+    return;
+  }
+  uv_timer_start(&c->timer, on_linger_timeout, LINGER_MS, 0);
 }
 
 /* ---- replies ------------------------------------------------------------------------- */
@@ -285,8 +579,6 @@ static void on_write(uv_write_t *req, int status) {
     if (c->len) schedule_ready(c);
   }
 }
-
-static void send_error(conn_t *c, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 
 /* Sends the frame in srv->w (an ERROR instead if it could not be built). The buffer moves to
  * the write request, so the writer starts empty next time. */
@@ -320,7 +612,7 @@ static void send_reply(conn_t *c) {
     conn_close(c, uv_strerror(err));
     return;
   }
-  if (c->out_pending > OUT_LIMIT && !c->out_paused) {
+  if (c->out_pending > OUT_LIMIT && !c->out_paused && !c->finishing) {
     c->out_paused = 1;
     uv_read_stop((uv_stream_t *)&c->tcp);
   }
@@ -332,11 +624,7 @@ static void send_error(conn_t *c, int code, const char *fmt, ...) {
   va_start(ap, fmt);
   vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
-  store_proto_writer_t *w = &c->srv->w;
-  store_proto_begin(w, STORE_REP_ERROR);
-  store_proto_put_i64(w, code);
-  store_proto_put_bytes(w, msg, strlen(msg));
-  if (store_proto_finish(w)) {
+  if (build_error(c->srv, code, msg)) {
     conn_close(c, "out of memory for an error reply");
     return;
   }
@@ -362,9 +650,10 @@ static void send_value(conn_t *c, const entry_t *e) {
 
 /* ---- waiting ------------------------------------------------------------------------- */
 
-static int all_exist(store_server_t *srv, const uint8_t *const *keys, const size_t *lens, size_t n) {
+static int all_exist(store_server_t *srv, const ns_t *ns, const uint8_t *const *keys, const size_t *lens,
+                     size_t n) {
   for (size_t i = 0; i < n; i++)
-    if (!tab_find(&srv->tab, keys[i], lens[i])) return 0;
+    if (!tab_find(&srv->tab, ns, keys[i], lens[i])) return 0;
   return 1;
 }
 
@@ -374,23 +663,24 @@ static void answer_wait(conn_t *c, int op, const uint8_t *const *keys, const siz
   if (op == STORE_OP_WAIT) {
     send_empty(c, STORE_REP_OK);
   } else if (op == STORE_OP_GET) {
-    send_value(c, tab_find(&srv->tab, keys[0], lens[0]));
+    send_value(c, tab_find(&srv->tab, c->ns, keys[0], lens[0]));
   } else {
     store_proto_begin(&srv->w, STORE_REP_VALUES);
     store_proto_put_u32(&srv->w, (uint32_t)n);
     for (size_t i = 0; i < n; i++) {
-      const entry_t *e = tab_find(&srv->tab, keys[i], lens[i]);
+      const entry_t *e = tab_find(&srv->tab, c->ns, keys[i], lens[i]);
       store_proto_put_bytes(&srv->w, e->val, e->vlen);
     }
     send_reply(c);
   }
 }
 
-/* After a write to the store: answers every parked request whose keys now all exist. */
-static void wake_waiters(store_server_t *srv) {
+/* After a write to ns: answers every parked request of that job whose keys now all exist.
+ * Other jobs' waiters cannot be concerned (their keys live under other prefixes). */
+static void wake_waiters(store_server_t *srv, const ns_t *ns) {
   for (conn_t *c = srv->waiters, *next; c; c = next) {
     next = c->wnext;
-    if (!all_exist(srv, c->wkeys, c->wklens, c->nwkeys)) continue;
+    if (c->ns != ns || !all_exist(srv, ns, c->wkeys, c->wklens, c->nwkeys)) continue;
     answer_wait(c, c->parked_op, c->wkeys, c->wklens, c->nwkeys);
     unpark(c);
     if (!c->closing && c->len) schedule_ready(c);
@@ -512,7 +802,101 @@ static int get_keys(conn_t *c, store_proto_reader_t *r, const uint8_t ***keys, s
   return 0;
 }
 
-/* Handles one request frame. Malformed payloads close the connection. */
+/* ---- the handshake ------------------------------------------------------------------- */
+
+/* c proved itself (or the store is open): it joins its job's namespace. */
+static void conn_authed(conn_t *c) {
+  store_server_t *srv = c->srv;
+  ns_t *ns = ns_get(srv, c->run_id);
+  if (!ns) {
+    conn_finish(c, STORE_ENOMEM, "out of memory admitting job '%s'", c->run_id);
+    return;
+  }
+  ns->nconns++;
+  c->ns = ns;
+  c->state = CONN_READY;
+  unauth_remove(c);
+  uv_timer_stop(&c->timer);
+  if (strcmp(c->run_id, srv->run_id) != 0) {
+    c->foreign = 1;
+    srv->nforeign++;
+    log_debug("store: client %s of job '%s' joined the store of job '%s'", c->peer, c->run_id, srv->run_id);
+  }
+}
+
+/* HELLO: bytes banner, bytes run_id, bytes client_nonce. */
+static void handle_hello(conn_t *c, store_proto_reader_t *r) {
+  store_server_t *srv = c->srv;
+  size_t bn, rn, nn;
+  const uint8_t *b = store_proto_get_bytes(r, &bn);
+  const uint8_t *rid = store_proto_get_bytes(r, &rn);
+  const uint8_t *nonce = store_proto_get_bytes(r, &nn);
+  if (!store_proto_reader_done(r) || nn != STORE_PROTO_NONCE) {
+    conn_close(c, "malformed HELLO");
+    return;
+  }
+  if (bn != strlen(STORE_PROTO_BANNER) || memcmp(b, STORE_PROTO_BANNER, bn) != 0) {
+    conn_close(c, "bad HELLO banner");
+    return;
+  }
+  if (rn > STORE_MAX_RUN_ID || memchr(rid, 0, rn)) {
+    conn_finish(c, STORE_EINVAL, "run id of %zu bytes%s: at most %d bytes of text", rn,
+                rn <= STORE_MAX_RUN_ID ? " with a NUL byte" : "", STORE_MAX_RUN_ID);
+    return;
+  }
+  memcpy(c->run_id, rid, rn);
+  c->run_id[rn] = 0;
+  memcpy(c->cnonce, nonce, STORE_PROTO_NONCE);
+  if (store_proto_nonce(c->snonce)) {
+    conn_finish(c, STORE_ENOMEM, "the store has no random bytes for the handshake (RAND_bytes failed)");
+    return;
+  }
+  store_proto_writer_t *w = &srv->w;
+  store_proto_begin(w, STORE_REP_HELLO);
+  store_proto_put_bytes(w, STORE_PROTO_BANNER, strlen(STORE_PROTO_BANNER));
+  store_proto_put_bytes(w, srv->run_id, strlen(srv->run_id));
+  store_proto_put_u8(w, srv->secret != NULL);
+  store_proto_put_bytes(w, c->snonce, STORE_PROTO_NONCE);
+  send_reply(c);
+  if (c->closing) return;
+  if (srv->secret) c->state = CONN_AUTH;
+  else conn_authed(c);
+}
+
+/* AUTH: bytes client_proof. Checked in constant time; a wrong one is refused naming the job
+ * that owns the store, so that the other job's operator sees whose port they reached. */
+static void handle_auth(conn_t *c, store_proto_reader_t *r) {
+  store_server_t *srv = c->srv;
+  size_t n;
+  const uint8_t *proof = store_proto_get_bytes(r, &n);
+  if (!store_proto_reader_done(r) || n != STORE_PROTO_PROOF) {
+    conn_close(c, "malformed AUTH");
+    return;
+  }
+  uint8_t want[STORE_PROTO_PROOF], mine[STORE_PROTO_PROOF];
+  if (store_proto_proof(want, srv->secret, 0, c->cnonce, c->snonce, c->run_id, strlen(c->run_id)) ||
+      store_proto_proof(mine, srv->secret, 1, c->cnonce, c->snonce, srv->run_id, strlen(srv->run_id))) {
+    conn_finish(c, STORE_ENOMEM, "the store cannot compute HMAC-SHA256");
+    return;
+  }
+  if (!store_proto_proof_equal(proof, want)) {
+    warn_limited(srv, "client %s of job '%s' does not hold this job's secret; refused", c->peer, c->run_id);
+    conn_finish(c, STORE_EAUTH, "authentication failed: this store belongs to job '%s'", srv->run_id);
+    return;
+  }
+  store_proto_begin(&srv->w, STORE_REP_AUTH);
+  store_proto_put_bytes(&srv->w, mine, sizeof mine);
+  send_reply(c);
+  if (!c->closing) conn_authed(c);
+}
+
+static void on_handshake_timeout(uv_timer_t *t) {
+  conn_t *c = t->data;
+  if (c->closing || c->state == CONN_READY) return;
+  conn_abort(c, STORE_ETIMEDOUT, "handshake not finished within %d ms", c->srv->handshake_ms);
+}
+
+/* Handles one request frame, in c's job's namespace. Malformed payloads close the connection. */
 static void handle(conn_t *c, int op, const uint8_t *p, size_t plen) {
   store_server_t *srv = c->srv;
   store_proto_reader_t r;
@@ -524,6 +908,20 @@ static void handle(conn_t *c, int op, const uint8_t *p, size_t plen) {
   int64_t i64;
   int rc;
   entry_t *e;
+  ns_t *ns = c->ns;
+
+  /* Before the handshake is done only its next step is welcome; after it, neither step. */
+  if (c->state != CONN_READY) {
+    int want = c->state == CONN_HELLO ? STORE_OP_HELLO : STORE_OP_AUTH;
+    if (op != want) {
+      conn_finish(c, STORE_EAUTH, "%s before the handshake is done: this store belongs to job '%s' and expects %s",
+                  store_proto_op_name(op), srv->run_id, store_proto_op_name(want));
+      return;
+    }
+    if (op == STORE_OP_HELLO) handle_hello(c, &r);
+    else handle_auth(c, &r);
+    return;
+  }
 
 #define DONE_OR_CLOSE()                                                                       \
   do {                                                                                        \
@@ -537,27 +935,20 @@ static void handle(conn_t *c, int op, const uint8_t *p, size_t plen) {
 
   switch (op) {
   case STORE_OP_HELLO:
-    v = store_proto_get_bytes(&r, &vn);
-    DONE_OR_CLOSE();
-    if (vn != strlen(STORE_PROTO_BANNER) || memcmp(v, STORE_PROTO_BANNER, vn) != 0) {
-      conn_close(c, "bad HELLO banner");
-      return;
-    }
-    store_proto_begin(&srv->w, STORE_REP_HELLO);
-    store_proto_put_bytes(&srv->w, STORE_PROTO_BANNER, strlen(STORE_PROTO_BANNER));
-    send_reply(c);
+  case STORE_OP_AUTH:
+    conn_finish(c, STORE_EPROTO, "%s after the handshake", store_proto_op_name(op));
     return;
 
   case STORE_OP_SET:
     if (get_key(c, &r, &k, &kn)) return;
     v = store_proto_get_bytes(&r, &vn);
     DONE_OR_CLOSE();
-    if ((rc = tab_set(&srv->tab, k, kn, v, vn))) {
+    if ((rc = tab_set(&srv->tab, ns, k, kn, v, vn))) {
       store_err(c, rc, k, kn);
       return;
     }
     send_empty(c, STORE_REP_OK);
-    wake_waiters(srv);
+    wake_waiters(srv, ns);
     return;
 
   case STORE_OP_GET:
@@ -565,7 +956,7 @@ static void handle(conn_t *c, int op, const uint8_t *p, size_t plen) {
     if (get_key(c, &r, &k, &kn)) return;
     i64 = op == STORE_OP_GET ? store_proto_get_i64(&r) : 0;
     DONE_OR_CLOSE();
-    if ((e = tab_find(&srv->tab, k, kn))) send_value(c, e);
+    if ((e = tab_find(&srv->tab, ns, k, kn))) send_value(c, e);
     else if (op == STORE_OP_GET_NOWAIT) send_empty(c, STORE_REP_NOKEY);
     else if (i64 == 0) send_empty(c, STORE_REP_TIMEOUT);
     else park(c, op, p, plen, &k, &kn, 1, i64);
@@ -577,7 +968,7 @@ static void handle(conn_t *c, int op, const uint8_t *p, size_t plen) {
     DONE_OR_CLOSE();
     {
       int64_t cur, sum;
-      e = tab_find(&srv->tab, k, kn);
+      e = tab_find(&srv->tab, ns, k, kn);
       if (parse_int(e, &cur)) {
         send_error(c, STORE_EINVAL, "add '%.*s': stored value is not a decimal integer", (int)(kn > 80 ? 80 : kn),
                    (const char *)k);
@@ -590,13 +981,13 @@ static void handle(conn_t *c, int op, const uint8_t *p, size_t plen) {
       }
       char txt[32];
       int tn = snprintf(txt, sizeof txt, "%lld", (long long)sum);
-      if ((rc = tab_set(&srv->tab, k, kn, (const uint8_t *)txt, (size_t)tn))) {
+      if ((rc = tab_set(&srv->tab, ns, k, kn, (const uint8_t *)txt, (size_t)tn))) {
         store_err(c, rc, k, kn);
         return;
       }
       send_int(c, sum);
     }
-    wake_waiters(srv);
+    wake_waiters(srv, ns);
     return;
 
   case STORE_OP_CAS: {
@@ -605,18 +996,18 @@ static void handle(conn_t *c, int op, const uint8_t *p, size_t plen) {
     v = store_proto_get_bytes(&r, &vn);
     v2 = store_proto_get_bytes(&r, &vn2);
     DONE_OR_CLOSE();
-    e = tab_find(&srv->tab, k, kn);
+    e = tab_find(&srv->tab, ns, k, kn);
     int swap = expect_absent ? !e : (e && e->vlen == vn && memcmp(e->val, v, vn) == 0);
     if (swap) {
-      if ((rc = tab_set(&srv->tab, k, kn, v2, vn2))) {
+      if ((rc = tab_set(&srv->tab, ns, k, kn, v2, vn2))) {
         store_err(c, rc, k, kn);
         return;
       }
-      e = tab_find(&srv->tab, k, kn);
+      e = tab_find(&srv->tab, ns, k, kn);
     }
     if (e) send_value(c, e);
     else send_empty(c, STORE_REP_NOKEY);
-    if (swap) wake_waiters(srv);
+    if (swap) wake_waiters(srv, ns);
     return;
   }
 
@@ -625,7 +1016,7 @@ static void handle(conn_t *c, int op, const uint8_t *p, size_t plen) {
     i64 = store_proto_get_i64(&r);
     if (get_keys(c, &r, &keys, &lens, &n)) return;
     DONE_OR_CLOSE();
-    if (all_exist(srv, keys, lens, n)) answer_wait(c, op, keys, lens, n);
+    if (all_exist(srv, ns, keys, lens, n)) answer_wait(c, op, keys, lens, n);
     else if (i64 == 0) send_empty(c, STORE_REP_TIMEOUT);
     else park(c, op, p, plen, keys, lens, n, i64);
     free(keys);
@@ -635,7 +1026,7 @@ static void handle(conn_t *c, int op, const uint8_t *p, size_t plen) {
   case STORE_OP_CHECK:
     if (get_keys(c, &r, &keys, &lens, &n)) return;
     DONE_OR_CLOSE();
-    send_int(c, all_exist(srv, keys, lens, n));
+    send_int(c, all_exist(srv, ns, keys, lens, n));
     free(keys);
     free(lens);
     return;
@@ -643,7 +1034,7 @@ static void handle(conn_t *c, int op, const uint8_t *p, size_t plen) {
   case STORE_OP_DELETE:
     if (get_key(c, &r, &k, &kn)) return;
     DONE_OR_CLOSE();
-    send_int(c, tab_del(&srv->tab, k, kn));
+    send_int(c, tab_del(&srv->tab, ns, k, kn));
     return;
 
   case STORE_OP_MULTI_SET: {
@@ -653,7 +1044,7 @@ static void handle(conn_t *c, int op, const uint8_t *p, size_t plen) {
     for (uint32_t i = 0; i < cnt && !r.bad; i++) {
       if (get_key(c, &r, &k, &kn)) return;
       store_proto_get_bytes(&r, &vn);
-      total += kn + vn;
+      total += ns->len + kn + vn;
     }
     DONE_OR_CLOSE();
     if (srv->tab.bytes + total > STORE_SERVER_MAX_BYTES) {
@@ -666,20 +1057,20 @@ static void handle(conn_t *c, int op, const uint8_t *p, size_t plen) {
     for (uint32_t i = 0; i < cnt; i++) {
       k = store_proto_get_bytes(&r, &kn);
       v = store_proto_get_bytes(&r, &vn);
-      if ((rc = tab_set(&srv->tab, k, kn, v, vn))) {
+      if ((rc = tab_set(&srv->tab, ns, k, kn, v, vn))) {
         store_err(c, rc, k, kn);
-        wake_waiters(srv);
+        wake_waiters(srv, ns);
         return;
       }
     }
     send_empty(c, STORE_REP_OK);
-    wake_waiters(srv);
+    wake_waiters(srv, ns);
     return;
   }
 
   case STORE_OP_NUM_KEYS:
     DONE_OR_CLOSE();
-    send_int(c, (int64_t)srv->tab.n);
+    send_int(c, (int64_t)ns->nkeys); /* this job's keys only */
     return;
 
   default:
@@ -689,10 +1080,14 @@ static void handle(conn_t *c, int op, const uint8_t *p, size_t plen) {
 #undef DONE_OR_CLOSE
 }
 
-/* Handles every whole frame in c's buffer, in order, until one parks or output backs up. */
+/* Handles every whole frame in c's buffer, in order, until one parks, output backs up or c is
+ * refused. A frame not yet whole that is bigger than BASE_BUF takes its announced length from
+ * the budget first (once); it is refused when that does not fit. */
 static void conn_process(conn_t *c) {
+  store_server_t *srv = c->srv;
   size_t off = 0;
-  while (!c->closing && !c->parked_op && !c->out_paused && c->len - off >= STORE_PROTO_HEADER) {
+  uint32_t partial = 0;
+  while (!c->closing && !c->finishing && !c->parked_op && !c->out_paused && c->len - off >= STORE_PROTO_HEADER) {
     uint32_t flen;
     int op;
     char why[160];
@@ -700,23 +1095,49 @@ static void conn_process(conn_t *c) {
       conn_close(c, why);
       return;
     }
-    if (c->len - off < flen) break;
+    if (c->state != CONN_READY && flen > STORE_PROTO_PREAUTH_FRAME) {
+      conn_abort(c, STORE_EPROTO, "a %u-byte %s frame before the handshake is done (at most %u bytes)", flen,
+                 store_proto_op_name(op), STORE_PROTO_PREAUTH_FRAME);
+      return;
+    }
+    if (c->len - off < flen) {
+      if (flen > BASE_BUF && !c->reserved) {
+        if (flen > srv->budget - srv->reserved) {
+          warn_limited(srv, "client %s: a %u-byte frame does not fit in the %zu bytes left of the %zu-byte budget "
+                            "for partly received frames; refused",
+                       c->peer, flen, srv->budget - srv->reserved, srv->budget);
+          conn_finish(c, STORE_EBUSY, "store busy: a %u-byte %s does not fit in the %zu bytes left of its %zu-byte "
+                                      "budget for frames being received; try again later",
+                      flen, store_proto_op_name(op), srv->budget - srv->reserved, srv->budget);
+          break;
+        }
+        c->reserved = flen;
+        srv->reserved += flen;
+      }
+      partial = flen;
+      break;
+    }
     handle(c, op, c->buf + off + STORE_PROTO_HEADER, flen - STORE_PROTO_HEADER);
+    unreserve(c);
     off += flen;
   }
   if (c->closing) return;
+  if (c->finishing) {
+    /* Nothing more of it is handled (handle() has returned, so nothing points into it). */
+    buf_resize(c, 0);
+    c->len = 0;
+    c->frame_len = 0;
+    return;
+  }
   if (off) {
     memmove(c->buf, c->buf + off, c->len - off);
     c->len -= off;
   }
-  /* Give back a buffer grown for a big frame once it is no longer needed. */
-  if (c->cap > READ_CHUNK && c->len <= READ_CHUNK) {
-    uint8_t *nb = realloc(c->buf, READ_CHUNK);
-    if (nb) {
-      c->buf = nb;
-      c->cap = READ_CHUNK;
-    }
-  }
+  c->frame_len = partial;
+  /* An idle connection holds no buffer; one grown for a big frame shrinks once it is done. */
+  size_t keep = partial > BASE_BUF ? partial : BASE_BUF;
+  if (c->len == 0) buf_resize(c, 0);
+  else if (c->cap > keep && c->len <= keep) buf_resize(c, keep);
 }
 
 static void on_idle(uv_idle_t *h) {
@@ -739,25 +1160,23 @@ static void schedule_ready(conn_t *c) {
   uv_idle_start(&srv->idle, on_idle);
 }
 
+/* Room for the next read. The buffer grows only when full, by doubling, up to the announced
+ * length of the frame at its head (reserved against the budget by conn_process), else up to
+ * BASE_BUF: so what a connection holds is at most twice what it has sent. A parked connection
+ * gets no more than it has: it may pipeline a little behind its wait, not send a big frame. */
 static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *b) {
   conn_t *c = h->data;
-  size_t need = READ_CHUNK;
-  /* Grow only for the frame being received, once its header is known good; a parked client
-   * has no business sending more than a small chunk. */
-  uint32_t flen;
-  int op;
-  char why[160];
-  if (!c->parked_op && c->len >= STORE_PROTO_HEADER &&
-      store_proto_parse_header(c->buf, 1, &flen, &op, why, sizeof why) == 0 && flen > need)
-    need = flen;
-  if (need > c->cap) {
-    uint8_t *nb = realloc(c->buf, need);
-    if (nb) {
-      c->buf = nb;
-      c->cap = need;
-    }
+  if (c->finishing) {
+    *b = uv_buf_init((char *)c->srv->discard, sizeof c->srv->discard);
+    return;
   }
-  /* A full buffer (frames pipelined behind a parked request) yields UV_ENOBUFS in on_read. */
+  size_t target = BASE_BUF;
+  if (!c->parked_op && c->frame_len > target) target = c->frame_len;
+  if (c->len == c->cap && c->cap < target) {
+    size_t ncap = c->cap ? c->cap * 2 : BASE_BUF;
+    buf_resize(c, ncap < target ? ncap : target);
+  }
+  /* A full buffer (or a failed allocation) yields UV_ENOBUFS in on_read. */
   *b = uv_buf_init((char *)c->buf + c->len, (unsigned)(c->cap - c->len));
   if (!c->buf) b->len = 0;
 }
@@ -768,21 +1187,197 @@ static void on_read(uv_stream_t *s, ssize_t n, const uv_buf_t *b) {
     conn_close(c, n == UV_EOF ? NULL : n == UV_ENOBUFS ? "pipelined past one frame while waiting" : uv_strerror((int)n));
     return;
   }
+  if (c->finishing) return; /* discarded: we wait for its EOF */
   c->len += (size_t)n;
   conn_process(c);
 }
 
 /* ---- listening ----------------------------------------------------------------------- */
 
-static void on_connection(uv_stream_t *l, int status) {
-  store_server_t *srv = l->data;
-  if (status < 0 || srv->closing) {
-    if (status < 0) log_warn("store: accept: %s", uv_strerror(status));
+static size_t count_unauth_from(store_server_t *srv, const char *addr, conn_t **oldest) {
+  size_t n = 0;
+  *oldest = NULL;
+  for (conn_t *u = srv->uhead; u; u = u->unext) {
+    if (strcmp(u->addr, addr) != 0) continue;
+    if (!*oldest) *oldest = u;
+    n++;
+  }
+  return n;
+}
+
+/* Applies the connection limits to the newcomer c (already on the unauthenticated list, the
+ * newest there): per address, then in the handshake, then in all. Evicting the oldest keeps
+ * a flood of idle sockets from locking real nodes out; only when every other connection has
+ * finished its handshake is the newcomer the one refused. */
+static void admit(conn_t *c) {
+  store_server_t *srv = c->srv;
+  conn_t *old;
+  size_t n;
+  while ((n = count_unauth_from(srv, c->addr, &old)) > srv->max_unauth_per_addr && old != c) {
+    warn_limited(srv, "%zu connections from %s have not finished the handshake (limit %zu): closing the oldest",
+                 n, c->addr, srv->max_unauth_per_addr);
+    conn_abort(old, STORE_EBUSY, "evicted: %zu connections from %s have not finished the handshake (limit %zu)", n,
+               c->addr, srv->max_unauth_per_addr);
+  }
+  while (srv->nunauth > srv->max_unauth && srv->uhead != c) {
+    warn_limited(srv, "%zu connections have not finished the handshake (limit %zu): closing the oldest, from %s",
+                 srv->nunauth, srv->max_unauth, srv->uhead->peer);
+    conn_abort(srv->uhead, STORE_EBUSY, "evicted: %zu connections have not finished the handshake (limit %zu)",
+               srv->nunauth, srv->max_unauth);
+  }
+  if (srv->nclients > srv->max_conns) {
+    if (srv->uhead != c) {
+      conn_abort(srv->uhead, STORE_EBUSY, "evicted: the store of job '%s' is at its limit of %zu connections",
+                 srv->run_id, srv->max_conns);
+    } else {
+      warn_limited(srv, "at the limit of %zu connections: refusing %s", srv->max_conns, c->peer);
+      conn_finish(c, STORE_EBUSY, "the store of job '%s' is at its limit of %zu connections", srv->run_id,
+                  srv->max_conns);
+    }
+  }
+}
+
+static void on_listener_closed(uv_handle_t *h) {
+  store_server_t *srv = h->data;
+  srv->handles_open--;
+  if (srv->nlisteners_closing > 0) srv->nlisteners_closing--;
+  server_maybe_free(srv);
+}
+
+static void on_connection(uv_stream_t *l, int status);
+
+/* Listens on srv->host:port, one libuv handle per address. On failure the handles already
+ * opened are closed (their callbacks run on the loop) and err says why. */
+static int listen_on(store_server_t *srv, int port, char *err, size_t errlen) {
+  int bp = 0, fds[MAX_LISTENERS];
+  /* net_listen_all does the address work (dual-stack "any"; every address a name resolves to,
+   * so clients meet us whichever they try first; EADDRINUSE when the endpoint is taken);
+   * libuv then adopts the sockets. */
+  int nfd = net_listen_all(srv->host, port, LISTEN_BACKLOG, fds, MAX_LISTENERS, &bp, err, errlen);
+  if (nfd < 0) return nfd == -EADDRINUSE ? STORE_SERVER_EADDRINUSE : nfd;
+  int rc = 0;
+  for (int i = 0; i < nfd; i++) {
+    srv->listeners[i].data = srv;
+    uv_tcp_init(srv->loop, &srv->listeners[i]);
+    srv->handles_open++;
+    /* Once adopted, closing the handle closes the fd; before, it is ours to close. */
+    int orc = rc ? rc : uv_tcp_open(&srv->listeners[i], fds[i]);
+    if (orc) {
+      close(fds[i]);
+      rc = orc;
+      continue;
+    }
+    rc = uv_listen((uv_stream_t *)&srv->listeners[i], LISTEN_BACKLOG, on_connection);
+  }
+  if (rc < 0) {
+    char ep[300];
+    net_format_endpoint(ep, sizeof ep, *srv->host ? srv->host : "*", bp);
+    snprintf(err, errlen, "store server: listen %s: %s", ep, uv_strerror(rc));
+    for (int i = 0; i < nfd; i++) uv_close((uv_handle_t *)&srv->listeners[i], on_listener_closed);
+    srv->nlisteners_closing += nfd;
+    return rc;
+  }
+  srv->nlisteners = nfd;
+  srv->port = bp;
+  return 0;
+}
+
+static void on_relisten(uv_timer_t *t) {
+  store_server_t *srv = t->data;
+  if (srv->closing) return;
+  if (srv->spare_fd < 0) srv->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  if (srv->nlisteners) return; /* not paused: the spare was all */
+  char err[256];
+  if (srv->nlisteners_closing > 0 || listen_on(srv, srv->port, err, sizeof err) != 0) {
+    if (srv->nlisteners_closing == 0) warn_limited(srv, "%s; trying again in %d ms", err, RELISTEN_MS);
+    uv_timer_start(&srv->relisten, on_relisten, RELISTEN_MS, 0);
     return;
   }
+  srv->accept_failures = 0;
+  log_warn("store: accepting connections again on port %d", srv->port);
+}
+
+/* The last resort against accept failing over and over: libuv retries a failed accept at once,
+ * in a loop that returns only when the listener is closed, so a failure nothing here can
+ * cure would spin the loop forever. Close the listeners and open them again after
+ * RELISTEN_MS (clients retry refused connections meanwhile). */
+static void pause_listening(store_server_t *srv, const char *why) {
+  if (srv->closing || srv->nlisteners == 0) return;
+  log_error("store: accept: %s, and nothing to free: not accepting connections for %d ms (%zu connections open)",
+            why, RELISTEN_MS, srv->nclients);
+  for (int i = 0; i < srv->nlisteners; i++) uv_close((uv_handle_t *)&srv->listeners[i], on_listener_closed);
+  srv->nlisteners_closing += srv->nlisteners;
+  srv->nlisteners = 0;
+  uv_timer_start(&srv->relisten, on_relisten, RELISTEN_MS, 0);
+}
+
+/* libuv's own answer to EMFILE (close a spare descriptor, accept and drop what waits, reopen
+ * the spare), with a spare of ours: libuv's can be lost to another thread's open between its
+ * close and reopen, after which libuv spins. Each dropped connection is told why if its socket
+ * takes the ERROR at once. The spare is taken back only by the relisten timer, once libuv's
+ * accept loop has returned: Linux reports EMFILE before it looks at the backlog, so libuv's
+ * next accept needs the free descriptor to see EAGAIN and stop. Returns 0 when the backlog
+ * was drained, -1 without a spare (then it tries to get one back for next time). */
+static int shed_load(store_server_t *srv) {
+  if (srv->spare_fd < 0) {
+    srv->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    return -1;
+  }
+  close(srv->spare_fd);
+  srv->spare_fd = -1;
+  int have_msg = build_error(srv, STORE_EBUSY, "the store's host is out of file descriptors; try again later") == 0;
+  size_t dropped = 0;
+  for (int i = 0; i < srv->nlisteners; i++) {
+    uv_os_fd_t lfd;
+    if (uv_fileno((uv_handle_t *)&srv->listeners[i], &lfd) != 0 || !(fcntl(lfd, F_GETFL) & O_NONBLOCK)) continue;
+    for (;;) {
+      int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+      if (fd < 0) {
+        if (errno == EINTR || errno == ECONNABORTED) continue;
+        break;
+      }
+      if (have_msg) (void)send(fd, srv->w.buf, srv->w.len, MSG_DONTWAIT | MSG_NOSIGNAL);
+      close(fd);
+      dropped++;
+    }
+  }
+  if (!uv_is_active((uv_handle_t *)&srv->relisten)) uv_timer_start(&srv->relisten, on_relisten, 0, 0);
+  warn_limited(srv, "out of file descriptors (%zu connections open): dropped %zu waiting connection(s)", srv->nclients,
+               dropped);
+  return 0;
+}
+
+/* accept failed. Never fatal: out of descriptors, evict the oldest connection still in its
+ * handshake (that frees one for the next node), else shed the waiting connections; other
+ * errors are a connection's own (reset before we took it) unless they keep coming. */
+static void accept_failed(store_server_t *srv, int status) {
+  srv->accept_failures++;
+  if (status == UV_EMFILE || status == UV_ENFILE) {
+    if (srv->uhead) {
+      warn_limited(srv, "accept: %s (%zu connections, %zu in the handshake): closing the oldest of those",
+                   uv_strerror(status), srv->nclients, srv->nunauth);
+      conn_abort(srv->uhead, STORE_EBUSY, "evicted: the store's host is out of file descriptors");
+      return;
+    }
+    if (shed_load(srv) == 0) return;
+  } else {
+    warn_limited(srv, "accept: %s", uv_strerror(status));
+    if (srv->accept_failures < ACCEPT_FAILURES_MAX) return;
+  }
+  pause_listening(srv, uv_strerror(status));
+}
+
+static void on_connection(uv_stream_t *l, int status) {
+  store_server_t *srv = l->data;
+  if (srv->closing) return;
+  if (status < 0) {
+    accept_failed(srv, status);
+    return;
+  }
+  srv->accept_failures = 0;
   conn_t *c = calloc(1, sizeof *c);
   if (!c) {
-    log_warn("store: out of memory accepting a client");
+    warn_limited(srv, "out of memory accepting a client");
     return;
   }
   c->srv = srv;
@@ -796,6 +1391,7 @@ static void on_connection(uv_stream_t *l, int status) {
   srv->conns = c;
   srv->nclients++;
   snprintf(c->peer, sizeof c->peer, "(unknown)");
+  snprintf(c->addr, sizeof c->addr, "?");
   int err = uv_accept(l, (uv_stream_t *)&c->tcp);
   if (err < 0) {
     conn_close(c, uv_strerror(err));
@@ -804,20 +1400,26 @@ static void on_connection(uv_stream_t *l, int status) {
   struct sockaddr_storage ss;
   int sl = sizeof ss;
   if (uv_tcp_getpeername(&c->tcp, (struct sockaddr *)&ss, &sl) == 0) {
-    char ip[48] = "?";
     int port = 0;
     if (ss.ss_family == AF_INET) {
-      uv_ip4_name((struct sockaddr_in *)&ss, ip, sizeof ip);
+      uv_ip4_name((struct sockaddr_in *)&ss, c->addr, sizeof c->addr);
       port = ntohs(((struct sockaddr_in *)&ss)->sin_port);
     } else if (ss.ss_family == AF_INET6) {
-      uv_ip6_name((struct sockaddr_in6 *)&ss, ip, sizeof ip);
+      uv_ip6_name((struct sockaddr_in6 *)&ss, c->addr, sizeof c->addr);
       port = ntohs(((struct sockaddr_in6 *)&ss)->sin6_port);
     }
-    net_format_endpoint(c->peer, sizeof c->peer, ip, port);
+    net_format_endpoint(c->peer, sizeof c->peer, c->addr, port);
   }
   uv_tcp_nodelay(&c->tcp, 1);
+  c->state = CONN_HELLO;
+  unauth_push(c);
+  uv_timer_start(&c->timer, on_handshake_timeout, (uint64_t)srv->handshake_ms, 0);
   err = uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
-  if (err < 0) conn_close(c, uv_strerror(err));
+  if (err < 0) {
+    conn_close(c, uv_strerror(err));
+    return;
+  }
+  admit(c);
 }
 
 static void server_handle_closed(uv_handle_t *h) {
@@ -826,50 +1428,69 @@ static void server_handle_closed(uv_handle_t *h) {
   server_maybe_free(srv);
 }
 
-int store_server_start(store_server_t **out, uv_loop_t *loop, const char *host, int port, int *bound_port,
-                       char *err, size_t errlen) {
+long store_server_raise_nofile(void) {
+  struct rlimit rl;
+  if (getrlimit(RLIMIT_NOFILE, &rl) != 0) return -1;
+  if (rl.rlim_cur < rl.rlim_max) {
+    struct rlimit want = {rl.rlim_max, rl.rlim_max};
+    if (setrlimit(RLIMIT_NOFILE, &want) == 0) rl.rlim_cur = rl.rlim_max;
+  }
+  return rl.rlim_cur == RLIM_INFINITY || rl.rlim_cur > LONG_MAX ? LONG_MAX : (long)rl.rlim_cur;
+}
+
+/* max_conns's default: the soft descriptor limit less what the agent needs for itself. */
+static size_t default_max_conns(void) {
+  struct rlimit rl;
+  if (getrlimit(RLIMIT_NOFILE, &rl) != 0) return 1024 - NOFILE_RESERVE;
+  rlim_t soft = rl.rlim_cur == RLIM_INFINITY ? (rlim_t)1 << 20 : rl.rlim_cur;
+  return soft > NOFILE_RESERVE + MIN_CONNS ? (size_t)(soft - NOFILE_RESERVE) : MIN_CONNS;
+}
+
+int store_server_start(store_server_t **out, uv_loop_t *loop, const char *host, int port,
+                       const store_server_opts_t *opts, int *bound_port, char *err, size_t errlen) {
   *out = NULL;
-  int bp = 0, fds[MAX_LISTENERS];
-  /* net_listen_all does the address work (dual-stack "any"; every address a name resolves to,
-   * so clients meet us whichever they try first; EADDRINUSE when the endpoint is taken);
-   * libuv then adopts the sockets. */
-  int nfd = net_listen_all(host, port, LISTEN_BACKLOG, fds, MAX_LISTENERS, &bp, err, errlen);
-  if (nfd < 0) return nfd == -EADDRINUSE ? STORE_SERVER_EADDRINUSE : nfd;
+  store_server_opts_t o = {0};
+  if (opts) o = *opts;
+  const char *run_id = o.run_id ? o.run_id : "";
+  if (strlen(run_id) > STORE_MAX_RUN_ID) {
+    snprintf(err, errlen, "store server: run id '%.40s...' is %zu bytes, over the limit of %d", run_id,
+             strlen(run_id), STORE_MAX_RUN_ID);
+    return -EINVAL;
+  }
   store_server_t *srv = calloc(1, sizeof *srv);
   if (!srv) {
-    for (int i = 0; i < nfd; i++) close(fds[i]);
     snprintf(err, errlen, "store server: out of memory");
     return -ENOMEM;
   }
   srv->loop = loop;
-  srv->idle.data = srv;
-  uv_idle_init(loop, &srv->idle);
-  srv->handles_open = 1 + nfd;
-  srv->nlisteners = nfd;
+  srv->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  srv->run_id = strdup(run_id);
+  srv->host = strdup(host ? host : "");
+  srv->secret = o.secret && *o.secret ? strdup(o.secret) : NULL;
+  srv->max_conns = o.max_conns ? o.max_conns : default_max_conns();
+  srv->max_unauth = o.max_unauth ? o.max_unauth : DEFAULT_MAX_UNAUTH;
+  srv->max_unauth_per_addr = o.max_unauth_per_addr ? o.max_unauth_per_addr : DEFAULT_MAX_UNAUTH_PER_ADDR;
+  srv->handshake_ms = o.handshake_ms > 0 ? o.handshake_ms : DEFAULT_HANDSHAKE_MS;
+  srv->budget = o.inflight_budget ? o.inflight_budget : DEFAULT_INFLIGHT_BUDGET;
   int rc = 0;
-  for (int i = 0; i < nfd; i++) {
-    srv->listeners[i].data = srv;
-    uv_tcp_init(loop, &srv->listeners[i]);
-    /* Once adopted, closing the handle closes the fd; before, it is ours to close. */
-    int orc = rc ? rc : uv_tcp_open(&srv->listeners[i], fds[i]);
-    if (orc) {
-      close(fds[i]);
-      rc = orc;
-      continue;
-    }
-    rc = uv_listen((uv_stream_t *)&srv->listeners[i], LISTEN_BACKLOG, on_connection);
+  if (!srv->run_id || !srv->host || (o.secret && *o.secret && !srv->secret)) {
+    snprintf(err, errlen, "store server: out of memory");
+    rc = -ENOMEM;
+  } else {
+    rc = listen_on(srv, port, err, errlen);
   }
-  if (rc < 0) {
-    char ep[300];
-    net_format_endpoint(ep, sizeof ep, host && *host ? host : "*", bp);
-    snprintf(err, errlen, "store server: listen %s: %s", ep, uv_strerror(rc));
-    /* The handles are released by their close callbacks on the next loop run. */
+  if (rc) {
+    /* Freed here, or by the close callbacks of listeners that were opened (next loop run). */
     srv->closing = 1;
-    for (int i = 0; i < nfd; i++) uv_close((uv_handle_t *)&srv->listeners[i], server_handle_closed);
-    uv_close((uv_handle_t *)&srv->idle, server_handle_closed);
+    server_maybe_free(srv);
     return rc;
   }
-  if (bound_port) *bound_port = bp;
+  srv->idle.data = srv;
+  uv_idle_init(loop, &srv->idle);
+  srv->relisten.data = srv;
+  uv_timer_init(loop, &srv->relisten);
+  srv->handles_open += 2;
+  if (bound_port) *bound_port = srv->port;
   *out = srv;
   return 0;
 }
@@ -879,10 +1500,14 @@ void store_server_close(store_server_t *srv) {
   srv->closing = 1;
   while (srv->conns) conn_close(srv->conns, NULL);
   srv->ready = NULL;
-  for (int i = 0; i < srv->nlisteners; i++) uv_close((uv_handle_t *)&srv->listeners[i], server_handle_closed);
+  for (int i = 0; i < srv->nlisteners; i++) uv_close((uv_handle_t *)&srv->listeners[i], on_listener_closed);
+  srv->nlisteners = 0;
   uv_close((uv_handle_t *)&srv->idle, server_handle_closed);
+  uv_close((uv_handle_t *)&srv->relisten, server_handle_closed);
 }
 
 size_t store_server_num_clients(const store_server_t *srv) { return srv ? srv->nclients : 0; }
 size_t store_server_num_keys(const store_server_t *srv) { return srv ? srv->tab.n : 0; }
 size_t store_server_num_waiters(const store_server_t *srv) { return srv ? srv->nwaiters : 0; }
+size_t store_server_num_foreign(const store_server_t *srv) { return srv ? srv->nforeign : 0; }
+size_t store_server_inflight_bytes(const store_server_t *srv) { return srv ? srv->buffered : 0; }

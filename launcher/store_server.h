@@ -4,8 +4,14 @@
  * MULTI_GET) are parked on the server and answered when the keys appear or their timeout
  * fires, so the loop never blocks. A client that sends garbage, a truncated or oversize
  * frame, or a foreign protocol version is disconnected; other clients never notice.
- * Memory is bounded: per-connection buffers by STORE_MAX_FRAME, the whole store by
- * STORE_SERVER_MAX_BYTES (sets beyond it are refused with an error reply). */
+ *
+ * The store belongs to one job (opts.run_id) and may require its secret; every connection
+ * shakes hands first and then sees only its own job's keys (common/store.h). What strangers
+ * on the port can take is bounded (store_server_opts_t): connections in all, connections
+ * still in the handshake (the oldest are evicted, so real nodes still get in) and how long
+ * they may take, and the bytes buffered for partly received frames, which grow only as bytes
+ * arrive. The whole store is bounded by STORE_SERVER_MAX_BYTES (sets beyond it are refused
+ * with an error reply). Running out of file descriptors is survived, never fatal. */
 #ifndef MESHRUN_STORE_SERVER_H
 #define MESHRUN_STORE_SERVER_H
 
@@ -17,18 +23,41 @@
 
 typedef struct store_server store_server_t;
 
+/* Who may use the store and how much of the host it may take. Zero limits mean the defaults
+ * (store_server.c says what they are and why). */
+typedef struct {
+  const char *run_id;       /* the hosting job: named to clients in the handshake */
+  const char *secret;       /* NULL or "": an open store (anyone reaching the port may use it) */
+  size_t max_conns;         /* connections in all (0: from the file limit, less a reserve) */
+  size_t max_unauth;        /* connections still in the handshake; past it the oldest goes */
+  size_t max_unauth_per_addr; /* the same, per peer address (the oldest of that address goes) */
+  int handshake_ms;         /* a connection that has not finished its handshake by then is closed */
+  size_t inflight_budget;   /* bytes buffered for partly received frames, all connections together */
+} store_server_opts_t;
+
 /* Listens on host:port (port 0: a free port; host "" = all addresses) on loop. *bound_port gets
- * the port. Returns 0, STORE_SERVER_EADDRINUSE when the port is taken, or another negative code;
- * the message is in err. */
+ * the port. opts NULL: run id "", no secret, default limits. Returns 0, STORE_SERVER_EADDRINUSE
+ * when the port is taken, or another negative code; the message is in err. */
 int store_server_start(store_server_t **out, uv_loop_t *loop, const char *host, int port,
-                       int *bound_port, char *err, size_t errlen);
+                       const store_server_opts_t *opts, int *bound_port, char *err, size_t errlen);
 /* Stops listening and disconnects every client. The memory is released by close callbacks:
  * run the loop (uv_run) afterwards until it has no more work. Accepts NULL. */
 void store_server_close(store_server_t *srv);
 /* Counters for tests and diagnostics. */
 size_t store_server_num_clients(const store_server_t *srv);
-size_t store_server_num_keys(const store_server_t *srv);
+size_t store_server_num_keys(const store_server_t *srv); /* of all jobs together */
 /* Requests parked waiting for keys (GET, WAIT, MULTI_GET not yet answered). */
 size_t store_server_num_waiters(const store_server_t *srv);
+/* Authenticated connections of jobs other than the hosting one (their run id differs from
+ * opts.run_id). The hosting agent keeps serving while this is not 0, so that a job sharing the
+ * port never loses its store to another job's end. */
+size_t store_server_num_foreign(const store_server_t *srv);
+/* Bytes of receive buffers held right now, all connections together: partly received frames
+ * (an idle connection holds none). Frames over 4 KiB are admitted against opts.inflight_budget
+ * by their announced length, so this stays within the budget plus 4 KiB per connection. */
+size_t store_server_inflight_bytes(const store_server_t *srv);
+
+/* Raises RLIMIT_NOFILE's soft limit to the hard limit; returns the new soft limit. */
+long store_server_raise_nofile(void);
 
 #endif

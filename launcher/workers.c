@@ -27,6 +27,7 @@
 
 #include "common/fs.h"
 #include "common/log.h"
+#include "common/store.h"
 
 extern char **environ;
 
@@ -316,7 +317,7 @@ static const char *const OWN_VARS[] = {
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
     "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
     "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "MESHRUN_STORE",
-    "MESHRUN_ROUND", "TORCHELASTIC_USE_AGENT_STORE", NULL};
+    "MESHRUN_ROUND", "TORCHELASTIC_USE_AGENT_STORE", STORE_ENV_SECRET, NULL};
 
 static int is_own_var(const char *kv) {
   for (int i = 0; OWN_VARS[i]; i++) {
@@ -360,6 +361,12 @@ static char **build_env(const workers_t *w, const workers_round_t *r, const work
   if (!rc) rc = env_add(&env, &n, &cap, "TORCHELASTIC_ERROR_FILE", "%s", i->error_file);
   if (!rc) rc = env_add(&env, &n, &cap, "MESHRUN_STORE", "%s", r->store_endpoint);
   if (!rc) rc = env_add(&env, &n, &cap, "MESHRUN_ROUND", "%d", r->round);
+  /* Not through env_add: its buffer is sized for paths, and a secret is never cut. */
+  if (!rc && r->store_secret[0]) {
+    char *kv = malloc(sizeof STORE_ENV_SECRET + 1 + strlen(r->store_secret));
+    if (kv) sprintf(kv, "%s=%s", STORE_ENV_SECRET, r->store_secret);
+    rc = env_push(&env, &n, &cap, kv);
+  }
   if (!rc && !getenv("OMP_NUM_THREADS")) rc = env_add(&env, &n, &cap, "OMP_NUM_THREADS", "1");
   if (rc) {
     env_free(env);
@@ -504,6 +511,26 @@ static void __attribute__((noreturn)) child_exec(pid_t parent, int out_fd, int e
   _exit(127);
 }
 
+/* Names why exec failed. ENOENT for a file that exists (workers_find_program saw it) is the
+ * kernel's answer for a script whose "#!" interpreter is missing: say which one. */
+static void exec_failure(const char *file, const char *prog, int e, char *err, size_t errlen) {
+  char line[256] = "";
+  int fd = e == ENOENT ? open(file, O_RDONLY | O_CLOEXEC | O_NONBLOCK) : -1;
+  if (fd >= 0) {
+    ssize_t k = read(fd, line, sizeof line - 1);
+    close(fd);
+    line[k > 0 ? k : 0] = '\0';
+    line[strcspn(line, "\r\n")] = '\0';
+  }
+  if (!strncmp(line, "#!", 2)) {
+    const char *interp = line + 2 + strspn(line + 2, " \t");
+    snprintf(err, errlen, "exec %s: its interpreter %.*s is missing (%s)", prog, (int)strcspn(interp, " \t"),
+             interp, strerror(e));
+  } else {
+    snprintf(err, errlen, "exec %s: %s", prog, strerror(e));
+  }
+}
+
 static void free_round(workers_t *w) {
   free(w->ws);
   w->ws = NULL;
@@ -540,7 +567,7 @@ int workers_start(workers_t *w, const workers_round_t *r, char *err, size_t errl
   char file[PATH_MAX], why[128];
   if (workers_find_program(argv[0], file, sizeof file, why, sizeof why)) {
     snprintf(err, errlen, "%s: %s", argv[0], why);
-    return -ENOENT;
+    return -ENOEXEC;
   }
   pid_t self = getpid();
   int rc = 0;
@@ -634,8 +661,10 @@ int workers_start(workers_t *w, const workers_round_t *r, char *err, size_t errl
     close(reports[i]);
     reports[i] = -1;
     if (k == (ssize_t)sizeof e && !rc) {
-      snprintf(err, errlen, "exec %s: %s", argv[0], strerror(e));
-      rc = -e;
+      exec_failure(file, argv[0], e, err, errlen);
+      /* The program itself cannot run (vs. a resource running short, like ENOMEM or E2BIG). */
+      int cannot_run = e == ENOENT || e == EACCES || e == ENOEXEC || e == ENOTDIR || e == ELOOP || e == EISDIR;
+      rc = cannot_run ? -ENOEXEC : -e;
     }
   }
   free(reports);

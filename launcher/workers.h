@@ -32,6 +32,7 @@ typedef struct {
   char master_addr[256];
   int master_port;
   char store_endpoint[300]; /* MESHRUN_STORE */
+  char store_secret[CLI_SECRET_MAX + 1]; /* MESHRUN_RDZV_TOKEN; "" = an open store (not set) */
   char run_id[128];
   int max_restarts;
   char attempt_dir[PATH_MAX]; /* <base>/attempt_<round>: <rank>/error.json and logs go below */
@@ -61,7 +62,9 @@ int workers_find_program(const char *prog, char *out, size_t outlen, char *why, 
 int workers_create(workers_t **out, uv_loop_t *loop, const launcher_opts_t *opts, workers_exit_cb on_exit,
                    workers_idle_cb on_idle, void *arg, char *err, size_t errlen);
 /* Spawns the round's nproc workers. On error, the ones already started are killed and the
- * message names the cause ("exec ./train: Permission denied"). */
+ * message names the cause ("exec ./train: Permission denied"). -ENOEXEC means the program
+ * cannot run at all (not found, not executable, a script whose interpreter is missing):
+ * meshrun exits 127 then, as a shell would. */
 int workers_start(workers_t *w, const workers_round_t *round, char *err, size_t errlen);
 /* Sends sig to every running worker's process group (forwarding). */
 void workers_signal(workers_t *w, int sig);

@@ -39,6 +39,10 @@
 #define CKPT_MAX_CANDIDATES 255
 #define CKPT_FORMAT_NAME "meshrun-checkpoint"
 #define CKPT_CHUNKS_KEY "meshrun.chunks"
+/* metadata.json opens with its own checksum: META_CRC_HEAD, 8 lowercase hex digits, "\",". The
+ * CRC covers every byte after that (the rest of the document). */
+#define META_CRC_HEAD "{\"metadata_crc32c\": \"0x"
+#define META_CRC_LEN (sizeof META_CRC_HEAD - 1 + 8 + 2)
 
 static int fail(char *err, size_t errlen, int code, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
 static int fail(char *err, size_t errlen, int code, const char *fmt, ...) {
@@ -49,6 +53,14 @@ static int fail(char *err, size_t errlen, int code, const char *fmt, ...) {
     va_end(ap);
   }
   return code;
+}
+
+/* The code of a failed system call: a lack of space is told apart (callers stop on it rather
+ * than retry), everything else is an i/o error. */
+static int io_code(int e) { return e == ENOSPC || e == EDQUOT ? CKPT_ENOSPC : CKPT_EIO; }
+
+int ckpt_msg_is_nospace(const char *msg) {
+  return msg && (strstr(msg, strerror(ENOSPC)) || strstr(msg, strerror(EDQUOT)));
 }
 
 /* snprintf for paths; the limits are checked where directories enter (ckpt_writer_create,
@@ -71,6 +83,7 @@ const char *ckpt_strerror(int code) {
   case CKPT_ENOENT: return "no checkpoint";
   case CKPT_ENOMEM: return "out of memory";
   case CKPT_ECOMM: return "collective failed";
+  case CKPT_ENOSPC: return "no space left on device";
   default: return "unknown error";
   }
 }
@@ -248,7 +261,7 @@ static int fsync_path(const char *path) {
 /* Writes text to path and fsyncs it (the caller renames or fsyncs the directory). */
 static int write_durable(const char *path, const char *text, char *err, size_t errlen) {
   int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return fail(err, errlen, CKPT_EIO, "checkpoint error: open %s: %s", path, strerror(errno));
+  if (fd < 0) return fail(err, errlen, io_code(errno), "checkpoint error: open %s: %s", path, strerror(errno));
   size_t len = strlen(text), done = 0;
   while (done < len) {
     ssize_t w = write(fd, text + done, len - done);
@@ -256,16 +269,17 @@ static int write_durable(const char *path, const char *text, char *err, size_t e
       if (errno == EINTR) continue;
       int e = errno;
       close(fd);
-      return fail(err, errlen, CKPT_EIO, "checkpoint error: write %s: %s", path, strerror(e));
+      return fail(err, errlen, io_code(e), "checkpoint error: write %s: %s", path, strerror(e));
     }
     done += (size_t)w;
   }
   if (fsync(fd) != 0) {
     int e = errno;
     close(fd);
-    return fail(err, errlen, CKPT_EIO, "checkpoint error: fsync %s: %s", path, strerror(e));
+    return fail(err, errlen, io_code(e), "checkpoint error: fsync %s: %s", path, strerror(e));
   }
-  if (close(fd) != 0) return fail(err, errlen, CKPT_EIO, "checkpoint error: close %s: %s", path, strerror(errno));
+  if (close(fd) != 0)
+    return fail(err, errlen, io_code(errno), "checkpoint error: close %s: %s", path, strerror(errno));
   return 0;
 }
 
@@ -417,6 +431,8 @@ typedef struct {
   pthread_t thread;
   int has_thread;
   atomic_int done;
+  int (*hook)(const char *point, int64_t step, void *arg); /* the writer's, for "write" */
+  void *hook_arg;
   rec_t rec; /* this rank's result: rc, size, crc, message */
 } job_t;
 
@@ -428,9 +444,10 @@ struct ckpt_writer {
   ckpt_shape_t shape;
   int mesh[3];
   char *plan_json;
-  int (*hook)(const char *point, void *arg);
+  int (*hook)(const char *point, int64_t step, void *arg);
   void *hook_arg;
-  job_t *job; /* in flight (async) */
+  int hook_stopped; /* the hook stopped the current commit: a crash, so its .tmp stays */
+  job_t *job;       /* in flight (async) */
 };
 
 static const ckpt_group_t *wgroup(const ckpt_writer_t *w) { return w->has_group ? &w->group : NULL; }
@@ -505,9 +522,17 @@ static void job_write(job_t *j) {
   snprintf(step_txt, sizeof step_txt, "%" PRId64, j->step);
   const char *meta[] = {"meshrun.format", CKPT_FORMAT_NAME, "meshrun.step", step_txt, CKPT_CHUNKS_KEY, lines};
   char e[512];
+  int fault = j->hook ? j->hook("write", j->step, j->hook_arg) : 0;
+  if (fault) {
+    r->rc = fail(r->msg, sizeof r->msg, io_code(fault), "checkpoint error: write %s: %s (test hook)", j->file,
+                 strerror(fault));
+    goto done;
+  }
   int rc = st_write(j->file, ts, j->n, meta, 3, e, sizeof e);
   if (rc) {
-    r->rc = fail(r->msg, sizeof r->msg, CKPT_EIO, "checkpoint error: %s", e);
+    /* st_write reports errno only as text: a lack of space is recognized by its strerror. */
+    r->rc = fail(r->msg, sizeof r->msg, rc == ST_EIO && ckpt_msg_is_nospace(e) ? CKPT_ENOSPC : CKPT_EIO,
+                 "checkpoint error: %s", e);
     goto done;
   }
   int fd = open(j->file, O_RDONLY | O_CLOEXEC);
@@ -558,11 +583,11 @@ static int save_prepare(ckpt_writer_t *w, int64_t step, char *err, size_t errlen
     pathf(tmp, sizeof tmp, "%s/step-%" PRId64 ".tmp", w->dir, step);
     int rc = fs_mkdir_p(w->dir, NULL, 0);
     if (rc)
-      r.rc = fail(r.msg, sizeof r.msg, CKPT_EIO, "checkpoint error: mkdir %s: %s", w->dir, strerror(-rc));
+      r.rc = fail(r.msg, sizeof r.msg, io_code(-rc), "checkpoint error: mkdir %s: %s", w->dir, strerror(-rc));
     else {
       clean_tmp(w->dir);
       if (mkdir(tmp, 0755) != 0)
-        r.rc = fail(r.msg, sizeof r.msg, CKPT_EIO, "checkpoint error: mkdir %s: %s", tmp, strerror(errno));
+        r.rc = fail(r.msg, sizeof r.msg, io_code(errno), "checkpoint error: mkdir %s: %s", tmp, strerror(errno));
     }
   }
   if (grp_bcast(wgroup(w), &r, sizeof r))
@@ -572,9 +597,11 @@ static int save_prepare(ckpt_writer_t *w, int64_t step, char *err, size_t errlen
 }
 
 static int run_hook(ckpt_writer_t *w, const char *point, int64_t step, char *msg, size_t len) {
-  if (w->hook && w->hook(point, w->hook_arg))
+  if (w->hook && w->hook(point, step, w->hook_arg)) {
+    w->hook_stopped = 1;
     return fail(msg, len, CKPT_EIO, "checkpoint error: save of step %" PRId64 " stopped at %s (test hook)", step,
                 point);
+  }
   return 0;
 }
 
@@ -637,8 +664,18 @@ static char *metadata_json(const ckpt_writer_t *w, const job_t *j, const rec_t *
     cJSON_AddItemToObject(root, "plan", plan);
   else
     cJSON_AddStringToObject(root, "plan", w->plan_json);
-  char *txt = cJSON_Print(root);
+  char *body = cJSON_Print(root); /* "{\n\t\"format\": ..." */
   cJSON_Delete(root);
+  if (!body) return NULL;
+  /* The checksum goes first, in a fixed-width member, and covers the rest: body without its
+   * opening brace. */
+  size_t blen = strlen(body + 1);
+  char *txt = malloc(META_CRC_LEN + blen + 2);
+  if (txt) {
+    snprintf(txt, META_CRC_LEN + 1, META_CRC_HEAD "%08" PRIx32 "\",", ckpt_crc32c(0, body + 1, blen));
+    memcpy(txt + META_CRC_LEN, body + 1, blen + 1);
+  }
+  free(body);
   return txt;
 }
 
@@ -665,7 +702,7 @@ static int commit_rank0(ckpt_writer_t *w, job_t *j, const rec_t *recs, int world
   free(txt);
   if (rc) return rc;
   if (fsync_path(j->tmpdir))
-    return fail(msg, len, CKPT_EIO, "checkpoint error: fsync %s: %s", j->tmpdir, strerror(errno));
+    return fail(msg, len, io_code(errno), "checkpoint error: fsync %s: %s", j->tmpdir, strerror(errno));
   rc = run_hook(w, "before_rename", step, msg, len);
   if (rc) return rc;
   /* A step-<N> from an abandoned timeline (saved, then the run resumed from an older step) is
@@ -676,11 +713,13 @@ static int commit_rank0(ckpt_writer_t *w, job_t *j, const rec_t *recs, int world
   if (stat(final, &sb) == 0) {
     rm_rf(old);
     if (rename(final, old) != 0)
-      return fail(msg, len, CKPT_EIO, "checkpoint error: rename %s -> %s: %s", final, old, strerror(errno));
+      return fail(msg, len, io_code(errno), "checkpoint error: rename %s -> %s: %s", final, old, strerror(errno));
   }
   if (rename(j->tmpdir, final) != 0)
-    return fail(msg, len, CKPT_EIO, "checkpoint error: rename %s -> %s: %s", j->tmpdir, final, strerror(errno));
-  if (fsync_path(w->dir)) return fail(msg, len, CKPT_EIO, "checkpoint error: fsync %s: %s", w->dir, strerror(errno));
+    return fail(msg, len, io_code(errno), "checkpoint error: rename %s -> %s: %s", j->tmpdir, final,
+                strerror(errno));
+  if (fsync_path(w->dir))
+    return fail(msg, len, io_code(errno), "checkpoint error: fsync %s: %s", w->dir, strerror(errno));
   rm_rf(old);
   rc = run_hook(w, "before_latest", step, msg, len);
   if (rc) return rc;
@@ -691,8 +730,10 @@ static int commit_rank0(ckpt_writer_t *w, job_t *j, const rec_t *recs, int world
   rc = write_durable(latest_tmp, body, msg, len);
   if (rc) return rc;
   if (rename(latest_tmp, latest) != 0)
-    return fail(msg, len, CKPT_EIO, "checkpoint error: rename %s -> %s: %s", latest_tmp, latest, strerror(errno));
-  if (fsync_path(w->dir)) return fail(msg, len, CKPT_EIO, "checkpoint error: fsync %s: %s", w->dir, strerror(errno));
+    return fail(msg, len, io_code(errno), "checkpoint error: rename %s -> %s: %s", latest_tmp, latest,
+                strerror(errno));
+  if (fsync_path(w->dir))
+    return fail(msg, len, io_code(errno), "checkpoint error: fsync %s: %s", w->dir, strerror(errno));
   /* Retention: the saved step and the keep-1 older ones survive; newer ones were abandoned. */
   int n = 0, kept = 0;
   int64_t *steps = list_steps(w->dir, &n);
@@ -731,13 +772,21 @@ static int save_commit(ckpt_writer_t *w, char *err, size_t errlen) {
     return fail(err, errlen, CKPT_ECOMM, "checkpoint error: a collective of the checkpoint group failed");
   }
   if (grp_rank(g) == 0) {
-    for (int i = 0; i < world && !out.rc; i++)
-      if (recs[i].rc) {
-        recs[i].msg[CKPT_MSG - 1] = 0;
-        out.rc = recs[i].rc;
-        snprintf(out.msg, sizeof out.msg, "%s", recs[i].msg);
-      }
+    /* The first failure in rank order, but a lack of space anywhere wins: it is the one cause
+     * that decides what the caller does next (stop instead of retrying). */
+    int pick = -1;
+    for (int i = 0; i < world; i++)
+      if (recs[i].rc && (pick < 0 || (recs[i].rc == CKPT_ENOSPC && recs[pick].rc != CKPT_ENOSPC))) pick = i;
+    if (pick >= 0) {
+      recs[pick].msg[CKPT_MSG - 1] = 0;
+      out.rc = recs[pick].rc;
+      snprintf(out.msg, sizeof out.msg, "%s", recs[pick].msg);
+    }
+    w->hook_stopped = 0;
     if (!out.rc) out.rc = commit_rank0(w, j, recs, world, out.msg, sizeof out.msg);
+    /* A failed save leaves nothing behind, unless the test hook stopped it as a crash would.
+     * Every rank's writer is done (joined before the gather), so no shard is still open. */
+    if (out.rc && !w->hook_stopped) rm_rf(j->tmpdir);
   }
   free(recs);
   int64_t step = j->step;
@@ -803,6 +852,8 @@ int ckpt_writer_save(ckpt_writer_t *w, const ckpt_state_t *st, const ckpt_chunk_
   pathf(j->file, sizeof j->file, "%s/shard-%d.safetensors", j->tmpdir, grp_rank(wgroup(w)));
   j->chunks = chunks;
   j->n = n_chunks;
+  j->hook = w->hook;
+  j->hook_arg = w->hook_arg;
   w->job = j;
   /* Local problems become this rank's failure record, still carried through the commit's
    * collectives so that every rank fails the same save. */
@@ -914,7 +965,8 @@ void ckpt_close(ckpt_t *ck) {
 
 const ckpt_meta_t *ckpt_meta(const ckpt_t *ck) { return ck ? &ck->meta : NULL; }
 
-static char *read_text(const char *path, size_t max, int *errno_out) {
+/* At most max bytes of path, NUL-terminated; *len (may be NULL) gets the count read. */
+static char *read_text(const char *path, size_t max, size_t *len, int *errno_out) {
   FILE *f = fopen(path, "rb");
   if (!f) {
     *errno_out = errno;
@@ -924,6 +976,7 @@ static char *read_text(const char *path, size_t max, int *errno_out) {
   size_t n = buf ? fread(buf, 1, max, f) : 0;
   fclose(f);
   if (buf) buf[n] = 0;
+  if (len) *len = n;
   *errno_out = buf ? 0 : ENOMEM;
   return buf;
 }
@@ -945,16 +998,56 @@ static int json_u64_str(const cJSON *j, uint64_t *out) {
   return 1;
 }
 
+/* Checks metadata.json's own checksum (txt, n bytes, at mpath). A file without one is named for
+ * what it most likely is: format version 1 (which had none), or damage. */
+static int check_metadata_crc(const char *mpath, const char *txt, size_t n, char *msg, size_t len) {
+  const size_t head = sizeof META_CRC_HEAD - 1;
+  uint32_t want = 0;
+  int ok = n >= META_CRC_LEN && !memcmp(txt, META_CRC_HEAD, head) && txt[head + 8] == '"' && txt[head + 9] == ',';
+  for (size_t i = head; ok && i < head + 8; i++) {
+    char c = txt[i];
+    ok = (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');
+    want = want << 4 | (uint32_t)(c <= '9' ? c - '0' : c - 'a' + 10);
+  }
+  if (!ok) {
+    cJSON *root = cJSON_ParseWithLength(txt, n);
+    int64_t v = 0;
+    const cJSON *fmt = cJSON_GetObjectItemCaseSensitive(root, "format");
+    int old = cJSON_IsString(fmt) && !strcmp(fmt->valuestring, CKPT_FORMAT_NAME) && json_int(root, "version", &v) &&
+              v < CKPT_FORMAT_VERSION;
+    cJSON_Delete(root);
+    if (old)
+      return fail(msg, len, CKPT_ECORRUPT,
+                  "checkpoint error: %s: format version %" PRId64 " has no metadata checksum; this build reads "
+                  "version %d only (resume from a newer checkpoint, or start over with checkpoint.resume none)",
+                  mpath, v, CKPT_FORMAT_VERSION);
+    return fail(msg, len, CKPT_ECORRUPT,
+                "checkpoint error: %s: no metadata checksum on its first line (damaged, or not a meshrun checkpoint)",
+                mpath);
+  }
+  uint32_t got = ckpt_crc32c(0, txt + META_CRC_LEN, n - META_CRC_LEN);
+  if (got != want)
+    return fail(msg, len, CKPT_ECORRUPT,
+                "checkpoint error: %s: checksum mismatch (expected 0x%08" PRIx32 ", got 0x%08" PRIx32 ")", mpath, want,
+                got);
+  return 0;
+}
+
 /* Parses <path>/metadata.json into ck (meta, files). */
 static int parse_metadata(ckpt_t *ck, char *msg, size_t len) {
   char mpath[CKPT_PATH];
   pathf(mpath, sizeof mpath, "%s/metadata.json", ck->path);
   int e = 0;
-  char *txt = read_text(mpath, 64u << 20, &e);
+  size_t n = 0;
+  char *txt = read_text(mpath, 64u << 20, &n, &e);
   if (!txt) return fail(msg, len, CKPT_ECORRUPT, "checkpoint error: %s: %s", mpath, strerror(e));
-  cJSON *root = cJSON_Parse(txt);
+  int rc = check_metadata_crc(mpath, txt, n, msg, len);
+  if (rc) {
+    free(txt);
+    return rc;
+  }
+  cJSON *root = cJSON_ParseWithLength(txt, n);
   free(txt);
-  int rc = 0;
   ckpt_meta_t *m = &ck->meta;
   ckpt_state_t *st = &m->state;
   const cJSON *fmt = cJSON_GetObjectItemCaseSensitive(root, "format");
@@ -963,7 +1056,7 @@ static int parse_metadata(ckpt_t *ck, char *msg, size_t len) {
     rc = fail(msg, len, CKPT_ECORRUPT, "checkpoint error: %s: not a meshrun checkpoint metadata file", mpath);
     goto error;
   }
-  if (!json_int(root, "version", &v) || v < 1 || v > CKPT_FORMAT_VERSION) {
+  if (!json_int(root, "version", &v) || v != CKPT_FORMAT_VERSION) {
     rc = fail(msg, len, CKPT_ECORRUPT, "checkpoint error: %s: unsupported format version (this build reads %d)",
               mpath, CKPT_FORMAT_VERSION);
     goto error;
@@ -1265,7 +1358,7 @@ static int auto_candidates(const char *dir, int64_t *cand, int max) {
   char p[CKPT_PATH];
   pathf(p, sizeof p, "%s/latest", dir);
   int e;
-  char *txt = read_text(p, 256, &e);
+  char *txt = read_text(p, 256, NULL, &e);
   int64_t latest = -1;
   if (txt) {
     char *end = txt + strlen(txt);

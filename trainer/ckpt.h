@@ -18,7 +18,10 @@
  *                             position (samples consumed, a global count), RNG state, model shape,
  *                             world size and mesh, the plan, every file's size and CRC32C, the
  *                             global tensor list (kind, name, full shape, chunk count), extra
- *                             key/values.
+ *                             key/values; and its own CRC32C, as the first member on the first
+ *                             line: {"metadata_crc32c": "0x1234abcd", then the rest of the
+ *                             document, every byte of which (from the newline that ends that
+ *                             line to the end of the file) the CRC covers.
  * <dir>/latest holds "step-<N>": the newest committed checkpoint.
  *
  * Save protocol (collective over the group): rank 0 deletes leftover *.tmp directories and
@@ -42,12 +45,23 @@
  * ckpt_writer_save, ckpt_writer_wait, ckpt_writer_destroy. Until then `latest` names the previous
  * checkpoint. At most one save is in flight.
  *
+ * A save that fails (any rank's write, the commit) fails on every rank with the same message
+ * and code, and rank 0 removes its step-<N>.tmp (except when the test hook stopped it: that
+ * stands for a crash, which cleans nothing; the next save removes leftovers). CKPT_ENOSPC says
+ * the cause was a lack of space (ENOSPC, EDQUOT) on some rank; callers may stop rather than
+ * retry. The writer stays usable after a failed save.
+ *
  * Load (ckpt_open): "auto" follows `latest`, then tries the other step-<N> directories newest
- * first; a checkpoint whose metadata is unreadable or whose file has the wrong size or CRC is
- * skipped with a warning naming the file ("checkpoint error: ckpt/step-40/shard-2.safetensors:
- * checksum mismatch (expected 0x1234abcd, got 0x0badf00d); falling back to step-30"). A model
- * shape that differs from the caller's is refused, never skipped. With a group, the CRC work is
- * split across ranks and the verdict is shared, so every rank picks the same checkpoint.
+ * first; a checkpoint whose metadata is unreadable or fails its own checksum, or whose file has
+ * the wrong size or CRC, is skipped with a warning naming the file ("checkpoint error:
+ * ckpt/step-40/shard-2.safetensors: checksum mismatch (expected 0x1234abcd, got 0x0badf00d);
+ * falling back to step-30"). A model shape that differs from the caller's is refused, never
+ * skipped. With a group, the CRC work is split across ranks and the verdict is shared, so every
+ * rank picks the same checkpoint.
+ *
+ * Format versions: 2 added the metadata checksum. Version 1 checkpoints (no checksum) are not
+ * loaded: the format is young and a metadata file nothing vouches for could resume on a wrong
+ * optimizer step; they are named as version 1 in the message, like any unreadable checkpoint.
  *
  * Not here: dtypes other than fp32; tensors of more than 2 dimensions; filesystems not shared
  * by all ranks (resharding reads other ranks' files); big-endian hosts. */
@@ -60,7 +74,7 @@
 #include "trainer/comm.h"
 #include "trainer/model.h"
 
-#define CKPT_FORMAT_VERSION 1
+#define CKPT_FORMAT_VERSION 2 /* 2: metadata.json carries its own CRC32C */
 
 enum {
   CKPT_OK = 0,
@@ -71,6 +85,7 @@ enum {
   CKPT_ENOENT = -5,   /* no checkpoint (auto: the directory has none), or no such tensor */
   CKPT_ENOMEM = -6,
   CKPT_ECOMM = -7,    /* a collective of the group failed */
+  CKPT_ENOSPC = -8,   /* a write failed for lack of space (ENOSPC or EDQUOT) */
 };
 const char *ckpt_strerror(int code);
 
@@ -147,10 +162,13 @@ typedef struct {
   ckpt_shape_t shape;
   int mesh[3];            /* dp_replicate, dp_shard, tp (recorded, not interpreted) */
   const char *plan_json;  /* plan_to_json() text, copied; may be NULL */
-  /* Test hook: called on rank 0 at "before_commit" (shards written, nothing else),
-   * "before_rename" (metadata written) and "before_latest" (renamed); a nonzero return stops
-   * the save right there, as a crash would, and the save fails on every rank. */
-  int (*hook)(const char *point, void *arg);
+  /* Test hook, with the step being saved. Called on rank 0 at "before_commit" (shards written,
+   * nothing else), "before_rename" (metadata written) and "before_latest" (renamed): a nonzero
+   * return stops the save right there, as a crash would (its .tmp stays), and the save fails
+   * on every rank. Called on every rank at "write" before it writes its shard (on the writer
+   * thread when async): a nonzero return is taken as the errno of a failed write (EIO, ENOSPC),
+   * and the save fails as a real write error would. */
+  int (*hook)(const char *point, int64_t step, void *arg);
   void *hook_arg;
 } ckpt_writer_config_t;
 
@@ -203,6 +221,10 @@ int ckpt_read(ckpt_t *ck, const ckpt_chunk_t *region, float *out, char *err, siz
  * of this tp rank's local tensors (replicated ones included) from the checkpoint. */
 int ckpt_read_range(ckpt_t *ck, const char *kind, const model_tensor_t *tensors, int n_tensors, int tp_rank,
                     size_t offset, size_t count, float *out, char *err, size_t errlen);
+
+/* Whether an I/O message names a lack of space: strerror(ENOSPC) or strerror(EDQUOT) in it.
+ * For errors that reach us only as text (st_write's). */
+int ckpt_msg_is_nospace(const char *msg);
 
 /* CRC32C (Castagnoli) of buf, continuing from crc (0 to start): the checksum of every file. */
 uint32_t ckpt_crc32c(uint32_t crc, const void *buf, size_t len);

@@ -23,9 +23,12 @@
  * else out/<plan file name without .json>/final.safetensors ("default" for the embedded plan),
  * with the resolved plan JSON in the safetensors metadata under "plan".
  *
- * Exit codes: 0 done; 1 runtime failure (data, memory, NaN loss, I/O, a collective); 2 usage or
+ * Exit codes: 0 done; 1 runtime failure (data, memory, NaN loss, I/O, a collective, a failed save
+ * after the last step or of the final weights, a failed write of log.metrics_file); 2 usage or
  * plan error (including device "cuda" in a build without it, WORLD_SIZE > 1 without MESHRUN_STORE,
- * an unknown or unsuitable MESHRUN_COMM_BACKEND, param_dtype bf16 given explicitly on cuda).
+ * an unknown or unsuitable MESHRUN_COMM_BACKEND, param_dtype bf16 given explicitly on cuda, a
+ * checkpoint.dir that cannot be written). A runtime failure also goes to TORCHELASTIC_ERROR_FILE
+ * (torchrun's layout), with "meshrun": {"restart": false} when it was a lack of space.
  * Device and comm: device "auto" is cuda when built and a GPU is visible, else cpu (logged). A
  * multi-rank run's device collectives use the comm backend MESHRUN_COMM_BACKEND names, else
  * "cpu" on cpu, and on cuda "nccl" with one GPU per local rank, else "staged" (logged once).
@@ -37,13 +40,17 @@
  * step, each rank saves its share of parameters and AdamW moments as chunks of full tensors;
  * checkpoint.resume loads them under any strategy, mesh and world (the global batch must be the
  * same: the data order is a function of (seed, step)). The hidden flag --stop-after N ends the
- * run after step N (and its checkpoint) as if it had been killed there, for resume tests.
+ * run after step N (and its checkpoint) as if it had been killed there, for resume tests. A
+ * failed save is a warning and the run goes on (checkpoint_failed), except for a lack of space,
+ * which stops it; MESHRUN_FAULT_SAVE=RANK:STEP[:EIO|ENOSPC] makes one rank's write fail, for tests.
  * Not here yet: bf16 parameters (on cuda, the default bf16 trains in fp32, with a log line).
  * Two hidden flags serve the PyTorch oracle test: --dump-init FILE (the initial weights, as
  * safetensors) and --dump-batches FILE (every micro-batch's tokens then targets, int32, in
  * training order). */
+#include <cJSON.h>
 #include <errno.h>
 #include <math.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -137,6 +144,45 @@ static void fmt_duration(char *buf, size_t len, double s) {
   long t = (long)(s + 0.5);
   if (t >= 3600) snprintf(buf, len, "%ld:%02ld:%02ld", t / 3600, t / 60 % 60, t % 60);
   else snprintf(buf, len, "%ld:%02ld", t / 60, t % 60);
+}
+
+/* The value of an environment variable for a message: never NULL. */
+static const char *env_text(const char *name) {
+  const char *s = getenv(name);
+  return s ? s : "(unset)";
+}
+
+/* TORCHELASTIC_ERROR_FILE (set by meshrun, as by torchrun): the cause of a fatal runtime error
+ * in torchrun's layout {"message": {"message": ..., "extraInfo": {"timestamp": ...}}}, so that
+ * meshrun's root-cause line carries it. restart 0 adds "meshrun": {"restart": false}: a retry
+ * cannot help (a full disk), and meshrun ends the job instead of spending a restart. Best
+ * effort: a file that cannot be written costs one warning. */
+static void error_file_write(const char *msg, int restart) {
+  const char *path = getenv("TORCHELASTIC_ERROR_FILE");
+  if (!path || !*path) return;
+  char ts[32];
+  snprintf(ts, sizeof ts, "%lld", (long long)time(NULL));
+  cJSON *root = cJSON_CreateObject();
+  cJSON *m = cJSON_AddObjectToObject(root, "message");
+  cJSON_AddStringToObject(m, "message", msg);
+  cJSON_AddStringToObject(cJSON_AddObjectToObject(m, "extraInfo"), "timestamp", ts);
+  if (!restart) cJSON_AddBoolToObject(cJSON_AddObjectToObject(root, "meshrun"), "restart", 0);
+  char *txt = cJSON_PrintUnformatted(root);
+  cJSON_Delete(root);
+  FILE *f = txt ? fopen(path, "w") : NULL;
+  int ok = f && fputs(txt, f) >= 0;
+  int e = errno;
+  if (f && fclose(f) != 0 && ok) ok = 0, e = errno;
+  if (!ok) log_warn("cannot write TORCHELASTIC_ERROR_FILE %s: %s", path, txt ? strerror(e) : "out of memory");
+  free(txt);
+}
+
+/* The end of a run that failed: the one-line message, and for runtime failures (code 1) the
+ * error file. Returns code. */
+static int exit_error(int code, const char *msg, int restart) {
+  fprintf(stderr, "trainer: %s\n", msg);
+  if (code == 1) error_file_write(msg, restart);
+  return code;
 }
 
 /* mkdir -p of the directory part of path. */
@@ -448,7 +494,52 @@ static int checkpoint_save(ckpt_writer_t *w, dp_t *dp, const plan_t *p, int step
   if (crc) snprintf(err, errlen, "%s", cerr);
   ckpt_chunks_free(&cs);
   free(host);
-  return rc || crc ? -1 : 0;
+  return rc ? rc : crc ? CKPT_EINVAL : 0;
+}
+
+/* What a failed save (or the commit of an asynchronous one) of step `step` means for the run.
+ * Every rank gets the same rc and message from the writer, so every rank decides alike:
+ * - a lack of space (CKPT_ENOSPC) stops the run at once (-1, *no_restart set): a restart would
+ *   fail the same way, so meshrun is asked not to spend one;
+ * - a broken collective (CKPT_ECOMM) stops it too (-1): the group cannot save, nor train;
+ * - anything else is one warning (rank 0) and the run goes on (0): the writer removed the
+ *   save's .tmp and the next save may succeed. When it was the save after the last step,
+ *   *final_failed is set and err keeps the cause, for the exit status at the end. */
+static int checkpoint_failed(int rc, int step, int rank, int *no_restart, int *final_failed, int is_final, char *err,
+                             size_t errlen) {
+  if (rc == 0) return 0;
+  if (rc == CKPT_ENOSPC || rc == CKPT_ECOMM) {
+    char cause[2048];
+    snprintf(cause, sizeof cause, "%s", err);
+    snprintf(err, errlen, "the checkpoint of step %d failed, stopping: %s", step, cause);
+    if (rc == CKPT_ENOSPC) *no_restart = 1;
+    return -1;
+  }
+  if (rank == 0)
+    log_warn("the checkpoint of step %d failed (%s)%s", step, err,
+             is_final ? "; the final weights are saved next, and the run will exit 1" : "; training goes on");
+  if (is_final) *final_failed = 1;
+  return 0;
+}
+
+/* Test hook, MESHRUN_FAULT_SAVE=RANK:STEP[:EIO|ENOSPC] (default EIO): that rank's shard write
+ * of the checkpoint of that step fails with that errno, as a failing disk would (ckpt's
+ * "write" hook point). */
+typedef struct {
+  int rank, step, err;
+} save_fault_t;
+
+static int save_fault_hook(const char *point, int64_t step, void *arg) {
+  const save_fault_t *f = arg;
+  return !strcmp(point, "write") && step == f->step ? f->err : 0;
+}
+
+static int save_fault_parse(save_fault_t *f) {
+  const char *s = getenv("MESHRUN_FAULT_SAVE");
+  char name[16] = "EIO";
+  if (!s || sscanf(s, "%d:%d:%15s", &f->rank, &f->step, name) < 2) return 0;
+  f->err = !strcmp(name, "ENOSPC") ? ENOSPC : EIO;
+  return 1;
 }
 
 /* checkpoint.resume: "none", "auto" or a step directory. Sets *start_step (0: fresh) and
@@ -471,6 +562,13 @@ static int checkpoint_resume(const plan_t *p, dp_t *dp, const ckpt_group_t *g, i
   if (rc) return rc == CKPT_ESHAPE || rc == CKPT_ENOENT ? 2 : 1;
   const ckpt_meta_t *meta = ckpt_meta(ck);
   const uint64_t G = (uint64_t)p->train.global_batch_size, step = (uint64_t)meta->state.step;
+  const uint64_t pos = meta->state.data_position;
+  if (step ? pos % step != 0 : pos != 0) { /* no global batch explains it (the metadata checksum passed) */
+    snprintf(err, errlen, "checkpoint error: %s: data_position %llu is not a whole number of batches of its %llu "
+             "steps: the checkpoint is inconsistent", meta->path, (unsigned long long)pos, (unsigned long long)step);
+    ckpt_close(ck);
+    return 1;
+  }
   if (meta->state.data_position != step * G) {
     snprintf(err, errlen, "checkpoint error: %s consumed %llu samples in %llu steps (global batch %llu) but this "
              "plan's train.global_batch_size is %llu: the data order would not continue; set "
@@ -575,21 +673,61 @@ static int plan_is_text(const plan_t *p) {
 }
 
 /* ------------------------------------------------------------------------------------------ */
-/* metrics: JSONL, one object per line, flushed as written so a crash keeps what was logged */
+/* metrics: JSONL, one object per line, flushed as written so a crash keeps what was logged.
+ * A write that fails (a full disk, /dev/full) is one warning; no record is written after it
+ * (a torn line would follow), training goes on, and the run exits 1 at the end (metrics_close). */
 
-/* comm: ",\"comm\":{...}" with this rank's bytes sent during the step, or "". */
-static void metrics_step(FILE *f, int step, double loss, double lr, double gnorm, double tps, double ms,
-                         const char *comm) {
-  if (!f) return;
-  fprintf(f, "{\"step\":%d,\"loss\":%.9g,\"lr\":%.9g,\"grad_norm\":%.9g,\"tokens_per_s\":%.1f,\"step_ms\":%.3f%s}\n",
-          step, loss, lr, gnorm, tps, ms, comm);
-  fflush(f);
+typedef struct {
+  FILE *f;          /* NULL: no metrics (log.metrics_file "", or not rank 0) */
+  const char *path;
+  int err;          /* errno of the first failed write; 0 while every write succeeded */
+  char what[48];    /* what failed: "the first record", "the record of step 12", "the close" */
+} metrics_t;
+
+/* step: the record's step; 0 the first record; -1 the close. */
+static void metrics_failed(metrics_t *m, int e, int step) {
+  m->err = e ? e : EIO;
+  if (step > 0) snprintf(m->what, sizeof m->what, "the record of step %d", step);
+  else snprintf(m->what, sizeof m->what, "%s", step == 0 ? "the first record" : "the close");
+  log_warn("log.metrics_file %s: %s failed: %s; no more records are written, and the run will exit 1 when it ends",
+           m->path, m->what, strerror(m->err));
 }
 
-static void metrics_eval(FILE *f, int step, double loss) {
-  if (!f) return;
-  fprintf(f, "{\"step\":%d,\"eval_loss\":%.9g}\n", step, loss);
-  fflush(f);
+static void metrics_printf(metrics_t *m, int step, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void metrics_printf(metrics_t *m, int step, const char *fmt, ...) {
+  if (!m->f || m->err) return;
+  va_list ap;
+  va_start(ap, fmt);
+  errno = 0;
+  int n = vfprintf(m->f, fmt, ap);
+  va_end(ap);
+  int e = errno;
+  if (n >= 0 && fflush(m->f) != 0) n = -1, e = errno;
+  if (n < 0 || ferror(m->f)) metrics_failed(m, e, step);
+}
+
+/* comm: ",\"comm\":{...}" with this rank's bytes sent during the step, or "". */
+static void metrics_step(metrics_t *m, int step, double loss, double lr, double gnorm, double tps, double ms,
+                         const char *comm) {
+  metrics_printf(m, step,
+                 "{\"step\":%d,\"loss\":%.9g,\"lr\":%.9g,\"grad_norm\":%.9g,\"tokens_per_s\":%.1f,"
+                 "\"step_ms\":%.3f%s}\n",
+                 step, loss, lr, gnorm, tps, ms, comm);
+}
+
+static void metrics_eval(metrics_t *m, int step, double loss) {
+  metrics_printf(m, step, "{\"step\":%d,\"eval_loss\":%.9g}\n", step, loss);
+}
+
+/* Closes the file; returns 0, or -1 with the message in err when any write (or the close)
+ * failed. Accepts a metrics_t without a file. */
+static int metrics_close(metrics_t *m, char *err, size_t errlen) {
+  if (m->f && fclose(m->f) != 0 && !m->err) metrics_failed(m, errno, -1);
+  m->f = NULL;
+  if (!m->err) return 0;
+  snprintf(err, errlen, "log.metrics_file %s: %s failed: %s (the records from there on are lost)", m->path, m->what,
+           strerror(m->err));
+  return -1;
 }
 
 static void final_weights_path(const plan_t *p, char *out, size_t len) {
@@ -795,7 +933,7 @@ static int mesh_setup(mesh_t **out, const plan_t *p, int rank, int world, const 
   }
   if (mesh_create(out, p->mesh.dp_replicate, p->mesh.dp_shard, p->mesh.tp, rank, world, err, errlen)) return 2;
   store_t *st = NULL;
-  if (store_connect_endpoint(&st, ep, 60000, err, errlen)) return 1;
+  if (store_connect_env(&st, 60000, err, errlen)) return 1;
   int rc = mesh_connect(*out, comm_backend, be, st, -1, NULL, 0, err, errlen);
   store_close(st);
   return rc ? 1 : 0;
@@ -828,8 +966,8 @@ int main(int argc, char **argv) {
   /* --- environment: torchrun's variables, set by meshrun */
   const int rank = env_int("RANK", 0), world = env_int("WORLD_SIZE", 1), local_rank = env_int("LOCAL_RANK", 0);
   if (rank < 0 || world < 1 || rank >= world || local_rank < 0) {
-    fprintf(stderr, "trainer: bad environment RANK=%s WORLD_SIZE=%s LOCAL_RANK=%s\n", getenv("RANK"),
-            getenv("WORLD_SIZE"), getenv("LOCAL_RANK"));
+    fprintf(stderr, "trainer: bad environment RANK=%s WORLD_SIZE=%s LOCAL_RANK=%s\n", env_text("RANK"),
+            env_text("WORLD_SIZE"), env_text("LOCAL_RANK"));
     return 2;
   }
   char prefix[64];
@@ -839,12 +977,12 @@ int main(int argc, char **argv) {
 
   /* --- plan */
   plan_t *p = calloc(1, sizeof *p);
-  if (!p) {
-    fprintf(stderr, "trainer: out of memory\n");
-    return 1;
-  }
+  if (!p) return exit_error(1, "out of memory", 1);
+  /* A training run checks its checkpoint directory now, not at the first save (which, with
+   * checkpoint.interval 0, comes after the last step). */
   if (plan_load(p, a.plan_path, a.sets, a.nsets, err, sizeof err) != 0 ||
-      plan_resolve(p, world, err, sizeof err) != 0) {
+      plan_resolve(p, world, err, sizeof err) != 0 ||
+      (!a.sample_mode && !a.export_mode && plan_check_paths(p, err, sizeof err) != 0)) {
     /* The message is already the documented one-liner "plan error: <key.path>: ...". */
     fprintf(stderr, "%s\n", err);
     free(p);
@@ -865,9 +1003,9 @@ int main(int argc, char **argv) {
       snprintf(err, sizeof err, "--format %s: export writes llama2c or hf", a.format);
     else if ((rc = interop_export_weights(&p->model, a.weights, fmt, a.out, err, sizeof err)) == 0)
       log_info("exported %s to %s (%s)", a.weights, a.out, interop_format_name(fmt));
-    if (rc) fprintf(stderr, "trainer: %s\n", err);
     free(p);
-    return rc == 0 ? 0 : rc == INTEROP_EMISMATCH || rc == INTEROP_EINVAL || rc == 2 ? 2 : 1;
+    if (rc == 0) return 0;
+    return exit_error(rc == INTEROP_EMISMATCH || rc == INTEROP_EINVAL || rc == 2 ? 2 : 1, err, 1);
   }
   /* --- device (the backend), its dtype and TF32, and the comm backend of a multi-rank run */
   backend_t *be = NULL;
@@ -894,23 +1032,27 @@ int main(int argc, char **argv) {
     if (rc == 0) rc = comm_backend_choose(be->name, comm_env, world, &comm_backend, why, sizeof why, err, sizeof err);
     if (rc == 0 && world > 1) log_rank0("comm backend %s (%s)", comm_backend, why);
     if (rc) {
-      fprintf(stderr, "trainer: %s\n", err);
       backend_destroy(be);
       free(p);
-      return rc;
+      return exit_error(rc, err, 1);
     }
   }
 
   /* Everything below releases through the cleanup label; fail exits with fail_code. */
   int status = 1, fail_code = 1;
+  int no_restart = 0;   /* the failure is a lack of space: ask meshrun not to restart */
+  int final_failed = 0; /* the checkpoint after the last step failed (err holds why until the end) */
+  char final_err[1024] = "";
   ckpt_writer_t *ckw = NULL;
+  save_fault_t fault_save = {0};
   ckpt_group_t cgroup;
   mesh_t *mesh = NULL;
   model_t *m = NULL;
   dp_t *dp = NULL;
   model_tp_t tpo = {0}; /* lives as long as the model, which may keep a pointer to it */
   data_t data = {0};
-  FILE *metrics = NULL, *dump = NULL;
+  metrics_t metrics = {.path = p->log.metrics_file};
+  FILE *dump = NULL;
   int32_t *tok = NULL, *tgt = NULL;
   char *plan_json = NULL;
 
@@ -918,11 +1060,10 @@ int main(int argc, char **argv) {
   if (world > 1) {
     int rc = mesh_setup(&mesh, p, rank, world, comm_backend, be, err, sizeof err);
     if (rc) {
-      fprintf(stderr, "trainer: %s\n", err);
       mesh_destroy(mesh);
       backend_destroy(be);
       free(p);
-      return rc;
+      return exit_error(rc, err, 1);
     }
   }
   /* Host values (the logged loss, eval sums) go through the host comm of "dp"; device tensors
@@ -978,6 +1119,10 @@ int main(int argc, char **argv) {
                                .mesh = {mesh ? mesh->dims[MESH_DP_REPLICATE] : 1, mesh ? mesh->dims[MESH_DP_SHARD] : 1,
                                         tp}};
     ckpt_shape_from_plan(&wc.shape, &p->model);
+    if (save_fault_parse(&fault_save) && fault_save.rank == rank) { /* tests only */
+      wc.hook = save_fault_hook;
+      wc.hook_arg = &fault_save;
+    }
     if (ckpt_writer_create(&ckw, &wc, err, sizeof err)) goto fail;
   }
 
@@ -1024,25 +1169,24 @@ int main(int argc, char **argv) {
     if (make_parent_dirs(p->log.metrics_file, err, sizeof err)) goto fail;
     /* A resumed run appends: the steps before the checkpoint stay; steps logged after it by the
      * run that stopped are logged again (readers take the last record of a step). */
-    if (!(metrics = fopen(p->log.metrics_file, resumed ? "a+" : "w"))) {
+    if (!(metrics.f = fopen(p->log.metrics_file, resumed ? "a+" : "w"))) {
       snprintf(err, sizeof err, "cannot open log.metrics_file %s: %s", p->log.metrics_file, strerror(errno));
       goto fail;
     }
     /* A killed writer's torn last line stays a line of its own (reads and writes of an update
      * stream are separated by a seek). */
-    int torn = resumed && fseek(metrics, -1, SEEK_END) == 0 && fgetc(metrics) != '\n';
-    fseek(metrics, 0, SEEK_END);
-    if (torn) fputc('\n', metrics);
-    fprintf(metrics,
-            "{\"plan\":%s,\"num_params\":%zu,\"world_size\":%d,\"tokens_per_step\":%lld,\"data_tokens\":%zu,"
-            "\"strategy\":\"%s\",\"mesh\":[%d,%d,%d],\"param_bytes\":%zu,\"grad_bytes\":%zu,\"optim_bytes\":%zu,"
-            "\"work_bytes\":%zu,\"param_bytes_max\":%zu,\"grad_bytes_max\":%zu,\"optim_bytes_max\":%zu,"
-            "\"work_bytes_max\":%zu,\"start_step\":%d}\n",
-            plan_json ? plan_json : "{}", np, world, (long long)p->train.global_batch_size * T, data.n_train,
-            dp->name, mesh ? mesh->dims[MESH_DP_REPLICATE] : 1, mesh ? mesh->dims[MESH_DP_SHARD] : 1, tp,
-            mem.mine.param_bytes, mem.mine.grad_bytes, mem.mine.optim_bytes, mem.mine.work_bytes,
-            mem.max.param_bytes, mem.max.grad_bytes, mem.max.optim_bytes, mem.max.work_bytes, start_step);
-    fflush(metrics);
+    int torn = resumed && fseek(metrics.f, -1, SEEK_END) == 0 && fgetc(metrics.f) != '\n';
+    fseek(metrics.f, 0, SEEK_END);
+    metrics_printf(&metrics, 0,
+                   "%s{\"plan\":%s,\"num_params\":%zu,\"world_size\":%d,\"tokens_per_step\":%lld,\"data_tokens\":%zu,"
+                   "\"strategy\":\"%s\",\"mesh\":[%d,%d,%d],\"param_bytes\":%zu,\"grad_bytes\":%zu,\"optim_bytes\":%zu,"
+                   "\"work_bytes\":%zu,\"param_bytes_max\":%zu,\"grad_bytes_max\":%zu,\"optim_bytes_max\":%zu,"
+                   "\"work_bytes_max\":%zu,\"start_step\":%d}\n",
+                   torn ? "\n" : "", plan_json ? plan_json : "{}", np, world,
+                   (long long)p->train.global_batch_size * T, data.n_train, dp->name,
+                   mesh ? mesh->dims[MESH_DP_REPLICATE] : 1, mesh ? mesh->dims[MESH_DP_SHARD] : 1, tp,
+                   mem.mine.param_bytes, mem.mine.grad_bytes, mem.mine.optim_bytes, mem.mine.work_bytes,
+                   mem.max.param_bytes, mem.max.grad_bytes, mem.max.optim_bytes, mem.max.work_bytes, start_step);
   }
   if (a.dump_batches && !(dump = fopen(a.dump_batches, "wb"))) {
     snprintf(err, sizeof err, "cannot open %s: %s", a.dump_batches, strerror(errno));
@@ -1063,6 +1207,7 @@ int main(int argc, char **argv) {
   const double t_loop = now_s();
   double t_in_steps = 0;
   int stopped = 0;
+  int pending = 0; /* the step of the asynchronous save in flight, 0 when none */
   /* Test hook, MESHRUN_FAULT_NAN=RANK:STEP: that rank's first micro-batch of that step reports a
    * nan loss, as a rank whose data made the model diverge would (the tests check that every
    * rank then stops together). */
@@ -1144,7 +1289,7 @@ int main(int argc, char **argv) {
     t_in_steps += dt;
     const double tps = (double)tokens_per_step / dt;
     traffic_step(dp, mesh, &traffic, comm_json, sizeof comm_json);
-    metrics_step(metrics, s + 1, loss, lr, gnorm, tps, dt * 1e3, comm_json);
+    metrics_step(&metrics, s + 1, loss, lr, gnorm, tps, dt * 1e3, comm_json);
     if (p->log.interval > 0 && ((s + 1) % p->log.interval == 0 || s == 0 || s + 1 == steps)) {
       char tps_s[32], eta[32];
       fmt_thousands(tps_s, sizeof tps_s, tps);
@@ -1159,17 +1304,38 @@ int main(int argc, char **argv) {
         snprintf(err, sizeof err, "eval: %s", dp_status(dp) ? dp_errmsg(dp) : comm_errmsg(dpc));
         goto fail;
       }
-      metrics_eval(metrics, s + 1, el);
+      metrics_eval(&metrics, s + 1, el);
       log_rank0("step %d/%d | eval loss %.4f (%d batches of %d x %d)", s + 1, steps, el, p->eval.batches, B, T);
       traffic_step(dp, mesh, &traffic, comm_json, sizeof comm_json); /* eval traffic is not a step's */
     }
     /* Checkpoints: every interval steps and after the last; an async save in flight is
      * committed by the first poll that finds every rank's writer done (poll is collective:
-     * every rank calls it after every step). */
+     * every rank calls it after every step), or before the next save starts. A failed save is
+     * handled by checkpoint_failed, the same way on every rank (the writer shares its verdict). */
     if (ckw) {
       const int due = s + 1 == steps || (p->checkpoint.interval > 0 && (s + 1) % p->checkpoint.interval == 0);
-      if (due ? checkpoint_save(ckw, dp, p, s + 1, err, sizeof err) : ckpt_writer_poll(ckw, NULL, err, sizeof err))
-        goto fail;
+      int rc = 0, settled = 1;
+      if (pending) {
+        int64_t committed = -1;
+        if (due) {
+          rc = ckpt_writer_wait(ckw, err, sizeof err);
+        } else {
+          rc = ckpt_writer_poll(ckw, &committed, err, sizeof err);
+          settled = rc != 0 || committed >= 0;
+        }
+        if (settled && checkpoint_failed(rc, pending, rank, &no_restart, &final_failed, pending == steps, err,
+                                         sizeof err))
+          goto fail;
+        if (settled) pending = 0;
+      }
+      if (due) {
+        rc = checkpoint_save(ckw, dp, p, s + 1, err, sizeof err);
+        if (rc == 0 && p->checkpoint.async)
+          pending = s + 1; /* in flight: its outcome comes with the commit */
+        else if (checkpoint_failed(rc, s + 1, rank, &no_restart, &final_failed, s + 1 == steps, err, sizeof err))
+          goto fail;
+      }
+      if (final_failed && !final_err[0]) snprintf(final_err, sizeof final_err, "%s", err);
       traffic_step(dp, mesh, &traffic, comm_json, sizeof comm_json); /* nor is a checkpoint's */
     }
     if (a.stop_after && s + 1 == a.stop_after && s + 1 < steps) { /* hidden: as if killed here */
@@ -1178,8 +1344,15 @@ int main(int argc, char **argv) {
       break;
     }
   }
-  if (ckw && ckpt_writer_wait(ckw, err, sizeof err)) goto fail;
+  if (ckw && pending) {
+    int rc = ckpt_writer_wait(ckw, err, sizeof err);
+    if (checkpoint_failed(rc, pending, rank, &no_restart, &final_failed, pending == steps, err, sizeof err))
+      goto fail;
+    if (final_failed && !final_err[0]) snprintf(final_err, sizeof final_err, "%s", err);
+    pending = 0;
+  }
   if (stopped) {
+    if (metrics_close(&metrics, err, sizeof err)) goto fail;
     status = 0;
     goto cleanup;
   }
@@ -1196,7 +1369,22 @@ int main(int argc, char **argv) {
   {
     char path[PLAN_PATH_MAX + 32];
     final_weights_path(p, path, sizeof path);
-    if (weights_save(m, dp, mesh, rank, path, plan_json, steps, err, sizeof err)) goto fail;
+    /* Rank 0 writes the file, so its outcome is shared before anything else collective (the
+     * sample's forwards): 0 saved, 1 failed, 2 failed for lack of space (st_write's errno comes
+     * as text). */
+    float wrc = weights_save(m, dp, mesh, rank, path, plan_json, steps, err, sizeof err) == 0 ? 0.0f
+                : ckpt_msg_is_nospace(err)                                                   ? 2.0f
+                                                                                             : 1.0f;
+    const float mine = wrc;
+    if (mesh && comm_all_reduce(mesh_host_comm(mesh, "world"), &wrc, 1, COMM_FLOAT32, COMM_MAX)) {
+      snprintf(err, sizeof err, "saving the final weights: %s", comm_errmsg(mesh_host_comm(mesh, "world")));
+      goto fail;
+    }
+    if (wrc != 0.0f) {
+      if (mine == 0.0f) snprintf(err, sizeof err, "the final weights %s were not saved (rank 0 says why)", path);
+      no_restart = wrc == 2.0f;
+      goto fail;
+    }
     log_rank0("saved %s", path);
     if (p->sample.sample_tokens > 0 && (rank == 0 || dp_is_sharded(mesh) || tp > 1)) {
       log_rank0("sample (%d tokens, temperature %.2f):", p->sample.sample_tokens, p->sample.temperature);
@@ -1209,16 +1397,24 @@ int main(int argc, char **argv) {
       }
     }
   }
+  /* The run is done; what failed without stopping it decides the exit status now. */
+  if (final_failed) {
+    snprintf(err, sizeof err, "the checkpoint after the last step (%d) was not saved: %s", steps, final_err);
+    goto fail;
+  }
+  if (metrics_close(&metrics, err, sizeof err)) {
+    no_restart = metrics.err == ENOSPC || metrics.err == EDQUOT;
+    goto fail;
+  }
   status = 0;
   goto cleanup;
 
 fail:
-  fprintf(stderr, "trainer: %s\n", err);
-  status = fail_code;
+  status = exit_error(fail_code, err, !no_restart);
 cleanup:
   ckpt_writer_destroy(ckw); /* a save still in flight (only after a failure) is waited for */
   if (dump) fclose(dump);
-  if (metrics) fclose(metrics);
+  if (metrics.f) fclose(metrics.f);
   dp_destroy(dp);
   free(tok);
   free(tgt);

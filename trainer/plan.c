@@ -14,6 +14,7 @@
 
 #include <cJSON.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <limits.h>
 #include <math.h>
@@ -22,6 +23,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "common/fs.h"
 
 /* Enums are stored through int pointers by the table code. */
 _Static_assert(sizeof(plan_device_t) == sizeof(int), "enum size");
@@ -539,10 +544,31 @@ static int apply_set(cJSON *root, const char *set, char *err, size_t errlen) {
 
 /* ---- load ------------------------------------------------------------------------------- */
 
+/* A plan is a regular file of at most PLAN_FILE_MAX bytes: a device (/dev/zero), a FIFO or a
+ * directory is refused before reading, and the limit also holds while reading (a file that
+ * grows). O_NONBLOCK: opening a FIFO must not wait for a writer. */
 static char *read_file(const char *path, char *err, size_t errlen) {
-  FILE *f = fopen(path, "rb");
+  int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) {
+    perr(err, errlen, path, "cannot open: %s", strerror(errno));
+    return NULL;
+  }
+  struct stat sb;
+  if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
+    perr(err, errlen, path, "not a regular file (a plan is a JSON file)");
+    close(fd);
+    return NULL;
+  }
+  if (sb.st_size > PLAN_FILE_MAX) {
+    perr(err, errlen, path, "%lld bytes; a plan file is at most %d MiB", (long long)sb.st_size, PLAN_FILE_MAX >> 20);
+    close(fd);
+    return NULL;
+  }
+  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+  FILE *f = fdopen(fd, "rb");
   if (!f) {
     perr(err, errlen, path, "cannot open: %s", strerror(errno));
+    close(fd);
     return NULL;
   }
   size_t cap = 1 << 14, len = 0;
@@ -556,6 +582,13 @@ static char *read_file(const char *path, char *err, size_t errlen) {
       return NULL;
     }
     if (feof(f)) break;
+    if (len > PLAN_FILE_MAX) {
+      perr(err, errlen, path, "more than %d MiB; a plan file is at most %d MiB", PLAN_FILE_MAX >> 20,
+           PLAN_FILE_MAX >> 20);
+      free(buf);
+      fclose(f);
+      return NULL;
+    }
     if (len == cap - 1) {
       char *nb = realloc(buf, cap * 2);
       if (!nb) free(buf);
@@ -786,6 +819,29 @@ int plan_resolve(plan_t *p, int world_size, char *err, size_t errlen) {
     return perr(err, errlen, "checkpoint.resume", "auto needs checkpoint.dir");
   if (!p->checkpoint.resume[0])
     return perr(err, errlen, "checkpoint.resume", "must be none, auto or a checkpoint path, got \"\"");
+  return 0;
+}
+
+/* ---- paths ----------------------------------------------------------------------------- */
+
+int plan_check_paths(const plan_t *p, char *err, size_t errlen) {
+  const char *dir = p->checkpoint.dir;
+  if (!dir[0]) return 0;
+  struct stat sb;
+  if (stat(dir, &sb) == 0 && !S_ISDIR(sb.st_mode))
+    return perr(err, errlen, "checkpoint.dir", "%s exists and is not a directory", dir);
+  char failed[PLAN_PATH_MAX + 64];
+  int rc = fs_mkdir_p(dir, failed, sizeof failed);
+  if (rc) return perr(err, errlen, "checkpoint.dir", "cannot create %s: %s", failed, strerror(-rc));
+  /* A file created and removed is the one test that sees read-only mounts, ACLs and quotas,
+   * for root too (access() answers root from mode bits). Named *.tmp: a crash's leftover is
+   * removed by the next save like any other. */
+  char probe[PLAN_PATH_MAX + 64];
+  snprintf(probe, sizeof probe, "%s/.write-check-XXXXXX.tmp", dir);
+  int fd = mkstemps(probe, 4);
+  if (fd < 0) return perr(err, errlen, "checkpoint.dir", "%s is not writable: %s", dir, strerror(errno));
+  close(fd);
+  unlink(probe);
   return 0;
 }
 

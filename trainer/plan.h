@@ -5,7 +5,8 @@
  * with defaults for absent keys. plan_resolve then checks everything that depends on the
  * world size (mesh product, batch divisibility) and computes the derived fields. Every error is
  * one line "plan error: <key.path>: <what is wrong and what is allowed>" in err; main prints it
- * and exits 2. The cJSON tree never leaves plan.c. Keys are documented in docs/plan.md. */
+ * and exits 2. The cJSON tree never leaves plan.c. Keys are documented in docs/plan.md.
+ * plan_check_paths is the one part that touches the filesystem beyond reading the plan. */
 #ifndef MESHRUN_PLAN_H
 #define MESHRUN_PLAN_H
 
@@ -13,6 +14,7 @@
 #include <stdint.h>
 
 #define PLAN_PATH_MAX 1024
+#define PLAN_FILE_MAX (16 << 20) /* bytes; a plan file must be a regular file no larger */
 #define PLAN_EINVAL (-2)
 
 typedef enum { PLAN_DEVICE_AUTO = 0, PLAN_DEVICE_CPU, PLAN_DEVICE_CUDA } plan_device_t;
@@ -144,6 +146,11 @@ int plan_load(plan_t *p, const char *path, const char *const *sets, int nsets, c
 /* Checks the plan against world_size, resolves mesh -1 entries, hidden_dim, grad_accum_steps,
  * defaults that depend on other keys. Returns 0 or PLAN_EINVAL. */
 int plan_resolve(plan_t *p, int world_size, char *err, size_t errlen);
+/* Checks, for a training run, that checkpoint.dir (when set) is a directory this process can
+ * write: created with its missing parents when absent, then a file created and removed in it.
+ * Returns 0 or PLAN_EINVAL with "plan error: checkpoint.dir: ..." (a file, not creatable, not
+ * writable, with the system's reason). */
+int plan_check_paths(const plan_t *p, char *err, size_t errlen);
 /* Serializes the (resolved) plan as one line of JSON (malloc'ed string, caller frees): for logs, metrics
  * and checkpoint metadata. */
 char *plan_to_json(const plan_t *p);

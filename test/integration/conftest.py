@@ -81,16 +81,17 @@ FAST_CONF = "join_timeout=20,last_call_timeout=0.5,heartbeat_interval=0.1,heartb
 
 
 class Meshrun:
-    """One meshrun process. args: meshrun flags then the program and its arguments."""
+    """One meshrun process. args: meshrun flags then the program and its arguments; preexec_fn
+    runs in the child before exec (e.g. to set its resource limits)."""
 
-    def __init__(self, args, env=None, cwd=None):
+    def __init__(self, args, env=None, cwd=None, preexec_fn=None):
         e = dict(os.environ)
         e.pop("OMP_NUM_THREADS", None)
         if env:
             e.update(env)
         self.args = [MESHRUN] + list(args)
         self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=e,
-                                     cwd=cwd, start_new_session=True)
+                                     cwd=cwd, start_new_session=True, preexec_fn=preexec_fn)
         self.out = self.err = None
 
     @property

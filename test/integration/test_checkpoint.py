@@ -17,6 +17,17 @@ batch of 16 sequences (24 for the 8 -> 6 ranks case, so that both worlds divide 
   bits; saving step-10 again removes the abandoned step-15 with a warning.
 - Another model shape -> refused with a message naming the shape, exit 2; another global batch ->
   exit 2.
+- Tampered metadata: a one-bit flip of optim_step in step-15's metadata.json and of data_position
+  in step-10's -> both named (checksum mismatch), resume falls back to step-5 and ends on the
+  never-stopped run's bits.
+- Failed saves: a shard write failing on rank 1 at step 10 (MESHRUN_FAULT_SAVE, sync and async)
+  -> one warning, no step-10.tmp left, the run goes on to the same loss bits and exits 0; the
+  save after the last step failing -> the final weights are still saved, exit 1, an error file
+  without meshrun's no-restart flag; no space (a 256 KiB tmpfs as checkpoint.dir, skipped where
+  mounting is not allowed) -> the run stops at the first save, exit 1, "No space left on device",
+  nothing left in the directory, and the error file says {"meshrun": {"restart": false}}; no space
+  on rank 1 only (fault injection) -> every rank stops with that cause; no space for fsdp2's final
+  weights (rank 0 writes them) -> both ranks exit 1, rank 0 naming the cause.
 - Interop: `trainer export` to llama2.c and HF from a run's final weights; model.init from each
   (and from our safetensors) trains step 1 to the same loss bits; a wrong shape is refused with
   the interop message (exit 2); configs/stories260K.json loads ../shared/data/stories260K.bin.
@@ -69,10 +80,12 @@ def write_plan(d, plan=None):
     return path
 
 
-def clean_env():
+def clean_env(extra=None):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MESHRUN_STORE", "TORCHELASTIC_RESTART_COUNT"):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MESHRUN_STORE", "TORCHELASTIC_RESTART_COUNT",
+              "TORCHELASTIC_ERROR_FILE", "MESHRUN_FAULT_SAVE"):
         env.pop(k, None)
+    env.update(extra or {})
     return env
 
 
@@ -94,16 +107,16 @@ class Result:
         return "rc=%s\nstdout:\n%s\nstderr:\n%s" % (self.rc, self.out, self.err)
 
 
-def run(d, name, extra=(), flags=(), timeout=120):
-    """Runs layout `name` in directory d (one process, or meshrun with its ranks)."""
+def run(d, name, extra=(), flags=(), timeout=120, env=None):
+    """Runs layout `name` in directory d (one process, or meshrun with its ranks); env: extra variables."""
     nproc = LAYOUTS[name][0]
     args = [write_plan(d)] + layout_sets(d, name, extra) + list(flags)
     if nproc == 1:
-        r = subprocess.run([TRAINER] + args, cwd=str(d), env=clean_env(), capture_output=True, text=True,
+        r = subprocess.run([TRAINER] + args, cwd=str(d), env=clean_env(env), capture_output=True, text=True,
                            timeout=timeout)
         return Result(r.returncode, r.stdout, r.stderr)
     m = Meshrun(["--nproc_per_node=%d" % nproc, "--rdzv_conf=" + FAST_CONF, TRAINER] + args,
-                env={"OMP_NUM_THREADS": "1"}, cwd=str(d))
+                env=dict({"OMP_NUM_THREADS": "1"}, **(env or {})), cwd=str(d))
     rc = m.wait(timeout)
     return Result(rc, m.out, m.err)
 
@@ -230,6 +243,132 @@ def test_corrupt_shards_fall_back(straight, tmp_path):
     diff = [k for k in after if got[k] != ref[k]]
     print("fallback to step-5: %d losses after it, %d differ in any bit (tolerance 0)" % (len(after), len(diff)))
     assert not diff
+
+
+def replace_once(path, old, new):
+    with open(path) as f:
+        text = f.read()
+    assert text.count(old) == 1, "%s: %r appears %d times" % (path, old, text.count(old))
+    with open(path, "w") as f:
+        f.write(text.replace(old, new))
+
+
+def test_tampered_metadata_falls_back(straight, tmp_path):
+    ref = losses(straight("serial"))
+    r = run(tmp_path, "serial", ["checkpoint.interval=5"], ["--stop-after", "16"])
+    assert r.rc == 0, r.describe()
+    ck = tmp_path / "ck"
+    # One-bit flips: '5' (0x35) -> '4' (0x34) and '0' (0x30) -> '1' (0x31).
+    replace_once(ck / "step-15" / "metadata.json", '"optim_step":\t15,', '"optim_step":\t14,')
+    replace_once(ck / "step-10" / "metadata.json", '"data_position":\t"160"', '"data_position":\t"161"')
+    r = run(tmp_path, "serial", ["checkpoint.interval=5", "checkpoint.resume=auto"])
+    print("\n".join(l for l in r.err.splitlines() if "checkpoint" in l or "resumed" in l))
+    assert r.rc == 0, r.describe()
+    assert "%s: checksum mismatch" % (ck / "step-15" / "metadata.json") in r.err and \
+        "falling back to step-10" in r.err, r.describe()
+    assert "%s: checksum mismatch" % (ck / "step-10" / "metadata.json") in r.err and \
+        "falling back to step-5" in r.err, r.describe()
+    assert "resumed from %s/step-5 (step 5" % ck in r.err
+    got = losses(tmp_path)
+    after = sorted(k for k in ref if k[1] > 5)
+    diff = [k for k in after if got[k] != ref[k]]
+    print("fallback to step-5: %d losses after it, %d differ in any bit (tolerance 0)" % (len(after), len(diff)))
+    assert not diff
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_failed_save_goes_on(straight, tmp_path, mode):
+    ref = losses(straight("fsdp2"))
+    r = run(tmp_path, "fsdp2", ["checkpoint.interval=5", "checkpoint.keep=0",
+                                "checkpoint.async=%s" % ("true" if mode == "async" else "false")],
+            env={"MESHRUN_FAULT_SAVE": "1:10"})
+    assert r.rc == 0, r.describe()
+    warn = [l for l in r.err.splitlines() if "checkpoint of step 10 failed" in l]
+    print("\n".join(warn))
+    assert len(warn) == 1, r.describe()  # one line, from rank 0; every rank went on
+    assert "step-10.tmp/shard-1.safetensors: Input/output error" in warn[0] and "training goes on" in warn[0]
+    assert sorted(os.listdir(tmp_path / "ck")) == ["final.safetensors", "latest", "step-15", "step-20", "step-5"]
+    got = losses(tmp_path)
+    diff = [k for k in ref if got.get(k) != ref[k]]
+    print("%s: %d losses, %d differ from the run without the failure (tolerance 0)" % (mode, len(ref), len(diff)))
+    assert sorted(got) == sorted(ref) and not diff
+
+
+def test_failed_final_save_exits_1(tmp_path):
+    errfile = tmp_path / "error.json"
+    r = run(tmp_path, "serial", ["checkpoint.interval=5"],
+            env={"MESHRUN_FAULT_SAVE": "0:20", "TORCHELASTIC_ERROR_FILE": str(errfile)})
+    line = r.err.strip().splitlines()[-1]
+    print(line)
+    assert r.rc == 1, r.describe()
+    assert line.startswith("trainer: the checkpoint after the last step (20) was not saved: ") and \
+        "Input/output error" in line
+    ck = tmp_path / "ck"
+    assert sorted(os.listdir(ck)) == ["final.safetensors", "latest", "step-10", "step-15", "step-5"]
+    with open(errfile) as f:
+        doc = json.load(f)
+    print(doc)
+    assert "was not saved" in doc["message"]["message"] and doc["message"]["extraInfo"]["timestamp"].isdigit()
+    assert "meshrun" not in doc  # a restart may help an i/o error
+
+
+def test_no_space_stops_at_once(tmp_path):
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    m = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(ck)], capture_output=True, text=True)
+    if m.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here: %s" % m.stderr.strip())
+    try:
+        errfile = tmp_path / "error.json"
+        # A checkpoint of this model is about 1.6 MB: the first save (step 5) cannot fit.
+        r = run(tmp_path, "serial", ["checkpoint.interval=5"], env={"TORCHELASTIC_ERROR_FILE": str(errfile)})
+        line = r.err.strip().splitlines()[-1]
+        print(line)
+        assert r.rc == 1, r.describe()
+        assert line.startswith("trainer: the checkpoint of step 5 failed, stopping: ") and \
+            "No space left on device" in line
+        assert os.listdir(ck) == [], "left behind: %s" % os.listdir(ck)
+        assert max(k[1] for k in losses(tmp_path)) == 5  # stopped at once
+        with open(errfile) as f:
+            doc = json.load(f)
+        print(doc)
+        assert doc["meshrun"] == {"restart": False}
+        assert "No space left on device" in doc["message"]["message"]
+    finally:
+        subprocess.run(["umount", str(ck)], check=True)
+
+
+def test_no_space_for_final_weights(tmp_path):
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    # fsdp2's checkpoint of this model is 1.60 MB and its final weights 0.53 MB: 1900 KiB holds
+    # the checkpoint after the last step, not the weights after it.
+    m = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1900k", "tmpfs", str(ck)], capture_output=True, text=True)
+    if m.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here: %s" % m.stderr.strip())
+    try:
+        r = run(tmp_path, "fsdp2", ["checkpoint.interval=0"])
+        assert r.rc == 1, r.describe()
+        r0 = [l for l in r.err.splitlines() if l.startswith("[rank0]:trainer: ")]
+        r1 = [l for l in r.err.splitlines() if l.startswith("[rank1]:trainer: ")]
+        print("\n".join(r0 + r1))
+        assert len(r0) == 1 and "final.safetensors" in r0[0] and "No space left on device" in r0[0], r.describe()
+        assert len(r1) == 1 and "were not saved (rank 0 says why)" in r1[0], r.describe()
+        assert sorted(os.listdir(ck)) == ["latest", "step-20"]
+    finally:
+        subprocess.run(["umount", str(ck)], check=True)
+
+
+def test_no_space_on_one_rank_stops_every_rank(tmp_path):
+    r = run(tmp_path, "fsdp2", ["checkpoint.interval=5"], env={"MESHRUN_FAULT_SAVE": "1:10:ENOSPC"})
+    assert r.rc == 1, r.describe()
+    for rank in range(2):
+        lines = [l for l in r.err.splitlines() if l.startswith("[rank%d]:" % rank) and
+                 "trainer: the checkpoint of step 10 failed, stopping: " in l]
+        print(lines)
+        assert len(lines) == 1 and "shard-1.safetensors: No space left on device" in lines[0], r.describe()
+    assert sorted(os.listdir(tmp_path / "ck")) == ["latest", "step-5"]
+    assert max(k[1] for k in losses(tmp_path)) == 10
 
 
 def test_wrong_shape_and_batch_refused(straight, tmp_path):

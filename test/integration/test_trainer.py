@@ -4,15 +4,21 @@ A tiny plan trains and its loss falls; two identical runs write bit-identical lo
 metrics file has its fields; `trainer sample` reproduces the sample printed after training from
 the saved weights; and each bad input (missing or unreadable data, data shorter than one
 sequence, token id >= vocab, a diverging run, plan errors, unsupported worlds and devices) ends
-with a one-line message naming the cause and a non-zero exit.
+with a one-line message naming the cause and a non-zero exit. Also: a plan that is not a regular
+file (/dev/zero) or is over 16 MiB; a checkpoint.dir that is a file, lies under a file or is on a
+read-only mount (plan errors before step 1; the mount test skips where mounting is not allowed);
+metrics that cannot be written (/dev/full: one warning, the run finishes, exit 1); an unset
+variable in the "bad environment" line is printed as (unset), never (null).
 
 Binaries come from MESHRUN_BIN (the Makefile's `integration` target sets it); runs use one
 thread and tiny models so the whole file takes a few seconds.
 """
 import json
 import os
+import resource
 import struct
 import subprocess
+import tempfile
 
 import pytest
 
@@ -245,6 +251,81 @@ def test_usage_errors(tmp_path):
     bad_json.write_text("{ not json")
     r = run([str(bad_json)], cwd=tmp_path)
     assert r.returncode == 2 and "bad.json" in one_error_line(r)
+
+
+def test_plan_must_be_a_small_regular_file(tmp_path):
+    def limit_memory():  # without the check, /dev/zero is read until memory runs out: fail fast
+        resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run([TRAINER, "/dev/zero"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60,
+                       preexec_fn=limit_memory)
+    line = one_error_line(r)
+    print(line)
+    assert r.returncode == 2 and line == "plan error: /dev/zero: not a regular file (a plan is a JSON file)", r.stderr
+    big = tmp_path / "big.json"
+    with open(big, "w") as f:
+        f.write("{}" + " " * (17 << 20))
+    r = run([str(big)], cwd=tmp_path)
+    line = one_error_line(r)
+    print(line)
+    assert r.returncode == 2 and line == "plan error: %s: %d bytes; a plan file is at most 16 MiB" % (
+        big, (17 << 20) + 2), r.stderr
+    assert len([l for l in r.stderr.splitlines() if l.strip()]) == 1
+
+
+def _mount_tmpfs(where, opts):
+    """Mounts a tmpfs at where; False where mounting is not allowed (not root, no CAP_SYS_ADMIN)."""
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(where)], capture_output=True, text=True)
+    return r.returncode == 0
+
+
+def test_checkpoint_dir_checked_before_the_first_step(tmp_path):
+    # interval 0: without the check, the first save would come after the last step.
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    for ck, why in [(f, "exists and is not a directory"), (f / "ck", "Not a directory")]:
+        r, _ = train(tmp_path, [f"checkpoint.dir={ck}", "checkpoint.interval=0"])
+        lines = [l for l in r.stderr.splitlines() if l.strip()]
+        print(lines[-1])
+        assert r.returncode == 2 and lines[-1].startswith("plan error: checkpoint.dir: ") and why in lines[-1], r.stderr
+        assert len(lines) == 1 and "step 1/" not in r.stderr
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if not _mount_tmpfs(ro, "ro"):
+        pytest.skip("cannot mount a read-only tmpfs here (the file cases above passed)")
+    try:
+        for ck in (ro, ro / "sub" / "ck"):
+            r, _ = train(tmp_path, [f"checkpoint.dir={ck}"])
+            line = one_error_line(r)
+            print(line)
+            assert r.returncode == 2 and line.startswith("plan error: checkpoint.dir: "), r.stderr
+            assert "Read-only file system" in line and "step 1/" not in r.stderr
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)
+
+
+def test_metrics_write_error_is_reported(tmp_path):
+    plan_path = write_plan(tmp_path, TINY)
+    r = run([plan_path, "--set", "log.metrics_file=/dev/full", "--set", f"checkpoint.dir={tmp_path / 'ck'}",
+             "--set", "train.steps=5"], cwd=tmp_path)
+    warnings = [l for l in r.stderr.splitlines() if "log.metrics_file /dev/full" in l]
+    print("\n".join(warnings))
+    assert r.returncode == 1, r.stderr
+    assert len(warnings) == 2  # the warning when it happened, and the last line
+    assert "No space left on device" in warnings[0] and "exit 1" in warnings[0]
+    line = one_error_line(r)
+    assert line.startswith("trainer: log.metrics_file /dev/full: ") and "No space left on device" in line
+    # The run itself finished: every step, the final weights, the sample.
+    assert "step 5/5" in r.stderr and (tmp_path / "ck" / "final.safetensors").exists()
+    assert r.stdout.startswith("ROMEO:")
+
+
+def test_bad_environment_names_unset_variables(tmp_path):
+    r = run([write_plan(tmp_path, TINY)], cwd=tmp_path, env_extra={"RANK": "5"})
+    line = one_error_line(r)
+    print(line)
+    assert r.returncode == 2 and line == "trainer: bad environment RANK=5 WORLD_SIZE=(unset) LOCAL_RANK=(unset)"
 
 
 def test_world_and_device_errors(tmp_path):

@@ -27,7 +27,7 @@ static void server_main(int wfd) {
   char err[256] = "";
   int port = -1;
   if (uv_loop_init(&loop) != 0 ||
-      store_server_start(&srv, &loop, "127.0.0.1", 0, &port, err, sizeof err) != 0) {
+      store_server_start(&srv, &loop, "127.0.0.1", 0, NULL, &port, err, sizeof err) != 0) {
     fprintf(stderr, "fixture: store_server_start: %s\n", err);
     port = -1;
   }
@@ -73,7 +73,7 @@ static void child_run(int rank, int n, int port, fixture_rank_fn fn, void *arg, 
   char err[512] = "", ep[64];
   snprintf(ep, sizeof ep, "127.0.0.1:%d", port);
   store_t *st = NULL;
-  if (store_connect_endpoint(&st, ep, 10000, err, sizeof err) != 0) {
+  if (store_connect_endpoint(&st, ep, NULL, 10000, err, sizeof err) != 0) {
     fprintf(stderr, "rank %d: store: %s\n", rank, err);
     _exit(3);
   }

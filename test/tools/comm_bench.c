@@ -244,7 +244,7 @@ int main(int argc, char **argv) {
   if (!store_ep || !rank_s || !world_s) return run_local(&o);
   char err[512] = "";
   store_t *st = NULL;
-  if (store_connect_endpoint(&st, store_ep, 30000, err, sizeof err) != 0) {
+  if (store_connect_env(&st, 30000, err, sizeof err) != 0) {
     fprintf(stderr, "comm_bench: store %s: %s\n", store_ep, err);
     return 1;
   }

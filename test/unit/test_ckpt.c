@@ -10,7 +10,12 @@
  * protocol with one thread per rank and a comm_t whose ops move bytes through shared memory
  * (cmocka's asserts are only used on the main thread). Checkpoints live in a fresh mkdtemp
  * directory per test. Also: crash atomicity through the test hook, corruption (truncation, a
- * flipped byte) with fallback, a refused model shape, retention, async saves, metadata. */
+ * flipped byte) with fallback, a refused model shape, retention, async saves, metadata; the
+ * metadata's own checksum (every one-bit flip of metadata.json refused, a tampered optim_step
+ * falling back, a version-1 file named as such); failed writes (the "write" hook) failing the
+ * save on every rank with the cause, a lack of space winning, the .tmp removed, and the writer
+ * saving again afterwards. */
+#include <errno.h>
 #include <dirent.h>
 #include <pthread.h>
 #include <setjmp.h>
@@ -215,10 +220,23 @@ typedef struct {
   int bad_rank;  /* -1, or a rank that passes an invalid chunk */
   int drop_rank; /* -1, or a rank that saves nothing (a hole in the checkpoint) */
   int fail_rank; /* -1, or a rank that could not collect its state (passes n_chunks -1) */
-  int (*hook)(const char *, void *);
+  int (*hook)(const char *, int64_t, void *);
   void *hook_arg;
   int scribble; /* async: overwrite the buffers right after each save returns */
+  int64_t fault_step;   /* with fault_err: the step whose shard writes fail */
+  int fault_err[MAXR];  /* per rank: the errno its "write" hook returns at fault_step (0: none) */
+  int go_on;            /* keep saving the next steps after a failed one (first error returned) */
 } save_t;
+
+/* The "write" hook of rank `rank` under save_t a (fault_step, fault_err). */
+typedef struct {
+  int rank;
+  const save_t *a;
+} fault_t;
+static int fault_hook(const char *point, int64_t step, void *arg) {
+  const fault_t *f = arg;
+  return !strcmp(point, "write") && step == f->a->fault_step ? f->a->fault_err[f->rank] : 0;
+}
 
 static int save_rank(rank_ctx_t *rc) {
   save_t *a = rc->arg;
@@ -229,10 +247,16 @@ static int save_rank(rank_ctx_t *rc) {
   ckpt_writer_config_t cfg = {.dir = a->dir, .keep = a->keep, .async = a->async, .group = rc->g, .shape = SHAPE,
                               .mesh = {a->R, a->S, a->T}, .plan_json = "{\"seed\": 7, \"mesh\": {\"tp\": 2}}",
                               .hook = a->hook, .hook_arg = a->hook_arg};
+  fault_t fault = {rc->rank, a};
+  if (a->fault_step) {
+    cfg.hook = fault_hook;
+    cfg.hook_arg = &fault;
+  }
   ckpt_writer_t *w = NULL;
-  int ret = ckpt_writer_create(&w, &cfg, rc->err, sizeof rc->err);
+  int ret = ckpt_writer_create(&w, &cfg, rc->err, sizeof rc->err), first = 0;
+  char first_err[sizeof rc->err] = "";
   if (ret) return ret;
-  for (int k = 0; k < a->n_steps && !ret; k++) {
+  for (int k = 0; k < a->n_steps && (!first || a->go_on); k++) {
     int64_t step = a->steps[k];
     float *bufs[3] = {0};
     ckpt_chunks_t cs = {0};
@@ -247,15 +271,21 @@ static int save_rank(rank_ctx_t *rc) {
                        .rng = {0xDEADBEEFCAFEF00Dull + (uint64_t)step, 42}};
     ckpt_state_set(&st, "loss", "2.5");
     ret = ckpt_writer_save(w, &st, cs.v, cs.n, rc->err, sizeof rc->err);
+    if (!ret && a->async && a->go_on) ret = ckpt_writer_wait(w, rc->err, sizeof rc->err); /* this step's outcome */
+    if (ret && !first) {
+      first = ret;
+      snprintf(first_err, sizeof first_err, "%s", rc->err);
+    }
     for (int q = 0; q < a->nkinds; q++) {
       if (a->scribble) memset(bufs[q], 0xff, n * sizeof(float));
       free(bufs[q]);
     }
     ckpt_chunks_free(&cs);
   }
-  if (!ret && a->async) ret = ckpt_writer_wait(w, rc->err, sizeof rc->err);
+  if (!first && a->async && (ret = ckpt_writer_wait(w, rc->err, sizeof rc->err)) != 0) first = ret;
+  else if (first) snprintf(rc->err, sizeof rc->err, "%s", first_err);
   ckpt_writer_destroy(w);
-  return ret;
+  return first;
 }
 
 static int save(save_t a) {
@@ -558,7 +588,7 @@ static void test_wrong_shape_refused(void **state) {
 typedef struct {
   const char *point;
 } hook_t;
-static int crash_at(const char *point, void *arg) { return !strcmp(point, ((hook_t *)arg)->point); }
+static int crash_at(const char *point, int64_t step, void *arg) { return !strcmp(point, ((hook_t *)arg)->point); }
 
 static void test_crash_during_save_keeps_previous(void **state) {
   static const char *points[] = {"before_commit", "before_rename", "before_latest"};
@@ -752,6 +782,120 @@ static void test_metadata_round_trip(void **state) {
   assert_int_equal(ckpt_state_set(&full, "one-more", "v"), CKPT_EINVAL);
 }
 
+/* metadata.json opens with its own CRC32C: every one-bit flip anywhere in it is refused (CRC32C
+ * catches all of them; a flip in the checksum's own digits is a mismatch or no checksum), and
+ * "auto" falls back past a tampered one, naming the file. */
+static void test_metadata_checksum(void **state) {
+  assert_int_equal(save((save_t){.S = 2, .steps = {10, 20}, .n_steps = 2}), 0);
+  size_t len;
+  unsigned char *orig = slurp("step-20/metadata.json", &len);
+  assert_true(len > 64);
+  char first[40];
+  snprintf(first, sizeof first, "%.*s", 31, (const char *)orig);
+  printf("  first line: %s\n", first);
+  assert_memory_equal(orig, "{\"metadata_crc32c\": \"0x", 22);
+  char p[512], err[2048];
+  snprintf(p, sizeof p, "%s/step-20/metadata.json", root);
+  ckpt_t *ck = NULL;
+  int missed = 0;
+  for (size_t at = 0; at < len; at++)
+    for (int bit = 0; bit < 8; bit += 3) { /* bits 0, 3, 6 of every byte */
+      orig[at] ^= (unsigned char)(1u << bit);
+      testfile_write(p, orig, len);
+      orig[at] ^= (unsigned char)(1u << bit);
+      int rc = ckpt_open(&ck, root, "step-20", &SHAPE, NULL, err, sizeof err);
+      if (rc != CKPT_ECORRUPT || !strstr(err, "step-20/metadata.json")) {
+        printf("  byte %zu bit %d: rc %d (%s)\n", at, bit, rc, rc ? err : "opened");
+        missed++;
+      }
+      ckpt_close(ck);
+      ck = NULL;
+    }
+  printf("  %zu one-bit flips of metadata.json, %d accepted (want 0)\n", len * 3, missed);
+  assert_int_equal(missed, 0);
+  /* A tampered optim_step (20 -> 21, one bit): auto falls back to step-10, naming the file. */
+  char *txt = (char *)orig, *at = strstr(txt, "\"optim_step\":\t20,");
+  assert_non_null(at);
+  at[strlen("\"optim_step\":\t21") - 1] = '1';
+  testfile_write(p, orig, len);
+  ck = open_auto("auto", 10);
+  printf("  notes: %s", ckpt_meta(ck)->notes);
+  assert_non_null(strstr(ckpt_meta(ck)->notes, "step-20/metadata.json: checksum mismatch (expected 0x"));
+  assert_non_null(strstr(ckpt_meta(ck)->notes, "falling back to step-10"));
+  ckpt_close(ck);
+  /* A version-1 file (no checksum line) is named as such. */
+  at[strlen("\"optim_step\":\t21") - 1] = '0';
+  char *v1 = malloc(len + 8);
+  size_t head = strlen("{\"metadata_crc32c\": \"0x12345678\",");
+  snprintf(v1, len + 8, "{%s", txt + head);
+  char *ver = strstr(v1, "\"version\":\t2");
+  assert_non_null(ver);
+  ver[strlen("\"version\":\t2") - 1] = '1';
+  testfile_write(p, v1, strlen(v1));
+  assert_int_equal(ckpt_open(&ck, root, "step-20", &SHAPE, NULL, err, sizeof err), CKPT_ECORRUPT);
+  printf("  %s\n", err);
+  assert_non_null(strstr(err, "step-20/metadata.json: format version 1 has no metadata checksum"));
+  /* The same without the version: damage, not an old format. */
+  ver[strlen("\"version\":\t2") - 1] = '2';
+  testfile_write(p, v1, strlen(v1));
+  assert_int_equal(ckpt_open(&ck, root, "step-20", &SHAPE, NULL, err, sizeof err), CKPT_ECORRUPT);
+  assert_non_null(strstr(err, "no metadata checksum on its first line"));
+  free(v1);
+  free(orig);
+}
+
+static int count_in_dir(const char *rel, const char *part) {
+  char p[512];
+  snprintf(p, sizeof p, "%s/%s", root, rel);
+  DIR *d = opendir(p);
+  if (!d) return -1;
+  struct dirent *e;
+  int n = 0;
+  while ((e = readdir(d)))
+    if (strstr(e->d_name, part)) n++;
+  closedir(d);
+  return n;
+}
+
+/* A shard write that fails on one rank fails the save on every rank, with that rank's cause;
+ * its .tmp is removed; the writer saves the next step. A lack of space on any rank wins over
+ * other errors (it is what the trainer stops on). */
+static void test_failed_write_fails_everyone_and_cleans_up(void **state) {
+  for (int async = 0; async <= 1; async++) {
+    assert_int_equal(save((save_t){.S = 4, .steps = {10}, .n_steps = 1, .async = async}), 0);
+    int rc = save((save_t){.S = 4, .steps = {20, 30}, .n_steps = 2, .async = async, .go_on = 1, .fault_step = 20,
+                           .fault_err = {[1] = EIO}});
+    assert_int_equal(rc, CKPT_EIO);
+    for (int r = 0; r < 4; r++) {
+      assert_int_equal(ranks[r].rc, CKPT_EIO);
+      assert_non_null(strstr(ranks[r].err, "step-20.tmp/shard-1.safetensors: Input/output error"));
+    }
+    printf("  %s: %s\n", async ? "async" : "sync", ranks[0].err);
+    assert_false(exists("step-20"));
+    assert_int_equal(count_in_dir("", ".tmp"), 0);
+    char latest[64];
+    read_latest(latest, sizeof latest);
+    assert_string_equal(latest, "step-30\n"); /* the same writers saved the next step */
+    expect_layouts(30, 2);
+    /* EIO on rank 1, no space on rank 3: every rank reports the lack of space. */
+    rc = save((save_t){.S = 4, .steps = {40}, .n_steps = 1, .async = async, .fault_step = 40,
+                       .fault_err = {[1] = EIO, [3] = ENOSPC}});
+    assert_int_equal(rc, CKPT_ENOSPC);
+    for (int r = 0; r < 4; r++) {
+      assert_int_equal(ranks[r].rc, CKPT_ENOSPC);
+      assert_non_null(strstr(ranks[r].err, "shard-3.safetensors: No space left on device"));
+    }
+    assert_false(exists("step-40"));
+    assert_int_equal(count_in_dir("", ".tmp"), 0);
+    assert_true(ckpt_msg_is_nospace(ranks[0].err));
+    assert_false(ckpt_msg_is_nospace("checkpoint error: write x: Input/output error"));
+    assert_string_equal(ckpt_strerror(CKPT_ENOSPC), "no space left on device");
+    char cmd[600];
+    snprintf(cmd, sizeof cmd, "rm -rf %s/step-* %s/latest", root, root);
+    assert_int_equal(system(cmd), 0);
+  }
+}
+
 static void test_no_checkpoint(void **state) {
   ckpt_t *ck = NULL;
   char err[1024], p[400];
@@ -788,6 +932,8 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_async_poll, setup, teardown),
       cmocka_unit_test_setup_teardown(test_metadata_round_trip, setup, teardown),
       cmocka_unit_test_setup_teardown(test_no_checkpoint, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_metadata_checksum, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_failed_write_fails_everyone_and_cleans_up, setup, teardown),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -5,7 +5,9 @@
  * and the field it sets is checked; every error path is checked to return CLI_EUSAGE with a
  * one-line message that starts with the flag it blames and says what was expected. The
  * --nproc_per_node=auto counting is tested against a fake /dev with nvidiaN files and, for CPUs,
- * in a child process whose affinity is narrowed to one CPU. Nothing here touches the network. */
+ * in a child process whose affinity is narrowed to one CPU. The job secret: token_file (read,
+ * stripped, checked; it wins over MESHRUN_RDZV_TOKEN) and every way such a file is unusable.
+ * Nothing here touches the network. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -22,6 +24,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "common/store.h"
 #include "launcher/cli.h"
 
 #define MAX_ARGS 32
@@ -712,6 +715,123 @@ static void test_nproc_auto(void **state) {
   }
 }
 
+/* ---- the job secret: token_file, MESHRUN_RDZV_TOKEN ---- */
+
+/* A file in a fresh mkdtemp directory; the path goes in out (at most 128 bytes). */
+static void make_token_file(char *out, const char *name, const void *text, size_t len, mode_t mode) {
+  static char dir[64];
+  if (!dir[0]) {
+    snprintf(dir, sizeof dir, "/tmp/test_cli-XXXXXX");
+    assert_non_null(mkdtemp(dir));
+  }
+  snprintf(out, 128, "%s/%s", dir, name);
+  unlink(out);
+  int fd = open(out, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  assert_true(fd >= 0);
+  assert_int_equal(write(fd, text, len), (ssize_t)len);
+  assert_int_equal(fchmod(fd, mode), 0);
+  close(fd);
+}
+
+static void test_secret_token_file(void **state) {
+  run_t r;
+  char path[128], conf[200];
+  make_token_file(path, "tok", "0123456789abcdef-xyz \n\n", 23, 0600);
+  snprintf(conf, sizeof conf, "--rdzv_conf=join_timeout=3,token_file=%s", path);
+  expect_ok(&r, RUN(&r, conf, "p"));
+  assert_string_equal(r.o.secret, "0123456789abcdef-xyz"); /* trailing whitespace cut */
+  assert_int_equal(r.o.secret_source, CLI_SECRET_FILE);
+  assert_int_equal(r.o.token_file_mode, 0600);
+  assert_true(r.o.join_timeout_s == 3);
+  /* token_file wins over the environment; the mode is kept for the agent's warning. */
+  make_token_file(path, "tok644", "fedcba9876543210", 16, 0644);
+  snprintf(conf, sizeof conf, "--rdzv-conf=token-file=%s", path);
+  setenv(STORE_ENV_SECRET, "from-the-environment-0123", 1);
+  expect_ok(&r, RUN(&r, conf, "p"));
+  unsetenv(STORE_ENV_SECRET);
+  assert_string_equal(r.o.secret, "fedcba9876543210");
+  assert_int_equal(r.o.secret_source, CLI_SECRET_FILE);
+  assert_int_equal(r.o.token_file_mode, 0644);
+}
+
+static void test_secret_env(void **state) {
+  run_t r;
+  expect_ok(&r, RUN(&r, "p"));
+  assert_string_equal(r.o.secret, "");
+  assert_int_equal(r.o.secret_source, CLI_SECRET_NONE);
+  setenv(STORE_ENV_SECRET, "", 1); /* empty = unset */
+  expect_ok(&r, RUN(&r, "p"));
+  assert_int_equal(r.o.secret_source, CLI_SECRET_NONE);
+  setenv(STORE_ENV_SECRET, "0123456789abcdef\n", 1);
+  expect_ok(&r, RUN(&r, "--nnodes=2", "--rdzv_endpoint=h", "p"));
+  assert_string_equal(r.o.secret, "0123456789abcdef");
+  assert_int_equal(r.o.secret_source, CLI_SECRET_ENV);
+  setenv(STORE_ENV_SECRET, "too-short", 1);
+  int rc = RUN(&r, "p");
+  expect_usage(&r, rc, STORE_ENV_SECRET);
+  assert_non_null(strstr(r.err, "9 bytes"));
+  unsetenv(STORE_ENV_SECRET);
+}
+
+/* Every way a token file can be unusable is one line naming --rdzv_conf and the path. */
+static void test_secret_token_file_errors(void **state) {
+  run_t r;
+  char path[128], conf[200];
+  char big[CLI_SECRET_MAX + 2], huge[4 * CLI_SECRET_MAX];
+  memset(big, 'k', sizeof big);
+  memset(huge, 'k', sizeof huge);
+  struct {
+    const char *name;
+    const char *text;
+    size_t len;
+    const char *why;
+  } cases[] = {
+      {"empty", "", 0, "0 bytes (empty)"},
+      {"blank", " \n\t\n", 4, "0 bytes (empty)"},
+      {"short", "0123456789abcde\n", 16, "15 bytes"},
+      {"nul", "0123456789\0abcdefgh", 19, "NUL"},
+      {"big", big, sizeof big, "514 bytes"},
+      {"huge", huge, sizeof huge, "over 512 bytes"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    make_token_file(path, cases[i].name, cases[i].text, cases[i].len, 0600);
+    snprintf(conf, sizeof conf, "--rdzv_conf=token_file=%s", path);
+    int rc = RUN(&r, conf, "p");
+    expect_usage(&r, rc, "--rdzv_conf");
+    if (!strstr(r.err, cases[i].why) || !strstr(r.err, path))
+      print_error("%s: err \"%s\" lacks \"%s\" or the path\n", cases[i].name, r.err, cases[i].why);
+    assert_non_null(strstr(r.err, cases[i].why));
+    assert_non_null(strstr(r.err, path));
+  }
+  /* Missing, a directory, unreadable (root reads anything: skipped then). */
+  snprintf(conf, sizeof conf, "--rdzv_conf=token_file=/nonexistent/token");
+  int rc = RUN(&r, conf, "p");
+  expect_usage(&r, rc, "--rdzv_conf");
+  assert_non_null(strstr(r.err, "No such file"));
+  rc = RUN(&r, "--rdzv_conf=token_file=/tmp", "p");
+  expect_usage(&r, rc, "--rdzv_conf");
+  assert_non_null(strstr(r.err, "not a regular file"));
+  rc = RUN(&r, "--rdzv_conf=token_file=", "p");
+  expect_usage(&r, rc, "--rdzv_conf");
+  if (geteuid() != 0) {
+    make_token_file(path, "noread", "0123456789abcdef", 16, 0000);
+    snprintf(conf, sizeof conf, "--rdzv_conf=token_file=%s", path);
+    rc = RUN(&r, conf, "p");
+    expect_usage(&r, rc, "--rdzv_conf");
+    assert_non_null(strstr(r.err, "Permission denied"));
+  }
+}
+
+static void test_handshake_timeout(void **state) {
+  run_t r;
+  expect_ok(&r, RUN(&r, "p"));
+  assert_true(r.o.handshake_timeout_s == 0);
+  expect_ok(&r, RUN(&r, "--rdzv_conf=handshake_timeout=0.5", "p"));
+  assert_true(r.o.handshake_timeout_s == 0.5);
+  int rc = RUN(&r, "--rdzv_conf=handshake_timeout=0", "p");
+  expect_usage(&r, rc, "--rdzv_conf");
+}
+
 /* ---- --help text ---- */
 
 static void test_usage_text(void **state) {
@@ -729,6 +849,7 @@ static void test_usage_text(void **state) {
       "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
       "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE",
       "OMP_NUM_THREADS", "MESHRUN_STORE", "MESHRUN_ROUND", "ROLE_NAME", MESHRUN_VERSION,
+      "token_file", "handshake_timeout", STORE_ENV_SECRET, "token_file wins",
   };
   for (size_t i = 0; i < sizeof must / sizeof must[0]; i++) {
     if (!strstr(u, must[i])) print_error("--help lacks \"%s\"\n", must[i]);
@@ -762,7 +883,12 @@ int main(void) {
       cmocka_unit_test(test_count_gpus_fake_dev),
       cmocka_unit_test(test_count_cpus_follows_affinity),
       cmocka_unit_test(test_nproc_auto),
+      cmocka_unit_test(test_secret_token_file),
+      cmocka_unit_test(test_secret_env),
+      cmocka_unit_test(test_secret_token_file_errors),
+      cmocka_unit_test(test_handshake_timeout),
       cmocka_unit_test(test_usage_text),
   };
+  unsetenv(STORE_ENV_SECRET); /* cli reads it: a value from the caller would change every parse */
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

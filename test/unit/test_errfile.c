@@ -2,7 +2,9 @@
 /* Unit tests of errfile: the worker's TORCHELASTIC_ERROR_FILE to a message. torch's nested
  * format, the plain one, and the ways a file can be wrong (missing, empty, not JSON, no
  * message, too deep, too big, not a regular file); each gives the message or an error naming
- * the fault, never a crash or a stale message. Files live in a mkdtemp directory per test. */
+ * the fault, never a crash or a stale message. meshrun's own {"meshrun": {"restart": false}}:
+ * read beside either format, only the JSON false counts. Files live in a mkdtemp directory per
+ * test. */
 #include <errno.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -71,7 +73,7 @@ static int rd(const char *path, char *msg, size_t msglen, char *ts, size_t tslen
   memset(ts, 'y', tslen - 1);
   ts[tslen - 1] = 0;
   err[0] = 0;
-  return errfile_read(path, msg, msglen, ts, tslen, err, errlen);
+  return errfile_read(path, msg, msglen, ts, tslen, NULL, err, errlen);
 }
 
 static void test_torch_format(void **state) {
@@ -89,7 +91,7 @@ static void test_torch_format_numeric_timestamp(void **state) {
   (void)state;
   const char *doc = "{\"message\": {\"message\": \"m\", \"extraInfo\": {\"timestamp\": 1700000001}}}";
   char msg[64], ts[64], err[256];
-  assert_int_equal(errfile_parse(doc, strlen(doc), msg, sizeof msg, ts, sizeof ts, err, sizeof err), 0);
+  assert_int_equal(errfile_parse(doc, strlen(doc), msg, sizeof msg, ts, sizeof ts, NULL, err, sizeof err), 0);
   assert_string_equal(msg, "m");
   assert_string_equal(ts, "1700000001");
 }
@@ -132,7 +134,7 @@ static void test_json_without_message(void **state) {
                         "{\"message\": {\"extraInfo\": {\"timestamp\": \"1\"}}}", "{\"Message\": \"case\"}"};
   for (size_t i = 0; i < sizeof docs / sizeof docs[0]; i++) {
     char msg[64] = "stale", ts[64] = "stale", err[256] = "";
-    assert_int_equal(errfile_parse(docs[i], strlen(docs[i]), msg, sizeof msg, ts, sizeof ts, err, sizeof err),
+    assert_int_equal(errfile_parse(docs[i], strlen(docs[i]), msg, sizeof msg, ts, sizeof ts, NULL, err, sizeof err),
                      -EINVAL);
     assert_string_equal(msg, "");
     assert_string_equal(ts, "");
@@ -177,7 +179,7 @@ static void test_truncation_keeps_utf8_whole(void **state) {
   (void)state;
   const char *doc = "{\"message\": \"\xc3\xa9\xc3\xa9\xc3\xa9\"}";
   char msg[6], ts[8], err[128];
-  assert_int_equal(errfile_parse(doc, strlen(doc), msg, sizeof msg, ts, sizeof ts, err, sizeof err), 0);
+  assert_int_equal(errfile_parse(doc, strlen(doc), msg, sizeof msg, ts, sizeof ts, NULL, err, sizeof err), 0);
   assert_string_equal(msg, "\xc3\xa9\xc3\xa9");
 }
 
@@ -189,7 +191,7 @@ static void test_deep_nesting(void **state) {
   memset(doc, '[', depth);
   memset(doc + depth, ']', depth);
   char msg[64], ts[64], err[256];
-  assert_int_equal(errfile_parse(doc, 2 * depth, msg, sizeof msg, ts, sizeof ts, err, sizeof err), -EINVAL);
+  assert_int_equal(errfile_parse(doc, 2 * depth, msg, sizeof msg, ts, sizeof ts, NULL, err, sizeof err), -EINVAL);
   free(doc);
   assert_string_equal(msg, "");
 }
@@ -201,6 +203,64 @@ static void test_not_a_regular_file(void **state) {
   assert_int_equal(rd(f->path, msg, sizeof msg, ts, sizeof ts, err, sizeof err), -EINVAL);
   assert_string_equal(msg, "");
   assert_non_null(strstr(err, "not a regular file"));
+}
+
+/* The worker asks for no restart beside torch's message; the message and timestamp still come. */
+static void test_restart_false(void **state) {
+  fx_t *f = *state;
+  const char *doc = "{\"message\": {\"message\": \"plan error: tp=3\", \"extraInfo\": {\"timestamp\": \"17\"}}, "
+                    "\"meshrun\": {\"restart\": false}}";
+  write_file(f->path, doc, strlen(doc));
+  char msg[64], ts[16], err[256];
+  int restart = 7;
+  assert_int_equal(errfile_read(f->path, msg, sizeof msg, ts, sizeof ts, &restart, err, sizeof err), 0);
+  assert_int_equal(restart, 0);
+  assert_string_equal(msg, "plan error: tp=3");
+  assert_string_equal(ts, "17");
+}
+
+/* Only the JSON value false asks: true, a string, a number, null, the key elsewhere or
+ * misspelled, and no file at all leave restarts on. */
+static void test_restart_only_json_false_counts(void **state) {
+  fx_t *f = *state;
+  const char *docs[] = {"{\"message\": \"m\", \"meshrun\": {\"restart\": true}}",
+                        "{\"message\": \"m\", \"meshrun\": {\"restart\": \"false\"}}",
+                        "{\"message\": \"m\", \"meshrun\": {\"restart\": 0}}",
+                        "{\"message\": \"m\", \"meshrun\": {\"restart\": null}}",
+                        "{\"message\": \"m\", \"meshrun\": false}",
+                        "{\"message\": \"m\", \"restart\": false}",
+                        "{\"message\": {\"message\": \"m\", \"meshrun\": {\"restart\": false}}}",
+                        "{\"message\": \"m\", \"Meshrun\": {\"restart\": false}}",
+                        "{\"message\": \"m\"}"};
+  for (size_t i = 0; i < sizeof docs / sizeof docs[0]; i++) {
+    char msg[64], ts[16], err[256];
+    int restart = 7;
+    assert_int_equal(errfile_parse(docs[i], strlen(docs[i]), msg, sizeof msg, ts, sizeof ts, &restart, err, sizeof err),
+                     0);
+    if (restart != 1) fail_msg("doc %zu (%s): restart=%d, expected 1", i, docs[i], restart);
+    assert_string_equal(msg, "m");
+  }
+  int restart = 7;
+  char msg[64], ts[16], err[256];
+  assert_int_equal(errfile_read(f->path, msg, sizeof msg, ts, sizeof ts, &restart, err, sizeof err), -ENOENT);
+  assert_int_equal(restart, 1);
+}
+
+/* The wish is heard even when the message is missing, but not from a file that is not JSON. */
+static void test_restart_false_without_message(void **state) {
+  (void)state;
+  const char *doc = "{\"meshrun\": {\"restart\": false}}";
+  char msg[64], ts[16], err[256];
+  int restart = 7;
+  assert_int_equal(errfile_parse(doc, strlen(doc), msg, sizeof msg, ts, sizeof ts, &restart, err, sizeof err),
+                   -EINVAL);
+  assert_int_equal(restart, 0);
+  assert_string_equal(msg, "");
+  const char *bad = "{\"meshrun\": {\"restart\": false}";
+  restart = 7;
+  assert_int_equal(errfile_parse(bad, strlen(bad), msg, sizeof msg, ts, sizeof ts, &restart, err, sizeof err),
+                   -EINVAL);
+  assert_int_equal(restart, 1);
 }
 
 int main(void) {
@@ -217,6 +277,9 @@ int main(void) {
       cmocka_unit_test(test_truncation_keeps_utf8_whole),
       cmocka_unit_test(test_deep_nesting),
       cmocka_unit_test_setup_teardown(test_not_a_regular_file, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_restart_false, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_restart_only_json_false_counts, setup, teardown),
+      cmocka_unit_test(test_restart_false_without_message),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,4 +1,4 @@
-// deps: trainer/plan.c
+// deps: trainer/plan.c common/fs.c
 /* test_plan: the plan module: defaults, one-line errors naming the key path, --set overrides,
  * plan_resolve (mesh, shapes, batches), Llama's hidden-size rule, the plan_to_json round trip,
  * and every shipped config under configs/ (run from the repository root, as `make unit` does).
@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -181,6 +182,81 @@ static void test_file_errors(void **state) {
   path = write_tmp("");
   assert_int_equal(plan_load(&p, path, NULL, 0, err, sizeof err), PLAN_EINVAL);
   assert_non_null(strstr(err, "invalid JSON at line 1"));
+}
+
+/* A plan is a regular file of at most 16 MiB: a device, a FIFO (without waiting for a writer),
+ * a directory and a bigger file are one-line errors before anything is read; 16 MiB loads. */
+static void test_file_kind_and_size(void **state) {
+  (void)state;
+  plan_t p;
+  char err[1024], dir[64], path[128];
+  snprintf(dir, sizeof dir, "/tmp/test_plan_dir_XXXXXX");
+  assert_non_null(mkdtemp(dir));
+  assert_int_equal(plan_load(&p, "/dev/zero", NULL, 0, err, sizeof err), PLAN_EINVAL);
+  printf("  %s\n", err);
+  assert_string_equal(err, "plan error: /dev/zero: not a regular file (a plan is a JSON file)");
+  assert_int_equal(plan_load(&p, dir, NULL, 0, err, sizeof err), PLAN_EINVAL);
+  assert_non_null(strstr(err, "not a regular file"));
+  snprintf(path, sizeof path, "%s/fifo.json", dir);
+  assert_int_equal(mkfifo(path, 0600), 0);
+  assert_int_equal(plan_load(&p, path, NULL, 0, err, sizeof err), PLAN_EINVAL);
+  assert_non_null(strstr(err, "not a regular file"));
+  unlink(path);
+  /* "{}" padded with spaces to exactly PLAN_FILE_MAX bytes loads; one byte more does not. */
+  snprintf(path, sizeof path, "%s/big.json", dir);
+  FILE *f = fopen(path, "w");
+  assert_non_null(f);
+  fputs("{}", f);
+  for (long i = 2; i < PLAN_FILE_MAX; i++) fputc(' ', f);
+  fclose(f);
+  assert_int_equal(plan_load(&p, path, NULL, 0, err, sizeof err), 0);
+  f = fopen(path, "a");
+  fputc(' ', f);
+  fclose(f);
+  assert_int_equal(plan_load(&p, path, NULL, 0, err, sizeof err), PLAN_EINVAL);
+  printf("  %s\n", err);
+  assert_non_null(strstr(err, "16777217 bytes; a plan file is at most 16 MiB"));
+  unlink(path);
+  rmdir(dir);
+}
+
+/* checkpoint.dir: created when absent (parents too), refused when it is a file, lies under a
+ * file, or cannot be written (a read-only mount: see test_trainer.py, which may mount). */
+static void test_check_paths(void **state) {
+  (void)state;
+  plan_t p;
+  char err[1024], dir[64], sub[256], file[128];
+  snprintf(dir, sizeof dir, "/tmp/test_plan_dir_XXXXXX");
+  assert_non_null(mkdtemp(dir));
+  load_ok(&p, "{}", NULL, 0);
+  assert_int_equal(plan_check_paths(&p, err, sizeof err), 0); /* no checkpoint.dir */
+  snprintf(sub, sizeof sub, "%s/a/b/ck", dir);
+  snprintf(p.checkpoint.dir, sizeof p.checkpoint.dir, "%s", sub);
+  assert_int_equal(plan_check_paths(&p, err, sizeof err), 0);
+  struct stat sb;
+  assert_int_equal(stat(sub, &sb), 0);
+  assert_true(S_ISDIR(sb.st_mode));
+  DIR *d = opendir(sub);
+  int entries = 0;
+  for (struct dirent *e; (e = readdir(d));) entries += e->d_name[0] != '.' || strstr(e->d_name, "write-check") != NULL;
+  closedir(d);
+  assert_int_equal(entries, 0); /* the probe file is gone */
+  snprintf(file, sizeof file, "%s/file", dir);
+  FILE *f = fopen(file, "w");
+  fclose(f);
+  snprintf(p.checkpoint.dir, sizeof p.checkpoint.dir, "%s", file);
+  assert_int_equal(plan_check_paths(&p, err, sizeof err), PLAN_EINVAL);
+  printf("  %s\n", err);
+  assert_true(strncmp(err, "plan error: checkpoint.dir: ", 28) == 0);
+  assert_non_null(strstr(err, "exists and is not a directory"));
+  snprintf(p.checkpoint.dir, sizeof p.checkpoint.dir, "%s/ck", file);
+  assert_int_equal(plan_check_paths(&p, err, sizeof err), PLAN_EINVAL);
+  printf("  %s\n", err);
+  assert_non_null(strstr(err, "plan error: checkpoint.dir: cannot create "));
+  assert_non_null(strstr(err, "Not a directory"));
+  char cmd[128];
+  snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+  assert_int_equal(system(cmd), 0);
 }
 
 static void test_key_errors(void **state) {
@@ -617,6 +693,8 @@ int main(void) {
       cmocka_unit_test(test_defaults),
       cmocka_unit_test(test_embedded_default_is_demo_json),
       cmocka_unit_test(test_file_errors),
+      cmocka_unit_test(test_file_kind_and_size),
+      cmocka_unit_test(test_check_paths),
       cmocka_unit_test(test_key_errors),
       cmocka_unit_test(test_set_overrides),
       cmocka_unit_test(test_resolve),

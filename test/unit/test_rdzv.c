@@ -259,7 +259,7 @@ static void test_store_that_stops_answering_is_reported(void **state) {
   memset(&fs, 0, sizeof fs);
   char err[512];
   assert_int_equal(uv_loop_init(&fs.loop), 0);
-  assert_int_equal(store_server_start(&fs.srv, &fs.loop, "127.0.0.1", 0, &fs.port, err, sizeof err), 0);
+  assert_int_equal(store_server_start(&fs.srv, &fs.loop, "127.0.0.1", 0, NULL, &fs.port, err, sizeof err), 0);
   assert_int_equal(uv_sem_init(&fs.release, 0), 0);
   uv_async_init(&fs.loop, &fs.freeze, fs_on_freeze);
   uv_async_init(&fs.loop, &fs.stop, fs_on_stop);

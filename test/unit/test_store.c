@@ -2,21 +2,27 @@
 /* test_store: the store server on its own libuv loop (a thread), driven by the blocking client
  * and by raw sockets that speak (or abuse) the wire format.
  *
- * Every test starts a fresh server on 127.0.0.1 port 0. Parking is observed through the
- * server's counters, read on the loop thread via uv_async, never by sleeping. Abuse tests
- * check both sides: the abusive socket sees the connection closed, and a fresh client is
- * served correctly afterwards. */
+ * Every test starts a fresh server on 127.0.0.1 port 0, hosted by job "jobA" (open unless the
+ * test gives it a secret). Parking and limits are observed through the server's counters,
+ * read on the loop thread via uv_async, never by sleeping. Abuse tests check both sides: the
+ * abusive socket sees the connection closed, and a fresh client is served correctly
+ * afterwards. Raw sockets that should get past the handshake say HELLO first (raw_session). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <cmocka.h>
 
+#include <arpa/inet.h>
 #include <errno.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dirent.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
@@ -29,8 +35,13 @@
 
 #define WAIT_MS 5000 /* upper bound for anything that should happen "soon" */
 
+#define JOB_A "jobA"
+#define SECRET_A "correct horse battery staple"
+
 typedef struct {
   char host[64];
+  char run_id[64], secret[64]; /* the hosting job, and the auth client() uses */
+  store_server_opts_t opts;
   uv_loop_t loop;
   uv_async_t async;
   store_server_t *srv;
@@ -40,7 +51,7 @@ typedef struct {
   int port, started, start_rc;
   char start_err[256];
   int stop, query, answered;
-  size_t nclients, nkeys, nwaiters;
+  size_t nclients, nkeys, nwaiters, nforeign, inflight;
 } fixture_t;
 
 static void on_async(uv_async_t *a) {
@@ -50,6 +61,8 @@ static void on_async(uv_async_t *a) {
     f->nclients = store_server_num_clients(f->srv);
     f->nkeys = store_server_num_keys(f->srv);
     f->nwaiters = store_server_num_waiters(f->srv);
+    f->nforeign = store_server_num_foreign(f->srv);
+    f->inflight = store_server_inflight_bytes(f->srv);
     f->query = 0;
     f->answered = 1;
     pthread_cond_broadcast(&f->cv);
@@ -67,7 +80,7 @@ static void *server_thread(void *arg) {
   uv_loop_init(&f->loop);
   f->async.data = f;
   uv_async_init(&f->loop, &f->async, on_async);
-  int rc = store_server_start(&f->srv, &f->loop, f->host, 0, &f->port, f->start_err, sizeof f->start_err);
+  int rc = store_server_start(&f->srv, &f->loop, f->host, 0, &f->opts, &f->port, f->start_err, sizeof f->start_err);
   pthread_mutex_lock(&f->mu);
   f->start_rc = rc;
   f->started = 1;
@@ -79,9 +92,16 @@ static void *server_thread(void *arg) {
   return NULL;
 }
 
-static fixture_t *fixture_start(const char *host) {
+/* Starts a server hosted by JOB_A with the limits of opts (NULL: defaults; its run_id and
+ * secret are ignored) and secret (NULL: an open store). */
+static fixture_t *fixture_start_opts(const char *host, const store_server_opts_t *opts, const char *secret) {
   fixture_t *f = calloc(1, sizeof *f);
   snprintf(f->host, sizeof f->host, "%s", host);
+  snprintf(f->run_id, sizeof f->run_id, "%s", JOB_A);
+  snprintf(f->secret, sizeof f->secret, "%s", secret ? secret : "");
+  if (opts) f->opts = *opts;
+  f->opts.run_id = f->run_id;
+  f->opts.secret = f->secret;
   pthread_mutex_init(&f->mu, NULL);
   pthread_cond_init(&f->cv, NULL);
   pthread_create(&f->th, NULL, server_thread, f);
@@ -90,6 +110,8 @@ static fixture_t *fixture_start(const char *host) {
   pthread_mutex_unlock(&f->mu);
   return f;
 }
+
+static fixture_t *fixture_start(const char *host) { return fixture_start_opts(host, NULL, NULL); }
 
 static void fixture_stop(fixture_t *f) {
   if (!f) return;
@@ -103,14 +125,22 @@ static void fixture_stop(fixture_t *f) {
   free(f);
 }
 
-/* Reads the server's counters on its loop thread. */
+/* Reads the server's counters on its loop thread. A loop that does not answer within WAIT_MS
+ * (spinning, say) fails the test instead of hanging it. */
 static void fixture_query(fixture_t *f) {
+  struct timespec until;
+  clock_gettime(CLOCK_REALTIME, &until);
+  until.tv_sec += WAIT_MS / 1000;
   pthread_mutex_lock(&f->mu);
   f->query = 1;
   f->answered = 0;
   uv_async_send(&f->async);
-  while (!f->answered) pthread_cond_wait(&f->cv, &f->mu);
+  int rc = 0;
+  while (!f->answered && rc != ETIMEDOUT) rc = pthread_cond_timedwait(&f->cv, &f->mu, &until);
+  int answered = f->answered;
   pthread_mutex_unlock(&f->mu);
+  if (!answered) print_message("the server's loop did not answer within %d ms\n", WAIT_MS);
+  assert_true(answered);
 }
 
 static int64_t now_ms(void) {
@@ -144,15 +174,38 @@ static int setup(void **state) {
   return 0;
 }
 
+static int setup_secret(void **state) {
+  fixture_t *f = fixture_start_opts("127.0.0.1", NULL, SECRET_A);
+  if (f->start_rc) {
+    print_message("server start: %s\n", f->start_err);
+    return -1;
+  }
+  *state = f;
+  return 0;
+}
+
 static int teardown(void **state) {
   fixture_stop(*state);
   return 0;
 }
 
+/* Connects as job run_id with secret (NULL: none); returns the code, the client in *s and the
+ * message in err. */
+static int connect_as(fixture_t *f, const char *run_id, const char *secret, store_t **s, char *err, size_t errlen) {
+  store_auth_t auth = {.run_id = run_id, .secret = secret};
+  *s = NULL;
+  int rc = store_connect(s, f->host, f->port, &auth, WAIT_MS, err, errlen);
+  print_message("connect as '%s' %s a secret: %s%s%s\n", run_id, secret ? "with" : "without", store_strerror(rc),
+                rc ? ": " : "", rc ? err : "");
+  return rc;
+}
+
+/* A client of the hosting job (with the store's secret, if any). */
 static store_t *client(fixture_t *f) {
   store_t *s = NULL;
-  char err[256];
-  int rc = store_connect(&s, f->host, f->port, WAIT_MS, err, sizeof err);
+  char err[512];
+  store_auth_t auth = {.run_id = f->run_id, .secret = f->secret};
+  int rc = store_connect(&s, f->host, f->port, &auth, WAIT_MS, err, sizeof err);
   if (rc) print_message("store_connect: %s\n", err);
   assert_int_equal(rc, STORE_OK);
   return s;
@@ -172,6 +225,18 @@ static void raw_send(int fd, store_proto_writer_t *w) {
   assert_int_equal(net_send_all(fd, w->buf, w->len), 0);
 }
 
+/* Sends HELLO as run_id with an all-zero nonce (fine for tests). */
+static void raw_send_hello(int fd, const char *run_id) {
+  store_proto_writer_t w = {0};
+  uint8_t nonce[STORE_PROTO_NONCE] = {0};
+  store_proto_begin(&w, STORE_OP_HELLO);
+  store_proto_put_bytes(&w, STORE_PROTO_BANNER, strlen(STORE_PROTO_BANNER));
+  store_proto_put_bytes(&w, run_id, strlen(run_id));
+  store_proto_put_bytes(&w, nonce, sizeof nonce);
+  raw_send(fd, &w);
+  store_proto_writer_free(&w);
+}
+
 /* Reads one reply frame; returns its op and a malloc'ed payload. */
 static int raw_reply(int fd, uint8_t **payload, size_t *plen) {
   uint8_t hdr[STORE_PROTO_HEADER];
@@ -186,6 +251,47 @@ static int raw_reply(int fd, uint8_t **payload, size_t *plen) {
   return op;
 }
 
+/* HELLO as run_id and its reply; returns whether the store said it requires a secret. */
+static int raw_hello(int fd, const char *run_id) {
+  raw_send_hello(fd, run_id);
+  uint8_t *p;
+  size_t n;
+  assert_int_equal(raw_reply(fd, &p, &n), STORE_REP_HELLO);
+  store_proto_reader_t r;
+  store_proto_reader_init(&r, p, n);
+  size_t bn, jn, nn;
+  store_proto_get_bytes(&r, &bn);
+  store_proto_get_bytes(&r, &jn);
+  int req = store_proto_get_u8(&r);
+  store_proto_get_bytes(&r, &nn);
+  assert_true(store_proto_reader_done(&r));
+  assert_int_equal(nn, STORE_PROTO_NONCE);
+  free(p);
+  return req;
+}
+
+/* A raw connection past the handshake of an open store, as the hosting job. */
+static int raw_session(fixture_t *f) {
+  int fd = raw_connect(f);
+  assert_int_equal(raw_hello(fd, f->run_id), 0);
+  return fd;
+}
+
+/* Expects an ERROR reply with code. */
+static void expect_error(int fd, int code) {
+  uint8_t *p;
+  size_t n;
+  assert_int_equal(raw_reply(fd, &p, &n), STORE_REP_ERROR);
+  store_proto_reader_t r;
+  store_proto_reader_init(&r, p, n);
+  int64_t got = store_proto_get_i64(&r);
+  size_t mn;
+  const uint8_t *m = store_proto_get_bytes(&r, &mn);
+  print_message("ERROR %lld: %.*s\n", (long long)got, (int)mn, (const char *)m);
+  assert_int_equal(got, code);
+  free(p);
+}
+
 /* The server must close this connection soon: EOF or reset, not silence. */
 static void expect_closed(int fd) {
   uint8_t b[4096];
@@ -196,6 +302,26 @@ static void expect_closed(int fd) {
     assert_int_equal(rc, -ECONNRESET);
     return;
   }
+}
+
+/* The server refuses this connection: an ERROR with code, then EOF. Closes fd. */
+static void expect_refused(int fd, int code) {
+  expect_error(fd, code);
+  expect_closed(fd);
+  close(fd);
+}
+
+/* Sends SET key before the handshake is done: refused with code, and nothing stored. */
+static void expect_set_refused(fixture_t *f, int fd, const char *key, int code) {
+  store_proto_writer_t w = {0};
+  store_proto_begin(&w, STORE_OP_SET);
+  store_proto_put_bytes(&w, key, strlen(key));
+  store_proto_put_bytes(&w, "x", 1);
+  raw_send(fd, &w);
+  store_proto_writer_free(&w);
+  expect_refused(fd, code);
+  fixture_query(f);
+  assert_int_equal(f->nkeys, 0);
 }
 
 /* A fresh client gets correct service. */
@@ -401,7 +527,8 @@ static void *waiter_thread(void *p) {
   waiter_arg_t *a = p;
   store_t *s = NULL;
   char err[256];
-  a->rc = store_connect(&s, a->f->host, a->f->port, WAIT_MS, err, sizeof err);
+  store_auth_t auth = {.run_id = a->f->run_id};
+  a->rc = store_connect(&s, a->f->host, a->f->port, &auth, WAIT_MS, err, sizeof err);
   if (a->rc) return NULL;
   const char *keys[] = {"late1", "late2"};
   if (a->op == 0) a->rc = store_get(s, "late1", &a->val, &a->len, a->timeout_ms);
@@ -450,7 +577,7 @@ static void test_multi_get_satisfied_later(void **state) { later_set(state, 2); 
 
 static void test_add_wakes_waiter(void **state) {
   fixture_t *f = *state;
-  int fd = raw_connect(f);
+  int fd = raw_session(f);
   store_proto_writer_t w = {0};
   store_proto_begin(&w, STORE_OP_GET);
   store_proto_put_bytes(&w, "late1", 5);
@@ -506,7 +633,7 @@ static void test_key_limits(void **state) {
   assert_int_equal(store_set(s, key, "v", 1), STORE_ETOOBIG);
   assert_int_equal(store_get(s, key, &v, &n, 0), STORE_ETOOBIG);
   /* The server checks too: a hand-made frame with a 2000-byte key gets an error reply. */
-  int fd = raw_connect(f);
+  int fd = raw_session(f);
   store_proto_writer_t w = {0};
   char huge[2000];
   memset(huge, 'h', sizeof huge);
@@ -546,7 +673,7 @@ static void test_garbage(void **state) {
 
 static void test_truncated_then_close(void **state) {
   fixture_t *f = *state;
-  int fd = raw_connect(f);
+  int fd = raw_session(f);
   store_proto_writer_t w = {0};
   store_proto_begin(&w, STORE_OP_SET);
   store_proto_put_bytes(&w, "trunc", 5);
@@ -609,7 +736,7 @@ static void test_wrong_version_and_op(void **state) {
 static void test_malformed_payload(void **state) {
   fixture_t *f = *state;
   /* A SET whose key field claims more bytes than the frame holds. */
-  int fd = raw_connect(f);
+  int fd = raw_session(f);
   store_proto_writer_t w = {0};
   store_proto_begin(&w, STORE_OP_SET);
   store_proto_put_u32(&w, 1000);
@@ -618,14 +745,14 @@ static void test_malformed_payload(void **state) {
   expect_closed(fd);
   close(fd);
   /* Trailing bytes after the last field. */
-  fd = raw_connect(f);
+  fd = raw_session(f);
   store_proto_begin(&w, STORE_OP_NUM_KEYS);
   store_proto_put_u8(&w, 1);
   raw_send(fd, &w);
   expect_closed(fd);
   close(fd);
   /* A key count the payload cannot hold. */
-  fd = raw_connect(f);
+  fd = raw_session(f);
   store_proto_begin(&w, STORE_OP_CHECK);
   store_proto_put_u32(&w, 0xffffffffu);
   raw_send(fd, &w);
@@ -637,7 +764,7 @@ static void test_malformed_payload(void **state) {
 
 static void test_slow_client_does_not_stall(void **state) {
   fixture_t *f = *state;
-  int fd = raw_connect(f);
+  int fd = raw_session(f);
   store_proto_writer_t w = {0};
   store_proto_begin(&w, STORE_OP_SET);
   store_proto_put_bytes(&w, "slow", 4);
@@ -656,7 +783,7 @@ static void test_slow_client_does_not_stall(void **state) {
 
 static void test_disconnect_while_parked(void **state) {
   fixture_t *f = *state;
-  int fd = raw_connect(f);
+  int fd = raw_session(f);
   store_proto_writer_t w = {0};
   store_proto_begin(&w, STORE_OP_MULTI_GET);
   store_proto_put_i64(&w, -1);
@@ -683,7 +810,7 @@ static void test_many_waiters(void **state) {
   store_proto_put_i64(&w, 20000);
   assert_int_equal(store_proto_finish(&w), 0);
   for (int i = 0; i < N; i++) {
-    fds[i] = raw_connect(f);
+    fds[i] = raw_session(f);
     assert_int_equal(net_send_all(fds[i], w.buf, w.len), 0);
   }
   assert_true(wait_counts(f, N, N));
@@ -713,7 +840,7 @@ static void test_unread_replies(void **state) {
   uint8_t *val = malloc(VLEN);
   for (size_t i = 0; i < VLEN; i++) val[i] = (uint8_t)(i * 7);
   assert_int_equal(store_set(s, "mb", val, VLEN), STORE_OK);
-  int fd = raw_connect(f);
+  int fd = raw_session(f);
   store_proto_writer_t w = {0};
   store_proto_begin(&w, STORE_OP_GET_NOWAIT);
   store_proto_put_bytes(&w, "mb", 2);
@@ -763,7 +890,7 @@ static void impostor(const char *say) {
   pthread_t th;
   pthread_create(&th, NULL, impostor_thread, &im);
   store_t *s = NULL;
-  int rc = store_connect(&s, "127.0.0.1", port, WAIT_MS, err, sizeof err);
+  int rc = store_connect(&s, "127.0.0.1", port, NULL, WAIT_MS, err, sizeof err);
   print_message("impostor (%s): %s\n", say ? "talks" : "silent close", err);
   assert_int_equal(rc, STORE_EPROTO);
   assert_null(s);
@@ -784,10 +911,10 @@ static void test_connect_refused(void **state) {
   char err[256];
   assert_int_equal(net_free_port("127.0.0.1", &port, err, sizeof err), 0);
   store_t *s = NULL;
-  assert_int_equal(store_connect(&s, "127.0.0.1", port, 100, err, sizeof err), STORE_ECONNECT);
+  assert_int_equal(store_connect(&s, "127.0.0.1", port, NULL, 100, err, sizeof err), STORE_ECONNECT);
   assert_non_null(strstr(err, "connection refused"));
-  assert_int_equal(store_connect_endpoint(&s, "127.0.0.1", 100, err, sizeof err), STORE_EINVAL);
-  assert_int_equal(store_connect_endpoint(&s, "127.0.0.1:99999", 100, err, sizeof err), STORE_EINVAL);
+  assert_int_equal(store_connect_endpoint(&s, "127.0.0.1", NULL, 100, err, sizeof err), STORE_EINVAL);
+  assert_int_equal(store_connect_endpoint(&s, "127.0.0.1:99999", NULL, 100, err, sizeof err), STORE_EINVAL);
 }
 
 static void test_endpoint_and_addrinuse(void **state) {
@@ -795,13 +922,15 @@ static void test_endpoint_and_addrinuse(void **state) {
   char ep[64], err[256];
   snprintf(ep, sizeof ep, "127.0.0.1:%d", f->port);
   store_t *s = NULL;
-  assert_int_equal(store_connect_endpoint(&s, ep, WAIT_MS, err, sizeof err), STORE_OK);
+  store_auth_t auth = {.run_id = JOB_A};
+  assert_int_equal(store_connect_endpoint(&s, ep, &auth, WAIT_MS, err, sizeof err), STORE_OK);
+  assert_string_equal(store_server_job(s), JOB_A);
   store_close(s);
   uv_loop_t loop;
   uv_loop_init(&loop);
   store_server_t *srv = NULL;
   int bp;
-  assert_int_equal(store_server_start(&srv, &loop, "127.0.0.1", f->port, &bp, err, sizeof err),
+  assert_int_equal(store_server_start(&srv, &loop, "127.0.0.1", f->port, NULL, &bp, err, sizeof err),
                    STORE_SERVER_EADDRINUSE);
   assert_null(srv);
   uv_run(&loop, UV_RUN_DEFAULT);
@@ -819,7 +948,7 @@ static void test_ipv6(void **state) {
   char ep[64];
   snprintf(ep, sizeof ep, "[::1]:%d", f->port);
   store_t *s = NULL;
-  assert_int_equal(store_connect_endpoint(&s, ep, WAIT_MS, err, sizeof err), STORE_OK);
+  assert_int_equal(store_connect_endpoint(&s, ep, NULL, WAIT_MS, err, sizeof err), STORE_OK);
   assert_int_equal(store_set(s, "v6", "yes", 3), STORE_OK);
   int64_t r;
   assert_int_equal(store_add(s, "n", 1, &r), STORE_OK);
@@ -831,7 +960,8 @@ static void *dead_server_waiter(void *p) {
   waiter_arg_t *a = p;
   store_t *s = NULL;
   char err[256];
-  a->rc = store_connect(&s, a->f->host, a->f->port, WAIT_MS, err, sizeof err);
+  store_auth_t auth = {.run_id = a->f->run_id};
+  a->rc = store_connect(&s, a->f->host, a->f->port, &auth, WAIT_MS, err, sizeof err);
   if (a->rc) return NULL;
   a->rc = store_get(s, "never", &a->val, &a->len, -1);
   store_close(s);
@@ -848,6 +978,522 @@ static void test_server_gone_while_waiting(void **state) {
   fixture_stop(f); /* closes every client, then the loop ends */
   pthread_join(th, NULL);
   assert_int_equal(a.rc, STORE_EIO);
+}
+
+/* ---- jobs, secrets and limits -------------------------------------------------------- */
+
+/* One connection attempt from source address src (NULL: any; 127.x.y.z: all of 127/8 is
+ * loopback), no retries. Returns the socket, or -1 (no descriptor, refused, src not bindable). */
+static int raw_try_connect(fixture_t *f, const char *src) {
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return -1;
+  struct sockaddr_in a = {.sin_family = AF_INET};
+  if (src) inet_pton(AF_INET, src, &a.sin_addr);
+  struct sockaddr_in d = {.sin_family = AF_INET, .sin_port = htons((uint16_t)f->port)};
+  inet_pton(AF_INET, "127.0.0.1", &d.sin_addr);
+  if ((src && bind(fd, (struct sockaddr *)&a, sizeof a) != 0) || connect(fd, (struct sockaddr *)&d, sizeof d) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+static int raw_connect_from(fixture_t *f, const char *src) { return raw_try_connect(f, src); }
+
+static void expect_stored(store_t *s, const char *key, const char *want) {
+  void *v = NULL;
+  size_t n = 0;
+  int rc = store_get_nowait(s, key, &v, &n);
+  if (rc != STORE_OK || n != strlen(want) || memcmp(v, want, n) != 0)
+    print_message("get '%s': %s, '%.*s' (want '%s')\n", key, store_strerror(rc), (int)n, v ? (char *)v : "", want);
+  assert_int_equal(rc, STORE_OK);
+  assert_int_equal(n, strlen(want));
+  assert_memory_equal(v, want, n);
+  free(v);
+}
+
+static void test_jobs_do_not_see_each_other(void **state) {
+  fixture_t *f = *state;
+  char err[512];
+  store_t *a = client(f), *b = NULL, *c = NULL;
+  assert_int_equal(connect_as(f, "jobB", NULL, &b, err, sizeof err), STORE_OK);
+  /* "job" + "Ak" would spell "jobA" + "k" if namespaces were a plain concatenation. */
+  assert_int_equal(connect_as(f, "job", NULL, &c, err, sizeof err), STORE_OK);
+  assert_string_equal(store_server_job(b), JOB_A);
+  assert_int_equal(store_set(a, "k", "a", 1), STORE_OK);
+  void *v = NULL;
+  size_t n;
+  assert_int_equal(store_get_nowait(b, "k", &v, &n), STORE_ENOKEY);
+  assert_int_equal(store_get_nowait(c, "Ak", &v, &n), STORE_ENOKEY);
+  assert_int_equal(store_get(b, "k", &v, &n, 50), STORE_ETIMEDOUT);
+  const char *ks[] = {"k"};
+  int exist = -1;
+  assert_int_equal(store_check(b, ks, 1, &exist), STORE_OK);
+  assert_int_equal(exist, 0);
+  assert_int_equal(store_wait(b, ks, 1, 50), STORE_ETIMEDOUT);
+  /* Same name, two keys. */
+  assert_int_equal(store_set(b, "k", "b", 1), STORE_OK);
+  expect_stored(a, "k", "a");
+  expect_stored(b, "k", "b");
+  int64_t r;
+  assert_int_equal(store_add(a, "ctr", 5, &r), STORE_OK);
+  assert_int_equal(store_add(b, "ctr", 1, &r), STORE_OK);
+  assert_int_equal(r, 1);
+  /* CAS sees only its own job's value. */
+  assert_int_equal(store_compare_set(b, "k", "a", 1, "x", 1, &v, &n), STORE_OK);
+  assert_memory_equal(v, "b", 1);
+  free(v);
+  assert_int_equal(store_compare_set(c, "fresh", NULL, 0, "c", 1, &v, &n), STORE_OK);
+  free(v);
+  assert_int_equal(store_compare_set(a, "fresh", NULL, 0, "a", 1, &v, &n), STORE_OK);
+  assert_memory_equal(v, "a", 1); /* absent in jobA although jobB... set it: swapped */
+  free(v);
+  const char *mk[] = {"k", "ctr"};
+  void *vals[2];
+  size_t lens[2];
+  assert_int_equal(store_multi_get(b, mk, 2, vals, lens, 1000), STORE_OK);
+  assert_memory_equal(vals[0], "b", 1);
+  assert_memory_equal(vals[1], "1", 1);
+  free(vals[0]);
+  free(vals[1]);
+  int deleted = -1;
+  assert_int_equal(store_delete(c, "fresh", &deleted), STORE_OK);
+  assert_int_equal(deleted, 1);
+  expect_stored(a, "fresh", "a");
+  int64_t na, nb, nc;
+  assert_int_equal(store_num_keys(a, &na), STORE_OK);
+  assert_int_equal(store_num_keys(b, &nb), STORE_OK);
+  assert_int_equal(store_num_keys(c, &nc), STORE_OK);
+  fixture_query(f);
+  print_message("keys: jobA %lld, jobB %lld, job %lld, server %zu; foreign connections %zu\n", (long long)na,
+                (long long)nb, (long long)nc, f->nkeys, f->nforeign);
+  assert_int_equal(na, 3); /* k, ctr, fresh */
+  assert_int_equal(nb, 2); /* k, ctr */
+  assert_int_equal(nc, 0);
+  assert_int_equal(f->nkeys, 5);
+  assert_int_equal(f->nforeign, 2);
+  /* A waiter is woken by its own job's write only. */
+  int fd = raw_connect(f);
+  assert_int_equal(raw_hello(fd, "jobB"), 0);
+  store_proto_writer_t w = {0};
+  store_proto_begin(&w, STORE_OP_GET);
+  store_proto_put_bytes(&w, "w", 1);
+  store_proto_put_i64(&w, -1);
+  raw_send(fd, &w);
+  assert_true(wait_counts(f, 1, -1));
+  assert_int_equal(store_set(a, "w", "from A", 6), STORE_OK);
+  fixture_query(f); /* the set was answered after the server rechecked its waiters */
+  assert_int_equal(f->nwaiters, 1);
+  assert_int_equal(store_set(b, "w", "from B", 6), STORE_OK);
+  uint8_t *p;
+  assert_int_equal(raw_reply(fd, &p, &n), STORE_REP_VALUE);
+  assert_int_equal(n, 4 + 6);
+  assert_memory_equal(p + 4, "from B", 6);
+  free(p);
+  close(fd);
+  store_proto_writer_free(&w);
+  store_close(a);
+  store_close(b);
+  store_close(c);
+}
+
+static void test_secret_admits(void **state) {
+  fixture_t *f = *state;
+  char err[512];
+  store_t *a = client(f), *b = NULL;
+  assert_int_equal(store_set(a, "k", "a", 1), STORE_OK);
+  expect_stored(a, "k", "a");
+  /* Another run id with the same secret: admitted, in its own namespace. */
+  assert_int_equal(connect_as(f, "jobB", SECRET_A, &b, err, sizeof err), STORE_OK);
+  assert_string_equal(store_server_job(b), JOB_A);
+  void *v;
+  size_t n;
+  assert_int_equal(store_get_nowait(b, "k", &v, &n), STORE_ENOKEY);
+  fixture_query(f);
+  assert_int_equal(f->nforeign, 1);
+  store_close(a);
+  store_close(b);
+}
+
+static void test_wrong_secret_refused(void **state) {
+  fixture_t *f = *state;
+  char err[512];
+  store_t *s = NULL;
+  assert_int_equal(connect_as(f, "jobB", "not the secret", &s, err, sizeof err), STORE_EAUTH);
+  assert_null(s);
+  assert_non_null(strstr(err, "belongs to job 'jobA'"));
+  assert_non_null(strstr(err, "refused the secret of job 'jobB'"));
+  /* A raw client with a wrong proof that goes on regardless: refused, nothing written. */
+  int fd = raw_connect(f);
+  assert_int_equal(raw_hello(fd, "jobB"), 1);
+  store_proto_writer_t w = {0};
+  uint8_t proof[STORE_PROTO_PROOF] = {0};
+  store_proto_begin(&w, STORE_OP_AUTH);
+  store_proto_put_bytes(&w, proof, sizeof proof);
+  raw_send(fd, &w);
+  store_proto_writer_free(&w);
+  expect_set_refused(f, fd, "stolen", STORE_EAUTH); /* sent before reading the verdict */
+  assert_int_equal(connect_as(f, "jobB", SECRET_A, &s, err, sizeof err), STORE_OK);
+  void *v;
+  size_t n;
+  assert_int_equal(store_get_nowait(s, "stolen", &v, &n), STORE_ENOKEY);
+  store_close(s);
+}
+
+static void test_no_secret_refused(void **state) {
+  fixture_t *f = *state;
+  char err[512];
+  store_t *s = NULL;
+  assert_int_equal(connect_as(f, "jobB", NULL, &s, err, sizeof err), STORE_EAUTH);
+  assert_null(s);
+  assert_non_null(strstr(err, "of job 'jobA' requires a secret"));
+  assert_non_null(strstr(err, STORE_ENV_SECRET));
+  /* A raw client that skips AUTH: its SET is refused and nothing is written. */
+  int fd = raw_connect(f);
+  assert_int_equal(raw_hello(fd, "jobB"), 1);
+  expect_set_refused(f, fd, "sneaky", STORE_EAUTH);
+}
+
+static void test_secret_client_refuses_open_store(void **state) {
+  fixture_t *f = *state;
+  char err[512];
+  store_t *s = NULL;
+  assert_int_equal(connect_as(f, "jobB", "my secret", &s, err, sizeof err), STORE_EAUTH);
+  assert_null(s);
+  assert_non_null(strstr(err, "of job 'jobA' is open but this job has a secret"));
+}
+
+/* A "store" that knows no secret but claims to require one: the client must not believe it. */
+static void *fake_secure_store(void *p) {
+  int lfd = *(int *)p;
+  int c = accept(lfd, NULL, NULL);
+  if (c < 0) return NULL;
+  uint8_t hdr[STORE_PROTO_HEADER], body[STORE_PROTO_PREAUTH_FRAME];
+  store_proto_writer_t w = {0};
+  uint8_t zeros[STORE_PROTO_NONCE] = {0};
+  for (int step = 0; step < 2; step++) {
+    uint32_t flen;
+    int op;
+    char why[160];
+    if (net_recv_all(c, hdr, sizeof hdr, WAIT_MS) || store_proto_parse_header(hdr, 1, &flen, &op, why, sizeof why) ||
+        flen > sizeof body || net_recv_all(c, body, flen - STORE_PROTO_HEADER, WAIT_MS))
+      break;
+    if (step == 0) {
+      store_proto_begin(&w, STORE_REP_HELLO);
+      store_proto_put_bytes(&w, STORE_PROTO_BANNER, strlen(STORE_PROTO_BANNER));
+      store_proto_put_bytes(&w, JOB_A, strlen(JOB_A));
+      store_proto_put_u8(&w, 1);
+      store_proto_put_bytes(&w, zeros, sizeof zeros);
+    } else {
+      store_proto_begin(&w, STORE_REP_AUTH);
+      store_proto_put_bytes(&w, zeros, STORE_PROTO_PROOF);
+    }
+    store_proto_finish(&w);
+    net_send_all(c, w.buf, w.len);
+  }
+  store_proto_writer_free(&w);
+  close(c);
+  return NULL;
+}
+
+static void test_client_checks_the_store_proof(void **state) {
+  int port;
+  char err[512];
+  int lfd = net_listen("127.0.0.1", 0, 4, &port, err, sizeof err);
+  assert_true(lfd >= 0);
+  pthread_t th;
+  pthread_create(&th, NULL, fake_secure_store, &lfd);
+  store_t *s = NULL;
+  store_auth_t auth = {.run_id = JOB_A, .secret = SECRET_A};
+  int rc = store_connect(&s, "127.0.0.1", port, &auth, WAIT_MS, err, sizeof err);
+  print_message("fake store: %s: %s\n", store_strerror(rc), err);
+  assert_int_equal(rc, STORE_EAUTH);
+  assert_null(s);
+  assert_non_null(strstr(err, "cannot prove"));
+  pthread_join(th, NULL);
+  close(lfd);
+}
+
+static void test_handshake_deadline(void **state) {
+  store_server_opts_t o = {.handshake_ms = 200};
+  fixture_t *f = fixture_start_opts("127.0.0.1", &o, SECRET_A);
+  assert_int_equal(f->start_rc, 0);
+  store_t *s = client(f); /* finished its handshake before the others started theirs */
+  int64_t t0 = now_ms();
+  int idle = raw_connect(f);    /* says nothing */
+  int halfway = raw_connect(f); /* says HELLO, never AUTH */
+  assert_int_equal(raw_hello(halfway, "jobB"), 1);
+  expect_error(idle, STORE_ETIMEDOUT);
+  expect_closed(idle);
+  int64_t t_idle = now_ms() - t0;
+  expect_error(halfway, STORE_ETIMEDOUT);
+  expect_closed(halfway);
+  int64_t t_half = now_ms() - t0;
+  print_message("closed after %lld ms (silent) and %lld ms (HELLO only); deadline 200 ms, tolerance -50 ms\n",
+                (long long)t_idle, (long long)t_half);
+  assert_true(t_idle >= 150);
+  assert_true(t_half >= 150);
+  close(idle);
+  close(halfway);
+  /* Its own deadline passed meanwhile too: a finished handshake disarms it. */
+  assert_int_equal(store_set(s, "still", "here", 4), STORE_OK);
+  assert_true(wait_counts(f, 0, 1));
+  store_close(s);
+  fixture_stop(f);
+}
+
+static void test_request_before_hello(void **state) {
+  fixture_t *f = *state;
+  int fd = raw_connect(f);
+  expect_set_refused(f, fd, "sneaky", STORE_EAUTH);
+  /* A frame bigger than the handshake allows: closed on its header alone. */
+  fd = raw_connect(f);
+  send_header(fd, STORE_PROTO_PREAUTH_FRAME + 1, STORE_PROTO_MAGIC, STORE_PROTO_VERSION, STORE_OP_HELLO);
+  expect_refused(fd, STORE_EPROTO);
+  expect_healthy(f);
+}
+
+static void test_evict_oldest_unauthenticated(void **state) {
+  enum { MAX = 8, EXTRA = 4, N = MAX + EXTRA };
+  store_server_opts_t o = {.max_unauth = MAX, .max_unauth_per_addr = 1000, .handshake_ms = 60000};
+  fixture_t *f = fixture_start_opts("127.0.0.1", &o, NULL);
+  assert_int_equal(f->start_rc, 0);
+  int fds[N];
+  for (int i = 0; i < N; i++) fds[i] = raw_connect(f);
+  /* Accepted in order: the EXTRA oldest go, each told why. */
+  for (int i = 0; i < EXTRA; i++) {
+    expect_refused(fds[i], STORE_EBUSY);
+  }
+  assert_true(wait_counts(f, 0, MAX));
+  /* A real client arriving now gets in, at the cost of the oldest idle one. */
+  expect_healthy(f);
+  expect_refused(fds[EXTRA], STORE_EBUSY);
+  for (int i = EXTRA + 1; i < N; i++) {
+    assert_int_equal(raw_hello(fds[i], JOB_A), 0); /* the younger ones were left alone */
+    close(fds[i]);
+  }
+  assert_true(wait_counts(f, 0, 0));
+  fixture_stop(f);
+}
+
+static void test_evict_per_address(void **state) {
+  enum { PER = 4, N = 10, OTHER = 3 };
+  store_server_opts_t o = {.max_unauth = 64, .max_unauth_per_addr = PER, .handshake_ms = 60000};
+  fixture_t *f = fixture_start_opts("127.0.0.1", &o, NULL);
+  assert_int_equal(f->start_rc, 0);
+  int other[OTHER], fds[N];
+  for (int i = 0; i < OTHER; i++) {
+    other[i] = raw_connect_from(f, "127.0.0.2");
+    if (other[i] < 0) {
+      fixture_stop(f);
+      skip();
+    }
+  }
+  for (int i = 0; i < N; i++) fds[i] = raw_connect(f); /* from 127.0.0.1 */
+  for (int i = 0; i < N - PER; i++) {
+    expect_refused(fds[i], STORE_EBUSY);
+  }
+  assert_true(wait_counts(f, 0, OTHER + PER));
+  /* A real client from the flooded address still gets in; the oldest idle one there goes. */
+  expect_healthy(f);
+  expect_refused(fds[N - PER], STORE_EBUSY);
+  for (int i = N - PER + 1; i < N; i++) {
+    assert_int_equal(raw_hello(fds[i], JOB_A), 0);
+    close(fds[i]);
+  }
+  /* The other address was under its own limit throughout. */
+  for (int i = 0; i < OTHER; i++) {
+    assert_int_equal(raw_hello(other[i], JOB_A), 0);
+    close(other[i]);
+  }
+  assert_true(wait_counts(f, 0, 0));
+  fixture_stop(f);
+}
+
+static void test_connection_limit(void **state) {
+  store_server_opts_t o = {.max_conns = 4, .handshake_ms = 60000};
+  fixture_t *f = fixture_start_opts("127.0.0.1", &o, NULL);
+  assert_int_equal(f->start_rc, 0);
+  store_t *s[4];
+  for (int i = 0; i < 3; i++) s[i] = client(f);
+  int idle = raw_connect(f);
+  assert_true(wait_counts(f, 0, 4));
+  /* Full: a newcomer evicts the connection still in its handshake... */
+  s[3] = client(f);
+  expect_refused(idle, STORE_EBUSY);
+  /* ...and, with every connection past its handshake, is itself refused. */
+  store_t *x = NULL;
+  char err[512];
+  int rc = store_connect(&x, f->host, f->port, NULL, 300, err, sizeof err);
+  print_message("fifth connection: %s: %s\n", store_strerror(rc), err);
+  assert_int_equal(rc, STORE_EBUSY);
+  assert_non_null(strstr(err, "limit of 4 connections"));
+  store_close(s[0]);
+  assert_true(wait_counts(f, 0, 3));
+  s[0] = client(f);
+  assert_int_equal(store_set(s[0], "in", "yes", 3), STORE_OK);
+  for (int i = 0; i < 4; i++) store_close(s[i]);
+  fixture_stop(f);
+}
+
+static int count_open_fds(void) {
+  DIR *d = opendir("/proc/self/fd");
+  if (!d) return -1;
+  int n = 0;
+  while (readdir(d)) n++;
+  closedir(d);
+  return n - 3; /* ".", ".." and the directory's own descriptor */
+}
+
+/* Descriptors run out (the client sockets of this test live in the server's process, so they
+ * count too): accept fails with EMFILE, and the server must shrug it off, evicting connections
+ * stuck in the handshake to make room, and serve normally once descriptors are back. */
+static void test_out_of_descriptors(void **state) {
+  enum { TRIES = 120, SPARE = 40 };
+  store_server_opts_t o = {.max_unauth = 10000, .max_unauth_per_addr = 10000, .handshake_ms = 60000};
+  fixture_t *f = fixture_start_opts("127.0.0.1", &o, NULL);
+  assert_int_equal(f->start_rc, 0);
+  struct rlimit old, low;
+  assert_int_equal(getrlimit(RLIMIT_NOFILE, &old), 0);
+  int nopen = count_open_fds();
+  if (nopen < 0) {
+    fixture_stop(f);
+    skip();
+  }
+  low.rlim_cur = (rlim_t)(nopen + SPARE);
+  low.rlim_max = old.rlim_max;
+  assert_int_equal(setrlimit(RLIMIT_NOFILE, &low), 0);
+  /* Single attempts: a client retrying refused connects (net_connect) while the server pauses
+   * could connect to itself, loopback to an ephemeral port being what it is. */
+  int fds[TRIES], n = 0;
+  for (int i = 0; i < TRIES; i++) {
+    int fd = raw_try_connect(f, NULL);
+    if (fd < 0) continue; /* this side ran out first, or the server paused accepting */
+    fds[n++] = fd;
+  }
+  /* Still at the low limit, until the server has dealt with every connection: accepted (it
+   * counts them), or dropped or evicted (they turn readable: EOF, after an ERROR if evicted). */
+  int closed = 0;
+  int64_t end = now_ms() + WAIT_MS;
+  for (;;) {
+    closed = 0;
+    for (int i = 0; i < n; i++) {
+      struct pollfd pf = {.fd = fds[i], .events = POLLIN};
+      closed += poll(&pf, 1, 0) > 0;
+    }
+    fixture_query(f);
+    if (f->nclients + (size_t)closed == (size_t)n || now_ms() > end) break;
+    sched_yield();
+  }
+  assert_int_equal(setrlimit(RLIMIT_NOFILE, &old), 0);
+  int told = 0;
+  for (int i = 0; i < n; i++) {
+    struct pollfd pf = {.fd = fds[i], .events = POLLIN};
+    uint8_t hdr[STORE_PROTO_HEADER];
+    if (poll(&pf, 1, 0) > 0 && net_recv_all(fds[i], hdr, sizeof hdr, 0) == 0) told++;
+  }
+  print_message("descriptor limit %d: %d of %d connections made; the server kept %zu and closed %d (%d with an "
+                "ERROR)\n", nopen + SPARE, n, TRIES, f->nclients, closed, told);
+  assert_int_equal(f->nclients + (size_t)closed, (size_t)n);
+  assert_true(closed > 0);
+  for (int i = 0; i < n; i++) close(fds[i]);
+  assert_true(wait_counts(f, 0, 0));
+  expect_healthy(f);
+  fixture_stop(f);
+}
+
+/* Sends the header and the first nsend value bytes of a SET "big" frame of flen bytes. */
+static void send_partial_set(int fd, uint32_t flen, size_t nsend) {
+  size_t vlen = flen - STORE_PROTO_HEADER - (4 + 3) - 4;
+  uint8_t head[STORE_PROTO_HEADER + 4 + 3 + 4];
+  uint8_t *p = head;
+  uint32_t fields[] = {flen, 3, (uint32_t)vlen};
+  for (int i = 0; i < 3; i++) {
+    uint32_t v = fields[i];
+    p[0] = (uint8_t)(v >> 24), p[1] = (uint8_t)(v >> 16), p[2] = (uint8_t)(v >> 8), p[3] = (uint8_t)v;
+    p += 4;
+    if (i == 0) {
+      *p++ = STORE_PROTO_MAGIC, *p++ = STORE_PROTO_VERSION, *p++ = STORE_OP_SET, *p++ = 0;
+    } else if (i == 1) {
+      memcpy(p, "big", 3);
+      p += 3;
+    }
+  }
+  assert_int_equal(net_send_all(fd, head, sizeof head), 0);
+  uint8_t *body = calloc(1, nsend);
+  assert_int_equal(net_send_all(fd, body, nsend), 0);
+  free(body);
+}
+
+static void test_inflight_budget(void **state) {
+  enum { N = 6 };
+  const size_t budget = 8u << 20, frame = 4u << 20, sent = 3u << 20;
+  store_server_opts_t o = {.inflight_budget = budget};
+  fixture_t *f = fixture_start_opts("127.0.0.1", &o, NULL);
+  assert_int_equal(f->start_rc, 0);
+  int fds[N], refused[N] = {0}, admitted = 0, nrefused = 0;
+  size_t peak = 0;
+  for (int i = 0; i < N; i++) {
+    fds[i] = raw_session(f);
+    send_partial_set(fds[i], (uint32_t)frame, sent);
+    /* Wait for the server's verdict: an ERROR on the socket, or its buffer grown for the frame
+     * (to `frame` bytes once more than half of it arrived; buffers grow only by doubling). */
+    int64_t end = now_ms() + WAIT_MS;
+    for (;;) {
+      struct pollfd pf = {.fd = fds[i], .events = POLLIN};
+      if (poll(&pf, 1, 0) > 0) {
+        expect_error(fds[i], STORE_EBUSY);
+        refused[i] = 1;
+        nrefused++;
+        break;
+      }
+      fixture_query(f);
+      if (f->inflight > peak) peak = f->inflight;
+      if (f->inflight >= (size_t)(admitted + 1) * frame) {
+        admitted++;
+        break;
+      }
+      if (now_ms() > end) {
+        print_message("connection %d: no verdict; %zu bytes in flight\n", i, f->inflight);
+        fail();
+      }
+      sched_yield();
+    }
+  }
+  fixture_query(f);
+  if (f->inflight > peak) peak = f->inflight;
+  print_message("%d connections announcing %zu-byte frames, %zu bytes sent each: %d admitted, %d refused; "
+                "bytes in flight %zu (peak %zu), budget %zu\n",
+                N, frame, sent, admitted, nrefused, f->inflight, peak, budget);
+  assert_int_equal(admitted, (int)(budget / frame));
+  assert_int_equal(nrefused, N - admitted);
+  assert_true(peak <= budget);
+  for (int i = 0; i < N; i++) {
+    if (!refused[i]) continue;
+    expect_closed(fds[i]);
+    close(fds[i]);
+  }
+  /* Small requests never wait on the budget; a big one does while it is spent. */
+  expect_healthy(f);
+  store_t *s = client(f);
+  size_t vlen = 5u << 20;
+  uint8_t *val = calloc(1, vlen);
+  int rc = store_set(s, "big2", val, vlen);
+  print_message("big set while the budget is spent: %s: %s\n", store_strerror(rc), store_errmsg(s));
+  assert_int_equal(rc, STORE_EBUSY);
+  store_close(s);
+  for (int i = 0; i < N; i++)
+    if (!refused[i]) close(fds[i]);
+  int64_t end = now_ms() + WAIT_MS;
+  do {
+    fixture_query(f);
+  } while ((f->inflight != 0 || f->nclients != 0) && now_ms() < end && (sched_yield(), 1));
+  assert_int_equal(f->inflight, 0);
+  s = client(f);
+  assert_int_equal(store_set(s, "big2", val, vlen), STORE_OK);
+  free(val);
+  store_close(s);
+  fixture_stop(f);
 }
 
 int main(void) {
@@ -878,6 +1524,19 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_endpoint_and_addrinuse, setup, teardown),
       cmocka_unit_test(test_ipv6),
       cmocka_unit_test(test_server_gone_while_waiting),
+      cmocka_unit_test_setup_teardown(test_jobs_do_not_see_each_other, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_secret_admits, setup_secret, teardown),
+      cmocka_unit_test_setup_teardown(test_wrong_secret_refused, setup_secret, teardown),
+      cmocka_unit_test_setup_teardown(test_no_secret_refused, setup_secret, teardown),
+      cmocka_unit_test_setup_teardown(test_secret_client_refuses_open_store, setup, teardown),
+      cmocka_unit_test(test_client_checks_the_store_proof),
+      cmocka_unit_test(test_handshake_deadline),
+      cmocka_unit_test_setup_teardown(test_request_before_hello, setup, teardown),
+      cmocka_unit_test(test_evict_oldest_unauthenticated),
+      cmocka_unit_test(test_evict_per_address),
+      cmocka_unit_test(test_connection_limit),
+      cmocka_unit_test(test_inflight_budget),
+      cmocka_unit_test(test_out_of_descriptors),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
