@@ -20,8 +20,14 @@
 
 typedef struct backend backend_t;
 
+/* Where a backend's memory lives: plain host memory (cpu) or a device's (cuda). Callers ask this,
+ * never the backend's name, whether a buffer can be touched from the host or handed to a comm
+ * that moves host memory. */
+typedef enum { BACKEND_MEM_HOST = 0, BACKEND_MEM_DEVICE } backend_mem_t;
+
 struct backend {
-  const char *name; /* "cpu", "cuda" */
+  const char *name; /* "cpu", "cuda": for messages only, never compared outside backend.c */
+  backend_mem_t mem;
   void *impl;       /* backend-private state */
 
   /* --- memory (bytes). alloc returns zeroed memory, or NULL when it cannot. */

@@ -701,6 +701,7 @@ backend_t *backend_cpu_create(int threads, char *err, size_t errlen) {
   /* All threading is OpenMP's (see cpu_matmul); OpenBLAS runs on the calling thread. */
   openblas_set_num_threads(1);
   be->name = "cpu";
+  be->mem = BACKEND_MEM_HOST;
   be->impl = cp;
   be->alloc = cpu_alloc;
   be->free = cpu_free;

@@ -1282,6 +1282,7 @@ extern "C" backend_t *backend_cuda_create(int device, char *err, size_t errlen) 
   }
   be->impl = cu;
   be->name = "cuda";
+  be->mem = BACKEND_MEM_DEVICE;
   cu->device = device;
   cu->param_dtype = CUDA_DTYPE_FP32;
   if ((e = cudaSetDevice(device)) != cudaSuccess) { what = "cudaSetDevice"; goto fail; }
