@@ -161,6 +161,7 @@ $(foreach t,$(GPU_SRC),$(eval $(call link_rule,$(t),$(t:test/gpu/%.c=$(BUILD)/te
 test: all
 	$(Q)$(MAKE) --no-print-directory unit
 	$(Q)$(MAKE) --no-print-directory integration
+	$(Q)$(MAKE) --no-print-directory fuzz-ci
 
 unit: $(UNIT_BIN)
 	$(Q)scripts/run-unit-tests.sh $(UNIT_BIN)
@@ -187,5 +188,7 @@ install: $(BIN)/meshrun $(BIN)/trainer
 
 clean:
 	rm -rf $(BUILD) $(BIN)
+
+include fuzz/fuzz.mk
 
 -include $(shell find $(BUILD) -name '*.d' 2>/dev/null)

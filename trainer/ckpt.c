@@ -21,6 +21,7 @@
 #include <ftw.h>
 #include <inttypes.h>
 #include <limits.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
@@ -972,8 +973,12 @@ static char *read_text(const char *path, size_t max, size_t *len, int *errno_out
     *errno_out = errno;
     return NULL;
   }
-  char *buf = malloc(max + 1);
-  size_t n = buf ? fread(buf, 1, max, f) : 0;
+  /* Sized from the file where it says, so a small metadata.json costs a small buffer. */
+  struct stat sb;
+  size_t cap = max;
+  if (fstat(fileno(f), &sb) == 0 && S_ISREG(sb.st_mode) && (uint64_t)sb.st_size < max) cap = (size_t)sb.st_size;
+  char *buf = malloc(cap + 1);
+  size_t n = buf ? fread(buf, 1, cap, f) : 0;
   fclose(f);
   if (buf) buf[n] = 0;
   if (len) *len = n;
@@ -983,7 +988,9 @@ static char *read_text(const char *path, size_t max, size_t *len, int *errno_out
 
 static int json_int(const cJSON *o, const char *key, int64_t *out) {
   const cJSON *j = cJSON_GetObjectItemCaseSensitive(o, key);
-  if (!cJSON_IsNumber(j) || j->valuedouble != (double)(int64_t)j->valuedouble) return 0;
+  /* Range first: casting a double outside int64's range (or nan) to int64_t is undefined. */
+  if (!cJSON_IsNumber(j) || !(fabs(j->valuedouble) < 0x1p63) || j->valuedouble != (double)(int64_t)j->valuedouble)
+    return 0;
   *out = (int64_t)j->valuedouble;
   return 1;
 }

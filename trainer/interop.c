@@ -415,8 +415,9 @@ static int read_config(interop_file_t *f, const char *cfg_path, char *err, size_
     rc = fail(err, errlen, INTEROP_ECORRUPT, cfg_path, "attention_bias is true; our linears have no bias");
   if (rc == 0 && (v = cJSON_GetObjectItemCaseSensitive(root, "mlp_bias")) && cJSON_IsTrue(v))
     rc = fail(err, errlen, INTEROP_ECORRUPT, cfg_path, "mlp_bias is true; our linears have no bias");
+  /* compared as doubles: a cast to int would wrap 1e300 (undefined) and round 8.5 down to 8 */
   if (rc == 0 && (v = cJSON_GetObjectItemCaseSensitive(root, "head_dim")) && !cJSON_IsNull(v) && c->n_heads > 0 &&
-      (!cJSON_IsNumber(v) || (int)v->valuedouble != c->dim / c->n_heads))
+      (!cJSON_IsNumber(v) || v->valuedouble != (double)(c->dim / c->n_heads)))
     rc = fail(err, errlen, INTEROP_ECORRUPT, cfg_path, "head_dim is not hidden_size / num_attention_heads");
   /* tie_word_embeddings: LlamaConfig's default is false */
   f->shared = rc == 0 && (v = cJSON_GetObjectItemCaseSensitive(root, "tie_word_embeddings")) && cJSON_IsTrue(v);

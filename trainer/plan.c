@@ -673,7 +673,10 @@ int plan_load(plan_t *p, const char *path, const char *const *sets, int nsets, c
 
 int plan_llama_hidden_dim(int dim, int multiple_of, double ffn_dim_multiplier) {
   long long hidden = 8LL * dim / 3; /* int(2 * (4 * dim) / 3) */
-  if (ffn_dim_multiplier > 0) hidden = (long long)(ffn_dim_multiplier * (double)hidden);
+  if (ffn_dim_multiplier > 0) { /* clamped before the cast: a huge multiplier is refused later, not UB */
+    double h = ffn_dim_multiplier * (double)hidden;
+    hidden = h >= (double)INT_MAX ? INT_MAX : (long long)h;
+  }
   if (multiple_of > 0) hidden = multiple_of * ((hidden + multiple_of - 1) / multiple_of);
   return hidden > INT_MAX ? INT_MAX : (int)hidden;
 }
@@ -710,24 +713,35 @@ int plan_resolve(plan_t *p, int world_size, char *err, size_t errlen) {
   /* Mesh: at most one -1, which takes the rest of the world; then the product must match. */
   int *dims[3] = {&m->dp_replicate, &m->dp_shard, &m->tp};
   int n_rest = 0;
-  long long known = 1;
+  long long known = 1; /* saturates just past world_size: any larger product is the same error */
   for (int i = 0; i < 3; i++) {
     if (*dims[i] == -1)
       n_rest++;
-    else
-      known *= *dims[i];
+    else if (__builtin_mul_overflow(known, (long long)*dims[i], &known) || known > world_size)
+      known = (long long)world_size + 1;
   }
   if (n_rest > 1)
     return perr(err, errlen, "mesh", "only one of dp_replicate, dp_shard, tp may be -1");
   if (n_rest == 1) {
-    if (known > world_size || world_size % known != 0)
+    if (known > world_size)
+      return perr(err, errlen, "mesh", "the product of the entries other than -1 is more than WORLD_SIZE %d",
+                  world_size);
+    if (world_size % known != 0)
       return perr(err, errlen, "mesh",
                   "the product of the entries other than -1 (%lld) does not divide WORLD_SIZE %d",
                   known, world_size);
     for (int i = 0; i < 3; i++)
       if (*dims[i] == -1) *dims[i] = (int)(world_size / known);
   }
-  long long prod = (long long)m->dp_replicate * m->dp_shard * m->tp;
+  long long prod = 1;
+  for (int i = 0; i < 3; i++)
+    if (__builtin_mul_overflow(prod, (long long)*dims[i], &prod) || prod > world_size) {
+      prod = (long long)world_size + 1; /* saturated: reported as "more than WORLD_SIZE" below */
+      break;
+    }
+  if (prod > world_size)
+    return perr(err, errlen, "mesh", "dp_replicate*dp_shard*tp = %d*%d*%d is more than WORLD_SIZE %d",
+                m->dp_replicate, m->dp_shard, m->tp, world_size);
   if (prod != world_size)
     return perr(err, errlen, "mesh", "dp_replicate*dp_shard*tp = %lld does not equal WORLD_SIZE %d",
                 prod, world_size);

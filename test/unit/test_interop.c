@@ -388,7 +388,11 @@ static void test_bad_hf_dirs(void **state) {
                {"\"num_hidden_layers\": 2", "\"num_hidden_layers\": 1", "unexpected tensor model.layers.1."},
                {"\"intermediate_size\": 40", "\"intermediate_size\": 48",
                 "gate_proj.weight is F32 (40, 32), config.json implies F32 (48, 32)"},
-               {"{", "[", "not a JSON object"}};
+               {"{", "[", "not a JSON object"},
+               /* head_dim is compared as the number it is: 8.5 is not 8 (a cast to int said it was),
+                * and 1e300 is refused without an out-of-range conversion (found by fuzz_llama2c) */
+               {"\"head_dim\": 8", "\"head_dim\": 8.5", "head_dim is not hidden_size / num_attention_heads"},
+               {"\"head_dim\": 8", "\"head_dim\": 1e300", "head_dim is not hidden_size / num_attention_heads"}};
   for (size_t k = 0; k < sizeof edits / sizeof edits[0]; k++) {
     char text[4096];
     const char *at = strstr(good, edits[k].from);

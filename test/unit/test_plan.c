@@ -8,6 +8,7 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -295,7 +296,7 @@ static void test_key_errors(void **state) {
   expect_error("{\"seed\":9007199254740994}", 0, "seed");
   expect_error("{\"mesh\":{\"tp\":0}}", 0, "mesh.tp");
   expect_error("{\"mesh\":{\"dp_shard\":-2}}", 0, "mesh.dp_shard");
-  expect_error("{\"parallel\":{\"zero\":2}}", 0, "parallel.zero");
+  expect_error("{\"parallel\":{\"zero\":3}}", 0, "parallel.zero");
   expect_error("{\"data\":{\"val_fraction\":1}}", 0, "data.val_fraction");
   expect_error("{\"log\":{\"interval\":0}}", 0, "log.interval");
 
@@ -449,6 +450,12 @@ static void test_resolve_errors(void **state) {
   expect_error("{" BASE ",\"mesh\":{\"dp_replicate\":-1,\"dp_shard\":-1,\"tp\":1}}", 8, "mesh");
   expect_error("{" BASE ",\"mesh\":{\"dp_replicate\":1,\"dp_shard\":-1,\"tp\":3}}", 8, "mesh");
   expect_error("{" BASE ",\"mesh\":{\"dp_replicate\":16,\"dp_shard\":-1,\"tp\":1}}", 8, "mesh");
+  /* Products that overflow 64 bits (found by fuzz_plan): refused, not undefined behaviour. */
+  m = expect_error("{" BASE ",\"mesh\":{\"dp_replicate\":2147483647,\"dp_shard\":2147483647,\"tp\":2147483647}}", 8,
+                   "mesh");
+  assert_string_equal(m, "plan error: mesh: dp_replicate*dp_shard*tp = 2147483647*2147483647*2147483647 is more "
+                         "than WORLD_SIZE 8");
+  expect_error("{" BASE ",\"mesh\":{\"dp_replicate\":2147483647,\"dp_shard\":-1,\"tp\":2147483647}}", 8, "mesh");
   expect_error("{" BASE ",\"model\":{\"dim\":100,\"n_heads\":3,\"n_kv_heads\":1}}", 1, "model.dim");
   expect_error("{" BASE ",\"model\":{\"n_heads\":4,\"n_kv_heads\":3}}", 1, "model.n_kv_heads");
   expect_error("{" BASE ",\"model\":{\"dim\":12,\"n_heads\":4}}", 1, "model.dim"); /* head dim 3 */
@@ -491,6 +498,8 @@ static void test_hidden_dim(void **state) {
   assert_int_equal(plan_llama_hidden_dim(4096, 1024, 1.3), 14336); /* Llama-3-8B */
   assert_int_equal(plan_llama_hidden_dim(2048, 256, 1.5), 8192);   /* Llama-3.2-1B */
   assert_int_equal(plan_llama_hidden_dim(4096, 256, 0), 11008);    /* Llama-2-7B */
+  /* A multiplier too big for any int saturates instead of an undefined cast (fuzz_plan). */
+  assert_int_equal(plan_llama_hidden_dim(4096, 256, 1e300), INT_MAX);
   assert_int_equal(plan_llama_hidden_dim(8192, 4096, 1.3), 28672); /* Llama-3-70B */
   assert_int_equal(plan_llama_hidden_dim(5120, 256, 0), 13824);    /* Llama-2-13B */
   assert_int_equal(plan_llama_hidden_dim(3072, 256, 1.0), 8192);   /* Llama-3.2-3B */
