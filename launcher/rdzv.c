@@ -238,6 +238,9 @@ static int post_end(rdzv_t *rz, store_t *s, int r, rdzv_end_t *e, int survivors)
   rc = set_str(s, key, json);
   free(json);
   if (rc) return rc;
+  /* A fatal end has no next round, and the store host leaves as soon as it reads the end: a
+   * bump after it would race that exit and turn this node's exit code into "store lost". */
+  if (e->fatal) return 0;
   return bump_round(rz, s, r);
 }
 
