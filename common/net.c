@@ -24,6 +24,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/err.h"
+
 int64_t net_now_ms(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -37,15 +39,6 @@ static void err_text(char *out, size_t outlen, int e) {
   if (tmp[0] && isupper((unsigned char)tmp[0]) && !(tmp[1] && isupper((unsigned char)tmp[1])))
     tmp[0] = (char)tolower((unsigned char)tmp[0]);
   snprintf(out, outlen, "%s", tmp);
-}
-
-static void set_err(char *err, size_t errlen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static void set_err(char *err, size_t errlen, const char *fmt, ...) {
-  if (!err || !errlen) return;
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(err, errlen, fmt, ap);
-  va_end(ap);
 }
 
 /* Parses a decimal port; returns it or -1. */
@@ -71,7 +64,7 @@ static int host_chars_ok(const char *s, size_t n) {
 int net_parse_endpoint(const char *s, char *host, size_t hostlen, int *port, int default_port,
                        int allow_zero, char *err, size_t errlen) {
   if (!s || !*s) {
-    set_err(err, errlen, "empty endpoint; expected HOST[:PORT]");
+    err_set(err, errlen, 0, "empty endpoint; expected HOST[:PORT]");
     return -EINVAL;
   }
   const char *h = s, *p = NULL;
@@ -80,7 +73,7 @@ int net_parse_endpoint(const char *s, char *host, size_t hostlen, int *port, int
   if (bracketed) {
     const char *close = strchr(s, ']');
     if (!close) {
-      set_err(err, errlen, "endpoint '%s': missing ']' after IPv6 address", s);
+      err_set(err, errlen, 0, "endpoint '%s': missing ']' after IPv6 address", s);
       return -EINVAL;
     }
     h = s + 1;
@@ -89,11 +82,11 @@ int net_parse_endpoint(const char *s, char *host, size_t hostlen, int *port, int
       p = close + 2;
       pn = strlen(p);
       if (pn == 0) {
-        set_err(err, errlen, "endpoint '%s': empty port after ':'", s);
+        err_set(err, errlen, 0, "endpoint '%s': empty port after ':'", s);
         return -EINVAL;
       }
     } else if (close[1] != '\0') {
-      set_err(err, errlen, "endpoint '%s': junk after ']'; expected [ADDR]:PORT", s);
+      err_set(err, errlen, 0, "endpoint '%s': junk after ']'; expected [ADDR]:PORT", s);
       return -EINVAL;
     }
   } else {
@@ -106,7 +99,7 @@ int net_parse_endpoint(const char *s, char *host, size_t hostlen, int *port, int
       p = c1 + 1;
       pn = strlen(p);
       if (pn == 0) {
-        set_err(err, errlen, "endpoint '%s': empty port after ':'", s);
+        err_set(err, errlen, 0, "endpoint '%s': empty port after ':'", s);
         return -EINVAL;
       }
     } else {
@@ -114,22 +107,22 @@ int net_parse_endpoint(const char *s, char *host, size_t hostlen, int *port, int
     }
   }
   if (hn == 0) {
-    set_err(err, errlen, "endpoint '%s': empty host", s);
+    err_set(err, errlen, 0, "endpoint '%s': empty host", s);
     return -EINVAL;
   }
   if (!host_chars_ok(h, hn)) {
-    set_err(err, errlen, "endpoint '%s': invalid character in host", s);
+    err_set(err, errlen, 0, "endpoint '%s': invalid character in host", s);
     return -EINVAL;
   }
   if (hn >= hostlen) {
-    set_err(err, errlen, "endpoint '%s': host longer than %zu bytes", s, hostlen ? hostlen - 1 : 0);
+    err_set(err, errlen, 0, "endpoint '%s': host longer than %zu bytes", s, hostlen ? hostlen - 1 : 0);
     return -EINVAL;
   }
   char tmp[256];
   if (bracketed || memchr(h, ':', hn)) {
     struct in6_addr a6;
     if (hn >= sizeof tmp) {
-      set_err(err, errlen, "endpoint '%s': invalid IPv6 address", s);
+      err_set(err, errlen, 0, "endpoint '%s': invalid IPv6 address", s);
       return -EINVAL;
     }
     memcpy(tmp, h, hn);
@@ -137,7 +130,7 @@ int net_parse_endpoint(const char *s, char *host, size_t hostlen, int *port, int
     char *pct = strchr(tmp, '%'); /* a zone id ("fe80::1%eth0") is not part of inet_pton's syntax */
     if (pct) *pct = '\0';
     if (inet_pton(AF_INET6, tmp, &a6) != 1) {
-      set_err(err, errlen, "endpoint '%s': '%.*s' is not an IPv6 address", s, (int)hn, h);
+      err_set(err, errlen, 0, "endpoint '%s': '%.*s' is not an IPv6 address", s, (int)hn, h);
       return -EINVAL;
     }
   }
@@ -145,7 +138,7 @@ int net_parse_endpoint(const char *s, char *host, size_t hostlen, int *port, int
   if (p) {
     pv = parse_port(p, pn, allow_zero);
     if (pv < 0) {
-      set_err(err, errlen, "endpoint '%s': bad port '%s'; expected %d..65535", s, p, allow_zero ? 0 : 1);
+      err_set(err, errlen, 0, "endpoint '%s': bad port '%s'; expected %d..65535", s, p, allow_zero ? 0 : 1);
       return -EINVAL;
     }
   }
@@ -173,7 +166,7 @@ static int resolve(const char *host, int port, int passive, struct addrinfo **re
   if (rc == 0) return 0;
   char ep[300];
   net_format_endpoint(ep, sizeof ep, host && *host ? host : "*", port);
-  set_err(err, errlen, "resolve %s: %s", ep, rc == EAI_SYSTEM ? strerror(errno) : gai_strerror(rc));
+  err_set(err, errlen, 0, "resolve %s: %s", ep, rc == EAI_SYSTEM ? strerror(errno) : gai_strerror(rc));
   return rc == EAI_AGAIN ? -EAGAIN : -ENOENT;
 }
 
@@ -251,7 +244,7 @@ int net_connect(const char *host, int port, int timeout_ms, char *err, size_t er
       freeaddrinfo(res);
       char et[128];
       err_text(et, sizeof et, last);
-      set_err(err, errlen, "connect %s: %s", ep, et);
+      err_set(err, errlen, 0, "connect %s: %s", ep, et);
       rc = -last;
     }
     if (!retryable(-rc)) return rc;
@@ -327,7 +320,7 @@ int net_listen(const char *host, int port, int backlog, int *bound_port, char *e
   if (fd < 0) {
     char et[128];
     err_text(et, sizeof et, -fd);
-    set_err(err, errlen, "listen %s: %s", ep, et);
+    err_set(err, errlen, 0, "listen %s: %s", ep, et);
     return fd;
   }
   if (bound_port) *bound_port = bound_port_of(fd);
@@ -357,7 +350,7 @@ int net_listen_all(const char *host, int port, int backlog, int *fds, int maxfds
                    size_t errlen) {
   if (!host || !*host || maxfds < 1) {
     if (maxfds < 1) {
-      set_err(err, errlen, "net_listen_all: no room for a socket");
+      err_set(err, errlen, 0, "net_listen_all: no room for a socket");
       return -EINVAL;
     }
     int fd = net_listen(host, port, backlog, bound_port, err, errlen);
@@ -375,7 +368,7 @@ int net_listen_all(const char *host, int port, int backlog, int *fds, int maxfds
   struct addrinfo **v = calloc((size_t)na, sizeof *v);
   if (!v) {
     freeaddrinfo(res);
-    set_err(err, errlen, "listen %s: out of memory", ep);
+    err_set(err, errlen, 0, "listen %s: out of memory", ep);
     return -ENOMEM;
   }
   na = 0;
@@ -413,7 +406,7 @@ int net_listen_all(const char *host, int port, int backlog, int *fds, int maxfds
   if (n == 0) {
     char et[128];
     err_text(et, sizeof et, -last);
-    set_err(err, errlen, "listen %s: %s", ep, et);
+    err_set(err, errlen, 0, "listen %s: %s", ep, et);
     return last;
   }
   if (bound_port) *bound_port = bp;

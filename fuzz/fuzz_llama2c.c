@@ -1,4 +1,4 @@
-// deps: trainer/interop.c trainer/model.c trainer/comm.c trainer/comm_cpu.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c trainer/safetensors.c common/net.c common/store.c common/store_proto.c common/log.c common/fs.c fuzz/support.c
+// deps: trainer/interop.c trainer/model.c trainer/comm.c trainer/comm_cpu.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c trainer/safetensors.c common/net.c common/store.c common/store_proto.c common/log.c common/fs.c fuzz/support.c common/err.c common/env.c
 // max_len: 16384
 /* fuzz_llama2c: interop's readers: llama2.c checkpoints and Hugging Face directories.
  *
@@ -15,14 +15,6 @@
 
 #include "fuzz/support.h"
 #include "trainer/interop.h"
-
-#define CHECK(cond)                                                                 \
-  do {                                                                              \
-    if (!(cond)) {                                                                  \
-      fprintf(stderr, "%s:%d: broken promise: %s\n", __FILE__, __LINE__, #cond);     \
-      abort();                                                                      \
-    }                                                                               \
-  } while (0)
 
 static void read_one(interop_file_t *f, const char *name, size_t rows, size_t cols) {
   size_t n = rows * cols;

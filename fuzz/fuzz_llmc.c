@@ -14,14 +14,6 @@
 #include "fuzz/support.h"
 #include "trainer/data.h"
 
-#define CHECK(cond)                                                                 \
-  do {                                                                              \
-    if (!(cond)) {                                                                  \
-      fprintf(stderr, "%s:%d: broken promise: %s\n", __FILE__, __LINE__, #cond);     \
-      abort();                                                                      \
-    }                                                                               \
-  } while (0)
-
 enum { VOCAB = 50257, T = 8, B = 2, DP = 2, G = B * DP * 2 };
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {

@@ -1,4 +1,4 @@
-// deps: trainer/safetensors.c fuzz/support.c
+// deps: trainer/safetensors.c fuzz/support.c common/err.c
 // max_len: 16384
 /* fuzz_safetensors: the safetensors reader (st_open) on arbitrary files.
  *
@@ -12,14 +12,6 @@
 
 #include "fuzz/support.h"
 #include "trainer/safetensors.h"
-
-#define CHECK(cond)                                                                 \
-  do {                                                                              \
-    if (!(cond)) {                                                                  \
-      fprintf(stderr, "%s:%d: broken promise: %s\n", __FILE__, __LINE__, #cond);     \
-      abort();                                                                      \
-    }                                                                               \
-  } while (0)
 
 static volatile unsigned char g_sink;
 

@@ -1,4 +1,4 @@
-// deps: launcher/store_server.c common/store_proto.c common/net.c common/log.c fuzz/support.c
+// deps: launcher/store_server.c common/store_proto.c common/net.c common/log.c fuzz/support.c common/err.c
 // max_len: 8192
 /* fuzz_store: the store server's frame parser, driven through the real server on loopback.
  *
@@ -24,14 +24,6 @@
 #include "launcher/store_server.h"
 
 #define IDLE_MS 20
-
-#define CHECK(cond)                                                                 \
-  do {                                                                              \
-    if (!(cond)) {                                                                  \
-      fprintf(stderr, "%s:%d: harness: %s\n", __FILE__, __LINE__, #cond);            \
-      abort();                                                                      \
-    }                                                                               \
-  } while (0)
 
 typedef struct {
   uv_tcp_t tcp;

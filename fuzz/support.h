@@ -11,6 +11,17 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+/* A promise of the reader that an input broke: abort, so libFuzzer keeps the input. */
+#define CHECK(cond)                                                             \
+  do {                                                                          \
+    if (!(cond)) {                                                              \
+      fprintf(stderr, "%s:%d: broken promise: %s\n", __FILE__, __LINE__, #cond); \
+      abort();                                                                  \
+    }                                                                           \
+  } while (0)
 
 /* A memfd named tag (for /proc listings); path gets "/proc/self/fd/N". Aborts on failure. */
 typedef struct {

@@ -33,6 +33,7 @@ PLANS = [
     ("serial", None, []),
     ("ddp", (4, 1, 1), []),
     ("ddp+zero1", (4, 1, 1), ["parallel.zero=1"]),
+    ("ddp+zero2", (4, 1, 1), ["parallel.zero=2"]),
     ("fsdp", (1, 4, 1), []),
     ("fsdp no-reshard", (1, 4, 1), ["parallel.reshard_after_forward=false"]),
     ("hsdp 2x2", (2, 2, 1), []),

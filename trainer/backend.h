@@ -137,6 +137,12 @@ void backend_destroy(backend_t *be); /* accepts NULL */
 
 backend_t *backend_cpu_create(int threads, char *err, size_t errlen);
 
+/* The one fatal path of device errors (trainer/fatal.h's CUDA_CHECK, CUBLAS_CHECK, NCCL_CHECK
+ * call it): prints "[trainer rank R host] file:line: call: message" to stderr (R from RANK, 0
+ * when unset), aborts every live communicator (comm_abort_all, when comm.c is linked) so peers
+ * fail at once, and exits with status 1. It never returns. */
+void backend_fatal(const char *file, int line, const char *call, const char *msg) __attribute__((noreturn));
+
 /* The cuda backend, in builds with MESHRUN_HAVE_CUDA only (backend_cuda.cu). device < 0: the
  * only visible GPU, else the one numbered LOCAL_RANK. With no GPU visible it returns NULL and
  * err starts "cuda: no GPU visible" (device "auto" falls back to cpu on it). */

@@ -22,12 +22,13 @@
  *
  * Not here (later steps of issue 5): bf16 parameters and activations with fp32 master weights
  * (param_dtype below is the hook: fp32 only for now), NCCL, overlap of communication. The fatal
- * checks will abort NCCL communicators once they exist. Head dims above 128 are not supported. */
+ * checks abort every live communicator before exiting (trainer/fatal.h). Head dims above 128 are not supported. */
 #include <cublasLt.h>
 #include <cublas_api.h>
 #include <cuda_runtime.h>
 #include <float.h>
 #include <math.h>
+#include <limits.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -37,7 +38,9 @@
 #include <cub/cub.cuh>
 
 extern "C" {
+#include "common/env.h"
 #include "trainer/backend.h"
+#include "trainer/fatal.h"
 }
 
 #define MM_CACHE 128                  /* cached matmul shapes */
@@ -52,31 +55,9 @@ extern "C" {
 
 /* ------------------------------------------------------------------ fatal checks */
 
-/* Device errors have no recovery path inside a kernel call: print where, and exit non-zero so
- * that meshrun restarts or reports. (Once NCCL exists, its communicators are aborted here first
- * so that peers do not hang.) */
-static void cuda_fatal(const char *file, int line, const char *call, const char *msg) {
-  char host[256] = "?";
-  if (gethostname(host, sizeof host - 1) != 0) strcpy(host, "?");
-  host[sizeof host - 1] = '\0';
-  const char *rank = getenv("RANK");
-  fprintf(stderr, "[trainer rank %s %s] %s:%d: %s: %s\n", rank ? rank : "0", host, file, line, call, msg);
-  fflush(stderr);
-  exit(1);
-}
-
-#define CUDA_CHECK(call)                                                                     \
-  do {                                                                                       \
-    cudaError_t e_ = (call);                                                                 \
-    if (e_ != cudaSuccess) cuda_fatal(__FILE__, __LINE__, #call, cudaGetErrorString(e_));    \
-  } while (0)
-
-#define CUBLAS_CHECK(call)                                                                   \
-  do {                                                                                       \
-    cublasStatus_t s_ = (call);                                                              \
-    if (s_ != CUBLAS_STATUS_SUCCESS) cuda_fatal(__FILE__, __LINE__, #call, cublasGetStatusString(s_)); \
-  } while (0)
-
+/* Device errors have no recovery path inside a kernel call: CUDA_CHECK and CUBLAS_CHECK
+ * (trainer/fatal.h) print where, abort every live communicator so that peers do not hang, and
+ * exit non-zero so that meshrun restarts or reports (backend_fatal). */
 /* after a kernel launch: launch errors now, execution errors at the next synchronizing call */
 #define LAUNCH_CHECK(name) CUDA_CHECK(cudaPeekAtLastError())
 
@@ -360,7 +341,7 @@ static mm_entry_t *mm_lookup(cuda_t *cu, int m, int n, int k, int ta, int tb, in
   if (found < 1) {
     char msg[160];
     snprintf(msg, sizeof msg, "no algorithm for m=%d n=%d k=%d trans_a=%d trans_b=%d tf32=%d", m, n, k, ta, tb, tf32);
-    cuda_fatal(__FILE__, __LINE__, "cublasLtMatmulAlgoGetHeuristic", msg);
+    backend_fatal(__FILE__, __LINE__, "cublasLtMatmulAlgoGetHeuristic", msg);
   }
   e->algo = res.algo;
   return e;
@@ -954,7 +935,7 @@ static void att_check_dims(int h, int kv, int d) {
   if (d > 128 || d <= 0 || kv <= 0 || h % kv != 0) {
     char msg[128];
     snprintf(msg, sizeof msg, "unsupported shape h=%d kv=%d d=%d (need d <= 128, h a multiple of kv)", h, kv, d);
-    cuda_fatal(__FILE__, __LINE__, "attention", msg);
+    backend_fatal(__FILE__, __LINE__, "attention", msg);
   }
 }
 
@@ -1261,8 +1242,9 @@ extern "C" backend_t *backend_cuda_create(int device, char *err, size_t errlen) 
     return NULL;
   }
   if (device < 0) { /* auto: the only GPU, else the one of this LOCAL_RANK */
-    const char *lr = getenv("LOCAL_RANK");
-    device = count == 1 ? 0 : (lr ? atoi(lr) : 0);
+    int lr;
+    env_int("LOCAL_RANK", 0, INT_MAX, 0, &lr);
+    device = count == 1 ? 0 : lr;
   }
   if (device >= count) {
     if (err && errlen) snprintf(err, errlen, "cuda: device %d requested but %d visible", device, count);

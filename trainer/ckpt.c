@@ -31,6 +31,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "common/err.h"
 #include "common/fs.h"
 #include "common/log.h"
 #include "trainer/safetensors.h"
@@ -44,17 +45,6 @@
  * CRC covers every byte after that (the rest of the document). */
 #define META_CRC_HEAD "{\"metadata_crc32c\": \"0x"
 #define META_CRC_LEN (sizeof META_CRC_HEAD - 1 + 8 + 2)
-
-static int fail(char *err, size_t errlen, int code, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
-static int fail(char *err, size_t errlen, int code, const char *fmt, ...) {
-  if (err && errlen) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-  }
-  return code;
-}
 
 /* The code of a failed system call: a lack of space is told apart (callers stop on it rather
  * than retry), everything else is an i/o error. */
@@ -224,11 +214,11 @@ typedef struct {
 static int grp_verdict(const ckpt_group_t *g, const rec_t *mine, rec_t *all, char *err, size_t errlen) {
   int n = grp_size(g);
   if (grp_gather(g, mine, all, sizeof *mine))
-    return fail(err, errlen, CKPT_ECOMM, "checkpoint error: a collective of the checkpoint group failed");
+    return err_set(err, errlen, CKPT_ECOMM, "checkpoint error: a collective of the checkpoint group failed");
   for (int i = 0; i < n; i++)
     if (all[i].rc) {
       all[i].msg[CKPT_MSG - 1] = 0;
-      return fail(err, errlen, all[i].rc, "%s", all[i].msg);
+      return err_set(err, errlen, all[i].rc, "%s", all[i].msg);
     }
   return 0;
 }
@@ -262,7 +252,7 @@ static int fsync_path(const char *path) {
 /* Writes text to path and fsyncs it (the caller renames or fsyncs the directory). */
 static int write_durable(const char *path, const char *text, char *err, size_t errlen) {
   int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return fail(err, errlen, io_code(errno), "checkpoint error: open %s: %s", path, strerror(errno));
+  if (fd < 0) return err_set(err, errlen, io_code(errno), "checkpoint error: open %s: %s", path, strerror(errno));
   size_t len = strlen(text), done = 0;
   while (done < len) {
     ssize_t w = write(fd, text + done, len - done);
@@ -270,17 +260,17 @@ static int write_durable(const char *path, const char *text, char *err, size_t e
       if (errno == EINTR) continue;
       int e = errno;
       close(fd);
-      return fail(err, errlen, io_code(e), "checkpoint error: write %s: %s", path, strerror(e));
+      return err_set(err, errlen, io_code(e), "checkpoint error: write %s: %s", path, strerror(e));
     }
     done += (size_t)w;
   }
   if (fsync(fd) != 0) {
     int e = errno;
     close(fd);
-    return fail(err, errlen, io_code(e), "checkpoint error: fsync %s: %s", path, strerror(e));
+    return err_set(err, errlen, io_code(e), "checkpoint error: fsync %s: %s", path, strerror(e));
   }
   if (close(fd) != 0)
-    return fail(err, errlen, io_code(errno), "checkpoint error: close %s: %s", path, strerror(errno));
+    return err_set(err, errlen, io_code(errno), "checkpoint error: close %s: %s", path, strerror(errno));
   return 0;
 }
 
@@ -456,13 +446,13 @@ static const ckpt_group_t *wgroup(const ckpt_writer_t *w) { return w->has_group 
 int ckpt_writer_create(ckpt_writer_t **out, const ckpt_writer_config_t *cfg, char *err, size_t errlen) {
   *out = NULL;
   if (!cfg || !cfg->dir || !*cfg->dir || strlen(cfg->dir) > CKPT_PATH - 64)
-    return fail(err, errlen, CKPT_EINVAL, "checkpoint error: no checkpoint directory (or a path too long)");
+    return err_set(err, errlen, CKPT_EINVAL, "checkpoint error: no checkpoint directory (or a path too long)");
   if (cfg->group && (cfg->group->size < 1 || cfg->group->rank < 0 || cfg->group->rank >= cfg->group->size ||
                      (cfg->group->size > 1 && (!cfg->group->all_gather || !cfg->group->broadcast))))
-    return fail(err, errlen, CKPT_EINVAL, "checkpoint error: invalid group (rank %d of %d)", cfg->group->rank,
+    return err_set(err, errlen, CKPT_EINVAL, "checkpoint error: invalid group (rank %d of %d)", cfg->group->rank,
                 cfg->group->size);
   ckpt_writer_t *w = calloc(1, sizeof *w);
-  if (!w) return fail(err, errlen, CKPT_ENOMEM, "checkpoint error: out of memory");
+  if (!w) return err_set(err, errlen, CKPT_ENOMEM, "checkpoint error: out of memory");
   snprintf(w->dir, sizeof w->dir, "%s", cfg->dir);
   size_t len = strlen(w->dir);
   while (len > 1 && w->dir[len - 1] == '/') w->dir[--len] = 0;
@@ -479,7 +469,7 @@ int ckpt_writer_create(ckpt_writer_t **out, const ckpt_writer_config_t *cfg, cha
   w->hook_arg = cfg->hook_arg;
   if (!w->plan_json) {
     free(w);
-    return fail(err, errlen, CKPT_ENOMEM, "checkpoint error: out of memory");
+    return err_set(err, errlen, CKPT_ENOMEM, "checkpoint error: out of memory");
   }
   *out = w;
   return 0;
@@ -502,7 +492,7 @@ static void job_write(job_t *j) {
   size_t cap = 4096 + (size_t)j->n * 460, len = 0;
   char *lines = malloc(cap);
   if (!ts || !names || !lines) {
-    r->rc = fail(r->msg, sizeof r->msg, CKPT_ENOMEM, "checkpoint error: %s: out of memory", j->file);
+    r->rc = err_set(r->msg, sizeof r->msg, CKPT_ENOMEM, "checkpoint error: %s: out of memory", j->file);
     goto done;
   }
   lines[0] = 0;
@@ -525,20 +515,20 @@ static void job_write(job_t *j) {
   char e[512];
   int fault = j->hook ? j->hook("write", j->step, j->hook_arg) : 0;
   if (fault) {
-    r->rc = fail(r->msg, sizeof r->msg, io_code(fault), "checkpoint error: write %s: %s (test hook)", j->file,
+    r->rc = err_set(r->msg, sizeof r->msg, io_code(fault), "checkpoint error: write %s: %s (test hook)", j->file,
                  strerror(fault));
     goto done;
   }
   int rc = st_write(j->file, ts, j->n, meta, 3, e, sizeof e);
   if (rc) {
     /* st_write reports errno only as text: a lack of space is recognized by its strerror. */
-    r->rc = fail(r->msg, sizeof r->msg, rc == ST_EIO && ckpt_msg_is_nospace(e) ? CKPT_ENOSPC : CKPT_EIO,
+    r->rc = err_set(r->msg, sizeof r->msg, rc == ST_EIO && ckpt_msg_is_nospace(e) ? CKPT_ENOSPC : CKPT_EIO,
                  "checkpoint error: %s", e);
     goto done;
   }
   int fd = open(j->file, O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
-    r->rc = fail(r->msg, sizeof r->msg, CKPT_EIO, "checkpoint error: open %s: %s", j->file, strerror(errno));
+    r->rc = err_set(r->msg, sizeof r->msg, CKPT_EIO, "checkpoint error: open %s: %s", j->file, strerror(errno));
     goto done;
   }
   size_t bufsz = 4u << 20;
@@ -558,7 +548,7 @@ static void job_write(job_t *j) {
   close(fd);
   free(buf);
   if (!buf || got < 0) {
-    r->rc = fail(r->msg, sizeof r->msg, CKPT_EIO, "checkpoint error: read back %s: %s", j->file,
+    r->rc = err_set(r->msg, sizeof r->msg, CKPT_EIO, "checkpoint error: read back %s: %s", j->file,
                  buf ? strerror(e2) : "out of memory");
     goto done;
   }
@@ -584,23 +574,23 @@ static int save_prepare(ckpt_writer_t *w, int64_t step, char *err, size_t errlen
     pathf(tmp, sizeof tmp, "%s/step-%" PRId64 ".tmp", w->dir, step);
     int rc = fs_mkdir_p(w->dir, NULL, 0);
     if (rc)
-      r.rc = fail(r.msg, sizeof r.msg, io_code(-rc), "checkpoint error: mkdir %s: %s", w->dir, strerror(-rc));
+      r.rc = err_set(r.msg, sizeof r.msg, io_code(-rc), "checkpoint error: mkdir %s: %s", w->dir, strerror(-rc));
     else {
       clean_tmp(w->dir);
       if (mkdir(tmp, 0755) != 0)
-        r.rc = fail(r.msg, sizeof r.msg, io_code(errno), "checkpoint error: mkdir %s: %s", tmp, strerror(errno));
+        r.rc = err_set(r.msg, sizeof r.msg, io_code(errno), "checkpoint error: mkdir %s: %s", tmp, strerror(errno));
     }
   }
   if (grp_bcast(wgroup(w), &r, sizeof r))
-    return fail(err, errlen, CKPT_ECOMM, "checkpoint error: a collective of the checkpoint group failed");
-  if (r.rc) return fail(err, errlen, r.rc, "%s", r.msg);
+    return err_set(err, errlen, CKPT_ECOMM, "checkpoint error: a collective of the checkpoint group failed");
+  if (r.rc) return err_set(err, errlen, r.rc, "%s", r.msg);
   return 0;
 }
 
 static int run_hook(ckpt_writer_t *w, const char *point, int64_t step, char *msg, size_t len) {
   if (w->hook && w->hook(point, step, w->hook_arg)) {
     w->hook_stopped = 1;
-    return fail(msg, len, CKPT_EIO, "checkpoint error: save of step %" PRId64 " stopped at %s (test hook)", step,
+    return err_set(msg, len, CKPT_EIO, "checkpoint error: save of step %" PRId64 " stopped at %s (test hook)", step,
                 point);
   }
   return 0;
@@ -690,20 +680,20 @@ static int commit_rank0(ckpt_writer_t *w, job_t *j, const rec_t *recs, int world
    * the metadata, and a checkpoint that does not cover every tensor it mentions exactly once is
    * refused now rather than discovered at resume. */
   cJSON *tensors = cJSON_CreateArray();
-  if (!tensors) return fail(msg, len, CKPT_ENOMEM, "checkpoint error: out of memory writing metadata");
+  if (!tensors) return err_set(msg, len, CKPT_ENOMEM, "checkpoint error: out of memory writing metadata");
   rc = index_tensors(j->tmpdir, world, tensors, msg, len);
   if (rc) {
     cJSON_Delete(tensors);
     return rc;
   }
   char *txt = metadata_json(w, j, recs, world, tensors);
-  if (!txt) return fail(msg, len, CKPT_ENOMEM, "checkpoint error: out of memory writing metadata");
+  if (!txt) return err_set(msg, len, CKPT_ENOMEM, "checkpoint error: out of memory writing metadata");
   pathf(path, sizeof path, "%s/metadata.json", j->tmpdir);
   rc = write_durable(path, txt, msg, len);
   free(txt);
   if (rc) return rc;
   if (fsync_path(j->tmpdir))
-    return fail(msg, len, io_code(errno), "checkpoint error: fsync %s: %s", j->tmpdir, strerror(errno));
+    return err_set(msg, len, io_code(errno), "checkpoint error: fsync %s: %s", j->tmpdir, strerror(errno));
   rc = run_hook(w, "before_rename", step, msg, len);
   if (rc) return rc;
   /* A step-<N> from an abandoned timeline (saved, then the run resumed from an older step) is
@@ -714,13 +704,13 @@ static int commit_rank0(ckpt_writer_t *w, job_t *j, const rec_t *recs, int world
   if (stat(final, &sb) == 0) {
     rm_rf(old);
     if (rename(final, old) != 0)
-      return fail(msg, len, io_code(errno), "checkpoint error: rename %s -> %s: %s", final, old, strerror(errno));
+      return err_set(msg, len, io_code(errno), "checkpoint error: rename %s -> %s: %s", final, old, strerror(errno));
   }
   if (rename(j->tmpdir, final) != 0)
-    return fail(msg, len, io_code(errno), "checkpoint error: rename %s -> %s: %s", j->tmpdir, final,
+    return err_set(msg, len, io_code(errno), "checkpoint error: rename %s -> %s: %s", j->tmpdir, final,
                 strerror(errno));
   if (fsync_path(w->dir))
-    return fail(msg, len, io_code(errno), "checkpoint error: fsync %s: %s", w->dir, strerror(errno));
+    return err_set(msg, len, io_code(errno), "checkpoint error: fsync %s: %s", w->dir, strerror(errno));
   rm_rf(old);
   rc = run_hook(w, "before_latest", step, msg, len);
   if (rc) return rc;
@@ -731,10 +721,10 @@ static int commit_rank0(ckpt_writer_t *w, job_t *j, const rec_t *recs, int world
   rc = write_durable(latest_tmp, body, msg, len);
   if (rc) return rc;
   if (rename(latest_tmp, latest) != 0)
-    return fail(msg, len, io_code(errno), "checkpoint error: rename %s -> %s: %s", latest_tmp, latest,
+    return err_set(msg, len, io_code(errno), "checkpoint error: rename %s -> %s: %s", latest_tmp, latest,
                 strerror(errno));
   if (fsync_path(w->dir))
-    return fail(msg, len, io_code(errno), "checkpoint error: fsync %s: %s", w->dir, strerror(errno));
+    return err_set(msg, len, io_code(errno), "checkpoint error: fsync %s: %s", w->dir, strerror(errno));
   /* Retention: the saved step and the keep-1 older ones survive; newer ones were abandoned. */
   int n = 0, kept = 0;
   int64_t *steps = list_steps(w->dir, &n);
@@ -765,12 +755,12 @@ static int save_commit(ckpt_writer_t *w, char *err, size_t errlen) {
   rec_t out = {0};
   if (!recs) {
     job_free(j);
-    return fail(err, errlen, CKPT_ENOMEM, "checkpoint error: out of memory");
+    return err_set(err, errlen, CKPT_ENOMEM, "checkpoint error: out of memory");
   }
   if (grp_gather(g, &j->rec, recs, sizeof *recs)) {
     free(recs);
     job_free(j);
-    return fail(err, errlen, CKPT_ECOMM, "checkpoint error: a collective of the checkpoint group failed");
+    return err_set(err, errlen, CKPT_ECOMM, "checkpoint error: a collective of the checkpoint group failed");
   }
   if (grp_rank(g) == 0) {
     /* The first failure in rank order, but a lack of space anywhere wins: it is the one cause
@@ -793,10 +783,10 @@ static int save_commit(ckpt_writer_t *w, char *err, size_t errlen) {
   int64_t step = j->step;
   job_free(j);
   if (grp_bcast(g, &out, sizeof out))
-    return fail(err, errlen, CKPT_ECOMM, "checkpoint error: a collective of the checkpoint group failed");
+    return err_set(err, errlen, CKPT_ECOMM, "checkpoint error: a collective of the checkpoint group failed");
   if (out.rc) {
     out.msg[CKPT_MSG - 1] = 0;
-    return fail(err, errlen, out.rc, "%s", out.msg);
+    return err_set(err, errlen, out.rc, "%s", out.msg);
   }
   if (grp_rank(g) == 0) log_info("checkpoint: saved %s/step-%" PRId64, w->dir, step);
   return 0;
@@ -836,7 +826,7 @@ static int job_copy(job_t *j, const ckpt_chunk_t *chunks, int n) {
 
 int ckpt_writer_save(ckpt_writer_t *w, const ckpt_state_t *st, const ckpt_chunk_t *chunks, int n_chunks, char *err,
                      size_t errlen) {
-  if (!w || !st) return fail(err, errlen, CKPT_EINVAL, "checkpoint error: invalid arguments to ckpt_writer_save");
+  if (!w || !st) return err_set(err, errlen, CKPT_EINVAL, "checkpoint error: invalid arguments to ckpt_writer_save");
   /* An earlier asynchronous save is committed first: at most one is in flight, and its
    * failure is reported here. */
   if (w->job) {
@@ -846,7 +836,7 @@ int ckpt_writer_save(ckpt_writer_t *w, const ckpt_state_t *st, const ckpt_chunk_
   int rc = save_prepare(w, st->step, err, errlen);
   if (rc) return rc;
   job_t *j = calloc(1, sizeof *j);
-  if (!j) return fail(err, errlen, CKPT_ENOMEM, "checkpoint error: out of memory");
+  if (!j) return err_set(err, errlen, CKPT_ENOMEM, "checkpoint error: out of memory");
   j->step = st->step;
   j->state = *st;
   pathf(j->tmpdir, sizeof j->tmpdir, "%s/step-%" PRId64 ".tmp", w->dir, st->step);
@@ -860,21 +850,21 @@ int ckpt_writer_save(ckpt_writer_t *w, const ckpt_state_t *st, const ckpt_chunk_
    * collectives so that every rank fails the same save. */
   rec_t *r = &j->rec;
   if (n_chunks < 0)
-    r->rc = fail(r->msg, sizeof r->msg, CKPT_EINVAL,
+    r->rc = err_set(r->msg, sizeof r->msg, CKPT_EINVAL,
                  "checkpoint error: rank %d could not collect its state for step %" PRId64 " (see its log)",
                  grp_rank(wgroup(w)), st->step);
   else if (st->step < 0 || (n_chunks > 0 && !chunks))
-    r->rc = fail(r->msg, sizeof r->msg, CKPT_EINVAL, "checkpoint error: invalid step or chunk list");
+    r->rc = err_set(r->msg, sizeof r->msg, CKPT_EINVAL, "checkpoint error: invalid step or chunk list");
   for (int i = 0; !r->rc && i < n_chunks; i++) {
     const ckpt_chunk_t *c = &chunks[i];
     if (!valid_ident(c->kind, 23) || !valid_ident(c->name, 127) || !valid_geometry(c) || (c->b > c->a && !c->data))
-      r->rc = fail(r->msg, sizeof r->msg, CKPT_EINVAL,
+      r->rc = err_set(r->msg, sizeof r->msg, CKPT_EINVAL,
                    "checkpoint error: rank %d chunk %d (%s/%s): invalid name, geometry or data", grp_rank(wgroup(w)),
                    i, c->kind ? c->kind : "?", c->name ? c->name : "?");
   }
   if (!r->rc && w->async) {
     if (job_copy(j, chunks, n_chunks))
-      r->rc = fail(r->msg, sizeof r->msg, CKPT_ENOMEM, "checkpoint error: rank %d: out of memory copying %d chunks",
+      r->rc = err_set(r->msg, sizeof r->msg, CKPT_ENOMEM, "checkpoint error: rank %d: out of memory copying %d chunks",
                    grp_rank(wgroup(w)), n_chunks);
     else if (pthread_create(&j->thread, NULL, job_thread, j) == 0)
       j->has_thread = 1;
@@ -894,10 +884,10 @@ int ckpt_writer_poll(ckpt_writer_t *w, int64_t *committed, char *err, size_t err
   int world = grp_size(g);
   int32_t mine = atomic_load(&w->job->done) ? 1 : 0;
   int32_t *all = calloc((size_t)world, sizeof *all);
-  if (!all) return fail(err, errlen, CKPT_ENOMEM, "checkpoint error: out of memory");
+  if (!all) return err_set(err, errlen, CKPT_ENOMEM, "checkpoint error: out of memory");
   if (grp_gather(g, &mine, all, sizeof mine)) {
     free(all);
-    return fail(err, errlen, CKPT_ECOMM, "checkpoint error: a collective of the checkpoint group failed");
+    return err_set(err, errlen, CKPT_ECOMM, "checkpoint error: a collective of the checkpoint group failed");
   }
   int ready = 1;
   for (int i = 0; i < world; i++) ready &= all[i] != 0;
@@ -1024,17 +1014,17 @@ static int check_metadata_crc(const char *mpath, const char *txt, size_t n, char
               v < CKPT_FORMAT_VERSION;
     cJSON_Delete(root);
     if (old)
-      return fail(msg, len, CKPT_ECORRUPT,
+      return err_set(msg, len, CKPT_ECORRUPT,
                   "checkpoint error: %s: format version %" PRId64 " has no metadata checksum; this build reads "
                   "version %d only (resume from a newer checkpoint, or start over with checkpoint.resume none)",
                   mpath, v, CKPT_FORMAT_VERSION);
-    return fail(msg, len, CKPT_ECORRUPT,
+    return err_set(msg, len, CKPT_ECORRUPT,
                 "checkpoint error: %s: no metadata checksum on its first line (damaged, or not a meshrun checkpoint)",
                 mpath);
   }
   uint32_t got = ckpt_crc32c(0, txt + META_CRC_LEN, n - META_CRC_LEN);
   if (got != want)
-    return fail(msg, len, CKPT_ECORRUPT,
+    return err_set(msg, len, CKPT_ECORRUPT,
                 "checkpoint error: %s: checksum mismatch (expected 0x%08" PRIx32 ", got 0x%08" PRIx32 ")", mpath, want,
                 got);
   return 0;
@@ -1047,7 +1037,7 @@ static int parse_metadata(ckpt_t *ck, char *msg, size_t len) {
   int e = 0;
   size_t n = 0;
   char *txt = read_text(mpath, 64u << 20, &n, &e);
-  if (!txt) return fail(msg, len, CKPT_ECORRUPT, "checkpoint error: %s: %s", mpath, strerror(e));
+  if (!txt) return err_set(msg, len, CKPT_ECORRUPT, "checkpoint error: %s: %s", mpath, strerror(e));
   int rc = check_metadata_crc(mpath, txt, n, msg, len);
   if (rc) {
     free(txt);
@@ -1060,11 +1050,11 @@ static int parse_metadata(ckpt_t *ck, char *msg, size_t len) {
   const cJSON *fmt = cJSON_GetObjectItemCaseSensitive(root, "format");
   int64_t v = 0;
   if (!cJSON_IsObject(root) || !cJSON_IsString(fmt) || strcmp(fmt->valuestring, CKPT_FORMAT_NAME)) {
-    rc = fail(msg, len, CKPT_ECORRUPT, "checkpoint error: %s: not a meshrun checkpoint metadata file", mpath);
+    rc = err_set(msg, len, CKPT_ECORRUPT, "checkpoint error: %s: not a meshrun checkpoint metadata file", mpath);
     goto error;
   }
   if (!json_int(root, "version", &v) || v != CKPT_FORMAT_VERSION) {
-    rc = fail(msg, len, CKPT_ECORRUPT, "checkpoint error: %s: unsupported format version (this build reads %d)",
+    rc = err_set(msg, len, CKPT_ECORRUPT, "checkpoint error: %s: unsupported format version (this build reads %d)",
               mpath, CKPT_FORMAT_VERSION);
     goto error;
   }
@@ -1082,7 +1072,7 @@ static int parse_metadata(ckpt_t *ck, char *msg, size_t len) {
   for (int i = 0; ok && i < 6; i++)
     ok = json_int(model, shk[i], &sh[i]);
   if (!ok) {
-    rc = fail(msg, len, CKPT_ECORRUPT, "checkpoint error: %s: missing or invalid fields", mpath);
+    rc = err_set(msg, len, CKPT_ECORRUPT, "checkpoint error: %s: missing or invalid fields", mpath);
     goto error;
   }
   m->shape = (ckpt_shape_t){(int)sh[0], (int)sh[1], (int)sh[2], (int)sh[3], (int)sh[4], (int)sh[5]};
@@ -1094,7 +1084,7 @@ static int parse_metadata(ckpt_t *ck, char *msg, size_t len) {
   const cJSON *it;
   cJSON_ArrayForEach(it, rng) {
     if (!json_u64_str(it, &st->rng[st->n_rng])) {
-      rc = fail(msg, len, CKPT_ECORRUPT, "checkpoint error: %s: invalid rng entry", mpath);
+      rc = err_set(msg, len, CKPT_ECORRUPT, "checkpoint error: %s: invalid rng entry", mpath);
       goto error;
     }
     st->n_rng++;
@@ -1107,7 +1097,7 @@ static int parse_metadata(ckpt_t *ck, char *msg, size_t len) {
   ck->files = calloc((size_t)ws, sizeof *ck->files);
   ck->st = calloc((size_t)ws, sizeof *ck->st);
   if (!ck->plan_json || !ck->files || !ck->st) {
-    rc = fail(msg, len, CKPT_ENOMEM, "checkpoint error: out of memory");
+    rc = err_set(msg, len, CKPT_ENOMEM, "checkpoint error: out of memory");
     goto error;
   }
   ck->n_files = (int)ws;
@@ -1119,7 +1109,7 @@ static int parse_metadata(ckpt_t *ck, char *msg, size_t len) {
     if (!cJSON_IsString(nm) || !valid_ident(nm->valuestring, 63) || strlen(nm->valuestring) >= 64 ||
         !json_int(it, "bytes", &bytes) || bytes < 0 ||
         !json_u64_str(cJSON_GetObjectItemCaseSensitive(it, "crc32c"), &crc) || crc > UINT32_MAX) {
-      rc = fail(msg, len, CKPT_ECORRUPT, "checkpoint error: %s: invalid entry %d of files", mpath, i);
+      rc = err_set(msg, len, CKPT_ECORRUPT, "checkpoint error: %s: invalid entry %d of files", mpath, i);
       goto error;
     }
     snprintf(ck->files[i].name, sizeof ck->files[i].name, "%s", nm->valuestring);
@@ -1139,7 +1129,7 @@ static int check_shape(const ckpt_t *ck, const ckpt_shape_t *want, char *msg, si
   const char *k[6] = {"dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "hidden_dim"};
   for (int i = 0; i < 6; i++)
     if (h[i] != x[i])
-      return fail(msg, len, CKPT_ESHAPE,
+      return err_set(msg, len, CKPT_ESHAPE,
                   "checkpoint error: %s holds a model of another shape: model.%s is %d there but %d in this plan; "
                   "refusing to load it",
                   ck->path, k[i], h[i], x[i]);
@@ -1152,20 +1142,20 @@ static int verify_files(ckpt_t *ck, int rank, int size, char *msg, size_t len) {
   for (int i = 0; i < ck->n_files; i++) {
     pathf(p, sizeof p, "%s/%s", ck->path, ck->files[i].name);
     struct stat sb;
-    if (stat(p, &sb) != 0) return fail(msg, len, CKPT_ECORRUPT, "checkpoint error: %s: %s", p, strerror(errno));
+    if (stat(p, &sb) != 0) return err_set(msg, len, CKPT_ECORRUPT, "checkpoint error: %s: %s", p, strerror(errno));
     if ((uint64_t)sb.st_size != ck->files[i].bytes)
-      return fail(msg, len, CKPT_ECORRUPT, "checkpoint error: %s: size mismatch (expected %" PRIu64
+      return err_set(msg, len, CKPT_ECORRUPT, "checkpoint error: %s: size mismatch (expected %" PRIu64
                   " bytes, got %" PRIu64 ")", p, ck->files[i].bytes, (uint64_t)sb.st_size);
   }
   size_t bufsz = 4u << 20;
   char *buf = NULL;
   for (int i = rank; i < ck->n_files; i += size) {
     pathf(p, sizeof p, "%s/%s", ck->path, ck->files[i].name);
-    if (!buf && !(buf = malloc(bufsz))) return fail(msg, len, CKPT_ENOMEM, "checkpoint error: out of memory");
+    if (!buf && !(buf = malloc(bufsz))) return err_set(msg, len, CKPT_ENOMEM, "checkpoint error: out of memory");
     int fd = open(p, O_RDONLY | O_CLOEXEC);
     if (fd < 0) {
       free(buf);
-      return fail(msg, len, CKPT_ECORRUPT, "checkpoint error: %s: %s", p, strerror(errno));
+      return err_set(msg, len, CKPT_ECORRUPT, "checkpoint error: %s: %s", p, strerror(errno));
     }
     posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);
     uint32_t crc = 0;
@@ -1176,14 +1166,14 @@ static int verify_files(ckpt_t *ck, int rank, int size, char *msg, size_t len) {
         int e = errno;
         close(fd);
         free(buf);
-        return fail(msg, len, CKPT_EIO, "checkpoint error: %s: read: %s", p, strerror(e));
+        return err_set(msg, len, CKPT_EIO, "checkpoint error: %s: read: %s", p, strerror(e));
       }
       crc = ckpt_crc32c(crc, buf, (size_t)got);
     }
     close(fd);
     if (crc != ck->files[i].crc) {
       free(buf);
-      return fail(msg, len, CKPT_ECORRUPT, "checkpoint error: %s: checksum mismatch (expected 0x%08" PRIx32
+      return err_set(msg, len, CKPT_ECORRUPT, "checkpoint error: %s: checksum mismatch (expected 0x%08" PRIx32
                   ", got 0x%08" PRIx32 ")", p, ck->files[i].crc, crc);
     }
   }
@@ -1216,20 +1206,20 @@ static int build_index(ckpt_t *ck, char *msg, size_t len) {
   char p[CKPT_PATH], e[512];
   int cap = 256;
   ck->ents = malloc((size_t)cap * sizeof *ck->ents);
-  if (!ck->ents) return fail(msg, len, CKPT_ENOMEM, "checkpoint error: out of memory");
+  if (!ck->ents) return err_set(msg, len, CKPT_ENOMEM, "checkpoint error: out of memory");
   for (int f = 0; f < ck->n_files; f++) {
     pathf(p, sizeof p, "%s/%s", ck->path, ck->files[f].name);
     int rc = st_open(&ck->st[f], p, e, sizeof e);
-    if (rc) return fail(msg, len, rc == ST_ENOMEM ? CKPT_ENOMEM : CKPT_ECORRUPT, "checkpoint error: %s", e);
+    if (rc) return err_set(msg, len, rc == ST_ENOMEM ? CKPT_ENOMEM : CKPT_ECORRUPT, "checkpoint error: %s", e);
     const char *lines = st_metadata(ck->st[f], CKPT_CHUNKS_KEY);
-    if (!lines) return fail(msg, len, CKPT_ECORRUPT, "checkpoint error: %s: no chunk list", p);
+    if (!lines) return err_set(msg, len, CKPT_ECORRUPT, "checkpoint error: %s: no chunk list", p);
     int idx = 0;
     for (const char *l = lines; *l; idx++) {
       const char *nl = strchr(l, '\n');
       if (ck->n_ents == cap) {
         cap *= 2;
         entry_t *v = realloc(ck->ents, (size_t)cap * sizeof *v);
-        if (!v) return fail(msg, len, CKPT_ENOMEM, "checkpoint error: out of memory");
+        if (!v) return err_set(msg, len, CKPT_ENOMEM, "checkpoint error: out of memory");
         ck->ents = v;
       }
       entry_t *en = &ck->ents[ck->n_ents];
@@ -1239,7 +1229,7 @@ static int build_index(ckpt_t *ck, char *msg, size_t len) {
                        &g[3], &g[4], &g[5], &g[6], &g[7]);
       ckpt_chunk_t c = {en->kind, en->name, g[0], g[1], g[2], g[3], g[4], g[5], g[6], g[7], NULL};
       if (got != 10 || !valid_geometry(&c))
-        return fail(msg, len, CKPT_ECORRUPT, "checkpoint error: %s: chunk %d has an invalid description", p, idx);
+        return err_set(msg, len, CKPT_ECORRUPT, "checkpoint error: %s: chunk %d has an invalid description", p, idx);
       en->rows = g[0], en->cols = g[1], en->r0 = g[2], en->r1 = g[3], en->c0 = g[4], en->c1 = g[5];
       en->a = g[6], en->b = g[7];
       en->file = f;
@@ -1248,7 +1238,7 @@ static int build_index(ckpt_t *ck, char *msg, size_t len) {
       const st_tensor_t *t = st_tensor_at(ck->st[f], idx);
       if (!t || strcmp(t->name, tname)) t = st_find(ck->st[f], tname);
       if (!t || t->dtype != ST_F32 || st_numel(t) != (size_t)(en->b - en->a))
-        return fail(msg, len, CKPT_ECORRUPT, "checkpoint error: %s: tensor %s is missing or has the wrong size", p,
+        return err_set(msg, len, CKPT_ECORRUPT, "checkpoint error: %s: tensor %s is missing or has the wrong size", p,
                     tname);
       en->data = t->data;
       ck->n_ents++;
@@ -1268,13 +1258,13 @@ static int build_index(ckpt_t *ck, char *msg, size_t len) {
     while (j < ck->n_ents && !strcmp(ck->ents[j].kind, ck->ents[i].kind) &&
            !strcmp(ck->ents[j].name, ck->ents[i].name)) {
       if (ck->ents[j].rows != ck->ents[i].rows || ck->ents[j].cols != ck->ents[i].cols)
-        return fail(msg, len, CKPT_ECORRUPT, "checkpoint error: %s: %s/%s is saved with two different shapes", ck->path,
+        return err_set(msg, len, CKPT_ECORRUPT, "checkpoint error: %s: %s/%s is saved with two different shapes", ck->path,
                     ck->ents[i].kind, ck->ents[i].name);
       sum += ck->ents[j].b - ck->ents[j].a;
       j++;
     }
     if (sum != ck->ents[i].rows * ck->ents[i].cols)
-      return fail(msg, len, CKPT_ECORRUPT,
+      return err_set(msg, len, CKPT_ECORRUPT,
                   "checkpoint error: %s: %s/%s: the saved chunks hold %" PRId64 " of its %" PRId64 " elements",
                   ck->path, ck->ents[i].kind, ck->ents[i].name, sum, ck->ents[i].rows * ck->ents[i].cols);
     i = j;
@@ -1290,7 +1280,7 @@ static int index_tensors(const char *path, int world, cJSON *out, char *msg, siz
   }
   if (!ck || !ck->files || !ck->st) {
     ckpt_close(ck);
-    return fail(msg, len, CKPT_ENOMEM, "checkpoint error: out of memory");
+    return err_set(msg, len, CKPT_ENOMEM, "checkpoint error: out of memory");
   }
   pathf(ck->path, sizeof ck->path, "%s", path);
   ck->n_files = world;
@@ -1306,7 +1296,7 @@ static int index_tensors(const char *path, int world, cJSON *out, char *msg, siz
     if (!t || !shape) {
       cJSON_Delete(t);
       cJSON_Delete(shape);
-      rc = fail(msg, len, CKPT_ENOMEM, "checkpoint error: out of memory");
+      rc = err_set(msg, len, CKPT_ENOMEM, "checkpoint error: out of memory");
       break;
     }
     cJSON_AddStringToObject(t, "kind", e->kind);
@@ -1332,7 +1322,7 @@ static int try_open(ckpt_t **out, const char *path, const ckpt_shape_t *expect, 
   if (!all || !ck) {
     free(all);
     free(ck);
-    return fail(msg, len, CKPT_ENOMEM, "checkpoint error: out of memory");
+    return err_set(msg, len, CKPT_ENOMEM, "checkpoint error: out of memory");
   }
   {
     snprintf(ck->path, sizeof ck->path, "%s", path);
@@ -1389,7 +1379,7 @@ int ckpt_open(ckpt_t **out, const char *dir, const char *which, const ckpt_shape
               char *err, size_t errlen) {
   *out = NULL;
   if (!dir || strlen(dir) > CKPT_PATH - 64 || (which && strlen(which) > CKPT_PATH - 64))
-    return fail(err, errlen, CKPT_EINVAL, "checkpoint error: invalid arguments to ckpt_open");
+    return err_set(err, errlen, CKPT_EINVAL, "checkpoint error: invalid arguments to ckpt_open");
   if (group && group->size <= 1) group = NULL;
   char path[CKPT_PATH], notes[4096] = "";
   if (which && *which && strcmp(which, "auto")) {
@@ -1397,16 +1387,16 @@ int ckpt_open(ckpt_t **out, const char *dir, const char *which, const ckpt_shape
     snprintf(path, sizeof path, "%s", which);
     if (stat(path, &sb) != 0 || !S_ISDIR(sb.st_mode)) pathf(path, sizeof path, "%s/%s", dir, which);
     if (stat(path, &sb) != 0 || !S_ISDIR(sb.st_mode))
-      return fail(err, errlen, CKPT_ENOENT, "checkpoint error: %s: no such checkpoint directory", which);
+      return err_set(err, errlen, CKPT_ENOENT, "checkpoint error: %s: no such checkpoint directory", which);
     return try_open(out, path, expect, group, err, errlen);
   }
   /* Rank 0 lists, so that every rank tries the same candidates in the same order. */
   int64_t cand[CKPT_MAX_CANDIDATES + 1] = {0};
   if (grp_rank(group) == 0) cand[0] = auto_candidates(dir, cand + 1, CKPT_MAX_CANDIDATES);
   if (grp_bcast(group, cand, sizeof cand))
-    return fail(err, errlen, CKPT_ECOMM, "checkpoint error: a collective of the checkpoint group failed");
+    return err_set(err, errlen, CKPT_ECOMM, "checkpoint error: a collective of the checkpoint group failed");
   int n = (int)cand[0];
-  if (n <= 0) return fail(err, errlen, CKPT_ENOENT, "checkpoint: no checkpoint in %s", dir);
+  if (n <= 0) return err_set(err, errlen, CKPT_ENOENT, "checkpoint: no checkpoint in %s", dir);
   char msg[1024] = "";
   for (int i = 0; i < n; i++) {
     pathf(path, sizeof path, "%s/step-%" PRId64, dir, cand[1 + i]);
@@ -1417,7 +1407,7 @@ int ckpt_open(ckpt_t **out, const char *dir, const char *which, const ckpt_shape
       ck->meta.notes = ck->notes ? ck->notes : "";
       return 0;
     }
-    if (rc != CKPT_ECORRUPT && rc != CKPT_EIO) return fail(err, errlen, rc, "%s", msg);
+    if (rc != CKPT_ECORRUPT && rc != CKPT_EIO) return err_set(err, errlen, rc, "%s", msg);
     char line[1200];
     if (i + 1 < n)
       snprintf(line, sizeof line, "%s; falling back to step-%" PRId64, msg, cand[2 + i]);
@@ -1427,7 +1417,7 @@ int ckpt_open(ckpt_t **out, const char *dir, const char *which, const ckpt_shape
     size_t used = strlen(notes);
     snprintf(notes + used, sizeof notes - used, "%s\n", line);
   }
-  return fail(err, errlen, CKPT_ECORRUPT, "checkpoint error: no intact checkpoint in %s:\n%s", dir, notes);
+  return err_set(err, errlen, CKPT_ECORRUPT, "checkpoint error: no intact checkpoint in %s:\n%s", dir, notes);
 }
 
 /* First index entry of (kind, name), or -1. */
@@ -1465,14 +1455,14 @@ static int row_span(int64_t r0, int64_t c0, int64_t w, int64_t a, int64_t b, int
 
 int ckpt_read(ckpt_t *ck, const ckpt_chunk_t *q, float *out, char *err, size_t errlen) {
   if (!ck || !q || !q->kind || !q->name || !valid_geometry(q) || (q->b > q->a && !out))
-    return fail(err, errlen, CKPT_EINVAL, "checkpoint error: invalid region %s/%s", q && q->kind ? q->kind : "?",
+    return err_set(err, errlen, CKPT_EINVAL, "checkpoint error: invalid region %s/%s", q && q->kind ? q->kind : "?",
                 q && q->name ? q->name : "?");
   int first = find_tensor(ck, q->kind, q->name);
   if (first < 0)
-    return fail(err, errlen, CKPT_ENOENT, "checkpoint error: %s has no %s/%s", ck->path, q->kind, q->name);
+    return err_set(err, errlen, CKPT_ENOENT, "checkpoint error: %s has no %s/%s", ck->path, q->kind, q->name);
   const entry_t *e0 = &ck->ents[first];
   if (e0->rows != q->rows || e0->cols != q->cols)
-    return fail(err, errlen, CKPT_ESHAPE,
+    return err_set(err, errlen, CKPT_ESHAPE,
                 "checkpoint error: %s: %s/%s is (%" PRId64 ", %" PRId64 ") there but (%" PRId64 ", %" PRId64 ") here",
                 ck->path, q->kind, q->name, e0->rows, e0->cols, q->rows, q->cols);
   if (q->a == q->b) return 0;
@@ -1511,7 +1501,7 @@ int ckpt_read(ckpt_t *ck, const ckpt_chunk_t *q, float *out, char *err, size_t e
     }
   }
   if (copied != q->b - q->a)
-    return fail(err, errlen, CKPT_ECORRUPT,
+    return err_set(err, errlen, CKPT_ECORRUPT,
                 "checkpoint error: %s: %s/%s: the saved chunks cover %" PRId64 " of the %" PRId64 " elements asked for",
                 ck->path, q->kind, q->name, copied, q->b - q->a);
   return 0;

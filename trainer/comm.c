@@ -7,28 +7,100 @@
  * knows nothing about sockets or devices. See comm.h for the contract.
  *
  * The nccl and staged backends are referenced weakly: a program that links only comm_cpu.c
- * (most unit tests and tools) still links, and asking it for them is a clear error. */
+ * (most unit tests and tools) still links, and asking it for them is a clear error.
+ *
+ * It also keeps the registry of live communicators (comm_create adds, comm_destroy removes), so
+ * that a fatal device error can abort all of them before the process exits (comm_abort_all):
+ * the peers then fail at once instead of waiting out their timeout. The registry has a lock of
+ * its own; everything else of a comm_t belongs to the one thread that calls it. */
 #include "trainer/comm.h"
+#include "trainer/comm_impl.h"
 
 #include <errno.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "common/env.h"
 
 #pragma weak comm_nccl_create
 #pragma weak comm_staged_create
 
 typedef int (*backend_create_fn)(comm_t *c, const comm_config_t *cfg, char *err, size_t errlen);
 
-/* The backend's create function by name; NULL for an unknown name or one not linked here. */
-static backend_create_fn backend_by_name(const char *name, int *known) {
-  *known = 1;
-  if (!strcmp(name, "cpu")) return comm_cpu_create;
-  if (!strcmp(name, "nccl")) return comm_nccl_create;
-  if (!strcmp(name, "staged")) return comm_staged_create;
-  *known = 0;
+/* The backends: name, the memory they move, create function (NULL when weakly absent). */
+typedef struct {
+  const char *name;
+  comm_mem_t mem;
+  backend_create_fn create;
+} backend_entry_t;
+
+static const backend_entry_t *backend_by_name(const char *name) {
+  static const backend_entry_t table[] = {
+      {"cpu", COMM_MEM_HOST, comm_cpu_create},
+      {"nccl", COMM_MEM_DEVICE, comm_nccl_create},
+      {"staged", COMM_MEM_DEVICE, comm_staged_create},
+  };
+  for (size_t i = 0; i < sizeof table / sizeof table[0]; i++)
+    if (!strcmp(name, table[i].name)) return &table[i];
   return NULL;
+}
+
+comm_mem_t comm_backend_memory(const char *backend) {
+  const backend_entry_t *b = backend_by_name(backend ? backend : "cpu");
+  return b ? b->mem : COMM_MEM_HOST;
+}
+
+comm_mem_t comm_memory(const comm_t *c) { return c->mem; }
+
+/* ---- the registry of live communicators */
+
+static pthread_mutex_t live_lock = PTHREAD_MUTEX_INITIALIZER;
+static comm_t *live;
+
+static void live_add(comm_t *c) {
+  pthread_mutex_lock(&live_lock);
+  c->next_live = live;
+  live = c;
+  pthread_mutex_unlock(&live_lock);
+}
+
+static void live_remove(comm_t *c) {
+  pthread_mutex_lock(&live_lock);
+  for (comm_t **q = &live; *q; q = &(*q)->next_live)
+    if (*q == c) {
+      *q = c->next_live;
+      break;
+    }
+  pthread_mutex_unlock(&live_lock);
+}
+
+void comm_abort(comm_t *c, const char *why) {
+  if (!c) return;
+  if (c->ops && c->ops->abort && c->impl) c->ops->abort(c);
+  if (!c->broken) comm_set_error(c, COMM_ESYSTEM, "aborted: %s", why ? why : "comm_abort");
+}
+
+void comm_abort_backend(const comm_ops_t *ops, const char *why) {
+  pthread_mutex_lock(&live_lock);
+  for (comm_t *c = live; c; c = c->next_live)
+    if (!ops || c->ops == ops) comm_abort(c, why);
+  pthread_mutex_unlock(&live_lock);
+}
+
+void comm_abort_all(const char *why) { comm_abort_backend(NULL, why); }
+
+void comm_fail_next(comm_t *c) {
+  if (c) c->fail_next = 1;
+}
+
+/* The armed fault of comm_fail_next: the call fails as a lost connection would, peers included. */
+static int injected(comm_t *c, const char *what) {
+  c->fail_next = 0;
+  if (c->ops && c->ops->abort && c->impl) c->ops->abort(c);
+  return comm_set_error(c, COMM_ESYSTEM, "%s: fault injected (test hook)", what);
 }
 
 /* Local copy of bytes between two buffers of the communicator's memory kind. */
@@ -91,13 +163,9 @@ static int valid_name(const char *s) {
 }
 
 static int default_timeout_ms(void) {
-  const char *s = getenv("MESHRUN_COMM_TIMEOUT");
-  if (s && *s) {
-    char *end;
-    double v = strtod(s, &end);
-    if (*end == '\0' && v > 0 && v < 1e6) return (int)(v * 1000.0);
-  }
-  return COMM_DEFAULT_TIMEOUT_MS;
+  double s; /* seconds; an unreadable value means the default, as before */
+  env_double("MESHRUN_COMM_TIMEOUT", 1e-3, 1e6 - 1e-3, COMM_DEFAULT_TIMEOUT_MS / 1000.0, &s);
+  return (int)(s * 1000.0);
 }
 
 int comm_create(comm_t **out, const char *backend, const comm_config_t *cfg, char *err,
@@ -123,10 +191,10 @@ int comm_create(comm_t **out, const char *backend, const comm_config_t *cfg, cha
     return COMM_EINVAL;
   }
   if (!backend) backend = "cpu";
-  int known = 0;
-  backend_create_fn create = backend_by_name(backend, &known);
+  const backend_entry_t *entry = backend_by_name(backend);
+  backend_create_fn create = entry ? entry->create : NULL;
   if (!create) {
-    if (known)
+    if (entry)
       snprintf(err, errlen, "comm_create %s: backend '%s' is not linked into this program (link "
                "trainer/comm_%s.c)", cfg->name, backend, backend);
     else
@@ -143,17 +211,20 @@ int comm_create(comm_t **out, const char *backend, const comm_config_t *cfg, cha
   c->rank = cfg->rank;
   c->size = cfg->size;
   c->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : default_timeout_ms();
+  c->mem = entry->mem;
   int rc = create(c, cfg, err, errlen);
   if (rc != COMM_OK) {
     comm_destroy(c);
     return rc;
   }
+  live_add(c);
   *out = c;
   return COMM_OK;
 }
 
 void comm_destroy(comm_t *c) {
   if (!c) return;
+  live_remove(c);
   if (c->ops && c->ops->destroy) c->ops->destroy(c);
   free(c);
 }
@@ -195,6 +266,7 @@ int comm_all_reduce(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, comm
   if (count > 0 && !buf) return comm_set_error(c, COMM_EINVAL, "all_reduce: NULL buffer");
   if (c->size == 1 || count == 0) return COMM_OK; /* sum, avg and max of one value is itself */
   c->stats.calls++;
+  if (c->fail_next) return injected(c, "all_reduce");
   return c->ops->all_reduce(c, buf, count, dtype, op);
 }
 
@@ -216,6 +288,7 @@ int comm_all_gather(comm_t *c, const void *in, void *out, size_t count, comm_dty
   }
   if (c->size == 1) return COMM_OK;
   c->stats.calls++;
+  if (c->fail_next) return injected(c, "all_gather");
   return c->ops->all_gather(c, slot, out, count, dtype);
 }
 
@@ -233,6 +306,7 @@ int comm_reduce_scatter(comm_t *c, const void *in, void *out, size_t count, comm
     return comm_set_error(c, COMM_EINVAL, "reduce_scatter: output overlaps the input");
   if (c->size == 1) return local_copy(c, out, in, count * esz);
   c->stats.calls++;
+  if (c->fail_next) return injected(c, "reduce_scatter");
   return c->ops->reduce_scatter(c, in, out, count, dtype, op);
 }
 
@@ -246,6 +320,7 @@ int comm_broadcast(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, int r
   if (count > 0 && !buf) return comm_set_error(c, COMM_EINVAL, "broadcast: NULL buffer");
   if (c->size == 1 || count == 0) return COMM_OK;
   c->stats.calls++;
+  if (c->fail_next) return injected(c, "broadcast");
   return c->ops->broadcast(c, buf, count, dtype, root);
 }
 
@@ -255,5 +330,6 @@ int comm_barrier(comm_t *c) {
   if (rc) return rc;
   if (c->size == 1) return COMM_OK;
   c->stats.calls++;
+  if (c->fail_next) return injected(c, "barrier");
   return c->ops->barrier(c);
 }

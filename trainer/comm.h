@@ -5,8 +5,10 @@
  * with the same counts, as with NCCL or MPI. Data is in place where the operation allows it;
  * element counts are size_t. All calls are blocking and return when this rank's part is done.
  *
- * Backends plug in through comm_ops_t: "cpu" (comm_cpu.c: TCP rings between the ranks,
- * endpoints exchanged through the store; host memory), "nccl" (comm_nccl.c: one NCCL
+ * comm_t is opaque here; backends plug in through comm_ops_t (trainer/comm_impl.h, seen only
+ * by comm*.c), and the NCCL-only hooks are in trainer/comm_nccl.h. The backends: "cpu"
+ * (comm_cpu.c: TCP rings between the ranks, endpoints exchanged through the store; host
+ * memory), "nccl" (comm_nccl.c: one NCCL
  * communicator per group, device memory; builds with CUDA only) and "staged" (comm_staged.c:
  * device memory copied through host buffers and reduced by an inner "cpu" communicator, so that
  * several ranks can share one GPU). The dispatch (comm.c) checks
@@ -75,36 +77,13 @@ typedef struct {
                              stream). "cpu": unused. Borrowed for the communicator's life. */
 } comm_config_t;
 
+/* Opaque: backends see its fields through trainer/comm_impl.h, users only these functions. */
 typedef struct comm comm_t;
 
-/* The backend table. Calls arrive with valid arguments, size > 1 and count > 0; a backend
- * reports failures with comm_set_error() and returns its code. */
-typedef struct {
-  const char *name;
-  int (*all_reduce)(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, comm_op_t op);
-  int (*all_gather)(comm_t *c, const void *in, void *out, size_t count, comm_dtype_t dtype);
-  int (*reduce_scatter)(comm_t *c, const void *in, void *out, size_t count, comm_dtype_t dtype,
-                        comm_op_t op);
-  int (*broadcast)(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, int root);
-  int (*barrier)(comm_t *c);
-  void (*destroy)(comm_t *c); /* releases impl; must accept a half-built impl */
-  /* Optional, for backends whose buffers are not host memory: the copies the dispatch makes
-   * itself (all_gather's own slot, reduce_scatter on one rank), done before returning. NULL:
-   * memcpy. */
-  int (*copy)(comm_t *c, void *dst, const void *src, size_t bytes);
-  int bf16; /* 1: reduces and moves COMM_BFLOAT16 too (else float32 only) */
-} comm_ops_t;
-
-struct comm {
-  const comm_ops_t *ops;
-  void *impl;
-  char name[COMM_NAME_MAX];
-  int rank, size;
-  int timeout_ms;
-  int broken;             /* first system/remote/timeout error code, or 0 */
-  char err[COMM_ERR_MAX]; /* message of the last failure */
-  comm_stats_t stats;
-};
+/* Where the memory a comm backend moves lives: host memory ("cpu") or the device backend's
+ * ("nccl", "staged"). Callers ask this, never a backend's name, whether host values can go
+ * through a communicator (compare backend_t.mem). */
+typedef enum { COMM_MEM_HOST = 0, COMM_MEM_DEVICE } comm_mem_t;
 
 /* Creates the communicator of one group with backend "cpu" (NULL), "nccl" or "staged".
  * Collective over the group: every member calls it with the same name, size and generation.
@@ -141,28 +120,24 @@ void comm_reset_stats(comm_t *c);
 size_t comm_dtype_size(comm_dtype_t dtype); /* 0 for an unknown dtype */
 const char *comm_op_name(comm_op_t op);     /* "sum", "avg", "max" */
 
-/* --- for backends */
-/* Writes "comm <name> (rank r/n): <what>" into c->err and returns code; a system, remote or
- * timeout code also marks the communicator broken. */
-int comm_set_error(comm_t *c, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-int comm_cpu_create(comm_t *c, const comm_config_t *cfg, char *err, size_t errlen);
-/* comm.c refers to these two weakly, so programs that link only comm_cpu.c (tests, tools) still
- * link; bin/trainer links every trainer .c file. Without CUDA, comm_nccl_create says so. */
-int comm_nccl_create(comm_t *c, const comm_config_t *cfg, char *err, size_t errlen);
-int comm_staged_create(comm_t *c, const comm_config_t *cfg, char *err, size_t errlen);
+/* The memory kind of a backend by name (NULL: "cpu"), before any communicator exists; an
+ * unknown name is COMM_MEM_HOST (comm_create rejects it anyway). */
+comm_mem_t comm_backend_memory(const char *backend);
+comm_mem_t comm_memory(const comm_t *c); /* the kind of c's backend */
 
-/* --- nccl backend hooks (comm_nccl.c, CUDA builds) */
-/* Gives an nccl communicator the compute stream (a cudaStream_t) that produces and consumes its
- * buffers: collectives then wait for it with an event instead of synchronizing the device
- * backend, and the compute stream waits for them likewise. NULL goes back to the conservative
- * order. COMM_EINVAL for a communicator of another backend. */
-int comm_nccl_set_stream(comm_t *c, void *compute_stream);
-/* Aborts every live nccl communicator of this process (ncclCommAbort), so that peers blocked in
- * a collective with it fail instead of hanging. For fatal-error paths (a CUDA check macro)
- * right before exit; the communicators are unusable afterwards. Weak-link it the same way. */
-void comm_nccl_abort_all(void);
-/* GPUs visible to this process (cudaGetDeviceCount), 0 when none or in a build without CUDA.
- * The trainer picks "nccl" when LOCAL_WORLD_SIZE of them are visible, else "staged". */
-int comm_nccl_visible_gpus(void);
+/* --- failure paths. Every communicator is registered from comm_create to comm_destroy.
+ * comm_abort makes c fail for good the way a lost connection does, and makes its peers' pending
+ * and later calls fail at once instead of waiting out the timeout ("cpu", "staged": shutdown of
+ * the ring's sockets, so the neighbours read end-of-file; "nccl": ncclCommAbort). comm_abort_all
+ * does it to every live communicator of this process; the fatal path of device errors
+ * (backend_fatal) calls it right before exiting. Neither frees anything: comm_destroy still
+ * must (or the process exits). */
+void comm_abort(comm_t *c, const char *why);
+void comm_abort_all(const char *why);
+
+/* Test hook (fault injection): the next collective of c that reaches the backend fails as a
+ * lost connection would: c is aborted (peers fail at once) and the call returns COMM_ESYSTEM
+ * with "<op>: fault injected" as its message. */
+void comm_fail_next(comm_t *c);
 
 #endif

@@ -21,8 +21,12 @@
  * What it does not do: float32 only (bf16 reductions belong to the nccl backend), no
  * multi-threading, no topology awareness (one ring over the group's order), no recovery: on any
  * error it closes its sockets so the neighbours fail at once too, and the communicator is
- * broken for good. Stats count payload bytes, not TCP headers. */
+ * broken for good. Stats count payload bytes, not TCP headers. Its abort (the fatal path) shuts
+ * both sockets down rather than closing them: the neighbours read end-of-file at once even when
+ * another process still holds the descriptors (a forked child), and the descriptors stay valid
+ * for whatever call is still polling them. */
 #include "trainer/comm.h"
+#include "trainer/comm_impl.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -299,6 +303,12 @@ static int cpu_barrier(comm_t *c) {
   return COMM_OK;
 }
 
+static void cpu_abort(comm_t *c) {
+  cpu_t *p = c->impl;
+  if (p->fd_send >= 0) shutdown(p->fd_send, SHUT_RDWR);
+  if (p->fd_recv >= 0) shutdown(p->fd_recv, SHUT_RDWR);
+}
+
 static void cpu_destroy(comm_t *c) {
   cpu_t *p = c->impl;
   if (!p) return;
@@ -317,6 +327,7 @@ static const comm_ops_t cpu_ops = {
     .broadcast = cpu_broadcast,
     .barrier = cpu_barrier,
     .destroy = cpu_destroy,
+    .abort = cpu_abort,
 };
 
 /* ---- setup ---- */

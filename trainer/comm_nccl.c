@@ -22,8 +22,9 @@
  * wait for it, return), which comes with the strategy's overlap work: the hooks are here.
  *
  * On any failure the communicator is aborted (ncclCommAbort), so the peers' NCCL calls fail too,
- * and it stays broken. comm_nccl_abort_all aborts every live communicator for fatal paths.
- * Fatal CUDA errors of the calls around NCCL (events, streams) go through NCCL_CUDA_CHECK:
+ * and it stays broken. Its abort op (comm_abort, and comm_abort_all on the fatal path) is
+ * ncclCommAbort; comm_nccl_abort_all aborts the nccl ones of comm.c's registry. Fatal CUDA
+ * errors of the calls around NCCL (events, streams) go through CUDA_CHECK (trainer/fatal.h):
  * "[trainer rank R host] file:line: call: message", abort everything, exit(1).
  *
  * What it does not do: several GPUs per rank, NCCL groups (ncclGroupStart) across calls,
@@ -32,6 +33,8 @@
  * of two, possibly the last bit otherwise. Stats count the bytes a ring algorithm sends
  * (all_reduce 2(n-1)/n of the buffer, and so on), not what NCCL's chosen algorithm moved. */
 #include "trainer/comm.h"
+#include "trainer/comm_impl.h"
+#include "trainer/comm_nccl.h"
 
 #ifdef MESHRUN_HAVE_CUDA
 
@@ -45,8 +48,10 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/env.h"
 #include "common/net.h"
 #include "trainer/backend.h"
+#include "trainer/fatal.h"
 
 typedef struct nccl_impl {
   ncclComm_t comm;          /* NULL until initialized; NULL again once aborted or destroyed */
@@ -57,44 +62,7 @@ typedef struct nccl_impl {
   backend_t *dev;           /* comm_config_t.device, or NULL */
   float *barrier_buf;       /* one float of device memory for barrier */
   int device;               /* CUDA device number */
-  struct nccl_impl *next;   /* the live list (comm_nccl_abort_all) */
 } nccl_impl_t;
-
-/* Live communicators of this process, for comm_nccl_abort_all. A comm_t is used by one thread,
- * and so is this list: the trainer creates, uses and destroys communicators on its main thread. */
-static nccl_impl_t *live;
-
-static void live_remove(nccl_impl_t *p) {
-  for (nccl_impl_t **q = &live; *q; q = &(*q)->next)
-    if (*q == p) {
-      *q = p->next;
-      return;
-    }
-}
-
-void comm_nccl_abort_all(void) {
-  for (nccl_impl_t *p = live; p; p = p->next)
-    if (p->comm) {
-      ncclCommAbort(p->comm);
-      p->comm = NULL;
-    }
-}
-
-static void fatal(const char *file, int line, const char *call, const char *msg) {
-  char host[256] = "?";
-  gethostname(host, sizeof host - 1);
-  const char *rank = getenv("RANK");
-  fprintf(stderr, "[trainer rank %s %s] %s:%d: %s: %s\n", rank ? rank : "0", host, file, line, call, msg);
-  comm_nccl_abort_all();
-  exit(1);
-}
-
-/* For CUDA calls around NCCL that only fail when the device or driver is broken. */
-#define NCCL_CUDA_CHECK(call)                                                                  \
-  do {                                                                                         \
-    cudaError_t e_ = (call);                                                                   \
-    if (e_ != cudaSuccess) fatal(__FILE__, __LINE__, #call, cudaGetErrorString(e_));           \
-  } while (0)
 
 /* Yields the CPU between polls: the first few hundred polls only yield (short collectives finish
  * in microseconds), later ones sleep 50 us so a long wait does not burn a core. This is pacing
@@ -156,12 +124,12 @@ static int wait_state(comm_t *c, const char *what, ncclResult_t r) {
 /* Before a collective: our stream waits for the compute that produced its input. */
 static void order_after_compute(nccl_impl_t *p) {
   if (p->compute) {
-    NCCL_CUDA_CHECK(cudaEventRecord(p->ready, p->compute));
-    NCCL_CUDA_CHECK(cudaStreamWaitEvent(p->stream, p->ready, 0));
+    CUDA_CHECK(cudaEventRecord(p->ready, p->compute));
+    CUDA_CHECK(cudaStreamWaitEvent(p->stream, p->ready, 0));
   } else if (p->dev && p->dev->synchronize) {
     p->dev->synchronize(p->dev);
   } else {
-    NCCL_CUDA_CHECK(cudaDeviceSynchronize());
+    CUDA_CHECK(cudaDeviceSynchronize());
   }
 }
 
@@ -172,7 +140,7 @@ static int finish(comm_t *c, const char *what, ncclResult_t r) {
   nccl_impl_t *p = c->impl;
   int rc = wait_state(c, what, r);
   if (rc) return rc;
-  NCCL_CUDA_CHECK(cudaEventRecord(p->done, p->stream));
+  CUDA_CHECK(cudaEventRecord(p->done, p->stream));
   int64_t deadline = net_now_ms() + c->timeout_ms;
   int polls = 0;
   for (;;) {
@@ -192,7 +160,7 @@ static int finish(comm_t *c, const char *what, ncclResult_t r) {
                   "a peer is missing, dead, or in another collective)", what, c->timeout_ms / 1000.0);
     poll_pause(&polls);
   }
-  if (p->compute) NCCL_CUDA_CHECK(cudaStreamWaitEvent(p->compute, p->done, 0));
+  if (p->compute) CUDA_CHECK(cudaStreamWaitEvent(p->compute, p->done, 0));
   return COMM_OK;
 }
 
@@ -265,8 +233,8 @@ static int nccl_barrier(comm_t *c) {
 static int nccl_copy(comm_t *c, void *dst, const void *src, size_t bytes) {
   nccl_impl_t *p = c->impl;
   order_after_compute(p);
-  NCCL_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, p->stream));
-  NCCL_CUDA_CHECK(cudaStreamSynchronize(p->stream));
+  CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, p->stream));
+  CUDA_CHECK(cudaStreamSynchronize(p->stream));
   return COMM_OK;
 }
 
@@ -275,7 +243,6 @@ static int nccl_copy(comm_t *c, void *dst, const void *src, size_t bytes) {
 static void nccl_destroy(comm_t *c) {
   nccl_impl_t *p = c->impl;
   if (!p) return;
-  live_remove(p);
   if (p->comm && !c->broken) {
     int64_t deadline = net_now_ms() + c->timeout_ms;
     ncclResult_t r = ncclCommFinalize(p->comm);
@@ -298,6 +265,8 @@ static void nccl_destroy(comm_t *c) {
   c->impl = NULL;
 }
 
+static void nccl_abort_op(comm_t *c) { nccl_abort(c->impl); }
+
 static const comm_ops_t nccl_ops = {
     .name = "nccl",
     .all_reduce = nccl_all_reduce,
@@ -308,7 +277,10 @@ static const comm_ops_t nccl_ops = {
     .destroy = nccl_destroy,
     .copy = nccl_copy,
     .bf16 = 1,
+    .abort = nccl_abort_op,
 };
+
+void comm_nccl_abort_all(void) { comm_abort_backend(&nccl_ops, "comm_nccl_abort_all"); }
 
 int comm_nccl_set_stream(comm_t *c, void *compute_stream) {
   if (!c || c->ops != &nccl_ops || !c->impl) return COMM_EINVAL;
@@ -317,14 +289,6 @@ int comm_nccl_set_stream(comm_t *c, void *compute_stream) {
 }
 
 /* ---- setup ---- */
-
-static int env_int(const char *name, int dflt) {
-  const char *s = getenv(name);
-  if (!s || !*s) return dflt;
-  char *end;
-  long v = strtol(s, &end, 10);
-  return *end == '\0' && v >= 0 && v < 1 << 20 ? (int)v : dflt;
-}
 
 /* The id of this group's communicator: made by group rank 0 and published, read by the rest. */
 static int exchange_id(const comm_config_t *cfg, int timeout_ms, ncclUniqueId *id, char *why,
@@ -385,8 +349,6 @@ int comm_nccl_create(comm_t *c, const comm_config_t *cfg, char *err, size_t errl
   c->impl = p;
   c->ops = &nccl_ops;
   p->dev = cfg->device;
-  p->next = live;
-  live = p;
 
   /* 1. The device: LOCAL_RANK's, once we know there are enough of them. */
   int count = 0;
@@ -398,7 +360,9 @@ int comm_nccl_create(comm_t *c, const comm_config_t *cfg, char *err, size_t errl
     (void)cudaGetLastError();
     return COMM_ESYSTEM;
   }
-  int local_rank = env_int("LOCAL_RANK", 0), local_world = env_int("LOCAL_WORLD_SIZE", 1);
+  int local_rank, local_world; /* unreadable values mean the defaults, as before */
+  env_int("LOCAL_RANK", 0, (1 << 20) - 1, 0, &local_rank);
+  env_int("LOCAL_WORLD_SIZE", 0, (1 << 20) - 1, 1, &local_world);
   if (local_world > count || local_rank >= count) {
     snprintf(err, errlen, "nccl: LOCAL_WORLD_SIZE %d but only %d GPU%s visible (LOCAL_RANK %d); NCCL "
              "needs one GPU per rank: start fewer ranks per node, or use the staged comm backend to "

@@ -18,6 +18,7 @@
  * copies back before returning), no pinned host memory (the staging buffer is plain malloc; the
  * copies are the slow part, which is acceptable for tests and one-GPU runs, not for speed). */
 #include "trainer/comm.h"
+#include "trainer/comm_impl.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -147,6 +148,12 @@ static void staged_destroy(comm_t *c) {
   c->impl = NULL;
 }
 
+/* The inner ring is what the peers wait on (it is registered too; aborting it twice is harmless). */
+static void staged_abort(comm_t *c) {
+  staged_t *p = c->impl;
+  comm_abort(p->inner, "the staged communicator was aborted");
+}
+
 static const comm_ops_t staged_ops = {
     .name = "staged",
     .all_reduce = staged_all_reduce,
@@ -157,6 +164,7 @@ static const comm_ops_t staged_ops = {
     .destroy = staged_destroy,
     .copy = staged_copy,
     .bf16 = 0,
+    .abort = staged_abort,
 };
 
 int comm_staged_create(comm_t *c, const comm_config_t *cfg, char *err, size_t errlen) {

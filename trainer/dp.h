@@ -7,11 +7,15 @@
  *   backward: gather(u) ... compute ... reduce_grads(u) ... release(u)
  * and the optimizer calls step(u) (in trainer/optim). The strategy decides what each means:
  *   serial: all no-ops (dp == NULL in the model means this);
- *   DDP: no-op, no-op, all_reduce(avg) of the unit's gradients, full update;
+ *   DDP: no-op, no-op, all_reduce(avg) of the unit's gradients, full update (ZeRO-1: update of
+ *        this rank's slice of the flat buffer, then all_gather);
+ *   ZeRO-2: no-op, no-op, reduce_scatter into this rank's gradient shard, shard update, then
+ *        all_gather of the parameters;
  *   FSDP: all_gather the shards, free, reduce_scatter, update of the local shard;
  *   HSDP: FSDP over dp_shard plus all_reduce over dp_replicate.
  * gather(u) may redirect the model's unit pointers (model_set_unit_buffers) to a gathered
- * buffer. Implementations live in trainer/dp.c (issue 4); this header is the contract. */
+ * buffer. This header is the contract; trainer/dp.c dispatches it to one table of operations
+ * per strategy (trainer/dp_impl.h): dp_ddp.c, dp_fsdp.c, dp_zero2.c. */
 #ifndef MESHRUN_DP_H
 #define MESHRUN_DP_H
 
@@ -25,7 +29,7 @@
 typedef struct dp dp_t;
 
 struct dp {
-  const char *name; /* "serial", "ddp", "fsdp", "hsdp" */
+  const char *name; /* "serial", "ddp" (also ZeRO-1), "zero2", "fsdp", "hsdp" */
   void *ctx;
   int (*gather)(dp_t *dp, int unit, int for_backward);
   int (*release)(dp_t *dp, int unit, int after_backward);
@@ -35,16 +39,17 @@ struct dp {
 /* --- creating and driving a strategy (trainer/dp.c), called from main.
  *
  * The strategy follows from the mesh (NULL or world 1: serial): dp_shard > 1 is FSDP (HSDP when
- * dp_replicate > 1 too), else dp_replicate > 1 is DDP (ZeRO-1 with plan.parallel.zero = 1).
- * It owns the optimizer (trainer/optim) over the range of parameters this rank updates, and for
- * FSDP the parameter and gradient shards; the model must have been created with
- * model_opts_t.no_flat_buffers exactly when dp_is_sharded(mesh). */
+ * dp_replicate > 1 too), else dp_replicate > 1 is DDP (ZeRO-1 or ZeRO-2 with plan.parallel.zero
+ * = 1 or 2). It owns the optimizer (trainer/optim) over the range of parameters this rank
+ * updates, and for FSDP and ZeRO-2 the parameter and gradient storage; the model should be
+ * created with model_opts_t.no_flat_buffers exactly when dp_owns_buffers(mesh, plan) (FSDP
+ * requires it; ZeRO-2 works with flat buffers too, but leaves them idle). */
 
 struct model;
 
 typedef struct {
   size_t param_bytes, grad_bytes, optim_bytes; /* persistent per-rank state */
-  size_t work_bytes; /* FSDP: gathered parameter / gradient buffers and scratch */
+  size_t work_bytes; /* FSDP, ZeRO-2: gathered parameter / transient gradient buffers and scratch */
 } dp_memory_t;
 
 /* Bytes this rank's strategy collectives moved (sent) since creation, by operation. */
@@ -52,7 +57,11 @@ typedef struct {
   uint64_t all_reduce, all_gather, reduce_scatter, broadcast;
 } dp_traffic_t;
 
+/* 1 when parameters are sharded across the mesh (dp_shard > 1: FSDP, HSDP). */
 int dp_is_sharded(const mesh_t *mesh);
+/* 1 when the strategy keeps the parameters and gradients itself (FSDP, HSDP, ZeRO-2): create
+ * the model with no_flat_buffers then. */
+int dp_owns_buffers(const mesh_t *mesh, const plan_t *p);
 /* Builds the strategy for model m and installs its hooks (model_set_dp). Not collective.
  * Returns 0, or a negative code with the reason in err. */
 int dp_create(dp_t **out, struct model *m, backend_t *be, const mesh_t *mesh, const plan_t *p, char *err,
@@ -81,8 +90,8 @@ void dp_memory(const dp_t *dp, dp_memory_t *out);
  * "adam_m" and "adam_v", each as chunks of full tensors (ckpt_chunks_add_range), so a
  * checkpoint loads under any other strategy and mesh.
  * dp_ckpt_to_host appends this rank's share to cs: what no other rank saves too (DDP: dp rank 0
- * saves the parameters and moments; ZeRO-1: every dp rank its slice of the moments; FSDP: each
- * shard; HSDP: the shards of replica 0; tp replicated tensors: tp rank 0). The chunks point
+ * saves the parameters and moments; ZeRO-1: every dp rank its slice of the moments; FSDP and
+ * ZeRO-2: each shard; HSDP: the shards of replica 0; tp replicated tensors: tp rank 0). The chunks point
  * into *host (a host copy made here; the caller frees it after the save). Not collective.
  * dp_ckpt_from_host fills everything this rank holds (replicas included) from ck. Not
  * collective. The optimizer's update count travels separately (dp_optim_step). */

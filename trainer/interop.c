@@ -28,6 +28,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "common/err.h"
 #include "common/fs.h"
 #include "trainer/safetensors.h"
 
@@ -157,7 +158,7 @@ static int fail(char *err, size_t errlen, int code, const char *path, const char
     if (n >= 0 && (size_t)n < errlen) {
       va_list ap;
       va_start(ap, fmt);
-      vsnprintf(err + n, errlen - (size_t)n, fmt, ap);
+      err_vset(err + n, errlen - (size_t)n, code, fmt, ap);
       va_end(ap);
     }
   }

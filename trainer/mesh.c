@@ -4,9 +4,12 @@
  * decide the dimensions (the plan does) or move data (comm does). */
 #include "trainer/mesh.h"
 
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "common/env.h"
 
 static const char *const group_names[MESH_NGROUPS] = {"dp_replicate", "dp_shard", "tp", "dp",
                                                       "world"};
@@ -125,12 +128,12 @@ int mesh_connect(mesh_t *m, const char *backend, struct backend *device, store_t
   if (generation < 0) {
     /* MESHRUN_ROUND is unique per rendezvous round; the restart count is not (a scale-up
      * round keeps it), so it only serves programs started by another launcher. */
-    const char *s = getenv("MESHRUN_ROUND");
-    if (!s || !*s) s = getenv("TORCHELASTIC_RESTART_COUNT");
-    generation = s && *s ? atoi(s) : 0;
-    if (generation < 0) generation = 0;
+    int restarts;
+    env_int("TORCHELASTIC_RESTART_COUNT", 0, INT_MAX, 0, &restarts);
+    env_int("MESHRUN_ROUND", 0, INT_MAX, restarts, &generation);
   }
-  const int host_is_device = strcmp(backend, "cpu") == 0;
+  /* A backend that moves host memory serves host values too: one ring per group, not two. */
+  const int host_is_device = comm_backend_memory(backend) == COMM_MEM_HOST;
   /* Every rank creates the groups in the same order (each group's device comm, then its host
    * comm); a group's setup waits only on its own members, who are at the same point of the same
    * sequence, so no two ranks wait on each other across groups. */

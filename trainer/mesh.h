@@ -20,7 +20,8 @@
  * Two communicators per group. `comm` moves tensors of the device backend (the model's and the
  * strategy's collectives). `host_comm` moves host values (a loss, norm shares, the memory report,
  * eval sums, checkpoint metadata): it is always a "cpu" communicator, and it is `comm` itself
- * when the backend is "cpu" (one ring, the traffic counted once), else a ring of its own whose
+ * when the backend moves host memory (comm_backend_memory; one ring, the traffic counted once),
+ * else a ring of its own whose
  * uid is "host.<uid>" ("host.tp.4"). A host pointer never reaches a device communicator.
  * Each group's store keys are unique in the job: the group's uid is "<name>.<lowest member
  * rank>" ("tp.4") and keys carry the generation (meshrun's rendezvous round), so a restarted

@@ -35,7 +35,12 @@
  *   by sequence parallelism (the all-gather of normed rows) and is otherwise a no-op.
  * Backward mirrors every collective: all_gather <-> reduce_scatter, identity <-> all_reduce.
  * Replicated parameters end every backward with identical full gradients on all tp ranks.
- * Collectives take the backend's memory (host for cpu; device memory wants the nccl comm).
+ * Collectives take the backend's memory (host for cpu; device memory wants a comm that moves
+ * device memory: comm_memory, never a backend's name).
+ * Errors: forward and backward return a status with the message in model_errmsg. A failed tp
+ * collective is recorded (sticky: the group is broken for good), later collectives of the pass
+ * are skipped, and the pass returns MODEL_ECOMM at the next unit boundary, so a failure in the
+ * backward reaches the caller before any optimizer step.
  *
  * FSDP (model_opts_t.no_flat_buffers): no flat buffers; every unit must be pointed at full
  * buffers by the strategy's gather before use, which forward/backward check. Residual
@@ -45,12 +50,15 @@
  * It does not own the optimizer (trainer/optim) nor the data-parallel strategy (trainer/dp). */
 #include "trainer/model.h"
 
+#include <limits.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/env.h"
+#include "common/err.h"
 #include "common/log.h"
 #include "trainer/comm.h"
 #include "trainer/rng.h"
@@ -91,6 +99,10 @@ struct model {
   int Vp, Ve, Vo;   /* padded vocab; local rows of tok_embeddings and output */
   int emb_split, attn_split, ffn_split, out_split, sp, lp;
   int comm_rc;      /* first collective failure (sticky), 0 when none */
+  char err[MODEL_ERR_MAX]; /* message of the last failed forward/backward (model_errmsg) */
+  /* test hook MESHRUN_FAULT_COMM (fault_from_env): fail the first tp collective of pass
+   * fault_pass (forward, or its backward with fault_bwd); passes counts forwards with targets */
+  int fault_pass, fault_bwd, passes;
   int no_flat; /* FSDP: params/grads NULL, units point at the strategy's buffers */
   int max_b, max_t;
   int Np, Ns, row0; /* rows of the current batch: full (padded), local, first local row */
@@ -176,43 +188,56 @@ static int add_tensor(model_t *m, const char *name, int unit, int full_rows, int
   return i;
 }
 
+/* ------------------------------------------------------------------ errors */
+
+/* Records why a forward or backward stopped (model_errmsg) and returns code. */
+static int set_error(model_t *m, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static int set_error(model_t *m, int code, const char *fmt, ...) {
+  int n = snprintf(m->err, sizeof m->err, "model: ");
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(m->err + n, sizeof m->err - (size_t)n, fmt, ap);
+  va_end(ap);
+  return code;
+}
+
 /* ------------------------------------------------------------------ dp hooks */
 
 static int dp_gather(model_t *m, int u, int bwd) {
-  int rc = 0;
   if (m->dp && m->dp->gather) {
-    rc = m->dp->gather(m->dp, u, bwd);
-    if (rc) log_error("model: dp %s gather of unit %d failed (%d)", m->dp->name, u, rc);
+    int rc = m->dp->gather(m->dp, u, bwd);
+    if (rc) return set_error(m, MODEL_ESTRATEGY, "dp %s gather of unit %d failed (%d)", m->dp->name, u, rc);
   }
-  if (!rc && (!m->unit_params[u] || (bwd && !m->unit_grads[u]))) {
-    log_error("model: unit %d has no %s buffer (no_flat_buffers: the strategy's gather must provide it)", u,
-              m->unit_params[u] ? "gradient" : "parameter");
-    rc = -1;
-  }
-  return rc;
+  if (!m->unit_params[u] || (bwd && !m->unit_grads[u]))
+    return set_error(m, MODEL_EINVAL,
+                     "unit %d has no %s buffer (no_flat_buffers: the strategy's gather must provide it)", u,
+                     m->unit_params[u] ? "gradient" : "parameter");
+  return 0;
 }
+/* Released even after a failed tp collective (the strategy frees what it gathered); that
+ * failure, already recorded, then fails the unit. */
 static int dp_release(model_t *m, int u, int bwd) {
-  int rc = m->comm_rc; /* a failed tp collective fails the unit */
+  int rc = m->comm_rc ? MODEL_ECOMM : 0;
   if (!m->dp || !m->dp->release) return rc;
   int rc2 = m->dp->release(m->dp, u, bwd);
-  if (rc2) log_error("model: dp %s release of unit %d failed (%d)", m->dp->name, u, rc2);
-  return rc ? rc : rc2;
+  if (rc2 && !rc) rc = set_error(m, MODEL_ESTRATEGY, "dp %s release of unit %d failed (%d)", m->dp->name, u, rc2);
+  return rc;
 }
 static int dp_reduce(model_t *m, int u) {
-  if (m->comm_rc) return m->comm_rc;
+  if (m->comm_rc) return MODEL_ECOMM;
   if (!m->dp || !m->dp->reduce_grads) return 0;
   int rc = m->dp->reduce_grads(m->dp, u);
-  if (rc) log_error("model: dp %s reduce_grads of unit %d failed (%d)", m->dp->name, u, rc);
-  return rc;
+  if (rc) return set_error(m, MODEL_ESTRATEGY, "dp %s reduce_grads of unit %d failed (%d)", m->dp->name, u, rc);
+  return 0;
 }
 
 /* ------------------------------------------------------------------ tp collectives */
 
-/* The first failure is logged and kept in comm_rc; later collectives are skipped (the
+/* The first failure is recorded in comm_rc and the message; later collectives are skipped (the
  * communicator is broken by then anyway) and the pass fails at the next unit boundary. */
 static void tp_check(model_t *m, int rc, const char *what) {
   if (!rc) return;
-  log_error("model: tensor-parallel %s failed: %s", what, comm_errmsg(m->tpc));
+  set_error(m, MODEL_ECOMM, "tensor-parallel %s failed: %s", what, comm_errmsg(m->tpc));
   m->comm_rc = rc;
 }
 static void tp_all_reduce(model_t *m, float *buf, size_t n, comm_op_t op, const char *what) {
@@ -249,17 +274,6 @@ static const float *rows_from_full(model_t *m, float *full, float *local_scratch
 }
 
 /* ------------------------------------------------------------------ create / destroy */
-
-static int fail(char *err, size_t errlen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static int fail(char *err, size_t errlen, const char *fmt, ...) {
-  if (err && errlen) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-  }
-  return -1;
-}
 
 /* Carves n floats at the arena offset *off (64-byte aligned slots). With base NULL it only
  * counts, so that one function both sizes the arena and lays it out. n = 0 gives NULL. */
@@ -381,9 +395,9 @@ static int tp_setup(model_t *m, const model_tp_t *tpo, char *err, size_t errlen)
     nf += tp_style(tpo, ffn[i], i < 2 ? PLAN_TP_COLWISE : PLAN_TP_ROWWISE) ==
           (i < 2 ? PLAN_TP_COLWISE : PLAN_TP_ROWWISE);
   if (na != 0 && na != 4)
-    return fail(err, errlen, "model error: tp plan: attention.wq/wk/wv colwise and wo rowwise go together");
+    return err_set(err, errlen, -1, "model error: tp plan: attention.wq/wk/wv colwise and wo rowwise go together");
   if (nf != 0 && nf != 3)
-    return fail(err, errlen, "model error: tp plan: feed_forward.w1/w3 colwise and w2 rowwise go together");
+    return err_set(err, errlen, -1, "model error: tp plan: feed_forward.w1/w3 colwise and w2 rowwise go together");
   m->attn_split = na == 4;
   m->ffn_split = nf == 3;
   m->emb_split = tp_style(tpo, "tok_embeddings", PLAN_TP_ROWWISE) == PLAN_TP_ROWWISE;
@@ -391,46 +405,62 @@ static int tp_setup(model_t *m, const model_tp_t *tpo, char *err, size_t errlen)
   m->sp = tpo->sequence_parallel != 0;
   m->lp = tpo->loss_parallel != 0 && m->out_split; /* output replicate: the ordinary loss */
   if (m->sp && (!m->attn_split || !m->ffn_split))
-    return fail(err, errlen, "model error: sequence parallelism needs the attention and feed_forward linears "
+    return err_set(err, errlen, -1, "model error: sequence parallelism needs the attention and feed_forward linears "
                              "sharded in the tp plan");
   if (m->attn_split && (m->H % m->tp || m->KV % m->tp))
-    return fail(err, errlen, "model error: mesh.tp=%d must divide n_heads=%d and n_kv_heads=%d", m->tp, m->H, m->KV);
+    return err_set(err, errlen, -1, "model error: mesh.tp=%d must divide n_heads=%d and n_kv_heads=%d", m->tp, m->H, m->KV);
   if (m->ffn_split && m->F % m->tp)
-    return fail(err, errlen, "model error: mesh.tp=%d must divide hidden_dim=%d", m->tp, m->F);
+    return err_set(err, errlen, -1, "model error: mesh.tp=%d must divide hidden_dim=%d", m->tp, m->F);
   if (m->tp > (int)(sizeof m->pad_ids / sizeof m->pad_ids[0]))
-    return fail(err, errlen, "model error: mesh.tp=%d is above the supported 64", m->tp);
+    return err_set(err, errlen, -1, "model error: mesh.tp=%d is above the supported 64", m->tp);
   const backend_t *be = m->be;
   if ((m->out_split && !be->copy_2d) || (m->lp && (!be->ce_shard_max || !be->ce_shard_stats || !be->ce_shard_loss)))
-    return fail(err, errlen, "model error: backend %s lacks the tensor-parallel kernels (copy_2d, ce_shard_*)",
+    return err_set(err, errlen, -1, "model error: backend %s lacks the tensor-parallel kernels (copy_2d, ce_shard_*)",
                 be->name);
-  if (strcmp(be->name, "cpu") != 0 && m->tpc->ops && !strcmp(m->tpc->ops->name, "cpu"))
-    return fail(err, errlen, "model error: tensor parallelism on backend %s needs a comm that takes device memory "
-                             "(nccl); comm %s is cpu", be->name, comm_name(m->tpc));
+  if (be->mem == BACKEND_MEM_DEVICE && comm_memory(m->tpc) == COMM_MEM_HOST)
+    return err_set(err, errlen, -1, "model error: tensor parallelism on backend %s needs a comm that takes device memory "
+                             "(nccl); comm %s moves host memory", be->name, comm_name(m->tpc));
   return 0;
+}
+
+/* Test hook, MESHRUN_FAULT_COMM=RANK:PASS:fwd|bwd: on the process whose RANK is RANK, the first
+ * tensor-parallel collective of the PASS-th forward with targets (fwd), or of the backward that
+ * follows it (bwd), fails as a lost connection would (comm_fail_next): the peers' collective
+ * fails at once too, and the pass returns MODEL_ECOMM. Passes count from 1 in this process;
+ * with one micro-batch per step, no eval and no resume, PASS is the step. */
+static void fault_from_env(model_t *m) {
+  const char *s = getenv("MESHRUN_FAULT_COMM");
+  int rank = -1, pass = 0, my_rank;
+  env_int("RANK", 0, INT_MAX, 0, &my_rank);
+  char phase[4] = "";
+  if (!s || !*s || sscanf(s, "%d:%d:%3s", &rank, &pass, phase) != 3 || pass < 1) return;
+  if (rank != my_rank || (strcmp(phase, "fwd") && strcmp(phase, "bwd"))) return;
+  m->fault_pass = pass;
+  m->fault_bwd = !strcmp(phase, "bwd");
 }
 
 int model_create_opts(model_t **out, const plan_model_t *cfg, backend_t *be, const model_opts_t *opts, char *err,
                       size_t errlen) {
   *out = NULL;
-  if (!cfg || !be || !opts) return fail(err, errlen, "model error: no config, backend or options");
+  if (!cfg || !be || !opts) return err_set(err, errlen, -1, "model error: no config, backend or options");
   int max_b = opts->max_b, max_t = opts->max_t;
   if (cfg->dim <= 0 || cfg->n_layers <= 0 || cfg->n_heads <= 0 || cfg->vocab_size <= 0 || cfg->hidden_dim <= 0)
-    return fail(err, errlen, "model error: dim=%d n_layers=%d n_heads=%d vocab_size=%d hidden_dim=%d must all be > 0",
+    return err_set(err, errlen, -1, "model error: dim=%d n_layers=%d n_heads=%d vocab_size=%d hidden_dim=%d must all be > 0",
                 cfg->dim, cfg->n_layers, cfg->n_heads, cfg->vocab_size, cfg->hidden_dim);
   int kv = cfg->n_kv_heads > 0 ? cfg->n_kv_heads : cfg->n_heads;
   if (cfg->dim % cfg->n_heads != 0)
-    return fail(err, errlen, "model error: n_heads=%d does not divide dim=%d", cfg->n_heads, cfg->dim);
+    return err_set(err, errlen, -1, "model error: n_heads=%d does not divide dim=%d", cfg->n_heads, cfg->dim);
   if (cfg->n_heads % kv != 0)
-    return fail(err, errlen, "model error: n_kv_heads=%d does not divide n_heads=%d", kv, cfg->n_heads);
+    return err_set(err, errlen, -1, "model error: n_kv_heads=%d does not divide n_heads=%d", kv, cfg->n_heads);
   if ((cfg->dim / cfg->n_heads) % 2 != 0)
-    return fail(err, errlen, "model error: head dim %d (dim/n_heads) must be even for RoPE", cfg->dim / cfg->n_heads);
+    return err_set(err, errlen, -1, "model error: head dim %d (dim/n_heads) must be even for RoPE", cfg->dim / cfg->n_heads);
   if (max_b <= 0 || max_t <= 0)
-    return fail(err, errlen, "model error: max batch %d x %d tokens must be > 0", max_b, max_t);
+    return err_set(err, errlen, -1, "model error: max batch %d x %d tokens must be > 0", max_b, max_t);
   if (cfg->max_seq_len > 0 && max_t > cfg->max_seq_len)
-    return fail(err, errlen, "model error: sequence length %d exceeds model.max_seq_len=%d", max_t, cfg->max_seq_len);
+    return err_set(err, errlen, -1, "model error: sequence length %d exceeds model.max_seq_len=%d", max_t, cfg->max_seq_len);
 
   model_t *m = calloc(1, sizeof *m);
-  if (!m) return fail(err, errlen, "model error: out of memory");
+  if (!m) return err_set(err, errlen, -1, "model error: out of memory");
   m->be = be;
   m->C = cfg->dim;
   m->L = cfg->n_layers;
@@ -451,6 +481,7 @@ int model_create_opts(model_t **out, const plan_model_t *cfg, backend_t *be, con
       model_destroy(m);
       return -1;
     }
+    fault_from_env(m);
   }
   for (int i = 0; i < (int)(sizeof m->pad_ids / sizeof m->pad_ids[0]); i++)
     m->pad_ids[i] = -1;
@@ -479,7 +510,7 @@ int model_create_opts(model_t **out, const plan_model_t *cfg, backend_t *be, con
   if (!m->tensors || !m->layer || !m->unit_offset || !m->unit_numel || !m->unit_params || !m->unit_grads || !m->acts ||
       !m->host_losses) {
     model_destroy(m);
-    return fail(err, errlen, "model error: out of memory");
+    return err_set(err, errlen, -1, "model error: out of memory");
   }
 
   /* Tensors in unit order; within a layer, in Meta's order. Shapes are the full ones. */
@@ -526,7 +557,7 @@ int model_create_opts(model_t **out, const plan_model_t *cfg, backend_t *be, con
   if ((!m->no_flat && (!m->params || !m->grads)) || !m->arena) {
     size_t mb = ((m->no_flat ? 0 : 2 * m->num_params) + an) * sizeof(float) >> 20;
     model_destroy(m);
-    return fail(err, errlen, "model error: cannot allocate %zu MiB for parameters, gradients and activations", mb);
+    return err_set(err, errlen, -1, "model error: cannot allocate %zu MiB for parameters, gradients and activations", mb);
   }
   layout_acts(m, m->arena);
   for (int u = 0; u < m->n_units; u++)
@@ -769,15 +800,13 @@ static void block_forward(model_t *m, int l, float *out, int b, int t) {
   rowwise_fwd(m, out, a->x_mid, a->h, param_of(m, lt->w2), F, m->ffn_split, "reduction of feed_forward.w2 output");
 }
 
-/* Checks ids on the host; logs the first bad one. */
-static int check_ids(const model_t *m, const int32_t *ids, int n, int t, int allow_negative, const char *what) {
+/* Checks ids on the host; the first bad one is the message. */
+static int check_ids(model_t *m, const int32_t *ids, int n, int t, int allow_negative, const char *what) {
   for (int i = 0; i < n; i++) {
     int32_t id = ids[i];
-    if ((id < 0 && !allow_negative) || id >= m->V) {
-      log_error("model: %s id %d at position %d (sequence %d, t=%d) is outside [0, %d)", what, (int)id, i, i / t, i % t,
-                m->V);
-      return -1;
-    }
+    if ((id < 0 && !allow_negative) || id >= m->V)
+      return set_error(m, MODEL_EINVAL, "%s id %d at position %d (sequence %d, t=%d) is outside [0, %d)", what,
+                       (int)id, i, i / t, i % t, m->V);
   }
   return 0;
 }
@@ -807,28 +836,30 @@ static void gather_logits(model_t *m) {
   }
 }
 
-float model_forward(model_t *m, const int32_t *tokens, const int32_t *targets, int b, int t) {
+int model_forward(model_t *m, const int32_t *tokens, const int32_t *targets, int b, int t, float *loss) {
   backend_t *be = m->be;
+  int rc;
+  if (loss) *loss = NAN;
+  m->err[0] = '\0';
   m->last_ok = 0;
   m->last_has_targets = 0;
   m->logits_out = NULL;
-  if (b <= 0 || t <= 0 || b > m->max_b || t > m->max_t) {
-    log_error("model: batch %d x %d tokens outside the model's capacity %d x %d", b, t, m->max_b, m->max_t);
-    return NAN;
-  }
-  if (m->comm_rc) {
-    log_error("model: an earlier tensor-parallel collective failed; the tp group is unusable");
-    return NAN;
-  }
+  if (!tokens || b <= 0 || t <= 0 || b > m->max_b || t > m->max_t)
+    return set_error(m, MODEL_EINVAL, "batch %d x %d tokens outside the model's capacity %d x %d%s", b, t, m->max_b,
+                     m->max_t, tokens ? "" : " (or no tokens)");
+  if (m->comm_rc)
+    return set_error(m, MODEL_ECOMM, "an earlier tensor-parallel collective failed (%s); the tp group is unusable",
+                     comm_errmsg(m->tpc));
   int N = b * t, C = m->C;
-  if (check_ids(m, tokens, N, t, 0, "token") != 0) return NAN;
-  if (targets && check_ids(m, targets, N, t, 1, "target") != 0) return NAN;
+  if ((rc = check_ids(m, tokens, N, t, 0, "token")) != 0) return rc;
+  if (targets && (rc = check_ids(m, targets, N, t, 1, "target")) != 0) return rc;
+  if (targets && ++m->passes == m->fault_pass && !m->fault_bwd) comm_fail_next(m->tpc); /* tests only */
   batch_rows(m, N, &m->Np, &m->Ns, &m->row0);
   int Np = m->Np;
   ids_to_device(m, m->tokens_dev, tokens, N);
   if (targets) ids_to_device(m, m->targets_dev, targets, N);
 
-  if (dp_gather(m, 0, 0)) return NAN;
+  if ((rc = dp_gather(m, 0, 0))) return rc;
   float *x0 = m->acts[0].x;
   const float *table = param_of(m, m->tok_embeddings);
   if (m->emb_split) {
@@ -840,19 +871,19 @@ float model_forward(model_t *m, const int32_t *tokens, const int32_t *targets, i
   } else {
     be->embedding_fwd(be, x0, table, m->tokens_dev + m->row0, m->Ns, C, 0, m->V);
   }
-  if (dp_release(m, 0, 0)) return NAN;
+  if ((rc = dp_release(m, 0, 0))) return rc;
 
   for (int l = 0; l < m->L; l++) {
-    if (dp_gather(m, 1 + l, 0)) return NAN;
+    if ((rc = dp_gather(m, 1 + l, 0))) return rc;
     block_forward(m, l, l + 1 < m->L ? m->acts[l + 1].x : m->x_final, b, t);
-    if (dp_release(m, 1 + l, 0)) return NAN;
+    if ((rc = dp_release(m, 1 + l, 0))) return rc;
   }
 
   int uo = m->L + 1;
-  if (dp_gather(m, uo, 0)) return NAN;
+  if ((rc = dp_gather(m, uo, 0))) return rc;
   norm_fwd(m, m->xn_final, m->rstd_final, m->x_final, param_of(m, m->norm), "all_gather of norm output");
   be->matmul(be, m->logits, m->xn_final, param_of(m, m->output), Np, m->Vo, C, 0, 1, 1.0f, 0.0f);
-  if (dp_release(m, uo, 0)) return NAN;
+  if ((rc = dp_release(m, uo, 0))) return rc;
 
   /* The loss, the same on every tp rank: every rank ends with the same per-row losses. */
   m->last_gathered = 0;
@@ -873,12 +904,15 @@ float model_forward(model_t *m, const int32_t *tokens, const int32_t *targets, i
     m->logits_out = m->logits_full;
     if (targets) be->cross_entropy(be, m->losses, NULL, m->logits_full, m->targets_dev, Np, m->V, m->V, 1.0f);
   }
-  if (m->comm_rc) return NAN;
+  if (m->comm_rc) return MODEL_ECOMM;
 
   m->last_b = b;
   m->last_t = t;
   m->last_ok = 1;
-  if (!targets) return 0.0f;
+  if (!targets) {
+    if (loss) *loss = 0.0f;
+    return 0;
+  }
 
   be->to_host(be, m->host_losses, m->losses, (size_t)N * sizeof(float));
   double sum = 0.0;
@@ -890,7 +924,8 @@ float model_forward(model_t *m, const int32_t *tokens, const int32_t *targets, i
   }
   m->n_valid = valid;
   m->last_has_targets = 1;
-  return valid > 0 ? (float)(sum / valid) : 0.0f;
+  if (loss) *loss = valid > 0 ? (float)(sum / valid) : 0.0f;
+  return 0;
 }
 
 /* ------------------------------------------------------------------ backward */
@@ -963,12 +998,13 @@ static void block_backward(model_t *m, int l, int b, int t) {
 
 int model_forward_ok(const model_t *m) { return m->last_ok; }
 
-void model_backward(model_t *m, float loss_scale) {
+int model_backward(model_t *m, float loss_scale) {
   backend_t *be = m->be;
-  if (!m->last_ok || !m->last_has_targets) {
-    log_error("model: model_backward needs a successful forward with targets first");
-    return;
-  }
+  int rc;
+  if (!m->last_ok || !m->last_has_targets)
+    return set_error(m, MODEL_EINVAL, "model_backward needs a successful forward with targets first");
+  m->err[0] = '\0';
+  if (m->passes == m->fault_pass && m->fault_bwd) comm_fail_next(m->tpc); /* tests only */
   int Np = m->Np, C = m->C;
   float gs = m->n_valid > 0 ? loss_scale / (float)m->n_valid : 0.0f;
   /* dlogits (this rank's columns) overwrite the logits (their last use) */
@@ -987,20 +1023,20 @@ void model_backward(model_t *m, float loss_scale) {
   m->last_ok = 0;
 
   int uo = m->L + 1;
-  if (dp_gather(m, uo, 1)) return;
+  if ((rc = dp_gather(m, uo, 1))) return rc;
   be->matmul(be, grad_of(m, m->output), m->logits, m->xn_final, m->Vo, C, Np, 1, 0, 1.0f, 1.0f);
   be->matmul(be, m->dxn, m->logits, param_of(m, m->output), Np, C, m->Vo, 0, 0, 1.0f, 0.0f);
   be->zero(be, m->dres, (size_t)m->Ns * C * sizeof(float));
   norm_bwd(m, m->norm, m->x_final, m->rstd_final, m->out_split, "reduction of norm output gradient");
-  if (dp_reduce(m, uo) || dp_release(m, uo, 1)) return;
+  if ((rc = dp_reduce(m, uo)) || (rc = dp_release(m, uo, 1))) return rc;
 
   for (int l = m->L - 1; l >= 0; l--) {
-    if (dp_gather(m, 1 + l, 1)) return;
+    if ((rc = dp_gather(m, 1 + l, 1))) return rc;
     block_backward(m, l, m->last_b, m->last_t);
-    if (dp_reduce(m, 1 + l) || dp_release(m, 1 + l, 1)) return;
+    if ((rc = dp_reduce(m, 1 + l)) || (rc = dp_release(m, 1 + l, 1))) return rc;
   }
 
-  if (dp_gather(m, 0, 1)) return;
+  if ((rc = dp_gather(m, 0, 1))) return rc;
   /* the embedding's gradient needs every row's residual gradient (all_gather under SP): the
    * vocab shard's rows come from any position, and a replicated table stays identical */
   const float *dy = rows_to_full(m, m->sc_full, m->dres, C, "all_gather of the embedding gradient");
@@ -1008,5 +1044,8 @@ void model_backward(model_t *m, float loss_scale) {
     be->embedding_bwd(be, grad_of(m, m->tok_embeddings), dy, m->tokens_dev, Np, C, m->tp_rank * m->Ve, m->Ve);
   else
     be->embedding_bwd(be, grad_of(m, m->tok_embeddings), dy, m->tokens_dev, Np, C, 0, m->V);
-  if (dp_reduce(m, 0) || dp_release(m, 0, 1)) return;
+  if ((rc = dp_reduce(m, 0)) || (rc = dp_release(m, 0, 1))) return rc;
+  return m->comm_rc ? MODEL_ECOMM : 0;
 }
+
+const char *model_errmsg(const model_t *m) { return m->err; }

@@ -116,16 +116,30 @@ void model_unit_range(const model_t *m, int unit, size_t *offset, size_t *numel)
  * restores the slices of the flat buffers. */
 void model_set_unit_buffers(model_t *m, int unit, float *params, float *grads);
 
-/* Forward pass over tokens (host, B*T int32). With targets (host, B*T; < 0 = ignored) returns
- * the mean cross-entropy over the non-ignored targets, else returns 0 and only fills logits.
- * Token or target ids outside [0, vocab_size) make it return NAN with a message in the log:
- * callers check with isfinite. */
-float model_forward(model_t *m, const int32_t *tokens, const int32_t *targets, int b, int t);
-/* Backward of the last forward (which must have had targets): grads += d(loss * loss_scale)/dp.
- * loss_scale is 1/grad_accum_steps under accumulation. */
-void model_backward(model_t *m, float loss_scale);
-/* 1 when the last forward ran to the end (its loss may still be nan/inf: the model diverged),
- * 0 when it stopped on an error (bad ids, capacity, a failed collective) and logged it. */
+/* Statuses of model_forward and model_backward (0 = success); model_errmsg says why. */
+enum {
+  MODEL_EINVAL = -1,    /* bad call: ids outside the vocabulary, a batch above capacity, a backward
+                           without a forward with targets, a unit without buffers */
+  MODEL_ECOMM = -2,     /* a tensor-parallel collective failed (the message names the collective
+                           and the peer); the tp group is broken for good */
+  MODEL_ESTRATEGY = -3, /* the data-parallel strategy's gather, release or reduce_grads failed
+                           (its own message is dp_errmsg's) */
+};
+#define MODEL_ERR_MAX 768
+
+/* Forward pass over tokens (host, B*T int32). With targets (host, B*T; < 0 = ignored) *loss gets
+ * the mean cross-entropy over the non-ignored targets, else 0 and only the logits are filled.
+ * Returns 0, or a MODEL_E* status with the reason in model_errmsg and *loss = NAN. A loss that is
+ * nan/inf with status 0 means the model diverged (callers check isfinite). loss may be NULL. */
+int model_forward(model_t *m, const int32_t *tokens, const int32_t *targets, int b, int t, float *loss);
+/* Backward of the last forward (which must have had targets and succeeded):
+ * grads += d(loss * loss_scale)/dp. loss_scale is 1/grad_accum_steps under accumulation.
+ * Returns 0, or a MODEL_E* status (a collective that failed anywhere in the backward included)
+ * with the reason in model_errmsg: the gradients are then partial and must not be stepped on. */
+int model_backward(model_t *m, float loss_scale);
+/* Why the last forward or backward failed, "model: ..."; "" after a success. */
+const char *model_errmsg(const model_t *m);
+/* 1 when the last forward returned 0 (its loss may still be nan/inf: the model diverged). */
 int model_forward_ok(const model_t *m);
 void model_zero_grad(model_t *m);
 /* Logits of the last forward, device memory (B, T, V), the full vocabulary on every tp rank

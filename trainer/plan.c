@@ -149,7 +149,7 @@ static const field_t mp_fields[] = {
     K_END};
 
 static const field_t parallel_fields[] = {
-    K_INT("zero", parallel.zero, 0, 1, 0),
+    K_INT("zero", parallel.zero, 0, 2, 0),
     K_BOOL("reshard_after_forward", parallel.reshard_after_forward, 1),
     K_TRI("sequence_parallel", parallel.sequence_parallel),
     K_TRI("loss_parallel", parallel.loss_parallel),

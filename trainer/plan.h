@@ -63,7 +63,7 @@ typedef struct {
 } plan_tp_entry_t;
 
 typedef struct {
-  int zero;                  /* 0 (none) or 1 (ZeRO-1: optimizer state sharded over dp) */
+  int zero;                  /* 0 (none), 1 (ZeRO-1: optimizer state sharded over dp) or 2 (ZeRO-2: gradients too) */
   int reshard_after_forward; /* FSDP: free gathered params after forward (default 1) */
   int sequence_parallel;     /* TP: default 1 when tp > 1 */
   int loss_parallel;         /* TP: default 1 when tp > 1 */

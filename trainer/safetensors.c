@@ -18,6 +18,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "common/err.h"
+
 /* Headers larger than this are refused (the reference implementation uses 100 MB). */
 #define ST_MAX_HEADER ((uint64_t)100 << 20)
 
@@ -30,16 +32,6 @@ struct st_file {
   int n_meta;
   char **meta; /* key, value, key, value, ... */
 };
-
-static int st_fail(char *err, size_t errlen, int code, const char *fmt, ...) {
-  if (err && errlen) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-  }
-  return code;
-}
 
 static const char *dtype_name(st_dtype_t d) { return d == ST_I32 ? "I32" : "F32"; }
 static size_t dtype_size(st_dtype_t d) {
@@ -97,14 +89,14 @@ static char *build_header(const st_tensor_t *ts, int n, const char *const *meta,
   char *txt = cJSON_PrintUnformatted(root);
   cJSON_Delete(root);
   if (!txt) {
-    st_fail(err, errlen, ST_ENOMEM, "safetensors: out of memory building the header");
+    err_set(err, errlen, ST_ENOMEM, "safetensors: out of memory building the header");
     return NULL;
   }
   size_t len = strlen(txt), padded = (len + 7) & ~(size_t)7;
   char *buf = malloc(padded + 1);
   if (!buf) {
     free(txt);
-    st_fail(err, errlen, ST_ENOMEM, "safetensors: out of memory building the header");
+    err_set(err, errlen, ST_ENOMEM, "safetensors: out of memory building the header");
     return NULL;
   }
   memcpy(buf, txt, len);
@@ -118,20 +110,20 @@ static char *build_header(const st_tensor_t *ts, int n, const char *const *meta,
 int st_write(const char *path, const st_tensor_t *tensors, int n, const char *const *meta, int n_meta, char *err,
              size_t errlen) {
   if (!path || n < 0 || (n > 0 && !tensors) || n_meta < 0 || (n_meta > 0 && !meta))
-    return st_fail(err, errlen, ST_EINVAL, "safetensors: invalid arguments to st_write");
+    return err_set(err, errlen, ST_EINVAL, "safetensors: invalid arguments to st_write");
   for (int i = 0; i < n; i++) {
     if (!tensors[i].name || !*tensors[i].name || !strcmp(tensors[i].name, "__metadata__"))
-      return st_fail(err, errlen, ST_EINVAL, "safetensors: tensor %d has no valid name", i);
+      return err_set(err, errlen, ST_EINVAL, "safetensors: tensor %d has no valid name", i);
     if (tensors[i].ndim < 0 || tensors[i].ndim > ST_MAX_DIMS)
-      return st_fail(err, errlen, ST_EINVAL, "safetensors: %s: ndim %d out of range", tensors[i].name, tensors[i].ndim);
+      return err_set(err, errlen, ST_EINVAL, "safetensors: %s: ndim %d out of range", tensors[i].name, tensors[i].ndim);
     for (int d = 0; d < tensors[i].ndim; d++)
       if (tensors[i].shape[d] < 0)
-        return st_fail(err, errlen, ST_EINVAL, "safetensors: %s: negative dimension", tensors[i].name);
+        return err_set(err, errlen, ST_EINVAL, "safetensors: %s: negative dimension", tensors[i].name);
     if (!tensors[i].data && st_numel(&tensors[i]) > 0)
-      return st_fail(err, errlen, ST_EINVAL, "safetensors: %s: no data", tensors[i].name);
+      return err_set(err, errlen, ST_EINVAL, "safetensors: %s: no data", tensors[i].name);
     for (int j = 0; j < i; j++)
       if (!strcmp(tensors[i].name, tensors[j].name))
-        return st_fail(err, errlen, ST_EINVAL, "safetensors: duplicate tensor name %s", tensors[i].name);
+        return err_set(err, errlen, ST_EINVAL, "safetensors: duplicate tensor name %s", tensors[i].name);
   }
   size_t hlen = 0;
   char *hdr = build_header(tensors, n, meta, n_meta, &hlen, err, errlen);
@@ -143,7 +135,7 @@ int st_write(const char *path, const st_tensor_t *tensors, int n, const char *co
   if (fd < 0) {
     int e = errno;
     free(hdr);
-    return st_fail(err, errlen, ST_EIO, "safetensors: open %s: %s", tmp, strerror(e));
+    return err_set(err, errlen, ST_EIO, "safetensors: open %s: %s", tmp, strerror(e));
   }
   unsigned char len8[8];
   for (int i = 0; i < 8; i++)
@@ -157,12 +149,12 @@ int st_write(const char *path, const st_tensor_t *tensors, int n, const char *co
   if (close(fd) != 0 && !rc) rc = -errno;
   if (rc) {
     unlink(tmp);
-    return st_fail(err, errlen, ST_EIO, "safetensors: write %s: %s", tmp, strerror(-rc));
+    return err_set(err, errlen, ST_EIO, "safetensors: write %s: %s", tmp, strerror(-rc));
   }
   if (rename(tmp, path) != 0) {
     int e = errno;
     unlink(tmp);
-    return st_fail(err, errlen, ST_EIO, "safetensors: rename %s -> %s: %s", tmp, path, strerror(e));
+    return err_set(err, errlen, ST_EIO, "safetensors: rename %s -> %s: %s", tmp, path, strerror(e));
   }
   /* The rename is durable only once the directory entry is on disk. */
   char dirbuf[4096];
@@ -206,23 +198,23 @@ static int json_uint(const cJSON *j, uint64_t max, uint64_t *out) {
 int st_open(st_file_t **out, const char *path, char *err, size_t errlen) {
   *out = NULL;
   int fd = open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return st_fail(err, errlen, ST_EIO, "safetensors: open %s: %s", path, strerror(errno));
+  if (fd < 0) return err_set(err, errlen, ST_EIO, "safetensors: open %s: %s", path, strerror(errno));
   struct stat sb;
   if (fstat(fd, &sb) != 0) {
     int e = errno;
     close(fd);
-    return st_fail(err, errlen, ST_EIO, "safetensors: stat %s: %s", path, strerror(e));
+    return err_set(err, errlen, ST_EIO, "safetensors: stat %s: %s", path, strerror(e));
   }
   uint64_t fsize = (uint64_t)sb.st_size;
   if (fsize < 8) {
     close(fd);
-    return st_fail(err, errlen, ST_ECORRUPT, "safetensors: %s: file of %llu bytes is too short for a header", path,
+    return err_set(err, errlen, ST_ECORRUPT, "safetensors: %s: file of %llu bytes is too short for a header", path,
                    (unsigned long long)fsize);
   }
   st_file_t *f = calloc(1, sizeof *f);
   if (!f) {
     close(fd);
-    return st_fail(err, errlen, ST_ENOMEM, "safetensors: out of memory");
+    return err_set(err, errlen, ST_ENOMEM, "safetensors: out of memory");
   }
   f->map_len = (size_t)fsize;
   f->map = mmap(NULL, f->map_len, PROT_READ, MAP_PRIVATE, fd, 0);
@@ -231,7 +223,7 @@ int st_open(st_file_t **out, const char *path, char *err, size_t errlen) {
     int e = errno;
     f->map = NULL;
     st_close(f);
-    return st_fail(err, errlen, ST_EIO, "safetensors: mmap %s: %s", path, strerror(e));
+    return err_set(err, errlen, ST_EIO, "safetensors: mmap %s: %s", path, strerror(e));
   }
   const unsigned char *bytes = f->map;
   uint64_t hlen = 0;
@@ -240,13 +232,13 @@ int st_open(st_file_t **out, const char *path, char *err, size_t errlen) {
   int rc = 0;
   cJSON *root = NULL;
   if (hlen > ST_MAX_HEADER || hlen > fsize - 8) {
-    rc = st_fail(err, errlen, ST_ECORRUPT, "safetensors: %s: header length %llu exceeds the file (%llu bytes)", path,
+    rc = err_set(err, errlen, ST_ECORRUPT, "safetensors: %s: header length %llu exceeds the file (%llu bytes)", path,
                  (unsigned long long)hlen, (unsigned long long)fsize);
     goto error;
   }
   root = cJSON_ParseWithLength((const char *)bytes + 8, (size_t)hlen);
   if (!cJSON_IsObject(root)) {
-    rc = st_fail(err, errlen, ST_ECORRUPT, "safetensors: %s: header is not a JSON object", path);
+    rc = err_set(err, errlen, ST_ECORRUPT, "safetensors: %s: header is not a JSON object", path);
     goto error;
   }
   const unsigned char *data = bytes + 8 + hlen;
@@ -256,34 +248,34 @@ int st_open(st_file_t **out, const char *path, char *err, size_t errlen) {
   f->names = calloc((size_t)count + 1, sizeof *f->names);
   f->meta = calloc(2 * (size_t)count + 2, sizeof *f->meta);
   if (!f->tensors || !f->names || !f->meta) {
-    rc = st_fail(err, errlen, ST_ENOMEM, "safetensors: out of memory");
+    rc = err_set(err, errlen, ST_ENOMEM, "safetensors: out of memory");
     goto error;
   }
   const cJSON *e;
   cJSON_ArrayForEach(e, root) {
     if (!strcmp(e->string, "__metadata__")) {
       if (!cJSON_IsObject(e)) {
-        rc = st_fail(err, errlen, ST_ECORRUPT, "safetensors: %s: __metadata__ is not an object", path);
+        rc = err_set(err, errlen, ST_ECORRUPT, "safetensors: %s: __metadata__ is not an object", path);
         goto error;
       }
       int nm = cJSON_GetArraySize(e);
       char **meta = realloc(f->meta, (2 * ((size_t)f->n_meta + (size_t)nm) + 2) * sizeof *meta);
       if (!meta) {
-        rc = st_fail(err, errlen, ST_ENOMEM, "safetensors: out of memory");
+        rc = err_set(err, errlen, ST_ENOMEM, "safetensors: out of memory");
         goto error;
       }
       f->meta = meta;
       const cJSON *kv;
       cJSON_ArrayForEach(kv, e) {
         if (!cJSON_IsString(kv)) {
-          rc = st_fail(err, errlen, ST_ECORRUPT, "safetensors: %s: metadata %s is not a string", path, kv->string);
+          rc = err_set(err, errlen, ST_ECORRUPT, "safetensors: %s: metadata %s is not a string", path, kv->string);
           goto error;
         }
         f->meta[2 * f->n_meta] = strdup(kv->string);
         f->meta[2 * f->n_meta + 1] = strdup(kv->valuestring);
         f->n_meta++;
         if (!f->meta[2 * f->n_meta - 2] || !f->meta[2 * f->n_meta - 1]) {
-          rc = st_fail(err, errlen, ST_ENOMEM, "safetensors: out of memory");
+          rc = err_set(err, errlen, ST_ENOMEM, "safetensors: out of memory");
           goto error;
         }
       }
@@ -296,7 +288,7 @@ int st_open(st_file_t **out, const char *path, char *err, size_t errlen) {
     if (!cJSON_IsObject(e) || !cJSON_IsString(dt) || !cJSON_IsArray(sh) || !cJSON_IsArray(of) ||
         cJSON_GetArraySize(of) != 2) {
       rc =
-          st_fail(err, errlen, ST_ECORRUPT, "safetensors: %s: entry %s lacks dtype, shape or data_offsets", path, name);
+          err_set(err, errlen, ST_ECORRUPT, "safetensors: %s: entry %s lacks dtype, shape or data_offsets", path, name);
       goto error;
     }
     st_tensor_t *t = &f->tensors[f->n];
@@ -305,13 +297,13 @@ int st_open(st_file_t **out, const char *path, char *err, size_t errlen) {
     else if (!strcmp(dt->valuestring, "I32"))
       t->dtype = ST_I32;
     else {
-      rc = st_fail(err, errlen, ST_ECORRUPT, "safetensors: %s: %s has dtype %s (only F32 and I32 are supported)", path,
+      rc = err_set(err, errlen, ST_ECORRUPT, "safetensors: %s: %s has dtype %s (only F32 and I32 are supported)", path,
                    name, dt->valuestring);
       goto error;
     }
     t->ndim = cJSON_GetArraySize(sh);
     if (t->ndim > ST_MAX_DIMS) {
-      rc = st_fail(err, errlen, ST_ECORRUPT, "safetensors: %s: %s has %d dimensions (max %d)", path, name, t->ndim,
+      rc = err_set(err, errlen, ST_ECORRUPT, "safetensors: %s: %s has %d dimensions (max %d)", path, name, t->ndim,
                    ST_MAX_DIMS);
       goto error;
     }
@@ -319,32 +311,32 @@ int st_open(st_file_t **out, const char *path, char *err, size_t errlen) {
     for (int d = 0; d < t->ndim; d++) {
       uint64_t v;
       if (!json_uint(cJSON_GetArrayItem(sh, d), (uint64_t)1 << 40, &v)) {
-        rc = st_fail(err, errlen, ST_ECORRUPT, "safetensors: %s: %s has an invalid shape", path, name);
+        rc = err_set(err, errlen, ST_ECORRUPT, "safetensors: %s: %s has an invalid shape", path, name);
         goto error;
       }
       t->shape[d] = (int64_t)v;
       numel *= v;
       if (numel > ((uint64_t)1 << 50)) {
-        rc = st_fail(err, errlen, ST_ECORRUPT, "safetensors: %s: %s has an impossible shape", path, name);
+        rc = err_set(err, errlen, ST_ECORRUPT, "safetensors: %s: %s has an impossible shape", path, name);
         goto error;
       }
     }
     uint64_t b0, b1;
     if (!json_uint(cJSON_GetArrayItem(of, 0), data_len, &b0) || !json_uint(cJSON_GetArrayItem(of, 1), data_len, &b1) ||
         b1 < b0) {
-      rc = st_fail(err, errlen, ST_ECORRUPT,
+      rc = err_set(err, errlen, ST_ECORRUPT,
                    "safetensors: %s: %s has data_offsets outside the %llu data bytes of the file (truncated?)", path,
                    name, (unsigned long long)data_len);
       goto error;
     }
     if (b1 - b0 != numel * dtype_size(t->dtype)) {
-      rc = st_fail(err, errlen, ST_ECORRUPT, "safetensors: %s: %s spans %llu bytes but its shape needs %llu", path,
+      rc = err_set(err, errlen, ST_ECORRUPT, "safetensors: %s: %s spans %llu bytes but its shape needs %llu", path,
                    name, (unsigned long long)(b1 - b0), (unsigned long long)(numel * dtype_size(t->dtype)));
       goto error;
     }
     f->names[f->n] = strdup(name);
     if (!f->names[f->n]) {
-      rc = st_fail(err, errlen, ST_ENOMEM, "safetensors: out of memory");
+      rc = err_set(err, errlen, ST_ENOMEM, "safetensors: out of memory");
       goto error;
     }
     t->name = f->names[f->n];
@@ -360,7 +352,7 @@ int st_open(st_file_t **out, const char *path, char *err, size_t errlen) {
   for (int i = 1; i < f->n; i++) {
     const char *prev_end = (const char *)f->tensors[i - 1].data + f->tensors[i - 1].nbytes;
     if ((const char *)f->tensors[i].data < prev_end) {
-      rc = st_fail(err, errlen, ST_ECORRUPT, "safetensors: %s: tensors %s and %s overlap", path, f->tensors[i - 1].name,
+      rc = err_set(err, errlen, ST_ECORRUPT, "safetensors: %s: tensors %s and %s overlap", path, f->tensors[i - 1].name,
                    f->tensors[i].name);
       goto error;
     }

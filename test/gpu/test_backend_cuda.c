@@ -1,4 +1,4 @@
-// deps: trainer/backend.c trainer/backend_cpu.c trainer/backend_cuda.cu
+// deps: trainer/backend.c trainer/backend_cpu.c trainer/backend_cuda.cu common/env.c
 /* test_backend_cuda: every kernel of the cuda backend against the cpu backend on the same
  * random inputs, and the cuda kernels' determinism (the same inputs twice give the same bits).
  *

@@ -1,4 +1,4 @@
-// deps: trainer/backend.c trainer/backend_cpu.c trainer/backend_cuda.cu
+// deps: trainer/backend.c trainer/backend_cpu.c trainer/backend_cuda.cu common/env.c
 /* test_backend_cuda_tp: the cuda backend's tensor-parallel kernels (copy_2d and the
  * vocab-parallel cross-entropy ce_shard_max / ce_shard_stats / ce_shard_loss) against the cpu
  * backend on the same random inputs. A vocabulary is cut into shards the way the model cuts it

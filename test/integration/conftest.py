@@ -80,6 +80,27 @@ def pids_alive(pids):
 FAST_CONF = "join_timeout=20,last_call_timeout=0.5,heartbeat_interval=0.1,heartbeat_timeout=1"
 
 
+def tiny_plan(**sections):
+    """The tiny Llama the trainer tests share (every sharded size divides by 2 and 4: dim 64,
+    4 heads, 2 kv heads, vocab 256, seq 32, 2 layers), 20 steps of a global batch of 16 (micro-
+    batch 2), synthetic data, no sample; keyword arguments replace whole sections."""
+    plan = {
+        "device": "cpu",
+        "seed": 1337,
+        "model": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 256,
+                  "max_seq_len": 32, "multiple_of": 32},
+        "mesh": {"dp_replicate": 1, "dp_shard": 1, "tp": 1},
+        "train": {"steps": 20, "seq_len": 32, "micro_batch_size": 2, "global_batch_size": 16,
+                  "lr": 3e-3, "warmup_steps": 2, "decay": "cosine"},
+        "data": {"format": "synthetic"},
+        "eval": {"interval": 10, "batches": 2},
+        "log": {"interval": 10},
+        "sample": {"tokens": 0},
+    }
+    plan.update(sections)
+    return plan
+
+
 class Meshrun:
     """One meshrun process. args: meshrun flags then the program and its arguments; preexec_fn
     runs in the child before exec (e.g. to set its resource limits)."""

@@ -7,9 +7,9 @@ batch of 16 sequences (24 for the 8 -> 6 ranks case, so that both worlds divide 
 - Exact resume: a run stopped after step 12 (--stop-after, as if killed there; checkpoints every
   5 steps) and resumed with checkpoint.resume=auto continues from step-10 on the SAME loss bits
   (every step and eval after the checkpoint; tolerance 0) as a run that never stopped, for one
-  process, fsdp4 and tp2, and fsdp4 with asynchronous saves.
+  process, fsdp4, tp2 and ZeRO-2 over 4 ranks, and fsdp4 with asynchronous saves.
 - Resharding: the never-stopped run's step-10 checkpoint loads under another mesh and world
-  (fsdp4 -> fsdp2, tp2 -> fsdp4, ddp2 -> fsdp4, 8 ranks (hsdp 2x2 x tp2) -> 6 ranks (fsdp3 x tp2))
+  (fsdp4 -> fsdp2, tp2 -> fsdp4, ddp2 -> fsdp4, zero2 over 4 -> fsdp2, 8 ranks (hsdp 2x2 x tp2) -> 6 ranks (fsdp3 x tp2))
   and the losses of steps 11..20 stay within 1e-4 relative of the run that kept its layout
   (observed about 1e-7: the reductions' order).
 - Corruption through the trainer: a truncated shard of step-10 and a flipped bit in step-15 ->
@@ -41,25 +41,13 @@ import subprocess
 
 import pytest
 
-from conftest import FAST_CONF, Meshrun, bin_dir
+from conftest import FAST_CONF, Meshrun, bin_dir, tiny_plan
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAINER = os.path.join(bin_dir(), "trainer")
 TOL = 1e-4
 
-PLAN = {
-    "device": "cpu",
-    "seed": 1337,
-    "model": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 256,
-              "max_seq_len": 32, "multiple_of": 32},
-    "mesh": {"dp_replicate": 1, "dp_shard": 1, "tp": 1},
-    "train": {"steps": 20, "seq_len": 32, "micro_batch_size": 2, "global_batch_size": 16,
-              "lr": 3e-3, "warmup_steps": 2, "decay": "cosine"},
-    "data": {"format": "synthetic"},
-    "eval": {"interval": 10, "batches": 2},
-    "log": {"interval": 10},
-    "sample": {"tokens": 0},
-}
+PLAN = tiny_plan()
 
 # name: (ranks, mesh (dp_replicate, dp_shard, tp), extra --set)
 LAYOUTS = {
@@ -68,6 +56,7 @@ LAYOUTS = {
     "fsdp2": (2, (1, 2, 1), []),
     "tp2": (2, (1, 1, 2), []),
     "ddp2": (2, (2, 1, 1), []),
+    "zero2_4": (4, (4, 1, 1), ["parallel.zero=2"]),
     "hsdp2x2_tp2": (8, (2, 2, 2), ["train.global_batch_size=24"]),
     "fsdp3_tp2": (6, (1, 3, 2), ["train.global_batch_size=24"]),
 }
@@ -167,7 +156,8 @@ def straight(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("name,mode", [("serial", "sync"), ("fsdp4", "sync"), ("tp2", "sync"), ("fsdp4", "async")])
+@pytest.mark.parametrize("name,mode", [("serial", "sync"), ("fsdp4", "sync"), ("tp2", "sync"), ("fsdp4", "async"),
+                                       ("zero2_4", "sync")])
 def test_exact_resume(straight, tmp_path, name, mode):
     ref = losses(straight(name))
     asyn = "checkpoint.async=%s" % ("true" if mode == "async" else "false")
@@ -189,9 +179,10 @@ def test_exact_resume(straight, tmp_path, name, mode):
 
 
 @pytest.mark.parametrize("src,dst", [("fsdp4", "fsdp2"), ("tp2", "fsdp4"), ("ddp2", "fsdp4"),
-                                     ("hsdp2x2_tp2", "fsdp3_tp2")])
+                                     ("zero2_4", "fsdp2"), ("hsdp2x2_tp2", "fsdp3_tp2")])
 def test_resharded_resume(tmp_path_factory, straight, tmp_path, src, dst):
-    if LAYOUTS[src][2] != LAYOUTS[dst][2]:
+    train = lambda name: [e for e in LAYOUTS[name][2] if e.startswith("train.")]
+    if train(src) != train(dst):
         pytest.fail("the global batch must be the same in both layouts")
     if src == "hsdp2x2_tp2":  # global batch 24: its own never-stopped run (8 ranks)
         sd = tmp_path_factory.mktemp("straight_8")

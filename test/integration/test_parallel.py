@@ -15,8 +15,9 @@ about 1e-5 absolute, where AdamW divides rounding noise of near-zero gradients b
 small second moments (the same happens between any two summation orders).
 
 The memory test reads the first metrics record (per-rank bytes written by the trainer): FSDP over
-4 ranks holds at most 30% of DDP's parameters + gradients + optimizer state, and TP over 2 ranks
-at most 55% of the parameters.
+4 ranks holds at most 30% of DDP's parameters + gradients + optimizer state, ZeRO-2 over 4 ranks
+at most 1/4 + 2% of DDP's gradient bytes (its shards are padded to a multiple of 4 per unit) and
+of its optimizer state, and TP over 2 ranks at most 55% of the parameters.
 
 Tensor-parallel plans need the tensor-parallel model (trainer/model.c); while it refuses them,
 they are skipped with the trainer's own message. OMP_NUM_THREADS=1 everywhere (2 shared cores).
@@ -30,31 +31,20 @@ import time
 
 import pytest
 
-from conftest import FAST_CONF, MESHRUN, Meshrun, bin_dir, free_port
+from conftest import FAST_CONF, MESHRUN, Meshrun, bin_dir, free_port, tiny_plan
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAINER = os.path.join(bin_dir(), "trainer")
 TEXT = os.path.join(REPO, "data", "tinyshakespeare.txt")
 TOL = 1e-4
 
-PLAN = {
-    "device": "cpu",
-    "seed": 1337,
-    "model": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 256,
-              "max_seq_len": 32, "multiple_of": 32},
-    "mesh": {"dp_replicate": 1, "dp_shard": 1, "tp": 1},
-    "train": {"steps": 20, "seq_len": 32, "micro_batch_size": 2, "global_batch_size": 16,
-              "lr": 3e-3, "warmup_steps": 2, "decay": "cosine"},
-    "data": {"train": TEXT, "format": "text"},
-    "eval": {"interval": 10, "batches": 3},
-    "log": {"interval": 10},
-    "sample": {"tokens": 0},
-}
+PLAN = tiny_plan(data={"train": TEXT, "format": "text"}, eval={"interval": 10, "batches": 3})
 
 # name: (ranks, mesh (dp_replicate, dp_shard, tp), extra --set)
 PLANS = {
     "ddp4": (4, (4, 1, 1), []),
     "ddp4_zero1": (4, (4, 1, 1), ["parallel.zero=1"]),
+    "ddp4_zero2": (4, (4, 1, 1), ["parallel.zero=2"]),
     "fsdp4": (4, (1, 4, 1), []),
     "fsdp4_no_reshard": (4, (1, 4, 1), ["parallel.reshard_after_forward=false"]),
     "hsdp2x2": (4, (2, 2, 1), []),
@@ -64,9 +54,11 @@ PLANS = {
     "fsdp2_tp2": (4, (1, 2, 2), []),
     "hsdp2x2_tp2": (8, (2, 2, 2), []),
     # 3 ranks: unit sizes and the flat buffer do not divide by 3, so FSDP pads its shards and
-    # ZeRO-1's last rank also owns the tail (global batch 12 here, so that 3 divides it)
+    # ZeRO-1's last rank also owns the tail, ZeRO-2 pads its shards as FSDP does (global batch
+    # 12 here, so that 3 divides it)
     "fsdp3_padded": (3, (1, 3, 1), ["train.global_batch_size=12"]),
     "ddp3_zero1_tail": (3, (3, 1, 1), ["parallel.zero=1", "train.global_batch_size=12"]),
+    "ddp3_zero2_padded": (3, (3, 1, 1), ["parallel.zero=2", "train.global_batch_size=12"]),
 }
 
 
@@ -233,6 +225,20 @@ def test_memory_fsdp_and_tp(tmp_path):
     # Working buffers stay at one gathered unit + one gradient buffer + a shard of scratch:
     # well under the whole model (which is what DDP holds per buffer).
     assert fsdp["work_bytes_max"] < ddp["param_bytes"]
+
+    # ZeRO-2: gradients and moments sharded over dp (padded per unit), parameters replicated;
+    # the full gradient exists only one unit at a time (working memory).
+    zero2, m = first_record(tmp_path, "ddp4_zero2", 4, (4, 1, 1), ["parallel.zero=2"])
+    assert zero2, m.describe()
+    g_ratio = zero2["grad_bytes_max"] / ddp["grad_bytes_max"]
+    o_ratio = zero2["optim_bytes_max"] / ddp["optim_bytes_max"]
+    print("per-rank gradients: ddp4 %d B, zero2 over 4 %d B, ratio %.4f (limit 1/4 + 0.02); optimizer "
+          "state ratio %.4f; parameters %d B vs %d B; zero2 working buffers %d B" %
+          (ddp["grad_bytes_max"], zero2["grad_bytes_max"], g_ratio, o_ratio, zero2["param_bytes_max"],
+           ddp["param_bytes_max"], zero2["work_bytes_max"]))
+    assert g_ratio <= 1 / 4 + 0.02
+    assert o_ratio <= 1 / 4 + 0.02
+    assert zero2["param_bytes_max"] >= ddp["param_bytes_max"]  # replicated, not sharded
 
     serial, _ = first_record(tmp_path, "serial", 1, (1, 1, 1))
     tp, m = first_record(tmp_path, "tp2", 2, (1, 1, 2))

@@ -1,4 +1,4 @@
-// deps: trainer/ckpt.c trainer/safetensors.c trainer/comm.c trainer/comm_cpu.c common/store.c common/store_proto.c common/net.c common/log.c common/fs.c
+// deps: trainer/ckpt.c trainer/safetensors.c trainer/comm.c trainer/comm_cpu.c common/store.c common/store_proto.c common/net.c common/log.c common/fs.c common/err.c common/env.c
 /* ckpt_bench: save and reshard one Llama-1B-size tensor (the 128256 x 2048 embedding, 1 GiB of
  * fp32) and print a table of times and bandwidths.
  *

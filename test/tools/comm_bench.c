@@ -1,4 +1,4 @@
-// deps: test/support/fixture.c trainer/comm.c trainer/comm_cpu.c common/store.c common/store_proto.c common/net.c common/log.c launcher/store_server.c
+// deps: test/support/fixture.c trainer/comm.c trainer/comm_cpu.c common/store.c common/store_proto.c common/net.c common/log.c launcher/store_server.c common/err.c common/env.c
 /* comm_bench: bandwidth of the collectives, printed as nccl-tests' fixed-width table.
  *
  *   comm_bench [-n RANKS] [-b MIN] [-e MAX] [-f FACTOR] [-o OP|all] [-w WARMUP] [-i ITERS]

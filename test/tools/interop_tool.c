@@ -1,4 +1,4 @@
-// deps: trainer/interop.c trainer/model.c trainer/comm.c trainer/comm_cpu.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c trainer/safetensors.c common/net.c common/store.c common/store_proto.c common/log.c common/fs.c
+// deps: trainer/interop.c trainer/model.c trainer/comm.c trainer/comm_cpu.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c trainer/safetensors.c common/net.c common/store.c common/store_proto.c common/log.c common/fs.c common/err.c common/env.c test/support/model_cfg.c
 /* interop_tool: a small CLI over trainer/interop for the integration tests (until `trainer
  * export` and model.init of .bin / HF directories are wired into main.c).
  *
@@ -25,6 +25,7 @@
 #include "trainer/model.h"
 #include "trainer/rng.h"
 #include "trainer/safetensors.h"
+#include "test/support/model_cfg.h"
 
 typedef struct {
   long seed, dim, n_layers, n_heads, n_kv_heads, vocab, hidden_dim, seq_len, b, t, tied, gen, random;
@@ -118,19 +119,9 @@ static int cmd_export(int argc, char **argv, backend_t *be) {
               .b = 2,
               .t = 16};
   if (parse_opts(argc - 3, argv + 3, &o)) return 2;
-  plan_model_t cfg;
-  memset(&cfg, 0, sizeof cfg);
-  cfg.dim = (int)o.dim;
-  cfg.n_layers = (int)o.n_layers;
-  cfg.n_heads = (int)o.n_heads;
-  cfg.n_kv_heads = (int)o.n_kv_heads;
-  cfg.vocab_size = (int)o.vocab;
-  cfg.hidden_dim = (int)o.hidden_dim;
-  cfg.max_seq_len = (int)o.seq_len;
+  plan_model_t cfg = test_model_cfg((int)o.dim, (int)o.n_layers, (int)o.n_heads, (int)o.n_kv_heads, (int)o.vocab,
+                                    (int)o.hidden_dim, (int)o.seq_len);
   cfg.multiple_of = 256;
-  cfg.rope_theta = 10000.0;
-  cfg.norm_eps = 1e-5;
-  cfg.init_std = 0.1;
   char err[512];
   model_t *m = NULL;
   if (model_create(&m, &cfg, be, (int)o.b, (int)o.t, 0, 0, err, sizeof err)) {
@@ -159,8 +150,9 @@ static int cmd_export(int argc, char **argv, backend_t *be) {
   int n = (int)(o.b * o.t), rc = 1;
   int32_t *tok = malloc((size_t)n * sizeof *tok);
   random_tokens(tok, n, cfg.vocab_size, (uint64_t)o.seed);
-  model_forward(m, tok, NULL, (int)o.b, (int)o.t);
-  if (interop_export_model(m, &cfg, fmt, argv[1], err, sizeof err))
+  if (model_forward(m, tok, NULL, (int)o.b, (int)o.t, NULL))
+    fprintf(stderr, "interop_tool: %s\n", model_errmsg(m));
+  else if (interop_export_model(m, &cfg, fmt, argv[1], err, sizeof err))
     fprintf(stderr, "interop_tool: %s\n", err);
   else if (dump(m, be, argv[2], tok, (int)o.b, (int)o.t, NAN) == 0)
     rc = 0;
@@ -219,23 +211,23 @@ static int cmd_logits(int argc, char **argv, backend_t *be) {
   if (o.gen > 0) { /* greedy from BOS; each step a full forward over the prefix */
     tok[0] = 1;
     for (int n = 1; n <= t; n++) {
-      model_forward(m, tok, NULL, 1, n);
+      if (model_forward(m, tok, NULL, 1, n, NULL)) break;
       be->to_host(be, row, model_logits(m) + (size_t)(n - 1) * v, (size_t)v * sizeof(float));
       int best = 0;
       for (int i = 1; i < v; i++)
         if (row[i] > row[best]) best = i;
       tok[n] = best;
     }
-    loss = model_forward(m, tok, tok + 1, 1, t);
+    if (model_forward(m, tok, tok + 1, 1, t, &loss)) fprintf(stderr, "interop_tool: %s\n", model_errmsg(m));
     printf("tokens");
     for (int i = 0; i <= t; i++)
       printf(" %d", tok[i]);
     printf("\nloss %.6f\n", loss);
   } else {
     random_tokens(tok, b * t, v, (uint64_t)o.seed);
-    model_forward(m, tok, NULL, b, t);
+    if (model_forward(m, tok, NULL, b, t, NULL)) fprintf(stderr, "interop_tool: %s\n", model_errmsg(m));
   }
-  int rc = dump(m, be, argv[1], tok, b, t, loss) ? 1 : 0;
+  int rc = model_forward_ok(m) && dump(m, be, argv[1], tok, b, t, loss) == 0 ? 0 : 1;
   free(tok);
   free(row);
   model_destroy(m);

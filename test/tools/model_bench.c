@@ -1,4 +1,4 @@
-// deps: trainer/model.c trainer/comm.c trainer/comm_cpu.c common/net.c common/store.c common/store_proto.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c common/log.c
+// deps: trainer/model.c trainer/comm.c trainer/comm_cpu.c common/net.c common/store.c common/store_proto.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c common/log.c common/err.c common/env.c
 /* model_bench: times forward + backward of a Llama on the cpu backend (no optimizer, no data).
  *
  *   model_bench [key=value ...]   keys: dim n_layers n_heads n_kv_heads vocab hidden b t iters threads
@@ -95,9 +95,14 @@ int main(int argc, char **argv) {
   for (int it = -1; it < iters; it++) { /* one warmup */
     double t0 = now_ms();
     model_zero_grad(m);
-    float loss = model_forward(m, tok, tgt, (int)B, (int)T);
+    float loss = NAN;
+    int rc = model_forward(m, tok, tgt, (int)B, (int)T, &loss);
     double t1 = now_ms();
-    model_backward(m, 1.0f);
+    if (!rc) rc = model_backward(m, 1.0f);
+    if (rc) {
+      fprintf(stderr, "model_bench: %s\n", model_errmsg(m));
+      return 1;
+    }
     double t2 = now_ms();
     if (it >= 0) {
       ms[it] = t2 - t0;

@@ -1,4 +1,4 @@
-// deps: trainer/model.c trainer/comm.c trainer/comm_cpu.c common/net.c common/store.c common/store_proto.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c trainer/safetensors.c common/log.c
+// deps: trainer/model.c trainer/comm.c trainer/comm_cpu.c common/net.c common/store.c common/store_proto.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c trainer/safetensors.c common/log.c common/err.c common/env.c test/support/model_cfg.c
 /* model_oracle: one forward + backward of a small Llama on the cpu backend, dumped for PyTorch.
  *
  *   model_oracle OUT.safetensors [key=value ...]
@@ -19,6 +19,7 @@
 #include "trainer/model.h"
 #include "trainer/rng.h"
 #include "trainer/safetensors.h"
+#include "test/support/model_cfg.h"
 
 /* Llama's hidden-size rule (as plan_llama_hidden_dim; kept here so the tool links no plan). */
 static int llama_hidden(int dim, int multiple_of) {
@@ -76,18 +77,9 @@ int main(int argc, char **argv) {
     }
   }
 
-  plan_model_t cfg;
-  memset(&cfg, 0, sizeof cfg);
-  cfg.dim = (int)dim;
-  cfg.n_layers = (int)n_layers;
-  cfg.n_heads = (int)n_heads;
-  cfg.n_kv_heads = (int)n_kv_heads;
-  cfg.vocab_size = (int)vocab;
-  cfg.max_seq_len = (int)T;
+  plan_model_t cfg = test_model_cfg((int)dim, (int)n_layers, (int)n_heads, (int)n_kv_heads, (int)vocab,
+                                    llama_hidden((int)dim, (int)multiple_of), (int)T);
   cfg.multiple_of = (int)multiple_of;
-  cfg.hidden_dim = llama_hidden((int)dim, (int)multiple_of);
-  cfg.rope_theta = 10000.0;
-  cfg.norm_eps = 1e-5;
   cfg.init_std = init_std;
 
   char err[512];
@@ -134,13 +126,20 @@ int main(int argc, char **argv) {
   targets[N - 2] = -1;
 
   model_zero_grad(m);
-  float loss = model_forward(m, tokens, targets, (int)B, (int)T);
+  float loss = NAN;
+  if (model_forward(m, tokens, targets, (int)B, (int)T, &loss)) {
+    fprintf(stderr, "model_oracle: %s\n", model_errmsg(m));
+    return 1;
+  }
   if (!isfinite(loss)) {
     fprintf(stderr, "model_oracle: loss is not finite\n");
     return 1;
   }
   be->to_host(be, logits, model_logits(m), (size_t)N * vocab * sizeof(float));
-  model_backward(m, 1.0f);
+  if (model_backward(m, 1.0f)) {
+    fprintf(stderr, "model_oracle: %s\n", model_errmsg(m));
+    return 1;
+  }
   be->to_host(be, grads, model_grads(m), np * sizeof(float));
 
   int nt = model_num_tensors(m);

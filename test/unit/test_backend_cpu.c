@@ -1,4 +1,4 @@
-// deps: trainer/backend.c trainer/backend_cpu.c trainer/rng.c
+// deps: trainer/backend.c trainer/backend_cpu.c trainer/rng.c common/env.c
 /* test_backend_cpu: every kernel of the cpu backend against a naive double-precision reference.
  *
  * Forward kernels are compared with a straightforward double implementation; backward kernels

@@ -1,4 +1,4 @@
-// deps: trainer/ckpt.c trainer/safetensors.c trainer/comm.c trainer/comm_cpu.c common/store.c common/store_proto.c common/net.c common/log.c test/support/files.c common/fs.c
+// deps: trainer/ckpt.c trainer/safetensors.c trainer/comm.c trainer/comm_cpu.c common/store.c common/store_proto.c common/net.c common/log.c test/support/files.c common/fs.c common/err.c common/env.c
 /* test_ckpt: distributed checkpoints saved under one layout and loaded under another.
  *
  * A small synthetic Llama-like tensor set (embedding and output split by rows under tp, wq/w1
@@ -34,6 +34,7 @@
 #include "test/support/files.h"
 
 #include "trainer/ckpt.h"
+#include "trainer/comm_impl.h" /* a fake shared-memory comm backend */
 
 /* --- the synthetic model */
 

@@ -1,4 +1,4 @@
-// deps: test/support/fixture.c trainer/comm.c trainer/comm_cpu.c trainer/mesh.c common/store.c common/store_proto.c common/net.c common/log.c launcher/store_server.c
+// deps: test/support/fixture.c trainer/comm.c trainer/comm_cpu.c trainer/mesh.c common/store.c common/store_proto.c common/net.c common/log.c launcher/store_server.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c common/err.c common/env.c
 /* test_comm_cpu: the cpu collective backend with real processes on loopback.
  *
  * Each test starts a store server on its own libuv loop in a thread (port 0), forks one
@@ -24,6 +24,7 @@
 
 #include "common/store.h"
 #include "test/support/fixture.h"
+#include "trainer/backend.h"
 #include "trainer/comm.h"
 #include "trainer/mesh.h"
 
@@ -474,6 +475,124 @@ static int rank_stall(int rank, int n, store_t *st, void *arg) {
 
 static void test_stall_timeout(void **state) { assert_int_equal(run_ranks(3, rank_stall, NULL), 0); }
 
+/* ---- the fatal path: a device error on one rank must not leave its peers waiting ---- */
+
+/* Rank 1 forks a child that shares its communicator and dies in backend_fatal (the function
+ * behind CUDA_CHECK, CUBLAS_CHECK and NCCL_CHECK). Rank 1 itself keeps the sockets open, so
+ * the kernel sends no end-of-file at the child's exit: only the fatal path's abort of every
+ * registered communicator (shutdown of the ring) can tell rank 0, which is waiting in an
+ * all_reduce with a 30 s timeout. Rank 0 must fail within 5 s naming rank 1; the child must
+ * exit 1 after printing "[trainer rank 1 HOST] FILE:LINE: CALL: MESSAGE". */
+static int rank_fatal(int rank, int n, store_t *st, void *arg) {
+  comm_t *c;
+  if (comm_open(&c, "fatal", rank, n, st, 30000)) return 1;
+  if (comm_barrier(c)) return 1;
+  int bad = 0;
+  if (rank == 0) {
+    size_t count = 1u << 16;
+    float *buf = calloc(count, sizeof(float));
+    double t0 = now_s();
+    int rc = comm_all_reduce(c, buf, count, COMM_FLOAT32, COMM_SUM);
+    double dt = now_s() - t0;
+    printf("  rank 0: all_reduce rc=%s after %.3f s (limit 5 s, comm timeout 30 s): %s\n", comm_strerror(rc), dt,
+           comm_errmsg(c));
+    if (rc != COMM_EREMOTE || dt > 5.0 || !strstr(comm_errmsg(c), "rank 1 (127.0.0.1:")) {
+      fprintf(stderr, "rank 0: the peer's fatal error did not fail this all_reduce promptly\n");
+      bad = 1;
+    }
+    free(buf);
+    store_set(st, "fatal/checked", "1", 1);
+  } else {
+    int pfd[2];
+    if (pipe(pfd)) return 1;
+    fflush(stdout);
+    fflush(stderr);
+    pid_t pid = fork();
+    if (pid == 0) {
+      dup2(pfd[1], 2);
+      setenv("RANK", "1", 1);
+      backend_fatal("trainer/backend_cuda.cu", 123, "cudaMemcpyAsync(dst, src, bytes)",
+                    "an illegal memory access was encountered");
+    }
+    close(pfd[1]);
+    char out[512] = "";
+    size_t len = 0;
+    ssize_t k;
+    while (len < sizeof out - 1 && (k = read(pfd[0], out + len, sizeof out - 1 - len)) > 0) len += (size_t)k;
+    out[len] = '\0';
+    close(pfd[0]);
+    int status = 0;
+    waitpid(pid, &status, 0);
+    char host[256] = "?", want[512];
+    gethostname(host, sizeof host - 1);
+    snprintf(want, sizeof want, "[trainer rank 1 %s] trainer/backend_cuda.cu:123: cudaMemcpyAsync(dst, src, bytes): "
+             "an illegal memory access was encountered\n", host);
+    printf("  rank 1: child exited %d, printed: %s", WIFEXITED(status) ? WEXITSTATUS(status) : -1, out);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 1 || strcmp(out, want) != 0) {
+      fprintf(stderr, "rank 1: fatal child: want exit 1 and \"%s\"\n", want);
+      bad = 1;
+    }
+    /* Hold the sockets until rank 0 has seen the failure (its deadline is far longer). */
+    void *v = NULL;
+    size_t vl;
+    if (store_get(st, "fatal/checked", &v, &vl, 20000)) bad = 1;
+    free(v);
+  }
+  comm_destroy(c);
+  return bad;
+}
+
+static void test_fatal_aborts_comms(void **state) { assert_int_equal(run_ranks(2, rank_fatal, NULL), 0); }
+
+/* comm_fail_next (the fault-injection hook): rank 1's next collective fails as a lost
+ * connection would, and rank 0, inside the same collective, fails at once instead of waiting out
+ * the 30 s timeout. Both stay broken. */
+static int rank_fail_next(int rank, int n, store_t *st, void *arg) {
+  comm_t *c;
+  if (comm_open(&c, "inject", rank, n, st, 30000)) return 1;
+  if (comm_barrier(c)) return 1;
+  if (rank == 1) comm_fail_next(c);
+  float buf[4096] = {0};
+  double t0 = now_s();
+  int rc = comm_all_reduce(c, buf, 4096, COMM_FLOAT32, COMM_SUM);
+  double dt = now_s() - t0;
+  printf("  rank %d: rc=%s after %.3f s: %s\n", rank, comm_strerror(rc), dt, comm_errmsg(c));
+  int bad = dt > 5.0;
+  if (rank == 1 && (rc != COMM_ESYSTEM || !strstr(comm_errmsg(c), "all_reduce: fault injected"))) bad = 1;
+  if (rank == 0 && rc != COMM_EREMOTE) bad = 1;
+  if (comm_barrier(c) != rc) bad = 1; /* broken for good, with the first code */
+  if (bad) fprintf(stderr, "rank %d: unexpected result of the injected fault\n", rank);
+  comm_destroy(c);
+  return bad;
+}
+
+static void test_fail_next(void **state) { assert_int_equal(run_ranks(2, rank_fail_next, NULL), 0); }
+
+/* Where each backend's memory lives, and the registry: comm_abort_all breaks every live
+ * communicator (a one-rank group has no peer, but its calls fail from then on), and a destroyed
+ * one is no longer in the registry. */
+static void test_memory_and_abort(void **state) {
+  assert_int_equal(comm_backend_memory(NULL), COMM_MEM_HOST);
+  assert_int_equal(comm_backend_memory("cpu"), COMM_MEM_HOST);
+  assert_int_equal(comm_backend_memory("nccl"), COMM_MEM_DEVICE);
+  assert_int_equal(comm_backend_memory("staged"), COMM_MEM_DEVICE);
+  char err[512] = "";
+  comm_config_t cfg = {.name = "solo", .rank = 0, .size = 1};
+  comm_t *a = NULL, *b = NULL;
+  assert_int_equal(comm_create(&a, "cpu", &cfg, err, sizeof err), COMM_OK);
+  cfg.name = "solo2";
+  assert_int_equal(comm_create(&b, "cpu", &cfg, err, sizeof err), COMM_OK);
+  assert_int_equal(comm_memory(a), COMM_MEM_HOST);
+  comm_destroy(b);
+  comm_abort_all("test");
+  float x = 1;
+  assert_int_equal(comm_all_reduce(a, &x, 1, COMM_FLOAT32, COMM_SUM), COMM_ESYSTEM);
+  printf("  after comm_abort_all: %s\n", comm_errmsg(a));
+  assert_non_null(strstr(comm_errmsg(a), "comm solo (rank 0/1): aborted: test"));
+  comm_destroy(a);
+  comm_abort_all("nothing left"); /* the registry is empty: touches no freed communicator */
+}
+
 /* ---- argument checks (one-rank groups need no store) ---- */
 
 static void test_invalid_arguments(void **state) {
@@ -563,7 +682,8 @@ int main(void) {
       cmocka_unit_test(test_broadcast),         cmocka_unit_test(test_barrier),
       cmocka_unit_test(test_determinism),       cmocka_unit_test(test_all_reduce_bytes),
       cmocka_unit_test(test_peer_exit),         cmocka_unit_test(test_stall_timeout),
-      cmocka_unit_test(test_mesh_2x2x2),
+      cmocka_unit_test(test_mesh_2x2x2),        cmocka_unit_test(test_fatal_aborts_comms),
+      cmocka_unit_test(test_fail_next),         cmocka_unit_test(test_memory_and_abort),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

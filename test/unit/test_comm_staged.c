@@ -1,4 +1,4 @@
-// deps: test/support/fixture.c trainer/comm.c trainer/comm_cpu.c trainer/comm_staged.c trainer/mesh.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c common/store.c common/store_proto.c common/net.c common/log.c launcher/store_server.c
+// deps: test/support/fixture.c trainer/comm.c trainer/comm_cpu.c trainer/comm_staged.c trainer/mesh.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c common/store.c common/store_proto.c common/net.c common/log.c launcher/store_server.c common/err.c common/env.c
 /* test_comm_staged: the staged comm backend (device buffers through host memory, reduced by an
  * inner cpu communicator) against the cpu backend, with real forked ranks and a store server.
  *

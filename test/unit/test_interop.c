@@ -1,4 +1,4 @@
-// deps: trainer/interop.c trainer/model.c trainer/comm.c trainer/comm_cpu.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c trainer/safetensors.c common/net.c common/store.c common/store_proto.c common/log.c test/support/files.c common/fs.c
+// deps: trainer/interop.c trainer/model.c trainer/comm.c trainer/comm_cpu.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c trainer/safetensors.c common/net.c common/store.c common/store_proto.c common/log.c test/support/files.c common/fs.c common/err.c common/env.c test/support/model_cfg.c
 /* test_interop: llama2.c and HF import/export of our model, in C.
  *
  * Round trips (ours -> llama2.c -> ours, ours -> HF -> ours) must be bit-identical; the HF
@@ -30,6 +30,7 @@
 #include "trainer/model.h"
 #include "trainer/rng.h"
 #include "trainer/safetensors.h"
+#include "test/support/model_cfg.h"
 
 static char dir[256];
 static backend_t *be;
@@ -37,19 +38,8 @@ static backend_t *be;
 static void path_in(char *out, size_t n, const char *name) { snprintf(out, n, "%s/%s", dir, name); }
 
 static plan_model_t small_cfg(void) {
-  plan_model_t c;
-  memset(&c, 0, sizeof c);
-  c.dim = 32;
-  c.n_layers = 2;
-  c.n_heads = 4;
-  c.n_kv_heads = 2;
-  c.vocab_size = 37;
-  c.hidden_dim = 40;
-  c.max_seq_len = 16;
+  plan_model_t c = test_model_cfg(32, 2, 4, 2, 37, 40, 16);
   c.multiple_of = 256;
-  c.rope_theta = 10000.0;
-  c.norm_eps = 1e-5;
-  c.init_std = 0.1;
   return c;
 }
 

@@ -1,4 +1,4 @@
-// deps: trainer/mesh.c trainer/comm.c trainer/comm_cpu.c common/store.c common/store_proto.c common/net.c common/log.c
+// deps: trainer/mesh.c trainer/comm.c trainer/comm_cpu.c common/store.c common/store_proto.c common/net.c common/log.c common/err.c common/env.c
 /* test_mesh: the mesh layout (pure arithmetic, no processes): coordinates, group members and
  * their order, uids, size-1 dimensions and errors. The groups' communicators across processes
  * are tested in test_comm_cpu (test_mesh_2x2x2). Expected memberships are written out by hand

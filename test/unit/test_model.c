@@ -1,4 +1,4 @@
-// deps: trainer/model.c trainer/comm.c trainer/comm_cpu.c common/net.c common/store.c common/store_proto.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c common/log.c
+// deps: trainer/model.c trainer/comm.c trainer/comm_cpu.c common/net.c common/store.c common/store_proto.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c common/log.c common/err.c common/env.c test/support/model_cfg.c
 /* test_model: the model's contract with the training loop and the dp strategies.
  *
  * Numerics against PyTorch are in test/integration/test_oracle_model.py; here: tensor names,
@@ -17,26 +17,13 @@
 #include <cmocka.h>
 
 #include "trainer/model.h"
+#include "test/support/model_cfg.h"
 
 enum { B = 2, T = 9, V = 31 };
 
 static backend_t *be;
 
-static plan_model_t small_cfg(void) {
-  plan_model_t c;
-  memset(&c, 0, sizeof c);
-  c.dim = 32;
-  c.n_layers = 2;
-  c.n_heads = 4;
-  c.n_kv_heads = 2;
-  c.vocab_size = V;
-  c.max_seq_len = 16;
-  c.hidden_dim = 96;
-  c.rope_theta = 10000.0;
-  c.norm_eps = 1e-5;
-  c.init_std = 0.1;
-  return c;
-}
+static plan_model_t small_cfg(void) { return test_model_cfg(32, 2, 4, 2, V, 96, 16); }
 
 static model_t *make(void) {
   plan_model_t c = small_cfg();
@@ -112,21 +99,47 @@ static void test_bad_config(void **state) {
   model_destroy(NULL);
 }
 
+/* A forward or backward that must succeed (the loss of the forward). */
+static float fwd_ok(model_t *m, const int32_t *tok, const int32_t *tgt, int b, int t) {
+  float loss = NAN;
+  int rc = model_forward(m, tok, tgt, b, t, &loss);
+  if (rc) printf("  unexpected: %s\n", model_errmsg(m));
+  assert_int_equal(rc, 0);
+  assert_string_equal(model_errmsg(m), "");
+  return loss;
+}
+static void bwd_ok(model_t *m, float loss_scale) {
+  int rc = model_backward(m, loss_scale);
+  if (rc) printf("  unexpected: %s\n", model_errmsg(m));
+  assert_int_equal(rc, 0);
+}
+
 static void test_bad_ids(void **state) {
   model_t *m = make();
   int32_t tok[B * T], tgt[B * T];
   batch(tok, tgt);
   tok[11] = V; /* out of range */
-  float loss = model_forward(m, tok, tgt, B, T);
-  printf("  token id %d at position 11: loss %f\n", V, loss);
+  float loss = 0;
+  int rc = model_forward(m, tok, tgt, B, T, &loss);
+  printf("  token id %d at position 11: status %d, loss %f, \"%s\"\n", V, rc, loss, model_errmsg(m));
+  assert_int_equal(rc, MODEL_EINVAL);
   assert_true(isnan(loss));
+  assert_non_null(strstr(model_errmsg(m), "token id 31 at position 11"));
+  assert_false(model_forward_ok(m));
+  /* no backward after a failed forward */
+  assert_int_equal(model_backward(m, 1.0f), MODEL_EINVAL);
+  assert_non_null(strstr(model_errmsg(m), "needs a successful forward"));
   batch(tok, tgt);
   tgt[3] = -2; /* negative targets are ignored */
-  assert_true(isfinite(model_forward(m, tok, tgt, B, T)));
+  assert_true(isfinite(fwd_ok(m, tok, tgt, B, T)));
   tgt[5] = V + 4;
-  assert_true(isnan(model_forward(m, tok, tgt, B, T)));
+  assert_int_equal(model_forward(m, tok, tgt, B, T, &loss), MODEL_EINVAL);
+  assert_true(isnan(loss));
+  assert_non_null(strstr(model_errmsg(m), "target id 35 at position 5"));
   tok[0] = -1;
-  assert_true(isnan(model_forward(m, tok, NULL, B, T)));
+  assert_int_equal(model_forward(m, tok, NULL, B, T, NULL), MODEL_EINVAL);
+  assert_int_equal(model_forward(m, tok, tgt, B + 1, T, &loss), MODEL_EINVAL); /* above capacity */
+  assert_non_null(strstr(model_errmsg(m), "capacity"));
   model_destroy(m);
 }
 
@@ -137,14 +150,14 @@ static void test_loss_and_determinism(void **state) {
   size_t np = model_num_params(m);
   float *g1 = malloc(np * sizeof *g1);
   model_zero_grad(m);
-  float l1 = model_forward(m, tok, tgt, B, T);
-  model_backward(m, 1.0f);
+  float l1 = fwd_ok(m, tok, tgt, B, T);
+  bwd_ok(m, 1.0f);
   memcpy(g1, model_grads(m), np * sizeof *g1);
   printf("  loss %.7f (ln V = %.7f)\n", l1, log((double)V));
   assert_true(fabs(l1 - log((double)V)) < 1.0);
   model_zero_grad(m);
-  float l2 = model_forward(m, tok, tgt, B, T);
-  model_backward(m, 1.0f);
+  float l2 = fwd_ok(m, tok, tgt, B, T);
+  bwd_ok(m, 1.0f);
   assert_true(memcmp(&l1, &l2, sizeof l1) == 0);
   assert_memory_equal(g1, model_grads(m), np * sizeof *g1);
   printf("  forward+backward twice: same bits\n");
@@ -152,8 +165,8 @@ static void test_loss_and_determinism(void **state) {
   /* accumulation: two micro-steps with loss_scale 0.5 equal one with 1 (tol 1e-6 relative) */
   model_zero_grad(m);
   for (int k = 0; k < 2; k++) {
-    model_forward(m, tok, tgt, B, T);
-    model_backward(m, 0.5f);
+    fwd_ok(m, tok, tgt, B, T);
+    bwd_ok(m, 0.5f);
   }
   double md = 0, mr = 0;
   for (size_t i = 0; i < np; i++) {
@@ -168,12 +181,12 @@ static void test_loss_and_determinism(void **state) {
   for (int i = 0; i < B * T; i++)
     none[i] = -1;
   model_zero_grad(m);
-  assert_true(model_forward(m, tok, none, B, T) == 0.0f);
-  model_backward(m, 1.0f);
+  assert_true(fwd_ok(m, tok, none, B, T) == 0.0f);
+  bwd_ok(m, 1.0f);
   double s = be->sumsq(be, model_grads(m), np);
   assert_true(s == 0.0);
   /* a shorter batch than the arena's */
-  assert_true(isfinite(model_forward(m, tok, tgt, 1, 5)));
+  assert_true(isfinite(fwd_ok(m, tok, tgt, 1, 5)));
   free(g1);
   model_destroy(m);
 }
@@ -183,6 +196,7 @@ typedef struct {
   char log[1024];
   model_t *m;
   float *copy_p, *copy_g;
+  int fail_unit; /* > 0: reduce_grads of this unit fails (with -7) */
 } rec_t;
 
 static int rec_gather(dp_t *dp, int u, int bwd) {
@@ -199,7 +213,7 @@ static int rec_release(dp_t *dp, int u, int bwd) {
 static int rec_reduce(dp_t *dp, int u) {
   rec_t *r = dp->ctx;
   snprintf(r->log + strlen(r->log), sizeof r->log - strlen(r->log), "s%d ", u);
-  return 0;
+  return r->fail_unit > 0 && u == r->fail_unit ? -7 : 0;
 }
 
 static void test_dp_hooks(void **state) {
@@ -208,8 +222,8 @@ static void test_dp_hooks(void **state) {
   batch(tok, tgt);
   size_t np = model_num_params(m), off, n;
   model_zero_grad(m);
-  float l0 = model_forward(m, tok, tgt, B, T);
-  model_backward(m, 1.0f);
+  float l0 = fwd_ok(m, tok, tgt, B, T);
+  bwd_ok(m, 1.0f);
   float *g0 = malloc(np * sizeof *g0);
   memcpy(g0, model_grads(m), np * sizeof *g0);
 
@@ -222,14 +236,26 @@ static void test_dp_hooks(void **state) {
   model_set_dp(m, &dp);
   model_zero_grad(m);
   memset(model_params(m) + off, 0, n * sizeof(float)); /* unit 1 now lives only in the copy */
-  float l1 = model_forward(m, tok, tgt, B, T);
-  model_backward(m, 1.0f);
+  float l1 = fwd_ok(m, tok, tgt, B, T);
+  bwd_ok(m, 1.0f);
   printf("  hooks: %s\n", r.log);
   assert_string_equal(r.log, "g0 r0 g1 r1 g2 r2 g3 r3 g3b s3 r3b g2b s2 r2b g1b s1 r1b g0b s0 r0b ");
   assert_true(l0 == l1);
   assert_memory_equal(r.copy_g, g0 + off, n * sizeof(float)); /* unit 1's grads went to the copy */
   model_set_unit_buffers(m, 1, NULL, NULL);
   assert_true(model_grads(m)[off] == 0.0f);
+
+  /* A failing reduce_grads stops the backward there and is returned: the units below it never
+   * run (their gradients stay partial), and the status says so. */
+  r.log[0] = '\0';
+  r.fail_unit = 2;
+  fwd_ok(m, tok, tgt, B, T);
+  int rc = model_backward(m, 1.0f);
+  printf("  reduce_grads(2) fails: status %d, \"%s\"; hooks: %s\n", rc, model_errmsg(m), r.log);
+  assert_int_equal(rc, MODEL_ESTRATEGY);
+  assert_non_null(strstr(model_errmsg(m), "reduce_grads of unit 2 failed (-7)"));
+  assert_string_equal(r.log, "g0 r0 g1 r1 g2 r2 g3 r3 g3b s3 r3b g2b s2 ");
+  model_set_unit_buffers(m, 1, NULL, NULL);
   model_set_dp(m, NULL);
   free(g0);
   free(r.copy_p);
@@ -287,8 +313,8 @@ static void test_no_flat_buffers(void **state) {
   int32_t tok[B * T], tgt[B * T];
   batch(tok, tgt);
   model_zero_grad(ref);
-  float lref = model_forward(ref, tok, tgt, B, T);
-  model_backward(ref, 1.0f);
+  float lref = fwd_ok(ref, tok, tgt, B, T);
+  bwd_ok(ref, 1.0f);
 
   plan_model_t c = small_cfg();
   model_opts_t o = {.max_b = B, .max_t = T, .no_flat_buffers = 1};
@@ -297,9 +323,12 @@ static void test_no_flat_buffers(void **state) {
   assert_int_equal(model_create_opts(&m, &c, be, &o, err, sizeof err), 0);
   assert_null(model_params(m));
   assert_null(model_grads(m));
-  float l = model_forward(m, tok, tgt, B, T); /* no strategy: units have no buffers */
-  printf("  forward without gathered units: %f\n", l);
+  float l = 0;
+  int rc = model_forward(m, tok, tgt, B, T, &l); /* no strategy: units have no buffers */
+  printf("  forward without gathered units: status %d, loss %f, \"%s\"\n", rc, l, model_errmsg(m));
+  assert_int_equal(rc, MODEL_EINVAL);
   assert_true(isnan(l));
+  assert_non_null(strstr(model_errmsg(m), "unit 0 has no parameter buffer"));
 
   int U = model_num_units(m);
   float *p[8], *g[8];
@@ -313,8 +342,8 @@ static void test_no_flat_buffers(void **state) {
   fsdp_fake_t f = {.p = p, .g = g, .m = m};
   dp_t dp = {.name = "fake-fsdp", .ctx = &f, .gather = fake_gather, .release = fake_release};
   model_set_dp(m, &dp);
-  float l2 = model_forward(m, tok, tgt, B, T);
-  model_backward(m, 1.0f);
+  float l2 = fwd_ok(m, tok, tgt, B, T);
+  bwd_ok(m, 1.0f);
   printf("  no_flat_buffers loss %.7f vs flat %.7f\n", l2, lref);
   assert_true(l2 == lref);
   for (int u = 0; u < U; u++) {

@@ -1,4 +1,4 @@
-// deps: test/support/fixture.c trainer/model.c trainer/comm.c trainer/comm_cpu.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c common/store.c common/store_proto.c common/net.c common/log.c launcher/store_server.c
+// deps: test/support/fixture.c trainer/model.c trainer/comm.c trainer/comm_cpu.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c common/store.c common/store_proto.c common/net.c common/log.c launcher/store_server.c common/err.c common/env.c
 /* test_model_tp: the tensor-parallel model against the serial one.
  *
  * For each configuration the parent builds the serial model, runs two micro-batches of forward
@@ -29,6 +29,7 @@
 
 #include <cmocka.h>
 
+#include "common/net.h"
 #include "test/support/fixture.h"
 #include "trainer/backend.h"
 #include "trainer/comm.h"
@@ -96,8 +97,8 @@ static void serial_reference(const tp_case_t *c) {
   model_init_random(m, SEED, INIT_STD);
   model_zero_grad(m);
   for (int k = 0; k < 2; k++) {
-    r->loss[k] = model_forward(m, r->tok[k], r->tgt[k], B, T);
-    model_backward(m, 0.5f);
+    assert_int_equal(model_forward(m, r->tok[k], r->tgt[k], B, T, &r->loss[k]), 0);
+    assert_int_equal(model_backward(m, 0.5f), 0);
   }
   r->num_params = model_num_params(m);
   r->n_tensors = model_num_tensors(m);
@@ -110,7 +111,7 @@ static void serial_reference(const tp_case_t *c) {
     memcpy(r->param[i], model_params(m) + t->offset, t->numel * sizeof(float));
     memcpy(r->grad[i], model_grads(m) + t->offset, t->numel * sizeof(float));
   }
-  model_forward(m, r->tok[0], NULL, B, T);
+  assert_int_equal(model_forward(m, r->tok[0], NULL, B, T, NULL), 0);
   r->logits = malloc((size_t)N * c->vocab * sizeof(float));
   memcpy(r->logits, model_logits(m), (size_t)N * c->vocab * sizeof(float));
   model_destroy(m);
@@ -215,8 +216,12 @@ static int rank_main(int rank, int n, store_t *st, void *arg) {
   double loss_d = 0, grad_d = 0, logit_d = 0;
   const char *worst = "";
   for (int k = 0; k < 2 && !bad; k++) {
-    float loss = model_forward(m, r->tok[k], r->tgt[k], B, T);
-    model_backward(m, 0.5f);
+    float loss = NAN;
+    if (model_forward(m, r->tok[k], r->tgt[k], B, T, &loss) || model_backward(m, 0.5f)) {
+      fprintf(stderr, "rank %d: %s: micro-batch %d: %s\n", rank, c->name, k, model_errmsg(m));
+      bad = 1;
+      break;
+    }
     double d = fabs((double)loss - r->loss[k]) / fabs((double)r->loss[k]);
     loss_d = d > loss_d ? d : loss_d;
     /* the same loss bits on every tp rank */
@@ -240,7 +245,8 @@ static int rank_main(int rank, int n, store_t *st, void *arg) {
     if (d > grad_d) grad_d = d, worst = t->name;
   }
   if (!bad) {
-    model_forward(m, r->tok[0], NULL, B, T);
+    if (model_forward(m, r->tok[0], NULL, B, T, NULL))
+      fprintf(stderr, "rank %d: %s: forward without targets: %s\n", rank, c->name, model_errmsg(m));
     const float *lg = model_logits(m);
     if (!lg) {
       fprintf(stderr, "rank %d: %s: no logits after a forward without targets\n", rank, c->name);
@@ -322,10 +328,104 @@ static void test_bad_heads(void **state) {
   assert_int_equal(fixture_run_ranks(2, rank_bad_heads, NULL, 60), 0);
 }
 
+/* Errors reach the caller: MESHRUN_FAULT_COMM=1:2:fwd|bwd makes rank 1's first tensor-parallel
+ * collective of the second training pass (its forward, or its backward) fail as a lost
+ * connection would. Both ranks must get MODEL_ECOMM from that very call (the backward's failure
+ * is returned, not only noticed at the next forward), the faulted rank naming the injected
+ * fault, the other the collective it was in; and both well under the 30 s comm timeout (limit
+ * 5 s), since the faulted rank shuts its ring down and the peer reads end-of-file. Pass 1 is
+ * untouched on both ranks. */
+typedef struct {
+  const char *phase; /* "fwd" or "bwd" */
+} fault_case_t;
+
+static int rank_fault(int rank, int n, store_t *st, void *arg) {
+  const fault_case_t *fc = arg;
+  char spec[32], rs[16];
+  snprintf(spec, sizeof spec, "1:2:%s", fc->phase);
+  snprintf(rs, sizeof rs, "%d", rank);
+  setenv("MESHRUN_FAULT_COMM", spec, 1);
+  setenv("RANK", rs, 1);
+  comm_t *comm = NULL;
+  backend_t *be = make_backend();
+  if (!be || fixture_comm_open(&comm, "tp", rank, n, st, 30000)) return 1;
+  tp_case_t c = {"fault", 2, 1, 1, 64, 2, {NULL}};
+  plan_tp_entry_t plan[PLAN_TP_PLAN_MAX];
+  model_tp_t tpo = {.comm = comm, .sequence_parallel = 1, .loss_parallel = 1, .plan = plan};
+  tpo.n_plan = make_plan(&c, plan);
+  model_opts_t opts = {.max_b = B, .max_t = T, .tp = &tpo};
+  plan_model_t cfg = make_cfg(&c);
+  model_t *m = NULL;
+  char err[256] = "";
+  if (model_create_opts(&m, &cfg, be, &opts, err, sizeof err)) {
+    fprintf(stderr, "rank %d: %s\n", rank, err);
+    return 1;
+  }
+  model_init_random(m, SEED, INIT_STD);
+  int32_t tok[N], tgt[N];
+  for (int i = 0; i < N; i++) tok[i] = (int32_t)((i * 7 + 3) % 64), tgt[i] = (int32_t)((i * 5 + 1) % 64);
+  int bad = 0, fwd = !strcmp(fc->phase, "fwd");
+  float loss = 0;
+  model_zero_grad(m);
+  if (model_forward(m, tok, tgt, B, T, &loss) || model_backward(m, 1.0f)) {
+    fprintf(stderr, "rank %d: pass 1 (no fault) failed: %s\n", rank, model_errmsg(m));
+    bad = 1;
+  }
+  double t0 = (double)net_now_ms();
+  int rf = bad ? -99 : model_forward(m, tok, tgt, B, T, &loss);
+  int rb = bad || rf ? 0 : model_backward(m, 1.0f);
+  double ms = (double)net_now_ms() - t0;
+  int got = fwd ? rf : rb;
+  const char *msg = model_errmsg(m);
+  printf("  fault in the %s, rank %d: %s -> %d after %.0f ms (limit 5000): \"%s\"\n", fc->phase, rank,
+         fwd ? "model_forward" : "model_backward", got, ms, msg);
+  fflush(stdout);
+  if (!bad && (got != MODEL_ECOMM || (!fwd && rf != 0))) {
+    fprintf(stderr, "rank %d: fault in the %s: forward %d, backward %d, want %s\n", rank, fc->phase, rf, rb,
+            fwd ? "forward MODEL_ECOMM" : "forward 0, backward MODEL_ECOMM");
+    bad = 1;
+  }
+  if (!bad && fwd && !isnan(loss)) {
+    fprintf(stderr, "rank %d: a failed forward left loss %f, want nan\n", rank, loss);
+    bad = 1;
+  }
+  if (!bad && !strstr(msg, rank == 1 ? "fault injected" : "tensor-parallel")) {
+    fprintf(stderr, "rank %d: message does not name the cause: %s\n", rank, msg);
+    bad = 1;
+  }
+  if (!bad && ms > 5000) {
+    fprintf(stderr, "rank %d: the failure took %.0f ms (limit 5000, comm timeout 30000)\n", rank, ms);
+    bad = 1;
+  }
+  /* The tp group stays broken: the next forward fails at once with the first cause. */
+  if (!bad && model_forward(m, tok, tgt, B, T, &loss) != MODEL_ECOMM) {
+    fprintf(stderr, "rank %d: a forward after the failure did not fail\n", rank);
+    bad = 1;
+  }
+  model_destroy(m);
+  comm_destroy(comm);
+  backend_destroy(be);
+  return bad;
+}
+
+static void test_fault_forward(void **state) {
+  (void)state;
+  fault_case_t fc = {"fwd"};
+  assert_int_equal(fixture_run_ranks(2, rank_fault, &fc, 60), 0);
+}
+
+static void test_fault_backward(void **state) {
+  (void)state;
+  fault_case_t fc = {"bwd"};
+  assert_int_equal(fixture_run_ranks(2, rank_fault, &fc, 60), 0);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_tp_cases),
       cmocka_unit_test(test_bad_heads),
+      cmocka_unit_test(test_fault_forward),
+      cmocka_unit_test(test_fault_backward),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,4 +1,4 @@
-// deps: common/net.c
+// deps: common/net.c common/err.c
 /* test_net: endpoint parsing and formatting, and real sockets on IPv4 and IPv6 loopback
  * (the IPv6 cases skip when the machine has no ::1). */
 #include <setjmp.h>

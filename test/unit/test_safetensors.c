@@ -1,4 +1,4 @@
-// deps: trainer/safetensors.c test/support/files.c
+// deps: trainer/safetensors.c test/support/files.c common/err.c
 /* test_safetensors: round trip of fp32/int32 tensors and metadata; corrupt files refused.
  *
  * Each corrupt case starts from a valid file and breaks one thing (truncation, header length,

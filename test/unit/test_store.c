@@ -1,4 +1,4 @@
-// deps: common/store.c common/store_proto.c common/net.c common/log.c launcher/store_server.c
+// deps: common/store.c common/store_proto.c common/net.c common/log.c launcher/store_server.c common/err.c
 /* test_store: the store server on its own libuv loop (a thread), driven by the blocking client
  * and by raw sockets that speak (or abuse) the wire format.
  *

@@ -1,0 +1,62 @@
+/* comm_impl: what comm backends see of a communicator, and only they (comm*.c, and tests that
+ * build a fake backend). Users include trainer/comm.h, where comm_t is opaque.
+ *
+ * A backend fills c->ops and c->impl in its create function, moves bytes in its table's calls
+ * (which arrive with valid arguments, size > 1 and count > 0), and reports failures with
+ * comm_set_error(), returning its code. The dispatch (comm.c) owns everything else: argument
+ * checks, the broken state, the message, stats, and the registry of live communicators that the
+ * fatal path aborts. */
+#ifndef MESHRUN_COMM_IMPL_H
+#define MESHRUN_COMM_IMPL_H
+
+#include "trainer/comm.h"
+
+/* The backend table. */
+typedef struct {
+  const char *name;
+  int (*all_reduce)(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, comm_op_t op);
+  int (*all_gather)(comm_t *c, const void *in, void *out, size_t count, comm_dtype_t dtype);
+  int (*reduce_scatter)(comm_t *c, const void *in, void *out, size_t count, comm_dtype_t dtype,
+                        comm_op_t op);
+  int (*broadcast)(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, int root);
+  int (*barrier)(comm_t *c);
+  void (*destroy)(comm_t *c); /* releases impl; must accept a half-built impl */
+  /* Optional, for backends whose buffers are not host memory: the copies the dispatch makes
+   * itself (all_gather's own slot, reduce_scatter on one rank), done before returning. NULL:
+   * memcpy. */
+  int (*copy)(comm_t *c, void *dst, const void *src, size_t bytes);
+  int bf16; /* 1: reduces and moves COMM_BFLOAT16 too (else float32 only) */
+  /* Optional: makes the peers' pending and later calls fail at once (comm_abort). It may run on
+   * a fatal path at any point between calls, so it only shuts things down: no freeing, no
+   * blocking; destroy still runs later and must cope with an aborted impl. */
+  void (*abort)(comm_t *c);
+} comm_ops_t;
+
+struct comm {
+  const comm_ops_t *ops;
+  void *impl;
+  char name[COMM_NAME_MAX];
+  int rank, size;
+  int timeout_ms;
+  int broken;             /* first system/remote/timeout error code, or 0 */
+  char err[COMM_ERR_MAX]; /* message of the last failure */
+  comm_stats_t stats;
+  comm_mem_t mem;         /* of its backend (comm_backend_memory) */
+  int fail_next;          /* comm_fail_next armed */
+  struct comm *next_live; /* the registry of live communicators (comm.c) */
+};
+
+/* Writes "comm <name> (rank r/n): <what>" into c->err and returns code; a system, remote or
+ * timeout code also marks the communicator broken. */
+int comm_set_error(comm_t *c, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+
+/* Aborts every registered communicator whose backend table is ops (NULL: all of them). */
+void comm_abort_backend(const comm_ops_t *ops, const char *why);
+
+int comm_cpu_create(comm_t *c, const comm_config_t *cfg, char *err, size_t errlen);
+/* comm.c refers to these two weakly, so programs that link only comm_cpu.c (tests, tools) still
+ * link; bin/trainer links every trainer .c file. Without CUDA, comm_nccl_create says so. */
+int comm_nccl_create(comm_t *c, const comm_config_t *cfg, char *err, size_t errlen);
+int comm_staged_create(comm_t *c, const comm_config_t *cfg, char *err, size_t errlen);
+
+#endif

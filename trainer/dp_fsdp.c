@@ -1,0 +1,236 @@
+/* dp_fsdp: FSDP and HSDP, and the per-unit shard layout they share with ZeRO-2.
+ *
+ * The layout (dp_shard_setup) pads each unit's local numel n_u to P_u, a multiple of the shard
+ * degree S, and keeps shard s's contiguous slice [s * c_u, (s + 1) * c_u), c_u = P_u / S, of
+ * every unit in one shard buffer (and the same for gradients), so each collective is one call
+ * per unit. The optimizer runs on the shard buffer; padding stays zero (zero grads, no decay).
+ *
+ * FSDP shards over dp_shard:
+ *   gather(u):        all_gather of the unit's shards into a gathered buffer (skipped when the
+ *                     buffer still holds u since the last optimizer step), unit pointers set to it;
+ *                     for the backward also a zeroed gradient buffer;
+ *   reduce_grads(u):  reduce_scatter (avg) of the gradient buffer, added into the shard grads
+ *                     (accumulating across micro-steps); HSDP then all-reduces (avg) the
+ *                     unit's shard grads over dp_replicate, on the last micro-step.
+ * Working memory: with reshard_after_forward one gathered buffer of the largest unit (units
+ * take turns; the last unit of the forward is still there when the backward starts), else one
+ * per unit (kept from forward to backward), plus one gradient buffer and a scatter scratch.
+ * It does not prefetch the next unit nor overlap communication with compute. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "trainer/dp_impl.h"
+
+/* ------------------------------------------------------------------ the shard layout */
+
+/* Chunks, shard offsets, gathered slots, and the optimizer's view of the shard buffer as
+ * "tensors" (the parts of real tensors inside the shard, then the padding). */
+int dp_shard_setup(dp_impl_t *d, const plan_t *p, int one_slot, const char *what, char *err, size_t errlen) {
+  backend_t *be = d->be;
+  const int U = d->n_units, nt = model_num_tensors(d->m);
+  d->chunk = calloc((size_t)U, sizeof *d->chunk);
+  d->soff = calloc((size_t)U, sizeof *d->soff);
+  d->goff = calloc((size_t)U, sizeof *d->goff);
+  d->holder = malloc((size_t)U * sizeof *d->holder);
+  model_tensor_t *segs = calloc((size_t)(nt + U), sizeof *segs);
+  d->parts = calloc((size_t)nt, sizeof *d->parts);
+  if (!d->chunk || !d->soff || !d->goff || !d->holder || !segs || !d->parts) goto nomem;
+  size_t cmax = 0;
+  for (int u = 0; u < U; u++) {
+    d->chunk[u] = (d->unumel[u] + (size_t)d->S - 1) / (size_t)d->S;
+    d->soff[u] = d->shard_total;
+    d->shard_total += d->chunk[u];
+    size_t pu = d->chunk[u] * (size_t)d->S;
+    if (pu > d->gmax) d->gmax = pu;
+    if (d->chunk[u] > cmax) cmax = d->chunk[u];
+    d->goff[u] = one_slot ? 0 : d->gbuf_floats;
+    if (!one_slot) d->gbuf_floats += pu;
+    d->holder[u] = -1;
+  }
+  if (one_slot) d->gbuf_floats = d->gmax;
+
+  /* Segments in shard coordinates, unit by unit, tensors in layout order, then padding. */
+  int n_segs = 0;
+  for (int u = 0; u < U; u++) {
+    size_t lo_u = (size_t)d->s * d->chunk[u], hi_u = lo_u + d->chunk[u], covered = 0;
+    for (int i = 0; i < nt; i++) {
+      const model_tensor_t *t = model_tensor(d->m, i);
+      if (t->unit != u) continue;
+      size_t lo = t->offset - d->uoff[u], hi = lo + t->numel;
+      if (lo < lo_u) lo = lo_u;
+      if (hi > hi_u) hi = hi_u;
+      if (lo >= hi) continue;
+      model_tensor_t *sg = &segs[n_segs++];
+      *sg = *t;
+      sg->offset = d->soff[u] + (lo - lo_u);
+      sg->numel = hi - lo;
+      dp_add_part(d, sg->offset, sg->numel, t->tp_split);
+      covered += hi - lo;
+    }
+    if (covered < d->chunk[u]) { /* padding at the end of the unit's last shards */
+      model_tensor_t *sg = &segs[n_segs++];
+      memset(sg, 0, sizeof *sg);
+      snprintf(sg->name, sizeof sg->name, "(padding of unit %d)", u);
+      sg->unit = u;
+      sg->offset = d->soff[u] + covered;
+      sg->numel = d->chunk[u] - covered;
+    }
+  }
+
+  d->sparams = be->alloc(be, d->shard_total * sizeof(float));
+  d->sgrads = be->alloc(be, d->shard_total * sizeof(float));
+  d->gbuf = be->alloc(be, d->gbuf_floats * sizeof(float));
+  d->gradbuf = be->alloc(be, d->gmax * sizeof(float));
+  d->rstmp = be->alloc(be, cmax * sizeof(float));
+  if (!d->sparams || !d->sgrads || !d->gbuf || !d->gradbuf || !d->rstmp) goto nomem;
+  int rc = optim_init(&d->opt, be, &p->train, segs, n_segs, 0, d->shard_total, err, errlen);
+  free(segs);
+  return rc;
+nomem:
+  free(segs);
+  snprintf(err, errlen, "dp error: out of memory for %s shards (%zu floats per shard buffer)", what, d->shard_total);
+  return -4;
+}
+
+int dp_shard_reduce(dp_impl_t *d, int u) {
+  char what[48];
+  snprintf(what, sizeof what, "unit %d gradients", u);
+  if (dp_reduce_scatter(d, d->shard_comm, d->gradbuf, d->rstmp, d->chunk[u], what)) return d->status;
+  float *g = d->sgrads + d->soff[u];
+  d->be->add(d->be, g, g, d->rstmp, d->chunk[u]);
+  return 0;
+}
+
+int dp_shard_ck_ranges(dp_impl_t *d, dp_ck_range_t *r, int save_params, int save_moments) {
+  int n = 0;
+  for (int u = 0; u < d->n_units; u++) {
+    size_t lo = (size_t)d->s * d->chunk[u];
+    if (lo >= d->unumel[u]) continue; /* all padding */
+    size_t cnt = d->unumel[u] - lo < d->chunk[u] ? d->unumel[u] - lo : d->chunk[u];
+    size_t flat = d->uoff[u] + lo, at = d->soff[u];
+    r[n++] = (dp_ck_range_t){"param", flat, cnt, d->sparams + at, save_params};
+    r[n++] = (dp_ck_range_t){"adam_m", flat, cnt, d->opt.m + at, save_moments};
+    r[n++] = (dp_ck_range_t){"adam_v", flat, cnt, d->opt.v + at, save_moments};
+  }
+  return n;
+}
+
+int dp_shard_unit_commit(dp_impl_t *d, int u) {
+  float *buf = d->gbuf + d->goff[u];
+  d->be->copy(d->be, d->sparams + d->soff[u], buf + (size_t)d->s * d->chunk[u], d->chunk[u] * sizeof(float));
+  return 0;
+}
+
+const float *dp_shard_unit_params(dp_impl_t *d, int u) { return d->gbuf + d->goff[u]; }
+
+void dp_shard_zero_grad(dp_impl_t *d) { d->be->zero(d->be, d->sgrads, d->shard_total * sizeof(float)); }
+
+/* ------------------------------------------------------------------ FSDP / HSDP */
+
+static int fsdp_setup(dp_impl_t *d, const plan_t *p, char *err, size_t errlen) {
+  return dp_shard_setup(d, p, d->reshard, "FSDP", err, errlen);
+}
+
+static int fsdp_gather(dp_t *dp, int u, int for_backward) {
+  dp_impl_t *d = dp_impl_of(dp);
+  float *buf = d->gbuf + d->goff[u];
+  /* holder is indexed by the slot's first unit: with one shared slot, every unit maps to
+   * slot 0's holder (goff[u] == 0), else each unit has its own. */
+  int slot = d->reshard ? 0 : u;
+  if (d->holder[slot] != u) {
+    char what[48];
+    snprintf(what, sizeof what, "unit %d parameters", u);
+    d->holder[slot] = -1;
+    if (dp_all_gather(d, d->shard_comm, d->sparams + d->soff[u], buf, d->chunk[u], what)) return d->status;
+    d->holder[slot] = u;
+  }
+  if (for_backward) d->be->zero(d->be, d->gradbuf, d->chunk[u] * (size_t)d->S * sizeof(float));
+  model_set_unit_buffers(d->m, u, buf, d->gradbuf);
+  return 0;
+}
+
+/* Nothing to free: the slot is reused by the next gather (reshard) or kept for the backward.
+ * After the backward a per-unit slot still holds valid parameters until the optimizer step. */
+static int fsdp_release(dp_t *dp, int u, int after_backward) { return 0; }
+
+static int fsdp_reduce_grads(dp_t *dp, int u) { return dp_shard_reduce(dp_impl_of(dp), u); }
+
+static int hsdp_reduce_grads(dp_t *dp, int u) {
+  dp_impl_t *d = dp_impl_of(dp);
+  if (dp_shard_reduce(d, u)) return d->status;
+  if (!d->sync) return 0; /* the replicate all-reduce waits for the last micro-step */
+  char what[48];
+  snprintf(what, sizeof what, "unit %d gradients", u);
+  return dp_all_reduce(d, d->rep_comm, d->sgrads + d->soff[u], d->chunk[u], COMM_AVG, what);
+}
+
+static void fsdp_stale(dp_impl_t *d) {
+  for (int u = 0; u < d->n_units; u++) d->holder[u] = -1; /* gathered copies are stale */
+}
+
+/* Each unit's initial values on the host (transient, one unit), then this rank's slice (and
+ * with replicate the whole padded unit into its slot). The same values on every rank. */
+int dp_shard_init(dp_impl_t *d, uint64_t seed, double init_std, int replicate) {
+  float *host = calloc(d->gmax, sizeof *host);
+  if (!host) return dp_fail(d, -4, "dp error: out of memory initializing parameters");
+  for (int u = 0; u < d->n_units; u++) {
+    memset(host, 0, d->gmax * sizeof *host);
+    model_init_unit_host(d->m, u, host, seed, init_std);
+    if (replicate) d->be->to_device(d->be, d->gbuf + d->goff[u], host, d->chunk[u] * (size_t)d->S * sizeof(float));
+    d->be->to_device(d->be, d->sparams + d->soff[u], host + (size_t)d->s * d->chunk[u], d->chunk[u] * sizeof(float));
+    d->holder[d->reshard ? 0 : u] = -1;
+  }
+  free(host);
+  return 0;
+}
+
+static int fsdp_init_params(dp_impl_t *d, uint64_t seed, double init_std) { return dp_shard_init(d, seed, init_std, 0); }
+
+static int fsdp_unit_open(dp_impl_t *d, int u) { return fsdp_gather(&d->pub, u, 0); }
+
+
+static int fsdp_grad_norm(dp_impl_t *d, double *norm) { return dp_norm_of(d, d->sgrads, d->shard_hcomm, norm); }
+
+static int fsdp_step(dp_impl_t *d, double lr, double grad_scale) {
+  optim_step(&d->opt, d->sparams, d->sgrads, lr, grad_scale);
+  fsdp_stale(d);
+  return 0;
+}
+
+/* Each shard once: HSDP's replica 0 saves (FSDP has one replica). */
+static int fsdp_ck_ranges(dp_impl_t *d, dp_ck_range_t *r) {
+  const int save = dp_rank_of(d->rep_comm) == 0;
+  return dp_shard_ck_ranges(d, r, save, save);
+}
+
+static int fsdp_ck_loaded(dp_impl_t *d) {
+  fsdp_stale(d);
+  return 0;
+}
+
+static void fsdp_memory(const dp_impl_t *d, dp_memory_t *out) {
+  const size_t f = sizeof(float);
+  out->param_bytes = d->shard_total * f;
+  out->grad_bytes = d->shard_total * f;
+  size_t cmax = 0;
+  for (int u = 0; u < d->n_units; u++) cmax = d->chunk[u] > cmax ? d->chunk[u] : cmax;
+  out->work_bytes = (d->gbuf_floats + d->gmax + cmax) * f;
+  out->optim_bytes = 2 * d->opt.count * f;
+}
+
+const dp_ops_t dp_fsdp_ops = {
+    .name = "fsdp", .setup = fsdp_setup, .gather = fsdp_gather, .release = fsdp_release,
+    .reduce_grads = fsdp_reduce_grads, .init_params = fsdp_init_params, .unit_open = fsdp_unit_open,
+    .unit_commit = dp_shard_unit_commit, .unit_params = dp_shard_unit_params, .zero_grad = dp_shard_zero_grad,
+    .grad_norm = fsdp_grad_norm, .step = fsdp_step, .ck_ranges = fsdp_ck_ranges,
+    .ck_loaded = fsdp_ck_loaded, .memory = fsdp_memory,
+};
+
+const dp_ops_t dp_hsdp_ops = {
+    .name = "hsdp", .setup = fsdp_setup, .gather = fsdp_gather, .release = fsdp_release,
+    .reduce_grads = hsdp_reduce_grads, .init_params = fsdp_init_params, .unit_open = fsdp_unit_open,
+    .unit_commit = dp_shard_unit_commit, .unit_params = dp_shard_unit_params, .zero_grad = dp_shard_zero_grad,
+    .grad_norm = fsdp_grad_norm, .step = fsdp_step, .ck_ranges = fsdp_ck_ranges,
+    .ck_loaded = fsdp_ck_loaded, .memory = fsdp_memory,
+};

@@ -1,0 +1,140 @@
+/* dp_impl: what the data-parallel strategies share, private to trainer/dp*.c.
+ *
+ * dp.c owns the public functions of dp.h; each strategy is one table of operations (dp_ops_t)
+ * in its own file, and dp.c dispatches through it without asking which strategy it is:
+ *   dp_ddp.c    serial, DDP, ZeRO-1 (the model's flat buffers, whole on every rank)
+ *   dp_fsdp.c   FSDP, HSDP (per-unit padded shards) and the shard layout they share with
+ *   dp_zero2.c  ZeRO-2 (replicated parameters, gradients and optimizer state sharded)
+ * The state of every strategy lives in one struct (dp_impl_t): the fields a strategy does not
+ * use stay zero, and dp_destroy frees them all. Not a public interface: dp.h is. */
+#ifndef MESHRUN_DP_IMPL_H
+#define MESHRUN_DP_IMPL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "trainer/comm.h"
+#include "trainer/dp.h"
+#include "trainer/model.h"
+#include "trainer/optim.h"
+
+typedef struct dp_impl dp_impl_t;
+
+#define DP_CK_RANGES_MAX(n_units) (4 * (size_t)(n_units) + 3)
+
+/* A part of a tensor inside this rank's gradient storage, for the norm. */
+typedef struct {
+  size_t offset, numel; /* in floats, from the start of the storage */
+  int tp_split;         /* MODEL_TP_* of the tensor */
+} dp_part_t;
+
+/* A contiguous range of the model's flat (tp-local) layout and where one kind of state for it
+ * lives on the device. */
+typedef struct {
+  const char *kind; /* "param", "adam_m", "adam_v" */
+  size_t flat, count;
+  float *dev;
+  int save; /* this rank saves it (no other rank saves the same values) */
+} dp_ck_range_t;
+
+/* One strategy. NULL model hooks are no-ops; every other operation is required. */
+typedef struct {
+  const char *name; /* dp_t.name */
+  /* Layout, buffers and optimizer (after dp.c has filled the common fields). */
+  int (*setup)(dp_impl_t *d, const plan_t *p, char *err, size_t errlen);
+  /* The model's hooks (dp.h); all NULL: the model runs without a strategy (dp == NULL). */
+  int (*gather)(dp_t *dp, int unit, int for_backward);
+  int (*release)(dp_t *dp, int unit, int after_backward);
+  int (*reduce_grads)(dp_t *dp, int unit);
+  int (*init_params)(dp_impl_t *d, uint64_t seed, double init_std);
+  int (*unit_open)(dp_impl_t *d, int unit);
+  int (*unit_commit)(dp_impl_t *d, int unit);
+  const float *(*unit_params)(dp_impl_t *d, int unit); /* after unit_open: unumel[u] floats */
+  void (*zero_grad)(dp_impl_t *d);
+  int (*grad_norm)(dp_impl_t *d, double *norm);
+  int (*step)(dp_impl_t *d, double lr, double grad_scale);
+  /* The state this rank holds as ranges (at most DP_CK_RANGES_MAX(n_units)), and what a load
+   * must redo after filling them (NULL: nothing). */
+  int (*ck_ranges)(dp_impl_t *d, dp_ck_range_t *r);
+  int (*ck_loaded)(dp_impl_t *d);
+  void (*memory)(const dp_impl_t *d, dp_memory_t *out);
+} dp_ops_t;
+
+extern const dp_ops_t dp_serial_ops, dp_ddp_ops, dp_zero1_ops; /* dp_ddp.c */
+extern const dp_ops_t dp_fsdp_ops, dp_hsdp_ops;               /* dp_fsdp.c */
+extern const dp_ops_t dp_zero2_ops;                            /* dp_zero2.c */
+
+struct dp_impl {
+  dp_t pub;
+  const dp_ops_t *ops;
+  model_t *m;
+  backend_t *be;
+  int reshard, sync, tp;
+  comm_t *dp_comm, *shard_comm, *rep_comm, *tp_comm; /* device memory (the backend's) */
+  comm_t *dp_hcomm, *shard_hcomm, *tp_hcomm;          /* host memory: the norm's shares */
+  int n_units;
+  size_t *uoff, *unumel; /* (n_units) the model's local layout */
+  size_t num_params;
+
+  /* serial / DDP / ZeRO-1: the model's flat buffers; ZeRO-1's slice */
+  float *params, *grads;
+  size_t opt_off, opt_count;    /* the optimizer's range of the flat buffer */
+  size_t zero_chunk, zero_tail; /* ZeRO-1: all-gathered slice and broadcast tail, floats */
+
+  /* Shards (FSDP, HSDP over dp_shard; ZeRO-2 over dp): see dp_shard_setup */
+  int S, s;                 /* shard degree and this rank's shard */
+  size_t *chunk, *soff;     /* (n_units) c_u and the unit's offset in the shard buffers */
+  size_t shard_total;
+  float *sparams, *sgrads;  /* (shard_total) */
+  float *gbuf;              /* gathered parameters: one slot (reshard) or one per unit */
+  size_t *goff;             /* (n_units) slot offset of each unit in gbuf */
+  int *holder;              /* (n_units) unit held by the slot at goff[u], -1 none */
+  size_t gbuf_floats, gmax; /* gmax: the largest padded unit P_u */
+  float *gradbuf, *rstmp;   /* (gmax) and (max c_u) */
+
+  dp_part_t *parts;
+  int n_parts;
+  model_tensor_t *ck_ts; /* (ck_nt) copies of the model's tensors: checkpoint chunks name them */
+  int ck_nt;
+  optim_t opt;
+  dp_traffic_t traffic;
+  int status;
+  char err[512];
+};
+
+dp_impl_t *dp_impl_of(dp_t *dp); /* dp.c: the state behind a public handle (the hooks' dp) */
+/* dp.c: the first failure, kept (the model only logs what hooks return); returns the code. */
+int dp_fail(dp_impl_t *d, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+/* dp.c: the collectives, each counted into d->traffic by operation and checked (dp_fail). */
+int dp_all_reduce(dp_impl_t *d, comm_t *c, float *buf, size_t n, comm_op_t op, const char *what);
+int dp_all_gather(dp_impl_t *d, comm_t *c, const float *in, float *out, size_t n, const char *what);
+int dp_reduce_scatter(dp_impl_t *d, comm_t *c, const float *in, float *out, size_t n, const char *what);
+int dp_broadcast(dp_impl_t *d, comm_t *c, float *buf, size_t n, int root, const char *what);
+/* dp.c: a norm part (parts has room for one per tensor). */
+void dp_add_part(dp_impl_t *d, size_t offset, size_t numel, int tp_split);
+/* dp.c: the global gradient norm of storage g (laid out as d->parts): the sums of squares of
+ * tp-split and tp-replicated parts, all-reduced over shard_hcomm (NULL: not sharded) and tp. */
+int dp_norm_of(dp_impl_t *d, const float *g, comm_t *shard_hcomm, double *norm);
+int dp_rank_of(comm_t *c); /* 0 for NULL */
+
+/* dp_fsdp.c: the per-unit shard layout over d->S shards (d->S, d->s set): unit u padded to
+ * P_u = S * c_u, shard s its slice [s * c_u, (s + 1) * c_u) at soff[u] of sparams / sgrads;
+ * gbuf with one slot of the largest unit (one_slot) or one slot per unit at goff[u]; the
+ * gradient buffer and reduce-scatter scratch; norm parts and the optimizer over the shards. */
+int dp_shard_setup(dp_impl_t *d, const plan_t *p, int one_slot, const char *what, char *err, size_t errlen);
+/* dp_fsdp.c: reduce_scatter (avg) of gradbuf over shard_comm, added into unit u's shard grads. */
+int dp_shard_reduce(dp_impl_t *d, int u);
+/* dp_fsdp.c: per unit with real elements in this shard, its param (sparams), adam_m and adam_v
+ * ranges, saved by this rank when save_params / save_moments. */
+int dp_shard_ck_ranges(dp_impl_t *d, dp_ck_range_t *r, int save_params, int save_moments);
+
+/* dp_fsdp.c: unit u's shard from its gathered slot (after the caller changed the slot), the
+ * slot itself, and zeroing the gradient shards. */
+int dp_shard_unit_commit(dp_impl_t *d, int u);
+const float *dp_shard_unit_params(dp_impl_t *d, int u);
+void dp_shard_zero_grad(dp_impl_t *d);
+/* dp_fsdp.c: random initial parameters (model_init_unit_host) into the shards, and with
+ * replicate also whole into every unit's slot. Not collective. */
+int dp_shard_init(dp_impl_t *d, uint64_t seed, double init_std, int replicate);
+
+#endif

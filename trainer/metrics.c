@@ -1,0 +1,228 @@
+/* metrics: console lines, JSONL records, traffic and memory reports (see metrics.h). */
+#include "trainer/metrics.h"
+
+#include <errno.h>
+#include <stdarg.h>
+#include <string.h>
+#include <time.h>
+
+#include "common/log.h"
+#include "trainer/comm.h"
+#include "trainer/weights.h"
+
+double metrics_now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* 45678.9 -> "45,679" */
+static void fmt_thousands(char *buf, size_t len, double x) {
+  char digits[32];
+  snprintf(digits, sizeof digits, "%.0f", x < 0 ? 0 : x);
+  size_t n = strlen(digits), o = 0;
+  for (size_t i = 0; i < n && o + 2 < len; i++) {
+    if (i > 0 && (n - i) % 3 == 0) buf[o++] = ',';
+    buf[o++] = digits[i];
+  }
+  buf[o] = 0;
+}
+
+static void fmt_duration(char *buf, size_t len, double s) {
+  long t = (long)(s + 0.5);
+  if (t >= 3600) snprintf(buf, len, "%ld:%02ld:%02ld", t / 3600, t / 60 % 60, t % 60);
+  else snprintf(buf, len, "%ld:%02ld", t / 60, t % 60);
+}
+
+/* step: the record's step; 0 the first record; -1 the close. */
+static void metrics_failed(metrics_t *mt, int e, int step) {
+  mt->err = e ? e : EIO;
+  if (step > 0) snprintf(mt->what, sizeof mt->what, "the record of step %d", step);
+  else snprintf(mt->what, sizeof mt->what, "%s", step == 0 ? "the first record" : "the close");
+  log_warn("log.metrics_file %s: %s failed: %s; no more records are written, and the run will exit 1 when it ends",
+           mt->path, mt->what, strerror(mt->err));
+}
+
+static void metrics_printf(metrics_t *mt, int step, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void metrics_printf(metrics_t *mt, int step, const char *fmt, ...) {
+  if (!mt->f || mt->err) return;
+  va_list ap;
+  va_start(ap, fmt);
+  errno = 0;
+  int n = vfprintf(mt->f, fmt, ap);
+  va_end(ap);
+  int e = errno;
+  if (n >= 0 && fflush(mt->f) != 0) n = -1, e = errno;
+  if (n < 0 || ferror(mt->f)) metrics_failed(mt, e, step);
+}
+
+/* Per-rank bytes of state, and their maximum over the job. */
+typedef struct {
+  dp_memory_t mine, max;
+} memory_report_t;
+
+static int memory_report(dp_t *dp, comm_t *world, memory_report_t *r) {
+  dp_memory(dp, &r->mine);
+  r->max = r->mine;
+  if (!world || comm_size(world) == 1) return 0;
+  /* KiB in fp32 (the cpu comm's dtype): exact up to 16 GiB per rank. */
+  float v[4] = {(float)(r->mine.param_bytes / 1024.0), (float)(r->mine.grad_bytes / 1024.0),
+                (float)(r->mine.optim_bytes / 1024.0), (float)(r->mine.work_bytes / 1024.0)};
+  if (comm_all_reduce(world, v, 4, COMM_FLOAT32, COMM_MAX)) return -1;
+  r->max.param_bytes = (size_t)((double)v[0] * 1024.0);
+  r->max.grad_bytes = (size_t)((double)v[1] * 1024.0);
+  r->max.optim_bytes = (size_t)((double)v[2] * 1024.0);
+  r->max.work_bytes = (size_t)((double)v[3] * 1024.0);
+  return 0;
+}
+
+/* ",\"comm\":{...}" with the bytes this rank sent since the last call, or "" without a mesh.
+ * The groups' totals include main's loss and norm reductions: a group's host comm is counted
+ * with its device comm when they differ, so every comm backend reports the same totals. */
+static void traffic_step(metrics_t *mt, char *out, size_t len) {
+  out[0] = 0;
+  const mesh_t *mesh = mt->mesh;
+  if (!mesh) return;
+  metrics_traffic_t now, *last = &mt->traffic;
+  dp_traffic(mt->dp, &now.dp);
+  int o = snprintf(out, len, ",\"comm\":{\"all_reduce\":%llu,\"all_gather\":%llu,\"reduce_scatter\":%llu,"
+                   "\"broadcast\":%llu",
+                   (unsigned long long)(now.dp.all_reduce - last->dp.all_reduce),
+                   (unsigned long long)(now.dp.all_gather - last->dp.all_gather),
+                   (unsigned long long)(now.dp.reduce_scatter - last->dp.reduce_scatter),
+                   (unsigned long long)(now.dp.broadcast - last->dp.broadcast));
+  for (int g = 0; g < MESH_NGROUPS; g++) {
+    comm_stats_t st = {0}, hst = {0};
+    const mesh_group_t *grp = &mesh->groups[g];
+    if (grp->comm) comm_get_stats(grp->comm, &st);
+    if (grp->host_comm && grp->host_comm != grp->comm) comm_get_stats(grp->host_comm, &hst);
+    now.group[g] = st.bytes_sent + hst.bytes_sent;
+    if (o > 0 && (size_t)o < len)
+      o += snprintf(out + o, len - (size_t)o, ",\"%s\":%llu", mesh->groups[g].name,
+                    (unsigned long long)(now.group[g] - last->group[g]));
+  }
+  if (o > 0 && (size_t)o < len) snprintf(out + o, len - (size_t)o, "}");
+  *last = now;
+}
+
+void metrics_skip_traffic(metrics_t *mt) {
+  char comm_json[512];
+  traffic_step(mt, comm_json, sizeof comm_json);
+}
+
+int metrics_open(metrics_t *mt, const plan_t *p, model_t *m, dp_t *dp, const mesh_t *mesh, const data_t *data,
+                 const backend_t *be, int rank, int world, int start_step, int resumed, const char *plan_json,
+                 char *err, size_t errlen) {
+  memset(mt, 0, sizeof *mt);
+  mt->p = p;
+  mt->dp = dp;
+  mt->mesh = mesh;
+  mt->path = p->log.metrics_file;
+  mt->steps = p->train.steps;
+  mt->start_step = start_step;
+  const int T = p->train.seq_len, B = p->train.micro_batch_size, accum = p->train.grad_accum_steps;
+  const int tp = mesh ? mesh->dims[MESH_TP] : 1;
+  mt->tokens_per_step = (long long)p->train.global_batch_size * T;
+
+  /* --- memory per rank (this rank's, and the largest of any rank) */
+  memory_report_t mem;
+  comm_t *wc = mesh ? mesh_host_comm(mesh, "world") : NULL;
+  if (memory_report(dp, wc, &mem)) {
+    snprintf(err, errlen, "%s", comm_errmsg(wc));
+    return -1;
+  }
+  const size_t np = model_num_params(m);
+  if (mesh)
+    log_rank0("mesh dp_replicate %d x dp_shard %d x tp %d: %s; per rank: parameters %.2f MiB, gradients %.2f MiB, "
+              "optimizer state %.2f MiB, working buffers %.2f MiB (max over ranks: %.2f / %.2f / %.2f / %.2f MiB)",
+              mesh->dims[MESH_DP_REPLICATE], mesh->dims[MESH_DP_SHARD], tp, dp->name,
+              mem.mine.param_bytes / 1048576.0, mem.mine.grad_bytes / 1048576.0, mem.mine.optim_bytes / 1048576.0,
+              mem.mine.work_bytes / 1048576.0, mem.max.param_bytes / 1048576.0, mem.max.grad_bytes / 1048576.0,
+              mem.max.optim_bytes / 1048576.0, mem.max.work_bytes / 1048576.0);
+
+  /* --- the metrics file (rank 0) */
+  if (rank == 0 && p->log.metrics_file[0]) {
+    if (weights_make_parent_dirs(p->log.metrics_file, err, errlen)) return -1;
+    /* A resumed run appends: the steps before the checkpoint stay; steps logged after it by the
+     * run that stopped are logged again (readers take the last record of a step). */
+    if (!(mt->f = fopen(p->log.metrics_file, resumed ? "a+" : "w"))) {
+      snprintf(err, errlen, "cannot open log.metrics_file %s: %s", p->log.metrics_file, strerror(errno));
+      return -1;
+    }
+    /* A killed writer's torn last line stays a line of its own (reads and writes of an update
+     * stream are separated by a seek). */
+    int torn = resumed && fseek(mt->f, -1, SEEK_END) == 0 && fgetc(mt->f) != '\n';
+    fseek(mt->f, 0, SEEK_END);
+    metrics_printf(mt, 0,
+                   "%s{\"plan\":%s,\"num_params\":%zu,\"world_size\":%d,\"tokens_per_step\":%lld,\"data_tokens\":%zu,"
+                   "\"strategy\":\"%s\",\"mesh\":[%d,%d,%d],\"param_bytes\":%zu,\"grad_bytes\":%zu,\"optim_bytes\":%zu,"
+                   "\"work_bytes\":%zu,\"param_bytes_max\":%zu,\"grad_bytes_max\":%zu,\"optim_bytes_max\":%zu,"
+                   "\"work_bytes_max\":%zu,\"start_step\":%d}\n",
+                   torn ? "\n" : "", plan_json ? plan_json : "{}", np, world, mt->tokens_per_step, data->n_train,
+                   dp->name, mesh ? mesh->dims[MESH_DP_REPLICATE] : 1, mesh ? mesh->dims[MESH_DP_SHARD] : 1, tp,
+                   mem.mine.param_bytes, mem.mine.grad_bytes, mem.mine.optim_bytes, mem.mine.work_bytes,
+                   mem.max.param_bytes, mem.max.grad_bytes, mem.max.optim_bytes, mem.max.work_bytes, start_step);
+  }
+
+  const int dp_size = mesh ? comm_size(mesh_host_comm(mesh, "dp")) : 1;
+  log_rank0("%s: %.2fM parameters%s, %d layers, dim %d, %s data %s (%zu train / %zu val tokens), "
+            "%d steps of %lld tokens (%d x %d x %d accum x %d dp), %s backend",
+            p->source, (double)np / 1e6, tp > 1 ? " per tp rank" : "", p->model.n_layers, p->model.dim,
+            data_format_name(data->format), data->format == PLAN_DATA_SYNTHETIC ? "" : p->data.train, data->n_train,
+            data->n_val, mt->steps, mt->tokens_per_step, B, T, accum, dp_size, be->name);
+
+  metrics_skip_traffic(mt); /* start counting here */
+  mt->t_loop = metrics_now();
+  return 0;
+}
+
+void metrics_step(metrics_t *mt, int step, double loss, double lr, double gnorm, double dt) {
+  char comm[512];
+  mt->t_in_steps += dt;
+  const double tps = (double)mt->tokens_per_step / dt;
+  traffic_step(mt, comm, sizeof comm);
+  metrics_printf(mt, step,
+                 "{\"step\":%d,\"loss\":%.9g,\"lr\":%.9g,\"grad_norm\":%.9g,\"tokens_per_s\":%.1f,"
+                 "\"step_ms\":%.3f%s}\n",
+                 step, loss, lr, gnorm, tps, dt * 1e3, comm);
+  const int interval = mt->p->log.interval;
+  if (interval > 0 && (step % interval == 0 || step == 1 || step == mt->steps)) {
+    char tps_s[32], eta[32];
+    fmt_thousands(tps_s, sizeof tps_s, tps);
+    double per_step = (metrics_now() - mt->t_loop) / (step - mt->start_step);
+    fmt_duration(eta, sizeof eta, per_step * (mt->steps - step));
+    log_rank0("step %d/%d | loss %.4f | lr %.2e | grad norm %.4f | %s tok/s | %.1f ms | ETA %s", step, mt->steps,
+              loss, lr, gnorm, tps_s, dt * 1e3, eta);
+  }
+}
+
+void metrics_eval(metrics_t *mt, int step, double loss) {
+  const plan_t *p = mt->p;
+  metrics_printf(mt, step, "{\"step\":%d,\"eval_loss\":%.9g}\n", step, loss);
+  log_rank0("step %d/%d | eval loss %.4f (%d batches of %d x %d)", step, mt->steps, loss, p->eval.batches,
+            p->train.micro_batch_size, p->train.seq_len);
+  metrics_skip_traffic(mt); /* eval traffic is not a step's */
+}
+
+void metrics_done(metrics_t *mt) {
+  if (mt->steps <= mt->start_step) return;
+  char tps_s[32], total[32];
+  fmt_thousands(tps_s, sizeof tps_s, (double)mt->tokens_per_step * (mt->steps - mt->start_step) / mt->t_in_steps);
+  fmt_duration(total, sizeof total, metrics_now() - mt->t_loop);
+  log_rank0("done: %d steps in %s, %s tok/s on average", mt->steps - mt->start_step, total, tps_s);
+}
+
+int metrics_close(metrics_t *mt, int *no_space, char *err, size_t errlen) {
+  if (mt->f && fclose(mt->f) != 0 && !mt->err) metrics_failed(mt, errno, -1);
+  mt->f = NULL;
+  if (!mt->err) return 0;
+  snprintf(err, errlen, "log.metrics_file %s: %s failed: %s (the records from there on are lost)", mt->path, mt->what,
+           strerror(mt->err));
+  if (no_space) *no_space = mt->err == ENOSPC || mt->err == EDQUOT;
+  return -1;
+}
+
+void metrics_free(metrics_t *mt) {
+  if (mt && mt->f) fclose(mt->f);
+  if (mt) mt->f = NULL;
+}

@@ -1,0 +1,72 @@
+/* metrics: what a training run reports. On stderr (rank 0, through the log): the memory line of
+ * a mesh, the run's summary line, a console line per log.interval steps, eval lines and the
+ * closing "done" line. In log.metrics_file (rank 0, JSONL, one object per line, flushed as
+ * written so a crash keeps what was logged): a first record with the plan, sizes and memory
+ * per rank (this rank's and the maximum over ranks), one record per optimizer step with the
+ * bytes this rank sent during it ("comm": by strategy collective and by mesh group), and one
+ * per evaluation.
+ *
+ * A write that fails (a full disk, /dev/full) is one warning; no record is written after it (a
+ * torn line would follow), training goes on, and metrics_close reports it so the run exits 1.
+ * Not here: computing the values (train.c), the sample text (sample.c). */
+#ifndef MESHRUN_METRICS_H
+#define MESHRUN_METRICS_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "trainer/backend.h"
+#include "trainer/data.h"
+#include "trainer/dp.h"
+#include "trainer/mesh.h"
+#include "trainer/model.h"
+#include "trainer/plan.h"
+
+/* Bytes sent by this rank: by strategy collective, and per mesh group. */
+typedef struct {
+  dp_traffic_t dp;
+  uint64_t group[MESH_NGROUPS];
+} metrics_traffic_t;
+
+typedef struct {
+  const plan_t *p;
+  dp_t *dp;
+  const mesh_t *mesh;
+  int steps, start_step;
+  long long tokens_per_step;
+  FILE *f;            /* NULL: no records (log.metrics_file "", or not rank 0) */
+  const char *path;
+  int err;            /* errno of the first failed write; 0 while every write succeeded */
+  char what[48];      /* what failed: "the first record", "the record of step 12", "the close" */
+  metrics_traffic_t traffic; /* the counters at the last record */
+  double t_loop;      /* metrics_now() when the loop started */
+  double t_in_steps;  /* seconds spent in optimizer steps */
+} metrics_t;
+
+/* Seconds on the monotonic clock. */
+double metrics_now(void);
+
+/* Starts the run's reports: the memory per rank (collective over the job: the maximum over ranks
+ * goes through the world host comm) and its line under a mesh, then on rank 0 the metrics file
+ * (parents made; appended to when resumed, after a killed writer's torn line) and its first
+ * record, the summary line, and the traffic and time counters from here. Returns 0, or -1 with
+ * the message in err. metrics_free releases what it opened, also after a failure. */
+int metrics_open(metrics_t *mt, const plan_t *p, model_t *m, dp_t *dp, const mesh_t *mesh, const data_t *data,
+                 const backend_t *be, int rank, int world, int start_step, int resumed, const char *plan_json,
+                 char *err, size_t errlen);
+/* Optimizer step `step` (1-based) done in dt seconds: its record and, every log.interval steps
+ * (and on the first and last), its console line. */
+void metrics_step(metrics_t *mt, int step, double loss, double lr, double gnorm, double dt);
+/* The eval loss after step `step`: its record and line. Its traffic is not counted as a step's. */
+void metrics_eval(metrics_t *mt, int step, double loss);
+/* Forgets the traffic since the last record (a checkpoint's is not a step's). */
+void metrics_skip_traffic(metrics_t *mt);
+/* The "done: N steps in T, X tok/s on average" line (when any step ran). */
+void metrics_done(metrics_t *mt);
+/* Closes the file; returns 0, or -1 with the message in err when any write (or the close)
+ * failed, and then *no_space (when non-NULL) says whether it was a lack of space. */
+int metrics_close(metrics_t *mt, int *no_space, char *err, size_t errlen);
+void metrics_free(metrics_t *mt); /* closes without reporting; accepts a zeroed metrics_t */
+
+#endif

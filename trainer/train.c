@@ -1,0 +1,128 @@
+/* train: one optimizer step, and evaluation (see train.h). */
+#include "trainer/train.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "trainer/metrics.h"
+#include "trainer/optim.h"
+
+int train_init(train_t *t, char *err, size_t errlen) {
+  const int B = t->p->train.micro_batch_size, T = t->p->train.seq_len;
+  t->tok = malloc((size_t)B * T * sizeof(int32_t));
+  t->tgt = malloc((size_t)B * T * sizeof(int32_t));
+  if (!t->tok || !t->tgt) {
+    snprintf(err, errlen, "out of memory for batches of %d x %d tokens", B, T);
+    return -1;
+  }
+  return 0;
+}
+
+void train_free(train_t *t) {
+  if (!t) return;
+  free(t->tok);
+  free(t->tgt);
+  t->tok = t->tgt = NULL;
+}
+
+/* The message of a failed forward or backward: the strategy's when it failed (its hooks run
+ * inside the model's passes), else the model's. */
+static int pass_failed(train_t *t, const char *pass, int s, int micro, char *err, size_t errlen) {
+  if (dp_status(t->dp)) snprintf(err, errlen, "%s", dp_errmsg(t->dp));
+  else snprintf(err, errlen, "step %d (micro-batch %d): the %s failed: %s", s + 1, micro + 1, pass,
+                model_errmsg(t->m));
+  return -1;
+}
+
+int train_step(train_t *t, int s, train_result_t *out, char *err, size_t errlen) {
+  const plan_t *p = t->p;
+  const int T = p->train.seq_len, B = p->train.micro_batch_size, accum = p->train.grad_accum_steps;
+  const double t0 = metrics_now();
+  const double lr = optim_lr(&p->train, s);
+  double loss = 0;
+  dp_zero_grad(t->dp);
+  int bad_micro = 0; /* first micro-batch of this step whose loss was nan/inf (1-based) */
+  for (int micro = 0; micro < accum; micro++) {
+    data_train_batch(t->data, s, micro, t->dp_rank, t->dp_size, B, t->tok, t->tgt);
+    if (hooks_batch(t->hooks, t->tok, t->tgt, (size_t)B * T, err, errlen)) return -1;
+    float l = 0;
+    if (model_forward(t->m, t->tok, t->tgt, B, T, &l) || dp_status(t->dp))
+      return pass_failed(t, "forward pass", s, micro, err, errlen);
+    /* A diverged loss is not acted on here but after the loss is averaged over dp, where every
+     * rank sees it and stops at the same point: a rank leaving alone would strand its peers
+     * in the gradient reduction (and in a pending checkpoint commit). */
+    l = hooks_loss(t->hooks, s + 1, micro, l);
+    if (!isfinite(l) && !bad_micro) bad_micro = micro + 1;
+    dp_set_sync(t->dp, micro == accum - 1); /* gradients are synchronized once, on the last micro-step */
+    if (model_backward(t->m, 1.0f / (float)accum) || dp_status(t->dp))
+      return pass_failed(t, "backward pass", s, micro, err, errlen);
+    loss += l;
+  }
+  loss /= accum;
+  if (t->dpc && t->dp_size > 1) { /* the logged loss is the global batch's: the mean over dp */
+    float lf = (float)loss;
+    if (comm_all_reduce(t->dpc, &lf, 1, COMM_FLOAT32, COMM_AVG)) {
+      snprintf(err, errlen, "%s", comm_errmsg(t->dpc));
+      return -1;
+    }
+    loss = lf;
+  }
+  if (!isfinite(loss)) {
+    char where[64] = "on another data-parallel rank";
+    if (bad_micro) snprintf(where, sizeof where, "micro-batch %d", bad_micro);
+    snprintf(err, errlen,
+             "loss is %s at step %d (%s); the model diverged: lower train.lr, raise train.warmup_steps, "
+             "check model.init_std, or enable train.grad_clip",
+             isnan(loss) ? "nan" : "inf", s + 1, where);
+    return -1;
+  }
+
+  double gnorm = 0;
+  if (dp_grad_norm(t->dp, &gnorm)) {
+    snprintf(err, errlen, "%s", dp_errmsg(t->dp));
+    return -1;
+  }
+  if (!isfinite(gnorm)) {
+    snprintf(err, errlen, "gradient norm is %s at step %d (loss %.4f); lower train.lr or check model.init_std",
+             isnan(gnorm) ? "nan" : "inf", s + 1, loss);
+    return -1;
+  }
+  if (dp_step(t->dp, lr, optim_clip_scale(gnorm, p->train.grad_clip))) {
+    snprintf(err, errlen, "%s", dp_errmsg(t->dp));
+    return -1;
+  }
+  t->be->synchronize(t->be);
+  out->loss = loss;
+  out->lr = lr;
+  out->gnorm = gnorm;
+  out->dt = metrics_now() - t0;
+  return 0;
+}
+
+int train_eval(train_t *t, double *out, char *err, size_t errlen) {
+  const plan_t *p = t->p;
+  const int batches = p->eval.batches, B = p->train.micro_batch_size, T = p->train.seq_len;
+  const int n = t->dpc ? comm_size(t->dpc) : 1, r = t->dpc ? comm_rank(t->dpc) : 0;
+  double sum = 0;
+  for (int j = 0; j < (batches + n - 1) / n; j++) {
+    const int k = j * n + r;
+    data_eval_batch(t->data, k < batches ? k : k % batches, B, t->tok, t->tgt);
+    float l = 0;
+    if (model_forward(t->m, t->tok, t->tgt, B, T, &l) || dp_status(t->dp)) {
+      snprintf(err, errlen, "eval: %s", dp_status(t->dp) ? dp_errmsg(t->dp) : model_errmsg(t->m));
+      return -1;
+    }
+    if (k < batches) sum += l;
+  }
+  if (n > 1) {
+    float s = (float)sum;
+    if (comm_all_reduce(t->dpc, &s, 1, COMM_FLOAT32, COMM_SUM)) {
+      snprintf(err, errlen, "eval: %s", comm_errmsg(t->dpc));
+      return -1;
+    }
+    sum = s;
+  }
+  *out = sum / batches;
+  return 0;
+}

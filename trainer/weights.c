@@ -1,0 +1,244 @@
+/* weights: full weights in and out of files (see weights.h). */
+#include "trainer/weights.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/fs.h"
+#include "common/log.h"
+#include "trainer/interop.h"
+#include "trainer/safetensors.h"
+
+int weights_make_parent_dirs(const char *path, char *err, size_t errlen) {
+  char failed[PLAN_PATH_MAX + 64];
+  int rc = fs_mkdir_parent(path, failed, sizeof failed);
+  if (rc) {
+    snprintf(err, errlen, "cannot create directory %s: %s", failed, strerror(-rc));
+    return -1;
+  }
+  return 0;
+}
+
+/* Elements of tensor t's full (unsplit) form. */
+static size_t full_numel(const model_tensor_t *t) {
+  return t->full_shape[0] > 0 ? (size_t)t->full_shape[0] * (size_t)(t->ndim == 2 ? t->full_shape[1] : 1) : t->numel;
+}
+
+/* Each unit is gathered across dp_shard (dp_unit_open) and each tensor assembled across tp
+ * (model_export_tensor); replicas other than the first (dp_replicate coordinate > 0) hold the
+ * same values and return at once. */
+int weights_save(model_t *m, dp_t *dp, const mesh_t *mesh, int rank, const char *path, const char *plan_json,
+                 int step, char *err, size_t errlen) {
+  const int r = mesh ? mesh->coord[MESH_DP_REPLICATE] : 0, sh = mesh ? mesh->coord[MESH_DP_SHARD] : 0;
+  const int tp = mesh ? mesh->dims[MESH_TP] : 1;
+  if (r != 0) return 0;
+  const int exporter = sh == 0; /* the tp group of shard 0 assembles; rank 0 is one of them */
+  const int nt = model_num_tensors(m), nu = model_num_units(m);
+  size_t total = 0, umax = 0, uoff, unum;
+  for (int i = 0; i < nt; i++) {
+    const model_tensor_t *t = model_tensor(m, i);
+    total += full_numel(t);
+  }
+  for (int u = 0; u < nu; u++) {
+    model_unit_range(m, u, &uoff, &unum);
+    if (unum > umax) umax = unum;
+  }
+  float *host = malloc(total * sizeof(float)), *unit = tp > 1 ? NULL : malloc(umax * sizeof(float));
+  st_tensor_t *ts = calloc((size_t)nt, sizeof *ts);
+  if (!host || !ts || (tp == 1 && !unit)) {
+    free(host);
+    free(unit);
+    free(ts);
+    snprintf(err, errlen, "out of memory copying %zu parameters to save them", total);
+    return -1;
+  }
+  int rc = 0;
+  size_t at = 0;
+  for (int i = 0; i < nt; i++) { /* full-tensor layout of the file, in the model's order */
+    const model_tensor_t *t = model_tensor(m, i);
+    ts[i].name = t->name;
+    ts[i].dtype = ST_F32;
+    ts[i].ndim = t->ndim;
+    ts[i].shape[0] = t->full_shape[0] > 0 ? t->full_shape[0] : t->shape[0];
+    ts[i].shape[1] = t->ndim == 2 ? (t->full_shape[0] > 0 ? t->full_shape[1] : t->shape[1]) : 1;
+    ts[i].data = host + at;
+    at += (size_t)ts[i].shape[0] * (size_t)ts[i].shape[1];
+  }
+  for (int u = 0; u < nu && rc == 0; u++) {
+    if (dp_unit_open(dp, u)) {
+      snprintf(err, errlen, "saving weights: %s", dp_errmsg(dp));
+      rc = -1;
+      break;
+    }
+    if (!exporter) continue;
+    if (tp == 1) dp_unit_to_host(dp, u, unit);
+    model_unit_range(m, u, &uoff, &unum);
+    for (int i = 0; i < nt && rc == 0; i++) {
+      const model_tensor_t *t = model_tensor(m, i);
+      if (t->unit != u) continue;
+      if (tp == 1) {
+        memcpy((float *)ts[i].data, unit + (t->offset - uoff), t->numel * sizeof(float));
+      } else if (model_export_tensor(m, i, (float *)ts[i].data) != 0) {
+        snprintf(err, errlen, "saving weights: assembling %s across tp failed (see the log)", t->name);
+        rc = -1;
+      }
+    }
+  }
+  if (rc == 0 && rank == 0) {
+    char stepbuf[32];
+    snprintf(stepbuf, sizeof stepbuf, "%d", step);
+    const char *meta[] = {"format", "meshrun", "plan", plan_json ? plan_json : "{}", "step", stepbuf};
+    rc = weights_make_parent_dirs(path, err, errlen);
+    if (rc == 0) rc = st_write(path, ts, nt, meta, 3, err, errlen);
+  }
+  free(host);
+  free(unit);
+  free(ts);
+  return rc ? -1 : 0;
+}
+
+/* Under a strategy: every rank reads the file and keeps its part (its tp slice through
+ * model_import_tensor, then its FSDP shard through dp_unit_commit). */
+static int load_units(model_t *m, dp_t *dp, const char *path, char *err, size_t errlen) {
+  st_file_t *f = NULL;
+  if (st_open(&f, path, err, errlen) != 0) return -1;
+  const int nt = model_num_tensors(m), nu = model_num_units(m);
+  int rc = 0;
+  for (int u = 0; u < nu && rc == 0; u++) {
+    if (dp_unit_open(dp, u)) {
+      snprintf(err, errlen, "loading %s: %s", path, dp_errmsg(dp));
+      rc = -1;
+      break;
+    }
+    for (int i = 0; i < nt && rc == 0; i++) {
+      const model_tensor_t *t = model_tensor(m, i);
+      if (t->unit != u) continue;
+      size_t full = full_numel(t);
+      const st_tensor_t *s = st_find(f, t->name);
+      if (!s) {
+        snprintf(err, errlen, "%s: no tensor %s (is it from a model of this plan?)", path, t->name);
+        rc = -1;
+      } else if (s->dtype != ST_F32 || st_numel(s) != full) {
+        snprintf(err, errlen, "%s: tensor %s has %zu elements, the model wants %zu F32", path, t->name, st_numel(s),
+                 full);
+        rc = -1;
+      } else {
+        model_import_tensor(m, i, s->data);
+      }
+    }
+    if (rc == 0) dp_unit_commit(dp, u);
+  }
+  st_close(f);
+  return rc;
+}
+
+/* One process with flat buffers: each tensor copied to its place in the parameter buffer. */
+static int load_flat(model_t *m, backend_t *be, const char *path, char *err, size_t errlen) {
+  st_file_t *f = NULL;
+  if (st_open(&f, path, err, errlen) != 0) return -1;
+  int nt = model_num_tensors(m), rc = 0;
+  float *params = model_params(m);
+  for (int i = 0; i < nt && rc == 0; i++) {
+    const model_tensor_t *t = model_tensor(m, i);
+    const st_tensor_t *s = st_find(f, t->name);
+    if (!s) {
+      snprintf(err, errlen, "%s: no tensor %s (is it from a model of this plan?)", path, t->name);
+      rc = -1;
+    } else if (s->dtype != ST_F32 || st_numel(s) != t->numel) {
+      snprintf(err, errlen, "%s: tensor %s has %zu %s elements, the model wants %zu F32 (shape %d x %d)", path,
+               t->name, st_numel(s), s->dtype == ST_F32 ? "F32" : "I32", t->numel, t->shape[0],
+               t->ndim == 2 ? t->shape[1] : 1);
+      rc = -1;
+    } else {
+      be->to_device(be, params + t->offset, s->data, t->numel * sizeof(float));
+    }
+  }
+  st_close(f);
+  return rc;
+}
+
+int weights_load(model_t *m, backend_t *be, dp_t *dp, const char *path, char *err, size_t errlen) {
+  return dp ? load_units(m, dp, path, err, errlen) : load_flat(m, be, path, err, errlen);
+}
+
+/* A llama2.c file or a Hugging Face directory (trainer/interop): checked against the plan's
+ * model first (a mismatch is a plan error: returns 2), then unit by unit as load_units does, so
+ * it works under every strategy (dp may be a serial one). */
+static int load_interop(model_t *m, dp_t *dp, const plan_t *p, char *err, size_t errlen) {
+  interop_file_t *f = NULL;
+  int rc = interop_open(&f, p->model.init, INTEROP_AUTO, err, errlen);
+  if (rc) return rc == INTEROP_EMISMATCH ? 2 : 1;
+  if (interop_check_plan(f, &p->model, err, errlen)) {
+    interop_close(f);
+    return 2;
+  }
+  const int nt = model_num_tensors(m), nu = model_num_units(m);
+  size_t fmax = 0;
+  for (int i = 0; i < nt; i++) {
+    const model_tensor_t *t = model_tensor(m, i);
+    size_t full = full_numel(t);
+    fmax = full > fmax ? full : fmax;
+  }
+  log_rank0("model.init: %s (%s, checked against the plan's model)", p->model.init,
+            interop_format_name(interop_file_format(f)));
+  float *buf = malloc(fmax * sizeof(float));
+  rc = buf ? 0 : 1;
+  if (!buf) snprintf(err, errlen, "out of memory loading %s", p->model.init);
+  for (int u = 0; u < nu && rc == 0; u++) {
+    if (dp_unit_open(dp, u)) {
+      snprintf(err, errlen, "loading %s: %s", p->model.init, dp_errmsg(dp));
+      rc = 1;
+      break;
+    }
+    for (int i = 0; i < nt && rc == 0; i++) {
+      const model_tensor_t *t = model_tensor(m, i);
+      if (t->unit != u) continue;
+      size_t full = full_numel(t);
+      if (interop_read_tensor(f, t->name, buf, full, err, errlen)) rc = 2;
+      else model_import_tensor(m, i, buf);
+    }
+    if (rc == 0) dp_unit_commit(dp, u);
+  }
+  free(buf);
+  interop_close(f);
+  return rc;
+}
+
+int weights_init(model_t *m, backend_t *be, dp_t *dp, const mesh_t *mesh, const plan_t *p, char *err,
+                 size_t errlen) {
+  if (p->model.init[0] && interop_detect(p->model.init) != INTEROP_MESHRUN) return load_interop(m, dp, p, err, errlen);
+  /* Our file: without a mesh straight into the flat buffers, as `trainer sample` loads it. */
+  if (p->model.init[0]) return weights_load(m, be, mesh ? dp : NULL, p->model.init, err, errlen) ? 1 : 0;
+  if (dp_init_params(dp, p->seed, p->model.init_std)) {
+    snprintf(err, errlen, "%s", dp_errmsg(dp));
+    return 1;
+  }
+  return 0;
+}
+
+int weights_export(const plan_model_t *cfg, const char *path, const char *format, const char *out, char *err,
+                   size_t errlen) {
+  interop_format_t fmt;
+  if (interop_format_parse(format, &fmt) || (fmt != INTEROP_LLAMA2C && fmt != INTEROP_HF)) {
+    snprintf(err, errlen, "--format %s: export writes llama2c or hf", format);
+    return 2;
+  }
+  int rc = interop_export_weights(cfg, path, fmt, out, err, errlen);
+  if (rc == 0) log_info("exported %s to %s (%s)", path, out, interop_format_name(fmt));
+  return rc == 0 ? 0 : rc == INTEROP_EMISMATCH || rc == INTEROP_EINVAL || rc == 2 ? 2 : 1;
+}
+
+void weights_final_path(const plan_t *p, char *out, size_t len) {
+  if (p->checkpoint.dir[0]) {
+    snprintf(out, len, "%s/final.safetensors", p->checkpoint.dir);
+    return;
+  }
+  char name[PLAN_PATH_MAX];
+  const char *base = strrchr(p->source, '/');
+  snprintf(name, sizeof name, "%s", base ? base + 1 : p->source);
+  char *dot = strrchr(name, '.');
+  if (dot && !strcmp(dot, ".json")) *dot = 0;
+  if (!name[0] || name[0] == '(') snprintf(name, sizeof name, "default");
+  snprintf(out, len, "out/%s/final.safetensors", name);
+}
