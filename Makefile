@@ -57,7 +57,7 @@ else
 # so OpenBLAS is taken from its openblas-pthread folder directly.
 DEPS_INC := $(DEPS_PREFIX)/usr/include
 DEPS_LIB := $(DEPS_PREFIX)/usr/lib/x86_64-linux-gnu
-UV_CFLAGS    := -I$(DEPS_INC)
+UV_CFLAGS    := -I$(DEPS_INC) -I$(DEPS_INC)/x86_64-linux-gnu
 UV_LIBS      := -L$(DEPS_LIB) -Wl,-rpath-link,$(DEPS_LIB) -luv
 CJSON_CFLAGS := -I$(DEPS_INC)/cjson
 CJSON_LIBS   := -lcjson

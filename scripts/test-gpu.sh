@@ -33,7 +33,9 @@
 #                                              # kit's GPU tests; bounded to 8 min
 #     (b) scripts/gpu-session.sh bench $OUT    # bench-gpu.sh --sizes 125m,1b; bounded to 9 min
 # To build there instead (a newer host compiler: WERROR defaults to 0 off gcc 12; NCCL from
-# PyTorch's wheel): unpack the -dev .debs into a prefix and
+# PyTorch's wheel): carry the -dev .debs (scripts/test-deps-prefix.sh downloads them into
+# build/debs and proves such a build here with the system's headers hidden), unpack each with
+# dpkg -x into a prefix, and
 #   make DEPS_PREFIX=/tmp/deps NCCL_HOME=$(python3 -c 'import nvidia.nccl as n; print(n.__path__[0])') all
 # Where the dependencies are installed (nvcc and NCCL present, one GPU is enough):
 #   make BUILD=build/gpu BIN=build/gpu/bin all            # builds the cuda backend and GPU tests
