@@ -282,16 +282,16 @@ static int mesh_setup(mesh_t **out, const plan_t *p, int rank, int world, const 
 static int model_setup(model_t **m, model_tp_t *tpo, const plan_t *p, backend_t *be, const mesh_t *mesh, char *err,
                        size_t errlen) {
   const int B = p->train.micro_batch_size, T = p->train.seq_len, tp = mesh ? mesh->dims[MESH_TP] : 1;
-  if (!mesh)
-    return model_create(m, &p->model, be, B, T, p->train.decay_norms, p->train.decay_embeddings, err, errlen);
+  model_opts_t opts = {.max_b = B, .max_t = T, .decay_norms = p->train.decay_norms,
+                       .decay_embeddings = p->train.decay_embeddings, .checkpoint_every = plan_checkpoint_every(p)};
+  if (!mesh) return model_create_opts(m, &p->model, be, &opts, err, errlen);
   *tpo = (model_tp_t){.comm = tp > 1 ? mesh_comm(mesh, "tp") : NULL,
                       .sequence_parallel = p->parallel.sequence_parallel,
                       .loss_parallel = p->parallel.loss_parallel,
                       .plan = p->parallel.tp_plan,
                       .n_plan = p->parallel.n_tp_plan};
-  model_opts_t opts = {.max_b = B, .max_t = T, .decay_norms = p->train.decay_norms,
-                       .decay_embeddings = p->train.decay_embeddings, .tp = tp > 1 ? tpo : NULL,
-                       .no_flat_buffers = dp_owns_buffers(mesh, p)};
+  opts.tp = tp > 1 ? tpo : NULL;
+  opts.no_flat_buffers = dp_owns_buffers(mesh, p);
   return model_create_opts(m, &p->model, be, &opts, err, errlen);
 }
 

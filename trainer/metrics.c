@@ -56,23 +56,29 @@ static void metrics_printf(metrics_t *mt, int step, const char *fmt, ...) {
   if (n < 0 || ferror(mt->f)) metrics_failed(mt, e, step);
 }
 
-/* Per-rank bytes of state, and their maximum over the job. */
+/* Per-rank bytes of state (the strategy's, and the model's activation arena as allocated),
+ * and their maximum over the job. */
 typedef struct {
   dp_memory_t mine, max;
+  model_memory_t act, act_max;
 } memory_report_t;
 
-static int memory_report(dp_t *dp, comm_t *world, memory_report_t *r) {
+static int memory_report(dp_t *dp, model_t *m, comm_t *world, memory_report_t *r) {
   dp_memory(dp, &r->mine);
+  model_memory(m, &r->act);
   r->max = r->mine;
+  r->act_max = r->act;
   if (!world || comm_size(world) == 1) return 0;
   /* KiB in fp32 (the cpu comm's dtype): exact up to 16 GiB per rank. */
-  float v[4] = {(float)(r->mine.param_bytes / 1024.0), (float)(r->mine.grad_bytes / 1024.0),
-                (float)(r->mine.optim_bytes / 1024.0), (float)(r->mine.work_bytes / 1024.0)};
-  if (comm_all_reduce(world, v, 4, COMM_FLOAT32, COMM_MAX)) return -1;
+  float v[5] = {(float)(r->mine.param_bytes / 1024.0), (float)(r->mine.grad_bytes / 1024.0),
+                (float)(r->mine.optim_bytes / 1024.0), (float)(r->mine.work_bytes / 1024.0),
+                (float)(r->act.act_bytes / 1024.0)};
+  if (comm_all_reduce(world, v, 5, COMM_FLOAT32, COMM_MAX)) return -1;
   r->max.param_bytes = (size_t)((double)v[0] * 1024.0);
   r->max.grad_bytes = (size_t)((double)v[1] * 1024.0);
   r->max.optim_bytes = (size_t)((double)v[2] * 1024.0);
   r->max.work_bytes = (size_t)((double)v[3] * 1024.0);
+  r->act_max.act_bytes = (size_t)((double)v[4] * 1024.0);
   return 0;
 }
 
@@ -127,18 +133,20 @@ int metrics_open(metrics_t *mt, const plan_t *p, model_t *m, dp_t *dp, const mes
   /* --- memory per rank (this rank's, and the largest of any rank) */
   memory_report_t mem;
   comm_t *wc = mesh ? mesh_host_comm(mesh, "world") : NULL;
-  if (memory_report(dp, wc, &mem)) {
+  if (memory_report(dp, m, wc, &mem)) {
     snprintf(err, errlen, "%s", comm_errmsg(wc));
     return -1;
   }
   const size_t np = model_num_params(m);
   if (mesh)
     log_rank0("mesh dp_replicate %d x dp_shard %d x tp %d: %s; per rank: parameters %.2f MiB, gradients %.2f MiB, "
-              "optimizer state %.2f MiB, working buffers %.2f MiB (max over ranks: %.2f / %.2f / %.2f / %.2f MiB)",
+              "optimizer state %.2f MiB, working buffers %.2f MiB, activations %.2f MiB (max over ranks: %.2f / "
+              "%.2f / %.2f / %.2f / %.2f MiB)",
               mesh->dims[MESH_DP_REPLICATE], mesh->dims[MESH_DP_SHARD], tp, dp->name,
               mem.mine.param_bytes / 1048576.0, mem.mine.grad_bytes / 1048576.0, mem.mine.optim_bytes / 1048576.0,
-              mem.mine.work_bytes / 1048576.0, mem.max.param_bytes / 1048576.0, mem.max.grad_bytes / 1048576.0,
-              mem.max.optim_bytes / 1048576.0, mem.max.work_bytes / 1048576.0);
+              mem.mine.work_bytes / 1048576.0, mem.act.act_bytes / 1048576.0, mem.max.param_bytes / 1048576.0,
+              mem.max.grad_bytes / 1048576.0, mem.max.optim_bytes / 1048576.0, mem.max.work_bytes / 1048576.0,
+              mem.act_max.act_bytes / 1048576.0);
 
   /* --- the metrics file (rank 0) */
   if (rank == 0 && p->log.metrics_file[0]) {
@@ -157,11 +165,13 @@ int metrics_open(metrics_t *mt, const plan_t *p, model_t *m, dp_t *dp, const mes
                    "%s{\"plan\":%s,\"num_params\":%zu,\"world_size\":%d,\"tokens_per_step\":%lld,\"data_tokens\":%zu,"
                    "\"strategy\":\"%s\",\"mesh\":[%d,%d,%d],\"param_bytes\":%zu,\"grad_bytes\":%zu,\"optim_bytes\":%zu,"
                    "\"work_bytes\":%zu,\"param_bytes_max\":%zu,\"grad_bytes_max\":%zu,\"optim_bytes_max\":%zu,"
-                   "\"work_bytes_max\":%zu,\"start_step\":%d}\n",
+                   "\"work_bytes_max\":%zu,\"act_bytes\":%zu,\"act_block_bytes\":%zu,\"act_bytes_max\":%zu,"
+                   "\"start_step\":%d}\n",
                    torn ? "\n" : "", plan_json ? plan_json : "{}", np, world, mt->tokens_per_step, data->n_train,
                    dp->name, mesh ? mesh->dims[MESH_DP_REPLICATE] : 1, mesh ? mesh->dims[MESH_DP_SHARD] : 1, tp,
                    mem.mine.param_bytes, mem.mine.grad_bytes, mem.mine.optim_bytes, mem.mine.work_bytes,
-                   mem.max.param_bytes, mem.max.grad_bytes, mem.max.optim_bytes, mem.max.work_bytes, start_step);
+                   mem.max.param_bytes, mem.max.grad_bytes, mem.max.optim_bytes, mem.max.work_bytes,
+                   mem.act.act_bytes, mem.act.act_block_bytes, mem.act_max.act_bytes, start_step);
   }
 
   const int dp_size = mesh ? comm_size(mesh_host_comm(mesh, "dp")) : 1;

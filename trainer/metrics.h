@@ -2,7 +2,8 @@
  * a mesh, the run's summary line, a console line per log.interval steps, eval lines and the
  * closing "done" line. In log.metrics_file (rank 0, JSONL, one object per line, flushed as
  * written so a crash keeps what was logged): a first record with the plan, sizes and memory
- * per rank (this rank's and the maximum over ranks), one record per optimizer step with the
+ * per rank (this rank's and the maximum over ranks; act_bytes / act_block_bytes: the model's
+ * activation arena as allocated, model_memory), one record per optimizer step with the
  * bytes this rank sent during it ("comm": by strategy collective and by mesh group), and one
  * per evaluation.
  *

@@ -10,6 +10,16 @@
  * its lse, the mid residual, SwiGLU inputs and output), then the final norm, logits and
  * backward scratch. No kernel call allocates.
  *
+ * Activation checkpointing (model_opts_t.checkpoint_every): a checkpointed block owns only its
+ * input x; its other activations point into one shared working set (one block's worth), which
+ * every checkpointed block overwrites in its forward. In the backward, right after the unit's
+ * gather (FSDP has the parameters there, as it must for the backward anyway), block_forward
+ * runs again from the saved x with the same kernels, inputs and order, so every saved tensor
+ * comes back bit for bit, tp collectives included (they are deterministic and every tp rank
+ * reruns the same ones); only the last rowwise product (the block output, which the backward
+ * does not read) is skipped on every rank alike. The cost is one more forward per
+ * checkpointed block.
+ *
  * Tensor parallelism (model_opts_t.tp, a tp group of size tp > 1), Megatron-style as in
  * PyTorch's Llama plan; each module follows its style in the plan ("replicate" keeps it whole):
  * - colwise wq/wk/wv, w1/w3: this rank's output features (its heads, its kv heads, its slice
@@ -120,7 +130,10 @@ struct model {
 
   /* activations */
   float *arena;
+  size_t arena_bytes, block_bytes;   /* model_memory: the arena, its transformer-block part */
+  int ckpt_every;                    /* model_opts_t.checkpoint_every */
   layer_acts_t *acts;                /* (L) */
+  layer_acts_t work;                 /* the checkpointed blocks' shared set (x unused) */
   float *x_final;                    /* (Ns, C) output of the last block */
   float *xn_final;                   /* (Np, C) gathered */
   float *rstd_final;                 /* (Ns) */
@@ -297,16 +310,25 @@ static void batch_rows(const model_t *m, int n, int *np, int *ns, int *row0) {
   }
 }
 
-/* Lays the activations out from base (NULL: only counts); returns the floats needed. */
+/* 1 when block l recomputes its forward in its backward (model_opts_t.checkpoint_every). */
+static int checkpointed(const model_t *m, int l) { return m->ckpt_every > 0 && (l + 1) % m->ckpt_every == 0; }
+
+/* Lays the activations out from base (NULL: only counts); returns the floats needed. The
+ * blocks come first: each block's input, and the rest of its saved set unless it is
+ * checkpointed; then, when any block is, the shared working set (m->work) that the
+ * checkpointed blocks point at. m->block_bytes is the size of that part. */
 static size_t layout_acts(model_t *m, float *base) {
   int np, ns, r0;
   batch_rows(m, m->max_b * m->max_t, &np, &ns, &r0);
   size_t Np = (size_t)np, Ns = (size_t)ns, C = m->C, HD = (size_t)m->Hl * m->D, KD = (size_t)m->KVl * m->D,
          F = m->Fl;
   size_t lse_n = (size_t)m->max_b * m->Hl * m->max_t, off = 0;
-  for (int l = 0; l < m->L; l++) {
-    layer_acts_t *a = &m->acts[l];
-    a->x = carve(base, &off, Ns * C);
+  int any = 0;
+  for (int l = 0; l < m->L; l++) any |= checkpointed(m, l);
+  for (int l = 0; l < m->L + any; l++) { /* l == L: the shared working set */
+    layer_acts_t *a = l < m->L ? &m->acts[l] : &m->work;
+    a->x = l < m->L ? carve(base, &off, Ns * C) : NULL;
+    if (l < m->L && checkpointed(m, l)) continue; /* the rest after the loop */
     a->xn_att = carve(base, &off, Np * C);
     a->rstd_att = carve(base, &off, Ns);
     a->q = carve(base, &off, Np * HD);
@@ -321,6 +343,13 @@ static size_t layout_acts(model_t *m, float *base) {
     a->g = carve(base, &off, Np * F);
     a->h = carve(base, &off, Np * F);
   }
+  for (int l = 0; l < m->L; l++)
+    if (checkpointed(m, l)) {
+      float *x = m->acts[l].x;
+      m->acts[l] = m->work;
+      m->acts[l].x = x;
+    }
+  m->block_bytes = off * sizeof(float);
   m->x_final = carve(base, &off, Ns * C);
   m->xn_final = carve(base, &off, Np * C);
   m->rstd_final = carve(base, &off, Ns);
@@ -346,6 +375,11 @@ static size_t layout_acts(model_t *m, float *base) {
   m->ce_max = carve(base, &off, m->lp ? Np : 0);
   m->ce_stats = carve(base, &off, m->lp ? 2 * Np : 0);
   return off;
+}
+
+void model_memory(const model_t *m, model_memory_t *out) {
+  out->act_bytes = m->arena_bytes;
+  out->act_block_bytes = m->block_bytes;
 }
 
 void model_destroy(model_t *m) {
@@ -494,6 +528,7 @@ int model_create_opts(model_t **out, const plan_model_t *cfg, backend_t *be, con
   m->no_flat = opts->no_flat_buffers;
   m->max_b = max_b;
   m->max_t = max_t;
+  m->ckpt_every = opts->checkpoint_every > 0 ? opts->checkpoint_every : 0;
 
   int L = m->L, C = m->C, HD = m->H * m->D, KD = m->KV * m->D, F = m->F;
   m->n_units = L + 2;
@@ -554,6 +589,7 @@ int model_create_opts(model_t **out, const plan_model_t *cfg, backend_t *be, con
   }
   size_t an = layout_acts(m, NULL);
   m->arena = be->alloc(be, an * sizeof(float));
+  m->arena_bytes = an * sizeof(float);
   if ((!m->no_flat && (!m->params || !m->grads)) || !m->arena) {
     size_t mb = ((m->no_flat ? 0 : 2 * m->num_params) + an) * sizeof(float) >> 20;
     model_destroy(m);
@@ -774,7 +810,9 @@ static void norm_fwd(model_t *m, float *xn_full, float *rstd, const float *x, co
   rows_to_full(m, xn_full, xn, m->C, what);
 }
 
-/* One transformer block, x -> out (both local rows (Ns, C)). */
+/* One transformer block, x -> out (both local rows (Ns, C)). out NULL: the recomputation of a
+ * checkpointed block in its backward, which needs the saved set but not the output, so the
+ * last rowwise product (and its collective, on every tp rank alike) is skipped. */
 static void block_forward(model_t *m, int l, float *out, int b, int t) {
   backend_t *be = m->be;
   const layer_tensors_t *lt = &m->layer[l];
@@ -797,7 +835,8 @@ static void block_forward(model_t *m, int l, float *out, int b, int t) {
   be->matmul(be, a->g, a->xn_ffn, param_of(m, lt->w3), Np, F, C, 0, 1, 1.0f, 0.0f);
   be->swiglu_fwd(be, a->h, a->a, a->g, (size_t)Np * F);
   /* out = x_mid + h w2^T */
-  rowwise_fwd(m, out, a->x_mid, a->h, param_of(m, lt->w2), F, m->ffn_split, "reduction of feed_forward.w2 output");
+  if (out)
+    rowwise_fwd(m, out, a->x_mid, a->h, param_of(m, lt->w2), F, m->ffn_split, "reduction of feed_forward.w2 output");
 }
 
 /* Checks ids on the host; the first bad one is the message. */
@@ -1032,6 +1071,7 @@ int model_backward(model_t *m, float loss_scale) {
 
   for (int l = m->L - 1; l >= 0; l--) {
     if ((rc = dp_gather(m, 1 + l, 1))) return rc;
+    if (checkpointed(m, l)) block_forward(m, l, NULL, m->last_b, m->last_t);
     block_backward(m, l, m->last_b, m->last_t);
     if ((rc = dp_reduce(m, 1 + l)) || (rc = dp_release(m, 1 + l, 1))) return rc;
   }

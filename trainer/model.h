@@ -7,7 +7,8 @@
  * Memory, llm.c style: one flat parameter buffer and one flat gradient buffer of the same
  * layout (num_params floats, device memory), carved into tensors named as in Meta's/PyTorch's
  * Llama ("tok_embeddings.weight", "layers.3.attention.wq.weight", ...); a separate activation
- * arena sized for (max_b, max_t). Tensors are grouped into sharding units (see dp.h), each a
+ * arena sized for (max_b, max_t), smaller under activation checkpointing (model_opts_t).
+ * Tensors are grouped into sharding units (see dp.h), each a
  * contiguous slice: unit 0 tok_embeddings, unit 1+l layer l, unit L+1 norm + output.
  * Linear weights are (out_features, in_features) as in PyTorch.
  *
@@ -78,7 +79,22 @@ typedef struct {
    * model_grads return NULL); the strategy owns the shards and must point every unit at full
    * buffers with model_set_unit_buffers before the unit is used (dp gather). */
   int no_flat_buffers;
+  /* Activation checkpointing (plan_checkpoint_every): 0 keeps every block's activations; k >= 1
+   * makes block l (from 0) checkpointed when (l + 1) % k == 0 (1: every block, "full"; k: the
+   * every-k-th-block "selective" of torchtitan's layer mode). A checkpointed block keeps only its
+   * input from the forward and reruns its forward inside its backward (after the strategy's
+   * gather of the unit), with the same kernels on the same inputs, so the result is
+   * bit-identical; all checkpointed blocks share one block's worth of activation buffers. */
+  int checkpoint_every;
 } model_opts_t;
+
+/* Bytes of the activation arena, as allocated at creation (max_b, max_t): act_bytes the whole
+ * arena (saved activations, logits, backward and tp scratch); act_block_bytes the part carved
+ * for the transformer blocks (each block's saved activations, or for a checkpointed block its
+ * input, plus the shared working set when any block is checkpointed). */
+typedef struct {
+  size_t act_bytes, act_block_bytes;
+} model_memory_t;
 
 /* Builds the model for cfg (hidden_dim already resolved) and activations for batches of up to
  * max_b sequences of max_t tokens. decay_norms / decay_embeddings fill model_tensor_t.decay. */
@@ -88,6 +104,7 @@ int model_create(model_t **out, const plan_model_t *cfg, backend_t *be, int max_
 int model_create_opts(model_t **out, const plan_model_t *cfg, backend_t *be, const model_opts_t *opts,
                       char *err, size_t errlen);
 void model_destroy(model_t *m); /* accepts NULL */
+void model_memory(const model_t *m, model_memory_t *out);
 
 void model_init_random(model_t *m, uint64_t seed, double init_std);
 /* The initial values of one unit's local parameters (this tp rank's slices of the full

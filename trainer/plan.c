@@ -102,6 +102,7 @@ static const char *const device_names[] = {"auto", "cpu", "cuda", NULL};
 static const char *const sched_names[] = {"cosine", "linear", "constant", NULL};
 static const char *const format_names[] = {"auto", "text", "llmc", "u16", "u32", "synthetic", NULL};
 static const char *const dtype_names[] = {"fp32", "bf16", NULL};
+static const char *const ac_names[] = {"none", "full", "selective", NULL};
 static const char *const style_names[] = {"colwise", "rowwise", "sequence_parallel",
                                           "prepare_module_input", "replicate", NULL};
 
@@ -155,6 +156,8 @@ static const field_t parallel_fields[] = {
     K_TRI("loss_parallel", parallel.loss_parallel),
     {.name = "tp_plan", .kind = F_TPPLAN},
     K_SECT("mixed_precision", mp_fields),
+    K_ENUM("activation_checkpoint", parallel.activation_checkpoint, ac_names, PLAN_AC_NONE),
+    K_INT("activation_checkpoint_every", parallel.activation_checkpoint_every, 1, INT_MAX, 2),
     K_END};
 
 static const field_t train_fields[] = {
@@ -671,6 +674,14 @@ int plan_load(plan_t *p, const char *path, const char *const *sets, int nsets, c
 
 /* ---- resolve ---------------------------------------------------------------------------- */
 
+int plan_checkpoint_every(const plan_t *p) {
+  switch (p->parallel.activation_checkpoint) {
+  case PLAN_AC_FULL: return 1;
+  case PLAN_AC_SELECTIVE: return p->parallel.activation_checkpoint_every;
+  default: return 0;
+  }
+}
+
 int plan_llama_hidden_dim(int dim, int multiple_of, double ffn_dim_multiplier) {
   long long hidden = 8LL * dim / 3; /* int(2 * (4 * dim) / 3) */
   if (ffn_dim_multiplier > 0) { /* clamped before the cast: a huge multiplier is refused later, not UB */
@@ -761,6 +772,11 @@ int plan_resolve(plan_t *p, int world_size, char *err, size_t errlen) {
   if (t->seq_len > md->max_seq_len)
     return perr(err, errlen, "train.seq_len", "%d is above model.max_seq_len %d", t->seq_len,
                 md->max_seq_len);
+  if (p->parallel.activation_checkpoint == PLAN_AC_SELECTIVE &&
+      p->parallel.activation_checkpoint_every > md->n_layers)
+    return perr(err, errlen, "parallel.activation_checkpoint_every",
+                "%d is above model.n_layers %d (selective would checkpoint no block)",
+                p->parallel.activation_checkpoint_every, md->n_layers);
 
   /* Tensor parallelism: what the tp group splits must divide by tp. */
   static const char *const attn[] = {"attention.wq", "attention.wk", "attention.wv", "attention.wo"};

@@ -28,6 +28,10 @@ typedef enum {
   PLAN_DATA_SYNTHETIC /* deterministic pseudo-random tokens from the seed */
 } plan_data_format_t;
 typedef enum { PLAN_DTYPE_FP32 = 0, PLAN_DTYPE_BF16 } plan_dtype_t;
+/* parallel.activation_checkpoint: none; full (every block recomputes its forward in its
+ * backward); selective = torchtitan's "layer" mode (every k-th block, k =
+ * activation_checkpoint_every). */
+typedef enum { PLAN_AC_NONE = 0, PLAN_AC_FULL, PLAN_AC_SELECTIVE } plan_ac_t;
 typedef enum {
   PLAN_TP_COLWISE = 0,
   PLAN_TP_ROWWISE,
@@ -74,6 +78,8 @@ typedef struct {
   plan_dtype_t reduce_dtype; /* mixed_precision.reduce_dtype, default fp32 */
   int allow_tf32;            /* mixed_precision.allow_tf32: TF32 tensor-core matmuls on cuda
                                 (default 1); no effect on cpu */
+  plan_ac_t activation_checkpoint; /* default none */
+  int activation_checkpoint_every; /* selective: blocks k-1, 2k-1, ... are checkpointed (default 2) */
 } plan_parallel_t;
 
 typedef struct {
@@ -158,5 +164,8 @@ char *plan_to_json(const plan_t *p);
 const char *plan_default_json(void);
 /* Llama's hidden-size rule: 4*dim, *2/3, *multiplier, rounded up to multiple_of. */
 int plan_llama_hidden_dim(int dim, int multiple_of, double ffn_dim_multiplier);
+/* The activation-checkpoint period for model_opts_t.checkpoint_every: 0 none, 1 full, k for
+ * selective (every k-th block). */
+int plan_checkpoint_every(const plan_t *p);
 
 #endif

@@ -3,7 +3,8 @@
  *
  * Numerics against PyTorch are in test/integration/test_oracle_model.py; here: tensor names,
  * shapes and contiguous units; the dp hook order; bad token/target ids giving NAN; ignored
- * targets; same bits twice; gradient accumulation; redirected unit buffers. Tolerances are
+ * targets; same bits twice; gradient accumulation; redirected unit buffers; activation
+ * checkpointing (same bits, smaller arena). Tolerances are
  * stated where results are not bit-exact. */
 #include <math.h>
 #include <setjmp.h>
@@ -362,6 +363,88 @@ static int setup(void **state) {
   be = backend_create("cpu", 2, err, sizeof err);
   return be ? 0 : -1;
 }
+/* Activation checkpointing: full (every block) and selective (every k-th block) give the
+ * loss and every gradient bit for bit as without, over two accumulated micro-steps with an
+ * eval forward between (the shared working set is reused across blocks and passes). Tolerance:
+ * none, the bits. */
+static model_t *make_ckpt(int L, int every) {
+  plan_model_t c = test_model_cfg(32, L, 4, 2, V, 96, 16);
+  model_opts_t o = {.max_b = B, .max_t = T, .checkpoint_every = every};
+  model_t *m = NULL;
+  char err[256];
+  int rc = model_create_opts(&m, &c, be, &o, err, sizeof err);
+  if (rc) printf("model_create_opts: %s\n", err);
+  assert_int_equal(rc, 0);
+  model_init_random(m, 7, 0.1);
+  return m;
+}
+
+static void test_activation_checkpoint(void **state) {
+  enum { L = 4 };
+  int32_t tok[B * T], tgt[B * T];
+  batch(tok, tgt);
+  model_t *ref = make_ckpt(L, 0);
+  size_t np = model_num_params(ref);
+  float lr[2];
+  model_zero_grad(ref);
+  for (int k = 0; k < 2; k++) {
+    lr[k] = fwd_ok(ref, tok, tgt, B, T);
+    assert_true(fwd_ok(ref, tok, NULL, 1, T) == 0.0f);
+    lr[k] = fwd_ok(ref, tok, tgt, B, T);
+    bwd_ok(ref, 0.5f);
+  }
+  static const int every[] = {1, 2, 3, 4};
+  for (size_t e = 0; e < sizeof every / sizeof every[0]; e++) {
+    model_t *m = make_ckpt(L, every[e]);
+    model_zero_grad(m);
+    for (int k = 0; k < 2; k++) {
+      float l = fwd_ok(m, tok, tgt, B, T);
+      assert_true(fwd_ok(m, tok, NULL, 1, T) == 0.0f);
+      l = fwd_ok(m, tok, tgt, B, T);
+      bwd_ok(m, 0.5f);
+      assert_memory_equal(&l, &lr[k], sizeof l);
+    }
+    size_t ndiff = 0;
+    for (size_t i = 0; i < np; i++)
+      ndiff += memcmp(&model_grads(m)[i], &model_grads(ref)[i], sizeof(float)) != 0;
+    printf("  checkpoint every %d block(s): losses %.9g %.9g, %zu of %zu gradients differ in any bit (tol 0)\n",
+           every[e], lr[0], lr[1], ndiff, np);
+    assert_int_equal(ndiff, 0);
+    model_destroy(m);
+  }
+  model_destroy(ref);
+}
+
+/* The activation arena shrinks as designed where activations dominate (dim 64, 4 layers,
+ * seq 128): under full checkpointing the blocks hold L inputs plus one block's working set, so
+ * the block part is at most none's / L + L block inputs, i.e. about 1/L of none's (asserted:
+ * <= 1/L + 0.1); selective (every 2nd block) lies between. */
+static void test_activation_memory(void **state) {
+  enum { L = 4, MB = 2, MT = 128, C = 64 };
+  plan_model_t c = test_model_cfg(C, L, 4, 2, 256, 192, MT);
+  model_memory_t mem[3];
+  static const int every[] = {0, 1, 2};
+  for (int i = 0; i < 3; i++) {
+    model_opts_t o = {.max_b = MB, .max_t = MT, .checkpoint_every = every[i]};
+    model_t *m = NULL;
+    char err[256];
+    assert_int_equal(model_create_opts(&m, &c, be, &o, err, sizeof err), 0);
+    model_memory(m, &mem[i]);
+    model_destroy(m);
+  }
+  size_t x_bytes = (size_t)MB * MT * C * sizeof(float);
+  double ratio = (double)mem[1].act_block_bytes / (double)mem[0].act_block_bytes;
+  printf("  activation bytes (all / blocks): none %zu / %zu, full %zu / %zu, selective(2) %zu / %zu; "
+         "full/none blocks %.3f (1/L = %.3f, bound 1/L + 0.1), all %.3f\n",
+         mem[0].act_bytes, mem[0].act_block_bytes, mem[1].act_bytes, mem[1].act_block_bytes, mem[2].act_bytes,
+         mem[2].act_block_bytes, ratio, 1.0 / L, (double)mem[1].act_bytes / (double)mem[0].act_bytes);
+  assert_true(mem[1].act_block_bytes <= mem[0].act_block_bytes / L + L * x_bytes);
+  assert_true(ratio <= 1.0 / L + 0.1);
+  assert_true(mem[1].act_block_bytes < mem[2].act_block_bytes && mem[2].act_block_bytes < mem[0].act_block_bytes);
+  /* what is not in the blocks (final norm, logits, backward scratch) is the same */
+  assert_int_equal(mem[0].act_bytes - mem[0].act_block_bytes, mem[1].act_bytes - mem[1].act_block_bytes);
+}
+
 static int teardown(void **state) {
   backend_destroy(be);
   return 0;
@@ -372,7 +455,8 @@ int main(void) {
       cmocka_unit_test(test_layout),          cmocka_unit_test(test_bad_config),
       cmocka_unit_test(test_bad_ids),         cmocka_unit_test(test_loss_and_determinism),
       cmocka_unit_test(test_dp_hooks),        cmocka_unit_test(test_unit_init_export_import),
-      cmocka_unit_test(test_no_flat_buffers),
+      cmocka_unit_test(test_no_flat_buffers), cmocka_unit_test(test_activation_checkpoint),
+      cmocka_unit_test(test_activation_memory),
   };
   return cmocka_run_group_tests_name("model", tests, setup, teardown);
 }

@@ -15,7 +15,8 @@
  *     magnitude in that tensor (max |tp - serial| / max |serial|);
  *   - logits of a forward without targets (gathered when the output is vocab-sharded) within
  *     1e-5 relative to the largest logit;
- *   - for tp 2 under the default plan, parameters per rank at most 55% of the serial model's.
+ *   - for tp 2 under the default plan, parameters per rank at most 55% of the serial model's;
+ *   - with full activation checkpointing, the same loss and gradient bits as without.
  * Shapes are tiny (dim 16, 2 layers) and N = B*T = 14 rows, so tp 4 with sequence parallelism
  * pads rows to 16; one configuration has a vocabulary of 97 (padded to 98 / 100). */
 #include <math.h>
@@ -175,6 +176,44 @@ static int export_full(model_t *m, int i, int grads, float *out) {
   return rc;
 }
 
+/* Full activation checkpointing on the same tp rank: a second model (checkpoint_every 1) runs
+ * the same two micro-batches; its losses and this rank's gradients must equal m's bit for bit
+ * (tolerance: none; the recomputation reruns the tp collectives, which are deterministic). */
+static int check_checkpointed(model_t *m, model_opts_t opts, backend_t *be, const float *losses, int rank,
+                              const char *name) {
+  const serial_ref_t *r = &g_ref;
+  opts.checkpoint_every = 1;
+  model_t *mc = NULL;
+  char err[256] = "";
+  if (model_create_opts(&mc, &r->cfg, be, &opts, err, sizeof err)) {
+    fprintf(stderr, "rank %d: %s: checkpointed model: %s\n", rank, name, err);
+    return 1;
+  }
+  model_init_random(mc, SEED, INIT_STD);
+  model_zero_grad(mc);
+  int bad = 0;
+  for (int k = 0; k < 2 && !bad; k++) {
+    float loss = NAN;
+    if (model_forward(mc, r->tok[k], r->tgt[k], B, T, &loss) || model_backward(mc, 0.5f)) {
+      fprintf(stderr, "rank %d: %s: checkpointed micro-batch %d: %s\n", rank, name, k, model_errmsg(mc));
+      bad = 1;
+    } else if (memcmp(&loss, &losses[k], sizeof loss)) {
+      fprintf(stderr, "rank %d: %s: checkpointed loss %.9g differs from %.9g\n", rank, name, loss, losses[k]);
+      bad = 1;
+    }
+  }
+  size_t np = model_num_params(m), ndiff = 0;
+  for (size_t i = 0; i < np && !bad; i++)
+    ndiff += memcmp(&model_grads(mc)[i], &model_grads(m)[i], sizeof(float)) != 0;
+  if (ndiff) {
+    fprintf(stderr, "rank %d: %s: checkpointed: %zu of %zu gradients differ (tolerance: none)\n", rank, name, ndiff,
+            np);
+    bad = 1;
+  }
+  model_destroy(mc);
+  return bad;
+}
+
 static int rank_main(int rank, int n, store_t *st, void *arg) {
   const tp_case_t *c = g_case;
   serial_ref_t *r = &g_ref;
@@ -215,6 +254,7 @@ static int rank_main(int rank, int n, store_t *st, void *arg) {
 
   double loss_d = 0, grad_d = 0, logit_d = 0;
   const char *worst = "";
+  float losses[2] = {NAN, NAN};
   for (int k = 0; k < 2 && !bad; k++) {
     float loss = NAN;
     if (model_forward(m, r->tok[k], r->tgt[k], B, T, &loss) || model_backward(m, 0.5f)) {
@@ -222,6 +262,7 @@ static int rank_main(int rank, int n, store_t *st, void *arg) {
       bad = 1;
       break;
     }
+    losses[k] = loss;
     double d = fabs((double)loss - r->loss[k]) / fabs((double)r->loss[k]);
     loss_d = d > loss_d ? d : loss_d;
     /* the same loss bits on every tp rank */
@@ -255,9 +296,10 @@ static int rank_main(int rank, int n, store_t *st, void *arg) {
       logit_d = rel_diff(lg, r->logits, (size_t)N * c->vocab, NULL);
     }
   }
+  if (!bad) bad = check_checkpointed(m, opts, be, losses, rank, c->name);
   if (rank == 0 && !bad)
     printf("  %-28s tp %d: loss rel diff %.2e (tol %.0e), grads max rel diff %.2e (tol %.0e, worst %s), "
-           "logits %.2e (tol %.0e), params/rank %.1f%%\n",
+           "logits %.2e (tol %.0e), params/rank %.1f%%; full checkpointing: same bits\n",
            c->name, n, loss_d, LOSS_TOL, grad_d, GRAD_TOL, worst, logit_d, LOGIT_TOL, 100 * frac);
   if (loss_d > LOSS_TOL || grad_d > GRAD_TOL || logit_d > LOGIT_TOL) {
     fprintf(stderr, "rank %d: %s: loss %.2e, grads %.2e (%s), logits %.2e over tolerance\n", rank, c->name, loss_d,

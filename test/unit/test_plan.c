@@ -109,6 +109,9 @@ static void test_defaults(void **state) {
   assert_int_equal(p.parallel.param_dtype_explicit, 0); /* defaulted: main may train fp32 instead */
   assert_int_equal(p.parallel.reduce_dtype, PLAN_DTYPE_FP32);
   assert_int_equal(p.parallel.allow_tf32, 1);
+  assert_int_equal(p.parallel.activation_checkpoint, PLAN_AC_NONE);
+  assert_int_equal(p.parallel.activation_checkpoint_every, 2);
+  assert_int_equal(plan_checkpoint_every(&p), 0);
   assert_int_equal(p.train.steps, 1000);
   assert_int_equal(p.train.global_batch_size, 0);
   assert_true(p.train.min_lr == p.train.lr / 10);
@@ -297,6 +300,11 @@ static void test_key_errors(void **state) {
   expect_error("{\"mesh\":{\"tp\":0}}", 0, "mesh.tp");
   expect_error("{\"mesh\":{\"dp_shard\":-2}}", 0, "mesh.dp_shard");
   expect_error("{\"parallel\":{\"zero\":3}}", 0, "parallel.zero");
+  /* activation checkpointing: torchtitan's "op" selective mode is not built (one-line error) */
+  m = expect_error("{\"parallel\":{\"activation_checkpoint\":\"op\"}}", 0, "parallel.activation_checkpoint");
+  assert_non_null(strstr(m, "none, full, selective"));
+  expect_error("{\"parallel\":{\"activation_checkpoint\":true}}", 0, "parallel.activation_checkpoint");
+  expect_error("{\"parallel\":{\"activation_checkpoint_every\":0}}", 0, "parallel.activation_checkpoint_every");
   expect_error("{\"data\":{\"val_fraction\":1}}", 0, "data.val_fraction");
   expect_error("{\"log\":{\"interval\":0}}", 0, "log.interval");
 
@@ -489,6 +497,22 @@ static void test_resolve_errors(void **state) {
   expect_error("{" BASE ",\"mesh\":{\"dp_shard\":1,\"tp\":2},\"parallel\":{\"sequence_parallel\":true,"
                "\"tp_plan\":{\"norm\":\"replicate\"}}}", 2, "parallel.tp_plan.norm");
   expect_error("{" BASE ",\"mesh\":{\"dp_shard\":1,\"tp\":2},\"train\":{\"seq_len\":127}}", 2, "train.seq_len");
+  m = expect_error("{" BASE ",\"model\":{\"n_layers\":4},\"parallel\":{\"activation_checkpoint\":\"selective\","
+                   "\"activation_checkpoint_every\":5}}", 1, "parallel.activation_checkpoint_every");
+  assert_non_null(strstr(m, "n_layers 4"));
+  {
+    /* full: period 1; selective: the given period (it is ignored under none and full) */
+    plan_t ac;
+    const char *sets[] = {"parallel.activation_checkpoint=full", "parallel.activation_checkpoint_every=9"};
+    load_ok(&ac, "{" BASE ",\"model\":{\"n_layers\":4}}", sets, 2);
+    resolve_ok(&ac, 1);
+    assert_int_equal(plan_checkpoint_every(&ac), 1);
+    const char *sel[] = {"parallel.activation_checkpoint=selective", "parallel.activation_checkpoint_every=3"};
+    load_ok(&ac, "{" BASE ",\"model\":{\"n_layers\":4}}", sel, 2);
+    resolve_ok(&ac, 1);
+    assert_int_equal(ac.parallel.activation_checkpoint, PLAN_AC_SELECTIVE);
+    assert_int_equal(plan_checkpoint_every(&ac), 3);
+  }
 }
 
 /* ---- hidden size ------------------------------------------------------------------------ */
