@@ -11,5 +11,11 @@
 int fs_mkdir_p(const char *dir, char *failed, size_t failedlen);
 /* mkdir -p of the directory part of path ("a/b/c.json" makes a/b; "c.json" makes nothing). */
 int fs_mkdir_parent(const char *path, char *failed, size_t failedlen);
+/* The whole of a regular file of at most max bytes, malloc'ed into *out with a NUL past its *len
+ * bytes. Refused before reading: a path that is not a regular file (-EINVAL; a FIFO is opened
+ * without waiting for a writer), a file over max (-EFBIG, *size gets its size). The limit holds
+ * while reading too (a file that grows past it: -EFBIG with *size -1). Else 0 or -errno. size
+ * may be NULL. */
+int fs_read_file(const char *path, size_t max, char **out, size_t *len, long long *size);
 
 #endif

@@ -35,6 +35,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "common/fs.h"
 #include "common/net.h"
 #include "common/store.h"
 
@@ -397,34 +398,27 @@ static int resolve_secret(launcher_opts_t *o, char *err, size_t errlen) {
   o->secret[0] = '\0';
   o->secret_source = CLI_SECRET_NONE;
   if (o->token_file[0]) {
-    char buf[CLI_SECRET_MAX + 256];
-    struct stat st;
-    int fd = open(o->token_file, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-    if (fd < 0)
-      return usage_error(err, errlen, "--rdzv_conf: token_file=%s: %s; %s", o->token_file, strerror(errno), form);
-    if (fstat(fd, &st) || !S_ISREG(st.st_mode)) {
-      close(fd);
+    /* A little over the secret's limit is read: trailing whitespace is cut before the check. */
+    char *buf;
+    size_t n;
+    int rc = fs_read_file(o->token_file, CLI_SECRET_MAX + 254, &buf, &n, NULL);
+    if (rc == -EINVAL)
       return usage_error(err, errlen, "--rdzv_conf: token_file=%s: not a regular file; %s", o->token_file, form);
-    }
-    size_t n = 0;
-    for (;;) {
-      ssize_t k = read(fd, buf + n, sizeof buf - 1 - n);
-      if (k < 0 && errno == EINTR) continue;
-      if (k < 0) {
-        int e = errno;
-        close(fd);
-        return usage_error(err, errlen, "--rdzv_conf: token_file=%s: %s; %s", o->token_file, strerror(e), form);
-      }
-      if (k == 0 || (n += (size_t)k) == sizeof buf - 1) break;
-    }
-    close(fd);
-    if (n == sizeof buf - 1) {
+    if (rc == -EFBIG) {
       snprintf(why, sizeof why, "is over %d bytes", CLI_SECRET_MAX);
       return usage_error(err, errlen, "--rdzv_conf: token_file=%s %s; %s", o->token_file, why, form);
     }
-    if (check_secret(buf, n, why, sizeof why))
+    if (rc)
+      return usage_error(err, errlen, "--rdzv_conf: token_file=%s: %s; %s", o->token_file, strerror(-rc), form);
+    struct stat st; /* for the agent's warning about a file others may read */
+    if (stat(o->token_file, &st) != 0) st.st_mode = 0;
+    rc = check_secret(buf, n, why, sizeof why);
+    if (rc) {
+      free(buf);
       return usage_error(err, errlen, "--rdzv_conf: token_file=%s %s; %s", o->token_file, why, form);
+    }
     memcpy(o->secret, buf, strlen(buf) + 1);
+    free(buf);
     o->secret_source = CLI_SECRET_FILE;
     o->token_file_mode = (int)(st.st_mode & 07777);
     return 0;

@@ -5,13 +5,12 @@
 
 #include <cjson/cJSON.h>
 #include <errno.h>
-#include <fcntl.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
-#include <unistd.h>
+
+#include "common/fs.h"
 
 #define ERRFILE_MAX (1u << 20)
 
@@ -70,46 +69,27 @@ int errfile_read(const char *path, char *msg, size_t msglen, char *ts, size_t ts
   if (msglen) msg[0] = 0;
   if (tslen) ts[0] = 0;
   if (restart) *restart = 1;
-  /* O_NONBLOCK: a FIFO at the path must not block the agent's loop waiting for a writer. */
-  int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  if (fd < 0) {
-    int e = errno;
-    snprintf(err, errlen, "%s: %s", path, strerror(e));
-    return -e;
-  }
-  struct stat st;
-  if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode)) {
+  /* Never blocks the agent's loop: a FIFO at the path is refused without waiting for a writer. */
+  char *buf;
+  size_t n;
+  long long size;
+  int rc = fs_read_file(path, ERRFILE_MAX, &buf, &n, &size);
+  if (rc == -EINVAL)
     snprintf(err, errlen, "%s: not a regular file", path);
-    close(fd);
-    return -EINVAL;
-  }
-  if (st.st_size == 0) {
-    snprintf(err, errlen, "%s: error file is empty", path);
-    close(fd);
-    return -EINVAL;
-  }
-  if ((uint64_t)st.st_size > ERRFILE_MAX) {
-    snprintf(err, errlen, "%s: error file is %lld bytes, over the %u byte limit; not read", path,
-             (long long)st.st_size, ERRFILE_MAX);
-    close(fd);
-    return -EFBIG;
-  }
-  size_t cap = (size_t)st.st_size, n = 0;
-  char *buf = malloc(cap);
-  if (!buf) {
-    close(fd);
+  else if (rc == -EFBIG)
+    snprintf(err, errlen, "%s: error file is %s%lld bytes, over the %u byte limit; not read", path,
+             size < 0 ? "over " : "", size < 0 ? (long long)ERRFILE_MAX : size, ERRFILE_MAX);
+  else if (rc == -ENOMEM)
     snprintf(err, errlen, "%s: out of memory", path);
-    return -ENOMEM;
+  else if (rc)
+    snprintf(err, errlen, "%s: %s", path, strerror(-rc));
+  else if (n == 0) {
+    snprintf(err, errlen, "%s: error file is empty", path);
+    free(buf);
+    rc = -EINVAL;
   }
-  /* Read what fstat promised; a file that shrinks meanwhile is parsed as far as it goes. */
-  while (n < cap) {
-    ssize_t k = read(fd, buf + n, cap - n);
-    if (k < 0 && errno == EINTR) continue;
-    if (k <= 0) break;
-    n += (size_t)k;
-  }
-  close(fd);
-  int rc = errfile_parse(buf, n, msg, msglen, ts, tslen, restart, err, errlen);
+  if (rc) return rc;
+  rc = errfile_parse(buf, n, msg, msglen, ts, tslen, restart, err, errlen);
   free(buf);
   return rc;
 }

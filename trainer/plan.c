@@ -14,7 +14,6 @@
 
 #include <cJSON.h>
 #include <errno.h>
-#include <fcntl.h>
 #include <inttypes.h>
 #include <limits.h>
 #include <math.h>
@@ -549,62 +548,24 @@ static int apply_set(cJSON *root, const char *set, char *err, size_t errlen) {
 
 /* A plan is a regular file of at most PLAN_FILE_MAX bytes: a device (/dev/zero), a FIFO or a
  * directory is refused before reading, and the limit also holds while reading (a file that
- * grows). O_NONBLOCK: opening a FIFO must not wait for a writer. */
+ * grows). */
 static char *read_file(const char *path, char *err, size_t errlen) {
-  int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  if (fd < 0) {
-    perr(err, errlen, path, "cannot open: %s", strerror(errno));
-    return NULL;
-  }
-  struct stat sb;
-  if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
+  char *buf;
+  size_t len;
+  long long size;
+  int rc = fs_read_file(path, PLAN_FILE_MAX, &buf, &len, &size);
+  if (rc == -EINVAL)
     perr(err, errlen, path, "not a regular file (a plan is a JSON file)");
-    close(fd);
-    return NULL;
-  }
-  if (sb.st_size > PLAN_FILE_MAX) {
-    perr(err, errlen, path, "%lld bytes; a plan file is at most %d MiB", (long long)sb.st_size, PLAN_FILE_MAX >> 20);
-    close(fd);
-    return NULL;
-  }
-  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
-  FILE *f = fdopen(fd, "rb");
-  if (!f) {
-    perr(err, errlen, path, "cannot open: %s", strerror(errno));
-    close(fd);
-    return NULL;
-  }
-  size_t cap = 1 << 14, len = 0;
-  char *buf = malloc(cap);
-  while (buf) {
-    len += fread(buf + len, 1, cap - 1 - len, f);
-    if (ferror(f)) {
-      perr(err, errlen, path, "cannot read: %s", strerror(errno));
-      free(buf);
-      fclose(f);
-      return NULL;
-    }
-    if (feof(f)) break;
-    if (len > PLAN_FILE_MAX) {
-      perr(err, errlen, path, "more than %d MiB; a plan file is at most %d MiB", PLAN_FILE_MAX >> 20,
-           PLAN_FILE_MAX >> 20);
-      free(buf);
-      fclose(f);
-      return NULL;
-    }
-    if (len == cap - 1) {
-      char *nb = realloc(buf, cap * 2);
-      if (!nb) free(buf);
-      buf = nb;
-      cap *= 2;
-    }
-  }
-  fclose(f);
-  if (!buf) {
+  else if (rc == -EFBIG && size >= 0)
+    perr(err, errlen, path, "%lld bytes; a plan file is at most %d MiB", size, PLAN_FILE_MAX >> 20);
+  else if (rc == -EFBIG)
+    perr(err, errlen, path, "more than %d MiB; a plan file is at most %d MiB", PLAN_FILE_MAX >> 20,
+         PLAN_FILE_MAX >> 20);
+  else if (rc == -ENOMEM)
     perr(err, errlen, path, "out of memory");
-    return NULL;
-  }
-  buf[len] = '\0';
+  else if (rc)
+    perr(err, errlen, path, "cannot open: %s", strerror(-rc));
+  if (rc) return NULL;
   if (strlen(buf) != len) {
     perr(err, errlen, path, "invalid JSON: contains a NUL byte");
     free(buf);

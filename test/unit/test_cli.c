@@ -1,4 +1,4 @@
-// deps: launcher/cli.c common/net.c common/err.c
+// deps: launcher/cli.c common/net.c common/err.c common/fs.c
 /* test_cli: meshrun's command line (launcher/cli.c).
  *
  * Every value flag is parsed in four ways (underscore/dash spelling x "--flag=v"/"--flag v")

@@ -63,10 +63,38 @@ static void test_mkdir_parent(void **state) {
   assert_int_equal(fs_mkdir_parent("/x.json", NULL, 0), 0);       /* the root */
 }
 
+/* fs_read_file: the whole of a small regular file, NUL-terminated; everything else refused
+ * before a byte is read (a FIFO without waiting for a writer). */
+static void test_read_file(void **state) {
+  (void)state;
+  char p[PATH_MAX], *buf = NULL;
+  size_t len = 0;
+  long long size = 0;
+  snprintf(p, sizeof p, "%s/f.txt", root);
+  FILE *f = fopen(p, "w");
+  assert_non_null(f);
+  fputs("hello", f);
+  fclose(f);
+  assert_int_equal(fs_read_file(p, 5, &buf, &len, &size), 0);
+  assert_int_equal(len, 5);
+  assert_string_equal(buf, "hello");
+  free(buf);
+  assert_int_equal(fs_read_file(p, 4, &buf, &len, &size), -EFBIG);
+  assert_null(buf);
+  assert_int_equal(size, 5);
+  snprintf(p, sizeof p, "%s/fifo", root);
+  assert_int_equal(mkfifo(p, 0600), 0);
+  assert_int_equal(fs_read_file(p, 100, &buf, &len, NULL), -EINVAL);
+  assert_int_equal(fs_read_file(root, 100, &buf, &len, NULL), -EINVAL);
+  snprintf(p, sizeof p, "%s/absent", root);
+  assert_int_equal(fs_read_file(p, 100, &buf, &len, NULL), -ENOENT);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_mkdir_p),
       cmocka_unit_test(test_mkdir_parent),
+      cmocka_unit_test(test_read_file),
   };
   return cmocka_run_group_tests(tests, setup, NULL);
 }
