@@ -101,6 +101,21 @@ ifneq ($(CU_SRC),)
 endif
 endif
 
+# --- oneDNN (libdnnl-dev): used where its header exists, by the bf16 gemm benchmark
+# (test/tools/gemm_bench.c); without it that builds without its oneDNN column. HAVE_DNNL=0 turns
+# it off. Only what needs it gets -DMESHRUN_HAVE_DNNL and links -ldnnl (needs_dnnl below).
+comma := ,
+ifeq ($(DEPS_PREFIX),)
+  DNNL_HEADER := $(wildcard /usr/include/dnnl.h)
+else
+  DNNL_HEADER := $(wildcard $(DEPS_INC)/dnnl.h)
+endif
+HAVE_DNNL ?= $(if $(DNNL_HEADER),1,0)
+ifeq ($(HAVE_DNNL),1)
+  $(BUILD)/test/tools/gemm_bench.o: CFLAGS += -DMESHRUN_HAVE_DNNL=1
+  DNNL_LIBS := $(if $(DEPS_PREFIX),-L$(DEPS_LIB) -Wl$(comma)-rpath-link$(comma)$(DEPS_LIB)) -ldnnl
+endif
+
 COMMON_SRC   := $(wildcard common/*.c)
 LAUNCHER_SRC := $(wildcard launcher/*.c)
 TRAINER_SRC  := $(wildcard trainer/*.c)
@@ -143,13 +158,14 @@ $(BUILD)/%.o: %.cu
 raw_deps = $(shell sed -n '1s|^// deps: *||p' $(1))
 needs_cuda = $(if $(HAVE_CUDA),$(or $(filter trainer/backend.c %.cu,$(call raw_deps,$(1))),$(findstring test/gpu/,$(1))))
 CU_OBJ := $(CU_SRC:%.cu=$(BUILD)/%.o)
+needs_dnnl = $(if $(filter 1,$(HAVE_DNNL)),$(filter test/tools/gemm_bench.c,$(1)))
 deps_of = $(sort $(patsubst %.cu,$(BUILD)/%.o,$(patsubst %.c,$(BUILD)/%.o,$(call raw_deps,$(1)))) \
           $(if $(call needs_cuda,$(1)),$(CU_OBJ)))
 define link_rule
 $(2): $(BUILD)/$(1:%.c=%.o) $(call deps_of,$(1))
 	@mkdir -p $$(@D)
 	@$$(if $$(Q),echo "  LD      $$@")
-	$$(Q)$$(CC) $$(LDFLAGS) -o $$@ $$^ $$(ALL_LIBS) $$(CMOCKA_LIBS) $(if $(call needs_cuda,$(1)),$$(CUDA_LIBS))
+	$$(Q)$$(CC) $$(LDFLAGS) -o $$@ $$^ $$(ALL_LIBS) $$(CMOCKA_LIBS) $(if $(call needs_cuda,$(1)),$$(CUDA_LIBS)) $(if $(call needs_dnnl,$(1)),$$(DNNL_LIBS))
 endef
 $(foreach t,$(UNIT_SRC),$(eval $(call link_rule,$(t),$(t:test/unit/%.c=$(BUILD)/test/%))))
 $(foreach t,$(TOOL_SRC),$(eval $(call link_rule,$(t),$(t:test/tools/%.c=$(BUILD)/tools/%))))

@@ -27,13 +27,21 @@ bench_parallel() {
   "$PYTHON" scripts/bench_parallel.py
 }
 
+# --- section: mixed. bf16 mixed precision against fp32: training throughput of bin/trainer and
+# of PyTorch (eager, and autocast to bfloat16) at THREADS threads; the bytes each collective moves
+# per step under FSDP and DDP at 4 ranks; per-rank memory by class and peak RSS with activation
+# checkpointing off, full and selective. OpenBLAS pinned as in bench_trainer, for PyTorch's side.
+bench_mixed() {
+  OPENBLAS_NUM_THREADS="$THREADS" "$PYTHON" scripts/bench_mixed.py --threads "$THREADS"
+}
+
 # --- section: launcher. meshrun's start-to-exit, failure-to-restart and 64-node rendezvous
 # times, beside torchrun's when one is installed.
 bench_launcher() {
   scripts/bench-launcher.sh
 }
 
-SECTIONS="launcher trainer parallel"
+SECTIONS="launcher trainer parallel mixed"
 
 failed=()
 for s in $SECTIONS; do

@@ -2,15 +2,16 @@
 # test-gpu: the checks that need a GPU (make test-gpu), designed to finish within 10 minutes on
 # one GPU. In order:
 #   1. each GPU test binary given as an argument, in its own process: CUDA kernels against the cpu
-#      backend, determinism, NCCL bootstrap in a group of one through the store and the staged
-#      comm over the cuda backend (test_nccl);
+#      backend in fp32 and bf16, determinism, NCCL bootstrap in a group of one through the store
+#      and the staged comm over the cuda backend (test_nccl);
 #   2. training equivalence: 20 steps of a small plan in fp32 (TF32 off:
 #      parallel.mixed_precision.allow_tf32=false) on device cuda vs device cpu, every step's loss
 #      within 1e-4 (max difference printed), and the cuda run twice for the same loss bits;
-#   3. bf16 mixed precision on cuda vs the cpu fp32 losses, within 2e-2 (while the trainer refuses
-#      an explicit bf16 this is "not yet", counted as neither passed nor failed); and the defaults
-#      of a GPU machine: device auto picks cuda, and param_dtype left at its default (bf16 on
-#      cuda) trains in fp32 with one log line saying so;
+#   3. bf16 mixed precision: 20 steps on cuda against the cpu backend's bf16 losses (the same
+#      arithmetic up to summation order) and the cpu fp32 ones, each within 2e-2 relative; FSDP
+#      over 2 ranks in bf16 (staged comm, bf16 all-gathers) against the serial cuda bf16 losses
+#      within 2e-2; and the defaults of a GPU machine: device auto picks cuda, and param_dtype
+#      left at its default trains in bf16 with one log line saying so;
 #   4. multi-rank plans on the one GPU through the staged comm under bin/meshrun (ddp2, fsdp2,
 #      tp2; MESHRUN_COMM_BACKEND=staged), each against the serial cuda losses within 1e-4 relative
 #      (the parallel plans' tolerance on cpu), TF32 off; then, with 2 or more GPUs, the same plans
@@ -149,13 +150,16 @@ else
 fi
 
 # --- 3. bf16 ------------------------------------------------------------------------------------
-echo "== bf16 mixed precision (20 steps): cuda bf16 vs cpu fp32 losses"
-if run cuda_bf16 "$DEV" bf16; then
-  if compare "$work/cpu.jsonl" "$work/cuda_bf16.jsonl" 2e-2 abs; then ok "cuda bf16 losses = cpu fp32 within 2e-2"
+echo "== bf16 mixed precision (20 steps): cuda bf16 vs cpu bf16 and cpu fp32 losses"
+if ! run cpu_bf16 cpu bf16; then bad "cpu bf16 reference run"; tail_log cpu_bf16
+elif run cuda_bf16 "$DEV" bf16; then
+  if compare "$work/cpu_bf16.jsonl" "$work/cuda_bf16.jsonl" 2e-2 rel; then ok "cuda bf16 losses = cpu bf16 within 2e-2"
+  else bad "cuda bf16 losses vs cpu bf16"; fi
+  if compare "$work/cpu.jsonl" "$work/cuda_bf16.jsonl" 2e-2 rel; then ok "cuda bf16 losses = cpu fp32 within 2e-2"
   else bad "cuda bf16 losses vs cpu fp32"; fi
-elif grep -q "bf16 is not built yet" "$work/cuda_bf16.log"; then
-  echo "   not yet: bf16 ($(grep -m1 'bf16 is not built yet' "$work/cuda_bf16.log" | cut -c1-100)...)"
-  notyet+=("bf16")
+  if run cuda_bf16_again "$DEV" bf16 && compare "$work/cuda_bf16.jsonl" "$work/cuda_bf16_again.jsonl" 0 bits; then
+    ok "cuda bf16 run twice: same loss bits"
+  else bad "cuda bf16 determinism (two runs)"; tail_log cuda_bf16_again; fi
 else bad "cuda bf16 run"; tail_log cuda_bf16; fi
 
 echo "== the defaults on a GPU machine: device auto, param_dtype unset"
@@ -166,9 +170,9 @@ if [ "$DEV" = cuda ]; then
   if [ $rc -ne 0 ]; then bad "device auto, default param_dtype (status $rc)"; tail_log defaults
   elif ! grep -q "device auto: cuda" "$work/defaults.log"; then
     bad "device auto did not pick cuda"; grep -m1 "device auto" "$work/defaults.log" | sed 's/^/   /'
-  elif ! grep -q "is not built yet; training in fp32" "$work/defaults.log"; then
-    bad "default param_dtype on cuda: no line saying it trains in fp32"
-  else ok "device auto picks cuda; default param_dtype trains in fp32 with a log line"; fi
+  elif ! grep -q "param_dtype bf16, reduce_dtype fp32 (param_dtype: the device's default)" "$work/defaults.log"; then
+    bad "default param_dtype on cuda: no line saying it trains in bf16"
+  else ok "device auto picks cuda; default param_dtype trains in bf16 with a log line"; fi
 else
   echo "   skipped: TEST_GPU_DEVICE=$DEV"; skipped+=("defaults")
 fi
@@ -176,17 +180,19 @@ fi
 # --- 4. multi-rank plans on one GPU (staged comm), then on several GPUs (nccl) -----------------
 FAST_CONF="join_timeout=20,last_call_timeout=0.5,heartbeat_interval=0.1,heartbeat_timeout=1"
 declare -A MESH=([ddp2]="2 1 1" [fsdp2]="1 2 1" [tp2]="1 1 2")
-# parallel_plan PLAN COMM: 2 ranks under meshrun with MESHRUN_COMM_BACKEND=COMM ("" = the
-# trainer's choice), losses against the serial cuda run; the comm backend rank 0 logged must be
-# WANT (the third argument).
+# parallel_plan PLAN COMM WANT [DTYPE]: 2 ranks under meshrun with MESHRUN_COMM_BACKEND=COMM (""
+# = the trainer's choice), losses against the serial cuda run of DTYPE (fp32: within 1e-4; bf16:
+# within 2e-2); the comm backend rank 0 logged must be WANT.
 parallel_plan() {
-  local plan=$1 comm=$2 want=$3 name="$1_${3}" r s t rc
+  local plan=$1 comm=$2 want=$3 dtype=${4:-fp32} r s t rc
+  local name="$1_${3}_$dtype" ref="$work/cuda.jsonl" tol=1e-4
+  [ "$dtype" = bf16 ] && ref="$work/cuda_bf16.jsonl" tol=2e-2
   read -r r s t <<<"${MESH[$plan]}"
-  if [ ! -s "$work/cuda.jsonl" ]; then bad "$name (no serial cuda losses to compare with)"; return; fi
+  if [ ! -s "$ref" ]; then bad "$name (no serial cuda $dtype losses to compare with)"; return; fi
   (unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MESHRUN_STORE
    MESHRUN_COMM_BACKEND=$comm OMP_NUM_THREADS=2 timeout 300 "$MESHRUN" --standalone --nproc_per_node=2 \
      --rdzv_conf="$FAST_CONF" "$TRAINER" "$work/plan.json" --set "device=$DEV" \
-     --set parallel.mixed_precision.param_dtype=fp32 --set parallel.mixed_precision.allow_tf32=false \
+     --set parallel.mixed_precision.param_dtype=$dtype --set parallel.mixed_precision.allow_tf32=false \
      --set "log.metrics_file=$work/$name.jsonl" \
      --set mesh.dp_replicate=$r --set mesh.dp_shard=$s --set mesh.tp=$t) >"$work/$name.log" 2>&1
   rc=$?
@@ -194,33 +200,37 @@ parallel_plan() {
     bad "$name run, status $rc"; grep -m3 -i "error\|trainer:" "$work/$name.log" | sed 's/^/   /'
   elif ! grep -q "comm backend $want " "$work/$name.log"; then
     bad "$name: rank 0 did not log comm backend $want"; grep -m1 "comm backend" "$work/$name.log" | sed 's/^/   /'
-  elif compare "$work/cuda.jsonl" "$work/$name.jsonl" 1e-4 rel; then ok "$name losses = serial cuda within 1e-4"
-  else bad "$name losses vs serial cuda"; fi
+  elif compare "$ref" "$work/$name.jsonl" $tol rel; then ok "$name losses = serial cuda $dtype within $tol"
+  else bad "$name losses vs serial cuda $dtype"; fi
 }
 echo "== parallel plans on one GPU through the staged comm (meshrun, 2 ranks each) vs serial cuda"
 for plan in ddp2 fsdp2 tp2; do parallel_plan $plan staged staged; done
+parallel_plan fsdp2 staged staged bf16
 
 echo "== parallel plans on 2 GPUs through nccl (the trainer's choice with one GPU per rank)"
 ngpu=0
 [ "$DEV" = cuda ] && command -v nvidia-smi >/dev/null 2>&1 && ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
 if [ "$ngpu" -ge 2 ]; then
   for plan in ddp2 fsdp2 tp2; do parallel_plan $plan "" nccl; done
+  parallel_plan fsdp2 "" nccl bf16
 else
   echo "   skipped: $ngpu GPU(s) visible, nccl needs one per rank"; skipped+=("nccl plans")
 fi
 
 # --- 5. compute-sanitizer -----------------------------------------------------------------------
-echo "== compute-sanitizer memcheck (2 cuda steps)"
+echo "== compute-sanitizer memcheck (2 cuda steps, fp32 then bf16)"
 SAN=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
 if [ -n "$SAN" ]; then
-  (unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MESHRUN_STORE
-   timeout 300 "$SAN" --tool memcheck --error-exitcode 99 --print-limit 20 "$TRAINER" "$work/plan.json" \
-     --set device=cuda --set parallel.mixed_precision.param_dtype=fp32 --set train.steps=2 \
-     --set train.global_batch_size=4) >"$work/sanitizer.log" 2>&1
-  rc=$?
-  grep -m1 "ERROR SUMMARY" "$work/sanitizer.log" | sed 's/^/   /'
-  if [ $rc -eq 0 ]; then ok "compute-sanitizer memcheck"
-  else bad "compute-sanitizer memcheck (status $rc)"; grep -m10 "=========" "$work/sanitizer.log" | sed 's/^/   /'; fi
+  for dtype in fp32 bf16; do
+    (unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MESHRUN_STORE
+     timeout 240 "$SAN" --tool memcheck --error-exitcode 99 --print-limit 20 "$TRAINER" "$work/plan.json" \
+       --set device=cuda --set parallel.mixed_precision.param_dtype=$dtype --set train.steps=2 \
+       --set train.global_batch_size=4) >"$work/sanitizer_$dtype.log" 2>&1
+    rc=$?
+    grep -m1 "ERROR SUMMARY" "$work/sanitizer_$dtype.log" | sed 's/^/   /'
+    if [ $rc -eq 0 ]; then ok "compute-sanitizer memcheck ($dtype)"
+    else bad "compute-sanitizer memcheck $dtype (status $rc)"; grep -m10 "=========" "$work/sanitizer_$dtype.log" | sed 's/^/   /'; fi
+  done
 else
   echo "   skipped: compute-sanitizer not found"; skipped+=("compute-sanitizer")
 fi

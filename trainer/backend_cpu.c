@@ -1,4 +1,4 @@
-/* backend_cpu: the fp32 host implementation of backend.h.
+/* backend_cpu: the host implementation of backend.h, fp32 arithmetic for fp32 and bf16 tensors.
  *
  * Every matrix product is an OpenBLAS cblas_sgemm (row-major); the rest are OpenMP loops with
  * num_threads(threads) and static schedules. Determinism comes from never letting two threads
@@ -16,9 +16,21 @@
  * two thread pools (OpenMP's and OpenBLAS's) each pool's idle workers spin while the other
  * computes, which cost ~20% at 2 threads on 2 cores.
  *
- * Scratch (attention score blocks, sumsq partials, RoPE cos/sin table) is cached in the backend
- * and grows only when a call needs more than any earlier call; it is not thread-safe to call
- * one backend from several threads at once. */
+ * bf16 (dt = DT_BF16) reuses the fp32 kernels rather than having its own: a bf16 call widens
+ * its bf16 inputs into fp32 scratch (exact), and, for the outputs it accumulates into (dx +=,
+ * matmul's beta * c), their old values too; runs the fp32 kernel on the scratch; and rounds each
+ * bf16 output once, to nearest even, on the way back. So there is one copy of every kernel's
+ * arithmetic, fp32 calls compute exactly the bits they did before dtypes existed, and a bf16
+ * result is by construction round(fp32 kernel on the widened inputs), which the unit test checks
+ * bit for bit. The price is the widen and round passes (memory-bound, vectorized, threaded above
+ * PAR_MIN) and fp32 scratch as large as the largest call's tensors, which is fine on a host
+ * where memory is not the scarce resource. Row copies (embedding_fwd, copy_2d) and add need no
+ * scratch: they move bytes, or widen, add and round in one loop. matmul's bf16 path is the one
+ * function matmul_bf16, so that a native bf16 GEMM could replace it.
+ *
+ * Scratch (attention score blocks, sumsq partials, RoPE cos/sin table, the fp32 copies of bf16
+ * tensors) is cached in the backend and grows only when a call needs more than any earlier
+ * call; it is not thread-safe to call one backend from several threads at once. */
 /* The clamps in vexpf vectorize only when GCC may if-convert float compares, which it refuses
  * under the default -ftrapping-math. Nothing here reads floating-point exception flags, and the
  * option changes no result (it allows no reassociation), so this file turns it off. */
@@ -33,6 +45,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "trainer/bf16.h"
 
 #define ATT_BLOCK 64                  /* query rows per attention block */
 #define SUMSQ_CHUNK ((size_t)1 << 15) /* elements per sumsq partial */
@@ -51,6 +65,9 @@ typedef struct {
   size_t rope_cap;
   int rope_t, rope_d, rope_offset;
   float rope_theta;
+  /* bf16 calls: the fp32 copies of their tensors, carved by wide_bufs */
+  float *wide;
+  size_t wide_floats;
 } cpu_t;
 
 static cpu_t *cpu_of(backend_t *be) { return be->impl; }
@@ -130,6 +147,58 @@ static void fill_nan(float *x, size_t n) {
   for (size_t i = 0; i < n; i++)
     x[i] = NAN;
 }
+static void fill_nan_bf16(void *x, size_t n) {
+  bf16_t *h = x, nan = bf16_from_f32(NAN);
+  for (size_t i = 0; i < n; i++)
+    h[i] = nan;
+}
+
+/* ------------------------------------------------------------------ bf16: widen, compute, round */
+
+/* Carves count fp32 buffers of n[i] floats out of the backend's cached scratch into out[i], each
+ * starting on 64 bytes. The scratch grows only (to the largest call so far) and keeps nothing
+ * between calls. Returns 0, or -1 after a message when it cannot grow: kernels have no error
+ * path, so the caller then fills its outputs with NaN, which the loss carries to the trainer. */
+static int wide_bufs(cpu_t *cp, int count, const size_t *n, float **out) {
+  size_t total = 16; /* never empty, so that no pointer is carved from NULL */
+  for (int i = 0; i < count; i++)
+    total += (n[i] + 15) & ~(size_t)15;
+  if (total > cp->wide_floats) {
+    free(cp->wide);
+    cp->wide_floats = 0;
+    cp->wide = aligned_alloc(64, total * sizeof(float));
+    if (!cp->wide) {
+      fprintf(stderr, "backend cpu: out of memory for bf16 scratch (%zu floats); output set to NaN\n", total);
+      return -1;
+    }
+    cp->wide_floats = total;
+  }
+  float *p = cp->wide;
+  for (int i = 0; i < count; i++) {
+    out[i] = p;
+    p += (n[i] + 15) & ~(size_t)15;
+  }
+  return 0;
+}
+
+/* dst (fp32) = src (bf16), exact. Plain loops over bf16.h's inline conversions: GCC vectorizes
+ * both directions with SSE4 integer ops (no bf16 instructions needed). */
+static void widen(cpu_t *cp, float *dst, const void *src, size_t n) {
+  const bf16_t *h = src;
+  int nt = cp->threads;
+#pragma omp parallel for num_threads(nt) schedule(static) if (n > PAR_MIN)
+  for (size_t i = 0; i < n; i++)
+    dst[i] = bf16_to_f32(h[i]);
+}
+
+/* dst (bf16) = src (fp32) rounded to nearest even: the one rounding of a bf16 store. */
+static void narrow(cpu_t *cp, void *dst, const float *src, size_t n) {
+  bf16_t *h = dst;
+  int nt = cp->threads;
+#pragma omp parallel for num_threads(nt) schedule(static) if (n > PAR_MIN)
+  for (size_t i = 0; i < n; i++)
+    h[i] = bf16_from_f32(src[i]);
+}
 
 /* ------------------------------------------------------------------ memory */
 
@@ -166,7 +235,7 @@ static void sgemm_block(float *c, const float *a, const float *b, int m, int n, 
  * single-threaded sgemm: OpenBLAS's own thread pool stays asleep, so OpenMP and OpenBLAS workers
  * never spin against each other on the same cores. Each element of c is computed by one thread
  * with the full k loop, so the result does not depend on the split. */
-static void cpu_matmul(backend_t *be, float *c, const float *a, const float *b, int m, int n, int k, int trans_a,
+static void matmul_f32(backend_t *be, float *c, const float *a, const float *b, int m, int n, int k, int trans_a,
                        int trans_b, float alpha, float beta) {
   if (m <= 0 || n <= 0) return;
   if (k <= 0) { /* c = beta * c; sgemm implementations differ on k = 0 */
@@ -196,13 +265,65 @@ static void cpu_matmul(backend_t *be, float *c, const float *a, const float *b, 
   }
 }
 
+/* Every product with a bf16 tensor: bf16 operands are widened (exact, and so are their products
+ * in fp32: 8-bit significands), matmul_f32 computes the fp32 product, into c itself when c is
+ * fp32 (dW += dy^T x accumulates there directly), else into scratch holding the widened old c
+ * (when beta != 0), which is then rounded once into c. (fp32 operands with a bf16 c, outside
+ * backend.h's combinations, work the same way.) The whole bf16 GEMM is this function, so that a
+ * native one can replace it. */
+static void matmul_bf16(backend_t *be, void *c, const void *a, const void *b, int m, int n, int k, int trans_a,
+                        int trans_b, float alpha, float beta, dtype_t ab_dt, dtype_t c_dt) {
+  cpu_t *cp = cpu_of(be);
+  size_t na = (size_t)m * k, nb = (size_t)k * n, nc = (size_t)m * n;
+  int wide_ab = ab_dt == DT_BF16, wide_c = c_dt == DT_BF16;
+  float *s[3];
+  if (wide_bufs(cp, 3, (size_t[]){wide_ab ? na : 0, wide_ab ? nb : 0, wide_c ? nc : 0}, s) != 0) {
+    if (wide_c)
+      fill_nan_bf16(c, nc);
+    else
+      fill_nan(c, nc);
+    return;
+  }
+  const float *fa = a, *fb = b;
+  float *fc = wide_c ? s[2] : c;
+  if (wide_ab) {
+    widen(cp, s[0], a, na);
+    widen(cp, s[1], b, nb);
+    fa = s[0];
+    fb = s[1];
+  }
+  if (wide_c && beta != 0.0f) widen(cp, fc, c, nc);
+  matmul_f32(be, fc, fa, fb, m, n, k, trans_a, trans_b, alpha, beta);
+  if (wide_c) narrow(cp, c, fc, nc);
+}
+
+static void cpu_matmul(backend_t *be, void *c, const void *a, const void *b, int m, int n, int k, int trans_a,
+                       int trans_b, float alpha, float beta, dtype_t ab_dt, dtype_t c_dt) {
+  if (m <= 0 || n <= 0) return;
+  if (ab_dt == DT_F32 && c_dt == DT_F32)
+    matmul_f32(be, c, a, b, m, n, k, trans_a, trans_b, alpha, beta);
+  else
+    matmul_bf16(be, c, a, b, m, n, k, trans_a, trans_b, alpha, beta, ab_dt, c_dt);
+}
+
 /* ------------------------------------------------------------------ elementwise */
 
-static void cpu_add(backend_t *be, float *out, const float *a, const float *b, size_t n) {
+/* bf16: widen, add, round in one loop (no scratch); out may alias a or b either way. */
+static void cpu_add(backend_t *be, void *out, const void *a, const void *b, size_t n, dtype_t dt) {
   int nt = cpu_of(be)->threads;
+  if (dt == DT_F32) {
+    float *o = out;
+    const float *x = a, *y = b;
+#pragma omp parallel for num_threads(nt) schedule(static) if (n > PAR_MIN)
+    for (size_t i = 0; i < n; i++)
+      o[i] = x[i] + y[i];
+    return;
+  }
+  bf16_t *o = out;
+  const bf16_t *x = a, *y = b;
 #pragma omp parallel for num_threads(nt) schedule(static) if (n > PAR_MIN)
   for (size_t i = 0; i < n; i++)
-    out[i] = a[i] + b[i];
+    o[i] = bf16_from_f32(bf16_to_f32(x[i]) + bf16_to_f32(y[i]));
 }
 
 static void cpu_scale(backend_t *be, float *x, float s, size_t n) {
@@ -246,25 +367,45 @@ static double cpu_sumsq(backend_t *be, const float *x, size_t n) {
   return total;
 }
 
+/* Same dtypes: a byte copy, in chunks of PAR_MIN floats' bytes split among the threads. */
+static void cpu_convert(backend_t *be, void *dst, dtype_t dst_dt, const void *src, dtype_t src_dt, size_t n) {
+  cpu_t *cp = cpu_of(be);
+  if (dst_dt == src_dt) {
+    size_t bytes = n * dtype_size(dst_dt), chunk = PAR_MIN * sizeof(float), nch = (bytes + chunk - 1) / chunk;
+    int nt = cp->threads;
+#pragma omp parallel for num_threads(nt) schedule(static) if (nch > 1)
+    for (size_t c = 0; c < nch; c++) {
+      size_t off = c * chunk, len = bytes - off < chunk ? bytes - off : chunk;
+      memcpy((char *)dst + off, (const char *)src + off, len);
+    }
+  } else if (dst_dt == DT_F32) {
+    widen(cp, dst, src, n);
+  } else {
+    narrow(cp, dst, src, n);
+  }
+}
+
 /* ------------------------------------------------------------------ embedding */
 
-static void cpu_embedding_fwd(backend_t *be, float *out, const float *table, const int32_t *tokens, int n, int c,
-                              int vocab_start, int rows) {
+/* Rows are copied as bytes, whatever their dtype (a bf16 row needs no arithmetic). */
+static void cpu_embedding_fwd(backend_t *be, void *out, const void *table, const int32_t *tokens, int n, int c,
+                              int vocab_start, int rows, dtype_t dt) {
   int nt = cpu_of(be)->threads;
+  size_t row = (size_t)c * dtype_size(dt); /* bytes */
 #pragma omp parallel for num_threads(nt) schedule(static) if ((size_t)n * c > PAR_MIN)
   for (int i = 0; i < n; i++) {
     int r = tokens[i] - vocab_start;
-    float *o = out + (size_t)i * c;
+    char *o = (char *)out + (size_t)i * row;
     if (r >= 0 && r < rows)
-      memcpy(o, table + (size_t)r * c, (size_t)c * sizeof *o);
+      memcpy(o, (const char *)table + (size_t)r * row, row);
     else
-      memset(o, 0, (size_t)c * sizeof *o);
+      memset(o, 0, row);
   }
 }
 
 /* Threads split the columns; each walks all rows in order, so a token that appears twice is
  * accumulated in position order whatever the thread count. */
-static void cpu_embedding_bwd(backend_t *be, float *dtable, const float *dout, const int32_t *tokens, int n, int c,
+static void embedding_bwd_f32(backend_t *be, float *dtable, const float *dout, const int32_t *tokens, int n, int c,
                               int vocab_start, int rows) {
   int nt = cpu_of(be)->threads;
 #pragma omp parallel num_threads(nt) if ((size_t)n * c > PAR_MIN)
@@ -282,9 +423,27 @@ static void cpu_embedding_bwd(backend_t *be, float *dtable, const float *dout, c
   }
 }
 
+/* dtable is fp32 whatever dt is; only dout is widened. */
+static void cpu_embedding_bwd(backend_t *be, float *dtable, const void *dout, const int32_t *tokens, int n, int c,
+                              int vocab_start, int rows, dtype_t dt) {
+  if (dt == DT_F32) {
+    embedding_bwd_f32(be, dtable, dout, tokens, n, c, vocab_start, rows);
+    return;
+  }
+  cpu_t *cp = cpu_of(be);
+  size_t nc = (size_t)n * c;
+  float *s[1];
+  if (wide_bufs(cp, 1, &nc, s) != 0) {
+    fill_nan(dtable, (size_t)rows * c);
+    return;
+  }
+  widen(cp, s[0], dout, nc);
+  embedding_bwd_f32(be, dtable, s[0], tokens, n, c, vocab_start, rows);
+}
+
 /* ------------------------------------------------------------------ RMSNorm */
 
-static void cpu_rmsnorm_fwd(backend_t *be, float *out, float *rstd, const float *x, const float *w, int n, int c,
+static void rmsnorm_fwd_f32(backend_t *be, float *out, float *rstd, const float *x, const float *w, int n, int c,
                             float eps) {
   int nt = cpu_of(be)->threads;
 #pragma omp parallel for num_threads(nt) schedule(static) if ((size_t)n * c > PAR_MIN)
@@ -304,7 +463,7 @@ static void cpu_rmsnorm_fwd(backend_t *be, float *out, float *rstd, const float 
 /* y_j = x_j r w_j, r = (mean(x^2) + eps)^(-1/2):
  *   dx_j += r w_j dy_j - x_j r^3 / C * sum_k dy_k w_k x_k,   dw_j += sum_rows dy_j x_j r.
  * dx is split by rows, dw by columns (no two threads add into one value). */
-static void cpu_rmsnorm_bwd(backend_t *be, float *dx, float *dw, const float *dout, const float *x, const float *w,
+static void rmsnorm_bwd_f32(backend_t *be, float *dx, float *dw, const float *dout, const float *x, const float *w,
                             const float *rstd, int n, int c) {
   int nt = cpu_of(be)->threads;
 #pragma omp parallel num_threads(nt) if ((size_t)n * c > PAR_MIN)
@@ -329,6 +488,48 @@ static void cpu_rmsnorm_bwd(backend_t *be, float *dx, float *dw, const float *do
         dw[j] += di[j] * xi[j] * r;
     }
   }
+}
+
+static void cpu_rmsnorm_fwd(backend_t *be, void *out, float *rstd, const void *x, const void *w, int n, int c,
+                            float eps, dtype_t dt) {
+  if (dt == DT_F32) {
+    rmsnorm_fwd_f32(be, out, rstd, x, w, n, c, eps);
+    return;
+  }
+  cpu_t *cp = cpu_of(be);
+  size_t nc = (size_t)n * c;
+  float *s[3]; /* x, w, out */
+  if (wide_bufs(cp, 3, (size_t[]){nc, (size_t)c, nc}, s) != 0) {
+    fill_nan_bf16(out, nc);
+    fill_nan(rstd, (size_t)n);
+    return;
+  }
+  widen(cp, s[0], x, nc);
+  widen(cp, s[1], w, (size_t)c);
+  rmsnorm_fwd_f32(be, s[2], rstd, s[0], s[1], n, c, eps);
+  narrow(cp, out, s[2], nc);
+}
+
+/* dx (bf16) accumulates: its old value is widened, the fp32 kernel adds, the sum is rounded. */
+static void cpu_rmsnorm_bwd(backend_t *be, void *dx, float *dw, const void *dout, const void *x, const void *w,
+                            const float *rstd, int n, int c, dtype_t dt) {
+  if (dt == DT_F32) {
+    rmsnorm_bwd_f32(be, dx, dw, dout, x, w, rstd, n, c);
+    return;
+  }
+  cpu_t *cp = cpu_of(be);
+  size_t nc = (size_t)n * c;
+  float *s[4]; /* dx, dout, x, w */
+  if (wide_bufs(cp, 4, (size_t[]){nc, nc, nc, (size_t)c}, s) != 0) {
+    fill_nan_bf16(dx, nc);
+    return;
+  }
+  widen(cp, s[0], dx, nc);
+  widen(cp, s[1], dout, nc);
+  widen(cp, s[2], x, nc);
+  widen(cp, s[3], w, (size_t)c);
+  rmsnorm_bwd_f32(be, s[0], dw, s[1], s[2], s[3], rstd, n, c);
+  narrow(cp, dx, s[0], nc);
 }
 
 /* ------------------------------------------------------------------ RoPE */
@@ -391,11 +592,30 @@ static void rope_apply(backend_t *be, float *x, int b, int t, int h, int d, int 
   }
 }
 
-static void cpu_rope_fwd(backend_t *be, float *x, int b, int t, int h, int d, int pos_offset, float theta) {
-  rope_apply(be, x, b, t, h, d, pos_offset, theta, 1.0f);
+/* bf16: x is widened, rotated in fp32 and rounded back in place. */
+static void rope_dt(backend_t *be, void *x, int b, int t, int h, int d, int pos_offset, float theta, float sign,
+                    dtype_t dt) {
+  if (dt == DT_F32) {
+    rope_apply(be, x, b, t, h, d, pos_offset, theta, sign);
+    return;
+  }
+  cpu_t *cp = cpu_of(be);
+  size_t nx = (size_t)b * t * h * d;
+  float *s[1];
+  if (wide_bufs(cp, 1, &nx, s) != 0) {
+    fill_nan_bf16(x, nx);
+    return;
+  }
+  widen(cp, s[0], x, nx);
+  rope_apply(be, s[0], b, t, h, d, pos_offset, theta, sign);
+  narrow(cp, x, s[0], nx);
 }
-static void cpu_rope_bwd(backend_t *be, float *dx, int b, int t, int h, int d, int pos_offset, float theta) {
-  rope_apply(be, dx, b, t, h, d, pos_offset, theta, -1.0f);
+
+static void cpu_rope_fwd(backend_t *be, void *x, int b, int t, int h, int d, int pos_offset, float theta, dtype_t dt) {
+  rope_dt(be, x, b, t, h, d, pos_offset, theta, 1.0f, dt);
+}
+static void cpu_rope_bwd(backend_t *be, void *dx, int b, int t, int h, int d, int pos_offset, float theta, dtype_t dt) {
+  rope_dt(be, dx, b, t, h, d, pos_offset, theta, -1.0f, dt);
 }
 
 /* ------------------------------------------------------------------ attention */
@@ -444,7 +664,7 @@ static void att_probs(float *s, int r0, int r1, const float *lse_in, float *lse_
   }
 }
 
-static void cpu_attention_fwd(backend_t *be, float *out, float *lse, const float *q, const float *k, const float *v,
+static void attention_fwd_f32(backend_t *be, float *out, float *lse, const float *q, const float *k, const float *v,
                               int b, int t, int h, int kv, int d) {
   cpu_t *cp = cpu_of(be);
   float *scratch = att_scratch(cp, t);
@@ -481,7 +701,7 @@ static void cpu_attention_fwd(backend_t *be, float *out, float *lse, const float
 /* Per (batch, kv head) task, over its query heads in order (deterministic dk/dv sums):
  *   p = exp(s - lse), dv += p^T do, dp = do v^T, ds = p * (dp - rowsum(do * o)),
  *   dq += scale ds k, dk += scale ds^T q. */
-static void cpu_attention_bwd(backend_t *be, float *dq, float *dk, float *dv, const float *dout, const float *q,
+static void attention_bwd_f32(backend_t *be, float *dq, float *dk, float *dv, const float *dout, const float *q,
                               const float *k, const float *v, const float *out, const float *lse, int b, int t, int h,
                               int kv, int d) {
   cpu_t *cp = cpu_of(be);
@@ -539,9 +759,59 @@ static void cpu_attention_bwd(backend_t *be, float *dq, float *dk, float *dv, co
   }
 }
 
+static void cpu_attention_fwd(backend_t *be, void *out, float *lse, const void *q, const void *k, const void *v, int b,
+                              int t, int h, int kv, int d, dtype_t dt) {
+  if (dt == DT_F32) {
+    attention_fwd_f32(be, out, lse, q, k, v, b, t, h, kv, d);
+    return;
+  }
+  cpu_t *cp = cpu_of(be);
+  size_t nq = (size_t)b * t * h * d, nk = (size_t)b * t * kv * d;
+  float *s[4]; /* q, k, v, out */
+  if (wide_bufs(cp, 4, (size_t[]){nq, nk, nk, nq}, s) != 0) {
+    fill_nan_bf16(out, nq);
+    return;
+  }
+  widen(cp, s[0], q, nq);
+  widen(cp, s[1], k, nk);
+  widen(cp, s[2], v, nk);
+  attention_fwd_f32(be, s[3], lse, s[0], s[1], s[2], b, t, h, kv, d);
+  narrow(cp, out, s[3], nq);
+}
+
+/* bf16: dq, dk and dv sum over query blocks and query heads in fp32 scratch (their old values
+ * widened first) and are rounded once at the end, not after every block. */
+static void cpu_attention_bwd(backend_t *be, void *dq, void *dk, void *dv, const void *dout, const void *q,
+                              const void *k, const void *v, const void *out, const float *lse, int b, int t, int h,
+                              int kv, int d, dtype_t dt) {
+  if (dt == DT_F32) {
+    attention_bwd_f32(be, dq, dk, dv, dout, q, k, v, out, lse, b, t, h, kv, d);
+    return;
+  }
+  cpu_t *cp = cpu_of(be);
+  size_t nq = (size_t)b * t * h * d, nk = (size_t)b * t * kv * d;
+  float *s[8]; /* dq, dk, dv, dout, q, k, v, out */
+  if (wide_bufs(cp, 8, (size_t[]){nq, nk, nk, nq, nq, nk, nk, nq}, s) != 0) {
+    fill_nan_bf16(dq, nq);
+    return;
+  }
+  widen(cp, s[0], dq, nq);
+  widen(cp, s[1], dk, nk);
+  widen(cp, s[2], dv, nk);
+  widen(cp, s[3], dout, nq);
+  widen(cp, s[4], q, nq);
+  widen(cp, s[5], k, nk);
+  widen(cp, s[6], v, nk);
+  widen(cp, s[7], out, nq);
+  attention_bwd_f32(be, s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], lse, b, t, h, kv, d);
+  narrow(cp, dq, s[0], nq);
+  narrow(cp, dk, s[1], nk);
+  narrow(cp, dv, s[2], nk);
+}
+
 /* ------------------------------------------------------------------ SwiGLU */
 
-static void cpu_swiglu_fwd(backend_t *be, float *out, const float *a, const float *g, size_t n) {
+static void swiglu_fwd_f32(backend_t *be, float *out, const float *a, const float *g, size_t n) {
   int nt = cpu_of(be)->threads;
 #pragma omp parallel for num_threads(nt) schedule(static) if (n > PAR_MIN)
   for (size_t i = 0; i < n; i++) {
@@ -551,7 +821,7 @@ static void cpu_swiglu_fwd(backend_t *be, float *out, const float *a, const floa
 }
 
 /* silu(a) = a s, s = sigmoid(a); silu'(a) = s (1 + a (1 - s)). */
-static void cpu_swiglu_bwd(backend_t *be, float *da, float *dg, const float *dout, const float *a, const float *g,
+static void swiglu_bwd_f32(backend_t *be, float *da, float *dg, const float *dout, const float *a, const float *g,
                            size_t n) {
   int nt = cpu_of(be)->threads;
 #pragma omp parallel for num_threads(nt) schedule(static) if (n > PAR_MIN)
@@ -562,9 +832,49 @@ static void cpu_swiglu_bwd(backend_t *be, float *da, float *dg, const float *dou
   }
 }
 
+static void cpu_swiglu_fwd(backend_t *be, void *out, const void *a, const void *g, size_t n, dtype_t dt) {
+  if (dt == DT_F32) {
+    swiglu_fwd_f32(be, out, a, g, n);
+    return;
+  }
+  cpu_t *cp = cpu_of(be);
+  float *s[3]; /* a, g, out */
+  if (wide_bufs(cp, 3, (size_t[]){n, n, n}, s) != 0) {
+    fill_nan_bf16(out, n);
+    return;
+  }
+  widen(cp, s[0], a, n);
+  widen(cp, s[1], g, n);
+  swiglu_fwd_f32(be, s[2], s[0], s[1], n);
+  narrow(cp, out, s[2], n);
+}
+
+static void cpu_swiglu_bwd(backend_t *be, void *da, void *dg, const void *dout, const void *a, const void *g, size_t n,
+                           dtype_t dt) {
+  if (dt == DT_F32) {
+    swiglu_bwd_f32(be, da, dg, dout, a, g, n);
+    return;
+  }
+  cpu_t *cp = cpu_of(be);
+  float *s[5]; /* da, dg, dout, a, g */
+  if (wide_bufs(cp, 5, (size_t[]){n, n, n, n, n}, s) != 0) {
+    fill_nan_bf16(da, n);
+    fill_nan_bf16(dg, n);
+    return;
+  }
+  widen(cp, s[0], da, n);
+  widen(cp, s[1], dg, n);
+  widen(cp, s[2], dout, n);
+  widen(cp, s[3], a, n);
+  widen(cp, s[4], g, n);
+  swiglu_bwd_f32(be, s[0], s[1], s[2], s[3], s[4], n);
+  narrow(cp, da, s[0], n);
+  narrow(cp, dg, s[1], n);
+}
+
 /* ------------------------------------------------------------------ cross-entropy */
 
-static void cpu_cross_entropy(backend_t *be, float *losses, float *dlogits, const float *logits, const int32_t *targets,
+static void cross_entropy_f32(backend_t *be, float *losses, float *dlogits, const float *logits, const int32_t *targets,
                               int n, int v, int ld, float grad_scale) {
   int nt = cpu_of(be)->threads;
 #pragma omp parallel for num_threads(nt) schedule(static) if ((size_t)n * v > PAR_MIN)
@@ -595,24 +905,46 @@ static void cpu_cross_entropy(backend_t *be, float *losses, float *dlogits, cons
   }
 }
 
+/* bf16: the logits are widened into one fp32 buffer, which the fp32 kernel overwrites with the
+ * gradient in place (as it does when dlogits aliases logits), rounded into dlogits. */
+static void cpu_cross_entropy(backend_t *be, float *losses, void *dlogits, const void *logits, const int32_t *targets,
+                              int n, int v, int ld, float grad_scale, dtype_t dt) {
+  if (dt == DT_F32) {
+    cross_entropy_f32(be, losses, dlogits, logits, targets, n, v, ld, grad_scale);
+    return;
+  }
+  cpu_t *cp = cpu_of(be);
+  size_t nl = (size_t)n * ld;
+  float *s[1];
+  if (wide_bufs(cp, 1, &nl, s) != 0) {
+    fill_nan(losses, (size_t)n);
+    if (dlogits) fill_nan_bf16(dlogits, nl);
+    return;
+  }
+  widen(cp, s[0], logits, nl);
+  cross_entropy_f32(be, losses, dlogits ? s[0] : NULL, s[0], targets, n, v, ld, grad_scale);
+  if (dlogits) narrow(cp, dlogits, s[0], nl);
+}
+
 /* ------------------------------------------------------------------ tensor-parallel pieces */
 
-static void cpu_copy_2d(backend_t *be, float *dst, int ldd, const float *src, int lds, int rows, int cols) {
+static void cpu_copy_2d(backend_t *be, void *dst, int ldd, const void *src, int lds, int rows, int cols, dtype_t dt) {
   if (cols <= 0) return;
+  size_t es = dtype_size(dt); /* bytes per element; a copy needs no arithmetic */
   for (int i = 0; i < rows; i++)
-    memmove(dst + (size_t)i * ldd, src + (size_t)i * lds, (size_t)cols * sizeof(float));
+    memmove((char *)dst + (size_t)i * ldd * es, (const char *)src + (size_t)i * lds * es, (size_t)cols * es);
 }
 
 /* The vocab-parallel cross-entropy in three steps (backend.h); each row reduces in the same
  * fixed order as cpu_cross_entropy's (row_max, row_sumexp). */
-static void cpu_ce_shard_max(backend_t *be, float *rowmax, const float *logits, int n, int v, int ld) {
+static void ce_shard_max_f32(backend_t *be, float *rowmax, const float *logits, int n, int v, int ld) {
   int nt = cpu_of(be)->threads;
 #pragma omp parallel for num_threads(nt) schedule(static) if ((size_t)n * v > PAR_MIN)
   for (int i = 0; i < n; i++)
     rowmax[i] = v > 0 ? row_max(logits + (size_t)i * ld, v) : -FLT_MAX;
 }
 
-static void cpu_ce_shard_stats(backend_t *be, float *stats, const float *logits, const float *rowmax,
+static void ce_shard_stats_f32(backend_t *be, float *stats, const float *logits, const float *rowmax,
                                const int32_t *targets, int n, int v, int ld, int vocab_start) {
   int nt = cpu_of(be)->threads;
 #pragma omp parallel for num_threads(nt) schedule(static) if ((size_t)n * v > PAR_MIN)
@@ -624,7 +956,7 @@ static void cpu_ce_shard_stats(backend_t *be, float *stats, const float *logits,
   }
 }
 
-static void cpu_ce_shard_loss(backend_t *be, float *losses, float *dlogits, const float *logits, const float *rowmax,
+static void ce_shard_loss_f32(backend_t *be, float *losses, float *dlogits, const float *logits, const float *rowmax,
                               const float *stats, const int32_t *targets, int n, int v, int ld, int vocab_start,
                               float grad_scale) {
   int nt = cpu_of(be)->threads;
@@ -651,12 +983,63 @@ static void cpu_ce_shard_loss(backend_t *be, float *losses, float *dlogits, cons
   }
 }
 
+/* bf16 shards: the logits widened into scratch (rows of ld, as they lie), the fp32 step run on
+ * them; ce_shard_loss writes its gradient over that scratch in place and rounds it into
+ * dlogits. Without dlogits it reads no logits at all, so nothing is widened. */
+static float *wide_logits(backend_t *be, const void *logits, int n, int ld) {
+  cpu_t *cp = cpu_of(be);
+  size_t nl = (size_t)n * ld;
+  float *s[1];
+  if (wide_bufs(cp, 1, &nl, s) != 0) return NULL;
+  widen(cp, s[0], logits, nl);
+  return s[0];
+}
+
+static void cpu_ce_shard_max(backend_t *be, float *rowmax, const void *logits, int n, int v, int ld, dtype_t dt) {
+  const float *l = dt == DT_F32 ? logits : wide_logits(be, logits, n, ld);
+  if (!l) {
+    fill_nan(rowmax, (size_t)n);
+    return;
+  }
+  ce_shard_max_f32(be, rowmax, l, n, v, ld);
+}
+
+static void cpu_ce_shard_stats(backend_t *be, float *stats, const void *logits, const float *rowmax,
+                               const int32_t *targets, int n, int v, int ld, int vocab_start, dtype_t dt) {
+  const float *l = dt == DT_F32 ? logits : wide_logits(be, logits, n, ld);
+  if (!l) {
+    fill_nan(stats, 2 * (size_t)n);
+    return;
+  }
+  ce_shard_stats_f32(be, stats, l, rowmax, targets, n, v, ld, vocab_start);
+}
+
+static void cpu_ce_shard_loss(backend_t *be, float *losses, void *dlogits, const void *logits, const float *rowmax,
+                              const float *stats, const int32_t *targets, int n, int v, int ld, int vocab_start,
+                              float grad_scale, dtype_t dt) {
+  if (dt == DT_F32 || !dlogits) {
+    ce_shard_loss_f32(be, losses, dlogits, dt == DT_F32 ? logits : NULL, rowmax, stats, targets, n, v, ld, vocab_start,
+                      grad_scale);
+    return;
+  }
+  float *l = wide_logits(be, logits, n, ld);
+  if (!l) {
+    fill_nan(losses, (size_t)n);
+    fill_nan_bf16(dlogits, (size_t)n * ld);
+    return;
+  }
+  ce_shard_loss_f32(be, losses, l, l, rowmax, stats, targets, n, v, ld, vocab_start, grad_scale);
+  narrow(cpu_of(be), dlogits, l, (size_t)n * ld);
+}
+
 /* ------------------------------------------------------------------ AdamW */
 
-/* PyTorch's AdamW, step for step: p *= 1 - lr wd; m, v moments; p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps). */
-static void cpu_adamw(backend_t *be, float *param, const float *grad, float *m, float *v, size_t n, float lr,
-                      float beta1, float beta2, float eps, float weight_decay, int step, float grad_scale) {
+/* PyTorch's AdamW, step for step: p *= 1 - lr wd; m, v moments; p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps).
+ * With param_lp the bf16 compute copy is rounded from the new fp32 value in the same pass. */
+static void cpu_adamw(backend_t *be, float *param, const float *grad, float *m, float *v, void *param_lp, size_t n,
+                      float lr, float beta1, float beta2, float eps, float weight_decay, int step, float grad_scale) {
   int nt = cpu_of(be)->threads;
+  bf16_t *lp = param_lp;
   float bc1 = 1.0f - powf(beta1, (float)step), bc2 = 1.0f - powf(beta2, (float)step);
   float step_size = lr / bc1, bc2_sqrt = sqrtf(bc2), decay = 1.0f - lr * weight_decay;
 #pragma omp parallel for num_threads(nt) schedule(static) if (n > PAR_MIN)
@@ -668,6 +1051,7 @@ static void cpu_adamw(backend_t *be, float *param, const float *grad, float *m, 
     v[i] = vi;
     float p = param[i] * decay;
     param[i] = p - step_size * mi / (sqrtf(vi) / bc2_sqrt + eps);
+    if (lp) lp[i] = bf16_from_f32(param[i]);
   }
 }
 
@@ -681,6 +1065,7 @@ static void cpu_destroy(backend_t *be) {
     free(cp->partials);
     free(cp->rope_cos);
     free(cp->rope_sin);
+    free(cp->wide);
     free(cp);
   }
   free(be);
@@ -714,6 +1099,7 @@ backend_t *backend_cpu_create(int threads, char *err, size_t errlen) {
   be->add = cpu_add;
   be->scale = cpu_scale;
   be->sumsq = cpu_sumsq;
+  be->convert = cpu_convert;
   be->embedding_fwd = cpu_embedding_fwd;
   be->embedding_bwd = cpu_embedding_bwd;
   be->rmsnorm_fwd = cpu_rmsnorm_fwd;

@@ -1,16 +1,31 @@
-/* backend_cuda: the CUDA implementation of backend.h, fp32 at the interface.
+/* backend_cuda: the CUDA implementation of backend.h, fp32 or bf16 storage.
  *
  * Every call is queued on one stream that the backend owns; only to_device, to_host, sumsq
  * and synchronize wait for it (the first three because the host reads or reuses memory).
  * Matrix products go through cuBLASLt (row-major operands, called as the column-major product
  * c^T = op(b)^T op(a)^T); their descriptors and the chosen algorithm are cached per shape,
- * transposition and pointer alignment, so one shape always runs the same algorithm. Plain fp32
- * by default; backend_cuda_set_tf32 lets them use TF32 tensor cores (10-bit mantissa inputs).
+ * transposition, dtypes and pointer alignment, so one shape always runs the same algorithm.
+ * fp32 operands: plain fp32 by default; backend_cuda_set_tf32 lets them use TF32 tensor cores
+ * (10-bit mantissa inputs). bf16 operands: bf16 tensor cores with fp32 accumulation
+ * (CUBLAS_COMPUTE_32F), the output bf16 (rounded once) or fp32 (the dW += dy^T x of the
+ * parameter gradients).
  * Everything else is a kernel written here: RMSNorm, RoPE, SwiGLU, embedding, softmax
  * cross-entropy and AdamW fused one pass each, and flash-style causal attention with
  * grouped-query heads that keeps no (T, T) matrix: tiles of 32 queries and 32 keys in shared
  * memory, an online softmax in the forward, the probabilities recomputed from the saved
  * log-sum-exp in the backward.
+ *
+ * Dtypes: each kernel is a template on its storage type T (float or __nv_bfloat16), and the
+ * host wrapper picks the instantiation from the call's dt. Loads widen to fp32 (widen), all
+ * arithmetic and every statistic (RMSNorm's rstd, attention's lse and delta, the
+ * cross-entropy's max and sums) is fp32, and each store rounds once (narrow: round to nearest
+ * even, __float2bfloat16_rn); an accumulating store (dx +=) widens the old value, adds in fp32
+ * and rounds. For T = float widen and narrow are the identity, so the fp32 instantiations
+ * compute the same expressions, in the same order, as the fp32-only kernels before them (the
+ * same bits). The attention tiles in shared memory are fp32 whatever T is: they are widened as
+ * they are loaded. Parameter gradients (RMSNorm's dw, the embedding's dtable) and the
+ * optimizer's tensors are fp32 always; AdamW writes the bf16 compute copy of the updated
+ * parameters in the same pass when asked (param_lp).
  *
  * Determinism: no float atomics anywhere. Reductions that cross blocks (sumsq, RMSNorm's dw)
  * write per-block partials and add them in a fixed order; the embedding backward sorts the
@@ -20,11 +35,12 @@
  * looping over its query heads in order). The grid of every reduction depends on the sizes
  * only, never on the device.
  *
- * Not here (later steps of issue 5): bf16 parameters and activations with fp32 master weights
- * (param_dtype below is the hook: fp32 only for now), NCCL, overlap of communication. The fatal
- * checks abort every live communicator before exiting (trainer/fatal.h). Head dims above 128 are not supported. */
+ * Not here: vectorized (2 or 8 bf16 per load) elementwise kernels, tensor-core attention,
+ * overlap of communication. The fatal checks abort every live communicator before exiting
+ * (trainer/fatal.h). Head dims above 128 are not supported. */
 #include <cublasLt.h>
 #include <cublas_api.h>
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <float.h>
 #include <math.h>
@@ -61,12 +77,37 @@ extern "C" {
 /* after a kernel launch: launch errors now, execution errors at the next synchronizing call */
 #define LAUNCH_CHECK(name) CUDA_CHECK(cudaPeekAtLastError())
 
-/* ------------------------------------------------------------------ state */
+/* ------------------------------------------------------------------ storage types */
 
-typedef enum { CUDA_DTYPE_FP32 = 0, CUDA_DTYPE_BF16 = 1 } cuda_dtype_t;
+/* widen: a stored element as fp32 (exact). narrow<T>: fp32 to storage, rounded to nearest even
+ * for bf16 (the one rounding of a store). Both are the identity for float. */
+__device__ __forceinline__ float widen(float x) { return x; }
+__device__ __forceinline__ float widen(nv_bfloat16 x) { return __bfloat162float(x); }
+template <typename T>
+__device__ __forceinline__ T narrow(float x);
+template <>
+__device__ __forceinline__ float narrow<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ nv_bfloat16 narrow<nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+/* Runs the statements with T the storage type of dt (nv_bfloat16 for DT_BF16, else float):
+ * the host wrappers' one switch from a dtype_t to a kernel instantiation. */
+#define DT_DISPATCH(dt, ...)                                                                   \
+  do {                                                                                         \
+    if ((dt) == DT_BF16) {                                                                     \
+      typedef nv_bfloat16 T;                                                                   \
+      __VA_ARGS__;                                                                             \
+    } else {                                                                                   \
+      typedef float T;                                                                         \
+      __VA_ARGS__;                                                                             \
+    }                                                                                          \
+  } while (0)
+
+/* ------------------------------------------------------------------ state */
 
 typedef struct {
   int m, n, k, trans_a, trans_b, tf32;
+  dtype_t ab_dt, c_dt;           /* operands', output's */
   int align_a, align_b, align_c; /* bytes, of the row-major a, b, c */
   cublasLtMatmulDesc_t desc;
   cublasLtMatrixLayout_t la, lb, lc; /* of the column-major call: la describes b, lb describes a */
@@ -85,15 +126,14 @@ typedef struct {
   cublasLtHandle_t lt;
   void *workspace;
   int allow_tf32;
-  cuda_dtype_t param_dtype; /* fp32 only for now (see the top) */
   mm_entry_t mm[MM_CACHE];
   int mm_count, mm_next;
   /* scratch, grown on demand, never shrunk */
   scratch_t sumsq;                      /* SUMSQ_BLOCKS partials + the total, double */
-  scratch_t rms;                        /* (RMS_PARTIALS, C) dw partials */
-  scratch_t att_delta;                  /* (B, H, T) rowsum(dout * out) */
+  scratch_t rms;                        /* (RMS_PARTIALS, C) dw partials, fp32 */
+  scratch_t att_delta;                  /* (B, H, T) rowsum(dout * out), fp32 */
   scratch_t emb_keys, emb_pos, emb_pos_sorted, emb_cub; /* embedding backward sort */
-  scratch_t rope;                       /* (T, D/2) cos then (T, D/2) sin */
+  scratch_t rope;                       /* (T, D/2) cos then (T, D/2) sin, fp32 */
   int rope_t, rope_d, rope_offset, rope_valid;
   float rope_theta;
 } cuda_t;
@@ -205,9 +245,10 @@ static void cu_sync(backend_t *be) { CUDA_CHECK(cudaStreamSynchronize(cuda_of(be
 
 /* ------------------------------------------------------------------ elementwise */
 
-__global__ void add_kernel(float *out, const float *a, const float *b, size_t n) {
+template <typename T>
+__global__ void add_kernel(T *out, const T *a, const T *b, size_t n) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-    out[i] = a[i] + b[i];
+    out[i] = narrow<T>(widen(a[i]) + widen(b[i]));
 }
 
 __global__ void scale_kernel(float *x, float s, size_t n) {
@@ -216,14 +257,23 @@ __global__ void scale_kernel(float *x, float s, size_t n) {
 }
 
 /* beta * c for an empty product (k = 0); beta = 0 writes zeros even over NaNs */
-__global__ void beta_kernel(float *c, float beta, size_t n) {
+template <typename T>
+__global__ void beta_kernel(T *c, float beta, size_t n) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-    c[i] = beta == 0.0f ? 0.0f : beta * c[i];
+    c[i] = narrow<T>(beta == 0.0f ? 0.0f : beta * widen(c[i]));
 }
 
-static void cu_add(backend_t *be, float *out, const float *a, const float *b, size_t n) {
+/* dst = src in another dtype: widening is exact, narrowing rounds to nearest even */
+template <typename D, typename S>
+__global__ void convert_kernel(D *dst, const S *src, size_t n) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+    dst[i] = narrow<D>(widen(src[i]));
+}
+
+static void cu_add(backend_t *be, void *out, const void *a, const void *b, size_t n, dtype_t dt) {
   if (!n) return;
-  add_kernel<<<ew_blocks(n), EW_THREADS, 0, cuda_of(be)->stream>>>(out, a, b, n);
+  DT_DISPATCH(dt, add_kernel<T><<<ew_blocks(n), EW_THREADS, 0, cuda_of(be)->stream>>>((T *)out, (const T *)a,
+                                                                                      (const T *)b, n));
   LAUNCH_CHECK("add_kernel");
 }
 
@@ -231,6 +281,20 @@ static void cu_scale(backend_t *be, float *x, float s, size_t n) {
   if (!n) return;
   scale_kernel<<<ew_blocks(n), EW_THREADS, 0, cuda_of(be)->stream>>>(x, s, n);
   LAUNCH_CHECK("scale_kernel");
+}
+
+static void cu_convert(backend_t *be, void *dst, dtype_t dst_dt, const void *src, dtype_t src_dt, size_t n) {
+  cudaStream_t st = cuda_of(be)->stream;
+  if (!n) return;
+  if (dst_dt == src_dt) {
+    CUDA_CHECK(cudaMemcpyAsync(dst, src, n * dtype_size(dst_dt), cudaMemcpyDeviceToDevice, st));
+  } else if (dst_dt == DT_BF16) {
+    convert_kernel<nv_bfloat16, float><<<ew_blocks(n), EW_THREADS, 0, st>>>((nv_bfloat16 *)dst, (const float *)src, n);
+    LAUNCH_CHECK("convert_kernel");
+  } else {
+    convert_kernel<float, nv_bfloat16><<<ew_blocks(n), EW_THREADS, 0, st>>>((float *)dst, (const nv_bfloat16 *)src, n);
+    LAUNCH_CHECK("convert_kernel");
+  }
 }
 
 /* Pass 1: block g of G sums x[i]^2 (in double) for i = g*256 + tid + j*G*256, then its threads
@@ -275,12 +339,16 @@ static double cu_sumsq(backend_t *be, const float *x, size_t n) {
 
 /* ------------------------------------------------------------------ matmul (cuBLASLt) */
 
+/* The largest power of two (at most 256) dividing the address, at least 2: a bf16 tensor
+ * carved at an odd element offset is only 2-byte aligned, and the heuristic must know. */
 static int ptr_align(const void *p) {
   uintptr_t a = (uintptr_t)p;
   int al = 256;
-  while (al > 4 && (a % (uintptr_t)al) != 0) al >>= 1;
+  while (al > 2 && (a % (uintptr_t)al) != 0) al >>= 1;
   return al;
 }
+
+static cudaDataType_t cuda_type(dtype_t dt) { return dt == DT_BF16 ? CUDA_R_16BF : CUDA_R_32F; }
 
 static void mm_entry_destroy(mm_entry_t *e) {
   if (e->la) cublasLtMatrixLayoutDestroy(e->la);
@@ -292,13 +360,16 @@ static void mm_entry_destroy(mm_entry_t *e) {
 
 /* Row-major c (m,n) = op(a) op(b) is column-major c^T (n,m) = op(b)^T op(a)^T: the column-major
  * call's first operand is b, (n,k) after its op, stored as b's row-major layout read column-major:
- * (n,k) ld n without trans_b, (k,n) ld k with it (then op T); likewise a as the second operand. */
-static mm_entry_t *mm_lookup(cuda_t *cu, int m, int n, int k, int ta, int tb, int al_a, int al_b, int al_c) {
-  int tf32 = cu->allow_tf32;
+ * (n,k) ld n without trans_b, (k,n) ld k with it (then op T); likewise a as the second operand.
+ * Compute type: fp32 accumulation always; TF32 tensor cores only for fp32 operands when allowed
+ * (bf16 operands use bf16 tensor cores with fp32 accumulation under CUBLAS_COMPUTE_32F). */
+static mm_entry_t *mm_lookup(cuda_t *cu, int m, int n, int k, int ta, int tb, dtype_t ab_dt, dtype_t c_dt, int al_a,
+                             int al_b, int al_c) {
+  int tf32 = cu->allow_tf32 && ab_dt == DT_F32;
   for (int i = 0; i < cu->mm_count; i++) {
     mm_entry_t *e = &cu->mm[i];
     if (e->m == m && e->n == n && e->k == k && e->trans_a == ta && e->trans_b == tb && e->tf32 == tf32 &&
-        e->align_a == al_a && e->align_b == al_b && e->align_c == al_c)
+        e->ab_dt == ab_dt && e->c_dt == c_dt && e->align_a == al_a && e->align_b == al_b && e->align_c == al_c)
       return e;
   }
   mm_entry_t *e;
@@ -310,19 +381,21 @@ static mm_entry_t *mm_lookup(cuda_t *cu, int m, int n, int k, int ta, int tb, in
     mm_entry_destroy(e);
   }
   e->m = m, e->n = n, e->k = k, e->trans_a = ta, e->trans_b = tb, e->tf32 = tf32;
+  e->ab_dt = ab_dt, e->c_dt = c_dt;
   e->align_a = al_a, e->align_b = al_b, e->align_c = al_c;
+  cudaDataType_t tab = cuda_type(ab_dt), tc = cuda_type(c_dt);
 
   CUBLAS_CHECK(cublasLtMatmulDescCreate(&e->desc, tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F, CUDA_R_32F));
   cublasOperation_t op_first = tb ? CUBLAS_OP_T : CUBLAS_OP_N, op_second = ta ? CUBLAS_OP_T : CUBLAS_OP_N;
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(e->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_first, sizeof op_first));
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(e->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_second, sizeof op_second));
   /* first operand (b): op N -> stored (n,k) ld n; op T -> stored (k,n) ld k */
-  if (tb) CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&e->la, CUDA_R_32F, (uint64_t)k, (uint64_t)n, (int64_t)k));
-  else CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&e->la, CUDA_R_32F, (uint64_t)n, (uint64_t)k, (int64_t)n));
+  if (tb) CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&e->la, tab, (uint64_t)k, (uint64_t)n, (int64_t)k));
+  else CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&e->la, tab, (uint64_t)n, (uint64_t)k, (int64_t)n));
   /* second operand (a): op N -> stored (k,m) ld k; op T -> stored (m,k) ld m */
-  if (ta) CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&e->lb, CUDA_R_32F, (uint64_t)m, (uint64_t)k, (int64_t)m));
-  else CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&e->lb, CUDA_R_32F, (uint64_t)k, (uint64_t)m, (int64_t)k));
-  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&e->lc, CUDA_R_32F, (uint64_t)n, (uint64_t)m, (int64_t)n));
+  if (ta) CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&e->lb, tab, (uint64_t)m, (uint64_t)k, (int64_t)m));
+  else CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&e->lb, tab, (uint64_t)k, (uint64_t)m, (int64_t)k));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&e->lc, tc, (uint64_t)n, (uint64_t)m, (int64_t)n));
 
   cublasLtMatmulPreference_t pref;
   CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
@@ -339,42 +412,45 @@ static mm_entry_t *mm_lookup(cuda_t *cu, int m, int n, int k, int ta, int tb, in
   CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(cu->lt, e->desc, e->la, e->lb, e->lc, e->lc, pref, 1, &res, &found));
   cublasLtMatmulPreferenceDestroy(pref);
   if (found < 1) {
-    char msg[160];
-    snprintf(msg, sizeof msg, "no algorithm for m=%d n=%d k=%d trans_a=%d trans_b=%d tf32=%d", m, n, k, ta, tb, tf32);
+    char msg[192];
+    snprintf(msg, sizeof msg, "no algorithm for m=%d n=%d k=%d trans_a=%d trans_b=%d tf32=%d operands %s output %s", m,
+             n, k, ta, tb, tf32, dtype_name(ab_dt), dtype_name(c_dt));
     backend_fatal(__FILE__, __LINE__, "cublasLtMatmulAlgoGetHeuristic", msg);
   }
   e->algo = res.algo;
   return e;
 }
 
-static void cu_matmul(backend_t *be, float *c, const float *a, const float *b, int m, int n, int k, int trans_a,
-                      int trans_b, float alpha, float beta) {
+static void cu_matmul(backend_t *be, void *c, const void *a, const void *b, int m, int n, int k, int trans_a,
+                      int trans_b, float alpha, float beta, dtype_t ab_dt, dtype_t c_dt) {
   cuda_t *cu = cuda_of(be);
+  if (ab_dt != DT_BF16 && c_dt == DT_BF16) /* not one of backend.h's combinations */
+    backend_fatal(__FILE__, __LINE__, "matmul", "fp32 operands with a bf16 output are not supported");
   if (m <= 0 || n <= 0) return;
   if (k <= 0) {
     size_t cn = (size_t)m * n;
-    beta_kernel<<<ew_blocks(cn), EW_THREADS, 0, cu->stream>>>(c, beta, cn);
+    DT_DISPATCH(c_dt, beta_kernel<T><<<ew_blocks(cn), EW_THREADS, 0, cu->stream>>>((T *)c, beta, cn));
     LAUNCH_CHECK("beta_kernel");
     return;
   }
-  mm_entry_t *e = mm_lookup(cu, m, n, k, trans_a, trans_b, ptr_align(a), ptr_align(b), ptr_align(c));
+  mm_entry_t *e = mm_lookup(cu, m, n, k, trans_a, trans_b, ab_dt, c_dt, ptr_align(a), ptr_align(b), ptr_align(c));
   CUBLAS_CHECK(cublasLtMatmul(cu->lt, e->desc, &alpha, b, e->la, a, e->lb, &beta, c, e->lc, c, e->lc, &e->algo,
                               cu->workspace, WORKSPACE_BYTES, cu->stream));
 }
 
 /* ------------------------------------------------------------------ embedding */
 
-/* one block per token row */
-__global__ void embedding_fwd_kernel(float *out, const float *table, const int32_t *tokens, int c, int vocab_start,
-                                     int rows) {
+/* one block per token row; a copy of stored elements (no rounding) */
+template <typename T>
+__global__ void embedding_fwd_kernel(T *out, const T *table, const int32_t *tokens, int c, int vocab_start, int rows) {
   int i = blockIdx.x;
   int r = tokens[i] - vocab_start;
-  float *o = out + (size_t)i * c;
+  T *o = out + (size_t)i * c;
   if (r >= 0 && r < rows) {
-    const float *src = table + (size_t)r * c;
+    const T *src = table + (size_t)r * c;
     for (int j = threadIdx.x; j < c; j += blockDim.x) o[j] = src[j];
   } else {
-    for (int j = threadIdx.x; j < c; j += blockDim.x) o[j] = 0.0f;
+    for (int j = threadIdx.x; j < c; j += blockDim.x) o[j] = narrow<T>(0.0f);
   }
 }
 
@@ -383,8 +459,10 @@ __global__ void iota_kernel(int32_t *x, int n) {
 }
 
 /* Block s of the (token, position)-sorted list works only if s starts a run of one token: it
- * adds the run's dout rows into the token's table row in position order, the cpu order. */
-__global__ void embedding_bwd_kernel(float *dtable, const float *dout, const int32_t *keys, const int32_t *pos, int n,
+ * adds the run's dout rows (widened) into the token's fp32 table row in position order, the cpu
+ * order. */
+template <typename T>
+__global__ void embedding_bwd_kernel(float *dtable, const T *dout, const int32_t *keys, const int32_t *pos, int n,
                                      int c, int vocab_start, int rows) {
   int s = blockIdx.x;
   int key = keys[s];
@@ -396,20 +474,21 @@ __global__ void embedding_bwd_kernel(float *dtable, const float *dout, const int
   float *dt = dtable + (size_t)r * c;
   for (int j = threadIdx.x; j < c; j += blockDim.x) {
     float acc = dt[j];
-    for (int u = s; u < e; u++) acc += dout[(size_t)pos[u] * c + j];
+    for (int u = s; u < e; u++) acc += widen(dout[(size_t)pos[u] * c + j]);
     dt[j] = acc;
   }
 }
 
-static void cu_embedding_fwd(backend_t *be, float *out, const float *table, const int32_t *tokens, int n, int c,
-                             int vocab_start, int rows) {
+static void cu_embedding_fwd(backend_t *be, void *out, const void *table, const int32_t *tokens, int n, int c,
+                             int vocab_start, int rows, dtype_t dt) {
   if (n <= 0 || c <= 0) return;
-  embedding_fwd_kernel<<<n, 256, 0, cuda_of(be)->stream>>>(out, table, tokens, c, vocab_start, rows);
+  DT_DISPATCH(dt, embedding_fwd_kernel<T><<<n, 256, 0, cuda_of(be)->stream>>>((T *)out, (const T *)table, tokens, c,
+                                                                             vocab_start, rows));
   LAUNCH_CHECK("embedding_fwd_kernel");
 }
 
-static void cu_embedding_bwd(backend_t *be, float *dtable, const float *dout, const int32_t *tokens, int n, int c,
-                             int vocab_start, int rows) {
+static void cu_embedding_bwd(backend_t *be, float *dtable, const void *dout, const int32_t *tokens, int n, int c,
+                             int vocab_start, int rows, dtype_t dt) {
   cuda_t *cu = cuda_of(be);
   if (n <= 0 || c <= 0) return;
   int32_t *keys = (int32_t *)scratch_get(&cu->emb_keys, (size_t)n * sizeof(int32_t));
@@ -422,43 +501,50 @@ static void cu_embedding_bwd(backend_t *be, float *dtable, const float *dout, co
   LAUNCH_CHECK("iota_kernel");
   /* LSD radix sort: stable, so equal tokens keep position order */
   CUDA_CHECK(cub::DeviceRadixSort::SortPairs(tmp, tmp_bytes, tokens, keys, pos, pos_sorted, n, 0, 32, cu->stream));
-  embedding_bwd_kernel<<<n, 256, 0, cu->stream>>>(dtable, dout, keys, pos_sorted, n, c, vocab_start, rows);
+  DT_DISPATCH(dt, embedding_bwd_kernel<T><<<n, 256, 0, cu->stream>>>(dtable, (const T *)dout, keys, pos_sorted, n, c,
+                                                                    vocab_start, rows));
   LAUNCH_CHECK("embedding_bwd_kernel");
 }
 
 /* ------------------------------------------------------------------ RMSNorm */
 
-__global__ void rmsnorm_fwd_kernel(float *out, float *rstd, const float *x, const float *w, int c, float eps) {
+template <typename T>
+__global__ void rmsnorm_fwd_kernel(T *out, float *rstd, const T *x, const T *w, int c, float eps) {
   __shared__ float sh[32];
   int i = blockIdx.x;
-  const float *xi = x + (size_t)i * c;
-  float *oi = out + (size_t)i * c;
+  const T *xi = x + (size_t)i * c;
+  T *oi = out + (size_t)i * c;
   float ss = 0.0f;
-  for (int j = threadIdx.x; j < c; j += blockDim.x) ss += xi[j] * xi[j];
+  for (int j = threadIdx.x; j < c; j += blockDim.x) {
+    float xv = widen(xi[j]);
+    ss += xv * xv;
+  }
   ss = block_sum(ss, sh);
   float r = 1.0f / sqrtf(ss / (float)c + eps);
   if (threadIdx.x == 0) rstd[i] = r;
-  for (int j = threadIdx.x; j < c; j += blockDim.x) oi[j] = xi[j] * r * w[j];
+  for (int j = threadIdx.x; j < c; j += blockDim.x) oi[j] = narrow<T>(widen(xi[j]) * r * widen(w[j]));
 }
 
 /* Block g takes rows g, g+G, ...: dx for each row, and dw's contributions of its rows, summed in
- * row order into its own partial row part[g] (each thread owns the same columns throughout). */
-__global__ void rmsnorm_bwd_kernel(float *dx, float *part, const float *dout, const float *x, const float *w,
-                                   const float *rstd, int n, int c) {
+ * row order into its own fp32 partial row part[g] (each thread owns the same columns
+ * throughout). */
+template <typename T>
+__global__ void rmsnorm_bwd_kernel(T *dx, float *part, const T *dout, const T *x, const T *w, const float *rstd, int n,
+                                   int c) {
   __shared__ float sh[32];
   float *pg = part + (size_t)blockIdx.x * c;
   for (int j = threadIdx.x; j < c; j += blockDim.x) pg[j] = 0.0f;
   for (int i = blockIdx.x; i < n; i += gridDim.x) {
-    const float *xi = x + (size_t)i * c, *di = dout + (size_t)i * c;
-    float *dxi = dx + (size_t)i * c;
+    const T *xi = x + (size_t)i * c, *di = dout + (size_t)i * c;
+    T *dxi = dx + (size_t)i * c;
     float r = rstd[i], dot = 0.0f;
-    for (int j = threadIdx.x; j < c; j += blockDim.x) dot += di[j] * w[j] * xi[j];
+    for (int j = threadIdx.x; j < c; j += blockDim.x) dot += widen(di[j]) * widen(w[j]) * widen(xi[j]);
     dot = block_sum(dot, sh);
     float k = dot * r * r * r / (float)c;
     for (int j = threadIdx.x; j < c; j += blockDim.x) {
-      float d = di[j], xv = xi[j]; /* read before dx is written: dx may alias dout */
+      float d = widen(di[j]), xv = widen(xi[j]); /* read before dx is written: dx may alias dout */
       pg[j] += d * xv * r;
-      dxi[j] += r * w[j] * d - xv * k;
+      dxi[j] = narrow<T>(widen(dxi[j]) + (r * widen(w[j]) * d - xv * k));
     }
   }
 }
@@ -477,20 +563,22 @@ static int rms_threads(int c) {
   return t;
 }
 
-static void cu_rmsnorm_fwd(backend_t *be, float *out, float *rstd, const float *x, const float *w, int n, int c,
-                           float eps) {
+static void cu_rmsnorm_fwd(backend_t *be, void *out, float *rstd, const void *x, const void *w, int n, int c, float eps,
+                           dtype_t dt) {
   if (n <= 0 || c <= 0) return;
-  rmsnorm_fwd_kernel<<<n, rms_threads(c), 0, cuda_of(be)->stream>>>(out, rstd, x, w, c, eps);
+  DT_DISPATCH(dt, rmsnorm_fwd_kernel<T><<<n, rms_threads(c), 0, cuda_of(be)->stream>>>((T *)out, rstd, (const T *)x,
+                                                                                      (const T *)w, c, eps));
   LAUNCH_CHECK("rmsnorm_fwd_kernel");
 }
 
-static void cu_rmsnorm_bwd(backend_t *be, float *dx, float *dw, const float *dout, const float *x, const float *w,
-                           const float *rstd, int n, int c) {
+static void cu_rmsnorm_bwd(backend_t *be, void *dx, float *dw, const void *dout, const void *x, const void *w,
+                           const float *rstd, int n, int c, dtype_t dt) {
   cuda_t *cu = cuda_of(be);
   if (n <= 0 || c <= 0) return;
   int g = n < RMS_PARTIALS ? n : RMS_PARTIALS;
   float *part = (float *)scratch_get(&cu->rms, (size_t)g * c * sizeof(float));
-  rmsnorm_bwd_kernel<<<g, rms_threads(c), 0, cu->stream>>>(dx, part, dout, x, w, rstd, n, c);
+  DT_DISPATCH(dt, rmsnorm_bwd_kernel<T><<<g, rms_threads(c), 0, cu->stream>>>(
+                      (T *)dx, part, (const T *)dout, (const T *)x, (const T *)w, rstd, n, c));
   LAUNCH_CHECK("rmsnorm_bwd_kernel");
   rmsnorm_dw_kernel<<<(c + 255) / 256, 256, 0, cu->stream>>>(dw, part, g, c);
   LAUNCH_CHECK("rmsnorm_dw_kernel");
@@ -498,7 +586,8 @@ static void cu_rmsnorm_bwd(backend_t *be, float *dx, float *dw, const float *dou
 
 /* ------------------------------------------------------------------ RoPE */
 
-/* The table in double, rounded once, as the cpu backend does (so both use the same angles). */
+/* The table in double, rounded once to fp32, as the cpu backend does (so both use the same
+ * angles). */
 __global__ void rope_table_kernel(float *cs, float *sn, int t, int d, int pos_offset, double theta) {
   int half = d / 2;
   int idx = blockIdx.x * blockDim.x + threadIdx.x;
@@ -511,7 +600,8 @@ __global__ void rope_table_kernel(float *cs, float *sn, int t, int d, int pos_of
 }
 
 /* one thread per pair; explicit roundings (no fused multiply-add) give the cpu backend's bits */
-__global__ void rope_kernel(float *x, const float *cs, const float *sn, size_t pairs, int t, int h, int d, int half,
+template <typename T>
+__global__ void rope_kernel(T *x, const float *cs, const float *sn, size_t pairs, int t, int h, int d, int half,
                             float sign) {
   for (size_t idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x; idx < pairs; idx += (size_t)gridDim.x * blockDim.x) {
     int i = (int)(idx % half);
@@ -519,14 +609,15 @@ __global__ void rope_kernel(float *x, const float *cs, const float *sn, size_t p
     size_t row = rest / h;
     int p = (int)(row % t);
     float c = cs[(size_t)p * half + i], s = sign * sn[(size_t)p * half + i];
-    float *xp = x + rest * (size_t)d + 2 * i;
-    float x0 = xp[0], x1 = xp[1];
-    xp[0] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
-    xp[1] = __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
+    T *xp = x + rest * (size_t)d + 2 * i;
+    float x0 = widen(xp[0]), x1 = widen(xp[1]);
+    xp[0] = narrow<T>(__fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s)));
+    xp[1] = narrow<T>(__fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c)));
   }
 }
 
-static void rope_apply(backend_t *be, float *x, int b, int t, int h, int d, int pos_offset, float theta, float sign) {
+static void rope_apply(backend_t *be, void *x, int b, int t, int h, int d, int pos_offset, float theta, float sign,
+                       dtype_t dt) {
   cuda_t *cu = cuda_of(be);
   int half = d / 2;
   if (b <= 0 || t <= 0 || h <= 0 || half <= 0) return;
@@ -541,22 +632,24 @@ static void rope_apply(backend_t *be, float *x, int b, int t, int h, int d, int 
   }
   const float *cs = (const float *)cu->rope.p, *sn = cs + (size_t)t * half;
   size_t pairs = (size_t)b * t * h * half;
-  rope_kernel<<<ew_blocks(pairs), EW_THREADS, 0, cu->stream>>>(x, cs, sn, pairs, t, h, d, half, sign);
+  DT_DISPATCH(dt, rope_kernel<T><<<ew_blocks(pairs), EW_THREADS, 0, cu->stream>>>((T *)x, cs, sn, pairs, t, h, d, half,
+                                                                                 sign));
   LAUNCH_CHECK("rope_kernel");
 }
 
-static void cu_rope_fwd(backend_t *be, float *x, int b, int t, int h, int d, int pos_offset, float theta) {
-  rope_apply(be, x, b, t, h, d, pos_offset, theta, 1.0f);
+static void cu_rope_fwd(backend_t *be, void *x, int b, int t, int h, int d, int pos_offset, float theta, dtype_t dt) {
+  rope_apply(be, x, b, t, h, d, pos_offset, theta, 1.0f, dt);
 }
-static void cu_rope_bwd(backend_t *be, float *dx, int b, int t, int h, int d, int pos_offset, float theta) {
-  rope_apply(be, dx, b, t, h, d, pos_offset, theta, -1.0f);
+static void cu_rope_bwd(backend_t *be, void *dx, int b, int t, int h, int d, int pos_offset, float theta, dtype_t dt) {
+  rope_apply(be, dx, b, t, h, d, pos_offset, theta, -1.0f, dt);
 }
 
 /* ------------------------------------------------------------------ attention */
 
 /* Shapes: q, out, dq (B,T,H,D) with row stride H*D; k, v, dk, dv (B,T,KV,D) with row stride KV*D.
  * DP is D rounded up to 16, 32, 64 or 128; tiles are zero-filled past D and past T, so dot
- * products over DP equal those over D.
+ * products over DP equal those over D. Tiles are fp32 whatever the storage type T of the
+ * tensors: widened as they are loaded. lse and delta are fp32.
  *
  * Layout in a block: ATT_WARPS warps of ATT_ROWS rows each cover one tile of 32 rows (queries
  * in the forward and dq kernels, keys in the dk/dv kernel); within a warp, lane j stands for
@@ -572,13 +665,13 @@ struct att_dims {
   static constexpr int DPL = (DP + 31) / 32;    /* D elements per lane in value products */
 };
 
-/* Loads rows [r0, r0+32) of a (T, stride) tensor into a (32, ld) tile, zero past t and past d. */
-template <int DP>
-__device__ __forceinline__ void att_load_tile(float *tile, int ld, const float *src, size_t stride, int r0, int t,
-                                              int d) {
+/* Loads rows [r0, r0+32) of a (T, stride) tensor into a fp32 (32, ld) tile, zero past t and
+ * past d. */
+template <int DP, typename T>
+__device__ __forceinline__ void att_load_tile(float *tile, int ld, const T *src, size_t stride, int r0, int t, int d) {
   for (int idx = threadIdx.x; idx < ATT_TILE * DP; idx += blockDim.x) {
     int r = idx / DP, col = idx % DP, row = r0 + r;
-    tile[r * ld + col] = (row < t && col < d) ? src[(size_t)row * stride + col] : 0.0f;
+    tile[r * ld + col] = (row < t && col < d) ? widen(src[(size_t)row * stride + col]) : 0.0f;
   }
 }
 
@@ -630,10 +723,9 @@ __device__ __forceinline__ void att_accum(float (*acc)[att_dims<DP>::DPL], const
 }
 
 /* Forward: block (query tile, head, batch); the heaviest tiles (last queries) start first. */
-template <int DP>
-__global__ void __launch_bounds__(ATT_THREADS) attn_fwd_kernel(float *out, float *lse, const float *q, const float *k,
-                                                                const float *v, int t, int h, int kv, int d,
-                                                                float scale) {
+template <int DP, typename T>
+__global__ void __launch_bounds__(ATT_THREADS) attn_fwd_kernel(T *out, float *lse, const T *q, const T *k, const T *v,
+                                                                int t, int h, int kv, int d, float scale) {
   constexpr int DS = att_dims<DP>::DS, DPL = att_dims<DP>::DPL;
   extern __shared__ float4 att_smem4[];
   float *Qs = (float *)att_smem4;        /* (32, DP)  queries, broadcast rows */
@@ -643,9 +735,9 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_fwd_kernel(float *out, float
   int qt = gridDim.x - 1 - blockIdx.x, hi = blockIdx.y, bi = blockIdx.z, ki = hi / (h / kv);
   int q0 = qt * ATT_TILE, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   size_t qs = (size_t)h * d, ks = (size_t)kv * d;
-  const float *qb = q + (size_t)bi * t * qs + (size_t)hi * d;
-  const float *kb = k + (size_t)bi * t * ks + (size_t)ki * d;
-  const float *vb = v + (size_t)bi * t * ks + (size_t)ki * d;
+  const T *qb = q + (size_t)bi * t * qs + (size_t)hi * d;
+  const T *kb = k + (size_t)bi * t * ks + (size_t)ki * d;
+  const T *vb = v + (size_t)bi * t * ks + (size_t)ki * d;
   att_load_tile<DP>(Qs, DP, qb, qs, q0, t, d);
   const float *myq = Qs + warp * ATT_ROWS * DP;
   float *myp = Ps + warp * ATT_ROWS * ATT_TILE;
@@ -690,7 +782,7 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_fwd_kernel(float *out, float
     att_accum<DP>(o, myp, Vs, DP, lane);
     __syncwarp();
   }
-  float *ob = out + (size_t)bi * t * qs + (size_t)hi * d;
+  T *ob = out + (size_t)bi * t * qs + (size_t)hi * d;
   float *lb = lse + ((size_t)bi * h + hi) * t;
 #pragma unroll
   for (int r = 0; r < ATT_ROWS; r++) {
@@ -701,13 +793,14 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_fwd_kernel(float *out, float
 #pragma unroll
     for (int i = 0; i < DPL; i++) {
       int dd = lane + 32 * i;
-      if (dd < d) ob[(size_t)qi * qs + dd] = o[r][i] * inv;
+      if (dd < d) ob[(size_t)qi * qs + dd] = narrow<T>(o[r][i] * inv);
     }
   }
 }
 
-/* delta (B,H,T) = rowsum(dout * out), one warp per row */
-__global__ void attn_delta_kernel(float *delta, const float *out, const float *dout, int b, int t, int h, int d) {
+/* delta (B,H,T) fp32 = rowsum(dout * out), one warp per row */
+template <typename T>
+__global__ void attn_delta_kernel(float *delta, const T *out, const T *dout, int b, int t, int h, int d) {
   size_t rows = (size_t)b * t * h;
   size_t wid = (blockIdx.x * (size_t)blockDim.x + threadIdx.x) >> 5;
   int lane = threadIdx.x & 31;
@@ -715,20 +808,19 @@ __global__ void attn_delta_kernel(float *delta, const float *out, const float *d
   /* wid walks (B,T,H) so that reads are contiguous; delta is stored (B,H,T) */
   size_t bi = wid / ((size_t)t * h), rest = wid % ((size_t)t * h);
   int ti = (int)(rest / h), hi = (int)(rest % h);
-  const float *o = out + wid * d, *g = dout + wid * d;
+  const T *o = out + wid * d, *g = dout + wid * d;
   float s = 0.0f;
-  for (int j = lane; j < d; j += 32) s += o[j] * g[j];
+  for (int j = lane; j < d; j += 32) s += widen(o[j]) * widen(g[j]);
   s = warp_sum(s);
   if (lane == 0) delta[(bi * h + hi) * t + ti] = s;
 }
 
 /* dq: block (query tile, head, batch), over the key tiles up to the diagonal:
  * p = exp(scale q.k - lse), ds = p (do.v - delta), dq += scale ds k. */
-template <int DP>
-__global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dq_kernel(float *dq, const float *dout, const float *q,
-                                                                   const float *k, const float *v, const float *lse,
-                                                                   const float *delta, int t, int h, int kv, int d,
-                                                                   float scale) {
+template <int DP, typename T>
+__global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dq_kernel(T *dq, const T *dout, const T *q, const T *k,
+                                                                   const T *v, const float *lse, const float *delta,
+                                                                   int t, int h, int kv, int d, float scale) {
   constexpr int DS = att_dims<DP>::DS, DPL = att_dims<DP>::DPL;
   extern __shared__ float4 att_smem4[];
   float *Qs = (float *)att_smem4;   /* (32, DP) */
@@ -739,10 +831,10 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dq_kernel(float *dq, con
   int qt = gridDim.x - 1 - blockIdx.x, hi = blockIdx.y, bi = blockIdx.z, ki = hi / (h / kv);
   int q0 = qt * ATT_TILE, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   size_t qs = (size_t)h * d, ks = (size_t)kv * d;
-  const float *qb = q + (size_t)bi * t * qs + (size_t)hi * d;
-  const float *gb = dout + (size_t)bi * t * qs + (size_t)hi * d;
-  const float *kb = k + (size_t)bi * t * ks + (size_t)ki * d;
-  const float *vb = v + (size_t)bi * t * ks + (size_t)ki * d;
+  const T *qb = q + (size_t)bi * t * qs + (size_t)hi * d;
+  const T *gb = dout + (size_t)bi * t * qs + (size_t)hi * d;
+  const T *kb = k + (size_t)bi * t * ks + (size_t)ki * d;
+  const T *vb = v + (size_t)bi * t * ks + (size_t)ki * d;
   const float *lb = lse + ((size_t)bi * h + hi) * t, *db = delta + ((size_t)bi * h + hi) * t;
   att_load_tile<DP>(Qs, DP, qb, qs, q0, t, d);
   att_load_tile<DP>(dOs, DP, gb, qs, q0, t, d);
@@ -780,7 +872,7 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dq_kernel(float *dq, con
     att_accum<DP>(acc, myds, Ks, DS, lane);
     __syncwarp();
   }
-  float *dqb = dq + (size_t)bi * t * qs + (size_t)hi * d;
+  T *dqb = dq + (size_t)bi * t * qs + (size_t)hi * d;
 #pragma unroll
   for (int r = 0; r < ATT_ROWS; r++) {
     int qi = qrow0 + r;
@@ -788,18 +880,21 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dq_kernel(float *dq, con
 #pragma unroll
     for (int i = 0; i < DPL; i++) {
       int dd = lane + 32 * i;
-      if (dd < d) dqb[(size_t)qi * qs + dd] += scale * acc[r][i];
+      if (dd < d) {
+        T *p = dqb + (size_t)qi * qs + dd;
+        *p = narrow<T>(widen(*p) + scale * acc[r][i]);
+      }
     }
   }
 }
 
 /* dk, dv: block (key tile, kv head, batch), over the group's query heads in order and, for each,
  * the query tiles from the diagonal on: dv += p^T do, dk += scale ds^T q. */
-template <int DP>
-__global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dkdv_kernel(float *dk, float *dv, const float *dout,
-                                                                     const float *q, const float *k, const float *v,
-                                                                     const float *lse, const float *delta, int t,
-                                                                     int h, int kv, int d, float scale) {
+template <int DP, typename T>
+__global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dkdv_kernel(T *dk, T *dv, const T *dout, const T *q,
+                                                                     const T *k, const T *v, const float *lse,
+                                                                     const float *delta, int t, int h, int kv, int d,
+                                                                     float scale) {
   constexpr int DS = att_dims<DP>::DS, DPL = att_dims<DP>::DPL;
   extern __shared__ float4 att_smem4[];
   float *Ks = (float *)att_smem4;   /* (32, DP) keys, broadcast rows */
@@ -813,8 +908,8 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dkdv_kernel(float *dk, f
   int kt = blockIdx.x, ki = blockIdx.y, bi = blockIdx.z, group = h / kv;
   int k0 = kt * ATT_TILE, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   size_t qs = (size_t)h * d, ks = (size_t)kv * d;
-  const float *kb = k + (size_t)bi * t * ks + (size_t)ki * d;
-  const float *vb = v + (size_t)bi * t * ks + (size_t)ki * d;
+  const T *kb = k + (size_t)bi * t * ks + (size_t)ki * d;
+  const T *vb = v + (size_t)bi * t * ks + (size_t)ki * d;
   att_load_tile<DP>(Ks, DP, kb, ks, k0, t, d);
   att_load_tile<DP>(Vs, DP, vb, ks, k0, t, d);
   int krow0 = k0 + warp * ATT_ROWS;
@@ -825,8 +920,8 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dkdv_kernel(float *dk, f
     for (int i = 0; i < DPL; i++) dka[r][i] = 0.0f, dva[r][i] = 0.0f;
   float *myp = Pss + warp * ATT_ROWS * ATT_TILE, *myds = dSs + warp * ATT_ROWS * ATT_TILE;
   for (int hi = ki * group; hi < (ki + 1) * group; hi++) {
-    const float *qb = q + (size_t)bi * t * qs + (size_t)hi * d;
-    const float *gb = dout + (size_t)bi * t * qs + (size_t)hi * d;
+    const T *qb = q + (size_t)bi * t * qs + (size_t)hi * d;
+    const T *gb = dout + (size_t)bi * t * qs + (size_t)hi * d;
     const float *lb = lse + ((size_t)bi * h + hi) * t, *db = delta + ((size_t)bi * h + hi) * t;
     for (int q0 = k0; q0 < t; q0 += ATT_TILE) {
       __syncthreads();
@@ -859,8 +954,8 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dkdv_kernel(float *dk, f
       __syncwarp();
     }
   }
-  float *dkb = dk + (size_t)bi * t * ks + (size_t)ki * d;
-  float *dvb = dv + (size_t)bi * t * ks + (size_t)ki * d;
+  T *dkb = dk + (size_t)bi * t * ks + (size_t)ki * d;
+  T *dvb = dv + (size_t)bi * t * ks + (size_t)ki * d;
 #pragma unroll
   for (int r = 0; r < ATT_ROWS; r++) {
     int kj = krow0 + r;
@@ -869,8 +964,9 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dkdv_kernel(float *dk, f
     for (int i = 0; i < DPL; i++) {
       int dd = lane + 32 * i;
       if (dd < d) {
-        dkb[(size_t)kj * ks + dd] += scale * dka[r][i];
-        dvb[(size_t)kj * ks + dd] += dva[r][i];
+        T *pk = dkb + (size_t)kj * ks + dd, *pv = dvb + (size_t)kj * ks + dd;
+        *pk = narrow<T>(widen(*pk) + scale * dka[r][i]);
+        *pv = narrow<T>(widen(*pv) + dva[r][i]);
       }
     }
   }
@@ -891,42 +987,47 @@ static size_t att_dkdv_smem(void) {
                                   2 * ATT_WARPS * ATT_ROWS * ATT_TILE + 2 * ATT_TILE);
 }
 
-/* Raises the kernels' dynamic shared-memory limits (above 48 KB needs it); at create. */
+/* Raises one storage type's kernels' dynamic shared-memory limits (above 48 KB needs it). */
+template <int DP, typename T>
+static int att_setup_t(void) {
+  if (cudaFuncSetAttribute(attn_fwd_kernel<DP, T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           (int)att_fwd_smem<DP>()) != cudaSuccess ||
+      cudaFuncSetAttribute(attn_bwd_dq_kernel<DP, T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           (int)att_dq_smem<DP>()) != cudaSuccess ||
+      cudaFuncSetAttribute(attn_bwd_dkdv_kernel<DP, T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           (int)att_dkdv_smem<DP>()) != cudaSuccess)
+    return -1;
+  return 0;
+}
+
+/* At create, for fp32 and bf16 tensors alike (the tiles are fp32 in both). */
 template <int DP>
 static int att_setup(cuda_t *cu) {
   size_t need = att_dkdv_smem<DP>();
   if (att_fwd_smem<DP>() > need) need = att_fwd_smem<DP>();
   if (att_dq_smem<DP>() > need) need = att_dq_smem<DP>();
   if (need > cu->smem_optin) return -1;
-  if (cudaFuncSetAttribute(attn_fwd_kernel<DP>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)att_fwd_smem<DP>()) !=
-          cudaSuccess ||
-      cudaFuncSetAttribute(attn_bwd_dq_kernel<DP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           (int)att_dq_smem<DP>()) != cudaSuccess ||
-      cudaFuncSetAttribute(attn_bwd_dkdv_kernel<DP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           (int)att_dkdv_smem<DP>()) != cudaSuccess)
-    return -1;
-  return 0;
+  return (att_setup_t<DP, float>() || att_setup_t<DP, nv_bfloat16>()) ? -1 : 0;
 }
 
-template <int DP>
-static void att_fwd_launch(cuda_t *cu, float *out, float *lse, const float *q, const float *k, const float *v, int b,
-                           int t, int h, int kv, int d) {
+template <int DP, typename T>
+static void att_fwd_launch(cuda_t *cu, T *out, float *lse, const T *q, const T *k, const T *v, int b, int t, int h,
+                           int kv, int d) {
   dim3 grid((unsigned)((t + ATT_TILE - 1) / ATT_TILE), (unsigned)h, (unsigned)b);
-  attn_fwd_kernel<DP><<<grid, ATT_THREADS, att_fwd_smem<DP>(), cu->stream>>>(out, lse, q, k, v, t, h, kv, d,
-                                                                             1.0f / sqrtf((float)d));
+  attn_fwd_kernel<DP, T><<<grid, ATT_THREADS, att_fwd_smem<DP>(), cu->stream>>>(out, lse, q, k, v, t, h, kv, d,
+                                                                                1.0f / sqrtf((float)d));
   LAUNCH_CHECK("attn_fwd_kernel");
 }
 
-template <int DP>
-static void att_bwd_launch(cuda_t *cu, float *dq, float *dk, float *dv, const float *dout, const float *q,
-                           const float *k, const float *v, const float *lse, const float *delta, int b, int t, int h,
-                           int kv, int d) {
+template <int DP, typename T>
+static void att_bwd_launch(cuda_t *cu, T *dq, T *dk, T *dv, const T *dout, const T *q, const T *k, const T *v,
+                           const float *lse, const float *delta, int b, int t, int h, int kv, int d) {
   unsigned tiles = (unsigned)((t + ATT_TILE - 1) / ATT_TILE);
   float scale = 1.0f / sqrtf((float)d);
-  attn_bwd_dq_kernel<DP><<<dim3(tiles, (unsigned)h, (unsigned)b), ATT_THREADS, att_dq_smem<DP>(), cu->stream>>>(
+  attn_bwd_dq_kernel<DP, T><<<dim3(tiles, (unsigned)h, (unsigned)b), ATT_THREADS, att_dq_smem<DP>(), cu->stream>>>(
       dq, dout, q, k, v, lse, delta, t, h, kv, d, scale);
   LAUNCH_CHECK("attn_bwd_dq_kernel");
-  attn_bwd_dkdv_kernel<DP><<<dim3(tiles, (unsigned)kv, (unsigned)b), ATT_THREADS, att_dkdv_smem<DP>(), cu->stream>>>(
+  attn_bwd_dkdv_kernel<DP, T><<<dim3(tiles, (unsigned)kv, (unsigned)b), ATT_THREADS, att_dkdv_smem<DP>(), cu->stream>>>(
       dk, dv, dout, q, k, v, lse, delta, t, h, kv, d, scale);
   LAUNCH_CHECK("attn_bwd_dkdv_kernel");
 }
@@ -939,61 +1040,78 @@ static void att_check_dims(int h, int kv, int d) {
   }
 }
 
-static void cu_attention_fwd(backend_t *be, float *out, float *lse, const float *q, const float *k, const float *v,
-                             int b, int t, int h, int kv, int d) {
-  cuda_t *cu = cuda_of(be);
-  if (b <= 0 || t <= 0 || h <= 0) return;
-  att_check_dims(h, kv, d);
-  if (d <= 16) att_fwd_launch<16>(cu, out, lse, q, k, v, b, t, h, kv, d);
-  else if (d <= 32) att_fwd_launch<32>(cu, out, lse, q, k, v, b, t, h, kv, d);
-  else if (d <= 64) att_fwd_launch<64>(cu, out, lse, q, k, v, b, t, h, kv, d);
-  else att_fwd_launch<128>(cu, out, lse, q, k, v, b, t, h, kv, d);
+template <typename T>
+static void att_fwd_typed(cuda_t *cu, T *out, float *lse, const T *q, const T *k, const T *v, int b, int t, int h,
+                          int kv, int d) {
+  if (d <= 16) att_fwd_launch<16, T>(cu, out, lse, q, k, v, b, t, h, kv, d);
+  else if (d <= 32) att_fwd_launch<32, T>(cu, out, lse, q, k, v, b, t, h, kv, d);
+  else if (d <= 64) att_fwd_launch<64, T>(cu, out, lse, q, k, v, b, t, h, kv, d);
+  else att_fwd_launch<128, T>(cu, out, lse, q, k, v, b, t, h, kv, d);
 }
 
-static void cu_attention_bwd(backend_t *be, float *dq, float *dk, float *dv, const float *dout, const float *q,
-                             const float *k, const float *v, const float *out, const float *lse, int b, int t, int h,
-                             int kv, int d) {
+template <typename T>
+static void att_bwd_typed(cuda_t *cu, T *dq, T *dk, T *dv, const T *dout, const T *q, const T *k, const T *v,
+                          const T *out, const float *lse, int b, int t, int h, int kv, int d) {
+  size_t rows = (size_t)b * t * h;
+  float *delta = (float *)scratch_get(&cu->att_delta, rows * sizeof(float));
+  attn_delta_kernel<T><<<(unsigned)((rows * 32 + 255) / 256), 256, 0, cu->stream>>>(delta, out, dout, b, t, h, d);
+  LAUNCH_CHECK("attn_delta_kernel");
+  if (d <= 16) att_bwd_launch<16, T>(cu, dq, dk, dv, dout, q, k, v, lse, delta, b, t, h, kv, d);
+  else if (d <= 32) att_bwd_launch<32, T>(cu, dq, dk, dv, dout, q, k, v, lse, delta, b, t, h, kv, d);
+  else if (d <= 64) att_bwd_launch<64, T>(cu, dq, dk, dv, dout, q, k, v, lse, delta, b, t, h, kv, d);
+  else att_bwd_launch<128, T>(cu, dq, dk, dv, dout, q, k, v, lse, delta, b, t, h, kv, d);
+}
+
+static void cu_attention_fwd(backend_t *be, void *out, float *lse, const void *q, const void *k, const void *v, int b,
+                             int t, int h, int kv, int d, dtype_t dt) {
   cuda_t *cu = cuda_of(be);
   if (b <= 0 || t <= 0 || h <= 0) return;
   att_check_dims(h, kv, d);
-  size_t rows = (size_t)b * t * h;
-  float *delta = (float *)scratch_get(&cu->att_delta, rows * sizeof(float));
-  attn_delta_kernel<<<(unsigned)((rows * 32 + 255) / 256), 256, 0, cu->stream>>>(delta, out, dout, b, t, h, d);
-  LAUNCH_CHECK("attn_delta_kernel");
-  if (d <= 16) att_bwd_launch<16>(cu, dq, dk, dv, dout, q, k, v, lse, delta, b, t, h, kv, d);
-  else if (d <= 32) att_bwd_launch<32>(cu, dq, dk, dv, dout, q, k, v, lse, delta, b, t, h, kv, d);
-  else if (d <= 64) att_bwd_launch<64>(cu, dq, dk, dv, dout, q, k, v, lse, delta, b, t, h, kv, d);
-  else att_bwd_launch<128>(cu, dq, dk, dv, dout, q, k, v, lse, delta, b, t, h, kv, d);
+  DT_DISPATCH(dt, att_fwd_typed<T>(cu, (T *)out, lse, (const T *)q, (const T *)k, (const T *)v, b, t, h, kv, d));
+}
+
+static void cu_attention_bwd(backend_t *be, void *dq, void *dk, void *dv, const void *dout, const void *q,
+                             const void *k, const void *v, const void *out, const float *lse, int b, int t, int h,
+                             int kv, int d, dtype_t dt) {
+  cuda_t *cu = cuda_of(be);
+  if (b <= 0 || t <= 0 || h <= 0) return;
+  att_check_dims(h, kv, d);
+  DT_DISPATCH(dt, att_bwd_typed<T>(cu, (T *)dq, (T *)dk, (T *)dv, (const T *)dout, (const T *)q, (const T *)k,
+                                   (const T *)v, (const T *)out, lse, b, t, h, kv, d));
 }
 
 /* ------------------------------------------------------------------ SwiGLU */
 
-__global__ void swiglu_fwd_kernel(float *out, const float *a, const float *g, size_t n) {
+template <typename T>
+__global__ void swiglu_fwd_kernel(T *out, const T *a, const T *g, size_t n) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-    float x = a[i];
-    out[i] = x / (1.0f + expf(-x)) * g[i];
+    float x = widen(a[i]);
+    out[i] = narrow<T>(x / (1.0f + expf(-x)) * widen(g[i]));
   }
 }
 
 /* silu(a) = a s, s = sigmoid(a); silu'(a) = s (1 + a (1 - s)). */
-__global__ void swiglu_bwd_kernel(float *da, float *dg, const float *dout, const float *a, const float *g, size_t n) {
+template <typename T>
+__global__ void swiglu_bwd_kernel(T *da, T *dg, const T *dout, const T *a, const T *g, size_t n) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-    float x = a[i], s = 1.0f / (1.0f + expf(-x)), d = dout[i], gv = g[i];
-    da[i] += d * gv * s * (1.0f + x * (1.0f - s));
-    dg[i] += d * x * s;
+    float x = widen(a[i]), s = 1.0f / (1.0f + expf(-x)), d = widen(dout[i]), gv = widen(g[i]);
+    da[i] = narrow<T>(widen(da[i]) + d * gv * s * (1.0f + x * (1.0f - s)));
+    dg[i] = narrow<T>(widen(dg[i]) + d * x * s);
   }
 }
 
-static void cu_swiglu_fwd(backend_t *be, float *out, const float *a, const float *g, size_t n) {
+static void cu_swiglu_fwd(backend_t *be, void *out, const void *a, const void *g, size_t n, dtype_t dt) {
   if (!n) return;
-  swiglu_fwd_kernel<<<ew_blocks(n), EW_THREADS, 0, cuda_of(be)->stream>>>(out, a, g, n);
+  DT_DISPATCH(dt, swiglu_fwd_kernel<T><<<ew_blocks(n), EW_THREADS, 0, cuda_of(be)->stream>>>(
+                      (T *)out, (const T *)a, (const T *)g, n));
   LAUNCH_CHECK("swiglu_fwd_kernel");
 }
 
-static void cu_swiglu_bwd(backend_t *be, float *da, float *dg, const float *dout, const float *a, const float *g,
-                          size_t n) {
+static void cu_swiglu_bwd(backend_t *be, void *da, void *dg, const void *dout, const void *a, const void *g, size_t n,
+                          dtype_t dt) {
   if (!n) return;
-  swiglu_bwd_kernel<<<ew_blocks(n), EW_THREADS, 0, cuda_of(be)->stream>>>(da, dg, dout, a, g, n);
+  DT_DISPATCH(dt, swiglu_bwd_kernel<T><<<ew_blocks(n), EW_THREADS, 0, cuda_of(be)->stream>>>(
+                      (T *)da, (T *)dg, (const T *)dout, (const T *)a, (const T *)g, n));
   LAUNCH_CHECK("swiglu_bwd_kernel");
 }
 
@@ -1011,24 +1129,26 @@ __device__ __forceinline__ void lse_merge(float &m, float &s, float m2, float s2
 }
 
 /* One block per row: each thread an online (max, sum) over its columns, merged in a fixed tree;
- * then the gradient row. The target's logit is read before any write (dlogits may alias). */
-__global__ void cross_entropy_kernel(float *losses, float *dlogits, const float *logits, const int32_t *targets, int v,
-                                     int ld, float grad_scale) {
+ * then the gradient row. The target's logit is read before any write (dlogits may alias), and
+ * each gradient element is written by the thread that read its logit. */
+template <typename T>
+__global__ void cross_entropy_kernel(float *losses, T *dlogits, const T *logits, const int32_t *targets, int v, int ld,
+                                     float grad_scale) {
   __shared__ float shm[32], shs[32];
   __shared__ float sh_lse;
   int i = blockIdx.x, tid = threadIdx.x, lane = tid & 31, w = tid >> 5, nw = blockDim.x >> 5;
-  const float *li = logits + (size_t)i * ld;
-  float *di = dlogits ? dlogits + (size_t)i * ld : NULL;
+  const T *li = logits + (size_t)i * ld;
+  T *di = dlogits ? dlogits + (size_t)i * ld : NULL;
   int tg = targets[i];
   if (tg < 0 || tg >= v) {
     if (tid == 0) losses[i] = 0.0f;
     if (di)
-      for (int j = tid; j < ld; j += blockDim.x) di[j] = 0.0f;
+      for (int j = tid; j < ld; j += blockDim.x) di[j] = narrow<T>(0.0f);
     return;
   }
   float m = -INFINITY, s = 0.0f;
   for (int j = tid; j < v; j += blockDim.x) {
-    float x = li[j];
+    float x = widen(li[j]);
     if (x > m) {
       s = s * expf(m - x) + 1.0f;
       m = x;
@@ -1036,7 +1156,7 @@ __global__ void cross_entropy_kernel(float *losses, float *dlogits, const float 
       s += expf(x - m);
     }
   }
-  float xt = tid == 0 ? li[tg] : 0.0f;
+  float xt = tid == 0 ? widen(li[tg]) : 0.0f;
   for (int o = 16; o > 0; o >>= 1) {
     float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
     lse_merge(m, s, m2, s2);
@@ -1060,28 +1180,30 @@ __global__ void cross_entropy_kernel(float *losses, float *dlogits, const float 
   if (!di) return;
   float lse = sh_lse;
   for (int j = tid; j < v; j += blockDim.x) {
-    float g = expf(li[j] - lse) * grad_scale;
+    float g = expf(widen(li[j]) - lse) * grad_scale;
     if (j == tg) g -= grad_scale;
-    di[j] = g;
+    di[j] = narrow<T>(g);
   }
-  for (int j = v + tid; j < ld; j += blockDim.x) di[j] = 0.0f;
+  for (int j = v + tid; j < ld; j += blockDim.x) di[j] = narrow<T>(0.0f);
 }
 
-static void cu_cross_entropy(backend_t *be, float *losses, float *dlogits, const float *logits, const int32_t *targets,
-                             int n, int v, int ld, float grad_scale) {
+static int ce_threads(int v) { return v >= 8192 ? 1024 : v >= 1024 ? 256 : 64; }
+
+static void cu_cross_entropy(backend_t *be, float *losses, void *dlogits, const void *logits, const int32_t *targets,
+                             int n, int v, int ld, float grad_scale, dtype_t dt) {
   if (n <= 0) return;
-  int threads = v >= 8192 ? 1024 : v >= 1024 ? 256 : 64;
-  cross_entropy_kernel<<<n, threads, 0, cuda_of(be)->stream>>>(losses, dlogits, logits, targets, v, ld, grad_scale);
+  DT_DISPATCH(dt, cross_entropy_kernel<T><<<n, ce_threads(v), 0, cuda_of(be)->stream>>>(
+                      losses, (T *)dlogits, (const T *)logits, targets, v, ld, grad_scale));
   LAUNCH_CHECK("cross_entropy_kernel");
 }
 
 /* ------------------------------------------------------------------ tensor-parallel pieces */
 
-static void cu_copy_2d(backend_t *be, float *dst, int ldd, const float *src, int lds, int rows, int cols) {
+static void cu_copy_2d(backend_t *be, void *dst, int ldd, const void *src, int lds, int rows, int cols, dtype_t dt) {
+  size_t es = dtype_size(dt);
   if (rows <= 0 || cols <= 0) return;
-  CUDA_CHECK(cudaMemcpy2DAsync(dst, (size_t)ldd * sizeof(float), src, (size_t)lds * sizeof(float),
-                               (size_t)cols * sizeof(float), (size_t)rows, cudaMemcpyDeviceToDevice,
-                               cuda_of(be)->stream));
+  CUDA_CHECK(cudaMemcpy2DAsync(dst, (size_t)ldd * es, src, (size_t)lds * es, (size_t)cols * es, (size_t)rows,
+                               cudaMemcpyDeviceToDevice, cuda_of(be)->stream));
 }
 
 /* Vocab-parallel cross-entropy (backend.h), one block per row; reductions in a fixed tree. */
@@ -1104,83 +1226,88 @@ __device__ float block_reduce(float x, int is_max) {
   return x; /* every thread gets the total */
 }
 
-__global__ void ce_shard_max_kernel(float *rowmax, const float *logits, int v, int ld) {
-  const float *li = logits + (size_t)blockIdx.x * ld;
+template <typename T>
+__global__ void ce_shard_max_kernel(float *rowmax, const T *logits, int v, int ld) {
+  const T *li = logits + (size_t)blockIdx.x * ld;
   float m = -FLT_MAX;
-  for (int j = threadIdx.x; j < v; j += blockDim.x) m = fmaxf(m, li[j]);
+  for (int j = threadIdx.x; j < v; j += blockDim.x) m = fmaxf(m, widen(li[j]));
   m = block_reduce(m, 1);
   if (threadIdx.x == 0) rowmax[blockIdx.x] = m;
 }
 
-__global__ void ce_shard_stats_kernel(float *stats, const float *logits, const float *rowmax, const int32_t *targets,
-                                      int n, int v, int ld, int vocab_start) {
+template <typename T>
+__global__ void ce_shard_stats_kernel(float *stats, const T *logits, const float *rowmax, const int32_t *targets, int n,
+                                      int v, int ld, int vocab_start) {
   int i = blockIdx.x;
-  const float *li = logits + (size_t)i * ld;
+  const T *li = logits + (size_t)i * ld;
   float mx = rowmax[i], s = 0.0f;
-  for (int j = threadIdx.x; j < v; j += blockDim.x) s += expf(li[j] - mx);
+  for (int j = threadIdx.x; j < v; j += blockDim.x) s += expf(widen(li[j]) - mx);
   s = block_reduce(s, 0);
   if (threadIdx.x == 0) {
     int tg = targets[i], j = tg - vocab_start;
     stats[i] = s;
-    stats[n + i] = tg >= 0 && j >= 0 && j < v ? li[j] : 0.0f;
+    stats[n + i] = tg >= 0 && j >= 0 && j < v ? widen(li[j]) : 0.0f;
   }
 }
 
-__global__ void ce_shard_loss_kernel(float *losses, float *dlogits, const float *logits, const float *rowmax,
+template <typename T>
+__global__ void ce_shard_loss_kernel(float *losses, T *dlogits, const T *logits, const float *rowmax,
                                      const float *stats, const int32_t *targets, int n, int v, int ld, int vocab_start,
                                      float grad_scale) {
   int i = blockIdx.x, tg = targets[i];
-  float *di = dlogits ? dlogits + (size_t)i * ld : NULL;
+  T *di = dlogits ? dlogits + (size_t)i * ld : NULL;
   if (tg < 0) {
     if (threadIdx.x == 0) losses[i] = 0.0f;
     if (di)
-      for (int j = threadIdx.x; j < ld; j += blockDim.x) di[j] = 0.0f;
+      for (int j = threadIdx.x; j < ld; j += blockDim.x) di[j] = narrow<T>(0.0f);
     return;
   }
   float mx = rowmax[i], sum = stats[i];
   if (threadIdx.x == 0) losses[i] = mx + logf(sum) - stats[n + i];
   if (!di) return;
-  const float *li = logits + (size_t)i * ld;
+  const T *li = logits + (size_t)i * ld;
   float k = grad_scale / sum;
   int jt = tg - vocab_start;
   for (int j = threadIdx.x; j < ld; j += blockDim.x) {
     float g = 0.0f;
-    if (j < v) g = expf(li[j] - mx) * k - (j == jt ? grad_scale : 0.0f);
-    di[j] = g;
+    if (j < v) g = expf(widen(li[j]) - mx) * k - (j == jt ? grad_scale : 0.0f);
+    di[j] = narrow<T>(g);
   }
 }
 
-static int ce_threads(int v) { return v >= 8192 ? 1024 : v >= 1024 ? 256 : 64; }
-
-static void cu_ce_shard_max(backend_t *be, float *rowmax, const float *logits, int n, int v, int ld) {
+static void cu_ce_shard_max(backend_t *be, float *rowmax, const void *logits, int n, int v, int ld, dtype_t dt) {
   if (n <= 0) return;
-  ce_shard_max_kernel<<<n, ce_threads(v), 0, cuda_of(be)->stream>>>(rowmax, logits, v, ld);
+  DT_DISPATCH(dt, ce_shard_max_kernel<T><<<n, ce_threads(v), 0, cuda_of(be)->stream>>>(rowmax, (const T *)logits, v,
+                                                                                      ld));
   LAUNCH_CHECK("ce_shard_max_kernel");
 }
 
-static void cu_ce_shard_stats(backend_t *be, float *stats, const float *logits, const float *rowmax,
-                              const int32_t *targets, int n, int v, int ld, int vocab_start) {
+static void cu_ce_shard_stats(backend_t *be, float *stats, const void *logits, const float *rowmax,
+                              const int32_t *targets, int n, int v, int ld, int vocab_start, dtype_t dt) {
   if (n <= 0) return;
-  ce_shard_stats_kernel<<<n, ce_threads(v), 0, cuda_of(be)->stream>>>(stats, logits, rowmax, targets, n, v, ld,
-                                                                       vocab_start);
+  DT_DISPATCH(dt, ce_shard_stats_kernel<T><<<n, ce_threads(v), 0, cuda_of(be)->stream>>>(
+                      stats, (const T *)logits, rowmax, targets, n, v, ld, vocab_start));
   LAUNCH_CHECK("ce_shard_stats_kernel");
 }
 
-static void cu_ce_shard_loss(backend_t *be, float *losses, float *dlogits, const float *logits, const float *rowmax,
+static void cu_ce_shard_loss(backend_t *be, float *losses, void *dlogits, const void *logits, const float *rowmax,
                              const float *stats, const int32_t *targets, int n, int v, int ld, int vocab_start,
-                             float grad_scale) {
+                             float grad_scale, dtype_t dt) {
   if (n <= 0) return;
-  ce_shard_loss_kernel<<<n, ce_threads(v), 0, cuda_of(be)->stream>>>(losses, dlogits, logits, rowmax, stats, targets,
-                                                                      n, v, ld, vocab_start, grad_scale);
+  DT_DISPATCH(dt, ce_shard_loss_kernel<T><<<n, ce_threads(v), 0, cuda_of(be)->stream>>>(
+                      losses, (T *)dlogits, (const T *)logits, rowmax, stats, targets, n, v, ld, vocab_start,
+                      grad_scale));
   LAUNCH_CHECK("ce_shard_loss_kernel");
 }
 
 /* ------------------------------------------------------------------ AdamW */
 
-/* PyTorch's AdamW, step for step; the bias corrections come from the host, computed as the cpu
- * backend computes them. */
-__global__ void adamw_kernel(float *param, const float *grad, float *m, float *v, size_t n, float beta1, float beta2,
-                             float eps, float step_size, float bc2_sqrt, float decay, float grad_scale) {
+/* PyTorch's AdamW, step for step, on the fp32 master weights; the bias corrections come from
+ * the host, computed as the cpu backend computes them. With param_lp the same pass writes the
+ * bf16 compute copy: the updated parameter rounded once to nearest even. */
+__global__ void adamw_kernel(float *param, const float *grad, float *m, float *v, nv_bfloat16 *param_lp, size_t n,
+                             float beta1, float beta2, float eps, float step_size, float bc2_sqrt, float decay,
+                             float grad_scale) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
     float g = grad[i] * grad_scale;
     float mi = beta1 * m[i] + (1.0f - beta1) * g;
@@ -1188,17 +1315,20 @@ __global__ void adamw_kernel(float *param, const float *grad, float *m, float *v
     m[i] = mi;
     v[i] = vi;
     float p = param[i] * decay;
-    param[i] = p - step_size * mi / (sqrtf(vi) / bc2_sqrt + eps);
+    float np = p - step_size * mi / (sqrtf(vi) / bc2_sqrt + eps);
+    param[i] = np;
+    if (param_lp) param_lp[i] = __float2bfloat16_rn(np);
   }
 }
 
-static void cu_adamw(backend_t *be, float *param, const float *grad, float *m, float *v, size_t n, float lr,
-                     float beta1, float beta2, float eps, float weight_decay, int step, float grad_scale) {
+static void cu_adamw(backend_t *be, float *param, const float *grad, float *m, float *v, void *param_lp, size_t n,
+                     float lr, float beta1, float beta2, float eps, float weight_decay, int step, float grad_scale) {
   if (!n) return;
   float bc1 = 1.0f - powf(beta1, (float)step), bc2 = 1.0f - powf(beta2, (float)step);
   float step_size = lr / bc1, bc2_sqrt = sqrtf(bc2), decay = 1.0f - lr * weight_decay;
-  adamw_kernel<<<ew_blocks(n), EW_THREADS, 0, cuda_of(be)->stream>>>(param, grad, m, v, n, beta1, beta2, eps,
-                                                                    step_size, bc2_sqrt, decay, grad_scale);
+  adamw_kernel<<<ew_blocks(n), EW_THREADS, 0, cuda_of(be)->stream>>>(param, grad, m, v, (nv_bfloat16 *)param_lp, n,
+                                                                    beta1, beta2, eps, step_size, bc2_sqrt, decay,
+                                                                    grad_scale);
   LAUNCH_CHECK("adamw_kernel");
 }
 
@@ -1266,7 +1396,6 @@ extern "C" backend_t *backend_cuda_create(int device, char *err, size_t errlen) 
   be->name = "cuda";
   be->mem = BACKEND_MEM_DEVICE;
   cu->device = device;
-  cu->param_dtype = CUDA_DTYPE_FP32;
   if ((e = cudaSetDevice(device)) != cudaSuccess) { what = "cudaSetDevice"; goto fail; }
   if ((e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device)) != cudaSuccess) {
     what = "cudaDeviceGetAttribute";
@@ -1295,6 +1424,7 @@ extern "C" backend_t *backend_cuda_create(int device, char *err, size_t errlen) 
   be->add = cu_add;
   be->scale = cu_scale;
   be->sumsq = cu_sumsq;
+  be->convert = cu_convert;
   be->embedding_fwd = cu_embedding_fwd;
   be->embedding_bwd = cu_embedding_bwd;
   be->rmsnorm_fwd = cu_rmsnorm_fwd;

@@ -243,7 +243,8 @@ int comm_set_timeout(comm_t *c, int timeout_ms) {
 }
 
 /* Common checks of every collective: a usable communicator, a known dtype the backend
- * supports (cpu and staged reduce float32 only; nccl bfloat16 too), a known op. */
+ * supports (cpu, staged and nccl all move and reduce float32 and bfloat16; a backend whose
+ * table leaves bf16 at 0 is refused bfloat16), a known op. */
 static int check_call(comm_t *c, const char *what, comm_dtype_t dtype, int has_op, comm_op_t op) {
   /* A broken communicator keeps its first message: it names the peer that started it. */
   if (c->broken) {

@@ -46,7 +46,12 @@ enum {
   COMM_ETIMEDOUT = -4, /* no progress from a peer within the timeout */
 };
 
-typedef enum { COMM_FLOAT32 = 0, COMM_BFLOAT16 } comm_dtype_t; /* cpu, staged: float32 only */
+/* Element types, 4 and 2 bytes; every backend (cpu, staged, nccl) moves and reduces both.
+ * bfloat16 (trainer/bf16.h) is reduced the way NCCL does: each combining step widens to fp32,
+ * adds (or compares) in fp32 and rounds the result once to nearest even; "cpu" and "staged" then
+ * divide the finished sum by size once for AVG (fp32 division, one rounding). A bf16 SUM errs
+ * by at most about (size - 1) * 2^-8 of sum |x| (2^-8 per rounding); MAX is exact. */
+typedef enum { COMM_FLOAT32 = 0, COMM_BFLOAT16 } comm_dtype_t;
 typedef enum { COMM_SUM = 0, COMM_AVG, COMM_MAX } comm_op_t;
 
 #define COMM_NAME_MAX 64

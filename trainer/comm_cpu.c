@@ -13,18 +13,25 @@
  * pipelines without a chunk size. barrier passes a one-byte token n-1 times around the ring.
  *
  * Each step sends to the right while receiving from the left on nonblocking sockets with
- * poll(), so large messages never deadlock on full socket buffers; received floats are reduced
- * as they arrive, overlapping the arithmetic with the transfer. Reductions are deterministic:
- * chunk c is summed in ring order starting at rank c + 1, the same order in every run, and the
- * all-gather copies the finished chunk, so every rank ends with the same bits.
+ * poll(), so large messages never deadlock on full socket buffers; received elements are
+ * reduced as they arrive, overlapping the arithmetic with the transfer. Reductions are
+ * deterministic: chunk c is summed in ring order starting at rank c + 1, the same order in every
+ * run, and the all-gather copies the finished chunk, so every rank ends with the same bits.
  *
- * What it does not do: float32 only (bf16 reductions belong to the nccl backend), no
- * multi-threading, no topology awareness (one ring over the group's order), no recovery: on any
- * error it closes its sockets so the neighbours fail at once too, and the communicator is
- * broken for good. Stats count payload bytes, not TCP headers. Its abort (the fatal path) shuts
- * both sockets down rather than closing them: the neighbours read end-of-file at once even when
- * another process still holds the descriptors (a forked child), and the descriptors stay valid
- * for whatever call is still polling them. */
+ * Both dtypes: float32 (4-byte elements) and bfloat16 (2-byte, trainer/bf16.h). Chunks are
+ * counted in elements and moved as bytes, so all_gather and broadcast never look at the values.
+ * A bf16 combining step widens both operands to fp32, adds (or compares) in fp32 and rounds the
+ * sum once to nearest even, as NCCL does per hop; since fp32 carries more than twice bf16's
+ * precision, that one rounding gives the correctly rounded bf16 sum of the two. MAX picks one of
+ * the two inputs and never rounds. AVG divides the finished sum by the group size once, in fp32,
+ * and rounds: AVG is always SUM's bits divided and rounded, on every rank alike.
+ *
+ * What it does not do: no multi-threading, no topology awareness (one ring over the group's
+ * order), no recovery: on any error it closes its sockets so the neighbours fail at once too,
+ * and the communicator is broken for good. Stats count payload bytes, not TCP headers. Its
+ * abort (the fatal path) shuts both sockets down rather than closing them: the neighbours read
+ * end-of-file at once even when another process still holds the descriptors (a forked child),
+ * and the descriptors stay valid for whatever call is still polling them. */
 #include "trainer/comm.h"
 #include "trainer/comm_impl.h"
 
@@ -42,6 +49,7 @@
 #include <unistd.h>
 
 #include "common/net.h"
+#include "trainer/bf16.h"
 
 #define HELLO_MAGIC 0x4d52434du /* "MRCM" */
 #define HELLO_VERSION 1u
@@ -61,13 +69,14 @@ typedef struct {
   char left_label[EP_MAX + 64];  /* "rank 0 (127.0.0.1:41234)" */
   char right_label[EP_MAX + 64];
   size_t *off;     /* n + 1 chunk offsets (elements) of the collective in progress */
-  float *scratch;  /* receive buffer of the reductions */
-  size_t scratch_cap; /* in floats */
+  char *scratch;   /* receive buffer of the reductions */
+  size_t scratch_cap; /* bytes */
 } cpu_t;
 
 /* One step of a ring: send slen bytes to the right while receiving rlen from the left.
  * forward: sbuf == rbuf and only bytes already received may be sent (broadcast chain).
- * With reduce set, every float that arrives is combined at once: dst[i] = rbuf[i] op src[i]. */
+ * With reduce set, every whole element that arrives is combined at once:
+ * dst[i] = rbuf[i] op src[i], elements of dtype. */
 typedef struct {
   const char *sbuf;
   size_t slen, sent;
@@ -76,9 +85,10 @@ typedef struct {
   int forward;
   int reduce;
   comm_op_t op;
-  float *dst;
-  const float *src;
-  size_t reduced; /* floats already combined */
+  comm_dtype_t dtype;
+  char *dst;
+  const char *src;
+  size_t reduced; /* elements already combined */
 } xfer_t;
 
 /* Closes both links. Called on every failure: the neighbours see the connection close and
@@ -100,12 +110,31 @@ static int fail(comm_t *c, int code, const char *fmt, ...) {
   return comm_set_error(c, code, "%.*s", COMM_ERR_MAX - 100, what);
 }
 
-static void combine(float *dst, const float *a, const float *b, size_t n, comm_op_t op) {
+static void combine_f32(float *dst, const float *a, const float *b, size_t n, comm_op_t op) {
   if (op == COMM_MAX) {
     for (size_t i = 0; i < n; i++) dst[i] = a[i] > b[i] ? a[i] : b[i];
   } else {
     for (size_t i = 0; i < n; i++) dst[i] = a[i] + b[i];
   }
+}
+
+/* Widen, combine in fp32, round once. MAX keeps the bits of the input it picks, and picks as
+ * combine_f32 does (b unless a is greater, so a NaN or a tie of zeros behaves the same). */
+static void combine_bf16(bf16_t *dst, const bf16_t *a, const bf16_t *b, size_t n, comm_op_t op) {
+  if (op == COMM_MAX) {
+    for (size_t i = 0; i < n; i++) dst[i] = bf16_to_f32(a[i]) > bf16_to_f32(b[i]) ? a[i] : b[i];
+  } else {
+    for (size_t i = 0; i < n; i++) dst[i] = bf16_from_f32(bf16_to_f32(a[i]) + bf16_to_f32(b[i]));
+  }
+}
+
+/* n elements of dtype from element offset `at` of each buffer: dst = a op b. */
+static void combine(char *dst, const char *a, const char *b, size_t at, size_t n,
+                    comm_dtype_t dtype, comm_op_t op) {
+  if (dtype == COMM_BFLOAT16)
+    combine_bf16((bf16_t *)dst + at, (const bf16_t *)a + at, (const bf16_t *)b + at, n, op);
+  else
+    combine_f32((float *)dst + at, (const float *)a + at, (const float *)b + at, n, op);
 }
 
 static int xfer_run(comm_t *c, const char *what, xfer_t *x) {
@@ -160,9 +189,8 @@ static int xfer_run(comm_t *c, const char *what, xfer_t *x) {
         c->stats.bytes_recv += (uint64_t)k;
         progress = 1;
         if (x->reduce) {
-          size_t ready = x->rcvd / sizeof(float);
-          combine(x->dst + x->reduced, (const float *)x->rbuf + x->reduced, x->src + x->reduced,
-                  ready - x->reduced, x->op);
+          size_t ready = x->rcvd / comm_dtype_size(x->dtype);
+          combine(x->dst, x->rbuf, x->src, x->reduced, ready - x->reduced, x->dtype, x->op);
           x->reduced = ready;
         }
       } else if (k == 0) {
@@ -194,33 +222,39 @@ static void chunks_uniform(size_t *off, size_t count, int n) {
   for (int i = 0; i <= n; i++) off[i] = count * (size_t)i;
 }
 
-static int ensure_scratch(comm_t *c, size_t nfloats) {
+static int ensure_scratch(comm_t *c, size_t bytes) {
   cpu_t *p = c->impl;
-  if (nfloats <= p->scratch_cap) return COMM_OK;
-  float *s = realloc(p->scratch, nfloats * sizeof(float));
-  if (!s)
-    return fail(c, COMM_ESYSTEM, "out of memory for a %zu-byte receive buffer",
-                          nfloats * sizeof(float));
+  if (bytes <= p->scratch_cap) return COMM_OK;
+  char *s = realloc(p->scratch, bytes);
+  if (!s) return fail(c, COMM_ESYSTEM, "out of memory for a %zu-byte receive buffer", bytes);
   p->scratch = s;
-  p->scratch_cap = nfloats;
+  p->scratch_cap = bytes;
   return COMM_OK;
 }
 
-static void scale_avg(float *x, size_t n, int size) {
+/* AVG: the finished sum divided by the group size, once, in fp32; bf16 rounds the quotient. */
+static void scale_avg(void *x, size_t n, comm_dtype_t dtype, int size) {
   float d = (float)size;
-  for (size_t i = 0; i < n; i++) x[i] = x[i] / d;
+  if (dtype == COMM_BFLOAT16) {
+    bf16_t *h = x;
+    for (size_t i = 0; i < n; i++) h[i] = bf16_from_f32(bf16_to_f32(h[i]) / d);
+  } else {
+    float *f = x;
+    for (size_t i = 0; i < n; i++) f[i] = f[i] / d;
+  }
 }
 
-/* Ring all-gather over p->off: on entry rank r holds chunk `own` of buf; on return all. */
-static int ring_all_gather(comm_t *c, const char *what, float *buf, int own) {
+/* Ring all-gather over p->off (elements of esz bytes): on entry rank r holds chunk `own` of buf;
+ * on return all. */
+static int ring_all_gather(comm_t *c, const char *what, char *buf, size_t esz, int own) {
   cpu_t *p = c->impl;
   int n = c->size;
   for (int s = 0; s < n - 1; s++) {
     int cs = mod(own - s, n), cr = mod(own - s - 1, n);
-    xfer_t x = {.sbuf = (const char *)(buf + p->off[cs]),
-                .slen = (p->off[cs + 1] - p->off[cs]) * sizeof(float),
-                .rbuf = (char *)(buf + p->off[cr]),
-                .rlen = (p->off[cr + 1] - p->off[cr]) * sizeof(float)};
+    xfer_t x = {.sbuf = buf + p->off[cs] * esz,
+                .slen = (p->off[cs + 1] - p->off[cs]) * esz,
+                .rbuf = buf + p->off[cr] * esz,
+                .rlen = (p->off[cr + 1] - p->off[cr]) * esz};
     int rc = xfer_run(c, what, &x);
     if (rc) return rc;
   }
@@ -229,61 +263,65 @@ static int ring_all_gather(comm_t *c, const char *what, float *buf, int own) {
 
 static int cpu_all_reduce(comm_t *c, void *vbuf, size_t count, comm_dtype_t dtype, comm_op_t op) {
   cpu_t *p = c->impl;
-  float *buf = vbuf;
+  char *buf = vbuf;
+  size_t esz = comm_dtype_size(dtype);
   int n = c->size, r = c->rank;
   chunks_balanced(p->off, count, n);
-  int rc = ensure_scratch(c, p->off[1] - p->off[0]); /* chunk 0 is a largest one */
+  int rc = ensure_scratch(c, (p->off[1] - p->off[0]) * esz); /* chunk 0 is a largest one */
   if (rc) return rc;
   /* Reduce-scatter: at step s send chunk r-s-1 (partial sum of ranks r-s-1..r), receive chunk
    * r-s-2 and add our own values to it; after n-1 steps chunk r holds the full reduction. */
   for (int s = 0; s < n - 1; s++) {
     int cs = mod(r - s - 1, n), cr = mod(r - s - 2, n);
     size_t rn = p->off[cr + 1] - p->off[cr];
-    xfer_t x = {.sbuf = (const char *)(buf + p->off[cs]),
-                .slen = (p->off[cs + 1] - p->off[cs]) * sizeof(float),
-                .rbuf = (char *)p->scratch, .rlen = rn * sizeof(float),
-                .reduce = 1, .op = op, .dst = buf + p->off[cr], .src = buf + p->off[cr]};
+    xfer_t x = {.sbuf = buf + p->off[cs] * esz,
+                .slen = (p->off[cs + 1] - p->off[cs]) * esz,
+                .rbuf = p->scratch, .rlen = rn * esz,
+                .reduce = 1, .op = op, .dtype = dtype,
+                .dst = buf + p->off[cr] * esz, .src = buf + p->off[cr] * esz};
     rc = xfer_run(c, "all_reduce", &x);
     if (rc) return rc;
   }
-  if (op == COMM_AVG) scale_avg(buf + p->off[r], p->off[r + 1] - p->off[r], n);
-  return ring_all_gather(c, "all_reduce", buf, r);
+  if (op == COMM_AVG) scale_avg(buf + p->off[r] * esz, p->off[r + 1] - p->off[r], dtype, n);
+  return ring_all_gather(c, "all_reduce", buf, esz, r);
 }
 
 static int cpu_all_gather(comm_t *c, const void *in, void *out, size_t count, comm_dtype_t dtype) {
   cpu_t *p = c->impl;
   chunks_uniform(p->off, count, c->size);
-  return ring_all_gather(c, "all_gather", out, c->rank); /* the dispatch put `in` in our slot */
+  /* the dispatch put `in` in our slot */
+  return ring_all_gather(c, "all_gather", out, comm_dtype_size(dtype), c->rank);
 }
 
 static int cpu_reduce_scatter(comm_t *c, const void *vin, void *vout, size_t count,
                               comm_dtype_t dtype, comm_op_t op) {
   cpu_t *p = c->impl;
-  const float *in = vin;
-  float *out = vout;
+  const char *in = vin;
+  char *out = vout;
+  size_t esz = comm_dtype_size(dtype), bytes = count * esz;
   int n = c->size, r = c->rank;
-  int rc = ensure_scratch(c, count);
+  int rc = ensure_scratch(c, bytes);
   if (rc) return rc;
   /* The same ring as all_reduce's first half, but the input is read-only: partial sums live in
    * two buffers used in turn, out and scratch, chosen so that the last step lands in out. */
-  const float *send = in + (size_t)mod(r - 1, n) * count;
+  const char *send = in + (size_t)mod(r - 1, n) * bytes;
   for (int s = 0; s < n - 1; s++) {
     int cr = mod(r - s - 2, n);
-    float *recv = ((n - 2 - s) % 2 == 0) ? out : p->scratch;
-    xfer_t x = {.sbuf = (const char *)send, .slen = count * sizeof(float),
-                .rbuf = (char *)recv, .rlen = count * sizeof(float),
-                .reduce = 1, .op = op, .dst = recv, .src = in + (size_t)cr * count};
+    char *recv = ((n - 2 - s) % 2 == 0) ? out : p->scratch;
+    xfer_t x = {.sbuf = send, .slen = bytes, .rbuf = recv, .rlen = bytes,
+                .reduce = 1, .op = op, .dtype = dtype,
+                .dst = recv, .src = in + (size_t)cr * bytes};
     rc = xfer_run(c, "reduce_scatter", &x);
     if (rc) return rc;
     send = recv;
   }
-  if (op == COMM_AVG) scale_avg(out, count, n);
+  if (op == COMM_AVG) scale_avg(out, count, dtype, n);
   return COMM_OK;
 }
 
 static int cpu_broadcast(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, int root) {
   int n = c->size, pos = mod(c->rank - root, n); /* distance from the root along the ring */
-  size_t bytes = count * sizeof(float);
+  size_t bytes = count * comm_dtype_size(dtype);
   xfer_t x = {.sbuf = buf, .slen = pos == n - 1 ? 0 : bytes,
               .rbuf = buf, .rlen = pos == 0 ? 0 : bytes, .forward = pos != 0};
   return xfer_run(c, "broadcast", &x);
@@ -327,6 +365,7 @@ static const comm_ops_t cpu_ops = {
     .broadcast = cpu_broadcast,
     .barrier = cpu_barrier,
     .destroy = cpu_destroy,
+    .bf16 = 1,
     .abort = cpu_abort,
 };
 

@@ -25,7 +25,8 @@ typedef struct {
    * itself (all_gather's own slot, reduce_scatter on one rank), done before returning. NULL:
    * memcpy. */
   int (*copy)(comm_t *c, void *dst, const void *src, size_t bytes);
-  int bf16; /* 1: reduces and moves COMM_BFLOAT16 too (else float32 only) */
+  int bf16; /* 1: reduces and moves COMM_BFLOAT16 too, in fp32 with one rounding per combining
+              step (cpu, staged, nccl); 0: float32 only, the dispatch refuses bfloat16 */
   /* Optional: makes the peers' pending and later calls fail at once (comm_abort). It may run on
    * a fatal path at any point between calls, so it only shuts things down: no freeing, no
    * blocking; destroy still runs later and must cope with an aborted impl. */

@@ -14,9 +14,13 @@
  * copied into this communicator with the same wording. Stats count the inner ring's payload
  * bytes, not the device copies.
  *
- * What it does not do: float32 only (as comm_cpu), no overlap (each call copies, reduces and
- * copies back before returning), no pinned host memory (the staging buffer is plain malloc; the
- * copies are the slow part, which is acceptable for tests and one-GPU runs, not for speed). */
+ * Both dtypes, float32 and bfloat16, as comm_cpu: the staging buffers are sized in bytes from
+ * the element size (comm_dtype_size), and a bf16 reduction is the inner ring's (fp32 arithmetic,
+ * one rounding to bf16 per combining step).
+ *
+ * What it does not do: no overlap (each call copies, reduces and copies back before
+ * returning), no pinned host memory (the staging buffer is plain malloc; the copies are the slow
+ * part, which is acceptable for tests and one-GPU runs, not for speed). */
 #include "trainer/comm.h"
 #include "trainer/comm_impl.h"
 
@@ -163,7 +167,7 @@ static const comm_ops_t staged_ops = {
     .barrier = staged_barrier,
     .destroy = staged_destroy,
     .copy = staged_copy,
-    .bf16 = 0,
+    .bf16 = 1, /* the inner cpu ring reduces bf16 */
     .abort = staged_abort,
 };
 

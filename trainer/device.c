@@ -114,20 +114,19 @@ static int comm_backend_choose(const backend_t *be, const char *env, int local_w
   return 0;
 }
 
-/* Precision options on this device: bf16 parameters are not built yet, so an explicit bf16 on
- * a device backend is a usage error and the default bf16 there trains in fp32 (logged); TF32
- * as the plan says on cuda. Returns 0 or 2. */
+/* Precision options on this device: param_dtype defaults to what PyTorch users get there (bf16
+ * on cuda, fp32 on cpu, decided by the backend that opened, so "auto" falling back to cpu
+ * trains in fp32); an explicit value is kept on either. TF32 as the plan says on cuda.
+ * Returns 0. */
 static int precision_apply(plan_t *p, backend_t *be, char *err, size_t errlen) {
   const int on_device = be->mem == BACKEND_MEM_DEVICE;
-  if (on_device && p->parallel.param_dtype == PLAN_DTYPE_BF16) {
-    if (p->parallel.param_dtype_explicit) {
-      snprintf(err, errlen, "parallel.mixed_precision.param_dtype bf16 is not built yet (the cuda backend trains "
-                            "in fp32): add --set parallel.mixed_precision.param_dtype=fp32");
-      return 2;
-    }
-    log_rank0("parallel.mixed_precision.param_dtype: bf16 (the default on cuda) is not built yet; training in fp32");
-  }
-  if (!p->parallel.param_dtype_explicit) p->parallel.param_dtype = PLAN_DTYPE_FP32; /* what runs */
+  (void)err;
+  (void)errlen;
+  if (!p->parallel.param_dtype_explicit) p->parallel.param_dtype = on_device ? PLAN_DTYPE_BF16 : PLAN_DTYPE_FP32;
+  log_rank0("mixed precision: param_dtype %s, reduce_dtype %s%s",
+            p->parallel.param_dtype == PLAN_DTYPE_BF16 ? "bf16" : "fp32",
+            p->parallel.reduce_dtype == PLAN_DTYPE_BF16 ? "bf16" : "fp32",
+            p->parallel.param_dtype_explicit ? "" : " (param_dtype: the device's default)");
 #ifdef MESHRUN_HAVE_CUDA
   if (on_device) backend_cuda_set_tf32(be, p->parallel.allow_tf32);
 #endif

@@ -51,23 +51,53 @@ int dp_all_reduce(dp_impl_t *d, comm_t *c, float *buf, size_t n, comm_op_t op, c
   d->traffic.all_reduce += sent_of(c) - before;
   return rc ? dp_fail(d, rc, "dp %s: all_reduce of %s failed: %s", d->pub.name, what, comm_errmsg(c)) : 0;
 }
-int dp_all_gather(dp_impl_t *d, comm_t *c, const float *in, float *out, size_t n, const char *what) {
+static comm_dtype_t comm_dt(dtype_t dt) { return dt == DT_BF16 ? COMM_BFLOAT16 : COMM_FLOAT32; }
+
+int dp_all_gather(dp_impl_t *d, comm_t *c, const void *in, void *out, size_t n, dtype_t dt, const char *what) {
   size_t before = sent_of(c);
-  int rc = comm_all_gather(c, in, out, n, COMM_FLOAT32);
+  int rc = comm_all_gather(c, in, out, n, comm_dt(dt));
   d->traffic.all_gather += sent_of(c) - before;
   return rc ? dp_fail(d, rc, "dp %s: all_gather of %s failed: %s", d->pub.name, what, comm_errmsg(c)) : 0;
 }
-int dp_reduce_scatter(dp_impl_t *d, comm_t *c, const float *in, float *out, size_t n, const char *what) {
+static int reduce_scatter_dt(dp_impl_t *d, comm_t *c, const void *in, void *out, size_t n, dtype_t dt,
+                             const char *what) {
   size_t before = sent_of(c);
-  int rc = comm_reduce_scatter(c, in, out, n, COMM_FLOAT32, COMM_AVG);
+  int rc = comm_reduce_scatter(c, in, out, n, comm_dt(dt), COMM_AVG);
   d->traffic.reduce_scatter += sent_of(c) - before;
   return rc ? dp_fail(d, rc, "dp %s: reduce_scatter of %s failed: %s", d->pub.name, what, comm_errmsg(c)) : 0;
+}
+int dp_reduce_scatter(dp_impl_t *d, comm_t *c, const float *in, float *out, size_t n, const char *what) {
+  return reduce_scatter_dt(d, c, in, out, n, DT_F32, what);
 }
 int dp_broadcast(dp_impl_t *d, comm_t *c, float *buf, size_t n, int root, const char *what) {
   size_t before = sent_of(c);
   int rc = comm_broadcast(c, buf, n, COMM_FLOAT32, root);
   d->traffic.broadcast += sent_of(c) - before;
   return rc ? dp_fail(d, rc, "dp %s: broadcast of %s failed: %s", d->pub.name, what, comm_errmsg(c)) : 0;
+}
+
+/* reduce_dtype bf16: the fp32 gradients are rounded once into rlp, the collective sums bf16
+ * values in fp32 and rounds once per combining step (as NCCL does), and the result is widened
+ * back; the wire carries half the bytes. */
+int dp_grad_all_reduce(dp_impl_t *d, comm_t *c, float *g, size_t n, const char *what) {
+  if (d->rdt == DT_F32) return dp_all_reduce(d, c, g, n, COMM_AVG, what);
+  d->be->convert(d->be, d->rlp, d->rdt, g, DT_F32, n);
+  size_t before = sent_of(c);
+  int rc = comm_all_reduce(c, d->rlp, n, comm_dt(d->rdt), COMM_AVG);
+  d->traffic.all_reduce += sent_of(c) - before;
+  if (rc) return dp_fail(d, rc, "dp %s: all_reduce of %s failed: %s", d->pub.name, what, comm_errmsg(c));
+  d->be->convert(d->be, g, DT_F32, d->rlp, d->rdt, n);
+  return 0;
+}
+
+int dp_grad_reduce_scatter(dp_impl_t *d, comm_t *c, const float *in, float *out, size_t n, const char *what) {
+  if (d->rdt == DT_F32) return dp_reduce_scatter(d, c, in, out, n, what);
+  size_t all = n * (size_t)comm_size(c);
+  void *lo = d->rlp, *lo_out = (char *)d->rlp + all * dtype_size(d->rdt);
+  d->be->convert(d->be, lo, d->rdt, in, DT_F32, all);
+  if (reduce_scatter_dt(d, c, lo, lo_out, n, d->rdt, what)) return d->status;
+  d->be->convert(d->be, out, DT_F32, lo_out, d->rdt, n);
+  return 0;
 }
 
 /* parts has room for one entry per tensor: a tensor lies in one unit, and this rank's share
@@ -121,6 +151,9 @@ void dp_destroy(dp_t *dp) {
     d->be->free(d->be, d->gbuf);
     d->be->free(d->be, d->gradbuf);
     d->be->free(d->be, d->rstmp);
+    d->be->free(d->be, d->sp_lp);
+    d->be->free(d->be, d->gbuf_lp);
+    d->be->free(d->be, d->rlp);
   }
   free(d->uoff);
   free(d->unumel);
@@ -131,6 +164,23 @@ void dp_destroy(dp_t *dp) {
   free(d->parts);
   free(d->ck_ts);
   free(d);
+}
+
+/* The largest gradient reduction in reduce_dtype: a unit's gradients (DDP, HSDP's replicate
+ * all-reduce of a shard), or a padded unit and its chunk (the reduce-scatter of the shards). */
+static int reduce_scratch(dp_impl_t *d, char *err, size_t errlen) {
+  size_t n = 0;
+  for (int u = 0; u < d->n_units; u++) {
+    size_t need = d->chunk ? d->chunk[u] * (size_t)(d->S + 1) : d->unumel[u];
+    n = need > n ? need : n;
+  }
+  d->rlp_n = n;
+  if (n && !(d->rlp = d->be->alloc(d->be, n * dtype_size(d->rdt)))) {
+    snprintf(err, errlen, "dp error: out of memory for the %s gradient reduction buffer (%zu elements)",
+             dtype_name(d->rdt), n);
+    return -4;
+  }
+  return 0;
 }
 
 int dp_create(dp_t **out, model_t *m, backend_t *be, const mesh_t *mesh, const plan_t *p, char *err,
@@ -177,8 +227,11 @@ int dp_create(dp_t **out, model_t *m, backend_t *be, const mesh_t *mesh, const p
   }
   d->S = mesh ? mesh->dims[MESH_DP_SHARD] : 1;
   d->s = mesh ? mesh->coord[MESH_DP_SHARD] : 0;
+  d->pdt = model_param_dtype(m);
+  d->rdt = p->parallel.reduce_dtype == PLAN_DTYPE_BF16 ? DT_BF16 : DT_F32;
 
   int rc = d->ops->setup(d, p, err, errlen);
+  if (rc == 0 && d->rdt != DT_F32) rc = reduce_scratch(d, err, errlen);
   if (rc) {
     dp_destroy(&d->pub);
     return rc;
@@ -314,6 +367,7 @@ void dp_memory(const dp_t *dp, dp_memory_t *out) {
   const dp_impl_t *d = dp->ctx;
   memset(out, 0, sizeof *out);
   d->ops->memory(d, out);
+  if (d->rlp) out->work_bytes += d->rlp_n * dtype_size(d->rdt); /* reduce_dtype's wire copy */
 }
 
 void dp_traffic(const dp_t *dp, dp_traffic_t *out) { *out = ((const dp_impl_t *)dp->ctx)->traffic; }

@@ -8,7 +8,9 @@
  * optimizer updates the whole buffer. ZeRO-1 is DDP whose optimizer holds AdamW state for one
  * contiguous slice [r * chunk, (r + 1) * chunk) of the flat buffer on each dp rank r (the last
  * rank also the tail); after updating it, an in-place all-gather (plus a broadcast of the tail)
- * makes the parameters whole again. It does not bucket across units nor overlap the
+ * makes the parameters whole again (fp32: the masters stay whole on every rank; under bf16 the
+ * model rounds its compute copy from them at the next forward). Gradients are reduced in
+ * reduce_dtype (dp_grad_all_reduce). It does not bucket across units nor overlap the
  * all-reduce with the backward (every collective is blocking). */
 #include <stdio.h>
 #include <stdlib.h>
@@ -62,7 +64,7 @@ static int ddp_reduce_grads(dp_t *dp, int u) {
   if (!d->sync) return 0; /* no_sync: accumulate locally until the last micro-step */
   char what[48];
   snprintf(what, sizeof what, "unit %d gradients", u);
-  return dp_all_reduce(d, d->dp_comm, d->grads + d->uoff[u], d->unumel[u], COMM_AVG, what);
+  return dp_grad_all_reduce(d, d->dp_comm, d->grads + d->uoff[u], d->unumel[u], what);
 }
 
 static int flat_init_params(dp_impl_t *d, uint64_t seed, double init_std) {
@@ -76,17 +78,17 @@ static void flat_zero_grad(dp_impl_t *d) { model_zero_grad(d->m); }
 static int flat_grad_norm(dp_impl_t *d, double *norm) { return dp_norm_of(d, d->grads, NULL, norm); }
 
 static int ddp_step(dp_impl_t *d, double lr, double grad_scale) {
-  optim_step(&d->opt, d->params + d->opt_off, d->grads + d->opt_off, lr, grad_scale);
+  optim_step(&d->opt, d->params + d->opt_off, d->grads + d->opt_off, NULL, lr, grad_scale);
   return 0;
 }
 
 static int zero1_step(dp_impl_t *d, double lr, double grad_scale) {
-  optim_step(&d->opt, d->params + d->opt_off, d->grads + d->opt_off, lr, grad_scale);
+  optim_step(&d->opt, d->params + d->opt_off, d->grads + d->opt_off, NULL, lr, grad_scale);
   /* Every rank's slice into place (in place: rank r's input is already at r * chunk), then
    * the few elements past dp * chunk from the last rank, which updated them. */
   int n = comm_size(d->dp_comm);
   float *mine = d->params + (size_t)comm_rank(d->dp_comm) * d->zero_chunk;
-  if (d->zero_chunk && dp_all_gather(d, d->dp_comm, mine, d->params, d->zero_chunk, "ZeRO-1 parameters"))
+  if (d->zero_chunk && dp_all_gather(d, d->dp_comm, mine, d->params, d->zero_chunk, DT_F32, "ZeRO-1 parameters"))
     return d->status;
   if (d->zero_tail && dp_broadcast(d, d->dp_comm, d->params + (size_t)n * d->zero_chunk, d->zero_tail, n - 1,
                                    "ZeRO-1 parameter tail"))

@@ -15,6 +15,16 @@
  * Working memory: with reshard_after_forward one gathered buffer of the largest unit (units
  * take turns; the last unit of the forward is still there when the backward starts), else one
  * per unit (kept from forward to backward), plus one gradient buffer and a scatter scratch.
+ *
+ * Mixed precision (param_dtype bf16, FSDP2's MixedPrecisionPolicy): the shards stay fp32
+ * masters (sparams, what the optimizer updates and checkpoints save) and each has a bf16 copy
+ * (sp_lp) that the fused AdamW rewrites in its pass (and a conversion after anything else
+ * writes the shards: initialization, a checkpoint load, a commit). gather all-gathers the bf16
+ * copies into bf16 slots (gbuf_lp), half the bytes of fp32, and hands them to the model as its
+ * compute copy; the gradients stay fp32 (reduced in reduce_dtype). dp_unit_open, which must
+ * give the exact fp32 values (weights export, import), all-gathers the fp32 shards into one
+ * fp32 slot kept for it (gbuf). ZeRO-2 gathers fp32 (lp_gather 0: its replicated parameters
+ * are fp32 masters; the model rounds its own compute copy).
  * It does not prefetch the next unit nor overlap communication with compute. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -26,7 +36,8 @@
 
 /* Chunks, shard offsets, gathered slots, and the optimizer's view of the shard buffer as
  * "tensors" (the parts of real tensors inside the shard, then the padding). */
-int dp_shard_setup(dp_impl_t *d, const plan_t *p, int one_slot, const char *what, char *err, size_t errlen) {
+int dp_shard_setup(dp_impl_t *d, const plan_t *p, int one_slot, int lp_gather, const char *what, char *err,
+                   size_t errlen) {
   backend_t *be = d->be;
   const int U = d->n_units, nt = model_num_tensors(d->m);
   d->chunk = calloc((size_t)U, sizeof *d->chunk);
@@ -80,10 +91,15 @@ int dp_shard_setup(dp_impl_t *d, const plan_t *p, int one_slot, const char *what
 
   d->sparams = be->alloc(be, d->shard_total * sizeof(float));
   d->sgrads = be->alloc(be, d->shard_total * sizeof(float));
-  d->gbuf = be->alloc(be, d->gbuf_floats * sizeof(float));
+  d->gbuf = be->alloc(be, (lp_gather ? d->gmax : d->gbuf_floats) * sizeof(float));
   d->gradbuf = be->alloc(be, d->gmax * sizeof(float));
   d->rstmp = be->alloc(be, cmax * sizeof(float));
   if (!d->sparams || !d->sgrads || !d->gbuf || !d->gradbuf || !d->rstmp) goto nomem;
+  if (lp_gather) {
+    d->sp_lp = be->alloc(be, d->shard_total * dtype_size(d->pdt));
+    d->gbuf_lp = be->alloc(be, d->gbuf_floats * dtype_size(d->pdt));
+    if (!d->sp_lp || !d->gbuf_lp) goto nomem;
+  }
   int rc = optim_init(&d->opt, be, &p->train, segs, n_segs, 0, d->shard_total, err, errlen);
   free(segs);
   return rc;
@@ -96,9 +112,9 @@ nomem:
 int dp_shard_reduce(dp_impl_t *d, int u) {
   char what[48];
   snprintf(what, sizeof what, "unit %d gradients", u);
-  if (dp_reduce_scatter(d, d->shard_comm, d->gradbuf, d->rstmp, d->chunk[u], what)) return d->status;
+  if (dp_grad_reduce_scatter(d, d->shard_comm, d->gradbuf, d->rstmp, d->chunk[u], what)) return d->status;
   float *g = d->sgrads + d->soff[u];
-  d->be->add(d->be, g, g, d->rstmp, d->chunk[u]);
+  d->be->add(d->be, g, g, d->rstmp, d->chunk[u], DT_F32);
   return 0;
 }
 
@@ -116,25 +132,40 @@ int dp_shard_ck_ranges(dp_impl_t *d, dp_ck_range_t *r, int save_params, int save
   return n;
 }
 
+/* The fp32 slot that dp_unit_open fills for unit u: its gathered slot, or with bf16 gathers the
+ * one fp32 slot kept for opening. */
+static float *open_slot(dp_impl_t *d, int u) { return d->sp_lp ? d->gbuf : d->gbuf + d->goff[u]; }
+
+/* bf16 gathers: the bf16 copy of shard range [off, off + n) from the fp32 shard. */
+static void shard_to_lp(dp_impl_t *d, size_t off, size_t n) {
+  if (d->sp_lp)
+    d->be->convert(d->be, (char *)d->sp_lp + off * dtype_size(d->pdt), d->pdt, d->sparams + off, DT_F32, n);
+}
+
 int dp_shard_unit_commit(dp_impl_t *d, int u) {
-  float *buf = d->gbuf + d->goff[u];
+  float *buf = open_slot(d, u);
   d->be->copy(d->be, d->sparams + d->soff[u], buf + (size_t)d->s * d->chunk[u], d->chunk[u] * sizeof(float));
+  shard_to_lp(d, d->soff[u], d->chunk[u]);
+  if (d->sp_lp) d->holder[d->reshard ? 0 : u] = -1; /* the bf16 slot no longer matches */
   return 0;
 }
 
-const float *dp_shard_unit_params(dp_impl_t *d, int u) { return d->gbuf + d->goff[u]; }
+const float *dp_shard_unit_params(dp_impl_t *d, int u) { return open_slot(d, u); }
 
 void dp_shard_zero_grad(dp_impl_t *d) { d->be->zero(d->be, d->sgrads, d->shard_total * sizeof(float)); }
 
 /* ------------------------------------------------------------------ FSDP / HSDP */
 
 static int fsdp_setup(dp_impl_t *d, const plan_t *p, char *err, size_t errlen) {
-  return dp_shard_setup(d, p, d->reshard, "FSDP", err, errlen);
+  return dp_shard_setup(d, p, d->reshard, d->pdt != DT_F32, "FSDP", err, errlen);
 }
 
+/* Unit u's parameters for compute: the bf16 copies (bf16 gathers) or the fp32 shards. */
 static int fsdp_gather(dp_t *dp, int u, int for_backward) {
   dp_impl_t *d = dp_impl_of(dp);
-  float *buf = d->gbuf + d->goff[u];
+  const int lp = d->sp_lp != NULL;
+  const size_t es = lp ? dtype_size(d->pdt) : sizeof(float);
+  char *buf = lp ? (char *)d->gbuf_lp + d->goff[u] * es : (char *)(d->gbuf + d->goff[u]);
   /* holder is indexed by the slot's first unit: with one shared slot, every unit maps to
    * slot 0's holder (goff[u] == 0), else each unit has its own. */
   int slot = d->reshard ? 0 : u;
@@ -142,11 +173,23 @@ static int fsdp_gather(dp_t *dp, int u, int for_backward) {
     char what[48];
     snprintf(what, sizeof what, "unit %d parameters", u);
     d->holder[slot] = -1;
-    if (dp_all_gather(d, d->shard_comm, d->sparams + d->soff[u], buf, d->chunk[u], what)) return d->status;
+    const void *shard = lp ? (char *)d->sp_lp + d->soff[u] * es : (char *)(d->sparams + d->soff[u]);
+    if (dp_all_gather(d, d->shard_comm, shard, buf, d->chunk[u], lp ? d->pdt : DT_F32, what)) return d->status;
     d->holder[slot] = u;
   }
   if (for_backward) d->be->zero(d->be, d->gradbuf, d->chunk[u] * (size_t)d->S * sizeof(float));
-  model_set_unit_buffers(d->m, u, buf, d->gradbuf);
+  model_set_unit_buffers(d->m, u, lp ? NULL : (float *)buf, d->gradbuf);
+  if (lp) model_set_unit_compute(d->m, u, buf);
+  return 0;
+}
+
+/* The exact fp32 values of unit u in an fp32 slot (with fp32 gathers, the gather itself). */
+static int fsdp_unit_open(dp_impl_t *d, int u) {
+  if (!d->sp_lp) return fsdp_gather(&d->pub, u, 0);
+  char what[48];
+  snprintf(what, sizeof what, "unit %d fp32 parameters", u);
+  if (dp_all_gather(d, d->shard_comm, d->sparams + d->soff[u], d->gbuf, d->chunk[u], DT_F32, what)) return d->status;
+  model_set_unit_buffers(d->m, u, d->gbuf, NULL);
   return 0;
 }
 
@@ -162,7 +205,7 @@ static int hsdp_reduce_grads(dp_t *dp, int u) {
   if (!d->sync) return 0; /* the replicate all-reduce waits for the last micro-step */
   char what[48];
   snprintf(what, sizeof what, "unit %d gradients", u);
-  return dp_all_reduce(d, d->rep_comm, d->sgrads + d->soff[u], d->chunk[u], COMM_AVG, what);
+  return dp_grad_all_reduce(d, d->rep_comm, d->sgrads + d->soff[u], d->chunk[u], what);
 }
 
 static void fsdp_stale(dp_impl_t *d) {
@@ -182,18 +225,18 @@ int dp_shard_init(dp_impl_t *d, uint64_t seed, double init_std, int replicate) {
     d->holder[d->reshard ? 0 : u] = -1;
   }
   free(host);
+  shard_to_lp(d, 0, d->shard_total);
   return 0;
 }
 
 static int fsdp_init_params(dp_impl_t *d, uint64_t seed, double init_std) { return dp_shard_init(d, seed, init_std, 0); }
 
-static int fsdp_unit_open(dp_impl_t *d, int u) { return fsdp_gather(&d->pub, u, 0); }
 
 
 static int fsdp_grad_norm(dp_impl_t *d, double *norm) { return dp_norm_of(d, d->sgrads, d->shard_hcomm, norm); }
 
 static int fsdp_step(dp_impl_t *d, double lr, double grad_scale) {
-  optim_step(&d->opt, d->sparams, d->sgrads, lr, grad_scale);
+  optim_step(&d->opt, d->sparams, d->sgrads, d->sp_lp, lr, grad_scale); /* and the bf16 copies, fused */
   fsdp_stale(d);
   return 0;
 }
@@ -205,17 +248,21 @@ static int fsdp_ck_ranges(dp_impl_t *d, dp_ck_range_t *r) {
 }
 
 static int fsdp_ck_loaded(dp_impl_t *d) {
+  shard_to_lp(d, 0, d->shard_total);
   fsdp_stale(d);
   return 0;
 }
 
 static void fsdp_memory(const dp_impl_t *d, dp_memory_t *out) {
   const size_t f = sizeof(float);
-  out->param_bytes = d->shard_total * f;
+  const size_t lpe = d->sp_lp ? dtype_size(d->pdt) : 0; /* bytes of a bf16 copy's element */
+  out->param_bytes = d->shard_total * (f + lpe);
   out->grad_bytes = d->shard_total * f;
   size_t cmax = 0;
   for (int u = 0; u < d->n_units; u++) cmax = d->chunk[u] > cmax ? d->chunk[u] : cmax;
-  out->work_bytes = (d->gbuf_floats + d->gmax + cmax) * f;
+  /* gathered slots (bf16 ones plus the fp32 open slot, or fp32 ones), gradients, scratch */
+  size_t slots = d->sp_lp ? d->gbuf_floats * lpe + d->gmax * f : d->gbuf_floats * f;
+  out->work_bytes = slots + (d->gmax + cmax) * f;
   out->optim_bytes = 2 * d->opt.count * f;
 }
 

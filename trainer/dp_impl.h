@@ -70,6 +70,11 @@ struct dp_impl {
   model_t *m;
   backend_t *be;
   int reshard, sync, tp;
+  /* Mixed precision: the model's compute dtype (FSDP and HSDP gather bf16 copies when it is
+   * bf16) and the dtype gradient reductions travel in (reduce_dtype). */
+  dtype_t pdt, rdt;
+  void *rlp;    /* reduce_dtype bf16: gradients rounded for the wire (rlp_n elements) */
+  size_t rlp_n;
   comm_t *dp_comm, *shard_comm, *rep_comm, *tp_comm; /* device memory (the backend's) */
   comm_t *dp_hcomm, *shard_hcomm, *tp_hcomm;          /* host memory: the norm's shares */
   int n_units;
@@ -86,7 +91,10 @@ struct dp_impl {
   size_t *chunk, *soff;     /* (n_units) c_u and the unit's offset in the shard buffers */
   size_t shard_total;
   float *sparams, *sgrads;  /* (shard_total) */
-  float *gbuf;              /* gathered parameters: one slot (reshard) or one per unit */
+  void *sp_lp;              /* bf16 gathers: the bf16 copy of sparams, written by the fused AdamW */
+  float *gbuf;              /* gathered fp32 parameters: one slot (reshard) or one per unit; with
+                               bf16 gathers only one slot, for dp_unit_open (exact fp32 values) */
+  void *gbuf_lp;            /* bf16 gathers: the gathered bf16 slots (as gbuf's fp32 ones) */
   size_t *goff;             /* (n_units) slot offset of each unit in gbuf */
   int *holder;              /* (n_units) unit held by the slot at goff[u], -1 none */
   size_t gbuf_floats, gmax; /* gmax: the largest padded unit P_u */
@@ -107,9 +115,13 @@ dp_impl_t *dp_impl_of(dp_t *dp); /* dp.c: the state behind a public handle (the 
 int dp_fail(dp_impl_t *d, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 /* dp.c: the collectives, each counted into d->traffic by operation and checked (dp_fail). */
 int dp_all_reduce(dp_impl_t *d, comm_t *c, float *buf, size_t n, comm_op_t op, const char *what);
-int dp_all_gather(dp_impl_t *d, comm_t *c, const float *in, float *out, size_t n, const char *what);
+int dp_all_gather(dp_impl_t *d, comm_t *c, const void *in, void *out, size_t n, dtype_t dt, const char *what);
 int dp_reduce_scatter(dp_impl_t *d, comm_t *c, const float *in, float *out, size_t n, const char *what);
 int dp_broadcast(dp_impl_t *d, comm_t *c, float *buf, size_t n, int root, const char *what);
+/* dp.c: gradient reductions (avg) of fp32 gradients in reduce_dtype: in bf16 they are rounded
+ * into d->rlp, reduced there, and widened back (out of reduce_scatter: n fp32 elements). */
+int dp_grad_all_reduce(dp_impl_t *d, comm_t *c, float *g, size_t n, const char *what);
+int dp_grad_reduce_scatter(dp_impl_t *d, comm_t *c, const float *in, float *out, size_t n, const char *what);
 /* dp.c: a norm part (parts has room for one per tensor). */
 void dp_add_part(dp_impl_t *d, size_t offset, size_t numel, int tp_split);
 /* dp.c: the global gradient norm of storage g (laid out as d->parts): the sums of squares of
@@ -120,8 +132,11 @@ int dp_rank_of(comm_t *c); /* 0 for NULL */
 /* dp_fsdp.c: the per-unit shard layout over d->S shards (d->S, d->s set): unit u padded to
  * P_u = S * c_u, shard s its slice [s * c_u, (s + 1) * c_u) at soff[u] of sparams / sgrads;
  * gbuf with one slot of the largest unit (one_slot) or one slot per unit at goff[u]; the
- * gradient buffer and reduce-scatter scratch; norm parts and the optimizer over the shards. */
-int dp_shard_setup(dp_impl_t *d, const plan_t *p, int one_slot, const char *what, char *err, size_t errlen);
+ * gradient buffer and reduce-scatter scratch; norm parts and the optimizer over the shards.
+ * lp_gather: gathers move the bf16 copies (sp_lp into gbuf_lp slots); gbuf is then one fp32
+ * slot for dp_unit_open. */
+int dp_shard_setup(dp_impl_t *d, const plan_t *p, int one_slot, int lp_gather, const char *what, char *err,
+                   size_t errlen);
 /* dp_fsdp.c: reduce_scatter (avg) of gradbuf over shard_comm, added into unit u's shard grads. */
 int dp_shard_reduce(dp_impl_t *d, int u);
 /* dp_fsdp.c: per unit with real elements in this shard, its param (sparams), adam_m and adam_v

@@ -12,6 +12,9 @@
  *                     where DDP waits for the last);
  *   step:             AdamW on the fp32 parameter shard with its gradient shard and moments,
  *                     then one all_gather per unit of the updated shards into gbuf.
+ * Mixed precision: the replicated parameters are fp32 masters (what checkpoints save), so the
+ * all_gather after the step moves fp32 and the model rounds its bf16 compute copy from them;
+ * gradients reduce in reduce_dtype (dp_shard_reduce).
  * The gradient norm sums the shards' squares with one all_reduce over dp (and tp). Checkpoints:
  * every rank saves its shard of parameters and moments (as FSDP); a load also fills the
  * replicated parameters, so it needs no collective. Per-rank persistent state: the replicated
@@ -32,7 +35,7 @@ static int zero2_setup(dp_impl_t *d, const plan_t *p, char *err, size_t errlen) 
   d->s = comm_rank(d->dp_comm);
   d->shard_comm = d->dp_comm; /* the shards split over dp (dp_shard is 1 here) */
   d->shard_hcomm = d->dp_hcomm;
-  int rc = dp_shard_setup(d, p, 0, "ZeRO-2", err, errlen);
+  int rc = dp_shard_setup(d, p, 0, 0, "ZeRO-2", err, errlen);
   if (rc) return rc;
   /* Padding stays zero: all_gather copies the shards' zero padding, the optimizer never moves it. */
   d->be->zero(d->be, d->gbuf, d->gbuf_floats * sizeof(float));
@@ -64,11 +67,11 @@ static int zero2_unit_open(dp_impl_t *d, int u) { return zero2_gather(&d->pub, u
 static int zero2_grad_norm(dp_impl_t *d, double *norm) { return dp_norm_of(d, d->sgrads, d->dp_hcomm, norm); }
 
 static int zero2_step(dp_impl_t *d, double lr, double grad_scale) {
-  optim_step(&d->opt, d->sparams, d->sgrads, lr, grad_scale);
+  optim_step(&d->opt, d->sparams, d->sgrads, NULL, lr, grad_scale);
   for (int u = 0; u < d->n_units; u++) {
     char what[48];
     snprintf(what, sizeof what, "unit %d parameters", u);
-    if (dp_all_gather(d, d->dp_comm, d->sparams + d->soff[u], d->gbuf + d->goff[u], d->chunk[u], what))
+    if (dp_all_gather(d, d->dp_comm, d->sparams + d->soff[u], d->gbuf + d->goff[u], d->chunk[u], DT_F32, what))
       return d->status;
   }
   return 0;

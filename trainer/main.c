@@ -30,9 +30,9 @@
  * Exit codes: 0 done; 1 runtime failure (data, memory, NaN loss, I/O, a collective, a failed save
  * after the last step or of the final weights, a failed write of log.metrics_file); 2 usage or
  * plan error (including device "cuda" in a build without it, WORLD_SIZE > 1 without MESHRUN_STORE,
- * an unknown or unsuitable MESHRUN_COMM_BACKEND, param_dtype bf16 given explicitly on cuda, a
- * checkpoint.dir that cannot be written). A runtime failure also goes to TORCHELASTIC_ERROR_FILE
- * (torchrun's layout), with "meshrun": {"restart": false} when it was a lack of space.
+ * an unknown or unsuitable MESHRUN_COMM_BACKEND, a checkpoint.dir that cannot be written). A
+ * runtime failure also goes to TORCHELASTIC_ERROR_FILE (torchrun's layout), with
+ * "meshrun": {"restart": false} when it was a lack of space.
  * Startup: when OMP_WAIT_POLICY is unset the program sets it to passive and re-execs itself once
  * (see ensure_passive_omp); nothing else runs before the first step but loading the data.
  * Hidden flags and fault variables for tests: trainer/hooks. */
@@ -278,12 +278,16 @@ static int mesh_setup(mesh_t **out, const plan_t *p, int rank, int world, const 
 }
 
 /* This rank's model: its tp slice under a mesh (tpo, which must live as long as the model), no
- * flat buffers when the strategy shards them. */
+ * flat buffers when the strategy shards them, the plan's mixed precision (FSDP and HSDP gather
+ * the bf16 compute copies themselves). */
 static int model_setup(model_t **m, model_tp_t *tpo, const plan_t *p, backend_t *be, const mesh_t *mesh, char *err,
                        size_t errlen) {
   const int B = p->train.micro_batch_size, T = p->train.seq_len, tp = mesh ? mesh->dims[MESH_TP] : 1;
   model_opts_t opts = {.max_b = B, .max_t = T, .decay_norms = p->train.decay_norms,
-                       .decay_embeddings = p->train.decay_embeddings, .checkpoint_every = plan_checkpoint_every(p)};
+                       .decay_embeddings = p->train.decay_embeddings, .checkpoint_every = plan_checkpoint_every(p),
+                       .param_dtype = p->parallel.param_dtype == PLAN_DTYPE_BF16 ? DT_BF16 : DT_F32,
+                       .reduce_dtype = p->parallel.reduce_dtype == PLAN_DTYPE_BF16 ? DT_BF16 : DT_F32,
+                       .strategy_casts = dp_is_sharded(mesh)};
   if (!mesh) return model_create_opts(m, &p->model, be, &opts, err, errlen);
   *tpo = (model_tp_t){.comm = tp > 1 ? mesh_comm(mesh, "tp") : NULL,
                       .sequence_parallel = p->parallel.sequence_parallel,

@@ -56,8 +56,8 @@ static void metrics_printf(metrics_t *mt, int step, const char *fmt, ...) {
   if (n < 0 || ferror(mt->f)) metrics_failed(mt, e, step);
 }
 
-/* Per-rank bytes of state (the strategy's, and the model's activation arena as allocated),
- * and their maximum over the job. */
+/* Per-rank bytes of state (the strategy's, the model's bf16 compute copy counted with the
+ * parameters, and the model's activation arena as allocated), and their maximum over the job. */
 typedef struct {
   dp_memory_t mine, max;
   model_memory_t act, act_max;
@@ -66,6 +66,7 @@ typedef struct {
 static int memory_report(dp_t *dp, model_t *m, comm_t *world, memory_report_t *r) {
   dp_memory(dp, &r->mine);
   model_memory(m, &r->act);
+  r->mine.param_bytes += r->act.compute_bytes;
   r->max = r->mine;
   r->act_max = r->act;
   if (!world || comm_size(world) == 1) return 0;
@@ -166,12 +167,14 @@ int metrics_open(metrics_t *mt, const plan_t *p, model_t *m, dp_t *dp, const mes
                    "\"strategy\":\"%s\",\"mesh\":[%d,%d,%d],\"param_bytes\":%zu,\"grad_bytes\":%zu,\"optim_bytes\":%zu,"
                    "\"work_bytes\":%zu,\"param_bytes_max\":%zu,\"grad_bytes_max\":%zu,\"optim_bytes_max\":%zu,"
                    "\"work_bytes_max\":%zu,\"act_bytes\":%zu,\"act_block_bytes\":%zu,\"act_bytes_max\":%zu,"
-                   "\"start_step\":%d}\n",
+                   "\"param_dtype\":\"%s\",\"reduce_dtype\":\"%s\",\"start_step\":%d}\n",
                    torn ? "\n" : "", plan_json ? plan_json : "{}", np, world, mt->tokens_per_step, data->n_train,
                    dp->name, mesh ? mesh->dims[MESH_DP_REPLICATE] : 1, mesh ? mesh->dims[MESH_DP_SHARD] : 1, tp,
                    mem.mine.param_bytes, mem.mine.grad_bytes, mem.mine.optim_bytes, mem.mine.work_bytes,
                    mem.max.param_bytes, mem.max.grad_bytes, mem.max.optim_bytes, mem.max.work_bytes,
-                   mem.act.act_bytes, mem.act.act_block_bytes, mem.act_max.act_bytes, start_step);
+                   mem.act.act_bytes, mem.act.act_block_bytes, mem.act_max.act_bytes,
+                   dtype_name(model_param_dtype(m)), p->parallel.reduce_dtype == PLAN_DTYPE_BF16 ? "bf16" : "fp32",
+                   start_step);
   }
 
   const int dp_size = mesh ? comm_size(mesh_host_comm(mesh, "dp")) : 1;

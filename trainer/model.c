@@ -81,20 +81,20 @@ typedef struct {
 /* One layer's saved activations. "Local" rows are this rank's sequence shard under SP (Ns),
  * else all rows; "full" rows are all Np rows (N plus SP padding). */
 typedef struct {
-  float *x;        /* (Ns, C) block input (the residual stream) */
-  float *xn_att;   /* (Np, C) attention_norm(x), gathered */
-  float *rstd_att; /* (Ns) */
-  float *q;        /* (Np, Hl*D) = (B, T, Hl, D), after RoPE */
-  float *k;        /* (Np, KVl*D) after RoPE */
-  float *v;        /* (Np, KVl*D) */
-  float *att;      /* (Np, Hl*D) attention output, before wo */
-  float *lse;      /* (B, Hl, T) softmax log-sum-exp */
-  float *x_mid;    /* (Ns, C) x + attention */
-  float *xn_ffn;   /* (Np, C) ffn_norm(x_mid), gathered */
-  float *rstd_ffn; /* (Ns) */
-  float *a;        /* (Np, Fl) xn_ffn w1^T */
-  float *g;        /* (Np, Fl) xn_ffn w3^T */
-  float *h;        /* (Np, Fl) silu(a) * g */
+  void *x;         /* (Ns, C) block input (the residual stream) */
+  void *xn_att;    /* (Np, C) attention_norm(x), gathered */
+  float *rstd_att; /* (Ns) fp32 */
+  void *q;         /* (Np, Hl*D) = (B, T, Hl, D), after RoPE */
+  void *k;         /* (Np, KVl*D) after RoPE */
+  void *v;         /* (Np, KVl*D) */
+  void *att;       /* (Np, Hl*D) attention output, before wo */
+  float *lse;      /* (B, Hl, T) softmax log-sum-exp, fp32 */
+  void *x_mid;     /* (Ns, C) x + attention */
+  void *xn_ffn;    /* (Np, C) ffn_norm(x_mid), gathered */
+  float *rstd_ffn; /* (Ns) fp32 */
+  void *a;         /* (Np, Fl) xn_ffn w1^T */
+  void *g;         /* (Np, Fl) xn_ffn w3^T */
+  void *h;         /* (Np, Fl) silu(a) * g */
 } layer_acts_t;
 
 struct model {
@@ -114,6 +114,10 @@ struct model {
    * fault_pass (forward, or its backward with fault_bwd); passes counts forwards with targets */
   int fault_pass, fault_bwd, passes;
   int no_flat; /* FSDP: params/grads NULL, units point at the strategy's buffers */
+  dtype_t dt;  /* activations and parameter compute copies (model_opts_t.param_dtype) */
+  dtype_t rdt; /* tp reduction of replicated norm gradients (model_opts_t.reduce_dtype) */
+  size_t es;   /* bytes of one dt element */
+  int strategy_casts;
   int max_b, max_t;
   int Np, Ns, row0; /* rows of the current batch: full (padded), local, first local row */
 
@@ -126,37 +130,41 @@ struct model {
   float *params, *grads; /* (num_params) device */
   int n_units;
   size_t *unit_offset, *unit_numel;  /* (n_units) */
-  float **unit_params, **unit_grads; /* current base of each unit */
+  float **unit_params, **unit_grads; /* current base of each unit (fp32) */
+  const void **unit_cparams;         /* what the kernels read: unit_params in fp32, else bf16 */
+  void *params_lp;                   /* bf16 without strategy_casts: the model's compute copy */
 
-  /* activations */
-  float *arena;
+  /* activations: dt unless marked fp32 */
+  void *arena;
   size_t arena_bytes, block_bytes;   /* model_memory: the arena, its transformer-block part */
   int ckpt_every;                    /* model_opts_t.checkpoint_every */
   layer_acts_t *acts;                /* (L) */
   layer_acts_t work;                 /* the checkpointed blocks' shared set (x unused) */
-  float *x_final;                    /* (Ns, C) output of the last block */
-  float *xn_final;                   /* (Np, C) gathered */
-  float *rstd_final;                 /* (Ns) */
-  float *logits;                     /* (Np, Vo) this rank's logits; after model_backward dlogits */
-  float *losses;                     /* (Np) */
+  void *x_final;                     /* (Ns, C) output of the last block */
+  void *xn_final;                    /* (Np, C) gathered */
+  float *rstd_final;                 /* (Ns) fp32 */
+  void *logits;                      /* (Np, Vo) this rank's logits; after model_backward dlogits */
+  float *losses;                     /* (Np) fp32 */
   int32_t *tokens_dev, *targets_dev; /* (Np), padding rows -1 */
   /* backward scratch */
-  float *dres;         /* (Ns, C) gradient of the residual stream */
-  float *dxn;          /* (Np, C) gradient of a norm's (gathered) output */
-  float *datt;         /* (Np, Hl*D) */
-  float *dq;           /* (Np, Hl*D) */
-  float *dk, *dv;      /* (Np, KVl*D) */
-  float *dh, *da, *dg; /* (Np, Fl) */
+  void *dres;          /* (Ns, C) gradient of the residual stream */
+  void *dxn;           /* (Np, C) gradient of a norm's (gathered) output */
+  void *datt;          /* (Np, Hl*D) */
+  void *dq;            /* (Np, Hl*D) */
+  void *dk, *dv;       /* (Np, KVl*D) */
+  void *dh, *da, *dg;  /* (Np, Fl) */
   /* tensor-parallel scratch (NULL when unused) */
-  float *xn_loc;        /* (Ns, C) SP: a norm's output on the local rows, before the all-gather */
-  float *sc_full;       /* (Np, C) partial rowwise outputs; gathered residual gradients */
-  float *sc_loc;        /* (Ns, C) SP: reduce-scatter results */
-  float *dnorm;         /* (C) SP: one norm weight's partial gradient */
-  float *logits_full;   /* (Np, V) output colwise: gathered logits (model_logits) */
-  float *logits_gather; /* (tp, Np, Vo) output colwise: all_gather landing buffer */
-  float *ce_max;        /* (Np) loss parallel: row max */
-  float *ce_stats;      /* (2, Np) loss parallel: sum of exp, target logit */
-  const float *logits_out; /* what model_logits returns for the last forward */
+  void *xn_loc;         /* (Ns, C) SP: a norm's output on the local rows, before the all-gather */
+  void *sc_full;        /* (Np, C) partial rowwise outputs; gathered residual gradients */
+  void *sc_loc;         /* (Ns, C) SP: reduce-scatter results */
+  float *dnorm;         /* (C) fp32, SP: one norm weight's partial gradient */
+  void *dnorm_lp;       /* (C) bf16, SP with reduce_dtype bf16: what the all-reduce moves */
+  void *logits_full;    /* (Np, V) output colwise: gathered logits (model_logits) */
+  void *logits_gather;  /* (tp, Np, Vo) output colwise: all_gather landing buffer */
+  float *ce_max;        /* (Np) fp32 loss parallel: row max */
+  float *ce_stats;      /* (2, Np) fp32 loss parallel: sum of exp, target logit */
+  const void *logits_out; /* the last forward's full logits (dt), NULL when none */
+  float *logits_f32;    /* bf16: model_logits' widened copy (max_b * max_t, V), on first use */
   int32_t pad_ids[64];  /* -1s: token and target ids of SP padding rows (< tp of them) */
 
   /* state of the last forward */
@@ -175,6 +183,14 @@ static float *grad_of(model_t *m, int ti) {
   const model_tensor_t *t = &m->tensors[ti];
   return m->unit_grads[t->unit] + (t->offset - m->unit_offset[t->unit]);
 }
+/* The compute copy of tensor ti (dt), what the kernels read. */
+static const void *cparam_of(model_t *m, int ti) {
+  const model_tensor_t *t = &m->tensors[ti];
+  return (const char *)m->unit_cparams[t->unit] + (t->offset - m->unit_offset[t->unit]) * m->es;
+}
+/* Element i of an activation buffer of dt elements. */
+static void *at(const model_t *m, const void *p, size_t i) { return (char *)p + i * m->es; }
+static comm_dtype_t comm_dt(dtype_t dt) { return dt == DT_BF16 ? COMM_BFLOAT16 : COMM_FLOAT32; }
 
 /* Adds a tensor of full shape (full_rows, full_cols); split says how this rank's slice is cut
  * from it. ROWS: ceil(full_rows / tp) rows each, the last rank's tail past full_rows being
@@ -221,10 +237,15 @@ static int dp_gather(model_t *m, int u, int bwd) {
     int rc = m->dp->gather(m->dp, u, bwd);
     if (rc) return set_error(m, MODEL_ESTRATEGY, "dp %s gather of unit %d failed (%d)", m->dp->name, u, rc);
   }
-  if (!m->unit_params[u] || (bwd && !m->unit_grads[u]))
+  const int need_master = m->dt == DT_F32 || !m->strategy_casts; /* the kernels read it, or its copy */
+  if ((need_master ? !m->unit_params[u] : !m->unit_cparams[u]) || (bwd && !m->unit_grads[u]))
     return set_error(m, MODEL_EINVAL,
                      "unit %d has no %s buffer (no_flat_buffers: the strategy's gather must provide it)", u,
-                     m->unit_params[u] ? "gradient" : "parameter");
+                     (bwd && !m->unit_grads[u]) ? "gradient" : m->dt == DT_F32 ? "parameter" : "bf16 parameter");
+  /* The model's own bf16 copy: rounded from the fp32 parameters at every forward gather (any
+   * update since, by whatever path, is seen), reused by the backward of the same step. */
+  if (m->dt != DT_F32 && !m->strategy_casts && !bwd)
+    m->be->convert(m->be, (void *)m->unit_cparams[u], m->dt, m->unit_params[u], DT_F32, m->unit_numel[u]);
   return 0;
 }
 /* Released even after a failed tp collective (the strategy frees what it gathered); that
@@ -253,20 +274,21 @@ static void tp_check(model_t *m, int rc, const char *what) {
   set_error(m, MODEL_ECOMM, "tensor-parallel %s failed: %s", what, comm_errmsg(m->tpc));
   m->comm_rc = rc;
 }
-static void tp_all_reduce(model_t *m, float *buf, size_t n, comm_op_t op, const char *what) {
-  if (!m->comm_rc) tp_check(m, comm_all_reduce(m->tpc, buf, n, COMM_FLOAT32, op), what);
+/* Activations travel in dt; the loss statistics in fp32 (tp_all_reduce's dt says which). */
+static void tp_all_reduce(model_t *m, void *buf, size_t n, dtype_t dt, comm_op_t op, const char *what) {
+  if (!m->comm_rc) tp_check(m, comm_all_reduce(m->tpc, buf, n, comm_dt(dt), op), what);
 }
-static void tp_all_gather(model_t *m, float *out, const float *in, size_t n, const char *what) {
-  if (!m->comm_rc) tp_check(m, comm_all_gather(m->tpc, in, out, n, COMM_FLOAT32), what);
+static void tp_all_gather(model_t *m, void *out, const void *in, size_t n, const char *what) {
+  if (!m->comm_rc) tp_check(m, comm_all_gather(m->tpc, in, out, n, comm_dt(m->dt)), what);
 }
-static void tp_reduce_scatter(model_t *m, float *out, const float *in, size_t n, const char *what) {
-  if (!m->comm_rc) tp_check(m, comm_reduce_scatter(m->tpc, in, out, n, COMM_FLOAT32, COMM_SUM), what);
+static void tp_reduce_scatter(model_t *m, void *out, const void *in, size_t n, const char *what) {
+  if (!m->comm_rc) tp_check(m, comm_reduce_scatter(m->tpc, in, out, n, comm_dt(m->dt), COMM_SUM), what);
 }
 
 /* Local rows -> all rows (cols wide). Under SP each rank holds its block of rows and the
  * colwise linears (or the replicated computations) need every row: all_gather into full.
  * Without SP local rows are all rows: returns local itself. */
-static const float *rows_to_full(model_t *m, float *full, const float *local, int cols, const char *what) {
+static const void *rows_to_full(model_t *m, void *full, const void *local, int cols, const char *what) {
   if (!m->sp) return local;
   tp_all_gather(m, full, local, (size_t)m->Ns * cols, what);
   return full;
@@ -276,24 +298,25 @@ static const float *rows_to_full(model_t *m, float *full, const float *local, in
  * input gradient of colwise linears), summed across tp: all_reduce in place, or under SP
  * reduce_scatter so that each rank receives only the sum of its own rows. Not partial: every
  * rank holds the same full value and keeps its rows. */
-static const float *rows_from_full(model_t *m, float *full, float *local_scratch, int cols, int partial,
-                                   const char *what) {
+static const void *rows_from_full(model_t *m, void *full, void *local_scratch, int cols, int partial,
+                                  const char *what) {
   if (partial && m->sp) {
     tp_reduce_scatter(m, local_scratch, full, (size_t)m->Ns * cols, what);
     return local_scratch;
   }
-  if (partial && m->tp > 1) tp_all_reduce(m, full, (size_t)m->Np * cols, COMM_SUM, what);
-  return full + (size_t)m->row0 * cols;
+  if (partial && m->tp > 1) tp_all_reduce(m, full, (size_t)m->Np * cols, m->dt, COMM_SUM, what);
+  return at(m, full, (size_t)m->row0 * cols);
 }
 
 /* ------------------------------------------------------------------ create / destroy */
 
-/* Carves n floats at the arena offset *off (64-byte aligned slots). With base NULL it only
- * counts, so that one function both sizes the arena and lays it out. n = 0 gives NULL. */
-static float *carve(float *base, size_t *off, size_t n) {
+/* Carves n elements of es bytes at the arena offset *off (bytes; 64-byte aligned slots). With
+ * base NULL it only counts, so that one function both sizes the arena and lays it out. n = 0
+ * gives NULL. */
+static void *carve(void *base, size_t *off, size_t n, size_t es) {
   if (!n) return NULL;
-  float *p = base ? base + *off : NULL;
-  *off += (n + 15) & ~(size_t)15;
+  void *p = base ? (char *)base + *off : NULL;
+  *off += (n * es + 63) & ~(size_t)63;
   return p;
 }
 
@@ -313,73 +336,76 @@ static void batch_rows(const model_t *m, int n, int *np, int *ns, int *row0) {
 /* 1 when block l recomputes its forward in its backward (model_opts_t.checkpoint_every). */
 static int checkpointed(const model_t *m, int l) { return m->ckpt_every > 0 && (l + 1) % m->ckpt_every == 0; }
 
-/* Lays the activations out from base (NULL: only counts); returns the floats needed. The
+/* Lays the activations out from base (NULL: only counts); returns the bytes needed. The
  * blocks come first: each block's input, and the rest of its saved set unless it is
  * checkpointed; then, when any block is, the shared working set (m->work) that the
- * checkpointed blocks point at. m->block_bytes is the size of that part. */
-static size_t layout_acts(model_t *m, float *base) {
+ * checkpointed blocks point at. m->block_bytes is the size of that part. Activations are dt
+ * (es bytes), statistics fp32, ids int32. */
+static size_t layout_acts(model_t *m, void *base) {
   int np, ns, r0;
   batch_rows(m, m->max_b * m->max_t, &np, &ns, &r0);
   size_t Np = (size_t)np, Ns = (size_t)ns, C = m->C, HD = (size_t)m->Hl * m->D, KD = (size_t)m->KVl * m->D,
-         F = m->Fl;
+         F = m->Fl, es = m->es, f4 = sizeof(float);
   size_t lse_n = (size_t)m->max_b * m->Hl * m->max_t, off = 0;
   int any = 0;
   for (int l = 0; l < m->L; l++) any |= checkpointed(m, l);
   for (int l = 0; l < m->L + any; l++) { /* l == L: the shared working set */
     layer_acts_t *a = l < m->L ? &m->acts[l] : &m->work;
-    a->x = l < m->L ? carve(base, &off, Ns * C) : NULL;
+    a->x = l < m->L ? carve(base, &off, Ns * C, es) : NULL;
     if (l < m->L && checkpointed(m, l)) continue; /* the rest after the loop */
-    a->xn_att = carve(base, &off, Np * C);
-    a->rstd_att = carve(base, &off, Ns);
-    a->q = carve(base, &off, Np * HD);
-    a->k = carve(base, &off, Np * KD);
-    a->v = carve(base, &off, Np * KD);
-    a->att = carve(base, &off, Np * HD);
-    a->lse = carve(base, &off, lse_n);
-    a->x_mid = carve(base, &off, Ns * C);
-    a->xn_ffn = carve(base, &off, Np * C);
-    a->rstd_ffn = carve(base, &off, Ns);
-    a->a = carve(base, &off, Np * F);
-    a->g = carve(base, &off, Np * F);
-    a->h = carve(base, &off, Np * F);
+    a->xn_att = carve(base, &off, Np * C, es);
+    a->rstd_att = carve(base, &off, Ns, f4);
+    a->q = carve(base, &off, Np * HD, es);
+    a->k = carve(base, &off, Np * KD, es);
+    a->v = carve(base, &off, Np * KD, es);
+    a->att = carve(base, &off, Np * HD, es);
+    a->lse = carve(base, &off, lse_n, f4);
+    a->x_mid = carve(base, &off, Ns * C, es);
+    a->xn_ffn = carve(base, &off, Np * C, es);
+    a->rstd_ffn = carve(base, &off, Ns, f4);
+    a->a = carve(base, &off, Np * F, es);
+    a->g = carve(base, &off, Np * F, es);
+    a->h = carve(base, &off, Np * F, es);
   }
   for (int l = 0; l < m->L; l++)
     if (checkpointed(m, l)) {
-      float *x = m->acts[l].x;
+      void *x = m->acts[l].x;
       m->acts[l] = m->work;
       m->acts[l].x = x;
     }
-  m->block_bytes = off * sizeof(float);
-  m->x_final = carve(base, &off, Ns * C);
-  m->xn_final = carve(base, &off, Np * C);
-  m->rstd_final = carve(base, &off, Ns);
-  m->logits = carve(base, &off, Np * m->Vo);
-  m->losses = carve(base, &off, Np);
-  m->tokens_dev = (int32_t *)carve(base, &off, Np); /* int32 ids in float-sized slots */
-  m->targets_dev = (int32_t *)carve(base, &off, Np);
-  m->dres = carve(base, &off, Ns * C);
-  m->dxn = carve(base, &off, Np * C);
-  m->datt = carve(base, &off, Np * HD);
-  m->dq = carve(base, &off, Np * HD);
-  m->dk = carve(base, &off, Np * KD);
-  m->dv = carve(base, &off, Np * KD);
-  m->dh = carve(base, &off, Np * F);
-  m->da = carve(base, &off, Np * F);
-  m->dg = carve(base, &off, Np * F);
-  m->xn_loc = carve(base, &off, m->sp ? Ns * C : 0);
-  m->sc_full = carve(base, &off, m->tp > 1 ? Np * C : 0);
-  m->sc_loc = carve(base, &off, m->sp ? Ns * C : 0);
-  m->dnorm = carve(base, &off, m->sp ? C : 0);
-  m->logits_full = carve(base, &off, m->out_split ? Np * m->V : 0);
-  m->logits_gather = carve(base, &off, m->out_split ? (size_t)m->tp * Np * m->Vo : 0);
-  m->ce_max = carve(base, &off, m->lp ? Np : 0);
-  m->ce_stats = carve(base, &off, m->lp ? 2 * Np : 0);
+  m->block_bytes = off;
+  m->x_final = carve(base, &off, Ns * C, es);
+  m->xn_final = carve(base, &off, Np * C, es);
+  m->rstd_final = carve(base, &off, Ns, f4);
+  m->logits = carve(base, &off, Np * m->Vo, es);
+  m->losses = carve(base, &off, Np, f4);
+  m->tokens_dev = carve(base, &off, Np, sizeof(int32_t));
+  m->targets_dev = carve(base, &off, Np, sizeof(int32_t));
+  m->dres = carve(base, &off, Ns * C, es);
+  m->dxn = carve(base, &off, Np * C, es);
+  m->datt = carve(base, &off, Np * HD, es);
+  m->dq = carve(base, &off, Np * HD, es);
+  m->dk = carve(base, &off, Np * KD, es);
+  m->dv = carve(base, &off, Np * KD, es);
+  m->dh = carve(base, &off, Np * F, es);
+  m->da = carve(base, &off, Np * F, es);
+  m->dg = carve(base, &off, Np * F, es);
+  m->xn_loc = carve(base, &off, m->sp ? Ns * C : 0, es);
+  m->sc_full = carve(base, &off, m->tp > 1 ? Np * C : 0, es);
+  m->sc_loc = carve(base, &off, m->sp ? Ns * C : 0, es);
+  m->dnorm = carve(base, &off, m->sp ? C : 0, f4);
+  m->dnorm_lp = carve(base, &off, m->sp && m->rdt != DT_F32 ? C : 0, dtype_size(m->rdt));
+  m->logits_full = carve(base, &off, m->out_split ? Np * m->V : 0, es);
+  m->logits_gather = carve(base, &off, m->out_split ? (size_t)m->tp * Np * m->Vo : 0, es);
+  m->ce_max = carve(base, &off, m->lp ? Np : 0, f4);
+  m->ce_stats = carve(base, &off, m->lp ? 2 * Np : 0, f4);
   return off;
 }
 
 void model_memory(const model_t *m, model_memory_t *out) {
   out->act_bytes = m->arena_bytes;
   out->act_block_bytes = m->block_bytes;
+  out->compute_bytes = m->params_lp ? m->num_params * m->es : 0;
 }
 
 void model_destroy(model_t *m) {
@@ -388,6 +414,8 @@ void model_destroy(model_t *m) {
     m->be->free(m->be, m->params);
     m->be->free(m->be, m->grads);
     m->be->free(m->be, m->arena);
+    m->be->free(m->be, m->params_lp);
+    m->be->free(m->be, m->logits_f32);
   }
   free(m->tensors);
   free(m->layer);
@@ -395,6 +423,7 @@ void model_destroy(model_t *m) {
   free(m->unit_numel);
   free(m->unit_params);
   free(m->unit_grads);
+  free(m->unit_cparams);
   free(m->acts);
   free(m->host_losses);
   free(m);
@@ -526,6 +555,10 @@ int model_create_opts(model_t **out, const plan_model_t *cfg, backend_t *be, con
   m->Ve = m->emb_split ? m->Vp / m->tp : m->V;
   m->Vo = m->out_split ? m->Vp / m->tp : m->V;
   m->no_flat = opts->no_flat_buffers;
+  m->dt = opts->param_dtype == DT_BF16 ? DT_BF16 : DT_F32;
+  m->rdt = opts->reduce_dtype == DT_BF16 ? DT_BF16 : DT_F32;
+  m->es = dtype_size(m->dt);
+  m->strategy_casts = m->dt != DT_F32 && opts->strategy_casts;
   m->max_b = max_b;
   m->max_t = max_t;
   m->ckpt_every = opts->checkpoint_every > 0 ? opts->checkpoint_every : 0;
@@ -540,9 +573,11 @@ int model_create_opts(model_t **out, const plan_model_t *cfg, backend_t *be, con
   m->unit_numel = calloc((size_t)m->n_units, sizeof *m->unit_numel);
   m->unit_params = calloc((size_t)m->n_units, sizeof *m->unit_params);
   m->unit_grads = calloc((size_t)m->n_units, sizeof *m->unit_grads);
+  m->unit_cparams = calloc((size_t)m->n_units, sizeof *m->unit_cparams);
   m->acts = calloc((size_t)L, sizeof *m->acts);
   m->host_losses = calloc((size_t)np, sizeof *m->host_losses);
-  if (!m->tensors || !m->layer || !m->unit_offset || !m->unit_numel || !m->unit_params || !m->unit_grads || !m->acts ||
+  if (!m->tensors || !m->layer || !m->unit_offset || !m->unit_numel || !m->unit_params || !m->unit_grads ||
+      !m->unit_cparams || !m->acts ||
       !m->host_losses) {
     model_destroy(m);
     return err_set(err, errlen, -1, "model error: out of memory");
@@ -587,11 +622,13 @@ int model_create_opts(model_t **out, const plan_model_t *cfg, backend_t *be, con
     m->params = be->alloc(be, m->num_params * sizeof(float));
     m->grads = be->alloc(be, m->num_params * sizeof(float));
   }
+  size_t lp_bytes = m->dt != DT_F32 && !m->strategy_casts ? m->num_params * m->es : 0;
+  if (lp_bytes) m->params_lp = be->alloc(be, lp_bytes);
   size_t an = layout_acts(m, NULL);
-  m->arena = be->alloc(be, an * sizeof(float));
-  m->arena_bytes = an * sizeof(float);
-  if ((!m->no_flat && (!m->params || !m->grads)) || !m->arena) {
-    size_t mb = ((m->no_flat ? 0 : 2 * m->num_params) + an) * sizeof(float) >> 20;
+  m->arena = be->alloc(be, an);
+  m->arena_bytes = an;
+  if ((!m->no_flat && (!m->params || !m->grads)) || !m->arena || (lp_bytes && !m->params_lp)) {
+    size_t mb = ((m->no_flat ? 0 : 2 * m->num_params * sizeof(float)) + lp_bytes + an) >> 20;
     model_destroy(m);
     return err_set(err, errlen, -1, "model error: cannot allocate %zu MiB for parameters, gradients and activations", mb);
   }
@@ -771,7 +808,16 @@ void model_set_unit_buffers(model_t *m, int unit, float *params, float *grads) {
   if (unit < 0 || unit >= m->n_units) return;
   m->unit_params[unit] = params ? params : m->params ? m->params + m->unit_offset[unit] : NULL;
   m->unit_grads[unit] = grads ? grads : m->grads ? m->grads + m->unit_offset[unit] : NULL;
+  if (m->dt == DT_F32) m->unit_cparams[unit] = m->unit_params[unit];
+  else if (!m->strategy_casts) m->unit_cparams[unit] = at(m, m->params_lp, m->unit_offset[unit]);
 }
+
+void model_set_unit_compute(model_t *m, int unit, const void *params_lp) {
+  if (unit < 0 || unit >= m->n_units || !m->strategy_casts) return;
+  m->unit_cparams[unit] = params_lp;
+}
+
+dtype_t model_param_dtype(const model_t *m) { return m->dt; }
 
 void model_zero_grad(model_t *m) {
   if (m->grads) m->be->zero(m->be, m->grads, m->num_params * sizeof(float));
@@ -780,63 +826,82 @@ void model_zero_grad(model_t *m) {
       m->be->zero(m->be, m->unit_grads[u], m->unit_numel[u] * sizeof(float));
 }
 
-const float *model_logits(const model_t *m) { return m->logits_out; }
+const float *model_logits(model_t *m) {
+  if (!m->logits_out || m->dt == DT_F32) return m->logits_out;
+  size_t n = (size_t)m->last_b * m->last_t * m->V;
+  if (!m->logits_f32 && !(m->logits_f32 = m->be->alloc(m->be, (size_t)m->max_b * m->max_t * m->V * sizeof(float)))) {
+    log_error("model: out of memory for the fp32 copy of the logits (%zu MiB)",
+              (size_t)m->max_b * m->max_t * m->V * sizeof(float) >> 20);
+    return NULL;
+  }
+  m->be->convert(m->be, m->logits_f32, DT_F32, m->logits_out, m->dt, n);
+  return m->logits_f32;
+}
 int model_vocab_size(const model_t *m) { return m->V; }
 
 /* ------------------------------------------------------------------ forward */
 
+/* Products of activations and compute copies: operands and output in dt. */
+static void mm(model_t *m, void *c, const void *a, const void *b, int rows, int n, int k, int trans_b, float beta) {
+  m->be->matmul(m->be, c, a, b, rows, n, k, 0, trans_b, 1.0f, beta, m->dt, m->dt);
+}
+/* Weight gradients, gw (out, in) fp32 += dy^T x: operands in dt, accumulated in fp32. */
+static void mm_dw(model_t *m, float *gw, const void *dy, const void *x, int out, int in) {
+  m->be->matmul(m->be, gw, dy, x, out, in, m->Np, 1, 0, 1.0f, 1.0f, m->dt, DT_F32);
+}
+
 /* out(local) = resid(local) + in(full) W^T, W (C, K). Sharded (rowwise): in and W hold this
  * rank's K slice, so the product is a partial sum over tp, reduced across the group before the
  * residual add. Replicated: each rank multiplies only its own rows. */
-static void rowwise_fwd(model_t *m, float *out, const float *resid, const float *in, const float *w, int k, int split,
+static void rowwise_fwd(model_t *m, void *out, const void *resid, const void *in, const void *w, int k, int split,
                         const char *what) {
   backend_t *be = m->be;
   int C = m->C;
   if (!split) {
-    be->copy(be, out, resid, (size_t)m->Ns * C * sizeof(float));
-    be->matmul(be, out, in + (size_t)m->row0 * k, w, m->Ns, C, k, 0, 1, 1.0f, 1.0f);
+    be->copy(be, out, resid, (size_t)m->Ns * C * m->es);
+    mm(m, out, at(m, in, (size_t)m->row0 * k), w, m->Ns, C, k, 1, 1.0f);
     return;
   }
-  be->matmul(be, m->sc_full, in, w, m->Np, C, k, 0, 1, 1.0f, 0.0f);
-  const float *y = rows_from_full(m, m->sc_full, m->sc_loc, C, 1, what);
-  be->add(be, out, resid, y, (size_t)m->Ns * C);
+  mm(m, m->sc_full, in, w, m->Np, C, k, 1, 0.0f);
+  const void *y = rows_from_full(m, m->sc_full, m->sc_loc, C, 1, what);
+  be->add(be, out, resid, y, (size_t)m->Ns * C, m->dt);
 }
 
 /* xn_full = norm(x) over the local rows, then gathered to all rows under SP (the colwise
  * linears after it need every row). */
-static void norm_fwd(model_t *m, float *xn_full, float *rstd, const float *x, const float *w, const char *what) {
-  float *xn = m->sp ? m->xn_loc : xn_full;
-  m->be->rmsnorm_fwd(m->be, xn, rstd, x, w, m->Ns, m->C, m->eps);
+static void norm_fwd(model_t *m, void *xn_full, float *rstd, const void *x, const void *w, const char *what) {
+  void *xn = m->sp ? m->xn_loc : xn_full;
+  m->be->rmsnorm_fwd(m->be, xn, rstd, x, w, m->Ns, m->C, m->eps, m->dt);
   rows_to_full(m, xn_full, xn, m->C, what);
 }
 
 /* One transformer block, x -> out (both local rows (Ns, C)). out NULL: the recomputation of a
  * checkpointed block in its backward, which needs the saved set but not the output, so the
  * last rowwise product (and its collective, on every tp rank alike) is skipped. */
-static void block_forward(model_t *m, int l, float *out, int b, int t) {
+static void block_forward(model_t *m, int l, void *out, int b, int t) {
   backend_t *be = m->be;
   const layer_tensors_t *lt = &m->layer[l];
   layer_acts_t *a = &m->acts[l];
   int N = b * t, Np = m->Np, C = m->C, HD = m->Hl * m->D, KD = m->KVl * m->D, F = m->Fl;
 
-  norm_fwd(m, a->xn_att, a->rstd_att, a->x, param_of(m, lt->attention_norm), "all_gather of attention_norm output");
-  be->matmul(be, a->q, a->xn_att, param_of(m, lt->wq), Np, HD, C, 0, 1, 1.0f, 0.0f);
-  be->matmul(be, a->k, a->xn_att, param_of(m, lt->wk), Np, KD, C, 0, 1, 1.0f, 0.0f);
-  be->matmul(be, a->v, a->xn_att, param_of(m, lt->wv), Np, KD, C, 0, 1, 1.0f, 0.0f);
-  be->rope_fwd(be, a->q, b, t, m->Hl, m->D, 0, m->theta);
-  be->rope_fwd(be, a->k, b, t, m->KVl, m->D, 0, m->theta);
-  be->attention_fwd(be, a->att, a->lse, a->q, a->k, a->v, b, t, m->Hl, m->KVl, m->D);
-  if (Np > N) be->zero(be, a->att + (size_t)N * HD, (size_t)(Np - N) * HD * sizeof(float)); /* SP padding rows */
+  norm_fwd(m, a->xn_att, a->rstd_att, a->x, cparam_of(m, lt->attention_norm), "all_gather of attention_norm output");
+  mm(m, a->q, a->xn_att, cparam_of(m, lt->wq), Np, HD, C, 1, 0.0f);
+  mm(m, a->k, a->xn_att, cparam_of(m, lt->wk), Np, KD, C, 1, 0.0f);
+  mm(m, a->v, a->xn_att, cparam_of(m, lt->wv), Np, KD, C, 1, 0.0f);
+  be->rope_fwd(be, a->q, b, t, m->Hl, m->D, 0, m->theta, m->dt);
+  be->rope_fwd(be, a->k, b, t, m->KVl, m->D, 0, m->theta, m->dt);
+  be->attention_fwd(be, a->att, a->lse, a->q, a->k, a->v, b, t, m->Hl, m->KVl, m->D, m->dt);
+  if (Np > N) be->zero(be, at(m, a->att, (size_t)N * HD), (size_t)(Np - N) * HD * m->es); /* SP padding rows */
   /* x_mid = x + att wo^T */
-  rowwise_fwd(m, a->x_mid, a->x, a->att, param_of(m, lt->wo), HD, m->attn_split, "reduction of attention.wo output");
+  rowwise_fwd(m, a->x_mid, a->x, a->att, cparam_of(m, lt->wo), HD, m->attn_split, "reduction of attention.wo output");
 
-  norm_fwd(m, a->xn_ffn, a->rstd_ffn, a->x_mid, param_of(m, lt->ffn_norm), "all_gather of ffn_norm output");
-  be->matmul(be, a->a, a->xn_ffn, param_of(m, lt->w1), Np, F, C, 0, 1, 1.0f, 0.0f);
-  be->matmul(be, a->g, a->xn_ffn, param_of(m, lt->w3), Np, F, C, 0, 1, 1.0f, 0.0f);
-  be->swiglu_fwd(be, a->h, a->a, a->g, (size_t)Np * F);
+  norm_fwd(m, a->xn_ffn, a->rstd_ffn, a->x_mid, cparam_of(m, lt->ffn_norm), "all_gather of ffn_norm output");
+  mm(m, a->a, a->xn_ffn, cparam_of(m, lt->w1), Np, F, C, 1, 0.0f);
+  mm(m, a->g, a->xn_ffn, cparam_of(m, lt->w3), Np, F, C, 1, 0.0f);
+  be->swiglu_fwd(be, a->h, a->a, a->g, (size_t)Np * F, m->dt);
   /* out = x_mid + h w2^T */
   if (out)
-    rowwise_fwd(m, out, a->x_mid, a->h, param_of(m, lt->w2), F, m->ffn_split, "reduction of feed_forward.w2 output");
+    rowwise_fwd(m, out, a->x_mid, a->h, cparam_of(m, lt->w2), F, m->ffn_split, "reduction of feed_forward.w2 output");
 }
 
 /* Checks ids on the host; the first bad one is the message. */
@@ -870,8 +935,8 @@ static void gather_logits(model_t *m) {
     int cols = m->V - r * m->Vo;
     cols = cols > m->Vo ? m->Vo : cols;
     if (cols > 0)
-      m->be->copy_2d(m->be, m->logits_full + (size_t)r * m->Vo, m->V, m->logits_gather + (size_t)r * m->Np * m->Vo,
-                     m->Vo, m->Np, cols);
+      m->be->copy_2d(m->be, at(m, m->logits_full, (size_t)r * m->Vo), m->V,
+                     at(m, m->logits_gather, (size_t)r * m->Np * m->Vo), m->Vo, m->Np, cols, m->dt);
   }
 }
 
@@ -899,16 +964,16 @@ int model_forward(model_t *m, const int32_t *tokens, const int32_t *targets, int
   if (targets) ids_to_device(m, m->targets_dev, targets, N);
 
   if ((rc = dp_gather(m, 0, 0))) return rc;
-  float *x0 = m->acts[0].x;
-  const float *table = param_of(m, m->tok_embeddings);
+  void *x0 = m->acts[0].x;
+  const void *table = cparam_of(m, m->tok_embeddings);
   if (m->emb_split) {
     /* vocab-parallel: rows [tp_rank * Ve, ...) here, zero rows for the other tokens; the sum
      * over tp is the embedding (reduce-scattered onto this rank's rows under SP) */
-    float *y = m->sp ? m->sc_full : x0;
-    be->embedding_fwd(be, y, table, m->tokens_dev, Np, C, m->tp_rank * m->Ve, m->Ve);
+    void *y = m->sp ? m->sc_full : x0;
+    be->embedding_fwd(be, y, table, m->tokens_dev, Np, C, m->tp_rank * m->Ve, m->Ve, m->dt);
     rows_from_full(m, y, x0, C, 1, "reduction of tok_embeddings output");
   } else {
-    be->embedding_fwd(be, x0, table, m->tokens_dev + m->row0, m->Ns, C, 0, m->V);
+    be->embedding_fwd(be, x0, table, m->tokens_dev + m->row0, m->Ns, C, 0, m->V, m->dt);
   }
   if ((rc = dp_release(m, 0, 0))) return rc;
 
@@ -920,28 +985,29 @@ int model_forward(model_t *m, const int32_t *tokens, const int32_t *targets, int
 
   int uo = m->L + 1;
   if ((rc = dp_gather(m, uo, 0))) return rc;
-  norm_fwd(m, m->xn_final, m->rstd_final, m->x_final, param_of(m, m->norm), "all_gather of norm output");
-  be->matmul(be, m->logits, m->xn_final, param_of(m, m->output), Np, m->Vo, C, 0, 1, 1.0f, 0.0f);
+  norm_fwd(m, m->xn_final, m->rstd_final, m->x_final, cparam_of(m, m->norm), "all_gather of norm output");
+  mm(m, m->logits, m->xn_final, cparam_of(m, m->output), Np, m->Vo, C, 1, 0.0f);
   if ((rc = dp_release(m, uo, 0))) return rc;
 
   /* The loss, the same on every tp rank: every rank ends with the same per-row losses. */
   m->last_gathered = 0;
   if (!m->out_split) {
     m->logits_out = m->logits;
-    if (targets) be->cross_entropy(be, m->losses, NULL, m->logits, m->targets_dev, Np, m->V, m->V, 1.0f);
+    if (targets) be->cross_entropy(be, m->losses, NULL, m->logits, m->targets_dev, Np, m->V, m->V, 1.0f, m->dt);
   } else if (m->lp && targets) {
     /* loss parallel: the softmax denominators from per-shard pieces, logits never gathered */
     int v = shard_vocab(m), v0 = m->tp_rank * m->Vo;
-    be->ce_shard_max(be, m->ce_max, m->logits, Np, v, m->Vo);
-    tp_all_reduce(m, m->ce_max, (size_t)Np, COMM_MAX, "all_reduce(max) of logit row maxima");
-    be->ce_shard_stats(be, m->ce_stats, m->logits, m->ce_max, m->targets_dev, Np, v, m->Vo, v0);
-    tp_all_reduce(m, m->ce_stats, 2 * (size_t)Np, COMM_SUM, "all_reduce of exp sums and target logits");
-    be->ce_shard_loss(be, m->losses, NULL, m->logits, m->ce_max, m->ce_stats, m->targets_dev, Np, v, m->Vo, v0, 1.0f);
+    be->ce_shard_max(be, m->ce_max, m->logits, Np, v, m->Vo, m->dt);
+    tp_all_reduce(m, m->ce_max, (size_t)Np, DT_F32, COMM_MAX, "all_reduce(max) of logit row maxima");
+    be->ce_shard_stats(be, m->ce_stats, m->logits, m->ce_max, m->targets_dev, Np, v, m->Vo, v0, m->dt);
+    tp_all_reduce(m, m->ce_stats, 2 * (size_t)Np, DT_F32, COMM_SUM, "all_reduce of exp sums and target logits");
+    be->ce_shard_loss(be, m->losses, NULL, m->logits, m->ce_max, m->ce_stats, m->targets_dev, Np, v, m->Vo, v0, 1.0f,
+                      m->dt);
   } else {
     gather_logits(m);
     m->last_gathered = 1;
     m->logits_out = m->logits_full;
-    if (targets) be->cross_entropy(be, m->losses, NULL, m->logits_full, m->targets_dev, Np, m->V, m->V, 1.0f);
+    if (targets) be->cross_entropy(be, m->losses, NULL, m->logits_full, m->targets_dev, Np, m->V, m->V, 1.0f, m->dt);
   }
   if (m->comm_rc) return MODEL_ECOMM;
 
@@ -972,12 +1038,11 @@ int model_forward(model_t *m, const int32_t *tokens, const int32_t *targets, int
 /* Backward of rowwise_fwd: from d(out) = m->dres (local rows), gw += dy^T in and din = dy W
  * over all rows. Every rank needs the output gradient of every row (its slice of W touched
  * all of them): all_gather under SP, which also serves the replicated case. */
-static void rowwise_bwd(model_t *m, float *din, const float *in, const float *w, float *gw, int k, const char *what) {
-  backend_t *be = m->be;
+static void rowwise_bwd(model_t *m, void *din, const void *in, const void *w, float *gw, int k, const char *what) {
   int C = m->C;
-  const float *dy = rows_to_full(m, m->sc_full, m->dres, C, what);
-  be->matmul(be, gw, dy, in, C, k, m->Np, 1, 0, 1.0f, 1.0f);
-  be->matmul(be, din, dy, w, m->Np, k, C, 0, 0, 1.0f, 0.0f);
+  const void *dy = rows_to_full(m, m->sc_full, m->dres, C, what);
+  mm_dw(m, gw, dy, in, C, k);
+  mm(m, din, dy, w, m->Np, k, C, 0, 0.0f);
 }
 
 /* Backward of norm_fwd: m->dxn (all rows) holds d(xn), partial over tp when the linears that
@@ -985,18 +1050,25 @@ static void rowwise_bwd(model_t *m, float *din, const float *in, const float *w,
  * m->dres. Under SP the weight's gradient covers only the local rows: it is summed over tp
  * (the weight is replicated) before it joins the accumulated gradient, which is why it goes
  * through a scratch buffer rather than into gw directly. */
-static void norm_bwd(model_t *m, int wi, const float *x, const float *rstd, int partial, const char *what) {
+static void norm_bwd(model_t *m, int wi, const void *x, const float *rstd, int partial, const char *what) {
   backend_t *be = m->be;
   int C = m->C;
-  const float *dxn = rows_from_full(m, m->dxn, m->sc_loc, C, partial, what);
+  const void *dxn = rows_from_full(m, m->dxn, m->sc_loc, C, partial, what);
   if (!m->sp) {
-    be->rmsnorm_bwd(be, m->dres, grad_of(m, wi), dxn, x, param_of(m, wi), rstd, m->Ns, C);
+    be->rmsnorm_bwd(be, m->dres, grad_of(m, wi), dxn, x, cparam_of(m, wi), rstd, m->Ns, C, m->dt);
     return;
   }
   be->zero(be, m->dnorm, (size_t)C * sizeof(float));
-  be->rmsnorm_bwd(be, m->dres, m->dnorm, dxn, x, param_of(m, wi), rstd, m->Ns, C);
-  tp_all_reduce(m, m->dnorm, (size_t)C, COMM_SUM, "all_reduce of a norm weight gradient");
-  be->add(be, grad_of(m, wi), grad_of(m, wi), m->dnorm, (size_t)C);
+  be->rmsnorm_bwd(be, m->dres, m->dnorm, dxn, x, cparam_of(m, wi), rstd, m->Ns, C, m->dt);
+  /* a gradient reduction: in reduce_dtype (the fp32 sum of bf16-rounded shares in bf16) */
+  if (m->rdt == DT_F32) {
+    tp_all_reduce(m, m->dnorm, (size_t)C, DT_F32, COMM_SUM, "all_reduce of a norm weight gradient");
+  } else {
+    be->convert(be, m->dnorm_lp, m->rdt, m->dnorm, DT_F32, (size_t)C);
+    tp_all_reduce(m, m->dnorm_lp, (size_t)C, m->rdt, COMM_SUM, "all_reduce of a norm weight gradient");
+    be->convert(be, m->dnorm, DT_F32, m->dnorm_lp, m->rdt, (size_t)C);
+  }
+  be->add(be, grad_of(m, wi), grad_of(m, wi), m->dnorm, (size_t)C, DT_F32);
 }
 
 /* On entry m->dres holds d(block output) (local rows); on return d(block input) (the skip
@@ -1008,30 +1080,31 @@ static void block_backward(model_t *m, int l, int b, int t) {
   int Np = m->Np, C = m->C, HD = m->Hl * m->D, KD = m->KVl * m->D, F = m->Fl;
 
   /* out = x_mid + h w2^T */
-  rowwise_bwd(m, m->dh, a->h, param_of(m, lt->w2), grad_of(m, lt->w2), F, "all_gather of feed_forward gradient");
-  be->zero(be, m->da, (size_t)Np * F * sizeof(float));
-  be->zero(be, m->dg, (size_t)Np * F * sizeof(float));
-  be->swiglu_bwd(be, m->da, m->dg, m->dh, a->a, a->g, (size_t)Np * F);
-  be->matmul(be, grad_of(m, lt->w1), m->da, a->xn_ffn, F, C, Np, 1, 0, 1.0f, 1.0f);
-  be->matmul(be, grad_of(m, lt->w3), m->dg, a->xn_ffn, F, C, Np, 1, 0, 1.0f, 1.0f);
-  be->matmul(be, m->dxn, m->da, param_of(m, lt->w1), Np, C, F, 0, 0, 1.0f, 0.0f);
-  be->matmul(be, m->dxn, m->dg, param_of(m, lt->w3), Np, C, F, 0, 0, 1.0f, 1.0f);
+  rowwise_bwd(m, m->dh, a->h, cparam_of(m, lt->w2), grad_of(m, lt->w2), F, "all_gather of feed_forward gradient");
+  be->zero(be, m->da, (size_t)Np * F * m->es);
+  be->zero(be, m->dg, (size_t)Np * F * m->es);
+  be->swiglu_bwd(be, m->da, m->dg, m->dh, a->a, a->g, (size_t)Np * F, m->dt);
+  mm_dw(m, grad_of(m, lt->w1), m->da, a->xn_ffn, F, C);
+  mm_dw(m, grad_of(m, lt->w3), m->dg, a->xn_ffn, F, C);
+  mm(m, m->dxn, m->da, cparam_of(m, lt->w1), Np, C, F, 0, 0.0f);
+  mm(m, m->dxn, m->dg, cparam_of(m, lt->w3), Np, C, F, 0, 1.0f);
   norm_bwd(m, lt->ffn_norm, a->x_mid, a->rstd_ffn, m->ffn_split, "reduction of ffn_norm output gradient");
 
   /* x_mid = x + att wo^T */
-  rowwise_bwd(m, m->datt, a->att, param_of(m, lt->wo), grad_of(m, lt->wo), HD, "all_gather of attention gradient");
-  be->zero(be, m->dq, (size_t)Np * HD * sizeof(float));
-  be->zero(be, m->dk, (size_t)Np * KD * sizeof(float));
-  be->zero(be, m->dv, (size_t)Np * KD * sizeof(float));
-  be->attention_bwd(be, m->dq, m->dk, m->dv, m->datt, a->q, a->k, a->v, a->att, a->lse, b, t, m->Hl, m->KVl, m->D);
-  be->rope_bwd(be, m->dq, b, t, m->Hl, m->D, 0, m->theta);
-  be->rope_bwd(be, m->dk, b, t, m->KVl, m->D, 0, m->theta);
-  be->matmul(be, grad_of(m, lt->wq), m->dq, a->xn_att, HD, C, Np, 1, 0, 1.0f, 1.0f);
-  be->matmul(be, grad_of(m, lt->wk), m->dk, a->xn_att, KD, C, Np, 1, 0, 1.0f, 1.0f);
-  be->matmul(be, grad_of(m, lt->wv), m->dv, a->xn_att, KD, C, Np, 1, 0, 1.0f, 1.0f);
-  be->matmul(be, m->dxn, m->dq, param_of(m, lt->wq), Np, C, HD, 0, 0, 1.0f, 0.0f);
-  be->matmul(be, m->dxn, m->dk, param_of(m, lt->wk), Np, C, KD, 0, 0, 1.0f, 1.0f);
-  be->matmul(be, m->dxn, m->dv, param_of(m, lt->wv), Np, C, KD, 0, 0, 1.0f, 1.0f);
+  rowwise_bwd(m, m->datt, a->att, cparam_of(m, lt->wo), grad_of(m, lt->wo), HD, "all_gather of attention gradient");
+  be->zero(be, m->dq, (size_t)Np * HD * m->es);
+  be->zero(be, m->dk, (size_t)Np * KD * m->es);
+  be->zero(be, m->dv, (size_t)Np * KD * m->es);
+  be->attention_bwd(be, m->dq, m->dk, m->dv, m->datt, a->q, a->k, a->v, a->att, a->lse, b, t, m->Hl, m->KVl, m->D,
+                    m->dt);
+  be->rope_bwd(be, m->dq, b, t, m->Hl, m->D, 0, m->theta, m->dt);
+  be->rope_bwd(be, m->dk, b, t, m->KVl, m->D, 0, m->theta, m->dt);
+  mm_dw(m, grad_of(m, lt->wq), m->dq, a->xn_att, HD, C);
+  mm_dw(m, grad_of(m, lt->wk), m->dk, a->xn_att, KD, C);
+  mm_dw(m, grad_of(m, lt->wv), m->dv, a->xn_att, KD, C);
+  mm(m, m->dxn, m->dq, cparam_of(m, lt->wq), Np, C, HD, 0, 0.0f);
+  mm(m, m->dxn, m->dk, cparam_of(m, lt->wk), Np, C, KD, 0, 1.0f);
+  mm(m, m->dxn, m->dv, cparam_of(m, lt->wv), Np, C, KD, 0, 1.0f);
   norm_bwd(m, lt->attention_norm, a->x, a->rstd_att, m->attn_split, "reduction of attention_norm output gradient");
 }
 
@@ -1048,24 +1121,25 @@ int model_backward(model_t *m, float loss_scale) {
   float gs = m->n_valid > 0 ? loss_scale / (float)m->n_valid : 0.0f;
   /* dlogits (this rank's columns) overwrite the logits (their last use) */
   if (!m->out_split) {
-    be->cross_entropy(be, m->losses, m->logits, m->logits, m->targets_dev, Np, m->V, m->V, gs);
+    be->cross_entropy(be, m->losses, m->logits, m->logits, m->targets_dev, Np, m->V, m->V, gs, m->dt);
   } else if (m->lp) {
     int v = shard_vocab(m), v0 = m->tp_rank * m->Vo;
     be->ce_shard_loss(be, m->losses, m->logits, m->logits, m->ce_max, m->ce_stats, m->targets_dev, Np, v, m->Vo, v0,
-                      gs);
+                      gs, m->dt);
   } else {
     /* every rank has the gathered logits and the full gradient; it keeps its columns */
-    be->cross_entropy(be, m->losses, m->logits_full, m->logits_full, m->targets_dev, Np, m->V, m->V, gs);
-    be->zero(be, m->logits, (size_t)Np * m->Vo * sizeof(float));
-    be->copy_2d(be, m->logits, m->Vo, m->logits_full + (size_t)m->tp_rank * m->Vo, m->V, Np, shard_vocab(m));
+    be->cross_entropy(be, m->losses, m->logits_full, m->logits_full, m->targets_dev, Np, m->V, m->V, gs, m->dt);
+    be->zero(be, m->logits, (size_t)Np * m->Vo * m->es);
+    be->copy_2d(be, m->logits, m->Vo, at(m, m->logits_full, (size_t)m->tp_rank * m->Vo), m->V, Np, shard_vocab(m),
+                m->dt);
   }
   m->last_ok = 0;
 
   int uo = m->L + 1;
   if ((rc = dp_gather(m, uo, 1))) return rc;
-  be->matmul(be, grad_of(m, m->output), m->logits, m->xn_final, m->Vo, C, Np, 1, 0, 1.0f, 1.0f);
-  be->matmul(be, m->dxn, m->logits, param_of(m, m->output), Np, C, m->Vo, 0, 0, 1.0f, 0.0f);
-  be->zero(be, m->dres, (size_t)m->Ns * C * sizeof(float));
+  mm_dw(m, grad_of(m, m->output), m->logits, m->xn_final, m->Vo, C);
+  mm(m, m->dxn, m->logits, cparam_of(m, m->output), Np, C, m->Vo, 0, 0.0f);
+  be->zero(be, m->dres, (size_t)m->Ns * C * m->es);
   norm_bwd(m, m->norm, m->x_final, m->rstd_final, m->out_split, "reduction of norm output gradient");
   if ((rc = dp_reduce(m, uo)) || (rc = dp_release(m, uo, 1))) return rc;
 
@@ -1079,11 +1153,11 @@ int model_backward(model_t *m, float loss_scale) {
   if ((rc = dp_gather(m, 0, 1))) return rc;
   /* the embedding's gradient needs every row's residual gradient (all_gather under SP): the
    * vocab shard's rows come from any position, and a replicated table stays identical */
-  const float *dy = rows_to_full(m, m->sc_full, m->dres, C, "all_gather of the embedding gradient");
+  const void *dy = rows_to_full(m, m->sc_full, m->dres, C, "all_gather of the embedding gradient");
   if (m->emb_split)
-    be->embedding_bwd(be, grad_of(m, m->tok_embeddings), dy, m->tokens_dev, Np, C, m->tp_rank * m->Ve, m->Ve);
+    be->embedding_bwd(be, grad_of(m, m->tok_embeddings), dy, m->tokens_dev, Np, C, m->tp_rank * m->Ve, m->Ve, m->dt);
   else
-    be->embedding_bwd(be, grad_of(m, m->tok_embeddings), dy, m->tokens_dev, Np, C, 0, m->V);
+    be->embedding_bwd(be, grad_of(m, m->tok_embeddings), dy, m->tokens_dev, Np, C, 0, m->V, m->dt);
   if ((rc = dp_reduce(m, 0)) || (rc = dp_release(m, 0, 1))) return rc;
   return m->comm_rc ? MODEL_ECOMM : 0;
 }

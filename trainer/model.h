@@ -8,6 +8,16 @@
  * layout (num_params floats, device memory), carved into tensors named as in Meta's/PyTorch's
  * Llama ("tok_embeddings.weight", "layers.3.attention.wq.weight", ...); a separate activation
  * arena sized for (max_b, max_t), smaller under activation checkpointing (model_opts_t).
+ *
+ * Mixed precision (model_opts_t.param_dtype, PyTorch's MixedPrecisionPolicy.param_dtype): the
+ * parameters the strategy keeps and updates are always fp32 (the master weights: model_params,
+ * the units' buffers), and so are the gradients (model_grads: bf16 products accumulate into
+ * them in fp32). With DT_BF16 the kernels read a bf16 compute copy of each unit, and every
+ * activation (the residual stream, the logits and their gradients included) is bf16; the
+ * statistics (norms' rstd, softmax log-sum-exp, the losses) stay fp32. The compute copy comes
+ * from the strategy's gather (model_set_unit_compute: FSDP all-gathers bf16 shards) or, by
+ * default, from the model, which rounds the unit's fp32 parameters into its own bf16 copy at
+ * each forward gather (so no update path can leave it stale) and reuses it in the backward.
  * Tensors are grouped into sharding units (see dp.h), each a
  * contiguous slice: unit 0 tok_embeddings, unit 1+l layer l, unit L+1 norm + output.
  * Linear weights are (out_features, in_features) as in PyTorch.
@@ -86,6 +96,14 @@ typedef struct {
    * gather of the unit), with the same kernels on the same inputs, so the result is
    * bit-identical; all checkpointed blocks share one block's worth of activation buffers. */
   int checkpoint_every;
+  /* Mixed precision: the dtype of the parameters' compute copies and of the activations
+   * (DT_F32, the default, or DT_BF16), and of the tensor-parallel gradient reduction of
+   * replicated norm weights under sequence parallelism (reduce_dtype; DT_F32 default). */
+  dtype_t param_dtype, reduce_dtype;
+  /* bf16 only: 1 when the strategy's gather supplies every unit's bf16 compute copy with
+   * model_set_unit_compute (FSDP, HSDP); 0: the model keeps a full bf16 copy (num_params
+   * elements) and rounds each unit's fp32 parameters into it at the unit's forward gather. */
+  int strategy_casts;
 } model_opts_t;
 
 /* Bytes of the activation arena, as allocated at creation (max_b, max_t): act_bytes the whole
@@ -94,6 +112,8 @@ typedef struct {
  * input, plus the shared working set when any block is checkpointed). */
 typedef struct {
   size_t act_bytes, act_block_bytes;
+  size_t compute_bytes; /* the model's bf16 compute copy of the parameters (0 in fp32 and
+                           when the strategy casts) */
 } model_memory_t;
 
 /* Builds the model for cfg (hidden_dim already resolved) and activations for batches of up to
@@ -129,9 +149,13 @@ const model_tensor_t *model_tensor(const model_t *m, int i);
 const model_tensor_t *model_find_tensor(const model_t *m, const char *name);
 int model_num_units(const model_t *m);
 void model_unit_range(const model_t *m, int unit, size_t *offset, size_t *numel);
-/* Points unit u's parameters / gradients at other buffers (FSDP's gathered copies); NULL
- * restores the slices of the flat buffers. */
+/* Points unit u's parameters / gradients (fp32) at other buffers (FSDP's gathered copies); NULL
+ * restores the slices of the flat buffers. In fp32 the kernels read the parameters there. */
 void model_set_unit_buffers(model_t *m, int unit, float *params, float *grads);
+/* bf16 with strategy_casts: unit u's compute copy (unit numel bf16 elements in the layout of
+ * the unit's flat slice), which the kernels read until the next call. */
+void model_set_unit_compute(model_t *m, int unit, const void *params_lp);
+dtype_t model_param_dtype(const model_t *m);
 
 /* Statuses of model_forward and model_backward (0 = success); model_errmsg says why. */
 enum {
@@ -159,10 +183,11 @@ const char *model_errmsg(const model_t *m);
 /* 1 when the last forward returned 0 (its loss may still be nan/inf: the model diverged). */
 int model_forward_ok(const model_t *m);
 void model_zero_grad(model_t *m);
-/* Logits of the last forward, device memory (B, T, V), the full vocabulary on every tp rank
- * (gathered when the output is vocab-sharded). NULL after a loss-parallel forward with targets,
- * which never assembles them, and after a failed forward. */
-const float *model_logits(const model_t *m);
+/* Logits of the last forward, device memory (B, T, V) fp32, the full vocabulary on every tp
+ * rank (gathered when the output is vocab-sharded; widened from bf16 into a buffer allocated on
+ * the first call when activations are bf16). NULL after a loss-parallel forward with targets,
+ * which never assembles them, after a failed forward, and when that buffer cannot be had. */
+const float *model_logits(model_t *m);
 int model_vocab_size(const model_t *m);
 
 #endif

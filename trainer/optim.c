@@ -68,11 +68,12 @@ double optim_clip_scale(double grad_norm, double clip) {
   return clip / grad_norm;
 }
 
-void optim_step(optim_t *o, float *params, const float *grads, double lr, double grad_scale) {
+void optim_step(optim_t *o, float *params, const float *grads, void *params_lp, double lr, double grad_scale) {
   o->step++;
   for (int i = 0; i < o->n_segs; i++) {
     const optim_segment_t *s = &o->segs[i];
-    o->be->adamw(o->be, params + s->offset, grads + s->offset, o->m + s->offset, o->v + s->offset, s->numel,
+    void *lp = params_lp ? (char *)params_lp + s->offset * dtype_size(DT_BF16) : NULL;
+    o->be->adamw(o->be, params + s->offset, grads + s->offset, o->m + s->offset, o->v + s->offset, lp, s->numel,
                  (float)lr, o->beta1, o->beta2, o->eps, s->decay ? o->weight_decay : 0.0f, o->step,
                  (float)grad_scale);
   }

@@ -60,7 +60,9 @@ double optim_grad_sumsq(const optim_t *o, const float *grads);
 double optim_clip_scale(double grad_norm, double clip);
 /* One AdamW update of the range: params and grads point at the range's first element
  * (model_params(m) + offset for the whole flat buffer, or a shard buffer). */
-void optim_step(optim_t *o, float *params, const float *grads, double lr, double grad_scale);
+/* params_lp (optional, bf16, the same layout as params): the compute copy, rewritten from the
+ * updated fp32 parameters by the same fused pass (backend adamw's param_lp). */
+void optim_step(optim_t *o, float *params, const float *grads, void *params_lp, double lr, double grad_scale);
 
 /* The learning rate of optimizer step s (0-based), per the schedule above. */
 double optim_lr(const plan_train_t *cfg, int s);

@@ -73,9 +73,9 @@ typedef struct {
   int loss_parallel;         /* TP: default 1 when tp > 1 */
   plan_tp_entry_t tp_plan[PLAN_TP_PLAN_MAX]; /* default Llama plan when absent */
   int n_tp_plan;
-  plan_dtype_t param_dtype;  /* mixed_precision.param_dtype (cuda), default bf16 on cuda, fp32 on cpu */
+  plan_dtype_t param_dtype;  /* mixed_precision.param_dtype: compute copies, activations (cuda bf16, cpu fp32) */
   int param_dtype_explicit;  /* 1 when param_dtype was given (file or --set), 0 when defaulted */
-  plan_dtype_t reduce_dtype; /* mixed_precision.reduce_dtype, default fp32 */
+  plan_dtype_t reduce_dtype; /* mixed_precision.reduce_dtype: gradient reductions, default fp32 */
   int allow_tf32;            /* mixed_precision.allow_tf32: TF32 tensor-core matmuls on cuda
                                 (default 1); no effect on cpu */
   plan_ac_t activation_checkpoint; /* default none */

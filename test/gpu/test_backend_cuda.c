@@ -1,15 +1,36 @@
 // deps: trainer/backend.c trainer/backend_cpu.c trainer/backend_cuda.cu common/env.c
 /* test_backend_cuda: every kernel of the cuda backend against the cpu backend on the same
- * random inputs, and the cuda kernels' determinism (the same inputs twice give the same bits).
+ * random inputs, in fp32 and in bf16, and the cuda kernels' determinism (the same inputs twice
+ * give the same bits).
  *
- * The error of a tensor is max |cuda - cpu| / max |cpu| over its elements (relative to the
+ * fp32 tensors: the error is max |cuda - cpu| / max |cpu| over the elements (relative to the
  * tensor's scale, so near-zero elements do not dominate), printed for every tensor. Tolerances:
  * 1e-5 for fp32 kernels; 0 where both backends do the same roundings in the same order (add,
  * scale, embedding); 1e-6 for RoPE (the same roundings, but cos/sin tables from two math
- * libraries may differ in a last bit); 1e-10 for sumsq (double sums, other order); 5e-3 for matmuls with TF32 allowed (inputs rounded to a 10-bit
- * mantissa, about 5e-4 each, over k products of uniform inputs). Accumulating kernels start
- * from random gradients, so that "+=" is checked too. Needs a GPU: with none visible it prints
- * the backend's message and exits 1. */
+ * libraries may differ in a last bit); 1e-10 for sumsq (double sums, other order); 5e-3 for
+ * matmuls with TF32 allowed (inputs rounded to a 10-bit mantissa, about 5e-4 each, over k
+ * products of uniform inputs).
+ *
+ * bf16 (dt = DT_BF16): both backends read the same bf16 inputs (random values rounded to bf16),
+ * widen them, compute in fp32 and round once per store, so their fp32 intermediates differ only
+ * as the fp32 kernels do (summation order, exp implementations), and one rounding to bf16 can
+ * turn a tiny fp32 difference into one bf16 ulp when it straddles a rounding boundary. A bf16
+ * element therefore passes when |cuda - cpu| <= 2 ulp(cpu) + floor, with ulp the bf16 spacing
+ * at |cpu| (2^-8 to 2^-7 relative) and floor = the fp32 kernel's tolerance above times max|cpu|
+ * over the tensor (for values near zero, or results of cancellation, where the fp32 difference
+ * exceeds an ulp of the result). Printed: max |diff|, max ulps, elements that differ in bits.
+ * fp32 outputs of bf16 calls (rmsnorm's rstd and dw, attention's lse, the losses, embedding's
+ * dtable) keep the fp32 criterion and tolerance of their fp32 kernel: their inputs are the same
+ * bf16 values on both sides. Exact (0) where both do the same fp32 operation and the same
+ * rounding: add (one fp32 add, one rounding), embedding (copies; dtable adds in position order
+ * in both), convert (against trainer/bf16.h itself), and AdamW's bf16 copy must be the rounding
+ * of the fp32 parameter it wrote. bf16 matmuls run on tensor cores with fp32 accumulation whose
+ * order and intermediate rounding are cuBLASLt's (not IEEE sequential sums): floor 1e-4 x
+ * max|cpu| for the fp32 part of the error, with k up to 4096.
+ *
+ * Accumulating kernels start from random gradients, so that "+=" is checked too. Needs a GPU:
+ * with none visible it prints the backend's message and exits 1. */
+#include <float.h>
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -22,9 +43,12 @@
 #include <cmocka.h>
 
 #include "trainer/backend.h"
+#include "trainer/bf16.h"
 
 #define TOL_FP32 1e-5
 #define TOL_TF32 5e-3
+#define TOL_BF16_MM 1e-4 /* fp32 part of a bf16 tensor-core product's error, x max|ref| */
+#define BF16_ULPS 2      /* rounding part of a bf16 output's error */
 
 static backend_t *cpu, *gpu;
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
@@ -40,28 +64,44 @@ static float rng_uniform(float lo, float hi) {
 }
 static int rng_int(int lo, int hi) { return lo + (int)(rng_next() % (uint64_t)(hi - lo)); } /* [lo, hi) */
 
-/* A tensor on both backends, with the host values it was filled from. */
+/* A tensor of dt on both backends, with the host values it was filled from. */
 typedef struct {
   size_t n;
-  float *host; /* initial values */
-  float *c;    /* cpu backend (host memory) */
-  float *g;    /* cuda backend */
+  dtype_t dt;
+  void *host; /* initial values, n elements of dt */
+  void *c;    /* cpu backend (host memory) */
+  void *g;    /* cuda backend */
 } pair_t;
 
-static void pair_reset(pair_t *p) {
-  cpu->to_device(cpu, p->c, p->host, p->n * sizeof(float));
-  gpu->to_device(gpu, p->g, p->host, p->n * sizeof(float));
+static size_t pair_bytes(const pair_t *p) { return p->n * dtype_size(p->dt); }
+/* element i of the cpu or cuda copy (offsets in elements of the pair's dtype) */
+static void *on_cpu(const pair_t *p, size_t i) { return (char *)p->c + i * dtype_size(p->dt); }
+static void *on_gpu(const pair_t *p, size_t i) { return (char *)p->g + i * dtype_size(p->dt); }
+static double value(const void *base, dtype_t dt, size_t i) {
+  return dt == DT_BF16 ? (double)bf16_to_f32(((const bf16_t *)base)[i]) : (double)((const float *)base)[i];
 }
 
-static pair_t pair_new(size_t n, float lo, float hi) {
-  pair_t p = {n, malloc((n + 1) * sizeof(float)), cpu->alloc(cpu, n * sizeof(float)), gpu->alloc(gpu, n * sizeof(float))};
+static void pair_reset(pair_t *p) {
+  cpu->to_device(cpu, p->c, p->host, pair_bytes(p));
+  gpu->to_device(gpu, p->g, p->host, pair_bytes(p));
+}
+
+/* uniform values in [lo, hi), rounded to bf16 for DT_BF16 */
+static pair_t pair_new_dt(size_t n, float lo, float hi, dtype_t dt) {
+  size_t es = dtype_size(dt);
+  pair_t p = {n, dt, malloc((n + 1) * es), cpu->alloc(cpu, n * es), gpu->alloc(gpu, n * es)};
   assert_non_null(p.host);
   assert_non_null(p.c);
   assert_non_null(p.g);
-  for (size_t i = 0; i < n; i++) p.host[i] = rng_uniform(lo, hi);
+  for (size_t i = 0; i < n; i++) {
+    float x = rng_uniform(lo, hi);
+    if (dt == DT_BF16) ((bf16_t *)p.host)[i] = bf16_from_f32(x);
+    else ((float *)p.host)[i] = x;
+  }
   pair_reset(&p);
   return p;
 }
+static pair_t pair_new(size_t n, float lo, float hi) { return pair_new_dt(n, lo, hi, DT_F32); }
 
 static void pair_free(pair_t *p) {
   free(p->host);
@@ -70,20 +110,65 @@ static void pair_free(pair_t *p) {
   memset(p, 0, sizeof *p);
 }
 
-static float *pair_fetch(const pair_t *p) {
-  float *h = malloc(p->n * sizeof(float));
+/* the cuda copy's raw elements, in host memory */
+static void *pair_fetch(const pair_t *p) {
+  void *h = malloc(pair_bytes(p) + 1);
   assert_non_null(h);
-  gpu->to_host(gpu, h, p->g, p->n * sizeof(float));
+  gpu->to_host(gpu, h, p->g, pair_bytes(p));
   return h;
 }
 
-/* Prints and checks the error of p (cuda against cpu). */
+/* The bf16 spacing at |x|: 2^(e-7) for |x| in [2^e, 2^(e+1)), 2^-133 among subnormals. */
+static double bf16_ulp(double x) {
+  int e;
+  if (x == 0.0 || !isfinite(x)) return ldexp(1.0, -133);
+  frexp(fabs(x), &e); /* |x| = f 2^e, f in [0.5, 1) */
+  return ldexp(1.0, (e - 1 < -126 ? -126 : e - 1) - 7);
+}
+
+/* bf16: each element within BF16_ULPS ulps of the cpu value plus floor_rel * max|cpu|. */
+static void pair_check_bf16(const char *what, const pair_t *p, double floor_rel) {
+  bf16_t *h = pair_fetch(p);
+  const bf16_t *r = p->c;
+  double maxref = 0.0, maxdiff = 0.0, maxulps = 0.0;
+  size_t nonfinite = 0, outside = 0, differ = 0, worst = 0;
+  for (size_t i = 0; i < p->n; i++) maxref = fmax(maxref, fabs((double)bf16_to_f32(r[i])));
+  double floor = floor_rel * maxref;
+  for (size_t i = 0; i < p->n; i++) {
+    double g = bf16_to_f32(h[i]), c = bf16_to_f32(r[i]), d = fabs(g - c), u = bf16_ulp(c);
+    if (!isfinite(g)) nonfinite++;
+    differ += h[i] != r[i];
+    if (d > maxdiff) maxdiff = d;
+    if (fabs(c) > floor && d / u > maxulps) maxulps = d / u; /* ulps only where they mean something */
+    if (!(d <= BF16_ULPS * u + floor)) {
+      if (!outside) worst = i;
+      outside++;
+    }
+  }
+  printf("  %-44s bf16 max|diff| %.3e  max|ref| %.3e  max %.2f ulps  %zu of %zu differ in bits "
+         "(tolerance %d ulps + %.0e max|ref|)%s\n",
+         what, maxdiff, maxref, maxulps, differ, p->n, BF16_ULPS, floor_rel, nonfinite ? "  NON-FINITE VALUES" : "");
+  if (outside)
+    printf("    %zu outside the tolerance, first at %zu: cuda %.9g cpu %.9g\n", outside, worst,
+           (double)bf16_to_f32(h[worst]), (double)bf16_to_f32(r[worst]));
+  free(h);
+  assert_int_equal(nonfinite, 0);
+  assert_int_equal(outside, 0);
+}
+
+/* Prints and checks the error of p (cuda against cpu): fp32 relative to max|cpu| within tol,
+ * bf16 within BF16_ULPS ulps + tol * max|cpu| (the file's top comment says why). */
 static void pair_check(const char *what, const pair_t *p, double tol) {
+  if (p->dt == DT_BF16) {
+    pair_check_bf16(what, p, tol);
+    return;
+  }
   float *h = pair_fetch(p);
+  const float *c = p->c;
   double maxref = 0.0, maxdiff = 0.0;
   size_t worst = 0, bad = 0;
   for (size_t i = 0; i < p->n; i++) {
-    double r = p->c[i], d = fabs((double)h[i] - r);
+    double r = c[i], d = fabs((double)h[i] - r);
     if (!isfinite(h[i])) bad++;
     if (fabs(r) > maxref) maxref = fabs(r);
     if (d > maxdiff) maxdiff = d, worst = i;
@@ -92,18 +177,34 @@ static void pair_check(const char *what, const pair_t *p, double tol) {
   printf("  %-44s max|diff| %.3e  max|ref| %.3e  rel %.3e (tolerance %.0e)%s\n", what, maxdiff, maxref, rel, tol,
          bad ? "  NON-FINITE VALUES" : "");
   if (rel > tol || bad)
-    printf("    worst at %zu: cuda %.9g cpu %.9g\n", worst, (double)h[worst], (double)p->c[worst]);
+    printf("    worst at %zu: cuda %.9g cpu %.9g\n", worst, (double)h[worst], (double)c[worst]);
   free(h);
   assert_int_equal(bad, 0);
   assert_true(rel <= tol);
 }
 
+/* The same bits on both backends (tolerance 0), any dtype. */
+static void pair_check_bits(const char *what, const pair_t *p) {
+  unsigned char *h = pair_fetch(p);
+  size_t es = dtype_size(p->dt), differ = 0, first = 0;
+  for (size_t i = 0; i < p->n; i++)
+    if (memcmp(h + i * es, (const unsigned char *)p->c + i * es, es) != 0) {
+      if (!differ) first = i;
+      differ++;
+    }
+  printf("  %-44s %s: %zu of %zu elements differ in bits (tolerance 0)\n", what, dtype_name(p->dt), differ, p->n);
+  if (differ)
+    printf("    first at %zu: cuda %.9g cpu %.9g\n", first, value(h, p->dt, first), value(p->c, p->dt, first));
+  free(h);
+  assert_int_equal(differ, 0);
+}
+
 /* Determinism: snapshot p's cuda values, to compare with a rerun. */
-static float *snap(const pair_t *p) { return pair_fetch(p); }
-static void check_same_bits(const char *what, const pair_t *p, float *before) {
-  float *after = pair_fetch(p);
-  size_t diff = 0;
-  for (size_t i = 0; i < p->n; i++) diff += memcmp(&before[i], &after[i], sizeof(float)) != 0;
+static void *snap(const pair_t *p) { return pair_fetch(p); }
+static void check_same_bits(const char *what, const pair_t *p, void *before) {
+  unsigned char *after = pair_fetch(p);
+  size_t es = dtype_size(p->dt), diff = 0;
+  for (size_t i = 0; i < p->n; i++) diff += memcmp((unsigned char *)before + i * es, after + i * es, es) != 0;
   printf("  %-44s rerun: %zu of %zu elements differ in bits (tolerance 0)\n", what, diff, p->n);
   free(before);
   free(after);
@@ -171,68 +272,121 @@ static void test_memory(void **state) {
 
 /* ------------------------------------------------------------------ matmul */
 
-static void matmul_case(int m, int n, int k, int ta, int tb, float alpha, float beta, int offset, double tol) {
-  /* offset shifts every pointer by that many floats: cuBLASLt must cope with 4-byte alignment */
-  pair_t a = pair_new((size_t)m * k + offset, -1.0f, 1.0f), b = pair_new((size_t)k * n + offset, -1.0f, 1.0f);
-  pair_t c = pair_new((size_t)m * n + offset, -1.0f, 1.0f);
-  cpu->matmul(cpu, c.c + offset, a.c + offset, b.c + offset, m, n, k, ta, tb, alpha, beta);
-  gpu->matmul(gpu, c.g + offset, a.g + offset, b.g + offset, m, n, k, ta, tb, alpha, beta);
-  char what[96];
-  snprintf(what, sizeof what, "matmul m=%d n=%d k=%d ta=%d tb=%d b=%.1f +%d", m, n, k, ta, tb, beta, offset);
+/* a and b of ab, c of cd; offset shifts every pointer by that many elements (cuBLASLt must cope
+ * with 4-byte fp32 and 2-byte bf16 alignment) */
+static void matmul_case(int m, int n, int k, int ta, int tb, float alpha, float beta, int offset, double tol, dtype_t ab,
+                        dtype_t cd) {
+  pair_t a = pair_new_dt((size_t)m * k + offset, -1.0f, 1.0f, ab), b = pair_new_dt((size_t)k * n + offset, -1.0f, 1.0f, ab);
+  pair_t c = pair_new_dt((size_t)m * n + offset, -1.0f, 1.0f, cd);
+  cpu->matmul(cpu, on_cpu(&c, offset), on_cpu(&a, offset), on_cpu(&b, offset), m, n, k, ta, tb, alpha, beta, ab, cd);
+  gpu->matmul(gpu, on_gpu(&c, offset), on_gpu(&a, offset), on_gpu(&b, offset), m, n, k, ta, tb, alpha, beta, ab, cd);
+  char what[112];
+  snprintf(what, sizeof what, "matmul %s->%s m=%d n=%d k=%d ta=%d tb=%d b=%.1f +%d", dtype_name(ab), dtype_name(cd), m,
+           n, k, ta, tb, beta, offset);
   pair_check(what, &c, tol);
-  float *first = snap(&c);
+  void *first = snap(&c);
   pair_reset(&c);
-  gpu->matmul(gpu, c.g + offset, a.g + offset, b.g + offset, m, n, k, ta, tb, alpha, beta);
+  gpu->matmul(gpu, on_gpu(&c, offset), on_gpu(&a, offset), on_gpu(&b, offset), m, n, k, ta, tb, alpha, beta, ab, cd);
   check_same_bits(what, &c, first);
   pair_free(&a);
   pair_free(&b);
   pair_free(&c);
 }
 
-static void test_matmul(void **state) {
-  static const int shapes[][3] = {{1, 1, 1}, {37, 53, 71}, {128, 256, 64}, {300, 200, 500}, {64, 1000, 16}, {8, 8, 4096}};
-  for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+static const int mm_shapes[][3] = {{1, 1, 1}, {37, 53, 71}, {128, 256, 64}, {300, 200, 500}, {64, 1000, 16}, {8, 8, 4096}};
+
+/* every shape, transposition and beta of one dtype combination, and the empty product */
+static void matmul_combo(dtype_t ab, dtype_t cd, double tol) {
+  for (size_t s = 0; s < sizeof mm_shapes / sizeof mm_shapes[0]; s++)
     for (int ta = 0; ta < 2; ta++)
       for (int tb = 0; tb < 2; tb++) {
-        matmul_case(shapes[s][0], shapes[s][1], shapes[s][2], ta, tb, 1.0f, 0.0f, 0, TOL_FP32);
-        matmul_case(shapes[s][0], shapes[s][1], shapes[s][2], ta, tb, 0.5f, 1.0f, 0, TOL_FP32);
+        matmul_case(mm_shapes[s][0], mm_shapes[s][1], mm_shapes[s][2], ta, tb, 1.0f, 0.0f, 0, tol, ab, cd);
+        matmul_case(mm_shapes[s][0], mm_shapes[s][1], mm_shapes[s][2], ta, tb, 0.5f, 1.0f, 0, tol, ab, cd);
       }
-  matmul_case(37, 53, 71, 0, 1, 1.0f, 1.0f, 1, TOL_FP32);
-  matmul_case(256, 128, 512, 1, 0, 1.0f, 1.0f, 3, TOL_FP32);
-  matmul_case(5, 7, 0, 0, 1, 1.0f, 0.5f, 0, TOL_FP32); /* empty product: c = beta c */
+  matmul_case(5, 7, 0, 0, 1, 1.0f, 0.5f, 0, tol, ab, cd); /* empty product: c = beta c */
+}
+
+static void test_matmul(void **state) {
+  matmul_combo(DT_F32, DT_F32, TOL_FP32);
+  matmul_case(37, 53, 71, 0, 1, 1.0f, 1.0f, 1, TOL_FP32, DT_F32, DT_F32);
+  matmul_case(256, 128, 512, 1, 0, 1.0f, 1.0f, 3, TOL_FP32, DT_F32, DT_F32);
   printf("  with TF32 allowed:\n");
   backend_cuda_set_tf32(gpu, 1);
-  matmul_case(300, 200, 500, 0, 1, 1.0f, 0.0f, 0, TOL_TF32);
-  matmul_case(512, 512, 1024, 0, 0, 1.0f, 1.0f, 0, TOL_TF32);
-  matmul_case(256, 384, 2048, 1, 0, 1.0f, 1.0f, 0, TOL_TF32);
+  matmul_case(300, 200, 500, 0, 1, 1.0f, 0.0f, 0, TOL_TF32, DT_F32, DT_F32);
+  matmul_case(512, 512, 1024, 0, 0, 1.0f, 1.0f, 0, TOL_TF32, DT_F32, DT_F32);
+  matmul_case(256, 384, 2048, 1, 0, 1.0f, 1.0f, 0, TOL_TF32, DT_F32, DT_F32);
   backend_cuda_set_tf32(gpu, 0);
+}
+
+/* (bf16, bf16) and (bf16, fp32). After the other kernels' tests: if cuBLASLt had no algorithm
+ * for a bf16 shape, the backend's fatal path would end the process. */
+static void test_matmul_bf16(void **state) {
+  matmul_combo(DT_BF16, DT_BF16, TOL_BF16_MM);
+  matmul_combo(DT_BF16, DT_F32, TOL_BF16_MM);
+  printf("  with TF32 allowed (it concerns fp32 operands only):\n");
+  backend_cuda_set_tf32(gpu, 1);
+  matmul_case(300, 200, 500, 0, 1, 1.0f, 1.0f, 0, TOL_BF16_MM, DT_BF16, DT_BF16);
+  matmul_case(256, 384, 2048, 1, 0, 1.0f, 1.0f, 0, TOL_BF16_MM, DT_BF16, DT_F32);
+  backend_cuda_set_tf32(gpu, 0);
+}
+
+/* bf16 operands at odd element offsets (2-byte aligned pointers). Last in the run, for the same
+ * reason as test_matmul_bf16. */
+static void test_matmul_bf16_unaligned(void **state) {
+  static const dtype_t outs[2] = {DT_BF16, DT_F32};
+  for (int o = 0; o < 2; o++) {
+    dtype_t ab = DT_BF16, cd = outs[o];
+    matmul_case(37, 53, 71, 0, 1, 1.0f, 1.0f, 1, TOL_BF16_MM, ab, cd);
+    matmul_case(256, 128, 512, 1, 0, 1.0f, 1.0f, 3, TOL_BF16_MM, ab, cd);
+    matmul_case(64, 96, 128, 1, 1, 0.5f, 1.0f, 4, TOL_BF16_MM, ab, cd);
+  }
 }
 
 /* ------------------------------------------------------------------ elementwise */
 
+static void elementwise_case(dtype_t dt) {
+  size_t n = 1000003;
+  char what[96];
+  pair_t a = pair_new_dt(n, -4.0f, 4.0f, dt), b = pair_new_dt(n, -4.0f, 4.0f, dt), out = pair_new_dt(n, -1.0f, 1.0f, dt);
+  cpu->add(cpu, out.c, a.c, b.c, n, dt);
+  gpu->add(gpu, out.g, a.g, b.g, n, dt);
+  snprintf(what, sizeof what, "add %s", dtype_name(dt));
+  if (dt == DT_BF16) pair_check_bits(what, &out); /* one fp32 add, one rounding: the same bits */
+  else pair_check(what, &out, 0.0);
+  cpu->add(cpu, a.c, a.c, b.c, n, dt); /* out aliasing a */
+  gpu->add(gpu, a.g, a.g, b.g, n, dt);
+  snprintf(what, sizeof what, "add in place %s", dtype_name(dt));
+  if (dt == DT_BF16) pair_check_bits(what, &a);
+  else pair_check(what, &a, 0.0);
+  pair_reset(&a);
+
+  cpu->swiglu_fwd(cpu, out.c, a.c, b.c, n, dt);
+  gpu->swiglu_fwd(gpu, out.g, a.g, b.g, n, dt);
+  snprintf(what, sizeof what, "swiglu_fwd %s", dtype_name(dt));
+  pair_check(what, &out, TOL_FP32);
+  pair_t dout = pair_new_dt(n, -1.0f, 1.0f, dt), da = pair_new_dt(n, -1.0f, 1.0f, dt), dg = pair_new_dt(n, -1.0f, 1.0f, dt);
+  cpu->swiglu_bwd(cpu, da.c, dg.c, dout.c, a.c, b.c, n, dt);
+  gpu->swiglu_bwd(gpu, da.g, dg.g, dout.g, a.g, b.g, n, dt);
+  snprintf(what, sizeof what, "swiglu_bwd %s da", dtype_name(dt));
+  pair_check(what, &da, TOL_FP32);
+  snprintf(what, sizeof what, "swiglu_bwd %s dg", dtype_name(dt));
+  pair_check(what, &dg, TOL_FP32);
+  pair_free(&a);
+  pair_free(&b);
+  pair_free(&out);
+  pair_free(&dout);
+  pair_free(&da);
+  pair_free(&dg);
+}
+
 static void test_elementwise(void **state) {
   size_t n = 1000003;
-  pair_t a = pair_new(n, -4.0f, 4.0f), b = pair_new(n, -4.0f, 4.0f), out = pair_new(n, -1.0f, 1.0f);
-  cpu->add(cpu, out.c, a.c, b.c, n);
-  gpu->add(gpu, out.g, a.g, b.g, n);
-  pair_check("add", &out, 0.0);
-  cpu->add(cpu, a.c, a.c, b.c, n); /* out aliasing a */
-  gpu->add(gpu, a.g, a.g, b.g, n);
-  pair_check("add in place", &a, 0.0);
+  elementwise_case(DT_F32);
+  pair_t b = pair_new(n, -4.0f, 4.0f);
   cpu->scale(cpu, b.c, 0.37f, n);
   gpu->scale(gpu, b.g, 0.37f, n);
   pair_check("scale", &b, 0.0);
-  pair_reset(&a);
-  pair_reset(&b);
-
-  cpu->swiglu_fwd(cpu, out.c, a.c, b.c, n);
-  gpu->swiglu_fwd(gpu, out.g, a.g, b.g, n);
-  pair_check("swiglu_fwd", &out, TOL_FP32);
-  pair_t dout = pair_new(n, -1.0f, 1.0f), da = pair_new(n, -1.0f, 1.0f), dg = pair_new(n, -1.0f, 1.0f);
-  cpu->swiglu_bwd(cpu, da.c, dg.c, dout.c, a.c, b.c, n);
-  gpu->swiglu_bwd(gpu, da.g, dg.g, dout.g, a.g, b.g, n);
-  pair_check("swiglu_bwd da", &da, TOL_FP32);
-  pair_check("swiglu_bwd dg", &dg, TOL_FP32);
+  pair_free(&b);
 
   static const size_t sizes[] = {1, 1000, 4097, 3000001};
   for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++) {
@@ -245,34 +399,125 @@ static void test_elementwise(void **state) {
     assert_memory_equal(&rg, &rg2, sizeof rg);
     pair_free(&x);
   }
-  pair_free(&a);
-  pair_free(&b);
-  pair_free(&out);
-  pair_free(&dout);
-  pair_free(&da);
-  pair_free(&dg);
+}
+
+static void test_elementwise_bf16(void **state) { elementwise_case(DT_BF16); }
+
+/* ------------------------------------------------------------------ convert */
+
+static float from_bits(uint32_t u) {
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+/* fp32 -> bf16 against trainer/bf16.h bit for bit (a NaN only as a NaN: CUDA writes the
+ * canonical quiet NaN, bf16.h keeps the payload), bf16 -> fp32 exact, and same-dtype copies. */
+static void test_convert(void **state) {
+  const float special[] = {0.0f, -0.0f, 1.0f, -1.0f, INFINITY, -INFINITY, NAN, -NAN, FLT_MAX, -FLT_MAX,
+                           from_bits(0x7f7f0000u) /* the largest bf16 */,
+                           from_bits(0x7f7f8000u) /* halfway to infinity: rounds to it (even) */,
+                           from_bits(0x7f7f7fffu) /* just below: the largest bf16 */,
+                           from_bits(0x3f808000u) /* 1 + 2^-8, a tie: to even, 1 */,
+                           from_bits(0x3f818000u) /* 1 + 3 2^-8, a tie: to even, up */,
+                           from_bits(0x3f808001u) /* just past a tie: up */,
+                           from_bits(0x3f807fffu) /* just before a tie: down */,
+                           from_bits(0x00000001u) /* the smallest subnormal: to 0 */,
+                           from_bits(0x00018000u) /* a subnormal tie */, -FLT_MIN, 1e-40f, 65504.0f, 0.1f, -2.5e7f};
+  size_t ns = sizeof special / sizeof special[0], n = 300007;
+  float *src = malloc(n * sizeof(float)), *back = malloc(n * sizeof(float));
+  bf16_t *lp = malloc(n * sizeof(bf16_t)), *lp2 = malloc(n * sizeof(bf16_t));
+  assert_non_null(src);
+  assert_non_null(back);
+  assert_non_null(lp);
+  assert_non_null(lp2);
+  for (size_t i = 0; i < n; i++) {
+    if (i < ns) src[i] = special[i];
+    else if (i % 3 == 0) src[i] = rng_uniform(-1e4f, 1e4f);
+    else {
+      /* random bit patterns (every exponent and low half; non-finite ones made finite) */
+      src[i] = from_bits((uint32_t)(rng_next() >> 32));
+      if (!isfinite(src[i])) src[i] = 1.5f;
+    }
+  }
+  float *g32 = gpu->alloc(gpu, n * sizeof(float)), *g32b = gpu->alloc(gpu, n * sizeof(float));
+  void *g16 = gpu->alloc(gpu, n * sizeof(bf16_t)), *g16b = gpu->alloc(gpu, n * sizeof(bf16_t));
+  assert_non_null(g32);
+  assert_non_null(g32b);
+  assert_non_null(g16);
+  assert_non_null(g16b);
+  gpu->to_device(gpu, g32, src, n * sizeof(float));
+
+  gpu->convert(gpu, g16, DT_BF16, g32, DT_F32, n);
+  gpu->to_host(gpu, lp, g16, n * sizeof(bf16_t));
+  size_t wrong = 0, first = 0;
+  for (size_t i = 0; i < n; i++) {
+    bf16_t want = bf16_from_f32(src[i]);
+    int ok = isnan(src[i]) ? isnan(bf16_to_f32(lp[i])) : lp[i] == want;
+    if (!ok && !wrong++) first = i;
+  }
+  printf("  convert fp32 -> bf16 (%zu values, %zu special): %zu differ from bf16.h's rounding (tolerance 0)\n", n, ns,
+         wrong);
+  if (wrong)
+    printf("    first at %zu: %.9g -> cuda 0x%04x, bf16.h 0x%04x\n", first, (double)src[first], lp[first],
+           bf16_from_f32(src[first]));
+  assert_int_equal(wrong, 0);
+
+  gpu->convert(gpu, g32b, DT_F32, g16, DT_BF16, n);
+  gpu->to_host(gpu, back, g32b, n * sizeof(float));
+  wrong = 0;
+  for (size_t i = 0; i < n; i++) {
+    float want = bf16_to_f32(lp[i]);
+    int ok = isnan(want) ? isnan(back[i]) : memcmp(&want, &back[i], sizeof want) == 0;
+    if (!ok && !wrong++) first = i;
+  }
+  printf("  convert bf16 -> fp32: %zu differ from the exact widening (tolerance 0)\n", wrong);
+  if (wrong) printf("    first at %zu: 0x%04x -> cuda %.9g\n", first, lp[first], (double)back[first]);
+  assert_int_equal(wrong, 0);
+
+  gpu->convert(gpu, g16b, DT_BF16, g16, DT_BF16, n);
+  gpu->to_host(gpu, lp2, g16b, n * sizeof(bf16_t));
+  gpu->convert(gpu, g32b, DT_F32, g32, DT_F32, n);
+  gpu->to_host(gpu, back, g32b, n * sizeof(float));
+  int same16 = memcmp(lp, lp2, n * sizeof(bf16_t)) == 0, same32 = memcmp(src, back, n * sizeof(float)) == 0;
+  printf("  convert bf16 -> bf16, fp32 -> fp32: %s, %s (want copies)\n", same16 ? "same bits" : "DIFFER",
+         same32 ? "same bits" : "DIFFER");
+  assert_true(same16);
+  assert_true(same32);
+  gpu->free(gpu, g32);
+  gpu->free(gpu, g32b);
+  gpu->free(gpu, g16);
+  gpu->free(gpu, g16b);
+  free(src);
+  free(back);
+  free(lp);
+  free(lp2);
 }
 
 /* ------------------------------------------------------------------ embedding */
 
-static void test_embedding(void **state) {
+static void embedding_case(dtype_t dt) {
   int n = 3000, c = 96, rows = 50, vocab_start = 10;
+  char what[96];
   ids_t tok = ids_new((size_t)n, 0, 70); /* some below vocab_start, some past it + rows, many repeats */
   tok.host[0] = -1;
   ids_upload(&tok);
-  pair_t table = pair_new((size_t)rows * c, -1.0f, 1.0f);
-  pair_t out = pair_new((size_t)n * c, 5.0f, 6.0f); /* garbage that must be overwritten */
-  cpu->embedding_fwd(cpu, out.c, table.c, tok.c, n, c, vocab_start, rows);
-  gpu->embedding_fwd(gpu, out.g, table.g, tok.g, n, c, vocab_start, rows);
-  pair_check("embedding_fwd", &out, 0.0);
+  pair_t table = pair_new_dt((size_t)rows * c, -1.0f, 1.0f, dt);
+  pair_t out = pair_new_dt((size_t)n * c, 5.0f, 6.0f, dt); /* garbage that must be overwritten */
+  cpu->embedding_fwd(cpu, out.c, table.c, tok.c, n, c, vocab_start, rows, dt);
+  gpu->embedding_fwd(gpu, out.g, table.g, tok.g, n, c, vocab_start, rows, dt);
+  snprintf(what, sizeof what, "embedding_fwd %s", dtype_name(dt));
+  pair_check_bits(what, &out);
 
-  pair_t dout = pair_new((size_t)n * c, -1.0f, 1.0f), dtable = pair_new((size_t)rows * c, -1.0f, 1.0f);
-  cpu->embedding_bwd(cpu, dtable.c, dout.c, tok.c, n, c, vocab_start, rows);
-  gpu->embedding_bwd(gpu, dtable.g, dout.g, tok.g, n, c, vocab_start, rows);
-  pair_check("embedding_bwd (position order, as cpu)", &dtable, 0.0);
-  float *first = snap(&dtable);
+  /* dtable is fp32 whatever dt is (a parameter gradient) */
+  pair_t dout = pair_new_dt((size_t)n * c, -1.0f, 1.0f, dt), dtable = pair_new((size_t)rows * c, -1.0f, 1.0f);
+  cpu->embedding_bwd(cpu, dtable.c, dout.c, tok.c, n, c, vocab_start, rows, dt);
+  gpu->embedding_bwd(gpu, dtable.g, dout.g, tok.g, n, c, vocab_start, rows, dt);
+  snprintf(what, sizeof what, "embedding_bwd %s (position order, as cpu)", dtype_name(dt));
+  pair_check(what, &dtable, 0.0);
+  void *first = snap(&dtable);
   pair_reset(&dtable);
-  gpu->embedding_bwd(gpu, dtable.g, dout.g, tok.g, n, c, vocab_start, rows);
+  gpu->embedding_bwd(gpu, dtable.g, dout.g, tok.g, n, c, vocab_start, rows, dt);
   check_same_bits("embedding_bwd", &dtable, first);
   ids_free(&tok);
   pair_free(&table);
@@ -281,33 +526,37 @@ static void test_embedding(void **state) {
   pair_free(&dtable);
 }
 
+static void test_embedding(void **state) { embedding_case(DT_F32); }
+static void test_embedding_bf16(void **state) { embedding_case(DT_BF16); }
+
 /* ------------------------------------------------------------------ RMSNorm */
 
-static void rmsnorm_case(int n, int c) {
+static void rmsnorm_case(int n, int c, dtype_t dt) {
   char what[96];
-  pair_t x = pair_new((size_t)n * c, -2.0f, 2.0f), w = pair_new((size_t)c, 0.5f, 1.5f);
-  pair_t out = pair_new((size_t)n * c, 0.0f, 1.0f), rstd = pair_new((size_t)n, 0.0f, 1.0f);
-  cpu->rmsnorm_fwd(cpu, out.c, rstd.c, x.c, w.c, n, c, 1e-5f);
-  gpu->rmsnorm_fwd(gpu, out.g, rstd.g, x.g, w.g, n, c, 1e-5f);
-  snprintf(what, sizeof what, "rmsnorm_fwd n=%d c=%d out", n, c);
+  const char *dn = dtype_name(dt);
+  pair_t x = pair_new_dt((size_t)n * c, -2.0f, 2.0f, dt), w = pair_new_dt((size_t)c, 0.5f, 1.5f, dt);
+  pair_t out = pair_new_dt((size_t)n * c, 0.0f, 1.0f, dt), rstd = pair_new((size_t)n, 0.0f, 1.0f);
+  cpu->rmsnorm_fwd(cpu, out.c, rstd.c, x.c, w.c, n, c, 1e-5f, dt);
+  gpu->rmsnorm_fwd(gpu, out.g, rstd.g, x.g, w.g, n, c, 1e-5f, dt);
+  snprintf(what, sizeof what, "rmsnorm_fwd %s n=%d c=%d out", dn, n, c);
   pair_check(what, &out, TOL_FP32);
-  snprintf(what, sizeof what, "rmsnorm_fwd n=%d c=%d rstd", n, c);
+  snprintf(what, sizeof what, "rmsnorm_fwd %s n=%d c=%d rstd", dn, n, c);
   pair_check(what, &rstd, TOL_FP32);
 
-  /* the backward from the cpu's rstd on both, so that only the backward is compared */
+  /* the backward from the cpu's rstd on both, so that only the backward is compared; dw fp32 */
   gpu->to_device(gpu, rstd.g, rstd.c, (size_t)n * sizeof(float));
-  pair_t dout = pair_new((size_t)n * c, -1.0f, 1.0f), dx = pair_new((size_t)n * c, -1.0f, 1.0f);
+  pair_t dout = pair_new_dt((size_t)n * c, -1.0f, 1.0f, dt), dx = pair_new_dt((size_t)n * c, -1.0f, 1.0f, dt);
   pair_t dw = pair_new((size_t)c, -1.0f, 1.0f);
-  cpu->rmsnorm_bwd(cpu, dx.c, dw.c, dout.c, x.c, w.c, rstd.c, n, c);
-  gpu->rmsnorm_bwd(gpu, dx.g, dw.g, dout.g, x.g, w.g, rstd.g, n, c);
-  snprintf(what, sizeof what, "rmsnorm_bwd n=%d c=%d dx", n, c);
+  cpu->rmsnorm_bwd(cpu, dx.c, dw.c, dout.c, x.c, w.c, rstd.c, n, c, dt);
+  gpu->rmsnorm_bwd(gpu, dx.g, dw.g, dout.g, x.g, w.g, rstd.g, n, c, dt);
+  snprintf(what, sizeof what, "rmsnorm_bwd %s n=%d c=%d dx", dn, n, c);
   pair_check(what, &dx, TOL_FP32);
-  snprintf(what, sizeof what, "rmsnorm_bwd n=%d c=%d dw", n, c);
+  snprintf(what, sizeof what, "rmsnorm_bwd %s n=%d c=%d dw", dn, n, c);
   pair_check(what, &dw, TOL_FP32);
-  float *fdx = snap(&dx), *fdw = snap(&dw);
+  void *fdx = snap(&dx), *fdw = snap(&dw);
   pair_reset(&dx);
   pair_reset(&dw);
-  gpu->rmsnorm_bwd(gpu, dx.g, dw.g, dout.g, x.g, w.g, rstd.g, n, c);
+  gpu->rmsnorm_bwd(gpu, dx.g, dw.g, dout.g, x.g, w.g, rstd.g, n, c, dt);
   check_same_bits("rmsnorm_bwd dx", &dx, fdx);
   check_same_bits("rmsnorm_bwd dw", &dw, fdw);
   pair_free(&x);
@@ -320,9 +569,15 @@ static void rmsnorm_case(int n, int c) {
 }
 
 static void test_rmsnorm(void **state) {
-  rmsnorm_case(67, 300);
-  rmsnorm_case(600, 1024); /* more rows than the backward's partial rows */
-  rmsnorm_case(3, 4096);
+  rmsnorm_case(67, 300, DT_F32);
+  rmsnorm_case(600, 1024, DT_F32); /* more rows than the backward's partial rows */
+  rmsnorm_case(3, 4096, DT_F32);
+}
+
+static void test_rmsnorm_bf16(void **state) {
+  rmsnorm_case(67, 300, DT_BF16);
+  rmsnorm_case(600, 1024, DT_BF16);
+  rmsnorm_case(3, 4096, DT_BF16);
 }
 
 /* ------------------------------------------------------------------ RoPE */
@@ -330,63 +585,85 @@ static void test_rmsnorm(void **state) {
 static void test_rope(void **state) {
   int b = 2, t = 37, h = 3, d = 64;
   pair_t x = pair_new((size_t)b * t * h * d, -1.0f, 1.0f);
-  cpu->rope_fwd(cpu, x.c, b, t, h, d, 5, 10000.0f);
-  gpu->rope_fwd(gpu, x.g, b, t, h, d, 5, 10000.0f);
+  cpu->rope_fwd(cpu, x.c, b, t, h, d, 5, 10000.0f, DT_F32);
+  gpu->rope_fwd(gpu, x.g, b, t, h, d, 5, 10000.0f, DT_F32);
   pair_check("rope_fwd (offset 5, theta 1e4)", &x, 1e-6);
-  cpu->rope_bwd(cpu, x.c, b, t, h, d, 5, 10000.0f);
-  gpu->rope_bwd(gpu, x.g, b, t, h, d, 5, 10000.0f);
+  cpu->rope_bwd(cpu, x.c, b, t, h, d, 5, 10000.0f, DT_F32);
+  gpu->rope_bwd(gpu, x.g, b, t, h, d, 5, 10000.0f, DT_F32);
   pair_check("rope_bwd", &x, 1e-6);
   float *back = pair_fetch(&x);
+  const float *init = x.host;
   double maxd = 0.0;
-  for (size_t i = 0; i < x.n; i++) maxd = fmax(maxd, fabs((double)back[i] - x.host[i]));
+  for (size_t i = 0; i < x.n; i++) maxd = fmax(maxd, fabs((double)back[i] - init[i]));
   printf("  rope_bwd(rope_fwd(x)) - x: max|diff| %.3e (tolerance 1e-6)\n", maxd);
   free(back);
   assert_true(maxd <= 1e-6);
   /* another shape and theta: the cached table must be rebuilt */
   pair_t y = pair_new((size_t)1 * 100 * 2 * 128, -1.0f, 1.0f);
-  cpu->rope_fwd(cpu, y.c, 1, 100, 2, 128, 0, 500000.0f);
-  gpu->rope_fwd(gpu, y.g, 1, 100, 2, 128, 0, 500000.0f);
+  cpu->rope_fwd(cpu, y.c, 1, 100, 2, 128, 0, 500000.0f, DT_F32);
+  gpu->rope_fwd(gpu, y.g, 1, 100, 2, 128, 0, 500000.0f, DT_F32);
   pair_check("rope_fwd (t 100, d 128, theta 5e5)", &y, 1e-6);
+  pair_free(&x);
+  pair_free(&y);
+}
+
+/* bf16 in place: each rotation widens, rotates in fp32 with the same roundings as the fp32
+ * kernel and rounds once, so the fp32 tolerance (1e-6, the tables) is the floor. */
+static void test_rope_bf16(void **state) {
+  int b = 2, t = 37, h = 3, d = 64;
+  pair_t x = pair_new_dt((size_t)b * t * h * d, -1.0f, 1.0f, DT_BF16);
+  cpu->rope_fwd(cpu, x.c, b, t, h, d, 5, 10000.0f, DT_BF16);
+  gpu->rope_fwd(gpu, x.g, b, t, h, d, 5, 10000.0f, DT_BF16);
+  pair_check("rope_fwd bf16 (offset 5, theta 1e4)", &x, 1e-6);
+  pair_reset(&x); /* the backward from the same inputs on both */
+  cpu->rope_bwd(cpu, x.c, b, t, h, d, 5, 10000.0f, DT_BF16);
+  gpu->rope_bwd(gpu, x.g, b, t, h, d, 5, 10000.0f, DT_BF16);
+  pair_check("rope_bwd bf16", &x, 1e-6);
+  pair_t y = pair_new_dt((size_t)1 * 100 * 2 * 128, -1.0f, 1.0f, DT_BF16);
+  cpu->rope_fwd(cpu, y.c, 1, 100, 2, 128, 0, 500000.0f, DT_BF16);
+  gpu->rope_fwd(gpu, y.g, 1, 100, 2, 128, 0, 500000.0f, DT_BF16);
+  pair_check("rope_fwd bf16 (t 100, d 128, theta 5e5)", &y, 1e-6);
   pair_free(&x);
   pair_free(&y);
 }
 
 /* ------------------------------------------------------------------ attention */
 
-static void attention_case(int b, int t, int h, int kv, int d) {
+static void attention_case(int b, int t, int h, int kv, int d, dtype_t dt) {
   char what[128];
+  const char *dn = dtype_name(dt);
   size_t nq = (size_t)b * t * h * d, nk = (size_t)b * t * kv * d;
-  pair_t q = pair_new(nq, -2.0f, 2.0f), k = pair_new(nk, -2.0f, 2.0f), v = pair_new(nk, -1.0f, 1.0f);
-  pair_t out = pair_new(nq, 0.0f, 1.0f), lse = pair_new((size_t)b * h * t, 0.0f, 1.0f);
-  cpu->attention_fwd(cpu, out.c, lse.c, q.c, k.c, v.c, b, t, h, kv, d);
-  gpu->attention_fwd(gpu, out.g, lse.g, q.g, k.g, v.g, b, t, h, kv, d);
-  snprintf(what, sizeof what, "attention_fwd b=%d t=%d h=%d kv=%d d=%d out", b, t, h, kv, d);
+  pair_t q = pair_new_dt(nq, -2.0f, 2.0f, dt), k = pair_new_dt(nk, -2.0f, 2.0f, dt), v = pair_new_dt(nk, -1.0f, 1.0f, dt);
+  pair_t out = pair_new_dt(nq, 0.0f, 1.0f, dt), lse = pair_new((size_t)b * h * t, 0.0f, 1.0f);
+  cpu->attention_fwd(cpu, out.c, lse.c, q.c, k.c, v.c, b, t, h, kv, d, dt);
+  gpu->attention_fwd(gpu, out.g, lse.g, q.g, k.g, v.g, b, t, h, kv, d, dt);
+  snprintf(what, sizeof what, "attention_fwd %s b=%d t=%d h=%d kv=%d d=%d out", dn, b, t, h, kv, d);
   pair_check(what, &out, TOL_FP32);
-  snprintf(what, sizeof what, "attention_fwd b=%d t=%d h=%d kv=%d d=%d lse", b, t, h, kv, d);
+  snprintf(what, sizeof what, "attention_fwd %s b=%d t=%d h=%d kv=%d d=%d lse", dn, b, t, h, kv, d);
   pair_check(what, &lse, TOL_FP32);
-  float *fo = snap(&out), *fl = snap(&lse);
-  gpu->attention_fwd(gpu, out.g, lse.g, q.g, k.g, v.g, b, t, h, kv, d);
+  void *fo = snap(&out), *fl = snap(&lse);
+  gpu->attention_fwd(gpu, out.g, lse.g, q.g, k.g, v.g, b, t, h, kv, d, dt);
   check_same_bits("attention_fwd out", &out, fo);
   check_same_bits("attention_fwd lse", &lse, fl);
 
   /* the backward from the cpu's out and lse on both, so that only the backward is compared */
-  gpu->to_device(gpu, out.g, out.c, nq * sizeof(float));
-  gpu->to_device(gpu, lse.g, lse.c, lse.n * sizeof(float));
-  pair_t dout = pair_new(nq, -1.0f, 1.0f), dq = pair_new(nq, -1.0f, 1.0f);
-  pair_t dk = pair_new(nk, -1.0f, 1.0f), dv = pair_new(nk, -1.0f, 1.0f);
-  cpu->attention_bwd(cpu, dq.c, dk.c, dv.c, dout.c, q.c, k.c, v.c, out.c, lse.c, b, t, h, kv, d);
-  gpu->attention_bwd(gpu, dq.g, dk.g, dv.g, dout.g, q.g, k.g, v.g, out.g, lse.g, b, t, h, kv, d);
-  snprintf(what, sizeof what, "attention_bwd b=%d t=%d h=%d kv=%d d=%d dq", b, t, h, kv, d);
+  gpu->to_device(gpu, out.g, out.c, pair_bytes(&out));
+  gpu->to_device(gpu, lse.g, lse.c, pair_bytes(&lse));
+  pair_t dout = pair_new_dt(nq, -1.0f, 1.0f, dt), dq = pair_new_dt(nq, -1.0f, 1.0f, dt);
+  pair_t dk = pair_new_dt(nk, -1.0f, 1.0f, dt), dv = pair_new_dt(nk, -1.0f, 1.0f, dt);
+  cpu->attention_bwd(cpu, dq.c, dk.c, dv.c, dout.c, q.c, k.c, v.c, out.c, lse.c, b, t, h, kv, d, dt);
+  gpu->attention_bwd(gpu, dq.g, dk.g, dv.g, dout.g, q.g, k.g, v.g, out.g, lse.g, b, t, h, kv, d, dt);
+  snprintf(what, sizeof what, "attention_bwd %s b=%d t=%d h=%d kv=%d d=%d dq", dn, b, t, h, kv, d);
   pair_check(what, &dq, TOL_FP32);
-  snprintf(what, sizeof what, "attention_bwd b=%d t=%d h=%d kv=%d d=%d dk", b, t, h, kv, d);
+  snprintf(what, sizeof what, "attention_bwd %s b=%d t=%d h=%d kv=%d d=%d dk", dn, b, t, h, kv, d);
   pair_check(what, &dk, TOL_FP32);
-  snprintf(what, sizeof what, "attention_bwd b=%d t=%d h=%d kv=%d d=%d dv", b, t, h, kv, d);
+  snprintf(what, sizeof what, "attention_bwd %s b=%d t=%d h=%d kv=%d d=%d dv", dn, b, t, h, kv, d);
   pair_check(what, &dv, TOL_FP32);
-  float *fq = snap(&dq), *fk = snap(&dk), *fv = snap(&dv);
+  void *fq = snap(&dq), *fk = snap(&dk), *fv = snap(&dv);
   pair_reset(&dq);
   pair_reset(&dk);
   pair_reset(&dv);
-  gpu->attention_bwd(gpu, dq.g, dk.g, dv.g, dout.g, q.g, k.g, v.g, out.g, lse.g, b, t, h, kv, d);
+  gpu->attention_bwd(gpu, dq.g, dk.g, dv.g, dout.g, q.g, k.g, v.g, out.g, lse.g, b, t, h, kv, d, dt);
   check_same_bits("attention_bwd dq", &dq, fq);
   check_same_bits("attention_bwd dk", &dk, fk);
   check_same_bits("attention_bwd dv", &dv, fv);
@@ -402,43 +679,54 @@ static void attention_case(int b, int t, int h, int kv, int d) {
 }
 
 static void test_attention(void **state) {
-  attention_case(2, 100, 4, 2, 64);  /* GQA, a partial last tile */
-  attention_case(1, 257, 8, 8, 128); /* multi-head, t one past a tile */
-  attention_case(2, 33, 6, 2, 40);   /* head dim padded to 64 */
-  attention_case(1, 64, 4, 1, 16);   /* multi-query, whole tiles */
-  attention_case(1, 5, 2, 1, 32);    /* shorter than a tile */
-  attention_case(1, 512, 4, 2, 128); /* several tiles each way */
+  attention_case(2, 100, 4, 2, 64, DT_F32);  /* GQA, a partial last tile */
+  attention_case(1, 257, 8, 8, 128, DT_F32); /* multi-head, t one past a tile */
+  attention_case(2, 33, 6, 2, 40, DT_F32);   /* head dim padded to 64 */
+  attention_case(1, 64, 4, 1, 16, DT_F32);   /* multi-query, whole tiles */
+  attention_case(1, 5, 2, 1, 32, DT_F32);    /* shorter than a tile */
+  attention_case(1, 512, 4, 2, 128, DT_F32); /* several tiles each way */
+}
+
+static void test_attention_bf16(void **state) {
+  attention_case(2, 100, 4, 2, 64, DT_BF16);
+  attention_case(1, 257, 8, 8, 128, DT_BF16);
+  attention_case(2, 33, 6, 2, 40, DT_BF16);
+  attention_case(1, 64, 4, 1, 16, DT_BF16);
+  attention_case(1, 5, 2, 1, 32, DT_BF16);
+  attention_case(1, 512, 4, 2, 128, DT_BF16);
 }
 
 /* ------------------------------------------------------------------ cross-entropy */
 
-static void ce_case(int n, int v, int ld, int alias) {
-  char what[96];
+static void ce_case(int n, int v, int ld, int alias, dtype_t dt) {
+  char what[112];
+  const char *dn = dtype_name(dt), *al = alias ? " aliased" : "";
   ids_t tg = ids_new((size_t)n, 0, v);
   tg.host[0] = -1;           /* ignored */
   if (n > 2) tg.host[2] = v; /* out of range: ignored as well */
   ids_upload(&tg);
-  pair_t logits = pair_new((size_t)n * ld, -8.0f, 8.0f), losses = pair_new((size_t)n, 3.0f, 4.0f);
-  pair_t dl = pair_new((size_t)n * ld, 3.0f, 4.0f);
+  pair_t logits = pair_new_dt((size_t)n * ld, -8.0f, 8.0f, dt), losses = pair_new((size_t)n, 3.0f, 4.0f);
+  pair_t dl = pair_new_dt((size_t)n * ld, 3.0f, 4.0f, dt);
   pair_t *dst = alias ? &logits : &dl;
   float gs = 1.0f / (float)n;
-  cpu->cross_entropy(cpu, losses.c, dst->c, logits.c, tg.c, n, v, ld, gs);
-  gpu->cross_entropy(gpu, losses.g, dst->g, logits.g, tg.g, n, v, ld, gs);
-  snprintf(what, sizeof what, "cross_entropy n=%d v=%d ld=%d%s losses", n, v, ld, alias ? " aliased" : "");
+  cpu->cross_entropy(cpu, losses.c, dst->c, logits.c, tg.c, n, v, ld, gs, dt);
+  gpu->cross_entropy(gpu, losses.g, dst->g, logits.g, tg.g, n, v, ld, gs, dt);
+  snprintf(what, sizeof what, "cross_entropy %s n=%d v=%d ld=%d%s losses", dn, n, v, ld, al);
   pair_check(what, &losses, TOL_FP32);
-  snprintf(what, sizeof what, "cross_entropy n=%d v=%d ld=%d%s dlogits", n, v, ld, alias ? " aliased" : "");
+  snprintf(what, sizeof what, "cross_entropy %s n=%d v=%d ld=%d%s dlogits", dn, n, v, ld, al);
   pair_check(what, dst, TOL_FP32);
-  float *fl = snap(&losses), *fd = snap(dst);
+  void *fl = snap(&losses), *fd = snap(dst);
   pair_reset(&logits);
   pair_reset(&dl);
-  gpu->cross_entropy(gpu, losses.g, dst->g, logits.g, tg.g, n, v, ld, gs);
+  gpu->cross_entropy(gpu, losses.g, dst->g, logits.g, tg.g, n, v, ld, gs, dt);
   check_same_bits("cross_entropy losses", &losses, fl);
   check_same_bits("cross_entropy dlogits", dst, fd);
   /* forward only */
   pair_reset(&logits);
-  cpu->cross_entropy(cpu, losses.c, NULL, logits.c, tg.c, n, v, ld, gs);
-  gpu->cross_entropy(gpu, losses.g, NULL, logits.g, tg.g, n, v, ld, gs);
-  pair_check("cross_entropy losses without gradient", &losses, TOL_FP32);
+  cpu->cross_entropy(cpu, losses.c, NULL, logits.c, tg.c, n, v, ld, gs, dt);
+  gpu->cross_entropy(gpu, losses.g, NULL, logits.g, tg.g, n, v, ld, gs, dt);
+  snprintf(what, sizeof what, "cross_entropy %s losses without gradient", dn);
+  pair_check(what, &losses, TOL_FP32);
   ids_free(&tg);
   pair_free(&logits);
   pair_free(&losses);
@@ -446,10 +734,17 @@ static void ce_case(int n, int v, int ld, int alias) {
 }
 
 static void test_cross_entropy(void **state) {
-  ce_case(37, 1000, 1024, 0);
-  ce_case(37, 1000, 1024, 1);
-  ce_case(8, 32000, 32000, 1);
-  ce_case(5, 50, 50, 0);
+  ce_case(37, 1000, 1024, 0, DT_F32);
+  ce_case(37, 1000, 1024, 1, DT_F32);
+  ce_case(8, 32000, 32000, 1, DT_F32);
+  ce_case(5, 50, 50, 0, DT_F32);
+}
+
+static void test_cross_entropy_bf16(void **state) {
+  ce_case(37, 1000, 1024, 0, DT_BF16);
+  ce_case(37, 1000, 1024, 1, DT_BF16);
+  ce_case(8, 32000, 32000, 1, DT_BF16);
+  ce_case(5, 50, 50, 0, DT_BF16);
 }
 
 /* ------------------------------------------------------------------ AdamW */
@@ -459,8 +754,8 @@ static void test_adamw(void **state) {
   pair_t p = pair_new(n, -1.0f, 1.0f), m = pair_new(n, 0.0f, 0.0f), v = pair_new(n, 0.0f, 0.0f);
   for (int step = 1; step <= 3; step++) {
     pair_t g = pair_new(n, -1.0f, 1.0f);
-    cpu->adamw(cpu, p.c, g.c, m.c, v.c, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, step, 0.5f);
-    gpu->adamw(gpu, p.g, g.g, m.g, v.g, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, step, 0.5f);
+    cpu->adamw(cpu, p.c, g.c, m.c, v.c, NULL, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, step, 0.5f);
+    gpu->adamw(gpu, p.g, g.g, m.g, v.g, NULL, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, step, 0.5f);
     pair_free(&g);
   }
   pair_check("adamw (3 steps) param", &p, TOL_FP32);
@@ -471,8 +766,56 @@ static void test_adamw(void **state) {
   pair_free(&v);
 }
 
+/* With param_lp: the fp32 update is the one without it (the same bits on the cuda side), and
+ * the bf16 copy is exactly the rounding of the fp32 parameter the same pass wrote (tolerance 0),
+ * and within the bf16 tolerance of the cpu backend's copy. */
+static void test_adamw_bf16(void **state) {
+  size_t n = 100003;
+  pair_t p = pair_new(n, -1.0f, 1.0f), m = pair_new(n, 0.0f, 0.0f), v = pair_new(n, 0.0f, 0.0f);
+  pair_t lp = pair_new_dt(n, 5.0f, 6.0f, DT_BF16); /* garbage that must be overwritten */
+  float *ref_p = gpu->alloc(gpu, n * sizeof(float)), *ref_m = gpu->alloc(gpu, n * sizeof(float));
+  float *ref_v = gpu->alloc(gpu, n * sizeof(float));
+  assert_non_null(ref_p);
+  assert_non_null(ref_m);
+  assert_non_null(ref_v);
+  gpu->copy(gpu, ref_p, p.g, n * sizeof(float));
+  for (int step = 1; step <= 3; step++) {
+    pair_t g = pair_new(n, -1.0f, 1.0f);
+    cpu->adamw(cpu, p.c, g.c, m.c, v.c, lp.c, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, step, 0.5f);
+    gpu->adamw(gpu, p.g, g.g, m.g, v.g, lp.g, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, step, 0.5f);
+    gpu->adamw(gpu, ref_p, g.g, ref_m, ref_v, NULL, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, step, 0.5f);
+    pair_free(&g);
+  }
+  pair_check("adamw with param_lp (3 steps) param", &p, TOL_FP32);
+  pair_check("adamw with param_lp (3 steps) param_lp", &lp, TOL_FP32);
+  float *gp = pair_fetch(&p), *rp = malloc(n * sizeof(float));
+  bf16_t *glp = pair_fetch(&lp);
+  assert_non_null(rp);
+  gpu->to_host(gpu, rp, ref_p, n * sizeof(float));
+  size_t not_rounding = 0, not_same = 0;
+  for (size_t i = 0; i < n; i++) {
+    not_rounding += glp[i] != bf16_from_f32(gp[i]);
+    not_same += memcmp(&gp[i], &rp[i], sizeof(float)) != 0;
+  }
+  printf("  adamw param_lp: %zu of %zu are not bf16 rounding of the fp32 param (tolerance 0)\n", not_rounding, n);
+  printf("  adamw param with vs without param_lp: %zu of %zu differ in bits (tolerance 0)\n", not_same, n);
+  assert_int_equal(not_rounding, 0);
+  assert_int_equal(not_same, 0);
+  free(gp);
+  free(rp);
+  free(glp);
+  gpu->free(gpu, ref_p);
+  gpu->free(gpu, ref_m);
+  gpu->free(gpu, ref_v);
+  pair_free(&p);
+  pair_free(&m);
+  pair_free(&v);
+  pair_free(&lp);
+}
+
 int main(void) {
   char err[512];
+  setvbuf(stdout, NULL, _IOLBF, 0);
   if (!(cpu = backend_cpu_create(0, err, sizeof err))) {
     fprintf(stderr, "test_backend_cuda: %s\n", err);
     return 1;
@@ -483,9 +826,25 @@ int main(void) {
     return 1;
   }
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_memory),    cmocka_unit_test(test_matmul),    cmocka_unit_test(test_elementwise),
-      cmocka_unit_test(test_embedding), cmocka_unit_test(test_rmsnorm),   cmocka_unit_test(test_rope),
-      cmocka_unit_test(test_attention), cmocka_unit_test(test_cross_entropy), cmocka_unit_test(test_adamw),
+      cmocka_unit_test(test_memory),
+      cmocka_unit_test(test_matmul),
+      cmocka_unit_test(test_elementwise),
+      cmocka_unit_test(test_embedding),
+      cmocka_unit_test(test_rmsnorm),
+      cmocka_unit_test(test_rope),
+      cmocka_unit_test(test_attention),
+      cmocka_unit_test(test_cross_entropy),
+      cmocka_unit_test(test_adamw),
+      cmocka_unit_test(test_convert),
+      cmocka_unit_test(test_elementwise_bf16),
+      cmocka_unit_test(test_embedding_bf16),
+      cmocka_unit_test(test_rmsnorm_bf16),
+      cmocka_unit_test(test_rope_bf16),
+      cmocka_unit_test(test_attention_bf16),
+      cmocka_unit_test(test_cross_entropy_bf16),
+      cmocka_unit_test(test_adamw_bf16),
+      cmocka_unit_test(test_matmul_bf16),           /* the bf16 products last: see there */
+      cmocka_unit_test(test_matmul_bf16_unaligned),
   };
   int failed = cmocka_run_group_tests(tests, NULL, NULL);
   backend_destroy(gpu);

@@ -3,6 +3,8 @@
  *
  *   model_oracle OUT.safetensors [key=value ...]
  *     keys: seed dim n_layers n_heads n_kv_heads vocab multiple_of b t threads init_std
+ *           dtype (fp32 or bf16: the model's param_dtype; the dumped weights and gradients are the
+ *           fp32 masters and fp32 gradients either way)
  *
  * Builds the model, draws weights with model_init_random (norm weights then perturbed around 1
  * so that their gradients matter), draws tokens and targets from the seed with two targets set
@@ -32,13 +34,14 @@ int main(int argc, char **argv) {
   if (argc < 2) {
     fprintf(stderr,
             "usage: %s OUT.safetensors [seed= dim= n_layers= n_heads= n_kv_heads= vocab= multiple_of= b= t= threads= "
-            "init_std=]\n",
+            "init_std= dtype=fp32|bf16]\n",
             argv[0]);
     return 2;
   }
   long seed = 1234, dim = 64, n_layers = 2, n_heads = 4, n_kv_heads = 2, vocab = 97, multiple_of = 32, B = 2, T = 16,
        threads = 1;
   double init_std = 0.1;
+  dtype_t dt = DT_F32;
   for (int i = 2; i < argc; i++) {
     char key[64];
     const char *eq = strchr(argv[i], '=');
@@ -71,6 +74,14 @@ int main(int argc, char **argv) {
       init_std = strtod(val, NULL);
       found = 1;
     }
+    if (!strcmp(key, "dtype")) {
+      if (strcmp(val, "fp32") && strcmp(val, "bf16")) {
+        fprintf(stderr, "model_oracle: dtype=%s: want fp32 or bf16\n", val);
+        return 2;
+      }
+      dt = strcmp(val, "bf16") ? DT_F32 : DT_BF16;
+      found = 1;
+    }
     if (!found) {
       fprintf(stderr, "model_oracle: unknown key %s\n", key);
       return 2;
@@ -89,7 +100,8 @@ int main(int argc, char **argv) {
     return 1;
   }
   model_t *m = NULL;
-  if (model_create(&m, &cfg, be, (int)B, (int)T, 0, 0, err, sizeof err) != 0) {
+  model_opts_t opts = {.max_b = (int)B, .max_t = (int)T, .param_dtype = dt};
+  if (model_create_opts(&m, &cfg, be, &opts, err, sizeof err) != 0) {
     fprintf(stderr, "model_oracle: %s\n", err);
     backend_destroy(be);
     return 1;
@@ -169,9 +181,9 @@ int main(int argc, char **argv) {
   char config[512];
   snprintf(config, sizeof config,
            "{\"dim\": %d, \"n_layers\": %d, \"n_heads\": %d, \"n_kv_heads\": %d, \"vocab_size\": %d, "
-           "\"hidden_dim\": %d, \"norm_eps\": %.9g, \"rope_theta\": %.9g}",
+           "\"hidden_dim\": %d, \"norm_eps\": %.9g, \"rope_theta\": %.9g, \"dtype\": \"%s\"}",
            cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.vocab_size, cfg.hidden_dim, cfg.norm_eps,
-           cfg.rope_theta);
+           cfg.rope_theta, dtype_name(dt));
   const char *meta[] = {"config", config};
   int rc = st_write(argv[1], ts, k, meta, 1, err, sizeof err);
   if (rc != 0)

@@ -7,7 +7,11 @@
  * Errors are relative: max|kernel - ref| / max|ref|. Tolerances: 1e-5 for forwards (fp32
  * rounding), 1e-4 for backwards (fp32 plus O(h^2) finite-difference error), exact bits for the
  * determinism checks. Every check prints the observed error. Shapes are small and odd on
- * purpose (t = 67 crosses the 64-row attention block; ld > V pads the logits). */
+ * purpose (t = 67 crosses the 64-row attention block; ld > V pads the logits).
+ *
+ * The bf16 tests (test_bf16_*) run each kernel with DT_BF16 against the same kernel with DT_F32
+ * on the widened inputs and require round(fp32 result) exactly (0 ulps; see the bf16 section),
+ * plus hand-worked rounding cases for convert. */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -20,6 +24,7 @@
 #include <cmocka.h>
 
 #include "trainer/backend.h"
+#include "trainer/bf16.h"
 #include "trainer/rng.h"
 
 #define FWD_TOL 1e-5
@@ -84,7 +89,7 @@ static void matmul_case(backend_t *be, int m, int n, int k) {
       float *a = frand((size_t)m * k, 1, 1.0), *b = frand((size_t)k * n, 2, 1.0), *c = frand((size_t)m * n, 3, 1.0);
       double *ref = to_double(c, (size_t)m * n);
       float alpha = 0.75f, beta = ta == tb ? 1.0f : -0.5f;
-      be->matmul(be, c, a, b, m, n, k, ta, tb, alpha, beta);
+      be->matmul(be, c, a, b, m, n, k, ta, tb, alpha, beta, DT_F32, DT_F32);
       ref_matmul(ref, a, b, m, n, k, ta, tb, alpha, beta);
       char what[96];
       snprintf(what, sizeof what, "matmul %dx%dx%d ta=%d tb=%d threads=%s", m, n, k, ta, tb, be == be1 ? "1" : "2");
@@ -92,7 +97,7 @@ static void matmul_case(backend_t *be, int m, int n, int k) {
       /* beta = 0 must ignore whatever c held (NaN included) */
       for (size_t i = 0; i < (size_t)m * n; i++)
         c[i] = NAN;
-      be->matmul(be, c, a, b, m, n, k, ta, tb, 1.0f, 0.0f);
+      be->matmul(be, c, a, b, m, n, k, ta, tb, 1.0f, 0.0f, DT_F32, DT_F32);
       for (size_t i = 0; i < (size_t)m * n; i++)
         ref[i] = 0.0;
       ref_matmul(ref, a, b, m, n, k, ta, tb, 1.0, 0.0);
@@ -116,12 +121,12 @@ static void test_matmul(void **state) {
 static void test_add_scale_sumsq(void **state) {
   size_t n = 100003;
   float *a = frand(n, 4, 1.0), *b = frand(n, 5, 1.0), *o = malloc(n * sizeof *o);
-  be2->add(be2, o, a, b, n);
+  be2->add(be2, o, a, b, n, DT_F32);
   double err = 0.0;
   for (size_t i = 0; i < n; i++)
     err = fmax(err, fabs((double)o[i] - ((double)a[i] + b[i])));
   check("add", err, 1e-6);
-  be2->add(be2, a, a, b, n); /* aliasing out = a */
+  be2->add(be2, a, a, b, n, DT_F32); /* aliasing out = a */
   assert_memory_equal(a, o, n * sizeof *o);
   be2->scale(be2, o, -0.5f, n);
   err = 0.0;
@@ -151,7 +156,7 @@ static void test_embedding(void **state) {
   for (int i = 0; i < n; i++)
     tok[i] = (int32_t)rng_below(&r, 20); /* some below 5 and past 15: zero rows */
   tok[3] = tok[4] = tok[30] = 8;         /* repeated token */
-  be2->embedding_fwd(be2, out, table, tok, n, c, vstart, rows);
+  be2->embedding_fwd(be2, out, table, tok, n, c, vstart, rows, DT_F32);
   double err = 0.0;
   for (int i = 0; i < n; i++)
     for (int j = 0; j < c; j++) {
@@ -168,7 +173,7 @@ static void test_embedding(void **state) {
     for (int j = 0; j < c; j++)
       ref[rr * c + j] += dout[i * c + j];
   }
-  be2->embedding_bwd(be2, dt, dout, tok, n, c, vstart, rows);
+  be2->embedding_bwd(be2, dt, dout, tok, n, c, vstart, rows, DT_F32);
   check("embedding_bwd (accumulates, repeated ids)", max_rel(dt, ref, (size_t)rows * c), FWD_TOL);
   free(table);
   free(out);
@@ -205,7 +210,7 @@ static void test_rmsnorm(void **state) {
   float *out = malloc((size_t)n * c * sizeof *out), rstd[13];
   double *xd = to_double(x, (size_t)n * c), *wd = to_double(w, c), *ref = malloc((size_t)n * c * sizeof *ref);
   ref_rmsnorm_loss(xd, wd, R, n, c, eps, ref);
-  be2->rmsnorm_fwd(be2, out, rstd, x, w, n, c, eps);
+  be2->rmsnorm_fwd(be2, out, rstd, x, w, n, c, eps, DT_F32);
   check("rmsnorm_fwd", max_rel(out, ref, (size_t)n * c), FWD_TOL);
 
   /* backward into pre-filled buffers (accumulation), minus the prefill */
@@ -214,7 +219,7 @@ static void test_rmsnorm(void **state) {
     dx[i] = 1.0f;
   for (int j = 0; j < c; j++)
     dw[j] = 1.0f;
-  be2->rmsnorm_bwd(be2, dx, dw, R, x, w, rstd, n, c);
+  be2->rmsnorm_bwd(be2, dx, dw, R, x, w, rstd, n, c, DT_F32);
   for (int i = 0; i < n * c; i++)
     dx[i] -= 1.0f;
   for (int j = 0; j < c; j++)
@@ -275,24 +280,24 @@ static void test_rope(void **state) {
   double *xd = to_double(x, n);
   float *y = fcopy(x, n);
   /* a first call with another key, so that the cached table must be rebuilt */
-  be2->rope_fwd(be2, y, 1, 5, h * 2, d, 0, 10000.0f);
+  be2->rope_fwd(be2, y, 1, 5, h * 2, d, 0, 10000.0f, DT_F32);
   memcpy(y, x, n * sizeof *y);
-  be2->rope_fwd(be2, y, b, t, h, d, 3, 500.0f);
+  be2->rope_fwd(be2, y, b, t, h, d, 3, 500.0f, DT_F32);
   ref_rope(xd, b, t, h, d, 3, 500.0, 1.0);
   check("rope_fwd (offset 3, theta 500)", max_rel(y, xd, n), FWD_TOL);
   /* The rotation is orthogonal: its gradient is the inverse rotation, and bwd(fwd(x)) = x. */
   double *rd = to_double(x, n);
   float *g = fcopy(x, n);
-  be2->rope_bwd(be2, g, b, t, h, d, 3, 500.0f);
+  be2->rope_bwd(be2, g, b, t, h, d, 3, 500.0f, DT_F32);
   ref_rope(rd, b, t, h, d, 3, 500.0, -1.0);
   check("rope_bwd (rotation by -angle)", max_rel(g, rd, n), FWD_TOL);
-  be2->rope_bwd(be2, y, b, t, h, d, 3, 500.0f);
+  be2->rope_bwd(be2, y, b, t, h, d, 3, 500.0f, DT_F32);
   double *xo = to_double(x, n);
   check("rope_bwd(rope_fwd(x)) == x", max_rel(y, xo, n), FWD_TOL);
   /* adjacent-pair layout: position 1, pair 0 of head 0 rotates by exactly 1 radian (theta^0) */
   float p[4] = {1.0f, 0.0f, 0.0f, 0.0f}, q[8] = {0};
   memcpy(q + 4, p, sizeof p);
-  be1->rope_fwd(be1, q, 1, 2, 1, 4, 0, 10000.0f);
+  be1->rope_fwd(be1, q, 1, 2, 1, 4, 0, 10000.0f, DT_F32);
   printf("  rope pair (0,1) at pos 1: (%.6f, %.6f), want (cos 1, sin 1) = (%.6f, %.6f)\n", q[4], q[5], cos(1.0),
          sin(1.0));
   assert_true(fabs(q[4] - cos(1.0)) < 1e-6 && fabs(q[5] - sin(1.0)) < 1e-6);
@@ -375,7 +380,7 @@ static void attention_case(backend_t *be, const att_shape_t *s) {
   float *out = malloc(nq * sizeof *out), *lse = malloc(nl * sizeof *lse);
   double *qd = to_double(q, nq), *kd = to_double(k, nk), *vd = to_double(v, nk);
   double *ro = malloc(nq * sizeof *ro), *rl = malloc(nl * sizeof *rl);
-  be->attention_fwd(be, out, lse, q, k, v, s->b, s->t, s->h, s->kv, s->d);
+  be->attention_fwd(be, out, lse, q, k, v, s->b, s->t, s->h, s->kv, s->d, DT_F32);
   ref_attention(s, qd, kd, vd, ro, rl, NULL);
   char what[128];
   snprintf(what, sizeof what, "attention_fwd b=%d t=%d h=%d kv=%d d=%d out", s->b, s->t, s->h, s->kv, s->d);
@@ -387,7 +392,7 @@ static void attention_case(backend_t *be, const att_shape_t *s) {
     dq[i] = 2.0f;
   for (size_t i = 0; i < nk; i++)
     dk[i] = dv[i] = 2.0f;
-  be->attention_bwd(be, dq, dk, dv, R, q, k, v, out, lse, s->b, s->t, s->h, s->kv, s->d);
+  be->attention_bwd(be, dq, dk, dv, R, q, k, v, out, lse, s->b, s->t, s->h, s->kv, s->d, DT_F32);
   for (size_t i = 0; i < nq; i++)
     dq[i] -= 2.0f; /* accumulation: remove the prefill */
   for (size_t i = 0; i < nk; i++) {
@@ -427,7 +432,7 @@ static void test_attention(void **state) {
 static void test_swiglu(void **state) {
   size_t n = 20011;
   float *a = frand(n, 30, 3.0), *g = frand(n, 31, 1.0), *R = frand(n, 32, 1.0), *out = malloc(n * sizeof *out);
-  be2->swiglu_fwd(be2, out, a, g, n);
+  be2->swiglu_fwd(be2, out, a, g, n, DT_F32);
   double *ref = malloc(n * sizeof *ref), *rda = malloc(n * sizeof *rda), *rdg = malloc(n * sizeof *rdg);
   double h = 1e-6;
   for (size_t i = 0; i < n; i++) {
@@ -440,10 +445,10 @@ static void test_swiglu(void **state) {
   }
   check("swiglu_fwd", max_rel(out, ref, n), FWD_TOL);
   float *da = calloc(n, sizeof *da), *dg = calloc(n, sizeof *dg);
-  be2->swiglu_bwd(be2, da, dg, R, a, g, n);
+  be2->swiglu_bwd(be2, da, dg, R, a, g, n, DT_F32);
   check("swiglu_bwd da vs finite differences", max_rel(da, rda, n), BWD_TOL);
   check("swiglu_bwd dg", max_rel(dg, rdg, n), FWD_TOL);
-  be2->swiglu_bwd(be2, da, dg, R, a, g, n); /* accumulates: twice the gradient */
+  be2->swiglu_bwd(be2, da, dg, R, a, g, n, DT_F32); /* accumulates: twice the gradient */
   for (size_t i = 0; i < n; i++)
     rdg[i] *= 2.0;
   check("swiglu_bwd accumulates", max_rel(dg, rdg, n), FWD_TOL);
@@ -473,7 +478,7 @@ static void test_cross_entropy(void **state) {
   float losses[7], *dl = malloc((size_t)n * ld * sizeof *dl), gs = 0.2f;
   for (int i = 0; i < n * ld; i++)
     dl[i] = NAN;
-  be2->cross_entropy(be2, losses, dl, logits, tg, n, v, ld, gs);
+  be2->cross_entropy(be2, losses, dl, logits, tg, n, v, ld, gs, DT_F32);
   double rl[7], *rd = malloc((size_t)n * ld * sizeof *rd);
   for (int i = 0; i < n; i++) {
     double mx = -INFINITY, sum = 0.0;
@@ -490,7 +495,7 @@ static void test_cross_entropy(void **state) {
   check("cross_entropy dlogits (padding 0, ignored rows 0)", max_rel(dl, rd, (size_t)n * ld), FWD_TOL);
   /* in place: dlogits aliases logits */
   float l2[7];
-  be2->cross_entropy(be2, l2, logits, logits, tg, n, v, ld, gs);
+  be2->cross_entropy(be2, l2, logits, logits, tg, n, v, ld, gs, DT_F32);
   assert_memory_equal(l2, losses, sizeof l2);
   assert_memory_equal(logits, dl, (size_t)n * ld * sizeof *dl);
   printf("  cross_entropy in place: same bits as out of place\n");
@@ -508,7 +513,7 @@ static void test_adamw(void **state) {
   double lr = 1e-2, b1 = 0.9, b2 = 0.95, eps = 1e-8, wd = 0.1, gsc = 0.5;
   for (int step = 1; step <= 3; step++) {
     float *g = frand(n, 60 + step, 1.0);
-    be2->adamw(be2, p, g, m, v, n, (float)lr, (float)b1, (float)b2, (float)eps, (float)wd, step, (float)gsc);
+    be2->adamw(be2, p, g, m, v, NULL, n, (float)lr, (float)b1, (float)b2, (float)eps, (float)wd, step, (float)gsc);
     double bc1 = 1 - pow(b1, step), bc2 = 1 - pow(b2, step);
     for (size_t i = 0; i < n; i++) {
       double gi = g[i] * gsc;
@@ -529,6 +534,576 @@ static void test_adamw(void **state) {
   free(rv);
 }
 
+/* ------------------------------------------------------------------ bf16
+ *
+ * Every kernel with a dt runs twice on the same values: with DT_BF16 on bf16 tensors (random
+ * values rounded to bf16), and with DT_F32 on their exact fp32 widenings, the reference.
+ * backend.h promises widen, compute in fp32, round once per store; so a bf16 output must be
+ * bf16_round(the fp32 output), and an accumulated one (dx +=, beta * c) round(the fp32 kernel
+ * accumulating into the widened old value). Tolerance: 0 ulps, since the cpu backend runs the
+ * very fp32 kernels on the widened values and any other difference is a bug. The fp32 outputs
+ * of bf16 calls (rstd, lse, losses, row stats, dw, dtable) must be the reference's bits.
+ * Non-accumulated bf16 outputs start as NaN, so an element the kernel misses fails. */
+
+#define BF16_ULP_TOL 0
+
+typedef struct {
+  bf16_t *h; /* the bf16 tensor the DT_BF16 call reads */
+  float *f;  /* its exact widening, for the DT_F32 reference */
+  size_t n;
+} pair_t;
+
+static pair_t pair_from(const float *x, size_t n) {
+  pair_t p = {malloc(n * sizeof(bf16_t)), malloc(n * sizeof(float)), n};
+  for (size_t i = 0; i < n; i++) {
+    p.h[i] = bf16_from_f32(x[i]);
+    p.f[i] = bf16_to_f32(p.h[i]);
+  }
+  return p;
+}
+/* frand's values, rounded to bf16 */
+static pair_t pair_rand(size_t n, uint64_t stream, double scale) {
+  rng_t r;
+  rng_init(&r, 42, stream);
+  pair_t p = {malloc(n * sizeof(bf16_t)), malloc(n * sizeof(float)), n};
+  for (size_t i = 0; i < n; i++) {
+    p.h[i] = bf16_from_f32((float)(rng_normal(&r) * scale));
+    p.f[i] = bf16_to_f32(p.h[i]);
+  }
+  return p;
+}
+static void pair_free(pair_t *p) {
+  free(p->h);
+  free(p->f);
+}
+static bf16_t *hcopy(const bf16_t *x, size_t n) {
+  bf16_t *y = malloc(n * sizeof *y);
+  memcpy(y, x, n * sizeof *y);
+  return y;
+}
+static bf16_t *hnan(size_t n) {
+  bf16_t *y = malloc(n * sizeof *y);
+  for (size_t i = 0; i < n; i++)
+    y[i] = 0x7fc0; /* a quiet NaN */
+  return y;
+}
+static float *fnan(size_t n) {
+  float *y = malloc(n * sizeof *y);
+  for (size_t i = 0; i < n; i++)
+    y[i] = NAN;
+  return y;
+}
+
+/* Distance in bf16 steps between two bf16 values (ordered by value, -0 = +0); NaN against a
+ * number counts as 1 << 20, NaN against NaN as 0. */
+static long bf16_ulps(bf16_t a, bf16_t b) {
+  int an = isnan(bf16_to_f32(a)), bn = isnan(bf16_to_f32(b));
+  if (an || bn) return an && bn ? 0 : 1L << 20;
+  long ia = (a & 0x8000) ? -(long)(a & 0x7fff) : (long)a;
+  long ib = (b & 0x8000) ? -(long)(b & 0x7fff) : (long)b;
+  return labs(ia - ib);
+}
+
+/* A bf16 output against the fp32 reference rounded once: prints the largest distance in ulps. */
+static void check_bf16(const char *what, const bf16_t *got, const float *ref, size_t n) {
+  long mx = 0;
+  for (size_t i = 0; i < n; i++) {
+    long u = bf16_ulps(got[i], bf16_from_f32(ref[i]));
+    mx = u > mx ? u : mx;
+  }
+  printf("  %-58s max %ld ulp vs round(fp32) (tol %d)\n", what, mx, BF16_ULP_TOL);
+  assert_true(mx <= BF16_ULP_TOL);
+}
+
+/* An fp32 output of a bf16 call against the fp32 reference: the same bits. */
+static void check_f32_same(const char *what, const float *got, const float *ref, size_t n) {
+  size_t bad = 0;
+  double md = 0.0;
+  for (size_t i = 0; i < n; i++)
+    if (memcmp(got + i, ref + i, sizeof(float)) != 0) {
+      bad++;
+      md = fmax(md, fabs((double)got[i] - ref[i]));
+    }
+  printf("  %-58s %zu of %zu differ, max abs diff %.3e (tol: same bits)\n", what, bad, n, md);
+  assert_true(bad == 0);
+}
+
+static void bf16_matmul_case(backend_t *be, int m, int n, int k) {
+  size_t mn = (size_t)m * n;
+  for (int ta = 0; ta < 2; ta++)
+    for (int tb = 0; tb < 2; tb++) {
+      pair_t a = pair_rand((size_t)m * k, 80, 1.0), b = pair_rand((size_t)k * n, 81, 1.0), c = pair_rand(mn, 82, 1.0);
+      float alpha = 0.75f, beta = ta == tb ? 1.0f : -0.5f;
+      char what[128], tag[64];
+      snprintf(tag, sizeof tag, "%dx%dx%d ta=%d tb=%d threads=%s", m, n, k, ta, tb, be == be1 ? "1" : "2");
+      /* (fp32, fp32) on the widened values: the reference, itself checked against doubles */
+      float *ref = fcopy(c.f, mn);
+      double *dref = to_double(c.f, mn);
+      be->matmul(be, ref, a.f, b.f, m, n, k, ta, tb, alpha, beta, DT_F32, DT_F32);
+      ref_matmul(dref, a.f, b.f, m, n, k, ta, tb, alpha, beta);
+      snprintf(what, sizeof what, "matmul (fp32,fp32) %s", tag);
+      check(what, max_rel(ref, dref, mn), FWD_TOL);
+      /* (bf16, bf16): c accumulates (beta != 0) into bf16 */
+      bf16_t *ch = hcopy(c.h, mn);
+      be->matmul(be, ch, a.h, b.h, m, n, k, ta, tb, alpha, beta, DT_BF16, DT_BF16);
+      snprintf(what, sizeof what, "matmul (bf16,bf16) %s", tag);
+      check_bf16(what, ch, ref, mn);
+      /* (bf16, fp32): dW += dy^T x into fp32 gradients, no rounding */
+      float *cf = fcopy(c.f, mn);
+      be->matmul(be, cf, a.h, b.h, m, n, k, ta, tb, alpha, beta, DT_BF16, DT_F32);
+      snprintf(what, sizeof what, "matmul (bf16,fp32) %s", tag);
+      check_f32_same(what, cf, ref, mn);
+      /* beta = 0 ignores c, NaN included, for both output dtypes */
+      float *ref0 = fnan(mn);
+      be->matmul(be, ref0, a.f, b.f, m, n, k, ta, tb, 1.0f, 0.0f, DT_F32, DT_F32);
+      bf16_t *ch0 = hnan(mn);
+      be->matmul(be, ch0, a.h, b.h, m, n, k, ta, tb, 1.0f, 0.0f, DT_BF16, DT_BF16);
+      snprintf(what, sizeof what, "matmul (bf16,bf16) beta=0 %s", tag);
+      check_bf16(what, ch0, ref0, mn);
+      float *cf0 = fnan(mn);
+      be->matmul(be, cf0, a.h, b.h, m, n, k, ta, tb, 1.0f, 0.0f, DT_BF16, DT_F32);
+      snprintf(what, sizeof what, "matmul (bf16,fp32) beta=0 %s", tag);
+      check_f32_same(what, cf0, ref0, mn);
+      pair_free(&a);
+      pair_free(&b);
+      pair_free(&c);
+      free(ref);
+      free(dref);
+      free(ch);
+      free(cf);
+      free(ref0);
+      free(ch0);
+      free(cf0);
+    }
+}
+
+static void test_bf16_matmul(void **state) {
+  bf16_matmul_case(be1, 37, 29, 23);
+  bf16_matmul_case(be2, 37, 29, 23);
+  bf16_matmul_case(be2, 150, 90, 50);  /* threaded split over rows */
+  bf16_matmul_case(be2, 40, 170, 160); /* split over columns */
+  /* k = 0: c = beta * c, rounded once */
+  pair_t c = pair_rand(15, 83, 1.0);
+  float dummy = 0.0f, *ref = fcopy(c.f, 15);
+  be1->matmul(be1, ref, &dummy, &dummy, 3, 5, 0, 0, 0, 1.0f, 0.3f, DT_F32, DT_F32);
+  be1->matmul(be1, c.h, &dummy, &dummy, 3, 5, 0, 0, 0, 1.0f, 0.3f, DT_BF16, DT_BF16);
+  check_bf16("matmul (bf16,bf16) k=0: c = round(0.3 c)", c.h, ref, 15);
+  pair_free(&c);
+  free(ref);
+}
+
+static void test_bf16_add(void **state) {
+  size_t n = 100003; /* threaded */
+  pair_t a = pair_rand(n, 84, 1.0), b = pair_rand(n, 85, 3.0);
+  float *ref = malloc(n * sizeof *ref);
+  bf16_t *o = hnan(n);
+  be2->add(be2, ref, a.f, b.f, n, DT_F32);
+  be2->add(be2, o, a.h, b.h, n, DT_BF16);
+  check_bf16("add", o, ref, n);
+  be2->add(be2, a.h, a.h, b.h, n, DT_BF16); /* out aliases a */
+  assert_memory_equal(a.h, o, n * sizeof *o);
+  printf("  add in place (out = a): same bits as out of place\n");
+  pair_free(&a);
+  pair_free(&b);
+  free(ref);
+  free(o);
+}
+
+/* fp32 -> bf16 cases worked out by hand (bf16 keeps 8 significant bits, so the ulp of [1, 2)
+ * is 2^-7 and 2^-8 is half of it). */
+static const struct {
+  uint32_t in;
+  uint16_t out;
+  const char *what;
+} round_cases[] = {
+    {0x3f800000u, 0x3f80, "1"},
+    {0x3f808000u, 0x3f80, "1 + 2^-8: tie, down to even 1"},
+    {0x3f818000u, 0x3f82, "1 + 3*2^-8: tie, up to even 1 + 2^-6"},
+    {0xbf818000u, 0xbf82, "-(1 + 3*2^-8): tie, to even -(1 + 2^-6)"},
+    {0x3f808001u, 0x3f81, "1 + 2^-8 + 2^-23: above the tie, up"},
+    {0x3f807fffu, 0x3f80, "1 + 2^-8 - 2^-23: below the tie, down"},
+    {0x3f810000u, 0x3f81, "1 + 2^-7: exact"},
+    {0x3fff8000u, 0x4000, "2 - 2^-8: tie, carries into the exponent (2)"},
+    {0x7f7f0000u, 0x7f7f, "largest bf16 (2 - 2^-7) 2^127: exact"},
+    {0x7f7f7fffu, 0x7f7f, "just below the tie above it: largest bf16"},
+    {0x7f7f8000u, 0x7f80, "(2 - 2^-8) 2^127: tie, to even = inf"},
+    {0x7f7fffffu, 0x7f80, "FLT_MAX: inf"},
+    {0xff7fffffu, 0xff80, "-FLT_MAX: -inf"},
+    {0x7f800000u, 0x7f80, "inf"},
+    {0xff800000u, 0xff80, "-inf"},
+    {0x00000000u, 0x0000, "0"},
+    {0x80000000u, 0x8000, "-0"},
+    {0x00000001u, 0x0000, "smallest fp32 subnormal: 0"},
+    {0x00008000u, 0x0000, "2^-134: tie, to even 0"},
+    {0x00018000u, 0x0002, "3*2^-134: tie, to even 2^-132"},
+    {0x00008001u, 0x0001, "just above 2^-134: the smallest bf16 subnormal"},
+};
+/* NaNs, including those that a plain round-half-up of the bits would turn into inf or -0 */
+static const uint32_t nan_cases[] = {0x7fc00000u, 0x7f800001u, 0xff800001u, 0x7fffffffu, 0xffffffffu};
+
+static void test_bf16_convert(void **state) {
+  size_t nr = sizeof round_cases / sizeof round_cases[0], nn = sizeof nan_cases / sizeof nan_cases[0];
+  float in[32];
+  bf16_t out[32];
+  for (size_t i = 0; i < nr; i++)
+    memcpy(in + i, &round_cases[i].in, sizeof(float));
+  for (size_t i = 0; i < nn; i++)
+    memcpy(in + nr + i, &nan_cases[i], sizeof(float));
+  be1->convert(be1, out, DT_BF16, in, DT_F32, nr + nn);
+  int bad = 0;
+  for (size_t i = 0; i < nr; i++)
+    if (out[i] != round_cases[i].out) {
+      printf("  convert %-50s got 0x%04x, want 0x%04x\n", round_cases[i].what, out[i], round_cases[i].out);
+      bad++;
+    }
+  for (size_t i = 0; i < nn; i++)
+    if (!isnan(bf16_to_f32(out[nr + i]))) {
+      printf("  convert NaN 0x%08x gave 0x%04x, not a NaN\n", nan_cases[i], out[nr + i]);
+      bad++;
+    }
+  printf("  convert fp32->bf16: %zu rounding cases (ties to even, overflow to inf, subnormals) and %zu NaNs, %d "
+         "wrong\n",
+         nr, nn, bad);
+  assert_int_equal(bad, 0);
+
+  /* widening every bf16 bit pattern is exact (NaN stays NaN), and narrowing it back returns it */
+  size_t n = 65536; /* threaded */
+  bf16_t *all = malloc(n * sizeof *all), *back = malloc(n * sizeof *back);
+  float *w = malloc(n * sizeof *w);
+  for (size_t i = 0; i < n; i++)
+    all[i] = (bf16_t)i;
+  be2->convert(be2, w, DT_F32, all, DT_BF16, n);
+  be2->convert(be2, back, DT_BF16, w, DT_F32, n);
+  size_t wrong_w = 0, wrong_b = 0;
+  for (size_t i = 0; i < n; i++) {
+    uint32_t u;
+    memcpy(&u, w + i, sizeof u);
+    int nan = (i & 0x7fff) > 0x7f80;
+    if (nan ? !isnan(w[i]) : u != (uint32_t)i << 16) wrong_w++;
+    if (nan ? !isnan(bf16_to_f32(back[i])) : back[i] != all[i]) wrong_b++;
+  }
+  printf("  convert bf16->fp32 of all 65536 patterns: %zu not exact; back to bf16: %zu changed\n", wrong_w, wrong_b);
+  assert_true(wrong_w == 0 && wrong_b == 0);
+
+  /* the threaded narrowing of random values is bf16.h's rounding, element for element */
+  size_t m = 100003;
+  float *x = frand(m, 86, 100.0), *x2 = malloc(m * sizeof *x2);
+  bf16_t *h = hnan(m), *h2 = malloc(m * sizeof *h2);
+  be2->convert(be2, h, DT_BF16, x, DT_F32, m);
+  check_bf16("convert fp32->bf16, 100003 random values", h, x, m);
+  /* same dtype: a copy */
+  be2->convert(be2, x2, DT_F32, x, DT_F32, m);
+  be2->convert(be2, h2, DT_BF16, h, DT_BF16, m);
+  assert_memory_equal(x2, x, m * sizeof *x);
+  assert_memory_equal(h2, h, m * sizeof *h);
+  printf("  convert fp32->fp32 and bf16->bf16: same bits\n");
+  free(all);
+  free(back);
+  free(w);
+  free(x);
+  free(x2);
+  free(h);
+  free(h2);
+}
+
+static void test_bf16_embedding(void **state) {
+  int rows = 50, c = 333, n = 120, vstart = 7; /* n * c > PAR_MIN: threaded */
+  pair_t table = pair_rand((size_t)rows * c, 87, 1.0), dout = pair_rand((size_t)n * c, 88, 1.0);
+  int32_t tok[120];
+  rng_t r;
+  rng_init(&r, 2, 9);
+  for (int i = 0; i < n; i++)
+    tok[i] = (int32_t)rng_below(&r, 70); /* some outside [7, 57): zero rows */
+  tok[5] = tok[6] = tok[90] = 20;        /* repeated token */
+  float *ref = fnan((size_t)n * c);
+  bf16_t *out = hnan((size_t)n * c);
+  be2->embedding_fwd(be2, ref, table.f, tok, n, c, vstart, rows, DT_F32);
+  be2->embedding_fwd(be2, out, table.h, tok, n, c, vstart, rows, DT_BF16);
+  check_bf16("embedding_fwd", out, ref, (size_t)n * c);
+  float *dt = frand((size_t)rows * c, 89, 1.0), *dref = fcopy(dt, (size_t)rows * c);
+  be2->embedding_bwd(be2, dref, dout.f, tok, n, c, vstart, rows, DT_F32);
+  be2->embedding_bwd(be2, dt, dout.h, tok, n, c, vstart, rows, DT_BF16);
+  check_f32_same("embedding_bwd dtable (fp32, accumulated)", dt, dref, (size_t)rows * c);
+  pair_free(&table);
+  pair_free(&dout);
+  free(ref);
+  free(out);
+  free(dt);
+  free(dref);
+}
+
+static void bf16_rmsnorm_case(backend_t *be, int n, int c) {
+  size_t nc = (size_t)n * c;
+  float *w0 = frand(c, 91, 0.3);
+  for (int j = 0; j < c; j++)
+    w0[j] += 1.0f;
+  pair_t x = pair_rand(nc, 90, 2.0), w = pair_from(w0, c), dout = pair_rand(nc, 92, 1.0), dx = pair_rand(nc, 93, 1.0);
+  float *ref = fnan(nc), *rstd_f = fnan(n), *rstd_h = fnan(n);
+  bf16_t *out = hnan(nc);
+  be->rmsnorm_fwd(be, ref, rstd_f, x.f, w.f, n, c, 1e-5f, DT_F32);
+  be->rmsnorm_fwd(be, out, rstd_h, x.h, w.h, n, c, 1e-5f, DT_BF16);
+  char what[128];
+  snprintf(what, sizeof what, "rmsnorm_fwd n=%d c=%d out", n, c);
+  check_bf16(what, out, ref, nc);
+  check_f32_same("rmsnorm_fwd rstd (fp32)", rstd_h, rstd_f, n);
+  float *dx_ref = fcopy(dx.f, nc), *dw = frand(c, 94, 1.0), *dw_ref = fcopy(dw, c);
+  be->rmsnorm_bwd(be, dx_ref, dw_ref, dout.f, x.f, w.f, rstd_f, n, c, DT_F32);
+  be->rmsnorm_bwd(be, dx.h, dw, dout.h, x.h, w.h, rstd_h, n, c, DT_BF16);
+  check_bf16("rmsnorm_bwd dx (accumulated: round(old + fp32 delta))", dx.h, dx_ref, nc);
+  check_f32_same("rmsnorm_bwd dw (fp32, accumulated)", dw, dw_ref, c);
+  free(w0);
+  pair_free(&x);
+  pair_free(&w);
+  pair_free(&dout);
+  pair_free(&dx);
+  free(ref);
+  free(rstd_f);
+  free(rstd_h);
+  free(out);
+  free(dx_ref);
+  free(dw);
+  free(dw_ref);
+}
+
+static void test_bf16_rmsnorm(void **state) {
+  bf16_rmsnorm_case(be1, 13, 37);
+  bf16_rmsnorm_case(be2, 64, 300); /* threaded */
+}
+
+static void test_bf16_rope(void **state) {
+  int b = 2, t = 67, h = 4, d = 32; /* threaded */
+  size_t n = (size_t)b * t * h * d;
+  pair_t x = pair_rand(n, 95, 1.0);
+  float *ref = fcopy(x.f, n);
+  be2->rope_fwd(be2, ref, b, t, h, d, 5, 10000.0f, DT_F32);
+  be2->rope_fwd(be2, x.h, b, t, h, d, 5, 10000.0f, DT_BF16);
+  check_bf16("rope_fwd (in place)", x.h, ref, n);
+  /* backward from the bf16 result: the reference starts from its widening */
+  for (size_t i = 0; i < n; i++)
+    ref[i] = bf16_to_f32(x.h[i]);
+  be2->rope_bwd(be2, ref, b, t, h, d, 5, 10000.0f, DT_F32);
+  be2->rope_bwd(be2, x.h, b, t, h, d, 5, 10000.0f, DT_BF16);
+  check_bf16("rope_bwd (in place)", x.h, ref, n);
+  pair_free(&x);
+  free(ref);
+}
+
+static void bf16_attention_case(backend_t *be, const att_shape_t *s) {
+  size_t nq = (size_t)s->b * s->t * s->h * s->d, nk = (size_t)s->b * s->t * s->kv * s->d,
+         nl = (size_t)s->b * s->h * s->t;
+  pair_t q = pair_rand(nq, 100, 1.0), k = pair_rand(nk, 101, 1.0), v = pair_rand(nk, 102, 1.0);
+  float *ref = fnan(nq), *lse_f = fnan(nl), *lse_h = fnan(nl);
+  bf16_t *out = hnan(nq);
+  be->attention_fwd(be, ref, lse_f, q.f, k.f, v.f, s->b, s->t, s->h, s->kv, s->d, DT_F32);
+  be->attention_fwd(be, out, lse_h, q.h, k.h, v.h, s->b, s->t, s->h, s->kv, s->d, DT_BF16);
+  char what[128];
+  snprintf(what, sizeof what, "attention_fwd b=%d t=%d h=%d kv=%d d=%d out", s->b, s->t, s->h, s->kv, s->d);
+  check_bf16(what, out, ref, nq);
+  check_f32_same("attention_fwd lse (fp32)", lse_h, lse_f, nl);
+  /* backward: the bf16 call reads the bf16 out, so the reference reads its widening */
+  pair_t dout = pair_rand(nq, 103, 1.0), dq = pair_rand(nq, 104, 1.0), dk = pair_rand(nk, 105, 1.0),
+         dv = pair_rand(nk, 106, 1.0);
+  float *out_w = malloc(nq * sizeof *out_w), *dq_ref = fcopy(dq.f, nq), *dk_ref = fcopy(dk.f, nk),
+        *dv_ref = fcopy(dv.f, nk);
+  for (size_t i = 0; i < nq; i++)
+    out_w[i] = bf16_to_f32(out[i]);
+  be->attention_bwd(be, dq_ref, dk_ref, dv_ref, dout.f, q.f, k.f, v.f, out_w, lse_f, s->b, s->t, s->h, s->kv, s->d,
+                    DT_F32);
+  be->attention_bwd(be, dq.h, dk.h, dv.h, dout.h, q.h, k.h, v.h, out, lse_h, s->b, s->t, s->h, s->kv, s->d, DT_BF16);
+  check_bf16("attention_bwd dq (accumulated)", dq.h, dq_ref, nq);
+  check_bf16("attention_bwd dk (accumulated)", dk.h, dk_ref, nk);
+  check_bf16("attention_bwd dv (accumulated)", dv.h, dv_ref, nk);
+  pair_free(&q);
+  pair_free(&k);
+  pair_free(&v);
+  pair_free(&dout);
+  pair_free(&dq);
+  pair_free(&dk);
+  pair_free(&dv);
+  free(ref);
+  free(lse_f);
+  free(lse_h);
+  free(out);
+  free(out_w);
+  free(dq_ref);
+  free(dk_ref);
+  free(dv_ref);
+}
+
+static void test_bf16_attention(void **state) {
+  att_shape_t gqa = {2, 67, 4, 2, 8};
+  bf16_attention_case(be2, &gqa);
+  att_shape_t mha = {1, 5, 3, 3, 4};
+  bf16_attention_case(be1, &mha);
+}
+
+static void test_bf16_swiglu(void **state) {
+  size_t n = 20011; /* threaded */
+  pair_t a = pair_rand(n, 110, 3.0), g = pair_rand(n, 111, 1.0), dout = pair_rand(n, 112, 1.0),
+         da = pair_rand(n, 113, 1.0), dg = pair_rand(n, 114, 1.0);
+  float *ref = fnan(n), *da_ref = fcopy(da.f, n), *dg_ref = fcopy(dg.f, n);
+  bf16_t *out = hnan(n);
+  be2->swiglu_fwd(be2, ref, a.f, g.f, n, DT_F32);
+  be2->swiglu_fwd(be2, out, a.h, g.h, n, DT_BF16);
+  check_bf16("swiglu_fwd", out, ref, n);
+  be2->swiglu_bwd(be2, da_ref, dg_ref, dout.f, a.f, g.f, n, DT_F32);
+  be2->swiglu_bwd(be2, da.h, dg.h, dout.h, a.h, g.h, n, DT_BF16);
+  check_bf16("swiglu_bwd da (accumulated)", da.h, da_ref, n);
+  check_bf16("swiglu_bwd dg (accumulated)", dg.h, dg_ref, n);
+  pair_free(&a);
+  pair_free(&g);
+  pair_free(&dout);
+  pair_free(&da);
+  pair_free(&dg);
+  free(ref);
+  free(da_ref);
+  free(dg_ref);
+  free(out);
+}
+
+static void bf16_ce_case(int n, int v, int ld) {
+  size_t nl = (size_t)n * ld;
+  float *x = frand(nl, 120, 3.0);
+  for (int i = 0; i < n; i++)
+    for (int j = v; j < ld; j++)
+      x[(size_t)i * ld + j] = 1e30f; /* padding: ignored */
+  x[3] = 150.0f;                     /* extreme logits, as in test_cross_entropy */
+  x[(size_t)2 * ld + 5] = -400.0f;
+  pair_t lg = pair_from(x, nl);
+  int32_t *tg = malloc((size_t)n * sizeof *tg);
+  for (int i = 0; i < n; i++)
+    tg[i] = i % 5 == 1 ? -1 : (int32_t)((i * 7) % v); /* some ignored rows */
+  float *l_f = fnan(n), *l_h = fnan(n), *l_in = fnan(n), *d_f = fnan(nl), gs = 0.2f;
+  bf16_t *d_h = hnan(nl);
+  be2->cross_entropy(be2, l_f, d_f, lg.f, tg, n, v, ld, gs, DT_F32);
+  be2->cross_entropy(be2, l_h, d_h, lg.h, tg, n, v, ld, gs, DT_BF16);
+  char what[128];
+  snprintf(what, sizeof what, "cross_entropy n=%d v=%d ld=%d losses (fp32)", n, v, ld);
+  check_f32_same(what, l_h, l_f, n);
+  check_bf16("cross_entropy dlogits", d_h, d_f, nl);
+  be2->cross_entropy(be2, l_in, NULL, lg.h, tg, n, v, ld, gs, DT_BF16);
+  check_f32_same("cross_entropy without dlogits: losses (fp32)", l_in, l_f, n);
+  be2->cross_entropy(be2, l_in, lg.h, lg.h, tg, n, v, ld, gs, DT_BF16); /* in place */
+  assert_memory_equal(l_in, l_h, (size_t)n * sizeof *l_in);
+  assert_memory_equal(lg.h, d_h, nl * sizeof *d_h);
+  printf("  cross_entropy bf16 in place: same bits as out of place\n");
+  free(x);
+  pair_free(&lg);
+  free(tg);
+  free(l_f);
+  free(l_h);
+  free(l_in);
+  free(d_f);
+  free(d_h);
+}
+
+static void test_bf16_cross_entropy(void **state) {
+  bf16_ce_case(7, 13, 16);
+  bf16_ce_case(64, 500, 512); /* threaded */
+}
+
+static void test_bf16_copy_2d(void **state) {
+  int rows = 5, cols = 7, lds = 11, ldd = 9;
+  pair_t src = pair_rand((size_t)rows * lds, 130, 1.0), dst = pair_rand((size_t)rows * ldd, 131, 1.0);
+  bf16_t *want = hcopy(dst.h, (size_t)rows * ldd);
+  for (int i = 0; i < rows; i++)
+    for (int j = 0; j < cols; j++)
+      want[i * ldd + j] = src.h[i * lds + j]; /* columns past cols stay as they were */
+  be2->copy_2d(be2, dst.h, ldd, src.h, lds, rows, cols, DT_BF16);
+  assert_memory_equal(dst.h, want, (size_t)rows * ldd * sizeof *want);
+  /* and fp32, which had no test of its own */
+  float *wantf = fcopy(dst.f, (size_t)rows * ldd);
+  for (int i = 0; i < rows; i++)
+    for (int j = 0; j < cols; j++)
+      wantf[i * ldd + j] = src.f[i * lds + j];
+  be2->copy_2d(be2, dst.f, ldd, src.f, lds, rows, cols, DT_F32);
+  assert_memory_equal(dst.f, wantf, (size_t)rows * ldd * sizeof *wantf);
+  printf("  copy_2d bf16 and fp32 (5x7 block, lds 11, ldd 9): exact, other columns untouched\n");
+  pair_free(&src);
+  pair_free(&dst);
+  free(want);
+  free(wantf);
+}
+
+/* The three loss-parallel steps on one shard, bf16 against fp32 on the widened logits. */
+static void test_bf16_ce_shard(void **state) {
+  int n = 40, v = 500, ld = 512, vstart = 1000; /* threaded; ld > v pads */
+  size_t nl = (size_t)n * ld;
+  float *x = frand(nl, 140, 3.0);
+  for (int i = 0; i < n; i++) {
+    for (int j = v; j < ld; j++)
+      x[(size_t)i * ld + j] = 1e30f;                   /* padding: ignored */
+    if (i % 3 == 0) x[(size_t)i * ld + v - 1] = 20.0f; /* the row max in the last real column */
+  }
+  pair_t lg = pair_from(x, nl);
+  int32_t tg[40];
+  for (int i = 0; i < n; i++)
+    tg[i] = i % 4 == 1 ? -1 : vstart - 50 + (i * 37) % 600; /* ignored, in the shard, outside it */
+  float *mx_f = fnan(n), *mx_h = fnan(n), *st_f = fnan(2 * (size_t)n), *st_h = fnan(2 * (size_t)n);
+  be2->ce_shard_max(be2, mx_f, lg.f, n, v, ld, DT_F32);
+  be2->ce_shard_max(be2, mx_h, lg.h, n, v, ld, DT_BF16);
+  check_f32_same("ce_shard_max rowmax (fp32)", mx_h, mx_f, n);
+  int wrong = 0; /* a max is exact: check it directly too, over the v real columns only */
+  for (int i = 0; i < n; i++) {
+    float m = -INFINITY;
+    for (int j = 0; j < v; j++)
+      m = fmaxf(m, lg.f[(size_t)i * ld + j]);
+    wrong += m != mx_h[i];
+  }
+  printf("  ce_shard_max rowmax against a direct max over the v columns: %d wrong\n", wrong);
+  assert_int_equal(wrong, 0);
+  be2->ce_shard_stats(be2, st_f, lg.f, mx_f, tg, n, v, ld, vstart, DT_F32);
+  be2->ce_shard_stats(be2, st_h, lg.h, mx_h, tg, n, v, ld, vstart, DT_BF16);
+  check_f32_same("ce_shard_stats stats (fp32)", st_h, st_f, 2 * (size_t)n);
+  float *l_f = fnan(n), *l_h = fnan(n), *l_in = fnan(n), *d_f = fnan(nl), gs = 0.25f;
+  bf16_t *d_h = hnan(nl);
+  be2->ce_shard_loss(be2, l_f, d_f, lg.f, mx_f, st_f, tg, n, v, ld, vstart, gs, DT_F32);
+  be2->ce_shard_loss(be2, l_h, d_h, lg.h, mx_h, st_h, tg, n, v, ld, vstart, gs, DT_BF16);
+  check_f32_same("ce_shard_loss losses (fp32)", l_h, l_f, n);
+  check_bf16("ce_shard_loss dlogits", d_h, d_f, nl);
+  be2->ce_shard_loss(be2, l_in, NULL, lg.h, mx_h, st_h, tg, n, v, ld, vstart, gs, DT_BF16);
+  check_f32_same("ce_shard_loss without dlogits: losses (fp32)", l_in, l_f, n);
+  be2->ce_shard_loss(be2, l_in, lg.h, lg.h, mx_h, st_h, tg, n, v, ld, vstart, gs, DT_BF16); /* in place */
+  assert_memory_equal(lg.h, d_h, nl * sizeof *d_h);
+  printf("  ce_shard_loss bf16 in place: same bits as out of place\n");
+  free(x);
+  pair_free(&lg);
+  free(mx_f);
+  free(mx_h);
+  free(st_f);
+  free(st_h);
+  free(l_f);
+  free(l_h);
+  free(l_in);
+  free(d_f);
+  free(d_h);
+}
+
+/* param_lp receives round(param) in the same pass and changes nothing else. */
+static void test_bf16_adamw(void **state) {
+  size_t n = 30001; /* threaded */
+  float *p = frand(n, 150, 1.0), *m = calloc(n, sizeof *m), *v = calloc(n, sizeof *v);
+  float *p2 = fcopy(p, n), *m2 = calloc(n, sizeof *m2), *v2 = calloc(n, sizeof *v2);
+  bf16_t *lp = hnan(n);
+  for (int step = 1; step <= 3; step++) {
+    float *g = frand(n, 160 + step, 1.0);
+    be2->adamw(be2, p, g, m, v, NULL, n, 1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f, step, 0.5f);
+    be2->adamw(be2, p2, g, m2, v2, lp, n, 1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f, step, 0.5f);
+    free(g);
+  }
+  check_f32_same("adamw with param_lp: params (fp32) as without", p2, p, n);
+  check_f32_same("adamw with param_lp: first moment as without", m2, m, n);
+  check_f32_same("adamw with param_lp: second moment as without", v2, v, n);
+  check_bf16("adamw param_lp = round(param)", lp, p, n);
+  free(p);
+  free(m);
+  free(v);
+  free(p2);
+  free(m2);
+  free(v2);
+  free(lp);
+}
+
 /* ------------------------------------------------------------------ determinism, creation */
 
 /* Runs the reducing kernels twice on the same inputs; the outputs must be the same bits. */
@@ -538,17 +1113,17 @@ static void run_reducers(backend_t *be, float *outs) {
   float *q = frand(nq, 70, 1.0), *k = frand(nk, 71, 1.0), *v = frand(nk, 72, 1.0), *R = frand(nq, 73, 1.0);
   float *o = outs, *lse = o + nq, *dq = lse + (size_t)b * h * t, *dk = dq + nq, *dv = dk + nk, *dw = dv + nk,
         *dx = dw + c, *dt = dx + (size_t)n * c, *mm = dt + (size_t)10 * c;
-  be->attention_fwd(be, o, lse, q, k, v, b, t, h, kv, d);
-  be->attention_bwd(be, dq, dk, dv, R, q, k, v, o, lse, b, t, h, kv, d);
+  be->attention_fwd(be, o, lse, q, k, v, b, t, h, kv, d, DT_F32);
+  be->attention_bwd(be, dq, dk, dv, R, q, k, v, o, lse, b, t, h, kv, d, DT_F32);
   float *x = frand((size_t)n * c, 74, 1.0), *w = frand(c, 75, 1.0), *dy = frand((size_t)n * c, 76, 1.0), rstd[134];
   float *y = malloc((size_t)n * c * sizeof *y);
-  be->rmsnorm_fwd(be, y, rstd, x, w, n, c, 1e-5f);
-  be->rmsnorm_bwd(be, dx, dw, dy, x, w, rstd, n, c);
+  be->rmsnorm_fwd(be, y, rstd, x, w, n, c, 1e-5f, DT_F32);
+  be->rmsnorm_bwd(be, dx, dw, dy, x, w, rstd, n, c, DT_F32);
   int32_t tok[134];
   for (int i = 0; i < n; i++)
     tok[i] = i % 10;
-  be->embedding_bwd(be, dt, dy, tok, n, c, 0, 10);
-  be->matmul(be, mm, dy, x, c, c, n, 1, 0, 1.0f, 0.0f);
+  be->embedding_bwd(be, dt, dy, tok, n, c, 0, 10, DT_F32);
+  be->matmul(be, mm, dy, x, c, c, n, 1, 0, 1.0f, 0.0f, DT_F32, DT_F32);
   free(q);
   free(k);
   free(v);
@@ -608,12 +1183,18 @@ static int teardown(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_matmul),    cmocka_unit_test(test_add_scale_sumsq),
-      cmocka_unit_test(test_embedding), cmocka_unit_test(test_rmsnorm),
-      cmocka_unit_test(test_rope),      cmocka_unit_test(test_attention),
-      cmocka_unit_test(test_swiglu),    cmocka_unit_test(test_cross_entropy),
-      cmocka_unit_test(test_adamw),     cmocka_unit_test(test_determinism),
-      cmocka_unit_test(test_create),
+      cmocka_unit_test(test_matmul),         cmocka_unit_test(test_add_scale_sumsq),
+      cmocka_unit_test(test_embedding),      cmocka_unit_test(test_rmsnorm),
+      cmocka_unit_test(test_rope),           cmocka_unit_test(test_attention),
+      cmocka_unit_test(test_swiglu),         cmocka_unit_test(test_cross_entropy),
+      cmocka_unit_test(test_adamw),          cmocka_unit_test(test_determinism),
+      cmocka_unit_test(test_create),         cmocka_unit_test(test_bf16_matmul),
+      cmocka_unit_test(test_bf16_add),       cmocka_unit_test(test_bf16_convert),
+      cmocka_unit_test(test_bf16_embedding), cmocka_unit_test(test_bf16_rmsnorm),
+      cmocka_unit_test(test_bf16_rope),      cmocka_unit_test(test_bf16_attention),
+      cmocka_unit_test(test_bf16_swiglu),    cmocka_unit_test(test_bf16_cross_entropy),
+      cmocka_unit_test(test_bf16_copy_2d),   cmocka_unit_test(test_bf16_ce_shard),
+      cmocka_unit_test(test_bf16_adamw),
   };
   return cmocka_run_group_tests_name("backend_cpu", tests, setup, teardown);
 }

@@ -6,7 +6,10 @@
  * whole group killed, and every rank has an alarm so that nothing can hang the suite. Ranks
  * check their own results against an expectation computed locally and print the first
  * difference. Data are small integers unless said otherwise, so every sum is exact and the
- * tolerance is zero (bit equality); the random-float test states its own tolerance. */
+ * tolerance is zero (bit equality); the random-float tests state their own tolerance. The bf16
+ * tests (the second half) repeat each collective on 2-byte elements: exact answers on small
+ * integers, byte-exact moves of arbitrary bit patterns, round-to-nearest-even ties, and random
+ * inputs against both the documented ring order (bit for bit) and an fp32 reference. */
 #include <math.h>
 #include <setjmp.h>
 #include <signal.h>
@@ -25,7 +28,9 @@
 #include "common/store.h"
 #include "test/support/fixture.h"
 #include "trainer/backend.h"
+#include "trainer/bf16.h"
 #include "trainer/comm.h"
+#include "trainer/comm_impl.h" /* a fake float32-only backend table (test_bf16_refused_by_fp32_backend) */
 #include "trainer/mesh.h"
 
 #define CHILD_ALARM_S 60
@@ -296,6 +301,28 @@ static float rnd(int rank, size_t i) {
   return (float)((double)(x >> 11) / 9007199254740992.0 * 2.0 - 1.0);
 }
 
+/* Every rank publishes its hash under tag/<rank>; each compares against all. */
+static int same_on_all_ranks(store_t *st, int rank, int n, const char *tag, uint64_t h) {
+  char key[64], mine[32];
+  snprintf(key, sizeof key, "%s/%d", tag, rank);
+  snprintf(mine, sizeof mine, "%016llx", (unsigned long long)h);
+  if (store_set(st, key, mine, strlen(mine))) return 1;
+  int bad = 0;
+  for (int r = 0; r < n && !bad; r++) {
+    void *v = NULL;
+    size_t len = 0;
+    snprintf(key, sizeof key, "%s/%d", tag, r);
+    if (store_get(st, key, &v, &len, 10000) != 0) return 1;
+    if (len != strlen(mine) || memcmp(v, mine, len) != 0) {
+      fprintf(stderr, "rank %d: %s: result bits differ from rank %d's (%s vs %.*s)\n", rank, tag, r, mine,
+              (int)len, (char *)v);
+      bad = 1;
+    }
+    free(v);
+  }
+  return bad;
+}
+
 static int rank_determinism(int rank, int n, store_t *st, void *arg) {
   comm_t *c;
   if (comm_open(&c, "det", rank, n, st, 10000)) return 1;
@@ -330,23 +357,7 @@ static int rank_determinism(int rank, int n, store_t *st, void *arg) {
     fprintf(stderr, "rank %d: relative difference %.3g exceeds tolerance 1e-6\n", rank, maxdiff);
     bad = 1;
   }
-  /* Every rank publishes its hash; each compares against all. */
-  char key[32], val_s[32];
-  snprintf(key, sizeof key, "hash/%d", rank);
-  snprintf(val_s, sizeof val_s, "%016llx", (unsigned long long)h[0]);
-  store_set(st, key, val_s, strlen(val_s));
-  for (int r = 0; r < n && !bad; r++) {
-    void *v = NULL;
-    size_t len = 0;
-    snprintf(key, sizeof key, "hash/%d", r);
-    if (store_get(st, key, &v, &len, 10000) != 0) return 1;
-    if (len != strlen(val_s) || memcmp(v, val_s, len) != 0) {
-      fprintf(stderr, "rank %d: result bits differ from rank %d's (%s vs %.*s)\n", rank, r, val_s,
-              (int)len, (char *)v);
-      bad = 1;
-    }
-    free(v);
-  }
+  if (!bad) bad = same_on_all_ranks(st, rank, n, "hash", h[0]);
   if (rank == 0) printf("  determinism: n=%d count=%zu max relative difference %.3g (tolerance 1e-6)\n", n, count, maxdiff);
   free(buf);
   comm_destroy(c);
@@ -674,6 +685,363 @@ static int rank_mesh(int rank, int n, store_t *st, void *arg) {
 
 static void test_mesh_2x2x2(void **state) { assert_int_equal(run_ranks(8, rank_mesh, NULL), 0); }
 
+/* ---- bfloat16: exact answers on small integers, byte moves, rounding, random inputs ----
+ *
+ * The exact tests use the integers of val(): every partial sum (|s| <= 44) is a bf16 value, so
+ * SUM and MAX are exact and AVG is the sum divided by n in fp32 and rounded once (exact for n = 2
+ * and 4). Counts are odd or smaller than the group (all_reduce then has empty chunks), and a
+ * guard element after every buffer catches a size computed with sizeof(float). */
+
+static const size_t k_bf_counts[] = {0, 1, 2, 3, 7, 1001, (1u << 18) + 3};
+#define NBFCOUNTS (sizeof k_bf_counts / sizeof k_bf_counts[0])
+static const bf16_t BF_GUARD = 0x5a5a;
+
+static bf16_t bval(int rank, size_t i) { return bf16_from_f32(val(rank, i)); }
+
+/* Arbitrary bit patterns (NaNs with payloads, subnormals, infinities among them): all_gather and
+ * broadcast must move them untouched, which a conversion through fp32 would not. */
+static bf16_t bpat(int rank, size_t i) { return (bf16_t)(i * 40503u + (size_t)rank * 7919u + 1u); }
+
+static bf16_t bf_expect(int n, size_t i, comm_op_t op) {
+  float sum = 0, mx = val(0, i);
+  for (int r = 0; r < n; r++) {
+    sum += val(r, i);
+    mx = fmaxf(mx, val(r, i));
+  }
+  if (op == COMM_MAX) return bf16_from_f32(mx);
+  return bf16_from_f32(op == COMM_AVG ? sum / (float)n : sum);
+}
+
+static int check_bf16(int rank, const char *what, const bf16_t *got, const bf16_t *want, size_t count) {
+  for (size_t i = 0; i < count; i++)
+    if (got[i] != want[i]) {
+      fprintf(stderr, "rank %d: %s: element %zu of %zu is %.9g (0x%04x), want %.9g (0x%04x) (tolerance: exact)\n",
+              rank, what, i, count, bf16_to_f32(got[i]), got[i], bf16_to_f32(want[i]), want[i]);
+      return 1;
+    }
+  return 0;
+}
+
+static int rank_bf16_all_reduce(int rank, int n, store_t *st, void *arg) {
+  comm_t *c;
+  if (comm_open(&c, "bar16", rank, n, st, 10000)) return 1;
+  int bad = 0;
+  for (size_t k = 0; k < NBFCOUNTS && !bad; k++) {
+    size_t count = k_bf_counts[k];
+    bf16_t *buf = malloc((count + 1) * sizeof *buf), *want = malloc((count + 1) * sizeof *want);
+    for (size_t o = 0; o < 3 && !bad; o++) {
+      for (size_t i = 0; i < count; i++) {
+        buf[i] = bval(rank, i);
+        want[i] = bf_expect(n, i, k_ops[o]);
+      }
+      buf[count] = want[count] = BF_GUARD;
+      if (comm_all_reduce(c, buf, count, COMM_BFLOAT16, k_ops[o])) {
+        fprintf(stderr, "rank %d: %s\n", rank, comm_errmsg(c));
+        bad = 1;
+        break;
+      }
+      char what[80];
+      snprintf(what, sizeof what, "bf16 all_reduce(%s, n=%d, count=%zu)", comm_op_name(k_ops[o]), n, count);
+      bad = check_bf16(rank, what, buf, want, count + 1); /* the guard too */
+    }
+    free(buf);
+    free(want);
+  }
+  comm_destroy(c);
+  return bad;
+}
+
+static void test_bf16_all_reduce(void **state) {
+  for (int n = 1; n <= 4; n++) assert_int_equal(run_ranks(n, rank_bf16_all_reduce, NULL), 0);
+}
+
+static int rank_bf16_reduce_scatter(int rank, int n, store_t *st, void *arg) {
+  comm_t *c;
+  if (comm_open(&c, "brs16", rank, n, st, 10000)) return 1;
+  int bad = 0;
+  for (size_t k = 0; k < NBFCOUNTS && !bad; k++) {
+    size_t count = k_bf_counts[k], total = count * (size_t)n;
+    bf16_t *in = malloc((total + 1) * sizeof *in), *out = malloc((count + 1) * sizeof *out);
+    bf16_t *want = malloc((count + 1) * sizeof *want);
+    for (size_t i = 0; i < total; i++) in[i] = bval(rank, i);
+    for (size_t o = 0; o < 3 && !bad; o++) {
+      for (size_t i = 0; i < count; i++) {
+        out[i] = 0xffff;
+        want[i] = bf_expect(n, (size_t)rank * count + i, k_ops[o]);
+      }
+      out[count] = want[count] = BF_GUARD;
+      if (comm_reduce_scatter(c, in, out, count, COMM_BFLOAT16, k_ops[o])) {
+        fprintf(stderr, "rank %d: %s\n", rank, comm_errmsg(c));
+        bad = 1;
+        break;
+      }
+      char what[80];
+      snprintf(what, sizeof what, "bf16 reduce_scatter(%s, n=%d, count=%zu)", comm_op_name(k_ops[o]), n, count);
+      bad = check_bf16(rank, what, out, want, count + 1);
+      for (size_t i = 0; i < total && !bad; i++)
+        if (in[i] != bval(rank, i)) {
+          fprintf(stderr, "rank %d: %s modified its input at %zu\n", rank, what, i);
+          bad = 1;
+        }
+    }
+    free(in);
+    free(out);
+    free(want);
+  }
+  comm_destroy(c);
+  return bad;
+}
+
+static void test_bf16_reduce_scatter(void **state) {
+  for (int n = 1; n <= 4; n++) assert_int_equal(run_ranks(n, rank_bf16_reduce_scatter, NULL), 0);
+}
+
+static int rank_bf16_all_gather(int rank, int n, store_t *st, void *arg) {
+  comm_t *c;
+  if (comm_open(&c, "bag16", rank, n, st, 10000)) return 1;
+  int bad = 0;
+  for (size_t k = 0; k < NBFCOUNTS && !bad; k++) {
+    size_t count = k_bf_counts[k], total = count * (size_t)n;
+    bf16_t *in = malloc((count + 1) * sizeof *in), *out = malloc((total + 1) * sizeof *out);
+    bf16_t *want = malloc((total + 1) * sizeof *want);
+    for (size_t i = 0; i < total; i++) want[i] = bpat((int)(i / count), i % count);
+    want[total] = BF_GUARD;
+    for (int inplace = 0; inplace <= 1 && !bad; inplace++) {
+      for (size_t i = 0; i < total; i++) out[i] = 0;
+      out[total] = BF_GUARD;
+      bf16_t *src = inplace ? out + (size_t)rank * count : in;
+      for (size_t i = 0; i < count; i++) src[i] = bpat(rank, i);
+      if (comm_all_gather(c, src, out, count, COMM_BFLOAT16)) {
+        fprintf(stderr, "rank %d: %s\n", rank, comm_errmsg(c));
+        bad = 1;
+        break;
+      }
+      char what[80];
+      snprintf(what, sizeof what, "bf16 all_gather(n=%d, count=%zu, %s)", n, count,
+               inplace ? "in place" : "out of place");
+      bad = check_bf16(rank, what, out, want, total + 1);
+    }
+    free(in);
+    free(out);
+    free(want);
+  }
+  comm_destroy(c);
+  return bad;
+}
+
+static void test_bf16_all_gather(void **state) {
+  for (int n = 1; n <= 4; n++) assert_int_equal(run_ranks(n, rank_bf16_all_gather, NULL), 0);
+}
+
+static int rank_bf16_broadcast(int rank, int n, store_t *st, void *arg) {
+  comm_t *c;
+  if (comm_open(&c, "bbc16", rank, n, st, 10000)) return 1;
+  int bad = 0;
+  for (size_t k = 0; k < NBFCOUNTS && !bad; k++) {
+    size_t count = k_bf_counts[k];
+    bf16_t *buf = malloc((count + 1) * sizeof *buf), *want = malloc((count + 1) * sizeof *want);
+    for (int root = 0; root < n && !bad; root++) {
+      for (size_t i = 0; i < count; i++) {
+        buf[i] = bpat(rank, i);
+        want[i] = bpat(root, i);
+      }
+      buf[count] = want[count] = BF_GUARD;
+      if (comm_broadcast(c, buf, count, COMM_BFLOAT16, root)) {
+        fprintf(stderr, "rank %d: %s\n", rank, comm_errmsg(c));
+        bad = 1;
+        break;
+      }
+      char what[80];
+      snprintf(what, sizeof what, "bf16 broadcast(root=%d, n=%d, count=%zu)", root, n, count);
+      bad = check_bf16(rank, what, buf, want, count + 1);
+    }
+    free(buf);
+    free(want);
+  }
+  comm_destroy(c);
+  return bad;
+}
+
+static void test_bf16_broadcast(void **state) {
+  for (int n = 1; n <= 4; n++) assert_int_equal(run_ranks(n, rank_bf16_broadcast, NULL), 0);
+}
+
+/* Rounding of one combining step, two ranks (tolerance: exact bits). Spacing of bf16 is 2^-7
+ * at 1 and 2 at 256, so 1 + 2^-8 and 257 are ties that go to the even neighbour (1 and 256),
+ * 1 + 3 * 2^-8 is a tie that goes up (to 1 + 2^-6), 1 - 2^-9 a tie that goes up to 1; the
+ * largest finite bf16 doubled overflows to infinity; inf - inf and NaN + 1 are NaN; -0 + -0 is
+ * -0. Truncation or rounding half up would fail the ties. */
+static int rank_bf16_rounding(int rank, int n, store_t *st, void *arg) {
+  static const float a[] = {1, 1, 256, 1, 0x1.fep127f, INFINITY, NAN, -0.0f, 3};
+  static const float b[] = {0x1p-8f, 0x3p-8f, 1, -0x1p-9f, 0x1.fep127f, -INFINITY, 1, -0.0f, 0.5f};
+  static const float sum[] = {1, 1 + 0x1p-6f, 256, 1, INFINITY, NAN, NAN, -0.0f, 3.5f};
+  enum { K = sizeof a / sizeof a[0] };
+  comm_t *c;
+  if (comm_open(&c, "bround", rank, n, st, 10000)) return 1;
+  bf16_t buf[K];
+  for (int i = 0; i < K; i++) buf[i] = bf16_from_f32(rank == 0 ? a[i] : b[i]);
+  int bad = 0;
+  if (comm_all_reduce(c, buf, K, COMM_BFLOAT16, COMM_SUM)) {
+    fprintf(stderr, "rank %d: %s\n", rank, comm_errmsg(c));
+    bad = 1;
+  }
+  for (int i = 0; i < K && !bad; i++) {
+    float got = bf16_to_f32(buf[i]);
+    int ok = isnan(sum[i]) ? isnan(got) : buf[i] == bf16_from_f32(sum[i]);
+    if (!ok) {
+      fprintf(stderr, "rank %d: bf16 %.9g + %.9g gave %.9g (0x%04x), want %.9g (round to nearest even, exact)\n",
+              rank, a[i], b[i], got, buf[i], sum[i]);
+      bad = 1;
+    }
+  }
+  comm_destroy(c);
+  return bad;
+}
+
+static void test_bf16_rounding(void **state) { assert_int_equal(run_ranks(2, rank_bf16_rounding, NULL), 0); }
+
+/* Random bf16 inputs in [-1, 1), checked three ways:
+ *  1. bit for bit against the documented order: chunk k of the ring is reduced from rank k + 1
+ *     around to rank k, each step widening, combining in fp32 and rounding once; AVG then
+ *     divides by n in fp32 and rounds (tolerance: exact);
+ *  2. against an fp32 reference (the inputs widened and summed in fp32): SUM within
+ *     (n - 1) * 2^-8 * sum|x| (one bf16 rounding per step, each at most 2^-8, the unit roundoff
+ *     of an 8-bit significand, of a partial sum no larger than sum|x|), AVG within
+ *     n * 2^-8 * sum|x| / n (one more rounding), MAX exact; 1% slack covers the fp32
+ *     reference's own rounding. Truncating instead of rounding would err by up to 2^-7;
+ *  3. identical bits on every rank and in a second run, and reduce_scatter's slice equal to the
+ *     all_reduce of the same n * count inputs (its chunks are then the same). */
+static bf16_t brnd(int rank, size_t i) { return bf16_from_f32(rnd(rank, i)); }
+
+static int mod_n(int a, int n) { return ((a % n) + n) % n; }
+
+static bf16_t ring_model(int n, int k, size_t i, comm_op_t op) {
+  bf16_t acc = brnd(mod_n(k + 1, n), i);
+  for (int s = 2; s <= n; s++) {
+    bf16_t own = brnd(mod_n(k + s, n), i);
+    float a = bf16_to_f32(acc), b = bf16_to_f32(own);
+    acc = op == COMM_MAX ? (a > b ? acc : own) : bf16_from_f32(a + b);
+  }
+  return op == COMM_AVG ? bf16_from_f32(bf16_to_f32(acc) / (float)n) : acc;
+}
+
+/* The balanced chunk of element i (all_reduce: sizes differ by at most one, larger ones first). */
+static int chunk_of(size_t i, size_t count, int n) {
+  size_t q = count / (size_t)n, r = count % (size_t)n;
+  return i < r * (q + 1) ? (int)(i / (q + 1)) : (int)(r + (i - r * (q + 1)) / q);
+}
+
+static int rank_bf16_random(int rank, int n, store_t *st, void *arg) {
+  comm_t *c;
+  if (comm_open(&c, "brnd", rank, n, st, 10000)) return 1;
+  const size_t count = 100003, rs_count = 33335; /* odd, and not multiples of 3 or 4 */
+  size_t rs_total = rs_count * (size_t)n;
+  bf16_t *buf = malloc(count * sizeof *buf), *again = malloc(count * sizeof *again);
+  bf16_t *rs_in = malloc(rs_total * sizeof *rs_in), *rs_out = malloc(rs_count * sizeof *rs_out);
+  bf16_t *rs_ar = malloc(rs_total * sizeof *rs_ar);
+  int bad = 0;
+  for (size_t o = 0; o < 3 && !bad; o++) {
+    comm_op_t op = k_ops[o];
+    for (int run = 0; run < 2 && !bad; run++) {
+      bf16_t *dst = run ? again : buf;
+      for (size_t i = 0; i < count; i++) dst[i] = brnd(rank, i);
+      if (comm_all_reduce(c, dst, count, COMM_BFLOAT16, op)) {
+        fprintf(stderr, "rank %d: %s\n", rank, comm_errmsg(c));
+        bad = 1;
+      }
+    }
+    if (bad) break;
+    if (memcmp(buf, again, count * sizeof *buf) != 0) {
+      fprintf(stderr, "rank %d: bf16 all_reduce(%s): two identical calls gave different bits\n", rank,
+              comm_op_name(op));
+      bad = 1;
+    }
+    double maxrel = 0, tol = op == COMM_SUM ? (n - 1) * 0x1p-8 * 1.01 : op == COMM_AVG ? n * 0x1p-8 * 1.01 : 0;
+    for (size_t i = 0; i < count && !bad; i++) {
+      bf16_t model = ring_model(n, chunk_of(i, count, n), i, op);
+      if (buf[i] != model) {
+        fprintf(stderr, "rank %d: bf16 all_reduce(%s, n=%d): element %zu is 0x%04x, the ring order gives "
+                "0x%04x (tolerance: exact)\n", rank, comm_op_name(op), n, i, buf[i], model);
+        bad = 1;
+      }
+      float ref = op == COMM_MAX ? -INFINITY : 0, mag = 0;
+      for (int r = 0; r < n; r++) {
+        float x = bf16_to_f32(brnd(r, i));
+        ref = op == COMM_MAX ? fmaxf(ref, x) : ref + x;
+        mag += fabsf(x);
+      }
+      if (op == COMM_AVG) ref /= (float)n, mag /= (float)n;
+      double rel = fabs((double)bf16_to_f32(buf[i]) - ref) / (mag > 0 ? mag : 1);
+      if (rel > maxrel) maxrel = rel;
+    }
+    if (!bad && maxrel > tol) {
+      fprintf(stderr, "rank %d: bf16 all_reduce(%s, n=%d): relative error %.3g exceeds tolerance %.3g\n", rank,
+              comm_op_name(op), n, maxrel, tol);
+      bad = 1;
+    }
+    char tag[32];
+    snprintf(tag, sizeof tag, "bf16-%s", comm_op_name(op));
+    if (!bad) bad = same_on_all_ranks(st, rank, n, tag, fnv1a(buf, count * sizeof *buf));
+    if (rank == 0)
+      printf("  bf16 all_reduce(%s) n=%d count=%zu: max relative error vs fp32 %.3g (tolerance %.3g), "
+             "ring-order model exact, bits equal on all ranks\n", comm_op_name(op), n, count, maxrel, tol);
+    /* reduce_scatter: its slice is the all_reduce's chunk of the same inputs, bit for bit. */
+    for (size_t i = 0; i < rs_total; i++) rs_ar[i] = rs_in[i] = brnd(rank, i);
+    if (bad || comm_reduce_scatter(c, rs_in, rs_out, rs_count, COMM_BFLOAT16, op) ||
+        comm_all_reduce(c, rs_ar, rs_total, COMM_BFLOAT16, op)) {
+      if (!bad) fprintf(stderr, "rank %d: %s\n", rank, comm_errmsg(c));
+      bad = 1;
+      break;
+    }
+    char what[80];
+    snprintf(what, sizeof what, "bf16 reduce_scatter(%s, n=%d, count=%zu) vs all_reduce", comm_op_name(op), n,
+             rs_count);
+    bad = check_bf16(rank, what, rs_out, rs_ar + (size_t)rank * rs_count, rs_count);
+  }
+  free(buf);
+  free(again);
+  free(rs_in);
+  free(rs_out);
+  free(rs_ar);
+  comm_destroy(c);
+  return bad;
+}
+
+static void test_bf16_random(void **state) {
+  for (int n = 2; n <= 4; n++) assert_int_equal(run_ranks(n, rank_bf16_random, NULL), 0);
+}
+
+/* The dispatch refuses bf16 to a backend whose table says float32 only (a fake one here: every
+ * real backend moves bf16), and that refusal does not break the communicator. */
+static int fake_calls;
+static int fake_all_reduce(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, comm_op_t op) {
+  fake_calls++;
+  return COMM_OK;
+}
+
+static void test_bf16_refused_by_fp32_backend(void **state) {
+  static const comm_ops_t fake_ops = {.name = "fake", .all_reduce = fake_all_reduce, .bf16 = 0};
+  comm_t c = {.ops = &fake_ops, .name = "fake.0", .rank = 0, .size = 2, .timeout_ms = 1000};
+  bf16_t h[4] = {0};
+  float f[4] = {0};
+  assert_int_equal(comm_all_reduce(&c, h, 4, COMM_BFLOAT16, COMM_SUM), COMM_EINVAL);
+  printf("  %s\n", comm_errmsg(&c));
+  assert_non_null(strstr(comm_errmsg(&c), "all_reduce: backend fake supports float32 only"));
+  assert_int_equal(fake_calls, 0);
+  assert_int_equal(comm_all_reduce(&c, f, 4, COMM_FLOAT32, COMM_SUM), COMM_OK);
+  assert_int_equal(fake_calls, 1);
+  /* A one-rank cpu group answers bf16 itself, and a cpu group says it moves bf16. */
+  char err[256] = "";
+  comm_config_t cfg = {.name = "solo16", .rank = 0, .size = 1};
+  comm_t *one = NULL;
+  assert_int_equal(comm_create(&one, "cpu", &cfg, err, sizeof err), COMM_OK);
+  h[0] = bf16_from_f32(1.5f);
+  assert_int_equal(comm_all_reduce(one, h, 4, COMM_BFLOAT16, COMM_AVG), COMM_OK);
+  assert_int_equal(h[0], bf16_from_f32(1.5f));
+  assert_int_equal(one->ops->bf16, 1);
+  comm_destroy(one);
+}
+
 int main(void) {
   setvbuf(stdout, NULL, _IOLBF, 0);
   const struct CMUnitTest tests[] = {
@@ -684,6 +1052,10 @@ int main(void) {
       cmocka_unit_test(test_peer_exit),         cmocka_unit_test(test_stall_timeout),
       cmocka_unit_test(test_mesh_2x2x2),        cmocka_unit_test(test_fatal_aborts_comms),
       cmocka_unit_test(test_fail_next),         cmocka_unit_test(test_memory_and_abort),
+      cmocka_unit_test(test_bf16_all_reduce),   cmocka_unit_test(test_bf16_reduce_scatter),
+      cmocka_unit_test(test_bf16_all_gather),   cmocka_unit_test(test_bf16_broadcast),
+      cmocka_unit_test(test_bf16_rounding),     cmocka_unit_test(test_bf16_random),
+      cmocka_unit_test(test_bf16_refused_by_fp32_backend),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -10,8 +10,10 @@
  * memory (a memcpy that should have been a to_host) crashes instead of passing unnoticed. Also:
  * the configuration errors, that a peer's exit fails the others with a message naming the
  * group and the operation, and a mesh connected with "staged": every group's device comm moves
- * fake-device buffers while its host comm (a "cpu" ring of its own) moves host values. Needs no
- * GPU. */
+ * fake-device buffers while its host comm (a "cpu" ring of its own) moves host values. The bf16
+ * tests run every collective on 2-byte elements (see their section for what and how exactly).
+ * Needs no GPU. */
+#include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -25,6 +27,7 @@
 
 #include "test/support/fixture.h"
 #include "trainer/backend.h"
+#include "trainer/bf16.h"
 #include "trainer/comm.h"
 #include "trainer/mesh.h"
 
@@ -37,16 +40,55 @@
 
 static void *untag(const void *p) { return (void *)((uintptr_t)p ^ FAKE_TAG); }
 
+/* Live allocations, so that every copy is checked against the buffer it touches: a size computed
+ * with the wrong element size runs past the end and aborts the rank here, even where the bytes
+ * beyond would have come back unchanged. */
+#define FAKE_MAX_ALLOCS 32
+static struct {
+  uintptr_t base;
+  size_t bytes;
+} fake_allocs[FAKE_MAX_ALLOCS];
+
 static void *fake_alloc(backend_t *be, size_t bytes) {
   void *p = calloc(1, bytes ? bytes : 1);
-  return p ? (void *)((uintptr_t)p ^ FAKE_TAG) : NULL;
+  if (!p) return NULL;
+  for (int i = 0; i < FAKE_MAX_ALLOCS; i++)
+    if (!fake_allocs[i].base) {
+      fake_allocs[i].base = (uintptr_t)p ^ FAKE_TAG;
+      fake_allocs[i].bytes = bytes;
+      return (void *)fake_allocs[i].base;
+    }
+  free(p);
+  return NULL;
 }
 static void fake_free(backend_t *be, void *p) {
-  if (p) free(untag(p));
+  if (!p) return;
+  for (int i = 0; i < FAKE_MAX_ALLOCS; i++)
+    if (fake_allocs[i].base == (uintptr_t)p) fake_allocs[i].base = 0;
+  free(untag(p));
 }
-static void fake_to_device(backend_t *be, void *dst, const void *src, size_t n) { memcpy(untag(dst), src, n); }
-static void fake_to_host(backend_t *be, void *dst, const void *src, size_t n) { memcpy(dst, untag(src), n); }
-static void fake_copy(backend_t *be, void *dst, const void *src, size_t n) { memmove(untag(dst), untag(src), n); }
+static void fake_check(const void *p, size_t n, const char *what) {
+  uintptr_t a = (uintptr_t)p;
+  for (int i = 0; i < FAKE_MAX_ALLOCS; i++)
+    if (fake_allocs[i].base && a >= fake_allocs[i].base && n <= fake_allocs[i].bytes &&
+        a - fake_allocs[i].base <= fake_allocs[i].bytes - n)
+      return;
+  fprintf(stderr, "fake device: %s of %zu bytes at %p is outside every allocation\n", what, n, p);
+  abort();
+}
+static void fake_to_device(backend_t *be, void *dst, const void *src, size_t n) {
+  fake_check(dst, n, "to_device");
+  memcpy(untag(dst), src, n);
+}
+static void fake_to_host(backend_t *be, void *dst, const void *src, size_t n) {
+  fake_check(src, n, "to_host");
+  memcpy(dst, untag(src), n);
+}
+static void fake_copy(backend_t *be, void *dst, const void *src, size_t n) {
+  fake_check(dst, n, "copy to");
+  fake_check(src, n, "copy from");
+  memmove(untag(dst), untag(src), n);
+}
 static void fake_sync(backend_t *be) {}
 
 static backend_t fake_device = {.name = "fake", .alloc = fake_alloc, .free = fake_free,
@@ -276,24 +318,270 @@ static void test_config_errors(void **state) {
   assert_non_null(strstr(err, "nccl"));
 }
 
-/* bf16 is refused (the inner cpu ring reduces float32 only) with a message naming staged. */
+/* ---- bfloat16 through the staging buffers ----
+ *
+ * Every collective on 2-byte elements in device memory, on counts that are odd or smaller than
+ * the group (2 and 3 when n = 4), each device buffer followed by a guard element that must come
+ * back untouched (a size computed with sizeof(float) would overwrite it, or read past the end of
+ * a fake-device buffer). Checked four ways:
+ *  - exact answers on small integers (every partial sum is a bf16 value; AVG is the sum divided
+ *    by n in fp32 and rounded once, MAX the largest), tolerance 0;
+ *  - all_gather and broadcast move arbitrary bit patterns (NaN payloads included) untouched;
+ *  - random inputs: staged equals the cpu ring bit for bit (tolerance 0), and all_reduce is
+ *    within the fp32 reference's tolerance: SUM (n - 1) * 2^-8 * sum|x|, AVG n * 2^-8 * sum|x| / n
+ *    (2^-8 per bf16 rounding, 1% slack for the reference's own), MAX exact;
+ *  - every rank ends with the same all_reduce bits (hashes compared through the store). */
+
+static const size_t bf_counts[] = {1, 2, 3, 7, 1001, 4099};
+#define BF_MAXN 4099
+static const uint16_t BF_GUARD = 0x5a5a;
+
+static float ival(int rank, size_t i) { return (float)((int)((i * 31 + (size_t)rank * 17) % 23) - 11); }
+static uint16_t bpat(int rank, size_t i) { return (uint16_t)(i * 40503u + (size_t)rank * 7919u + 1u); }
+
+static uint16_t bf_expect(int n, size_t i, comm_op_t op) {
+  float sum = 0, mx = ival(0, i);
+  for (int r = 0; r < n; r++) {
+    sum += ival(r, i);
+    if (ival(r, i) > mx) mx = ival(r, i);
+  }
+  return bf16_from_f32(op == COMM_MAX ? mx : op == COMM_AVG ? sum / (float)n : sum);
+}
+
+static uint16_t brnd(int rank, size_t i, uint64_t salt) {
+  uint64_t s = (uint64_t)rank * 0x9e3779b97f4a7c15ull + i * 0xbf58476d1ce4e5b9ull + salt + 1;
+  return bf16_from_f32((float)((double)(rng_next(&s) >> 11) / 4503599627370496.0 - 1.0));
+}
+
+static int same_bf16(const char *what, int rank, const uint16_t *want, const uint16_t *got, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    if (want[i] != got[i]) {
+      fprintf(stderr, "rank %d: %s: element %zu of %zu: staged %.9g (0x%04x), want %.9g (0x%04x) (tolerance 0)\n",
+              rank, what, i, n, (double)bf16_to_f32(got[i]), got[i], (double)bf16_to_f32(want[i]), want[i]);
+      return 1;
+    }
+  return 0;
+}
+
+static uint64_t fnv1a(uint64_t h, const void *p, size_t len) {
+  const unsigned char *b = p;
+  for (size_t i = 0; i < len; i++) h = (h ^ b[i]) * 1099511628211ull;
+  return h;
+}
+
+/* put copies h[0..n) and a guard element after it to the device; fetch reads both back. */
+static void put(backend_t *dev, void *d, uint16_t *h, size_t n) {
+  h[n] = BF_GUARD;
+  dev->to_device(dev, d, h, (n + 1) * sizeof *h);
+}
+static void fetch(backend_t *dev, uint16_t *h, const void *d, size_t n) {
+  dev->to_host(dev, h, d, (n + 1) * sizeof *h);
+}
+
 static int rank_bf16(int rank, int n, store_t *st, void *arg) {
-  comm_t *c = NULL;
-  if (open_staged(&c, "bf", rank, n, st, &fake_device)) return 1;
-  uint16_t *d = fake_alloc(NULL, 8 * sizeof(uint16_t));
-  int rc = comm_all_reduce(c, d, 8, COMM_BFLOAT16, COMM_SUM);
-  int bad = rc != COMM_EINVAL || !strstr(comm_errmsg(c), "staged supports float32 only");
-  if (bad) fprintf(stderr, "rank %d: bf16 all_reduce gave %d: %s\n", rank, rc, comm_errmsg(c));
-  /* an EINVAL does not break the communicator */
-  float *f = fake_alloc(NULL, 8 * sizeof(float));
-  bad |= comm_all_reduce(c, f, 8, COMM_FLOAT32, COMM_SUM) != COMM_OK;
-  fake_free(NULL, d);
-  fake_free(NULL, f);
-  comm_destroy(c);
+  dev_kind_t kind = *(const dev_kind_t *)arg;
+  backend_t *dev = device_open(kind);
+  comm_t *ref = NULL, *stg = NULL;
+  int bad = 0;
+  if (!dev || fixture_comm_open(&ref, "ref16", rank, n, st, TIMEOUT_MS) ||
+      open_staged(&stg, "stg16", rank, n, st, dev)) {
+    bad = 1;
+    goto done;
+  }
+  const size_t maxn = (size_t)BF_MAXN * (size_t)n + 1;
+  uint16_t *h = malloc(maxn * 2), *want = malloc(maxn * 2), *got = malloc(maxn * 2);
+  uint16_t *dv = NULL, *dr = NULL, *da = NULL; /* device: count (+ guard), ditto, n * count (+ guard) */
+  if (!h || !want || !got) {
+    fprintf(stderr, "rank %d: out of memory\n", rank);
+    bad = 1;
+    goto out;
+  }
+  char what[128];
+  uint64_t hash = 1469598103934665603ull;
+  double maxrel[3] = {0, 0, 0};
+  for (size_t ci = 0; ci < sizeof bf_counts / sizeof *bf_counts && !bad; ci++) {
+    size_t cnt = bf_counts[ci], all = (size_t)n * cnt;
+    /* Sized exactly, so that the fake device's bounds check sees any copy past the guard. */
+    if (dv) dev->free(dev, dv);
+    if (dr) dev->free(dev, dr);
+    if (da) dev->free(dev, da);
+    dv = dev->alloc(dev, (cnt + 1) * 2);
+    dr = dev->alloc(dev, (cnt + 1) * 2);
+    da = dev->alloc(dev, (all + 1) * 2);
+    if (!dv || !dr || !da) {
+      fprintf(stderr, "rank %d: out of device memory\n", rank);
+      bad = 1;
+      break;
+    }
+    for (size_t oi = 0; oi < sizeof ops / sizeof *ops && !bad; oi++) {
+      comm_op_t op = ops[oi];
+      /* all_reduce, exact: small integers */
+      for (size_t i = 0; i < cnt; i++) {
+        h[i] = bf16_from_f32(ival(rank, i));
+        want[i] = bf_expect(n, i, op);
+      }
+      want[cnt] = BF_GUARD;
+      put(dev, dv, h, cnt);
+      if (comm_all_reduce(stg, dv, cnt, COMM_BFLOAT16, op)) {
+        fprintf(stderr, "rank %d: all_reduce: %s\n", rank, comm_errmsg(stg));
+        bad = 1;
+        break;
+      }
+      fetch(dev, got, dv, cnt);
+      snprintf(what, sizeof what, "bf16 all_reduce(%s) of %zu small integers, n=%d", comm_op_name(op), cnt, n);
+      bad |= same_bf16(what, rank, want, got, cnt + 1);
+      /* reduce_scatter, exact: slice rank of the integers */
+      for (size_t i = 0; i < all; i++) h[i] = bf16_from_f32(ival(rank, i));
+      for (size_t i = 0; i < cnt; i++) want[i] = bf_expect(n, (size_t)rank * cnt + i, op);
+      put(dev, da, h, all);
+      got[cnt] = BF_GUARD;
+      dev->to_device(dev, dr, got, (cnt + 1) * 2);
+      if (comm_reduce_scatter(stg, da, dr, cnt, COMM_BFLOAT16, op)) {
+        fprintf(stderr, "rank %d: reduce_scatter: %s\n", rank, comm_errmsg(stg));
+        bad = 1;
+        break;
+      }
+      fetch(dev, got, dr, cnt);
+      snprintf(what, sizeof what, "bf16 reduce_scatter(%s) of %zu small integers, n=%d", comm_op_name(op), cnt, n);
+      bad |= same_bf16(what, rank, want, got, cnt + 1);
+      /* all_reduce, random: staged == cpu bit for bit, within tolerance of fp32, same on all ranks */
+      uint64_t salt = 1000 * ci + oi;
+      for (size_t i = 0; i < cnt; i++) want[i] = h[i] = brnd(rank, i, salt);
+      want[cnt] = BF_GUARD;
+      put(dev, dv, h, cnt);
+      if (comm_all_reduce(ref, want, cnt, COMM_BFLOAT16, op) || comm_all_reduce(stg, dv, cnt, COMM_BFLOAT16, op)) {
+        fprintf(stderr, "rank %d: all_reduce: %s / %s\n", rank, comm_errmsg(ref), comm_errmsg(stg));
+        bad = 1;
+        break;
+      }
+      fetch(dev, got, dv, cnt);
+      snprintf(what, sizeof what, "bf16 all_reduce(%s) of %zu random, n=%d, vs cpu", comm_op_name(op), cnt, n);
+      bad |= same_bf16(what, rank, want, got, cnt + 1);
+      hash = fnv1a(hash, got, cnt * 2);
+      for (size_t i = 0; i < cnt; i++) {
+        float fref = op == COMM_MAX ? -INFINITY : 0, mag = 0;
+        for (int r = 0; r < n; r++) {
+          float x = bf16_to_f32(brnd(r, i, salt));
+          fref = op == COMM_MAX ? (x > fref ? x : fref) : fref + x;
+          mag += fabsf(x);
+        }
+        if (op == COMM_AVG) fref /= (float)n, mag /= (float)n;
+        double rel = fabs((double)bf16_to_f32(got[i]) - fref) / (mag > 0 ? mag : 1);
+        if (rel > maxrel[oi]) maxrel[oi] = rel;
+      }
+      /* reduce_scatter, random: staged == cpu */
+      for (size_t i = 0; i < all; i++) h[i] = brnd(rank, i, salt + 7);
+      put(dev, da, h, all);
+      if (comm_reduce_scatter(ref, h, want, cnt, COMM_BFLOAT16, op) ||
+          comm_reduce_scatter(stg, da, dr, cnt, COMM_BFLOAT16, op)) {
+        fprintf(stderr, "rank %d: reduce_scatter: %s / %s\n", rank, comm_errmsg(ref), comm_errmsg(stg));
+        bad = 1;
+        break;
+      }
+      want[cnt] = BF_GUARD; /* dr's guard was put there by the exact reduce_scatter above */
+      fetch(dev, got, dr, cnt);
+      snprintf(what, sizeof what, "bf16 reduce_scatter(%s) of %zu random, n=%d, vs cpu", comm_op_name(op), cnt, n);
+      bad |= same_bf16(what, rank, want, got, cnt + 1);
+    }
+    if (bad) break;
+    /* all_gather of bit patterns, out of place then in place */
+    for (size_t i = 0; i < all; i++) want[i] = bpat((int)(i / cnt), i % cnt);
+    want[all] = BF_GUARD;
+    for (size_t i = 0; i < cnt; i++) h[i] = bpat(rank, i);
+    put(dev, dv, h, cnt);
+    memset(got, 0, all * 2);
+    put(dev, da, got, all);
+    if (comm_all_gather(stg, dv, da, cnt, COMM_BFLOAT16)) {
+      fprintf(stderr, "rank %d: all_gather: %s\n", rank, comm_errmsg(stg));
+      bad = 1;
+      break;
+    }
+    fetch(dev, got, da, all);
+    snprintf(what, sizeof what, "bf16 all_gather of %zu, n=%d", cnt, n);
+    bad |= same_bf16(what, rank, want, got, all + 1);
+    memset(got, 0, all * 2);
+    memcpy(got + (size_t)rank * cnt, h, cnt * 2);
+    put(dev, da, got, all);
+    if (comm_all_gather(stg, da + (size_t)rank * cnt, da, cnt, COMM_BFLOAT16)) {
+      fprintf(stderr, "rank %d: all_gather in place: %s\n", rank, comm_errmsg(stg));
+      bad = 1;
+      break;
+    }
+    fetch(dev, got, da, all);
+    snprintf(what, sizeof what, "bf16 all_gather in place of %zu, n=%d", cnt, n);
+    bad |= same_bf16(what, rank, want, got, all + 1);
+    /* broadcast of bit patterns from every root */
+    for (int root = 0; root < n && !bad; root++) {
+      for (size_t i = 0; i < cnt; i++) {
+        h[i] = bpat(rank, i);
+        want[i] = bpat(root, i);
+      }
+      want[cnt] = BF_GUARD;
+      put(dev, dv, h, cnt);
+      if (comm_broadcast(stg, dv, cnt, COMM_BFLOAT16, root)) {
+        fprintf(stderr, "rank %d: broadcast: %s\n", rank, comm_errmsg(stg));
+        bad = 1;
+        break;
+      }
+      fetch(dev, got, dv, cnt);
+      snprintf(what, sizeof what, "bf16 broadcast of %zu from root %d, n=%d", cnt, root, n);
+      bad |= same_bf16(what, rank, want, got, cnt + 1);
+    }
+  }
+  for (size_t oi = 0; oi < 3 && !bad; oi++) {
+    double tol = ops[oi] == COMM_SUM ? (n - 1) * 0x1p-8 * 1.01 : ops[oi] == COMM_AVG ? n * 0x1p-8 * 1.01 : 0;
+    if (rank == 0)
+      printf("bf16 all_reduce(%s) n=%d: max relative error vs fp32 %.3g (tolerance %.3g)\n", comm_op_name(ops[oi]),
+             n, maxrel[oi], tol);
+    if (maxrel[oi] > tol) {
+      fprintf(stderr, "rank %d: bf16 all_reduce(%s): relative error %.3g exceeds tolerance %.3g\n", rank,
+              comm_op_name(ops[oi]), maxrel[oi], tol);
+      bad = 1;
+    }
+  }
+  /* Identical bits on every rank: each publishes its hash of all random all_reduce results. */
+  if (!bad) {
+    char key[32], mine[32];
+    snprintf(key, sizeof key, "bf16hash/%d", rank);
+    snprintf(mine, sizeof mine, "%016llx", (unsigned long long)hash);
+    bad = store_set(st, key, mine, strlen(mine)) != 0;
+    for (int r = 0; r < n && !bad; r++) {
+      void *v = NULL;
+      size_t len = 0;
+      snprintf(key, sizeof key, "bf16hash/%d", r);
+      if (store_get(st, key, &v, &len, TIMEOUT_MS) != 0 || len != strlen(mine) || memcmp(v, mine, len) != 0) {
+        fprintf(stderr, "rank %d: bf16 all_reduce bits differ from rank %d's (%s vs %.*s)\n", rank, r, mine,
+                v ? (int)len : 0, v ? (char *)v : "");
+        bad = 1;
+      }
+      free(v);
+    }
+  }
+out:
+  if (dv) dev->free(dev, dv);
+  if (dr) dev->free(dev, dr);
+  if (da) dev->free(dev, da);
+  free(h);
+  free(want);
+  free(got);
+done:
+  comm_destroy(stg);
+  comm_destroy(ref);
+  device_close(dev);
+  if (!bad && rank == 0) printf("bf16 staged: exact, == cpu bit for bit, same bits on all %d ranks\n", n);
   return bad;
 }
 
-static void test_bf16_refused(void **state) { assert_int_equal(fixture_run_ranks(2, rank_bf16, NULL, ALARM_S), 0); }
+static void test_bf16_fake_device(void **state) {
+  dev_kind_t k = DEV_FAKE;
+  assert_int_equal(fixture_run_ranks(2, rank_bf16, &k, ALARM_S), 0);
+  assert_int_equal(fixture_run_ranks(3, rank_bf16, &k, ALARM_S), 0);
+}
+
+static void test_bf16_cpu_backend(void **state) {
+  dev_kind_t k = DEV_CPU_BACKEND;
+  assert_int_equal(fixture_run_ranks(4, rank_bf16, &k, ALARM_S), 0);
+}
 
 /* Rank 2 exits after setup; ranks 0 and 1 must fail (not hang) with a message naming the group
  * and the operation, and stay broken. */
@@ -392,7 +680,8 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_config_errors),           cmocka_unit_test(test_single_rank),
       cmocka_unit_test(test_equivalence_cpu_backend), cmocka_unit_test(test_equivalence_fake_device),
-      cmocka_unit_test(test_bf16_refused),            cmocka_unit_test(test_peer_exit),
+      cmocka_unit_test(test_bf16_fake_device),        cmocka_unit_test(test_bf16_cpu_backend),
+      cmocka_unit_test(test_peer_exit),
       cmocka_unit_test(test_mesh_staged),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

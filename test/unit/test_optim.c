@@ -133,7 +133,7 @@ static void test_adamw_reference(void **state) {
     for (int i = 0; i < N; i++) rg[i] = g[i] = (float)sin(0.37 * i * step) * (i % 3 ? 1.0f : 3.0f);
     double norm = sqrt(optim_grad_sumsq(&o, g)), scale = optim_clip_scale(norm, c.grad_clip);
     double lr = optim_lr(&c, step - 1) * 50; /* big steps so that parameters move visibly */
-    optim_step(&o, p, g, lr, scale);
+    optim_step(&o, p, g, NULL, lr, scale);
     for (int k = 0; k < 3; k++)
       ref_adamw(rp + t[k].offset, rg + t[k].offset, rm + t[k].offset, rv + t[k].offset, (int)t[k].numel, lr,
                 c.beta1, c.beta2, c.eps, t[k].decay ? c.weight_decay : 0, step, scale);
@@ -169,9 +169,9 @@ static void test_shards_match_whole(void **state) {
     for (int i = 0; i < N; i++) g[i] = (float)cos(0.1 * i + step);
     double sumsq = optim_grad_sumsq(&lo, g) + optim_grad_sumsq(&hi, g + cut);
     double scale = optim_clip_scale(sqrt(sumsq), 0.5);
-    optim_step(&whole, pw, g, 1e-2, scale);
-    optim_step(&lo, ps, g, 1e-2, scale);
-    optim_step(&hi, ps + cut, g + cut, 1e-2, scale);
+    optim_step(&whole, pw, g, NULL, 1e-2, scale);
+    optim_step(&lo, ps, g, NULL, 1e-2, scale);
+    optim_step(&hi, ps + cut, g + cut, NULL, 1e-2, scale);
   }
   assert_memory_equal(pw, ps, sizeof pw);
   printf("shards [0,%zu) + [%zu,%d) give the same bits as the whole buffer\n", cut, cut, N);
