@@ -18,6 +18,7 @@
 
 #include <errno.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -138,7 +139,13 @@ const char *comm_strerror(int code) {
   return "unknown error";
 }
 
+/* Set once any communicator of the process breaks (comm_failed_any); read by signal handlers. */
+static volatile sig_atomic_t any_broken;
+
+int comm_failed_any(void) { return any_broken != 0; }
+
 int comm_set_error(comm_t *c, int code, const char *fmt, ...) {
+  if (code == COMM_ESYSTEM || code == COMM_EREMOTE || code == COMM_ETIMEDOUT) any_broken = 1;
   int n = snprintf(c->err, sizeof c->err, "comm %s (rank %d/%d): ", c->name, c->rank, c->size);
   if (n < 0 || (size_t)n >= sizeof c->err) n = 0;
   va_list ap;

@@ -119,6 +119,9 @@ const char *comm_name(const comm_t *c);
 /* Stall timeout of later collectives (> 0 ms). */
 int comm_set_timeout(comm_t *c, int timeout_ms);
 const char *comm_errmsg(const comm_t *c); /* "" when nothing failed */
+/* 1 once any communicator of this process has broken (a system, remote or timeout error). Only
+ * reads a flag, so a signal handler may call it (the trainer's SIGTERM handler does). */
+int comm_failed_any(void);
 const char *comm_strerror(int code);
 void comm_get_stats(const comm_t *c, comm_stats_t *out);
 void comm_reset_stats(comm_t *c);

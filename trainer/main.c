@@ -39,6 +39,7 @@
 #include <cJSON.h>
 #include <errno.h>
 #include <limits.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -150,6 +151,34 @@ static void ensure_passive_omp(char **argv) {
   if (getenv("OMP_WAIT_POLICY")) return;
   setenv("OMP_WAIT_POLICY", "passive", 1);
   execv("/proc/self/exe", argv); /* returns only on failure: then run with spinning threads */
+}
+
+/* When one rank fails, meshrun stops the others with SIGTERM (as torchrun does). The others are
+ * then usually about to fail themselves, at their next collective with the dead peer, and to
+ * say which collective and which peer: a rank whose communicator already broke, or that is
+ * exiting on an error, ignores SIGTERM so that the message is not cut short; a healthy rank
+ * gets TERM_DEFER_MS to find out (a second SIGTERM from a timer), then ends as by default.
+ * meshrun's SIGKILL after --shutdown_timeout bounds all of it. */
+#define TERM_DEFER_MS 100
+static volatile sig_atomic_t failing, term_deferred;
+static timer_t term_timer;
+static int have_term_timer;
+static void on_sigterm(int sig) {
+  if (failing || comm_failed_any()) return;
+  if (!term_deferred && have_term_timer) {
+    term_deferred = 1;
+    struct itimerspec its = {.it_value = {.tv_nsec = TERM_DEFER_MS * 1000000L}};
+    if (timer_settime(term_timer, 0, &its, NULL) == 0) return;
+  }
+  signal(sig, SIG_DFL);
+  raise(sig);
+}
+static void install_sigterm(void) {
+  struct sigevent ev = {.sigev_notify = SIGEV_SIGNAL, .sigev_signo = SIGTERM};
+  have_term_timer = timer_create(CLOCK_MONOTONIC, &ev, &term_timer) == 0;
+  struct sigaction sa = {.sa_handler = on_sigterm, .sa_flags = SA_RESTART};
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGTERM, &sa, NULL);
 }
 
 static int parse_args(args_t *a, int argc, char **argv, char *err, size_t errlen) {
@@ -353,6 +382,7 @@ int main(int argc, char **argv) {
     return 0;
   }
   ensure_passive_omp(argv);
+  install_sigterm();
   char err[4096] = "";
   args_t a;
   env_t env;
@@ -467,6 +497,7 @@ int main(int argc, char **argv) {
 done:
   code = 0;
 error:
+  failing = code != 0;
   if (code && plan_failed) fprintf(stderr, "%s\n", err);
   else if (code) exit_error(code, err, !(no_restart || ck.no_restart));
   checkpoint_free(&ck); /* a save still in flight (only after a failure) is waited for */
