@@ -35,7 +35,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -166,43 +165,11 @@ def ours_throughput(bindir, threads, steps, warmup, dtype):
 
 
 def torch_throughput(threads, steps, warmup, bf16):
-    """bench_trainer's PyTorch step; with bf16, forward and loss run under CPU autocast to
-    bfloat16 (matmuls in bf16, parameters, gradients and AdamW in fp32)."""
-    import contextlib
-
-    import numpy as np
-    import torch
-    import llama_ref
-
-    torch.set_num_threads(threads)
-    torch.manual_seed(0)
-    model_cfg, B, T = bench_trainer.MODEL, bench_trainer.B, bench_trainer.T
-    cfg = dict(model_cfg, hidden_dim=llama_ref.llama_hidden_dim(model_cfg["dim"], model_cfg["multiple_of"]))
-    model = llama_ref.Llama(cfg, dtype=torch.float32)
-    decay = [p for n, p in model.named_parameters() if p.dim() == 2 and not n.startswith("tok_")]
-    other = [p for n, p in model.named_parameters() if not (p.dim() == 2 and not n.startswith("tok_"))]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
-                            lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
-    with open(bench_trainer.TEXT, "rb") as f:
-        data = np.frombuffer(f.read(), dtype=np.uint8).astype(np.int64)
-    rng = np.random.default_rng(0)
-    ms = []
-    for _ in range(warmup + steps):
-        t0 = time.perf_counter()
-        offs = rng.integers(0, len(data) - T - 1, size=B)
-        win = np.stack([data[o:o + T + 1] for o in offs])
-        tok, tgt = torch.from_numpy(win[:, :-1]), torch.from_numpy(win[:, 1:])
-        opt.zero_grad(set_to_none=True)
-        amp = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-        with amp:
-            loss = model(tok, tgt)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        ms.append((time.perf_counter() - t0) * 1e3)
-    if not torch.isfinite(loss):
-        raise BenchError("pytorch %s: loss is %s" % ("bf16" if bf16 else "fp32", loss.item()))
-    return sum(p.numel() for p in model.parameters()), ms[warmup:], torch.__version__
+    """bench_trainer's PyTorch step; with bf16 under CPU autocast to bfloat16."""
+    try:
+        return bench_trainer.bench_torch(threads, steps, warmup, autocast_bf16=bf16)
+    except RuntimeError as e:
+        raise BenchError("%s (%s)" % (e, "bf16" if bf16 else "fp32"))
 
 
 def table_throughput(bindir, args):

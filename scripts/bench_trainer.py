@@ -55,7 +55,12 @@ def bench_ours(trainer, threads, steps, warmup):
     return params, ms
 
 
-def bench_torch(threads, steps, warmup):
+def bench_torch(threads, steps, warmup, autocast_bf16=False):
+    """PyTorch's step times; with autocast_bf16 the forward and loss run under CPU
+    autocast(bfloat16) (matmuls in bf16; parameters, gradients and AdamW in fp32). Raises
+    RuntimeError when the last loss is not finite."""
+    import contextlib
+
     import numpy as np
     import torch
     import llama_ref
@@ -77,11 +82,15 @@ def bench_torch(threads, steps, warmup):
         win = np.stack([data[o:o + T + 1] for o in offs])
         tok, tgt = torch.from_numpy(win[:, :-1]), torch.from_numpy(win[:, 1:])
         opt.zero_grad(set_to_none=True)
-        loss = model(tok, tgt)
+        amp = torch.autocast("cpu", dtype=torch.bfloat16) if autocast_bf16 else contextlib.nullcontext()
+        with amp:
+            loss = model(tok, tgt)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         ms.append((time.perf_counter() - t0) * 1e3)
+    if not torch.isfinite(loss):
+        raise RuntimeError("pytorch: loss is %s" % loss.item())
     return sum(p.numel() for p in model.parameters()), ms[warmup:], torch.__version__
 
 

@@ -25,6 +25,7 @@
 #include <string.h>
 
 #include "common/env.h"
+#include "trainer/backend.h"
 
 #pragma weak comm_nccl_create
 #pragma weak comm_staged_create
@@ -110,6 +111,8 @@ static int local_copy(comm_t *c, void *dst, const void *src, size_t bytes) {
   memcpy(dst, src, bytes);
   return COMM_OK;
 }
+
+comm_dtype_t comm_dtype_of(int backend_dtype) { return backend_dtype == DT_BF16 ? COMM_BFLOAT16 : COMM_FLOAT32; }
 
 size_t comm_dtype_size(comm_dtype_t dtype) {
   switch (dtype) {

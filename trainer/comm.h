@@ -126,6 +126,8 @@ const char *comm_strerror(int code);
 void comm_get_stats(const comm_t *c, comm_stats_t *out);
 void comm_reset_stats(comm_t *c);
 size_t comm_dtype_size(comm_dtype_t dtype); /* 0 for an unknown dtype */
+/* The comm dtype of a backend tensor dtype (backend.h's dtype_t: DT_F32, DT_BF16). */
+comm_dtype_t comm_dtype_of(int backend_dtype);
 const char *comm_op_name(comm_op_t op);     /* "sum", "avg", "max" */
 
 /* The memory kind of a backend by name (NULL: "cpu"), before any communicator exists; an

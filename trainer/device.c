@@ -116,12 +116,9 @@ static int comm_backend_choose(const backend_t *be, const char *env, int local_w
 
 /* Precision options on this device: param_dtype defaults to what PyTorch users get there (bf16
  * on cuda, fp32 on cpu, decided by the backend that opened, so "auto" falling back to cpu
- * trains in fp32); an explicit value is kept on either. TF32 as the plan says on cuda.
- * Returns 0. */
-static int precision_apply(plan_t *p, backend_t *be, char *err, size_t errlen) {
+ * trains in fp32); an explicit value is kept on either. TF32 as the plan says on cuda. */
+static void precision_apply(plan_t *p, backend_t *be) {
   const int on_device = be->mem == BACKEND_MEM_DEVICE;
-  (void)err;
-  (void)errlen;
   if (!p->parallel.param_dtype_explicit) p->parallel.param_dtype = on_device ? PLAN_DTYPE_BF16 : PLAN_DTYPE_FP32;
   log_rank0("mixed precision: param_dtype %s, reduce_dtype %s%s",
             p->parallel.param_dtype == PLAN_DTYPE_BF16 ? "bf16" : "fp32",
@@ -130,7 +127,6 @@ static int precision_apply(plan_t *p, backend_t *be, char *err, size_t errlen) {
 #ifdef MESHRUN_HAVE_CUDA
   if (on_device) backend_cuda_set_tf32(be, p->parallel.allow_tf32);
 #endif
-  return 0;
 }
 
 int device_open(plan_t *p, int local_rank, int local_world, int world, backend_t **be, const char **comm_backend,
@@ -140,7 +136,7 @@ int device_open(plan_t *p, int local_rank, int local_world, int world, backend_t
   *comm_backend = NULL;
   int rc = comm_backend_env(&comm_env, err, errlen);
   if (rc == 0) rc = backend_open(p, local_rank, be, err, errlen);
-  if (rc == 0) rc = precision_apply(p, *be, err, errlen);
+  if (rc == 0) precision_apply(p, *be);
   if (rc == 0)
     rc = comm_backend_choose(*be, comm_env, local_world, world, comm_backend, why, sizeof why, err, errlen);
   if (rc == 0 && world > 1) log_rank0("comm backend %s (%s)", *comm_backend, why);

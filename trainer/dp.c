@@ -45,24 +45,26 @@ static size_t sent_of(const comm_t *c) {
   return st.bytes_sent;
 }
 
-int dp_all_reduce(dp_impl_t *d, comm_t *c, float *buf, size_t n, comm_op_t op, const char *what) {
+static int all_reduce_dt(dp_impl_t *d, comm_t *c, void *buf, size_t n, dtype_t dt, comm_op_t op, const char *what) {
   size_t before = sent_of(c);
-  int rc = comm_all_reduce(c, buf, n, COMM_FLOAT32, op);
+  int rc = comm_all_reduce(c, buf, n, comm_dtype_of(dt), op);
   d->traffic.all_reduce += sent_of(c) - before;
   return rc ? dp_fail(d, rc, "dp %s: all_reduce of %s failed: %s", d->pub.name, what, comm_errmsg(c)) : 0;
 }
-static comm_dtype_t comm_dt(dtype_t dt) { return dt == DT_BF16 ? COMM_BFLOAT16 : COMM_FLOAT32; }
+int dp_all_reduce(dp_impl_t *d, comm_t *c, float *buf, size_t n, comm_op_t op, const char *what) {
+  return all_reduce_dt(d, c, buf, n, DT_F32, op, what);
+}
 
 int dp_all_gather(dp_impl_t *d, comm_t *c, const void *in, void *out, size_t n, dtype_t dt, const char *what) {
   size_t before = sent_of(c);
-  int rc = comm_all_gather(c, in, out, n, comm_dt(dt));
+  int rc = comm_all_gather(c, in, out, n, comm_dtype_of(dt));
   d->traffic.all_gather += sent_of(c) - before;
   return rc ? dp_fail(d, rc, "dp %s: all_gather of %s failed: %s", d->pub.name, what, comm_errmsg(c)) : 0;
 }
 static int reduce_scatter_dt(dp_impl_t *d, comm_t *c, const void *in, void *out, size_t n, dtype_t dt,
                              const char *what) {
   size_t before = sent_of(c);
-  int rc = comm_reduce_scatter(c, in, out, n, comm_dt(dt), COMM_AVG);
+  int rc = comm_reduce_scatter(c, in, out, n, comm_dtype_of(dt), COMM_AVG);
   d->traffic.reduce_scatter += sent_of(c) - before;
   return rc ? dp_fail(d, rc, "dp %s: reduce_scatter of %s failed: %s", d->pub.name, what, comm_errmsg(c)) : 0;
 }
@@ -82,10 +84,7 @@ int dp_broadcast(dp_impl_t *d, comm_t *c, float *buf, size_t n, int root, const 
 int dp_grad_all_reduce(dp_impl_t *d, comm_t *c, float *g, size_t n, const char *what) {
   if (d->rdt == DT_F32) return dp_all_reduce(d, c, g, n, COMM_AVG, what);
   d->be->convert(d->be, d->rlp, d->rdt, g, DT_F32, n);
-  size_t before = sent_of(c);
-  int rc = comm_all_reduce(c, d->rlp, n, comm_dt(d->rdt), COMM_AVG);
-  d->traffic.all_reduce += sent_of(c) - before;
-  if (rc) return dp_fail(d, rc, "dp %s: all_reduce of %s failed: %s", d->pub.name, what, comm_errmsg(c));
+  if (all_reduce_dt(d, c, d->rlp, n, d->rdt, COMM_AVG, what)) return d->status;
   d->be->convert(d->be, g, DT_F32, d->rlp, d->rdt, n);
   return 0;
 }
@@ -228,7 +227,7 @@ int dp_create(dp_t **out, model_t *m, backend_t *be, const mesh_t *mesh, const p
   d->S = mesh ? mesh->dims[MESH_DP_SHARD] : 1;
   d->s = mesh ? mesh->coord[MESH_DP_SHARD] : 0;
   d->pdt = model_param_dtype(m);
-  d->rdt = p->parallel.reduce_dtype == PLAN_DTYPE_BF16 ? DT_BF16 : DT_F32;
+  d->rdt = model_reduce_dtype(m);
 
   int rc = d->ops->setup(d, p, err, errlen);
   if (rc == 0 && d->rdt != DT_F32) rc = reduce_scratch(d, err, errlen);

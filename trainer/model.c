@@ -190,7 +190,6 @@ static const void *cparam_of(model_t *m, int ti) {
 }
 /* Element i of an activation buffer of dt elements. */
 static void *at(const model_t *m, const void *p, size_t i) { return (char *)p + i * m->es; }
-static comm_dtype_t comm_dt(dtype_t dt) { return dt == DT_BF16 ? COMM_BFLOAT16 : COMM_FLOAT32; }
 
 /* Adds a tensor of full shape (full_rows, full_cols); split says how this rank's slice is cut
  * from it. ROWS: ceil(full_rows / tp) rows each, the last rank's tail past full_rows being
@@ -276,13 +275,13 @@ static void tp_check(model_t *m, int rc, const char *what) {
 }
 /* Activations travel in dt; the loss statistics in fp32 (tp_all_reduce's dt says which). */
 static void tp_all_reduce(model_t *m, void *buf, size_t n, dtype_t dt, comm_op_t op, const char *what) {
-  if (!m->comm_rc) tp_check(m, comm_all_reduce(m->tpc, buf, n, comm_dt(dt), op), what);
+  if (!m->comm_rc) tp_check(m, comm_all_reduce(m->tpc, buf, n, comm_dtype_of(dt), op), what);
 }
 static void tp_all_gather(model_t *m, void *out, const void *in, size_t n, const char *what) {
-  if (!m->comm_rc) tp_check(m, comm_all_gather(m->tpc, in, out, n, comm_dt(m->dt)), what);
+  if (!m->comm_rc) tp_check(m, comm_all_gather(m->tpc, in, out, n, comm_dtype_of(m->dt)), what);
 }
 static void tp_reduce_scatter(model_t *m, void *out, const void *in, size_t n, const char *what) {
-  if (!m->comm_rc) tp_check(m, comm_reduce_scatter(m->tpc, in, out, n, comm_dt(m->dt), COMM_SUM), what);
+  if (!m->comm_rc) tp_check(m, comm_reduce_scatter(m->tpc, in, out, n, comm_dtype_of(m->dt), COMM_SUM), what);
 }
 
 /* Local rows -> all rows (cols wide). Under SP each rank holds its block of rows and the
@@ -818,6 +817,7 @@ void model_set_unit_compute(model_t *m, int unit, const void *params_lp) {
 }
 
 dtype_t model_param_dtype(const model_t *m) { return m->dt; }
+dtype_t model_reduce_dtype(const model_t *m) { return m->rdt; }
 
 void model_zero_grad(model_t *m) {
   if (m->grads) m->be->zero(m->be, m->grads, m->num_params * sizeof(float));

@@ -80,6 +80,16 @@ def pids_alive(pids):
 FAST_CONF = "join_timeout=20,last_call_timeout=0.5,heartbeat_interval=0.1,heartbeat_timeout=1"
 
 
+def solo_env(**extra):
+    """The environment of a trainer run as one process outside meshrun: no rank, world or store
+    variables inherited, one OpenMP thread; extra entries added (or replacing)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MESHRUN_STORE", "MESHRUN_RDZV_TOKEN"):
+        env.pop(k, None)
+    env.update(extra)
+    return env
+
+
 def tiny_plan(**sections):
     """The tiny Llama the trainer tests share (every sharded size divides by 2 and 4: dim 64,
     4 heads, 2 kv heads, vocab 256, seq 32, 2 layers), 20 steps of a global batch of 16 (micro-

@@ -22,7 +22,7 @@ import subprocess
 
 import pytest
 
-from conftest import FAST_CONF, Meshrun, bin_dir, tiny_plan
+from conftest import FAST_CONF, Meshrun, bin_dir, solo_env, tiny_plan
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAINER = os.path.join(bin_dir(), "trainer")
@@ -58,9 +58,7 @@ def run(d, p, nproc, mesh, extra):
                "checkpoint.dir=%s" % os.path.join(str(d), "ck")] + list(extra):
         args += ["--set", kv]
     if nproc == 1:
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MESHRUN_STORE"):
-            env.pop(k, None)
+        env = solo_env()
         r = subprocess.run([TRAINER, path] + args, cwd=str(d), env=env, capture_output=True, text=True,
                            timeout=180)
         assert r.returncode == 0, r.stderr

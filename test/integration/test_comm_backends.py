@@ -17,7 +17,7 @@ import subprocess
 
 import pytest
 
-from conftest import FAST_CONF, Meshrun
+from conftest import FAST_CONF, Meshrun, solo_env
 from test_parallel import TRAINER, read_records, read_safetensors, sets_for, write_plan
 
 # name: (ranks, mesh (dp_replicate, dp_shard, tp))
@@ -72,9 +72,7 @@ def test_staged_equals_cpu(tmp_path, name):
 
 
 def test_unknown_comm_backend(tmp_path):
-    env = dict(os.environ, MESHRUN_COMM_BACKEND="mpi", OMP_NUM_THREADS="1")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MESHRUN_STORE"):
-        env.pop(k, None)
+    env = solo_env(MESHRUN_COMM_BACKEND="mpi")
     r = subprocess.run([TRAINER, write_plan(tmp_path), "--set", "train.steps=1"], cwd=str(tmp_path), env=env,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2, r.stderr

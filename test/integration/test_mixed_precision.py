@@ -20,8 +20,8 @@ import subprocess
 
 import pytest
 
-from conftest import bin_dir
-from test_parallel import PLAN, TEXT, read_records, run_meshrun, sets_for, write_plan
+from conftest import bin_dir, solo_env
+from test_parallel import TEXT, read_records, run_meshrun, sets_for, write_plan
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAINER = os.path.join(bin_dir(), "trainer")
@@ -44,16 +44,9 @@ PLANS = {
 }
 
 
-def clean_env():
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MESHRUN_STORE", "MESHRUN_RDZV_TOKEN"):
-        env.pop(k, None)
-    return env
-
-
 def run_serial(d, extra, plan=None, timeout=300):
     args = [TRAINER, plan or write_plan(d)] + sets_for(d, (1, 1, 1), extra)
-    r = subprocess.run(args, cwd=str(d), env=clean_env(), capture_output=True, text=True, timeout=timeout)
+    r = subprocess.run(args, cwd=str(d), env=solo_env(), capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, r.stderr[-3000:]
     return r
 
@@ -166,7 +159,7 @@ def test_demo_bf16_within_3_percent_of_fp32(tmp_path):
         sets = ["--set", "parallel.mixed_precision.param_dtype=" + dt, "--set", "device=cpu",
                 "--set", "sample.tokens=0", "--set", "log.metrics_file=%s" % (d / "metrics.jsonl"),
                 "--set", "mesh.dp_shard=1", "--set", "data.train=%s" % TEXT]
-        env = dict(clean_env(), OMP_NUM_THREADS="2")  # the longest test here: both cores
+        env = solo_env(OMP_NUM_THREADS="2")  # the longest test here: both cores
         r = subprocess.run([TRAINER, os.path.join(REPO, "configs", "demo.json")] + sets, cwd=str(d), env=env,
                            capture_output=True, text=True, timeout=900)
         assert r.returncode == 0, r.stderr[-3000:]
@@ -197,7 +190,7 @@ def test_llama_configs_start_in_bf16(tmp_path, config, extra):
                "checkpoint.dir=%s" % (tmp_path / "ck")] + extra:
         sets += ["--set", kv]
     r = subprocess.run([TRAINER, os.path.join(REPO, "configs", config)] + sets + ["--stop-after", "2"],
-                       cwd=str(tmp_path), env=clean_env(), capture_output=True, text=True, timeout=600)
+                       cwd=str(tmp_path), env=solo_env(), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     recs = read_records(tmp_path)
     assert recs[0]["param_dtype"] == "bf16"

@@ -31,7 +31,7 @@ import time
 
 import pytest
 
-from conftest import FAST_CONF, MESHRUN, Meshrun, bin_dir, free_port, tiny_plan
+from conftest import FAST_CONF, MESHRUN, Meshrun, bin_dir, free_port, solo_env, tiny_plan
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAINER = os.path.join(bin_dir(), "trainer")
@@ -115,9 +115,7 @@ def serial(tmp_path_factory):
         train = tuple(e for e in extra if e.startswith("train."))
         if train not in runs:
             d = tmp_path_factory.mktemp("serial")
-            env = dict(os.environ, OMP_NUM_THREADS="1")
-            for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MESHRUN_STORE"):
-                env.pop(k, None)
+            env = solo_env()
             r = subprocess.run([TRAINER, write_plan(d)] + sets_for(d, (1, 1, 1), train), cwd=str(d), env=env,
                                capture_output=True, text=True, timeout=120)
             assert r.returncode == 0, r.stderr
@@ -197,9 +195,7 @@ def first_record(tmp_path, name, nproc, mesh, extra=()):
     d.mkdir()
     sets = sets_for(d, mesh, extra) + ["--set", "train.steps=1", "--set", "eval.interval=0"]
     if nproc == 1:
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MESHRUN_STORE"):
-            env.pop(k, None)
+        env = solo_env()
         r = subprocess.run([TRAINER, write_plan(d)] + sets, cwd=str(d), env=env, capture_output=True,
                            text=True, timeout=120)
         assert r.returncode == 0, r.stderr
@@ -259,9 +255,7 @@ def test_init_from_weights(serial, tmp_path):
     extra = ["model.init=" + init, "train.steps=3", "eval.interval=0"]
     ref = tmp_path / "one"
     ref.mkdir()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MESHRUN_STORE"):
-        env.pop(k, None)
+    env = solo_env()
     r = subprocess.run([TRAINER, write_plan(ref)] + sets_for(ref, (1, 1, 1), extra), cwd=str(ref), env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
