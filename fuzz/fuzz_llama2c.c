@@ -1,4 +1,4 @@
-// deps: trainer/interop.c trainer/model.c trainer/comm.c trainer/comm_cpu.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c trainer/safetensors.c common/net.c common/store.c common/store_proto.c common/log.c common/fs.c fuzz/support.c common/err.c common/env.c
+// deps: trainer/interop.c trainer/model.c trainer/trace.c trainer/comm.c trainer/comm_cpu.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c trainer/safetensors.c common/net.c common/store.c common/store_proto.c common/log.c common/fs.c fuzz/support.c common/err.c common/env.c
 // max_len: 16384
 /* fuzz_llama2c: interop's readers: llama2.c checkpoints and Hugging Face directories.
  *

@@ -41,7 +41,15 @@ bench_launcher() {
   scripts/bench-launcher.sh
 }
 
-SECTIONS="launcher trainer parallel mixed"
+# --- section: overlap. FSDP, HSDP and DDP with parallel.overlap off and on, one meshrun per
+# emulated host (scripts/netcluster.py: network namespaces, 2 Gbit/s links): ms/step and the
+# exposed communication (comm_wait_ms) off and on. Needs root (ip netns); says so and passes
+# where namespaces cannot be made.
+bench_overlap() {
+  "$PYTHON" scripts/bench_overlap.py
+}
+
+SECTIONS="launcher trainer parallel mixed overlap"
 
 failed=()
 for s in $SECTIONS; do

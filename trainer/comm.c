@@ -9,10 +9,17 @@
  * The nccl and staged backends are referenced weakly: a program that links only comm_cpu.c
  * (most unit tests and tools) still links, and asking it for them is a clear error.
  *
+ * Asynchronous requests (comm_start_*, comm_wait) are queued here too: native ones go to the
+ * backend's start/wait (nccl), "staged" runs them at once, and "cpu" gets a progress thread per
+ * communicator that runs its queue in issue order through the blocking table (see "asynchronous
+ * requests" below). The trace observer (comm_set_observer) hears of every call that ran and
+ * every wait, and wait_ns counts the caller's blocked time.
+ *
  * It also keeps the registry of live communicators (comm_create adds, comm_destroy removes), so
  * that a fatal device error can abort all of them before the process exits (comm_abort_all):
  * the peers then fail at once instead of waiting out their timeout. The registry has a lock of
- * its own; everything else of a comm_t belongs to the one thread that calls it. */
+ * its own; everything else of a comm_t belongs to the one thread that calls it, and to its
+ * progress thread while a request runs there (the queue has its own lock). */
 #include "trainer/comm.h"
 #include "trainer/comm_impl.h"
 
@@ -23,9 +30,29 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "common/env.h"
 #include "trainer/backend.h"
+
+struct comm_req {
+  comm_t *c;
+  comm_call_t call;
+  int done, rc;
+  uint64_t sent;
+  void *token; /* native backends */
+  struct comm_req *next;
+};
+
+struct comm_async {
+  pthread_t thread;
+  int running; /* the thread exists */
+  int stop;
+  pthread_mutex_t mu;
+  pthread_cond_t work, finished;
+  comm_req_t *head, *tail; /* not yet run, in issue order */
+  comm_stats_t pub;        /* c->stats as of the last finished call */
+};
 
 #pragma weak comm_nccl_create
 #pragma weak comm_staged_create
@@ -178,6 +205,19 @@ static int default_timeout_ms(void) {
   return (int)(s * 1000.0);
 }
 
+/* Test hook, MESHRUN_FAULT_COLLECTIVE=RANK:GROUP:N: in the process whose RANK is RANK, the N-th
+ * collective that reaches the backend of the communicator named GROUP.<lowest rank> (the mesh's
+ * names, e.g. "dp_shard") fails as comm_fail_next makes it, whether blocking or started. */
+static void fault_from_env(comm_t *c) {
+  const char *s = getenv("MESHRUN_FAULT_COLLECTIVE");
+  char group[COMM_NAME_MAX] = "";
+  int rank = -1, n = 0, my_rank;
+  if (!s || sscanf(s, "%d:%63[^:]:%d", &rank, group, &n) != 3 || n < 1) return;
+  env_int("RANK", 0, 1 << 30, 0, &my_rank);
+  size_t len = strlen(group);
+  if (rank == my_rank && !strncmp(c->name, group, len) && c->name[len] == '.') c->fault_at = n;
+}
+
 int comm_create(comm_t **out, const char *backend, const comm_config_t *cfg, char *err,
                 size_t errlen) {
   if (out) *out = NULL;
@@ -227,14 +267,24 @@ int comm_create(comm_t **out, const char *backend, const comm_config_t *cfg, cha
     comm_destroy(c);
     return rc;
   }
+  fault_from_env(c);
   live_add(c);
   *out = c;
   return COMM_OK;
 }
 
+static void async_free(comm_t *c);
+
+/* Counts a call that reaches the backend, arming the fault hook's. */
+static void count_call(comm_t *c) {
+  c->stats.calls++;
+  if (c->fault_at && ++c->fault_calls == c->fault_at) c->fail_next = 1;
+}
+
 void comm_destroy(comm_t *c) {
   if (!c) return;
   live_remove(c);
+  async_free(c);
   if (c->ops && c->ops->destroy) c->ops->destroy(c);
   free(c);
 }
@@ -243,8 +293,18 @@ int comm_rank(const comm_t *c) { return c->rank; }
 int comm_size(const comm_t *c) { return c->size; }
 const char *comm_name(const comm_t *c) { return c->name; }
 const char *comm_errmsg(const comm_t *c) { return c ? c->err : "comm: NULL communicator"; }
-void comm_get_stats(const comm_t *c, comm_stats_t *out) { *out = c->stats; }
-void comm_reset_stats(comm_t *c) { memset(&c->stats, 0, sizeof c->stats); }
+/* With a progress thread, its copy of the stats as of its last finished call. */
+void comm_get_stats(const comm_t *c, comm_stats_t *out) {
+  struct comm_async *a = c->async;
+  if (a && a->running) {
+    pthread_mutex_lock(&a->mu);
+    *out = a->pub;
+    pthread_mutex_unlock(&a->mu);
+  } else {
+    *out = c->stats;
+  }
+  out->wait_ns = c->wait_ns;
+}
 
 int comm_set_timeout(comm_t *c, int timeout_ms) {
   if (!c || timeout_ms <= 0) return COMM_EINVAL;
@@ -270,77 +330,326 @@ static int check_call(comm_t *c, const char *what, comm_dtype_t dtype, int has_o
   return COMM_OK;
 }
 
-int comm_all_reduce(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, comm_op_t op) {
-  if (!c) return COMM_EINVAL;
-  int rc = check_call(c, "all_reduce", dtype, 1, op);
-  if (rc) return rc;
-  if (count > 0 && !buf) return comm_set_error(c, COMM_EINVAL, "all_reduce: NULL buffer");
-  if (c->size == 1 || count == 0) return COMM_OK; /* sum, avg and max of one value is itself */
-  c->stats.calls++;
-  if (c->fail_next) return injected(c, "all_reduce");
-  return c->ops->all_reduce(c, buf, count, dtype, op);
+/* ---- the collectives: checked once (prep), then run on the caller's thread, or queued */
+
+static const char *const call_names[] = {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier"};
+
+/* all_gather's own part into its slot of the output, when it is not there already; then the
+ * input is the slot. Part of the operation: it runs when the operation runs, after whatever was
+ * queued before it. */
+static int own_slot(comm_t *c, comm_call_t *k) {
+  const size_t bytes = k->count * comm_dtype_size(k->dtype);
+  char *slot = (char *)k->out + (size_t)c->rank * bytes;
+  int rc = (const char *)k->in != slot ? local_copy(c, slot, k->in, bytes) : COMM_OK;
+  k->in = slot;
+  return rc;
 }
 
-int comm_all_gather(comm_t *c, const void *in, void *out, size_t count, comm_dtype_t dtype) {
-  if (!c) return COMM_EINVAL;
-  int rc = check_call(c, "all_gather", dtype, 0, COMM_SUM);
+/* Checks call and settles what needs no communication (groups of one, empty buffers, all_gather's
+ * own slot): returns a code, with *trivial = 1 when nothing is left for the backend. */
+static int prep(comm_t *c, comm_call_t *k, int *trivial) {
+  const char *what = call_names[k->kind];
+  const int has_op = k->kind == COMM_CALL_ALL_REDUCE || k->kind == COMM_CALL_REDUCE_SCATTER;
+  *trivial = 1;
+  int rc = check_call(c, what, k->dtype, has_op, k->op);
   if (rc) return rc;
-  if (count > 0 && (!in || !out)) return comm_set_error(c, COMM_EINVAL, "all_gather: NULL buffer");
-  if (count == 0) return COMM_OK;
-  size_t esz = comm_dtype_size(dtype);
-  char *slot = (char *)out + (size_t)c->rank * count * esz;
-  if ((const char *)in != slot) {
-    const char *i0 = in, *i1 = i0 + count * esz, *o0 = out, *o1 = o0 + (size_t)c->size * count * esz;
-    if (i0 < o1 && o0 < i1)
-      return comm_set_error(c, COMM_EINVAL, "all_gather: input overlaps the output but is not "
-                            "this rank's slot (out + rank * count)");
-    rc = local_copy(c, slot, in, count * esz);
-    if (rc) return rc;
+  const size_t esz = comm_dtype_size(k->dtype), n = k->count;
+  switch (k->kind) {
+  case COMM_CALL_ALL_REDUCE:
+    if (n > 0 && !k->out) return comm_set_error(c, COMM_EINVAL, "all_reduce: NULL buffer");
+    if (c->size == 1 || n == 0) return COMM_OK; /* sum, avg and max of one value is itself */
+    break;
+  case COMM_CALL_ALL_GATHER: {
+    if (n > 0 && (!k->in || !k->out)) return comm_set_error(c, COMM_EINVAL, "all_gather: NULL buffer");
+    if (n == 0) return COMM_OK;
+    const char *slot = (const char *)k->out + (size_t)c->rank * n * esz;
+    if ((const char *)k->in != slot) {
+      const char *i0 = k->in, *i1 = i0 + n * esz, *o0 = k->out, *o1 = o0 + (size_t)c->size * n * esz;
+      if (i0 < o1 && o0 < i1)
+        return comm_set_error(c, COMM_EINVAL, "all_gather: input overlaps the output but is not "
+                              "this rank's slot (out + rank * count)");
+    }
+    if (c->size == 1) return own_slot(c, k);
+    break;
   }
-  if (c->size == 1) return COMM_OK;
-  c->stats.calls++;
-  if (c->fail_next) return injected(c, "all_gather");
-  return c->ops->all_gather(c, slot, out, count, dtype);
+  case COMM_CALL_REDUCE_SCATTER: {
+    if (n > 0 && (!k->in || !k->out)) return comm_set_error(c, COMM_EINVAL, "reduce_scatter: NULL buffer");
+    if (n == 0) return COMM_OK;
+    const char *i0 = k->in, *i1 = i0 + (size_t)c->size * n * esz, *o0 = k->out, *o1 = o0 + n * esz;
+    if (i0 < o1 && o0 < i1) return comm_set_error(c, COMM_EINVAL, "reduce_scatter: output overlaps the input");
+    if (c->size == 1) return local_copy(c, k->out, k->in, n * esz);
+    break;
+  }
+  case COMM_CALL_BROADCAST:
+    if (k->root < 0 || k->root >= c->size)
+      return comm_set_error(c, COMM_EINVAL, "broadcast: root %d is not in a group of size %d", k->root, c->size);
+    if (n > 0 && !k->out) return comm_set_error(c, COMM_EINVAL, "broadcast: NULL buffer");
+    if (c->size == 1 || n == 0) return COMM_OK;
+    break;
+  case COMM_CALL_BARRIER:
+    if (c->size == 1) return COMM_OK;
+    break;
+  }
+  *trivial = 0;
+  return COMM_OK;
 }
 
-int comm_reduce_scatter(comm_t *c, const void *in, void *out, size_t count, comm_dtype_t dtype,
-                        comm_op_t op) {
-  if (!c) return COMM_EINVAL;
-  int rc = check_call(c, "reduce_scatter", dtype, 1, op);
+/* Hands a prepared call to the backend's blocking table, on whichever thread runs it. A
+ * communicator broken meanwhile (an earlier queued call failed) fails it without touching its
+ * buffers. */
+static int exec_call(comm_t *c, const comm_call_t *call) {
+  if (c->broken) return c->broken;
+  comm_call_t kk = *call, *k = &kk;
+  int rc;
+  count_call(c);
+  if (c->fail_next) return injected(c, call_names[k->kind]);
+  switch (k->kind) {
+  case COMM_CALL_ALL_REDUCE: return c->ops->all_reduce(c, k->out, k->count, k->dtype, k->op);
+  case COMM_CALL_ALL_GATHER:
+    if ((rc = own_slot(c, k))) return rc;
+    return c->ops->all_gather(c, k->in, k->out, k->count, k->dtype);
+  case COMM_CALL_REDUCE_SCATTER: return c->ops->reduce_scatter(c, k->in, k->out, k->count, k->dtype, k->op);
+  case COMM_CALL_BROADCAST: return c->ops->broadcast(c, k->out, k->count, k->dtype, k->root);
+  case COMM_CALL_BARRIER: return c->ops->barrier(c);
+  }
+  return COMM_EINVAL;
+}
+
+/* ---- asynchronous requests
+ *
+ * A request is queued on its communicator. Backends with native starts (nccl) get it at once
+ * and keep a token; "staged" (inline_async) runs it inside the start; "cpu" queues it for the
+ * communicator's progress thread, started by the first start, which runs the queue in order
+ * with the blocking table. Once that thread exists every call of the communicator goes through
+ * it (a blocking call is a start and a wait), so the backend is only ever entered by one thread
+ * and in issue order. The thread publishes the stats after each call (comm_get_stats reads that
+ * copy); the caller's blocked time (wait_ns) is the caller's own field. */
+
+static comm_observer_fn observer;
+void comm_set_observer(comm_observer_fn fn) { observer = fn; }
+
+static int64_t now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* Runs one call and returns its result; the bytes it sent go to *sent, and the observer (the
+ * trainer's trace) hears of it. */
+static int run_observed(comm_t *c, const comm_call_t *k, uint64_t *sent) {
+  uint64_t before = c->stats.bytes_sent;
+  int64_t t0 = observer ? now_ns() : 0;
+  int rc = exec_call(c, k);
+  *sent = c->stats.bytes_sent - before;
+  if (observer) observer(c, COMM_OBSERVE_RUN, call_names[k->kind], *sent, t0, now_ns());
+  return rc;
+}
+
+static void *progress_main(void *arg) {
+  comm_t *c = arg;
+  struct comm_async *a = c->async;
+  /* The trainer's signal handlers belong to its main thread. */
+  sigset_t all;
+  sigfillset(&all);
+  pthread_sigmask(SIG_BLOCK, &all, NULL);
+  pthread_mutex_lock(&a->mu);
+  for (;;) {
+    while (!a->head && !a->stop) pthread_cond_wait(&a->work, &a->mu);
+    if (!a->head) break;
+    comm_req_t *r = a->head;
+    pthread_mutex_unlock(&a->mu);
+    uint64_t sent = 0;
+    int rc = run_observed(c, &r->call, &sent);
+    pthread_mutex_lock(&a->mu);
+    a->head = r->next;
+    if (!a->head) a->tail = NULL;
+    r->rc = rc;
+    r->sent = sent;
+    r->done = 1;
+    a->pub = c->stats;
+    pthread_cond_broadcast(&a->finished);
+  }
+  pthread_mutex_unlock(&a->mu);
+  return NULL;
+}
+
+/* The queue and, for backends without native starts, the progress thread. */
+static int async_init(comm_t *c) {
+  if (c->async) return COMM_OK;
+  struct comm_async *a = calloc(1, sizeof *a);
+  if (!a) return comm_set_error(c, COMM_ESYSTEM, "out of memory for asynchronous requests");
+  pthread_mutex_init(&a->mu, NULL);
+  pthread_cond_init(&a->work, NULL);
+  pthread_cond_init(&a->finished, NULL);
+  a->pub = c->stats;
+  c->async = a;
+  if (c->ops->start || c->ops->inline_async) return COMM_OK;
+  int e = pthread_create(&a->thread, NULL, progress_main, c);
+  if (e) return comm_set_error(c, COMM_ESYSTEM, "cannot start the progress thread: %s", strerror(e));
+  a->running = 1;
+  return COMM_OK;
+}
+
+/* Only between calls (comm.h): nothing is in flight, so the thread is idle. */
+void comm_reset_stats(comm_t *c) {
+  memset(&c->stats, 0, sizeof c->stats);
+  c->wait_ns = 0;
+  if (c->async) {
+    pthread_mutex_lock(&c->async->mu);
+    memset(&c->async->pub, 0, sizeof c->async->pub);
+    pthread_mutex_unlock(&c->async->mu);
+  }
+}
+
+static void async_free(comm_t *c) {
+  struct comm_async *a = c->async;
+  if (!a) return;
+  if (a->running) {
+    pthread_mutex_lock(&a->mu);
+    a->stop = 1;
+    pthread_cond_broadcast(&a->work);
+    pthread_mutex_unlock(&a->mu);
+    pthread_join(a->thread, NULL); /* runs what is queued first: failing fast if broken */
+  }
+  pthread_mutex_destroy(&a->mu);
+  pthread_cond_destroy(&a->work);
+  pthread_cond_destroy(&a->finished);
+  free(a);
+  c->async = NULL;
+}
+
+static void waited(comm_t *c, const comm_call_t *k, int64_t t0) {
+  int64_t t1 = now_ns();
+  c->wait_ns += (uint64_t)(t1 - t0);
+  if (observer) observer(c, COMM_OBSERVE_WAIT, call_names[k->kind], k->count * comm_dtype_size(k->dtype), t0, t1);
+}
+
+static int start_call(comm_t *c, comm_call_t *k, comm_req_t **req) {
+  if (!req) return comm_set_error(c, COMM_EINVAL, "comm_start: NULL request pointer");
+  *req = NULL;
+  int trivial;
+  int rc = prep(c, k, &trivial);
   if (rc) return rc;
-  if (count > 0 && (!in || !out))
-    return comm_set_error(c, COMM_EINVAL, "reduce_scatter: NULL buffer");
-  if (count == 0) return COMM_OK;
-  size_t esz = comm_dtype_size(dtype);
-  const char *i0 = in, *i1 = i0 + (size_t)c->size * count * esz, *o0 = out, *o1 = o0 + count * esz;
-  if (i0 < o1 && o0 < i1)
-    return comm_set_error(c, COMM_EINVAL, "reduce_scatter: output overlaps the input");
-  if (c->size == 1) return local_copy(c, out, in, count * esz);
-  c->stats.calls++;
-  if (c->fail_next) return injected(c, "reduce_scatter");
-  return c->ops->reduce_scatter(c, in, out, count, dtype, op);
+  comm_req_t *r = calloc(1, sizeof *r);
+  if (!r) return comm_set_error(c, COMM_ESYSTEM, "out of memory for a request");
+  r->c = c;
+  r->call = *k;
+  if (trivial) {
+    r->done = 1;
+  } else if ((rc = async_init(c))) {
+    free(r);
+    return rc;
+  } else if (c->ops->start) {
+    uint64_t before = c->stats.bytes_sent;
+    count_call(c);
+    if (c->fail_next) r->rc = injected(c, "start");
+    else if (c->broken) r->rc = c->broken;
+    else if (k->kind != COMM_CALL_ALL_GATHER || !(r->rc = own_slot(c, k))) r->rc = c->ops->start(c, k, &r->token);
+    r->sent = c->stats.bytes_sent - before;
+    if (r->rc) r->done = 1;
+  } else if (c->ops->inline_async) {
+    r->rc = run_observed(c, k, &r->sent);
+    r->done = 1;
+  } else {
+    struct comm_async *a = c->async;
+    pthread_mutex_lock(&a->mu);
+    if (a->tail) a->tail->next = r;
+    else a->head = r;
+    a->tail = r;
+    pthread_cond_signal(&a->work);
+    pthread_mutex_unlock(&a->mu);
+  }
+  *req = r;
+  return COMM_OK;
 }
 
+int comm_wait(comm_req_t *r, uint64_t *sent) {
+  if (sent) *sent = 0;
+  if (!r) return COMM_OK;
+  comm_t *c = r->c;
+  int64_t t0 = now_ns();
+  if (!r->done && c->ops->start) {
+    uint64_t before = c->stats.bytes_sent; /* a native backend may count its bytes at the wait */
+    r->rc = c->ops->wait(c, r->token);
+    r->sent += c->stats.bytes_sent - before;
+    r->done = 1;
+  } else if (!r->done) {
+    struct comm_async *a = c->async;
+    pthread_mutex_lock(&a->mu);
+    while (!r->done) pthread_cond_wait(&a->finished, &a->mu);
+    pthread_mutex_unlock(&a->mu);
+  }
+  waited(c, &r->call, t0);
+  int rc = r->rc;
+  if (sent) *sent = r->sent;
+  free(r);
+  return rc;
+}
+
+int comm_test(comm_req_t *r, int *done) {
+  *done = 1;
+  if (!r) return COMM_OK;
+  if (r->c->ops->start && !r->done) return r->c->ops->test(r->c, r->token, done);
+  struct comm_async *a = r->c->async;
+  if (a) pthread_mutex_lock(&a->mu);
+  *done = r->done;
+  if (a) pthread_mutex_unlock(&a->mu);
+  return COMM_OK;
+}
+
+comm_t *comm_req_comm(const comm_req_t *r) { return r ? r->c : NULL; }
+
+/* A blocking call: on the caller's thread until a progress thread exists, then through it. */
+static int call(comm_t *c, comm_call_t k) {
+  if (!c) return COMM_EINVAL;
+  if (c->async && c->async->running) {
+    comm_req_t *r;
+    int rc = start_call(c, &k, &r);
+    return rc ? rc : comm_wait(r, NULL);
+  }
+  int trivial;
+  int rc = prep(c, &k, &trivial);
+  if (rc || trivial) return rc;
+  uint64_t sent;
+  int64_t t0 = now_ns();
+  rc = run_observed(c, &k, &sent);
+  waited(c, &k, t0);
+  return rc;
+}
+
+int comm_all_reduce(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, comm_op_t op) {
+  return call(c, (comm_call_t){.kind = COMM_CALL_ALL_REDUCE, .out = buf, .count = count, .dtype = dtype, .op = op});
+}
+int comm_all_gather(comm_t *c, const void *in, void *out, size_t count, comm_dtype_t dtype) {
+  return call(c, (comm_call_t){.kind = COMM_CALL_ALL_GATHER, .in = in, .out = out, .count = count, .dtype = dtype});
+}
+int comm_reduce_scatter(comm_t *c, const void *in, void *out, size_t count, comm_dtype_t dtype, comm_op_t op) {
+  return call(c, (comm_call_t){.kind = COMM_CALL_REDUCE_SCATTER, .in = in, .out = out, .count = count,
+                               .dtype = dtype, .op = op});
+}
 int comm_broadcast(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, int root) {
-  if (!c) return COMM_EINVAL;
-  int rc = check_call(c, "broadcast", dtype, 0, COMM_SUM);
-  if (rc) return rc;
-  if (root < 0 || root >= c->size)
-    return comm_set_error(c, COMM_EINVAL, "broadcast: root %d is not in a group of size %d", root,
-                          c->size);
-  if (count > 0 && !buf) return comm_set_error(c, COMM_EINVAL, "broadcast: NULL buffer");
-  if (c->size == 1 || count == 0) return COMM_OK;
-  c->stats.calls++;
-  if (c->fail_next) return injected(c, "broadcast");
-  return c->ops->broadcast(c, buf, count, dtype, root);
+  return call(c, (comm_call_t){.kind = COMM_CALL_BROADCAST, .out = buf, .count = count, .dtype = dtype, .root = root});
 }
+int comm_barrier(comm_t *c) { return call(c, (comm_call_t){.kind = COMM_CALL_BARRIER}); }
 
-int comm_barrier(comm_t *c) {
+int comm_start_all_reduce(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, comm_op_t op, comm_req_t **req) {
   if (!c) return COMM_EINVAL;
-  int rc = check_call(c, "barrier", COMM_FLOAT32, 0, COMM_SUM);
-  if (rc) return rc;
-  if (c->size == 1) return COMM_OK;
-  c->stats.calls++;
-  if (c->fail_next) return injected(c, "barrier");
-  return c->ops->barrier(c);
+  comm_call_t k = {.kind = COMM_CALL_ALL_REDUCE, .out = buf, .count = count, .dtype = dtype, .op = op};
+  return start_call(c, &k, req);
+}
+int comm_start_all_gather(comm_t *c, const void *in, void *out, size_t count, comm_dtype_t dtype, comm_req_t **req) {
+  if (!c) return COMM_EINVAL;
+  comm_call_t k = {.kind = COMM_CALL_ALL_GATHER, .in = in, .out = out, .count = count, .dtype = dtype};
+  return start_call(c, &k, req);
+}
+int comm_start_reduce_scatter(comm_t *c, const void *in, void *out, size_t count, comm_dtype_t dtype, comm_op_t op,
+                              comm_req_t **req) {
+  if (!c) return COMM_EINVAL;
+  comm_call_t k = {.kind = COMM_CALL_REDUCE_SCATTER, .in = in, .out = out, .count = count, .dtype = dtype, .op = op};
+  return start_call(c, &k, req);
+}
+int comm_start_broadcast(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, int root, comm_req_t **req) {
+  if (!c) return COMM_EINVAL;
+  comm_call_t k = {.kind = COMM_CALL_BROADCAST, .out = buf, .count = count, .dtype = dtype, .root = root};
+  return start_call(c, &k, req);
 }

@@ -15,6 +15,9 @@
  * arguments, handles groups of one rank and empty buffers, and keeps the error message, so
  * backends only move bytes.
  *
+ * Every collective also exists as an asynchronous start (comm_start_*): it returns at once with
+ * a request, and comm_wait (or comm_test) completes it; see "asynchronous collectives" below.
+ *
  * Errors are negative COMM_E* codes. comm_errmsg() returns the message of the last failure,
  * naming the group, the operation and the peer, e.g.
  *   "comm tp.0 (rank 1/2): all_reduce timed out after 30 s waiting for rank 0 (global rank 0,
@@ -26,7 +29,8 @@
  * fail at once (connection closed), and they close theirs, so the failure runs around the
  * group instead of waiting for the timeout.
  *
- * A comm_t is not thread-safe: one thread calls it at a time. Pointers are memory of the
+ * A comm_t is not thread-safe: one thread calls it at a time (its own progress thread, if any, is
+ * its business). Pointers are memory of the
  * backend's kind: host for "cpu", device for "nccl" and "staged" (of comm_config_t.device). */
 #ifndef MESHRUN_COMM_H
 #define MESHRUN_COMM_H
@@ -63,6 +67,8 @@ typedef struct {
   uint64_t bytes_sent;
   uint64_t bytes_recv;
   uint64_t calls; /* collectives that reached the backend (size 1 and count 0 do not) */
+  uint64_t wait_ns; /* time the calling thread spent blocked: in blocking calls and in comm_wait
+                       (the exposed communication; "nccl" waits on the device, so ~0 there) */
 } comm_stats_t;
 
 /* What comm_create needs. Only store is borrowed, and only during comm_create. */
@@ -80,6 +86,12 @@ typedef struct {
                              "nccl": optional, its synchronize() orders a collective after the
                              compute queued so far (unless comm_nccl_set_stream gave the compute
                              stream). "cpu": unused. Borrowed for the communicator's life. */
+  /* Optional: a communicator this group is split from ("nccl": ncclCommSplit of the parent's
+   * NCCL communicator instead of an init of its own; others ignore it). Then comm_create is
+   * collective over the parent's members, each passing the color of its group (members of one
+   * group share a color; cfg->rank orders them) in the same sequence of splits. */
+  struct comm *parent;
+  int color;
 } comm_config_t;
 
 /* Opaque: backends see its fields through trainer/comm_impl.h, users only these functions. */
@@ -112,6 +124,46 @@ int comm_reduce_scatter(comm_t *c, const void *in, void *out, size_t count, comm
 int comm_broadcast(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, int root);
 /* Returns once every member has entered the barrier. */
 int comm_barrier(comm_t *c);
+
+/* --- asynchronous collectives.
+ * comm_start_* checks its arguments as the blocking call does, queues the operation and returns
+ * 0 with *req at once (a failure to start, e.g. on a broken communicator, returns the code and
+ * *req = NULL). The buffers belong to the operation until comm_wait returns: do not read the
+ * output or write the input before. Several may be in flight on one communicator; they execute
+ * in issue order, one at a time, and a blocking call issued meanwhile runs after them (it is a
+ * start plus a wait). Operations on different communicators proceed independently.
+ *   "cpu": a progress thread of the communicator (started by the first comm_start) runs them;
+ *   "nccl": enqueued on the communication stream after an event of the compute stream; the wait
+ *           makes the compute stream wait for its completion event (no host synchronization);
+ *   "staged": runs the operation inside comm_start (no overlap: its copies share the device).
+ * comm_wait blocks until req is complete, frees it and returns its result; a failed operation
+ * returns its code once, and the ones queued after it on the same communicator fail with
+ * the same message without touching their buffers. sent (may be NULL) gets the bytes this rank
+ * sent for it. comm_test sets *done without blocking (req stays valid until comm_wait). Every
+ * started request must be waited for, also after a failure; comm_destroy waits for the ones
+ * left (a caller that is exiting may skip that). NULL req: comm_wait returns 0. */
+typedef struct comm_req comm_req_t;
+int comm_start_all_reduce(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, comm_op_t op,
+                          comm_req_t **req);
+int comm_start_all_gather(comm_t *c, const void *in, void *out, size_t count, comm_dtype_t dtype,
+                          comm_req_t **req);
+int comm_start_reduce_scatter(comm_t *c, const void *in, void *out, size_t count,
+                              comm_dtype_t dtype, comm_op_t op, comm_req_t **req);
+int comm_start_broadcast(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, int root,
+                         comm_req_t **req);
+int comm_wait(comm_req_t *req, uint64_t *sent);
+int comm_test(comm_req_t *req, int *done);
+comm_t *comm_req_comm(const comm_req_t *req);
+
+/* An observer of every collective of the process (the trainer's trace): RUN when a backend ran
+ * one (on the thread that ran it: t0, t1 its start and end, bytes what this rank sent), WAIT
+ * when a caller was blocked on one (its blocking call or comm_wait; bytes its buffer's size).
+ * Times are CLOCK_MONOTONIC nanoseconds. It may be called from progress threads at once, so it
+ * must be thread-safe. NULL: none (the default). Set it before any communicator exists. */
+enum { COMM_OBSERVE_RUN = 0, COMM_OBSERVE_WAIT = 1 };
+typedef void (*comm_observer_fn)(const comm_t *c, int what, const char *op, uint64_t bytes, int64_t t0_ns,
+                                 int64_t t1_ns);
+void comm_set_observer(comm_observer_fn fn);
 
 int comm_rank(const comm_t *c);
 int comm_size(const comm_t *c);

@@ -26,7 +26,8 @@
  * the two inputs and never rounds. AVG divides the finished sum by the group size once, in fp32,
  * and rounds: AVG is always SUM's bits divided and rounded, on every rank alike.
  *
- * What it does not do: no multi-threading, no topology awareness (one ring over the group's
+ * What it does not do: no threads of its own (comm.c runs started requests on a progress thread,
+ * one call at a time), no topology awareness (one ring over the group's
  * order), no recovery: on any error it closes its sockets so the neighbours fail at once too,
  * and the communicator is broken for good. Stats count payload bytes, not TCP headers. Its
  * abort (the fatal path) shuts both sockets down rather than closing them: the neighbours read

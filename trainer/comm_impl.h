@@ -11,6 +11,19 @@
 
 #include "trainer/comm.h"
 
+/* One collective, as the dispatch hands it to an asynchronous backend. */
+typedef enum { COMM_CALL_ALL_REDUCE, COMM_CALL_ALL_GATHER, COMM_CALL_REDUCE_SCATTER, COMM_CALL_BROADCAST,
+               COMM_CALL_BARRIER } comm_call_kind_t;
+typedef struct {
+  comm_call_kind_t kind;
+  const void *in; /* all_gather, reduce_scatter */
+  void *out;      /* all_gather, reduce_scatter; the buffer of all_reduce and broadcast */
+  size_t count;
+  comm_dtype_t dtype;
+  comm_op_t op;
+  int root;
+} comm_call_t;
+
 /* The backend table. */
 typedef struct {
   const char *name;
@@ -31,6 +44,18 @@ typedef struct {
    * a fatal path at any point between calls, so it only shuts things down: no freeing, no
    * blocking; destroy still runs later and must cope with an aborted impl. */
   void (*abort)(comm_t *c);
+  /* Optional: native asynchronous operations (nccl: enqueued on its communication stream). start
+   * queues call (valid arguments, size > 1, count > 0; all_gather's own slot is already copied)
+   * and returns a token of the backend's; wait completes it, after which later compute is ordered
+   * after the operation; test says whether it is complete without blocking; release frees a
+   * token whose wait will never come (comm_destroy of a communicator with requests left). Tokens
+   * are waited in issue order. NULL start: the dispatch runs the blocking calls above on a
+   * progress thread of the communicator ("cpu"), or at once with inline_async ("staged"). */
+  int (*start)(comm_t *c, const comm_call_t *call, void **token);
+  int (*wait)(comm_t *c, void *token);
+  int (*test)(comm_t *c, void *token, int *done);
+  void (*release)(comm_t *c, void *token);
+  int inline_async; /* 1: comm_start runs the operation to completion before returning */
 } comm_ops_t;
 
 struct comm {
@@ -44,7 +69,10 @@ struct comm {
   comm_stats_t stats;
   comm_mem_t mem;         /* of its backend (comm_backend_memory) */
   int fail_next;          /* comm_fail_next armed */
+  int fault_at, fault_calls; /* MESHRUN_FAULT_COLLECTIVE: the fault_at-th call fails (tests) */
   struct comm *next_live; /* the registry of live communicators (comm.c) */
+  uint64_t wait_ns;        /* the caller's blocked time (comm_stats_t.wait_ns) */
+  struct comm_async *async; /* comm.c: the queue of started requests and its progress thread */
 };
 
 /* Writes "comm <name> (rank r/n): <what>" into c->err and returns code; a system, remote or

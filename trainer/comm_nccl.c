@@ -4,34 +4,60 @@
  * Setup (comm_nccl_create): the GPU is LOCAL_RANK's (cudaSetDevice), after checking that
  * LOCAL_WORLD_SIZE GPUs are visible: NCCL does not allow two ranks of a communicator on one
  * device, and several ranks sharing a GPU would otherwise fail deep inside NCCL or hang (use the
- * "staged" backend for that). Group rank 0 creates the unique id and publishes it in the store
- * under "comm/<group>/<generation>/nccl_id" (the cpu backend's key space: a restarted job never
- * reads an earlier attempt's id); the others wait for it, then every member joins with
- * ncclCommInitRankConfig. The communicator is non-blocking (config.blocking = 0), so that no NCCL
- * call can block past our timeout: every call that answers ncclInProgress is polled with
+ * "staged" backend for that). The communicator then comes one of two ways:
+ *   - split (comm_config_t.parent is an nccl communicator): ncclCommSplit(parent, color, key =
+ *     group rank), NCCL >= 2.18 (checked at build time and against the loaded library). It is
+ *     collective over ALL the parent's members: each calls it once per split, in the same
+ *     sequence; those passing the same color form one communicator, ranked by key. No store, no
+ *     new id: NCCL bootstraps through the parent. The child does not share the parent's
+ *     resources (splitShare unset), so it runs concurrently with the parent and outlives it.
+ *     While the split runs, the parent's state is ncclInProgress; it is polled like an init. A
+ *     split that fails or times out aborts the parent too: its members are midway through the
+ *     split, and the abort is what joins NCCL's split thread. The result is checked against the
+ *     config (size, rank), which catches members that disagree about the groups.
+ *   - init (no nccl parent, or an older NCCL): group rank 0 creates the unique id and publishes it
+ *     in the store under "comm/<group>/<generation>/nccl_id" (the cpu backend's key space: a
+ *     restarted job never reads an earlier attempt's id); the others wait for it, then every
+ *     member joins with ncclCommInitRankConfig.
+ * Either way the communicator is non-blocking (config.blocking = 0), so that no NCCL call can
+ * block past our timeout: every call that answers ncclInProgress is polled with
  * ncclCommGetAsyncError until it completes, fails, or the timeout passes.
  *
- * Collectives run on a stream of their own. Order against the compute that writes their input:
- * with a compute stream (comm_nccl_set_stream) an event recorded there is waited for on ours;
- * without one, the device backend (comm_config_t.device) is synchronized, or else the device.
- * Calls are blocking as comm.h says: the host polls the completion event together with
- * ncclCommGetAsyncError, so a dead or stuck peer ends in COMM_EREMOTE or COMM_ETIMEDOUT, with
- * the group and operation named, instead of a hang; since the call returns only after the
- * collective has completed, later compute on any stream is ordered after it. Overlapping
- * communication with compute needs non-blocking calls (record an event, let the compute stream
- * wait for it, return), which comes with the strategy's overlap work: the hooks are here.
+ * Collectives are asynchronous underneath (the start/wait/test/release hooks of comm_ops_t) and
+ * run on a stream of the communicator's own. start orders that stream after the compute that
+ * wrote the input (with a compute stream from comm_nccl_set_stream, an event recorded there is
+ * waited for on ours; without one, the device backend, comm_config_t.device, or else the whole
+ * device is synchronized), enqueues the NCCL call, and records a completion event: one per
+ * operation, taken from a pool of the communicator (the operation's token), so that a training
+ * step creates no events. wait with a compute stream makes the compute stream wait for that
+ * event and returns (no host synchronization); without one, it polls the event on the host.
+ * The blocking calls are start plus a host wait: they return after the collective completed, so
+ * later compute on any stream is ordered after it, and their buffers are free.
  *
- * On any failure the communicator is aborted (ncclCommAbort), so the peers' NCCL calls fail too,
- * and it stays broken. Its abort op (comm_abort, and comm_abort_all on the fatal path) is
- * ncclCommAbort; comm_nccl_abort_all aborts the nccl ones of comm.c's registry. Fatal CUDA
- * errors of the calls around NCCL (events, streams) go through CUDA_CHECK (trainer/fatal.h):
- * "[trainer rank R host] file:line: call: message", abort everything, exit(1).
+ * Watching: every call into the backend first runs progress(): it retires completed operations in
+ * issue order (one stream, so they complete in order), reads ncclCommGetAsyncError, and fails the
+ * oldest incomplete operation once nothing has completed for the timeout. A dead or stuck peer
+ * thus ends in COMM_EREMOTE or COMM_ETIMEDOUT, with the group and operation named, instead of a
+ * hang: in a host wait at once, and for operations whose wait returned without the host (compute
+ * stream) at the next call on this communicator. On any failure the communicator is aborted
+ * (ncclCommAbort), so the peers' NCCL calls fail too, and it stays broken. Its abort op
+ * (comm_abort, and comm_abort_all on the fatal path) is ncclCommAbort; comm_nccl_abort_all aborts
+ * the nccl ones of comm.c's registry. Fatal CUDA errors of the calls around NCCL (events, streams)
+ * go through CUDA_CHECK (trainer/fatal.h): "[trainer rank R host] file:line: call: message",
+ * abort everything, exit(1).
  *
- * What it does not do: several GPUs per rank, NCCL groups (ncclGroupStart) across calls,
- * user buffer registration, pipelining with compute. AVG is ncclAvg, which NCCL computes as a
- * premultiplied sum for floats: the same bits as sum-then-divide when the group size is a power
- * of two, possibly the last bit otherwise. Stats count the bytes a ring algorithm sends
- * (all_reduce 2(n-1)/n of the buffer, and so on), not what NCCL's chosen algorithm moved. */
+ * Callers' part: NCCL kernels of different communicators in flight at once can deadlock unless
+ * every rank issues them in the same order; the strategies issue the same sequence on every rank.
+ *
+ * What it does not do: watch in-flight work from a thread of its own (with a compute stream, a
+ * collective that never completes after its wait returned stalls whatever synchronizes the
+ * compute stream until this communicator is called again, or the launcher reacts to the dead
+ * peer); several GPUs per rank; NCCL groups (ncclGroupStart) across calls; user buffer
+ * registration; resource sharing between split communicators. AVG is ncclAvg, which NCCL computes
+ * as a premultiplied sum for floats: the same bits as sum-then-divide when the group size is a
+ * power of two, possibly the last bit otherwise. Stats count the bytes a ring algorithm sends
+ * (all_reduce 2(n-1)/n of the buffer, and so on), not what NCCL's chosen algorithm moved, and
+ * count them when the operation is waited for (the blocking call returns) successfully. */
 #include "trainer/comm.h"
 #include "trainer/comm_impl.h"
 #include "trainer/comm_nccl.h"
@@ -53,15 +79,40 @@
 #include "trainer/backend.h"
 #include "trainer/fatal.h"
 
+/* ncclCommSplit appeared in NCCL 2.18.0; older headers build the init path only. */
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 18, 0)
+#define HAVE_NCCL_SPLIT 1
+#else
+#define HAVE_NCCL_SPLIT 0
+#endif
+
+/* One started operation. A token is in at most one of two lists: the in-flight FIFO (issued, not
+ * yet seen complete) or the free list (complete and no longer held by the dispatch). One held by
+ * the dispatch and already complete is in neither; every token is also on the all list, which
+ * only destroy walks. */
+typedef struct nccl_token {
+  cudaEvent_t done;        /* recorded on our stream after the operation */
+  comm_call_kind_t kind;   /* for messages */
+  uint64_t sent;           /* ring-equivalent bytes, counted when waited for successfully */
+  int64_t issued_ms;       /* net_now_ms() when enqueued */
+  int complete;            /* its event was seen complete (it left the in-flight FIFO) */
+  int owned;               /* held by the dispatch: started, not yet waited for or released */
+  struct nccl_token *next; /* in-flight FIFO or free list */
+  struct nccl_token *all_next;
+} nccl_token_t;
+
 typedef struct nccl_impl {
   ncclComm_t comm;          /* NULL until initialized; NULL again once aborted or destroyed */
   cudaStream_t stream;      /* NCCL's stream */
   cudaEvent_t ready;        /* recorded on the compute stream before a collective */
-  cudaEvent_t done;         /* recorded on our stream after it */
   cudaStream_t compute;     /* comm_nccl_set_stream's, or NULL */
   backend_t *dev;           /* comm_config_t.device, or NULL */
   float *barrier_buf;       /* one float of device memory for barrier */
   int device;               /* CUDA device number */
+  nccl_token_t *head, *tail; /* in flight, in issue order */
+  nccl_token_t *free_tokens;
+  nccl_token_t *all;
+  int64_t progress_ms;      /* when an operation was last seen complete */
 } nccl_impl_t;
 
 /* Yields the CPU between polls: the first few hundred polls only yield (short collectives finish
@@ -101,7 +152,19 @@ static const char *last_error(ncclComm_t comm, ncclResult_t r) {
   return s && *s ? s : ncclGetErrorString(r);
 }
 
-/* Waits until a non-blocking NCCL call that answered ncclInProgress has finished. */
+static const char *call_name(comm_call_kind_t kind) {
+  switch (kind) {
+  case COMM_CALL_ALL_REDUCE: return "all_reduce";
+  case COMM_CALL_ALL_GATHER: return "all_gather";
+  case COMM_CALL_REDUCE_SCATTER: return "reduce_scatter";
+  case COMM_CALL_BROADCAST: return "broadcast";
+  case COMM_CALL_BARRIER: return "barrier";
+  }
+  return "collective";
+}
+
+/* Waits until a non-blocking NCCL call that answered ncclInProgress has finished: until then NCCL
+ * forbids further work on its stream, our completion event included. */
 static int wait_state(comm_t *c, const char *what, ncclResult_t r) {
   nccl_impl_t *p = c->impl;
   if (r == ncclSuccess) return COMM_OK;
@@ -133,36 +196,80 @@ static void order_after_compute(nccl_impl_t *p) {
   }
 }
 
-/* After enqueuing: waits for completion while watching NCCL's asynchronous errors and the
- * timeout. The compute stream (when known) then waits on the same event, so it is ordered even
- * if a later version stops waiting here. */
-static int finish(comm_t *c, const char *what, ncclResult_t r) {
+/* ---- tokens: the pool of completion events ---- */
+
+static void push_free(nccl_impl_t *p, nccl_token_t *t) {
+  t->next = p->free_tokens;
+  p->free_tokens = t;
+}
+
+/* A token with an event, from the free list or new (the pool grows to the most operations in
+ * flight at once). NULL when out of memory. */
+static nccl_token_t *token_get(nccl_impl_t *p) {
+  nccl_token_t *t = p->free_tokens;
+  if (t) {
+    p->free_tokens = t->next;
+  } else {
+    t = calloc(1, sizeof *t);
+    if (!t) return NULL;
+    CUDA_CHECK(cudaEventCreateWithFlags(&t->done, cudaEventDisableTiming));
+    t->all_next = p->all;
+    p->all = t;
+  }
+  t->next = NULL;
+  t->complete = t->owned = 0;
+  return t;
+}
+
+/* The dispatch is done with t (waited for or released): back to the pool once complete, else
+ * when progress() sees it complete. Reusing its event then is safe either way: a stream that
+ * waits on an event waits for the record made before the wait call, not for later ones. */
+static void token_drop(nccl_impl_t *p, nccl_token_t *t) {
+  t->owned = 0;
+  if (t->complete) push_free(p, t);
+}
+
+/* The failure of a call on a communicator already aborted (comm_abort, or an earlier failure). */
+static int aborted(comm_t *c) {
+  return c->broken ? c->broken : comm_set_error(c, COMM_ESYSTEM, "the NCCL communicator was aborted");
+}
+
+/* Retires the operations that completed, in issue order, and checks for trouble: NCCL's
+ * asynchronous error, and an oldest operation that made no progress for the timeout (measured
+ * from its issue or the completion of the one before it, whichever is later). */
+static int progress(comm_t *c) {
   nccl_impl_t *p = c->impl;
-  int rc = wait_state(c, what, r);
-  if (rc) return rc;
-  CUDA_CHECK(cudaEventRecord(p->done, p->stream));
-  int64_t deadline = net_now_ms() + c->timeout_ms;
-  int polls = 0;
-  for (;;) {
-    cudaError_t q = cudaEventQuery(p->done);
-    if (q == cudaSuccess) break;
-    if (q != cudaErrorNotReady)
-      return fail(c, COMM_ESYSTEM, "%s: CUDA error while waiting for NCCL: %s", what,
+  if (!p->comm) return aborted(c);
+  while (p->head) {
+    nccl_token_t *t = p->head;
+    cudaError_t q = cudaEventQuery(t->done);
+    if (q == cudaErrorNotReady) break;
+    if (q != cudaSuccess)
+      return fail(c, COMM_ESYSTEM, "%s: CUDA error while waiting for NCCL: %s", call_name(t->kind),
                   cudaGetErrorString(q));
-    ncclResult_t ae = ncclSuccess;
-    ncclResult_t gr = ncclCommGetAsyncError(p->comm, &ae);
-    if (gr != ncclSuccess) ae = gr;
-    if (ae != ncclSuccess && ae != ncclInProgress)
-      return fail(c, COMM_EREMOTE, "%s: NCCL error: %s (%s); did a peer exit?", what,
-                  ncclGetErrorString(ae), last_error(p->comm, ae));
-    if (net_now_ms() > deadline)
+    p->head = t->next;
+    if (!p->head) p->tail = NULL;
+    t->complete = 1;
+    p->progress_ms = net_now_ms();
+    if (!t->owned) push_free(p, t);
+  }
+  const char *what = p->head ? call_name(p->head->kind) : "collective";
+  ncclResult_t ae = ncclSuccess;
+  ncclResult_t gr = ncclCommGetAsyncError(p->comm, &ae);
+  if (gr != ncclSuccess) ae = gr;
+  if (ae != ncclSuccess && ae != ncclInProgress)
+    return fail(c, COMM_EREMOTE, "%s: NCCL error: %s (%s); did a peer exit?", what,
+                ncclGetErrorString(ae), last_error(p->comm, ae));
+  if (p->head) {
+    int64_t since = p->head->issued_ms > p->progress_ms ? p->head->issued_ms : p->progress_ms;
+    if (net_now_ms() - since > c->timeout_ms)
       return fail(c, COMM_ETIMEDOUT, "%s timed out after %g s (the NCCL kernel did not complete: "
                   "a peer is missing, dead, or in another collective)", what, c->timeout_ms / 1000.0);
-    poll_pause(&polls);
   }
-  if (p->compute) CUDA_CHECK(cudaStreamWaitEvent(p->compute, p->done, 0));
   return COMM_OK;
 }
+
+/* ---- collectives ---- */
 
 static ncclDataType_t nccl_dtype(comm_dtype_t d) { return d == COMM_BFLOAT16 ? ncclBfloat16 : ncclFloat32; }
 
@@ -175,71 +282,157 @@ static ncclRedOp_t nccl_op(comm_op_t op) {
   return ncclSum;
 }
 
-/* Ring-equivalent payload of one rank: bytes * num / den. */
-static void count_bytes(comm_t *c, size_t bytes, int num, int den) {
-  uint64_t b = (uint64_t)bytes * (uint64_t)num / (uint64_t)den;
-  c->stats.bytes_sent += b;
-  c->stats.bytes_recv += b;
+/* Ring-equivalent payload of one rank for call. */
+static uint64_t ring_bytes(const comm_t *c, const comm_call_t *call) {
+  uint64_t bytes = (uint64_t)call->count * comm_dtype_size(call->dtype), n = (uint64_t)c->size;
+  switch (call->kind) {
+  case COMM_CALL_ALL_REDUCE: return bytes * 2 * (n - 1) / n;
+  case COMM_CALL_ALL_GATHER:
+  case COMM_CALL_REDUCE_SCATTER: return bytes * (n - 1);
+  case COMM_CALL_BROADCAST: return bytes;
+  case COMM_CALL_BARRIER: return 0;
+  }
+  return 0;
+}
+
+/* Enqueues call on our stream. all_gather's input is out + rank * count (the dispatch put it
+ * there): NCCL's in-place all-gather. NCCL has no barrier: an all-reduce of one float is one,
+ * since no rank's kernel completes before every rank's has started. */
+static ncclResult_t issue(nccl_impl_t *p, const comm_call_t *call) {
+  ncclDataType_t dt = nccl_dtype(call->dtype);
+  switch (call->kind) {
+  case COMM_CALL_ALL_REDUCE:
+    return ncclAllReduce(call->out, call->out, call->count, dt, nccl_op(call->op), p->comm, p->stream);
+  case COMM_CALL_ALL_GATHER:
+    return ncclAllGather(call->in, call->out, call->count, dt, p->comm, p->stream);
+  case COMM_CALL_REDUCE_SCATTER:
+    return ncclReduceScatter(call->in, call->out, call->count, dt, nccl_op(call->op), p->comm,
+                             p->stream);
+  case COMM_CALL_BROADCAST:
+    return ncclBroadcast(call->out, call->out, call->count, dt, call->root, p->comm, p->stream);
+  case COMM_CALL_BARRIER:
+    return ncclAllReduce(p->barrier_buf, p->barrier_buf, 1, ncclFloat32, ncclSum, p->comm, p->stream);
+  }
+  return ncclInvalidArgument;
+}
+
+/* The start hook: order, enqueue, record the completion event. The token is taken first, so
+ * that running out of memory fails before the peers see a collective this rank never joins. */
+static int nccl_start(comm_t *c, const comm_call_t *call, void **token) {
+  nccl_impl_t *p = c->impl;
+  const char *what = call_name(call->kind);
+  *token = NULL;
+  int rc = progress(c);
+  if (rc) return rc;
+  nccl_token_t *t = token_get(p);
+  if (!t) return fail(c, COMM_ESYSTEM, "%s: out of memory", what);
+  order_after_compute(p);
+  rc = wait_state(c, what, issue(p, call));
+  if (rc) {
+    push_free(p, t);
+    return rc;
+  }
+  CUDA_CHECK(cudaEventRecord(t->done, p->stream));
+  t->kind = call->kind;
+  t->sent = ring_bytes(c, call);
+  t->issued_ms = net_now_ms();
+  t->owned = 1;
+  if (p->tail) p->tail->next = t;
+  else p->head = t;
+  p->tail = t;
+  *token = t;
+  return COMM_OK;
+}
+
+/* Completes t: on the host (polled with NCCL's errors and the timeout), or, with a compute stream
+ * and on_host 0, by making the compute stream wait for its event. Gives t back either way. */
+static int finish(comm_t *c, nccl_token_t *t, int on_host) {
+  nccl_impl_t *p = c->impl;
+  int rc = progress(c);
+  if (on_host || !p->compute) {
+    int polls = 0;
+    while (rc == COMM_OK && !t->complete) {
+      poll_pause(&polls);
+      rc = progress(c);
+    }
+  } else if (rc == COMM_OK && !t->complete) {
+    CUDA_CHECK(cudaStreamWaitEvent(p->compute, t->done, 0));
+  }
+  if (rc == COMM_OK) {
+    c->stats.bytes_sent += t->sent;
+    c->stats.bytes_recv += t->sent;
+  }
+  token_drop(p, t);
+  return rc;
+}
+
+static int nccl_wait(comm_t *c, void *token) { return token ? finish(c, token, 0) : COMM_OK; }
+
+/* A failure also counts as done: its wait returns the code at once. */
+static int nccl_test(comm_t *c, void *token, int *done) {
+  int rc = progress(c);
+  *done = rc != COMM_OK || !token || ((nccl_token_t *)token)->complete;
+  return rc;
+}
+
+static void nccl_release(comm_t *c, void *token) {
+  if (token) token_drop(c->impl, token);
+}
+
+/* The blocking calls: start plus a host wait, so that they return with the collective done. */
+static int run(comm_t *c, const comm_call_t *call) {
+  void *t;
+  int rc = nccl_start(c, call, &t);
+  return rc ? rc : finish(c, t, 1);
 }
 
 static int nccl_all_reduce(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, comm_op_t op) {
-  nccl_impl_t *p = c->impl;
-  order_after_compute(p);
-  ncclResult_t r = ncclAllReduce(buf, buf, count, nccl_dtype(dtype), nccl_op(op), p->comm, p->stream);
-  int rc = finish(c, "all_reduce", r);
-  if (rc == COMM_OK) count_bytes(c, count * comm_dtype_size(dtype), 2 * (c->size - 1), c->size);
-  return rc;
+  comm_call_t call = {.kind = COMM_CALL_ALL_REDUCE, .out = buf, .count = count, .dtype = dtype, .op = op};
+  return run(c, &call);
 }
 
 static int nccl_all_gather(comm_t *c, const void *in, void *out, size_t count, comm_dtype_t dtype) {
-  nccl_impl_t *p = c->impl;
-  order_after_compute(p);
-  /* in is out + rank * count (the dispatch put it there): NCCL's in-place all-gather. */
-  ncclResult_t r = ncclAllGather(in, out, count, nccl_dtype(dtype), p->comm, p->stream);
-  int rc = finish(c, "all_gather", r);
-  if (rc == COMM_OK) count_bytes(c, count * comm_dtype_size(dtype), c->size - 1, 1);
-  return rc;
+  comm_call_t call = {.kind = COMM_CALL_ALL_GATHER, .in = in, .out = out, .count = count, .dtype = dtype};
+  return run(c, &call);
 }
 
 static int nccl_reduce_scatter(comm_t *c, const void *in, void *out, size_t count, comm_dtype_t dtype,
                                comm_op_t op) {
-  nccl_impl_t *p = c->impl;
-  order_after_compute(p);
-  ncclResult_t r = ncclReduceScatter(in, out, count, nccl_dtype(dtype), nccl_op(op), p->comm, p->stream);
-  int rc = finish(c, "reduce_scatter", r);
-  if (rc == COMM_OK) count_bytes(c, count * comm_dtype_size(dtype), c->size - 1, 1);
-  return rc;
+  comm_call_t call = {.kind = COMM_CALL_REDUCE_SCATTER, .in = in, .out = out, .count = count,
+                      .dtype = dtype, .op = op};
+  return run(c, &call);
 }
 
 static int nccl_broadcast(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, int root) {
-  nccl_impl_t *p = c->impl;
-  order_after_compute(p);
-  ncclResult_t r = ncclBroadcast(buf, buf, count, nccl_dtype(dtype), root, p->comm, p->stream);
-  int rc = finish(c, "broadcast", r);
-  if (rc == COMM_OK) count_bytes(c, count * comm_dtype_size(dtype), 1, 1);
-  return rc;
+  comm_call_t call = {.kind = COMM_CALL_BROADCAST, .out = buf, .count = count, .dtype = dtype, .root = root};
+  return run(c, &call);
 }
 
-/* NCCL has no barrier: an all-reduce of one float is one, since no rank's kernel completes
- * before every rank's has started. */
 static int nccl_barrier(comm_t *c) {
-  nccl_impl_t *p = c->impl;
-  order_after_compute(p);
-  ncclResult_t r = ncclAllReduce(p->barrier_buf, p->barrier_buf, 1, ncclFloat32, ncclSum, p->comm,
-                                 p->stream);
-  return finish(c, "barrier", r);
+  comm_call_t call = {.kind = COMM_CALL_BARRIER, .count = 1, .dtype = COMM_FLOAT32};
+  return run(c, &call);
 }
 
+/* The dispatch's local copies (all_gather's own slot, reduce_scatter on one rank). With a compute
+ * stream the copy is queued there: ordered after the compute that wrote src and before every
+ * later use (a later collective's start records its event after it), without stalling the host
+ * behind the operations in flight on our stream. Without one, it runs on our stream and the host
+ * waits for it. */
 static int nccl_copy(comm_t *c, void *dst, const void *src, size_t bytes) {
   nccl_impl_t *p = c->impl;
+  if (p->compute) {
+    CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, p->compute));
+    return COMM_OK;
+  }
   order_after_compute(p);
   CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, p->stream));
   CUDA_CHECK(cudaStreamSynchronize(p->stream));
   return COMM_OK;
 }
 
-/* A healthy communicator is finalized (flushes its work) then destroyed; a broken one, or one
- * whose finalize does not complete within the timeout, is aborted. */
+/* A healthy communicator is finalized (flushes its work, operations in flight included) then
+ * destroyed; a broken one, or one whose finalize does not complete within the timeout, is
+ * aborted. Tokens the dispatch still holds are freed too: it must not use them afterwards. */
 static void nccl_destroy(comm_t *c) {
   nccl_impl_t *p = c->impl;
   if (!p) return;
@@ -257,9 +450,14 @@ static void nccl_destroy(comm_t *c) {
     }
   }
   nccl_abort(p);
+  while (p->all) {
+    nccl_token_t *t = p->all;
+    p->all = t->all_next;
+    if (t->done) cudaEventDestroy(t->done);
+    free(t);
+  }
   if (p->barrier_buf) cudaFree(p->barrier_buf);
   if (p->ready) cudaEventDestroy(p->ready);
-  if (p->done) cudaEventDestroy(p->done);
   if (p->stream) cudaStreamDestroy(p->stream);
   free(p);
   c->impl = NULL;
@@ -278,6 +476,10 @@ static const comm_ops_t nccl_ops = {
     .copy = nccl_copy,
     .bf16 = 1,
     .abort = nccl_abort_op,
+    .start = nccl_start,
+    .wait = nccl_wait,
+    .test = nccl_test,
+    .release = nccl_release,
 };
 
 void comm_nccl_abort_all(void) { comm_abort_backend(&nccl_ops, "comm_nccl_abort_all"); }
@@ -328,6 +530,97 @@ static int exchange_id(const comm_config_t *cfg, int timeout_ms, ncclUniqueId *i
   return COMM_OK;
 }
 
+/* The init path: the id through the store, then ncclCommInitRankConfig, polled so that a missing
+ * member times out. */
+static int init_rank(comm_t *c, const comm_config_t *cfg, ncclConfig_t *conf, char *why, size_t whylen) {
+  nccl_impl_t *p = c->impl;
+  int64_t deadline = net_now_ms() + c->timeout_ms;
+  ncclUniqueId id;
+  int rc = exchange_id(cfg, c->timeout_ms, &id, why, whylen);
+  if (rc) return rc;
+  ncclResult_t r = ncclCommInitRankConfig(&p->comm, cfg->size, id, cfg->rank, conf);
+  int polls = 0;
+  while (r == ncclInProgress && p->comm) {
+    if (net_now_ms() > deadline) {
+      snprintf(why, whylen, "ncclCommInitRankConfig did not complete within %g s (are all %d "
+               "members starting?)", c->timeout_ms / 1000.0, cfg->size);
+      return COMM_ETIMEDOUT;
+    }
+    poll_pause(&polls);
+    ncclResult_t q = ncclCommGetAsyncError(p->comm, &r);
+    if (q != ncclSuccess) r = q;
+  }
+  if (r != ncclSuccess) {
+    snprintf(why, whylen, "ncclCommInitRankConfig on GPU %d: %s (%s)", p->device,
+             ncclGetErrorString(r), last_error(p->comm, r));
+    return r == ncclRemoteError ? COMM_EREMOTE : COMM_ESYSTEM;
+  }
+  return COMM_OK;
+}
+
+#if HAVE_NCCL_SPLIT
+/* The split path. NCCL runs the split on a thread of its own, attached to the parent: the parent's
+ * asynchronous state is ncclInProgress until the split ends with its result, and the new
+ * communicator is stored into p->comm (still NULL until then). On failure or timeout the parent
+ * is aborted (comm_abort: marked broken, its peers fail too); ncclCommAbort also joins the split
+ * thread, so nothing writes p->comm afterwards, and the caller aborts the half-made child. */
+static int split_from(comm_t *c, const comm_config_t *cfg, ncclConfig_t *conf, char *why, size_t whylen) {
+  nccl_impl_t *p = c->impl;
+  comm_t *parent = cfg->parent;
+  nccl_impl_t *pp = parent->impl;
+  if (parent->broken || !pp || !pp->comm) {
+    snprintf(why, whylen, "parent communicator %s is broken: %.300s", parent->name,
+             parent->err[0] ? parent->err : "aborted");
+    return COMM_EINVAL;
+  }
+  if (cfg->color < 0) {
+    snprintf(why, whylen, "split color %d is negative", cfg->color);
+    return COMM_EINVAL;
+  }
+  int64_t deadline = net_now_ms() + c->timeout_ms;
+  ncclResult_t r = ncclCommSplit(pp->comm, cfg->color, cfg->rank, &p->comm, conf);
+  int polls = 0;
+  int rc = COMM_OK;
+  while (r == ncclInProgress) {
+    if (net_now_ms() > deadline) {
+      snprintf(why, whylen, "ncclCommSplit of %s (color %d) did not complete within %g s (do all "
+               "%d members of %s create the same groups in the same order?)", parent->name,
+               cfg->color, c->timeout_ms / 1000.0, parent->size, parent->name);
+      rc = COMM_ETIMEDOUT;
+      break;
+    }
+    poll_pause(&polls);
+    ncclResult_t q = ncclCommGetAsyncError(pp->comm, &r);
+    if (q != ncclSuccess) r = q;
+  }
+  if (rc == COMM_OK && r != ncclSuccess) {
+    snprintf(why, whylen, "ncclCommSplit of %s (color %d) on GPU %d: %s (%s)", parent->name,
+             cfg->color, p->device, ncclGetErrorString(r), last_error(pp->comm, r));
+    rc = r == ncclRemoteError ? COMM_EREMOTE : COMM_ESYSTEM;
+  }
+  if (rc) {
+    comm_abort(parent, "a split of it failed");
+    return rc;
+  }
+  int n = 0, me = -1;
+  if (!p->comm || ncclCommCount(p->comm, &n) != ncclSuccess ||
+      ncclCommUserRank(p->comm, &me) != ncclSuccess || n != cfg->size || me != cfg->rank) {
+    snprintf(why, whylen, "ncclCommSplit of %s by color %d made rank %d of %d, not %d of %d: the "
+             "members disagree about the groups", parent->name, cfg->color, me, n, cfg->rank,
+             cfg->size);
+    return COMM_EINVAL;
+  }
+  return COMM_OK;
+}
+
+/* 1 when cfg asks for a split this build and the loaded library can do. */
+static int use_split(const comm_config_t *cfg) {
+  int version = 0;
+  return cfg->parent && cfg->parent->ops == &nccl_ops && ncclGetVersion(&version) == ncclSuccess &&
+         version >= NCCL_VERSION(2, 18, 0);
+}
+#endif
+
 int comm_nccl_visible_gpus(void) {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess) {
@@ -374,7 +667,6 @@ int comm_nccl_create(comm_t *c, const comm_config_t *cfg, char *err, size_t errl
   if ((ce = cudaSetDevice(p->device)) != cudaSuccess) what = "cudaSetDevice";
   else if ((ce = cudaStreamCreateWithFlags(&p->stream, cudaStreamNonBlocking)) != cudaSuccess) what = "cudaStreamCreate";
   else if ((ce = cudaEventCreateWithFlags(&p->ready, cudaEventDisableTiming)) != cudaSuccess) what = "cudaEventCreate";
-  else if ((ce = cudaEventCreateWithFlags(&p->done, cudaEventDisableTiming)) != cudaSuccess) what = "cudaEventCreate";
   else if ((ce = cudaMalloc((void **)&p->barrier_buf, sizeof(float))) != cudaSuccess) what = "cudaMalloc";
   if (what) {
     snprintf(why, sizeof why, "GPU %d: %s: %s", p->device, what, cudaGetErrorString(ce));
@@ -382,35 +674,17 @@ int comm_nccl_create(comm_t *c, const comm_config_t *cfg, char *err, size_t errl
     goto error;
   }
 
-  /* 2. The id, through the store. */
-  int64_t deadline = net_now_ms() + c->timeout_ms;
-  ncclUniqueId id;
-  rc = exchange_id(cfg, c->timeout_ms, &id, why, sizeof why);
-  if (rc) goto error;
-
-  /* 3. Join, non-blocking: the init is polled so that a missing member times out. */
+  /* 2. The communicator, non-blocking: split from the parent's, or initialized through the
+   * store. */
   ncclConfig_t conf = NCCL_CONFIG_INITIALIZER;
   conf.blocking = 0;
   conf.commName = cfg->name;
-  ncclResult_t r = ncclCommInitRankConfig(&p->comm, cfg->size, id, cfg->rank, &conf);
-  int polls = 0;
-  while (r == ncclInProgress && p->comm) {
-    if (net_now_ms() > deadline) {
-      snprintf(why, sizeof why, "ncclCommInitRankConfig did not complete within %g s (are all %d "
-               "members starting?)", c->timeout_ms / 1000.0, cfg->size);
-      rc = COMM_ETIMEDOUT;
-      goto error;
-    }
-    poll_pause(&polls);
-    ncclResult_t q = ncclCommGetAsyncError(p->comm, &r);
-    if (q != ncclSuccess) r = q;
-  }
-  if (r != ncclSuccess) {
-    snprintf(why, sizeof why, "ncclCommInitRankConfig on GPU %d: %s (%s)", p->device,
-             ncclGetErrorString(r), last_error(p->comm, r));
-    rc = r == ncclRemoteError ? COMM_EREMOTE : COMM_ESYSTEM;
-    goto error;
-  }
+#if HAVE_NCCL_SPLIT
+  if (use_split(cfg)) rc = split_from(c, cfg, &conf, why, sizeof why);
+  else
+#endif
+    rc = init_rank(c, cfg, &conf, why, sizeof why);
+  if (rc) goto error;
   return COMM_OK;
 
 error:

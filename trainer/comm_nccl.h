@@ -8,8 +8,9 @@
 
 /* Gives an nccl communicator the compute stream (a cudaStream_t) that produces and consumes its
  * buffers: collectives then wait for it with an event instead of synchronizing the device
- * backend, and the compute stream waits for them likewise. NULL goes back to the conservative
- * order. COMM_EINVAL for a communicator of another backend (and always without CUDA). */
+ * backend, and the compute stream waits for them likewise (comm_wait returns without waiting on
+ * the host); the dispatch's local device copies are queued on it. NULL goes back to the
+ * conservative order. COMM_EINVAL for a communicator of another backend (and always without CUDA). */
 int comm_nccl_set_stream(comm_t *c, void *compute_stream);
 /* Aborts every live nccl communicator of this process (ncclCommAbort), so that peers blocked in
  * a collective with it fail instead of hanging; the communicators are unusable afterwards. The

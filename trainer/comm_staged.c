@@ -169,6 +169,7 @@ static const comm_ops_t staged_ops = {
     .copy = staged_copy,
     .bf16 = 1, /* the inner cpu ring reduces bf16 */
     .abort = staged_abort,
+    .inline_async = 1, /* its copies go through the shared device backend: started = run at once */
 };
 
 int comm_staged_create(comm_t *c, const comm_config_t *cfg, char *err, size_t errlen) {

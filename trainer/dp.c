@@ -39,64 +39,76 @@ int dp_fail(dp_impl_t *d, int code, const char *fmt, ...) {
   return code ? code : -1;
 }
 
-static size_t sent_of(const comm_t *c) {
-  comm_stats_t st;
-  comm_get_stats(c, &st);
-  return st.bytes_sent;
+/* ------------------------------------------------------------------ the collectives */
+
+/* A started request becomes the op's (pending); without overlap it is waited for at once, so
+ * the order of everything is what the blocking strategy had. */
+static int op_started(dp_impl_t *d, dp_op_t *op, comm_t *c, uint64_t *counter, int rc, const char *coll,
+                      const char *what) {
+  snprintf(op->what, sizeof op->what, "%s of %s", coll, what);
+  op->comm = c;
+  op->counter = counter;
+  if (rc) return dp_fail(d, rc, "dp %s: %s failed: %s", d->pub.name, op->what, comm_errmsg(c));
+  op->pending = 1;
+  return d->overlap ? 0 : dp_op_wait(d, op);
 }
 
-static int all_reduce_dt(dp_impl_t *d, comm_t *c, void *buf, size_t n, dtype_t dt, comm_op_t op, const char *what) {
-  size_t before = sent_of(c);
-  int rc = comm_all_reduce(c, buf, n, comm_dtype_of(dt), op);
-  d->traffic.all_reduce += sent_of(c) - before;
-  return rc ? dp_fail(d, rc, "dp %s: all_reduce of %s failed: %s", d->pub.name, what, comm_errmsg(c)) : 0;
+int dp_op_wait(dp_impl_t *d, dp_op_t *op) {
+  if (!op->pending) return 0;
+  op->pending = 0;
+  uint64_t sent = 0;
+  int rc = comm_wait(op->req, &sent);
+  op->req = NULL;
+  *op->counter += sent;
+  if (rc) return dp_fail(d, rc, "dp %s: %s failed: %s", d->pub.name, op->what, comm_errmsg(op->comm));
+  return op->then ? op->then(d, op) : 0;
 }
+
+int dp_ops_wait(dp_impl_t *d, dp_op_t *ops, int n) {
+  int rc = 0;
+  for (int i = 0; i < n; i++) { /* all of them, also after a failure: none is left in flight */
+    int r = dp_op_wait(d, &ops[i]);
+    if (r && !rc) rc = r;
+  }
+  return rc;
+}
+
+int dp_start_all_gather(dp_impl_t *d, dp_op_t *op, comm_t *c, const void *in, void *out, size_t n, dtype_t dt,
+                        const char *what) {
+  int rc = comm_start_all_gather(c, in, out, n, comm_dtype_of(dt), &op->req);
+  return op_started(d, op, c, &d->traffic.all_gather, rc, "all_gather", what);
+}
+int dp_start_reduce_scatter(dp_impl_t *d, dp_op_t *op, comm_t *c, const void *in, void *out, size_t n, dtype_t dt,
+                            const char *what) {
+  int rc = comm_start_reduce_scatter(c, in, out, n, comm_dtype_of(dt), COMM_AVG, &op->req);
+  return op_started(d, op, c, &d->traffic.reduce_scatter, rc, "reduce_scatter", what);
+}
+static int start_all_reduce_op(dp_impl_t *d, dp_op_t *op, comm_t *c, void *buf, size_t n, dtype_t dt, comm_op_t rop,
+                               const char *what) {
+  int rc = comm_start_all_reduce(c, buf, n, comm_dtype_of(dt), rop, &op->req);
+  return op_started(d, op, c, &d->traffic.all_reduce, rc, "all_reduce", what);
+}
+int dp_start_all_reduce(dp_impl_t *d, dp_op_t *op, comm_t *c, void *buf, size_t n, dtype_t dt, const char *what) {
+  return start_all_reduce_op(d, op, c, buf, n, dt, COMM_AVG, what);
+}
+
+/* The blocking forms: a local op started and waited. */
 int dp_all_reduce(dp_impl_t *d, comm_t *c, float *buf, size_t n, comm_op_t op, const char *what) {
-  return all_reduce_dt(d, c, buf, n, DT_F32, op, what);
+  dp_op_t o = {0};
+  return start_all_reduce_op(d, &o, c, buf, n, DT_F32, op, what) ? d->status : dp_op_wait(d, &o);
 }
-
 int dp_all_gather(dp_impl_t *d, comm_t *c, const void *in, void *out, size_t n, dtype_t dt, const char *what) {
-  size_t before = sent_of(c);
-  int rc = comm_all_gather(c, in, out, n, comm_dtype_of(dt));
-  d->traffic.all_gather += sent_of(c) - before;
-  return rc ? dp_fail(d, rc, "dp %s: all_gather of %s failed: %s", d->pub.name, what, comm_errmsg(c)) : 0;
-}
-static int reduce_scatter_dt(dp_impl_t *d, comm_t *c, const void *in, void *out, size_t n, dtype_t dt,
-                             const char *what) {
-  size_t before = sent_of(c);
-  int rc = comm_reduce_scatter(c, in, out, n, comm_dtype_of(dt), COMM_AVG);
-  d->traffic.reduce_scatter += sent_of(c) - before;
-  return rc ? dp_fail(d, rc, "dp %s: reduce_scatter of %s failed: %s", d->pub.name, what, comm_errmsg(c)) : 0;
+  dp_op_t o = {0};
+  return dp_start_all_gather(d, &o, c, in, out, n, dt, what) ? d->status : dp_op_wait(d, &o);
 }
 int dp_reduce_scatter(dp_impl_t *d, comm_t *c, const float *in, float *out, size_t n, const char *what) {
-  return reduce_scatter_dt(d, c, in, out, n, DT_F32, what);
+  dp_op_t o = {0};
+  return dp_start_reduce_scatter(d, &o, c, in, out, n, DT_F32, what) ? d->status : dp_op_wait(d, &o);
 }
 int dp_broadcast(dp_impl_t *d, comm_t *c, float *buf, size_t n, int root, const char *what) {
-  size_t before = sent_of(c);
-  int rc = comm_broadcast(c, buf, n, COMM_FLOAT32, root);
-  d->traffic.broadcast += sent_of(c) - before;
-  return rc ? dp_fail(d, rc, "dp %s: broadcast of %s failed: %s", d->pub.name, what, comm_errmsg(c)) : 0;
-}
-
-/* reduce_dtype bf16: the fp32 gradients are rounded once into rlp, the collective sums bf16
- * values in fp32 and rounds once per combining step (as NCCL does), and the result is widened
- * back; the wire carries half the bytes. */
-int dp_grad_all_reduce(dp_impl_t *d, comm_t *c, float *g, size_t n, const char *what) {
-  if (d->rdt == DT_F32) return dp_all_reduce(d, c, g, n, COMM_AVG, what);
-  d->be->convert(d->be, d->rlp, d->rdt, g, DT_F32, n);
-  if (all_reduce_dt(d, c, d->rlp, n, d->rdt, COMM_AVG, what)) return d->status;
-  d->be->convert(d->be, g, DT_F32, d->rlp, d->rdt, n);
-  return 0;
-}
-
-int dp_grad_reduce_scatter(dp_impl_t *d, comm_t *c, const float *in, float *out, size_t n, const char *what) {
-  if (d->rdt == DT_F32) return dp_reduce_scatter(d, c, in, out, n, what);
-  size_t all = n * (size_t)comm_size(c);
-  void *lo = d->rlp, *lo_out = (char *)d->rlp + all * dtype_size(d->rdt);
-  d->be->convert(d->be, lo, d->rdt, in, DT_F32, all);
-  if (reduce_scatter_dt(d, c, lo, lo_out, n, d->rdt, what)) return d->status;
-  d->be->convert(d->be, out, DT_F32, lo_out, d->rdt, n);
-  return 0;
+  dp_op_t o = {0};
+  int rc = comm_start_broadcast(c, buf, n, COMM_FLOAT32, root, &o.req);
+  return op_started(d, &o, c, &d->traffic.broadcast, rc, "broadcast", what) ? d->status : dp_op_wait(d, &o);
 }
 
 /* parts has room for one entry per tensor: a tensor lies in one unit, and this rank's share
@@ -139,9 +151,13 @@ static const dp_ops_t *ops_for(const mesh_t *mesh, const plan_t *p) {
   return p->parallel.zero == 2 ? &dp_zero2_ops : p->parallel.zero == 1 ? &dp_zero1_ops : &dp_ddp_ops;
 }
 
+/* Every collective still in flight, waited for (their errors are kept in d->status). */
+static int drain(dp_impl_t *d) { return d->ops->drain ? d->ops->drain(d) : 0; }
+
 void dp_destroy(dp_t *dp) {
   if (!dp) return;
   dp_impl_t *d = dp_impl_of(dp);
+  if (d->ops) drain(d);
   if (d->m) model_set_dp(d->m, NULL);
   optim_free(&d->opt);
   if (d->be) {
@@ -162,16 +178,26 @@ void dp_destroy(dp_t *dp) {
   free(d->holder);
   free(d->parts);
   free(d->ck_ts);
+  free(d->blo);
+  free(d->bhi);
+  free(d->bucket_of);
+  free(d->bops);
+  free(d->gops);
+  free(d->rsops);
+  free(d->arops);
   free(d);
 }
 
-/* The largest gradient reduction in reduce_dtype: a unit's gradients (DDP, HSDP's replicate
- * all-reduce of a shard), or a padded unit and its chunk (the reduce-scatter of the shards). */
+/* The wire copies of reduce_dtype bf16 (see dp_impl_t.rlp): per gradient buffer the largest
+ * padded unit and its chunk, then the shard for HSDP's replicate all-reduce; or (DDP, ZeRO-1)
+ * the flat gradient, each bucket at its own offset. */
 static int reduce_scratch(dp_impl_t *d, char *err, size_t errlen) {
-  size_t n = 0;
-  for (int u = 0; u < d->n_units; u++) {
-    size_t need = d->chunk ? d->chunk[u] * (size_t)(d->S + 1) : d->unumel[u];
-    n = need > n ? need : n;
+  size_t n = d->num_params;
+  if (d->chunk) {
+    d->rs_lp_n = 0;
+    for (int u = 0; u < d->n_units; u++)
+      if (d->chunk[u] * (size_t)(d->S + 1) > d->rs_lp_n) d->rs_lp_n = d->chunk[u] * (size_t)(d->S + 1);
+    n = (size_t)d->ngrad * d->rs_lp_n + (d->rep_comm && comm_size(d->rep_comm) > 1 ? d->shard_total : 0);
   }
   d->rlp_n = n;
   if (n && !(d->rlp = d->be->alloc(d->be, n * dtype_size(d->rdt)))) {
@@ -197,6 +223,8 @@ int dp_create(dp_t **out, model_t *m, backend_t *be, const mesh_t *mesh, const p
   d->be = be;
   d->sync = 1;
   d->reshard = p->parallel.reshard_after_forward;
+  d->overlap = p->parallel.overlap;
+  d->ngrad = d->overlap ? 2 : 1;
   d->n_units = model_num_units(m);
   d->num_params = model_num_params(m);
   d->uoff = calloc((size_t)d->n_units, sizeof *d->uoff);
@@ -253,11 +281,13 @@ int dp_init_params(dp_t *dp, uint64_t seed, double init_std) {
 
 int dp_unit_open(dp_t *dp, int u) {
   dp_impl_t *d = dp_impl_of(dp);
+  if (drain(d)) return d->status;
   return d->ops->unit_open(d, u);
 }
 
 int dp_unit_commit(dp_t *dp, int u) {
   dp_impl_t *d = dp_impl_of(dp);
+  if (drain(d)) return d->status;
   return d->ops->unit_commit(d, u);
 }
 
@@ -270,16 +300,19 @@ void dp_set_sync(dp_t *dp, int sync) { dp_impl_of(dp)->sync = sync; }
 
 void dp_zero_grad(dp_t *dp) {
   dp_impl_t *d = dp_impl_of(dp);
+  drain(d);
   d->ops->zero_grad(d);
 }
 
 int dp_grad_norm(dp_t *dp, double *norm) {
   dp_impl_t *d = dp_impl_of(dp);
+  if (drain(d)) return d->status;
   return d->ops->grad_norm(d, norm);
 }
 
 int dp_step(dp_t *dp, double lr, double grad_scale) {
   dp_impl_t *d = dp_impl_of(dp);
+  if (drain(d)) return d->status;
   return d->ops->step(d, lr, grad_scale);
 }
 
@@ -301,6 +334,10 @@ static model_tensor_t *ck_tensors(dp_impl_t *d, int *nt) {
 int dp_ckpt_to_host(dp_t *dp, ckpt_chunks_t *cs, float **host, char *err, size_t errlen) {
   dp_impl_t *d = dp_impl_of(dp);
   *host = NULL;
+  if (drain(d)) {
+    snprintf(err, errlen, "%s", d->err);
+    return d->status;
+  }
   dp_ck_range_t *r = malloc(DP_CK_RANGES_MAX(d->n_units) * sizeof *r);
   int nt = 0;
   model_tensor_t *ts = ck_tensors(d, &nt);
@@ -329,6 +366,10 @@ nomem:
 
 int dp_ckpt_from_host(dp_t *dp, ckpt_t *ck, char *err, size_t errlen) {
   dp_impl_t *d = dp_impl_of(dp);
+  if (drain(d)) {
+    snprintf(err, errlen, "%s", d->err);
+    return d->status;
+  }
   dp_ck_range_t *r = malloc(DP_CK_RANGES_MAX(d->n_units) * sizeof *r);
   int nt = 0, rc = 0;
   model_tensor_t *ts = ck_tensors(d, &nt);

@@ -10,8 +10,16 @@
  * rank also the tail); after updating it, an in-place all-gather (plus a broadcast of the tail)
  * makes the parameters whole again (fp32: the masters stay whole on every rank; under bf16 the
  * model rounds its compute copy from them at the next forward). Gradients are reduced in
- * reduce_dtype (dp_grad_all_reduce). It does not bucket across units nor overlap the
- * all-reduce with the backward (every collective is blocking). */
+ * reduce_dtype.
+ *
+ * Buckets (PyTorch DDP's bucket_cap_mb: parallel.bucket_mb): runs of whole units, contiguous in
+ * the flat buffer, filled in backward order (the output unit first) until they reach the cap. A
+ * bucket is all-reduced as soon as its lowest unit's backward is done; with overlap the
+ * all-reduce runs while the backward goes on, and the step waits for all of them (the norm needs
+ * every gradient). Without overlap the same buckets are reduced, blocking, at the same points,
+ * so the sums, and the losses, are bit-identical either way. A unit larger than the cap is a
+ * bucket of its own; units are the finest grain, since a unit's gradients are final only when
+ * its whole backward is. */
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -52,20 +60,79 @@ static int flat_setup(dp_impl_t *d, const plan_t *p, int zero1, char *err, size_
   return rc;
 }
 
+/* Units grouped into buckets from the last unit down, each closed once it holds bucket_mb. */
+static int make_buckets(dp_impl_t *d, const plan_t *p, char *err, size_t errlen) {
+  const int U = d->n_units;
+  d->blo = calloc((size_t)U, sizeof *d->blo);
+  d->bhi = calloc((size_t)U, sizeof *d->bhi);
+  d->bucket_of = calloc((size_t)U, sizeof *d->bucket_of);
+  d->bops = calloc((size_t)U, sizeof *d->bops);
+  if (!d->blo || !d->bhi || !d->bucket_of || !d->bops) {
+    snprintf(err, errlen, "dp error: out of memory");
+    return -4;
+  }
+  const double cap = p->parallel.bucket_mb * 1048576.0;
+  int contiguous = 1; /* the model lays units out in order; a bucket is one flat range only then */
+  for (int u = 0; u + 1 < U; u++) contiguous &= d->uoff[u + 1] == d->uoff[u] + d->unumel[u];
+  double bytes = 0;
+  d->n_buckets = 0;
+  for (int u = U - 1; u >= 0; u--) {
+    if (bytes == 0) d->bhi[d->n_buckets] = u;
+    bytes += (double)d->unumel[u] * sizeof(float);
+    d->blo[d->n_buckets] = u;
+    d->bucket_of[u] = d->n_buckets;
+    if (bytes >= cap || u == 0 || !contiguous) {
+      d->n_buckets++;
+      bytes = 0;
+    }
+  }
+  return 0;
+}
+
 static int ddp_setup(dp_impl_t *d, const plan_t *p, char *err, size_t errlen) {
-  return flat_setup(d, p, 0, err, errlen);
+  int rc = flat_setup(d, p, 0, err, errlen);
+  return rc ? rc : make_buckets(d, p, err, errlen);
 }
 static int zero1_setup(dp_impl_t *d, const plan_t *p, char *err, size_t errlen) {
-  return flat_setup(d, p, 1, err, errlen);
+  int rc = flat_setup(d, p, 1, err, errlen);
+  return rc ? rc : make_buckets(d, p, err, errlen);
+}
+
+static void bucket_range(const dp_impl_t *d, int b, size_t *off, size_t *n) {
+  *off = d->uoff[d->blo[b]];
+  *n = d->uoff[d->bhi[b]] + d->unumel[d->bhi[b]] - *off;
+}
+
+/* reduce_dtype bf16: the averaged bucket widened back from its wire copy. */
+static int bucket_done(dp_impl_t *d, dp_op_t *op) {
+  size_t off, n;
+  bucket_range(d, op->unit, &off, &n);
+  d->be->convert(d->be, d->grads + off, DT_F32, (char *)d->rlp + off * dtype_size(d->rdt), d->rdt, n);
+  return 0;
 }
 
 static int ddp_reduce_grads(dp_t *dp, int u) {
   dp_impl_t *d = dp_impl_of(dp);
   if (!d->sync) return 0; /* no_sync: accumulate locally until the last micro-step */
-  char what[48];
-  snprintf(what, sizeof what, "unit %d gradients", u);
-  return dp_grad_all_reduce(d, d->dp_comm, d->grads + d->uoff[u], d->unumel[u], what);
+  const int b = d->bucket_of[u];
+  if (u != d->blo[b]) return 0; /* the bucket's lowest unit completes it */
+  size_t off, n;
+  bucket_range(d, b, &off, &n);
+  char what[64];
+  snprintf(what, sizeof what, "bucket %d gradients (units %d-%d)", b, d->blo[b], d->bhi[b]);
+  dp_op_t *op = &d->bops[b];
+  op->unit = b;
+  if (d->rdt == DT_F32) {
+    op->then = NULL;
+    return dp_start_all_reduce(d, op, d->dp_comm, d->grads + off, n, DT_F32, what);
+  }
+  void *lo = (char *)d->rlp + off * dtype_size(d->rdt);
+  d->be->convert(d->be, lo, d->rdt, d->grads + off, DT_F32, n);
+  op->then = bucket_done;
+  return dp_start_all_reduce(d, op, d->dp_comm, lo, n, d->rdt, what);
 }
+
+static int ddp_drain(dp_impl_t *d) { return dp_ops_wait(d, d->bops, d->n_buckets); }
 
 static int flat_init_params(dp_impl_t *d, uint64_t seed, double init_std) {
   model_init_random(d->m, seed, init_std); /* the same values on every rank: no broadcast */
@@ -128,13 +195,13 @@ const dp_ops_t dp_serial_ops = {
 const dp_ops_t dp_ddp_ops = {
     .name = "ddp", .setup = ddp_setup, .reduce_grads = ddp_reduce_grads, .init_params = flat_init_params,
     .unit_open = flat_unit_noop, .unit_commit = flat_unit_noop, .unit_params = flat_unit_params,
-    .zero_grad = flat_zero_grad, .grad_norm = flat_grad_norm, .step = ddp_step,
+    .zero_grad = flat_zero_grad, .grad_norm = flat_grad_norm, .step = ddp_step, .drain = ddp_drain,
     .ck_ranges = ddp_ck_ranges, .memory = flat_memory,
 };
 
 const dp_ops_t dp_zero1_ops = {
     .name = "ddp", .setup = zero1_setup, .reduce_grads = ddp_reduce_grads, .init_params = flat_init_params,
     .unit_open = flat_unit_noop, .unit_commit = flat_unit_noop, .unit_params = flat_unit_params,
-    .zero_grad = flat_zero_grad, .grad_norm = flat_grad_norm, .step = zero1_step,
+    .zero_grad = flat_zero_grad, .grad_norm = flat_grad_norm, .step = zero1_step, .drain = ddp_drain,
     .ck_ranges = zero1_ck_ranges, .memory = flat_memory,
 };

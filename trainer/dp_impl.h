@@ -20,6 +20,23 @@
 
 typedef struct dp_impl dp_impl_t;
 
+/* A collective of the strategy that may be in flight (parallel.overlap), and what completes it.
+ * Started with one of dp.c's dp_start_* (which, without overlap, waits at once: the same calls
+ * in the same order, only blocking where they are issued); dp_op_wait blocks until it is done,
+ * counts its bytes, and runs then (widen a bf16 result, add a reduced gradient shard into the
+ * accumulated ones, ...). Idle (req NULL, nothing to run) when zeroed. */
+typedef struct dp_op dp_op_t;
+struct dp_op {
+  comm_req_t *req;
+  comm_t *comm;
+  uint64_t *counter; /* the d->traffic field its bytes go to */
+  int pending;       /* started and not yet waited (then still to run) */
+  int (*then)(dp_impl_t *d, dp_op_t *op);
+  int unit, slot;
+  int sync; /* dp_t's sync when started (HSDP: the replicate all-reduce follows) */
+  char what[80]; /* "all_gather of unit 3 parameters" */
+};
+
 #define DP_CK_RANGES_MAX(n_units) (4 * (size_t)(n_units) + 3)
 
 /* A part of a tensor inside this rank's gradient storage, for the norm. */
@@ -53,6 +70,9 @@ typedef struct {
   void (*zero_grad)(dp_impl_t *d);
   int (*grad_norm)(dp_impl_t *d, double *norm);
   int (*step)(dp_impl_t *d, double lr, double grad_scale);
+  /* Waits for every collective still in flight (before anything reads or writes what they
+   * use: the norm, the step, checkpoints, opening units). NULL: none are ever left. */
+  int (*drain)(dp_impl_t *d);
   /* The state this rank holds as ranges (at most DP_CK_RANGES_MAX(n_units)), and what a load
    * must redo after filling them (NULL: nothing). */
   int (*ck_ranges)(dp_impl_t *d, dp_ck_range_t *r);
@@ -70,11 +90,16 @@ struct dp_impl {
   model_t *m;
   backend_t *be;
   int reshard, sync, tp;
+  int overlap;     /* parallel.overlap */
+  int rep_reduce;  /* HSDP: shard gradients are all-reduced over dp_replicate */
+  int ngrad;       /* gradient buffers (gradbuf, rstmp) used in turn by unit parity: 2 with overlap */
   /* Mixed precision: the model's compute dtype (FSDP and HSDP gather bf16 copies when it is
    * bf16) and the dtype gradient reductions travel in (reduce_dtype). */
   dtype_t pdt, rdt;
-  void *rlp;    /* reduce_dtype bf16: gradients rounded for the wire (rlp_n elements) */
-  size_t rlp_n;
+  void *rlp;    /* reduce_dtype bf16: gradients rounded for the wire (rlp_n elements): per gradient
+                   buffer a padded unit and its chunk (rs_lp_n), then HSDP's replicate all-reduce
+                   of the shard (shard_total); DDP: the whole flat gradient, by bucket */
+  size_t rlp_n, rs_lp_n;
   comm_t *dp_comm, *shard_comm, *rep_comm, *tp_comm; /* device memory (the backend's) */
   comm_t *dp_hcomm, *shard_hcomm, *tp_hcomm;          /* host memory: the norm's shares */
   int n_units;
@@ -85,6 +110,12 @@ struct dp_impl {
   float *params, *grads;
   size_t opt_off, opt_count;    /* the optimizer's range of the flat buffer */
   size_t zero_chunk, zero_tail; /* ZeRO-1: all-gathered slice and broadcast tail, floats */
+  /* DDP / ZeRO-1 buckets (parallel.bucket_mb): runs of whole units, contiguous in the flat
+   * buffer, filled in backward order; bucket b spans units [blo[b], bhi[b]] and is all-reduced
+   * once its lowest unit's backward is done. bucket_of[u] is u's bucket. */
+  int n_buckets;
+  int *blo, *bhi, *bucket_of;
+  dp_op_t *bops; /* (n_buckets) */
 
   /* Shards (FSDP, HSDP over dp_shard; ZeRO-2 over dp): see dp_shard_setup */
   int S, s;                 /* shard degree and this rank's shard */
@@ -98,7 +129,12 @@ struct dp_impl {
   size_t *goff;             /* (n_units) slot offset of each unit in gbuf */
   int *holder;              /* (n_units) unit held by the slot at goff[u], -1 none */
   size_t gbuf_floats, gmax; /* gmax: the largest padded unit P_u */
-  float *gradbuf, *rstmp;   /* (gmax) and (max c_u) */
+  float *gradbuf, *rstmp;   /* ngrad x (gmax) and ngrad x (max c_u): unit u uses number u % ngrad */
+  size_t cmax;              /* the largest chunk c_u */
+  int nslots;               /* gathered slots: 0 one per unit, else shared by units in turn (u % nslots) */
+  dp_op_t *gops;            /* (n_units) the gather into each slot (indexed by slot) */
+  dp_op_t *rsops;           /* (ngrad) the reduce-scatter out of each gradient buffer */
+  dp_op_t *arops;           /* (n_units) HSDP's replicate all-reduce of each unit's shard grads */
 
   dp_part_t *parts;
   int n_parts;
@@ -118,10 +154,15 @@ int dp_all_reduce(dp_impl_t *d, comm_t *c, float *buf, size_t n, comm_op_t op, c
 int dp_all_gather(dp_impl_t *d, comm_t *c, const void *in, void *out, size_t n, dtype_t dt, const char *what);
 int dp_reduce_scatter(dp_impl_t *d, comm_t *c, const float *in, float *out, size_t n, const char *what);
 int dp_broadcast(dp_impl_t *d, comm_t *c, float *buf, size_t n, int root, const char *what);
-/* dp.c: gradient reductions (avg) of fp32 gradients in reduce_dtype: in bf16 they are rounded
- * into d->rlp, reduced there, and widened back (out of reduce_scatter: n fp32 elements). */
-int dp_grad_all_reduce(dp_impl_t *d, comm_t *c, float *g, size_t n, const char *what);
-int dp_grad_reduce_scatter(dp_impl_t *d, comm_t *c, const float *in, float *out, size_t n, const char *what);
+/* dp.c: asynchronous forms (see dp_op_t); the op must be idle. Errors are kept (dp_fail). */
+int dp_start_all_gather(dp_impl_t *d, dp_op_t *op, comm_t *c, const void *in, void *out, size_t n, dtype_t dt,
+                        const char *what);
+int dp_start_reduce_scatter(dp_impl_t *d, dp_op_t *op, comm_t *c, const void *in, void *out, size_t n, dtype_t dt,
+                            const char *what); /* avg */
+int dp_start_all_reduce(dp_impl_t *d, dp_op_t *op, comm_t *c, void *buf, size_t n, dtype_t dt,
+                        const char *what); /* avg */
+int dp_op_wait(dp_impl_t *d, dp_op_t *op);
+int dp_ops_wait(dp_impl_t *d, dp_op_t *ops, int n); /* each of n, in order */
 /* dp.c: a norm part (parts has room for one per tensor). */
 void dp_add_part(dp_impl_t *d, size_t offset, size_t numel, int tp_split);
 /* dp.c: the global gradient norm of storage g (laid out as d->parts): the sums of squares of
@@ -131,14 +172,21 @@ int dp_rank_of(comm_t *c); /* 0 for NULL */
 
 /* dp_fsdp.c: the per-unit shard layout over d->S shards (d->S, d->s set): unit u padded to
  * P_u = S * c_u, shard s its slice [s * c_u, (s + 1) * c_u) at soff[u] of sparams / sgrads;
- * gbuf with one slot of the largest unit (one_slot) or one slot per unit at goff[u]; the
- * gradient buffer and reduce-scatter scratch; norm parts and the optimizer over the shards.
- * lp_gather: gathers move the bf16 copies (sp_lp into gbuf_lp slots); gbuf is then one fp32
- * slot for dp_unit_open. */
-int dp_shard_setup(dp_impl_t *d, const plan_t *p, int one_slot, int lp_gather, const char *what, char *err,
+ * gbuf with nslots slots of the largest unit used in turn (u % nslots), or with nslots 0 one
+ * slot per unit at goff[u]; ngrad gradient buffers and reduce-scatter scratches; norm parts and
+ * the optimizer over the shards. lp_gather: gathers move the bf16 copies (sp_lp into gbuf_lp
+ * slots); gbuf is then one fp32 slot for dp_unit_open. */
+int dp_shard_setup(dp_impl_t *d, const plan_t *p, int nslots, int lp_gather, const char *what, char *err,
                    size_t errlen);
-/* dp_fsdp.c: reduce_scatter (avg) of gradbuf over shard_comm, added into unit u's shard grads. */
+/* dp_fsdp.c: unit u's gradient buffer (zeroed by zero_grads: after the reduce-scatter that last
+ * read it has completed). */
+float *dp_shard_gradbuf(dp_impl_t *d, int u, int zero_grads);
+/* dp_fsdp.c: reduce_scatter (avg) of unit u's gradient buffer over shard_comm, added into its
+ * shard grads when it completes; with overlap it completes while unit u-1 computes (at the next
+ * dp_shard_reduce, or at the drain). With rep_reduce (HSDP) and sync, the replicate all-reduce of
+ * the unit's shard grads follows, started when the reduce-scatter completes. */
 int dp_shard_reduce(dp_impl_t *d, int u);
+int dp_shard_drain(dp_impl_t *d);
 /* dp_fsdp.c: per unit with real elements in this shard, its param (sparams), adam_m and adam_v
  * ranges, saved by this rank when save_params / save_moments. */
 int dp_shard_ck_ranges(dp_impl_t *d, dp_ck_range_t *r, int save_params, int save_moments);

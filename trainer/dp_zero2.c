@@ -9,7 +9,9 @@
  *   reduce_grads(u):  reduce_scatter (avg) of that buffer over dp, added into this rank's
  *                     gradient shard (accumulating across micro-steps; the full gradient never
  *                     outlives the unit's backward, which is why it reduces on every micro-step
- *                     where DDP waits for the last);
+ *                     where DDP waits for the last). With overlap there are two such buffers,
+ *                     taken by unit parity, and the reduce-scatter of unit u runs while unit u-1
+ *                     computes into the other: its buckets are the units;
  *   step:             AdamW on the fp32 parameter shard with its gradient shard and moments,
  *                     then one all_gather per unit of the updated shards into gbuf.
  * Mixed precision: the replicated parameters are fp32 masters (what checkpoints save), so the
@@ -27,7 +29,7 @@
 #include "trainer/dp_impl.h"
 
 static void point_units(dp_impl_t *d) {
-  for (int u = 0; u < d->n_units; u++) model_set_unit_buffers(d->m, u, d->gbuf + d->goff[u], d->gradbuf);
+  for (int u = 0; u < d->n_units; u++) model_set_unit_buffers(d->m, u, d->gbuf + d->goff[u], dp_shard_gradbuf(d, u, 0));
 }
 
 static int zero2_setup(dp_impl_t *d, const plan_t *p, char *err, size_t errlen) {
@@ -50,12 +52,13 @@ static int zero2_setup(dp_impl_t *d, const plan_t *p, char *err, size_t errlen) 
 
 static int zero2_gather(dp_t *dp, int u, int for_backward) {
   dp_impl_t *d = dp_impl_of(dp);
-  if (for_backward) d->be->zero(d->be, d->gradbuf, d->chunk[u] * (size_t)d->S * sizeof(float));
-  model_set_unit_buffers(d->m, u, d->gbuf + d->goff[u], d->gradbuf);
-  return 0;
+  float *g = dp_shard_gradbuf(d, u, for_backward);
+  model_set_unit_buffers(d->m, u, d->gbuf + d->goff[u], g);
+  return d->status;
 }
 
 static int zero2_reduce_grads(dp_t *dp, int u) { return dp_shard_reduce(dp_impl_of(dp), u); }
+
 
 /* Whole units into the replicated parameters and this rank's slices into the shard: no collective. */
 static int zero2_init_params(dp_impl_t *d, uint64_t seed, double init_std) { return dp_shard_init(d, seed, init_std, 1); }
@@ -94,12 +97,12 @@ static void zero2_memory(const dp_impl_t *d, dp_memory_t *out) {
   out->grad_bytes = d->shard_total * f;
   out->optim_bytes = 2 * d->opt.count * f;
   /* one unit's full gradients and the scatter scratch, plus the model's idle flat buffers */
-  out->work_bytes = (d->gmax + cmax + (model_params(d->m) ? 2 * d->num_params : 0)) * f;
+  out->work_bytes = ((size_t)d->ngrad * (d->gmax + cmax) + (model_params(d->m) ? 2 * d->num_params : 0)) * f;
 }
 
 const dp_ops_t dp_zero2_ops = {
     .name = "zero2", .setup = zero2_setup, .gather = zero2_gather, .reduce_grads = zero2_reduce_grads,
     .init_params = zero2_init_params, .unit_open = zero2_unit_open, .unit_commit = dp_shard_unit_commit,
     .unit_params = dp_shard_unit_params, .zero_grad = dp_shard_zero_grad, .grad_norm = zero2_grad_norm,
-    .step = zero2_step, .ck_ranges = zero2_ck_ranges, .memory = zero2_memory,
+    .step = zero2_step, .drain = dp_shard_drain, .ck_ranges = zero2_ck_ranges, .memory = zero2_memory,
 };

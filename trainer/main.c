@@ -63,6 +63,7 @@
 #include "trainer/model.h"
 #include "trainer/plan.h"
 #include "trainer/sample.h"
+#include "trainer/trace.h"
 #include "trainer/train.h"
 #include "trainer/weights.h"
 
@@ -439,6 +440,8 @@ int main(int argc, char **argv) {
     goto done;
   }
 
+  /* --- the trace (log.trace_file) observes the collectives: open before the mesh */
+  if (trace_open(p->log.trace_file, env.rank, p->log.trace_steps, err, sizeof err)) goto error;
   /* --- mesh: the groups every later collective runs on */
   if (env.world > 1 && (code = mesh_setup(&mesh, p, env.rank, env.world, comm_backend, be, err, sizeof err)))
     goto error;
@@ -462,7 +465,7 @@ int main(int argc, char **argv) {
 
   /* --- the loop. Step s (0-based) is logged as s + 1. */
   comm_t *dpc = mesh ? mesh_host_comm(mesh, "dp") : NULL;
-  tr = (train_t){.p = p, .m = m, .dp = dp, .be = be, .data = &data, .dpc = dpc, .hooks = &a.hooks,
+  tr = (train_t){.p = p, .m = m, .dp = dp, .be = be, .data = &data, .dpc = dpc, .mesh = mesh, .hooks = &a.hooks,
                  .dp_rank = dpc ? comm_rank(dpc) : 0, .dp_size = dpc ? comm_size(dpc) : 1};
   if (train_init(&tr, err, sizeof err) ||
       metrics_open(&mt, p, m, dp, mesh, &data, be, env.rank, env.world, start_step, resumed, plan_json, err,
@@ -472,7 +475,7 @@ int main(int argc, char **argv) {
   for (int s = start_step; s < p->train.steps && !stopped; s++) {
     train_result_t r;
     if (train_step(&tr, s, &r, err, sizeof err)) goto error;
-    metrics_step(&mt, s + 1, r.loss, r.lr, r.gnorm, r.dt);
+    metrics_step(&mt, s + 1, r.loss, r.lr, r.gnorm, r.dt, r.comm_wait);
     if (eval_due(p, s + 1)) {
       double el = 0;
       if (train_eval(&tr, &el, err, sizeof err)) goto error;
@@ -510,6 +513,7 @@ error:
   model_destroy(m);
   backend_destroy(be);
   mesh_destroy(mesh);
+  trace_close();
   free(p);
   return code;
 }

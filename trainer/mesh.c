@@ -137,12 +137,19 @@ int mesh_connect(mesh_t *m, const char *backend, struct backend *device, store_t
   /* Every rank creates the groups in the same order (each group's device comm, then its host
    * comm); a group's setup waits only on its own members, who are at the same point of the same
    * sequence, so no two ranks wait on each other across groups. */
-  for (int g = 0; g < MESH_NGROUPS; g++) {
+  /* The world group comes first and the others are split from it ("nccl": ncclCommSplit, one
+   * NCCL bootstrap per job instead of one per group; every rank makes the same splits in the
+   * same order, its color the lowest member rank of its group). */
+  static const int order[MESH_NGROUPS] = {MESH_GROUP_WORLD, 0, 1, 2, 3};
+  _Static_assert(MESH_GROUP_WORLD == 4 && MESH_NGROUPS == 5, "the order above lists every group once");
+  for (int i = 0; i < MESH_NGROUPS; i++) {
+    const int g = order[i];
     mesh_group_t *grp = &m->groups[g];
     comm_config_t cfg = {.name = grp->uid, .rank = grp->rank, .size = grp->size,
                          .generation = generation, .store = store, .host = host,
                          .timeout_ms = timeout_ms, .global_ranks = grp->ranks,
-                         .device = device};
+                         .device = device, .color = grp->ranks[0],
+                         .parent = g == MESH_GROUP_WORLD ? NULL : m->groups[MESH_GROUP_WORLD].comm};
     int rc = comm_create(&grp->comm, backend, &cfg, err, errlen);
     if (rc == COMM_OK && host_is_device) {
       grp->host_comm = grp->comm;
@@ -154,7 +161,7 @@ int mesh_connect(mesh_t *m, const char *backend, struct backend *device, store_t
       rc = comm_create(&grp->host_comm, "cpu", &cfg, err, errlen);
     }
     if (rc != COMM_OK) {
-      for (int k = 0; k <= g; k++) group_disconnect(&m->groups[k]);
+      for (int k = 0; k <= i; k++) group_disconnect(&m->groups[order[k]]);
       return rc;
     }
   }
@@ -183,4 +190,20 @@ comm_t *mesh_comm(const mesh_t *m, const char *name) {
 comm_t *mesh_host_comm(const mesh_t *m, const char *name) {
   const mesh_group_t *g = mesh_group(m, name);
   return g ? g->host_comm : NULL;
+}
+
+uint64_t mesh_wait_ns(const mesh_t *m) {
+  uint64_t sum = 0;
+  for (int g = 0; m && g < MESH_NGROUPS; g++) {
+    comm_stats_t st;
+    if (m->groups[g].comm) {
+      comm_get_stats(m->groups[g].comm, &st);
+      sum += st.wait_ns;
+    }
+    if (m->groups[g].host_comm && m->groups[g].host_comm != m->groups[g].comm) {
+      comm_get_stats(m->groups[g].host_comm, &st);
+      sum += st.wait_ns;
+    }
+  }
+  return sum;
 }

@@ -77,6 +77,9 @@ const mesh_group_t *mesh_group(const mesh_t *m, const char *name);
 comm_t *mesh_comm(const mesh_t *m, const char *name);
 /* The group's host-memory ("cpu") communicator, for values that live on the host. */
 comm_t *mesh_host_comm(const mesh_t *m, const char *name);
+/* Nanoseconds this process has spent blocked on the mesh's communicators (device and host ones):
+ * the sum of their comm_stats_t.wait_ns. 0 for NULL. */
+uint64_t mesh_wait_ns(const mesh_t *m);
 
 /* Coordinates (r, s, t) of any rank, and back. */
 void mesh_coords(const mesh_t *m, int rank, int coord[MESH_NDIMS]);

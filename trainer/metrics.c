@@ -189,23 +189,25 @@ int metrics_open(metrics_t *mt, const plan_t *p, model_t *m, dp_t *dp, const mes
   return 0;
 }
 
-void metrics_step(metrics_t *mt, int step, double loss, double lr, double gnorm, double dt) {
+void metrics_step(metrics_t *mt, int step, double loss, double lr, double gnorm, double dt, double comm_wait) {
   char comm[512];
   mt->t_in_steps += dt;
   const double tps = (double)mt->tokens_per_step / dt;
   traffic_step(mt, comm, sizeof comm);
   metrics_printf(mt, step,
                  "{\"step\":%d,\"loss\":%.9g,\"lr\":%.9g,\"grad_norm\":%.9g,\"tokens_per_s\":%.1f,"
-                 "\"step_ms\":%.3f%s}\n",
-                 step, loss, lr, gnorm, tps, dt * 1e3, comm);
+                 "\"step_ms\":%.3f,\"compute_ms\":%.3f,\"comm_wait_ms\":%.3f%s}\n",
+                 step, loss, lr, gnorm, tps, dt * 1e3, (dt - comm_wait) * 1e3, comm_wait * 1e3, comm);
   const int interval = mt->p->log.interval;
   if (interval > 0 && (step % interval == 0 || step == 1 || step == mt->steps)) {
     char tps_s[32], eta[32];
     fmt_thousands(tps_s, sizeof tps_s, tps);
     double per_step = (metrics_now() - mt->t_loop) / (step - mt->start_step);
     fmt_duration(eta, sizeof eta, per_step * (mt->steps - step));
-    log_rank0("step %d/%d | loss %.4f | lr %.2e | grad norm %.4f | %s tok/s | %.1f ms | ETA %s", step, mt->steps,
-              loss, lr, gnorm, tps_s, dt * 1e3, eta);
+    char share[32] = ""; /* the exposed communication's share of the step, where there is a mesh */
+    if (mt->mesh) snprintf(share, sizeof share, " | comm %.0f%%", dt > 0 ? 100.0 * comm_wait / dt : 0.0);
+    log_rank0("step %d/%d | loss %.4f | lr %.2e | grad norm %.4f | %s tok/s | %.1f ms%s | ETA %s", step, mt->steps,
+              loss, lr, gnorm, tps_s, dt * 1e3, share, eta);
   }
 }
 

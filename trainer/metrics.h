@@ -58,7 +58,7 @@ int metrics_open(metrics_t *mt, const plan_t *p, model_t *m, dp_t *dp, const mes
                  char *err, size_t errlen);
 /* Optimizer step `step` (1-based) done in dt seconds: its record and, every log.interval steps
  * (and on the first and last), its console line. */
-void metrics_step(metrics_t *mt, int step, double loss, double lr, double gnorm, double dt);
+void metrics_step(metrics_t *mt, int step, double loss, double lr, double gnorm, double dt, double comm_wait);
 /* The eval loss after step `step`: its record and line. Its traffic is not counted as a step's. */
 void metrics_eval(metrics_t *mt, int step, double loss);
 /* Forgets the traffic since the last record (a checkpoint's is not a step's). */

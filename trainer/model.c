@@ -72,6 +72,7 @@
 #include "common/log.h"
 #include "trainer/comm.h"
 #include "trainer/rng.h"
+#include "trainer/trace.h"
 
 /* Indices into model_t.tensors of one layer's parameters. */
 typedef struct {
@@ -113,6 +114,7 @@ struct model {
   /* test hook MESHRUN_FAULT_COMM (fault_from_env): fail the first tp collective of pass
    * fault_pass (forward, or its backward with fault_bwd); passes counts forwards with targets */
   int fault_pass, fault_bwd, passes;
+  int64_t unit_t0; /* the trace: when the current unit's compute began */
   int no_flat; /* FSDP: params/grads NULL, units point at the strategy's buffers */
   dtype_t dt;  /* activations and parameter compute copies (model_opts_t.param_dtype) */
   dtype_t rdt; /* tp reduction of replicated norm gradients (model_opts_t.reduce_dtype) */
@@ -231,11 +233,21 @@ static int set_error(model_t *m, int code, const char *fmt, ...) {
 
 /* ------------------------------------------------------------------ dp hooks */
 
+/* The unit's compute span for the trace (trainer/trace.h): from its gather's end to its release
+ * (forward) or to its gradient reduction (backward). */
+static void trace_unit(model_t *m, int u, int bwd) {
+  if (!trace_active()) return;
+  char name[48];
+  snprintf(name, sizeof name, "%s unit %d", bwd ? "backward" : "forward", u);
+  trace_span(name, "compute", m->unit_t0, trace_now_ns());
+}
+
 static int dp_gather(model_t *m, int u, int bwd) {
   if (m->dp && m->dp->gather) {
     int rc = m->dp->gather(m->dp, u, bwd);
     if (rc) return set_error(m, MODEL_ESTRATEGY, "dp %s gather of unit %d failed (%d)", m->dp->name, u, rc);
   }
+  if (trace_active()) m->unit_t0 = trace_now_ns();
   const int need_master = m->dt == DT_F32 || !m->strategy_casts; /* the kernels read it, or its copy */
   if ((need_master ? !m->unit_params[u] : !m->unit_cparams[u]) || (bwd && !m->unit_grads[u]))
     return set_error(m, MODEL_EINVAL,
@@ -250,6 +262,7 @@ static int dp_gather(model_t *m, int u, int bwd) {
 /* Released even after a failed tp collective (the strategy frees what it gathered); that
  * failure, already recorded, then fails the unit. */
 static int dp_release(model_t *m, int u, int bwd) {
+  if (!bwd) trace_unit(m, u, 0);
   int rc = m->comm_rc ? MODEL_ECOMM : 0;
   if (!m->dp || !m->dp->release) return rc;
   int rc2 = m->dp->release(m->dp, u, bwd);
@@ -257,6 +270,7 @@ static int dp_release(model_t *m, int u, int bwd) {
   return rc;
 }
 static int dp_reduce(model_t *m, int u) {
+  trace_unit(m, u, 1);
   if (m->comm_rc) return MODEL_ECOMM;
   if (!m->dp || !m->dp->reduce_grads) return 0;
   int rc = m->dp->reduce_grads(m->dp, u);

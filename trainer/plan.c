@@ -157,6 +157,8 @@ static const field_t parallel_fields[] = {
     K_SECT("mixed_precision", mp_fields),
     K_ENUM("activation_checkpoint", parallel.activation_checkpoint, ac_names, PLAN_AC_NONE),
     K_INT("activation_checkpoint_every", parallel.activation_checkpoint_every, 1, INT_MAX, 2),
+    K_BOOL("overlap", parallel.overlap, 1),
+    K_DBL("bucket_mb", parallel.bucket_mb, 0, 1, 1e6, 0, 25),
     K_END};
 
 static const field_t train_fields[] = {
@@ -200,6 +202,8 @@ static const field_t checkpoint_fields[] = {
 static const field_t log_fields[] = {
     K_INT("interval", log.interval, 1, INT_MAX, 1),
     K_STR("metrics_file", log.metrics_file, ""),
+    K_STR("trace_file", log.trace_file, ""),
+    K_INT("trace_steps", log.trace_steps, 1, INT_MAX, 3),
     K_END};
 
 static const field_t sample_fields[] = {

@@ -80,6 +80,10 @@ typedef struct {
                                 (default 1); no effect on cpu */
   plan_ac_t activation_checkpoint; /* default none */
   int activation_checkpoint_every; /* selective: blocks k-1, 2k-1, ... are checkpointed (default 2) */
+  int overlap;               /* communication behind compute: FSDP prefetch, asynchronous reduce-scatter,
+                                DDP buckets reduced during the backward (default 1; 0: every collective
+                                blocks where it is issued). Bit-identical losses either way. */
+  double bucket_mb;          /* DDP / ZeRO-1 gradient buckets, MiB (default 25, PyTorch's bucket_cap_mb) */
 } plan_parallel_t;
 
 typedef struct {
@@ -122,6 +126,8 @@ typedef struct {
 typedef struct {
   int interval;                     /* console line every N steps, default 1 */
   char metrics_file[PLAN_PATH_MAX]; /* JSONL, "" = none */
+  char trace_file[PLAN_PATH_MAX];   /* Chrome trace events (chrome://tracing, Perfetto), "" = none */
+  int trace_steps;                  /* steps traced, from the first (default 3) */
 } plan_log_t;
 
 typedef struct {

@@ -7,6 +7,7 @@
 
 #include "trainer/metrics.h"
 #include "trainer/optim.h"
+#include "trainer/trace.h"
 
 int train_init(train_t *t, char *err, size_t errlen) {
   const int B = t->p->train.micro_batch_size, T = t->p->train.seq_len;
@@ -39,6 +40,8 @@ int train_step(train_t *t, int s, train_result_t *out, char *err, size_t errlen)
   const plan_t *p = t->p;
   const int T = p->train.seq_len, B = p->train.micro_batch_size, accum = p->train.grad_accum_steps;
   const double t0 = metrics_now();
+  const uint64_t wait0 = mesh_wait_ns(t->mesh);
+  trace_step_begin(s + 1);
   const double lr = optim_lr(&p->train, s);
   double loss = 0;
   dp_zero_grad(t->dp);
@@ -97,6 +100,8 @@ int train_step(train_t *t, int s, train_result_t *out, char *err, size_t errlen)
   out->lr = lr;
   out->gnorm = gnorm;
   out->dt = metrics_now() - t0;
+  out->comm_wait = (double)(mesh_wait_ns(t->mesh) - wait0) * 1e-9;
+  trace_step_end();
   return 0;
 }
 

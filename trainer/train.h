@@ -19,6 +19,7 @@
 #include "trainer/data.h"
 #include "trainer/dp.h"
 #include "trainer/hooks.h"
+#include "trainer/mesh.h"
 #include "trainer/model.h"
 #include "trainer/plan.h"
 
@@ -31,6 +32,7 @@ typedef struct {
   backend_t *be;
   const data_t *data;
   comm_t *dpc;
+  const mesh_t *mesh; /* NULL in one process: its communicators' blocked time is the step's exposed communication */
   int dp_rank, dp_size;
   hooks_t *hooks;
   int32_t *tok, *tgt; /* (micro_batch_size, seq_len) host batches; train_init allocates them */
@@ -41,6 +43,7 @@ typedef struct {
   double lr;
   double gnorm; /* before clipping */
   double dt;    /* seconds, from zero_grad to the optimizer's end on the device */
+  double comm_wait; /* seconds of dt blocked on collectives (the exposed communication) */
 } train_result_t;
 
 /* Allocates the batches. Returns 0 or -1 with the message in err; train_free releases them. */

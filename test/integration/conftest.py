@@ -183,3 +183,29 @@ def read_json(path):
 def worker_file(d, rank, rnd, suffix):
     """A file worker.py wrote in round rnd (its MESHRUN_ROUND, not its restart count)."""
     return os.path.join(str(d), "rank%d.attempt%d.%s" % (rank, rnd, suffix))
+
+
+@pytest.fixture
+def netcluster():
+    """Emulated clusters (scripts/netcluster.py; test/integration/netcluster.py): a factory,
+    netcluster(n_hosts, rate="2gbit", delay="200us") returns a started Cluster of network
+    namespaces; every one made is torn down at teardown, also when the test failed. Skips with
+    the reason where namespaces cannot be made."""
+    import netcluster as nc
+
+    made = []
+
+    def make(n_hosts, rate="2gbit", delay="200us"):
+        nc.require()
+        c = nc.Cluster(n_hosts, rate=rate, delay=delay)
+        made.append(c)
+        return c.start()
+
+    yield make
+    errors = []
+    for c in made:
+        try:
+            c.close()
+        except Exception as e:  # close every cluster, then report
+            errors.append(str(e))
+    assert not errors, "netcluster teardown: %s" % "; ".join(errors)

@@ -218,9 +218,17 @@ def test_memory_fsdp_and_tp(tmp_path):
           "ratio %.3f (limit 0.30); fsdp4 working buffers %d B" %
           (state_bytes(ddp, "_max"), state_bytes(fsdp, "_max"), ratio, fsdp["work_bytes_max"]))
     assert ratio <= 0.30
-    # Working buffers stay at one gathered unit + one gradient buffer + a shard of scratch:
-    # well under the whole model (which is what DDP holds per buffer).
-    assert fsdp["work_bytes_max"] < ddp["param_bytes"]
+    # Without overlap, working buffers stay at one gathered unit + one gradient buffer + a shard
+    # of scratch: well under the whole model (which is what DDP holds per buffer). Overlap (the
+    # default) doubles them, no more: the next unit's gather and the previous unit's reduce-scatter
+    # each have a buffer of their own (on this 2-layer model the largest unit, the embedding, is
+    # a quarter of the model, so that is about the whole model here).
+    serial_fsdp, m = first_record(tmp_path, "fsdp4_no_overlap", 4, (1, 4, 1), ["parallel.overlap=false"])
+    assert serial_fsdp, m.describe()
+    print("fsdp4 working buffers: %d B with overlap, %d B without (limit 2x)" %
+          (fsdp["work_bytes_max"], serial_fsdp["work_bytes_max"]))
+    assert serial_fsdp["work_bytes_max"] < ddp["param_bytes"]
+    assert serial_fsdp["work_bytes_max"] < fsdp["work_bytes_max"] <= 2 * serial_fsdp["work_bytes_max"]
 
     # ZeRO-2: gradients and moments sharded over dp (padded per unit), parameters replicated;
     # the full gradient exists only one unit at a time (working memory).

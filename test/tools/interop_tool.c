@@ -1,4 +1,4 @@
-// deps: trainer/interop.c trainer/model.c trainer/comm.c trainer/comm_cpu.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c trainer/safetensors.c common/net.c common/store.c common/store_proto.c common/log.c common/fs.c common/err.c common/env.c test/support/model_cfg.c
+// deps: trainer/interop.c trainer/model.c trainer/trace.c trainer/comm.c trainer/comm_cpu.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c trainer/safetensors.c common/net.c common/store.c common/store_proto.c common/log.c common/fs.c common/err.c common/env.c test/support/model_cfg.c
 /* interop_tool: a small CLI over trainer/interop for the integration tests (until `trainer
  * export` and model.init of .bin / HF directories are wired into main.c).
  *

@@ -1,4 +1,4 @@
-// deps: trainer/model.c trainer/comm.c trainer/comm_cpu.c common/net.c common/store.c common/store_proto.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c trainer/safetensors.c common/log.c common/err.c common/env.c test/support/model_cfg.c
+// deps: trainer/model.c trainer/trace.c trainer/comm.c trainer/comm_cpu.c common/net.c common/store.c common/store_proto.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c trainer/safetensors.c common/log.c common/err.c common/env.c test/support/model_cfg.c
 /* model_oracle: one forward + backward of a small Llama on the cpu backend, dumped for PyTorch.
  *
  *   model_oracle OUT.safetensors [key=value ...]

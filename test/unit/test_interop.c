@@ -1,4 +1,4 @@
-// deps: trainer/interop.c trainer/model.c trainer/comm.c trainer/comm_cpu.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c trainer/safetensors.c common/net.c common/store.c common/store_proto.c common/log.c test/support/files.c common/fs.c common/err.c common/env.c test/support/model_cfg.c
+// deps: trainer/interop.c trainer/model.c trainer/trace.c trainer/comm.c trainer/comm_cpu.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c trainer/safetensors.c common/net.c common/store.c common/store_proto.c common/log.c test/support/files.c common/fs.c common/err.c common/env.c test/support/model_cfg.c
 /* test_interop: llama2.c and HF import/export of our model, in C.
  *
  * Round trips (ours -> llama2.c -> ours, ours -> HF -> ours) must be bit-identical; the HF

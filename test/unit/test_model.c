@@ -1,4 +1,4 @@
-// deps: trainer/model.c trainer/comm.c trainer/comm_cpu.c common/net.c common/store.c common/store_proto.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c common/log.c common/err.c common/env.c test/support/model_cfg.c
+// deps: trainer/model.c trainer/trace.c trainer/comm.c trainer/comm_cpu.c common/net.c common/store.c common/store_proto.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c common/log.c common/err.c common/env.c test/support/model_cfg.c
 /* test_model: the model's contract with the training loop and the dp strategies.
  *
  * Numerics against PyTorch are in test/integration/test_oracle_model.py; here: tensor names,

@@ -1,4 +1,4 @@
-// deps: trainer/model.c trainer/comm.c trainer/comm_cpu.c common/net.c common/store.c common/store_proto.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c common/log.c common/err.c common/env.c test/support/model_cfg.c
+// deps: trainer/model.c trainer/trace.c trainer/comm.c trainer/comm_cpu.c common/net.c common/store.c common/store_proto.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c common/log.c common/err.c common/env.c test/support/model_cfg.c
 /* test_model_bf16: the model under param_dtype bf16 (model_opts_t.param_dtype), on the cpu
  * backend's real bf16 arithmetic.
  *

@@ -1,4 +1,4 @@
-// deps: test/support/fixture.c trainer/model.c trainer/comm.c trainer/comm_cpu.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c common/store.c common/store_proto.c common/net.c common/log.c launcher/store_server.c common/err.c common/env.c
+// deps: test/support/fixture.c trainer/model.c trainer/trace.c trainer/comm.c trainer/comm_cpu.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c common/store.c common/store_proto.c common/net.c common/log.c launcher/store_server.c common/err.c common/env.c
 /* test_model_tp: the tensor-parallel model against the serial one.
  *
  * For each configuration the parent builds the serial model, runs two micro-batches of forward

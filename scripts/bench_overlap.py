@@ -1,0 +1,161 @@
+#!/usr/bin/python3
+"""bench_overlap: communication overlap off and on, FSDP / HSDP / DDP across emulated hosts.
+
+    MESHRUN_BIN=$PWD/bin /usr/bin/python3 scripts/bench_overlap.py [--nodes 2,4] [--steps 6]
+        [--rate 2gbit] [--delay 200us] [--plans fsdp,hsdp,ddp] [--off SET] [--on SET]
+
+Each row runs bin/trainer under one bin/meshrun per emulated host (scripts/netcluster.py: network
+namespaces on one switch, every link shaped to --rate with --delay one way where the kernel has
+netem), one process per host (HSDP at 2 hosts: two per host, so that it has 4 ranks: dp_replicate
+across hosts x dp_shard 2 within one), OMP_NUM_THREADS=1 per rank. The model is sized so that
+moving its parameters and gradients over a 2 Gbit/s link takes about as long as a step's compute
+on one core: Llama dim 384, 4 layers, 6 heads, hidden 1024, vocab 256 (7.3M parameters, 29 MB in
+fp32), micro-batch 2 x seq 64 per rank, synthetic data, --steps optimizer steps of which the
+first is warm-up and not counted.
+
+From rank 0's metrics file (log.metrics_file), the median over the counted steps of step_ms,
+compute_ms and comm_wait_ms (the communication the step waited for: exposed, not hidden behind
+compute); a field the trainer does not write yet is "n/a". Columns: ms/step with --off (default
+parallel.overlap=false) and --on (parallel.overlap=true); exposed communication ms off and on;
+their ratio on/off (< 1: overlap hides communication) and the share of the exposed time that
+overlap removed (1 - on/off); MB rank 0 sent per step (the per-step "comm" record) and the time
+those bytes need on one link at --rate ("wire ms", a floor for one step's transfer). On a
+machine with fewer cores than ranks the ranks share cores, so compute is slower than alone.
+Prints one line and exits 0 where network namespaces cannot be made (the reason named).
+"""
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import netcluster  # noqa: E402  (scripts/netcluster.py, beside this file)
+
+MODEL = ["model.dim=384", "model.n_layers=4", "model.n_heads=6", "model.n_kv_heads=6", "model.hidden_dim=1024",
+         "model.vocab_size=256", "model.max_seq_len=64"]
+TRAIN = ["train.seq_len=64", "train.micro_batch_size=2", "train.global_batch_size=0", "train.warmup_steps=1",
+         "data.format=synthetic", "eval.interval=0", "sample.tokens=0", "log.interval=1000",
+         "parallel.bucket_mb=4"]  # DDP: 8 buckets of the 29 MB of gradients, so the backward has some to hide behind
+CONF = "last_call_timeout=0.5,heartbeat_interval=0.1,join_timeout=60"
+
+
+def layout(plan, nodes):
+    """(processes per host, (dp_replicate, dp_shard)) of plan on nodes hosts, or None."""
+    if plan == "fsdp":
+        return 1, (1, nodes)
+    if plan == "ddp":
+        return 1, (nodes, 1)
+    if plan == "hsdp":
+        if nodes >= 4 and nodes % 2 == 0:
+            return 1, (2, nodes // 2)
+        return 2, (nodes, 2)
+    raise SystemExit("unknown plan %r (fsdp, hsdp, ddp)" % plan)
+
+
+def run(cluster, meshrun, trainer, nproc, mesh, sets, steps, d):
+    """One job across the cluster; returns (records of the counted steps, None) or (None, why)."""
+    metrics = os.path.join(d, "metrics.jsonl")
+    args = ["--nproc_per_node=%d" % nproc, "--rdzv_conf=" + CONF, "--max_restarts=0", trainer]
+    for s in MODEL + TRAIN + ["train.steps=%d" % steps, "mesh.dp_replicate=%d" % mesh[0],
+                              "mesh.dp_shard=%d" % mesh[1], "mesh.tp=1", "log.metrics_file=" + metrics] + sets:
+        args += ["--set", s]
+    log = os.path.join(d, "job.log")
+    with open(log, "wb") as out:  # a file, not a pipe: a node never stalls on a full pipe
+        procs = netcluster.start_meshrun(cluster, args, meshrun=meshrun, env={"OMP_NUM_THREADS": "1"}, cwd=d,
+                                         stdout=out, stderr=subprocess.STDOUT)
+        codes = netcluster.wait_all(procs, 600)
+    if any(codes):
+        with open(log, errors="replace") as fh:
+            text = fh.read().splitlines()
+        lines = [l for l in text if "error" in l.lower()] or text[-1:]
+        return None, "exit %s: %s" % (codes, lines[0].strip() if lines else "")
+    recs = [r for r in netcluster.read_metrics(metrics) if "step_ms" in r]
+    return recs[1:], None  # the first step is warm-up
+
+
+def med(recs, key):
+    v = [r[key] for r in recs if key in r]
+    return statistics.median(v) if v and len(v) == len(recs) else None
+
+
+def sent_mb(recs):
+    """Median MB rank 0 sent per step, over every op of the step's comm record."""
+    ops = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+    v = [sum(r["comm"].get(k, 0) for k in ops) / 1e6 for r in recs if isinstance(r.get("comm"), dict)]
+    return statistics.median(v) if v else None
+
+
+def f(x, fmt="%.1f"):
+    return "n/a" if x is None else fmt % x
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nodes", default="2,4")
+    ap.add_argument("--plans", default="fsdp,hsdp,ddp")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--rate", default="2gbit")
+    ap.add_argument("--delay", default="200us")
+    ap.add_argument("--off", default="parallel.overlap=false", help="--set for the 'off' runs ('' for none)")
+    ap.add_argument("--on", default="parallel.overlap=true", help="--set for the 'on' runs ('' for none)")
+    a = ap.parse_args()
+
+    ok, why = netcluster.can_create()
+    if not ok:
+        print("bench_overlap: skipped: %s" % why)
+        return 0
+    bindir = os.path.abspath(os.environ.get("MESHRUN_BIN") or os.path.join(netcluster.REPO, "bin"))
+    meshrun, trainer = os.path.join(bindir, "meshrun"), os.path.join(bindir, "trainer")
+    rate_bps = netcluster.parse_rate(a.rate)
+    sets_off = [s for s in a.off.split(",") if s]
+    sets_on = [s for s in a.on.split(",") if s]
+
+    hdr = ("%5s %5s %-9s %9s %9s %7s %9s %9s %8s %8s %8s %7s" %
+           ("nodes", "ranks", "plan", "ms/step", "ms/step", "speedup", "exposed", "exposed", "exposed", "removed",
+            "MB sent", "wire"))
+    hdr2 = ("%5s %5s %-9s %9s %9s %7s %9s %9s %8s %8s %8s %7s" %
+            ("", "", "", "off", "on", "off/on", "ms off", "ms on", "on/off", "share", "/step", "ms"))
+    shaping = None
+    rows = []
+    for nodes in [int(x) for x in a.nodes.split(",") if x]:
+        with netcluster.Cluster(nodes, rate=a.rate, delay=a.delay) as c:
+            shaping = c.shaping
+            for plan in [p for p in a.plans.split(",") if p]:
+                nproc, mesh = layout(plan, nodes)
+                res = {}
+                for mode, sets in (("off", sets_off), ("on", sets_on)):
+                    with tempfile.TemporaryDirectory(prefix="bench_overlap.") as d:
+                        res[mode] = run(c, meshrun, trainer, nproc, mesh, sets, a.steps, d)
+                name = plan if plan != "hsdp" else "hsdp %dx%d" % mesh
+                errs = ["%s: %s" % (m, res[m][1]) for m in ("off", "on") if res[m][1]]
+                if errs:
+                    rows.append("%5d %5d %-9s  failed: %s" % (nodes, nodes * nproc, name, "; ".join(errs)))
+                    print(rows[-1], file=sys.stderr, flush=True)
+                    continue
+                off, on = res["off"][0], res["on"][0]
+                s_off, s_on = med(off, "step_ms"), med(on, "step_ms")
+                e_off, e_on = med(off, "comm_wait_ms"), med(on, "comm_wait_ms")
+                ratio = e_on / e_off if e_off and e_on is not None else None
+                removed = 1 - ratio if ratio is not None else None
+                mb = sent_mb(off)
+                wire = mb * 8e6 / rate_bps * 1e3 if mb is not None else None
+                rows.append("%5d %5d %-9s %9s %9s %7s %9s %9s %8s %8s %8s %7s" %
+                            (nodes, nodes * nproc, name, f(s_off), f(s_on),
+                             f(s_off / s_on if s_off and s_on else None, "%.2fx"), f(e_off), f(e_on),
+                             f(ratio, "%.2f"), f(None if removed is None else 100 * removed, "%.0f%%"),
+                             f(mb), f(wire, "%.0f")))
+                print(rows[-1], file=sys.stderr, flush=True)
+    print("emulated hosts: %s; model dim 384 x 4 layers (7.3M params), micro-batch 2 x seq 64 per rank, "
+          "%d steps, first not counted, medians of rank 0" % (shaping, a.steps))
+    print("off: %s   on: %s" % (" ".join(sets_off) or "(plan default)", " ".join(sets_on) or "(plan default)"))
+    print(hdr)
+    print(hdr2)
+    for r in rows:
+        print(r)
+    return 0 if not any("failed" in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

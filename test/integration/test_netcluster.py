@@ -1,0 +1,179 @@
+"""test_netcluster: the emulated cluster network (scripts/netcluster.py) and meshrun across it.
+
+- The cluster comes up: every host reaches every other over the switch, lo is up in every
+  namespace, and the root namespace's addresses and links are the same before, during and after
+  (nothing of the cluster lives there); after teardown none of its namespaces is left, also when
+  the `with` block raised, and a process started in a namespace is gone with it.
+- The shaping takes effect: one TCP stream at a tbf rate of 500 Mbit/s moves at most 5% above
+  the rate and at least 60% of it, and an unshaped link between the same kind of namespaces at
+  least 1.5 x faster (so the limit is the shaping, not the machine). The round trip is 2 x the
+  one-way delay, within -10% / +400 us (Python's own ping-pong costs about 50-100 us); skipped
+  with the reason on kernels without sch_netem, where only the rate is emulated.
+- meshrun across 2 emulated hosts x 2 processes trains the tiny FSDP plan (configs/tiny.json,
+  4 steps) to exit 0 with world size 4, its collectives really crossing the emulated link (each
+  host's eth0 sent more than 1 MB), and its losses equal, bit for bit, those of the same plan at
+  world size 4 on loopback (one meshrun, 4 processes): the ring collectives reduce in the same
+  order whatever the transport.
+- `scripts/netcluster.py run` killed by SIGTERM while its nodes run leaves no namespace and no
+  process behind.
+Every test skips, naming the reason, where network namespaces cannot be made (not root, ...).
+"""
+import os
+import signal
+import statistics
+import subprocess
+import time
+
+import pytest
+
+import netcluster as nc
+from conftest import FAST_CONF, MESHRUN, Meshrun, bin_dir, pids_alive, wait_for
+
+REPO = nc.REPO
+TRAINER = os.path.join(bin_dir(), "trainer")
+TINY = os.path.join(REPO, "configs", "tiny.json")
+TEXT = os.path.join(REPO, "data", "tinyshakespeare.txt")
+
+
+def root_net():
+    """The root namespace's links and addresses, without counters."""
+    addrs = subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True, check=True).stdout
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
+    return sorted(addrs.splitlines()), sorted(l.split("\\")[0] for l in links.splitlines())
+
+
+def test_cluster_comes_up_and_leaves_nothing(netcluster):
+    nc.require()
+    before = root_net()
+    c = netcluster(3)
+    print("cluster:", c.describe())
+    assert root_net() == before, "the cluster touched the root namespace's network"
+    for i in range(3):
+        out = subprocess.run(["ip", "-n", c.ns(i), "-o", "addr"], capture_output=True, text=True, check=True).stdout
+        assert "inet 127.0.0.1/8" in out and "inet %s/24" % c.addr(i) in out, out
+    for i in range(3):
+        for j in range(3):
+            if i != j:
+                r = c.rtt(i, j, count=3)
+                print("rtt %d->%d: %s us" % (i, j, ", ".join("%.0f" % (x * 1e6) for x in r)))
+                assert len(r) == 3
+    names = c.namespaces()
+    assert len(names) == 4 and all(n in nc.list_netns() for n in names)
+    c.close()
+    assert not set(names) & set(nc.list_netns()), "namespaces left after teardown"
+    assert root_net() == before
+
+
+def test_teardown_after_exception_kills_and_deletes():
+    nc.require()
+    names, pid = None, None
+    with pytest.raises(RuntimeError, match="boom"):
+        with nc.Cluster(2, rate="1gbit", delay=None) as c:
+            names = c.namespaces()
+            p = c.run(1, ["/usr/bin/python3", "-c", "import sys; print('up', flush=True); sys.stdin.read()"],
+                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            assert p.stdout.readline().strip() == b"up"  # it runs inside the namespace now
+            pid = p.pid
+            raise RuntimeError("boom")
+    assert names and not set(names) & set(nc.list_netns()), "namespaces left after an exception"
+    assert p.poll() is not None, "process %d in the namespace outlived the cluster" % pid
+
+
+def test_rate_shapes_throughput(netcluster):
+    nc.require()
+    rate = 500e6
+    shaped = netcluster(2, rate="500mbit", delay=None)
+    got = shaped.throughput(0, 1, nbytes=24 << 20)
+    free = netcluster(2, rate=None, delay=None)
+    top = free.throughput(0, 1, nbytes=24 << 20)
+    print("tbf 500mbit: %s; unshaped: %s (tolerance: 0.6x to 1.05x the rate; unshaped >= 1.5x)" %
+          (nc.core.fmt_rate(got), nc.core.fmt_rate(top)))
+    assert 0.6 * rate <= got <= 1.05 * rate
+    assert top >= 1.5 * got
+
+
+def test_rtt_reflects_delay(netcluster):
+    nc.require()
+    c = netcluster(2, rate="2gbit", delay="200us")
+    if not c.delay_applied:
+        pytest.skip("delay not emulated on this kernel: %s" % c.shaping)
+    med = statistics.median(c.rtt(0, 1, count=50))
+    want = 2 * c.delay_s
+    print("rtt median %.0f us, configured 2 x 200 us = %.0f us (tolerance -10%% / +400 us)" % (med * 1e6, want * 1e6))
+    assert 0.9 * want <= med <= want + 400e-6
+
+
+def trainer_args(d):
+    return [TRAINER, TINY, "--set", "train.steps=4", "--set", "eval.interval=0", "--set", "sample.tokens=0",
+            "--set", "data.train=" + TEXT, "--set", "mesh.dp_shard=-1",
+            "--set", "log.metrics_file=" + os.path.join(str(d), "metrics.jsonl")]
+
+
+def losses(d):
+    return [(r["step"], r["loss"]) for r in nc.read_metrics(os.path.join(str(d), "metrics.jsonl")) if "loss" in r]
+
+
+def test_meshrun_across_emulated_hosts_matches_loopback(netcluster, tmp_path):
+    nc.require()
+    lo, net = tmp_path / "loopback", tmp_path / "net"
+    lo.mkdir()
+    net.mkdir()
+    t0 = time.monotonic()
+    ref = Meshrun(["--nproc_per_node=4", "--rdzv_conf=" + FAST_CONF] + trainer_args(lo),
+                  env={"OMP_NUM_THREADS": "1"}, cwd=str(lo))
+    assert ref.wait(60) == 0, ref.describe()
+    t1 = time.monotonic()
+
+    c = netcluster(2)
+    env = {"OMP_NUM_THREADS": "1"}
+    codes, outs = nc.run_nodes(c, ["--nproc_per_node=2", "--rdzv_conf=" + FAST_CONF, "--shutdown_timeout=5"] +
+                               trainer_args(net), 60, meshrun=MESHRUN, env=env, cwd=str(net))
+    t2 = time.monotonic()
+    report = "\n".join("--- node %d rc=%s\n%s" % (i, rc, o) for i, (rc, o) in enumerate(zip(codes, outs)))
+    assert codes == [0, 0], report
+    assert "ranks 2..3 of 4" in report, report
+    sent = [c.link_bytes(i)[0] for i in range(2)]
+    print("loopback %.1fs, emulated hosts %.1fs (%s); bytes sent on eth0 per host: %s" %
+          (t1 - t0, t2 - t1, c.shaping, sent))
+    assert all(b > 1e6 for b in sent), "the collectives did not cross the emulated link: %s" % sent
+
+    a, b = losses(lo), losses(net)
+    print("losses loopback: %s\nlosses emulated: %s" % (a, b))
+    assert len(a) == 4 and a == b, "losses differ (tolerance: none, bit-identical)"
+
+
+def test_cli_run_torn_down_by_sigterm(tmp_path):
+    """scripts/netcluster.py run, its meshrun nodes and their workers up, then SIGTERM to the
+    script: it exits, and neither a namespace of its own (named nc<its pid>-...) nor a process
+    that ran in one is left."""
+    nc.require()
+    script = os.path.join(REPO, "scripts", "netcluster.py")
+    worker = ["/usr/bin/python3", "-c", "import signal; signal.pause()"]  # runs until killed
+    p = subprocess.Popen(["/usr/bin/python3", script, "run", "--hosts", "2", "--", "--nproc_per_node=1",
+                          "--rdzv_conf=" + FAST_CONF] + worker, env=dict(os.environ, MESHRUN_BIN=bin_dir()),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        def mine():
+            return [n for n in nc.list_netns() if n.startswith("nc%d-" % p.pid)]
+
+        seen = {}
+
+        def workers_up():
+            # Each host runs its meshrun and one worker: two processes in each host namespace.
+            for n in mine():
+                seen[n] = set(nc.core.netns_pids(n)) | seen.get(n, set())
+            hosts = [n for n in mine() if not n.endswith("-sw")]
+            return len(hosts) == 2 and all(len(nc.core.netns_pids(n)) >= 2 for n in hosts)
+
+        wait_for(workers_up, 30, "both hosts' meshrun and worker")
+        pids = set().union(*seen.values())
+        p.send_signal(signal.SIGTERM)
+        out = p.communicate(timeout=30)[0].decode(errors="replace")
+        print(out)
+        assert p.returncode != 0, out
+        assert mine() == [], "namespaces left after SIGTERM: %s" % mine()
+        assert pids_alive(sorted(pids)) == [], "processes of the cluster survived"
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
