@@ -394,20 +394,24 @@ static int prep(comm_t *c, comm_call_t *k, int *trivial) {
   return COMM_OK;
 }
 
-/* Hands a prepared call to the backend's blocking table, on whichever thread runs it. A
- * communicator broken meanwhile (an earlier queued call failed) fails it without touching its
- * buffers. */
-static int exec_call(comm_t *c, const comm_call_t *call) {
+/* What every call does as it reaches the backend (a blocking one, or a start): a communicator
+ * broken meanwhile (an earlier queued call failed) fails it without touching its buffers; the
+ * call is counted (and the fault hooks fire); all_gather's own part moves into its slot. */
+static int enter_backend(comm_t *c, comm_call_t *k) {
   if (c->broken) return c->broken;
-  comm_call_t kk = *call, *k = &kk;
-  int rc;
   count_call(c);
   if (c->fail_next) return injected(c, call_names[k->kind]);
+  return k->kind == COMM_CALL_ALL_GATHER ? own_slot(c, k) : COMM_OK;
+}
+
+/* Hands a prepared call to the backend's blocking table, on whichever thread runs it. */
+static int exec_call(comm_t *c, const comm_call_t *call) {
+  comm_call_t kk = *call, *k = &kk;
+  int rc = enter_backend(c, k);
+  if (rc) return rc;
   switch (k->kind) {
   case COMM_CALL_ALL_REDUCE: return c->ops->all_reduce(c, k->out, k->count, k->dtype, k->op);
-  case COMM_CALL_ALL_GATHER:
-    if ((rc = own_slot(c, k))) return rc;
-    return c->ops->all_gather(c, k->in, k->out, k->count, k->dtype);
+  case COMM_CALL_ALL_GATHER: return c->ops->all_gather(c, k->in, k->out, k->count, k->dtype);
   case COMM_CALL_REDUCE_SCATTER: return c->ops->reduce_scatter(c, k->in, k->out, k->count, k->dtype, k->op);
   case COMM_CALL_BROADCAST: return c->ops->broadcast(c, k->out, k->count, k->dtype, k->root);
   case COMM_CALL_BARRIER: return c->ops->barrier(c);
@@ -524,8 +528,10 @@ static void waited(comm_t *c, const comm_call_t *k, int64_t t0) {
   if (observer) observer(c, COMM_OBSERVE_WAIT, call_names[k->kind], k->count * comm_dtype_size(k->dtype), t0, t1);
 }
 
-static int start_call(comm_t *c, comm_call_t *k, comm_req_t **req) {
+static int start_call(comm_t *c, comm_call_t k0, comm_req_t **req) {
+  if (!c) return COMM_EINVAL;
   if (!req) return comm_set_error(c, COMM_EINVAL, "comm_start: NULL request pointer");
+  comm_call_t *k = &k0;
   *req = NULL;
   int trivial;
   int rc = prep(c, k, &trivial);
@@ -541,10 +547,7 @@ static int start_call(comm_t *c, comm_call_t *k, comm_req_t **req) {
     return rc;
   } else if (c->ops->start) {
     uint64_t before = c->stats.bytes_sent;
-    count_call(c);
-    if (c->fail_next) r->rc = injected(c, "start");
-    else if (c->broken) r->rc = c->broken;
-    else if (k->kind != COMM_CALL_ALL_GATHER || !(r->rc = own_slot(c, k))) r->rc = c->ops->start(c, k, &r->token);
+    if (!(r->rc = enter_backend(c, k))) r->rc = c->ops->start(c, k, &r->token);
     r->sent = c->stats.bytes_sent - before;
     if (r->rc) r->done = 1;
   } else if (c->ops->inline_async) {
@@ -597,14 +600,13 @@ int comm_test(comm_req_t *r, int *done) {
   return COMM_OK;
 }
 
-comm_t *comm_req_comm(const comm_req_t *r) { return r ? r->c : NULL; }
 
 /* A blocking call: on the caller's thread until a progress thread exists, then through it. */
 static int call(comm_t *c, comm_call_t k) {
   if (!c) return COMM_EINVAL;
   if (c->async && c->async->running) {
     comm_req_t *r;
-    int rc = start_call(c, &k, &r);
+    int rc = start_call(c, k, &r);
     return rc ? rc : comm_wait(r, NULL);
   }
   int trivial;
@@ -633,23 +635,19 @@ int comm_broadcast(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, int r
 int comm_barrier(comm_t *c) { return call(c, (comm_call_t){.kind = COMM_CALL_BARRIER}); }
 
 int comm_start_all_reduce(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, comm_op_t op, comm_req_t **req) {
-  if (!c) return COMM_EINVAL;
-  comm_call_t k = {.kind = COMM_CALL_ALL_REDUCE, .out = buf, .count = count, .dtype = dtype, .op = op};
-  return start_call(c, &k, req);
+  return start_call(c, (comm_call_t){.kind = COMM_CALL_ALL_REDUCE, .out = buf, .count = count, .dtype = dtype, .op = op},
+                    req);
 }
 int comm_start_all_gather(comm_t *c, const void *in, void *out, size_t count, comm_dtype_t dtype, comm_req_t **req) {
-  if (!c) return COMM_EINVAL;
-  comm_call_t k = {.kind = COMM_CALL_ALL_GATHER, .in = in, .out = out, .count = count, .dtype = dtype};
-  return start_call(c, &k, req);
+  return start_call(c, (comm_call_t){.kind = COMM_CALL_ALL_GATHER, .in = in, .out = out, .count = count, .dtype = dtype},
+                    req);
 }
 int comm_start_reduce_scatter(comm_t *c, const void *in, void *out, size_t count, comm_dtype_t dtype, comm_op_t op,
                               comm_req_t **req) {
-  if (!c) return COMM_EINVAL;
-  comm_call_t k = {.kind = COMM_CALL_REDUCE_SCATTER, .in = in, .out = out, .count = count, .dtype = dtype, .op = op};
-  return start_call(c, &k, req);
+  return start_call(c, (comm_call_t){.kind = COMM_CALL_REDUCE_SCATTER, .in = in, .out = out, .count = count,
+                                     .dtype = dtype, .op = op}, req);
 }
 int comm_start_broadcast(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, int root, comm_req_t **req) {
-  if (!c) return COMM_EINVAL;
-  comm_call_t k = {.kind = COMM_CALL_BROADCAST, .out = buf, .count = count, .dtype = dtype, .root = root};
-  return start_call(c, &k, req);
+  return start_call(c, (comm_call_t){.kind = COMM_CALL_BROADCAST, .out = buf, .count = count, .dtype = dtype,
+                                     .root = root}, req);
 }

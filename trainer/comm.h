@@ -153,7 +153,6 @@ int comm_start_broadcast(comm_t *c, void *buf, size_t count, comm_dtype_t dtype,
                          comm_req_t **req);
 int comm_wait(comm_req_t *req, uint64_t *sent);
 int comm_test(comm_req_t *req, int *done);
-comm_t *comm_req_comm(const comm_req_t *req);
 
 /* An observer of every collective of the process (the trainer's trace): RUN when a backend ran
  * one (on the thread that ran it: t0, t1 its start and end, bytes what this rank sent), WAIT

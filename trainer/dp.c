@@ -197,7 +197,7 @@ static int reduce_scratch(dp_impl_t *d, char *err, size_t errlen) {
     d->rs_lp_n = 0;
     for (int u = 0; u < d->n_units; u++)
       if (d->chunk[u] * (size_t)(d->S + 1) > d->rs_lp_n) d->rs_lp_n = d->chunk[u] * (size_t)(d->S + 1);
-    n = (size_t)d->ngrad * d->rs_lp_n + (d->rep_comm && comm_size(d->rep_comm) > 1 ? d->shard_total : 0);
+    n = (size_t)d->ngrad * d->rs_lp_n + (d->rep_reduce ? d->shard_total : 0);
   }
   d->rlp_n = n;
   if (n && !(d->rlp = d->be->alloc(d->be, n * dtype_size(d->rdt)))) {

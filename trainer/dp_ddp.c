@@ -106,7 +106,7 @@ static void bucket_range(const dp_impl_t *d, int b, size_t *off, size_t *n) {
 /* reduce_dtype bf16: the averaged bucket widened back from its wire copy. */
 static int bucket_done(dp_impl_t *d, dp_op_t *op) {
   size_t off, n;
-  bucket_range(d, op->unit, &off, &n);
+  bucket_range(d, (int)(op - d->bops), &off, &n);
   d->be->convert(d->be, d->grads + off, DT_F32, (char *)d->rlp + off * dtype_size(d->rdt), d->rdt, n);
   return 0;
 }
@@ -121,7 +121,6 @@ static int ddp_reduce_grads(dp_t *dp, int u) {
   char what[64];
   snprintf(what, sizeof what, "bucket %d gradients (units %d-%d)", b, d->blo[b], d->bhi[b]);
   dp_op_t *op = &d->bops[b];
-  op->unit = b;
   if (d->rdt == DT_F32) {
     op->then = NULL;
     return dp_start_all_reduce(d, op, d->dp_comm, d->grads + off, n, DT_F32, what);

@@ -141,7 +141,7 @@ float *dp_shard_gradbuf(dp_impl_t *d, int u, int zero_grads) {
 
 /* reduce_dtype bf16: the all-reduced shard grads, widened back from their wire copy. */
 static int ar_done(dp_impl_t *d, dp_op_t *op) {
-  const int u = op->unit;
+  const int u = (int)(op - d->arops);
   d->be->convert(d->be, d->sgrads + d->soff[u], DT_F32, lp_at(d, (size_t)d->ngrad * d->rs_lp_n + d->soff[u]), d->rdt,
                  d->chunk[u]);
   return 0;
@@ -150,7 +150,7 @@ static int ar_done(dp_impl_t *d, dp_op_t *op) {
 /* The reduce-scatter of unit u is done: its shard (widened from bf16) added into the accumulated
  * shard grads, then HSDP's replicate all-reduce of them on the last micro-step. */
 static int rs_done(dp_impl_t *d, dp_op_t *op) {
-  const int u = op->unit, b = op->slot;
+  const int u = op->unit, b = u % d->ngrad;
   float *out = d->rstmp + (size_t)b * d->cmax, *g = d->sgrads + d->soff[u];
   if (d->rdt != DT_F32)
     d->be->convert(d->be, out, DT_F32, lp_at(d, (size_t)b * d->rs_lp_n + d->chunk[u] * (size_t)d->S), d->rdt,
@@ -160,7 +160,6 @@ static int rs_done(dp_impl_t *d, dp_op_t *op) {
   dp_op_t *ar = &d->arops[u];
   char what[48];
   snprintf(what, sizeof what, "unit %d gradients", u);
-  ar->unit = u;
   if (d->rdt == DT_F32) {
     ar->then = NULL;
     return dp_start_all_reduce(d, ar, d->rep_comm, g, d->chunk[u], DT_F32, what);
@@ -178,10 +177,9 @@ int dp_shard_reduce(dp_impl_t *d, int u) {
   char what[48];
   snprintf(what, sizeof what, "unit %d gradients", u);
   op->unit = u;
-  op->slot = b;
   op->sync = d->sync;
   op->then = rs_done;
-  const float *g = d->gradbuf + (size_t)b * d->gmax;
+  const float *g = dp_shard_gradbuf(d, u, 0);
   if (d->rdt == DT_F32)
     return dp_start_reduce_scatter(d, op, d->shard_comm, g, d->rstmp + (size_t)b * d->cmax, d->chunk[u], DT_F32, what);
   const size_t all = d->chunk[u] * (size_t)d->S;
@@ -216,6 +214,11 @@ int dp_shard_ck_ranges(dp_impl_t *d, dp_ck_range_t *r, int save_params, int save
 
 /* The gathered slot unit u uses (holder and gops are indexed by it). */
 static int slot_of(const dp_impl_t *d, int u) { return d->nslots ? u % d->nslots : u; }
+
+/* Where unit u's gathered compute parameters live: its bf16 slot (bf16 gathers) or fp32 one. */
+static char *slot_buf(const dp_impl_t *d, int u) {
+  return d->sp_lp ? (char *)d->gbuf_lp + d->goff[u] * dtype_size(d->pdt) : (char *)(d->gbuf + d->goff[u]);
+}
 
 /* The fp32 slot that dp_unit_open fills for unit u: its gathered slot, or with bf16 gathers the
  * one fp32 slot kept for opening. */
@@ -258,7 +261,7 @@ static int start_gather(dp_impl_t *d, int u) {
   if (d->holder[slot] == u) return 0;
   if (dp_op_wait(d, &d->gops[slot])) return d->status; /* another unit's gather into the slot */
   const size_t es = lp ? dtype_size(d->pdt) : sizeof(float);
-  char *buf = lp ? (char *)d->gbuf_lp + d->goff[u] * es : (char *)(d->gbuf + d->goff[u]);
+  char *buf = slot_buf(d, u);
   const void *shard = lp ? (char *)d->sp_lp + d->soff[u] * es : (char *)(d->sparams + d->soff[u]);
   char what[48];
   snprintf(what, sizeof what, "unit %d parameters", u);
@@ -276,7 +279,7 @@ static int gather_unit(dp_impl_t *d, int u, int for_backward, int prefetch) {
   if (start_gather(d, u) || dp_op_wait(d, &d->gops[slot_of(d, u)])) return d->status;
   const int next = for_backward ? u - 1 : u + 1;
   if (prefetch && d->overlap && next >= 0 && next < d->n_units && start_gather(d, next)) return d->status;
-  char *buf = lp ? (char *)d->gbuf_lp + d->goff[u] * dtype_size(d->pdt) : (char *)(d->gbuf + d->goff[u]);
+  char *buf = slot_buf(d, u);
   float *g = dp_shard_gradbuf(d, u, for_backward);
   if (d->status) return d->status;
   model_set_unit_buffers(d->m, u, lp ? NULL : (float *)buf, g);
@@ -352,11 +355,9 @@ static void fsdp_memory(const dp_impl_t *d, dp_memory_t *out) {
   const size_t lpe = d->sp_lp ? dtype_size(d->pdt) : 0; /* bytes of a bf16 copy's element */
   out->param_bytes = d->shard_total * (f + lpe);
   out->grad_bytes = d->shard_total * f;
-  size_t cmax = 0;
-  for (int u = 0; u < d->n_units; u++) cmax = d->chunk[u] > cmax ? d->chunk[u] : cmax;
   /* gathered slots (bf16 ones plus the fp32 open slot, or fp32 ones), gradients, scratch */
   size_t slots = d->sp_lp ? d->gbuf_floats * lpe + d->gmax * f : d->gbuf_floats * f;
-  out->work_bytes = slots + (size_t)d->ngrad * (d->gmax + cmax) * f;
+  out->work_bytes = slots + (size_t)d->ngrad * (d->gmax + d->cmax) * f;
   out->optim_bytes = 2 * d->opt.count * f;
 }
 

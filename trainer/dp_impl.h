@@ -32,7 +32,7 @@ struct dp_op {
   uint64_t *counter; /* the d->traffic field its bytes go to */
   int pending;       /* started and not yet waited (then still to run) */
   int (*then)(dp_impl_t *d, dp_op_t *op);
-  int unit, slot;
+  int unit; /* the unit a gradient buffer's reduce-scatter is for */
   int sync; /* dp_t's sync when started (HSDP: the replicate all-reduce follows) */
   char what[80]; /* "all_gather of unit 3 parameters" */
 };

@@ -91,13 +91,11 @@ static int zero2_ck_ranges(dp_impl_t *d, dp_ck_range_t *r) {
 
 static void zero2_memory(const dp_impl_t *d, dp_memory_t *out) {
   const size_t f = sizeof(float);
-  size_t cmax = 0;
-  for (int u = 0; u < d->n_units; u++) cmax = d->chunk[u] > cmax ? d->chunk[u] : cmax;
   out->param_bytes = (d->gbuf_floats + d->shard_total) * f;
   out->grad_bytes = d->shard_total * f;
   out->optim_bytes = 2 * d->opt.count * f;
   /* one unit's full gradients and the scatter scratch, plus the model's idle flat buffers */
-  out->work_bytes = ((size_t)d->ngrad * (d->gmax + cmax) + (model_params(d->m) ? 2 * d->num_params : 0)) * f;
+  out->work_bytes = ((size_t)d->ngrad * (d->gmax + d->cmax) + (model_params(d->m) ? 2 * d->num_params : 0)) * f;
 }
 
 const dp_ops_t dp_zero2_ops = {

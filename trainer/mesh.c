@@ -192,18 +192,26 @@ comm_t *mesh_host_comm(const mesh_t *m, const char *name) {
   return g ? g->host_comm : NULL;
 }
 
+void mesh_group_stats(const mesh_t *m, int g, comm_stats_t *out) {
+  const mesh_group_t *grp = &m->groups[g];
+  memset(out, 0, sizeof *out);
+  if (grp->comm) comm_get_stats(grp->comm, out);
+  if (grp->host_comm && grp->host_comm != grp->comm) {
+    comm_stats_t h;
+    comm_get_stats(grp->host_comm, &h);
+    out->bytes_sent += h.bytes_sent;
+    out->bytes_recv += h.bytes_recv;
+    out->calls += h.calls;
+    out->wait_ns += h.wait_ns;
+  }
+}
+
 uint64_t mesh_wait_ns(const mesh_t *m) {
   uint64_t sum = 0;
   for (int g = 0; m && g < MESH_NGROUPS; g++) {
     comm_stats_t st;
-    if (m->groups[g].comm) {
-      comm_get_stats(m->groups[g].comm, &st);
-      sum += st.wait_ns;
-    }
-    if (m->groups[g].host_comm && m->groups[g].host_comm != m->groups[g].comm) {
-      comm_get_stats(m->groups[g].host_comm, &st);
-      sum += st.wait_ns;
-    }
+    mesh_group_stats(m, g, &st);
+    sum += st.wait_ns;
   }
   return sum;
 }

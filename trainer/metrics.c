@@ -99,11 +99,9 @@ static void traffic_step(metrics_t *mt, char *out, size_t len) {
                    (unsigned long long)(now.dp.reduce_scatter - last->dp.reduce_scatter),
                    (unsigned long long)(now.dp.broadcast - last->dp.broadcast));
   for (int g = 0; g < MESH_NGROUPS; g++) {
-    comm_stats_t st = {0}, hst = {0};
-    const mesh_group_t *grp = &mesh->groups[g];
-    if (grp->comm) comm_get_stats(grp->comm, &st);
-    if (grp->host_comm && grp->host_comm != grp->comm) comm_get_stats(grp->host_comm, &hst);
-    now.group[g] = st.bytes_sent + hst.bytes_sent;
+    comm_stats_t st;
+    mesh_group_stats(mesh, g, &st);
+    now.group[g] = st.bytes_sent;
     if (o > 0 && (size_t)o < len)
       o += snprintf(out + o, len - (size_t)o, ",\"%s\":%llu", mesh->groups[g].name,
                     (unsigned long long)(now.group[g] - last->group[g]));

@@ -68,7 +68,7 @@ static int rank_in_flight(int rank, int n, store_t *st, void *arg) {
   comm_req_t *req[K + 1];
   for (int k = 0; k < K; k++)
     if (comm_start_all_reduce(c, got + k * N, N, COMM_FLOAT32, COMM_SUM, &req[k])) return 1;
-  /* reads the first buffer once the first request is done: a queued request after it */
+  /* each wait finds its own and every earlier buffer final, whatever is still queued behind */
   int bad = 0;
   for (int k = 0; k < K; k++) {
     uint64_t sent = 0;
