@@ -42,9 +42,10 @@ bench_launcher() {
 }
 
 # --- section: overlap. FSDP, HSDP and DDP with parallel.overlap off and on, one meshrun per
-# emulated host (scripts/netcluster.py: network namespaces, 2 Gbit/s links): ms/step and the
-# exposed communication (comm_wait_ms) off and on. Needs root (ip netns); says so and passes
-# where namespaces cannot be made.
+# emulated host (scripts/netcluster.py: network namespaces, links of 0.5, 1 and 2 Gbit/s with
+# 200 us one way, a cgroup CPU budget per host): ms/step and the exposed communication
+# (comm_wait_ms) off and on, against the 60% target. Needs root (ip netns); says so and
+# passes where namespaces cannot be made.
 bench_overlap() {
   "$PYTHON" scripts/bench_overlap.py
 }

@@ -1,26 +1,35 @@
 #!/usr/bin/python3
 """bench_overlap: communication overlap off and on, FSDP / HSDP / DDP across emulated hosts.
 
-    MESHRUN_BIN=$PWD/bin /usr/bin/python3 scripts/bench_overlap.py [--nodes 2,4] [--steps 6]
-        [--rate 2gbit] [--delay 200us] [--plans fsdp,hsdp,ddp] [--off SET] [--on SET]
+    MESHRUN_BIN=$PWD/bin MESHRUN_BUILD=$PWD/build /usr/bin/python3 scripts/bench_overlap.py
+        [--nodes 2,4] [--steps 8] [--rate 500mbit,1gbit,2gbit] [--delay 200us] [--cpu auto]
+        [--plans fsdp,hsdp,ddp] [--off SET] [--on SET]
 
-Each row runs bin/trainer under one bin/meshrun per emulated host (scripts/netcluster.py: network
-namespaces on one switch, every link shaped to --rate with --delay one way where the kernel has
-netem), one process per host (HSDP at 2 hosts: two per host, so that it has 4 ranks: dp_replicate
-across hosts x dp_shard 2 within one), OMP_NUM_THREADS=1 per rank. The model is sized so that
-moving its parameters and gradients over a 2 Gbit/s link takes about as long as a step's compute
-on one core: Llama dim 384, 4 layers, 6 heads, hidden 1024, vocab 256 (7.3M parameters, 29 MB in
-fp32), micro-batch 2 x seq 64 per rank, synthetic data, --steps optimizer steps of which the
-first is warm-up and not counted.
+One table per --rate. Each row runs bin/trainer under one bin/meshrun per emulated host
+(scripts/netcluster.py: network namespaces on one switch, every link shaped to the rate with
+--delay one way, by netem or, on kernels without it, the user-space switch build/tools/netdelay),
+one process per host (HSDP at 2 hosts: two per host, so that it has 4 ranks: dp_replicate across
+hosts x dp_shard 2 within one), OMP_NUM_THREADS=1 per rank. Each host gets its own CPU budget
+(--cpu; auto: 80% of the machine's cores split evenly, in a cgroup), as separate machines would:
+without it a rank waiting on the network lends its core to another host's compute, and the
+blocking order looks cheaper than it is. The model: Llama dim 384, 4 layers, 6 heads, hidden
+1024, vocab 256 (7.3M parameters, 29 MB in fp32), micro-batch 2 x seq 64 per rank, synthetic
+data, --steps optimizer steps of which the first is warm-up and not counted.
 
 From rank 0's metrics file (log.metrics_file), the median over the counted steps of step_ms,
 compute_ms and comm_wait_ms (the communication the step waited for: exposed, not hidden behind
 compute); a field the trainer does not write yet is "n/a". Columns: ms/step with --off (default
 parallel.overlap=false) and --on (parallel.overlap=true); exposed communication ms off and on;
-their ratio on/off (< 1: overlap hides communication) and the share of the exposed time that
-overlap removed (1 - on/off); MB rank 0 sent per step (the per-step "comm" record) and the time
-those bytes need on one link at --rate ("wire ms", a floor for one step's transfer). On a
-machine with fewer cores than ranks the ranks share cores, so compute is slower than alone.
+"comm share", the exposed share of the step with overlap off; their ratio on/off (< 1: overlap
+hides communication) and the share of the exposed time that overlap removed (1 - on/off);
+"bound", about the most any overlap could remove, min(1, compute / exposed) with overlap off
+(communication hides behind compute at most; DDP, and HSDP whose only cross-host traffic is the
+replicate all-reduce, hide behind the backward alone, about 2/3 of that; ranks that wait on one
+another make the off row's exposed time larger than the bytes need, so a row can beat it);
+"target", the issue's: where the comm share is at least 50%, "met" when overlap removed at
+least 60%, "bound" when even the bound is below 60%, else "missed", and "-" outside that domain;
+MB rank 0 sent per step (the per-step "comm" record) and the time those bytes need on one link at
+the rate ("wire ms", a floor for one step's transfer).
 Prints one line and exits 0 where network namespaces cannot be made (the reason named).
 """
 import argparse
@@ -95,9 +104,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", default="2,4")
     ap.add_argument("--plans", default="fsdp,hsdp,ddp")
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--rate", default="2gbit")
-    ap.add_argument("--delay", default="200us")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--rate", default="500mbit,1gbit,2gbit", help="link rates, tc units, comma-separated: one table each")
+    ap.add_argument("--delay", default="200us", help="one way, tc units; 0 for none")
+    ap.add_argument("--cpu", default="auto", help="cores per emulated host: auto (80%% of the machine's split evenly), "
+                    "a number, or none (hosts share every core)")
     ap.add_argument("--off", default="parallel.overlap=false", help="--set for the 'off' runs ('' for none)")
     ap.add_argument("--on", default="parallel.overlap=true", help="--set for the 'on' runs ('' for none)")
     a = ap.parse_args()
@@ -108,20 +119,33 @@ def main():
         return 0
     bindir = os.path.abspath(os.environ.get("MESHRUN_BIN") or os.path.join(netcluster.REPO, "bin"))
     meshrun, trainer = os.path.join(bindir, "meshrun"), os.path.join(bindir, "trainer")
-    rate_bps = netcluster.parse_rate(a.rate)
+    rates = [r for r in a.rate.split(",") if r]
+    for r in rates:
+        netcluster.parse_rate(r)  # a bad rate fails here, before any cluster is built
+    cpu = None if a.cpu == "none" else a.cpu if a.cpu == "auto" else float(a.cpu)
     sets_off = [s for s in a.off.split(",") if s]
     sets_on = [s for s in a.on.split(",") if s]
+    failed = False
+    for rate in rates:
+        failed |= table(a, rate, cpu, meshrun, trainer, sets_off, sets_on)
+    return 1 if failed else 0
 
-    hdr = ("%5s %5s %-9s %9s %9s %7s %9s %9s %8s %8s %8s %7s" %
-           ("nodes", "ranks", "plan", "ms/step", "ms/step", "speedup", "exposed", "exposed", "exposed", "removed",
-            "MB sent", "wire"))
-    hdr2 = ("%5s %5s %-9s %9s %9s %7s %9s %9s %8s %8s %8s %7s" %
-            ("", "", "", "off", "on", "off/on", "ms off", "ms on", "on/off", "share", "/step", "ms"))
-    shaping = None
+
+COLS = "%5s %5s %-9s %9s %9s %7s %9s %9s %6s %8s %8s %6s %7s %8s %7s"
+
+
+def table(a, rate, cpu, meshrun, trainer, sets_off, sets_on):
+    """One table: every node count and plan at one link rate. Returns True if a row failed."""
+    rate_bps = netcluster.parse_rate(rate)
+    hdr = COLS % ("nodes", "ranks", "plan", "ms/step", "ms/step", "speedup", "exposed", "exposed", "comm", "exposed",
+                  "removed", "bound", "target", "MB sent", "wire")
+    hdr2 = COLS % ("", "", "", "off", "on", "off/on", "ms off", "ms on", "share", "on/off", "share", "", "", "/step", "ms")
+    shaping, cpus = None, []
     rows = []
     for nodes in [int(x) for x in a.nodes.split(",") if x]:
-        with netcluster.Cluster(nodes, rate=a.rate, delay=a.delay) as c:
+        with netcluster.Cluster(nodes, rate=rate, delay=None if a.delay in ("0", "none") else a.delay, cpu=cpu) as c:
             shaping = c.shaping
+            cpus.append("%d hosts: %s" % (nodes, "unlimited" if c.cpu is None else "%.2g cores" % c.cpu))
             for plan in [p for p in a.plans.split(",") if p]:
                 nproc, mesh = layout(plan, nodes)
                 res = {}
@@ -141,21 +165,31 @@ def main():
                 removed = 1 - ratio if ratio is not None else None
                 mb = sent_mb(off)
                 wire = mb * 8e6 / rate_bps * 1e3 if mb is not None else None
-                rows.append("%5d %5d %-9s %9s %9s %7s %9s %9s %8s %8s %8s %7s" %
-                            (nodes, nodes * nproc, name, f(s_off), f(s_on),
-                             f(s_off / s_on if s_off and s_on else None, "%.2fx"), f(e_off), f(e_on),
-                             f(ratio, "%.2f"), f(None if removed is None else 100 * removed, "%.0f%%"),
-                             f(mb), f(wire, "%.0f")))
+                share = e_off / s_off if e_off is not None and s_off else None
+                # The most any overlap could remove: communication can hide behind at most the
+                # step's compute (off: step - exposed), so min(1, compute / exposed). DDP and
+                # ZeRO hide behind the backward alone, about 2/3 of that.
+                bound = min(1.0, (s_off - e_off) / e_off) if e_off and s_off else None
+                # The issue's target: where communication is at least half the step (off), overlap
+                # removes at least 60% of the exposed time. "-": this row is outside its domain;
+                # "bound": inside it, but even hiding every compute millisecond removes < 60%.
+                target = "-" if share is None or removed is None or share < 0.5 else \
+                    "met" if removed >= 0.6 else "bound" if bound < 0.6 else "missed"
+                rows.append(COLS % (nodes, nodes * nproc, name, f(s_off), f(s_on),
+                                    f(s_off / s_on if s_off and s_on else None, "%.2fx"), f(e_off), f(e_on),
+                                    f(None if share is None else 100 * share, "%.0f%%"),
+                                    f(ratio, "%.2f"), f(None if removed is None else 100 * removed, "%.0f%%"),
+                                    f(None if bound is None else 100 * bound, "%.0f%%"), target, f(mb), f(wire, "%.0f")))
                 print(rows[-1], file=sys.stderr, flush=True)
-    print("emulated hosts: %s; model dim 384 x 4 layers (7.3M params), micro-batch 2 x seq 64 per rank, "
-          "%d steps, first not counted, medians of rank 0" % (shaping, a.steps))
+    print("emulated hosts: %s; CPU per host (cgroup) at %s; model dim 384 x 4 layers (7.3M params), micro-batch "
+          "2 x seq 64 per rank, %d steps, first not counted, medians of rank 0" % (shaping, ", ".join(cpus), a.steps))
     print("off: %s   on: %s" % (" ".join(sets_off) or "(plan default)", " ".join(sets_on) or "(plan default)"))
     print(hdr)
     print(hdr2)
     for r in rows:
         print(r)
-    return 0 if not any("failed" in r for r in rows) else 1
-
+    print()
+    return any("failed" in r for r in rows)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -3,7 +3,7 @@
 
     scripts/netcluster.py check                      can network namespaces be made here? (exit 0/1)
     scripts/netcluster.py measure [--hosts N] [--rate R] [--delay D]   bring up, print RTT and throughput
-    scripts/netcluster.py run --hosts 2 --rate 2gbit --delay 200us -- [meshrun args...] PROGRAM [ARGS...]
+    scripts/netcluster.py run --hosts 2 --rate 2gbit --delay 200us [--cpu auto] -- [meshrun args...] PROGRAM [ARGS...]
     scripts/netcluster.py clean                      delete namespaces left by netcluster runs that died
 
 Each emulated host is a Linux network namespace with one veth link ("eth0", 10.211.X.(i+1)/24, X
@@ -16,8 +16,19 @@ Shaping, on every link and in both directions: a tbf qdisc limits the rate (the 
 its eth0, and the switch's egress toward that host on p<i>, so receiving is limited as sending
 is: a full-duplex link of that rate). The delay is a netem qdisc under the host's tbf, so one
 way between two hosts takes `delay` and a round trip 2 x delay. A kernel without sch_netem (some
-VM kernels have CONFIG_NET_SCH_NETEM unset and no modules) gets the rate alone: Cluster says so
-in .delay_applied and .shaping, and the CLI prints a warning; nothing is silently pretended.
+VM kernels have CONFIG_NET_SCH_NETEM unset and no modules) gets the delay from a user-space
+switch instead (test/tools/netdelay, built by make): the ports leave the bridge and that program
+forwards frames between them after holding each for `delay`; the tbf qdiscs still shape. Without
+either, the rate alone: Cluster says so in .delay_applied and .shaping, and the CLI prints a
+warning; nothing is silently pretended.
+
+CPU (cpu=C, "auto" = 80% of the machine's cores split evenly among the hosts, the rest left to
+the network's own work): each host's processes run
+in a cgroup of their own (cgroup v2 cpu.max, else v1 cpu.cfs_quota_us) limited to C cores, as
+Mininet's CPU-limited hosts are. Without it, hosts share the machine's cores, and a rank that
+waits on the network hands its core to another host's compute: a blocking step then looks
+cheaper than on separate machines, and overlap has less to hide. The cgroups are named like the
+namespaces and removed with them.
 
 Traffic between two processes of the same host stays on that namespace's loopback, unshaped,
 as on a real machine. meshrun nodes get MESHRUN_COMM_HOST set to their host's address, which the
@@ -142,7 +153,97 @@ def sweep_stale():
         if m and not _pid_alive(int(m.group(1))):
             _kill_netns(ns, 1.0)
             gone.append(ns)
+    for cg in _stale_cgroups():
+        if _cgroup_remove(cg, 1.0):
+            gone.append(cg)
     return gone
+
+# ---- CPU budgets ---------------------------------------------------------------------------
+
+CPU_PERIOD_US = 10000  # a short period: a throttled host waits at most this long to run again
+# cpu="auto": the hosts share this fraction of the machine's cores; the rest is left to the
+# emulated network (the kernel's packet work, tbf, the user-space switch), which would otherwise
+# take its time from whichever host is running and make every host's step erratic.
+AUTO_CPU_SHARE = 0.8
+
+
+def _cgroup_root():
+    """(version, directory under which a cpu-limited cgroup can be made) or (None, reason)."""
+    v2 = "/sys/fs/cgroup"
+    try:
+        with open(os.path.join(v2, "cgroup.controllers")) as f:
+            if "cpu" in f.read().split():
+                with open(os.path.join(v2, "cgroup.subtree_control")) as f:
+                    if "cpu" not in f.read().split():
+                        return None, "cgroup v2 has the cpu controller but does not delegate it (cgroup.subtree_control)"
+                return 2, v2
+    except OSError:
+        pass
+    v1 = "/sys/fs/cgroup/cpu"
+    if os.path.exists(os.path.join(v1, "cpu.cfs_quota_us")):
+        return 1, v1
+    return None, "no cgroup cpu controller (neither cgroup v2's cpu.max nor v1's cpu.cfs_quota_us)"
+
+
+def _cgroup_make(path, version, cores):
+    """Creates cgroup path limited to `cores` CPUs (a float); raises NetclusterError."""
+    quota = max(1000, int(round(cores * CPU_PERIOD_US)))
+    try:
+        os.mkdir(path)
+        if version == 2:
+            with open(os.path.join(path, "cpu.max"), "w") as f:
+                f.write("%d %d" % (quota, CPU_PERIOD_US))
+        else:
+            with open(os.path.join(path, "cpu.cfs_period_us"), "w") as f:
+                f.write(str(CPU_PERIOD_US))
+            with open(os.path.join(path, "cpu.cfs_quota_us"), "w") as f:
+                f.write(str(quota))
+    except OSError as e:
+        raise NetclusterError("cannot make a cpu-limited cgroup %s: %s" % (path, e))
+
+
+def _cgroup_remove(path, deadline_s=5.0):
+    """Removes cgroup path once the processes in it are gone (they were killed with the namespaces)."""
+    end = time.monotonic() + deadline_s
+    while os.path.isdir(path):
+        try:
+            os.rmdir(path)
+        except OSError:
+            if time.monotonic() > end:
+                return False
+            time.sleep(0.01)
+    return True
+
+
+def cpu_limit(path):
+    """The cores a cgroup directory made here allows (quota / period), for tests and reports."""
+    if os.path.exists(os.path.join(path, "cpu.max")):
+        with open(os.path.join(path, "cpu.max")) as f:
+            q, per = f.read().split()
+        return None if q == "max" else int(q) / int(per)
+    with open(os.path.join(path, "cpu.cfs_quota_us")) as f:
+        q = int(f.read())
+    with open(os.path.join(path, "cpu.cfs_period_us")) as f:
+        per = int(f.read())
+    return None if q < 0 else q / per
+
+
+def _stale_cgroups():
+    version, root = _cgroup_root()
+    if version is None:
+        return []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    return [os.path.join(root, n) for n in names if NAME_RE.match(n) and not _pid_alive(int(NAME_RE.match(n).group(1)))]
+
+
+def netdelay_path():
+    """The user-space delaying switch (test/tools/netdelay.c, built by make), or None."""
+    d = os.environ.get("MESHRUN_BUILD") or os.path.join(REPO, "build")
+    path = os.path.join(os.path.abspath(d), "tools", "netdelay")
+    return path if os.access(path, os.X_OK) else None
 
 
 def can_create():
@@ -218,9 +319,15 @@ class Cluster:
     ("200us") per link, None for no shaping of that kind. A context manager: entering builds
     the network, leaving (also on an exception) tears it down."""
 
-    def __init__(self, n_hosts, rate="2gbit", delay="200us", prefix=None):
+    def __init__(self, n_hosts, rate="2gbit", delay="200us", prefix=None, cpu=None):
         if n_hosts < 1 or n_hosts > 200:
             raise NetclusterError("n_hosts %d: expected 1 to 200" % n_hosts)
+        if cpu == "auto":
+            cpu = AUTO_CPU_SHARE * (os.cpu_count() or 1) / n_hosts
+        if cpu is not None and not float(cpu) > 0:
+            raise NetclusterError("cpu %r: expected a number of cores > 0 or \"auto\"" % (cpu,))
+        self.cpu = None if cpu is None else float(cpu)
+        self._cgroups = []
         self.n = n_hosts
         self.rate = rate or None
         self.delay = delay or None
@@ -316,6 +423,14 @@ class Cluster:
             _sh(["ip", "-n", h, "addr", "add", "%s/24" % self.addr(i), "dev", "eth0"])
             _sh(["ip", "-n", h, "link", "set", "eth0", "up"])
         self._shape()
+        if self.cpu is not None:
+            version, root = _cgroup_root()
+            if version is None:
+                raise NetclusterError("cpu=%g per host: %s" % (self.cpu, root))
+            for i in range(self.n):
+                path = os.path.join(root, "%s-h%d" % (self.prefix, i))
+                _cgroup_make(path, version, self.cpu)
+                self._cgroups.append(path)
         # Links come up asynchronously (and a bridge port starts forwarding only once the port
         # is up): poll until every host answers the first one.
         self._wait_reachable()
@@ -350,8 +465,29 @@ class Cluster:
                 self.delay_applied = True
                 parts.append("netem delay %s one way (host egress)" % self.delay)
             else:
-                parts.append("NO delay: netem unavailable (%s)" % netem_error)
+                tool = netdelay_path()
+                if tool:
+                    self._start_netdelay(tool)
+                    self.delay_applied = True
+                    parts.append("delay %s one way in a user-space switch (%s; no netem in this kernel: %s)" %
+                                 (self.delay, os.path.relpath(tool, REPO), netem_error))
+                else:
+                    parts.append("NO delay: netem unavailable (%s) and no netdelay tool built (make)" % netem_error)
         self.shaping = "; ".join(parts) or "none"
+
+    def _start_netdelay(self, tool):
+        """The switch becomes test/tools/netdelay: the ports leave the kernel bridge (else frames
+        would cross twice) and the tool forwards between them, holding each frame for the delay."""
+        sw = self.switch
+        for i in range(self.n):
+            _sh(["ip", "-n", sw, "link", "set", "p%d" % i, "nomaster"])
+        argv = ["ip", "netns", "exec", sw, tool, "%g" % (self.delay_s * 1e6)] + ["p%d" % i for i in range(self.n)]
+        p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        self._procs.append(p)
+        line = p.stdout.readline()  # "ready" once every port is bound, or EOF if it failed
+        if line.strip() != b"ready":
+            p.kill()
+            raise NetclusterError("netdelay did not start: %s" % p.communicate()[1].decode(errors="replace").strip())
 
     def _wait_reachable(self, timeout=20):
         if self.n < 2:
@@ -390,18 +526,29 @@ class Cluster:
         for ns in reversed(self._namespaces):
             _kill_netns(ns)
         left = set(list_netns()) & set(self._namespaces)
+        left |= {cg for cg in self._cgroups if not _cgroup_remove(cg)}
         self._namespaces = []
+        self._cgroups = []
         self._untrap_signals()
         try:
             atexit.unregister(self.close)
         except Exception:
             pass
         if left:
-            raise NetclusterError("namespaces still present after teardown: %s" % ", ".join(sorted(left)))
+            raise NetclusterError("namespaces or cgroups still present after teardown: %s" % ", ".join(sorted(left)))
 
     # processes
     def exec_argv(self, i, argv):
-        return ["ip", "netns", "exec", self.ns(i)] + list(argv)
+        """argv run in host i's namespace and, with a cpu budget, its cgroup (the shell enters
+        it, then execs: every process started from there inherits it)."""
+        cmd = ["ip", "netns", "exec", self.ns(i)] + list(argv)
+        if self._cgroups:
+            cmd = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', os.path.join(self._cgroups[i], "cgroup.procs")] + cmd
+        return cmd
+
+    def cgroup(self, i):
+        """Host i's cgroup directory, or None without a cpu budget."""
+        return self._cgroups[i] if self._cgroups else None
 
     def run(self, i, argv, **popen_kwargs):
         """subprocess.Popen of argv inside host i's namespace, in a session of its own (unless
@@ -470,7 +617,8 @@ class Cluster:
         return st["tx"]["bytes"], st["rx"]["bytes"]
 
     def describe(self):
-        return "%d hosts %s.1-%d on one switch; %s" % (self.n, self.subnet, self.n, self.shaping)
+        cpu = "; %g cores per host (cgroup)" % self.cpu if self.cpu is not None else ""
+        return "%d hosts %s.1-%d on one switch; %s%s" % (self.n, self.subnet, self.n, self.shaping, cpu)
 
 
 _trapped = {"clusters": set(), "old": {}}
@@ -557,6 +705,7 @@ def main(argv=None):
         p.add_argument("--hosts", type=int, default=2)
         p.add_argument("--rate", default="2gbit", help="per link, tc units (default 2gbit); 0 for none")
         p.add_argument("--delay", default="200us", help="one way, tc units (default 200us); 0 for none")
+        p.add_argument("--cpu", default=None, help="cores per host (a cgroup budget), or auto: 80%% of the machine's, split evenly")
         if name == "run":
             p.add_argument("--meshrun", default=None, help="meshrun binary (default $MESHRUN_BIN/meshrun, else bin/)")
             p.add_argument("--timeout", type=float, default=None, help="kill the job after this many seconds")
@@ -580,7 +729,13 @@ def main(argv=None):
     delay = None if a.delay in ("0", "none") else a.delay
     # SIGINT is KeyboardInterrupt already; Cluster turns TERM/HUP into SystemExit: either way the
     # with block's exit tears everything down.
-    with Cluster(a.hosts, rate=rate, delay=delay) as c:
+    cpu = a.cpu
+    if cpu not in (None, "auto"):
+        try:
+            cpu = float(cpu)
+        except ValueError:
+            ap.error("--cpu %r: expected a number of cores or auto" % cpu)
+    with Cluster(a.hosts, rate=rate, delay=delay, cpu=cpu) as c:
         print("netcluster: %s" % c.describe(), file=sys.stderr)
         if delay and not c.delay_applied:
             print("netcluster: warning: delay %s was not applied (no netem in this kernel)" % delay, file=sys.stderr)

@@ -188,16 +188,16 @@ def worker_file(d, rank, rnd, suffix):
 @pytest.fixture
 def netcluster():
     """Emulated clusters (scripts/netcluster.py; test/integration/netcluster.py): a factory,
-    netcluster(n_hosts, rate="2gbit", delay="200us") returns a started Cluster of network
+    netcluster(n_hosts, rate="2gbit", delay="200us", cpu=None) returns a started Cluster of network
     namespaces; every one made is torn down at teardown, also when the test failed. Skips with
     the reason where namespaces cannot be made."""
     import netcluster as nc
 
     made = []
 
-    def make(n_hosts, rate="2gbit", delay="200us"):
+    def make(n_hosts, rate="2gbit", delay="200us", cpu=None):
         nc.require()
-        c = nc.Cluster(n_hosts, rate=rate, delay=delay)
+        c = nc.Cluster(n_hosts, rate=rate, delay=delay, cpu=cpu)
         made.append(c)
         return c.start()
 
