@@ -397,8 +397,8 @@ static int read_config(interop_file_t *f, const char *cfg_path, char *err, size_
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, dbls[i].key);
     if (!v || cJSON_IsNull(v))
       *dbls[i].dst = dbls[i].dflt;
-    else if (!cJSON_IsNumber(v) || !(v->valuedouble > 0))
-      rc = fail(err, errlen, INTEROP_ECORRUPT, cfg_path, "\"%s\" is not a positive number", dbls[i].key);
+    else if (!cJSON_IsNumber(v) || !(v->valuedouble > 0) || !isfinite(v->valuedouble))
+      rc = fail(err, errlen, INTEROP_ECORRUPT, cfg_path, "\"%s\" is not a finite positive number", dbls[i].key);
     else
       *dbls[i].dst = v->valuedouble;
   }
