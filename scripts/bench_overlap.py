@@ -122,19 +122,22 @@ def main():
     rates = [r for r in a.rate.split(",") if r]
     for r in rates:
         netcluster.parse_rate(r)  # a bad rate fails here, before any cluster is built
-    cpu = None if a.cpu == "none" else a.cpu if a.cpu == "auto" else float(a.cpu)
+    try:
+        netcluster.parse_cpu(a.cpu, 1)  # a bad --cpu fails here, before any cluster is built
+    except netcluster.NetclusterError as e:
+        ap.error("--%s" % e)
     sets_off = [s for s in a.off.split(",") if s]
     sets_on = [s for s in a.on.split(",") if s]
     failed = False
     for rate in rates:
-        failed |= table(a, rate, cpu, meshrun, trainer, sets_off, sets_on)
+        failed |= table(a, rate, meshrun, trainer, sets_off, sets_on)
     return 1 if failed else 0
 
 
 COLS = "%5s %5s %-9s %9s %9s %7s %9s %9s %6s %8s %8s %6s %7s %8s %7s"
 
 
-def table(a, rate, cpu, meshrun, trainer, sets_off, sets_on):
+def table(a, rate, meshrun, trainer, sets_off, sets_on):
     """One table: every node count and plan at one link rate. Returns True if a row failed."""
     rate_bps = netcluster.parse_rate(rate)
     hdr = COLS % ("nodes", "ranks", "plan", "ms/step", "ms/step", "speedup", "exposed", "exposed", "comm", "exposed",
@@ -143,7 +146,7 @@ def table(a, rate, cpu, meshrun, trainer, sets_off, sets_on):
     shaping, cpus = None, []
     rows = []
     for nodes in [int(x) for x in a.nodes.split(",") if x]:
-        with netcluster.Cluster(nodes, rate=rate, delay=None if a.delay in ("0", "none") else a.delay, cpu=cpu) as c:
+        with netcluster.Cluster(nodes, rate=rate, delay=a.delay, cpu=a.cpu) as c:
             shaping = c.shaping
             cpus.append("%d hosts: %s" % (nodes, "unlimited" if c.cpu is None else "%.2g cores" % c.cpu))
             for plan in [p for p in a.plans.split(",") if p]:

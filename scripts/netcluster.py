@@ -87,6 +87,27 @@ def parse_time(s):
     return float(m.group(1)) * _TIME_UNITS[m.group(2).lower()]
 
 
+def parse_cpu(s, n_hosts):
+    """--cpu / cpu=: None or "none" -> None (no budget); "auto" -> AUTO_CPU_SHARE of the
+    machine's cores over n_hosts; else a number of cores > 0."""
+    if s is None or str(s).strip().lower() == "none":
+        return None
+    if str(s).strip().lower() == "auto":
+        return AUTO_CPU_SHARE * (os.cpu_count() or 1) / n_hosts
+    try:
+        cores = float(s)
+    except ValueError:
+        cores = 0.0
+    if not cores > 0:
+        raise NetclusterError("cpu %r: expected a number of cores > 0, auto or none" % (s,))
+    return cores
+
+
+def _off(s):
+    """A rate or delay given as None, "", "0" or "none": no shaping of that kind."""
+    return s is None or str(s).strip().lower() in ("", "0", "none")
+
+
 def fmt_rate(bps):
     for unit, f in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
         if bps >= f:
@@ -236,7 +257,8 @@ def _stale_cgroups():
         names = os.listdir(root)
     except OSError:
         return []
-    return [os.path.join(root, n) for n in names if NAME_RE.match(n) and not _pid_alive(int(NAME_RE.match(n).group(1)))]
+    matches = [(n, NAME_RE.match(n)) for n in names]
+    return [os.path.join(root, n) for n, m in matches if m and not _pid_alive(int(m.group(1)))]
 
 
 def netdelay_path():
@@ -322,15 +344,11 @@ class Cluster:
     def __init__(self, n_hosts, rate="2gbit", delay="200us", prefix=None, cpu=None):
         if n_hosts < 1 or n_hosts > 200:
             raise NetclusterError("n_hosts %d: expected 1 to 200" % n_hosts)
-        if cpu == "auto":
-            cpu = AUTO_CPU_SHARE * (os.cpu_count() or 1) / n_hosts
-        if cpu is not None and not float(cpu) > 0:
-            raise NetclusterError("cpu %r: expected a number of cores > 0 or \"auto\"" % (cpu,))
-        self.cpu = None if cpu is None else float(cpu)
+        self.cpu = parse_cpu(cpu, n_hosts)
         self._cgroups = []
         self.n = n_hosts
-        self.rate = rate or None
-        self.delay = delay or None
+        self.rate = None if _off(rate) else rate
+        self.delay = None if _off(delay) else delay
         self.rate_bps = parse_rate(rate) if self.rate else None
         self.delay_s = parse_time(delay) if self.delay else 0.0
         self.prefix = prefix or "nc%d-%s" % (os.getpid(), secrets.token_hex(3))
@@ -705,7 +723,7 @@ def main(argv=None):
         p.add_argument("--hosts", type=int, default=2)
         p.add_argument("--rate", default="2gbit", help="per link, tc units (default 2gbit); 0 for none")
         p.add_argument("--delay", default="200us", help="one way, tc units (default 200us); 0 for none")
-        p.add_argument("--cpu", default=None, help="cores per host (a cgroup budget), or auto: 80%% of the machine's, split evenly")
+        p.add_argument("--cpu", default=None, help="cores per host (a cgroup budget), auto: 80%% of the machine's split evenly, or none")
         if name == "run":
             p.add_argument("--meshrun", default=None, help="meshrun binary (default $MESHRUN_BIN/meshrun, else bin/)")
             p.add_argument("--timeout", type=float, default=None, help="kill the job after this many seconds")
@@ -725,20 +743,16 @@ def main(argv=None):
         return 1
     if a.cmd == "run" and not rest:
         ap.error("run: give the meshrun arguments after --")
-    rate = None if a.rate in ("0", "none") else a.rate
-    delay = None if a.delay in ("0", "none") else a.delay
     # SIGINT is KeyboardInterrupt already; Cluster turns TERM/HUP into SystemExit: either way the
     # with block's exit tears everything down.
-    cpu = a.cpu
-    if cpu not in (None, "auto"):
-        try:
-            cpu = float(cpu)
-        except ValueError:
-            ap.error("--cpu %r: expected a number of cores or auto" % cpu)
-    with Cluster(a.hosts, rate=rate, delay=delay, cpu=cpu) as c:
+    try:
+        parse_cpu(a.cpu, a.hosts)
+    except NetclusterError as e:
+        ap.error("--%s" % e)
+    with Cluster(a.hosts, rate=a.rate, delay=a.delay, cpu=a.cpu) as c:
         print("netcluster: %s" % c.describe(), file=sys.stderr)
-        if delay and not c.delay_applied:
-            print("netcluster: warning: delay %s was not applied (no netem in this kernel)" % delay, file=sys.stderr)
+        if c.delay and not c.delay_applied:
+            print("netcluster: warning: delay %s was not applied (no netem in this kernel)" % c.delay, file=sys.stderr)
         if a.cmd == "measure":
             measure(c)
             return 0

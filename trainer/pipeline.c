@@ -16,7 +16,8 @@
  * rank's clock and its message's send time; communication costs nothing. */
 #include "trainer/pipeline.h"
 
-#include <stdarg.h>
+#include "common/err.h"
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -40,33 +41,24 @@ int pp_schedule_parse(const char *name, pp_schedule_t *out) {
   return -1;
 }
 
-static int fail(char *err, size_t errlen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static int fail(char *err, size_t errlen, const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  if (err && errlen) vsnprintf(err, errlen, fmt, ap);
-  va_end(ap);
-  return -1;
-}
-
 int pp_validate(pp_schedule_t s, int p, int v, int m, char *err, size_t errlen) {
   const char *name = pp_schedule_name(s);
-  if ((unsigned)s >= PP_SCHEDULE_COUNT) return fail(err, errlen, "unknown pipeline schedule %d", (int)s);
-  if (p < 1) return fail(err, errlen, "pipeline degree %d: expected at least 1", p);
-  if (m < 1) return fail(err, errlen, "pp_microbatches %d: expected at least 1", m);
+  if ((unsigned)s >= PP_SCHEDULE_COUNT) return err_set(err, errlen, -1, "unknown pipeline schedule %d", (int)s);
+  if (p < 1) return err_set(err, errlen, -1, "pipeline degree %d: expected at least 1", p);
+  if (m < 1) return err_set(err, errlen, -1, "pp_microbatches %d: expected at least 1", m);
   if (s == PP_INTERLEAVED_1F1B) {
     if (v < 2)
-      return fail(err, errlen, "schedule interleaved_1f1b needs pp_stages_per_rank >= 2 (got %d)", v);
+      return err_set(err, errlen, -1, "schedule interleaved_1f1b needs pp_stages_per_rank >= 2 (got %d)", v);
     if (m % p)
-      return fail(err, errlen, "schedule interleaved_1f1b needs pp_microbatches (%d) to be a multiple "
+      return err_set(err, errlen, -1, "schedule interleaved_1f1b needs pp_microbatches (%d) to be a multiple "
                   "of the pipeline degree (%d)", m, p);
     return 0;
   }
   if (v != 1)
-    return fail(err, errlen, "schedule %s runs one stage per rank (pp_stages_per_rank %d); "
+    return err_set(err, errlen, -1, "schedule %s runs one stage per rank (pp_stages_per_rank %d); "
                 "interleaved_1f1b runs several", name, v);
   if (s == PP_1F1B && m < p)
-    return fail(err, errlen, "schedule 1f1b needs at least as many micro-batches as stages "
+    return err_set(err, errlen, -1, "schedule 1f1b needs at least as many micro-batches as stages "
                 "(pp_microbatches %d < pp %d)", m, p);
   return 0;
 }
@@ -177,7 +169,7 @@ int pp_generate(pp_schedule_t s, int p, int v, int m, pp_plan_t *out, char *err,
   free(cap);
   if (b.oom) {
     pp_free(out);
-    return fail(err, errlen, "out of memory for a %s schedule of %d ranks x %d micro-batches",
+    return err_set(err, errlen, -1, "out of memory for a %s schedule of %d ranks x %d micro-batches",
                 pp_schedule_name(s), p, m);
   }
   return 0;
@@ -218,13 +210,13 @@ int pp_check(const pp_plan_t *pl, double f_cost, double b_cost, pp_stats_t *st, 
   int *pc = calloc((size_t)p, sizeof *pc), *inflight = calloc((size_t)p, sizeof *inflight);
   double *clock = calloc((size_t)p, sizeof *clock), *busy = calloc((size_t)p, sizeof *busy);
   if (!state || !ch || !pc || !inflight || !clock || !busy) {
-    fail(err, errlen, "out of memory checking the schedule");
+    err_set(err, errlen, -1, "out of memory checking the schedule");
     goto out;
   }
 #define CH(src, dst, grad) (&ch[((size_t)(src) * (size_t)p + (size_t)(dst)) * 2 + (grad)])
 #define BAD(...)                    \
   do {                              \
-    fail(err, errlen, __VA_ARGS__); \
+    err_set(err, errlen, -1, __VA_ARGS__); \
     goto out;                       \
   } while (0)
   for (int moved = 1; moved;) {
@@ -334,7 +326,7 @@ out:
 int pp_split(int n_layers, int n_stages, double embed_cost, double head_cost, int *first,
              char *err, size_t errlen) {
   if (n_stages < 1 || n_layers < n_stages)
-    return fail(err, errlen, "%d pipeline stages for %d layers: every stage needs at least one block",
+    return err_set(err, errlen, -1, "%d pipeline stages for %d layers: every stage needs at least one block",
                 n_stages, n_layers);
   /* best[s][l]: the smallest largest-stage cost of cutting layers 0..l-1 into s stages; cut[s][l]
    * the first layer of the s-th stage in that cut. O(S L^2), S and L are small. */
@@ -344,7 +336,7 @@ int pp_split(int n_layers, int n_stages, double embed_cost, double head_cost, in
   if (!best || !cut) {
     free(best);
     free(cut);
-    return fail(err, errlen, "out of memory splitting %d layers", n_layers);
+    return err_set(err, errlen, -1, "out of memory splitting %d layers", n_layers);
   }
   for (size_t i = 0; i < (size_t)(n_stages + 1) * L; i++) best[i] = -1; /* -1: no such cut */
   for (int s = 1; s <= n_stages; s++)

@@ -1,4 +1,4 @@
-// deps: trainer/pipeline.c
+// deps: trainer/pipeline.c common/err.c
 /* test_pipeline: the pipeline schedules as data (trainer/pipeline.h), without a model.
  *
  * What is checked:
