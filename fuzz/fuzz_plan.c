@@ -1,4 +1,4 @@
-// deps: trainer/plan.c common/fs.c fuzz/support.c
+// deps: trainer/plan.c trainer/pipeline.c common/fs.c common/err.c fuzz/support.c
 // max_len: 8192
 /* fuzz_plan: the trainer's plan reader (plan_load, plan_resolve, plan_to_json) on arbitrary text.
  *

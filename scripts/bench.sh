@@ -50,7 +50,15 @@ bench_overlap() {
   "$PYTHON" scripts/bench_overlap.py
 }
 
-SECTIONS="launcher trainer parallel mixed overlap"
+# --- section: pipeline. mesh.pp 2 and 4 with GPipe, 1F1B and interleaved 1F1B, one rank per
+# emulated host (as overlap; on loopback where namespaces cannot be made): each rank's bubble
+# (idle share of its step, from the runner's timestamps) beside (p-1)/(m+p-1) and its 1/v under
+# interleaving, micro-batches in flight and the activation arena per rank.
+bench_pipeline() {
+  "$PYTHON" scripts/bench_pipeline.py
+}
+
+SECTIONS="launcher trainer parallel mixed overlap pipeline"
 
 failed=()
 for s in $SECTIONS; do

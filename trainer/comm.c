@@ -9,8 +9,13 @@
  * The nccl and staged backends are referenced weakly: a program that links only comm_cpu.c
  * (most unit tests and tools) still links, and asking it for them is a clear error.
  *
+ * Point-to-point sends and receives are calls like the collectives (a kind of comm_call_t with a
+ * peer): the same checks, stats, fault hooks, observer and issue order; only the two ranks take
+ * part.
+ *
  * Asynchronous requests (comm_start_*, comm_wait) are queued here too: native ones go to the
- * backend's start/wait (nccl), "staged" runs them at once, and "cpu" gets a progress thread per
+ * backend's start/wait (nccl, and staged's sends), "staged" runs the rest at once, and "cpu" gets
+ * a progress thread per
  * communicator that runs its queue in issue order through the blocking table (see "asynchronous
  * requests" below). The trace observer (comm_set_observer) hears of every call that ran and
  * every wait, and wait_ns counts the caller's blocked time.
@@ -206,8 +211,9 @@ static int default_timeout_ms(void) {
 }
 
 /* Test hook, MESHRUN_FAULT_COLLECTIVE=RANK:GROUP:N: in the process whose RANK is RANK, the N-th
- * collective that reaches the backend of the communicator named GROUP.<lowest rank> (the mesh's
- * names, e.g. "dp_shard") fails as comm_fail_next makes it, whether blocking or started. */
+ * call (collective, send or receive) that reaches the backend of the communicator named
+ * GROUP.<lowest rank> (the mesh's names, e.g. "dp_shard") fails as comm_fail_next makes it,
+ * whether blocking or started. */
 static void fault_from_env(comm_t *c) {
   const char *s = getenv("MESHRUN_FAULT_COLLECTIVE");
   char group[COMM_NAME_MAX] = "";
@@ -332,7 +338,8 @@ static int check_call(comm_t *c, const char *what, comm_dtype_t dtype, int has_o
 
 /* ---- the collectives: checked once (prep), then run on the caller's thread, or queued */
 
-static const char *const call_names[] = {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier"};
+static const char *const call_names[] = {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier",
+                                         "send", "recv"};
 
 /* all_gather's own part into its slot of the output, when it is not there already; then the
  * input is the slot. Part of the operation: it runs when the operation runs, after whatever was
@@ -343,6 +350,28 @@ static int own_slot(comm_t *c, comm_call_t *k) {
   int rc = (const char *)k->in != slot ? local_copy(c, slot, k->in, bytes) : COMM_OK;
   k->in = slot;
   return rc;
+}
+
+/* A send's or receive's peer: another member, and for a ring backend (p2p_ring) the neighbour its
+ * links reach. A group of one has no valid peer. */
+static int check_peer(comm_t *c, const comm_call_t *k) {
+  const char *what = call_names[k->kind];
+  const int is_send = k->kind == COMM_CALL_SEND, p = k->peer;
+  const char *dir = is_send ? "to" : "from";
+  if (p < 0 || p >= c->size)
+    return comm_set_error(c, COMM_EINVAL, "%s %s rank %d: peer not in a group of size %d", what, dir, p, c->size);
+  if (p == c->rank)
+    return comm_set_error(c, COMM_EINVAL, "%s %s rank %d: that is this rank (the peer must be another member)",
+                          what, dir, p);
+  if (!c->ops->send || !c->ops->recv)
+    return comm_set_error(c, COMM_EINVAL, "%s %s rank %d: backend %s has no point-to-point", what, dir, p,
+                          c->ops->name);
+  const int right = (c->rank + 1) % c->size, left = (c->rank + c->size - 1) % c->size;
+  if (c->ops->p2p_ring && p != (is_send ? right : left))
+    return comm_set_error(c, COMM_EINVAL, "%s %s rank %d: point-to-point on the %s comm only between ring "
+                          "neighbours: send to rank+1 (%d), receive from rank-1 (%d)", what, dir, p,
+                          c->ops->name, right, left);
+  return COMM_OK;
 }
 
 /* Checks call and settles what needs no communication (groups of one, empty buffers, all_gather's
@@ -389,6 +418,16 @@ static int prep(comm_t *c, comm_call_t *k, int *trivial) {
   case COMM_CALL_BARRIER:
     if (c->size == 1) return COMM_OK;
     break;
+  case COMM_CALL_SEND:
+  case COMM_CALL_RECV:
+    /* The peer first, whatever the count, so that a wrong peer never passes unnoticed; then an
+     * empty transfer is done on both sides without a word between them. */
+    if ((rc = check_peer(c, k))) return rc;
+    if (n > 0 && !(k->kind == COMM_CALL_SEND ? k->in : k->out))
+      return comm_set_error(c, COMM_EINVAL, "%s %s rank %d: NULL buffer", what,
+                            k->kind == COMM_CALL_SEND ? "to" : "from", k->peer);
+    if (n == 0) return COMM_OK;
+    break;
   }
   *trivial = 0;
   return COMM_OK;
@@ -415,6 +454,8 @@ static int exec_call(comm_t *c, const comm_call_t *call) {
   case COMM_CALL_REDUCE_SCATTER: return c->ops->reduce_scatter(c, k->in, k->out, k->count, k->dtype, k->op);
   case COMM_CALL_BROADCAST: return c->ops->broadcast(c, k->out, k->count, k->dtype, k->root);
   case COMM_CALL_BARRIER: return c->ops->barrier(c);
+  case COMM_CALL_SEND: return c->ops->send(c, k->in, k->count, k->dtype, k->peer);
+  case COMM_CALL_RECV: return c->ops->recv(c, k->out, k->count, k->dtype, k->peer);
   }
   return COMM_EINVAL;
 }
@@ -422,7 +463,8 @@ static int exec_call(comm_t *c, const comm_call_t *call) {
 /* ---- asynchronous requests
  *
  * A request is queued on its communicator. Backends with native starts (nccl) get it at once
- * and keep a token; "staged" (inline_async) runs it inside the start; "cpu" queues it for the
+ * and keep a token; "staged" (inline_async) runs it inside the start, except a send, which its
+ * native start takes (native_start); "cpu" queues it for the
  * communicator's progress thread, started by the first start, which runs the queue in order
  * with the blocking table. Once that thread exists every call of the communicator goes through
  * it (a blocking call is a start and a wait), so the backend is only ever entered by one thread
@@ -528,6 +570,13 @@ static void waited(comm_t *c, const comm_call_t *k, int64_t t0) {
   if (observer) observer(c, COMM_OBSERVE_WAIT, call_names[k->kind], k->count * comm_dtype_size(k->dtype), t0, t1);
 }
 
+/* Whether a started call goes to the backend's start: every call of a native backend (nccl), only
+ * the sends of an inline one that has a start too (staged: a send must not block its caller,
+ * the pipeline's transport contract; comm_impl.h). */
+static int native_start(const comm_t *c, const comm_call_t *k) {
+  return c->ops->start && (!c->ops->inline_async || k->kind == COMM_CALL_SEND);
+}
+
 static int start_call(comm_t *c, comm_call_t k0, comm_req_t **req) {
   if (!c) return COMM_EINVAL;
   if (!req) return comm_set_error(c, COMM_EINVAL, "comm_start: NULL request pointer");
@@ -545,7 +594,7 @@ static int start_call(comm_t *c, comm_call_t k0, comm_req_t **req) {
   } else if ((rc = async_init(c))) {
     free(r);
     return rc;
-  } else if (c->ops->start) {
+  } else if (native_start(c, k)) {
     uint64_t before = c->stats.bytes_sent;
     if (!(r->rc = enter_backend(c, k))) r->rc = c->ops->start(c, k, &r->token);
     r->sent = c->stats.bytes_sent - before;
@@ -571,7 +620,7 @@ int comm_wait(comm_req_t *r, uint64_t *sent) {
   if (!r) return COMM_OK;
   comm_t *c = r->c;
   int64_t t0 = now_ns();
-  if (!r->done && c->ops->start) {
+  if (!r->done && native_start(c, &r->call)) {
     uint64_t before = c->stats.bytes_sent; /* a native backend may count its bytes at the wait */
     r->rc = c->ops->wait(c, r->token);
     r->sent += c->stats.bytes_sent - before;
@@ -592,7 +641,7 @@ int comm_wait(comm_req_t *r, uint64_t *sent) {
 int comm_test(comm_req_t *r, int *done) {
   *done = 1;
   if (!r) return COMM_OK;
-  if (r->c->ops->start && !r->done) return r->c->ops->test(r->c, r->token, done);
+  if (!r->done && native_start(r->c, &r->call)) return r->c->ops->test(r->c, r->token, done);
   struct comm_async *a = r->c->async;
   if (a) pthread_mutex_lock(&a->mu);
   *done = r->done;
@@ -650,4 +699,19 @@ int comm_start_reduce_scatter(comm_t *c, const void *in, void *out, size_t count
 int comm_start_broadcast(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, int root, comm_req_t **req) {
   return start_call(c, (comm_call_t){.kind = COMM_CALL_BROADCAST, .out = buf, .count = count, .dtype = dtype,
                                      .root = root}, req);
+}
+
+int comm_send(comm_t *c, const void *buf, size_t count, comm_dtype_t dtype, int peer) {
+  return call(c, (comm_call_t){.kind = COMM_CALL_SEND, .in = buf, .count = count, .dtype = dtype, .peer = peer});
+}
+int comm_recv(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, int peer) {
+  return call(c, (comm_call_t){.kind = COMM_CALL_RECV, .out = buf, .count = count, .dtype = dtype, .peer = peer});
+}
+int comm_start_send(comm_t *c, const void *buf, size_t count, comm_dtype_t dtype, int peer, comm_req_t **req) {
+  return start_call(c, (comm_call_t){.kind = COMM_CALL_SEND, .in = buf, .count = count, .dtype = dtype,
+                                     .peer = peer}, req);
+}
+int comm_start_recv(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, int peer, comm_req_t **req) {
+  return start_call(c, (comm_call_t){.kind = COMM_CALL_RECV, .out = buf, .count = count, .dtype = dtype,
+                                     .peer = peer}, req);
 }

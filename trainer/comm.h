@@ -1,8 +1,10 @@
-/* comm: collectives on a group of ranks, the interface the model and the strategies call.
+/* comm: collectives and point-to-point transfers on a group of ranks, the interface the model,
+ * the strategies and the pipeline call.
  *
  * A comm_t is one group (a dimension of the mesh): its members are ranks 0..size-1 of the
  * group, in the mesh's order. Every member must call the same collectives in the same order
- * with the same counts, as with NCCL or MPI. Data is in place where the operation allows it;
+ * with the same counts, as with NCCL or MPI; sends and receives (see "point-to-point" below)
+ * involve only their two ranks. Data is in place where the operation allows it;
  * element counts are size_t. All calls are blocking and return when this rank's part is done.
  *
  * comm_t is opaque here; backends plug in through comm_ops_t (trainer/comm_impl.h, seen only
@@ -15,8 +17,9 @@
  * arguments, handles groups of one rank and empty buffers, and keeps the error message, so
  * backends only move bytes.
  *
- * Every collective also exists as an asynchronous start (comm_start_*): it returns at once with
- * a request, and comm_wait (or comm_test) completes it; see "asynchronous collectives" below.
+ * Every collective, send and receive also exists as an asynchronous start (comm_start_*): it
+ * returns at once with a request, and comm_wait (or comm_test) completes it; see "asynchronous
+ * collectives" below.
  *
  * Errors are negative COMM_E* codes. comm_errmsg() returns the message of the last failure,
  * naming the group, the operation and the peer, e.g.
@@ -66,7 +69,8 @@ typedef enum { COMM_SUM = 0, COMM_AVG, COMM_MAX } comm_op_t;
 typedef struct {
   uint64_t bytes_sent;
   uint64_t bytes_recv;
-  uint64_t calls; /* collectives that reached the backend (size 1 and count 0 do not) */
+  uint64_t calls; /* collectives, sends and receives that reached the backend (size 1 and
+                     count 0 do not) */
   uint64_t wait_ns; /* time the calling thread spent blocked: in blocking calls and in comm_wait
                        (the exposed communication; "nccl" waits on the device, so ~0 there) */
 } comm_stats_t;
@@ -125,6 +129,41 @@ int comm_broadcast(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, int r
 /* Returns once every member has entered the barrier. */
 int comm_barrier(comm_t *c);
 
+/* --- point-to-point: activations and their gradients between neighbouring pipeline stages.
+ * comm_send moves count elements of buf to group rank peer, comm_recv receives them from peer
+ * into buf. Only the two ranks take part (not collective). Matching is FIFO per ordered pair: the
+ * k-th send from a to b on a communicator meets b's k-th receive from a, and its count and dtype
+ * must be the receive's ("cpu", "staged": a difference fails the receive with COMM_EREMOTE,
+ * naming both, and breaks the communicator; "nccl" does not check). Bytes are moved, never
+ * reduced: float32 and bfloat16 alike. Refused with COMM_EINVAL (the communicator stays usable):
+ * a peer out of range or equal to this rank (so every call on a group of one), a NULL buffer with
+ * count > 0, and on "cpu" and "staged" any peer but the ring neighbours: a send only to
+ * rank + 1, a receive only from rank - 1 (mod size; in a group of two the other rank is both).
+ * count 0 returns 0 at once on both sides without any traffic. Stats, the observer ("send",
+ * "recv"), the fault hooks and the broken state work as for collectives; stats count payload
+ * bytes only ("cpu" puts a 16-byte header before each message, not counted).
+ *
+ * They are calls of the communicator like the collectives: a blocking one is a start plus a
+ * wait, and started ones run in issue order, one at a time ("cpu": on its progress thread;
+ * "nccl": on its stream; "staged": a started send on its inner "cpu" communicator's progress
+ * thread, everything else inside the call). Consequence: a send that the receiver has
+ * not reached yet holds up every later call of the same communicator on that rank ("cpu": once
+ * the message exceeds what the sockets buffer, a few MiB; "nccl": possibly at any size). So two
+ * ranks that both issue a large send to each other on one communicator before their receives
+ * deadlock until the timeout fails them (COMM_ETIMEDOUT). The intended use is one communicator
+ * per direction: a two-rank group whose rank 0 only sends and rank 1 only receives; then each
+ * rank starts its send on one and its receive on the other, in any order, and both complete
+ * (blocking calls are not enough: both ranks would wait in their sends). "staged" does the same
+ * with one rule more: its comm_start_send copies the device buffer into a host buffer of the
+ * request's own and returns, the inner communicator moves the bytes behind the caller, and
+ * comm_wait waits for them and frees the copy; but its comm_start_recv still runs the receive
+ * to completion (as its collectives do), blocking the caller until the message is in, so each
+ * rank must start its send before its receive (the pipeline's transport contract: asynchronous
+ * sends, blocking receives). A later call of a staged communicator waits for its pending sends
+ * first, so issue order holds as on "cpu". */
+int comm_send(comm_t *c, const void *buf, size_t count, comm_dtype_t dtype, int peer);
+int comm_recv(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, int peer);
+
 /* --- asynchronous collectives.
  * comm_start_* checks its arguments as the blocking call does, queues the operation and returns
  * 0 with *req at once (a failure to start, e.g. on a broken communicator, returns the code and
@@ -135,7 +174,9 @@ int comm_barrier(comm_t *c);
  *   "cpu": a progress thread of the communicator (started by the first comm_start) runs them;
  *   "nccl": enqueued on the communication stream after an event of the compute stream; the wait
  *           makes the compute stream wait for its completion event (no host synchronization);
- *   "staged": runs the operation inside comm_start (no overlap: its copies share the device).
+ *   "staged": runs the operation inside comm_start (no overlap: its copies share the device),
+ *             except a send: the copy off the device inside comm_start, the transfer on the
+ *             progress thread of its inner "cpu" communicator (see "point-to-point" above).
  * comm_wait blocks until req is complete, frees it and returns its result; a failed operation
  * returns its code once, and the ones queued after it on the same communicator fail with
  * the same message without touching their buffers. sent (may be NULL) gets the bytes this rank
@@ -151,11 +192,15 @@ int comm_start_reduce_scatter(comm_t *c, const void *in, void *out, size_t count
                               comm_dtype_t dtype, comm_op_t op, comm_req_t **req);
 int comm_start_broadcast(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, int root,
                          comm_req_t **req);
+int comm_start_send(comm_t *c, const void *buf, size_t count, comm_dtype_t dtype, int peer,
+                    comm_req_t **req);
+int comm_start_recv(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, int peer,
+                    comm_req_t **req);
 int comm_wait(comm_req_t *req, uint64_t *sent);
 int comm_test(comm_req_t *req, int *done);
 
-/* An observer of every collective of the process (the trainer's trace): RUN when a backend ran
- * one (on the thread that ran it: t0, t1 its start and end, bytes what this rank sent), WAIT
+/* An observer of every collective, send and receive of the process (the trainer's trace): RUN
+ * when a backend ran one (on the thread that ran it: t0, t1 its start and end, bytes what this rank sent), WAIT
  * when a caller was blocked on one (its blocking call or comm_wait; bytes its buffer's size).
  * Times are CLOCK_MONOTONIC nanoseconds. It may be called from progress threads at once, so it
  * must be thread-safe. NULL: none (the default). Set it before any communicator exists. */
@@ -196,8 +241,8 @@ comm_mem_t comm_memory(const comm_t *c); /* the kind of c's backend */
 void comm_abort(comm_t *c, const char *why);
 void comm_abort_all(const char *why);
 
-/* Test hook (fault injection): the next collective of c that reaches the backend fails as a
- * lost connection would: c is aborted (peers fail at once) and the call returns COMM_ESYSTEM
+/* Test hook (fault injection): the next call of c (collective, send or receive) that reaches the
+ * backend fails as a lost connection would: c is aborted (peers fail at once) and the call returns COMM_ESYSTEM
  * with "<op>: fault injected" as its message. */
 void comm_fail_next(comm_t *c);
 

@@ -12,6 +12,12 @@
  * broadcast is a chain from the root around the ring, forwarding bytes as they arrive, so it
  * pipelines without a chunk size. barrier passes a one-byte token n-1 times around the ring.
  *
+ * Point-to-point uses the same links, so a send goes only to the right neighbour and a receive
+ * comes only from the left one (the dispatch refuses other peers: p2p_ring). Each message is a
+ * 16-byte header (magic, dtype, count) and the payload; the receiver reads the header first and
+ * refuses a send whose count or dtype differs from its own, naming both, which also catches a
+ * peer that is in a collective instead (no magic). The header is not counted in the stats.
+ *
  * Each step sends to the right while receiving from the left on nonblocking sockets with
  * poll(), so large messages never deadlock on full socket buffers; received elements are
  * reduced as they arrive, overlapping the arithmetic with the transfer. Reductions are
@@ -53,6 +59,7 @@
 #include "trainer/bf16.h"
 
 #define HELLO_MAGIC 0x4d52434du /* "MRCM" */
+#define P2P_MAGIC 0x4d525032u   /* "MRP2": the header of a point-to-point message */
 #define HELLO_VERSION 1u
 #define EP_MAX 300
 /* One send() call moves at most this much, so reduction of received data keeps pace. */
@@ -62,6 +69,12 @@ typedef struct {
   uint32_t magic, version, generation, src_rank, dst_rank, size;
   char name[COMM_NAME_MAX];
 } hello_t;
+
+/* Before each point-to-point payload, in host byte order (both ends run this program). */
+typedef struct {
+  uint32_t magic, dtype;
+  uint64_t count; /* elements */
+} p2p_hdr_t;
 
 typedef struct {
   int fd_send; /* to the right neighbour */
@@ -90,6 +103,7 @@ typedef struct {
   char *dst;
   const char *src;
   size_t reduced; /* elements already combined */
+  int control;    /* a header, not payload: not counted in the stats */
 } xfer_t;
 
 /* Closes both links. Called on every failure: the neighbours see the connection close and
@@ -173,7 +187,7 @@ static int xfer_run(comm_t *c, const char *what, xfer_t *x) {
       ssize_t k = send(p->fd_send, x->sbuf + x->sent, len, MSG_NOSIGNAL | MSG_DONTWAIT);
       if (k > 0) {
         x->sent += (size_t)k;
-        c->stats.bytes_sent += (uint64_t)k;
+        if (!x->control) c->stats.bytes_sent += (uint64_t)k;
         progress = 1;
       } else if (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
         int e = errno;
@@ -187,7 +201,7 @@ static int xfer_run(comm_t *c, const char *what, xfer_t *x) {
       ssize_t k = recv(p->fd_recv, x->rbuf + x->rcvd, x->rlen - x->rcvd, MSG_DONTWAIT);
       if (k > 0) {
         x->rcvd += (size_t)k;
-        c->stats.bytes_recv += (uint64_t)k;
+        if (!x->control) c->stats.bytes_recv += (uint64_t)k;
         progress = 1;
         if (x->reduce) {
           size_t ready = x->rcvd / comm_dtype_size(x->dtype);
@@ -342,6 +356,39 @@ static int cpu_barrier(comm_t *c) {
   return COMM_OK;
 }
 
+static const char *dtype_name(uint32_t dtype) {
+  return dtype == COMM_FLOAT32 ? "float32" : dtype == COMM_BFLOAT16 ? "bfloat16" : "elements of an unknown dtype";
+}
+
+/* The dispatch checked peer: the right neighbour. Header, then payload, each sent whole. */
+static int cpu_send(comm_t *c, const void *buf, size_t count, comm_dtype_t dtype, int peer) {
+  p2p_hdr_t h = {.magic = P2P_MAGIC, .dtype = (uint32_t)dtype, .count = count};
+  xfer_t hx = {.sbuf = (const char *)&h, .slen = sizeof h, .control = 1};
+  int rc = xfer_run(c, "send", &hx);
+  if (rc) return rc;
+  xfer_t x = {.sbuf = buf, .slen = count * comm_dtype_size(dtype)};
+  return xfer_run(c, "send", &x);
+}
+
+/* The dispatch checked peer: the left neighbour. The header must announce what this receive
+ * expects; anything else breaks the communicator, since the bytes that follow are not ours to
+ * read (calls out of order, or sizes that differ between the two sides). */
+static int cpu_recv(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, int peer) {
+  cpu_t *p = c->impl;
+  p2p_hdr_t h = {0};
+  xfer_t hx = {.rbuf = (char *)&h, .rlen = sizeof h, .control = 1};
+  int rc = xfer_run(c, "recv", &hx);
+  if (rc) return rc;
+  if (h.magic != P2P_MAGIC)
+    return fail(c, COMM_EREMOTE, "recv of %zu %s from %s met something that is not a send (is the peer in "
+                "a collective? calls out of order?)", count, dtype_name(dtype), p->left_label);
+  if (h.count != count || h.dtype != (uint32_t)dtype)
+    return fail(c, COMM_EREMOTE, "recv of %zu %s from %s met a send of %llu %s", count, dtype_name(dtype),
+                p->left_label, (unsigned long long)h.count, dtype_name(h.dtype));
+  xfer_t x = {.rbuf = buf, .rlen = count * comm_dtype_size(dtype)};
+  return xfer_run(c, "recv", &x);
+}
+
 static void cpu_abort(comm_t *c) {
   cpu_t *p = c->impl;
   if (p->fd_send >= 0) shutdown(p->fd_send, SHUT_RDWR);
@@ -366,6 +413,9 @@ static const comm_ops_t cpu_ops = {
     .broadcast = cpu_broadcast,
     .barrier = cpu_barrier,
     .destroy = cpu_destroy,
+    .send = cpu_send,
+    .recv = cpu_recv,
+    .p2p_ring = 1,
     .bf16 = 1,
     .abort = cpu_abort,
 };

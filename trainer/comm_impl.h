@@ -2,26 +2,28 @@
  * build a fake backend). Users include trainer/comm.h, where comm_t is opaque.
  *
  * A backend fills c->ops and c->impl in its create function, moves bytes in its table's calls
- * (which arrive with valid arguments, size > 1 and count > 0), and reports failures with
- * comm_set_error(), returning its code. The dispatch (comm.c) owns everything else: argument
- * checks, the broken state, the message, stats, and the registry of live communicators that the
- * fatal path aborts. */
+ * (which arrive with valid arguments, size > 1 and count > 0; a point-to-point peer in range and
+ * not this rank), and reports failures with comm_set_error(), returning its code. The dispatch
+ * (comm.c) owns everything else: argument checks, the broken state, the message, stats, and the
+ * registry of live communicators that the fatal path aborts. */
 #ifndef MESHRUN_COMM_IMPL_H
 #define MESHRUN_COMM_IMPL_H
 
 #include "trainer/comm.h"
 
-/* One collective, as the dispatch hands it to an asynchronous backend. */
+/* One call (a collective or a point-to-point transfer), as the dispatch hands it to an
+ * asynchronous backend. */
 typedef enum { COMM_CALL_ALL_REDUCE, COMM_CALL_ALL_GATHER, COMM_CALL_REDUCE_SCATTER, COMM_CALL_BROADCAST,
-               COMM_CALL_BARRIER } comm_call_kind_t;
+               COMM_CALL_BARRIER, COMM_CALL_SEND, COMM_CALL_RECV } comm_call_kind_t;
 typedef struct {
   comm_call_kind_t kind;
-  const void *in; /* all_gather, reduce_scatter */
-  void *out;      /* all_gather, reduce_scatter; the buffer of all_reduce and broadcast */
+  const void *in; /* all_gather, reduce_scatter; the buffer of send */
+  void *out;      /* all_gather, reduce_scatter; the buffer of all_reduce, broadcast and recv */
   size_t count;
   comm_dtype_t dtype;
   comm_op_t op;
   int root;
+  int peer;       /* send, recv: the other rank (group rank, never this one) */
 } comm_call_t;
 
 /* The backend table. */
@@ -34,6 +36,14 @@ typedef struct {
   int (*broadcast)(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, int root);
   int (*barrier)(comm_t *c);
   void (*destroy)(comm_t *c); /* releases impl; must accept a half-built impl */
+  /* Point-to-point, optional (NULL: the dispatch refuses comm_send and comm_recv). They come
+   * after destroy so that tables written positionally up to destroy (test fakes) stay valid.
+   * Only this rank and peer take part; the k-th send to a peer matches its k-th receive from
+   * this rank. */
+  int (*send)(comm_t *c, const void *buf, size_t count, comm_dtype_t dtype, int peer);
+  int (*recv)(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, int peer);
+  int p2p_ring; /* 1: sends only to rank + 1 and receives only from rank - 1 (the links of a
+                   ring: cpu, staged); the dispatch refuses other peers */
   /* Optional, for backends whose buffers are not host memory: the copies the dispatch makes
    * itself (all_gather's own slot, reduce_scatter on one rank), done before returning. NULL:
    * memcpy. */
@@ -50,12 +60,17 @@ typedef struct {
    * after the operation; test says whether it is complete without blocking; release frees a
    * token whose wait will never come (comm_destroy of a communicator with requests left). Tokens
    * are waited in issue order. NULL start: the dispatch runs the blocking calls above on a
-   * progress thread of the communicator ("cpu"), or at once with inline_async ("staged"). */
+   * progress thread of the communicator ("cpu"), or at once with inline_async ("staged").
+   * Both start and inline_async ("staged"): start takes the sends only (COMM_CALL_SEND), so that
+   * a started send never blocks its caller; every other call runs at once as with inline_async
+   * alone. Then the backend keeps the issue order itself (staged: its inner cpu communicator's
+   * queue) and waits for tokens left at comm_destroy in its destroy. */
   int (*start)(comm_t *c, const comm_call_t *call, void **token);
   int (*wait)(comm_t *c, void *token);
   int (*test)(comm_t *c, void *token, int *done);
   void (*release)(comm_t *c, void *token);
-  int inline_async; /* 1: comm_start runs the operation to completion before returning */
+  int inline_async; /* 1: comm_start runs the operation to completion before returning (with a
+                       start: all but sends, see above) */
 } comm_ops_t;
 
 struct comm {

@@ -46,6 +46,13 @@
  * go through CUDA_CHECK (trainer/fatal.h): "[trainer rank R host] file:line: call: message",
  * abort everything, exit(1).
  *
+ * Point-to-point: a send is ncclSend and a receive ncclRecv, each inside an ncclGroupStart /
+ * ncclGroupEnd of its own, through the same start/wait path as the collectives (so the same
+ * ordering, completion events and watching). Any peer of the group may be used (no ring rule);
+ * NCCL does not check that the two sides agree on count and dtype. Written against NCCL's API and
+ * built, but not yet run on a GPU (a two-rank communicator needs two GPUs): test/gpu has no test
+ * of it yet.
+ *
  * Callers' part: NCCL kernels of different communicators in flight at once can deadlock unless
  * every rank issues them in the same order; the strategies issue the same sequence on every rank.
  *
@@ -56,8 +63,9 @@
  * registration; resource sharing between split communicators. AVG is ncclAvg, which NCCL computes
  * as a premultiplied sum for floats: the same bits as sum-then-divide when the group size is a
  * power of two, possibly the last bit otherwise. Stats count the bytes a ring algorithm sends
- * (all_reduce 2(n-1)/n of the buffer, and so on), not what NCCL's chosen algorithm moved, and
- * count them when the operation is waited for (the blocking call returns) successfully. */
+ * (all_reduce 2(n-1)/n of the buffer, and so on; a send's buffer as sent, a receive's as
+ * received), not what NCCL's chosen algorithm moved, and count them when the operation is waited
+ * for (the blocking call returns) successfully. */
 #include "trainer/comm.h"
 #include "trainer/comm_impl.h"
 #include "trainer/comm_nccl.h"
@@ -93,7 +101,8 @@
 typedef struct nccl_token {
   cudaEvent_t done;        /* recorded on our stream after the operation */
   comm_call_kind_t kind;   /* for messages */
-  uint64_t sent;           /* ring-equivalent bytes, counted when waited for successfully */
+  int peer;                /* send, recv: for messages */
+  uint64_t sent, recvd;    /* ring-equivalent bytes, counted when waited for successfully */
   int64_t issued_ms;       /* net_now_ms() when enqueued */
   int complete;            /* its event was seen complete (it left the in-flight FIFO) */
   int owned;               /* held by the dispatch: started, not yet waited for or released */
@@ -159,8 +168,18 @@ static const char *call_name(comm_call_kind_t kind) {
   case COMM_CALL_REDUCE_SCATTER: return "reduce_scatter";
   case COMM_CALL_BROADCAST: return "broadcast";
   case COMM_CALL_BARRIER: return "barrier";
+  case COMM_CALL_SEND: return "send";
+  case COMM_CALL_RECV: return "recv";
   }
   return "collective";
+}
+
+/* The operation as messages name it: its name, and for a send or receive the peer's group rank
+ * ("send to rank 1"). Returns buf or a constant. */
+static const char *op_label(char *buf, size_t len, comm_call_kind_t kind, int peer) {
+  if (kind != COMM_CALL_SEND && kind != COMM_CALL_RECV) return call_name(kind);
+  snprintf(buf, len, "%s %s rank %d", call_name(kind), kind == COMM_CALL_SEND ? "to" : "from", peer);
+  return buf;
 }
 
 /* Waits until a non-blocking NCCL call that answered ncclInProgress has finished: until then NCCL
@@ -240,20 +259,21 @@ static int aborted(comm_t *c) {
 static int progress(comm_t *c) {
   nccl_impl_t *p = c->impl;
   if (!p->comm) return aborted(c);
+  char label[64];
   while (p->head) {
     nccl_token_t *t = p->head;
     cudaError_t q = cudaEventQuery(t->done);
     if (q == cudaErrorNotReady) break;
     if (q != cudaSuccess)
-      return fail(c, COMM_ESYSTEM, "%s: CUDA error while waiting for NCCL: %s", call_name(t->kind),
-                  cudaGetErrorString(q));
+      return fail(c, COMM_ESYSTEM, "%s: CUDA error while waiting for NCCL: %s",
+                  op_label(label, sizeof label, t->kind, t->peer), cudaGetErrorString(q));
     p->head = t->next;
     if (!p->head) p->tail = NULL;
     t->complete = 1;
     p->progress_ms = net_now_ms();
     if (!t->owned) push_free(p, t);
   }
-  const char *what = p->head ? call_name(p->head->kind) : "collective";
+  const char *what = p->head ? op_label(label, sizeof label, p->head->kind, p->head->peer) : "collective";
   ncclResult_t ae = ncclSuccess;
   ncclResult_t gr = ncclCommGetAsyncError(p->comm, &ae);
   if (gr != ncclSuccess) ae = gr;
@@ -282,7 +302,7 @@ static ncclRedOp_t nccl_op(comm_op_t op) {
   return ncclSum;
 }
 
-/* Ring-equivalent payload of one rank for call. */
+/* Ring-equivalent payload of one rank for call, sent (received is the same for collectives). */
 static uint64_t ring_bytes(const comm_t *c, const comm_call_t *call) {
   uint64_t bytes = (uint64_t)call->count * comm_dtype_size(call->dtype), n = (uint64_t)c->size;
   switch (call->kind) {
@@ -291,8 +311,30 @@ static uint64_t ring_bytes(const comm_t *c, const comm_call_t *call) {
   case COMM_CALL_REDUCE_SCATTER: return bytes * (n - 1);
   case COMM_CALL_BROADCAST: return bytes;
   case COMM_CALL_BARRIER: return 0;
+  case COMM_CALL_SEND: return bytes;
+  case COMM_CALL_RECV: return 0;
   }
   return 0;
+}
+
+/* Received bytes: a send receives nothing, a receive its buffer, a collective what it sends. */
+static uint64_t recv_bytes(const comm_t *c, const comm_call_t *call) {
+  if (call->kind == COMM_CALL_SEND) return 0;
+  if (call->kind == COMM_CALL_RECV) return (uint64_t)call->count * comm_dtype_size(call->dtype);
+  return ring_bytes(c, call);
+}
+
+/* A send or receive, in a group of its own (NCCL's documented form for point-to-point: with a
+ * non-blocking communicator the launch completes, or answers ncclInProgress, at ncclGroupEnd,
+ * which the caller polls like any call). The group is ended even when the call in it failed. */
+static ncclResult_t p2p(nccl_impl_t *p, const comm_call_t *call, ncclDataType_t dt) {
+  ncclResult_t r = ncclGroupStart();
+  if (r != ncclSuccess) return r;
+  ncclResult_t q = call->kind == COMM_CALL_SEND
+                       ? ncclSend(call->in, call->count, dt, call->peer, p->comm, p->stream)
+                       : ncclRecv(call->out, call->count, dt, call->peer, p->comm, p->stream);
+  r = ncclGroupEnd();
+  return q != ncclSuccess && q != ncclInProgress ? q : r;
 }
 
 /* Enqueues call on our stream. all_gather's input is out + rank * count (the dispatch put it
@@ -312,6 +354,9 @@ static ncclResult_t issue(nccl_impl_t *p, const comm_call_t *call) {
     return ncclBroadcast(call->out, call->out, call->count, dt, call->root, p->comm, p->stream);
   case COMM_CALL_BARRIER:
     return ncclAllReduce(p->barrier_buf, p->barrier_buf, 1, ncclFloat32, ncclSum, p->comm, p->stream);
+  case COMM_CALL_SEND:
+  case COMM_CALL_RECV:
+    return p2p(p, call, dt);
   }
   return ncclInvalidArgument;
 }
@@ -320,7 +365,8 @@ static ncclResult_t issue(nccl_impl_t *p, const comm_call_t *call) {
  * that running out of memory fails before the peers see a collective this rank never joins. */
 static int nccl_start(comm_t *c, const comm_call_t *call, void **token) {
   nccl_impl_t *p = c->impl;
-  const char *what = call_name(call->kind);
+  char label[64];
+  const char *what = op_label(label, sizeof label, call->kind, call->peer);
   *token = NULL;
   int rc = progress(c);
   if (rc) return rc;
@@ -334,7 +380,9 @@ static int nccl_start(comm_t *c, const comm_call_t *call, void **token) {
   }
   CUDA_CHECK(cudaEventRecord(t->done, p->stream));
   t->kind = call->kind;
+  t->peer = call->peer;
   t->sent = ring_bytes(c, call);
+  t->recvd = recv_bytes(c, call);
   t->issued_ms = net_now_ms();
   t->owned = 1;
   if (p->tail) p->tail->next = t;
@@ -360,7 +408,7 @@ static int finish(comm_t *c, nccl_token_t *t, int on_host) {
   }
   if (rc == COMM_OK) {
     c->stats.bytes_sent += t->sent;
-    c->stats.bytes_recv += t->sent;
+    c->stats.bytes_recv += t->recvd;
   }
   token_drop(p, t);
   return rc;
@@ -410,6 +458,16 @@ static int nccl_broadcast(comm_t *c, void *buf, size_t count, comm_dtype_t dtype
 
 static int nccl_barrier(comm_t *c) {
   comm_call_t call = {.kind = COMM_CALL_BARRIER, .count = 1, .dtype = COMM_FLOAT32};
+  return run(c, &call);
+}
+
+static int nccl_send(comm_t *c, const void *buf, size_t count, comm_dtype_t dtype, int peer) {
+  comm_call_t call = {.kind = COMM_CALL_SEND, .in = buf, .count = count, .dtype = dtype, .peer = peer};
+  return run(c, &call);
+}
+
+static int nccl_recv(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, int peer) {
+  comm_call_t call = {.kind = COMM_CALL_RECV, .out = buf, .count = count, .dtype = dtype, .peer = peer};
   return run(c, &call);
 }
 
@@ -473,6 +531,8 @@ static const comm_ops_t nccl_ops = {
     .broadcast = nccl_broadcast,
     .barrier = nccl_barrier,
     .destroy = nccl_destroy,
+    .send = nccl_send,
+    .recv = nccl_recv,
     .copy = nccl_copy,
     .bf16 = 1,
     .abort = nccl_abort_op,

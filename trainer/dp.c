@@ -129,8 +129,10 @@ int dp_norm_of(dp_impl_t *d, const float *g, comm_t *shard_hcomm, double *norm) 
   float sums[2] = {(float)split, (float)repl};
   if (shard_hcomm && dp_all_reduce(d, shard_hcomm, sums, 2, COMM_SUM, "gradient norm")) return d->status;
   if (d->tp > 1 && dp_all_reduce(d, d->tp_hcomm, sums, 1, COMM_SUM, "gradient norm")) return d->status;
-  /* Unsharded without tp, nothing travelled: the double sums stay exact. */
-  *norm = shard_hcomm || d->tp > 1 ? sqrt((double)sums[0] + (double)sums[1]) : sqrt(split + repl);
+  /* pipeline stages hold disjoint parameters: their shares add up */
+  if (d->pp_hcomm && dp_all_reduce(d, d->pp_hcomm, sums, 2, COMM_SUM, "gradient norm")) return d->status;
+  /* Unsharded without tp and pp, nothing travelled: the double sums stay exact. */
+  *norm = shard_hcomm || d->tp > 1 || d->pp_hcomm ? sqrt((double)sums[0] + (double)sums[1]) : sqrt(split + repl);
   return 0;
 }
 
@@ -245,7 +247,8 @@ int dp_create(dp_t **out, model_t *m, backend_t *be, const mesh_t *mesh, const p
     d->shard_hcomm = mesh_host_comm(mesh, "dp_shard");
     d->tp_hcomm = mesh_host_comm(mesh, "tp");
     d->tp = mesh->dims[MESH_TP];
-    if (!d->dp_comm || !d->shard_comm || !d->rep_comm || !d->tp_comm || !d->dp_hcomm || !d->shard_hcomm ||
+    d->pp_hcomm = mesh->dims[MESH_PP] > 1 ? mesh_host_comm(mesh, "pp") : NULL;
+    if ((mesh->dims[MESH_PP] > 1 && !d->pp_hcomm) || !d->dp_comm || !d->shard_comm || !d->rep_comm || !d->tp_comm || !d->dp_hcomm || !d->shard_hcomm ||
         !d->tp_hcomm) {
       dp_destroy(&d->pub);
       snprintf(err, errlen, "dp error: the mesh is not connected (call mesh_connect first)");

@@ -102,6 +102,7 @@ struct dp_impl {
   size_t rlp_n, rs_lp_n;
   comm_t *dp_comm, *shard_comm, *rep_comm, *tp_comm; /* device memory (the backend's) */
   comm_t *dp_hcomm, *shard_hcomm, *tp_hcomm;          /* host memory: the norm's shares */
+  comm_t *pp_hcomm;                                   /* host, pipeline stages (NULL without pp) */
   int n_units;
   size_t *uoff, *unumel; /* (n_units) the model's local layout */
   size_t num_params;

@@ -61,6 +61,7 @@
 #include "trainer/mesh.h"
 #include "trainer/metrics.h"
 #include "trainer/model.h"
+#include "trainer/pipeline.h"
 #include "trainer/plan.h"
 #include "trainer/sample.h"
 #include "trainer/trace.h"
@@ -299,7 +300,8 @@ static int mesh_setup(mesh_t **out, const plan_t *p, int rank, int world, const 
                           "not set: run under meshrun, or set MESHRUN_STORE=host:port", world);
     return 2;
   }
-  if (mesh_create(out, p->mesh.dp_replicate, p->mesh.dp_shard, p->mesh.tp, rank, world, err, errlen)) return 2;
+  if (mesh_create_pp(out, p->mesh.pp, p->mesh.dp_replicate, p->mesh.dp_shard, p->mesh.tp, rank, world, err, errlen))
+    return 2;
   store_t *st = NULL;
   if (store_connect_env(&st, 60000, err, errlen)) return 1;
   int rc = mesh_connect(*out, comm_backend, be, st, -1, NULL, 0, err, errlen);
@@ -307,11 +309,21 @@ static int mesh_setup(mesh_t **out, const plan_t *p, int rank, int world, const 
   return rc ? 1 : 0;
 }
 
-/* This rank's model: its tp slice under a mesh (tpo, which must live as long as the model), no
- * flat buffers when the strategy shards them, the plan's mixed precision (FSDP and HSDP gather
- * the bf16 compute copies themselves). */
-static int model_setup(model_t **m, model_tp_t *tpo, const plan_t *p, backend_t *be, const mesh_t *mesh, char *err,
-                       size_t errlen) {
+/* The pipeline's runner (mesh.pp > 1): the schedule of this rank, whose slots size the model's
+ * activations. The model, strategy and channels are filled in once they exist. */
+static int pipeline_setup(pp_runner_t *r, const plan_t *p, const mesh_t *mesh, char *err, size_t errlen) {
+  pp_runner_config_t cfg = {.schedule = (pp_schedule_t)p->parallel.pp_schedule, .p = p->mesh.pp,
+                            .v = p->parallel.pp_stages_per_rank, .m = p->parallel.pp_microbatches,
+                            .rank = mesh->coord[MESH_PP], .send_act = mesh->pp.send_act, .recv_act = mesh->pp.recv_act,
+                            .send_grad = mesh->pp.send_grad, .recv_grad = mesh->pp.recv_grad};
+  return pp_runner_init(r, &cfg, err, errlen);
+}
+
+/* This rank's model: its pipeline stages (pp: the runner's slots), its tp slice under a mesh
+ * (tpo, which must live as long as the model), no flat buffers when the strategy shards them,
+ * the plan's mixed precision (FSDP and HSDP gather the bf16 compute copies themselves). */
+static int model_setup(model_t **m, model_tp_t *tpo, const plan_t *p, backend_t *be, const mesh_t *mesh,
+                       const pp_runner_t *ppr, char *err, size_t errlen) {
   const int B = p->train.micro_batch_size, T = p->train.seq_len, tp = mesh ? mesh->dims[MESH_TP] : 1;
   model_opts_t opts = {.max_b = B, .max_t = T, .decay_norms = p->train.decay_norms,
                        .decay_embeddings = p->train.decay_embeddings, .checkpoint_every = plan_checkpoint_every(p),
@@ -326,6 +338,19 @@ static int model_setup(model_t **m, model_tp_t *tpo, const plan_t *p, backend_t 
                       .n_plan = p->parallel.n_tp_plan};
   opts.tp = tp > 1 ? tpo : NULL;
   opts.no_flat_buffers = dp_owns_buffers(mesh, p);
+  int first[PP_MAX_CHUNKS], layers[PP_MAX_CHUNKS];
+  if (ppr) { /* stage q + c * pp as chunk c; a pipeline micro-batch is accum * B / m sequences */
+    const int v = ppr->cfg.v, q = ppr->cfg.rank, mb = p->train.grad_accum_steps * B / ppr->cfg.m;
+    for (int c = 0; c < v; c++) {
+      first[c] = plan_pp_stage_first(p, q + c * ppr->cfg.p);
+      layers[c] = plan_pp_stage_first(p, q + c * ppr->cfg.p + 1) - first[c];
+    }
+    opts.n_chunks = v;
+    opts.chunk_first = first;
+    opts.chunk_layers = layers;
+    opts.chunk_slots = ppr->slots;
+    opts.max_b = mb > B ? mb : B;
+  }
   return model_create_opts(m, &p->model, be, &opts, err, errlen);
 }
 
@@ -359,12 +384,27 @@ static int final_sample(model_t *m, backend_t *be, dp_t *dp, const mesh_t *mesh,
                         int rank, char *err, size_t errlen) {
   const int tp = mesh ? mesh->dims[MESH_TP] : 1;
   if (p->sample.sample_tokens <= 0 || !(rank == 0 || dp_is_sharded(mesh) || tp > 1)) return 0;
+  if (mesh && mesh->dims[MESH_PP] > 1) { /* the sampler runs the whole model's forward */
+    char path[PLAN_PATH_MAX + 32];
+    weights_final_path(p, path, sizeof path);
+    log_rank0("sample: not under pipeline parallelism; run `trainer sample %s` for one", path);
+    return 0;
+  }
   log_rank0("sample (%d tokens, temperature %.2f):", p->sample.sample_tokens, p->sample.temperature);
   FILE *out = rank == 0 ? stdout : fopen("/dev/null", "w");
   int rc = out ? sample_generate(m, be, p, is_text, out, err, errlen) : 0;
   if (out && out != stdout) fclose(out);
   if (dp_status(dp)) snprintf(err, errlen, "sample: %s", dp_errmsg(dp));
   return rc || dp_status(dp) ? -1 : 0;
+}
+
+/* The pipeline's record of a step: this rank's compute and span, micro-batches in flight at the
+ * peak, and the activation arena its slots occupy (collective over the pp group). */
+static int pipeline_record(metrics_t *mt, model_t *m, int step, const pp_step_stats_t *st, char *err, size_t errlen) {
+  model_memory_t mm;
+  model_memory(m, &mm);
+  const double mine[4] = {st->busy_ns * 1e-6, st->span_ns * 1e-6, st->peak_inflight, (double)mm.act_bytes};
+  return metrics_pipeline(mt, step, mine, 4, err, errlen);
 }
 
 static int eval_due(const plan_t *p, int step) {
@@ -406,6 +446,8 @@ int main(int argc, char **argv) {
   data_t data = {0};
   model_t *m = NULL;
   model_tp_t tpo = {0}; /* lives as long as the model, which may keep a pointer to it */
+  pp_runner_t ppr = {0};
+  pp_runner_t *pp = NULL; /* &ppr under pipeline parallelism */
   char *plan_json = NULL;
   dp_t *dp = NULL;
   checkpoint_t ck = {0};
@@ -449,9 +491,17 @@ int main(int argc, char **argv) {
   /* --- data before the model: a wrong path fails before a large allocation */
   if (data_load(&data, p, p->eval.interval > 0 && p->eval.batches > 0, err, sizeof err)) goto error;
   /* --- model, then the data-parallel strategy (it owns the optimizer over this rank's range) */
-  if (model_setup(&m, &tpo, p, be, mesh, err, sizeof err)) goto error;
+  if (mesh && mesh->dims[MESH_PP] > 1) {
+    if (pipeline_setup(&ppr, p, mesh, err, sizeof err)) goto error;
+    pp = &ppr;
+  }
+  if (model_setup(&m, &tpo, p, be, mesh, pp, err, sizeof err)) goto error;
   plan_json = plan_to_json(p);
   if (dp_create(&dp, m, be, mesh, p, err, sizeof err)) goto error;
+  if (pp) {
+    ppr.cfg.model = m;
+    ppr.cfg.dp = dp;
+  }
 
   /* --- checkpoint: resume (collective over the job), then a writer when checkpoint.dir is set */
   hooks_init(&a.hooks, env.rank);
@@ -466,7 +516,8 @@ int main(int argc, char **argv) {
   /* --- the loop. Step s (0-based) is logged as s + 1. */
   comm_t *dpc = mesh ? mesh_host_comm(mesh, "dp") : NULL;
   tr = (train_t){.p = p, .m = m, .dp = dp, .be = be, .data = &data, .dpc = dpc, .mesh = mesh, .hooks = &a.hooks,
-                 .dp_rank = dpc ? comm_rank(dpc) : 0, .dp_size = dpc ? comm_size(dpc) : 1};
+                 .dp_rank = dpc ? comm_rank(dpc) : 0, .dp_size = dpc ? comm_size(dpc) : 1, .pp = pp,
+                 .ppc = pp ? mesh_host_comm(mesh, "pp") : NULL};
   if (train_init(&tr, err, sizeof err) ||
       metrics_open(&mt, p, m, dp, mesh, &data, be, env.rank, env.world, start_step, resumed, plan_json, err,
                    sizeof err) ||
@@ -476,6 +527,7 @@ int main(int argc, char **argv) {
     train_result_t r;
     if (train_step(&tr, s, &r, err, sizeof err)) goto error;
     metrics_step(&mt, s + 1, r.loss, r.lr, r.gnorm, r.dt, r.comm_wait);
+    if (pp && pipeline_record(&mt, m, s + 1, &r.pp, err, sizeof err)) goto error;
     if (eval_due(p, s + 1)) {
       double el = 0;
       if (train_eval(&tr, &el, err, sizeof err)) goto error;
@@ -510,6 +562,7 @@ error:
   train_free(&tr);
   data_free(&data);
   free(plan_json);
+  pp_runner_free(&ppr);
   model_destroy(m);
   backend_destroy(be);
   mesh_destroy(mesh);

@@ -1,4 +1,4 @@
-/* mesh: layout arithmetic of the (dp_replicate, dp_shard, tp) mesh and the creation of each
+/* mesh: layout arithmetic of the (pp, dp_replicate, dp_shard, tp) mesh and the creation of each
  * group's communicator. The layout is computed once, from the same formula for every rank, so
  * all members of a group agree on its members, order and uid without talking. It does not
  * decide the dimensions (the plan does) or move data (comm does). */
@@ -12,7 +12,7 @@
 #include "common/env.h"
 
 static const char *const group_names[MESH_NGROUPS] = {"dp_replicate", "dp_shard", "tp", "dp",
-                                                      "world"};
+                                                      "world", "pp"};
 
 static int group_index(const char *name) {
   if (!name) return -1;
@@ -22,39 +22,45 @@ static int group_index(const char *name) {
 }
 
 void mesh_coords(const mesh_t *m, int rank, int coord[MESH_NDIMS]) {
-  int tp = m->dims[MESH_TP], ds = m->dims[MESH_DP_SHARD];
+  int tp = m->dims[MESH_TP], ds = m->dims[MESH_DP_SHARD], dr = m->dims[MESH_DP_REPLICATE];
   coord[MESH_TP] = rank % tp;
   coord[MESH_DP_SHARD] = (rank / tp) % ds;
-  coord[MESH_DP_REPLICATE] = rank / (tp * ds);
+  coord[MESH_DP_REPLICATE] = (rank / (tp * ds)) % dr;
+  coord[MESH_PP] = rank / (tp * ds * dr);
 }
 
-int mesh_rank_at(const mesh_t *m, int r, int s, int t) {
-  return (r * m->dims[MESH_DP_SHARD] + s) * m->dims[MESH_TP] + t;
+int mesh_rank_at_pp(const mesh_t *m, int q, int r, int s, int t) {
+  return ((q * m->dims[MESH_DP_REPLICATE] + r) * m->dims[MESH_DP_SHARD] + s) * m->dims[MESH_TP] + t;
 }
+
+int mesh_rank_at(const mesh_t *m, int r, int s, int t) { return mesh_rank_at_pp(m, m->coord[MESH_PP], r, s, t); }
 
 /* Members of group g containing `rank`, in group-rank order: the group's free coordinates vary
  * (r outer, s inner for "dp"), the others stay at rank's values. */
 static int members_of(const mesh_t *m, int g, int rank, int *ranks) {
   int c[MESH_NDIMS];
   mesh_coords(m, rank, c);
-  int R = m->dims[MESH_DP_REPLICATE], S = m->dims[MESH_DP_SHARD], T = m->dims[MESH_TP];
-  int n = 0;
+  int R = m->dims[MESH_DP_REPLICATE], S = m->dims[MESH_DP_SHARD], T = m->dims[MESH_TP], Q = m->dims[MESH_PP];
+  int q = c[MESH_PP], n = 0;
   switch (g) {
   case MESH_GROUP_DP_REPLICATE:
-    for (int r = 0; r < R; r++) ranks[n++] = mesh_rank_at(m, r, c[1], c[2]);
+    for (int r = 0; r < R; r++) ranks[n++] = mesh_rank_at_pp(m, q, r, c[1], c[2]);
     break;
   case MESH_GROUP_DP_SHARD:
-    for (int s = 0; s < S; s++) ranks[n++] = mesh_rank_at(m, c[0], s, c[2]);
+    for (int s = 0; s < S; s++) ranks[n++] = mesh_rank_at_pp(m, q, c[0], s, c[2]);
     break;
   case MESH_GROUP_TP:
-    for (int t = 0; t < T; t++) ranks[n++] = mesh_rank_at(m, c[0], c[1], t);
+    for (int t = 0; t < T; t++) ranks[n++] = mesh_rank_at_pp(m, q, c[0], c[1], t);
     break;
   case MESH_GROUP_DP:
     for (int r = 0; r < R; r++)
-      for (int s = 0; s < S; s++) ranks[n++] = mesh_rank_at(m, r, s, c[2]);
+      for (int s = 0; s < S; s++) ranks[n++] = mesh_rank_at_pp(m, q, r, s, c[2]);
     break;
   case MESH_GROUP_WORLD:
     for (int i = 0; i < m->world; i++) ranks[n++] = i;
+    break;
+  case MESH_GROUP_PP:
+    for (int k = 0; k < Q; k++) ranks[n++] = mesh_rank_at_pp(m, k, c[0], c[1], c[2]);
     break;
   }
   return n;
@@ -68,16 +74,25 @@ int mesh_members(const mesh_t *m, const char *name, int rank, int *ranks) {
 
 int mesh_create(mesh_t **out, int dp_replicate, int dp_shard, int tp, int rank, int world,
                 char *err, size_t errlen) {
+  return mesh_create_pp(out, 1, dp_replicate, dp_shard, tp, rank, world, err, errlen);
+}
+
+int mesh_create_pp(mesh_t **out, int pp, int dp_replicate, int dp_shard, int tp, int rank, int world,
+                   char *err, size_t errlen) {
   *out = NULL;
-  if (dp_replicate < 1 || dp_shard < 1 || tp < 1) {
-    snprintf(err, errlen, "mesh error: dimensions must be >= 1, got dp_replicate=%d dp_shard=%d "
-             "tp=%d", dp_replicate, dp_shard, tp);
+  if (pp < 1 || dp_replicate < 1 || dp_shard < 1 || tp < 1) {
+    snprintf(err, errlen, "mesh error: dimensions must be >= 1, got pp=%d dp_replicate=%d dp_shard=%d "
+             "tp=%d", pp, dp_replicate, dp_shard, tp);
     return MESH_EINVAL;
   }
-  if ((long long)dp_replicate * dp_shard * tp != world) {
-    snprintf(err, errlen, "mesh error: dp_replicate=%d x dp_shard=%d x tp=%d = %lld ranks, but "
-             "the world has %d", dp_replicate, dp_shard, tp,
-             (long long)dp_replicate * dp_shard * tp, world);
+  const long long n = (long long)pp * dp_replicate * dp_shard * tp;
+  if (n != world) {
+    if (pp == 1)
+      snprintf(err, errlen, "mesh error: dp_replicate=%d x dp_shard=%d x tp=%d = %lld ranks, but "
+               "the world has %d", dp_replicate, dp_shard, tp, n, world);
+    else
+      snprintf(err, errlen, "mesh error: pp=%d x dp_replicate=%d x dp_shard=%d x tp=%d = %lld ranks, but "
+               "the world has %d", pp, dp_replicate, dp_shard, tp, n, world);
     return MESH_EINVAL;
   }
   if (rank < 0 || rank >= world) {
@@ -94,6 +109,7 @@ int mesh_create(mesh_t **out, int dp_replicate, int dp_shard, int tp, int rank, 
   m->dims[MESH_DP_REPLICATE] = dp_replicate;
   m->dims[MESH_DP_SHARD] = dp_shard;
   m->dims[MESH_TP] = tp;
+  m->dims[MESH_PP] = pp;
   mesh_coords(m, rank, m->coord);
   for (int g = 0; g < MESH_NGROUPS; g++) {
     mesh_group_t *grp = &m->groups[g];
@@ -122,6 +138,42 @@ static void group_disconnect(mesh_group_t *grp) {
   grp->comm = grp->host_comm = NULL;
 }
 
+static void channels_disconnect(mesh_pp_channels_t *ch) {
+  comm_destroy(ch->send_act);
+  comm_destroy(ch->recv_act);
+  comm_destroy(ch->send_grad);
+  comm_destroy(ch->recv_grad);
+  memset(ch, 0, sizeof *ch);
+}
+
+/* The pipeline channels of this rank's pp group: for each pp rank k, an activation channel
+ * k -> k+1 and a gradient channel k+1 -> k (mod pp), each a two-rank communicator named after
+ * its sender ("ppact.<global rank>", "ppgrad.<global rank>"), the sender its rank 0. Every
+ * member walks the same list in the same order and creates the channels it belongs to, so the
+ * first unfinished channel always has both its members at it: no two ranks wait on each other. */
+static int connect_channels(mesh_t *m, const char *backend, struct backend *device, store_t *store, int generation,
+                            const char *host, int timeout_ms, char *err, size_t errlen) {
+  const int Q = m->dims[MESH_PP], q = m->coord[MESH_PP];
+  const int *pp = m->groups[MESH_GROUP_PP].ranks;
+  if (Q < 2) return COMM_OK;
+  for (int kind = 0; kind < 2; kind++)
+    for (int k = 0; k < Q; k++) {
+      const int src = kind == 0 ? k : (k + 1) % Q, dst = kind == 0 ? (k + 1) % Q : k;
+      if (q != src && q != dst) continue;
+      char uid[COMM_NAME_MAX];
+      snprintf(uid, sizeof uid, "%s.%d", kind == 0 ? "ppact" : "ppgrad", pp[src]);
+      const int members[2] = {pp[src], pp[dst]};
+      comm_config_t cfg = {.name = uid, .rank = q == src ? 0 : 1, .size = 2, .generation = generation,
+                           .store = store, .host = host, .timeout_ms = timeout_ms, .global_ranks = members,
+                           .device = device};
+      comm_t **slot = kind == 0 ? (q == src ? &m->pp.send_act : &m->pp.recv_act)
+                                : (q == src ? &m->pp.send_grad : &m->pp.recv_grad);
+      int rc = comm_create(slot, backend, &cfg, err, errlen);
+      if (rc != COMM_OK) return rc;
+    }
+  return COMM_OK;
+}
+
 int mesh_connect(mesh_t *m, const char *backend, struct backend *device, store_t *store,
                  int generation, const char *host, int timeout_ms, char *err, size_t errlen) {
   if (!backend) backend = "cpu";
@@ -140,8 +192,9 @@ int mesh_connect(mesh_t *m, const char *backend, struct backend *device, store_t
   /* The world group comes first and the others are split from it ("nccl": ncclCommSplit, one
    * NCCL bootstrap per job instead of one per group; every rank makes the same splits in the
    * same order, its color the lowest member rank of its group). */
-  static const int order[MESH_NGROUPS] = {MESH_GROUP_WORLD, 0, 1, 2, 3};
-  _Static_assert(MESH_GROUP_WORLD == 4 && MESH_NGROUPS == 5, "the order above lists every group once");
+  static const int order[MESH_NGROUPS] = {MESH_GROUP_WORLD, 0, 1, 2, 3, MESH_GROUP_PP};
+  _Static_assert(MESH_GROUP_WORLD == 4 && MESH_GROUP_PP == 5 && MESH_NGROUPS == 6,
+                 "the order above lists every group once");
   for (int i = 0; i < MESH_NGROUPS; i++) {
     const int g = order[i];
     mesh_group_t *grp = &m->groups[g];
@@ -160,8 +213,11 @@ int mesh_connect(mesh_t *m, const char *backend, struct backend *device, store_t
       cfg.device = NULL;
       rc = comm_create(&grp->host_comm, "cpu", &cfg, err, errlen);
     }
+    if (rc == COMM_OK && g == MESH_GROUP_PP) rc = connect_channels(m, backend, device, store, generation, host,
+                                                                   timeout_ms, err, errlen);
     if (rc != COMM_OK) {
       for (int k = 0; k <= i; k++) group_disconnect(&m->groups[order[k]]);
+      channels_disconnect(&m->pp);
       return rc;
     }
   }
@@ -170,6 +226,7 @@ int mesh_connect(mesh_t *m, const char *backend, struct backend *device, store_t
 
 void mesh_destroy(mesh_t *m) {
   if (!m) return;
+  channels_disconnect(&m->pp);
   for (int g = 0; g < MESH_NGROUPS; g++) {
     group_disconnect(&m->groups[g]);
     free(m->groups[g].ranks);
@@ -208,10 +265,29 @@ void mesh_group_stats(const mesh_t *m, int g, comm_stats_t *out) {
 
 uint64_t mesh_wait_ns(const mesh_t *m) {
   uint64_t sum = 0;
+  comm_stats_t st_pp;
   for (int g = 0; m && g < MESH_NGROUPS; g++) {
     comm_stats_t st;
     mesh_group_stats(m, g, &st);
     sum += st.wait_ns;
   }
+  if (m) {
+    mesh_pp_stats(m, &st_pp);
+    sum += st_pp.wait_ns;
+  }
   return sum;
+}
+
+void mesh_pp_stats(const mesh_t *m, comm_stats_t *out) {
+  comm_t *ch[4] = {m->pp.send_act, m->pp.recv_act, m->pp.send_grad, m->pp.recv_grad};
+  memset(out, 0, sizeof *out);
+  for (int i = 0; i < 4; i++) {
+    if (!ch[i]) continue;
+    comm_stats_t st;
+    comm_get_stats(ch[i], &st);
+    out->bytes_sent += st.bytes_sent;
+    out->bytes_recv += st.bytes_recv;
+    out->calls += st.calls;
+    out->wait_ns += st.wait_ns;
+  }
 }

@@ -1,7 +1,11 @@
-/* mesh: the device mesh, as PyTorch's DeviceMesh: ranks laid out on (dp_replicate, dp_shard, tp)
- * with tp innermost, and one communication group per dimension.
+/* mesh: the device mesh, as PyTorch's DeviceMesh: ranks laid out on (pp, dp_replicate, dp_shard,
+ * tp) with pp outermost (as torchtitan) and tp innermost, and one communication group per
+ * dimension.
  *
- *   rank = ((r * dp_shard) + s) * tp + t        coordinates (r, s, t)
+ *   rank = (((q * dp_replicate + r) * dp_shard) + s) * tp + t      coordinates (r, s, t, q)
+ *
+ * q is the pipeline rank (coord[MESH_PP]); everything below it is one pipeline stage's mesh, so
+ * a stage's dp and tp groups never cross stages.
  *
  * Groups, each identified by name:
  *   "dp_replicate"  ranks that differ only in r        (HSDP's replicas; DDP)
@@ -10,6 +14,7 @@
  *   "dp"            ranks that differ in r or s: dp_replicate x dp_shard flattened, group rank
  *                   r * dp_shard + s (the data-parallel index: which batch slice a rank reads)
  *   "world"         every rank
+ *   "pp"            ranks that differ only in q (the pipeline: same (r, s, t), one per stage)
  * Members are listed in group-rank order. Dimensions of size 1 still get a (trivial) group, so
  * callers never test for NULL.
  *
@@ -37,9 +42,20 @@
 
 #define MESH_EINVAL (-1)
 
-enum { MESH_DP_REPLICATE = 0, MESH_DP_SHARD, MESH_TP, MESH_NDIMS };
+enum { MESH_DP_REPLICATE = 0, MESH_DP_SHARD, MESH_TP, MESH_PP, MESH_NDIMS };
 enum { MESH_GROUP_DP_REPLICATE = 0, MESH_GROUP_DP_SHARD, MESH_GROUP_TP, MESH_GROUP_DP,
-       MESH_GROUP_WORLD, MESH_NGROUPS };
+       MESH_GROUP_WORLD, MESH_GROUP_PP, MESH_NGROUPS };
+
+/* The pipeline's point-to-point channels of this rank (pp > 1; NULL otherwise): two-rank
+ * communicators, one per direction and kind, whose rank 0 only sends and rank 1 only receives,
+ * so a send never waits behind a receive on the same communicator (comm.h: one operation at a
+ * time per communicator). Activations flow from pp rank q to q + 1, gradients from q + 1 to q,
+ * both wrapping around (interleaved schedules send from the last rank to the first). Device
+ * memory, like the group comms. */
+typedef struct {
+  comm_t *send_act, *recv_act;   /* to q + 1, from q - 1 */
+  comm_t *send_grad, *recv_grad; /* to q - 1, from q + 1 */
+} mesh_pp_channels_t;
 
 typedef struct {
   char name[16];           /* "dp_replicate", "dp_shard", "tp", "dp", "world" */
@@ -53,13 +69,17 @@ typedef struct {
 
 typedef struct {
   int world, rank;         /* job size and this process's rank */
-  int dims[MESH_NDIMS];    /* dp_replicate, dp_shard, tp */
-  int coord[MESH_NDIMS];   /* this rank's (r, s, t) */
+  int dims[MESH_NDIMS];    /* dp_replicate, dp_shard, tp, pp */
+  int coord[MESH_NDIMS];   /* this rank's (r, s, t, q) */
   mesh_group_t groups[MESH_NGROUPS];
+  mesh_pp_channels_t pp;   /* filled by mesh_connect when pp > 1 */
 } mesh_t;
 
-/* Lays out world = dp_replicate * dp_shard * tp ranks (each >= 1) and this rank's groups.
- * Returns 0, or MESH_EINVAL with "mesh error: ..." in err. */
+/* Lays out world = pp * dp_replicate * dp_shard * tp ranks (each >= 1) and this rank's groups.
+ * Returns 0, or MESH_EINVAL with "mesh error: ..." in err. mesh_create is mesh_create_pp with
+ * pp = 1. */
+int mesh_create_pp(mesh_t **out, int pp, int dp_replicate, int dp_shard, int tp, int rank, int world,
+                   char *err, size_t errlen);
 int mesh_create(mesh_t **out, int dp_replicate, int dp_shard, int tp, int rank, int world,
                 char *err, size_t errlen);
 /* Creates every group's communicators (collective over the job: every rank calls it with the
@@ -80,13 +100,17 @@ comm_t *mesh_host_comm(const mesh_t *m, const char *name);
 /* Group g's traffic and blocked time: its device communicator's stats plus its host one's (when
  * that is another ring); zeros before mesh_connect. */
 void mesh_group_stats(const mesh_t *m, int g, comm_stats_t *out);
+/* The pipeline channels' traffic and blocked time, summed (zeros without pp). */
+void mesh_pp_stats(const mesh_t *m, comm_stats_t *out);
 /* Nanoseconds this process has spent blocked on the mesh's communicators (device and host ones):
- * the sum of their comm_stats_t.wait_ns. 0 for NULL. */
+ * the sum of their comm_stats_t.wait_ns, the pipeline channels' included. 0 for NULL. */
 uint64_t mesh_wait_ns(const mesh_t *m);
 
-/* Coordinates (r, s, t) of any rank, and back. */
+/* Coordinates (r, s, t, q) of any rank, and back: mesh_rank_at within this rank's pipeline
+ * stage (q = coord[MESH_PP]), mesh_rank_at_pp on any. */
 void mesh_coords(const mesh_t *m, int rank, int coord[MESH_NDIMS]);
 int mesh_rank_at(const mesh_t *m, int r, int s, int t);
+int mesh_rank_at_pp(const mesh_t *m, int q, int r, int s, int t);
 /* Members of the group `name` that contains `rank` (any rank of the job), in group-rank order,
  * into ranks (room for world entries). Returns the group size, or MESH_EINVAL for an unknown
  * name or a rank out of range. */

@@ -3,6 +3,8 @@
 
 #include <errno.h>
 #include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -207,6 +209,37 @@ void metrics_step(metrics_t *mt, int step, double loss, double lr, double gnorm,
     log_rank0("step %d/%d | loss %.4f | lr %.2e | grad norm %.4f | %s tok/s | %.1f ms%s | ETA %s", step, mt->steps,
               loss, lr, gnorm, tps_s, dt * 1e3, share, eta);
   }
+}
+
+int metrics_pipeline(metrics_t *mt, int step, const double *mine, int n, char *err, size_t errlen) {
+  comm_t *c = mesh_host_comm(mt->mesh, "pp");
+  const int Q = comm_size(c);
+  float *all = malloc((size_t)Q * n * sizeof(float)), *v = malloc((size_t)n * sizeof(float));
+  if (!all || !v) {
+    free(all);
+    free(v);
+    snprintf(err, errlen, "out of memory for the pipeline's record");
+    return -1;
+  }
+  for (int i = 0; i < n; i++) v[i] = (float)mine[i];
+  int rc = comm_all_gather(c, v, all, (size_t)n, COMM_FLOAT32);
+  if (rc) snprintf(err, errlen, "gathering the pipeline's timings: %s", comm_errmsg(c));
+  static const char *const keys[] = {"pp_busy_ms", "pp_span_ms", "pp_peak_inflight", "pp_act_bytes"};
+  char rec[4096];
+  int at = snprintf(rec, sizeof rec, "{\"pp_step\":%d,\"pp_bubble\":[", step);
+  for (int q = 0; q < Q && at < (int)sizeof rec; q++) {
+    const float busy = all[q * n], span = all[q * n + 1];
+    at += snprintf(rec + at, sizeof rec - (size_t)at, "%s%.4f", q ? "," : "", span > 0 ? 1.0 - busy / span : 0.0);
+  }
+  for (int k = 0; k < n && k < 4 && at < (int)sizeof rec; k++) {
+    at += snprintf(rec + at, sizeof rec - (size_t)at, "],\"%s\":[", keys[k]);
+    for (int q = 0; q < Q && at < (int)sizeof rec; q++)
+      at += snprintf(rec + at, sizeof rec - (size_t)at, k < 2 ? "%s%.3f" : "%s%.0f", q ? "," : "", all[q * n + k]);
+  }
+  if (rc == 0 && at < (int)sizeof rec - 3) metrics_printf(mt, step, "%s]}\n", rec);
+  free(all);
+  free(v);
+  return rc ? -1 : 0;
 }
 
 void metrics_eval(metrics_t *mt, int step, double loss) {

@@ -45,6 +45,12 @@ typedef struct {
   double t_in_steps;  /* seconds spent in optimizer steps */
 } metrics_t;
 
+/* Under pipeline parallelism, after a step: every pp rank's schedule (its stats; act_bytes its
+ * activations in flight at the peak, slots in use times slot bytes) gathered over the pp group
+ * (collective over it), one record {"pp_step" (not "step": readers of step records expect a loss there), "pp_bubble": [idle fraction per pp rank], "pp_busy_ms",
+ * "pp_span_ms", "pp_peak_inflight", "pp_act_bytes"} from rank 0. Returns 0 or -1 with err. */
+int metrics_pipeline(metrics_t *mt, int step, const double *mine, int n, char *err, size_t errlen);
+
 /* Seconds on the monotonic clock. */
 double metrics_now(void);
 

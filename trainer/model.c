@@ -98,6 +98,26 @@ typedef struct {
   void *h;         /* (Np, Fl) silu(a) * g */
 } layer_acts_t;
 
+/* One micro-batch's worth of a chunk's saved activations (a slot), and the state of the
+ * forward that filled it. The model binds a slot (bind_slot) before running on it: its pointers
+ * go into model_t's acts[] and head fields, which is all the kernels' code reads. */
+typedef struct {
+  layer_acts_t *acts;   /* (chunk's n) saved sets; checkpointed blocks point into model_t.work */
+  void *y;              /* (Ns, C) output of a chunk without the head; its gradient arrives here */
+  void *x_final, *xn_final, *logits, *logits_full, *logits_gather;
+  float *rstd_final, *losses, *ce_max, *ce_stats;
+  int32_t *tokens_dev, *targets_dev;
+  int Np, Ns, row0, b, t, n_valid, has_targets, ok, gathered;
+  size_t bytes;         /* carved for this slot */
+} slot_t;
+
+/* Layers [first, first + n) held by this instance (a pipeline stage), with the embedding and/or
+ * the head when the chunk begins or ends the model. */
+typedef struct {
+  int first, n, embed, head, n_slots;
+  slot_t *slots;
+} chunk_t;
+
 struct model {
   backend_t *be;
   dp_t *dp;
@@ -169,7 +189,14 @@ struct model {
   float *logits_f32;    /* bf16: model_logits' widened copy (max_b * max_t, V), on first use */
   int32_t pad_ids[64];  /* -1s: token and target ids of SP padding rows (< tp of them) */
 
-  /* state of the last forward */
+  /* pipeline: the chunks held (one covering every layer without pp) and the local unit numbering */
+  int n_chunks;
+  chunk_t *chunks;
+  int *unit_of_layer;  /* (L) local unit of block l, -1 when not held */
+  int u_embed, u_head; /* local units of tok_embeddings and of norm + output, -1 when not held */
+  size_t slot_bytes;   /* one slot of every chunk */
+
+  /* state of the last forward (of the bound slot) */
   float *host_losses; /* (Np) host */
   int last_b, last_t, last_has_targets, last_ok, last_gathered;
   int n_valid;
@@ -349,51 +376,76 @@ static void batch_rows(const model_t *m, int n, int *np, int *ns, int *row0) {
 /* 1 when block l recomputes its forward in its backward (model_opts_t.checkpoint_every). */
 static int checkpointed(const model_t *m, int l) { return m->ckpt_every > 0 && (l + 1) % m->ckpt_every == 0; }
 
-/* Lays the activations out from base (NULL: only counts); returns the bytes needed. The
- * blocks come first: each block's input, and the rest of its saved set unless it is
- * checkpointed; then, when any block is, the shared working set (m->work) that the
- * checkpointed blocks point at. m->block_bytes is the size of that part. Activations are dt
- * (es bytes), statistics fp32, ids int32. */
+/* A block's saved set but its input x (which every block keeps even when checkpointed). */
+static void carve_block_set(const model_t *m, layer_acts_t *a, void *base, size_t *off) {
+  int np, ns, r0;
+  batch_rows(m, m->max_b * m->max_t, &np, &ns, &r0);
+  size_t Np = (size_t)np, Ns = (size_t)ns, C = m->C, HD = (size_t)m->Hl * m->D, KD = (size_t)m->KVl * m->D,
+         F = m->Fl, es = m->es, f4 = sizeof(float), lse_n = (size_t)m->max_b * m->Hl * m->max_t;
+  a->xn_att = carve(base, off, Np * C, es);
+  a->rstd_att = carve(base, off, Ns, f4);
+  a->q = carve(base, off, Np * HD, es);
+  a->k = carve(base, off, Np * KD, es);
+  a->v = carve(base, off, Np * KD, es);
+  a->att = carve(base, off, Np * HD, es);
+  a->lse = carve(base, off, lse_n, f4);
+  a->x_mid = carve(base, off, Ns * C, es);
+  a->xn_ffn = carve(base, off, Np * C, es);
+  a->rstd_ffn = carve(base, off, Ns, f4);
+  a->a = carve(base, off, Np * F, es);
+  a->g = carve(base, off, Np * F, es);
+  a->h = carve(base, off, Np * F, es);
+}
+
+/* Lays the activations out from base (NULL: only counts); returns the bytes needed. First, when
+ * any held block is checkpointed, the shared working set (m->work) that the checkpointed blocks
+ * point at; then every slot of every chunk: each block's input, and the rest of its saved set
+ * unless it is checkpointed, then the chunk's output (no head) or the head's saved set (final
+ * norm, logits, losses), and the ids the chunk reads; last the backward and tp scratch, shared
+ * by all. m->block_bytes is the transformer-block part (working set and every slot's blocks).
+ * Activations are dt (es bytes), statistics fp32, ids int32. */
 static size_t layout_acts(model_t *m, void *base) {
   int np, ns, r0;
   batch_rows(m, m->max_b * m->max_t, &np, &ns, &r0);
   size_t Np = (size_t)np, Ns = (size_t)ns, C = m->C, HD = (size_t)m->Hl * m->D, KD = (size_t)m->KVl * m->D,
-         F = m->Fl, es = m->es, f4 = sizeof(float);
-  size_t lse_n = (size_t)m->max_b * m->Hl * m->max_t, off = 0;
+         F = m->Fl, es = m->es, f4 = sizeof(float), off = 0;
   int any = 0;
-  for (int l = 0; l < m->L; l++) any |= checkpointed(m, l);
-  for (int l = 0; l < m->L + any; l++) { /* l == L: the shared working set */
-    layer_acts_t *a = l < m->L ? &m->acts[l] : &m->work;
-    a->x = l < m->L ? carve(base, &off, Ns * C, es) : NULL;
-    if (l < m->L && checkpointed(m, l)) continue; /* the rest after the loop */
-    a->xn_att = carve(base, &off, Np * C, es);
-    a->rstd_att = carve(base, &off, Ns, f4);
-    a->q = carve(base, &off, Np * HD, es);
-    a->k = carve(base, &off, Np * KD, es);
-    a->v = carve(base, &off, Np * KD, es);
-    a->att = carve(base, &off, Np * HD, es);
-    a->lse = carve(base, &off, lse_n, f4);
-    a->x_mid = carve(base, &off, Ns * C, es);
-    a->xn_ffn = carve(base, &off, Np * C, es);
-    a->rstd_ffn = carve(base, &off, Ns, f4);
-    a->a = carve(base, &off, Np * F, es);
-    a->g = carve(base, &off, Np * F, es);
-    a->h = carve(base, &off, Np * F, es);
-  }
-  for (int l = 0; l < m->L; l++)
-    if (checkpointed(m, l)) {
-      void *x = m->acts[l].x;
-      m->acts[l] = m->work;
-      m->acts[l].x = x;
-    }
+  for (int c = 0; c < m->n_chunks; c++)
+    for (int l = m->chunks[c].first; l < m->chunks[c].first + m->chunks[c].n; l++) any |= checkpointed(m, l);
+  memset(&m->work, 0, sizeof m->work);
+  if (any) carve_block_set(m, &m->work, base, &off);
   m->block_bytes = off;
-  m->x_final = carve(base, &off, Ns * C, es);
-  m->xn_final = carve(base, &off, Np * C, es);
-  m->rstd_final = carve(base, &off, Ns, f4);
-  m->logits = carve(base, &off, Np * m->Vo, es);
-  m->losses = carve(base, &off, Np, f4);
-  m->tokens_dev = carve(base, &off, Np, sizeof(int32_t));
-  m->targets_dev = carve(base, &off, Np, sizeof(int32_t));
+  m->slot_bytes = 0;
+  for (int c = 0; c < m->n_chunks; c++) {
+    chunk_t *ch = &m->chunks[c];
+    for (int k = 0; k < ch->n_slots; k++) {
+      slot_t *sl = &ch->slots[k];
+      const size_t o0 = off;
+      for (int i = 0; i < ch->n; i++) {
+        layer_acts_t *a = &sl->acts[i];
+        void *x = carve(base, &off, Ns * C, es);
+        if (checkpointed(m, ch->first + i)) *a = m->work;
+        else carve_block_set(m, a, base, &off);
+        a->x = x;
+      }
+      m->block_bytes += off - o0;
+      sl->y = carve(base, &off, ch->head ? 0 : Ns * C, es);
+      const size_t h = ch->head ? 1 : 0;
+      sl->x_final = carve(base, &off, h * Ns * C, es);
+      sl->xn_final = carve(base, &off, h * Np * C, es);
+      sl->rstd_final = carve(base, &off, h * Ns, f4);
+      sl->logits = carve(base, &off, h * Np * m->Vo, es);
+      sl->losses = carve(base, &off, h * Np, f4);
+      sl->tokens_dev = carve(base, &off, ch->embed ? Np : 0, sizeof(int32_t));
+      sl->targets_dev = carve(base, &off, h * Np, sizeof(int32_t));
+      sl->logits_full = carve(base, &off, m->out_split ? h * Np * m->V : 0, es);
+      sl->logits_gather = carve(base, &off, m->out_split ? h * (size_t)m->tp * Np * m->Vo : 0, es);
+      sl->ce_max = carve(base, &off, m->lp ? h * Np : 0, f4);
+      sl->ce_stats = carve(base, &off, m->lp ? h * 2 * Np : 0, f4);
+      sl->bytes = off - o0;
+      if (k == 0) m->slot_bytes += sl->bytes;
+    }
+  }
   m->dres = carve(base, &off, Ns * C, es);
   m->dxn = carve(base, &off, Np * C, es);
   m->datt = carve(base, &off, Np * HD, es);
@@ -408,16 +460,54 @@ static size_t layout_acts(model_t *m, void *base) {
   m->sc_loc = carve(base, &off, m->sp ? Ns * C : 0, es);
   m->dnorm = carve(base, &off, m->sp ? C : 0, f4);
   m->dnorm_lp = carve(base, &off, m->sp && m->rdt != DT_F32 ? C : 0, dtype_size(m->rdt));
-  m->logits_full = carve(base, &off, m->out_split ? Np * m->V : 0, es);
-  m->logits_gather = carve(base, &off, m->out_split ? (size_t)m->tp * Np * m->Vo : 0, es);
-  m->ce_max = carve(base, &off, m->lp ? Np : 0, f4);
-  m->ce_stats = carve(base, &off, m->lp ? 2 * Np : 0, f4);
   return off;
+}
+
+/* Points the kernels' view (acts[], the head's buffers, the batch's rows) at slot k of chunk c,
+ * and back: save_slot keeps the state of the forward just run in the slot. */
+static void bind_slot(model_t *m, int c, int k) {
+  chunk_t *ch = &m->chunks[c];
+  slot_t *sl = &ch->slots[k];
+  for (int i = 0; i < ch->n; i++) m->acts[ch->first + i] = sl->acts[i];
+  m->x_final = sl->x_final;
+  m->xn_final = sl->xn_final;
+  m->rstd_final = sl->rstd_final;
+  m->logits = sl->logits;
+  m->losses = sl->losses;
+  m->tokens_dev = sl->tokens_dev;
+  m->targets_dev = sl->targets_dev;
+  m->logits_full = sl->logits_full;
+  m->logits_gather = sl->logits_gather;
+  m->ce_max = sl->ce_max;
+  m->ce_stats = sl->ce_stats;
+  m->Np = sl->Np;
+  m->Ns = sl->Ns;
+  m->row0 = sl->row0;
+  m->last_b = sl->b;
+  m->last_t = sl->t;
+  m->n_valid = sl->n_valid;
+  m->last_has_targets = sl->has_targets;
+  m->last_ok = sl->ok;
+  m->last_gathered = sl->gathered;
+}
+
+static void save_slot(model_t *m, int c, int k) {
+  slot_t *sl = &m->chunks[c].slots[k];
+  sl->Np = m->Np;
+  sl->Ns = m->Ns;
+  sl->row0 = m->row0;
+  sl->b = m->last_b;
+  sl->t = m->last_t;
+  sl->n_valid = m->n_valid;
+  sl->has_targets = m->last_has_targets;
+  sl->ok = m->last_ok;
+  sl->gathered = m->last_gathered;
 }
 
 void model_memory(const model_t *m, model_memory_t *out) {
   out->act_bytes = m->arena_bytes;
   out->act_block_bytes = m->block_bytes;
+  out->act_slot_bytes = m->slot_bytes;
   out->compute_bytes = m->params_lp ? m->num_params * m->es : 0;
 }
 
@@ -438,6 +528,12 @@ void model_destroy(model_t *m) {
   free(m->unit_grads);
   free(m->unit_cparams);
   free(m->acts);
+  for (int c = 0; m->chunks && c < m->n_chunks; c++) {
+    for (int k = 0; m->chunks[c].slots && k < m->chunks[c].n_slots; k++) free(m->chunks[c].slots[k].acts);
+    free(m->chunks[c].slots);
+  }
+  free(m->chunks);
+  free(m->unit_of_layer);
   free(m->host_losses);
   free(m);
 }
@@ -515,6 +611,38 @@ static void fault_from_env(model_t *m) {
   m->fault_bwd = !strcmp(phase, "bwd");
 }
 
+/* The chunks of model_opts_t (or one chunk of every layer), checked, with their slots, and the
+ * local unit of every held block (after the embedding's unit 0 when it is held). */
+static int setup_chunks(model_t *m, const model_opts_t *opts, char *err, size_t errlen) {
+  const int n = opts->n_chunks > 0 ? opts->n_chunks : 1, L = m->L;
+  m->chunks = calloc((size_t)n, sizeof *m->chunks);
+  m->unit_of_layer = malloc((size_t)L * sizeof *m->unit_of_layer);
+  if (!m->chunks || !m->unit_of_layer) return err_set(err, errlen, -1, "model error: out of memory");
+  m->n_chunks = n;
+  for (int l = 0; l < L; l++) m->unit_of_layer[l] = -1;
+  int end = 0, u = 0;
+  for (int c = 0; c < n; c++) {
+    chunk_t *ch = &m->chunks[c];
+    ch->first = opts->n_chunks > 0 ? opts->chunk_first[c] : 0;
+    ch->n = opts->n_chunks > 0 ? opts->chunk_layers[c] : L;
+    ch->n_slots = opts->n_chunks > 0 && opts->chunk_slots ? opts->chunk_slots[c] : 1;
+    if (ch->n < 1 || ch->first < end || ch->first > L - ch->n || ch->n_slots < 1)
+      return err_set(err, errlen, -1, "model error: pipeline chunk %d (layers %d..%d, %d slots) is empty, out of "
+                     "order or outside the model's %d layers", c, ch->first, ch->first + ch->n - 1, ch->n_slots, L);
+    end = ch->first + ch->n;
+    ch->embed = ch->first == 0;
+    ch->head = end == L;
+    if (c == 0 && ch->embed) u = 1;
+    for (int l = ch->first; l < end; l++) m->unit_of_layer[l] = u++;
+    ch->slots = calloc((size_t)ch->n_slots, sizeof *ch->slots);
+    if (!ch->slots) return err_set(err, errlen, -1, "model error: out of memory");
+    for (int k = 0; k < ch->n_slots; k++)
+      if (!(ch->slots[k].acts = calloc((size_t)ch->n, sizeof *ch->slots[k].acts)))
+        return err_set(err, errlen, -1, "model error: out of memory");
+  }
+  return 0;
+}
+
 int model_create_opts(model_t **out, const plan_model_t *cfg, backend_t *be, const model_opts_t *opts, char *err,
                       size_t errlen) {
   *out = NULL;
@@ -577,7 +705,15 @@ int model_create_opts(model_t **out, const plan_model_t *cfg, backend_t *be, con
   m->ckpt_every = opts->checkpoint_every > 0 ? opts->checkpoint_every : 0;
 
   int L = m->L, C = m->C, HD = m->H * m->D, KD = m->KV * m->D, F = m->F;
-  m->n_units = L + 2;
+  if (setup_chunks(m, opts, err, errlen)) {
+    model_destroy(m);
+    return -1;
+  }
+  int held = 0;
+  for (int c = 0; c < m->n_chunks; c++) held += m->chunks[c].n;
+  m->u_embed = m->chunks[0].embed ? 0 : -1;
+  m->u_head = m->chunks[m->n_chunks - 1].head ? (m->u_embed + 1) + held : -1;
+  m->n_units = (m->u_embed >= 0) + held + (m->u_head >= 0);
   int np, ns, r0;
   batch_rows(m, max_b * max_t, &np, &ns, &r0);
   m->tensors = calloc((size_t)(9 * L + 3), sizeof *m->tensors);
@@ -596,16 +732,20 @@ int model_create_opts(model_t **out, const plan_model_t *cfg, backend_t *be, con
     return err_set(err, errlen, -1, "model error: out of memory");
   }
 
-  /* Tensors in unit order; within a layer, in Meta's order. Shapes are the full ones. */
+  /* Tensors in unit order; within a layer, in Meta's order. Shapes are the full ones. Only what
+   * this instance holds (its pipeline chunks) is created. */
   int s_att_col = m->attn_split ? MODEL_TP_ROWS : MODEL_TP_REPLICATED;
   int s_att_row = m->attn_split ? MODEL_TP_COLS : MODEL_TP_REPLICATED;
   int s_ffn_col = m->ffn_split ? MODEL_TP_ROWS : MODEL_TP_REPLICATED;
   int s_ffn_row = m->ffn_split ? MODEL_TP_COLS : MODEL_TP_REPLICATED;
   char name[96];
-  m->tok_embeddings = add_tensor(m, "tok_embeddings.weight", 0, m->V, C, 2, opts->decay_embeddings,
-                                 m->emb_split ? MODEL_TP_ROWS : MODEL_TP_REPLICATED);
+  m->tok_embeddings = m->norm = m->output = -1;
+  if (m->u_embed >= 0)
+    m->tok_embeddings = add_tensor(m, "tok_embeddings.weight", m->u_embed, m->V, C, 2, opts->decay_embeddings,
+                                   m->emb_split ? MODEL_TP_ROWS : MODEL_TP_REPLICATED);
   for (int l = 0; l < L; l++) {
-    int u = 1 + l;
+    int u = m->unit_of_layer[l];
+    if (u < 0) continue;
     layer_tensors_t *lt = &m->layer[l];
 #define LAYER_TENSOR(field, suffix, rows, cols, ndim, decay, split)                                                    \
   snprintf(name, sizeof name, "layers.%d.%s", l, suffix);                                                              \
@@ -621,8 +761,11 @@ int model_create_opts(model_t **out, const plan_model_t *cfg, backend_t *be, con
     LAYER_TENSOR(w3, "feed_forward.w3.weight", F, C, 2, 1, s_ffn_col);
 #undef LAYER_TENSOR
   }
-  m->norm = add_tensor(m, "norm.weight", L + 1, C, 1, 1, opts->decay_norms, MODEL_TP_REPLICATED);
-  m->output = add_tensor(m, "output.weight", L + 1, m->V, C, 2, 1, m->out_split ? MODEL_TP_ROWS : MODEL_TP_REPLICATED);
+  if (m->u_head >= 0) {
+    m->norm = add_tensor(m, "norm.weight", m->u_head, C, 1, 1, opts->decay_norms, MODEL_TP_REPLICATED);
+    m->output = add_tensor(m, "output.weight", m->u_head, m->V, C, 2, 1,
+                           m->out_split ? MODEL_TP_ROWS : MODEL_TP_REPLICATED);
+  }
   for (int u = 0; u < m->n_units; u++)
     m->unit_offset[u] = (size_t)-1;
   for (int i = 0; i < m->n_tensors; i++) {
@@ -646,6 +789,7 @@ int model_create_opts(model_t **out, const plan_model_t *cfg, backend_t *be, con
     return err_set(err, errlen, -1, "model error: cannot allocate %zu MiB for parameters, gradients and activations", mb);
   }
   layout_acts(m, m->arena);
+  bind_slot(m, 0, 0);
   for (int u = 0; u < m->n_units; u++)
     model_set_unit_buffers(m, u, NULL, NULL);
   if (m->tp > 1)
@@ -954,50 +1098,85 @@ static void gather_logits(model_t *m) {
   }
 }
 
-int model_forward(model_t *m, const int32_t *tokens, const int32_t *targets, int b, int t, float *loss) {
-  backend_t *be = m->be;
-  int rc;
-  if (loss) *loss = NAN;
+/* The checks and the slot every chunk call starts with: a chunk and slot that exist, and no
+ * earlier tp failure. */
+static int enter_chunk(model_t *m, int c, int k, const char *what) {
   m->err[0] = '\0';
-  m->last_ok = 0;
-  m->last_has_targets = 0;
-  m->logits_out = NULL;
-  if (!tokens || b <= 0 || t <= 0 || b > m->max_b || t > m->max_t)
-    return set_error(m, MODEL_EINVAL, "batch %d x %d tokens outside the model's capacity %d x %d%s", b, t, m->max_b,
-                     m->max_t, tokens ? "" : " (or no tokens)");
+  if (c < 0 || c >= m->n_chunks || k < 0 || k >= m->chunks[c].n_slots)
+    return set_error(m, MODEL_EINVAL, "%s of chunk %d slot %d: this model has %d chunks (%d slots in the first)", what,
+                     c, k, m->n_chunks, m->chunks[0].n_slots);
   if (m->comm_rc)
     return set_error(m, MODEL_ECOMM, "an earlier tensor-parallel collective failed (%s); the tp group is unusable",
                      comm_errmsg(m->tpc));
+  bind_slot(m, c, k);
+  return 0;
+}
+
+int model_forward(model_t *m, const int32_t *tokens, const int32_t *targets, int b, int t, float *loss) {
+  if (m->n_chunks != 1 || !m->chunks[0].embed || !m->chunks[0].head) {
+    if (loss) *loss = NAN;
+    return set_error(m, MODEL_EINVAL, "model_forward needs the whole model; this instance holds pipeline chunks "
+                     "(model_chunk_forward)");
+  }
+  return model_chunk_forward(m, 0, 0, tokens, targets, b, t, loss);
+}
+
+int model_chunk_forward(model_t *m, int c, int k, const int32_t *tokens, const int32_t *targets, int b, int t,
+                        float *loss) {
+  backend_t *be = m->be;
+  int rc;
+  if (loss) *loss = NAN;
+  if ((rc = enter_chunk(m, c, k, "forward"))) return rc;
+  const chunk_t *ch = &m->chunks[c];
+  m->last_ok = 0;
+  m->last_has_targets = 0;
+  m->logits_out = NULL;
+  save_slot(m, c, k);
+  if ((ch->embed && !tokens) || b <= 0 || t <= 0 || b > m->max_b || t > m->max_t)
+    return set_error(m, MODEL_EINVAL, "batch %d x %d tokens outside the model's capacity %d x %d%s", b, t, m->max_b,
+                     m->max_t, tokens || !ch->embed ? "" : " (or no tokens)");
   int N = b * t, C = m->C;
-  if ((rc = check_ids(m, tokens, N, t, 0, "token")) != 0) return rc;
-  if (targets && (rc = check_ids(m, targets, N, t, 1, "target")) != 0) return rc;
-  if (targets && ++m->passes == m->fault_pass && !m->fault_bwd) comm_fail_next(m->tpc); /* tests only */
+  if (ch->embed && (rc = check_ids(m, tokens, N, t, 0, "token")) != 0) return rc;
+  if (ch->head && targets && (rc = check_ids(m, targets, N, t, 1, "target")) != 0) return rc;
+  if (ch->head && targets && ++m->passes == m->fault_pass && !m->fault_bwd) comm_fail_next(m->tpc); /* tests only */
   batch_rows(m, N, &m->Np, &m->Ns, &m->row0);
   int Np = m->Np;
-  ids_to_device(m, m->tokens_dev, tokens, N);
-  if (targets) ids_to_device(m, m->targets_dev, targets, N);
+  if (ch->embed) ids_to_device(m, m->tokens_dev, tokens, N);
+  if (ch->head && targets) ids_to_device(m, m->targets_dev, targets, N);
 
-  if ((rc = dp_gather(m, 0, 0))) return rc;
-  void *x0 = m->acts[0].x;
-  const void *table = cparam_of(m, m->tok_embeddings);
-  if (m->emb_split) {
-    /* vocab-parallel: rows [tp_rank * Ve, ...) here, zero rows for the other tokens; the sum
-     * over tp is the embedding (reduce-scattered onto this rank's rows under SP) */
-    void *y = m->sp ? m->sc_full : x0;
-    be->embedding_fwd(be, y, table, m->tokens_dev, Np, C, m->tp_rank * m->Ve, m->Ve, m->dt);
-    rows_from_full(m, y, x0, C, 1, "reduction of tok_embeddings output");
-  } else {
-    be->embedding_fwd(be, x0, table, m->tokens_dev + m->row0, m->Ns, C, 0, m->V, m->dt);
-  }
-  if ((rc = dp_release(m, 0, 0))) return rc;
-
-  for (int l = 0; l < m->L; l++) {
-    if ((rc = dp_gather(m, 1 + l, 0))) return rc;
-    block_forward(m, l, l + 1 < m->L ? m->acts[l + 1].x : m->x_final, b, t);
-    if ((rc = dp_release(m, 1 + l, 0))) return rc;
+  if (ch->embed) {
+    if ((rc = dp_gather(m, m->u_embed, 0))) return rc;
+    void *x0 = m->acts[0].x;
+    const void *table = cparam_of(m, m->tok_embeddings);
+    if (m->emb_split) {
+      /* vocab-parallel: rows [tp_rank * Ve, ...) here, zero rows for the other tokens; the sum
+       * over tp is the embedding (reduce-scattered onto this rank's rows under SP) */
+      void *y = m->sp ? m->sc_full : x0;
+      be->embedding_fwd(be, y, table, m->tokens_dev, Np, C, m->tp_rank * m->Ve, m->Ve, m->dt);
+      rows_from_full(m, y, x0, C, 1, "reduction of tok_embeddings output");
+    } else {
+      be->embedding_fwd(be, x0, table, m->tokens_dev + m->row0, m->Ns, C, 0, m->V, m->dt);
+    }
+    if ((rc = dp_release(m, m->u_embed, 0))) return rc;
   }
 
-  int uo = m->L + 1;
+  const int end = ch->first + ch->n;
+  for (int l = ch->first; l < end; l++) {
+    if ((rc = dp_gather(m, m->unit_of_layer[l], 0))) return rc;
+    block_forward(m, l, l + 1 < end ? m->acts[l + 1].x : ch->head ? m->x_final : ch->slots[k].y, b, t);
+    if ((rc = dp_release(m, m->unit_of_layer[l], 0))) return rc;
+  }
+  m->last_b = b;
+  m->last_t = t;
+  if (!ch->head) {
+    if (m->comm_rc) return MODEL_ECOMM;
+    m->last_ok = 1;
+    save_slot(m, c, k);
+    if (loss) *loss = 0.0f;
+    return 0;
+  }
+
+  int uo = m->u_head;
   if ((rc = dp_gather(m, uo, 0))) return rc;
   norm_fwd(m, m->xn_final, m->rstd_final, m->x_final, cparam_of(m, m->norm), "all_gather of norm output");
   mm(m, m->logits, m->xn_final, cparam_of(m, m->output), Np, m->Vo, C, 1, 0.0f);
@@ -1025,9 +1204,8 @@ int model_forward(model_t *m, const int32_t *tokens, const int32_t *targets, int
   }
   if (m->comm_rc) return MODEL_ECOMM;
 
-  m->last_b = b;
-  m->last_t = t;
   m->last_ok = 1;
+  save_slot(m, c, k);
   if (!targets) {
     if (loss) *loss = 0.0f;
     return 0;
@@ -1043,6 +1221,7 @@ int model_forward(model_t *m, const int32_t *tokens, const int32_t *targets, int
   }
   m->n_valid = valid;
   m->last_has_targets = 1;
+  save_slot(m, c, k);
   if (loss) *loss = valid > 0 ? (float)(sum / valid) : 0.0f;
   return 0;
 }
@@ -1125,13 +1304,16 @@ static void block_backward(model_t *m, int l, int b, int t) {
 int model_forward_ok(const model_t *m) { return m->last_ok; }
 
 int model_backward(model_t *m, float loss_scale) {
+  if (m->n_chunks != 1 || !m->chunks[0].embed || !m->chunks[0].head)
+    return set_error(m, MODEL_EINVAL, "model_backward needs the whole model; this instance holds pipeline chunks "
+                     "(model_chunk_backward)");
+  return model_chunk_backward(m, 0, 0, loss_scale);
+}
+
+/* The head's backward: d(loss) -> d(x_final) in m->dres. */
+static int head_backward(model_t *m, float loss_scale) {
   backend_t *be = m->be;
-  int rc;
-  if (!m->last_ok || !m->last_has_targets)
-    return set_error(m, MODEL_EINVAL, "model_backward needs a successful forward with targets first");
-  m->err[0] = '\0';
-  if (m->passes == m->fault_pass && m->fault_bwd) comm_fail_next(m->tpc); /* tests only */
-  int Np = m->Np, C = m->C;
+  int rc, Np = m->Np, C = m->C;
   float gs = m->n_valid > 0 ? loss_scale / (float)m->n_valid : 0.0f;
   /* dlogits (this rank's columns) overwrite the logits (their last use) */
   if (!m->out_split) {
@@ -1147,24 +1329,47 @@ int model_backward(model_t *m, float loss_scale) {
     be->copy_2d(be, m->logits, m->Vo, at(m, m->logits_full, (size_t)m->tp_rank * m->Vo), m->V, Np, shard_vocab(m),
                 m->dt);
   }
-  m->last_ok = 0;
-
-  int uo = m->L + 1;
+  int uo = m->u_head;
   if ((rc = dp_gather(m, uo, 1))) return rc;
   mm_dw(m, grad_of(m, m->output), m->logits, m->xn_final, m->Vo, C);
   mm(m, m->dxn, m->logits, cparam_of(m, m->output), Np, C, m->Vo, 0, 0.0f);
   be->zero(be, m->dres, (size_t)m->Ns * C * m->es);
   norm_bwd(m, m->norm, m->x_final, m->rstd_final, m->out_split, "reduction of norm output gradient");
   if ((rc = dp_reduce(m, uo)) || (rc = dp_release(m, uo, 1))) return rc;
+  return 0;
+}
 
-  for (int l = m->L - 1; l >= 0; l--) {
-    if ((rc = dp_gather(m, 1 + l, 1))) return rc;
-    if (checkpointed(m, l)) block_forward(m, l, NULL, m->last_b, m->last_t);
-    block_backward(m, l, m->last_b, m->last_t);
-    if ((rc = dp_reduce(m, 1 + l)) || (rc = dp_release(m, 1 + l, 1))) return rc;
+int model_chunk_backward(model_t *m, int c, int k, float loss_scale) {
+  backend_t *be = m->be;
+  int rc;
+  if ((rc = enter_chunk(m, c, k, "backward"))) return rc;
+  const chunk_t *ch = &m->chunks[c];
+  if (!m->last_ok || (ch->head && !m->last_has_targets))
+    return set_error(m, MODEL_EINVAL, "the backward of chunk %d slot %d needs a successful forward%s there first", c, k,
+                     ch->head ? " with targets" : "");
+  if (ch->head && m->passes == m->fault_pass && m->fault_bwd) comm_fail_next(m->tpc); /* tests only */
+  int C = m->C;
+  m->chunks[c].slots[k].ok = m->last_ok = 0;
+  if (ch->head) {
+    if ((rc = head_backward(m, loss_scale))) return rc;
+  } else { /* d(output), received over the output the forward left there */
+    be->copy(be, m->dres, ch->slots[k].y, (size_t)m->Ns * C * m->es);
   }
 
-  if ((rc = dp_gather(m, 0, 1))) return rc;
+  for (int l = ch->first + ch->n - 1; l >= ch->first; l--) {
+    const int u = m->unit_of_layer[l];
+    if ((rc = dp_gather(m, u, 1))) return rc;
+    if (checkpointed(m, l)) block_forward(m, l, NULL, m->last_b, m->last_t);
+    block_backward(m, l, m->last_b, m->last_t);
+    if ((rc = dp_reduce(m, u)) || (rc = dp_release(m, u, 1))) return rc;
+  }
+
+  if (!ch->embed) { /* d(input), for the previous stage, where the input was (no longer needed) */
+    be->copy(be, m->acts[ch->first].x, m->dres, (size_t)m->Ns * C * m->es);
+    return m->comm_rc ? MODEL_ECOMM : 0;
+  }
+  int Np = m->Np;
+  if ((rc = dp_gather(m, m->u_embed, 1))) return rc;
   /* the embedding's gradient needs every row's residual gradient (all_gather under SP): the
    * vocab shard's rows come from any position, and a replicated table stays identical */
   const void *dy = rows_to_full(m, m->sc_full, m->dres, C, "all_gather of the embedding gradient");
@@ -1172,8 +1377,30 @@ int model_backward(model_t *m, float loss_scale) {
     be->embedding_bwd(be, grad_of(m, m->tok_embeddings), dy, m->tokens_dev, Np, C, m->tp_rank * m->Ve, m->Ve, m->dt);
   else
     be->embedding_bwd(be, grad_of(m, m->tok_embeddings), dy, m->tokens_dev, Np, C, 0, m->V, m->dt);
-  if ((rc = dp_reduce(m, 0)) || (rc = dp_release(m, 0, 1))) return rc;
+  if ((rc = dp_reduce(m, m->u_embed)) || (rc = dp_release(m, m->u_embed, 1))) return rc;
   return m->comm_rc ? MODEL_ECOMM : 0;
+}
+
+void *model_chunk_input(model_t *m, int c, int k) {
+  if (c < 0 || c >= m->n_chunks || k < 0 || k >= m->chunks[c].n_slots) return NULL;
+  return m->chunks[c].slots[k].acts[0].x;
+}
+
+void *model_chunk_output(model_t *m, int c, int k) {
+  if (c < 0 || c >= m->n_chunks || k < 0 || k >= m->chunks[c].n_slots) return NULL;
+  return m->chunks[c].slots[k].y;
+}
+
+size_t model_boundary_numel(const model_t *m, int b, int t) {
+  int np, ns, r0;
+  batch_rows(m, b * t, &np, &ns, &r0);
+  return (size_t)ns * (size_t)m->C;
+}
+
+int model_num_chunks(const model_t *m) { return m->n_chunks; }
+
+size_t model_chunk_slot_bytes(const model_t *m, int c) {
+  return c >= 0 && c < m->n_chunks ? m->chunks[c].slots[0].bytes : 0;
 }
 
 const char *model_errmsg(const model_t *m) { return m->err; }

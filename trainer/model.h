@@ -104,6 +104,17 @@ typedef struct {
    * model_set_unit_compute (FSDP, HSDP); 0: the model keeps a full bf16 copy (num_params
    * elements) and rounds each unit's fp32 parameters into it at the unit's forward gather. */
   int strategy_casts;
+  /* Pipeline parallelism: the layers this model instance holds, as n_chunks contiguous chunks
+   * (this rank's stages) of chunk_layers[c] layers from chunk_first[c], in increasing order and
+   * disjoint. The chunk starting at layer 0 also holds tok_embeddings, the one ending at
+   * n_layers norm and output; tensors and units exist only for what is held (their names stay
+   * the full model's, "layers.5.attention.wq.weight", so checkpoints and weights files do not
+   * depend on the split). Units are numbered locally in layer order: the embedding (when held),
+   * the held blocks, norm + output (when held). chunk_slots[c] (NULL: 1 each) is how many
+   * micro-batches' activations chunk c holds at once (the schedule's most in flight).
+   * n_chunks 0: the whole model, one chunk, one slot. */
+  int n_chunks;
+  const int *chunk_first, *chunk_layers, *chunk_slots;
 } model_opts_t;
 
 /* Bytes of the activation arena, as allocated at creation (max_b, max_t): act_bytes the whole
@@ -112,6 +123,7 @@ typedef struct {
  * input, plus the shared working set when any block is checkpointed). */
 typedef struct {
   size_t act_bytes, act_block_bytes;
+  size_t act_slot_bytes; /* one micro-batch's saved activations of all chunks (one slot each) */
   size_t compute_bytes; /* the model's bf16 compute copy of the parameters (0 in fp32 and
                            when the strategy casts) */
 } model_memory_t;
@@ -181,6 +193,32 @@ int model_forward(model_t *m, const int32_t *tokens, const int32_t *targets, int
 int model_backward(model_t *m, float loss_scale);
 /* Why the last forward or backward failed, "model: ..."; "" after a success. */
 const char *model_errmsg(const model_t *m);
+
+/* --- pipeline stages (model_opts_t.n_chunks). A chunk's forward and backward run on one of its
+ * activation slots (0..chunk_slots[c]-1), so several micro-batches can be in flight; the caller
+ * (the pipeline runner) decides which slot holds which micro-batch.
+ *
+ * model_chunk_forward: a chunk with the embedding reads tokens (host, b*t); any other finds its
+ * input activations in model_chunk_input(m, c, slot), put there by the caller (the previous
+ * stage's output: this rank's rows (Ns, C) of the residual stream in param_dtype, where Ns is
+ * b*t, or under sequence parallelism this tp rank's share of the padded rows). A chunk with the
+ * head computes the loss from targets (host, b*t; NULL: logits only) into *loss, as model_forward;
+ * any other leaves its output in model_chunk_output(m, c, slot) for the caller to send.
+ * model_chunk_backward: a chunk with the head starts from its loss (scaled by loss_scale); any
+ * other finds d(output) in model_chunk_output(m, c, slot) (the caller received it there, over the
+ * activations it sent). A chunk without the embedding ends with d(input) in
+ * model_chunk_input(m, c, slot) for the caller to send back. Statuses as model_forward/backward.
+ * model_forward and model_backward are chunk 0, slot 0 of a whole model. */
+int model_chunk_forward(model_t *m, int chunk, int slot, const int32_t *tokens, const int32_t *targets, int b, int t,
+                        float *loss);
+int model_chunk_backward(model_t *m, int chunk, int slot, float loss_scale);
+void *model_chunk_input(model_t *m, int chunk, int slot);
+void *model_chunk_output(model_t *m, int chunk, int slot);
+/* Elements (param_dtype) of a chunk's input or output for a batch of b*t tokens on this rank. */
+size_t model_boundary_numel(const model_t *m, int b, int t);
+int model_num_chunks(const model_t *m);
+/* Bytes of one slot of chunk c's saved activations. */
+size_t model_chunk_slot_bytes(const model_t *m, int chunk);
 /* 1 when the last forward returned 0 (its loss may still be nan/inf: the model diverged). */
 int model_forward_ok(const model_t *m);
 void model_zero_grad(model_t *m);

@@ -365,3 +365,23 @@ int pp_split(int n_layers, int n_stages, double embed_cost, double head_cost, in
   free(cut);
   return 0;
 }
+
+/* Slots: taken where a micro-batch enters a chunk (the first stage's forward, any other's
+ * receive), given back where it leaves (the first stage's backward, any other's gradient send);
+ * see pipeline_run.c for the spare. */
+int pp_slots(const pp_plan_t *pl, int rank, int *slots) {
+  const int v = pl->v, p = pl->p;
+  int live[PP_MAX_CHUNKS] = {0};
+  for (int c = 0; c < v; c++) slots[c] = 0;
+  for (int i = 0; i < pl->n[rank]; i++) {
+    const pp_action_t *a = &pl->act[rank][i];
+    const int c = a->stage / p;
+    const int take = (a->kind == PP_FWD && a->stage == 0) || a->kind == PP_RECV_ACT;
+    const int give = (a->kind == PP_BWD && a->stage == 0) || a->kind == PP_SEND_GRAD;
+    if (take && ++live[c] > slots[c]) slots[c] = live[c];
+    if (give) live[c]--;
+  }
+  for (int c = 0; c < v; c++)
+    if (rank + c * p > 0) slots[c]++; /* a stage that sends gradients: the spare (pipeline_run.c) */
+  return 0;
+}

@@ -21,6 +21,7 @@
 #define MESHRUN_TRAINER_PIPELINE_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 typedef enum {
   PP_GPIPE = 0,        /* all forwards, then all backwards: m micro-batches of activations held */
@@ -88,5 +89,64 @@ int pp_check(const pp_plan_t *pl, double f_cost, double b_cost, pp_stats_t *st, 
  * n_layers. 0, or -1 with err when a stage would get no block. */
 int pp_split(int n_layers, int n_stages, double embed_cost, double head_cost, int *first,
              char *err, size_t errlen);
+
+/* --- the runner (trainer/pipeline_run.c): executes this rank's list on its chunks of the model.
+ * Stage s is chunk s / p of rank s % p's model (model_opts_t.n_chunks = v). */
+struct model;
+struct dp;
+struct comm;
+
+#define PP_MAX_CHUNKS 64
+#define PP_ERR_MAX 1024
+
+typedef struct {
+  pp_schedule_t schedule;
+  int p, v, m;     /* pipeline ranks, stages per rank, micro-batches per step */
+  int rank;        /* this rank's pipeline rank */
+  struct model *model; /* this rank's chunks */
+  struct dp *dp;   /* its strategy (dp_set_sync per backward; status checked), or NULL */
+  /* mesh_pp_channels_t: activations to rank + 1 and from rank - 1, gradients the other way */
+  struct comm *send_act, *recv_act, *send_grad, *recv_grad;
+} pp_runner_config_t;
+
+/* What one step measured on this rank. */
+typedef struct {
+  int64_t span_ns;        /* from the first action to the last transfer waited for */
+  int64_t busy_ns;        /* in forwards and backwards (their own collectives included) */
+  int64_t wait_ns;        /* blocked on transfers */
+  int peak_inflight;      /* micro-batches forwarded and not yet backwarded, at most */
+  int peak_slots[PP_MAX_CHUNKS]; /* activation slots in use at once, per chunk */
+  double loss_sum;        /* the last stage: the sum of its micro-batches' losses */
+  int bad_mb;             /* the last stage: first micro-batch whose loss was nan/inf, else -1 */
+} pp_step_stats_t;
+
+typedef struct {
+  pp_runner_config_t cfg;
+  pp_plan_t plan;
+  int slots[PP_MAX_CHUNKS];     /* per chunk: what the model must be created with (pp_slots) */
+  int last_bwd[PP_MAX_CHUNKS];  /* per chunk: the micro-batch of its last backward */
+  unsigned long long free_mask[PP_MAX_CHUNKS]; /* slots taken, by bit */
+  int live[PP_MAX_CHUNKS];
+  void *mbs;                    /* (v * m) per micro-batch state */
+  pp_step_stats_t stats;
+  char err[PP_ERR_MAX];
+} pp_runner_t;
+
+/* Activation slots each chunk of `rank` needs to run pl (slots[0..v-1]): the most micro-batches
+ * between entering and leaving the chunk in the list, plus one for chunks that send gradients. */
+int pp_slots(const pp_plan_t *pl, int rank, int *slots);
+/* Generates the schedule and sizes the slots (r->slots: create the model with them). 0, or -1
+ * with err. The model and comms may be set in r->cfg afterwards (before the first step). */
+int pp_runner_init(pp_runner_t *r, const pp_runner_config_t *cfg, char *err, size_t errlen);
+void pp_runner_free(pp_runner_t *r); /* accepts a zeroed runner */
+/* One step: m micro-batches of b sequences of t tokens (tok, tgt: host, micro-batch mb at
+ * mb * b * t; only the first stage reads tok, only the last tgt), each backward scaled by
+ * loss_scale. 0, or -1 with pp_run_errmsg (every transfer started has been waited for). */
+int pp_run_step(pp_runner_t *r, const int32_t *tok, const int32_t *tgt, int b, int t, float loss_scale,
+                pp_step_stats_t *out);
+/* One forward of one batch through the stages, not pipelined (evaluation); *loss on the rank of
+ * the last stage, 0 elsewhere. */
+int pp_run_forward(pp_runner_t *r, const int32_t *tok, const int32_t *tgt, int b, int t, float *loss);
+const char *pp_run_errmsg(const pp_runner_t *r);
 
 #endif

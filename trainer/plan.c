@@ -26,6 +26,7 @@
 #include <unistd.h>
 
 #include "common/fs.h"
+#include "trainer/pipeline.h"
 
 /* Enums are stored through int pointers by the table code. */
 _Static_assert(sizeof(plan_device_t) == sizeof(int), "enum size");
@@ -81,6 +82,7 @@ typedef enum {
   F_STR,    /* char buffer of .size bytes */
   F_ENUM,   /* int index into .names */
   F_TPPLAN, /* parallel.tp_plan: object module -> style, merged over the default Llama plan */
+  F_PPSPLIT, /* parallel.pp_split: array of positive integers (layer boundaries) */
   F_SECT    /* object with the keys .sub */
 } fkind_t;
 
@@ -102,6 +104,7 @@ static const char *const sched_names[] = {"cosine", "linear", "constant", NULL};
 static const char *const format_names[] = {"auto", "text", "llmc", "u16", "u32", "synthetic", NULL};
 static const char *const dtype_names[] = {"fp32", "bf16", NULL};
 static const char *const ac_names[] = {"none", "full", "selective", NULL};
+static const char *const pp_schedule_names[] = {"gpipe", "1f1b", "interleaved_1f1b", NULL};
 static const char *const style_names[] = {"colwise", "rowwise", "sequence_parallel",
                                           "prepare_module_input", "replicate", NULL};
 
@@ -140,6 +143,7 @@ static const field_t mesh_fields[] = {
     K_MESH("dp_replicate", mesh.dp_replicate, 1),
     K_MESH("dp_shard", mesh.dp_shard, -1),
     K_MESH("tp", mesh.tp, 1),
+    K_MESH("pp", mesh.pp, 1),
     K_END};
 
 static const field_t mp_fields[] = {
@@ -159,6 +163,10 @@ static const field_t parallel_fields[] = {
     K_INT("activation_checkpoint_every", parallel.activation_checkpoint_every, 1, INT_MAX, 2),
     K_BOOL("overlap", parallel.overlap, 1),
     K_DBL("bucket_mb", parallel.bucket_mb, 0, 1, 1e6, 0, 25),
+    K_ENUM("pp_schedule", parallel.pp_schedule, pp_schedule_names, PLAN_PP_1F1B),
+    K_INT("pp_microbatches", parallel.pp_microbatches, 0, INT_MAX, 0),
+    K_INT("pp_stages_per_rank", parallel.pp_stages_per_rank, 0, 64, 0),
+    {.name = "pp_split", .kind = F_PPSPLIT},
     K_END};
 
 static const field_t train_fields[] = {
@@ -350,6 +358,7 @@ static void set_defaults(plan_t *p, const field_t *f) {
     case F_DBL: *(double *)at(p, f->off) = f->def; break;
     case F_STR: snprintf((char *)at(p, f->off), f->size, "%s", f->sdef); break;
     case F_TPPLAN: set_default_tp_plan(&p->parallel); break;
+    case F_PPSPLIT: p->parallel.n_pp_split = 0; break;
     case F_SECT: set_defaults(p, f->sub); break;
     }
   }
@@ -417,6 +426,22 @@ static int read_field(const cJSON *v, const field_t *f, plan_t *p, const char *p
     if (!cJSON_IsObject(v)) return perr(err, errlen, path, "must be an object, got %s", got);
     return read_object(v, f->sub, p, path, err, errlen);
   case F_TPPLAN: return read_tp_plan(v, &p->parallel, path, err, errlen);
+  case F_PPSPLIT: {
+    plan_parallel_t *par = &p->parallel;
+    if (!cJSON_IsArray(v) || cJSON_GetArraySize(v) >= PLAN_PP_SPLIT_MAX) /* [] = absent: the balanced split */
+      return perr(err, errlen, path, "must be a list of at most %d layer numbers (the first layer of each stage "
+                  "after the first), got %s", PLAN_PP_SPLIT_MAX - 1, got);
+    par->n_pp_split = 0;
+    const cJSON *e;
+    cJSON_ArrayForEach(e, v) {
+      if (!is_integral(e) || e->valuedouble < 1 || e->valuedouble > INT_MAX) {
+        describe(e, got, sizeof got);
+        return perr(err, errlen, path, "entry %d must be a layer number >= 1, got %s", par->n_pp_split, got);
+      }
+      par->pp_split[par->n_pp_split++] = (int)e->valuedouble;
+    }
+    return 0;
+  }
   case F_INT:
     if (!is_integral(v) || v->valuedouble < f->lo || v->valuedouble > f->hi) {
       if (f->hi < INT_MAX)
@@ -679,6 +704,67 @@ static int check_tp_group(const plan_t *p, const char *const *mods, int n, const
   return 0;
 }
 
+/* Pipeline: stages, micro-batches, the schedule's feasibility and the layer split. */
+static int resolve_pp(plan_t *p, char *err, size_t errlen) {
+  plan_parallel_t *par = &p->parallel;
+  const plan_model_t *md = &p->model;
+  const plan_train_t *t = &p->train;
+  const int pp = p->mesh.pp;
+  const int v = par->pp_stages_per_rank > 0 ? par->pp_stages_per_rank
+                                            : par->pp_schedule == PLAN_PP_INTERLEAVED_1F1B ? 2 : 1;
+  const long long seqs = (long long)t->micro_batch_size * t->grad_accum_steps; /* per step per dp rank */
+  if (pp == 1 && par->pp_stages_per_rank <= 1 && par->n_pp_split == 0) {
+    par->pp_stages_per_rank = 1;
+    if (par->pp_microbatches == 0) par->pp_microbatches = t->grad_accum_steps;
+    return 0; /* no pipeline: the schedule keys are inert */
+  }
+  par->pp_stages_per_rank = v;
+  if (par->pp_microbatches == 0) par->pp_microbatches = t->grad_accum_steps;
+  const int mb = par->pp_microbatches, S = pp * v;
+  if (S > md->n_layers)
+    return perr(err, errlen, "mesh.pp", "%d ranks x parallel.pp_stages_per_rank %d = %d pipeline stages, more than "
+                "model.n_layers %d (every stage needs a block)", pp, v, S, md->n_layers);
+  if (S > PLAN_PP_SPLIT_MAX)
+    return perr(err, errlen, "mesh.pp", "%d pipeline stages are above the supported %d", S, PLAN_PP_SPLIT_MAX);
+  if (seqs % mb != 0)
+    return perr(err, errlen, "parallel.pp_microbatches", "%d does not divide the %lld sequences each dp rank takes "
+                "per step (train.micro_batch_size %d x %d accumulation steps)", mb, seqs, t->micro_batch_size,
+                t->grad_accum_steps);
+  char why[256];
+  if (pp_validate((pp_schedule_t)par->pp_schedule, pp, v, mb, why, sizeof why))
+    return perr(err, errlen, "parallel.pp_schedule", "%s", why);
+  if (par->n_pp_split > 0) {
+    if (par->n_pp_split != S - 1)
+      return perr(err, errlen, "parallel.pp_split", "has %d boundaries; %d stages need %d", par->n_pp_split, S, S - 1);
+    for (int i = 0; i < S - 1; i++)
+      if (par->pp_split[i] <= (i ? par->pp_split[i - 1] : 0) || par->pp_split[i] >= md->n_layers)
+        return perr(err, errlen, "parallel.pp_split", "entry %d (%d) must be above the one before it and below "
+                    "model.n_layers %d, so every stage holds a block", i, par->pp_split[i], md->n_layers);
+    return 0;
+  }
+  /* The balanced split, costs in blocks: norm + output cost their weights' share of a block's
+   * (the matmuls dominate both); the embedding is a lookup. */
+  const double HD = (double)md->dim, KD = (double)md->dim / md->n_heads * md->n_kv_heads;
+  const double block = HD * md->dim * 2 + 2 * KD * md->dim + 3.0 * md->dim * md->hidden_dim;
+  int first[PLAN_PP_SPLIT_MAX + 1];
+  if (pp_split(md->n_layers, S, 0.0, (double)md->vocab_size * md->dim / block, first, why, sizeof why))
+    return perr(err, errlen, "mesh.pp", "%s", why);
+  for (int i = 0; i < S - 1; i++) par->pp_split[i] = first[i + 1];
+  par->n_pp_split = S - 1;
+  return 0;
+}
+
+int plan_pp_stages(const plan_t *p) {
+  return p->mesh.pp * (p->parallel.pp_stages_per_rank > 0 ? p->parallel.pp_stages_per_rank : 1);
+}
+
+int plan_pp_stage_first(const plan_t *p, int s) {
+  const int S = plan_pp_stages(p);
+  if (s <= 0) return 0;
+  if (s >= S || p->parallel.n_pp_split != S - 1) return p->model.n_layers;
+  return p->parallel.pp_split[s - 1];
+}
+
 int plan_resolve(plan_t *p, int world_size, char *err, size_t errlen) {
   plan_mesh_t *m = &p->mesh;
   plan_model_t *md = &p->model;
@@ -687,17 +773,17 @@ int plan_resolve(plan_t *p, int world_size, char *err, size_t errlen) {
   if (world_size < 1) return perr(err, errlen, "WORLD_SIZE", "must be >= 1, got %d", world_size);
 
   /* Mesh: at most one -1, which takes the rest of the world; then the product must match. */
-  int *dims[3] = {&m->dp_replicate, &m->dp_shard, &m->tp};
+  int *dims[4] = {&m->pp, &m->dp_replicate, &m->dp_shard, &m->tp};
   int n_rest = 0;
   long long known = 1; /* saturates just past world_size: any larger product is the same error */
-  for (int i = 0; i < 3; i++) {
+  for (int i = 0; i < 4; i++) {
     if (*dims[i] == -1)
       n_rest++;
     else if (__builtin_mul_overflow(known, (long long)*dims[i], &known) || known > world_size)
       known = (long long)world_size + 1;
   }
   if (n_rest > 1)
-    return perr(err, errlen, "mesh", "only one of dp_replicate, dp_shard, tp may be -1");
+    return perr(err, errlen, "mesh", "only one of pp, dp_replicate, dp_shard, tp may be -1");
   if (n_rest == 1) {
     if (known > world_size)
       return perr(err, errlen, "mesh", "the product of the entries other than -1 is more than WORLD_SIZE %d",
@@ -706,21 +792,28 @@ int plan_resolve(plan_t *p, int world_size, char *err, size_t errlen) {
       return perr(err, errlen, "mesh",
                   "the product of the entries other than -1 (%lld) does not divide WORLD_SIZE %d",
                   known, world_size);
-    for (int i = 0; i < 3; i++)
+    for (int i = 0; i < 4; i++)
       if (*dims[i] == -1) *dims[i] = (int)(world_size / known);
   }
   long long prod = 1;
-  for (int i = 0; i < 3; i++)
+  for (int i = 0; i < 4; i++)
     if (__builtin_mul_overflow(prod, (long long)*dims[i], &prod) || prod > world_size) {
       prod = (long long)world_size + 1; /* saturated: reported as "more than WORLD_SIZE" below */
       break;
     }
+  /* Without a pipeline the messages name the three data/tensor dimensions only. */
+  char names[64], vals[64];
+  if (m->pp == 1) {
+    snprintf(names, sizeof names, "dp_replicate*dp_shard*tp");
+    snprintf(vals, sizeof vals, "%d*%d*%d", m->dp_replicate, m->dp_shard, m->tp);
+  } else {
+    snprintf(names, sizeof names, "pp*dp_replicate*dp_shard*tp");
+    snprintf(vals, sizeof vals, "%d*%d*%d*%d", m->pp, m->dp_replicate, m->dp_shard, m->tp);
+  }
   if (prod > world_size)
-    return perr(err, errlen, "mesh", "dp_replicate*dp_shard*tp = %d*%d*%d is more than WORLD_SIZE %d",
-                m->dp_replicate, m->dp_shard, m->tp, world_size);
+    return perr(err, errlen, "mesh", "%s = %s is more than WORLD_SIZE %d", names, vals, world_size);
   if (prod != world_size)
-    return perr(err, errlen, "mesh", "dp_replicate*dp_shard*tp = %lld does not equal WORLD_SIZE %d",
-                prod, world_size);
+    return perr(err, errlen, "mesh", "%s = %lld does not equal WORLD_SIZE %d", names, prod, world_size);
 
   /* Model shapes. */
   if (md->dim % md->n_heads != 0)
@@ -805,6 +898,7 @@ int plan_resolve(plan_t *p, int world_size, char *err, size_t errlen) {
                 "%d is not a multiple of train.micro_batch_size %d * dp %lld (dp_replicate*dp_shard) = %lld",
                 t->global_batch_size, t->micro_batch_size, dp, per_step);
   t->grad_accum_steps = (int)(t->global_batch_size / per_step);
+  if (resolve_pp(p, err, errlen)) return PLAN_EINVAL;
 
   if (t->min_lr > t->lr)
     return perr(err, errlen, "train.min_lr", "%g is above train.lr %g", t->min_lr, t->lr);
@@ -892,6 +986,11 @@ static cJSON *write_object(const plan_t *p, const field_t *f) {
         cJSON_AddItemToObject(v, p->parallel.tp_plan[i].module,
                               cJSON_CreateString(s >= 0 && s <= PLAN_TP_REPLICATE ? style_names[s] : "?"));
       }
+      break;
+    case F_PPSPLIT:
+      v = cJSON_CreateArray();
+      for (int i = 0; v && i < p->parallel.n_pp_split; i++)
+        cJSON_AddItemToArray(v, cJSON_CreateNumber(p->parallel.pp_split[i]));
       break;
     case F_SECT: v = write_object(p, f->sub); break;
     }

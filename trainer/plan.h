@@ -58,7 +58,12 @@ typedef struct {
 
 typedef struct {
   int dp_replicate, dp_shard, tp; /* one may be -1 in the file: "the rest of WORLD_SIZE" */
+  int pp;                         /* pipeline stages' ranks, outermost (default 1; may be the -1) */
 } plan_mesh_t;
+
+/* parallel.pp_schedule: the pipeline schedules (trainer/pipeline.h's pp_schedule_t, same order). */
+typedef enum { PLAN_PP_GPIPE = 0, PLAN_PP_1F1B, PLAN_PP_INTERLEAVED_1F1B } plan_pp_schedule_t;
+#define PLAN_PP_SPLIT_MAX 256 /* stages at most: pp * pp_stages_per_rank */
 
 #define PLAN_TP_PLAN_MAX 32
 typedef struct {
@@ -84,6 +89,15 @@ typedef struct {
                                 DDP buckets reduced during the backward (default 1; 0: every collective
                                 blocks where it is issued). Bit-identical losses either way. */
   double bucket_mb;          /* DDP / ZeRO-1 gradient buckets, MiB (default 25, PyTorch's bucket_cap_mb) */
+  /* Pipeline parallelism (mesh.pp > 1). */
+  plan_pp_schedule_t pp_schedule; /* default 1f1b */
+  int pp_microbatches;       /* micro-batches per step per dp rank; 0 in the file: train.grad_accum_steps
+                                (resolved), each of micro_batch_size * grad_accum_steps / pp_microbatches
+                                sequences */
+  int pp_stages_per_rank;    /* virtual stages v; 0 in the file: 2 for interleaved_1f1b, else 1 (resolved) */
+  int pp_split[PLAN_PP_SPLIT_MAX]; /* first layer of stages 1..S-1 (S = pp * v): given, or the balanced
+                                      split (resolved; embedding with stage 0, norm and output with S-1) */
+  int n_pp_split;            /* S - 1 after plan_resolve; as given before (0: absent) */
 } plan_parallel_t;
 
 typedef struct {
@@ -170,6 +184,10 @@ char *plan_to_json(const plan_t *p);
 const char *plan_default_json(void);
 /* Llama's hidden-size rule: 4*dim, *2/3, *multiplier, rounded up to multiple_of. */
 int plan_llama_hidden_dim(int dim, int multiple_of, double ffn_dim_multiplier);
+/* Pipeline stages S = mesh.pp * parallel.pp_stages_per_rank (1 without pp), after plan_resolve,
+ * and the first layer of stage s (0 <= s <= S; s = S gives model.n_layers). */
+int plan_pp_stages(const plan_t *p);
+int plan_pp_stage_first(const plan_t *p, int s);
 /* The activation-checkpoint period for model_opts_t.checkpoint_every: 0 none, 1 full, k for
  * selective (every k-th block). */
 int plan_checkpoint_every(const plan_t *p);

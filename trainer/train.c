@@ -4,13 +4,15 @@
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "trainer/metrics.h"
 #include "trainer/optim.h"
 #include "trainer/trace.h"
 
 int train_init(train_t *t, char *err, size_t errlen) {
-  const int B = t->p->train.micro_batch_size, T = t->p->train.seq_len;
+  const int T = t->p->train.seq_len;
+  const int B = t->p->train.micro_batch_size * (t->pp ? t->p->train.grad_accum_steps : 1);
   t->tok = malloc((size_t)B * T * sizeof(int32_t));
   t->tgt = malloc((size_t)B * T * sizeof(int32_t));
   if (!t->tok || !t->tgt) {
@@ -36,6 +38,35 @@ static int pass_failed(train_t *t, const char *pass, int s, int micro, char *err
   return -1;
 }
 
+/* The pipeline's share of a step: the step's batches, the schedule over pp_microbatches
+ * micro-batches of accum * B / m sequences, and the loss of the last stage (the mean over its
+ * micro-batches) shared with every stage. *bad_micro: the first micro-batch whose loss was not
+ * finite (1-based), 0 when none. */
+static int pipeline_step(train_t *t, int s, double *loss, int *bad_micro, pp_step_stats_t *st, char *err,
+                         size_t errlen) {
+  const plan_t *p = t->p;
+  const int T = p->train.seq_len, B = p->train.micro_batch_size, accum = p->train.grad_accum_steps;
+  const int M = p->parallel.pp_microbatches, b = accum * B / M;
+  const size_t bt = (size_t)B * T;
+  for (int micro = 0; micro < accum; micro++) {
+    data_train_batch(t->data, s, micro, t->dp_rank, t->dp_size, B, t->tok + micro * bt, t->tgt + micro * bt);
+    if (hooks_batch(t->hooks, t->tok + micro * bt, t->tgt + micro * bt, bt, err, errlen)) return -1;
+  }
+  if (pp_run_step(t->pp, t->tok, t->tgt, b, T, 1.0f / (float)M, st)) {
+    snprintf(err, errlen, "step %d: %s", s + 1, pp_run_errmsg(t->pp));
+    return -1;
+  }
+  /* only the last stage has these: the sum over pp adds zeros to them */
+  float v[2] = {(float)(st->loss_sum / M), st->bad_mb >= 0 ? (float)(st->bad_mb + 1) : 0.0f};
+  if (comm_all_reduce(t->ppc, v, 2, COMM_FLOAT32, COMM_SUM)) {
+    snprintf(err, errlen, "step %d: sharing the loss over pp: %s", s + 1, comm_errmsg(t->ppc));
+    return -1;
+  }
+  *loss = v[0];
+  *bad_micro = (int)v[1];
+  return 0;
+}
+
 int train_step(train_t *t, int s, train_result_t *out, char *err, size_t errlen) {
   const plan_t *p = t->p;
   const int T = p->train.seq_len, B = p->train.micro_batch_size, accum = p->train.grad_accum_steps;
@@ -46,7 +77,9 @@ int train_step(train_t *t, int s, train_result_t *out, char *err, size_t errlen)
   double loss = 0;
   dp_zero_grad(t->dp);
   int bad_micro = 0; /* first micro-batch of this step whose loss was nan/inf (1-based) */
-  for (int micro = 0; micro < accum; micro++) {
+  memset(&out->pp, 0, sizeof out->pp);
+  if (t->pp && pipeline_step(t, s, &loss, &bad_micro, &out->pp, err, errlen)) return -1;
+  for (int micro = 0; !t->pp && micro < accum; micro++) {
     data_train_batch(t->data, s, micro, t->dp_rank, t->dp_size, B, t->tok, t->tgt);
     if (hooks_batch(t->hooks, t->tok, t->tgt, (size_t)B * T, err, errlen)) return -1;
     float l = 0;
@@ -62,7 +95,7 @@ int train_step(train_t *t, int s, train_result_t *out, char *err, size_t errlen)
       return pass_failed(t, "backward pass", s, micro, err, errlen);
     loss += l;
   }
-  loss /= accum;
+  if (!t->pp) loss /= accum;
   if (t->dpc && t->dp_size > 1) { /* the logged loss is the global batch's: the mean over dp */
     float lf = (float)loss;
     if (comm_all_reduce(t->dpc, &lf, 1, COMM_FLOAT32, COMM_AVG)) {
@@ -114,11 +147,24 @@ int train_eval(train_t *t, double *out, char *err, size_t errlen) {
     const int k = j * n + r;
     data_eval_batch(t->data, k < batches ? k : k % batches, B, t->tok, t->tgt);
     float l = 0;
-    if (model_forward(t->m, t->tok, t->tgt, B, T, &l) || dp_status(t->dp)) {
+    if (t->pp) { /* through the stages; the loss on the last one's rank, 0 on the others */
+      if (pp_run_forward(t->pp, t->tok, t->tgt, B, T, &l)) {
+        snprintf(err, errlen, "eval: %s", pp_run_errmsg(t->pp));
+        return -1;
+      }
+    } else if (model_forward(t->m, t->tok, t->tgt, B, T, &l) || dp_status(t->dp)) {
       snprintf(err, errlen, "eval: %s", dp_status(t->dp) ? dp_errmsg(t->dp) : model_errmsg(t->m));
       return -1;
     }
     if (k < batches) sum += l;
+  }
+  if (t->pp) {
+    float s = (float)sum;
+    if (comm_all_reduce(t->ppc, &s, 1, COMM_FLOAT32, COMM_SUM)) {
+      snprintf(err, errlen, "eval: %s", comm_errmsg(t->ppc));
+      return -1;
+    }
+    sum = s;
   }
   if (n > 1) {
     float s = (float)sum;

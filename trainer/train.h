@@ -21,6 +21,7 @@
 #include "trainer/hooks.h"
 #include "trainer/mesh.h"
 #include "trainer/model.h"
+#include "trainer/pipeline.h"
 #include "trainer/plan.h"
 
 /* What a step works with; main fills it once. Host values (the loss, eval sums) go through the
@@ -35,7 +36,12 @@ typedef struct {
   const mesh_t *mesh; /* NULL in one process: its communicators' blocked time is the step's exposed communication */
   int dp_rank, dp_size;
   hooks_t *hooks;
-  int32_t *tok, *tgt; /* (micro_batch_size, seq_len) host batches; train_init allocates them */
+  int32_t *tok, *tgt; /* (micro_batch_size, seq_len) host batches (the whole step's under pp); train_init
+                         allocates them */
+  /* Pipeline parallelism (mesh.pp > 1; NULL otherwise): the runner of this rank's stages, and the
+   * host comm of the pp group that shares the last stage's loss with the others. */
+  pp_runner_t *pp;
+  comm_t *ppc;
 } train_t;
 
 typedef struct {
@@ -44,6 +50,7 @@ typedef struct {
   double gnorm; /* before clipping */
   double dt;    /* seconds, from zero_grad to the optimizer's end on the device */
   double comm_wait; /* seconds of dt blocked on collectives (the exposed communication) */
+  pp_step_stats_t pp; /* under pp: this rank's schedule (busy, span, in flight) */
 } train_result_t;
 
 /* Allocates the batches. Returns 0 or -1 with the message in err; train_free releases them. */

@@ -1,6 +1,7 @@
 /* weights: full weights in and out of files (see weights.h). */
 #include "trainer/weights.h"
 
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,9 +26,85 @@ static size_t full_numel(const model_tensor_t *t) {
   return t->full_shape[0] > 0 ? (size_t)t->full_shape[0] * (size_t)(t->ndim == 2 ? t->full_shape[1] : 1) : t->numel;
 }
 
+/* Under pp, rank 0 holds only the first stage's tensors: every other stage's exporter (its
+ * (0, 0, 0) rank, in the same pp group as rank 0) broadcasts its tensors over that group in
+ * turn, names and shapes first, and rank 0 adds them to the file's list. The bytes travel as
+ * float32 elements (broadcast moves them untouched). *extra: what rank 0 allocated for them. */
+typedef struct {
+  char name[96];
+  int32_t ndim, rows, cols;
+} wire_tensor_t;
+
+static int bcast(comm_t *c, void *buf, size_t bytes, int root, char *err, size_t errlen) {
+  if (comm_broadcast(c, buf, bytes / 4, COMM_FLOAT32, root) == 0) return 0;
+  snprintf(err, errlen, "saving weights: gathering the pipeline stages' tensors: %s", comm_errmsg(c));
+  return -1;
+}
+
+static int gather_stages(comm_t *ppc, st_tensor_t **ts, int *nt, float **extra, char **names, char *err,
+                         size_t errlen) {
+  const int q = comm_rank(ppc), Q = comm_size(ppc);
+  for (int k = 1; k < Q; k++) {
+    int32_t hdr[3] = {0, 0, 0}; /* tensors, floats (low and high 31 bits) */
+    size_t total = 0;
+    for (int i = 0; q == k && i < *nt; i++) total += (size_t)(*ts)[i].shape[0] * (size_t)(*ts)[i].shape[1];
+    hdr[0] = *nt;
+    hdr[1] = (int32_t)(total & 0x7fffffff);
+    hdr[2] = (int32_t)(total >> 31);
+    if (bcast(ppc, hdr, sizeof hdr, k, err, errlen)) return -1;
+    const int n = hdr[0];
+    total = (size_t)hdr[1] | (size_t)hdr[2] << 31;
+    wire_tensor_t *w = calloc((size_t)n, sizeof *w);
+    float *data = q == k ? NULL : malloc((total ? total : 1) * sizeof(float));
+    if (!w || (q != k && !data)) {
+      free(w);
+      free(data);
+      snprintf(err, errlen, "out of memory gathering %zu parameters of pipeline stage rank %d", total, k);
+      return -1;
+    }
+    for (int i = 0; q == k && i < n; i++) {
+      w[i] = (wire_tensor_t){.ndim = (*ts)[i].ndim, .rows = (int32_t)(*ts)[i].shape[0],
+                             .cols = (int32_t)(*ts)[i].shape[1]};
+      snprintf(w[i].name, sizeof w[i].name, "%s", (*ts)[i].name);
+    }
+    int rc = bcast(ppc, w, (size_t)n * sizeof *w, k, err, errlen);
+    /* the sender's tensors are contiguous in its host buffer, in list order (weights_save) */
+    if (rc == 0 && total) rc = bcast(ppc, q == k ? (void *)(*ts)[0].data : data, total * sizeof(float), k, err, errlen);
+    if (rc == 0 && q == 0) {
+      st_tensor_t *grown = realloc(*ts, (size_t)(*nt + n) * sizeof **ts);
+      char *nm = realloc(names[k], (size_t)n * sizeof w->name);
+      if (!grown || !nm) {
+        if (grown) *ts = grown;
+        free(nm);
+        names[k] = NULL;
+        snprintf(err, errlen, "out of memory gathering the pipeline stages' tensors");
+        rc = -1;
+      } else {
+        *ts = grown;
+        names[k] = nm;
+        size_t at = 0;
+        for (int i = 0; i < n; i++) {
+          memcpy(nm + (size_t)i * sizeof w->name, w[i].name, sizeof w->name);
+          (*ts)[*nt + i] = (st_tensor_t){.name = nm + (size_t)i * sizeof w->name, .dtype = ST_F32, .ndim = w[i].ndim,
+                                         .shape = {w[i].rows, w[i].cols}, .data = data + at};
+          at += (size_t)w[i].rows * (size_t)w[i].cols;
+        }
+        *nt += n;
+        extra[k] = data;
+        data = NULL;
+      }
+    }
+    free(w);
+    free(data);
+    if (rc) return -1;
+  }
+  return 0;
+}
+
 /* Each unit is gathered across dp_shard (dp_unit_open) and each tensor assembled across tp
  * (model_export_tensor); replicas other than the first (dp_replicate coordinate > 0) hold the
- * same values and return at once. */
+ * same values and return at once. Under pp each stage does this for its own tensors, and rank 0
+ * collects the others' (gather_stages). */
 int weights_save(model_t *m, dp_t *dp, const mesh_t *mesh, int rank, const char *path, const char *plan_json,
                  int step, char *err, size_t errlen) {
   const int r = mesh ? mesh->coord[MESH_DP_REPLICATE] : 0, sh = mesh ? mesh->coord[MESH_DP_SHARD] : 0;
@@ -85,12 +162,23 @@ int weights_save(model_t *m, dp_t *dp, const mesh_t *mesh, int rank, const char 
       }
     }
   }
+  /* the pipeline: the (0, 0, 0) ranks of every stage, one pp group with rank 0 in it */
+  const int Q = mesh ? mesh->dims[MESH_PP] : 1;
+  float *extra[PLAN_PP_SPLIT_MAX] = {0};
+  char *names[PLAN_PP_SPLIT_MAX] = {0};
+  int nfile = nt;
+  if (rc == 0 && Q > 1 && exporter && mesh->coord[MESH_TP] == 0)
+    rc = gather_stages(mesh_host_comm(mesh, "pp"), &ts, &nfile, extra, names, err, errlen);
   if (rc == 0 && rank == 0) {
     char stepbuf[32];
     snprintf(stepbuf, sizeof stepbuf, "%d", step);
     const char *meta[] = {"format", "meshrun", "plan", plan_json ? plan_json : "{}", "step", stepbuf};
     rc = weights_make_parent_dirs(path, err, errlen);
-    if (rc == 0) rc = st_write(path, ts, nt, meta, 3, err, errlen);
+    if (rc == 0) rc = st_write(path, ts, nfile, meta, 3, err, errlen);
+  }
+  for (int k = 0; k < PLAN_PP_SPLIT_MAX; k++) {
+    free(extra[k]);
+    free(names[k]);
   }
   free(host);
   free(unit);

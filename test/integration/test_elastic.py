@@ -18,6 +18,10 @@ a kill to the first training step of the next round is measured from the same fi
     from that checkpoint on is the same within the tolerance).
 (c) a node joining later: a 1-node run (world 2) scales up to world 4 when a second node arrives,
     resumes from its checkpoint and finishes with the same check against the uninterrupted run.
+(d) (b) under pipeline parallelism (mesh.pp 2): two nodes of 2 ranks train as pp2 x dp2 (node A
+    holds stage 0's two data-parallel ranks, node B stage 1's); node B is killed, node A restarts
+    alone as pp2 x dp1 (one rank per stage), resumes from the pp2 x dp2 checkpoint and finishes on
+    the uninterrupted run's losses within 1e-4.
 """
 import os
 import random
@@ -144,17 +148,18 @@ def test_kill_random_worker(uninterrupted, tmp_path):
     check_against(uninterrupted, tmp_path, step, "kill -9 of a worker")
 
 
-def node(port, d, nproc=2):
+def node(port, d, nproc=2, extra=()):
     return Meshrun(["--nnodes=1:2", "--nproc_per_node=%d" % nproc, "--rdzv_endpoint=127.0.0.1:%d" % port,
-                    "--rdzv_id=elastic", "--max_restarts=3", "--rdzv_conf=" + CONF, TRAINER] + plan_args(d),
+                    "--rdzv_id=elastic", "--max_restarts=3", "--rdzv_conf=" + CONF, TRAINER] + plan_args(d, extra),
                    env={"OMP_NUM_THREADS": "1"}, cwd=str(d))
 
 
-def test_kill_whole_node(uninterrupted, tmp_path):
+@pytest.mark.parametrize("extra", [(), ("mesh.pp=2",)], ids=["fsdp", "pp2"])
+def test_kill_whole_node(uninterrupted, tmp_path, extra):
     port = free_port()
-    a = node(port, tmp_path)
+    a = node(port, tmp_path, extra=extra)
     wait_for(lambda: _listening(port), 30, "node A to serve the store")
-    b = node(port, tmp_path)
+    b = node(port, tmp_path, extra=extra)
     try:
         wait_for(lambda: any(r.get("world_size") == 4 for r in metrics(tmp_path)), 60, "the 2-node round (world 4)")
         heads = sum(1 for r in metrics(tmp_path) if "plan" in r)
@@ -171,8 +176,13 @@ def test_kill_whole_node(uninterrupted, tmp_path):
     step, line = resumed_step(a.err)
     print("killed node B at step %d; %s; kill -> training again: %.2f s" % (seen, line, t_back - t_kill))
     assert "saved by world 4, now world 2" in line
-    assert [r["world_size"] for r in metrics(tmp_path) if "plan" in r][-1] == 2
-    check_against(uninterrupted, tmp_path, step, "node killed, survivor alone (world 2)")
+    heads = [r for r in metrics(tmp_path) if "plan" in r]
+    assert heads[-1]["world_size"] == 2
+    if extra:  # the pipeline survives the shrink: pp2 x dp2, then pp2 x dp1
+        meshes = [(h["plan"]["mesh"]["pp"], h["plan"]["mesh"]["dp_shard"]) for h in heads]
+        assert meshes[0] == (2, 2) and meshes[-1] == (2, 1), meshes
+    check_against(uninterrupted, tmp_path, step, "node killed, survivor alone (world 2%s)" % (
+        ", pp2 x dp1" if extra else ""))
 
 
 def _listening(port):

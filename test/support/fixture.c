@@ -1,4 +1,5 @@
-/* fixture: a store server process + forked ranks for multi-process C tests (see fixture.h). */
+/* fixture: a store server process + forked ranks for multi-process C tests, and the helpers their
+ * ranks share (see fixture.h). */
 #include "test/support/fixture.h"
 
 #include <signal.h>
@@ -6,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 #include <uv.h>
 
@@ -133,4 +135,33 @@ int fixture_comm_open(comm_t **c, const char *name, int rank, int n, store_t *st
   int rc = comm_create(c, "cpu", &cfg, err, sizeof err);
   if (rc != COMM_OK) fprintf(stderr, "rank %d: comm_create: %s\n", rank, err);
   return rc;
+}
+
+double fixture_now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+int fixture_await_key(store_t *st, const char *key, int timeout_ms) {
+  void *v = NULL;
+  size_t len = 0;
+  int rc = store_get(st, key, &v, &len, timeout_ms);
+  free(v);
+  if (rc) fprintf(stderr, "store key %s did not appear within %d ms\n", key, timeout_ms);
+  return rc;
+}
+
+/* The third field (the maximum) of a /proc/sys/net/ipv4 "min default max" triple; 0 when absent. */
+static size_t proc_max(const char *path) {
+  unsigned long a = 0, b = 0, m = 0;
+  FILE *f = fopen(path, "r");
+  if (f && fscanf(f, "%lu %lu %lu", &a, &b, &m) != 3) m = 0;
+  if (f) fclose(f);
+  return (size_t)m;
+}
+
+size_t fixture_unbufferable_bytes(void) {
+  size_t b = 2 * (proc_max("/proc/sys/net/ipv4/tcp_wmem") + proc_max("/proc/sys/net/ipv4/tcp_rmem"));
+  return b < ((size_t)64 << 20) ? (size_t)64 << 20 : b;
 }

@@ -12,7 +12,12 @@
  * group and the operation, and a mesh connected with "staged": every group's device comm moves
  * fake-device buffers while its host comm (a "cpu" ring of its own) moves host values. The bf16
  * tests run every collective on 2-byte elements (see their section for what and how exactly).
- * Needs no GPU. */
+ * Point-to-point: sends and receives of device buffers between two ranks, exact and with guards,
+ * their stats, a count mismatch, and the ring-neighbour rule on three ranks. Started sends that
+ * do not block their caller, with messages larger than the sockets hold: the pipeline's pattern
+ * (both ways on two staged comms, sends started before receives), issue order behind a pending
+ * send, a failure after the start reported by comm_wait, and a send left to comm_destroy. Needs
+ * no GPU. */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -335,6 +340,7 @@ static void test_config_errors(void **state) {
 static const size_t bf_counts[] = {1, 2, 3, 7, 1001, 4099};
 #define BF_MAXN 4099
 static const uint16_t BF_GUARD = 0x5a5a;
+static const float GUARD_F32 = 12345.5f;
 
 static float ival(int rank, size_t i) { return (float)((int)((i * 31 + (size_t)rank * 17) % 23) - 11); }
 static uint16_t bpat(int rank, size_t i) { return (uint16_t)(i * 40503u + (size_t)rank * 7919u + 1u); }
@@ -606,6 +612,392 @@ static int rank_peer_exit(int rank, int n, store_t *st, void *arg) {
 
 static void test_peer_exit(void **state) { assert_int_equal(fixture_run_ranks(3, rank_peer_exit, NULL, ALARM_S), 0); }
 
+/* ---- point-to-point through the staging buffers ----
+ *
+ * Two ranks: rank 0 sends float32 and bfloat16 device buffers (1000 random floats, 4099 bit
+ * patterns), blocking and started; rank 1 receives them into device buffers sized exactly, each
+ * with a guard element after it that must come back untouched (tolerance: exact). Stats count the
+ * inner ring's payload bytes and one call per transfer. Then a receive of 8 elements meets a send
+ * of 7: COMM_EREMOTE naming both, the prefix once, and the sender's next call fails too. */
+static int rank_p2p_pair(int rank, int n, store_t *st, void *arg) {
+  backend_t *dev = device_open(*(const dev_kind_t *)arg);
+  comm_t *c = NULL;
+  if (!dev || open_staged(&c, "stg-p2p", rank, n, st, dev)) return 1;
+  enum { NF = 1000, NB = 4099 };
+  float hf[NF + 1], gf[NF + 1];
+  uint16_t hb[NB + 1], gb[NB + 1];
+  float *df = dev->alloc(dev, (NF + 1) * sizeof(float));
+  uint16_t *db = dev->alloc(dev, (NB + 1) * 2);
+  if (!df || !db) return 1;
+  fill(hf, NF, 77);
+  hf[NF] = GUARD_F32;
+  for (size_t i = 0; i < NB; i++) hb[i] = bpat(0, i);
+  hb[NB] = BF_GUARD;
+  int bad = 0;
+  comm_req_t *r = NULL;
+  if (rank == 0) {
+    dev->to_device(dev, df, hf, NF * sizeof(float));
+    dev->to_device(dev, db, hb, NB * 2);
+    bad = comm_send(c, df, NF, COMM_FLOAT32, 1) || comm_start_send(c, db, NB, COMM_BFLOAT16, 1, &r) ||
+          comm_wait(r, NULL);
+  } else {
+    for (size_t i = 0; i <= NF; i++) gf[i] = GUARD_F32;
+    for (size_t i = 0; i <= NB; i++) gb[i] = BF_GUARD;
+    dev->to_device(dev, df, gf, sizeof gf);
+    dev->to_device(dev, db, gb, sizeof gb);
+    bad = comm_start_recv(c, df, NF, COMM_FLOAT32, 0, &r) || comm_wait(r, NULL) ||
+          comm_recv(c, db, NB, COMM_BFLOAT16, 0);
+    dev->to_host(dev, gf, df, sizeof gf);
+    dev->to_host(dev, gb, db, sizeof gb);
+    if (!bad) bad = same("staged recv of 1000 float32 (+ guard)", rank, hf, gf, NF + 1) ||
+                    same_bf16("staged recv of 4099 bfloat16 (+ guard)", rank, hb, gb, NB + 1);
+  }
+  if (bad) fprintf(stderr, "rank %d: staged send/recv: %s\n", rank, comm_errmsg(c));
+  comm_stats_t s;
+  comm_get_stats(c, &s);
+  uint64_t bytes = NF * sizeof(float) + NB * 2;
+  if (!bad && (s.bytes_sent != (rank == 0 ? bytes : 0) || s.bytes_recv != (rank == 1 ? bytes : 0) || s.calls != 2)) {
+    fprintf(stderr, "rank %d: staged p2p stats: sent %llu recv %llu calls %llu; want %llu each way, 2 calls\n",
+            rank, (unsigned long long)s.bytes_sent, (unsigned long long)s.bytes_recv, (unsigned long long)s.calls,
+            (unsigned long long)bytes);
+    bad = 1;
+  }
+  /* The mismatch. */
+  if (!bad && rank == 0) {
+    comm_send(c, df, 7, COMM_FLOAT32, 1); /* fits the sockets: may succeed */
+    int rc = comm_recv(c, df, 1, COMM_FLOAT32, 1);
+    bad = rc != COMM_EREMOTE;
+    printf("staged sender after the mismatch: %s: %s\n", comm_strerror(rc), comm_errmsg(c));
+  } else if (!bad) {
+    int rc = comm_recv(c, df, 8, COMM_FLOAT32, 0);
+    const char *msg = comm_errmsg(c);
+    printf("staged receiver of the mismatch: %s: %s\n", comm_strerror(rc), msg);
+    bad = rc != COMM_EREMOTE || !strstr(msg, "comm stg-p2p (rank 1/2): recv of 8 float32 from rank 0 (127.0.0.1:") ||
+          !strstr(msg, ") met a send of 7 float32") || strstr(msg + 1, "comm stg-p2p (rank");
+  }
+  if (!bad && rank == 1) printf("staged send/recv: exact, guards intact, stats %llu B\n", (unsigned long long)bytes);
+  dev->free(dev, df);
+  dev->free(dev, db);
+  comm_destroy(c);
+  device_close(dev);
+  return bad;
+}
+
+static void test_p2p_pair(void **state) {
+  dev_kind_t k = DEV_FAKE;
+  assert_int_equal(fixture_run_ranks(2, rank_p2p_pair, &k, ALARM_S), 0);
+  k = DEV_CPU_BACKEND;
+  assert_int_equal(fixture_run_ranks(2, rank_p2p_pair, &k, ALARM_S), 0);
+}
+
+/* Three ranks: a send to rank + 2 is refused naming the staged comm's rule (and leaves it usable);
+ * then a ring pass, rank 0 first, each rank receiving rank - 1's values on the device. */
+static int rank_p2p_ring(int rank, int n, store_t *st, void *arg) {
+  comm_t *c = NULL;
+  if (open_staged(&c, "stg-ring", rank, n, st, &fake_device)) return 1;
+  float *d = fake_alloc(NULL, 64 * sizeof(float)), *e = fake_alloc(NULL, 64 * sizeof(float));
+  float h[64], got[64];
+  int bad = 0;
+  int rc = comm_send(c, d, 64, COMM_FLOAT32, (rank + 2) % n);
+  if (rc != COMM_EINVAL || !strstr(comm_errmsg(c), "point-to-point on the staged comm only between ring neighbours")) {
+    fprintf(stderr, "rank %d: send to a non-neighbour: %s: %s\n", rank, comm_strerror(rc), comm_errmsg(c));
+    bad = 1;
+  }
+  if (rank == 0) printf("staged refusal: %s\n", comm_errmsg(c));
+  const int right = (rank + 1) % n, left = (rank + n - 1) % n;
+  fill(h, 64, 500 + (uint64_t)rank);
+  fake_to_device(NULL, d, h, sizeof h);
+  rc = rank == 0 ? comm_send(c, d, 64, COMM_FLOAT32, right) || comm_recv(c, e, 64, COMM_FLOAT32, left)
+                 : comm_recv(c, e, 64, COMM_FLOAT32, left) || comm_send(c, d, 64, COMM_FLOAT32, right);
+  if (rc) {
+    fprintf(stderr, "rank %d: staged ring: %s\n", rank, comm_errmsg(c));
+    bad = 1;
+  } else {
+    fake_to_host(NULL, got, e, sizeof got);
+    fill(h, 64, 500 + (uint64_t)left);
+    bad |= same("staged ring recv from rank - 1", rank, h, got, 64);
+  }
+  fake_free(NULL, d);
+  fake_free(NULL, e);
+  comm_destroy(c);
+  return bad;
+}
+
+static void test_p2p_ring(void **state) { assert_int_equal(fixture_run_ranks(3, rank_p2p_ring, NULL, ALARM_S), 0); }
+
+/* ---- started sends that do not block: the pipeline's pattern, order, failure ----
+ *
+ * Messages larger than the kernel can hold between two loopback sockets (twice the sum of the
+ * tcp_wmem and tcp_rmem maxima, at least 64 MiB), so a send cannot complete before the peer
+ * reads: a start that ran the transfer to completion (as "staged" once did) stalls both ranks of
+ * the pipeline's pattern until the timeout. Fake device, exact contents (tolerance: none), and
+ * synchronization between ranks through store keys, never sleeps. */
+
+#define PROMPT_S 10.0 /* "quickly": half the communicators' timeout, on a loaded machine */
+
+/* 0 when the n floats are equal bit for bit, else prints the first difference. */
+static int same_bits(const char *what, int rank, const float *want, const float *got, size_t n) {
+  if (!memcmp(want, got, n * sizeof(float))) return 0;
+  size_t i = 0;
+  while (!memcmp(&want[i], &got[i], sizeof(float))) i++;
+  fprintf(stderr, "rank %d: %s: element %zu of %zu is %.9g, want %.9g (tolerance: exact)\n", rank, what, i, n,
+          (double)got[i], (double)want[i]);
+  return 1;
+}
+
+/* "stg-fwd" (group rank = rank) carries rank 0's sends to rank 1, "stg-bwd" (group rank =
+ * 1 - rank) rank 1's to rank 0: in each, group rank 0 only sends. Each rank starts its send,
+ * then its receive, and only then waits (receive first); two rounds of fresh contents. Checks
+ * the contents, each send's bytes from comm_wait, and the stats of both communicators. */
+static int rank_p2p_two_directions(int rank, int n, store_t *st, void *arg) {
+  comm_t *fwd = NULL, *bwd = NULL;
+  if (open_staged(&fwd, "stg-fwd", rank, 2, st, &fake_device) ||
+      open_staged(&bwd, "stg-bwd", 1 - rank, 2, st, &fake_device))
+    return 1;
+  comm_t *out = rank == 0 ? fwd : bwd, *in = rank == 0 ? bwd : fwd;
+  const size_t cnt = fixture_unbufferable_bytes() / sizeof(float), bytes = cnt * sizeof(float);
+  float *h = malloc(bytes), *got = malloc(bytes);
+  float *ds = fake_alloc(NULL, bytes), *dr = fake_alloc(NULL, bytes);
+  if (!h || !got || !ds || !dr) return 1;
+  int bad = 0;
+  const int rounds = 2;
+  double t0 = fixture_now_s();
+  for (int round = 0; round < rounds && !bad; round++) {
+    fill(h, cnt, 1000 + 10 * (uint64_t)round + (uint64_t)rank);
+    fake_to_device(NULL, ds, h, bytes);
+    comm_req_t *rs = NULL, *rr = NULL;
+    if (comm_start_send(out, ds, cnt, COMM_FLOAT32, 1, &rs) || comm_start_recv(in, dr, cnt, COMM_FLOAT32, 0, &rr)) {
+      fprintf(stderr, "rank %d: start: %s / %s\n", rank, comm_errmsg(out), comm_errmsg(in));
+      return 1;
+    }
+    uint64_t sent = 0;
+    int er = comm_wait(rr, NULL), es = comm_wait(rs, &sent);
+    if (er || es || sent != bytes) {
+      fprintf(stderr, "rank %d: round %d after %.3f s: recv %s: %s; send %s (%llu B sent): %s\n", rank, round,
+              fixture_now_s() - t0, comm_strerror(er), comm_errmsg(in), comm_strerror(es), (unsigned long long)sent,
+              comm_errmsg(out));
+      bad = 1;
+      break;
+    }
+    fake_to_host(NULL, got, dr, bytes);
+    fill(h, cnt, 1000 + 10 * (uint64_t)round + (uint64_t)(1 - rank));
+    char what[96];
+    snprintf(what, sizeof what, "round %d: %zu MiB from rank %d", round, bytes >> 20, 1 - rank);
+    bad = same_bits(what, rank, h, got, cnt);
+  }
+  double dt = fixture_now_s() - t0;
+  comm_stats_t so, si;
+  comm_get_stats(out, &so);
+  comm_get_stats(in, &si);
+  const uint64_t want = (uint64_t)rounds * bytes;
+  if (!bad && (so.bytes_sent != want || so.bytes_recv != 0 || so.calls != (uint64_t)rounds || si.bytes_sent != 0 ||
+               si.bytes_recv != want || si.calls != (uint64_t)rounds)) {
+    fprintf(stderr, "rank %d: stats: out sent %llu recv %llu calls %llu, in sent %llu recv %llu calls %llu; want "
+            "%llu B each way, %d calls each\n", rank, (unsigned long long)so.bytes_sent,
+            (unsigned long long)so.bytes_recv, (unsigned long long)so.calls, (unsigned long long)si.bytes_sent,
+            (unsigned long long)si.bytes_recv, (unsigned long long)si.calls, (unsigned long long)want, rounds);
+    bad = 1;
+  }
+  if (!bad && dt > PROMPT_S) {
+    fprintf(stderr, "rank %d: %d rounds took %.3f s (limit %.0f s)\n", rank, rounds, dt, PROMPT_S);
+    bad = 1;
+  }
+  if (!bad)
+    printf("  rank %d: %d rounds of %zu MiB both ways on two staged comms in %.3f s, exact; stats %llu B\n", rank,
+           rounds, bytes >> 20, dt, (unsigned long long)want);
+  fake_free(NULL, ds);
+  fake_free(NULL, dr);
+  free(h);
+  free(got);
+  comm_destroy(fwd);
+  comm_destroy(bwd);
+  return bad;
+}
+
+static void test_p2p_two_directions(void **state) {
+  assert_int_equal(fixture_run_ranks(2, rank_p2p_two_directions, NULL, ALARM_S), 0);
+}
+
+/* Issue order on one staged comm with a send still on its way. Rank 0 starts a send of A (more
+ * than the sockets hold), checks with comm_test that it is not complete, and only then lets rank
+ * 1 start receiving (store key); meanwhile it issues a blocking send of B and a blocking
+ * all_reduce. Rank 1 receives A, B, then all_reduces. Had B or the all_reduce overtaken A, rank
+ * 1's receive of A would meet them (COMM_EREMOTE). Exact contents and sum (small integers);
+ * comm_wait's bytes for A; stats: A + B plus what a cpu comm's all_reduce of the same count
+ * moves, three calls. */
+static int rank_p2p_order(int rank, int n, store_t *st, void *arg) {
+  comm_t *c = NULL, *ref = NULL;
+  if (open_staged(&c, "stg-order", rank, n, st, &fake_device) ||
+      fixture_comm_open(&ref, "ref-order", rank, n, st, TIMEOUT_MS))
+    return 1;
+  enum { NB = 1000, NR = 4099 };
+  const size_t na = fixture_unbufferable_bytes() / sizeof(float), abytes = na * sizeof(float);
+  float *ha = malloc(abytes), hb[NB], gb[NB], hr[NR], gr[NR], want[NR];
+  float *da = fake_alloc(NULL, abytes), *db = fake_alloc(NULL, sizeof hb), *dar = fake_alloc(NULL, sizeof hr);
+  if (!ha || !da || !db || !dar) return 1;
+  for (size_t i = 0; i < NR; i++) {
+    hr[i] = (float)((int)(i % 13) + rank);
+    want[i] = (float)(2 * (int)(i % 13) + 1);
+  }
+  fake_to_device(NULL, dar, hr, sizeof hr);
+  fill(ha, na, 2000);
+  fill(hb, NB, 2001);
+  int bad = 0;
+  uint64_t sent = 0;
+  if (rank == 0) {
+    fake_to_device(NULL, da, ha, abytes);
+    fake_to_device(NULL, db, hb, sizeof hb);
+    comm_req_t *r = NULL;
+    int done = 1;
+    if (comm_start_send(c, da, na, COMM_FLOAT32, 1, &r) || comm_test(r, &done)) {
+      fprintf(stderr, "rank 0: start_send: %s\n", comm_errmsg(c));
+      return 1;
+    }
+    if (done) {
+      fprintf(stderr, "rank 0: a send of %zu MiB that the peer has not begun to receive is complete\n",
+              abytes >> 20);
+      bad = 1;
+    }
+    store_set(st, "stg-order/started", "1", 1);
+    int rb = comm_send(c, db, NB, COMM_FLOAT32, 1), rar = comm_all_reduce(c, dar, NR, COMM_FLOAT32, COMM_SUM);
+    int ra = comm_wait(r, &sent);
+    if (ra || rb || rar || sent != abytes) {
+      fprintf(stderr, "rank 0: send A %s (%llu B), send B %s, all_reduce %s: %s\n", comm_strerror(ra),
+              (unsigned long long)sent, comm_strerror(rb), comm_strerror(rar), comm_errmsg(c));
+      bad = 1;
+    }
+  } else {
+    if (fixture_await_key(st, "stg-order/started", TIMEOUT_MS)) return 1;
+    int ra = comm_recv(c, da, na, COMM_FLOAT32, 0), rb = ra ? ra : comm_recv(c, db, NB, COMM_FLOAT32, 0);
+    int rar = rb ? rb : comm_all_reduce(c, dar, NR, COMM_FLOAT32, COMM_SUM);
+    if (ra || rb || rar) {
+      fprintf(stderr, "rank 1: recv A %s, recv B %s, all_reduce %s: %s\n", comm_strerror(ra), comm_strerror(rb),
+              comm_strerror(rar), comm_errmsg(c));
+      bad = 1;
+    } else {
+      float *ga = malloc(abytes);
+      fake_to_host(NULL, ga, da, abytes);
+      fake_to_host(NULL, gb, db, sizeof gb);
+      bad = same_bits("A, received after B and the all_reduce were issued", 1, ha, ga, na) ||
+            same_bits("B", 1, hb, gb, NB);
+      free(ga);
+    }
+  }
+  if (!bad) {
+    fake_to_host(NULL, gr, dar, sizeof gr);
+    bad = same_bits("all_reduce after the sends", rank, want, gr, NR);
+  }
+  /* The staged stats: the two messages plus the all_reduce's ring traffic, as a cpu comm counts it. */
+  comm_stats_t s, sr;
+  if (!bad && comm_all_reduce(ref, hr, NR, COMM_FLOAT32, COMM_SUM)) bad = 1;
+  comm_get_stats(c, &s);
+  comm_get_stats(ref, &sr);
+  const uint64_t msgs = abytes + sizeof hb;
+  if (!bad && (s.bytes_sent != (rank == 0 ? msgs : 0) + sr.bytes_sent ||
+               s.bytes_recv != (rank == 1 ? msgs : 0) + sr.bytes_recv || s.calls != 3)) {
+    fprintf(stderr, "rank %d: stats sent %llu recv %llu calls %llu; want messages %llu B (%s) + all_reduce %llu "
+            "sent %llu recv, 3 calls\n", rank, (unsigned long long)s.bytes_sent, (unsigned long long)s.bytes_recv,
+            (unsigned long long)s.calls, (unsigned long long)msgs, rank == 0 ? "sent" : "received",
+            (unsigned long long)sr.bytes_sent, (unsigned long long)sr.bytes_recv);
+    bad = 1;
+  }
+  if (!bad && rank == 0)
+    printf("  send of %zu MiB pending (comm_test), then a blocking send and all_reduce: in order, exact, "
+           "stats %llu B sent\n", abytes >> 20, (unsigned long long)s.bytes_sent);
+  fake_free(NULL, da);
+  fake_free(NULL, db);
+  fake_free(NULL, dar);
+  free(ha);
+  comm_destroy(c);
+  comm_destroy(ref);
+  return bad;
+}
+
+static void test_p2p_order(void **state) { assert_int_equal(fixture_run_ranks(2, rank_p2p_order, NULL, ALARM_S), 0); }
+
+/* A started send whose peer exits only after the start returned (store key) fails at comm_wait
+ * with the inner ring's reason under this comm's name (prefix once), promptly from the start (a
+ * start that waited for the peer would wait out the key's 20 s), and the comm stays broken with
+ * that code. */
+static int rank_p2p_send_fails(int rank, int n, store_t *st, void *arg) {
+  comm_t *c = NULL;
+  if (open_staged(&c, "stg-dead", rank, n, st, &fake_device)) return 1;
+  if (rank == 1) /* the kernel closes its sockets */
+    _exit(fixture_await_key(st, "stg-dead/started", TIMEOUT_MS) ? 1 : 0);
+  const size_t cnt = fixture_unbufferable_bytes() / sizeof(float);
+  float *d = fake_alloc(NULL, cnt * sizeof(float));
+  comm_req_t *r = NULL;
+  double t0 = fixture_now_s();
+  if (!d || comm_start_send(c, d, cnt, COMM_FLOAT32, 1, &r)) {
+    fprintf(stderr, "rank 0: start_send: %s\n", comm_errmsg(c));
+    return 1;
+  }
+  store_set(st, "stg-dead/started", "1", 1);
+  int rc = comm_wait(r, NULL);
+  double dt = fixture_now_s() - t0;
+  const char *msg = comm_errmsg(c);
+  printf("  started send to a peer that exits: %s %.3f s after the start: %s\n", comm_strerror(rc), dt, msg);
+  int bad = rc != COMM_EREMOTE || dt > PROMPT_S ||
+            !strstr(msg, "comm stg-dead (rank 0/2): send: connection to rank 1 (127.0.0.1:") ||
+            strstr(msg + 1, "comm stg-dead (rank");
+  if (comm_barrier(c) != rc) {
+    fprintf(stderr, "rank 0: the comm is not broken after the failed send: %s\n", comm_errmsg(c));
+    bad = 1;
+  }
+  fake_free(NULL, d);
+  comm_destroy(c);
+  return bad;
+}
+
+static void test_p2p_send_fails(void **state) {
+  assert_int_equal(fixture_run_ranks(2, rank_p2p_send_fails, NULL, ALARM_S), 0);
+}
+
+/* A started send never waited for: comm_destroy waits for it (comm.h), so the receiver, which
+ * begins only after the start returned (store key), gets every byte; the copy it sends from
+ * lives until then. (The request itself is not freed: comm.h lets a caller that exits skip the
+ * wait, not a caller that goes on.) */
+static int rank_p2p_destroy_pending(int rank, int n, store_t *st, void *arg) {
+  comm_t *c = NULL;
+  if (open_staged(&c, "stg-left", rank, n, st, &fake_device)) return 1;
+  const size_t cnt = fixture_unbufferable_bytes() / sizeof(float), bytes = cnt * sizeof(float);
+  float *h = malloc(bytes), *d = fake_alloc(NULL, bytes);
+  if (!h || !d) return 1;
+  fill(h, cnt, 3000);
+  int bad = 0;
+  if (rank == 0) {
+    comm_req_t *r = NULL;
+    fake_to_device(NULL, d, h, bytes);
+    if (comm_start_send(c, d, cnt, COMM_FLOAT32, 1, &r)) {
+      fprintf(stderr, "rank 0: start_send: %s\n", comm_errmsg(c));
+      return 1;
+    }
+    fake_free(NULL, d); /* the request sends from its own copy */
+    d = NULL;
+    store_set(st, "stg-left/started", "1", 1);
+  } else {
+    float *got = malloc(bytes);
+    if (!got || fixture_await_key(st, "stg-left/started", TIMEOUT_MS)) return 1;
+    if (comm_recv(c, d, cnt, COMM_FLOAT32, 0)) {
+      fprintf(stderr, "rank 1: recv of a send left to comm_destroy: %s\n", comm_errmsg(c));
+      bad = 1;
+    } else {
+      fake_to_host(NULL, got, d, bytes);
+      bad = same_bits("a send left to comm_destroy", 1, h, got, cnt);
+    }
+    if (!bad) printf("  a started send left to comm_destroy: %zu MiB delivered exactly\n", bytes >> 20);
+    free(got);
+  }
+  comm_destroy(c);
+  fake_free(NULL, d);
+  free(h);
+  return bad;
+}
+
+static void test_p2p_destroy_pending(void **state) {
+  assert_int_equal(fixture_run_ranks(2, rank_p2p_destroy_pending, NULL, ALARM_S), 0);
+}
+
 /* ---- a 2x1x2 mesh over "staged": device and host communicators of every group ---- */
 
 static int rank_mesh_staged(int rank, int n, store_t *st, void *arg) {
@@ -683,6 +1075,9 @@ int main(void) {
       cmocka_unit_test(test_bf16_fake_device),        cmocka_unit_test(test_bf16_cpu_backend),
       cmocka_unit_test(test_peer_exit),
       cmocka_unit_test(test_mesh_staged),
+      cmocka_unit_test(test_p2p_pair),                cmocka_unit_test(test_p2p_ring),
+      cmocka_unit_test(test_p2p_two_directions),      cmocka_unit_test(test_p2p_order),
+      cmocka_unit_test(test_p2p_send_fails),          cmocka_unit_test(test_p2p_destroy_pending),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

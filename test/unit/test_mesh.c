@@ -48,7 +48,8 @@ static void test_layout_2x3x4(void **state) {
   assert_int_equal(w->size, 24);
   assert_int_equal(w->rank, 17);
   assert_string_equal(w->uid, "world.0");
-  assert_null(mesh_group(m, "pp"));
+  assert_members(m, "pp", (int[]){17}, 1, 0, "pp.17"); /* no pipeline: a group of one */
+  assert_null(mesh_group(m, "nope"));
   assert_null(mesh_group(m, NULL));
   assert_null(mesh_comm(m, "tp")); /* not connected yet */
   mesh_destroy(m);
@@ -58,21 +59,25 @@ static void test_layout_2x3x4(void **state) {
  * members in the same order (so all members agree on uid and ring order), the groups of one
  * name partition the world, and members differ exactly in the group's free coordinates. */
 static void test_groups_consistent(void **state) {
-  static const char *names[] = {"dp_replicate", "dp_shard", "tp", "dp", "world"};
-  static const int shapes[][3] = {{2, 3, 4}, {1, 8, 1}, {4, 1, 2}, {1, 1, 1}, {3, 1, 1}};
+  static const char *names[] = {"dp_replicate", "dp_shard", "tp", "dp", "world", "pp"};
+  static const int shapes[][4] = {{1, 2, 3, 4}, {1, 1, 8, 1}, {1, 4, 1, 2}, {1, 1, 1, 1}, {1, 3, 1, 1},
+                                  {2, 2, 2, 2}, {4, 1, 1, 1}, {3, 1, 2, 1}, {2, 1, 1, 3}};
   for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++) {
-    int R = shapes[k][0], S = shapes[k][1], T = shapes[k][2], W = R * S * T;
-    mesh_t *m = make(R, S, T, 0);
+    int Q = shapes[k][0], R = shapes[k][1], S = shapes[k][2], T = shapes[k][3], W = Q * R * S * T;
+    char err[256] = "";
+    mesh_t *m = NULL;
+    if (mesh_create_pp(&m, Q, R, S, T, 0, W, err, sizeof err)) fail_msg("mesh_create_pp: %s", err);
     int *a = calloc((size_t)W, sizeof(int)), *b = calloc((size_t)W, sizeof(int));
     for (int rank = 0; rank < W; rank++) {
-      int c[3];
+      int c[MESH_NDIMS];
       mesh_coords(m, rank, c);
-      assert_int_equal(c[2], rank % T);
-      assert_int_equal(mesh_rank_at(m, c[0], c[1], c[2]), rank);
+      assert_int_equal(c[MESH_TP], rank % T);
+      assert_int_equal(c[MESH_PP], rank / (R * S * T)); /* pp outermost */
+      assert_int_equal(mesh_rank_at_pp(m, c[MESH_PP], c[0], c[1], c[2]), rank);
     }
-    for (size_t g = 0; g < 5; g++) {
+    for (size_t g = 0; g < 6; g++) {
       int *seen = calloc((size_t)W, sizeof(int));
-      int want_size = g == 0 ? R : g == 1 ? S : g == 2 ? T : g == 3 ? R * S : W;
+      int want_size = g == 0 ? R : g == 1 ? S : g == 2 ? T : g == 3 ? R * S : g == 4 ? W : Q;
       for (int rank = 0; rank < W; rank++) {
         int n = mesh_members(m, names[g], rank, a);
         assert_int_equal(n, want_size);
@@ -80,13 +85,16 @@ static void test_groups_consistent(void **state) {
           assert_int_equal(mesh_members(m, names[g], a[i], b), n);
           assert_memory_equal(a, b, (size_t)n * sizeof(int));
           if (i > 0) assert_true(a[i] > a[i - 1]);
-          int ca[3], cr[3];
+          int ca[MESH_NDIMS], cr[MESH_NDIMS];
           mesh_coords(m, a[i], ca);
           mesh_coords(m, rank, cr);
+          /* every group but world and pp stays inside one pipeline stage */
+          if (g != 4 && g != 5) assert_int_equal(ca[MESH_PP], cr[MESH_PP]);
           if (g == 0) assert_true(ca[1] == cr[1] && ca[2] == cr[2]);
           if (g == 1) assert_true(ca[0] == cr[0] && ca[2] == cr[2]);
           if (g == 2) assert_true(ca[0] == cr[0] && ca[1] == cr[1]);
           if (g == 3) assert_true(ca[2] == cr[2]);
+          if (g == 5) assert_true(ca[0] == cr[0] && ca[1] == cr[1] && ca[2] == cr[2] && ca[MESH_PP] == i);
         }
         seen[a[0]]++; /* each group counted once per member, keyed by its lowest rank */
       }
@@ -102,6 +110,26 @@ static void test_groups_consistent(void **state) {
     free(b);
     mesh_destroy(m);
   }
+}
+
+/* pp 2 x dp_shard 2 x tp 2 = 8 ranks; rank 6 is (q, r, s, t) = (1, 0, 1, 0): its stage's groups
+ * are ranks 4..7, its pipeline the ranks with the same (r, s, t) in the other stage. */
+static void test_layout_pp(void **state) {
+  char err[256] = "";
+  mesh_t *m = NULL;
+  assert_int_equal(mesh_create_pp(&m, 2, 1, 2, 2, 6, 8, err, sizeof err), 0);
+  assert_int_equal(m->coord[MESH_PP], 1);
+  assert_int_equal(m->coord[MESH_DP_SHARD], 1);
+  assert_int_equal(m->coord[MESH_TP], 0);
+  assert_members(m, "tp", (int[]){6, 7}, 2, 0, "tp.6");
+  assert_members(m, "dp_shard", (int[]){4, 6}, 2, 1, "dp_shard.4");
+  assert_members(m, "dp", (int[]){4, 6}, 2, 1, "dp.4");
+  assert_members(m, "pp", (int[]){2, 6}, 2, 1, "pp.2");
+  assert_int_equal(mesh_rank_at(m, 0, 0, 1), 5); /* within this rank's stage */
+  assert_null(m->pp.send_act);                   /* channels come with mesh_connect */
+  mesh_destroy(m);
+  assert_int_equal(mesh_create_pp(&m, 3, 1, 2, 2, 0, 8, err, sizeof err), MESH_EINVAL);
+  assert_string_equal(err, "mesh error: pp=3 x dp_replicate=1 x dp_shard=2 x tp=2 = 12 ranks, but the world has 8");
 }
 
 /* A world of one: every group has size 1 and connecting needs no store; collectives are
@@ -151,6 +179,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_layout_2x3x4),
       cmocka_unit_test(test_groups_consistent),
+      cmocka_unit_test(test_layout_pp),
       cmocka_unit_test(test_world_of_one),
       cmocka_unit_test(test_errors),
   };

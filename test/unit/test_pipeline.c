@@ -45,6 +45,20 @@ static void check_ok(pp_schedule_t s, int p, int v, int m, double *worst) {
   for (int r = 0; r < p; r++) {
     if (s == PP_GPIPE) assert_int_equal(st.peak_inflight[r], m);
     if (s == PP_1F1B) assert_int_equal(st.peak_inflight[r], p - r < m ? p - r : m);
+    /* the runner's activation slots hold every micro-batch in flight, with at most a receive
+     * posted ahead and the spare on top; interleaved pools them per chunk, each sized for that
+     * chunk's own peak, which the chunks reach at different times (p 3, v 2, m 6, rank 1: 6 and 3
+     * in flight, never more than 6 together), so there only v times the bound holds */
+    int slots[PP_MAX_CHUNKS], total = 0;
+    pp_slots(&pl, r, slots);
+    for (int c = 0; c < v; c++) {
+      if (slots[c] < 1) fail_msg("%s p=%d v=%d m=%d: rank %d chunk %d has no slot", pp_schedule_name(s), p, v, m, r, c);
+      total += slots[c];
+    }
+    if (total < st.peak_inflight[r] || total > v * (st.peak_inflight[r] + 2))
+      fail_msg("%s p=%d v=%d m=%d rank %d: %d slots for %d in flight", pp_schedule_name(s), p, v, m, r, total,
+               st.peak_inflight[r]);
+    if (s == PP_1F1B && r == 0) assert_int_equal(total, p < m ? p : m); /* no spare: it sends no gradient */
   }
   pp_free(&pl);
 }
