@@ -19,9 +19,15 @@ over ranks, beside the theory for equal stages and free transfers, (p-1)/(m+p-1)
 1F1B and (p-1)/(v*m+p-1) interleaved (v = 2 here); "in flight" the most micro-batches any rank
 held between forward and backward (per rank: 1F1B p-r, GPipe m; interleaved counts each virtual
 stage's); "act MB" each rank's activation arena (its slots: what the schedule makes it keep).
-The stages are not equal (the last holds the output layer and the loss, the first the
-embedding), and transfers take time, so the measured bubble sits above the theory; the ranking
-of the schedules and the 1/v of interleaving are what the theory predicts.
+"step/1f1b": the step time over 1F1B's at the same (pp, m), beside the theory's
+(1 - bubble_1f1b) / (1 - bubble): the same work takes 1/(1 - bubble) of it.
+
+Two things keep the idle fraction from being the whole story. The stages are not equal (the last
+holds the output layer and the loss, the first the embedding) and transfers take time. And under a
+CPU budget (a cgroup quota per period) a rank that idled part of a period computes at full speed
+until the period's quota is spent, so its forwards and backwards take less wall time than a
+busier rank's: the idle fraction of a schedule with more, shorter gaps (interleaving) understates
+what it saved, which the step time shows.
 """
 import argparse
 import os
@@ -75,7 +81,7 @@ def run(cluster, meshrun, trainer, p, m, sched, steps, d):
 
 
 def rows_for(a, cluster, meshrun, trainer, p):
-    out = []
+    out, base = [], {}  # base[m]: 1F1B's ms/step
     for m in [int(x) for x in a.micro.split(",") if x]:
         for sched in [s for s in a.schedules.split(",") if s]:
             if sched == "1f1b" and m < p or sched == "interleaved_1f1b" and (m % p or 2 * p > 8):
@@ -91,8 +97,12 @@ def rows_for(a, cluster, meshrun, trainer, p):
             bubble = sum(per_rank) / p
             inflight = recs[-1]["pp_peak_inflight"]
             act = [b / 1e6 for b in recs[-1]["pp_act_bytes"]]
-            out.append("%3d %4d %-17s %8.1f %7.1f%% %7.1f%% %-26s %-18s %s" % (
-                p, m, sched, step_ms or 0.0, 100 * bubble, 100 * theory(sched, p, m),
+            if sched == "1f1b":
+                base[m] = step_ms
+            ratio = "%.2f" % (step_ms / base[m]) if step_ms and base.get(m) else "n/a"
+            want = (1 - theory("1f1b", p, m)) / (1 - theory(sched, p, m))
+            out.append("%3d %4d %-17s %8.1f %7.1f%% %7.1f%% %9s %7.2f %-26s %-18s %s" % (
+                p, m, sched, step_ms or 0.0, 100 * bubble, 100 * theory(sched, p, m), ratio, want,
                 ",".join("%.0f%%" % (100 * x) for x in per_rank), ",".join("%d" % x for x in inflight),
                 ",".join("%.1f" % x for x in act)))
             print(out[-1], file=sys.stderr, flush=True)
@@ -103,7 +113,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pp", default="2,4")
     ap.add_argument("--micro", default="8,16", help="micro-batches per step (pp_microbatches)")
-    ap.add_argument("--schedules", default="gpipe,1f1b,interleaved_1f1b")
+    ap.add_argument("--schedules", default="1f1b,gpipe,interleaved_1f1b", help="1f1b first: the others' step/1f1b")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--rate", default="1gbit")
     ap.add_argument("--delay", default="200us", help="one way, tc units; 0 for none")
@@ -125,8 +135,9 @@ def main():
             rows += rows_for(a, None, meshrun, trainer, p)
     print("pipeline: %s; model dim 256 x 8 layers, micro-batch 1 x seq 64, %d steps, first not counted" % (
         where, a.steps))
-    print("%3s %4s %-17s %8s %8s %8s %-26s %-18s %s" % ("pp", "m", "schedule", "ms/step", "bubble", "theory",
-                                                      "bubble per rank", "in flight/rank", "act MB/rank"))
+    print("%3s %4s %-17s %8s %8s %8s %9s %7s %-26s %-18s %s" % (
+        "pp", "m", "schedule", "ms/step", "bubble", "theory", "step/1f1b", "theory", "bubble per rank",
+        "in flight/rank", "act MB/rank"))
     for r in rows:
         print(r)
     return 1 if any("failed" in r for r in rows) else 0

@@ -43,6 +43,7 @@ namespaces; the veths and the bridge go with them. Python 3 standard library onl
 import argparse
 import atexit
 import json
+import math
 import os
 import random
 import re
@@ -181,7 +182,13 @@ def sweep_stale():
 
 # ---- CPU budgets ---------------------------------------------------------------------------
 
-CPU_PERIOD_US = 10000  # a short period: a throttled host waits at most this long to run again
+# The period of a host's CPU budget: a throttled host waits at most one period to run again, and
+# its threads with it (a rank's communication thread woken while its compute has spent the
+# period's quota waits out the period: at 10 ms that stalled each pipeline hop by milliseconds).
+# So the period is the shortest the kernel allows for the budget, whose quota may not go below
+# 1 ms: 1 ms / cores, at least CPU_PERIOD_MIN_US (2.5 ms at 0.4 cores, 1.25 ms at 0.8).
+CPU_PERIOD_MIN_US = 1000
+CPU_QUOTA_MIN_US = 1000
 # cpu="auto": the hosts share this fraction of the machine's cores; the rest is left to the
 # emulated network (the kernel's packet work, tbf, the user-space switch), which would otherwise
 # take its time from whichever host is running and make every host's step erratic.
@@ -208,15 +215,16 @@ def _cgroup_root():
 
 def _cgroup_make(path, version, cores):
     """Creates cgroup path limited to `cores` CPUs (a float); raises NetclusterError."""
-    quota = max(1000, int(round(cores * CPU_PERIOD_US)))
+    period = max(CPU_PERIOD_MIN_US, int(math.ceil(CPU_QUOTA_MIN_US / cores)))
+    quota = max(CPU_QUOTA_MIN_US, int(round(cores * period)))
     try:
         os.mkdir(path)
         if version == 2:
             with open(os.path.join(path, "cpu.max"), "w") as f:
-                f.write("%d %d" % (quota, CPU_PERIOD_US))
+                f.write("%d %d" % (quota, period))
         else:
             with open(os.path.join(path, "cpu.cfs_period_us"), "w") as f:
-                f.write(str(CPU_PERIOD_US))
+                f.write(str(period))
             with open(os.path.join(path, "cpu.cfs_quota_us"), "w") as f:
                 f.write(str(quota))
     except OSError as e:

@@ -138,12 +138,26 @@ int metrics_open(metrics_t *mt, const plan_t *p, model_t *m, dp_t *dp, const mes
     snprintf(err, errlen, "%s", comm_errmsg(wc));
     return -1;
   }
-  const size_t np = model_num_params(m);
+  size_t np = model_num_params(m);
+  const int pp = mesh ? mesh->dims[MESH_PP] : 1;
+  if (pp > 1) { /* the stages' counts add up, in 12-bit digits (sums of up to 4096 stay exact in fp32) */
+    comm_t *ppc = mesh_host_comm(mesh, "pp");
+    float digit[4];
+    for (int i = 0; i < 4; i++) digit[i] = (float)((np >> (12 * i)) & 0xfff);
+    if (comm_all_reduce(ppc, digit, 4, COMM_FLOAT32, COMM_SUM)) {
+      snprintf(err, errlen, "%s", comm_errmsg(ppc));
+      return -1;
+    }
+    np = 0;
+    for (int i = 0; i < 4; i++) np += (size_t)digit[i] << (12 * i);
+  }
+  char pp_dim[32] = "";
+  if (pp > 1) snprintf(pp_dim, sizeof pp_dim, "pp %d x ", pp);
   if (mesh)
-    log_rank0("mesh dp_replicate %d x dp_shard %d x tp %d: %s; per rank: parameters %.2f MiB, gradients %.2f MiB, "
+    log_rank0("mesh %sdp_replicate %d x dp_shard %d x tp %d: %s; per rank: parameters %.2f MiB, gradients %.2f MiB, "
               "optimizer state %.2f MiB, working buffers %.2f MiB, activations %.2f MiB (max over ranks: %.2f / "
               "%.2f / %.2f / %.2f / %.2f MiB)",
-              mesh->dims[MESH_DP_REPLICATE], mesh->dims[MESH_DP_SHARD], tp, dp->name,
+              pp_dim, mesh->dims[MESH_DP_REPLICATE], mesh->dims[MESH_DP_SHARD], tp, dp->name,
               mem.mine.param_bytes / 1048576.0, mem.mine.grad_bytes / 1048576.0, mem.mine.optim_bytes / 1048576.0,
               mem.mine.work_bytes / 1048576.0, mem.act.act_bytes / 1048576.0, mem.max.param_bytes / 1048576.0,
               mem.max.grad_bytes / 1048576.0, mem.max.optim_bytes / 1048576.0, mem.max.work_bytes / 1048576.0,

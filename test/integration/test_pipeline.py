@@ -54,6 +54,7 @@ PLANS = {
     "pp2_ddp2": (4, ["mesh.pp=2", "mesh.dp_replicate=2"]),
     "pp2_tp2": (4, ["mesh.pp=2", "mesh.tp=2"]),
     "pp2_dp2_tp2": (8, ["mesh.pp=2", "mesh.dp_shard=2", "mesh.tp=2"]),
+    "pp2_hsdp2x2_tp2": (16, ["mesh.pp=2", "mesh.dp_replicate=2", "mesh.dp_shard=2", "mesh.tp=2"]),
     "pp2_fsdp2_interleaved_ac": (4, ["mesh.pp=2", "mesh.dp_shard=2", "parallel.pp_schedule=interleaved_1f1b",
                                      "parallel.activation_checkpoint=full"]),
     "pp2_1f1b_4mb": (2, ["mesh.pp=2", "parallel.pp_microbatches=4"]),
