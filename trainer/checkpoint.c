@@ -158,11 +158,13 @@ int checkpoint_after_step(checkpoint_t *c, dp_t *dp, int step, char *err, size_t
       rc = ckpt_writer_poll(c->w, &committed, err, errlen);
       settled = rc != 0 || committed >= 0;
     }
+    if (settled && rc && c->saved == c->pending) c->saved = 0; /* its commit failed */
     if (settled && failed(c, rc, c->pending, err, errlen)) return -1;
     if (settled) c->pending = 0;
   }
   if (due) {
     rc = save(c, dp, step, err, errlen);
+    if (rc == 0) c->saved = step;
     if (rc == 0 && p->checkpoint.async)
       c->pending = step; /* in flight: its outcome comes with the commit */
     else if (failed(c, rc, step, err, errlen))
@@ -170,6 +172,22 @@ int checkpoint_after_step(checkpoint_t *c, dp_t *dp, int step, char *err, size_t
   }
   keep_final_err(c, err);
   return 0;
+}
+
+int checkpoint_now(checkpoint_t *c, dp_t *dp, int step, char *err, size_t errlen) {
+  if (!c->w) return 0;
+  int rc = 0;
+  if (c->pending) { /* an asynchronous save in flight: committed (or failed) first */
+    rc = ckpt_writer_wait(c->w, err, errlen);
+    const int was = c->pending;
+    c->pending = 0;
+    if (rc && c->saved == was) c->saved = 0; /* its commit failed: save this step afresh */
+  }
+  if (c->saved == step) return 0;
+  rc = save(c, dp, step, err, errlen);
+  if (rc == 0 && c->p->checkpoint.async) rc = ckpt_writer_wait(c->w, err, errlen);
+  if (rc == 0) c->saved = step;
+  return rc ? -1 : 0;
 }
 
 int checkpoint_finish(checkpoint_t *c, char *err, size_t errlen) {

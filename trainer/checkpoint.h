@@ -30,6 +30,7 @@ typedef struct {
   const ckpt_group_t *cg; /* NULL in one process */
   ckpt_writer_t *w;       /* NULL: checkpoint.dir unset */
   int pending;            /* the step of the asynchronous save in flight, 0 when none */
+  int saved;              /* the step of the last save started (committed unless it failed) */
   int final_failed;       /* the save after the last step failed (final_err says why) */
   int no_restart;         /* a failure was a lack of space: ask meshrun not to restart */
   char final_err[1024];
@@ -48,6 +49,10 @@ int checkpoint_open(checkpoint_t *c, const plan_t *p, dp_t *dp, const mesh_t *me
  * Collective (every rank calls it after every step). Returns 0 (also after a failure the run
  * survives) or -1 when the run must stop, with the message in err. */
 int checkpoint_after_step(checkpoint_t *c, dp_t *dp, int step, char *err, size_t errlen);
+/* A checkpoint of step `step` now, committed before returning (the preemption path: the run is
+ * about to exit); nothing when the step's own save already ran. Collective. 0, or -1 with err
+ * when it failed (the run then exits as a failure, and a restart resumes from the one before). */
+int checkpoint_now(checkpoint_t *c, dp_t *dp, int step, char *err, size_t errlen);
 /* After the loop: waits for a save still in flight. 0 or -1 as checkpoint_after_step. */
 int checkpoint_finish(checkpoint_t *c, char *err, size_t errlen);
 /* 0, or -1 with the message in err when the save after the last step failed. */

@@ -137,11 +137,11 @@ static void error_file_write(const char *msg, int restart) {
   free(txt);
 }
 
-/* The end of a run that failed: the one-line message, and for runtime failures (code 1) the
- * error file. Returns code. */
+/* The end of a run that failed: the one-line message, and the error file, so that meshrun's
+ * summary carries it; a usage or plan error (code 2) asks meshrun not to restart. Returns code. */
 static int exit_error(int code, const char *msg, int restart) {
   fprintf(stderr, "trainer: %s\n", msg);
-  if (code == 1) error_file_write(msg, restart);
+  error_file_write(msg, restart && code == 1);
   return code;
 }
 
@@ -165,8 +165,24 @@ static void ensure_passive_omp(char **argv) {
 static volatile sig_atomic_t failing, term_deferred;
 static timer_t term_timer;
 static int have_term_timer;
+/* Preemption (checkpoint.on_signal): SIGTERM, SIGINT or SIGUSR1 only record the signal; the loop
+ * finishes the step, the ranks agree on it (preempt_agreed), save a checkpoint and exit 128 +
+ * the signal, as the signal would have ended the process. A rank whose peer died finds out at
+ * its next collective, as without it. A second SIGINT ends the process at once (a user's Ctrl-C
+ * twice); meshrun's SIGKILL after its grace bounds the rest. */
+static volatile sig_atomic_t preempt_sig, preempt_on;
 static void on_sigterm(int sig) {
   if (failing || comm_failed_any()) return;
+  if (preempt_on) {
+    if (!preempt_sig) {
+      preempt_sig = sig;
+      return;
+    }
+    if (sig != SIGINT) return;
+    signal(sig, SIG_DFL);
+    raise(sig);
+    return;
+  }
   if (!term_deferred && have_term_timer) {
     term_deferred = 1;
     struct itimerspec its = {.it_value = {.tv_nsec = TERM_DEFER_MS * 1000000L}};
@@ -181,6 +197,28 @@ static void install_sigterm(void) {
   struct sigaction sa = {.sa_handler = on_sigterm, .sa_flags = SA_RESTART};
   sigemptyset(&sa.sa_mask);
   sigaction(SIGTERM, &sa, NULL);
+}
+
+/* checkpoint.on_signal: SIGINT and SIGUSR1 join SIGTERM. */
+static void install_preempt(void) {
+  struct sigaction sa = {.sa_handler = on_sigterm, .sa_flags = SA_RESTART};
+  sigemptyset(&sa.sa_mask);
+  preempt_on = 1;
+  sigaction(SIGINT, &sa, NULL);
+  sigaction(SIGUSR1, &sa, NULL);
+}
+
+/* After a step: the signal any rank received, agreed by all (the largest signal number over the
+ * world, one all-reduce per step while checkpoint.on_signal is on), 0 when none. -1 when the
+ * agreement itself failed (a peer is gone: the run fails as it would at any collective). */
+static int preempt_agreed(const mesh_t *mesh, char *err, size_t errlen) {
+  float sig = (float)preempt_sig;
+  comm_t *wc = mesh ? mesh_host_comm(mesh, "world") : NULL;
+  if (wc && comm_all_reduce(wc, &sig, 1, COMM_FLOAT32, COMM_MAX)) {
+    snprintf(err, errlen, "agreeing on a preemption signal: %s", comm_errmsg(wc));
+    return -1;
+  }
+  return (int)sig;
 }
 
 static int parse_args(args_t *a, int argc, char **argv, char *err, size_t errlen) {
@@ -438,7 +476,7 @@ int main(int argc, char **argv) {
 
   /* Everything acquired below is released at the end, through one path; code is the exit
    * status of a failure (2 usage or plan, 1 runtime). */
-  int code = 1, plan_failed = 0, no_restart = 0, stopped = 0, start_step = 0, resumed = 0;
+  int code = 1, plan_failed = 0, no_restart = 0, stopped = 0, start_step = 0, resumed = 0, preempt_exit = 0;
   plan_t *p = NULL;
   backend_t *be = NULL;
   const char *comm_backend = NULL;
@@ -508,6 +546,7 @@ int main(int argc, char **argv) {
   if ((code = checkpoint_open(&ck, p, dp, mesh, &a.hooks, env.rank, env.world, env.restart, env.round, plan_json,
                               &start_step, &resumed, err, sizeof err)))
     goto error;
+  if (p->checkpoint.on_signal) install_preempt();
   /* --- initial weights (unless resumed): random, our safetensors, llama2.c or Hugging Face */
   if (!resumed && (code = weights_init(m, be, dp, mesh, p, err, sizeof err))) goto error;
   code = 1;
@@ -536,6 +575,21 @@ int main(int argc, char **argv) {
     if (checkpoint_after_step(&ck, dp, s + 1, err, sizeof err)) goto error;
     metrics_skip_traffic(&mt); /* a checkpoint's traffic is not a step's */
     stopped = hooks_stop(&a.hooks, s + 1, p->train.steps); /* as if killed here */
+    int sig = p->checkpoint.on_signal && s + 1 < p->train.steps ? preempt_agreed(mesh, err, sizeof err) : 0;
+    if (sig < 0) goto error;
+    if (sig > 0) { /* preempted: this step's checkpoint, then the signal's exit status */
+      if (checkpoint_now(&ck, dp, s + 1, err, sizeof err)) {
+        char why[sizeof err];
+        snprintf(why, sizeof why, "%s", err);
+        snprintf(err, sizeof err, "%s after step %d: the checkpoint failed: %.3900s", strsignal(sig), s + 1, why);
+        goto error;
+      }
+      log_rank0("%s after step %d: checkpoint saved; exiting %d (128 + the signal); checkpoint.resume=auto continues",
+                strsignal(sig), s + 1, 128 + sig);
+      metrics_skip_traffic(&mt);
+      preempt_exit = 128 + sig;
+      stopped = 1;
+    }
   }
   if (checkpoint_finish(&ck, err, sizeof err)) goto error;
 
@@ -553,8 +607,12 @@ done:
   code = 0;
 error:
   failing = code != 0;
-  if (code && plan_failed) fprintf(stderr, "%s\n", err);
-  else if (code) exit_error(code, err, !(no_restart || ck.no_restart));
+  if (code && plan_failed) {
+    fprintf(stderr, "%s\n", err);
+    error_file_write(err, 0); /* a restart reads the same plan: meshrun is told not to try */
+  } else if (code) {
+    exit_error(code, err, !(no_restart || ck.no_restart));
+  }
   checkpoint_free(&ck); /* a save still in flight (only after a failure) is waited for */
   hooks_close(&a.hooks);
   metrics_free(&mt);
@@ -568,5 +626,5 @@ error:
   mesh_destroy(mesh);
   trace_close();
   free(p);
-  return code;
+  return code ? code : preempt_exit;
 }

@@ -205,6 +205,7 @@ static const field_t checkpoint_fields[] = {
     K_STR("resume", checkpoint.resume, "none"),
     K_INT("keep", checkpoint.keep, 0, INT_MAX, 3),
     K_BOOL("async", checkpoint.async, 0),
+    K_TRI("on_signal", checkpoint.on_signal),
     K_END};
 
 static const field_t log_fields[] = {
@@ -904,6 +905,9 @@ int plan_resolve(plan_t *p, int world_size, char *err, size_t errlen) {
     return perr(err, errlen, "train.min_lr", "%g is above train.lr %g", t->min_lr, t->lr);
   if (!p->data.train[0] && p->data.format != PLAN_DATA_SYNTHETIC)
     return perr(err, errlen, "data.train", "required (a text or token file) unless data.format is synthetic");
+  if (p->checkpoint.on_signal == -1) p->checkpoint.on_signal = p->checkpoint.dir[0] != 0;
+  if (p->checkpoint.on_signal && !p->checkpoint.dir[0])
+    return perr(err, errlen, "checkpoint.on_signal", "needs checkpoint.dir (where the checkpoint on a signal goes)");
   if (strcmp(p->checkpoint.resume, "auto") == 0 && !p->checkpoint.dir[0])
     return perr(err, errlen, "checkpoint.resume", "auto needs checkpoint.dir");
   if (!p->checkpoint.resume[0])

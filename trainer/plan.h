@@ -135,6 +135,8 @@ typedef struct {
   char resume[PLAN_PATH_MAX]; /* "none" (default), "auto", or a checkpoint path */
   int keep;                /* newest kept, default 3 */
   int async;               /* default 0 */
+  int on_signal;           /* SIGTERM, SIGINT, SIGUSR1: finish the step, save, exit 128 + signal
+                              (default: on when dir is set; resolved to 0 or 1) */
 } plan_checkpoint_t;
 
 typedef struct {
