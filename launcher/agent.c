@@ -1,10 +1,16 @@
 /* agent: meshrun's per-round state machine (see agent.h), on one libuv loop.
  *
- * Events in: rdzv (round assigned, round ended, done, fatal error), workers (one exited; all
- * idle), signals, the join backstop timer. A round ends for this node in one place,
- * round_over(), and only when both halves are in: the reason (the store's end key, seen by
- * rdzv's watch thread, identical on every node) and the local workers idle. So every node
- * decides "restart" or "fatal" from the same record, and never spawns over live workers.
+ * Events in: rdzv (round assigned, round ended, drained, done, store lost, fatal error),
+ * workers (one exited; all idle), signals, the join backstop timer. A round ends for this node
+ * in one place, round_over(), and only when both halves are in: the reason (the store's end
+ * key, seen by rdzv's watch thread, identical on every node) and the local workers idle. So
+ * every node decides "restart" or "fatal" from the same record, and never spawns over live
+ * workers. A fatal end on the node that serves the store waits for one more thing, rdzv's word
+ * that the other nodes have read it (RDZV_EV_DRAINED): leaving takes the store with it.
+ *
+ * What ends the job instead of a restart: a worker's failure it calls permanent (exit 2
+ * or 78, or its error file; launcher/errfile decides), failures past --max_restarts, too few
+ * nodes left, and the store lost (its node died: AGENT_EXIT_STORE_LOST on every other node).
  *
  * The store and other jobs. The store belongs to this job (its run id and secret), but jobs
  * that hold the same secret may share its port: the server keeps each job's keys apart. So
@@ -68,6 +74,7 @@ typedef struct {
   int base_is_tmp;
   int have_end;    /* the round's end record is in */
   rdzv_end_t end;
+  int drained;     /* store host: the other nodes have read the round's fatal end */
   int local_failure; /* this node reported the round's failure */
   int exit_code;
   int shutdown_sig;  /* INT/TERM/HUP received */
@@ -98,7 +105,7 @@ static void agent_exit(agent_t *a, int code) {
   uv_timer_stop(&a->join_timer);
   rdzv_shutdown(a->rz); /* no rdzv event comes after this; agent_run destroys it */
   if (a->wk && !workers_idle(a->wk)) {
-    workers_stop(a->wk, SIGTERM, a->opts->shutdown_timeout_s);
+    workers_stop(a->wk, SIGTERM, a->opts->shutdown_timeout_s, "exit");
     return; /* on_idle finishes */
   }
   close_all(a);
@@ -160,6 +167,7 @@ static void print_summary(agent_t *a) {
 static void start_join(agent_t *a) {
   a->state = AGENT_JOINING;
   a->have_end = 0;
+  a->drained = 0;
   a->local_failure = 0;
   /* The rdzv thread enforces join_timeout with precise messages; this timer is the backstop
    * for a peer that accepts and never answers. */
@@ -179,9 +187,11 @@ static void arm_join_timer(agent_t *a) {
   uv_timer_start(&a->join_timer, on_join_timeout, (uint64_t)(a->opts->join_timeout_s * 1000) + 2000, 0);
 }
 
-/* Both halves of a round's end are in: restart or leave. */
+/* Both halves of a round's end are in: restart or leave. A fatal end on the store's node has a
+ * third: the other nodes have read it (rdzv's DRAINED), since leaving takes the store away. */
 static void round_over(agent_t *a) {
   if (a->state != AGENT_STOPPING || !a->have_end || !workers_idle(a->wk)) return;
+  if (a->end.fatal && a->srv && !a->drained) return;
   if (a->end.fatal) {
     print_summary(a);
     agent_exit(a, a->end.exit_code ? a->end.exit_code : 1);
@@ -208,7 +218,7 @@ static void on_worker_exit(workers_t *w, const workers_info_t *info, void *arg) 
                   .local_rank = info->local_rank, .signal = info->term_signal, .time = info->exit_time};
   net_hostname(e.host, sizeof e.host);
   char ts[64], err[256];
-  int restart = 1;
+  int restart = ERRFILE_RESTART_UNSAID;
   /* No file is the usual case (the worker wrote none); any other fault is worth saying. */
   int erc = errfile_read(info->error_file, e.message, sizeof e.message, ts, sizeof ts, &restart, err, sizeof err);
   if (erc && erc != -ENOENT) snprintf(e.message, sizeof e.message, "(unreadable error file: %.900s)", err);
@@ -219,18 +229,28 @@ static void on_worker_exit(workers_t *w, const workers_info_t *info, void *arg) 
   else
     n = snprintf(e.reason, sizeof e.reason, "rank %d (pid %d) on %s exited with code %d", info->rank,
                  (int)info->pid, e.host, info->exit_code);
-  if (!restart) {
-    /* The worker knows a restart cannot help (a bad plan, a missing file): the job ends now,
-     * whatever budget is left. The reason travels to every node, so each one says why. */
+  /* The worker knows a restart cannot help (a bad plan, a missing file), by its error file or
+   * by its exit code: the job ends now, whatever budget is left. The end record is fatal and
+   * travels to every node, so each one stops with this code and says why. */
+  errfile_verdict_t v = errfile_verdict(info->exit_code, info->term_signal, restart);
+  char *tail = n > 0 && (size_t)n < sizeof e.reason ? e.reason + n : NULL;
+  size_t left = tail ? sizeof e.reason - (size_t)n : 0;
+  if (v == ERRFILE_PERMANENT_BY_FILE) {
     e.fatal = 1;
-    if (n > 0 && (size_t)n < sizeof e.reason)
-      snprintf(e.reason + n, sizeof e.reason - (size_t)n,
-               "; no restart tried: its error file asks for none (\"meshrun\": {\"restart\": false})");
+    if (tail)
+      snprintf(tail, left, "; no restart tried: its error file asks for none (\"meshrun\": {\"restart\": false})");
+  } else if (v == ERRFILE_PERMANENT_BY_CODE) {
+    const char *meaning = errfile_exit_meaning(info->exit_code);
+    e.fatal = 1;
+    if (tail) snprintf(tail, left, "; no restart tried: exit code %d is permanent (%s)", info->exit_code, meaning);
+    if (!e.message[0])
+      snprintf(e.message, sizeof e.message, "exit code %d (permanent: %s; meshrun does not restart it)",
+               info->exit_code, meaning);
   }
   log_warn("%s: stopping the other workers", e.reason);
   a->state = AGENT_STOPPING;
   a->local_failure = 1;
-  workers_stop(a->wk, SIGTERM, a->opts->shutdown_timeout_s);
+  workers_stop(a->wk, SIGTERM, a->opts->shutdown_timeout_s, "failure");
   rdzv_end_round(a->rz, &e);
 }
 
@@ -292,7 +312,7 @@ static void on_rdzv(rdzv_t *rz, const rdzv_event_t *ev, void *arg) {
       log_warn("round %d ended elsewhere (%s): %s; stopping workers", a->asg.round,
                rdzv_end_kind_name(ev->end.kind), ev->end.reason);
       a->state = AGENT_STOPPING;
-      workers_stop(a->wk, SIGTERM, a->opts->shutdown_timeout_s);
+      workers_stop(a->wk, SIGTERM, a->opts->shutdown_timeout_s, rdzv_end_kind_name(ev->end.kind));
     }
     if (a->state != AGENT_STOPPING) return; /* FINISHING: our work is done */
     a->end = ev->end;
@@ -302,9 +322,19 @@ static void on_rdzv(rdzv_t *rz, const rdzv_event_t *ev, void *arg) {
   case RDZV_EV_DONE:
     if (a->state == AGENT_FINISHING) agent_exit(a, 0);
     break;
+  case RDZV_EV_DRAINED:
+    a->drained = 1;
+    round_over(a);
+    break;
   case RDZV_EV_ERROR:
     log_error("%s", ev->message);
     agent_exit(a, 1);
+    break;
+  case RDZV_EV_STORE_LOST:
+    /* Whatever the round was doing: without the store there is no next round, no restart and
+     * no way to tell the other nodes anything. */
+    log_error("error: %s (exit %d)", ev->message, AGENT_EXIT_STORE_LOST);
+    agent_exit(a, AGENT_EXIT_STORE_LOST);
     break;
   }
 }
@@ -335,7 +365,7 @@ static void on_signal(uv_signal_t *h, int sig) {
   log_warn("got %s: forwarding to the workers, then shutting down (grace %gs)", sig_name(sig, sbuf, sizeof sbuf),
            a->opts->shutdown_timeout_s);
   /* Forward the signal itself (torchrun does the same), SIGKILL after the grace period. */
-  if (a->wk) workers_stop(a->wk, sig, a->opts->shutdown_timeout_s);
+  if (a->wk) workers_stop(a->wk, sig, a->opts->shutdown_timeout_s, "signal");
   agent_exit(a, 128 + sig);
 }
 

@@ -38,6 +38,8 @@
 #include "common/fs.h"
 #include "common/net.h"
 #include "common/store.h"
+#include "launcher/agent.h"   /* exit statuses, for --help */
+#include "launcher/errfile.h" /* the permanent exit codes, for --help */
 
 /* Defaults, written once: cli_defaults() uses them and cli_usage() prints them. */
 #define DEF_RDZV_PORT 29400
@@ -965,6 +967,22 @@ const char *cli_usage(void) {
          "  OMP_NUM_THREADS=1             unless already set\n"
          "  MESHRUN_STORE=HOST:PORT       the agent's key-value store\n"
          "  " STORE_ENV_SECRET "            the job secret for that store (when there is one)\n"
+         "\n"
+         "Exit status:\n"
+         "  0                       every worker exited 0\n"
+         "  CODE                    the root-cause worker's code (128+signal if a signal killed it),\n"
+         "                          once --max_restarts are spent, or at once when the failure is\n"
+         "                          permanent: the worker exited " STR(
+             ERRFILE_EXIT_USAGE) " (a usage or plan error) or\n"
+         "                          " STR(ERRFILE_EXIT_CONFIG) " (EX_CONFIG), or its TORCHELASTIC_ERROR_FILE holds\n"
+         "                          {\"meshrun\": {\"restart\": false}} (\"restart\": true makes 2 and 78\n"
+         "                          restartable); every node of the job stops with that code\n"
+         "  2                       a usage error of meshrun's (one line naming the flag)\n"
+         "  " STR(AGENT_EXIT_STORE_LOST) "                      the rendezvous store was lost: the node serving it\n"
+         "                          died or was silent for heartbeat_timeout (EX_UNAVAILABLE)\n"
+         "  127                     PROGRAM not found or not executable\n"
+         "  128+N                   meshrun itself got signal N (INT, TERM, HUP)\n"
+         "  1                       other launcher errors (endpoint unreachable, join timeout, ...)\n"
          "\n"
          "Examples:\n"
          "  meshrun --nproc_per_node=8 bin/trainer configs/llama-1b-fsdp-tp.json\n"

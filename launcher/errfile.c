@@ -1,4 +1,5 @@
-/* errfile: the worker's error file (TORCHELASTIC_ERROR_FILE) to a message and a timestamp.
+/* errfile: the worker's error file (TORCHELASTIC_ERROR_FILE) to a message, a timestamp and a
+ * wish about restarting; with the exit code, to a verdict: restart or not.
  * Only regular files up to 1 MiB are read (a bigger one is reported as such, not parsed in
  * part); a message longer than the caller's buffer is cut at a UTF-8 character boundary. */
 #include "launcher/errfile.h"
@@ -30,7 +31,7 @@ int errfile_parse(const char *json, size_t len, char *msg, size_t msglen, char *
                   char *err, size_t errlen) {
   if (msglen) msg[0] = 0;
   if (tslen) ts[0] = 0;
-  if (restart) *restart = 1;
+  if (restart) *restart = ERRFILE_RESTART_UNSAID;
   cJSON *root = cJSON_ParseWithLength(json, len);
   if (!root) {
     snprintf(err, errlen, "error file is not JSON");
@@ -38,7 +39,9 @@ int errfile_parse(const char *json, size_t len, char *msg, size_t msglen, char *
   }
   /* Read first: a worker that asks for no restart is heard even if its message is malformed. */
   const cJSON *own = cJSON_GetObjectItemCaseSensitive(root, "meshrun");
-  if (restart && cJSON_IsFalse(cJSON_GetObjectItemCaseSensitive(own, "restart"))) *restart = 0;
+  const cJSON *wish = cJSON_GetObjectItemCaseSensitive(own, "restart");
+  if (restart && cJSON_IsFalse(wish)) *restart = ERRFILE_RESTART_NO;
+  if (restart && cJSON_IsTrue(wish)) *restart = ERRFILE_RESTART_YES;
   int rc = -EINVAL;
   const cJSON *m = cJSON_GetObjectItemCaseSensitive(root, "message");
   if (cJSON_IsString(m)) {
@@ -68,7 +71,7 @@ int errfile_read(const char *path, char *msg, size_t msglen, char *ts, size_t ts
                  size_t errlen) {
   if (msglen) msg[0] = 0;
   if (tslen) ts[0] = 0;
-  if (restart) *restart = 1;
+  if (restart) *restart = ERRFILE_RESTART_UNSAID;
   /* Never blocks the agent's loop: a FIFO at the path is refused without waiting for a writer. */
   char *buf;
   size_t n;
@@ -92,4 +95,21 @@ int errfile_read(const char *path, char *msg, size_t msglen, char *ts, size_t ts
   rc = errfile_parse(buf, n, msg, msglen, ts, tslen, restart, err, errlen);
   free(buf);
   return rc;
+}
+
+const char *errfile_exit_meaning(int exit_code) {
+  switch (exit_code) {
+  case ERRFILE_EXIT_USAGE: return "a usage or plan error";
+  case ERRFILE_EXIT_CONFIG: return "EX_CONFIG, a configuration error";
+  default: return NULL;
+  }
+}
+
+errfile_verdict_t errfile_verdict(int exit_code, int term_signal, int restart) {
+  if (restart == ERRFILE_RESTART_NO) return ERRFILE_PERMANENT_BY_FILE;
+  if (restart == ERRFILE_RESTART_YES) return ERRFILE_RESTARTABLE;
+  /* 128+2 from a SIGINT is not an exit 2; a signal's code never reaches 78 either, but the
+   * signal is what says how the worker ended. */
+  if (term_signal || !errfile_exit_meaning(exit_code)) return ERRFILE_RESTARTABLE;
+  return ERRFILE_PERMANENT_BY_CODE;
 }

@@ -3,8 +3,10 @@
  * Exit statuses: 0 success; 2 a usage error (one line naming the flag); 127 PROGRAM not found
  * or not executable (like a shell's "command not found"; checked before any rendezvous so a
  * typo fails at once on every node); otherwise what agent_run returns: the root-cause
- * worker's code (128+signal when it died by a signal), 128+sig when meshrun itself got
- * INT/TERM/HUP, 1 for launcher errors. */
+ * worker's code (128+signal when it died by a signal; at once when the worker exited 2 or 78,
+ * the codes that mean "permanent, do not restart"), 128+sig when meshrun itself got
+ * INT/TERM/HUP, 69 when the rendezvous store was lost (its node died), 1 for other launcher
+ * errors. */
 #include <errno.h>
 #include <limits.h>
 #include <signal.h>

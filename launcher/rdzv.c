@@ -54,6 +54,14 @@ struct rdzv {
 
   store_t *cs, *ws; /* command and watch connections; set under mu (rdzv_destroy reads them) */
   uv_thread_t cmd_thr, watch_thr;
+
+  /* The store's liveness (see rdzv.h), under mu: the watch thread marks each reply, the
+   * watchdog (a loop timer) compares. */
+  uv_timer_t watchdog;
+  int watching;      /* the watch thread is in a round */
+  double last_reply; /* mono_now() of its last store reply */
+  double silent_s;   /* > 0 once the watchdog found the store silent this long */
+  atomic_int reached; /* a connection to the store succeeded once: failing now is losing it */
 };
 
 static double mono_now(void) {
@@ -93,12 +101,13 @@ static void emit(rdzv_t *rz, const rdzv_event_t *ev) {
   uv_mutex_unlock(&rz->mu);
 }
 
-static void emit_error(rdzv_t *rz, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void emit_error(rdzv_t *rz, const char *fmt, ...) {
+static void emit_message(rdzv_t *rz, rdzv_event_kind_t kind, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void emit_message(rdzv_t *rz, rdzv_event_kind_t kind, const char *fmt, ...) {
   if (atomic_load(&rz->stop)) return;
   rdzv_event_t *ev = calloc(1, sizeof *ev);
   if (!ev) return;
-  ev->kind = RDZV_EV_ERROR;
+  ev->kind = kind;
   va_list ap;
   va_start(ap, fmt);
   vsnprintf(ev->message, sizeof ev->message, fmt, ap);
@@ -106,11 +115,31 @@ static void emit_error(rdzv_t *rz, const char *fmt, ...) {
   emit(rz, ev);
   free(ev);
 }
+#define emit_error(rz, ...) emit_message(rz, RDZV_EV_ERROR, __VA_ARGS__)
 
-static void store_lost(rdzv_t *rz, store_t *s, int rc) {
+/* The store, reached before, is gone: one line that says where it was, why this node cannot
+ * go on without it, and what would (cause: the failed call's message, or the watchdog's
+ * verdict). */
+static void store_lost_because(rdzv_t *rz, const char *cause) {
   char ep[300];
   net_format_endpoint(ep, sizeof ep, rz->cfg.store_host, rz->cfg.store_port);
-  emit_error(rz, "rendezvous store at %s lost: %s", ep, s ? store_errmsg(s) : store_strerror(rc));
+  emit_message(rz, RDZV_EV_STORE_LOST,
+               "rendezvous store at %s lost (%.500s): the node that serves it died or cannot be reached, and a "
+               "c10d store does not outlive its host, so this node stops too; a store that survives its host "
+               "(--rdzv_backend=etcd) is not built yet",
+               ep, cause);
+}
+
+static void store_lost(rdzv_t *rz, store_t *s, int rc) {
+  uv_mutex_lock(&rz->mu);
+  double silent = rz->silent_s;
+  uv_mutex_unlock(&rz->mu);
+  char cause[600];
+  if (silent > 0)
+    snprintf(cause, sizeof cause, "no reply for %.1fs, heartbeat_timeout=%gs", silent, rz->cfg.heartbeat_timeout_s);
+  else
+    snprintf(cause, sizeof cause, "%.500s", s ? store_errmsg(s) : store_strerror(rc));
+  store_lost_because(rz, cause);
 }
 
 static void on_async(uv_async_t *h) {
@@ -187,15 +216,19 @@ static int ensure_conn(rdzv_t *rz, store_t **s, int timeout_ms) {
   uv_mutex_lock(&rz->mu);
   *s = conn;
   uv_mutex_unlock(&rz->mu);
-  if (rc) {
+  if (rc == 0) atomic_store(&rz->reached, 1);
+  if (rc && atomic_load(&rz->reached)) {
+    /* A connection to this store worked before: whatever answers now, ours has gone away. */
+    store_lost_because(rz, err);
+  } else if (rc) {
     char ep[300];
     net_format_endpoint(ep, sizeof ep, rz->cfg.store_host, rz->cfg.store_port);
     if (rc == STORE_EPROTO)
       emit_error(rz, "--rdzv_endpoint %s: port is in use by another program (not a meshrun store): %s", ep, err);
     else
       emit_error(rz, "--rdzv_endpoint %s: %s", ep, err);
-    *s = NULL;
   }
+  if (rc) *s = NULL;
   return rc;
 }
 
@@ -529,6 +562,54 @@ static void cmd_main(void *arg) {
   thread_exited(arg);
 }
 
+/* The watch thread heard from the store (a reply, or its TIMEOUT answer to a wait). */
+static void store_alive(rdzv_t *rz, int watching) {
+  uv_mutex_lock(&rz->mu);
+  rz->last_reply = mono_now();
+  rz->watching = watching;
+  uv_mutex_unlock(&rz->mu);
+}
+
+/* The watchdog (loop thread, every half heartbeat interval; not on the store's own node): a
+ * store silent for heartbeat_timeout while a round runs is lost. The watch thread's blocked
+ * call is interrupted: it fails at once and reports (store_lost words it from silent_s). */
+static void on_watchdog(uv_timer_t *t) {
+  rdzv_t *rz = t->data;
+  if (atomic_load(&rz->stop) || atomic_load(&rz->done)) return;
+  uv_mutex_lock(&rz->mu);
+  double silent = mono_now() - rz->last_reply;
+  if (rz->watching && rz->silent_s == 0 && silent > rz->cfg.heartbeat_timeout_s) {
+    rz->silent_s = silent;
+    store_interrupt(rz->ws);
+  }
+  uv_mutex_unlock(&rz->mu);
+}
+
+/* On the store's node, after a fatal end of round r: waits until each other participant has
+ * acknowledged it (P/r<r>/seen/<i>), skipping those done (they have left) or silent for
+ * heartbeat_timeout by hb (dead), for at most heartbeat_timeout in all: a node that dies
+ * meanwhile must not keep the job from ending. */
+static void drain_fatal_end(rdzv_t *rz, store_t *s, int r, int n, int me, const char *done, const rdzv_hb_t *hb) {
+  const double timeout = rz->cfg.heartbeat_timeout_s;
+  double deadline = mono_now() + timeout;
+  char key[RDZV_KEY_MAX];
+  for (int i = 1; i <= n; i++) {
+    if (i == me || (done && done[i - 1]) || rdzv_hb_is_dead(hb, i - 1, mono_now(), timeout)) continue;
+    int is_done = 0;
+    keyf(rz, key, "r%d/done/%d", r, i);
+    if (key_exists(s, key, &is_done)) return;
+    if (is_done) continue;
+    double left = deadline - mono_now();
+    keyf(rz, key, "r%d/seen/%d", r, i);
+    int rc = wait_key(rz, s, key, left > 0 ? (int)(left * 1000) + 1 : 0);
+    if (rc == STORE_ETIMEDOUT) {
+      log_debug("round %d: node %d did not acknowledge the job's end within heartbeat_timeout=%gs", r, i, timeout);
+      continue;
+    }
+    if (rc) return; /* stopped, or the connection failed: nothing more to wait for */
+  }
+}
+
 /* Watches one round: its end key (event-driven), our heartbeat, the peers' heartbeats. */
 static void watch_one(rdzv_t *rz, int gen, int r, int n, int me, const rdzv_node_t *nodes) {
   const rdzv_config_t *c = &rz->cfg;
@@ -543,6 +624,7 @@ static void watch_one(rdzv_t *rz, int gen, int r, int n, int me, const rdzv_node
   if (interval_ms < 1) interval_ms = 1;
   int rc = 0;
   int posted = 0;
+  store_alive(rz, 1); /* the round starts now: silence counts from here */
   while (!atomic_load(&rz->stop)) {
     uv_mutex_lock(&rz->mu);
     int stale = rz->watch_gen != gen;
@@ -552,8 +634,10 @@ static void watch_one(rdzv_t *rz, int gen, int r, int n, int me, const rdzv_node
     void *v = NULL;
     size_t len = 0;
     rc = store_get(s, end_key, &v, &len, interval_ms);
+    if (rc == 0 || rc == STORE_ETIMEDOUT) store_alive(rz, 1);
     if (rc == 0) {
       rdzv_event_t *ev = calloc(1, sizeof *ev);
+      int fatal = 1;
       if (ev) {
         ev->kind = RDZV_EV_ROUND_END;
         if (rdzv_end_decode(v, len, &ev->end)) {
@@ -562,10 +646,24 @@ static void watch_one(rdzv_t *rz, int gen, int r, int n, int me, const rdzv_node
           ev->end.exit_code = 1;
           snprintf(ev->end.reason, sizeof ev->end.reason, "round %d ended with an unreadable reason", r);
         }
+        fatal = ev->end.fatal;
         emit(rz, ev);
         free(ev);
       }
       free(v);
+      if (fatal) {
+        /* The job is over, and the store with it once its node exits: that node waits until
+         * every other one has read the end (else it would find the store gone and report that
+         * instead of the job's real end). */
+        if (c->is_store_host) {
+          drain_fatal_end(rz, s, r, n, me, done, &hb);
+          rdzv_event_t dr = {.kind = RDZV_EV_DRAINED};
+          emit(rz, &dr);
+        } else {
+          keyf(rz, key, "r%d/seen/%d", r, me);
+          set_str(s, key, "1"); /* best effort: the store host stops waiting at its deadline */
+        }
+      }
       goto out;
     }
     if (rc != STORE_ETIMEDOUT) break;
@@ -573,12 +671,14 @@ static void watch_one(rdzv_t *rz, int gen, int r, int n, int me, const rdzv_node
     char val[32];
     snprintf(val, sizeof val, "%lld", (long long)++counter);
     if ((rc = set_str(s, key, val))) break;
+    store_alive(rz, 1);
     double now = mono_now();
     for (int i = 0; i < n && !posted; i++) {
       if (i + 1 == me || done[i]) continue;
       int64_t v;
       keyf(rz, key, "r%d/hb/%d", r, i + 1);
       if ((rc = read_int(s, key, 0, &v))) goto lost;
+      store_alive(rz, 1);
       rdzv_hb_observe(&hb, i, v, now);
       if (!rdzv_hb_is_dead(&hb, i, now, c->heartbeat_timeout_s)) continue;
       int is_done = 0;
@@ -606,6 +706,7 @@ lost:
    * never gets here, so STORE_ETIMEDOUT means a reply that never came and a broken stream. */
   if (rc && !atomic_load(&rz->stop) && !atomic_load(&rz->done)) store_lost(rz, s, rc);
 out:
+  store_alive(rz, 0);
   free(done);
   rdzv_hb_free(&hb);
 }
@@ -675,6 +776,17 @@ int rdzv_create(rdzv_t **out, uv_loop_t *loop, const rdzv_config_t *cfg, rdzv_ev
   nthr++;
   if ((rc = uv_async_init(loop, &rz->async, on_async))) goto error;
   rz->async.data = rz;
+  /* After the async handle, so the error path above has no handle to close. It never fails
+   * (libuv's timer init only fills the struct). */
+  uv_timer_init(loop, &rz->watchdog);
+  rz->watchdog.data = rz;
+  if (!cfg->is_store_host) {
+    /* The store's own node needs none: its store stalls only when its loop does, and then
+     * this timer would not run either. */
+    uint64_t period = (uint64_t)(cfg->heartbeat_interval_s * 500);
+    if (period < 10) period = 10;
+    uv_timer_start(&rz->watchdog, on_watchdog, period, period);
+  }
   *out = rz;
   return 0;
 error:
@@ -726,6 +838,7 @@ void rdzv_shutdown(rdzv_t *rz) {
   uv_cond_broadcast(&rz->watch_cond);
   uv_mutex_unlock(&rz->mu);
   if (!uv_is_closing((uv_handle_t *)&rz->async)) uv_close((uv_handle_t *)&rz->async, NULL);
+  if (!uv_is_closing((uv_handle_t *)&rz->watchdog)) uv_close((uv_handle_t *)&rz->watchdog, NULL);
 }
 
 int rdzv_destroy(rdzv_t *rz, int wait_ms) {

@@ -8,7 +8,17 @@
  *     interval, writes this node's heartbeat on each timeout and judges its peers'.
  * Both report to the loop with uv_async_send; the callback runs on the loop thread. The loop
  * stops them with a flag; every store wait they make is bounded (heartbeat interval or join
- * timeout), so they notice. rdzv_destroy also shuts their store sockets down so that they
+ * timeout), so they notice.
+ *
+ * The store's own liveness. The store lives in one node's meshrun (c10d's single point of
+ * failure): when that node dies, no other node can go on. A store that closes its connections
+ * (its process died) is noticed on the next reply; one that goes silent (its host lost power
+ * or the network, its process stopped) would hold a store call for seconds (the client's
+ * slack) to a minute, so on every node but the store's own a loop timer, the watchdog, judges
+ * the store as the watch thread judges peers: no reply for heartbeat_timeout while a round
+ * runs (the watch thread's wait is answered every heartbeat interval) and the store is lost;
+ * the watchdog interrupts the blocked call. Either way the agent gets RDZV_EV_STORE_LOST with
+ * one line that names the store's host:port. rdzv_destroy also shuts their store sockets down so that they
  * notice at once, joins them and frees everything; only a thread still inside a connect
  * attempt past its wait (a store that stopped answering) is left to end with the process,
  * holding the rdzv_t (reachable from its stack: not a leak, and bounded by join_timeout).
@@ -40,6 +50,9 @@
  *                        failure), which then writes:
  *   P/r<r>/end           JSON rdzv_end_t: why round r ended (failure, dead node, scale-up), the
  *                        root cause and whether the job is over (fatal). Every agent watches it.
+ *   P/r<r>/seen/<i>      participant i read a fatal end. The store's node waits for these (at
+ *                        most heartbeat_timeout) before it lets its agent exit and take the
+ *                        store away: every node then ends with the job's real cause and code.
  * A node arriving while round r runs with fewer than max nodes ends round r ("scale_up") and
  * joins r+1; everyone else follows. When the round is full it waits for the round's end.
  *
@@ -117,7 +130,10 @@ typedef enum {
   RDZV_EV_ASSIGNED = 0, /* a round closed: ev->assignment */
   RDZV_EV_ROUND_END,    /* the running round ended: ev->end */
   RDZV_EV_DONE,         /* after rdzv_done: this agent may exit */
-  RDZV_EV_ERROR,        /* fatal: join timeout, store lost, bad peers; ev->message */
+  RDZV_EV_ERROR,        /* fatal: join timeout, bad peers; ev->message */
+  RDZV_EV_STORE_LOST,   /* fatal: the store, reached before, is gone or silent; ev->message */
+  RDZV_EV_DRAINED,      /* on the store's node, after a fatal ROUND_END: the other nodes have read
+                         * it (or heartbeat_timeout passed); the store may go now */
 } rdzv_event_kind_t;
 
 typedef struct {
@@ -138,7 +154,8 @@ int rdzv_create(rdzv_t **out, uv_loop_t *loop, const rdzv_config_t *cfg, rdzv_ev
 void rdzv_join(rdzv_t *rz);                       /* -> ASSIGNED or ERROR */
 void rdzv_end_round(rdzv_t *rz, const rdzv_end_t *e); /* ends the running round; -> ROUND_END */
 void rdzv_done(rdzv_t *rz);                       /* -> DONE */
-/* Tells the threads to stop and closes the async handle (the loop must run for it to close).
+/* Tells the threads to stop and closes the async handle and the watchdog timer (the loop must
+ * run for them to close).
  * No event is delivered after it. Idempotent; accepts NULL. */
 void rdzv_shutdown(rdzv_t *rz);
 /* After rdzv_shutdown and the loop run that closed the handle: interrupts the threads' store

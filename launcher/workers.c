@@ -72,6 +72,7 @@ struct workers {
   int stopping;
   int draining; /* every worker reaped; pipes closing (see reap) */
   int idle_reported;
+  char stop_file[PATH_MAX]; /* MESHRUN_STOP_FILE of this round's workers (workers_stop writes it) */
 };
 
 static double wall_now(void) {
@@ -317,7 +318,7 @@ static const char *const OWN_VARS[] = {
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
     "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
     "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "MESHRUN_STORE",
-    "MESHRUN_ROUND", "TORCHELASTIC_USE_AGENT_STORE", STORE_ENV_SECRET, NULL};
+    "MESHRUN_ROUND", "MESHRUN_STOP_FILE", "TORCHELASTIC_USE_AGENT_STORE", STORE_ENV_SECRET, NULL};
 
 static int is_own_var(const char *kv) {
   for (int i = 0; OWN_VARS[i]; i++) {
@@ -361,6 +362,7 @@ static char **build_env(const workers_t *w, const workers_round_t *r, const work
   if (!rc) rc = env_add(&env, &n, &cap, "TORCHELASTIC_ERROR_FILE", "%s", i->error_file);
   if (!rc) rc = env_add(&env, &n, &cap, "MESHRUN_STORE", "%s", r->store_endpoint);
   if (!rc) rc = env_add(&env, &n, &cap, "MESHRUN_ROUND", "%d", r->round);
+  if (!rc) rc = env_add(&env, &n, &cap, "MESHRUN_STOP_FILE", "%s", w->stop_file);
   /* Not through env_add: its buffer is sized for paths, and a secret is never cut. */
   if (!rc && r->store_secret[0]) {
     char *kv = malloc(sizeof STORE_ENV_SECRET + 1 + strlen(r->store_secret));
@@ -577,6 +579,9 @@ int workers_start(workers_t *w, const workers_round_t *r, char *err, size_t errl
     return -ENOMEM;
   }
   for (int i = 0; i < r->nproc; i++) reports[i] = -1;
+  snprintf(w->stop_file, sizeof w->stop_file, "%.4000s/stop", r->attempt_dir);
+  if ((rc = mkdir_p(r->attempt_dir, err, errlen))) goto error;
+  unlink(w->stop_file);
   for (int i = 0; i < r->nproc; i++) {
     worker_t *wk = &w->ws[i];
     wk->owner = w;
@@ -691,9 +696,18 @@ void workers_signal(workers_t *w, int sig) {
     if (w->ws[i].info.running) kill(-w->ws[i].info.pid, sig);
 }
 
-void workers_stop(workers_t *w, int sig, double grace_s) {
+void workers_stop(workers_t *w, int sig, double grace_s, const char *reason) {
   if (w->stopping) return;
   w->stopping = 1;
+  /* The reason first, where the workers' signal handlers can read it (MESHRUN_STOP_FILE): one
+   * word and a newline, written whole before any signal is sent. */
+  int fd = w->stop_file[0] ? open(w->stop_file, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644) : -1;
+  if (fd >= 0) {
+    char line[64];
+    int len = snprintf(line, sizeof line, "%.60s\n", reason ? reason : "stop");
+    if (write(fd, line, (size_t)len) != len) log_warn("writing %s: %s", w->stop_file, strerror(errno));
+    close(fd);
+  }
   /* SIGTERM (or the signal meshrun got) first so workers can flush and write their error
    * files; SIGKILL after the grace period for those that ignore it or hang. */
   workers_signal(w, sig);

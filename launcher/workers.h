@@ -69,8 +69,13 @@ int workers_start(workers_t *w, const workers_round_t *round, char *err, size_t 
 /* Sends sig to every running worker's process group (forwarding). */
 void workers_signal(workers_t *w, int sig);
 /* sig (SIGTERM, or the signal being forwarded) now, SIGKILL to the groups still running after
- * grace_s. Idempotent: a second call does nothing. */
-void workers_stop(workers_t *w, int sig, double grace_s);
+ * grace_s. Idempotent: a second call does nothing. Before the signal, reason goes into the file
+ * the workers find in MESHRUN_STOP_FILE (<attempt_dir>/stop), one word: "signal" (meshrun got
+ * the signal it forwards: a preemption), "scale_up" (a node joins; every worker is healthy),
+ * "failure" or "dead_node" (a worker or node is gone: peers may be stuck on it), "exit" (meshrun
+ * itself is ending). A worker that can save its state (the trainer's checkpoint.on_signal) does
+ * so for the first two and just ends for the others. */
+void workers_stop(workers_t *w, int sig, double grace_s, const char *reason);
 /* SIGKILL to every process group this round started, running or not (exit paths). */
 void workers_kill_all(workers_t *w);
 int workers_running(const workers_t *w);

@@ -661,10 +661,13 @@ def meshrun_path():
     return os.path.join(os.path.abspath(d), "meshrun")
 
 
-def start_meshrun(cluster, args, meshrun=None, env=None, rdzv_id=None, **popen_kwargs):
+def start_meshrun(cluster, args, meshrun=None, env=None, rdzv_id=None, nnodes=None, node_args=None,
+                  **popen_kwargs):
     """One meshrun per host: --nnodes=N --node_rank=i --rdzv_endpoint=<host 0>:<free port>, then
     args. Every node gets MESHRUN_COMM_HOST = its host's address and one job secret (a fresh
-    random MESHRUN_RDZV_TOKEN unless env or the environment has one). Returns the Popens."""
+    random MESHRUN_RDZV_TOKEN unless env or the environment has one). nnodes: the --nnodes value
+    when not the cluster's size, e.g. "2:4" for an elastic job; node_args(i): meshrun flags for
+    node i alone, put before args. Returns the Popens."""
     meshrun = meshrun or meshrun_path()
     port = cluster.free_port(0)
     base = dict(os.environ)
@@ -675,8 +678,9 @@ def start_meshrun(cluster, args, meshrun=None, env=None, rdzv_id=None, **popen_k
     procs = []
     for i in range(cluster.n):
         e = dict(base, MESHRUN_COMM_HOST=cluster.addr(i))
-        argv = [meshrun, "--nnodes=%d" % cluster.n, "--node_rank=%d" % i,
-                "--rdzv_endpoint=%s:%d" % (cluster.addr(0), port), "--rdzv_id=%s" % rdzv_id] + list(args)
+        argv = [meshrun, "--nnodes=%s" % (nnodes or cluster.n), "--node_rank=%d" % i,
+                "--rdzv_endpoint=%s:%d" % (cluster.addr(0), port), "--rdzv_id=%s" % rdzv_id]
+        argv += list(node_args(i) if node_args else []) + list(args)
         procs.append(cluster.run(i, argv, env=e, **popen_kwargs))
     return procs
 

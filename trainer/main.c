@@ -38,6 +38,7 @@
  * Hidden flags and fault variables for tests: trainer/hooks. */
 #include <cJSON.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <signal.h>
 #include <stdio.h>
@@ -167,13 +168,30 @@ static timer_t term_timer;
 static int have_term_timer;
 /* Preemption (checkpoint.on_signal): SIGTERM, SIGINT or SIGUSR1 only record the signal; the loop
  * finishes the step, the ranks agree on it (preempt_agreed), save a checkpoint and exit 128 +
- * the signal, as the signal would have ended the process. A rank whose peer died finds out at
- * its next collective, as without it. A second SIGINT ends the process at once (a user's Ctrl-C
- * twice); meshrun's SIGKILL after its grace bounds the rest. */
+ * the signal, as the signal would have ended the process. Not when meshrun stops the workers
+ * because a worker or a node is gone (its reason in MESHRUN_STOP_FILE: "failure", "dead_node",
+ * "exit"): peers may then be stuck in a collective with the dead one, so the rank ends as
+ * without on_signal; "signal" (meshrun forwards a preemption), "scale_up" (everyone is alive)
+ * or no file (a signal from outside meshrun) save. A second SIGINT ends the process at once (a
+ * user's Ctrl-C twice); meshrun's SIGKILL after its grace bounds the rest. */
 static volatile sig_atomic_t preempt_sig, preempt_on;
+static char stop_file[1024]; /* MESHRUN_STOP_FILE, copied before the handler can run */
+
+/* Whether meshrun's stop reason lets this rank save (async-signal-safe: open, read, close). */
+static int stop_allows_save(void) {
+  if (!stop_file[0]) return 1;
+  int fd = open(stop_file, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return 1; /* no reason written: the signal did not come from a stop of meshrun's */
+  char r[16] = "";
+  ssize_t n = read(fd, r, sizeof r - 1);
+  close(fd);
+  if (n <= 0) return 1;
+  return !strncmp(r, "signal", 6) || !strncmp(r, "scale_up", 8);
+}
+
 static void on_sigterm(int sig) {
   if (failing || comm_failed_any()) return;
-  if (preempt_on) {
+  if (preempt_on && (preempt_sig || stop_allows_save())) {
     if (!preempt_sig) {
       preempt_sig = sig;
       return;
@@ -203,6 +221,8 @@ static void install_sigterm(void) {
 static void install_preempt(void) {
   struct sigaction sa = {.sa_handler = on_sigterm, .sa_flags = SA_RESTART};
   sigemptyset(&sa.sa_mask);
+  const char *sf = getenv("MESHRUN_STOP_FILE");
+  snprintf(stop_file, sizeof stop_file, "%s", sf && strlen(sf) < sizeof stop_file ? sf : "");
   preempt_on = 1;
   sigaction(SIGINT, &sa, NULL);
   sigaction(SIGUSR1, &sa, NULL);

@@ -67,6 +67,8 @@ def main():
     p.add_argument("--code", type=int, default=3)
     p.add_argument("--errfile", default="", help="write this message to TORCHELASTIC_ERROR_FILE before failing")
     p.add_argument("--errfile-plain", action="store_true", help='use {"message": "..."} instead of torch\'s format')
+    p.add_argument("--errfile-restart", choices=("true", "false"), default=None,
+                   help='add meshrun\'s {"meshrun": {"restart": true|false}} to the error file')
     p.add_argument("--hang", action="store_true", help="after starting, wait until a signal ends us")
     p.add_argument("--hang-until", default="", help="wait until this file exists (30 s cap)")
     p.add_argument("--print", type=int, default=0, help="print N lines to stdout and stderr")
@@ -104,6 +106,8 @@ def main():
                 doc = {"message": a.errfile}
             else:
                 doc = {"message": {"message": a.errfile, "extraInfo": {"timestamp": str(int(time.time()))}}}
+            if a.errfile_restart:
+                doc["meshrun"] = {"restart": a.errfile_restart == "true"}
             with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
                 json.dump(doc, f)
         atomic_write(os.path.join(a.dir, tag + ".exit"), str(time.time()))

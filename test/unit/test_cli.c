@@ -25,7 +25,9 @@
 #include <unistd.h>
 
 #include "common/store.h"
+#include "launcher/agent.h"
 #include "launcher/cli.h"
+#include "launcher/errfile.h"
 
 #define MAX_ARGS 32
 
@@ -850,10 +852,20 @@ static void test_usage_text(void **state) {
       "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE",
       "OMP_NUM_THREADS", "MESHRUN_STORE", "MESHRUN_ROUND", "ROLE_NAME", MESHRUN_VERSION,
       "token_file", "handshake_timeout", STORE_ENV_SECRET, "token_file wins",
+      "Exit status:", "EX_CONFIG", "EX_UNAVAILABLE", "\"restart\": false", "\"restart\": true",
   };
   for (size_t i = 0; i < sizeof must / sizeof must[0]; i++) {
     if (!strstr(u, must[i])) print_error("--help lacks \"%s\"\n", must[i]);
     assert_non_null(strstr(u, must[i]));
+  }
+  /* The exit statuses it lists are the ones the launcher uses. */
+  char codes[3][64];
+  snprintf(codes[0], sizeof codes[0], "exited %d (a usage or plan error)", ERRFILE_EXIT_USAGE);
+  snprintf(codes[1], sizeof codes[1], "%d (EX_CONFIG)", ERRFILE_EXIT_CONFIG);
+  snprintf(codes[2], sizeof codes[2], "\n  %d  ", AGENT_EXIT_STORE_LOST);
+  for (int i = 0; i < 3; i++) {
+    if (!strstr(u, codes[i])) print_error("--help lacks \"%s\"\n", codes[i]);
+    assert_non_null(strstr(u, codes[i]));
   }
   /* Fits a terminal: no line over 100 columns. */
   for (const char *line = u; *line;) {

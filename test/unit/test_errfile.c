@@ -3,8 +3,9 @@
  * format, the plain one, and the ways a file can be wrong (missing, empty, not JSON, no
  * message, too deep, too big, not a regular file); each gives the message or an error naming
  * the fault, never a crash or a stale message. meshrun's own {"meshrun": {"restart": false}}:
- * read beside either format, only the JSON false counts. Files live in a mkdtemp directory per
- * test. */
+ * read beside either format, only the JSON false (and true) counts. The verdict: the file's
+ * wish first, then exit codes 2 and 78 are permanent, anything else and any signal is not.
+ * Files live in a mkdtemp directory per test. */
 #include <errno.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -214,36 +215,43 @@ static void test_restart_false(void **state) {
   char msg[64], ts[16], err[256];
   int restart = 7;
   assert_int_equal(errfile_read(f->path, msg, sizeof msg, ts, sizeof ts, &restart, err, sizeof err), 0);
-  assert_int_equal(restart, 0);
+  assert_int_equal(restart, ERRFILE_RESTART_NO);
   assert_string_equal(msg, "plan error: tp=3");
   assert_string_equal(ts, "17");
 }
 
-/* Only the JSON value false asks: true, a string, a number, null, the key elsewhere or
- * misspelled, and no file at all leave restarts on. */
-static void test_restart_only_json_false_counts(void **state) {
+/* Only the JSON values false and true count: a string, a number, null, the key elsewhere or
+ * misspelled, and no file at all leave the decision to the exit code (UNSAID). */
+static void test_restart_only_json_booleans_count(void **state) {
   fx_t *f = *state;
-  const char *docs[] = {"{\"message\": \"m\", \"meshrun\": {\"restart\": true}}",
-                        "{\"message\": \"m\", \"meshrun\": {\"restart\": \"false\"}}",
-                        "{\"message\": \"m\", \"meshrun\": {\"restart\": 0}}",
-                        "{\"message\": \"m\", \"meshrun\": {\"restart\": null}}",
-                        "{\"message\": \"m\", \"meshrun\": false}",
-                        "{\"message\": \"m\", \"restart\": false}",
-                        "{\"message\": {\"message\": \"m\", \"meshrun\": {\"restart\": false}}}",
-                        "{\"message\": \"m\", \"Meshrun\": {\"restart\": false}}",
-                        "{\"message\": \"m\"}"};
-  for (size_t i = 0; i < sizeof docs / sizeof docs[0]; i++) {
+  const struct {
+    const char *doc;
+    int want;
+  } cases[] = {{"{\"message\": \"m\", \"meshrun\": {\"restart\": true}}", ERRFILE_RESTART_YES},
+               {"{\"message\": \"m\", \"meshrun\": {\"restart\": false}}", ERRFILE_RESTART_NO},
+               {"{\"message\": \"m\", \"meshrun\": {\"restart\": \"false\"}}", ERRFILE_RESTART_UNSAID},
+               {"{\"message\": \"m\", \"meshrun\": {\"restart\": 0}}", ERRFILE_RESTART_UNSAID},
+               {"{\"message\": \"m\", \"meshrun\": {\"restart\": 1}}", ERRFILE_RESTART_UNSAID},
+               {"{\"message\": \"m\", \"meshrun\": {\"restart\": null}}", ERRFILE_RESTART_UNSAID},
+               {"{\"message\": \"m\", \"meshrun\": false}", ERRFILE_RESTART_UNSAID},
+               {"{\"message\": \"m\", \"restart\": false}", ERRFILE_RESTART_UNSAID},
+               {"{\"message\": {\"message\": \"m\", \"meshrun\": {\"restart\": false}}}", ERRFILE_RESTART_UNSAID},
+               {"{\"message\": \"m\", \"Meshrun\": {\"restart\": false}}", ERRFILE_RESTART_UNSAID},
+               {"{\"message\": \"m\"}", ERRFILE_RESTART_UNSAID}};
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     char msg[64], ts[16], err[256];
     int restart = 7;
-    assert_int_equal(errfile_parse(docs[i], strlen(docs[i]), msg, sizeof msg, ts, sizeof ts, &restart, err, sizeof err),
+    assert_int_equal(errfile_parse(cases[i].doc, strlen(cases[i].doc), msg, sizeof msg, ts, sizeof ts, &restart, err,
+                                   sizeof err),
                      0);
-    if (restart != 1) fail_msg("doc %zu (%s): restart=%d, expected 1", i, docs[i], restart);
+    if (restart != cases[i].want)
+      fail_msg("doc %zu (%s): restart=%d, expected %d", i, cases[i].doc, restart, cases[i].want);
     assert_string_equal(msg, "m");
   }
   int restart = 7;
   char msg[64], ts[16], err[256];
   assert_int_equal(errfile_read(f->path, msg, sizeof msg, ts, sizeof ts, &restart, err, sizeof err), -ENOENT);
-  assert_int_equal(restart, 1);
+  assert_int_equal(restart, ERRFILE_RESTART_UNSAID);
 }
 
 /* The wish is heard even when the message is missing, but not from a file that is not JSON. */
@@ -254,13 +262,45 @@ static void test_restart_false_without_message(void **state) {
   int restart = 7;
   assert_int_equal(errfile_parse(doc, strlen(doc), msg, sizeof msg, ts, sizeof ts, &restart, err, sizeof err),
                    -EINVAL);
-  assert_int_equal(restart, 0);
+  assert_int_equal(restart, ERRFILE_RESTART_NO);
   assert_string_equal(msg, "");
   const char *bad = "{\"meshrun\": {\"restart\": false}";
   restart = 7;
   assert_int_equal(errfile_parse(bad, strlen(bad), msg, sizeof msg, ts, sizeof ts, &restart, err, sizeof err),
                    -EINVAL);
-  assert_int_equal(restart, 1);
+  assert_int_equal(restart, ERRFILE_RESTART_UNSAID);
+}
+
+/* Exit codes 2 and 78 are permanent unless the file says "restart": true; a file saying
+ * false makes any failure permanent, a signal death included; every other code, and a
+ * signal whose 128+N looks like nothing special, restarts. */
+static void test_verdict(void **state) {
+  (void)state;
+  const int U = ERRFILE_RESTART_UNSAID, N = ERRFILE_RESTART_NO, Y = ERRFILE_RESTART_YES;
+  const struct {
+    int code, sig, restart;
+    errfile_verdict_t want;
+  } cases[] = {
+      {2, 0, U, ERRFILE_PERMANENT_BY_CODE},  {78, 0, U, ERRFILE_PERMANENT_BY_CODE},
+      {2, 0, N, ERRFILE_PERMANENT_BY_FILE},  {5, 0, N, ERRFILE_PERMANENT_BY_FILE},
+      {137, 9, N, ERRFILE_PERMANENT_BY_FILE}, {2, 0, Y, ERRFILE_RESTARTABLE},
+      {78, 0, Y, ERRFILE_RESTARTABLE},       {1, 0, U, ERRFILE_RESTARTABLE},
+      {3, 0, U, ERRFILE_RESTARTABLE},        {77, 0, U, ERRFILE_RESTARTABLE},
+      {79, 0, U, ERRFILE_RESTARTABLE},       {127, 0, U, ERRFILE_RESTARTABLE},
+      {130, 2, U, ERRFILE_RESTARTABLE},      {143, 15, U, ERRFILE_RESTARTABLE},
+      {2, 2, U, ERRFILE_RESTARTABLE}, /* never produced, but a signal always says "restart" */
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    errfile_verdict_t v = errfile_verdict(cases[i].code, cases[i].sig, cases[i].restart);
+    if (v != cases[i].want)
+      fail_msg("case %zu (code %d, signal %d, restart %d): verdict %d, expected %d", i, cases[i].code, cases[i].sig,
+               cases[i].restart, (int)v, (int)cases[i].want);
+  }
+  assert_string_equal(errfile_exit_meaning(2), "a usage or plan error");
+  assert_non_null(strstr(errfile_exit_meaning(78), "EX_CONFIG"));
+  assert_null(errfile_exit_meaning(0));
+  assert_null(errfile_exit_meaning(1));
+  assert_null(errfile_exit_meaning(130));
 }
 
 int main(void) {
@@ -278,8 +318,9 @@ int main(void) {
       cmocka_unit_test(test_deep_nesting),
       cmocka_unit_test_setup_teardown(test_not_a_regular_file, setup, teardown),
       cmocka_unit_test_setup_teardown(test_restart_false, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_restart_only_json_false_counts, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_restart_only_json_booleans_count, setup, teardown),
       cmocka_unit_test(test_restart_false_without_message),
+      cmocka_unit_test(test_verdict),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,14 +1,17 @@
 // deps: launcher/rdzv.c launcher/store_server.c common/store.c common/store_proto.c common/net.c common/log.c common/err.c
 /* Unit tests of rdzv's pure decision logic: round closing, late joiners, rank assignment,
  * heartbeat verdicts, fatal ends, the end record's JSON round trip and the master record that
- * carries each round's restart count. No sockets, except the last test: a store that stops
- * answering mid-round must be reported, not silently end the heartbeats. */
+ * carries each round's restart count. No sockets, except the last tests: a store that stops
+ * answering mid-round must be reported as lost (RDZV_EV_STORE_LOST), not silently end the
+ * heartbeats; with a short heartbeat_timeout the watchdog reports it within that timeout (plus
+ * its half-interval tick), not after the store client's 5 s reply slack. */
 #include <errno.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <cmocka.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -195,6 +198,7 @@ typedef struct {
   uv_sem_t release;
   store_server_t *srv;
   int port;
+  uint64_t frozen_at; /* uv_hrtime() when the store stopped answering */
 } frozen_store_t;
 
 /* Freezes once the watch thread is connected and parked on the round's end key: from then on
@@ -203,6 +207,7 @@ static void fs_on_poll(uv_timer_t *t) {
   frozen_store_t *fs = t->data;
   if (store_server_num_waiters(fs->srv) == 0) return;
   uv_timer_stop(t);
+  fs->frozen_at = uv_hrtime();
   uv_sem_wait(&fs->release); /* the store's loop stops here */
 }
 
@@ -225,7 +230,8 @@ typedef struct {
   rdzv_t *rz;
   frozen_store_t *fs;
   uv_timer_t deadline;
-  int assigned, errors, timed_out;
+  int assigned, errors, lost, timed_out;
+  uint64_t lost_at; /* uv_hrtime() of the STORE_LOST event */
   char message[RDZV_MSG_MAX];
 } watch_probe_t;
 
@@ -240,8 +246,10 @@ static void probe_on_event(rdzv_t *rz, const rdzv_event_t *ev, void *arg) {
   if (ev->kind == RDZV_EV_ASSIGNED) {
     p->assigned = 1;
     uv_async_send(&p->fs->freeze);
-  } else if (ev->kind == RDZV_EV_ERROR) {
-    p->errors++;
+  } else if (ev->kind == RDZV_EV_ERROR || ev->kind == RDZV_EV_STORE_LOST) {
+    if (ev->kind == RDZV_EV_ERROR) p->errors++;
+    else p->lost++;
+    p->lost_at = uv_hrtime();
     snprintf(p->message, sizeof p->message, "%s", ev->message);
     probe_finish(p);
   }
@@ -253,8 +261,9 @@ static void probe_on_deadline(uv_timer_t *t) {
   probe_finish(p);
 }
 
-static void test_store_that_stops_answering_is_reported(void **state) {
-  (void)state;
+/* Runs one round against a store that freezes once the watch thread waits on it; returns the
+ * seconds from the freeze to the report. */
+static double run_frozen(double heartbeat_timeout_s, watch_probe_t *pp) {
   frozen_store_t fs;
   memset(&fs, 0, sizeof fs);
   char err[512];
@@ -272,7 +281,7 @@ static void test_store_that_stops_answering_is_reported(void **state) {
   assert_int_equal(uv_loop_init(&loop), 0);
   rdzv_config_t cfg = {.store_port = fs.port, .nnodes_min = 1, .nnodes_max = 1, .node_rank = -1, .nproc = 1,
                        .join_timeout_s = 10, .last_call_timeout_s = 0.1, .close_timeout_s = 10,
-                       .heartbeat_interval_s = 0.1, .heartbeat_timeout_s = 30, .max_restarts = 0};
+                       .heartbeat_interval_s = 0.1, .heartbeat_timeout_s = heartbeat_timeout_s, .max_restarts = 0};
   snprintf(cfg.store_host, sizeof cfg.store_host, "127.0.0.1");
   snprintf(cfg.run_id, sizeof cfg.run_id, "frozen");
   snprintf(cfg.addr, sizeof cfg.addr, "127.0.0.1");
@@ -294,12 +303,37 @@ static void test_store_that_stops_answering_is_reported(void **state) {
   assert_int_equal(uv_loop_close(&fs.loop), 0);
   assert_int_equal(rdzv_destroy(p.rz, 10000), 0);
   assert_int_equal(uv_loop_close(&loop), 0);
-
+  /* The round ran, then exactly one report came, and it was "lost", not another error. */
   assert_true(p.assigned);
   assert_false(p.timed_out);
-  assert_int_equal(p.errors, 1);
-  print_message("rdzv error: %s\n", p.message);
+  assert_int_equal(p.errors, 0);
+  assert_int_equal(p.lost, 1);
+  *pp = p;
+  return p.lost_at > fs.frozen_at ? (double)(p.lost_at - fs.frozen_at) / 1e9 : 0;
+}
+
+/* A heartbeat_timeout longer than the client's reply slack: the failed call reports it. */
+static void test_store_that_stops_answering_is_reported(void **state) {
+  (void)state;
+  watch_probe_t p;
+  double t = run_frozen(30, &p);
+  print_message("store lost after %.2f s: %s\n", t, p.message);
+  assert_non_null(strstr(p.message, "rendezvous store at 127.0.0.1:"));
   assert_non_null(strstr(p.message, "lost"));
+  assert_non_null(strstr(p.message, "--rdzv_backend=etcd"));
+}
+
+/* heartbeat_timeout 0.5 s: the watchdog reports the silence in 0.5 s plus one tick (0.05 s),
+ * long before the 5 s slack; allowed: under 1.5 s. */
+static void test_silent_store_is_lost_within_heartbeat_timeout(void **state) {
+  (void)state;
+  watch_probe_t p;
+  double t = run_frozen(0.5, &p);
+  print_message("silent store reported after %.3f s (heartbeat_timeout 0.5 s, allowed < 1.5 s): %s\n", t,
+                p.message);
+  assert_true(t > 0 && t < 1.5);
+  assert_non_null(strstr(p.message, "no reply for"));
+  assert_non_null(strstr(p.message, "heartbeat_timeout=0.5s"));
 }
 
 int main(void) {
@@ -314,6 +348,7 @@ int main(void) {
       cmocka_unit_test(test_master_record),
       cmocka_unit_test(test_end_json_round_trip),
       cmocka_unit_test(test_store_that_stops_answering_is_reported),
+      cmocka_unit_test(test_silent_store_is_lost_within_heartbeat_timeout),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
