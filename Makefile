@@ -52,6 +52,9 @@ CMOCKA_LIBS  := $(shell pkg-config --libs cmocka 2>/dev/null || echo -lcmocka)
 # OpenSSL's libcrypto: HMAC-SHA256 and random bytes for the store's job secret.
 CRYPTO_CFLAGS := $(shell pkg-config --cflags libcrypto 2>/dev/null)
 CRYPTO_LIBS   := $(shell pkg-config --libs libcrypto 2>/dev/null || echo -lcrypto)
+# libcurl: the etcd client's HTTP (common/etcd.c); linked only by what uses it (needs_curl).
+CURL_CFLAGS  := $(shell pkg-config --cflags libcurl 2>/dev/null)
+CURL_LIBS    := $(shell pkg-config --libs libcurl 2>/dev/null || echo -lcurl)
 else
 # Unpacked .debs: no pkg-config files to trust (they name /usr), and no update-alternatives links,
 # so OpenBLAS is taken from its openblas-pthread folder directly.
@@ -66,8 +69,10 @@ BLAS_LIBS    := -L$(DEPS_LIB)/openblas-pthread -Wl,-rpath-link,$(DEPS_LIB)/openb
 CMOCKA_LIBS  := -lcmocka
 CRYPTO_CFLAGS :=
 CRYPTO_LIBS   := -lcrypto
+CURL_CFLAGS  :=
+CURL_LIBS    := -lcurl
 endif
-CFLAGS += $(UV_CFLAGS) $(CJSON_CFLAGS) $(BLAS_CFLAGS) $(CRYPTO_CFLAGS) -fopenmp
+CFLAGS += $(UV_CFLAGS) $(CJSON_CFLAGS) $(BLAS_CFLAGS) $(CRYPTO_CFLAGS) $(CURL_CFLAGS) -fopenmp
 LDFLAGS += -fopenmp
 ALL_LIBS := $(UV_LIBS) $(CJSON_LIBS) $(BLAS_LIBS) $(CRYPTO_LIBS) $(LDLIBS)
 
@@ -122,6 +127,10 @@ TRAINER_SRC  := $(wildcard trainer/*.c)
 COMMON_OBJ   := $(COMMON_SRC:%.c=$(BUILD)/%.o)
 LAUNCHER_OBJ := $(LAUNCHER_SRC:%.c=$(BUILD)/%.o)
 TRAINER_OBJ  := $(TRAINER_SRC:%.c=$(BUILD)/%.o) $(if $(HAVE_CUDA),$(CU_SRC:%.cu=$(BUILD)/%.o))
+# The etcd client (libcurl) is for the launcher's etcd rendezvous backend, which is not built yet:
+# until it is, neither program links it (libcurl's dependencies would add about 11 MB to the GPU
+# kit, whose carry is limited), only its test does.
+ETCD_OBJ     := $(BUILD)/common/etcd.o
 
 UNIT_SRC  := $(wildcard test/unit/test_*.c)
 UNIT_BIN  := $(UNIT_SRC:test/unit/%.c=$(BUILD)/test/%)
@@ -133,12 +142,12 @@ TOOL_BIN  := $(TOOL_SRC:test/tools/%.c=$(BUILD)/tools/%)
 .PHONY: all test unit integration test-gpu demo bench bench-gpu install clean
 all: $(BIN)/meshrun $(BIN)/trainer $(UNIT_BIN) $(TOOL_BIN) $(GPU_BIN)
 
-$(BIN)/meshrun: $(LAUNCHER_OBJ) $(COMMON_OBJ)
+$(BIN)/meshrun: $(LAUNCHER_OBJ) $(filter-out $(ETCD_OBJ),$(COMMON_OBJ))
 	@mkdir -p $(@D)
 	@$(if $(Q),echo "  LD      $@")
 	$(Q)$(CC) $(LDFLAGS) -o $@ $^ $(ALL_LIBS)
 
-$(BIN)/trainer: $(TRAINER_OBJ) $(COMMON_OBJ)
+$(BIN)/trainer: $(TRAINER_OBJ) $(filter-out $(ETCD_OBJ),$(COMMON_OBJ))
 	@mkdir -p $(@D)
 	@$(if $(Q),echo "  LD      $@")
 	$(Q)$(CC) $(LDFLAGS) -o $@ $^ $(ALL_LIBS) $(CUDA_LIBS)
@@ -159,13 +168,14 @@ raw_deps = $(shell sed -n '1s|^// deps: *||p' $(1))
 needs_cuda = $(if $(HAVE_CUDA),$(or $(filter trainer/backend.c %.cu,$(call raw_deps,$(1))),$(findstring test/gpu/,$(1))))
 CU_OBJ := $(CU_SRC:%.cu=$(BUILD)/%.o)
 needs_dnnl = $(if $(filter 1,$(HAVE_DNNL)),$(filter test/tools/gemm_bench.c,$(1)))
+needs_curl = $(filter common/etcd.c,$(call raw_deps,$(1)))
 deps_of = $(sort $(patsubst %.cu,$(BUILD)/%.o,$(patsubst %.c,$(BUILD)/%.o,$(call raw_deps,$(1)))) \
           $(if $(call needs_cuda,$(1)),$(CU_OBJ)))
 define link_rule
 $(2): $(BUILD)/$(1:%.c=%.o) $(call deps_of,$(1))
 	@mkdir -p $$(@D)
 	@$$(if $$(Q),echo "  LD      $$@")
-	$$(Q)$$(CC) $$(LDFLAGS) -o $$@ $$^ $$(ALL_LIBS) $$(CMOCKA_LIBS) $(if $(call needs_cuda,$(1)),$$(CUDA_LIBS)) $(if $(call needs_dnnl,$(1)),$$(DNNL_LIBS))
+	$$(Q)$$(CC) $$(LDFLAGS) -o $$@ $$^ $$(ALL_LIBS) $$(CMOCKA_LIBS) $(if $(call needs_cuda,$(1)),$$(CUDA_LIBS)) $(if $(call needs_dnnl,$(1)),$$(DNNL_LIBS)) $(if $(call needs_curl,$(1)),$$(CURL_LIBS))
 endef
 $(foreach t,$(UNIT_SRC),$(eval $(call link_rule,$(t),$(t:test/unit/%.c=$(BUILD)/test/%))))
 $(foreach t,$(TOOL_SRC),$(eval $(call link_rule,$(t),$(t:test/tools/%.c=$(BUILD)/tools/%))))

@@ -11,6 +11,8 @@ pkgs=(
   libopenblas-dev   # cpu backend GEMMs
   libcmocka-dev     # C unit tests
   libssl-dev        # libcrypto: HMAC-SHA256 and random bytes for the store's job secret
+  libcurl4-openssl-dev  # the etcd client (HTTP/JSON gateway) of --rdzv_backend=etcd
+  etcd-server       # etcd for the etcd rendezvous tests (test_etcd)
   clang libclang-rt-dev  # libFuzzer for the fuzz targets (make fuzz; short runs in make test)
   python3-pytest    # integration tests (real processes on loopback)
   python3-numpy python3-torch  # numerical oracle
