@@ -470,3 +470,26 @@ void net_hostname(char *buf, size_t len) {
   }
   snprintf(buf, len, "localhost");
 }
+
+int net_local_addr_toward(const char *host, int port, char *buf, size_t len) {
+  char ps[16];
+  snprintf(ps, sizeof ps, "%d", port);
+  struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_DGRAM}, *res = NULL;
+  int g = getaddrinfo(host, ps, &hints, &res);
+  if (g) return g == EAI_SYSTEM ? -errno : -EHOSTUNREACH;
+  int rc = -EHOSTUNREACH;
+  for (struct addrinfo *ai = res; ai && rc; ai = ai->ai_next) {
+    int fd = socket(ai->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) continue;
+    struct sockaddr_storage me;
+    socklen_t ml = sizeof me;
+    if (connect(fd, ai->ai_addr, ai->ai_addrlen) == 0 && getsockname(fd, (struct sockaddr *)&me, &ml) == 0) {
+      const void *a = me.ss_family == AF_INET6 ? (const void *)&((struct sockaddr_in6 *)&me)->sin6_addr
+                                               : (const void *)&((struct sockaddr_in *)&me)->sin_addr;
+      if (inet_ntop(me.ss_family, a, buf, (socklen_t)len)) rc = 0;
+    }
+    close(fd);
+  }
+  freeaddrinfo(res);
+  return rc;
+}

@@ -44,5 +44,9 @@ int net_recv_all(int fd, void *buf, size_t len, int timeout_ms);
 int64_t net_now_ms(void);
 /* This machine's hostname (never fails: "localhost" as a last resort). */
 void net_hostname(char *buf, size_t len);
+/* The local address this machine would use to reach host:port (the routing table's choice,
+ * found by connecting a UDP socket, which sends nothing), numeric, into buf. 0, or -errno when
+ * host does not resolve or no route leads there. */
+int net_local_addr_toward(const char *host, int port, char *buf, size_t len);
 
 #endif

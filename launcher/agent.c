@@ -558,12 +558,16 @@ int agent_run(launcher_opts_t *o) {
   memcpy(cfg.secret, o->secret, sizeof o->secret);
   snprintf(cfg.store_host, sizeof cfg.store_host, "%s", a->store_host);
   snprintf(cfg.run_id, sizeof cfg.run_id, "%s", o->rdzv_id);
-  /* The address peers dial for MASTER_ADDR: loopback jobs stay on loopback; otherwise
-   * --master_addr when given, else this host's name. */
+  /* The address peers dial for MASTER_ADDR, and that names this node in messages: loopback
+   * jobs stay on loopback; otherwise --master_addr when given, else this machine's address on
+   * the route to the store (peers reach the store there, so they reach us on that network; the
+   * hostname may not resolve for them, or be the same on every container or namespace), else
+   * its hostname. */
   const char *lo = loopback_addr(o->rdzv_host);
   if (lo) snprintf(cfg.addr, sizeof cfg.addr, "%s", lo);
   else if (o->master_addr[0]) snprintf(cfg.addr, sizeof cfg.addr, "%s", o->master_addr);
-  else net_hostname(cfg.addr, sizeof cfg.addr);
+  else if (net_local_addr_toward(a->store_host, a->store_port, cfg.addr, sizeof cfg.addr))
+    net_hostname(cfg.addr, sizeof cfg.addr);
   if (workers_create(&a->wk, &a->loop, o, on_worker_exit, on_workers_idle, a, err, sizeof err)) {
     log_error("%s", err);
     goto out;

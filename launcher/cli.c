@@ -1,41 +1,54 @@
 /* cli: turns meshrun's argv into launcher_opts_t, with torchrun's spellings and meanings.
  *
  * One table lists every flag: its canonical name (underscores), an optional short letter,
- * whether it takes a value, and the function that parses that value. A flag's name is
- * normalized ('-' -> '_') before the lookup, so --nproc-per-node and --nproc_per_node are the
- * same flag; values come as "--flag=value" or "--flag value" ("-r3", "-r=3", "-r 3" for short
- * ones). Parsing stops at the first argument that is not a flag, or after "--": that argument is
- * PROGRAM and everything after it belongs to PROGRAM. A repeated flag overrides the earlier one,
- * except --rdzv_conf, whose keys accumulate.
+ * whether it takes a value, whether PET_<NAME> may give it, and the function that parses that
+ * value. A flag's name is normalized ('-' -> '_') before the lookup, so --nproc-per-node and
+ * --nproc_per_node are the same flag; values come as "--flag=value" or "--flag value" ("-r3",
+ * "-r=3", "-r 3" for short ones). Parsing stops at the first argument that is not a flag, or
+ * after "--": that argument is PROGRAM and everything after it belongs to PROGRAM. A repeated
+ * flag overrides the earlier one, except --rdzv_conf, whose keys accumulate.
+ *
+ * Where values come from, in this order, each source only for what the earlier ones left unset:
+ * the command line; then PET_<FLAG> variables, as torchrun's argparse reads them (Kubeflow's
+ * PyTorchJob sets them): a variable is the flag's default, so a flag on the command line wins
+ * whole (PET_RDZV_CONF is not merged with --rdzv_conf); then, under Slurm with no rendezvous
+ * flag given, Slurm's job variables; then the defaults. The command line is therefore read
+ * twice: once for its shape (which flags, where PROGRAM starts, --help), once for the values
+ * after the environment's, so that a bad PET_ value is named as such and cannot override argv.
  *
  * After the flags, one pass checks what only makes sense together (static needs a fixed node
  * count and a node rank, --standalone excludes an endpoint, per-rank lists fit
  * --nproc_per_node, ...) and resolves where the rendezvous store lives. Every error is one line
- * naming the flag and the expected form, returned as CLI_EUSAGE.
+ * naming the flag (or the variable) and the expected form, returned as CLI_EUSAGE.
  *
  * The job secret is read here too (token_file, else MESHRUN_RDZV_TOKEN), so that a token file
  * that cannot be used is a usage error on every node before anything starts.
  *
  * What it does not do: look anything up on the network (hostnames are resolved by the agent),
- * pick ports, read the environment other than CUDA_VISIBLE_DEVICES for --nproc_per_node=auto
- * and MESHRUN_RDZV_TOKEN, make a secret up (the agent does, for single-node jobs), or print
- * anything (main prints err or cli_usage(); the agent warns about a token file's mode). */
+ * pick ports (Slurm's port is computed from the job id, not probed), read the environment other
+ * than PET_*, SLURM_*, MESHRUN_SLURM_PORT, PYTHON_EXEC, CUDA_VISIBLE_DEVICES for
+ * --nproc_per_node=auto and MESHRUN_RDZV_TOKEN, make a secret up (the agent does, for
+ * single-node jobs), or print anything but the one info line saying which options came from
+ * Slurm (main prints err or cli_usage(); the agent warns about a token file's mode). */
 #include "launcher/cli.h"
 
 #include <ctype.h>
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <math.h>
 #include <sched.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include "common/fs.h"
+#include "common/log.h"
 #include "common/net.h"
 #include "common/store.h"
 #include "launcher/agent.h"   /* exit statuses, for --help */
@@ -63,6 +76,7 @@ typedef struct {
   int backend_set;
   int endpoint_set;
   int master_port_set;
+  int master_addr_set, node_rank_set, nproc_set, rdzv_id_set;
   int redirects_max_rank, tee_max_rank, filter_max_rank; /* highest local rank named, -1 none */
 } cli_seen_t;
 
@@ -73,6 +87,7 @@ typedef struct {
   const char *name; /* canonical, with underscores, without "--" */
   char short_name;  /* 0: none */
   int takes_value;
+  int env;          /* 1: PET_<NAME in upper case> gives it when the command line does not */
   cli_setter_t set; /* NULL for the flags handled in cli_parse itself (help, version) */
 } cli_flag_t;
 
@@ -201,6 +216,252 @@ int cli_count_cpus(void) {
   return n > 0 ? (int)n : 1;
 }
 
+/* ---- Slurm hostlists ("gpu-[01-03,07],cpu5") ----
+ *
+ * Expanded here rather than by running `scontrol show hostnames`: meshrun must not depend on
+ * Slurm's tools being on the compute nodes' PATH, and only the first host is needed. The whole
+ * list is checked before any host is visited, so a typo at its end is still an error. */
+
+#define HL_MAX_GROUPS 8       /* bracket groups in one host name */
+#define HL_MAX_HOSTS 1000000  /* more is a typo ("[0-99999999]"), not a cluster */
+#define HL_HOST_MAX 256       /* a host name's bytes with its NUL (rdzv_host's size) */
+
+/* One host expression: literal text around up to HL_MAX_GROUPS bracket groups. */
+typedef struct {
+  int ngroups;
+  const char *lit[HL_MAX_GROUPS + 1]; /* the text before group g; lit[ngroups] after the last */
+  size_t litlen[HL_MAX_GROUPS + 1];
+  const char *grp[HL_MAX_GROUPS];     /* the text inside group g's brackets */
+  size_t grplen[HL_MAX_GROUPS];
+} hl_expr_t;
+
+/* The number or LO-HI range at p, which ends at ',' or at end. At most 9 digits each (no
+ * overflow; no cluster numbers its nodes past that); the width is LO's digit count, so "08-10"
+ * gives 08 09 10 and "8-10" gives 8 9 10. Returns the position after it, or NULL. */
+static const char *hl_range(const char *p, const char *end, unsigned long *lo, unsigned long *hi,
+                            int *width) {
+  const char *q = p;
+  unsigned long a = 0, b;
+  while (q < end && isdigit((unsigned char)*q) && q - p < 10) a = a * 10 + (unsigned long)(*q++ - '0');
+  int n = (int)(q - p);
+  if (n == 0 || n > 9) return NULL;
+  b = a;
+  if (q < end && *q == '-') {
+    const char *r = ++q;
+    b = 0;
+    while (q < end && isdigit((unsigned char)*q) && q - r < 10) b = b * 10 + (unsigned long)(*q++ - '0');
+    if (q == r || q - r > 9 || b < a) return NULL;
+  }
+  if (q < end && *q != ',') return NULL;
+  *lo = a;
+  *hi = b;
+  *width = n;
+  return q;
+}
+
+static int hl_digits(unsigned long v) {
+  int n = 1;
+  while (v >= 10) v /= 10, n++;
+  return n;
+}
+
+/* Parses the expression at *pp (it ends at ',' or a blank outside brackets, or at the end of
+ * the list) into e: its host count in *count, the length of its longest name in *maxlen. */
+static int hl_parse(const char *list, const char **pp, hl_expr_t *e, unsigned long *count,
+                    size_t *maxlen, char *err, size_t errlen) {
+  const char *p = *pp;
+  memset(e, 0, sizeof *e);
+  e->lit[0] = p;
+  *count = 1;
+  *maxlen = 0;
+  for (;;) {
+    char c = *p;
+    if (c == '\0' || c == ',' || isspace((unsigned char)c)) break;
+    if (c == ']') {
+      snprintf(err, errlen, "']' without '[' at byte %td", p - list);
+      return -1;
+    }
+    if (c != '[') {
+      if (!isgraph((unsigned char)c)) {
+        snprintf(err, errlen, "byte 0x%02x at byte %td is not part of a host name", (unsigned char)c, p - list);
+        return -1;
+      }
+      p++;
+      continue;
+    }
+    const char *close = p + 1;
+    while (*close && *close != ']' && *close != '[') close++;
+    if (*close != ']') {
+      snprintf(err, errlen, "'[' at byte %td is not closed", p - list);
+      return -1;
+    }
+    int g = e->ngroups;
+    if (g == HL_MAX_GROUPS) {
+      snprintf(err, errlen, "more than %d bracket groups in one name", HL_MAX_GROUPS);
+      return -1;
+    }
+    e->litlen[g] = (size_t)(p - e->lit[g]);
+    e->grp[g] = p + 1;
+    e->grplen[g] = (size_t)(close - p - 1);
+    /* Every range of the group: syntax, how many numbers, the widest one. */
+    const char *q = e->grp[g], *end = close;
+    unsigned long n = 0;
+    int widest = 0;
+    for (;;) {
+      unsigned long lo, hi;
+      int w;
+      const char *next = hl_range(q, end, &lo, &hi, &w);
+      if (!next) {
+        snprintf(err, errlen, "\"[%.*s]\" at byte %td: expected numbers and LO-HI ranges (LO <= HI) separated by ','",
+                 (int)e->grplen[g], e->grp[g], p - list);
+        return -1;
+      }
+      n += hi - lo + 1;
+      if (hl_digits(hi) > w) w = hl_digits(hi);
+      if (w > widest) widest = w;
+      if (next == end) break;
+      q = next + 1;
+    }
+    if (n > HL_MAX_HOSTS || *count * n > HL_MAX_HOSTS) {
+      snprintf(err, errlen, "more than %d hosts", HL_MAX_HOSTS);
+      return -1;
+    }
+    *count *= n;
+    *maxlen += e->litlen[g] + (size_t)widest;
+    e->ngroups++;
+    p = close + 1;
+    e->lit[e->ngroups] = p;
+  }
+  e->litlen[e->ngroups] = (size_t)(p - e->lit[e->ngroups]);
+  *maxlen += e->litlen[e->ngroups];
+  if (p == *pp) {
+    snprintf(err, errlen, "empty host name at byte %td", p - list);
+    return -1;
+  }
+  if (*maxlen >= HL_HOST_MAX) {
+    snprintf(err, errlen, "a host name at byte %td is longer than %d bytes", *pp - list, HL_HOST_MAX - 1);
+    return -1;
+  }
+  *pp = p;
+  return 0;
+}
+
+/* Called with each host name (NUL-terminated, len bytes); nonzero stops the walk. */
+typedef int (*hl_visit_t)(const char *host, size_t len, void *arg);
+
+/* Visits the hosts of one expression, the leftmost group varying slowest. 1 when visit stopped. */
+static int hl_each(const hl_expr_t *e, hl_visit_t visit, void *arg) {
+  struct {
+    const char *cur, *next; /* the range being walked, and where it ends */
+    unsigned long lo, hi, v;
+    int width;
+  } pos[HL_MAX_GROUPS];
+  for (int g = 0; g < e->ngroups; g++) {
+    pos[g].cur = e->grp[g];
+    pos[g].next = hl_range(pos[g].cur, e->grp[g] + e->grplen[g], &pos[g].lo, &pos[g].hi, &pos[g].width);
+    pos[g].v = pos[g].lo;
+  }
+  for (;;) {
+    char host[HL_HOST_MAX];
+    size_t n = 0;
+    for (int g = 0; g <= e->ngroups; g++) { /* fits: hl_parse checked the longest name */
+      memcpy(host + n, e->lit[g], e->litlen[g]);
+      n += e->litlen[g];
+      if (g < e->ngroups) n += (size_t)snprintf(host + n, sizeof host - n, "%0*lu", pos[g].width, pos[g].v);
+    }
+    host[n] = '\0';
+    if (visit(host, n, arg)) return 1;
+    int g = e->ngroups - 1;
+    for (; g >= 0; g--) {
+      const char *end = e->grp[g] + e->grplen[g];
+      if (pos[g].v < pos[g].hi) {
+        pos[g].v++;
+        break;
+      }
+      /* This range is done: the group's next one, or back to its first and carry left. */
+      int carry = pos[g].next == end;
+      pos[g].cur = carry ? e->grp[g] : pos[g].next + 1;
+      pos[g].next = hl_range(pos[g].cur, end, &pos[g].lo, &pos[g].hi, &pos[g].width);
+      pos[g].v = pos[g].lo;
+      if (!carry) break;
+    }
+    if (g < 0) return 0;
+  }
+}
+
+/* Checks the whole list, then visits its hosts in order until visit says stop. Returns the
+ * number of hosts in the list (also when stopped early), or -1 with the reason in err. */
+static long hl_walk(const char *list, hl_visit_t visit, void *arg, char *err, size_t errlen) {
+  unsigned long total = 0;
+  for (int pass = 0; pass < 2; pass++) {
+    const char *p = list;
+    for (;;) {
+      while (isspace((unsigned char)*p)) p++;
+      if (!*p) break;
+      hl_expr_t e;
+      unsigned long count;
+      size_t maxlen;
+      if (hl_parse(list, &p, &e, &count, &maxlen, err, errlen)) return -1;
+      if (pass == 0) {
+        total += count;
+        if (total > HL_MAX_HOSTS) {
+          snprintf(err, errlen, "more than %d hosts", HL_MAX_HOSTS);
+          return -1;
+        }
+      } else if (hl_each(&e, visit, arg)) {
+        return (long)total;
+      }
+      while (isspace((unsigned char)*p)) p++;
+      if (*p == ',') {
+        p++;
+        while (isspace((unsigned char)*p)) p++;
+        if (!*p || *p == ',') {
+          snprintf(err, errlen, "empty host name at byte %td", p - list);
+          return -1;
+        }
+      }
+    }
+    if (total == 0) {
+      snprintf(err, errlen, "no host in the list");
+      return -1;
+    }
+  }
+  return (long)total;
+}
+
+typedef struct {
+  char *out;
+  size_t len, cap;
+  int full;
+} hl_buf_t;
+
+static int hl_append(const char *host, size_t n, void *arg) {
+  hl_buf_t *b = arg;
+  size_t sep = b->len ? 1 : 0;
+  if (b->len + sep + n + 1 > b->cap) {
+    b->full = 1;
+    return 1;
+  }
+  if (sep) b->out[b->len++] = ' ';
+  memcpy(b->out + b->len, host, n + 1);
+  b->len += n;
+  return 0;
+}
+
+int cli_hostlist_expand(const char *list, char *out, size_t outlen, char *err, size_t errlen) {
+  char why[256];
+  hl_buf_t b = {out, 0, outlen, 0};
+  if (err && errlen) err[0] = '\0';
+  if (out && outlen) out[0] = '\0';
+  long n = hl_walk(list, hl_append, &b, why, sizeof why);
+  if (n < 0 || b.full) {
+    if (n >= 0) snprintf(why, sizeof why, "%ld hosts do not fit in %zu bytes", n, outlen);
+    if (err && errlen) snprintf(err, errlen, "%s", why);
+    return CLI_EUSAGE;
+  }
+  return (int)n;
+}
+
 /* ---- one setter per flag ---- */
 
 static int set_nproc_per_node(launcher_opts_t *o, cli_seen_t *seen, const char *flag,
@@ -228,6 +489,7 @@ static int set_nproc_per_node(launcher_opts_t *o, cli_seen_t *seen, const char *
   }
   /* A machine with more CPUs than one agent's tables hold still gets a working count. */
   o->nproc_per_node = n > CLI_MAX_LOCAL_RANKS ? CLI_MAX_LOCAL_RANKS : n;
+  seen->nproc_set = 1;
   return 0;
 }
 
@@ -267,6 +529,7 @@ static int set_node_rank(launcher_opts_t *o, cli_seen_t *seen, const char *flag,
     return usage_error(err, errlen, "%s: \"%s\" is not valid; expected an integer >= 0", flag,
                        val);
   o->node_rank = (int)v;
+  seen->node_rank_set = 1;
   return 0;
 }
 
@@ -302,6 +565,7 @@ static int set_rdzv_id(launcher_opts_t *o, cli_seen_t *seen, const char *flag, c
   if (copy_string(o->rdzv_id, sizeof o->rdzv_id, val) != 0)
     return usage_error(err, errlen, "%s: \"%s\" is not valid; expected a non-empty id of at most %zu bytes",
                        flag, val, sizeof o->rdzv_id - 1);
+  seen->rdzv_id_set = 1;
   return 0;
 }
 
@@ -475,6 +739,7 @@ static int set_master_addr(launcher_opts_t *o, cli_seen_t *seen, const char *fla
                        "port (the port goes in --master_port)",
                        flag, val);
   memcpy(o->master_addr, host, strlen(host) + 1);
+  seen->master_addr_set = 1;
   return 0;
 }
 
@@ -640,44 +905,47 @@ static int set_module(launcher_opts_t *o, cli_seen_t *seen, const char *flag, co
   return 0;
 }
 
+/* env: every flag torchrun reads from PET_<FLAG> (all of its flags but --help), and meshrun's
+ * own --shutdown_timeout alike. --run_id is another name of --rdzv_id: PET_RDZV_ID gives both. */
 static const cli_flag_t cli_flags[] = {
-    {"nproc_per_node", 0, 1, set_nproc_per_node},
-    {"nnodes", 0, 1, set_nnodes},
-    {"node_rank", 0, 1, set_node_rank},
-    {"rdzv_backend", 0, 1, set_rdzv_backend},
-    {"rdzv_endpoint", 0, 1, set_rdzv_endpoint},
-    {"rdzv_id", 0, 1, set_rdzv_id},
-    {"run_id", 0, 1, set_rdzv_id},
-    {"rdzv_conf", 0, 1, set_rdzv_conf},
-    {"standalone", 0, 0, set_standalone},
-    {"master_addr", 0, 1, set_master_addr},
-    {"master_port", 0, 1, set_master_port},
-    {"max_restarts", 0, 1, set_max_restarts},
-    {"monitor_interval", 0, 1, set_monitor_interval},
-    {"redirects", 'r', 1, set_redirects},
-    {"tee", 't', 1, set_tee},
-    {"log_dir", 0, 1, set_log_dir},
-    {"local_ranks_filter", 0, 1, set_local_ranks_filter},
-    {"role", 0, 1, set_role},
-    {"shutdown_timeout", 0, 1, set_shutdown_timeout},
-    {"no_python", 0, 0, set_no_python},
-    {"module", 'm', 0, set_module},
-    {"help", 'h', 0, NULL},
-    {"version", 0, 0, NULL},
+    {"nproc_per_node", 0, 1, 1, set_nproc_per_node},
+    {"nnodes", 0, 1, 1, set_nnodes},
+    {"node_rank", 0, 1, 1, set_node_rank},
+    {"rdzv_backend", 0, 1, 1, set_rdzv_backend},
+    {"rdzv_endpoint", 0, 1, 1, set_rdzv_endpoint},
+    {"rdzv_id", 0, 1, 1, set_rdzv_id},
+    {"run_id", 0, 1, 0, set_rdzv_id},
+    {"rdzv_conf", 0, 1, 1, set_rdzv_conf},
+    {"standalone", 0, 0, 1, set_standalone},
+    {"master_addr", 0, 1, 1, set_master_addr},
+    {"master_port", 0, 1, 1, set_master_port},
+    {"max_restarts", 0, 1, 1, set_max_restarts},
+    {"monitor_interval", 0, 1, 1, set_monitor_interval},
+    {"redirects", 'r', 1, 1, set_redirects},
+    {"tee", 't', 1, 1, set_tee},
+    {"log_dir", 0, 1, 1, set_log_dir},
+    {"local_ranks_filter", 0, 1, 1, set_local_ranks_filter},
+    {"role", 0, 1, 1, set_role},
+    {"shutdown_timeout", 0, 1, 1, set_shutdown_timeout},
+    {"no_python", 0, 0, 1, set_no_python},
+    {"module", 'm', 0, 1, set_module},
+    {"help", 'h', 0, 0, NULL},
+    {"version", 0, 0, 0, NULL},
 };
+#define CLI_NFLAGS (sizeof cli_flags / sizeof cli_flags[0])
 
 static const cli_flag_t *find_long(const char *name, size_t len) {
   char norm[64];
   if (len == 0 || len >= sizeof norm) return NULL;
   for (size_t i = 0; i < len; i++) norm[i] = name[i] == '-' ? '_' : name[i];
   norm[len] = '\0';
-  for (size_t i = 0; i < sizeof cli_flags / sizeof cli_flags[0]; i++)
+  for (size_t i = 0; i < CLI_NFLAGS; i++)
     if (strcmp(cli_flags[i].name, norm) == 0) return &cli_flags[i];
   return NULL;
 }
 
 static const cli_flag_t *find_short(char c) {
-  for (size_t i = 0; i < sizeof cli_flags / sizeof cli_flags[0]; i++)
+  for (size_t i = 0; i < CLI_NFLAGS; i++)
     if (cli_flags[i].short_name == c) return &cli_flags[i];
   return NULL;
 }
@@ -808,66 +1076,251 @@ static int cli_validate(launcher_opts_t *o, const cli_seen_t *seen, char *err, s
   return 0;
 }
 
+/* ---- Slurm ---- */
+
+static int slurm_missing(const char *name, const char *job, char *err, size_t errlen) {
+  return usage_error(err, errlen,
+                     "%s: not set, though SLURM_JOB_ID=%s is; expected meshrun started by srun on every "
+                     "node of the job (srun sets it), or rendezvous flags (--rdzv_endpoint, --nnodes, "
+                     "--node_rank, --master_addr, --standalone) to leave Slurm's variables alone",
+                     name, job);
+}
+
+/* A numeric Slurm variable: 0 with *out set, 1 when unset or empty, else CLI_EUSAGE. */
+static int slurm_int(const char *name, long lo, long hi, long *out, char *err, size_t errlen) {
+  const char *v = getenv(name);
+  if (!v || !*v) return 1;
+  if (parse_int(v, lo, hi, out) != 0)
+    return usage_error(err, errlen, "%s=\"%s\": not valid; expected an integer %ld..%ld", name, v, lo, hi);
+  return 0;
+}
+
+static int first_host(const char *host, size_t len, void *arg) {
+  memcpy(arg, host, len + 1);
+  return 1;
+}
+
+/* Under Slurm (SLURM_JOB_ID set) with no rendezvous choice of the user's (from argv or PET_:
+ * --nnodes, --node_rank, --rdzv_endpoint, --rdzv_backend, --master_addr, --standalone), fills in
+ * what `srun meshrun PROGRAM` on every node needs: the node count (SLURM_NNODES), this node's
+ * rank (SLURM_NODEID), the endpoint (the first host of the step's node list, which runs node
+ * rank 0, and a port computed from the job id so that every node computes the same), the run id
+ * (the job id) and the workers per node (SLURM_NTASKS_PER_NODE above 1, else
+ * SLURM_GPUS_ON_NODE). Values the user gave (--nproc_per_node, --rdzv_id, --master_port for the
+ * port) stay. What was taken is described in note, for the one info line. */
+static int apply_slurm(launcher_opts_t *o, cli_seen_t *seen, char *note, size_t notelen, char *err,
+                       size_t errlen) {
+  const char *job = getenv("SLURM_JOB_ID");
+  if (!job || !*job) return 0;
+  if (seen->nnodes_set || seen->node_rank_set || seen->endpoint_set || seen->backend_set ||
+      seen->master_addr_set || o->standalone)
+    return 0;
+  long jobid, nnodes, nodeid, port, nproc = 0;
+  int rc;
+  if (parse_int(job, 0, 0xffffffffL, &jobid) != 0)
+    return usage_error(err, errlen, "SLURM_JOB_ID=\"%s\": not valid; expected Slurm's numeric job id", job);
+  if ((rc = slurm_int("SLURM_NNODES", 1, 1 << 20, &nnodes, err, errlen)))
+    return rc == 1 ? slurm_missing("SLURM_NNODES", job, err, errlen) : rc;
+  if ((rc = slurm_int("SLURM_NODEID", 0, nnodes - 1, &nodeid, err, errlen)))
+    return rc == 1 ? slurm_missing("SLURM_NODEID", job, err, errlen) : rc;
+
+  /* The step's list when there is one (srun): SLURM_NODEID counts within the step, which may
+   * use only some of the job's nodes. */
+  const char *list_var = "SLURM_STEP_NODELIST";
+  const char *list = getenv(list_var);
+  if (!list || !*list) list = getenv(list_var = "SLURM_JOB_NODELIST");
+  if (!list || !*list) return slurm_missing("SLURM_JOB_NODELIST", job, err, errlen);
+  char host[HL_HOST_MAX], why[256];
+  if (hl_walk(list, first_host, host, why, sizeof why) < 0)
+    return usage_error(err, errlen, "%s=\"%s\": %s; expected Slurm's hostlist syntax, e.g. node[01-04,07],login1",
+                       list_var, list, why);
+
+  const char *port_from;
+  if (seen->master_port_set) {
+    port = o->master_port;
+    port_from = "--master_port";
+  } else if ((rc = slurm_int("MESHRUN_SLURM_PORT", 1, 65535, &port, err, errlen)) == 0) {
+    port_from = "MESHRUN_SLURM_PORT";
+  } else if (rc == 1) {
+    port = CLI_SLURM_PORT_BASE + jobid % CLI_SLURM_PORT_SPAN;
+    port_from = "from the job id";
+  } else {
+    return rc;
+  }
+
+  /* Workers per node: SLURM_NTASKS_PER_NODE when above 1 (tasks asked for as workers, meshrun
+   * itself started once per node, e.g. from the batch script), else the node's GPUs. One task
+   * per node is the meshrun of `srun --ntasks-per-node=1 meshrun ...`, not its worker count. */
+  const char *nproc_from = NULL;
+  if (!seen->nproc_set) {
+    rc = slurm_int("SLURM_NTASKS_PER_NODE", 1, CLI_MAX_LOCAL_RANKS, &nproc, err, errlen);
+    if (rc < 0) return rc;
+    if (rc == 0 && nproc > 1) {
+      nproc_from = "SLURM_NTASKS_PER_NODE";
+    } else {
+      rc = slurm_int("SLURM_GPUS_ON_NODE", 0, CLI_MAX_LOCAL_RANKS, &nproc, err, errlen);
+      if (rc < 0) return rc;
+      if (rc == 0 && nproc > 0) nproc_from = "SLURM_GPUS_ON_NODE";
+    }
+  }
+
+  o->nnodes_min = o->nnodes_max = (int)nnodes;
+  o->node_rank = (int)nodeid;
+  memcpy(o->rdzv_host, host, strlen(host) + 1);
+  o->rdzv_port = (int)port;
+  if (nproc_from) o->nproc_per_node = (int)nproc;
+  if (!seen->rdzv_id_set) snprintf(o->rdzv_id, sizeof o->rdzv_id, "%s", job);
+  seen->nnodes_set = seen->node_rank_set = seen->endpoint_set = 1;
+  o->from_slurm = 1;
+  size_t n = (size_t)snprintf(note, notelen,
+                               "options from Slurm job %s: --nnodes=%ld (SLURM_NNODES) --node_rank=%ld "
+                               "(SLURM_NODEID) --rdzv_endpoint=%s:%ld (first host of %s; port %s)",
+                               job, nnodes, nodeid, host, port, list_var, port_from);
+  if (!seen->rdzv_id_set && n < notelen)
+    n += (size_t)snprintf(note + n, notelen - n, " --rdzv_id=%s (SLURM_JOB_ID)", job);
+  if (nproc_from && n < notelen)
+    snprintf(note + n, notelen - n, " --nproc_per_node=%ld (%s)", nproc, nproc_from);
+  return 0;
+}
+
+/* ---- parsing ---- */
+
+/* The flag at argv[*i]: 1 with *f and *val (NULL: none) set and *i past it; 0 when argv[*i] is
+ * PROGRAM or the end ("--" is skipped, *i then names PROGRAM); CLI_EUSAGE for an unknown flag, a
+ * missing value or a value given to a flag that takes none. */
+static int next_flag(int argc, char **argv, int *i, const cli_flag_t **f, const char **val, char *err,
+                     size_t errlen) {
+  if (*i >= argc) return 0;
+  const char *a = argv[*i];
+  if (strcmp(a, "--") == 0) {
+    (*i)++;
+    return 0;
+  }
+  if (a[0] != '-' || a[1] == '\0') return 0; /* PROGRAM ("-" alone is a name, not a flag) */
+  *val = NULL;
+  if (a[1] == '-') {
+    const char *name = a + 2;
+    const char *eq = strchr(name, '=');
+    size_t len = eq ? (size_t)(eq - name) : strlen(name);
+    *f = find_long(name, len);
+    if (!*f)
+      return usage_error(err, errlen, "--%.*s: unknown flag; expected one of the flags in --help", (int)len, name);
+    if (eq) *val = eq + 1;
+  } else {
+    *f = find_short(a[1]);
+    if (!*f) return usage_error(err, errlen, "-%c: unknown flag; expected one of the flags in --help", a[1]);
+    if (a[2]) *val = a[2] == '=' ? a + 3 : a + 2;
+  }
+  char flag[72];
+  snprintf(flag, sizeof flag, "--%s", (*f)->name);
+  if (!(*f)->takes_value && *val)
+    return usage_error(err, errlen, "%s: takes no value, got \"%s\"; expected %s alone", flag, *val, flag);
+  if ((*f)->takes_value && !*val) {
+    if (*i + 1 >= argc)
+      return usage_error(err, errlen, "%s: missing value; expected %s=VALUE or %s VALUE (see --help)", flag, flag,
+                         flag);
+    *val = argv[++*i];
+  }
+  (*i)++;
+  return 1;
+}
+
+/* torchrun reads a boolean PET_ variable as int(value) != 0. "true" and "false" (any case),
+ * which torchrun refuses, are taken too: they cannot mean anything else. */
+static int parse_env_bool(const char *v, int *on) {
+  long n;
+  if (parse_int(v, LONG_MIN, LONG_MAX, &n) == 0) {
+    *on = n != 0;
+    return 0;
+  }
+  if (strcasecmp(v, "true") == 0 || strcasecmp(v, "false") == 0) {
+    *on = strcasecmp(v, "true") == 0;
+    return 0;
+  }
+  return -1;
+}
+
+/* PET_<FLAG> for every flag the command line does not give (given[k]: flag k, or another name of
+ * it, is on the command line). An empty variable counts as unset. Errors name the variable and
+ * the flag: "meshrun: PET_NNODES (--nnodes): "abc" is not valid; expected ...". */
+static int apply_env(launcher_opts_t *o, cli_seen_t *seen, const unsigned char *given, char *err,
+                     size_t errlen) {
+  for (size_t k = 0; k < CLI_NFLAGS; k++) {
+    const cli_flag_t *f = &cli_flags[k];
+    if (!f->env || given[k]) continue;
+    char name[64];
+    size_t n = (size_t)snprintf(name, sizeof name, "PET_%s", f->name);
+    for (size_t c = 4; c < n && c < sizeof name; c++) name[c] = (char)toupper((unsigned char)name[c]);
+    const char *v = getenv(name);
+    if (!v || !*v) continue;
+    char label[128];
+    snprintf(label, sizeof label, "%s (--%s)", name, f->name);
+    if (!f->takes_value) {
+      int on;
+      if (parse_env_bool(v, &on) != 0)
+        return usage_error(err, errlen,
+                           "%s: \"%s\" is not valid; expected 1 or 0 (read as torchrun does: an integer, "
+                           "0 off, any other on), or true or false",
+                           label, v);
+      if (!on) continue;
+      v = NULL;
+    }
+    int rc = f->set(o, seen, label, v, err, errlen);
+    if (rc) return rc;
+  }
+  return 0;
+}
+
+/* torchrun runs every PROGRAM under Python unless --no_python; meshrun's programs are mostly
+ * binaries (bin/trainer), so it does that for a PROGRAM named *.py (and for -m) and execs any
+ * other as is. PYTHON_EXEC is torchrun's variable for the interpreter. */
+static void choose_python(launcher_opts_t *o) {
+  size_t n = strlen(o->program);
+  if (!o->run_module && (o->no_python || n <= 3 || strcmp(o->program + n - 3, ".py") != 0)) return;
+  const char *exe = getenv("PYTHON_EXEC");
+  o->python = exe && *exe ? exe : CLI_PYTHON;
+  o->program = o->python;
+}
+
 int cli_parse(launcher_opts_t *o, int argc, char **argv, char *err, size_t errlen) {
   cli_seen_t seen = {0};
   seen.redirects_max_rank = seen.tee_max_rank = seen.filter_max_rank = -1;
   if (err && errlen) err[0] = '\0';
   cli_defaults(o);
 
-  int i = 1;
-  while (i < argc) {
-    const char *a = argv[i];
-    if (strcmp(a, "--") == 0) {
-      i++;
-      break;
-    }
-    if (a[0] != '-' || a[1] == '\0') break; /* PROGRAM ("-" alone is a name, not a flag) */
+  /* The command line's shape first: unknown flags, --help, --version, which flags it gives
+   * (those PET_ variables are then ignored) and where PROGRAM starts. */
+  unsigned char given[CLI_NFLAGS] = {0};
+  const cli_flag_t *f;
+  const char *val;
+  int i = 1, rc;
+  while ((rc = next_flag(argc, argv, &i, &f, &val, err, errlen)) == 1) {
+    if (!f->set) return strcmp(f->name, "help") == 0 ? CLI_HELP : CLI_VERSION;
+    for (size_t k = 0; k < CLI_NFLAGS; k++)
+      if (cli_flags[k].set == f->set) given[k] = 1;
+  }
+  if (rc) return rc;
+  int prog = i;
 
-    const cli_flag_t *f;
-    const char *val = NULL;
-    if (a[1] == '-') {
-      const char *name = a + 2;
-      const char *eq = strchr(name, '=');
-      size_t len = eq ? (size_t)(eq - name) : strlen(name);
-      f = find_long(name, len);
-      if (!f)
-        return usage_error(err, errlen, "--%.*s: unknown flag; expected one of the flags in --help",
-                           (int)len, name);
-      if (eq) val = eq + 1;
-    } else {
-      f = find_short(a[1]);
-      if (!f)
-        return usage_error(err, errlen, "-%c: unknown flag; expected one of the flags in --help",
-                           a[1]);
-      if (a[2]) val = a[2] == '=' ? a + 3 : a + 2;
-    }
-
+  if ((rc = apply_env(o, &seen, given, err, errlen))) return rc;
+  for (i = 1; next_flag(argc, argv, &i, &f, &val, err, errlen) == 1;) {
     char flag[72];
     snprintf(flag, sizeof flag, "--%s", f->name);
-    if (!f->takes_value && val)
-      return usage_error(err, errlen, "%s: takes no value, got \"%s\"; expected %s alone", flag,
-                         val, flag);
-    if (f->takes_value && !val) {
-      if (i + 1 >= argc)
-        return usage_error(err, errlen, "%s: missing value; expected %s=VALUE or %s VALUE (see --help)",
-                           flag, flag, flag);
-      val = argv[++i];
-    }
-    i++;
-
-    if (strcmp(f->name, "help") == 0) return CLI_HELP;
-    if (strcmp(f->name, "version") == 0) return CLI_VERSION;
-    int rc = f->set(o, &seen, flag, val, err, errlen);
-    if (rc != 0) return rc;
+    if ((rc = f->set(o, &seen, flag, val, err, errlen))) return rc;
   }
 
-  if (i >= argc)
+  if (prog >= argc)
     return usage_error(err, errlen,
                        "missing PROGRAM; expected meshrun [OPTIONS] PROGRAM [ARGS...] (see --help)");
-  o->program = argv[i];
-  o->prog_argv = &argv[i];
-  o->prog_argc = argc - i;
-  return cli_validate(o, &seen, err, errlen);
+  o->program = argv[prog];
+  o->prog_argv = &argv[prog];
+  o->prog_argc = argc - prog;
+  char note[768] = "";
+  if ((rc = apply_slurm(o, &seen, note, sizeof note, err, errlen))) return rc;
+  choose_python(o);
+  if ((rc = cli_validate(o, &seen, err, errlen))) return rc;
+  if (o->from_slurm) log_info("%s", note);
+  return 0;
 }
 
 const char *cli_usage(void) {
@@ -884,9 +1337,11 @@ const char *cli_usage(void) {
          "                          workers on this node; auto: the visible GPUs, or the CPUs of\n"
          "                          this process's affinity mask when there are none (default 1)\n"
          "  --role NAME             worker role, ROLE_NAME (default " DEF_ROLE ")\n"
-         "  --no_python             accepted for torchrun compatibility; PROGRAM is always\n"
-         "                          run as is\n"
-         "  -m, --module            run \"python3 -m PROGRAM ARGS...\" (not with --no_python)\n"
+         "  --no_python             exec PROGRAM as is, also one named *.py\n"
+         "  -m, --module            PROGRAM is a Python module: run \"PYTHON -u -m PROGRAM ARGS...\"\n"
+         "                          (not with --no_python)\n"
+         "  A PROGRAM named *.py runs as \"PYTHON -u PROGRAM ARGS...\", torchrun's command; PYTHON\n"
+         "  is $PYTHON_EXEC, else " CLI_PYTHON " from PATH. Any other PROGRAM is exec'd as is.\n"
          "\n"
          "Nodes and rendezvous:\n"
          "  --nnodes N|MIN:MAX      nodes in the run; a range is elastic (default 1)\n"
@@ -950,6 +1405,22 @@ const char *cli_usage(void) {
          "                          are given. Neither: a single-node job makes a random one;\n"
          "                          a multi-node job runs an open store (with a warning)\n"
          "\n"
+         "Flags from the environment (torchrun's; Kubeflow's PyTorchJob sets them):\n"
+         "  PET_<FLAG>=VALUE        --<flag>'s value when the command line does not give it, e.g.\n"
+         "                          PET_NPROC_PER_NODE=4, PET_RDZV_ENDPOINT=host0:29400; switches\n"
+         "                          take an integer, 0 off, others on, or true/false\n"
+         "                          (PET_STANDALONE=1); empty counts as unset\n"
+         "\n"
+         "Slurm (\"srun meshrun PROGRAM\", one task per node, no rendezvous flags needed):\n"
+         "  With SLURM_JOB_ID set and none of --nnodes, --node_rank, --rdzv_endpoint, --rdzv_backend,\n"
+         "  --master_addr, --standalone given (nor their PET_ variables): --nnodes=SLURM_NNODES,\n"
+         "  --node_rank=SLURM_NODEID, --rdzv_endpoint=the first host of SLURM_STEP_NODELIST (else\n"
+         "  SLURM_JOB_NODELIST) on port " STR(CLI_SLURM_PORT_BASE) " + SLURM_JOB_ID % " STR(
+             CLI_SLURM_PORT_SPAN) " (MESHRUN_SLURM_PORT or\n"
+         "  --master_port choose another), --rdzv_id=SLURM_JOB_ID, --nproc_per_node=\n"
+         "  SLURM_NTASKS_PER_NODE when above 1 (1 is meshrun's own task), else SLURM_GPUS_ON_NODE.\n"
+         "  --nproc_per_node and --rdzv_id, when given, win. One info line says what was taken.\n"
+         "\n"
          "  -h, --help              this text\n"
          "  --version               meshrun's version (" MESHRUN_VERSION ")\n"
          "\n"
@@ -986,5 +1457,7 @@ const char *cli_usage(void) {
          "\n"
          "Examples:\n"
          "  meshrun --nproc_per_node=8 bin/trainer configs/llama-1b-fsdp-tp.json\n"
-         "  meshrun --nnodes=2 --nproc_per_node=8 --rdzv_endpoint=node0:29400 bin/trainer PLAN\n";
+         "  meshrun --nnodes=2 --nproc_per_node=8 --rdzv_endpoint=node0:29400 bin/trainer PLAN\n"
+         "  meshrun --nproc_per_node=4 train.py --epochs 3        (python3 -u train.py ...)\n"
+         "  srun --ntasks-per-node=1 meshrun bin/trainer PLAN   (Slurm: a worker per GPU of the job)\n";
 }

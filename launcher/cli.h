@@ -6,6 +6,11 @@
  * Errors: one line "meshrun: --flag: <what is wrong>; expected <form>" in err, return
  * CLI_EUSAGE (main prints it and exits 2). --help / --version return CLI_HELP / CLI_VERSION.
  *
+ * Like torchrun, every flag also comes from the environment: PET_<FLAG> (upper case, e.g.
+ * PET_NPROC_PER_NODE=4, PET_STANDALONE=1) is the flag's value when the command line does not
+ * give it. Under Slurm (SLURM_JOB_ID set, no rendezvous flag given) the node count, node rank,
+ * endpoint, run id and workers per node come from Slurm's variables (see cli_usage()).
+ *
  * The job secret (the store admits only clients that hold it) comes from
  * --rdzv_conf=token_file=PATH, else from MESHRUN_RDZV_TOKEN; cli reads either (a file it cannot
  * use is a usage error). A single-node job without one gets a random one from the agent. */
@@ -21,6 +26,14 @@
 #define MESHRUN_VERSION "0.1.0"
 /* Most workers one agent runs (sizes the per-local-rank tables below). */
 #define CLI_MAX_LOCAL_RANKS 256
+/* The Python that runs a .py PROGRAM and -m MODULE when PYTHON_EXEC (torchrun's variable) is
+ * unset or empty; found along PATH. */
+#define CLI_PYTHON "python3"
+/* Under Slurm without --master_port or MESHRUN_SLURM_PORT, the rendezvous port is
+ * CLI_SLURM_PORT_BASE + SLURM_JOB_ID % CLI_SLURM_PORT_SPAN: 20000..31999, below Linux's
+ * ephemeral range (32768-60999), so no outgoing connection of the node holds it. */
+#define CLI_SLURM_PORT_BASE 20000
+#define CLI_SLURM_PORT_SPAN 12000
 
 typedef enum { RDZV_BACKEND_C10D = 0, RDZV_BACKEND_STATIC } rdzv_backend_t;
 
@@ -79,12 +92,21 @@ typedef struct {
   int local_ranks_filter_set;
   double shutdown_timeout_s; /* SIGTERM -> SIGKILL grace, default 30 */
   char role[64];             /* ROLE_NAME, default "default" */
-  int no_python;             /* accepted for compatibility; meshrun never prepends python */
-  int run_module;            /* -m: run "python3 -m PROGRAM" */
+  int no_python;             /* --no_python: exec PROGRAM as is, even a .py file */
+  int run_module;            /* -m: PROGRAM is a module: "PYTHON -u -m PROGRAM ARGS" */
 
-  char *program;   /* argv element, not copied */
-  char **prog_argv; /* NULL-terminated: program then its arguments (points into argv) */
+  /* What is exec'd: PROGRAM (an argv element), or `python` when PROGRAM runs under Python.
+   * main checks it exists (except with -m) before anything starts. */
+  const char *program;
+  /* The interpreter when PROGRAM runs under Python (-m, or a PROGRAM ending in ".py" without
+   * --no_python): $PYTHON_EXEC, else CLI_PYTHON; it points into the environment or is a
+   * literal. NULL: PROGRAM is exec'd as is. Workers then run "python -u [-m] PROGRAM ARGS"
+   * (torchrun's command: -u leaves the output unbuffered). */
+  const char *python;
+  char **prog_argv; /* NULL-terminated: PROGRAM then its arguments (points into argv) */
   int prog_argc;
+
+  int from_slurm; /* 1 when the rendezvous options were taken from Slurm's variables */
 } launcher_opts_t;
 
 void cli_defaults(launcher_opts_t *o);
@@ -98,5 +120,15 @@ const char *cli_usage(void);
  * affinity mask (sched_getaffinity), at least 1. */
 int cli_count_gpus(const char *dev_dir, const char *cuda_visible_devices);
 int cli_count_cpus(void);
+/* Expands a Slurm hostlist ("gpu-[01-03,07],cpu5") into its host names, in order, written into
+ * out separated by single spaces ("gpu-01 gpu-02 gpu-03 gpu-07 cpu5"). Hosts are separated by
+ * ',' (outside brackets) or whitespace; "[...]" holds numbers and LO-HI ranges, each padded with
+ * zeros to the width of its first number ("[08-10]": 08 09 10); several bracket groups in one
+ * name give every combination, the leftmost varying slowest ("r[1-2]n[1-2]": r1n1 r1n2 r2n1
+ * r2n2). Returns the number of hosts (>= 1), or CLI_EUSAGE with the reason in err: bad syntax
+ * (an unclosed or stray bracket, an empty host or group, a range whose end is below its start,
+ * something not a digit inside brackets), a name over 255 bytes, more than a million hosts, or
+ * out too small. */
+int cli_hostlist_expand(const char *list, char *out, size_t outlen, char *err, size_t errlen);
 
 #endif

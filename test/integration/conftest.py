@@ -118,6 +118,10 @@ class Meshrun:
     def __init__(self, args, env=None, cwd=None, preexec_fn=None):
         e = dict(os.environ)
         e.pop("OMP_NUM_THREADS", None)
+        # meshrun reads its flags from PET_* and, inside a Slurm allocation, its rendezvous from
+        # SLURM_*: a test's meshrun gets neither from the shell that runs the suite
+        for k in [k for k in e if k.startswith(("PET_", "SLURM_"))]:
+            del e[k]
         if env:
             e.update(env)
         self.args = [MESHRUN] + list(args)

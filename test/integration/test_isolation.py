@@ -527,10 +527,12 @@ def test_half_sent_big_frames_do_not_grow_memory(launch, tmp_path, authed):
 # ---- (f) a script whose interpreter is missing ----
 
 def test_missing_interpreter_exits_127(launch, tmp_path):
+    # --no_python: exec'd itself, so its #! line names the interpreter (without it, a .py
+    # program runs under python3, as torchrun runs it)
     script = tmp_path / "script.py"
     script.write_text("#!/nonexistent/python\nprint('never')\n")
     script.chmod(0o755)
-    m = launch(["--standalone", "--nproc_per_node=2", str(script)])
+    m = launch(["--standalone", "--nproc_per_node=2", "--no_python", str(script)])
     rc = m.wait(30)
     line = [l for l in m.err.splitlines() if "interpreter" in l]
     print("exit %d: %s" % (rc, line))

@@ -1,4 +1,4 @@
-// deps: launcher/cli.c common/net.c common/err.c common/fs.c
+// deps: launcher/cli.c common/net.c common/err.c common/fs.c common/log.c
 /* test_cli: meshrun's command line (launcher/cli.c).
  *
  * Every value flag is parsed in four ways (underscore/dash spelling x "--flag=v"/"--flag v")
@@ -7,6 +7,10 @@
  * --nproc_per_node=auto counting is tested against a fake /dev with nvidiaN files and, for CPUs,
  * in a child process whose affinity is narrowed to one CPU. The job secret: token_file (read,
  * stripped, checked; it wins over MESHRUN_RDZV_TOKEN) and every way such a file is unusable.
+ * The environment's share: PET_<FLAG> for every flag (the command line wins; a bad value names
+ * the variable), Slurm's hostlist expansion, the options derived from Slurm's variables, and
+ * which PROGRAMs run under Python. Those variables are cleared at start and each test sets and
+ * clears its own, so the caller's environment (a Slurm job, a Kubeflow pod) changes nothing.
  * Nothing here touches the network. */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -335,7 +339,8 @@ static void test_boolean_flags(void **state) {
 
   expect_ok(&r, RUN(&r, "--module", "pkg.mod", "x"));
   assert_int_equal(r.o.run_module, 1);
-  assert_string_equal(r.o.program, "pkg.mod");
+  assert_string_equal(r.o.prog_argv[0], "pkg.mod");
+  assert_string_equal(r.o.program, CLI_PYTHON); /* what is exec'd: python3 -u -m pkg.mod x */
   expect_ok(&r, RUN(&r, "-m", "pkg.mod"));
   assert_int_equal(r.o.run_module, 1);
   assert_int_equal(r.o.prog_argc, 1);
@@ -834,6 +839,434 @@ static void test_handshake_timeout(void **state) {
   expect_usage(&r, rc, "--rdzv_conf");
 }
 
+/* ---- the environment: PET_<FLAG>, Slurm, Python ---- */
+
+extern char **environ;
+
+/* Unsets every variable cli reads besides the secret: PET_*, SLURM_*, MESHRUN_SLURM_PORT,
+ * PYTHON_EXEC. Names are collected first: unsetenv changes environ under the loop. */
+static void clear_cli_env(void) {
+  char names[256][128];
+  int n = 0;
+  for (char **e = environ; *e && n < 256; e++) {
+    size_t len = strcspn(*e, "=");
+    if (len >= sizeof names[0]) continue;
+    if (strncmp(*e, "PET_", 4) && strncmp(*e, "SLURM_", 6) && strncmp(*e, "MESHRUN_SLURM_PORT=", 19) &&
+        strncmp(*e, "PYTHON_EXEC=", 12))
+      continue;
+    memcpy(names[n], *e, len);
+    names[n++][len] = '\0';
+  }
+  for (int i = 0; i < n; i++) unsetenv(names[i]);
+}
+
+/* Every flag torchrun reads from PET_<FLAG> (and meshrun's own --shutdown_timeout) reaches its
+ * field when the command line does not give it. */
+static void test_pet_every_flag(void **state) {
+  run_t r;
+  struct {
+    const char *var, *value;
+  } vars[] = {
+      {"PET_NPROC_PER_NODE", "3"},   {"PET_NNODES", "2:4"},
+      {"PET_NODE_RANK", "1"},        {"PET_RDZV_BACKEND", "c10d"},
+      {"PET_RDZV_ENDPOINT", "master-0:23456"}, {"PET_RDZV_ID", "kf-job"},
+      {"PET_RDZV_CONF", "join_timeout=7"},     {"PET_MASTER_ADDR", "10.1.2.3"},
+      {"PET_MASTER_PORT", "4567"},   {"PET_MAX_RESTARTS", "5"},
+      {"PET_MONITOR_INTERVAL", "0.5"}, {"PET_REDIRECTS", "1"},
+      {"PET_TEE", "2"},              {"PET_LOG_DIR", "/tmp/pet-logs"},
+      {"PET_LOCAL_RANKS_FILTER", "0,2"}, {"PET_ROLE", "trainer"},
+      {"PET_SHUTDOWN_TIMEOUT", "4"},
+  };
+  size_t nvars = sizeof vars / sizeof vars[0];
+  for (size_t i = 0; i < nvars; i++) setenv(vars[i].var, vars[i].value, 1);
+  expect_ok(&r, RUN(&r, "prog"));
+  clear_cli_env();
+  assert_int_equal(r.o.nproc_per_node, 3);
+  assert_int_equal(r.o.nnodes_min, 2);
+  assert_int_equal(r.o.nnodes_max, 4);
+  assert_int_equal(r.o.node_rank, 1);
+  assert_int_equal(r.o.rdzv_backend, RDZV_BACKEND_C10D);
+  assert_int_equal(r.o.standalone, 0);
+  assert_string_equal(r.o.rdzv_host, "master-0");
+  assert_int_equal(r.o.rdzv_port, 23456);
+  assert_string_equal(r.o.rdzv_id, "kf-job");
+  assert_true(r.o.join_timeout_s == 7);
+  assert_string_equal(r.o.master_addr, "10.1.2.3");
+  assert_int_equal(r.o.master_port, 4567);
+  assert_int_equal(r.o.max_restarts, 5);
+  assert_true(r.o.monitor_interval_s == 0.5);
+  assert_int_equal(r.o.redirects, 1);
+  assert_int_equal(r.o.tee, 2);
+  assert_string_equal(r.o.log_dir, "/tmp/pet-logs");
+  assert_int_equal(r.o.local_ranks_filter_set, 1);
+  assert_int_equal(r.o.local_ranks_filter[0], 1);
+  assert_int_equal(r.o.local_ranks_filter[1], 0);
+  assert_int_equal(r.o.local_ranks_filter[2], 1);
+  assert_string_equal(r.o.role, "trainer");
+  assert_true(r.o.shutdown_timeout_s == 4);
+
+  /* The switches, as torchrun reads them: int(value) != 0; true/false too. */
+  setenv("PET_STANDALONE", "1", 1);
+  expect_ok(&r, RUN(&r, "prog"));
+  assert_int_equal(r.o.standalone, 1);
+  setenv("PET_STANDALONE", "0", 1);
+  setenv("PET_NNODES", "2", 1);
+  setenv("PET_RDZV_ENDPOINT", "h:1", 1);
+  expect_ok(&r, RUN(&r, "prog")); /* 0: off, so the endpoint is no conflict */
+  assert_int_equal(r.o.standalone, 0);
+  clear_cli_env();
+  const char *on[] = {"1", "2", "-1", "true", "TRUE", "True"}, *off[] = {"0", "00", "false", "False"};
+  for (size_t i = 0; i < sizeof on / sizeof on[0]; i++) {
+    setenv("PET_NO_PYTHON", on[i], 1);
+    expect_ok(&r, RUN(&r, "prog"));
+    assert_int_equal(r.o.no_python, 1);
+  }
+  for (size_t i = 0; i < sizeof off / sizeof off[0]; i++) {
+    setenv("PET_NO_PYTHON", off[i], 1);
+    expect_ok(&r, RUN(&r, "prog"));
+    assert_int_equal(r.o.no_python, 0);
+  }
+  clear_cli_env();
+  setenv("PET_MODULE", "1", 1);
+  expect_ok(&r, RUN(&r, "pkg.mod"));
+  assert_int_equal(r.o.run_module, 1);
+  clear_cli_env();
+
+  /* Empty is unset; --run_id is another name of --rdzv_id, so PET_RUN_ID means nothing. */
+  setenv("PET_NNODES", "", 1);
+  setenv("PET_RUN_ID", "ignored", 1);
+  expect_ok(&r, RUN(&r, "prog"));
+  assert_int_equal(r.o.nnodes_max, 1);
+  assert_string_equal(r.o.rdzv_id, "none");
+  clear_cli_env();
+}
+
+/* A flag on the command line wins whole: its PET_ variable is not read at all (a bad value in
+ * it is no error), also through another spelling or name of the flag, and --rdzv_conf is not
+ * merged with PET_RDZV_CONF (torchrun's argparse default is replaced, not combined). */
+static void test_pet_command_line_wins(void **state) {
+  run_t r;
+  setenv("PET_NPROC_PER_NODE", "3", 1);
+  expect_ok(&r, RUN(&r, "--nproc_per_node=2", "prog"));
+  assert_int_equal(r.o.nproc_per_node, 2);
+  expect_ok(&r, RUN(&r, "--nproc-per-node", "4", "prog"));
+  assert_int_equal(r.o.nproc_per_node, 4);
+  expect_ok(&r, RUN(&r, "prog"));
+  assert_int_equal(r.o.nproc_per_node, 3);
+
+  setenv("PET_NNODES", "abc", 1);
+  expect_ok(&r, RUN(&r, "--nnodes=1", "prog"));
+  assert_int_equal(r.o.nnodes_max, 1);
+  unsetenv("PET_NNODES");
+
+  setenv("PET_RDZV_ID", "from-env", 1);
+  expect_ok(&r, RUN(&r, "--run_id=from-argv", "prog"));
+  assert_string_equal(r.o.rdzv_id, "from-argv");
+
+  setenv("PET_RDZV_CONF", "join_timeout=7", 1);
+  expect_ok(&r, RUN(&r, "--rdzv_conf=close_timeout=9", "prog"));
+  assert_true(r.o.join_timeout_s == 600);
+  assert_true(r.o.close_timeout_s == 9);
+
+  setenv("PET_REDIRECTS", "3", 1);
+  expect_ok(&r, RUN(&r, "-r", "1", "prog"));
+  assert_int_equal(r.o.redirects, 1);
+
+  /* PET_STANDALONE=1 and --standalone on the command line: the same thing. */
+  setenv("PET_STANDALONE", "1", 1);
+  expect_ok(&r, RUN(&r, "--standalone", "prog"));
+  assert_int_equal(r.o.standalone, 1);
+  clear_cli_env();
+}
+
+/* A bad value from the environment: one line naming the variable, the flag, the value and the
+ * form expected; --help still wins over it. */
+static void test_pet_bad_values(void **state) {
+  run_t r;
+  setenv("PET_NNODES", "abc", 1);
+  int rc = RUN(&r, "prog");
+  assert_int_equal(rc, CLI_EUSAGE);
+  assert_string_equal(r.err, "meshrun: PET_NNODES (--nnodes): \"abc\" is not valid; expected N or MIN:MAX "
+                             "with 1 <= MIN <= MAX");
+  assert_int_equal(RUN(&r, "--help"), CLI_HELP);
+  clear_cli_env();
+
+  struct {
+    const char *var, *value;
+  } bad[] = {
+      {"PET_NPROC_PER_NODE", "zero"}, {"PET_NODE_RANK", "-1"},        {"PET_RDZV_BACKEND", "etcd3"},
+      {"PET_RDZV_ENDPOINT", "h:99999"}, {"PET_RDZV_CONF", "bogus"},    {"PET_MASTER_PORT", "0"},
+      {"PET_MAX_RESTARTS", "x"},      {"PET_MONITOR_INTERVAL", "0"},  {"PET_TEE", "7"},
+      {"PET_ROLE", "a b"},            {"PET_SHUTDOWN_TIMEOUT", "-1"}, {"PET_STANDALONE", "yes"},
+      {"PET_NO_PYTHON", "on"},        {"PET_MODULE", "1.0"},
+  };
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    char blamed[96];
+    snprintf(blamed, sizeof blamed, "%s (--", bad[i].var);
+    setenv(bad[i].var, bad[i].value, 1);
+    rc = RUN(&r, "prog");
+    unsetenv(bad[i].var);
+    char prefix[128];
+    snprintf(prefix, sizeof prefix, "meshrun: %s", blamed);
+    if (rc != CLI_EUSAGE || strncmp(r.err, prefix, strlen(prefix)) || !strstr(r.err, bad[i].value))
+      print_error("%s=%s -> rc=%d err=\"%s\"\n", bad[i].var, bad[i].value, rc, r.err);
+    assert_int_equal(rc, CLI_EUSAGE);
+    assert_memory_equal(r.err, prefix, strlen(prefix));
+    assert_non_null(strstr(r.err, bad[i].value));
+    assert_non_null(strstr(r.err, "expected"));
+    assert_null(strchr(r.err, '\n'));
+  }
+}
+
+/* One case of cli_hostlist_expand: the hosts it must give, space-separated. */
+static void expect_hosts(const char *list, const char *want, int count) {
+  char out[512], err[256];
+  int n = cli_hostlist_expand(list, out, sizeof out, err, sizeof err);
+  if (n != count || strcmp(out, want))
+    print_error("\"%s\" -> %d \"%s\" (err \"%s\"), wanted %d \"%s\"\n", list, n, out, err, count, want);
+  assert_int_equal(n, count);
+  assert_string_equal(out, want);
+  assert_string_equal(err, "");
+}
+
+static void test_hostlist_expand(void **state) {
+  expect_hosts("gpu-[01-03,07],cpu5", "gpu-01 gpu-02 gpu-03 gpu-07 cpu5", 5);
+  expect_hosts("node1", "node1", 1);
+  expect_hosts("n[8-11]", "n8 n9 n10 n11", 4);
+  expect_hosts("n[08-11]", "n08 n09 n10 n11", 4);
+  expect_hosts("n[098-101]", "n098 n099 n100 n101", 4);
+  /* Each range keeps its own first number's width. */
+  expect_hosts("node[001-002,5,07]", "node001 node002 node5 node07", 4);
+  /* Several groups: every combination, the leftmost slowest; text after a group too. */
+  expect_hosts("rack[1-2]-node[01-02]", "rack1-node01 rack1-node02 rack2-node01 rack2-node02", 4);
+  expect_hosts("a[1,3]b[2-3]c", "a1b2c a1b3c a3b2c a3b3c", 4);
+  /* Commas inside brackets are not separators; blanks are, as in Slurm's lists. */
+  expect_hosts("a[1,3],b[2-3]c", "a1 a3 b2c b3c", 4);
+  expect_hosts(" h1 h2, h3 ,h4\t", "h1 h2 h3 h4", 4);
+  expect_hosts("[1-2]", "1 2", 2);
+  expect_hosts("n[5-5]", "n5", 1);
+  expect_hosts("localhost", "localhost", 1);
+  expect_hosts("10.0.0.[1-2]", "10.0.0.1 10.0.0.2", 2);
+
+  struct {
+    const char *list, *why;
+  } bad[] = {
+      {"gpu-[01", "'[' at byte 4 is not closed"},
+      {"gpu-01]", "']' without '[' at byte 6"},
+      {"a[]", "\"[]\""},
+      {"a[x]", "\"[x]\""},
+      {"a[3-1]", "LO <= HI"},
+      {"a[1-]", "\"[1-]\""},
+      {"a[-1]", "\"[-1]\""},
+      {"a[1,]", "\"[1,]\""},
+      {"a[1 2]", "\"[1 2]\""},
+      {"a[1[2]]", "not closed"},
+      {"a[1-2:2]", "\"[1-2:2]\""},
+      {"a[1234567890]", "\"[1234567890]\""},
+      {"a,,b", "empty host name at byte 2"},
+      {",a", "empty host name at byte 0"},
+      {"a,", "empty host name at byte 2"},
+      {"", "no host"},
+      {"  ", "no host"},
+      {"a\001b", "0x01"},
+      {"n[0-9999999]", "more than 1000000 hosts"},
+      {"a[1-1000]b[1-1001]", "more than 1000000 hosts"},
+      {"a[1]b[1]c[1]d[1]e[1]f[1]g[1]h[1]i[1]", "more than 8 bracket groups"},
+  };
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    char out[64] = "untouched", err[256];
+    int n = cli_hostlist_expand(bad[i].list, out, sizeof out, err, sizeof err);
+    if (n != CLI_EUSAGE || !strstr(err, bad[i].why))
+      print_error("\"%s\" -> %d err \"%s\", wanted an error with \"%s\"\n", bad[i].list, n, err, bad[i].why);
+    assert_int_equal(n, CLI_EUSAGE);
+    assert_non_null(strstr(err, bad[i].why));
+    assert_string_equal(out, ""); /* nothing visited before the whole list was checked */
+  }
+  /* A name over 255 bytes, and an output buffer too small. */
+  char longname[300], out[16], err[256];
+  memset(longname, 'x', sizeof longname - 1);
+  longname[sizeof longname - 1] = '\0';
+  assert_int_equal(cli_hostlist_expand(longname, NULL, 0, err, sizeof err), CLI_EUSAGE);
+  assert_non_null(strstr(err, "longer than 255 bytes"));
+  assert_int_equal(cli_hostlist_expand("n[1-100]", out, sizeof out, err, sizeof err), CLI_EUSAGE);
+  assert_non_null(strstr(err, "100 hosts do not fit in 16 bytes"));
+}
+
+/* A Slurm node of a 4-node job: rank 2, two tasks per node. */
+static void set_slurm(void) {
+  setenv("SLURM_JOB_ID", "4242", 1);
+  setenv("SLURM_NNODES", "4", 1);
+  setenv("SLURM_NODEID", "2", 1);
+  setenv("SLURM_JOB_NODELIST", "gpu-[01-03,07]", 1);
+  setenv("SLURM_NTASKS_PER_NODE", "2", 1);
+}
+
+static void test_slurm_options(void **state) {
+  run_t r;
+  set_slurm();
+  expect_ok(&r, RUN(&r, "bin/trainer", "plan.json"));
+  assert_int_equal(r.o.from_slurm, 1);
+  assert_int_equal(r.o.nnodes_min, 4);
+  assert_int_equal(r.o.nnodes_max, 4);
+  assert_int_equal(r.o.node_rank, 2);
+  assert_int_equal(r.o.rdzv_backend, RDZV_BACKEND_C10D);
+  assert_int_equal(r.o.standalone, 0);
+  assert_string_equal(r.o.rdzv_host, "gpu-01");
+  assert_int_equal(r.o.rdzv_port, CLI_SLURM_PORT_BASE + 4242 % CLI_SLURM_PORT_SPAN);
+  assert_int_equal(r.o.rdzv_port, 24242);
+  assert_string_equal(r.o.rdzv_id, "4242");
+  assert_int_equal(r.o.nproc_per_node, 2);
+
+  /* Workers: the GPUs when tasks per node is absent or 1 (meshrun's own task); the default
+   * when neither says; an explicit --nproc_per_node (or PET_) wins. */
+  setenv("SLURM_GPUS_ON_NODE", "8", 1);
+  setenv("SLURM_NTASKS_PER_NODE", "1", 1);
+  expect_ok(&r, RUN(&r, "prog"));
+  assert_int_equal(r.o.nproc_per_node, 8);
+  unsetenv("SLURM_NTASKS_PER_NODE");
+  expect_ok(&r, RUN(&r, "prog"));
+  assert_int_equal(r.o.nproc_per_node, 8);
+  setenv("SLURM_GPUS_ON_NODE", "0", 1);
+  expect_ok(&r, RUN(&r, "prog"));
+  assert_int_equal(r.o.nproc_per_node, 1);
+  setenv("SLURM_NTASKS_PER_NODE", "2", 1);
+  expect_ok(&r, RUN(&r, "--nproc_per_node=3", "prog"));
+  assert_int_equal(r.o.nproc_per_node, 3);
+  assert_int_equal(r.o.from_slurm, 1);
+  setenv("PET_NPROC_PER_NODE", "5", 1);
+  expect_ok(&r, RUN(&r, "prog"));
+  assert_int_equal(r.o.nproc_per_node, 5);
+  unsetenv("PET_NPROC_PER_NODE");
+
+  /* The port: MESHRUN_SLURM_PORT, and --master_port over both; --rdzv_id kept. */
+  setenv("MESHRUN_SLURM_PORT", "31337", 1);
+  expect_ok(&r, RUN(&r, "--rdzv_id=mine", "prog"));
+  assert_int_equal(r.o.rdzv_port, 31337);
+  assert_string_equal(r.o.rdzv_id, "mine");
+  expect_ok(&r, RUN(&r, "--master_port=1234", "prog"));
+  assert_int_equal(r.o.rdzv_port, 1234);
+  unsetenv("MESHRUN_SLURM_PORT");
+  /* Every job id's port is the same on every node and stays in 20000..31999. */
+  const char *ids[] = {"0", "1", "11999", "12000", "123456789", "4294967295"};
+  for (size_t i = 0; i < sizeof ids / sizeof ids[0]; i++) {
+    setenv("SLURM_JOB_ID", ids[i], 1);
+    expect_ok(&r, RUN(&r, "prog"));
+    long id = strtol(ids[i], NULL, 10);
+    assert_int_equal(r.o.rdzv_port, 20000 + id % 12000);
+    assert_in_range(r.o.rdzv_port, 20000, 31999);
+    assert_string_equal(r.o.rdzv_id, ids[i]);
+  }
+  setenv("SLURM_JOB_ID", "4242", 1);
+
+  /* srun's step list wins over the job's: SLURM_NODEID counts within the step. */
+  setenv("SLURM_STEP_NODELIST", "gpu-[07-10]", 1);
+  expect_ok(&r, RUN(&r, "prog"));
+  assert_string_equal(r.o.rdzv_host, "gpu-07");
+  unsetenv("SLURM_STEP_NODELIST");
+  clear_cli_env();
+}
+
+/* Any rendezvous choice of the user's, from argv or PET_, leaves Slurm's variables alone; an
+ * empty SLURM_JOB_ID is no Slurm. */
+static void test_slurm_not_used(void **state) {
+  run_t r;
+  set_slurm();
+  const char *const cases[][4] = {
+      {"--standalone", "prog"},
+      {"--nnodes=1", "prog"},
+      {"--node_rank=0", "prog"},
+      {"--rdzv_endpoint=h:5", "prog"},
+      {"--rdzv_backend=static", "prog"},
+      {"--master_addr=h", "prog"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    int rc = run_list(&r, cases[i]);
+    expect_ok(&r, rc);
+    assert_int_equal(r.o.from_slurm, 0);
+    assert_string_not_equal(r.o.rdzv_id, "4242");
+  }
+  setenv("PET_RDZV_ENDPOINT", "kf-master:29400", 1);
+  expect_ok(&r, RUN(&r, "prog"));
+  assert_int_equal(r.o.from_slurm, 0);
+  assert_string_equal(r.o.rdzv_host, "kf-master");
+  unsetenv("PET_RDZV_ENDPOINT");
+  setenv("SLURM_JOB_ID", "", 1);
+  expect_ok(&r, RUN(&r, "prog"));
+  assert_int_equal(r.o.from_slurm, 0);
+  assert_int_equal(r.o.standalone, 1);
+  clear_cli_env();
+}
+
+/* What cannot work under Slurm is one line naming the variable. */
+static void test_slurm_errors(void **state) {
+  run_t r;
+  struct {
+    const char *var, *value; /* NULL value: unset */
+    const char *blamed, *why;
+  } cases[] = {
+      {"SLURM_NODEID", NULL, "SLURM_NODEID", "not set"},
+      {"SLURM_NNODES", NULL, "SLURM_NNODES", "not set"},
+      {"SLURM_JOB_NODELIST", NULL, "SLURM_JOB_NODELIST", "not set"},
+      {"SLURM_NODEID", "4", "SLURM_NODEID=\"4\"", "0..3"},
+      {"SLURM_NNODES", "abc", "SLURM_NNODES=\"abc\"", "integer"},
+      {"SLURM_JOB_ID", "12.3", "SLURM_JOB_ID=\"12.3\"", "numeric job id"},
+      {"SLURM_JOB_NODELIST", "gpu-[01", "SLURM_JOB_NODELIST=\"gpu-[01\"", "is not closed"},
+      {"SLURM_NTASKS_PER_NODE", "0", "SLURM_NTASKS_PER_NODE=\"0\"", "1..256"},
+      {"SLURM_GPUS_ON_NODE", "x", "SLURM_GPUS_ON_NODE=\"x\"", "integer"},
+      {"MESHRUN_SLURM_PORT", "70000", "MESHRUN_SLURM_PORT=\"70000\"", "1..65535"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    set_slurm();
+    if (!strcmp(cases[i].var, "SLURM_GPUS_ON_NODE")) unsetenv("SLURM_NTASKS_PER_NODE");
+    if (cases[i].value) setenv(cases[i].var, cases[i].value, 1);
+    else unsetenv(cases[i].var);
+    int rc = RUN(&r, "prog");
+    expect_usage(&r, rc, cases[i].blamed);
+    if (!strstr(r.err, cases[i].why)) print_error("err \"%s\" lacks \"%s\"\n", r.err, cases[i].why);
+    assert_non_null(strstr(r.err, cases[i].why));
+    clear_cli_env();
+  }
+}
+
+/* torchrun runs PROGRAM under Python; meshrun does for *.py (and -m) unless --no_python, with
+ * $PYTHON_EXEC or python3; everything else is exec'd as is. */
+static void test_python_programs(void **state) {
+  run_t r;
+  expect_ok(&r, RUN(&r, "train.py", "--lr", "3"));
+  assert_string_equal(r.o.python, CLI_PYTHON);
+  assert_string_equal(r.o.program, CLI_PYTHON);
+  assert_string_equal(r.o.prog_argv[0], "train.py");
+  assert_int_equal(r.o.prog_argc, 3);
+  expect_ok(&r, RUN(&r, "--nproc_per_node=2", "dir/sub/train.py"));
+  assert_string_equal(r.o.program, CLI_PYTHON);
+
+  expect_ok(&r, RUN(&r, "--no_python", "train.py"));
+  assert_null(r.o.python);
+  assert_string_equal(r.o.program, "train.py");
+  setenv("PET_NO_PYTHON", "1", 1);
+  expect_ok(&r, RUN(&r, "train.py"));
+  assert_null(r.o.python);
+  unsetenv("PET_NO_PYTHON");
+
+  const char *as_is[] = {"bin/trainer", "train.pyc", "train.PY", ".py", "python3", "py"};
+  for (size_t i = 0; i < sizeof as_is / sizeof as_is[0]; i++) {
+    expect_ok(&r, RUN(&r, as_is[i]));
+    assert_null(r.o.python);
+    assert_string_equal(r.o.program, as_is[i]);
+  }
+
+  setenv("PYTHON_EXEC", "/opt/venv/bin/python", 1);
+  expect_ok(&r, RUN(&r, "train.py"));
+  assert_string_equal(r.o.program, "/opt/venv/bin/python");
+  expect_ok(&r, RUN(&r, "-m", "pkg.train"));
+  assert_string_equal(r.o.python, "/opt/venv/bin/python");
+  assert_string_equal(r.o.prog_argv[0], "pkg.train");
+  setenv("PYTHON_EXEC", "", 1); /* empty = unset */
+  expect_ok(&r, RUN(&r, "train.py"));
+  assert_string_equal(r.o.program, CLI_PYTHON);
+  unsetenv("PYTHON_EXEC");
+}
+
 /* ---- --help text ---- */
 
 static void test_usage_text(void **state) {
@@ -853,6 +1286,9 @@ static void test_usage_text(void **state) {
       "OMP_NUM_THREADS", "MESHRUN_STORE", "MESHRUN_ROUND", "ROLE_NAME", MESHRUN_VERSION,
       "token_file", "handshake_timeout", STORE_ENV_SECRET, "token_file wins",
       "Exit status:", "EX_CONFIG", "EX_UNAVAILABLE", "\"restart\": false", "\"restart\": true",
+      "PET_<FLAG>", "PET_STANDALONE=1", "PYTHON_EXEC", "*.py", "SLURM_JOB_ID", "SLURM_NNODES",
+      "SLURM_NODEID", "SLURM_JOB_NODELIST", "SLURM_NTASKS_PER_NODE", "SLURM_GPUS_ON_NODE",
+      "MESHRUN_SLURM_PORT", "port 20000 + SLURM_JOB_ID % 12000", "srun",
   };
   for (size_t i = 0; i < sizeof must / sizeof must[0]; i++) {
     if (!strstr(u, must[i])) print_error("--help lacks \"%s\"\n", must[i]);
@@ -899,8 +1335,18 @@ int main(void) {
       cmocka_unit_test(test_secret_env),
       cmocka_unit_test(test_secret_token_file_errors),
       cmocka_unit_test(test_handshake_timeout),
+      cmocka_unit_test(test_pet_every_flag),
+      cmocka_unit_test(test_pet_command_line_wins),
+      cmocka_unit_test(test_pet_bad_values),
+      cmocka_unit_test(test_hostlist_expand),
+      cmocka_unit_test(test_slurm_options),
+      cmocka_unit_test(test_slurm_not_used),
+      cmocka_unit_test(test_slurm_errors),
+      cmocka_unit_test(test_python_programs),
       cmocka_unit_test(test_usage_text),
   };
-  unsetenv(STORE_ENV_SECRET); /* cli reads it: a value from the caller would change every parse */
+  /* cli reads these: a value from the caller (a Slurm job, a Kubeflow pod) would change every parse */
+  unsetenv(STORE_ENV_SECRET);
+  clear_cli_env();
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
