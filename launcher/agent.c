@@ -589,10 +589,15 @@ cleanup:
   if (a->base_is_tmp) nftw(a->base_dir, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
   /* rdzv's threads are interrupted and joined. One still inside a connect attempt after
    * RDZV_JOIN_WAIT_MS keeps rdzv, the loop and the agent (it may still touch them) until the
-   * process exits, which ends it: neither is torn down under it. */
+   * process exits, which ends it: neither is torn down under it. Nor is anything else: the
+   * process ends with _exit, since exit's handlers (OpenSSL's cleanup among them) would free
+   * what that thread may be using (a store handshake's RAND_bytes crashed on OpenSSL's freed
+   * lock in 2 of 1024 nodes of a 1024-node start, whose store evicted slow handshakes). */
   if (rdzv_destroy(a->rz, RDZV_JOIN_WAIT_MS)) {
     log_debug("rendezvous thread still connecting at exit; left to the process exit");
-    return code;
+    fflush(stdout);
+    fflush(stderr);
+    _exit(code);
   }
   workers_destroy(a->wk);
   if (uv_loop_close(&a->loop)) log_debug("event loop: handles still open at exit");
