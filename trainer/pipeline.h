@@ -115,7 +115,6 @@ typedef struct {
   int64_t busy_ns;        /* in forwards and backwards (their own collectives included) */
   int64_t wait_ns;        /* blocked on transfers */
   int peak_inflight;      /* micro-batches forwarded and not yet backwarded, at most */
-  int peak_slots[PP_MAX_CHUNKS]; /* activation slots in use at once, per chunk */
   double loss_sum;        /* the last stage: the sum of its micro-batches' losses */
   int bad_mb;             /* the last stage: first micro-batch whose loss was nan/inf, else -1 */
 } pp_step_stats_t;
@@ -125,8 +124,8 @@ typedef struct {
   pp_plan_t plan;
   int slots[PP_MAX_CHUNKS];     /* per chunk: what the model must be created with (pp_slots) */
   int last_bwd[PP_MAX_CHUNKS];  /* per chunk: the micro-batch of its last backward */
-  unsigned long long free_mask[PP_MAX_CHUNKS]; /* slots taken, by bit */
-  int live[PP_MAX_CHUNKS];
+  unsigned char *taken;         /* (v * smax) chunk c's slot k in use: taken[c * smax + k] */
+  int smax;                     /* the most slots of any chunk */
   void *mbs;                    /* (v * m) per micro-batch state */
   pp_step_stats_t stats;
   char err[PP_ERR_MAX];

@@ -59,8 +59,10 @@ int pp_runner_init(pp_runner_t *r, const pp_runner_config_t *cfg, char *err, siz
                    "handles (at most %d per rank)", cfg->rank, cfg->p, cfg->v, PP_MAX_CHUNKS);
   }
   pp_slots(&r->plan, cfg->rank, r->slots);
+  for (int c = 0; c < cfg->v; c++) r->smax = r->slots[c] > r->smax ? r->slots[c] : r->smax;
   r->mbs = calloc((size_t)cfg->v * cfg->m, sizeof(mbstate_t));
-  if (!r->mbs) {
+  r->taken = calloc((size_t)cfg->v * r->smax, 1);
+  if (!r->mbs || !r->taken) {
     pp_runner_free(r);
     return err_set(err, errlen, -1, "pipeline: out of memory");
   }
@@ -78,7 +80,9 @@ void pp_runner_free(pp_runner_t *r) {
   if (!r) return;
   pp_free(&r->plan);
   free(r->mbs);
+  free(r->taken);
   r->mbs = NULL;
+  r->taken = NULL;
 }
 
 /* ------------------------------------------------------------------ one step */
@@ -98,14 +102,19 @@ static int wait_req(pp_runner_t *r, comm_req_t **req, comm_t *c, const char *wha
   return rc ? comm_failed(r, c, what, stage, mb) : 0;
 }
 
+static void give_slot(pp_runner_t *r, int c, int mb) {
+  mbstate_t *s = st_of(r, c, mb);
+  r->taken[c * r->smax + s->slot] = 0;
+  s->slot = -1;
+}
+
 /* A free slot of chunk c for micro-batch mb; with none free, the oldest gradient send of the
  * chunk is waited for and its slot taken. */
 static int take_slot(pp_runner_t *r, int c, int mb) {
   for (int k = 0; k < r->slots[c]; k++)
-    if (!(r->free_mask[c] >> k & 1u)) {
-      r->free_mask[c] |= 1u << k;
+    if (!r->taken[c * r->smax + k]) {
+      r->taken[c * r->smax + k] = 1;
       st_of(r, c, mb)->slot = k;
-      if (++r->live[c] > r->stats.peak_slots[c]) r->stats.peak_slots[c] = r->live[c];
       return 0;
     }
   for (int j = 0; j < r->plan.m; j++) {
@@ -113,9 +122,7 @@ static int take_slot(pp_runner_t *r, int c, int mb) {
     if (o->slot >= 0 && o->send_grad && o->done) {
       const int stage = r->cfg.rank + c * r->cfg.p;
       if (wait_req(r, &o->send_grad, r->cfg.send_grad, "sending the input gradient", stage, j)) return -1;
-      r->free_mask[c] &= ~(1u << o->slot);
-      r->live[c]--;
-      o->slot = -1;
+      give_slot(r, c, j);
       return take_slot(r, c, mb);
     }
   }
@@ -123,11 +130,12 @@ static int take_slot(pp_runner_t *r, int c, int mb) {
                  "(the schedule holds more than pp_slots counted)", c, r->slots[c], mb + 1);
 }
 
-static void give_slot(pp_runner_t *r, int c, int mb) {
-  mbstate_t *s = st_of(r, c, mb);
-  r->free_mask[c] &= ~(1u << s->slot);
-  r->live[c]--;
-  s->slot = -1;
+/* A forward or backward that failed: the strategy's message when its hooks failed, else the
+ * model's. */
+static int pass_failed(pp_runner_t *r, const char *pass, int stage, int mb) {
+  const dp_t *dp = r->cfg.dp;
+  return err_set(r->err, sizeof r->err, -1, "pipeline: the %s of stage %d micro-batch %d failed: %s", pass, stage,
+                 mb + 1, dp && dp_status(dp) ? dp_errmsg(dp) : model_errmsg(r->cfg.model));
 }
 
 int pp_run_step(pp_runner_t *r, const int32_t *tok, const int32_t *tgt, int b, int t, float loss_scale,
@@ -140,10 +148,7 @@ int pp_run_step(pp_runner_t *r, const int32_t *tok, const int32_t *tgt, int b, i
   r->err[0] = '\0';
   memset(&r->stats, 0, sizeof r->stats);
   r->stats.bad_mb = -1;
-  for (int c = 0; c < cfg->v; c++) {
-    r->free_mask[c] = 0;
-    r->live[c] = 0;
-  }
+  memset(r->taken, 0, (size_t)cfg->v * r->smax);
   for (int i = 0; i < cfg->v * M; i++) ((mbstate_t *)r->mbs)[i] = (mbstate_t){.slot = -1};
   int inflight = 0, rc = 0;
   const int64_t t0 = now_ns();
@@ -167,8 +172,7 @@ int pp_run_step(pp_runner_t *r, const int32_t *tok, const int32_t *tgt, int b, i
                                     b, t, &loss);
       r->stats.busy_ns += now_ns() - f0;
       if (mrc || (cfg->dp && dp_status(cfg->dp))) {
-        rc = err_set(r->err, sizeof r->err, -1, "pipeline: the forward of stage %d micro-batch %d failed: %s",
-                     a->stage, mb + 1, cfg->dp && dp_status(cfg->dp) ? dp_errmsg(cfg->dp) : model_errmsg(m));
+        rc = pass_failed(r, "forward", a->stage, mb);
         break;
       }
       if (head) {
@@ -195,8 +199,7 @@ int pp_run_step(pp_runner_t *r, const int32_t *tok, const int32_t *tgt, int b, i
       int mrc = model_chunk_backward(m, c, s->slot, loss_scale);
       r->stats.busy_ns += now_ns() - b0;
       if (mrc || (cfg->dp && dp_status(cfg->dp))) {
-        rc = err_set(r->err, sizeof r->err, -1, "pipeline: the backward of stage %d micro-batch %d failed: %s",
-                     a->stage, mb + 1, cfg->dp && dp_status(cfg->dp) ? dp_errmsg(cfg->dp) : model_errmsg(m));
+        rc = pass_failed(r, "backward", a->stage, mb);
         break;
       }
       inflight--;
@@ -245,8 +248,7 @@ int pp_run_forward(pp_runner_t *r, const int32_t *tok, const int32_t *tgt, int b
     float l = 0;
     if (model_chunk_forward(m, c, 0, s == 0 ? tok : NULL, s == S - 1 ? tgt : NULL, b, t, &l) ||
         (cfg->dp && dp_status(cfg->dp)))
-      return err_set(r->err, sizeof r->err, -1, "pipeline: the eval forward of stage %d failed: %s", s,
-                     cfg->dp && dp_status(cfg->dp) ? dp_errmsg(cfg->dp) : model_errmsg(m));
+      return pass_failed(r, "eval forward", s, 0);
     if (s == S - 1) *loss = l;
     else if (comm_send(cfg->send_act, model_chunk_output(m, c, 0), n, cdt, 1))
       return comm_failed(r, cfg->send_act, "sending the output activation (eval)", s, 0);

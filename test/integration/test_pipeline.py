@@ -115,6 +115,22 @@ def test_pipeline_matches_one_process(tmp_path, serial, name):
     compare(serial, tmp_path, name)
 
 
+def test_pipeline_many_microbatches(tmp_path):
+    """GPipe over 40 micro-batches of one sequence: 40 activation slots on the first stage, 41 on
+    the second (more than a 32-bit slot mask holds), and still the one-process run's numbers."""
+    one, pp = tmp_path / "one", tmp_path / "pp"
+    one.mkdir()
+    pp.mkdir()
+    train = ["train.micro_batch_size=1", "train.global_batch_size=40", "train.steps=10"]
+    r = subprocess.run([TRAINER, write_plan(one)] + sets(one, train), cwd=str(one), env=solo_env(),
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rc, m = run_mesh(pp, 2, [write_plan(pp)] + sets(pp, train + ["mesh.pp=2", "parallel.pp_schedule=gpipe"]))
+    assert rc == 0, m.describe()[-4000:]
+    assert [rec["pp_peak_inflight"] for rec in records(pp) if "pp_peak_inflight" in rec][-1] == [40, 40]
+    compare(one, pp, "pp2 gpipe, 40 micro-batches")
+
+
 def test_pipeline_memory_in_flight(tmp_path):
     """1F1B: rank r holds p - r micro-batches at once; GPipe: all m; GPipe's arena is larger."""
     got = {}
