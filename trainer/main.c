@@ -461,8 +461,8 @@ static int final_sample(model_t *m, backend_t *be, dp_t *dp, const mesh_t *mesh,
 static int pipeline_record(metrics_t *mt, model_t *m, int step, const pp_step_stats_t *st, char *err, size_t errlen) {
   model_memory_t mm;
   model_memory(m, &mm);
-  const double mine[4] = {st->busy_ns * 1e-6, st->span_ns * 1e-6, st->peak_inflight, (double)mm.act_bytes};
-  return metrics_pipeline(mt, step, mine, 4, err, errlen);
+  return metrics_pipeline(mt, step, st->busy_ns * 1e-6, st->span_ns * 1e-6, st->peak_inflight, mm.act_bytes, err,
+                          errlen);
 }
 
 static int eval_due(const plan_t *p, int step) {

@@ -249,45 +249,36 @@ comm_t *mesh_host_comm(const mesh_t *m, const char *name) {
   return g ? g->host_comm : NULL;
 }
 
+/* out += c's traffic and blocked time (c may be NULL). */
+static void stats_add(comm_stats_t *out, const comm_t *c) {
+  if (!c) return;
+  comm_stats_t st;
+  comm_get_stats(c, &st);
+  out->bytes_sent += st.bytes_sent;
+  out->bytes_recv += st.bytes_recv;
+  out->calls += st.calls;
+  out->wait_ns += st.wait_ns;
+}
+
 void mesh_group_stats(const mesh_t *m, int g, comm_stats_t *out) {
   const mesh_group_t *grp = &m->groups[g];
   memset(out, 0, sizeof *out);
-  if (grp->comm) comm_get_stats(grp->comm, out);
-  if (grp->host_comm && grp->host_comm != grp->comm) {
-    comm_stats_t h;
-    comm_get_stats(grp->host_comm, &h);
-    out->bytes_sent += h.bytes_sent;
-    out->bytes_recv += h.bytes_recv;
-    out->calls += h.calls;
-    out->wait_ns += h.wait_ns;
-  }
+  stats_add(out, grp->comm);
+  if (grp->host_comm != grp->comm) stats_add(out, grp->host_comm);
 }
 
 uint64_t mesh_wait_ns(const mesh_t *m) {
-  uint64_t sum = 0;
-  comm_stats_t st_pp;
-  for (int g = 0; m && g < MESH_NGROUPS; g++) {
-    comm_stats_t st;
-    mesh_group_stats(m, g, &st);
-    sum += st.wait_ns;
+  if (!m) return 0;
+  comm_stats_t st;
+  memset(&st, 0, sizeof st);
+  for (int g = 0; g < MESH_NGROUPS; g++) {
+    stats_add(&st, m->groups[g].comm);
+    if (m->groups[g].host_comm != m->groups[g].comm) stats_add(&st, m->groups[g].host_comm);
   }
-  if (m) {
-    mesh_pp_stats(m, &st_pp);
-    sum += st_pp.wait_ns;
-  }
-  return sum;
-}
-
-void mesh_pp_stats(const mesh_t *m, comm_stats_t *out) {
-  comm_t *ch[4] = {m->pp.send_act, m->pp.recv_act, m->pp.send_grad, m->pp.recv_grad};
-  memset(out, 0, sizeof *out);
-  for (int i = 0; i < 4; i++) {
-    if (!ch[i]) continue;
-    comm_stats_t st;
-    comm_get_stats(ch[i], &st);
-    out->bytes_sent += st.bytes_sent;
-    out->bytes_recv += st.bytes_recv;
-    out->calls += st.calls;
-    out->wait_ns += st.wait_ns;
-  }
+  /* the pipeline channels: the time a stage waited for its input or its output's gradient */
+  stats_add(&st, m->pp.send_act);
+  stats_add(&st, m->pp.recv_act);
+  stats_add(&st, m->pp.send_grad);
+  stats_add(&st, m->pp.recv_grad);
+  return st.wait_ns;
 }

@@ -100,8 +100,6 @@ comm_t *mesh_host_comm(const mesh_t *m, const char *name);
 /* Group g's traffic and blocked time: its device communicator's stats plus its host one's (when
  * that is another ring); zeros before mesh_connect. */
 void mesh_group_stats(const mesh_t *m, int g, comm_stats_t *out);
-/* The pipeline channels' traffic and blocked time, summed (zeros without pp). */
-void mesh_pp_stats(const mesh_t *m, comm_stats_t *out);
 /* Nanoseconds this process has spent blocked on the mesh's communicators (device and host ones):
  * the sum of their comm_stats_t.wait_ns, the pipeline channels' included. 0 for NULL. */
 uint64_t mesh_wait_ns(const mesh_t *m);

@@ -225,35 +225,37 @@ void metrics_step(metrics_t *mt, int step, double loss, double lr, double gnorm,
   }
 }
 
-int metrics_pipeline(metrics_t *mt, int step, const double *mine, int n, char *err, size_t errlen) {
+int metrics_pipeline(metrics_t *mt, int step, double busy_ms, double span_ms, int peak_inflight, size_t act_bytes,
+                     char *err, size_t errlen) {
+  enum { BUSY, SPAN, INFLIGHT, ACT, N };
+  static const char *const keys[N] = {"pp_busy_ms", "pp_span_ms", "pp_peak_inflight", "pp_act_bytes"};
   comm_t *c = mesh_host_comm(mt->mesh, "pp");
   const int Q = comm_size(c);
-  float *all = malloc((size_t)Q * n * sizeof(float)), *v = malloc((size_t)n * sizeof(float));
-  if (!all || !v) {
-    free(all);
-    free(v);
+  const float mine[N] = {(float)busy_ms, (float)span_ms, (float)peak_inflight, (float)act_bytes};
+  float *all = malloc((size_t)Q * N * sizeof(float));
+  if (!all) {
     snprintf(err, errlen, "out of memory for the pipeline's record");
     return -1;
   }
-  for (int i = 0; i < n; i++) v[i] = (float)mine[i];
-  int rc = comm_all_gather(c, v, all, (size_t)n, COMM_FLOAT32);
-  if (rc) snprintf(err, errlen, "gathering the pipeline's timings: %s", comm_errmsg(c));
-  static const char *const keys[] = {"pp_busy_ms", "pp_span_ms", "pp_peak_inflight", "pp_act_bytes"};
+  if (comm_all_gather(c, mine, all, N, COMM_FLOAT32)) {
+    snprintf(err, errlen, "gathering the pipeline's timings: %s", comm_errmsg(c));
+    free(all);
+    return -1;
+  }
   char rec[4096];
   int at = snprintf(rec, sizeof rec, "{\"pp_step\":%d,\"pp_bubble\":[", step);
   for (int q = 0; q < Q && at < (int)sizeof rec; q++) {
-    const float busy = all[q * n], span = all[q * n + 1];
+    const float busy = all[q * N + BUSY], span = all[q * N + SPAN];
     at += snprintf(rec + at, sizeof rec - (size_t)at, "%s%.4f", q ? "," : "", span > 0 ? 1.0 - busy / span : 0.0);
   }
-  for (int k = 0; k < n && k < 4 && at < (int)sizeof rec; k++) {
+  for (int k = 0; k < N && at < (int)sizeof rec; k++) {
     at += snprintf(rec + at, sizeof rec - (size_t)at, "],\"%s\":[", keys[k]);
     for (int q = 0; q < Q && at < (int)sizeof rec; q++)
-      at += snprintf(rec + at, sizeof rec - (size_t)at, k < 2 ? "%s%.3f" : "%s%.0f", q ? "," : "", all[q * n + k]);
+      at += snprintf(rec + at, sizeof rec - (size_t)at, k <= SPAN ? "%s%.3f" : "%s%.0f", q ? "," : "", all[q * N + k]);
   }
-  if (rc == 0 && at < (int)sizeof rec - 3) metrics_printf(mt, step, "%s]}\n", rec);
+  if (at < (int)sizeof rec - 3) metrics_printf(mt, step, "%s]}\n", rec);
   free(all);
-  free(v);
-  return rc ? -1 : 0;
+  return 0;
 }
 
 void metrics_eval(metrics_t *mt, int step, double loss) {

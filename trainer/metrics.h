@@ -45,11 +45,13 @@ typedef struct {
   double t_in_steps;  /* seconds spent in optimizer steps */
 } metrics_t;
 
-/* Under pipeline parallelism, after a step: every pp rank's schedule (its stats; act_bytes its
- * activations in flight at the peak, slots in use times slot bytes) gathered over the pp group
- * (collective over it), one record {"pp_step" (not "step": readers of step records expect a loss there), "pp_bubble": [idle fraction per pp rank], "pp_busy_ms",
- * "pp_span_ms", "pp_peak_inflight", "pp_act_bytes"} from rank 0. Returns 0 or -1 with err. */
-int metrics_pipeline(metrics_t *mt, int step, const double *mine, int n, char *err, size_t errlen);
+/* Under pipeline parallelism, after a step: this rank's time in forwards and backwards, the
+ * schedule's span, the most micro-batches it held and its activation arena, gathered over the
+ * pp group (collective over it) into one record from rank 0: {"pp_step" (not "step": readers of
+ * step records expect a loss there), "pp_bubble": [1 - busy / span per pp rank], "pp_busy_ms",
+ * "pp_span_ms", "pp_peak_inflight", "pp_act_bytes"}. Returns 0 or -1 with err. */
+int metrics_pipeline(metrics_t *mt, int step, double busy_ms, double span_ms, int peak_inflight, size_t act_bytes,
+                     char *err, size_t errlen);
 
 /* Seconds on the monotonic clock. */
 double metrics_now(void);

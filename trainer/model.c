@@ -108,7 +108,6 @@ typedef struct {
   float *rstd_final, *losses, *ce_max, *ce_stats;
   int32_t *tokens_dev, *targets_dev;
   int Np, Ns, row0, b, t, n_valid, has_targets, ok, gathered;
-  size_t bytes;         /* carved for this slot */
 } slot_t;
 
 /* Layers [first, first + n) held by this instance (a pipeline stage), with the embedding and/or
@@ -194,7 +193,6 @@ struct model {
   chunk_t *chunks;
   int *unit_of_layer;  /* (L) local unit of block l, -1 when not held */
   int u_embed, u_head; /* local units of tok_embeddings and of norm + output, -1 when not held */
-  size_t slot_bytes;   /* one slot of every chunk */
 
   /* state of the last forward (of the bound slot) */
   float *host_losses; /* (Np) host */
@@ -415,7 +413,6 @@ static size_t layout_acts(model_t *m, void *base) {
   memset(&m->work, 0, sizeof m->work);
   if (any) carve_block_set(m, &m->work, base, &off);
   m->block_bytes = off;
-  m->slot_bytes = 0;
   for (int c = 0; c < m->n_chunks; c++) {
     chunk_t *ch = &m->chunks[c];
     for (int k = 0; k < ch->n_slots; k++) {
@@ -442,8 +439,6 @@ static size_t layout_acts(model_t *m, void *base) {
       sl->logits_gather = carve(base, &off, m->out_split ? h * (size_t)m->tp * Np * m->Vo : 0, es);
       sl->ce_max = carve(base, &off, m->lp ? h * Np : 0, f4);
       sl->ce_stats = carve(base, &off, m->lp ? h * 2 * Np : 0, f4);
-      sl->bytes = off - o0;
-      if (k == 0) m->slot_bytes += sl->bytes;
     }
   }
   m->dres = carve(base, &off, Ns * C, es);
@@ -507,7 +502,6 @@ static void save_slot(model_t *m, int c, int k) {
 void model_memory(const model_t *m, model_memory_t *out) {
   out->act_bytes = m->arena_bytes;
   out->act_block_bytes = m->block_bytes;
-  out->act_slot_bytes = m->slot_bytes;
   out->compute_bytes = m->params_lp ? m->num_params * m->es : 0;
 }
 
@@ -1397,10 +1391,5 @@ size_t model_boundary_numel(const model_t *m, int b, int t) {
   return (size_t)ns * (size_t)m->C;
 }
 
-int model_num_chunks(const model_t *m) { return m->n_chunks; }
-
-size_t model_chunk_slot_bytes(const model_t *m, int c) {
-  return c >= 0 && c < m->n_chunks ? m->chunks[c].slots[0].bytes : 0;
-}
 
 const char *model_errmsg(const model_t *m) { return m->err; }

@@ -123,7 +123,6 @@ typedef struct {
  * input, plus the shared working set when any block is checkpointed). */
 typedef struct {
   size_t act_bytes, act_block_bytes;
-  size_t act_slot_bytes; /* one micro-batch's saved activations of all chunks (one slot each) */
   size_t compute_bytes; /* the model's bf16 compute copy of the parameters (0 in fp32 and
                            when the strategy casts) */
 } model_memory_t;
@@ -216,9 +215,6 @@ void *model_chunk_input(model_t *m, int chunk, int slot);
 void *model_chunk_output(model_t *m, int chunk, int slot);
 /* Elements (param_dtype) of a chunk's input or output for a batch of b*t tokens on this rank. */
 size_t model_boundary_numel(const model_t *m, int b, int t);
-int model_num_chunks(const model_t *m);
-/* Bytes of one slot of chunk c's saved activations. */
-size_t model_chunk_slot_bytes(const model_t *m, int chunk);
 /* 1 when the last forward returned 0 (its loss may still be nan/inf: the model diverged). */
 int model_forward_ok(const model_t *m);
 void model_zero_grad(model_t *m);
