@@ -52,7 +52,8 @@ CMOCKA_LIBS  := $(shell pkg-config --libs cmocka 2>/dev/null || echo -lcmocka)
 # OpenSSL's libcrypto: HMAC-SHA256 and random bytes for the store's job secret.
 CRYPTO_CFLAGS := $(shell pkg-config --cflags libcrypto 2>/dev/null)
 CRYPTO_LIBS   := $(shell pkg-config --libs libcrypto 2>/dev/null || echo -lcrypto)
-# libcurl: the etcd client's HTTP (common/etcd.c); linked only by what uses it (needs_curl).
+# libcurl: the etcd client's HTTP (common/etcd.c). Only its header is needed here: the client
+# loads libcurl.so.4 at run time, on the first etcd connect.
 CURL_CFLAGS  := $(shell pkg-config --cflags libcurl 2>/dev/null)
 CURL_LIBS    := $(shell pkg-config --libs libcurl 2>/dev/null || echo -lcurl)
 else
@@ -127,9 +128,7 @@ TRAINER_SRC  := $(wildcard trainer/*.c)
 COMMON_OBJ   := $(COMMON_SRC:%.c=$(BUILD)/%.o)
 LAUNCHER_OBJ := $(LAUNCHER_SRC:%.c=$(BUILD)/%.o)
 TRAINER_OBJ  := $(TRAINER_SRC:%.c=$(BUILD)/%.o) $(if $(HAVE_CUDA),$(CU_SRC:%.cu=$(BUILD)/%.o))
-# The etcd client (libcurl) is for the launcher's etcd rendezvous backend, which is not built yet:
-# until it is, neither program links it (libcurl's dependencies would add about 11 MB to the GPU
-# kit, whose carry is limited), only its test does.
+# The etcd client is the launcher's (--rdzv_backend=etcd); the trainer has no use for it.
 ETCD_OBJ     := $(BUILD)/common/etcd.o
 
 UNIT_SRC  := $(wildcard test/unit/test_*.c)
@@ -142,7 +141,7 @@ TOOL_BIN  := $(TOOL_SRC:test/tools/%.c=$(BUILD)/tools/%)
 .PHONY: all test unit integration test-gpu demo bench bench-gpu install clean
 all: $(BIN)/meshrun $(BIN)/trainer $(UNIT_BIN) $(TOOL_BIN) $(GPU_BIN)
 
-$(BIN)/meshrun: $(LAUNCHER_OBJ) $(filter-out $(ETCD_OBJ),$(COMMON_OBJ))
+$(BIN)/meshrun: $(LAUNCHER_OBJ) $(COMMON_OBJ)
 	@mkdir -p $(@D)
 	@$(if $(Q),echo "  LD      $@")
 	$(Q)$(CC) $(LDFLAGS) -o $@ $^ $(ALL_LIBS)
@@ -168,7 +167,8 @@ raw_deps = $(shell sed -n '1s|^// deps: *||p' $(1))
 needs_cuda = $(if $(HAVE_CUDA),$(or $(filter trainer/backend.c %.cu,$(call raw_deps,$(1))),$(findstring test/gpu/,$(1))))
 CU_OBJ := $(CU_SRC:%.cu=$(BUILD)/%.o)
 needs_dnnl = $(if $(filter 1,$(HAVE_DNNL)),$(filter test/tools/gemm_bench.c,$(1)))
-needs_curl = $(filter common/etcd.c,$(call raw_deps,$(1)))
+# A test that calls libcurl itself (test_etcd's raw requests to etcd) links it.
+needs_curl = $(shell grep -l '^#include <curl/curl.h>' $(1) 2>/dev/null)
 deps_of = $(sort $(patsubst %.cu,$(BUILD)/%.o,$(patsubst %.c,$(BUILD)/%.o,$(call raw_deps,$(1)))) \
           $(if $(call needs_cuda,$(1)),$(CU_OBJ)))
 define link_rule

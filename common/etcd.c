@@ -18,13 +18,16 @@
 
 #include <cJSON.h>
 #include <curl/curl.h>
+#include <dlfcn.h>
 #include <errno.h>
 #include <inttypes.h>
 #include <openssl/evp.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <sys/socket.h>
 #include <string.h>
 #include <time.h>
 
@@ -48,6 +51,7 @@ struct etcd {
   char url[MAX_MEMBERS][280];    /* http://host:port */
   int timeout_ms;
   int unsure;                    /* the last call retried after a try that may have been applied */
+  atomic_int interrupted;        /* etcd_interrupt: every call fails at once with -EINTR */
   char err[2048];
 };
 
@@ -58,6 +62,7 @@ typedef struct {
 
 /* One HTTP exchange. For a watch, the body is read as a stream of lines as it comes. */
 typedef struct {
+  etcd_t *c;
   buf_t body;
   int watch;          /* stream mode: parse lines, stop at the first events */
   int created, done;  /* watch confirmed by the member; a message ended the stream */
@@ -75,6 +80,14 @@ static void seterr(etcd_t *c, const char *fmt, ...) {
 }
 
 const char *etcd_errmsg(const etcd_t *c) { return c ? c->err : "no etcd client"; }
+
+void etcd_set_timeout(etcd_t *c, int timeout_ms) {
+  if (c && timeout_ms > 0) c->timeout_ms = timeout_ms;
+}
+
+void etcd_interrupt(etcd_t *c) {
+  if (c) atomic_store(&c->interrupted, 1);
+}
 
 static char *fmt(const char *f, ...) __attribute__((format(printf, 1, 2)));
 static char *fmt(const char *f, ...) {
@@ -197,13 +210,33 @@ static int parse_kvs(const cJSON *arr, int events, etcd_kvs_t *out) {
   return 0;
 }
 
+/* libcurl is opened at run time, on the first connect: meshrun needs it only for
+ * --rdzv_backend=etcd, and a machine that never uses etcd (the GPU machine, whose kit carries
+ * every library it lacks) need not have it or its dependencies. */
+#define CURL_SONAME "libcurl.so.4"
+static struct {
+  CURLcode (*global_init)(long);
+  CURL *(*easy_init)(void);
+  void (*easy_cleanup)(CURL *);
+  void (*easy_reset)(CURL *);
+  CURLcode (*easy_setopt)(CURL *, CURLoption, ...);
+  CURLcode (*easy_perform)(CURL *);
+  CURLcode (*easy_getinfo)(CURL *, CURLINFO, ...);
+  const char *(*easy_strerror)(CURLcode);
+  struct curl_slist *(*slist_append)(struct curl_slist *, const char *);
+  void (*slist_free_all)(struct curl_slist *);
+} cx;
+static pthread_once_t curl_once = PTHREAD_ONCE_INIT;
+static char curl_init_err[512]; /* "" once libcurl is loaded and initialized */
+
 /* --- HTTP. */
 
 static size_t on_data(char *data, size_t size, size_t nmemb, void *arg);
 
 static int xferinfo(void *arg, curl_off_t dt, curl_off_t dn, curl_off_t ut, curl_off_t un) {
   xfer_t *x = arg;
-  return x->watch && !x->created && net_now_ms() > x->create_by; /* nonzero aborts */
+  if (atomic_load(&x->c->interrupted)) return 1; /* nonzero aborts */
+  return x->watch && !x->created && net_now_ms() > x->create_by;
 }
 
 /* gRPC status codes (in the gateway's "code") as errno. */
@@ -235,6 +268,15 @@ static int reply_error(const cJSON *j, const char **text) {
   return 0;
 }
 
+/* Sockets close on exec: meshrun forks workers while its threads talk to etcd, and a worker
+ * must not inherit (and hold open) the agent's connections. Made so atomically, not by a later
+ * fcntl that a fork could overtake. */
+static curl_socket_t open_socket(void *arg, curlsocktype purpose, struct curl_sockaddr *a) {
+  (void)arg;
+  (void)purpose;
+  return socket(a->family, a->socktype | SOCK_CLOEXEC, a->protocol);
+}
+
 /* One try on member i. Returns 0 with *reply, or a code with the member's cause in cause;
  * *retry says whether another member may do better, *unsure whether etcd may have applied it. */
 static int attempt(etcd_t *c, int i, const char *path, const char *body, int timeout_ms, xfer_t *x,
@@ -242,29 +284,30 @@ static int attempt(etcd_t *c, int i, const char *path, const char *body, int tim
   char url[320];
   snprintf(url, sizeof url, "%s%s", c->url[i], path);
   CURL *h = c->curl;
-  curl_easy_reset(h); /* options only: the open connection is kept */
-  curl_easy_setopt(h, CURLOPT_URL, url);
-  curl_easy_setopt(h, CURLOPT_HTTPHEADER, c->headers);
-  curl_easy_setopt(h, CURLOPT_POSTFIELDS, body);
-  curl_easy_setopt(h, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)strlen(body));
-  curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);     /* threads: no SIGALRM for DNS timeouts */
-  curl_easy_setopt(h, CURLOPT_NOPROXY, "*");     /* an http_proxy meant for the web must not see etcd */
-  curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, (long)timeout_ms);
-  curl_easy_setopt(h, CURLOPT_CONNECTTIMEOUT_MS, (long)timeout_ms);
-  curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, on_data);
-  curl_easy_setopt(h, CURLOPT_WRITEDATA, x);
-  curl_easy_setopt(h, CURLOPT_NOPROGRESS, 0L);
-  curl_easy_setopt(h, CURLOPT_XFERINFOFUNCTION, xferinfo);
-  curl_easy_setopt(h, CURLOPT_XFERINFODATA, x);
+  cx.easy_reset(h); /* options only: the open connection is kept */
+  cx.easy_setopt(h, CURLOPT_URL, url);
+  cx.easy_setopt(h, CURLOPT_HTTPHEADER, c->headers);
+  cx.easy_setopt(h, CURLOPT_POSTFIELDS, body);
+  cx.easy_setopt(h, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)strlen(body));
+  cx.easy_setopt(h, CURLOPT_NOSIGNAL, 1L);     /* threads: no SIGALRM for DNS timeouts */
+  cx.easy_setopt(h, CURLOPT_NOPROXY, "*");     /* an http_proxy meant for the web must not see etcd */
+  cx.easy_setopt(h, CURLOPT_TIMEOUT_MS, (long)timeout_ms);
+  cx.easy_setopt(h, CURLOPT_CONNECTTIMEOUT_MS, (long)timeout_ms);
+  cx.easy_setopt(h, CURLOPT_WRITEFUNCTION, on_data);
+  cx.easy_setopt(h, CURLOPT_WRITEDATA, x);
+  cx.easy_setopt(h, CURLOPT_NOPROGRESS, 0L);
+  cx.easy_setopt(h, CURLOPT_XFERINFOFUNCTION, xferinfo);
+  cx.easy_setopt(h, CURLOPT_XFERINFODATA, x);
+  cx.easy_setopt(h, CURLOPT_OPENSOCKETFUNCTION, open_socket);
   /* libcurl silently sends a request again when a reused connection closes before any reply:
    * for a transaction that etcd applied before the connection died, a second application.
    * On a fresh connection a lost reply is an error we see (and resolve, as "unsure"). */
-  if (!strcmp(path, "/v3/kv/txn")) curl_easy_setopt(h, CURLOPT_FRESH_CONNECT, 1L);
-  CURLcode cr = curl_easy_perform(h);
+  if (!strcmp(path, "/v3/kv/txn")) cx.easy_setopt(h, CURLOPT_FRESH_CONNECT, 1L);
+  CURLcode cr = cx.easy_perform(h);
   long status = 0, oserr = 0, sent = 0;
-  curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &status);
-  curl_easy_getinfo(h, CURLINFO_OS_ERRNO, &oserr);
-  curl_easy_getinfo(h, CURLINFO_REQUEST_SIZE, &sent);
+  cx.easy_getinfo(h, CURLINFO_RESPONSE_CODE, &status);
+  cx.easy_getinfo(h, CURLINFO_OS_ERRNO, &oserr);
+  cx.easy_getinfo(h, CURLINFO_REQUEST_SIZE, &sent);
   *retry = 1;
   *unsure = 0;
   if (x->oom) {
@@ -279,6 +322,11 @@ static int attempt(etcd_t *c, int i, const char *path, const char *body, int tim
       snprintf(cause, clen, "no answer in %d ms", timeout_ms);
       return -ETIMEDOUT;
     }
+    if (cr == CURLE_ABORTED_BY_CALLBACK && atomic_load(&c->interrupted)) {
+      *retry = 0;
+      snprintf(cause, clen, "interrupted");
+      return -EINTR;
+    }
     if (cr == CURLE_ABORTED_BY_CALLBACK) {
       snprintf(cause, clen, "watch not confirmed in %d ms", timeout_ms);
       return -ETIMEDOUT;
@@ -287,7 +335,7 @@ static int attempt(etcd_t *c, int i, const char *path, const char *body, int tim
       snprintf(cause, clen, "%s", strerror((int)oserr));
       return oserr == ECONNREFUSED ? -ECONNREFUSED : -EHOSTUNREACH;
     }
-    snprintf(cause, clen, "%s", curl_easy_strerror(cr));
+    snprintf(cause, clen, "%s", cx.easy_strerror(cr));
     return cr == CURLE_COULDNT_RESOLVE_HOST ? -EHOSTUNREACH : -EIO;
   }
   if (x->watch) { /* the stream ended without a message for us: the member went away */
@@ -416,7 +464,7 @@ static int call(etcd_t *c, const char *op, const char *path, const char *body, c
       int i = (c->cur + k) % c->n, retry, unsure;
       int64_t left = deadline - net_now_ms();
       if (left <= 0) goto fail;
-      xfer_t x = {0};
+      xfer_t x = {.c = c};
       rc = attempt(c, i, path, body, (int)(left < share ? left : share), &x, reply, cause[i], sizeof cause[i],
                    &retry, &unsure);
       xfer_free(&x);
@@ -457,14 +505,33 @@ static int check_key(etcd_t *c, const char *verb, const char *key, int allow_emp
 
 /* --- connect. */
 
-static pthread_once_t curl_once = PTHREAD_ONCE_INIT;
-static CURLcode curl_init_rc;
-static void curl_init(void) { curl_init_rc = curl_global_init(CURL_GLOBAL_DEFAULT); }
+static void curl_init(void) {
+  void *lib = dlopen(CURL_SONAME, RTLD_NOW | RTLD_LOCAL);
+  if (!lib) {
+    snprintf(curl_init_err, sizeof curl_init_err, "cannot load " CURL_SONAME " (install libcurl4): %s", dlerror());
+    return;
+  }
+  struct {
+    void **fn;
+    const char *name;
+  } syms[] = {{(void **)&cx.global_init, "curl_global_init"},   {(void **)&cx.easy_init, "curl_easy_init"},
+              {(void **)&cx.easy_cleanup, "curl_easy_cleanup"}, {(void **)&cx.easy_reset, "curl_easy_reset"},
+              {(void **)&cx.easy_setopt, "curl_easy_setopt"},   {(void **)&cx.easy_perform, "curl_easy_perform"},
+              {(void **)&cx.easy_getinfo, "curl_easy_getinfo"}, {(void **)&cx.easy_strerror, "curl_easy_strerror"},
+              {(void **)&cx.slist_append, "curl_slist_append"}, {(void **)&cx.slist_free_all, "curl_slist_free_all"}};
+  for (size_t i = 0; i < sizeof syms / sizeof *syms; i++)
+    if (!(*syms[i].fn = dlsym(lib, syms[i].name))) {
+      snprintf(curl_init_err, sizeof curl_init_err, CURL_SONAME " lacks %s", syms[i].name);
+      return;
+    }
+  CURLcode rc = cx.global_init(CURL_GLOBAL_DEFAULT);
+  if (rc != CURLE_OK) snprintf(curl_init_err, sizeof curl_init_err, "libcurl: %s", cx.easy_strerror(rc));
+}
 
 void etcd_close(etcd_t *c) {
   if (!c) return;
-  if (c->curl) curl_easy_cleanup(c->curl);
-  curl_slist_free_all(c->headers);
+  if (c->curl) cx.easy_cleanup(c->curl);
+  if (c->headers) cx.slist_free_all(c->headers);
   free(c);
 }
 
@@ -473,8 +540,7 @@ int etcd_connect(etcd_t **out, const char *endpoints, int timeout_ms, char *err,
   if (!endpoints || timeout_ms <= 0)
     return err_set(err, errlen, -EINVAL, "etcd connect: %s", endpoints ? "timeout must be > 0" : "no endpoints");
   pthread_once(&curl_once, curl_init);
-  if (curl_init_rc != CURLE_OK)
-    return err_set(err, errlen, -EIO, "etcd connect: libcurl: %s", curl_easy_strerror(curl_init_rc));
+  if (curl_init_err[0]) return err_set(err, errlen, -ENOSYS, "etcd connect: %s", curl_init_err);
   etcd_t *c = calloc(1, sizeof *c);
   if (!c) return err_set(err, errlen, -ENOMEM, "etcd connect: out of memory");
   c->timeout_ms = timeout_ms;
@@ -513,14 +579,14 @@ int etcd_connect(etcd_t **out, const char *endpoints, int timeout_ms, char *err,
     rc = err_set(err, errlen, -EINVAL, "etcd endpoints '%s': none given (host:port,host:port,...)", endpoints);
     goto error;
   }
-  c->curl = curl_easy_init();
+  c->curl = cx.easy_init();
   /* hasleader: a member cut off from its leader refuses at once ("no leader") instead of
    * holding the request until its 7 s request timeout; the watch server also ends our
    * streams when its member loses the leader. Expect: a POST never waits for a 100. */
   const char *hdrs[] = {"Content-Type: application/json", "Grpc-Metadata-hasleader: true", "Expect:"};
   int ok = c->curl != NULL;
   for (size_t i = 0; i < sizeof hdrs / sizeof *hdrs && ok; i++) {
-    struct curl_slist *h = curl_slist_append(c->headers, hdrs[i]);
+    struct curl_slist *h = cx.slist_append(c->headers, hdrs[i]);
     if ((ok = h != NULL)) c->headers = h;
   }
   if (!ok) {
@@ -835,7 +901,7 @@ int etcd_watch(etcd_t *c, const char *key, int prefix, int64_t from_revision, in
   rc = -ETIMEDOUT;
   for (int64_t left; (left = deadline - net_now_ms()) > 0;) {
     int i = c->cur, retry, unsure;
-    xfer_t x = {.watch = 1, .create_by = net_now_ms() + share};
+    xfer_t x = {.c = c, .watch = 1, .create_by = net_now_ms() + share};
     cJSON *none = NULL;
     rc = attempt(c, i, "/v3/watch", body, (int)left, &x, &none, cause[i], sizeof cause[i], &retry, &unsure);
     int quiet = rc == -ETIMEDOUT && x.created;

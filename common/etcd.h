@@ -5,7 +5,10 @@
  * hand-made HTTP/2 + protobuf stack. etcd also serves the same API as HTTP/JSON on its client
  * URLs (the grpc-gateway, under /v3/ since etcd 3.4: POST /v3/kv/range, /v3/kv/txn,
  * /v3/lease/keepalive, /v3/watch, ...; keys and values base64, 64-bit numbers as strings), so
- * libcurl and cJSON, both ordinary Debian packages, are the whole dependency. Streams (watch,
+ * libcurl and cJSON, both ordinary Debian packages, are the whole dependency. libcurl is
+ * loaded at run time (dlopen of libcurl.so.4) on the first etcd_connect, so a program that
+ * links this client runs without libcurl until it is asked for etcd; then etcd_connect fails
+ * with -ENOSYS and says what to install. Streams (watch,
  * keepalive) are one HTTP request whose response is newline-separated JSON messages; this
  * client opens one, reads what it needs and closes it, which keeps every call blocking and
  * bounded.
@@ -69,6 +72,14 @@ void etcd_kvs_free(etcd_kvs_t *kvs); /* frees the contents; accepts NULL and emp
  * 0 and *out, or a code with the reason in err. */
 int etcd_connect(etcd_t **out, const char *endpoints, int timeout_ms, char *err, size_t errlen);
 void etcd_close(etcd_t *c); /* accepts NULL */
+/* May be called from another thread than the owner's: a call in progress on c fails within
+ * about a second (libcurl's progress callback's cadence when idle) with -EINTR, and so does
+ * every later call. For stopping a thread that owns c; the owner still calls etcd_close.
+ * Accepts NULL. */
+void etcd_interrupt(etcd_t *c);
+/* Bounds every later call by timeout_ms (> 0) instead of etcd_connect's: connect may wait
+ * long for a cluster to come up, later calls should not. */
+void etcd_set_timeout(etcd_t *c, int timeout_ms);
 const char *etcd_errmsg(const etcd_t *c);
 
 /* lease: 0, or a lease id from etcd_lease_grant (the key dies with the lease; -ENOENT when

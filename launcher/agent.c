@@ -75,6 +75,8 @@ typedef struct {
   int have_end;    /* the round's end record is in */
   rdzv_end_t end;
   int drained;     /* store host: the other nodes have read the round's fatal end */
+  int drains;      /* c10d's store host: waits for drained before leaving on a fatal end (with
+                    * etcd, the job's state outlives every node, and no node waits) */
   int local_failure; /* this node reported the round's failure */
   int exit_code;
   int shutdown_sig;  /* INT/TERM/HUP received */
@@ -191,7 +193,7 @@ static void arm_join_timer(agent_t *a) {
  * third: the other nodes have read it (rdzv's DRAINED), since leaving takes the store away. */
 static void round_over(agent_t *a) {
   if (a->state != AGENT_STOPPING || !a->have_end || !workers_idle(a->wk)) return;
-  if (a->end.fatal && a->srv && !a->drained) return;
+  if (a->end.fatal && a->drains && !a->drained) return;
   if (a->end.fatal) {
     print_summary(a);
     agent_exit(a, a->end.exit_code ? a->end.exit_code : 1);
@@ -294,7 +296,9 @@ static void on_rdzv(rdzv_t *rz, const rdzv_event_t *ev, void *arg) {
                          .master_port = g->master_port, .max_restarts = a->opts->max_restarts,
                          .log_files = a->opts->log_dir[0] != 0};
     snprintf(r.master_addr, sizeof r.master_addr, "%s", g->master_addr);
-    snprintf(r.store_endpoint, sizeof r.store_endpoint, "%s", a->store_ep);
+    /* The workers' store: the rendezvous store (c10d), or the round's first node's (etcd). */
+    if (g->store_port > 0) net_format_endpoint(r.store_endpoint, sizeof r.store_endpoint, g->master_addr, g->store_port);
+    else snprintf(r.store_endpoint, sizeof r.store_endpoint, "%s", a->store_ep);
     memcpy(r.store_secret, a->opts->secret, sizeof r.store_secret);
     snprintf(r.run_id, sizeof r.run_id, "%s", a->opts->rdzv_id);
     make_attempt_dir(a, g->round, r.attempt_dir, sizeof r.attempt_dir);
@@ -329,6 +333,25 @@ static void on_rdzv(rdzv_t *rz, const rdzv_event_t *ev, void *arg) {
   case RDZV_EV_ERROR:
     log_error("%s", ev->message);
     agent_exit(a, 1);
+    break;
+  case RDZV_EV_FENCED:
+    /* etcd: this node is out of every round. Its workers go (the others have restarted
+     * without them, or will), then it joins again as a new member: never on its old round. */
+    log_warn("%s; stopping workers and joining again", ev->message);
+    if (a->state == AGENT_JOINING) {
+      rdzv_join(a->rz);
+      return;
+    }
+    if (a->state == AGENT_RUNNING) {
+      a->state = AGENT_STOPPING;
+      workers_stop(a->wk, SIGTERM, a->opts->shutdown_timeout_s, "fenced");
+    }
+    if (a->state != AGENT_STOPPING) return;
+    memset(&a->end, 0, sizeof a->end);
+    a->end.kind = RDZV_END_DEAD_NODE;
+    snprintf(a->end.reason, sizeof a->end.reason, "%s", ev->message);
+    a->have_end = 1;
+    round_over(a);
     break;
   case RDZV_EV_STORE_LOST:
     /* Whatever the round was doing: without the store there is no next round, no restart and
@@ -426,6 +449,12 @@ static int prepare_secret(agent_t *a, char *err, size_t errlen) {
     log_warn("warning: --rdzv_conf token_file=%s is accessible by group or others (mode %04o); chmod 600 it",
              o->token_file, o->token_file_mode);
   if (o->secret[0]) return 0;
+  if (o->nnodes_max > 1 && o->rdzv_backend == RDZV_BACKEND_ETCD) {
+    log_warn("warning: no job secret: the stores the nodes serve their workers (MESHRUN_STORE) are open: any program "
+             "that reaches their ports can read and change this job's keys; set --rdzv_conf=token_file=PATH or "
+             STORE_ENV_SECRET);
+    return 0;
+  }
   if (o->nnodes_max > 1) {
     char ep[300];
     net_format_endpoint(ep, sizeof ep, o->rdzv_host, o->rdzv_port);
@@ -447,6 +476,18 @@ static int prepare_secret(agent_t *a, char *err, size_t errlen) {
   o->secret[2 * sizeof raw] = '\0';
   o->secret_source = CLI_SECRET_GENERATED;
   return 0;
+}
+
+/* The address peers dial for MASTER_ADDR (and this node's store, with etcd), and that names
+ * this node in messages: loopback jobs stay on loopback; otherwise --master_addr when given,
+ * else this machine's address on the route to the rendezvous endpoint (the store, or etcd's
+ * first member: peers reach it there, so they reach us on that network; the hostname may not
+ * resolve for them, or be the same on every container or namespace), else its hostname. */
+static void node_address(const launcher_opts_t *o, char *out, size_t len) {
+  const char *lo = loopback_addr(o->rdzv_host);
+  if (lo) snprintf(out, len, "%s", lo);
+  else if (o->master_addr[0]) snprintf(out, len, "%s", o->master_addr);
+  else if (net_local_addr_toward(o->rdzv_host, o->rdzv_port, out, len)) net_hostname(out, len);
 }
 
 /* Binds the rendezvous endpoint and serves the store there, or leaves it to whoever does.
@@ -522,11 +563,27 @@ int agent_run(launcher_opts_t *o) {
     goto out;
   }
   /* Host the store when this node can bind the endpoint; otherwise be a client of whoever
-   * does. A port taken by something else is found out on the first request (rdzv). */
+   * does. A port taken by something else is found out on the first request (rdzv). With
+   * etcd, every node serves a store of its own on a free port, for its workers' rounds when
+   * it is a round's first node. */
   snprintf(a->store_host, sizeof a->store_host, "%s", o->rdzv_host);
-  int refused;
-  rc = host_or_join(a, &refused, err, sizeof err);
-  if (refused) {
+  int refused = 0, etcd = o->rdzv_backend == RDZV_BACKEND_ETCD;
+  char addr[RDZV_ADDR_MAX];
+  node_address(o, addr, sizeof addr);
+  if (etcd) {
+    store_server_opts_t so = {.run_id = o->rdzv_id, .secret = o->secret,
+                              .handshake_ms = (int)(o->handshake_timeout_s * 1000)};
+    if ((rc = store_server_start(&a->srv, &a->loop, addr, 0, &so, &a->store_port, err, sizeof err))) {
+      log_error("serving this node's store on %s: %s", addr, err);
+      goto out;
+    }
+    snprintf(a->store_host, sizeof a->store_host, "%s", addr);
+  } else {
+    rc = host_or_join(a, &refused, err, sizeof err);
+  }
+  if (etcd) {
+    log_debug("rendezvous in etcd at %s; this node's store on port %d", o->rdzv_endpoints, a->store_port);
+  } else if (refused) {
     /* err names the endpoint and the job that owns it (store_connect's message). */
     log_error("error: not joining: %s; give both jobs the same secret to share the port, or use another "
               "--rdzv_endpoint",
@@ -543,31 +600,26 @@ int agent_run(launcher_opts_t *o) {
     a->srv = NULL;
     a->store_port = o->rdzv_port;
   }
-  net_format_endpoint(a->store_ep, sizeof a->store_ep, a->store_host, a->store_port);
+  if (etcd) snprintf(a->store_ep, sizeof a->store_ep, "%.200s (etcd)", o->rdzv_endpoints);
+  else net_format_endpoint(a->store_ep, sizeof a->store_ep, a->store_host, a->store_port);
   if (setup_base_dir(a, err, sizeof err)) {
     log_error("%s", err);
     goto out;
   }
-  rdzv_config_t cfg = {.store_port = a->store_port, .nnodes_min = o->nnodes_min, .nnodes_max = o->nnodes_max,
+  a->drains = a->srv && !etcd;
+  rdzv_config_t cfg = {.kv = etcd ? RDZV_KV_ETCD : RDZV_KV_C10D, .store_port = a->store_port,
+                       .node_store_port = etcd ? a->store_port : 0, .nnodes_min = o->nnodes_min, .nnodes_max = o->nnodes_max,
                        .node_rank = o->node_rank, .nproc = o->nproc_per_node, .join_timeout_s = o->join_timeout_s,
                        .last_call_timeout_s = o->last_call_timeout_s, .close_timeout_s = o->close_timeout_s,
                        .heartbeat_interval_s = o->heartbeat_interval_s,
                        .heartbeat_timeout_s = o->heartbeat_timeout_s, .max_restarts = o->max_restarts,
-                       .is_store_host = a->srv != NULL};
+                       .is_store_host = a->drains};
   _Static_assert(sizeof o->secret <= sizeof cfg.secret, "rdzv must hold any secret cli accepts");
   memcpy(cfg.secret, o->secret, sizeof o->secret);
   snprintf(cfg.store_host, sizeof cfg.store_host, "%s", a->store_host);
+  snprintf(cfg.etcd_endpoints, sizeof cfg.etcd_endpoints, "%s", o->rdzv_endpoints);
   snprintf(cfg.run_id, sizeof cfg.run_id, "%s", o->rdzv_id);
-  /* The address peers dial for MASTER_ADDR, and that names this node in messages: loopback
-   * jobs stay on loopback; otherwise --master_addr when given, else this machine's address on
-   * the route to the store (peers reach the store there, so they reach us on that network; the
-   * hostname may not resolve for them, or be the same on every container or namespace), else
-   * its hostname. */
-  const char *lo = loopback_addr(o->rdzv_host);
-  if (lo) snprintf(cfg.addr, sizeof cfg.addr, "%s", lo);
-  else if (o->master_addr[0]) snprintf(cfg.addr, sizeof cfg.addr, "%s", o->master_addr);
-  else if (net_local_addr_toward(a->store_host, a->store_port, cfg.addr, sizeof cfg.addr))
-    net_hostname(cfg.addr, sizeof cfg.addr);
+  snprintf(cfg.addr, sizeof cfg.addr, "%s", addr);
   if (workers_create(&a->wk, &a->loop, o, on_worker_exit, on_workers_idle, a, err, sizeof err)) {
     log_error("%s", err);
     goto out;

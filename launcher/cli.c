@@ -538,6 +538,14 @@ static int set_rdzv_endpoint(launcher_opts_t *o, cli_seen_t *seen, const char *f
   char why[256] = "";
   char host[sizeof o->rdzv_host];
   int port = 0;
+  if (copy_string(o->rdzv_endpoints, sizeof o->rdzv_endpoints, val) != 0)
+    return usage_error(err, errlen, "%s: \"%.200s...\" is not valid; expected at most %zu bytes", flag, val,
+                       sizeof o->rdzv_endpoints - 1);
+  /* A list is etcd's (checked with the backend, which may come later): its first member here. */
+  char first[sizeof o->rdzv_endpoints];
+  snprintf(first, sizeof first, "%s", val);
+  first[strcspn(first, ",")] = 0;
+  if (strchr(val, ',')) val = first;
   if (net_parse_endpoint(val, host, sizeof host, &port, DEF_RDZV_PORT, 0, why, sizeof why) != 0)
   {
     /* net's message names the endpoint and the fault, sometimes the form too. */
@@ -575,8 +583,10 @@ static int set_rdzv_backend(launcher_opts_t *o, cli_seen_t *seen, const char *fl
     o->rdzv_backend = RDZV_BACKEND_C10D;
   else if (strcmp(val, "static") == 0)
     o->rdzv_backend = RDZV_BACKEND_STATIC;
+  else if (strcmp(val, "etcd") == 0 || strcmp(val, "etcd-v2") == 0)
+    o->rdzv_backend = RDZV_BACKEND_ETCD; /* torchrun's two names for its etcd backends */
   else
-    return usage_error(err, errlen, "%s: \"%s\" is not valid; expected c10d or static", flag, val);
+    return usage_error(err, errlen, "%s: \"%s\" is not valid; expected c10d, etcd or static", flag, val);
   seen->backend_set = 1;
   return 0;
 }
@@ -989,8 +999,9 @@ static int cli_validate(launcher_opts_t *o, const cli_seen_t *seen, char *err, s
                          "(--standalone hosts the store on 127.0.0.1 itself)");
     if (seen->backend_set && o->rdzv_backend != RDZV_BACKEND_C10D)
       return usage_error(err, errlen,
-                         "--standalone: conflicts with --rdzv_backend=static; expected "
-                         "--rdzv_backend=c10d or none");
+                         "--standalone: conflicts with --rdzv_backend=%s; expected "
+                         "--rdzv_backend=c10d or none",
+                         o->rdzv_backend == RDZV_BACKEND_ETCD ? "etcd" : "static");
     if (seen->nnodes_set && (o->nnodes_min != 1 || o->nnodes_max != 1))
       return usage_error(err, errlen,
                          "--standalone: conflicts with --nnodes=%d:%d; expected --nnodes=1 or "
@@ -998,7 +1009,37 @@ static int cli_validate(launcher_opts_t *o, const cli_seen_t *seen, char *err, s
                          o->nnodes_min, o->nnodes_max);
   }
 
-  if (o->rdzv_backend == RDZV_BACKEND_STATIC) {
+  if (seen->endpoint_set && strchr(o->rdzv_endpoints, ',') && o->rdzv_backend != RDZV_BACKEND_ETCD)
+    return usage_error(err, errlen,
+                       "--rdzv_endpoint: \"%.300s\" lists several endpoints; expected one HOST[:PORT] "
+                       "(a list is for --rdzv_backend=etcd, the members of an etcd cluster)",
+                       o->rdzv_endpoints);
+  if (o->rdzv_backend == RDZV_BACKEND_ETCD) {
+    if (!seen->endpoint_set)
+      return usage_error(err, errlen,
+                         "--rdzv_endpoint: missing; expected the etcd cluster's client endpoints "
+                         "HOST[:PORT],HOST[:PORT],... with --rdzv_backend=etcd (PORT default %d)",
+                         CLI_ETCD_PORT);
+    /* Every member must parse; the first one's port defaults to etcd's, not c10d's. */
+    char list[sizeof o->rdzv_endpoints], *save = NULL;
+    int n = 0;
+    snprintf(list, sizeof list, "%s", o->rdzv_endpoints);
+    for (char *tok = strtok_r(list, ",", &save); tok; tok = strtok_r(NULL, ",", &save), n++) {
+      char host[sizeof o->rdzv_host], why[256] = "";
+      int port = 0;
+      if (!strncmp(tok, "http://", 7)) tok += 7;
+      if (net_parse_endpoint(tok, host, sizeof host, &port, CLI_ETCD_PORT, 0, why, sizeof why) != 0)
+        return usage_error(err, errlen, "--rdzv_endpoint: etcd member \"%.300s\": %s%s", tok,
+                           why[0] ? why : "not valid", strstr(why, "expected") ? "" : "; expected HOST[:PORT]");
+      if (n == 0) {
+        memcpy(o->rdzv_host, host, sizeof host);
+        o->rdzv_port = port;
+      }
+    }
+    if (n == 0 || n > CLI_ETCD_MAX_MEMBERS)
+      return usage_error(err, errlen, "--rdzv_endpoint: \"%.300s\" names %d etcd members; expected 1..%d", o->rdzv_endpoints,
+                         n, CLI_ETCD_MAX_MEMBERS);
+  } else if (o->rdzv_backend == RDZV_BACKEND_STATIC) {
     if (o->nnodes_min != o->nnodes_max)
       return usage_error(err, errlen,
                          "--nnodes: \"%d:%d\" is not valid with --rdzv_backend=static; expected N "
@@ -1347,14 +1388,18 @@ const char *cli_usage(void) {
          "  --nnodes N|MIN:MAX      nodes in the run; a range is elastic (default 1)\n"
          "  --node_rank R           this node's rank 0..N-1; required with static and nnodes>1;\n"
          "                          with c10d, orders nodes (default: order of joining)\n"
-         "  --rdzv_backend c10d|static\n"
-         "                          c10d: nodes meet at the store on --rdzv_endpoint; static:\n"
-         "                          fixed --nnodes=N and --node_rank, store on --master_addr\n"
-         "                          (default c10d)\n"
-         "  --rdzv_endpoint HOST[:PORT]\n"
+         "  --rdzv_backend c10d|etcd|static\n"
+         "                          c10d: nodes meet at the store on --rdzv_endpoint, served by\n"
+         "                          the node that owns HOST; etcd: the job's state lives in an\n"
+         "                          etcd cluster, a node's liveness is an etcd lease, and the\n"
+         "                          workers' store moves to each round's first node (no node\n"
+         "                          is special); static: fixed --nnodes=N and --node_rank,\n"
+         "                          store on --master_addr (default c10d)\n"
+         "  --rdzv_endpoint HOST[:PORT]  (etcd: HOST[:PORT],HOST[:PORT],...)\n"
          "                          the rendezvous store; IPv4, hostname, [IPV6]:PORT or IPV6;\n"
-         "                          the node that owns HOST serves it; required with c10d\n"
-         "                          and nnodes>1 (PORT default " STR(DEF_RDZV_PORT) ")\n"
+         "                          required with c10d and nnodes>1 (PORT default " STR(DEF_RDZV_PORT) ");\n"
+         "                          with etcd, the cluster's client endpoints, tried in turn\n"
+         "                          (PORT default " STR(CLI_ETCD_PORT) ")\n"
          "  --rdzv_id ID, --run_id ID\n"
          "                          id shared by every node of one run (default " DEF_RDZV_ID ")\n"
          "  --rdzv_conf KEY=VALUE[,KEY=VALUE...]\n"
@@ -1450,7 +1495,8 @@ const char *cli_usage(void) {
          "                          restartable); every node of the job stops with that code\n"
          "  2                       a usage error of meshrun's (one line naming the flag)\n"
          "  " STR(AGENT_EXIT_STORE_LOST) "                      the rendezvous store was lost: the node serving it\n"
-         "                          died or was silent for heartbeat_timeout (EX_UNAVAILABLE)\n"
+         "                          died or was silent for heartbeat_timeout (EX_UNAVAILABLE);\n"
+         "                          with etcd: no etcd member could serve for join_timeout\n"
          "  127                     PROGRAM not found or not executable\n"
          "  128+N                   meshrun itself got signal N (INT, TERM, HUP)\n"
          "  1                       other launcher errors (endpoint unreachable, join timeout, ...)\n"

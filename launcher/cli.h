@@ -35,7 +35,10 @@
 #define CLI_SLURM_PORT_BASE 20000
 #define CLI_SLURM_PORT_SPAN 12000
 
-typedef enum { RDZV_BACKEND_C10D = 0, RDZV_BACKEND_STATIC } rdzv_backend_t;
+typedef enum { RDZV_BACKEND_C10D = 0, RDZV_BACKEND_STATIC, RDZV_BACKEND_ETCD } rdzv_backend_t;
+/* etcd's client port, when an endpoint of --rdzv_backend=etcd names none. */
+#define CLI_ETCD_PORT 2379
+#define CLI_ETCD_MAX_MEMBERS 16
 
 /* The job secret's bounds in bytes: shorter is guessable, longer is surely a wrong file. */
 #define CLI_SECRET_MIN 16
@@ -61,6 +64,9 @@ typedef struct {
    * free one) with --standalone, which is also implied by c10d with no endpoint and nnodes 1. */
   char rdzv_host[256];
   int rdzv_port;
+  /* --rdzv_endpoint as given: with etcd, the cluster's members "h1:2379,h2:2379,..." (at most
+   * CLI_ETCD_MAX_MEMBERS; rdzv_host/rdzv_port are then the first one's). */
+  char rdzv_endpoints[1024];
   char rdzv_id[128];   /* --rdzv_id / --run_id; default "none" */
   /* --rdzv_conf key=value,key=value (seconds, may be fractional) */
   double join_timeout_s;       /* default 600 */

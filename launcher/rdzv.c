@@ -1,13 +1,17 @@
-/* rdzv: rendezvous rounds, round ends and heartbeats over the store, on two threads that
- * report to the agent's loop (see rdzv.h for the key schema and the division of work).
+/* rdzv: rendezvous rounds, round ends and liveness over the store or etcd, on two threads
+ * that report to the agent's loop (see rdzv.h for the key schema and the division of work).
  *
- * Every store call here blocks, which is why none of it runs on the loop thread. Waits are cut
- * into slices of at most RDZV_SLICE_MS so that the stop flag is seen promptly. The pure
- * decision functions at the bottom hold the rules; the thread code only moves data. */
+ * Every key-value call here blocks, which is why none of it runs on the loop thread. Waits are
+ * cut into slices of at most RDZV_SLICE_MS so that the stop flag is seen promptly. The kv_*
+ * functions below are the one place that knows the two backends apart; the round logic above
+ * them is shared, except liveness (heartbeat counters in the store, a lease in etcd: see
+ * watch_store and watch_etcd). The pure decision functions at the bottom hold the rules. */
 #include "launcher/rdzv.h"
 
 #include <cjson/cJSON.h>
 #include <errno.h>
+#include <inttypes.h>
+#include <math.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -16,12 +20,23 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/etcd.h"
 #include "common/log.h"
 #include "common/net.h"
 #include "common/store.h"
 
 #define RDZV_SLICE_MS 500
 #define RDZV_KEY_MAX 512
+/* A leased write refused because this node's etcd lease is gone (fenced out). Not a STORE_E*
+ * code, which rdzv otherwise speaks for both backends. */
+#define RDZV_EFENCED (-100)
+/* How long an etcd call (all members, retries included) may take before it counts as failed:
+ * the command thread's, and the watch thread's (which must renew the lease within its TTL). */
+#define ETCD_CMD_MS 5000
+#define ETCD_WATCH_MIN_MS 1000
+/* At exit: how long revoking the lease may take (peers then see this node leave at once
+ * instead of after the lease's TTL). */
+#define ETCD_REVOKE_MS 1000
 
 typedef enum { CMD_JOIN = 0, CMD_END, CMD_DONE } cmd_kind_t;
 
@@ -29,6 +44,12 @@ typedef struct {
   cmd_kind_t kind;
   rdzv_end_t end;
 } cmd_t;
+
+/* One thread's connection: to the store (c10d) or to the etcd cluster. */
+typedef struct {
+  store_t *s;
+  etcd_t *e;
+} conn_t;
 
 struct rdzv {
   rdzv_config_t cfg;
@@ -50,18 +71,25 @@ struct rdzv {
 
   /* The running round, published by the command thread for the watch thread. */
   int cur_round, cur_n, cur_my_idx, watch_gen;
+  int cur_serves; /* this node serves the round's store (c10d: always its host; etcd: group rank 0) */
   rdzv_node_t *cur_nodes;
 
-  store_t *cs, *ws; /* command and watch connections; set under mu (rdzv_destroy reads them) */
+  conn_t cs, ws; /* command and watch connections; set under mu (rdzv_destroy reads them) */
   uv_thread_t cmd_thr, watch_thr;
 
   /* The store's liveness (see rdzv.h), under mu: the watch thread marks each reply, the
-   * watchdog (a loop timer) compares. */
+   * watchdog (a loop timer) compares. c10d only. */
   uv_timer_t watchdog;
   int watching;      /* the watch thread is in a round */
   double last_reply; /* mono_now() of its last store reply */
   double silent_s;   /* > 0 once the watchdog found the store silent this long */
   atomic_int reached; /* a connection to the store succeeded once: failing now is losing it */
+
+  /* etcd: this node's lease, under mu. Granted by the command thread when it joins without
+   * one, renewed by the watch thread every heartbeat interval, dropped (0) when fenced. */
+  int64_t lease;
+  double lease_ok; /* mono_now() of its grant or last renewal */
+  int ttl_s;       /* as etcd granted it (it may raise a short one to its minimum) */
 };
 
 static double mono_now(void) {
@@ -75,6 +103,8 @@ static double wall_now(void) {
   clock_gettime(CLOCK_REALTIME, &ts);
   return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
+
+static int is_etcd(const rdzv_t *rz) { return rz->cfg.kv == RDZV_KV_ETCD; }
 
 /* Queues ev for the loop. Nothing is queued or sent once stop is set: the async handle may be
  * closed (and the loop gone) from then on, so the check and the send are under mu, the same
@@ -117,29 +147,194 @@ static void emit_message(rdzv_t *rz, rdzv_event_kind_t kind, const char *fmt, ..
 }
 #define emit_error(rz, ...) emit_message(rz, RDZV_EV_ERROR, __VA_ARGS__)
 
-/* The store, reached before, is gone: one line that says where it was, why this node cannot
- * go on without it, and what would (cause: the failed call's message, or the watchdog's
- * verdict). */
+/* ---- the two backends ---- */
+
+static const char *conn_errmsg(const conn_t *c, int rc) {
+  if (c->e) return etcd_errmsg(c->e);
+  return c->s ? store_errmsg(c->s) : store_strerror(rc);
+}
+
+/* etcd's errno codes in rdzv's STORE_E* terms: a missing key is one, anything else that
+ * reaches rdzv means no member could serve the call in its time. */
+static int from_etcd(int rc) {
+  switch (rc) {
+  case 0: return 0;
+  case -ENOENT: return STORE_ENOKEY;
+  case -ENOMEM: return STORE_ENOMEM;
+  default: return STORE_EIO;
+  }
+}
+
+static int64_t lease_now(rdzv_t *rz) {
+  uv_mutex_lock(&rz->mu);
+  int64_t l = rz->lease;
+  uv_mutex_unlock(&rz->mu);
+  return l;
+}
+
+/* A write with leased set dies with this node's lease (etcd; the store has no leases), and is
+ * refused with RDZV_EFENCED when that lease is gone. */
+static int kv_set(rdzv_t *rz, conn_t *c, const char *key, const char *val, int leased) {
+  if (!c->e) return store_set(c->s, key, val, strlen(val));
+  int rc = etcd_put(c->e, key, val, strlen(val), leased ? lease_now(rz) : 0);
+  return leased && rc == -ENOENT ? RDZV_EFENCED : from_etcd(rc);
+}
+
+static int kv_get_nowait(conn_t *c, const char *key, void **v, size_t *len) {
+  if (!c->e) return store_get_nowait(c->s, key, v, len);
+  return from_etcd(etcd_get(c->e, key, v, len, NULL));
+}
+
+static int kv_add(conn_t *c, const char *key, int64_t delta, int64_t *out) {
+  if (!c->e) return store_add(c->s, key, delta, out);
+  return from_etcd(etcd_add(c->e, key, delta, out));
+}
+
+/* Sets key to desired if it is absent (expected NULL) or holds expected; *actual (malloc'ed,
+ * NUL past *alen) gets the value after the call. */
+static int kv_compare_set(rdzv_t *rz, conn_t *c, const char *key, const char *expected, const char *desired,
+                          int leased, void **actual, size_t *alen) {
+  *actual = NULL;
+  *alen = 0;
+  if (!c->e)
+    return store_compare_set(c->s, key, expected, expected ? strlen(expected) : 0, desired, strlen(desired), actual,
+                             alen);
+  int swapped = 0;
+  int rc = etcd_compare_set(c->e, key, expected, expected ? strlen(expected) : 0, desired, strlen(desired),
+                            leased ? lease_now(rz) : 0, &swapped, actual, alen);
+  return leased && rc == -ENOENT ? RDZV_EFENCED : from_etcd(rc);
+}
+
+static int kv_exists(conn_t *c, const char *key, int *exist) {
+  if (!c->e) {
+    const char *k[1] = {key};
+    return store_check(c->s, k, 1, exist);
+  }
+  void *v = NULL;
+  size_t len;
+  int rc = etcd_get(c->e, key, &v, &len, NULL);
+  free(v);
+  *exist = rc == 0;
+  return rc == -ENOENT ? 0 : from_etcd(rc);
+}
+
+/* Whether key is in kvs (a prefix read, which may hold longer keys too); its index or -1. */
+static int find_key(const etcd_kvs_t *kvs, const char *key) {
+  for (size_t i = 0; i < kvs->n; i++)
+    if (!strcmp(kvs->kvs[i].key, key)) return (int)i;
+  return -1;
+}
+
+/* One slice of waiting for key (etcd): read it, and if it is absent watch it from that read's
+ * revision for up to ms. 0 when it exists, STORE_ETIMEDOUT when it did not appear. */
+static int etcd_wait_slice(conn_t *c, const char *key, int ms) {
+  etcd_kvs_t kvs;
+  int rc = etcd_get_prefix(c->e, key, &kvs);
+  if (rc) return from_etcd(rc);
+  int found = find_key(&kvs, key) >= 0;
+  int64_t rev = kvs.revision;
+  etcd_kvs_free(&kvs);
+  if (found) return 0;
+  rc = etcd_watch(c->e, key, 0, rev, ms, &kvs);
+  if (rc == -ETIMEDOUT) return STORE_ETIMEDOUT;
+  if (rc == -ESTALE) return STORE_ETIMEDOUT; /* read it again on the next slice */
+  if (rc) return from_etcd(rc);
+  for (size_t i = 0; i < kvs.n; i++) found |= !kvs.kvs[i].deleted;
+  etcd_kvs_free(&kvs);
+  return found ? 0 : STORE_ETIMEDOUT;
+}
+
+/* Waits for key up to timeout_ms (< 0: until stop), in slices so the stop flag is seen.
+ * Returns 0, STORE_ETIMEDOUT, 1 when stopped, or an error. */
+static int kv_wait(rdzv_t *rz, conn_t *c, const char *key, int timeout_ms) {
+  double deadline = mono_now() + timeout_ms / 1000.0;
+  const char *k[1] = {key};
+  for (;;) {
+    if (atomic_load(&rz->stop)) return 1;
+    int slice = RDZV_SLICE_MS;
+    if (timeout_ms >= 0) {
+      double left = (deadline - mono_now()) * 1000.0;
+      if (left <= 0) return STORE_ETIMEDOUT;
+      if (left < slice) slice = (int)left + 1;
+    }
+    int rc = c->e ? etcd_wait_slice(c, key, slice) : store_wait(c->s, k, 1, slice);
+    if (rc != STORE_ETIMEDOUT) return rc;
+  }
+}
+
+/* Waits up to timeout_ms for key and returns its value: one request to the store (the value is
+ * in hand even if the store goes away next); with etcd, reads and waits in turn. */
+static int kv_get_wait(rdzv_t *rz, conn_t *c, const char *key, void **v, size_t *len, int timeout_ms) {
+  if (!c->e) return store_get(c->s, key, v, len, timeout_ms);
+  double deadline = mono_now() + timeout_ms / 1000.0;
+  for (;;) {
+    int rc = kv_get_nowait(c, key, v, len);
+    if (rc != STORE_ENOKEY) return rc;
+    int left = (int)((deadline - mono_now()) * 1000.0);
+    if (left <= 0) return STORE_ETIMEDOUT;
+    rc = kv_wait(rz, c, key, left);
+    if (rc == 1) return STORE_ETIMEDOUT;
+    if (rc && rc != STORE_ETIMEDOUT) return rc;
+  }
+}
+
+static void conn_interrupt(conn_t *c) {
+  store_interrupt(c->s);
+  etcd_interrupt(c->e);
+}
+
+static void conn_close(conn_t *c) {
+  store_close(c->s);
+  etcd_close(c->e);
+  c->s = NULL;
+  c->e = NULL;
+}
+
+/* ---- losing the store or etcd ---- */
+
+/* The store or the etcd cluster, reached before, is gone: one line that says where it was,
+ * why this node cannot go on without it, and what would (cause: the failed call's message,
+ * or the watchdog's verdict). */
 static void store_lost_because(rdzv_t *rz, const char *cause) {
+  if (is_etcd(rz)) {
+    emit_message(rz, RDZV_EV_STORE_LOST,
+                 "etcd cluster at %.300s lost (%.600s): no member could serve this node's rendezvous "
+                 "calls, so it stops (the job's state stays in etcd: nodes that can reach a quorum "
+                 "go on without this one)",
+                 rz->cfg.etcd_endpoints, cause);
+    return;
+  }
   char ep[300];
   net_format_endpoint(ep, sizeof ep, rz->cfg.store_host, rz->cfg.store_port);
   emit_message(rz, RDZV_EV_STORE_LOST,
                "rendezvous store at %s lost (%.500s): the node that serves it died or cannot be reached, and a "
-               "c10d store does not outlive its host, so this node stops too; a store that survives its host "
-               "(--rdzv_backend=etcd) is not built yet",
+               "c10d store does not outlive its host, so this node stops too; --rdzv_backend=etcd keeps the "
+               "job's state in an etcd cluster, which survives any one node",
                ep, cause);
 }
 
-static void store_lost(rdzv_t *rz, store_t *s, int rc) {
+static void store_lost(rdzv_t *rz, conn_t *c, int rc) {
   uv_mutex_lock(&rz->mu);
   double silent = rz->silent_s;
   uv_mutex_unlock(&rz->mu);
-  char cause[600];
+  char cause[800];
   if (silent > 0)
     snprintf(cause, sizeof cause, "no reply for %.1fs, heartbeat_timeout=%gs", silent, rz->cfg.heartbeat_timeout_s);
   else
-    snprintf(cause, sizeof cause, "%.500s", s ? store_errmsg(s) : store_strerror(rc));
+    snprintf(cause, sizeof cause, "%.700s", conn_errmsg(c, rc));
   store_lost_because(rz, cause);
+}
+
+/* etcd: this node's lease is gone (or must be presumed gone). From here on it belongs to no
+ * round: the agent stops its workers and joins again, with a new lease. Only the first
+ * verdict about a lease counts. */
+static void fenced(rdzv_t *rz, int64_t lease, const char *why) {
+  uv_mutex_lock(&rz->mu);
+  int first = lease != 0 && rz->lease == lease;
+  if (first) rz->lease = 0;
+  uv_mutex_unlock(&rz->mu);
+  if (!first) return;
+  emit_message(rz, RDZV_EV_FENCED, "this node was fenced out of the job: %.900s", why);
 }
 
 static void on_async(uv_async_t *h) {
@@ -168,10 +363,10 @@ static void keyf(rdzv_t *rz, char *out, const char *fmt, ...) {
 }
 
 /* Reads an integer key; absent reads as dflt. */
-static int read_int(store_t *s, const char *key, int64_t dflt, int64_t *out) {
+static int read_int(conn_t *c, const char *key, int64_t dflt, int64_t *out) {
   void *v = NULL;
   size_t len = 0;
-  int rc = store_get_nowait(s, key, &v, &len);
+  int rc = kv_get_nowait(c, key, &v, &len);
   if (rc == STORE_ENOKEY) {
     *out = dflt;
     return 0;
@@ -182,44 +377,30 @@ static int read_int(store_t *s, const char *key, int64_t dflt, int64_t *out) {
   return 0;
 }
 
-static int set_str(store_t *s, const char *key, const char *val) { return store_set(s, key, val, strlen(val)); }
-
-static int key_exists(store_t *s, const char *key, int *exist) {
-  const char *k[1] = {key};
-  return store_check(s, k, 1, exist);
-}
-
-/* Waits for key up to timeout_ms (< 0: until stop), in slices so the stop flag is seen.
- * Returns 0, STORE_ETIMEDOUT, 1 when stopped, or a store error. */
-static int wait_key(rdzv_t *rz, store_t *s, const char *key, int timeout_ms) {
-  double deadline = mono_now() + timeout_ms / 1000.0;
-  const char *k[1] = {key};
-  for (;;) {
-    if (atomic_load(&rz->stop)) return 1;
-    int slice = RDZV_SLICE_MS;
-    if (timeout_ms >= 0) {
-      double left = (deadline - mono_now()) * 1000.0;
-      if (left <= 0) return STORE_ETIMEDOUT;
-      if (left < slice) slice = (int)left + 1;
-    }
-    int rc = store_wait(s, k, 1, slice);
-    if (rc != STORE_ETIMEDOUT) return rc;
+/* Connects c once (the store, or the etcd cluster: each thread has its own). */
+static int ensure_conn(rdzv_t *rz, conn_t *c, int timeout_ms, int call_ms) {
+  if (c->s || c->e) return 0;
+  char err[1024];
+  store_t *s = NULL;
+  etcd_t *e = NULL;
+  int rc;
+  if (is_etcd(rz)) {
+    rc = etcd_connect(&e, rz->cfg.etcd_endpoints, timeout_ms, err, sizeof err);
+    etcd_set_timeout(e, call_ms);
+  } else {
+    store_auth_t auth = {.run_id = rz->cfg.run_id, .secret = rz->cfg.secret};
+    rc = store_connect(&s, rz->cfg.store_host, rz->cfg.store_port, &auth, timeout_ms, err, sizeof err);
   }
-}
-
-static int ensure_conn(rdzv_t *rz, store_t **s, int timeout_ms) {
-  if (*s) return 0;
-  char err[512];
-  store_t *conn = NULL;
-  store_auth_t auth = {.run_id = rz->cfg.run_id, .secret = rz->cfg.secret};
-  int rc = store_connect(&conn, rz->cfg.store_host, rz->cfg.store_port, &auth, timeout_ms, err, sizeof err);
   uv_mutex_lock(&rz->mu);
-  *s = conn;
+  c->s = s;
+  c->e = e;
   uv_mutex_unlock(&rz->mu);
   if (rc == 0) atomic_store(&rz->reached, 1);
   if (rc && atomic_load(&rz->reached)) {
-    /* A connection to this store worked before: whatever answers now, ours has gone away. */
+    /* A connection worked before: whatever answers now, ours has gone away. */
     store_lost_because(rz, err);
+  } else if (rc && is_etcd(rz)) {
+    emit_error(rz, "--rdzv_endpoint %.300s (etcd): %s", rz->cfg.etcd_endpoints, err);
   } else if (rc) {
     char ep[300];
     net_format_endpoint(ep, sizeof ep, rz->cfg.store_host, rz->cfg.store_port);
@@ -228,53 +409,122 @@ static int ensure_conn(rdzv_t *rz, store_t **s, int timeout_ms) {
     else
       emit_error(rz, "--rdzv_endpoint %s: %s", ep, err);
   }
-  if (rc) *s = NULL;
   return rc;
 }
 
+/* etcd: a lease for this node when it has none (a first join, or a join after being fenced).
+ * Its TTL is heartbeat_timeout in whole seconds, etcd's unit; etcd may raise it to its minimum
+ * (about 1.5 x its election timeout), which is then what bounds the detection of this node's
+ * death, and is said once. */
+static int ensure_lease(rdzv_t *rz, conn_t *c) {
+  if (!is_etcd(rz) || lease_now(rz)) return 0;
+  int want = (int)ceil(rz->cfg.heartbeat_timeout_s);
+  if (want < 1) want = 1;
+  int64_t id = 0;
+  int ttl = 0, rc = etcd_lease_grant(c->e, want, &id);
+  if (rc == 0) rc = etcd_lease_keepalive(c->e, id, &ttl); /* also reads the TTL etcd granted */
+  if (rc) return from_etcd(rc);
+  static atomic_int said;
+  if (ttl > want && !atomic_exchange(&said, 1))
+    log_warn("etcd granted this node's lease a TTL of %d s, above heartbeat_timeout=%gs (its minimum): a dead node "
+             "is found after about %d s",
+             ttl, rz->cfg.heartbeat_timeout_s, ttl);
+  uv_mutex_lock(&rz->mu);
+  rz->lease = id;
+  rz->ttl_s = ttl;
+  rz->lease_ok = mono_now();
+  uv_cond_broadcast(&rz->watch_cond); /* the watch thread renews it from now on */
+  uv_mutex_unlock(&rz->mu);
+  log_debug("etcd lease %" PRIx64 " granted, TTL %d s", (uint64_t)id, ttl);
+  return 0;
+}
+
+/* etcd, on the watch thread: renews the lease when *next is due. Returns 1 when this node is
+ * fenced (FENCED emitted): etcd says the lease is gone, or no renewal succeeded for its TTL,
+ * after which etcd has surely expired it (a partition: this node cannot tell the others it
+ * lives, and they will have gone on without it). */
+static int renew_lease(rdzv_t *rz, conn_t *c, double *next) {
+  double now = mono_now();
+  if (now < *next) return 0;
+  *next = now + rz->cfg.heartbeat_interval_s;
+  uv_mutex_lock(&rz->mu);
+  int64_t lease = rz->lease;
+  double ok = rz->lease_ok;
+  int ttl = rz->ttl_s;
+  uv_mutex_unlock(&rz->mu);
+  if (!lease) return 0;
+  int left = 0, rc = etcd_lease_keepalive(c->e, lease, &left);
+  char why[1024];
+  if (rc == 0) {
+    uv_mutex_lock(&rz->mu);
+    if (rz->lease == lease) rz->lease_ok = mono_now();
+    uv_mutex_unlock(&rz->mu);
+    return 0;
+  }
+  if (rc == -ENOENT) {
+    snprintf(why, sizeof why, "its etcd lease expired or was revoked (TTL %d s): the other nodes have gone on "
+             "without it", ttl);
+  } else if (mono_now() - ok > ttl) {
+    snprintf(why, sizeof why, "its etcd lease could not be renewed for %.1fs (TTL %d s), so etcd has expired it: %.800s",
+             mono_now() - ok, ttl, etcd_errmsg(c->e));
+  } else {
+    log_debug("renewing the etcd lease: %s", etcd_errmsg(c->e));
+    return 0;
+  }
+  fenced(rz, lease, why);
+  return 1;
+}
+
 /* round r -> r+1, unless someone already did it. */
-static int bump_round(rdzv_t *rz, store_t *s, int r) {
+static int bump_round(rdzv_t *rz, conn_t *c, int r) {
   char key[RDZV_KEY_MAX], cur[32], next[32];
   keyf(rz, key, "round");
   snprintf(cur, sizeof cur, "%d", r);
   snprintf(next, sizeof next, "%d", r + 1);
   void *actual = NULL;
   size_t alen = 0;
-  int rc = store_compare_set(s, key, r == 0 ? NULL : cur, r == 0 ? 0 : strlen(cur), next, strlen(next), &actual,
-                             &alen);
+  int rc = kv_compare_set(rz, c, key, r == 0 ? NULL : cur, next, 0, &actual, &alen);
   free(actual);
   return rc;
 }
 
 /* Ends round r with e unless another node ended it first. Only the node that wins the claim
- * counts a failure against the job's budget and decides whether the job is over. */
-static int post_end(rdzv_t *rz, store_t *s, int r, rdzv_end_t *e, int survivors) {
+ * counts a failure against the job's budget and decides whether the job is over. With etcd
+ * the claim is leased: a node fenced out cannot end a round it is no longer in
+ * (RDZV_EFENCED), and a claimer that dies before writing the end frees the claim; an end
+ * already written is final, whoever's lease has gone since. */
+static int post_end(rdzv_t *rz, conn_t *c, int r, rdzv_end_t *e, int survivors) {
   char key[RDZV_KEY_MAX], token[RDZV_ADDR_MAX + 64];
+  int rc;
+  if (is_etcd(rz)) {
+    int ended = 0;
+    keyf(rz, key, "r%d/end", r);
+    if ((rc = kv_exists(c, key, &ended)) || ended) return rc;
+  }
   snprintf(token, sizeof token, "%s/%d/%d", rz->cfg.addr, (int)getpid(), e->node_idx);
   keyf(rz, key, "r%d/claim", r);
   void *actual = NULL;
   size_t alen = 0;
-  int rc = store_compare_set(s, key, NULL, 0, token, strlen(token), &actual, &alen);
-  if (rc) return rc;
-  int won = alen == strlen(token) && memcmp(actual, token, alen) == 0;
+  if ((rc = kv_compare_set(rz, c, key, NULL, token, 1, &actual, &alen))) return rc;
+  int won = actual && alen == strlen(token) && memcmp(actual, token, alen) == 0;
   free(actual);
   if (!won) return 0;
   int64_t failures = 0;
   if (e->kind == RDZV_END_FAILURE) {
     keyf(rz, key, "failures");
-    if ((rc = store_add(s, key, 1, &failures))) return rc;
+    if ((rc = kv_add(c, key, 1, &failures))) return rc;
   }
   e->fatal = e->fatal || rdzv_end_fatal(e->kind, failures, rz->cfg.max_restarts, survivors, rz->cfg.nnodes_min);
   char *json = rdzv_end_encode(e);
   if (!json) return STORE_ENOMEM;
   keyf(rz, key, "r%d/end", r);
-  rc = set_str(s, key, json);
+  rc = kv_set(rz, c, key, json, 0);
   free(json);
   if (rc) return rc;
   /* A fatal end has no next round, and the store host leaves as soon as it reads the end: a
    * bump after it would race that exit and turn this node's exit code into "store lost". */
   if (e->fatal) return 0;
-  return bump_round(rz, s, r);
+  return bump_round(rz, c, r);
 }
 
 static int parse_node(const char *v, int idx, rdzv_node_t *n) {
@@ -285,14 +535,83 @@ static int parse_node(const char *v, int idx, rdzv_node_t *n) {
   return 0;
 }
 
+/* Reads the descriptions of participants 1..n of round r into nodes (each wrote its own right
+ * after taking its index, so waiting up to timeout_ms for the slow). -EINVAL (and an error
+ * event) for a malformed one. The store answers all n keys in one request; etcd in one prefix
+ * read, then a wait for each one still missing. */
+static int read_nodes(rdzv_t *rz, conn_t *c, int r, int n, rdzv_node_t *nodes, int timeout_ms) {
+  char *have = calloc((size_t)n, 1);
+  void **vals = calloc((size_t)n, sizeof *vals);
+  int rc = 0;
+  if (!have || !vals) {
+    rc = STORE_ENOMEM;
+    goto out;
+  }
+  if (!c->e) {
+    const char **keys = calloc((size_t)n, sizeof *keys);
+    size_t *lens = calloc((size_t)n, sizeof *lens);
+    char *keybuf = malloc((size_t)n * RDZV_KEY_MAX);
+    if (!keys || !lens || !keybuf) rc = STORE_ENOMEM;
+    for (int i = 0; !rc && i < n; i++) {
+      keyf(rz, keybuf + (size_t)i * RDZV_KEY_MAX, "r%d/node/%d", r, i + 1);
+      keys[i] = keybuf + (size_t)i * RDZV_KEY_MAX;
+    }
+    if (!rc) rc = store_multi_get(c->s, keys, (size_t)n, vals, lens, timeout_ms);
+    free(keybuf);
+    free(lens);
+    free(keys);
+    if (rc) goto out;
+  } else {
+    double deadline = mono_now() + timeout_ms / 1000.0;
+    char prefix[RDZV_KEY_MAX], key[RDZV_KEY_MAX];
+    keyf(rz, prefix, "r%d/node/", r);
+    size_t plen = strlen(prefix);
+    for (int missing = n; missing > 0;) {
+      etcd_kvs_t kvs;
+      if ((rc = from_etcd(etcd_get_prefix(c->e, prefix, &kvs)))) goto out;
+      for (size_t k = 0; k < kvs.n; k++) {
+        char *end;
+        long i = strtol(kvs.kvs[k].key + plen, &end, 10);
+        if (*end || i < 1 || i > n || have[i - 1]) continue;
+        have[i - 1] = 1;
+        vals[i - 1] = kvs.kvs[k].value;
+        kvs.kvs[k].value = NULL;
+        missing--;
+      }
+      etcd_kvs_free(&kvs);
+      int first = 0;
+      while (first < n && have[first]) first++;
+      if (first == n) break;
+      keyf(rz, key, "r%d/node/%d", r, first + 1);
+      int left = (int)((deadline - mono_now()) * 1000.0);
+      rc = left > 0 ? kv_wait(rz, c, key, left) : STORE_ETIMEDOUT;
+      if (rc == 1) rc = STORE_ETIMEDOUT;
+      if (rc) goto out;
+    }
+  }
+  for (int i = 0; i < n; i++)
+    if (parse_node(vals[i], i + 1, &nodes[i])) {
+      emit_error(rz, "rendezvous round %d: node %d published a malformed description", r, i + 1);
+      rc = -EINVAL;
+      break;
+    }
+out:
+  if (vals)
+    for (int i = 0; i < n; i++) free(vals[i]);
+  free(vals);
+  free(have);
+  return rc;
+}
+
 /* Publishes the round to the watch thread. */
-static void watch_round(rdzv_t *rz, int r, int n, int my_idx, rdzv_node_t *nodes) {
+static void watch_round(rdzv_t *rz, int r, int n, int my_idx, int serves, rdzv_node_t *nodes) {
   uv_mutex_lock(&rz->mu);
   free(rz->cur_nodes);
   rz->cur_nodes = nodes;
   rz->cur_round = r;
   rz->cur_n = n;
   rz->cur_my_idx = my_idx;
+  rz->cur_serves = serves;
   rz->watch_gen++;
   uv_cond_signal(&rz->watch_cond);
   uv_mutex_unlock(&rz->mu);
@@ -302,15 +621,12 @@ static void do_join(rdzv_t *rz) {
   const rdzv_config_t *c = &rz->cfg;
   double deadline = mono_now() + c->join_timeout_s;
   int join_ms = (int)(c->join_timeout_s * 1000);
-  if (ensure_conn(rz, &rz->cs, join_ms)) return;
-  store_t *s = rz->cs;
+  if (ensure_conn(rz, &rz->cs, join_ms, ETCD_CMD_MS)) return;
+  conn_t *s = &rz->cs;
   char key[RDZV_KEY_MAX], val[RDZV_ADDR_MAX + 64];
   int rc;
   rdzv_node_t *nodes = NULL;
-  const char **keys = NULL;
-  void **vals = NULL;
-  size_t *lens = NULL;
-  int n = 0;
+  if ((rc = ensure_lease(rz, s))) goto store_error;
   for (;;) {
     if (atomic_load(&rz->stop)) return;
     int64_t r64;
@@ -324,7 +640,7 @@ static void do_join(rdzv_t *rz) {
       /* Round r is closed: over (then help bump the round) or running (we are late). */
       int ended;
       keyf(rz, key, "r%d/end", r);
-      if ((rc = key_exists(s, key, &ended))) goto store_error;
+      if ((rc = kv_exists(s, key, &ended))) goto store_error;
       if (ended) {
         if ((rc = bump_round(rz, s, r))) goto store_error;
         continue;
@@ -340,7 +656,7 @@ static void do_join(rdzv_t *rz) {
         continue;
       }
       log_info("round %d is full (%d nodes): waiting for it to end", r, (int)closed);
-      rc = wait_key(rz, s, key, -1);
+      rc = kv_wait(rz, s, key, -1);
       if (rc == 1) return;
       if (rc) goto store_error;
       continue;
@@ -348,19 +664,20 @@ static void do_join(rdzv_t *rz) {
     /* Open round: take a join index, describe ourselves, then wait for it to close. */
     int64_t idx;
     keyf(rz, key, "r%d/n", r);
-    if ((rc = store_add(s, key, 1, &idx))) goto store_error;
+    if ((rc = kv_add(s, key, 1, &idx))) goto store_error;
     keyf(rz, key, "r%d/node/%d", r, (int)idx);
     snprintf(val, sizeof val, "%d %d %s", c->node_rank, c->nproc, c->addr);
-    if ((rc = set_str(s, key, val))) goto store_error;
-    keyf(rz, key, "r%d/hb/%d", r, (int)idx);
-    if ((rc = set_str(s, key, "0"))) goto store_error;
+    if ((rc = kv_set(rz, s, key, val, 1))) goto store_error;
+    /* Liveness: a heartbeat counter in the store, a key on this node's lease in etcd. */
+    keyf(rz, key, is_etcd(rz) ? "r%d/alive/%d" : "r%d/hb/%d", r, (int)idx);
+    if ((rc = kv_set(rz, s, key, is_etcd(rz) ? "1" : "0", 1))) goto store_error;
     log_debug("round %d: joined as node %d", r, (int)idx);
 
     char closed_key[RDZV_KEY_MAX];
     keyf(rz, closed_key, "r%d/closed", r);
     rdzv_close_action_t act = rdzv_close_action((int)idx, c->nnodes_min, c->nnodes_max);
     if (act == RDZV_CLOSE_AFTER_LAST_CALL) {
-      rc = wait_key(rz, s, closed_key, act == RDZV_CLOSE_NOW ? 0 : (int)(c->last_call_timeout_s * 1000));
+      rc = kv_wait(rz, s, closed_key, (int)(c->last_call_timeout_s * 1000));
       if (rc == 1) return;
       if (rc && rc != STORE_ETIMEDOUT) goto store_error;
     }
@@ -369,22 +686,22 @@ static void do_join(rdzv_t *rz) {
       int64_t count = idx;
       if (act == RDZV_CLOSE_AFTER_LAST_CALL) {
         keyf(rz, key, "r%d/n", r);
-        if ((rc = store_add(s, key, 0, &count))) goto store_error;
+        if ((rc = kv_add(s, key, 0, &count))) goto store_error;
         if (count > c->nnodes_max) count = c->nnodes_max;
       }
       snprintf(val, sizeof val, "%d", (int)count);
       void *actual = NULL;
       size_t alen = 0;
-      if ((rc = store_compare_set(s, closed_key, NULL, 0, val, strlen(val), &actual, &alen))) goto store_error;
+      if ((rc = kv_compare_set(rz, s, closed_key, NULL, val, 0, &actual, &alen))) goto store_error;
       free(actual);
     } else {
       double left = deadline - mono_now();
-      rc = wait_key(rz, s, closed_key, left > 0 ? (int)(left * 1000) : 0);
+      rc = kv_wait(rz, s, closed_key, left > 0 ? (int)(left * 1000) : 0);
       if (rc == 1) return;
       if (rc == STORE_ETIMEDOUT) {
         int64_t count = 0;
         keyf(rz, key, "r%d/n", r);
-        store_add(s, key, 0, &count);
+        kv_add(s, key, 0, &count);
         emit_error(rz, "rendezvous round %d did not close within join_timeout=%gs: %d of min %d nodes joined", r,
                    c->join_timeout_s, (int)count, c->nnodes_min);
         return;
@@ -397,30 +714,16 @@ static void do_join(rdzv_t *rz) {
       continue;
     }
 
-    /* Participants 1..N. Each wrote its node key right after taking its index. */
-    n = (int)closed;
+    /* Participants 1..N. */
+    int n = (int)closed;
     nodes = calloc((size_t)n, sizeof *nodes);
-    keys = calloc((size_t)n, sizeof *keys);
-    vals = calloc((size_t)n, sizeof *vals);
-    lens = calloc((size_t)n, sizeof *lens);
-    char *keybuf = malloc((size_t)n * RDZV_KEY_MAX);
-    if (!nodes || !keys || !vals || !lens || !keybuf) {
-      free(keybuf);
+    if (!nodes) {
       rc = STORE_ENOMEM;
       goto store_error;
     }
-    for (int i = 0; i < n; i++) {
-      keyf(rz, keybuf + (size_t)i * RDZV_KEY_MAX, "r%d/node/%d", r, i + 1);
-      keys[i] = keybuf + (size_t)i * RDZV_KEY_MAX;
-    }
-    rc = store_multi_get(s, keys, (size_t)n, vals, lens, (int)(c->close_timeout_s * 1000));
-    free(keybuf);
-    if (rc) goto store_error;
-    for (int i = 0; i < n; i++) {
-      if (parse_node(vals[i], i + 1, &nodes[i])) {
-        emit_error(rz, "rendezvous round %d: node %d published a malformed description", r, i + 1);
-        goto out;
-      }
+    if ((rc = read_nodes(rz, s, r, n, nodes, (int)(c->close_timeout_s * 1000)))) {
+      if (rc == -EINVAL) goto out;
+      goto store_error;
     }
     rdzv_assignment_t a;
     int rank0_idx = 0;
@@ -437,7 +740,8 @@ static void do_join(rdzv_t *rz) {
        * the same value, read here, before any worker of round r exists: every failure of
        * earlier rounds is in (the claimer adds it before it ends the round, and round r only
        * opens after that), and none of round r can be yet. Each node reading P/failures for
-       * itself could see a failure of round r posted before a slow node got there. */
+       * itself could see a failure of round r posted before a slow node got there. With
+       * etcd, this node's own store serves the round's workers: its port goes in too. */
       int port = 0;
       if (net_free_port("", &port, err, sizeof err)) {
         emit_error(rz, "choosing MASTER_PORT: %s", err);
@@ -447,15 +751,15 @@ static void do_join(rdzv_t *rz) {
       char fkey[RDZV_KEY_MAX];
       keyf(rz, fkey, "failures");
       if ((rc = read_int(s, fkey, 0, &failures))) goto store_error;
-      if (rdzv_master_encode(val, sizeof val, c->addr, port, (int)failures)) {
+      if (rdzv_master_encode(val, sizeof val, c->addr, port, (int)failures, is_etcd(rz) ? c->node_store_port : 0)) {
         emit_error(rz, "rendezvous round %d: master endpoint %s too long", r, c->addr);
         goto out;
       }
-      if ((rc = set_str(s, key, val))) goto store_error;
+      if ((rc = kv_set(rz, s, key, val, 0))) goto store_error;
     }
     void *mv = NULL;
     size_t mlen = 0;
-    if ((rc = store_get(s, key, &mv, &mlen, (int)(c->close_timeout_s * 1000)))) goto store_error;
+    if ((rc = kv_get_wait(rz, s, key, &mv, &mlen, (int)(c->close_timeout_s * 1000)))) goto store_error;
     if (rdzv_master_decode(mv, mlen, &a)) {
       free(mv);
       emit_error(rz, "rendezvous round %d: malformed master record", r);
@@ -466,62 +770,68 @@ static void do_join(rdzv_t *rz) {
     if (!ev) goto out;
     ev->kind = RDZV_EV_ASSIGNED;
     ev->assignment = a;
-    watch_round(rz, r, n, (int)idx, nodes);
+    watch_round(rz, r, n, (int)idx, is_etcd(rz) ? rank0_idx == idx : c->is_store_host, nodes);
     nodes = NULL;
     emit(rz, ev);
     free(ev);
     goto out;
   }
 store_error:
-  if (rc == STORE_ETIMEDOUT)
-    emit_error(rz, "rendezvous timed out: %s", store_errmsg(s));
+  if (rc == RDZV_EFENCED)
+    fenced(rz, lease_now(rz), "its etcd lease expired while it was joining (cut off from etcd for its TTL)");
+  else if (rc == STORE_ETIMEDOUT)
+    emit_error(rz, "rendezvous timed out: %s", conn_errmsg(s, rc));
   else
     store_lost(rz, s, rc);
 out:
-  if (vals)
-    for (int i = 0; i < n; i++) free(vals[i]);
-  free(vals);
-  free(lens);
-  free(keys);
   free(nodes);
 }
 
+/* An error of a call that a round's end depends on: fenced, or the store / etcd lost. */
+static void round_call_failed(rdzv_t *rz, conn_t *c, int rc) {
+  if (rc == RDZV_EFENCED)
+    fenced(rz, lease_now(rz), "its etcd lease is gone: it cannot end a round it is no longer part of");
+  else
+    store_lost(rz, c, rc);
+}
+
 static void do_end(rdzv_t *rz, rdzv_end_t *e) {
-  if (ensure_conn(rz, &rz->cs, (int)(rz->cfg.join_timeout_s * 1000))) return;
+  if (ensure_conn(rz, &rz->cs, (int)(rz->cfg.join_timeout_s * 1000), ETCD_CMD_MS)) return;
   uv_mutex_lock(&rz->mu);
   int r = rz->cur_round, n = rz->cur_n;
   e->node_idx = rz->cur_my_idx;
   uv_mutex_unlock(&rz->mu);
-  int rc = post_end(rz, rz->cs, r, e, n);
-  if (rc) store_lost(rz, rz->cs, rc);
+  int rc = post_end(rz, &rz->cs, r, e, n);
+  if (rc) round_call_failed(rz, &rz->cs, rc);
 }
 
 static void do_done(rdzv_t *rz) {
-  store_t *s = rz->cs;
+  conn_t *s = &rz->cs;
   char key[RDZV_KEY_MAX];
   uv_mutex_lock(&rz->mu);
-  int r = rz->cur_round, n = rz->cur_n, me = rz->cur_my_idx;
+  int r = rz->cur_round, n = rz->cur_n, me = rz->cur_my_idx, serves = rz->cur_serves;
   uv_mutex_unlock(&rz->mu);
   keyf(rz, key, "r%d/done/%d", r, me);
   /* Before the set: once it lands, the host may leave at any moment, and the watch thread's
    * connection dropping then is expected, not a lost store. */
   atomic_store(&rz->done, 1);
-  int rc = set_str(s, key, "1");
+  int rc = kv_set(rz, s, key, "1", 0);
   if (rc) {
     store_lost(rz, s, rc);
     return;
   }
-  /* The store host waits for the others to finish (or the round to end) before exiting, since
-   * leaving would take the store from under them. Others leave at once. */
-  if (rz->cfg.is_store_host) {
+  /* The node that serves the round's store waits for the others to finish (or the round to
+   * end) before exiting, since leaving would take the store from under their workers. Others
+   * leave at once. */
+  if (serves) {
     char end_key[RDZV_KEY_MAX];
     keyf(rz, end_key, "r%d/end", r);
     for (int i = 1; i <= n && !atomic_load(&rz->stop);) {
       keyf(rz, key, "r%d/done/%d", r, i);
       int ended = 0;
-      rc = key_exists(s, end_key, &ended);
+      rc = kv_exists(s, end_key, &ended);
       if (rc || ended) break;
-      rc = wait_key(rz, s, key, (int)(rz->cfg.heartbeat_interval_s * 1000));
+      rc = kv_wait(rz, s, key, (int)(rz->cfg.heartbeat_interval_s * 1000));
       if (rc == 0) i++;
       else if (rc != STORE_ETIMEDOUT) break;
     }
@@ -570,9 +880,10 @@ static void store_alive(rdzv_t *rz, int watching) {
   uv_mutex_unlock(&rz->mu);
 }
 
-/* The watchdog (loop thread, every half heartbeat interval; not on the store's own node): a
- * store silent for heartbeat_timeout while a round runs is lost. The watch thread's blocked
- * call is interrupted: it fails at once and reports (store_lost words it from silent_s). */
+/* The watchdog (loop thread, every half heartbeat interval; c10d, not on the store's own
+ * node): a store silent for heartbeat_timeout while a round runs is lost. The watch thread's
+ * blocked call is interrupted: it fails at once and reports (store_lost words it from
+ * silent_s). */
 static void on_watchdog(uv_timer_t *t) {
   rdzv_t *rz = t->data;
   if (atomic_load(&rz->stop) || atomic_load(&rz->done)) return;
@@ -580,7 +891,7 @@ static void on_watchdog(uv_timer_t *t) {
   double silent = mono_now() - rz->last_reply;
   if (rz->watching && rz->silent_s == 0 && silent > rz->cfg.heartbeat_timeout_s) {
     rz->silent_s = silent;
-    store_interrupt(rz->ws);
+    store_interrupt(rz->ws.s);
   }
   uv_mutex_unlock(&rz->mu);
 }
@@ -589,7 +900,7 @@ static void on_watchdog(uv_timer_t *t) {
  * acknowledged it (P/r<r>/seen/<i>), skipping those done (they have left) or silent for
  * heartbeat_timeout by hb (dead), for at most heartbeat_timeout in all: a node that dies
  * meanwhile must not keep the job from ending. */
-static void drain_fatal_end(rdzv_t *rz, store_t *s, int r, int n, int me, const char *done, const rdzv_hb_t *hb) {
+static void drain_fatal_end(rdzv_t *rz, conn_t *s, int r, int n, int me, const char *done, const rdzv_hb_t *hb) {
   const double timeout = rz->cfg.heartbeat_timeout_s;
   double deadline = mono_now() + timeout;
   char key[RDZV_KEY_MAX];
@@ -597,11 +908,11 @@ static void drain_fatal_end(rdzv_t *rz, store_t *s, int r, int n, int me, const 
     if (i == me || (done && done[i - 1]) || rdzv_hb_is_dead(hb, i - 1, mono_now(), timeout)) continue;
     int is_done = 0;
     keyf(rz, key, "r%d/done/%d", r, i);
-    if (key_exists(s, key, &is_done)) return;
+    if (kv_exists(s, key, &is_done)) return;
     if (is_done) continue;
     double left = deadline - mono_now();
     keyf(rz, key, "r%d/seen/%d", r, i);
-    int rc = wait_key(rz, s, key, left > 0 ? (int)(left * 1000) + 1 : 0);
+    int rc = kv_wait(rz, s, key, left > 0 ? (int)(left * 1000) + 1 : 0);
     if (rc == STORE_ETIMEDOUT) {
       log_debug("round %d: node %d did not acknowledge the job's end within heartbeat_timeout=%gs", r, i, timeout);
       continue;
@@ -610,10 +921,41 @@ static void drain_fatal_end(rdzv_t *rz, store_t *s, int r, int n, int me, const 
   }
 }
 
-/* Watches one round: its end key (event-driven), our heartbeat, the peers' heartbeats. */
-static void watch_one(rdzv_t *rz, int gen, int r, int n, int me, const rdzv_node_t *nodes) {
+/* Round r's end record (v, len) is in: tells the agent. Returns whether it is fatal. */
+static int deliver_end(rdzv_t *rz, int r, const void *v, size_t len) {
+  rdzv_event_t *ev = calloc(1, sizeof *ev);
+  if (!ev) return 1;
+  ev->kind = RDZV_EV_ROUND_END;
+  if (rdzv_end_decode(v, len, &ev->end)) {
+    ev->end.kind = RDZV_END_FAILURE;
+    ev->end.fatal = 1;
+    ev->end.exit_code = 1;
+    snprintf(ev->end.reason, sizeof ev->end.reason, "round %d ended with an unreadable reason", r);
+  }
+  int fatal = ev->end.fatal;
+  emit(rz, ev);
+  free(ev);
+  return fatal;
+}
+
+/* A participant of round r is gone: ends the round as a dead node's (unless someone did). */
+static int end_dead(rdzv_t *rz, conn_t *s, int r, int n, int me, const rdzv_node_t *nodes, const char *done, int i,
+                    const char *what) {
+  int survivors = 0;
+  for (int j = 0; j < n; j++)
+    if (j != i && !done[j]) survivors++;
+  rdzv_end_t e = {.kind = RDZV_END_DEAD_NODE, .exit_code = 1, .rank = -1, .node_idx = me, .time = wall_now()};
+  snprintf(e.host, sizeof e.host, "%s", nodes[i].addr);
+  snprintf(e.reason, sizeof e.reason, "node %d (%s) %s; %d node(s) remain, min %d", i + 1, nodes[i].addr, what,
+           survivors, rz->cfg.nnodes_min);
+  log_warn("%s", e.reason);
+  return post_end(rz, s, r, &e, survivors);
+}
+
+/* c10d: watches one round: its end key (event-driven), our heartbeat, the peers' heartbeats. */
+static void watch_store(rdzv_t *rz, int gen, int r, int n, int me, const rdzv_node_t *nodes) {
   const rdzv_config_t *c = &rz->cfg;
-  store_t *s = rz->ws;
+  conn_t *s = &rz->ws;
   char end_key[RDZV_KEY_MAX], key[RDZV_KEY_MAX];
   keyf(rz, end_key, "r%d/end", r);
   rdzv_hb_t hb;
@@ -625,7 +967,7 @@ static void watch_one(rdzv_t *rz, int gen, int r, int n, int me, const rdzv_node
   int rc = 0;
   int posted = 0;
   store_alive(rz, 1); /* the round starts now: silence counts from here */
-  while (!atomic_load(&rz->stop)) {
+  while (!atomic_load(&rz->stop) && done) {
     uv_mutex_lock(&rz->mu);
     int stale = rz->watch_gen != gen;
     uv_mutex_unlock(&rz->mu);
@@ -633,23 +975,10 @@ static void watch_one(rdzv_t *rz, int gen, int r, int n, int me, const rdzv_node
     /* Wait and read in one request: the value is in hand even if the store goes away next. */
     void *v = NULL;
     size_t len = 0;
-    rc = store_get(s, end_key, &v, &len, interval_ms);
+    rc = kv_get_wait(rz, s, end_key, &v, &len, interval_ms);
     if (rc == 0 || rc == STORE_ETIMEDOUT) store_alive(rz, 1);
     if (rc == 0) {
-      rdzv_event_t *ev = calloc(1, sizeof *ev);
-      int fatal = 1;
-      if (ev) {
-        ev->kind = RDZV_EV_ROUND_END;
-        if (rdzv_end_decode(v, len, &ev->end)) {
-          ev->end.kind = RDZV_END_FAILURE;
-          ev->end.fatal = 1;
-          ev->end.exit_code = 1;
-          snprintf(ev->end.reason, sizeof ev->end.reason, "round %d ended with an unreadable reason", r);
-        }
-        fatal = ev->end.fatal;
-        emit(rz, ev);
-        free(ev);
-      }
+      int fatal = deliver_end(rz, r, v, len);
       free(v);
       if (fatal) {
         /* The job is over, and the store with it once its node exits: that node waits until
@@ -661,7 +990,7 @@ static void watch_one(rdzv_t *rz, int gen, int r, int n, int me, const rdzv_node
           emit(rz, &dr);
         } else {
           keyf(rz, key, "r%d/seen/%d", r, me);
-          set_str(s, key, "1"); /* best effort: the store host stops waiting at its deadline */
+          kv_set(rz, s, key, "1", 0); /* best effort: the store host stops waiting at its deadline */
         }
       }
       goto out;
@@ -670,7 +999,7 @@ static void watch_one(rdzv_t *rz, int gen, int r, int n, int me, const rdzv_node
     keyf(rz, key, "r%d/hb/%d", r, me);
     char val[32];
     snprintf(val, sizeof val, "%lld", (long long)++counter);
-    if ((rc = set_str(s, key, val))) break;
+    if ((rc = kv_set(rz, s, key, val, 0))) break;
     store_alive(rz, 1);
     double now = mono_now();
     for (int i = 0; i < n && !posted; i++) {
@@ -683,21 +1012,15 @@ static void watch_one(rdzv_t *rz, int gen, int r, int n, int me, const rdzv_node
       if (!rdzv_hb_is_dead(&hb, i, now, c->heartbeat_timeout_s)) continue;
       int is_done = 0;
       keyf(rz, key, "r%d/done/%d", r, i + 1);
-      if ((rc = key_exists(s, key, &is_done))) goto lost;
+      if ((rc = kv_exists(s, key, &is_done))) goto lost;
       if (is_done) {
         done[i] = 1;
         continue;
       }
-      int survivors = 0;
-      for (int j = 0; j < n; j++)
-        if (j != i && !done[j]) survivors++;
-      rdzv_end_t e = {.kind = RDZV_END_DEAD_NODE, .exit_code = 1, .rank = -1, .node_idx = me, .time = wall_now()};
-      snprintf(e.host, sizeof e.host, "%s", nodes[i].addr);
-      snprintf(e.reason, sizeof e.reason,
-               "node %d (%s) sent no heartbeat for %.1fs (heartbeat_timeout=%gs); %d node(s) remain, min %d", i + 1,
-               nodes[i].addr, now - hb.changed_at[i], c->heartbeat_timeout_s, survivors, c->nnodes_min);
-      log_warn("%s", e.reason);
-      if ((rc = post_end(rz, s, r, &e, survivors))) goto lost;
+      char what[128];
+      snprintf(what, sizeof what, "sent no heartbeat for %.1fs (heartbeat_timeout=%gs)", now - hb.changed_at[i],
+               c->heartbeat_timeout_s);
+      if ((rc = end_dead(rz, s, r, n, me, nodes, done, i, what))) goto lost;
       posted = 1;
     }
   }
@@ -711,11 +1034,133 @@ out:
   rdzv_hb_free(&hb);
 }
 
+/* The participant index of a key "<prefix><what>/<i>", or 0. */
+static int key_idx(const char *key, const char *prefix, const char *what, int n) {
+  size_t pl = strlen(prefix), wl = strlen(what);
+  if (strncmp(key, prefix, pl) || strncmp(key + pl, what, wl) || key[pl + wl] != '/') return 0;
+  char *end;
+  long i = strtol(key + pl + wl + 1, &end, 10);
+  return *end || i < 1 || i > n ? 0 : (int)i;
+}
+
+/* etcd: watches one round: every key under P/r<r>/ from one read's revision on, so no change
+ * is missed between reads. The end key ends the watch; a participant's alive key deleted (its
+ * lease expired or was revoked) while it is not done is a dead node. Between events, every
+ * heartbeat interval, this node's lease is renewed. */
+static void watch_etcd(rdzv_t *rz, int gen, int r, int n, int me, const rdzv_node_t *nodes) {
+  const rdzv_config_t *c = &rz->cfg;
+  conn_t *s = &rz->ws;
+  char prefix[RDZV_KEY_MAX], end_key[RDZV_KEY_MAX];
+  keyf(rz, prefix, "r%d/", r);
+  keyf(rz, end_key, "r%d/end", r);
+  char *done = calloc((size_t)n, 1), *alive = calloc((size_t)n, 1);
+  int interval_ms = (int)(c->heartbeat_interval_s * 1000);
+  if (interval_ms < 1) interval_ms = 1;
+  int posted = 0, rc = 0, reread = 1;
+  int64_t rev = 0;
+  double next_renewal = 0;
+  while (done && alive && !atomic_load(&rz->stop)) {
+    uv_mutex_lock(&rz->mu);
+    int stale = rz->watch_gen != gen;
+    uv_mutex_unlock(&rz->mu);
+    if (stale || renew_lease(rz, s, &next_renewal)) break;
+    etcd_kvs_t kvs;
+    if (reread) {
+      /* The round as it is now: who is alive, who is done, whether it ended. */
+      if ((rc = etcd_get_prefix(s->e, prefix, &kvs))) goto retry;
+      reread = 0;
+      rev = kvs.revision;
+      memset(alive, 0, (size_t)n);
+      for (size_t k = 0; k < kvs.n; k++) {
+        int i;
+        if ((i = key_idx(kvs.kvs[k].key, prefix, "alive", n))) alive[i - 1] = 1;
+        if ((i = key_idx(kvs.kvs[k].key, prefix, "done", n))) done[i - 1] = 1;
+      }
+      int e = find_key(&kvs, end_key);
+      if (e >= 0) {
+        deliver_end(rz, r, kvs.kvs[e].value, kvs.kvs[e].len);
+        etcd_kvs_free(&kvs);
+        break;
+      }
+      etcd_kvs_free(&kvs);
+      for (int i = 0; i < n && !posted; i++)
+        if (i + 1 != me && !alive[i] && !done[i]) {
+          if ((rc = end_dead(rz, s, r, n, me, nodes, done, i, "has no lease in etcd (it died or was cut off)")))
+            goto failed;
+          posted = 1;
+        }
+      continue;
+    }
+    rc = etcd_watch(s->e, prefix, 1, rev, interval_ms, &kvs);
+    if (rc == -ETIMEDOUT) continue;
+    if (rc == -ESTALE) {
+      reread = 1;
+      continue;
+    }
+    if (rc) goto retry;
+    rev = kvs.revision;
+    for (size_t k = 0; k < kvs.n; k++) {
+      const etcd_kv_t *ev = &kvs.kvs[k];
+      int i;
+      if (!ev->deleted && !strcmp(ev->key, end_key)) {
+        deliver_end(rz, r, ev->value, ev->len);
+        etcd_kvs_free(&kvs);
+        goto out;
+      }
+      if (!ev->deleted && (i = key_idx(ev->key, prefix, "done", n))) done[i - 1] = 1;
+      if (ev->deleted && (i = key_idx(ev->key, prefix, "alive", n)) && i != me && !done[i - 1] && !posted) {
+        char what[160];
+        snprintf(what, sizeof what, "lost its etcd lease (it left, or died, or was cut off for its TTL)");
+        if ((rc = end_dead(rz, s, r, n, me, nodes, done, i - 1, what))) {
+          etcd_kvs_free(&kvs);
+          goto failed;
+        }
+        posted = 1;
+      }
+    }
+    etcd_kvs_free(&kvs);
+    continue;
+  retry:
+    /* No member answered in the client's time: the lease decides (renew_lease fences this
+     * node once its TTL has passed without a renewal); meanwhile, try again after a pause. */
+    log_debug("round %d: watching etcd: %s", r, etcd_errmsg(s->e));
+    for (double until = mono_now() + c->heartbeat_interval_s; mono_now() < until && !atomic_load(&rz->stop);) {
+      struct timespec ts = {0, 20 * 1000000L};
+      nanosleep(&ts, NULL);
+    }
+    reread = 1;
+    continue;
+  failed:
+    if (!atomic_load(&rz->stop) && !atomic_load(&rz->done)) round_call_failed(rz, s, rc);
+    break;
+  }
+out:
+  free(done);
+  free(alive);
+}
+
 static void watch_loop(rdzv_t *rz) {
   int seen = 0;
+  double next_renewal = 0;
+  /* The watch thread's etcd calls are bounded well under the lease's TTL, so that a hung
+   * member cannot keep it from renewing through another one. */
+  int watch_ms = (int)(rz->cfg.heartbeat_timeout_s * 500);
+  if (watch_ms < ETCD_WATCH_MIN_MS) watch_ms = ETCD_WATCH_MIN_MS;
   for (;;) {
     uv_mutex_lock(&rz->mu);
-    while (rz->watch_gen == seen && !atomic_load(&rz->stop)) uv_cond_wait(&rz->watch_cond, &rz->mu);
+    while (rz->watch_gen == seen && !atomic_load(&rz->stop)) {
+      if (!is_etcd(rz) || !rz->lease) {
+        uv_cond_wait(&rz->watch_cond, &rz->mu);
+        continue;
+      }
+      /* etcd between rounds (joining, restarting): the lease still needs renewing. */
+      uv_mutex_unlock(&rz->mu);
+      if (ensure_conn(rz, &rz->ws, (int)(rz->cfg.join_timeout_s * 1000), watch_ms) == 0)
+        renew_lease(rz, &rz->ws, &next_renewal);
+      uv_mutex_lock(&rz->mu);
+      if (rz->watch_gen == seen && !atomic_load(&rz->stop))
+        uv_cond_timedwait(&rz->watch_cond, &rz->mu, (uint64_t)(rz->cfg.heartbeat_interval_s * 1e9 / 2) + 1);
+    }
     if (atomic_load(&rz->stop)) {
       uv_mutex_unlock(&rz->mu);
       return;
@@ -726,7 +1171,10 @@ static void watch_loop(rdzv_t *rz) {
     if (nodes) memcpy(nodes, rz->cur_nodes, (size_t)n * sizeof *nodes);
     uv_mutex_unlock(&rz->mu);
     if (!nodes) continue;
-    if (ensure_conn(rz, &rz->ws, (int)(rz->cfg.join_timeout_s * 1000)) == 0) watch_one(rz, seen, r, n, me, nodes);
+    if (ensure_conn(rz, &rz->ws, (int)(rz->cfg.join_timeout_s * 1000), watch_ms) == 0) {
+      if (is_etcd(rz)) watch_etcd(rz, seen, r, n, me, nodes);
+      else watch_store(rz, seen, r, n, me, nodes);
+    }
     free(nodes);
   }
 }
@@ -737,8 +1185,8 @@ static void watch_main(void *arg) {
 }
 
 static void free_rdzv(rdzv_t *rz) {
-  store_close(rz->cs);
-  store_close(rz->ws);
+  conn_close(&rz->cs);
+  conn_close(&rz->ws);
   free(rz->events);
   free(rz->cur_nodes);
   free(rz);
@@ -780,9 +1228,9 @@ int rdzv_create(rdzv_t **out, uv_loop_t *loop, const rdzv_config_t *cfg, rdzv_ev
    * (libuv's timer init only fills the struct). */
   uv_timer_init(loop, &rz->watchdog);
   rz->watchdog.data = rz;
-  if (!cfg->is_store_host) {
+  if (!cfg->is_store_host && cfg->kv == RDZV_KV_C10D) {
     /* The store's own node needs none: its store stalls only when its loop does, and then
-     * this timer would not run either. */
+     * this timer would not run either. etcd needs none: the lease is the liveness there. */
     uint64_t period = (uint64_t)(cfg->heartbeat_interval_s * 500);
     if (period < 10) period = 10;
     uv_timer_start(&rz->watchdog, on_watchdog, period, period);
@@ -841,13 +1289,31 @@ void rdzv_shutdown(rdzv_t *rz) {
   if (!uv_is_closing((uv_handle_t *)&rz->watchdog)) uv_close((uv_handle_t *)&rz->watchdog, NULL);
 }
 
+/* etcd, at exit: the lease goes now rather than after its TTL, so the other nodes see this
+ * one leave at once (a node stopped by a signal is a node gone; one that finished has said so
+ * in its done key first). On a client of its own: the threads' clients are interrupted. */
+static void revoke_lease(rdzv_t *rz) {
+  int64_t lease = rz->lease;
+  if (!is_etcd(rz) || !lease) return;
+  etcd_t *e = NULL;
+  char err[512];
+  if (etcd_connect(&e, rz->cfg.etcd_endpoints, ETCD_REVOKE_MS, err, sizeof err) == 0) {
+    int rc = etcd_lease_revoke(e, lease);
+    if (rc && rc != -ENOENT) log_debug("revoking the etcd lease: %s", etcd_errmsg(e));
+  } else {
+    log_debug("revoking the etcd lease: %s", err);
+  }
+  etcd_close(e);
+}
+
 int rdzv_destroy(rdzv_t *rz, int wait_ms) {
   if (!rz) return 0;
   rdzv_shutdown(rz);
   uv_mutex_lock(&rz->mu);
-  /* Wake store calls in progress: they fail at once, see stop and return. */
-  store_interrupt(rz->cs);
-  store_interrupt(rz->ws);
+  /* Wake calls in progress: they fail at once (etcd's within about a second), see stop and
+   * return. */
+  conn_interrupt(&rz->cs);
+  conn_interrupt(&rz->ws);
   uint64_t deadline = uv_hrtime() + (uint64_t)(wait_ms > 0 ? wait_ms : 0) * 1000000u;
   while (rz->live_threads > 0) {
     uint64_t t = uv_hrtime();
@@ -855,6 +1321,7 @@ int rdzv_destroy(rdzv_t *rz, int wait_ms) {
   }
   int live = rz->live_threads;
   uv_mutex_unlock(&rz->mu);
+  revoke_lease(rz);
   if (live > 0) return -EBUSY; /* left to the threads; the process's exit ends them */
   uv_thread_join(&rz->cmd_thr);
   uv_thread_join(&rz->watch_thr);
@@ -946,24 +1413,29 @@ int rdzv_end_fatal(rdzv_end_kind_t kind, int64_t failures, int max_restarts, int
   return 1;
 }
 
-int rdzv_master_encode(char *buf, size_t len, const char *addr, int port, int failures) {
+int rdzv_master_encode(char *buf, size_t len, const char *addr, int port, int failures, int store_port) {
   size_t alen = strlen(addr);
   if (alen == 0 || alen >= RDZV_ADDR_MAX || strpbrk(addr, " \t\n")) return -EINVAL;
-  int w = snprintf(buf, len, "%s %d %d", addr, port, failures);
+  int w = store_port > 0 ? snprintf(buf, len, "%s %d %d %d", addr, port, failures, store_port)
+                         : snprintf(buf, len, "%s %d %d", addr, port, failures);
   return w < 0 || (size_t)w >= len ? -ENAMETOOLONG : 0;
 }
 
 int rdzv_master_decode(const char *v, size_t len, rdzv_assignment_t *a) {
   char tmp[RDZV_ADDR_MAX + 64], addr[RDZV_ADDR_MAX];
-  int port, failures, used = 0;
+  int port, failures, store_port = 0, used = 0, used4 = 0;
   if (len >= sizeof tmp) return -EINVAL;
   memcpy(tmp, v, len);
   tmp[len] = 0;
-  if (sscanf(tmp, "%255s %d %d%n", addr, &port, &failures, &used) != 3 || tmp[used] != 0) return -EINVAL;
+  if (sscanf(tmp, "%255s %d %d%n", addr, &port, &failures, &used) != 3) return -EINVAL;
+  if (tmp[used] != 0 && (sscanf(tmp + used, " %d%n", &store_port, &used4) != 1 || tmp[used + used4] != 0 ||
+                         store_port <= 0 || store_port > 65535))
+    return -EINVAL;
   if (port <= 0 || port > 65535 || failures < 0) return -EINVAL;
   snprintf(a->master_addr, sizeof a->master_addr, "%s", addr);
   a->master_port = port;
   a->failures = failures;
+  a->store_port = store_port;
   return 0;
 }
 

@@ -1,4 +1,4 @@
-/* rdzv: meshrun's rendezvous and heartbeats over the store, off the event loop.
+/* rdzv: meshrun's rendezvous and heartbeats over the store or etcd, off the event loop.
  *
  * The blocking store client (common/store.h) must never run on the loop thread, because that
  * loop may be the one serving the store. So rdzv owns two threads, each with its own store_t:
@@ -53,6 +53,23 @@
  *   P/r<r>/seen/<i>      participant i read a fatal end. The store's node waits for these (at
  *                        most heartbeat_timeout) before it lets its agent exit and take the
  *                        store away: every node then ends with the job's real cause and code.
+ * etcd (--rdzv_backend=etcd): the same keys in etcd, with these differences. Liveness is a lease
+ * per node (TTL heartbeat_timeout), granted when the node joins without one and renewed by the
+ * watch thread every heartbeat interval, also between rounds:
+ *   P/r<r>/alive/<i>     on participant i's lease, instead of P/r<r>/hb/<i>: deleted by etcd
+ *                        when the lease expires or is revoked. The watch thread watches every
+ *                        key under P/r<r>/ from one read's revision: the end key, or an alive
+ *                        key deleted while its node is not done (a dead node), ends the round.
+ *   P/r<r>/node/<i>, P/r<r>/claim   also on the lease: a fenced node cannot join or end a round
+ *                        (etcd refuses a write on a lease that is gone), and a claimer that dies
+ *                        before writing the end frees the claim. An end already written is final.
+ *   P/r<r>/master        "addr port failures store_port": the round's first node's own store,
+ *                        which serves that round's workers (MESHRUN_STORE); no node serves the
+ *                        rendezvous itself, so no drain and no seen keys.
+ * A node whose lease is gone (etcd says so, or no renewal succeeded for its TTL) is fenced
+ * (RDZV_EV_FENCED): it stops its workers and joins again with a new lease. At exit the lease is
+ * revoked, so the others see a node that left at once.
+ *
  * A node arriving while round r runs with fewer than max nodes ends round r ("scale_up") and
  * joins r+1; everyone else follows. When the round is full it waits for the round's end.
  *
@@ -71,9 +88,15 @@
 #define RDZV_MSG_MAX 1024
 #define RDZV_SECRET_MAX 1024 /* bytes of the job secret, its NUL included */
 
+typedef enum { RDZV_KV_C10D = 0, RDZV_KV_ETCD } rdzv_kv_kind_t;
+
 typedef struct {
-  char store_host[RDZV_ADDR_MAX];
+  rdzv_kv_kind_t kv;  /* where the rendezvous keys live: meshrun's store, or an etcd cluster */
+  char store_host[RDZV_ADDR_MAX]; /* c10d: the store */
   int store_port;
+  char etcd_endpoints[1024]; /* etcd: "host:port,host:port,..." */
+  int node_store_port; /* etcd: the port of this node's own store (served by its agent); the
+                        * round's first node publishes it for the workers (MESHRUN_STORE) */
   char run_id[128];           /* the job: its namespace in the store */
   char secret[RDZV_SECRET_MAX]; /* the job secret the store checks ("" = none, an open store) */
   int nnodes_min, nnodes_max;
@@ -106,6 +129,8 @@ typedef struct {
                     * the round number counts every restart, this one failures only */
   char master_addr[RDZV_ADDR_MAX];
   int master_port;
+  int store_port; /* etcd: the round's store for the workers, at master_addr (the first node's
+                   * own store); 0 with c10d (the workers use the rendezvous store) */
 } rdzv_assignment_t;
 
 typedef enum { RDZV_END_FAILURE = 0, RDZV_END_DEAD_NODE, RDZV_END_SCALE_UP } rdzv_end_kind_t;
@@ -134,6 +159,9 @@ typedef enum {
   RDZV_EV_STORE_LOST,   /* fatal: the store, reached before, is gone or silent; ev->message */
   RDZV_EV_DRAINED,      /* on the store's node, after a fatal ROUND_END: the other nodes have read
                          * it (or heartbeat_timeout passed); the store may go now */
+  RDZV_EV_FENCED,       /* etcd: this node's lease is gone (expired while it was cut off, or
+                         * revoked): it is no longer a member of any round; it must stop its
+                         * workers and join again as a new member; ev->message */
 } rdzv_event_kind_t;
 
 typedef struct {
@@ -189,11 +217,12 @@ int rdzv_assign_ranks(const rdzv_node_t *nodes, int n, int my_idx, rdzv_assignme
 /* Whether an end makes the job over: failures past the budget, or fewer than min nodes left. */
 int rdzv_end_fatal(rdzv_end_kind_t kind, int64_t failures, int max_restarts, int survivors, int nmin);
 
-/* The value of P/r<r>/master: "addr port failures". encode returns 0, or -EINVAL (addr empty,
- * too long or with a space), -ENAMETOOLONG (buf too small). decode fills master_addr,
- * master_port and failures of a, or returns -EINVAL for anything else than exactly three
- * fields with a port in 1..65535 and failures >= 0; v need not be NUL-terminated. */
-int rdzv_master_encode(char *buf, size_t len, const char *addr, int port, int failures);
+/* The value of P/r<r>/master: "addr port failures[ store_port]" (store_port with etcd only).
+ * encode (store_port 0: left out) returns 0, or -EINVAL (addr empty, too long or with a space),
+ * -ENAMETOOLONG (buf too small). decode fills master_addr, master_port, failures and
+ * store_port (0 when absent) of a, or returns -EINVAL for anything else than three or four
+ * fields with ports in 1..65535 and failures >= 0; v need not be NUL-terminated. */
+int rdzv_master_encode(char *buf, size_t len, const char *addr, int port, int failures, int store_port);
 int rdzv_master_decode(const char *v, size_t len, rdzv_assignment_t *a);
 
 /* Heartbeat verdicts: peers' counters are sampled each interval; a peer whose counter has not

@@ -62,19 +62,33 @@ import time
 
 import pytest
 
+import etcdcluster
 import netcluster as nc
 from conftest import MESHRUN, pid_alive, solo_env, tiny_plan
 from test_checkpoint import TOL, TRAINER, losses, read_records
 
-BACKENDS = ["c10d"]  # "etcd" joins when its backend lands (see Job.start)
+BACKENDS = ["c10d", "etcd"]
 HB_INTERVAL = 0.1
 HB_TIMEOUT = 1.0
+# etcd: a lease's TTL is whole seconds, at least 1.5 x the election timeout (1 s here: etcd
+# grants 2 s for less), so a node's heartbeat_timeout (its lease's TTL) is 2 s there.
+ETCD_HB_TIMEOUT = 2.0
+ETCD_MEMBERS = 3  # on hosts of their own, after the meshrun hosts
 GLOBAL_BATCH = 24
 CKPT_INTERVAL = 5
 KILL_AFTER = 12       # the step the full world must have logged before a kill (past step 10's checkpoint)
 DETECT_MARGIN = 1.0   # a partitioned host is declared dead within heartbeat_timeout + this
 STORE_LOST_MARGIN = 2.0  # survivors of the store's host exit within heartbeat_timeout + this
 POLL = 0.005
+
+
+def hb_timeout(backend):
+    return ETCD_HB_TIMEOUT if backend == "etcd" else HB_TIMEOUT
+
+
+def cluster(netcluster, backend, hosts):
+    """hosts meshrun hosts, and with etcd ETCD_MEMBERS more, one etcd member each."""
+    return netcluster(hosts + (ETCD_MEMBERS if backend == "etcd" else 0))
 
 
 def conf(hb_timeout=HB_TIMEOUT):
@@ -146,8 +160,11 @@ class Job:
 
     def __init__(self, c, d, backend, nnodes, nproc, steps, ckpt=False, hb_timeout=None):
         self.c, self.d, self.backend = c, str(d), backend
+        self.hosts = c.n - (ETCD_MEMBERS if backend == "etcd" else 0)
         self.metrics = os.path.join(self.d, "metrics.jsonl")
-        self.conf = [conf((hb_timeout or {}).get(i, HB_TIMEOUT)) for i in range(c.n)]
+        dflt = globals()["hb_timeout"](backend)
+        self.conf = [conf((hb_timeout or {}).get(i, dflt)) for i in range(self.hosts)]
+        self.etcd = None
         args = ["--rdzv_backend=%s" % backend, "--nproc_per_node=%d" % nproc, "--max_restarts=3",
                 "--shutdown_timeout=1"] + trainer_args(d, steps, ckpt)
         self.procs = self.start(args, nnodes)
@@ -162,12 +179,16 @@ class Job:
             threading.Thread(target=self._reap, args=(i, p), daemon=True).start()
 
     def start(self, args, nnodes):
-        if self.backend == "c10d":
-            # The store runs in host 0's meshrun, on host 0's address at a port free there.
-            return nc.start_meshrun(self.c, args, meshrun=MESHRUN, env={"OMP_NUM_THREADS": "1"}, nnodes=nnodes,
-                                    node_args=lambda i: ["--rdzv_conf=" + self.conf[i]], cwd=self.d,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        raise NotImplementedError("rendezvous backend %s: start its server and point the nodes at it" % self.backend)
+        endpoint = None
+        if self.backend == "etcd":
+            # Three etcd members on hosts of their own; every node is given all three.
+            self.etcd = etcdcluster.EtcdCluster(self.c, list(range(self.hosts, self.c.n)), self.d)
+            self.etcd.wait_ready()
+            endpoint = self.etcd.endpoints()
+        # c10d: the store runs in host 0's meshrun, on host 0's address at a port free there.
+        return nc.start_meshrun(self.c, args, meshrun=MESHRUN, env={"OMP_NUM_THREADS": "1"}, nnodes=nnodes,
+                                node_args=lambda i: ["--rdzv_conf=" + self.conf[i]], hosts=self.hosts,
+                                endpoint=endpoint, cwd=self.d, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
     def path(self, i, suffix):
         return os.path.join(self.d, "node%d.%s" % (i, suffix))
@@ -243,8 +264,13 @@ class Job:
         return pids
 
     def describe(self):
-        return "\n".join("--- node %d (%s) rc=%s\n%s" % (i, self.c.addr(i), p.poll(), self.err(i))
-                         for i, p in enumerate(self.procs))
+        out = "\n".join("--- node %d (%s) rc=%s\n%s" % (i, self.c.addr(i), p.poll(), self.err(i))
+                        for i, p in enumerate(self.procs))
+        if self.etcd:
+            out += "".join("\n--- etcd member on host %d (%s): %s\n%s" % (
+                i, self.c.addr(i), "running" if self.etcd.alive(i) else "dead", self.etcd.log_tail(i, 5))
+                for i in self.etcd.hosts)
+        return out
 
 
 def worker_peers(c, i, meshrun_pid):
@@ -276,7 +302,7 @@ def link_down(c, i, down):
 @pytest.mark.parametrize("hosts,nproc", [(2, 2), (4, 1)], ids=["2hostsx2", "4hostsx1"])
 def test_one_world(netcluster, reference, tmp_path, backend, hosts, nproc):
     steps = 30
-    c = netcluster(hosts)
+    c = cluster(netcluster, backend, hosts)
     t0 = time.monotonic()
     job = Job(c, tmp_path, backend, hosts, nproc, steps)
     # While it trains, each host's trainers must hold a connection from their own address to
@@ -295,9 +321,13 @@ def test_one_world(netcluster, reference, tmp_path, backend, hosts, nproc):
     t1 = time.monotonic()
     assert codes == [0] * hosts, job.describe()
     moved = [c.link_bytes(i) for i in range(hosts)]
-    print("%d hosts x %d workers (%s): %.1f s; store at %s; trainer connections across hosts: %s; "
-          "eth0 bytes (tx, rx) per host: %s" % (hosts, nproc, c.describe(), t1 - t0, job.endpoint, seen, moved))
-    assert job.endpoint.startswith(c.addr(0) + ":")
+    print("%d hosts x %d workers (%s, %s): %.1f s; rendezvous at %s; trainer connections across hosts: %s; "
+          "eth0 bytes (tx, rx) per host: %s" % (hosts, nproc, backend, c.describe(), t1 - t0, job.endpoint, seen,
+                                                moved))
+    if backend == "c10d":
+        assert job.endpoint.startswith(c.addr(0) + ":")
+    else:
+        assert job.endpoint == job.etcd.endpoints()
     for i in range(hosts):
         assert "node %d of %d" % (i, hosts) in job.err(i), job.describe()
         assert i in seen, "host %d (%s): no trainer connection from its address to another host's" % (i, c.addr(i))
@@ -326,12 +356,16 @@ def resumed(err):
     return ms and (int(ms[-1].group(1)), int(ms[-1].group(2)), int(ms[-1].group(3)), ms[-1].group(0))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("hosts,nproc,victim", [(2, 2, 1), (4, 1, 1), (4, 1, 3)],
-                         ids=["2hostsx2-kill1", "4hostsx1-kill1", "4hostsx1-kill3"])
+# With c10d, host 0 serves the store: its death is test 3. With etcd it is a node like the others.
+KILL_CASES = [(b, h, n, v) for b in BACKENDS for h, n, v in [(2, 2, 0), (2, 2, 1), (4, 1, 0), (4, 1, 1), (4, 1, 3)]
+              if v or b == "etcd"]
+
+
+@pytest.mark.parametrize("backend,hosts,nproc,victim", KILL_CASES,
+                         ids=["%s-%dhostsx%d-kill%d" % k for k in KILL_CASES])
 def test_kill_node(netcluster, reference, tmp_path, backend, hosts, nproc, victim):
     world = hosts * nproc
-    c = netcluster(hosts)
+    c = cluster(netcluster, backend, hosts)
     job = Job(c, tmp_path, backend, "%d:%d" % (hosts - 1, hosts), nproc, KILL_STEPS, ckpt=True)
     k, seen = job.wait(lambda: full_world_at(job, world, KILL_AFTER), 60,
                        "the full world (%d ranks) at step %d" % (world, KILL_AFTER))
@@ -345,12 +379,13 @@ def test_kill_node(netcluster, reference, tmp_path, backend, hosts, nproc, victi
     assert codes[victim] == -signal.SIGKILL
     assert all(codes[i] == 0 for i in survivors), job.describe()
     rounds = job.rounds()
-    r = resumed(job.err(0))
-    assert r, "no resume line on host 0 (rank 0):\n" + job.describe()
-    ended = [l for l in meshrun_lines(job.err(0)) if re.search(r"round \d+ ended", l)]
-    print("%d hosts x %d: killed host %d (%s) at step %d; rounds (world, last step) %s; %s; "
-          "kill -> training again: %.2f s; host 0: %s" % (hosts, nproc, victim, c.addr(victim), seen, rounds, r[3],
-                                                          t_back - t_kill, ended[-1:]))
+    first = survivors[0]  # the lowest node rank left: rank 0 of the last round
+    r = resumed(job.err(first))
+    assert r, "no resume line on host %d (rank 0):\n%s" % (first, job.describe())
+    ended = [l for l in meshrun_lines(job.err(first)) if re.search(r"round \d+ ended", l)]
+    print("%s, %d hosts x %d: killed host %d (%s) at step %d; rounds (world, last step) %s; %s; "
+          "kill -> training again: %.2f s; host %d: %s" % (backend, hosts, nproc, victim, c.addr(victim), seen, rounds,
+                                                           r[3], t_back - t_kill, first, ended[-1:]))
     assert r[1] == world and r[2] == world - nproc and r[0] >= 10, r[3]
     assert rounds[-1] == [world - nproc, KILL_STEPS], rounds
     compare(reference(KILL_STEPS), tmp_path, KILL_STEPS, "host %d of %d killed" % (victim, hosts))
@@ -393,20 +428,28 @@ PARTITION_STEPS = 200
 GIVEUP = {"same": HB_TIMEOUT, "late": 30.0}
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("giveup", sorted(GIVEUP))
+# With etcd the partitioned host's heartbeat_timeout is its lease's TTL, which is what the others
+# wait for: only "same" applies.
+PARTITION_CASES = [(b, g) for b in BACKENDS for g in sorted(GIVEUP) if b == "c10d" or g == "same"]
+# What a survivor says when it declares the partitioned host dead.
+VERDICT = {"c10d": "sent no heartbeat", "etcd": "lost its etcd lease"}
+
+
+@pytest.mark.parametrize("backend,giveup", PARTITION_CASES, ids=["%s-%s" % k for k in PARTITION_CASES])
 def test_partition_and_heal(netcluster, reference, tmp_path, backend, giveup):
     hosts, cut = 3, 1
     survivors = [i for i in range(hosts) if i != cut]
-    c = netcluster(hosts)
-    job = Job(c, tmp_path, backend, "2:3", 1, PARTITION_STEPS, ckpt=True, hb_timeout={cut: GIVEUP[giveup]})
+    c = cluster(netcluster, backend, hosts)
+    hb = hb_timeout(backend)
+    giveup_s = {"same": hb, "late": GIVEUP["late"]}[giveup]
+    job = Job(c, tmp_path, backend, "2:3", 1, PARTITION_STEPS, ckpt=True, hb_timeout={cut: giveup_s})
     k, seen = job.wait(lambda: full_world_at(job, hosts, KILL_AFTER), 60, "the full world at step %d" % KILL_AFTER)
     old_workers = [p for p in nc.core.netns_pids(c.ns(cut)) if p != job.procs[cut].pid]
     assert old_workers, "no worker on host %d" % cut
     err_before = len(job.err(cut))
     link_down(c, cut, True)
     t_cut = time.monotonic()
-    job.wait(lambda: any("sent no heartbeat" in job.err(i) for i in survivors), HB_TIMEOUT + DETECT_MARGIN + 10,
+    job.wait(lambda: any(VERDICT[backend] in job.err(i) for i in survivors), hb + DETECT_MARGIN + 10,
              "a survivor to declare host %d dead" % cut)
     t_detect = time.monotonic()
     job.wait(lambda: len(job.rounds()) > k + 1 and job.rounds()[-1][0] == hosts - 1 and job.rounds()[-1][1] >= 1,
@@ -427,14 +470,14 @@ def test_partition_and_heal(netcluster, reference, tmp_path, backend, giveup):
     print("partitioned host %d (%s) at step %d for %.2f s: declared dead after %.2f s (limit %.1f s), survivors "
           "training again after %.2f s; its meshrun exited %s; its old workers gone %s; rounds (world, last step) "
           "%s; exit codes %s" %
-          (cut, c.addr(cut), seen, t_heal - t_cut, t_detect - t_cut, HB_TIMEOUT + DETECT_MARGIN, t_back - t_cut,
+          (cut, c.addr(cut), seen, t_heal - t_cut, t_detect - t_cut, hb + DETECT_MARGIN, t_back - t_cut,
            "%.2f s after the cut (%s healing)" % (gone - t_cut, "before" if gone < t_heal else "after")
            if gone else "never", "by the heal" if t_old_gone - t_heal < 0.05 else "%.2f s after the heal" %
            (t_old_gone - t_heal), rounds, codes))
     print("host %d's meshrun from the partition on:\n%s" % (cut, "\n".join(meshrun_lines(after))))
-    detected = [l for i in survivors for l in meshrun_lines(job.err(i)) if "sent no heartbeat" in l]
+    detected = [l for i in survivors for l in meshrun_lines(job.err(i)) if VERDICT[backend] in l]
     print("survivor's verdict: %s" % detected[0])
-    assert t_detect - t_cut <= HB_TIMEOUT + DETECT_MARGIN, job.describe()
+    assert t_detect - t_cut <= hb + DETECT_MARGIN, job.describe()
     assert all(codes[i] == 0 for i in survivors), job.describe()
     for i in survivors:
         assert re.search(r"round \d+: node \d of %d" % (hosts - 1), job.err(i)), job.describe()
@@ -442,6 +485,10 @@ def test_partition_and_heal(netcluster, reference, tmp_path, backend, giveup):
     compare(reference(PARTITION_STEPS), tmp_path, PARTITION_STEPS, "host %d partitioned and healed" % cut)
     ck = os.path.join(str(tmp_path), "ck")
     assert not [n for n in os.listdir(ck) if n.endswith(".tmp")], os.listdir(ck)
+    if backend == "etcd":
+        # Fenced: its lease expired during the partition, so it stopped its workers and joined
+        # again as a new member (a scale-up), never acting on its old round.
+        assert codes[cut] == 0 and "fenced out of the job" in after, job.describe()
     if codes[cut] == 0:
         # It came back as a new member: it learned that its round ended, then a later round of
         # the full world included it (a scale-up).
@@ -457,3 +504,28 @@ def test_partition_and_heal(netcluster, reference, tmp_path, backend, giveup):
     # address on the route to the store, not the hostname, which is the same on every emulated
     # host). Its number is the join index, 1-based, not its --node_rank: the address says which.
     assert c.addr(cut) in detected[0], "the verdict does not name host %d (%s): %r" % (cut, c.addr(cut), detected[0])
+
+
+# ---- 5. an etcd member dies -------------------------------------------------------------------
+
+def test_kill_etcd_member(netcluster, reference, tmp_path):
+    """3 hosts x 1 worker with etcd on 3 hosts of its own: the etcd leader is SIGKILLed mid-run.
+    Two of three members keep quorum (after an election), so nothing changes for the job: one
+    round from start to end, every node exits 0, the losses are the one-process run's."""
+    hosts, steps = 3, 60
+    c = cluster(netcluster, "etcd", hosts)
+    job = Job(c, tmp_path, "etcd", hosts, 1, steps)
+    _, seen = job.wait(lambda: full_world_at(job, hosts, KILL_AFTER), 60, "the full world at step %d" % KILL_AFTER)
+    leader = job.etcd.leader()
+    assert leader is not None, job.describe()
+    job.etcd.kill(leader)
+    t_kill = time.monotonic()
+    codes = job.wait_exit(120)
+    print("killed the etcd leader (host %d, %s) at step %d; the job went on: rounds (world, last step) %s, exit "
+          "codes %s, %.1f s from the kill to the end" % (leader, c.addr(leader), seen, job.rounds(), codes,
+                                                        max(job.exited_at.values()) - t_kill))
+    assert codes == [0] * hosts, job.describe()
+    assert job.rounds() == [[hosts, steps]], job.describe()
+    assert not re.search(r"round \d+ ended|fenced|lost", "".join(
+        "\n".join(meshrun_lines(job.err(i))) for i in range(hosts))), job.describe()
+    compare(reference(steps), tmp_path, steps, "etcd leader killed")

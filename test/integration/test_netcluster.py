@@ -22,6 +22,12 @@
   order whatever the transport.
 - `scripts/netcluster.py run` killed by SIGTERM while its nodes run leaves no namespace and no
   process behind.
+- A real 3-member etcd cluster (test/integration/etcdcluster.py), one member per emulated host on
+  that host's address, serves: a put through member 0 reads back through member 2 (linearizable);
+  once the leader is SIGKILLed the two survivors elect another and a put through one reads back
+  through the other (quorum 2 of 3), while one member alone refuses a put; the last member, a
+  c.run process, is killed and reaped by the cluster's own close. Skipped, with the reason, where
+  /usr/bin/etcd is missing.
 Every test skips, naming the reason, where network namespaces cannot be made (not root, ...).
 """
 import os
@@ -32,8 +38,9 @@ import time
 
 import pytest
 
+import etcdcluster
 import netcluster as nc
-from conftest import FAST_CONF, MESHRUN, Meshrun, bin_dir, pids_alive, wait_for
+from conftest import FAST_CONF, MESHRUN, Meshrun, bin_dir, pid_alive, pids_alive, wait_for
 
 REPO = nc.REPO
 TRAINER = os.path.join(bin_dir(), "trainer")
@@ -215,3 +222,56 @@ def test_cli_run_torn_down_by_sigterm(tmp_path):
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.communicate()
+
+
+ETCD_READY_S = 20  # bound on a start (etcd itself spends about 2 s probing its peers) or a re-election
+
+
+def test_etcd_cluster_in_namespaces(netcluster, tmp_path):
+    nc.require()
+    ok, why = etcdcluster.available()
+    if not ok:
+        pytest.skip("no etcd to run: %s" % why)
+    c = netcluster(3)
+    with etcdcluster.EtcdCluster(c, [0, 1, 2], tmp_path) as e:
+        ready = e.wait_ready(ETCD_READY_S)
+        eps = e.endpoints().split(",")
+        print("%s; 3 etcd members (%s) ready in %.2f s (bound %d s); logs %s" %
+              (why, ",".join(eps), ready, ETCD_READY_S, os.path.join(str(tmp_path), "etcd-h*.log")))
+        assert [ep.rsplit(":", 1)[0] for ep in eps] == [c.addr(i) for i in range(3)]
+
+        e.put("test/k", "v0", via_host=0)
+        assert e.get("test/k", via_host=2) == b"v0"
+        assert e.get("test/absent", via_host=1) is None
+        _, ttl = e.lease_grant(1, via_host=1)
+        print("lease asked with TTL 1 s granted TTL %d s (heartbeat %d ms, election %d ms)" %
+              (ttl, e.heartbeat_ms, e.election_ms))
+        assert ttl >= 1
+
+        victim = e.leader()
+        assert victim is not None, "no member reports itself leader"
+        pid = e.procs[victim].pid
+        t = time.monotonic()
+        e.kill(victim)
+        assert not e.alive(victim) and not pid_alive(pid)
+        survivors = [i for i in range(3) if i != victim]
+        elect = e.wait_ready(ETCD_READY_S)
+        e.put("test/k", "v1", via_host=survivors[0])
+        assert e.get("test/k", via_host=survivors[1]) == b"v1"
+        print("leader h%d SIGKILLed: survivors %s serve a put and a linearizable get %.2f s later "
+              "(re-election %.2f s, bound %d s)" % (victim, survivors, time.monotonic() - t, elect, ETCD_READY_S))
+
+        # One of three is no quorum: the last member refuses a write (no leader, or no answer).
+        e.kill(survivors[1])
+        t = time.monotonic()
+        with pytest.raises(etcdcluster.EtcdError) as refused:
+            e.put("test/k", "v2", via_host=survivors[0], timeout=3)
+        print("one member of three refused the put in %.2f s: %s" %
+              (time.monotonic() - t, str(refused.value).splitlines()[0]))
+
+        # The members are c.run processes: the cluster's close kills and reaps the last one.
+        last = e.procs[survivors[0]]
+        assert e.alive(survivors[0])
+        c.close()
+        assert last.poll() is not None and not pid_alive(last.pid), "etcd h%d outlived the cluster" % survivors[0]
+    assert all(p.poll() is not None for p in e.procs.values())

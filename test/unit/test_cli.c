@@ -190,6 +190,15 @@ static void chk_backend_c10d(const launcher_opts_t *o) {
   assert_int_equal(o->rdzv_backend, RDZV_BACKEND_C10D);
   assert_string_equal(o->rdzv_host, "h");
 }
+/* etcd: the member list kept as given; the first member (etcd's port by default) is the one a
+ * node finds its own address toward. */
+static void chk_backend_etcd(const launcher_opts_t *o) {
+  assert_int_equal(o->rdzv_backend, RDZV_BACKEND_ETCD);
+  assert_string_equal(o->rdzv_endpoints, "e1,[::1]:2380,e3:2381");
+  assert_string_equal(o->rdzv_host, "e1");
+  assert_int_equal(o->rdzv_port, CLI_ETCD_PORT);
+  assert_int_equal(o->standalone, 0);
+}
 static void chk_conf(const launcher_opts_t *o) {
   assert_true(o->join_timeout_s == 12.5);
   assert_true(o->last_call_timeout_s == 0);
@@ -260,6 +269,8 @@ static const flag_case_t flag_cases[] = {
     {"run_id", "job-42", {NULL}, chk_rdzv_id},
     {"rdzv_backend", "static", {NULL}, chk_backend_static},
     {"rdzv_backend", "c10d", {"--rdzv_endpoint=h"}, chk_backend_c10d},
+    {"rdzv_backend", "etcd", {"--nnodes=2", "--rdzv_endpoint=e1,[::1]:2380,e3:2381"}, chk_backend_etcd},
+    {"rdzv_backend", "etcd-v2", {"--rdzv_endpoint=e1,[::1]:2380,e3:2381"}, chk_backend_etcd},
     {"rdzv_conf",
      "join_timeout=12.5,last_call_timeout=0,close_timeout=7,heartbeat_interval=0.25,"
      "heartbeat_timeout=3",
@@ -491,7 +502,14 @@ static const error_case_t error_cases[] = {
     {"--rdzv_id", {"--rdzv_id=", "p"}},
     {"--rdzv_id", {"--rdzv_id=a b", "p"}},
     {"--run_id", {"--run_id=", "p"}},
-    {"--rdzv_backend", {"--rdzv_backend=etcd", "p"}},
+    {"--rdzv_backend", {"--rdzv_backend=zookeeper", "p"}},
+    {"--rdzv_endpoint", {"--rdzv_backend=etcd", "p"}},
+    {"--rdzv_endpoint", {"--rdzv_backend=etcd", "--nnodes=2", "p"}},
+    {"--rdzv_endpoint", {"--rdzv_endpoint=a:1,b:2", "--nnodes=2", "p"}},
+    {"--rdzv_endpoint", {"--rdzv_backend=etcd", "--rdzv_endpoint=a:1,:2", "p"}},
+    {"--rdzv_endpoint", {"--rdzv_backend=etcd", "--rdzv_endpoint=a:1,b:99999", "p"}},
+    {"--rdzv_endpoint", {"--rdzv_backend=etcd", "--rdzv_endpoint=a,b,c,d,e,f,g,h,i,j,k,l,m,n,o,p,q", "p"}},
+    {"--standalone", {"--standalone", "--rdzv_backend=etcd", "p"}},
     {"--rdzv_backend", {"--rdzv_backend=", "p"}},
     {"--rdzv_conf", {"--rdzv_conf=timeout=1", "p"}},
     {"--rdzv_conf", {"--rdzv_conf=join_timeout", "p"}},

@@ -1,4 +1,4 @@
-// deps: launcher/rdzv.c launcher/store_server.c common/store.c common/store_proto.c common/net.c common/log.c common/err.c
+// deps: launcher/rdzv.c common/etcd.c launcher/store_server.c common/store.c common/store_proto.c common/net.c common/log.c common/err.c
 /* Unit tests of rdzv's pure decision logic: round closing, late joiners, rank assignment,
  * heartbeat verdicts, fatal ends, the end record's JSON round trip and the master record that
  * carries each round's restart count. No sockets, except the last tests: a store that stops
@@ -134,7 +134,7 @@ static void test_master_record(void **state) {
   char buf[RDZV_ADDR_MAX + 64];
   rdzv_assignment_t a;
   memset(&a, 0, sizeof a);
-  assert_int_equal(rdzv_master_encode(buf, sizeof buf, "fe80::1%eth0", 41234, 3), 0);
+  assert_int_equal(rdzv_master_encode(buf, sizeof buf, "fe80::1%eth0", 41234, 3, 0), 0);
   assert_string_equal(buf, "fe80::1%eth0 41234 3");
   /* Not NUL-terminated, as a store value may be: trailing bytes past len are ignored. */
   char raw[64];
@@ -145,18 +145,27 @@ static void test_master_record(void **state) {
   assert_int_equal(a.master_port, 41234);
   assert_int_equal(a.failures, 3);
 
-  assert_int_equal(rdzv_master_encode(buf, sizeof buf, "node0", 29500, 0), 0);
+  assert_int_equal(rdzv_master_encode(buf, sizeof buf, "node0", 29500, 0, 0), 0);
   assert_int_equal(rdzv_master_decode(buf, strlen(buf), &a), 0);
   assert_string_equal(a.master_addr, "node0");
   assert_int_equal(a.failures, 0);
+  assert_int_equal(a.store_port, 0);
+
+  /* etcd: the round's store rides along, on the same address. */
+  assert_int_equal(rdzv_master_encode(buf, sizeof buf, "10.0.0.2", 29500, 1, 41000), 0);
+  assert_string_equal(buf, "10.0.0.2 29500 1 41000");
+  assert_int_equal(rdzv_master_decode(buf, strlen(buf), &a), 0);
+  assert_int_equal(a.store_port, 41000);
+  assert_int_equal(a.failures, 1);
 
   /* An addr with a space would shift the fields; a buffer too small must not truncate. */
-  assert_int_equal(rdzv_master_encode(buf, sizeof buf, "a b", 1, 0), -EINVAL);
-  assert_int_equal(rdzv_master_encode(buf, sizeof buf, "", 1, 0), -EINVAL);
-  assert_int_equal(rdzv_master_encode(buf, 8, "127.0.0.1", 29500, 0), -ENAMETOOLONG);
+  assert_int_equal(rdzv_master_encode(buf, sizeof buf, "a b", 1, 0, 0), -EINVAL);
+  assert_int_equal(rdzv_master_encode(buf, sizeof buf, "", 1, 0, 0), -EINVAL);
+  assert_int_equal(rdzv_master_encode(buf, 8, "127.0.0.1", 29500, 0, 0), -ENAMETOOLONG);
 
   /* The old two-field form, extra fields, bad ports and counts are malformed. */
-  const char *bad[] = {"127.0.0.1 29500", "127.0.0.1 29500 1 2", "127.0.0.1 0 1", "127.0.0.1 70000 1",
+  const char *bad[] = {"127.0.0.1 29500", "127.0.0.1 29500 1 2 3", "127.0.0.1 29500 1 0", "127.0.0.1 29500 1 70000",
+                       "127.0.0.1 29500 1 2x", "127.0.0.1 0 1", "127.0.0.1 70000 1",
                        "127.0.0.1 29500 -1", "127.0.0.1 29500 x", "", "127.0.0.1 29500 1x"};
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
     assert_int_equal(rdzv_master_decode(bad[i], strlen(bad[i]), &a), -EINVAL);

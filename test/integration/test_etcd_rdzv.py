@@ -1,0 +1,139 @@
+"""--rdzv_backend=etcd on one machine (loopback): what the multi-host tests (test_multihost.py,
+network namespaces) do not cover. One etcd member (Debian's /usr/bin/etcd) on 127.0.0.1 at free
+ports per test, killed at teardown; nodes run worker.py.
+
+1. test_etcd_world: two nodes meet in etcd; the workers' MESHRUN_STORE is the store of the
+   round's first node (group rank 0), not an etcd address, and every worker reaches it
+   (worker.py --meet); exit 0 on both.
+2. test_unreachable_etcd: endpoints where nothing listens: exit 1 within join_timeout plus a
+   bound, one line naming every member and its cause.
+3. test_sigterm_node_leaves_at_once: SIGTERM to one node of an elastic pair: it revokes its
+   lease on the way out, so the other restarts without it well before the lease's TTL would
+   have run out (printed: stop -> the survivor's next round).
+4. test_etcd_lost: the only etcd member is killed mid-run: each node finds its lease unrenewable
+   for its TTL, stops its workers (fenced), cannot join again, and exits 69 (README: the store
+   is lost) with one line naming etcd; within TTL + the client's call timeout + margin.
+
+Skipped, with the reason, where /usr/bin/etcd is absent."""
+import os
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+
+from conftest import free_port, pids_alive, read_json, wait_for, worker_cmd, worker_file
+
+ETCD = "/usr/bin/etcd"
+STORE_LOST = 69
+TTL = 2  # heartbeat_timeout below; etcd's minimum lease TTL with a 1 s election timeout
+CONF = "join_timeout=20,last_call_timeout=0.5,heartbeat_interval=0.1,heartbeat_timeout=%d" % TTL
+ETCD_CALL_S = 5  # rdzv.c's ETCD_CMD_MS: how long a join's etcd call may take before it fails
+
+pytestmark = pytest.mark.skipif(not os.access(ETCD, os.X_OK), reason="%s not found (Debian package etcd-server)" % ETCD)
+
+
+@pytest.fixture
+def etcd(tmp_path):
+    """One etcd member on loopback: yields its client endpoint "127.0.0.1:PORT"."""
+    client, peer = free_port(), free_port()
+    while peer == client:
+        peer = free_port()
+    cu, pu = "http://127.0.0.1:%d" % client, "http://127.0.0.1:%d" % peer
+    log = open(str(tmp_path / "etcd.log"), "wb")
+    p = subprocess.Popen([ETCD, "--name", "m0", "--data-dir", str(tmp_path / "etcd.data"),
+                          "--listen-client-urls", cu, "--advertise-client-urls", cu,
+                          "--listen-peer-urls", pu, "--initial-advertise-peer-urls", pu,
+                          "--initial-cluster", "m0=" + pu, "--heartbeat-interval", "100",
+                          "--election-timeout", "1000"], stdout=log, stderr=subprocess.STDOUT,
+                         env={k: v for k, v in os.environ.items() if not k.startswith("ETCD_")})
+    log.close()
+    try:
+        def ready():
+            assert p.poll() is None, "etcd exited: %s" % (tmp_path / "etcd.log").read_text()[-2000:]
+            r = subprocess.run(["curl", "-s", "-m", "1", "--noproxy", "*", "-X", "POST", cu + "/v3/kv/range",
+                                "-d", '{"key":"AA=="}'], capture_output=True, text=True)
+            return '"header"' in r.stdout
+        wait_for(ready, 20, "etcd to serve")
+        p.endpoint = "127.0.0.1:%d" % client
+        yield p
+    finally:
+        p.kill()
+        p.wait()
+
+
+def node(launch, endpoint, tmp_path, nnodes, *worker_args, conf=CONF):
+    return launch(["--rdzv_backend=etcd", "--rdzv_endpoint=" + endpoint, "--nnodes=%s" % nnodes,
+                   "--nproc_per_node=1", "--rdzv_conf=" + conf, "--shutdown_timeout=2", "--max_restarts=3"] +
+                  worker_cmd(tmp_path, *worker_args))
+
+
+def test_etcd_world(launch, etcd, tmp_path):
+    a = node(launch, etcd.endpoint, tmp_path, 2, "--meet")
+    b = node(launch, etcd.endpoint, tmp_path, 2, "--meet")
+    assert a.wait(60) == 0, a.describe()
+    assert b.wait(60) == 0, b.describe()
+    envs = [read_json(worker_file(tmp_path, r, 0, "json")) for r in (0, 1)]
+    stores = {e["MESHRUN_STORE"] for e in envs}
+    masters = {e["MASTER_ADDR"] for e in envs}
+    print("workers' MESHRUN_STORE %s, MASTER_ADDR %s, etcd at %s" % (stores, masters, etcd.endpoint))
+    assert len(stores) == 1 and stores != {etcd.endpoint}, stores
+    assert stores.pop().startswith("127.0.0.1:")
+    for r in (0, 1):
+        assert read_json(worker_file(tmp_path, r, 0, "meet"))["store"] is True
+
+
+def test_unreachable_etcd(launch, tmp_path):
+    eps = "127.0.0.1:%d,127.0.0.1:%d" % (free_port(), free_port())
+    join = 2.0
+    m = launch(["--rdzv_backend=etcd", "--rdzv_endpoint=" + eps, "--nnodes=2", "--rdzv_conf=join_timeout=%g" % join] +
+               worker_cmd(tmp_path))
+    t0 = time.monotonic()
+    rc = m.wait(60)
+    took = time.monotonic() - t0
+    lines = [l for l in m.err.splitlines() if "etcd" in l]
+    print("exit %d after %.2f s (join_timeout %g s): %s" % (rc, took, join, lines))
+    assert rc == 1, m.describe()
+    assert took <= join + 5, m.describe()
+    assert len(lines) == 1 and all(e in lines[0] for e in eps.split(",")) and "refused" in lines[0].lower(), m.err
+
+
+def test_sigterm_node_leaves_at_once(launch, etcd, tmp_path):
+    never = str(tmp_path / "never")
+    a = node(launch, etcd.endpoint, tmp_path, "1:2", "--hang-until=" + never)
+    b = node(launch, etcd.endpoint, tmp_path, "1:2", "--hang-until=" + never)
+    wait_for(lambda: all(os.path.exists(worker_file(tmp_path, r, 0, "json")) for r in (0, 1)), 30,
+             "both workers of round 0")
+    b.signal(signal.SIGTERM)
+    t_stop = time.monotonic()
+    wait_for(lambda: os.path.exists(worker_file(tmp_path, 0, 1, "json")), 30, "the survivor's round 1")
+    took = time.monotonic() - t_stop
+    assert b.wait(30) == 128 + signal.SIGTERM, b.describe()
+    open(never, "w").close()
+    assert a.wait(30) == 0, a.describe()
+    print("SIGTERM to a node -> the survivor's next round started: %.2f s (lease TTL %d s); %s" % (
+        took, TTL, [l for l in a.err.splitlines() if "lost its etcd lease" in l or "no lease" in l][:1]))
+    assert took < TTL, a.describe()
+    assert re.search(r"round 1: node 0 of 1", a.err), a.err
+
+
+def test_etcd_lost(launch, etcd, tmp_path):
+    never = str(tmp_path / "never")
+    ms = [node(launch, etcd.endpoint, tmp_path, 2, "--hang-until=" + never) for _ in range(2)]
+    wait_for(lambda: all(os.path.exists(worker_file(tmp_path, r, 0, "json")) for r in (0, 1)), 30,
+             "both workers of round 0")
+    workers = [read_json(worker_file(tmp_path, r, 0, "json"))["_pid"] for r in (0, 1)]
+    etcd.kill()
+    etcd.wait()
+    t_kill = time.monotonic()
+    limit = TTL + ETCD_CALL_S + 3
+    codes = [m.wait(limit + 30) for m in ms]
+    took = time.monotonic() - t_kill
+    lost = [[l for l in m.err.splitlines() if "etcd cluster at" in l and " lost " in l] for m in ms]
+    print("etcd killed: exit codes %s after %.2f s (bound %d s); %s" % (codes, took, limit, lost[0]))
+    assert codes == [STORE_LOST, STORE_LOST], "\n".join(m.describe() for m in ms)
+    assert all(len(l) == 1 and etcd.endpoint in l[0] for l in lost), lost
+    assert all("fenced out of the job" in m.err for m in ms), "\n".join(m.describe() for m in ms)
+    assert took <= limit, "\n".join(m.describe() for m in ms)
+    assert not pids_alive(workers)
