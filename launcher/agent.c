@@ -285,6 +285,7 @@ static void on_rdzv(rdzv_t *rz, const rdzv_event_t *ev, void *arg) {
     uv_timer_stop(&a->join_timer);
     a->asg = ev->assignment;
     const rdzv_assignment_t *g = &a->asg;
+    if (a->opts->rdzv_backend == RDZV_BACKEND_ETCD) a->drains = g->serves_store; /* the round's first node */
     log_info("round %d: node %d of %d (group rank %d), ranks %d..%d of %d, master %s:%d, %d failure restart%s so far",
              g->round, g->group_rank, g->nnodes, g->group_rank, g->rank_offset, g->rank_offset + g->nproc - 1,
              g->world_size, g->master_addr, g->master_port, g->failures, g->failures == 1 ? "" : "s");

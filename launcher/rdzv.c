@@ -665,12 +665,13 @@ static void do_join(rdzv_t *rz) {
     int64_t idx;
     keyf(rz, key, "r%d/n", r);
     if ((rc = kv_add(s, key, 1, &idx))) goto store_error;
+    /* Liveness first (a heartbeat counter in the store, a key on this node's lease in etcd):
+     * whoever reads our description can then count on finding it. */
+    keyf(rz, key, is_etcd(rz) ? "r%d/alive/%d" : "r%d/hb/%d", r, (int)idx);
+    if ((rc = kv_set(rz, s, key, is_etcd(rz) ? "1" : "0", 1))) goto store_error;
     keyf(rz, key, "r%d/node/%d", r, (int)idx);
     snprintf(val, sizeof val, "%d %d %s", c->node_rank, c->nproc, c->addr);
     if ((rc = kv_set(rz, s, key, val, 1))) goto store_error;
-    /* Liveness: a heartbeat counter in the store, a key on this node's lease in etcd. */
-    keyf(rz, key, is_etcd(rz) ? "r%d/alive/%d" : "r%d/hb/%d", r, (int)idx);
-    if ((rc = kv_set(rz, s, key, is_etcd(rz) ? "1" : "0", 1))) goto store_error;
     log_debug("round %d: joined as node %d", r, (int)idx);
 
     char closed_key[RDZV_KEY_MAX];
@@ -769,6 +770,7 @@ static void do_join(rdzv_t *rz) {
     rdzv_event_t *ev = calloc(1, sizeof *ev);
     if (!ev) goto out;
     ev->kind = RDZV_EV_ASSIGNED;
+    a.serves_store = is_etcd(rz) ? rank0_idx == idx : c->is_store_host;
     ev->assignment = a;
     watch_round(rz, r, n, (int)idx, is_etcd(rz) ? rank0_idx == idx : c->is_store_host, nodes);
     nodes = NULL;
@@ -805,6 +807,17 @@ static void do_end(rdzv_t *rz, rdzv_end_t *e) {
   if (rc) round_call_failed(rz, &rz->cs, rc);
 }
 
+/* etcd: the job is over (its last round's nodes are done, or have read its fatal end): its keys
+ * go, so that its run id can be used again (a new job under the same id would otherwise find
+ * the old job's rounds and restart budget). Done by the round's first node, best effort. */
+static void forget_job(rdzv_t *rz, conn_t *c) {
+  char prefix[RDZV_KEY_MAX];
+  keyf(rz, prefix, "%s", "");
+  int64_t n = 0;
+  if (etcd_delete(c->e, prefix, 1, &n)) log_debug("deleting the job's keys in etcd: %s", etcd_errmsg(c->e));
+  else log_debug("the job is over: deleted its %" PRId64 " keys in etcd", n);
+}
+
 static void do_done(rdzv_t *rz) {
   conn_t *s = &rz->cs;
   char key[RDZV_KEY_MAX];
@@ -834,6 +847,7 @@ static void do_done(rdzv_t *rz) {
       rc = kv_wait(rz, s, key, (int)(rz->cfg.heartbeat_interval_s * 1000));
       if (rc == 0) i++;
       else if (rc != STORE_ETIMEDOUT) break;
+      if (i > n && is_etcd(rz)) forget_job(rz, s); /* everyone is done: the job is over */
     }
   }
   rdzv_event_t ev = {.kind = RDZV_EV_DONE};
@@ -905,7 +919,7 @@ static void drain_fatal_end(rdzv_t *rz, conn_t *s, int r, int n, int me, const c
   double deadline = mono_now() + timeout;
   char key[RDZV_KEY_MAX];
   for (int i = 1; i <= n; i++) {
-    if (i == me || (done && done[i - 1]) || rdzv_hb_is_dead(hb, i - 1, mono_now(), timeout)) continue;
+    if (i == me || (done && done[i - 1]) || (hb && rdzv_hb_is_dead(hb, i - 1, mono_now(), timeout))) continue;
     int is_done = 0;
     keyf(rz, key, "r%d/done/%d", r, i);
     if (kv_exists(s, key, &is_done)) return;
@@ -1043,6 +1057,25 @@ static int key_idx(const char *key, const char *prefix, const char *what, int n)
   return *end || i < 1 || i > n ? 0 : (int)i;
 }
 
+/* etcd, after round r's fatal end: the round's first node waits (at most heartbeat_timeout) for
+ * the others to have read it, then deletes the job's keys and lets its agent go (DRAINED); the
+ * others say they have read it. */
+static void job_over(rdzv_t *rz, conn_t *s, int r, int n, int me, const char *done) {
+  char key[RDZV_KEY_MAX];
+  uv_mutex_lock(&rz->mu);
+  int serves = rz->cur_serves;
+  uv_mutex_unlock(&rz->mu);
+  if (!serves) {
+    keyf(rz, key, "r%d/seen/%d", r, me);
+    kv_set(rz, s, key, "1", 0);
+    return;
+  }
+  drain_fatal_end(rz, s, r, n, me, done, NULL);
+  forget_job(rz, s);
+  rdzv_event_t dr = {.kind = RDZV_EV_DRAINED};
+  emit(rz, &dr);
+}
+
 /* etcd: watches one round: every key under P/r<r>/ from one read's revision on, so no change
  * is missed between reads. The end key ends the watch; a participant's alive key deleted (its
  * lease expired or was revoked) while it is not done is a dead node. Between events, every
@@ -1078,8 +1111,9 @@ static void watch_etcd(rdzv_t *rz, int gen, int r, int n, int me, const rdzv_nod
       }
       int e = find_key(&kvs, end_key);
       if (e >= 0) {
-        deliver_end(rz, r, kvs.kvs[e].value, kvs.kvs[e].len);
+        int fatal = deliver_end(rz, r, kvs.kvs[e].value, kvs.kvs[e].len);
         etcd_kvs_free(&kvs);
+        if (fatal) job_over(rz, s, r, n, me, done);
         break;
       }
       etcd_kvs_free(&kvs);
@@ -1103,8 +1137,9 @@ static void watch_etcd(rdzv_t *rz, int gen, int r, int n, int me, const rdzv_nod
       const etcd_kv_t *ev = &kvs.kvs[k];
       int i;
       if (!ev->deleted && !strcmp(ev->key, end_key)) {
-        deliver_end(rz, r, ev->value, ev->len);
+        int fatal = deliver_end(rz, r, ev->value, ev->len);
         etcd_kvs_free(&kvs);
+        if (fatal) job_over(rz, s, r, n, me, done);
         goto out;
       }
       if (!ev->deleted && (i = key_idx(ev->key, prefix, "done", n))) done[i - 1] = 1;

@@ -64,8 +64,10 @@
  *                        (etcd refuses a write on a lease that is gone), and a claimer that dies
  *                        before writing the end frees the claim. An end already written is final.
  *   P/r<r>/master        "addr port failures store_port": the round's first node's own store,
- *                        which serves that round's workers (MESHRUN_STORE); no node serves the
- *                        rendezvous itself, so no drain and no seen keys.
+ *                        which serves that round's workers (MESHRUN_STORE). That node waits for
+ *                        the others' done keys (success), or for their seen keys after a fatal
+ *                        end (at most heartbeat_timeout), then deletes every key of the job,
+ *                        so that its run id can be used again; then DRAINED lets its agent go.
  * A node whose lease is gone (etcd says so, or no renewal succeeded for its TTL) is fenced
  * (RDZV_EV_FENCED): it stops its workers and joins again with a new lease. At exit the lease is
  * revoked, so the others see a node that left at once.
@@ -131,6 +133,9 @@ typedef struct {
   int master_port;
   int store_port; /* etcd: the round's store for the workers, at master_addr (the first node's
                    * own store); 0 with c10d (the workers use the rendezvous store) */
+  int serves_store; /* this node serves the round's workers' store (c10d: the store's node;
+                     * etcd: group rank 0): it waits for the others before it leaves, and
+                     * after a fatal end for RDZV_EV_DRAINED */
 } rdzv_assignment_t;
 
 typedef enum { RDZV_END_FAILURE = 0, RDZV_END_DEAD_NODE, RDZV_END_SCALE_UP } rdzv_end_kind_t;

@@ -4,7 +4,9 @@ ports per test, killed at teardown; nodes run worker.py.
 
 1. test_etcd_world: two nodes meet in etcd; the workers' MESHRUN_STORE is the store of the
    round's first node (group rank 0), not an etcd address, and every worker reaches it
-   (worker.py --meet); exit 0 on both.
+   (worker.py --meet); exit 0 on both. The job leaves no key in etcd, and a second job under the
+   same run id (the default, "none") runs the same way, from round 0; so does one after a job
+   that failed for good (exit 2).
 2. test_unreachable_etcd: endpoints where nothing listens: exit 1 within join_timeout plus a
    bound, one line naming every member and its cause.
 3. test_sigterm_node_leaves_at_once: SIGTERM to one node of an elastic pair: it revokes its
@@ -15,6 +17,8 @@ ports per test, killed at teardown; nodes run worker.py.
    is lost) with one line naming etcd; within TTL + the client's call timeout + margin.
 
 Skipped, with the reason, where /usr/bin/etcd is absent."""
+import base64
+import json
 import os
 import re
 import signal
@@ -69,11 +73,41 @@ def node(launch, endpoint, tmp_path, nnodes, *worker_args, conf=CONF):
                   worker_cmd(tmp_path, *worker_args))
 
 
+def job_keys(endpoint):
+    """How many keys meshrun's jobs hold in etcd (all under "meshrun/")."""
+    r = subprocess.run(["curl", "-s", "-m", "5", "--noproxy", "*", "-X", "POST", "http://%s/v3/kv/range" % endpoint,
+                        "-d", '{"key":"%s","range_end":"%s","count_only":true}' % (
+                            base64.b64encode(b"meshrun/").decode(), base64.b64encode(b"meshrun0").decode())],
+                       capture_output=True, text=True, check=True)
+    return int(json.loads(r.stdout).get("count", 0))
+
+
 def test_etcd_world(launch, etcd, tmp_path):
     a = node(launch, etcd.endpoint, tmp_path, 2, "--meet")
     b = node(launch, etcd.endpoint, tmp_path, 2, "--meet")
     assert a.wait(60) == 0, a.describe()
     assert b.wait(60) == 0, b.describe()
+    left = job_keys(etcd.endpoint)
+    print("keys left in etcd after the job: %d" % left)
+    assert left == 0
+    # The same run id again: a fresh job (round 0), then one failing for good, then another.
+    again = tmp_path / "again"
+    again.mkdir()
+    ms = [node(launch, etcd.endpoint, again, 2) for _ in range(2)]
+    assert [m.wait(60) for m in ms] == [0, 0], "\n".join(m.describe() for m in ms)
+    assert all(os.path.exists(worker_file(again, r, 0, "done")) for r in (0, 1))
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    ms = [node(launch, etcd.endpoint, bad, 2, "--fail-rank=0", "--code=2", "--hang-until=%s" % (bad / "never"))
+          for _ in range(2)]
+    assert [m.wait(60) for m in ms] == [2, 2], "\n".join(m.describe() for m in ms)
+    assert job_keys(etcd.endpoint) == 0
+    after = tmp_path / "after"
+    after.mkdir()
+    ms = [node(launch, etcd.endpoint, after, 2) for _ in range(2)]
+    assert [m.wait(60) for m in ms] == [0, 0], "\n".join(m.describe() for m in ms)
+    envs = [read_json(worker_file(after, r, 0, "json")) for r in (0, 1)]
+    assert {e["TORCHELASTIC_RESTART_COUNT"] for e in envs} == {"0"}, envs
     envs = [read_json(worker_file(tmp_path, r, 0, "json")) for r in (0, 1)]
     stores = {e["MESHRUN_STORE"] for e in envs}
     masters = {e["MASTER_ADDR"] for e in envs}
