@@ -535,6 +535,15 @@ static int parse_node(const char *v, int idx, rdzv_node_t *n) {
   return 0;
 }
 
+/* The participant index of a key "<prefix><what>/<i>", or 0. */
+static int key_idx(const char *key, const char *prefix, const char *what, int n) {
+  size_t pl = strlen(prefix), wl = strlen(what);
+  if (strncmp(key, prefix, pl) || strncmp(key + pl, what, wl) || key[pl + wl] != '/') return 0;
+  char *end;
+  long i = strtol(key + pl + wl + 1, &end, 10);
+  return *end || i < 1 || i > n ? 0 : (int)i;
+}
+
 /* Reads the descriptions of participants 1..n of round r into nodes (each wrote its own right
  * after taking its index, so waiting up to timeout_ms for the slow). -EINVAL (and an error
  * event) for a malformed one. The store answers all n keys in one request; etcd in one prefix
@@ -563,20 +572,18 @@ static int read_nodes(rdzv_t *rz, conn_t *c, int r, int n, rdzv_node_t *nodes, i
     if (rc) goto out;
   } else {
     double deadline = mono_now() + timeout_ms / 1000.0;
-    char prefix[RDZV_KEY_MAX], key[RDZV_KEY_MAX];
+    char round[RDZV_KEY_MAX], prefix[RDZV_KEY_MAX], key[RDZV_KEY_MAX];
+    keyf(rz, round, "r%d/", r);
     keyf(rz, prefix, "r%d/node/", r);
-    size_t plen = strlen(prefix);
-    for (int missing = n; missing > 0;) {
+    for (;;) {
       etcd_kvs_t kvs;
       if ((rc = from_etcd(etcd_get_prefix(c->e, prefix, &kvs)))) goto out;
       for (size_t k = 0; k < kvs.n; k++) {
-        char *end;
-        long i = strtol(kvs.kvs[k].key + plen, &end, 10);
-        if (*end || i < 1 || i > n || have[i - 1]) continue;
+        int i = key_idx(kvs.kvs[k].key, round, "node", n);
+        if (!i || have[i - 1]) continue;
         have[i - 1] = 1;
         vals[i - 1] = kvs.kvs[k].value;
         kvs.kvs[k].value = NULL;
-        missing--;
       }
       etcd_kvs_free(&kvs);
       int first = 0;
@@ -839,7 +846,8 @@ static void do_done(rdzv_t *rz) {
   if (serves) {
     char end_key[RDZV_KEY_MAX];
     keyf(rz, end_key, "r%d/end", r);
-    for (int i = 1; i <= n && !atomic_load(&rz->stop);) {
+    int i = 1;
+    while (i <= n && !atomic_load(&rz->stop)) {
       keyf(rz, key, "r%d/done/%d", r, i);
       int ended = 0;
       rc = kv_exists(s, end_key, &ended);
@@ -847,8 +855,8 @@ static void do_done(rdzv_t *rz) {
       rc = kv_wait(rz, s, key, (int)(rz->cfg.heartbeat_interval_s * 1000));
       if (rc == 0) i++;
       else if (rc != STORE_ETIMEDOUT) break;
-      if (i > n && is_etcd(rz)) forget_job(rz, s); /* everyone is done: the job is over */
     }
+    if (i > n && is_etcd(rz)) forget_job(rz, s); /* everyone is done: the job is over */
   }
   rdzv_event_t ev = {.kind = RDZV_EV_DONE};
   emit(rz, &ev);
@@ -966,6 +974,28 @@ static int end_dead(rdzv_t *rz, conn_t *s, int r, int n, int me, const rdzv_node
   return post_end(rz, s, r, &e, survivors);
 }
 
+/* After round r's fatal end. The job is over, and the store with it once its node exits (c10d;
+ * with etcd, the round's workers' store): that node waits until every other one has read the
+ * end (at most heartbeat_timeout; else they would find the store gone and report that instead
+ * of the job's real end), with etcd then deletes the job's keys, and lets its agent go
+ * (DRAINED). The others say they have read it (best effort: the wait has a deadline). hb: the
+ * round's heartbeat verdicts (c10d; NULL with etcd, whose dead nodes have ended the round). */
+static void job_over(rdzv_t *rz, conn_t *s, int r, int n, int me, const char *done, const rdzv_hb_t *hb) {
+  char key[RDZV_KEY_MAX];
+  uv_mutex_lock(&rz->mu);
+  int serves = rz->cur_serves;
+  uv_mutex_unlock(&rz->mu);
+  if (!serves) {
+    keyf(rz, key, "r%d/seen/%d", r, me);
+    kv_set(rz, s, key, "1", 0);
+    return;
+  }
+  drain_fatal_end(rz, s, r, n, me, done, hb);
+  if (is_etcd(rz)) forget_job(rz, s);
+  rdzv_event_t dr = {.kind = RDZV_EV_DRAINED};
+  emit(rz, &dr);
+}
+
 /* c10d: watches one round: its end key (event-driven), our heartbeat, the peers' heartbeats. */
 static void watch_store(rdzv_t *rz, int gen, int r, int n, int me, const rdzv_node_t *nodes) {
   const rdzv_config_t *c = &rz->cfg;
@@ -994,19 +1024,7 @@ static void watch_store(rdzv_t *rz, int gen, int r, int n, int me, const rdzv_no
     if (rc == 0) {
       int fatal = deliver_end(rz, r, v, len);
       free(v);
-      if (fatal) {
-        /* The job is over, and the store with it once its node exits: that node waits until
-         * every other one has read the end (else it would find the store gone and report that
-         * instead of the job's real end). */
-        if (c->is_store_host) {
-          drain_fatal_end(rz, s, r, n, me, done, &hb);
-          rdzv_event_t dr = {.kind = RDZV_EV_DRAINED};
-          emit(rz, &dr);
-        } else {
-          keyf(rz, key, "r%d/seen/%d", r, me);
-          kv_set(rz, s, key, "1", 0); /* best effort: the store host stops waiting at its deadline */
-        }
-      }
+      if (fatal) job_over(rz, s, r, n, me, done, &hb);
       goto out;
     }
     if (rc != STORE_ETIMEDOUT) break;
@@ -1048,34 +1066,6 @@ out:
   rdzv_hb_free(&hb);
 }
 
-/* The participant index of a key "<prefix><what>/<i>", or 0. */
-static int key_idx(const char *key, const char *prefix, const char *what, int n) {
-  size_t pl = strlen(prefix), wl = strlen(what);
-  if (strncmp(key, prefix, pl) || strncmp(key + pl, what, wl) || key[pl + wl] != '/') return 0;
-  char *end;
-  long i = strtol(key + pl + wl + 1, &end, 10);
-  return *end || i < 1 || i > n ? 0 : (int)i;
-}
-
-/* etcd, after round r's fatal end: the round's first node waits (at most heartbeat_timeout) for
- * the others to have read it, then deletes the job's keys and lets its agent go (DRAINED); the
- * others say they have read it. */
-static void job_over(rdzv_t *rz, conn_t *s, int r, int n, int me, const char *done) {
-  char key[RDZV_KEY_MAX];
-  uv_mutex_lock(&rz->mu);
-  int serves = rz->cur_serves;
-  uv_mutex_unlock(&rz->mu);
-  if (!serves) {
-    keyf(rz, key, "r%d/seen/%d", r, me);
-    kv_set(rz, s, key, "1", 0);
-    return;
-  }
-  drain_fatal_end(rz, s, r, n, me, done, NULL);
-  forget_job(rz, s);
-  rdzv_event_t dr = {.kind = RDZV_EV_DRAINED};
-  emit(rz, &dr);
-}
-
 /* etcd: watches one round: every key under P/r<r>/ from one read's revision on, so no change
  * is missed between reads. The end key ends the watch; a participant's alive key deleted (its
  * lease expired or was revoked) while it is not done is a dead node. Between events, every
@@ -1113,7 +1103,7 @@ static void watch_etcd(rdzv_t *rz, int gen, int r, int n, int me, const rdzv_nod
       if (e >= 0) {
         int fatal = deliver_end(rz, r, kvs.kvs[e].value, kvs.kvs[e].len);
         etcd_kvs_free(&kvs);
-        if (fatal) job_over(rz, s, r, n, me, done);
+        if (fatal) job_over(rz, s, r, n, me, done, NULL);
         break;
       }
       etcd_kvs_free(&kvs);
@@ -1139,14 +1129,13 @@ static void watch_etcd(rdzv_t *rz, int gen, int r, int n, int me, const rdzv_nod
       if (!ev->deleted && !strcmp(ev->key, end_key)) {
         int fatal = deliver_end(rz, r, ev->value, ev->len);
         etcd_kvs_free(&kvs);
-        if (fatal) job_over(rz, s, r, n, me, done);
+        if (fatal) job_over(rz, s, r, n, me, done, NULL);
         goto out;
       }
       if (!ev->deleted && (i = key_idx(ev->key, prefix, "done", n))) done[i - 1] = 1;
       if (ev->deleted && (i = key_idx(ev->key, prefix, "alive", n)) && i != me && !done[i - 1] && !posted) {
-        char what[160];
-        snprintf(what, sizeof what, "lost its etcd lease (it left, or died, or was cut off for its TTL)");
-        if ((rc = end_dead(rz, s, r, n, me, nodes, done, i - 1, what))) {
+        if ((rc = end_dead(rz, s, r, n, me, nodes, done, i - 1,
+                           "lost its etcd lease (it left, or died, or was cut off for its TTL)"))) {
           etcd_kvs_free(&kvs);
           goto failed;
         }
@@ -1328,7 +1317,7 @@ void rdzv_shutdown(rdzv_t *rz) {
  * one leave at once (a node stopped by a signal is a node gone; one that finished has said so
  * in its done key first). On a client of its own: the threads' clients are interrupted. */
 static void revoke_lease(rdzv_t *rz) {
-  int64_t lease = rz->lease;
+  int64_t lease = lease_now(rz); /* a thread still busy may hold mu's data */
   if (!is_etcd(rz) || !lease) return;
   etcd_t *e = NULL;
   char err[512];

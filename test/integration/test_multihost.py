@@ -82,7 +82,7 @@ STORE_LOST_MARGIN = 2.0  # survivors of the store's host exit within heartbeat_t
 POLL = 0.005
 
 
-def hb_timeout(backend):
+def backend_hb_timeout(backend):
     return ETCD_HB_TIMEOUT if backend == "etcd" else HB_TIMEOUT
 
 
@@ -162,8 +162,7 @@ class Job:
         self.c, self.d, self.backend = c, str(d), backend
         self.hosts = c.n - (ETCD_MEMBERS if backend == "etcd" else 0)
         self.metrics = os.path.join(self.d, "metrics.jsonl")
-        dflt = globals()["hb_timeout"](backend)
-        self.conf = [conf((hb_timeout or {}).get(i, dflt)) for i in range(self.hosts)]
+        self.conf = [conf((hb_timeout or {}).get(i, backend_hb_timeout(backend))) for i in range(self.hosts)]
         self.etcd = None
         args = ["--rdzv_backend=%s" % backend, "--nproc_per_node=%d" % nproc, "--max_restarts=3",
                 "--shutdown_timeout=1"] + trainer_args(d, steps, ckpt)
@@ -440,7 +439,7 @@ def test_partition_and_heal(netcluster, reference, tmp_path, backend, giveup):
     hosts, cut = 3, 1
     survivors = [i for i in range(hosts) if i != cut]
     c = cluster(netcluster, backend, hosts)
-    hb = hb_timeout(backend)
+    hb = backend_hb_timeout(backend)
     giveup_s = {"same": hb, "late": GIVEUP["late"]}[giveup]
     job = Job(c, tmp_path, backend, "2:3", 1, PARTITION_STEPS, ckpt=True, hb_timeout={cut: giveup_s})
     k, seen = job.wait(lambda: full_world_at(job, hosts, KILL_AFTER), 60, "the full world at step %d" % KILL_AFTER)
