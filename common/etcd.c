@@ -21,7 +21,7 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <inttypes.h>
-#include <openssl/evp.h>
+#include <nettle/base64.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdarg.h>
@@ -99,12 +99,14 @@ static char *fmt(const char *f, ...) {
   return s;
 }
 
-/* --- base64 (OpenSSL's; std alphabet with padding, as the gateway writes it) and JSON. */
+/* --- base64 (Nettle's; std alphabet with padding, as the gateway writes it) and JSON. */
 
 static char *b64(const void *p, size_t n) {
   if (n > (size_t)INT32_MAX / 2) return NULL;
-  char *s = malloc(4 * ((n + 2) / 3) + 1);
-  if (s) EVP_EncodeBlock((unsigned char *)s, p, (int)n);
+  char *s = malloc(BASE64_ENCODE_RAW_LENGTH(n) + 1);
+  if (!s) return NULL;
+  base64_encode_raw(s, n, p);
+  s[BASE64_ENCODE_RAW_LENGTH(n)] = 0;
   return s;
 }
 
@@ -112,17 +114,18 @@ static char *b64(const void *p, size_t n) {
 static int unb64(const char *s, void **out, size_t *len) {
   size_t n = s ? strlen(s) : 0;
   if (n % 4 || n > (size_t)INT32_MAX) return -EPROTO;
-  unsigned char *b = malloc(n / 4 * 3 + 1);
+  uint8_t *b = malloc(BASE64_DECODE_LENGTH(n) + 1);
   if (!b) return -ENOMEM;
-  int r = n ? EVP_DecodeBlock(b, (const unsigned char *)s, (int)n) : 0;
-  if (r < 0) {
+  struct base64_decode_ctx ctx;
+  size_t r = 0;
+  base64_decode_init(&ctx);
+  if (n && (!base64_decode_update(&ctx, &r, b, n, s) || !base64_decode_final(&ctx))) {
     free(b);
     return -EPROTO;
   }
-  r -= (n && s[n - 1] == '=') + (n > 1 && s[n - 2] == '='); /* DecodeBlock counts padding */
   b[r] = 0;
   *out = b;
-  *len = (size_t)r;
+  *len = r;
   return 0;
 }
 
@@ -743,6 +746,44 @@ int etcd_compare_set(etcd_t *c, const char *key, const void *expected, size_t ex
   if (actual) *actual = now.value, *actual_len = now.len;
   else free(now.value);
   return 0;
+}
+
+int etcd_create(etcd_t *c, const char *key, const void *val, size_t len, int64_t *create_revision) {
+  int rc = check_key(c, "create", key, 0);
+  if (rc) return rc;
+  char op[128], *k = b64(key, strlen(key));
+  char *cmp = k ? fmt("{\"key\":\"%s\",\"target\":\"CREATE\",\"result\":\"EQUAL\",\"create_revision\":\"0\"}", k) : NULL;
+  opname(op, sizeof op, "create", key);
+  cJSON *j = NULL;
+  const cJSON *kv = NULL;
+  int put = 0;
+  rc = txn_put(c, op, key, cmp, val, len, 0, &put, &kv, &j);
+  free(k), free(cmp);
+  if (!rc) {
+    /* Created: this write's revision. Present: its creation's (an unsure earlier try of ours). */
+    *create_revision = put ? jint(cJSON_GetObjectItemCaseSensitive(j, "header"), "revision") : jint(kv, "create_revision");
+    if (*create_revision <= 0) rc = -EPROTO, seterr(c, "etcd %s: no revision in the reply", op);
+  }
+  cJSON_Delete(j);
+  return rc;
+}
+
+int etcd_count(etcd_t *c, const char *prefix, int64_t max_create_revision, int64_t *count) {
+  int rc = check_key(c, "count", prefix, 1);
+  if (rc) return rc;
+  char op[128], *f = key_fields(prefix, 1), *body = NULL;
+  /* etcd applies max_create_revision to the keys it returns, not to a count_only count. */
+  if (f && max_create_revision > 0)
+    body = fmt("{%s,\"keys_only\":true,\"max_create_revision\":\"%" PRId64 "\"}", f, max_create_revision);
+  else if (f)
+    body = fmt("{%s,\"count_only\":true}", f);
+  opname(op, sizeof op, "count", prefix);
+  cJSON *j = NULL;
+  rc = call(c, op, "/v3/kv/range", body, &j);
+  free(f), free(body);
+  if (!rc) *count = max_create_revision > 0 ? cJSON_GetArraySize(cJSON_GetObjectItemCaseSensitive(j, "kvs")) : jint(j, "count");
+  cJSON_Delete(j);
+  return rc;
 }
 
 int etcd_add(etcd_t *c, const char *key, int64_t delta, int64_t *result) {

@@ -311,7 +311,7 @@ static int handshake(store_t *s, const char *run_id, const char *secret, int tim
   uint8_t cn[STORE_PROTO_NONCE], sn[STORE_PROTO_NONCE];
   uint8_t proof[STORE_PROTO_PROOF], want[STORE_PROTO_PROOF];
   if (store_proto_nonce(cn)) {
-    seterr(s, "store %s: no random bytes for the handshake (RAND_bytes failed)", s->ep);
+    seterr(s, "store %s: no random bytes for the handshake (getrandom failed)", s->ep);
     return STORE_ENOMEM;
   }
   int required = 0;

@@ -2,18 +2,21 @@
  *
  * Big-endian integers, u32-length-prefixed byte strings, a fixed 8-byte header. Writers grow
  * one malloc'ed buffer and refuse to pass STORE_MAX_FRAME; readers never read past the frame.
- * The handshake's nonces and proofs come from OpenSSL's libcrypto (RAND_bytes, HMAC-SHA256,
- * CRYPTO_memcmp), never from a hash of our own. No I/O and no policy here: the caller decides
- * what a malformed frame or a wrong proof means. */
+ * The handshake's nonces come from the kernel's generator (getrandom), its proofs from
+ * Nettle (HMAC-SHA256, memeql_sec), never from a hash of our own. Nettle, linked statically,
+ * and not OpenSSL's libcrypto: a process that merely loaded libcrypto spent about 0.4 ms
+ * relocating it, and its first HMAC or RAND_bytes loaded OpenSSL's providers, another 1.4 ms;
+ * every node of a 2048-node start on one machine paid both (scripts/bench-launcher.py --parts c).
+ * No I/O and no policy here: the caller decides what a malformed frame or a wrong proof means. */
 #include "common/store_proto.h"
 
-#include <openssl/crypto.h>
-#include <openssl/evp.h>
-#include <openssl/hmac.h>
-#include <openssl/rand.h>
+#include <errno.h>
+#include <nettle/hmac.h>
+#include <nettle/memops.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 
 static void reserve(store_proto_writer_t *w, size_t extra) {
   if (w->err) return;
@@ -176,7 +179,12 @@ int store_proto_parse_header(const uint8_t hdr[STORE_PROTO_HEADER], int want_req
 }
 
 int store_proto_nonce(uint8_t out[STORE_PROTO_NONCE]) {
-  return RAND_bytes(out, (int)STORE_PROTO_NONCE) == 1 ? 0 : -1;
+  /* Requests of up to 256 bytes are never cut short once the generator is seeded; it blocks
+   * only before that (early boot), which is what a nonce needs. */
+  ssize_t n;
+  do n = getrandom(out, STORE_PROTO_NONCE, 0);
+  while (n < 0 && errno == EINTR);
+  return n == (ssize_t)STORE_PROTO_NONCE ? 0 : -1;
 }
 
 /* The labels keep a client proof from ever being accepted as a server proof (or a proof of any
@@ -196,15 +204,16 @@ int store_proto_proof(uint8_t out[STORE_PROTO_PROOF], const char *secret, int se
   memcpy(msg + ln, client_nonce, STORE_PROTO_NONCE);
   memcpy(msg + ln + STORE_PROTO_NONCE, server_nonce, STORE_PROTO_NONCE);
   if (run_id_len) memcpy(msg + ln + 2 * STORE_PROTO_NONCE, run_id, run_id_len);
-  unsigned int mdlen = 0;
-  if (!HMAC(EVP_sha256(), secret, (int)strlen(secret), msg, ln + 2 * STORE_PROTO_NONCE + run_id_len, out, &mdlen) ||
-      mdlen != STORE_PROTO_PROOF)
-    return -1;
+  struct hmac_sha256_ctx ctx;
+  hmac_sha256_set_key(&ctx, strlen(secret), (const uint8_t *)secret);
+  hmac_sha256_update(&ctx, ln + 2 * STORE_PROTO_NONCE + run_id_len, msg);
+  hmac_sha256_digest(&ctx, STORE_PROTO_PROOF, out);
+  explicit_bzero(&ctx, sizeof ctx); /* it holds the key's pads */
   return 0;
 }
 
 int store_proto_proof_equal(const uint8_t a[STORE_PROTO_PROOF], const uint8_t b[STORE_PROTO_PROOF]) {
-  return CRYPTO_memcmp(a, b, STORE_PROTO_PROOF) == 0;
+  return memeql_sec(a, b, STORE_PROTO_PROOF);
 }
 
 const char *store_proto_op_name(int op) {

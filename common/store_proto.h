@@ -138,8 +138,8 @@ int store_proto_reader_done(const store_proto_reader_t *r);
  * *frame_len and *op, or STORE_EPROTO with the reason in err. */
 int store_proto_parse_header(const uint8_t hdr[STORE_PROTO_HEADER], int want_request, uint32_t *frame_len,
                              int *op, char *err, size_t errlen);
-/* STORE_PROTO_NONCE fresh random bytes (OpenSSL's RAND_bytes). Returns 0, or -1 when the
- * generator failed. */
+/* STORE_PROTO_NONCE fresh random bytes from the kernel's generator (getrandom). Returns 0, or
+ * -1 when the generator failed. */
 int store_proto_nonce(uint8_t out[STORE_PROTO_NONCE]);
 /* A handshake proof (formulas above): the client's when server_side is 0, the server's
  * otherwise; run_id is the client's run id or the owner's, respectively. Returns 0, or -1 when
@@ -147,7 +147,7 @@ int store_proto_nonce(uint8_t out[STORE_PROTO_NONCE]);
 int store_proto_proof(uint8_t out[STORE_PROTO_PROOF], const char *secret, int server_side,
                       const uint8_t client_nonce[STORE_PROTO_NONCE], const uint8_t server_nonce[STORE_PROTO_NONCE],
                       const void *run_id, size_t run_id_len);
-/* Compares two proofs in constant time (CRYPTO_memcmp); 1 when equal. */
+/* Compares two proofs in constant time (Nettle's memeql_sec); 1 when equal. */
 int store_proto_proof_equal(const uint8_t a[STORE_PROTO_PROOF], const uint8_t b[STORE_PROTO_PROOF]);
 
 /* The op's name for messages ("GET", "REP_VALUE", "op 0x7f"). Returns a static string. */

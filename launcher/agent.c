@@ -25,11 +25,11 @@
 #include <errno.h>
 #include <ftw.h>
 #include <limits.h>
-#include <openssl/rand.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -271,7 +271,12 @@ static void on_workers_idle(workers_t *w, void *arg) {
   }
 }
 
+/* Where a round's worker files go: <base>/attempt_<round>, or, when no worker writes a log
+ * and the base is a temporary directory removed at exit, the base itself: its only files are
+ * the error files and the stop file, each round clears them before it starts, and a directory
+ * fewer to make and remove per node was measurable in a 1024-node start on one machine. */
 static int make_attempt_dir(agent_t *a, int attempt, char *out, size_t len) {
+  if (a->base_is_tmp) return snprintf(out, len, "%s", a->base_dir) >= (int)len ? -ENAMETOOLONG : 0;
   if (snprintf(out, len, "%.4000s/attempt_%d", a->base_dir, attempt) >= (int)len) return -ENAMETOOLONG;
   return 0;
 }
@@ -405,9 +410,9 @@ static const char *loopback_addr(const char *h) {
 
 static int rm_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw) {
   (void)st;
-  (void)flag;
   (void)ftw;
-  remove(path);
+  if (flag == FTW_DP) rmdir(path);
+  else unlink(path); /* not remove(), which tries unlink on a directory first */
   return 0;
 }
 
@@ -465,7 +470,7 @@ static int prepare_secret(agent_t *a, char *err, size_t errlen) {
     return 0;
   }
   unsigned char raw[32];
-  if (RAND_bytes(raw, sizeof raw) != 1) {
+  if (getrandom(raw, sizeof raw, 0) != (ssize_t)sizeof raw) { /* 32 bytes: never cut short */
     snprintf(err, errlen, "generating the job secret: the system's random source failed");
     return -EIO;
   }

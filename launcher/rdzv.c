@@ -11,6 +11,7 @@
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <inttypes.h>
+#include <limits.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdatomic.h>
@@ -363,6 +364,35 @@ static void keyf(rdzv_t *rz, char *out, const char *fmt, ...) {
 }
 
 /* Reads an integer key; absent reads as dflt. */
+/* Takes this node's join index in round r (1, 2, ...). The store adds 1 to P/r<r>/n. etcd
+ * would retry a compare-and-swap on one counter O(n^2) times in all across n joiners (at 256
+ * nodes on two cores, half gave up after the 5 s call timeout): each node instead creates
+ * P/r<r>/join/<its lease> and counts the join keys created up to its own (etcd_create). Join
+ * keys are not leased, so a joiner that dies leaves its index taken, as with the counter. */
+static int kv_join(rdzv_t *rz, conn_t *c, int r, int64_t *idx) {
+  char key[RDZV_KEY_MAX], prefix[RDZV_KEY_MAX];
+  if (!c->e) {
+    keyf(rz, key, "r%d/n", r);
+    return store_add(c->s, key, 1, idx);
+  }
+  keyf(rz, prefix, "r%d/join/", r);
+  keyf(rz, key, "r%d/join/%" PRIx64, r, (uint64_t)lease_now(rz));
+  int64_t rev = 0;
+  int rc = from_etcd(etcd_create(c->e, key, "", 0, &rev));
+  return rc ? rc : from_etcd(etcd_count(c->e, prefix, rev, idx));
+}
+
+/* How many nodes have taken a join index in round r. */
+static int kv_joined(rdzv_t *rz, conn_t *c, int r, int64_t *count) {
+  char key[RDZV_KEY_MAX];
+  if (!c->e) {
+    keyf(rz, key, "r%d/n", r);
+    return store_add(c->s, key, 0, count);
+  }
+  keyf(rz, key, "r%d/join/", r);
+  return from_etcd(etcd_count(c->e, key, 0, count));
+}
+
 static int read_int(conn_t *c, const char *key, int64_t dflt, int64_t *out) {
   void *v = NULL;
   size_t len = 0;
@@ -527,12 +557,27 @@ static int post_end(rdzv_t *rz, conn_t *c, int r, rdzv_end_t *e, int survivors) 
   return bump_round(rz, c, r);
 }
 
-static int parse_node(const char *v, int idx, rdzv_node_t *n) {
+/* Parses a description "node_rank nproc addr" (what follows the address is ignored) and
+ * returns where it ends, or NULL. By hand rather than with sscanf, which took about 0.5 us a
+ * description: every node parses all of them. */
+static const char *parse_node(const char *v, int idx, rdzv_node_t *n) {
+  char *end;
+  long rank = strtol(v, &end, 10);
+  if (end == v || (*end != ' ' && *end != '\t')) return NULL;
+  v = end;
+  long nproc = strtol(v, &end, 10);
+  if (end == v || (*end != ' ' && *end != '\t')) return NULL;
+  v = end;
+  while (*v == ' ' || *v == '\t') v++;
+  size_t len = strcspn(v, " \t\n");
+  if (len == 0 || len >= sizeof n->addr || rank < INT_MIN || rank > INT_MAX || nproc < INT_MIN || nproc > INT_MAX)
+    return NULL;
   n->idx = idx;
-  char addr[RDZV_ADDR_MAX];
-  if (sscanf(v, "%d %d %255s", &n->node_rank, &n->nproc, addr) != 3) return -1;
-  snprintf(n->addr, sizeof n->addr, "%s", addr);
-  return 0;
+  n->node_rank = (int)rank;
+  n->nproc = (int)nproc;
+  memcpy(n->addr, v, len);
+  n->addr[len] = 0;
+  return v + len;
 }
 
 /* The participant index of a key "<prefix><what>/<i>", or 0. */
@@ -597,7 +642,7 @@ static int read_nodes(rdzv_t *rz, conn_t *c, int r, int n, rdzv_node_t *nodes, i
     }
   }
   for (int i = 0; i < n; i++)
-    if (parse_node(vals[i], i + 1, &nodes[i])) {
+    if (!parse_node(vals[i], i + 1, &nodes[i])) {
       emit_error(rz, "rendezvous round %d: node %d published a malformed description", r, i + 1);
       rc = -EINVAL;
       break;
@@ -607,6 +652,51 @@ out:
     for (int i = 0; i < n; i++) free(vals[i]);
   free(vals);
   free(have);
+  return rc;
+}
+
+/* The participant list of round r closed with n participants, P/r<r>/nodes/<n>: their
+ * descriptions in join order, a line each. Whoever closes the round with n reads the n
+ * descriptions and writes the list before it sets P/r<r>/closed, so that every other
+ * participant reads one key instead of n: n descriptions read by each of n nodes made a
+ * round's start quadratic in the nodes (in a 2048-node start on loopback, each node built
+ * 2048 keys in a megabyte of buffer and the store looked up 4 million keys). Closers racing
+ * with the same n write the same list; one that loses the race to another n wrote a list
+ * nobody reads. nodes gets the descriptions. */
+static int publish_nodes(rdzv_t *rz, conn_t *c, int r, int n, rdzv_node_t *nodes, int timeout_ms) {
+  int rc = read_nodes(rz, c, r, n, nodes, timeout_ms);
+  if (rc) return rc;
+  size_t cap = (size_t)n * (RDZV_ADDR_MAX + 32) + 1, len = 0;
+  char *list = malloc(cap);
+  if (!list) return STORE_ENOMEM;
+  for (int i = 0; i < n; i++)
+    len += (size_t)snprintf(list + len, cap - len, "%d %d %s\n", nodes[i].node_rank, nodes[i].nproc, nodes[i].addr);
+  char key[RDZV_KEY_MAX];
+  keyf(rz, key, "r%d/nodes/%d", r, n);
+  rc = kv_set(rz, c, key, list, 0);
+  free(list);
+  return rc;
+}
+
+/* Reads round r's participant list (publish_nodes) into nodes[0..n), waiting up to timeout_ms
+ * (it is written before the round closes, so this waits only for a store that lost it).
+ * -EINVAL (and an error event) when it is malformed. */
+static int read_node_list(rdzv_t *rz, conn_t *c, int r, int n, rdzv_node_t *nodes, int timeout_ms) {
+  char key[RDZV_KEY_MAX];
+  keyf(rz, key, "r%d/nodes/%d", r, n);
+  void *v = NULL;
+  size_t len = 0;
+  int rc = kv_get_wait(rz, c, key, &v, &len, timeout_ms);
+  if (rc) return rc;
+  const char *p = v;
+  for (int i = 0; i < n && !rc; i++) {
+    const char *end = parse_node(p, i + 1, &nodes[i]);
+    if (!end || *end != '\n') rc = -EINVAL;
+    else p = end + 1;
+  }
+  if (!rc && p != (const char *)v + len) rc = -EINVAL;
+  free(v);
+  if (rc) emit_error(rz, "rendezvous round %d: the list of its %d participants is malformed", r, n);
   return rc;
 }
 
@@ -670,8 +760,7 @@ static void do_join(rdzv_t *rz) {
     }
     /* Open round: take a join index, describe ourselves, then wait for it to close. */
     int64_t idx;
-    keyf(rz, key, "r%d/n", r);
-    if ((rc = kv_add(s, key, 1, &idx))) goto store_error;
+    if ((rc = kv_join(rz, s, r, &idx))) goto store_error;
     /* Liveness first (a heartbeat counter in the store, a key on this node's lease in etcd):
      * whoever reads our description can then count on finding it. */
     keyf(rz, key, is_etcd(rz) ? "r%d/alive/%d" : "r%d/hb/%d", r, (int)idx);
@@ -683,6 +772,7 @@ static void do_join(rdzv_t *rz) {
 
     char closed_key[RDZV_KEY_MAX];
     keyf(rz, closed_key, "r%d/closed", r);
+    int listed = 0; /* nodes holds the descriptions of participants 1..listed (a closer's) */
     rdzv_close_action_t act = rdzv_close_action((int)idx, c->nnodes_min, c->nnodes_max);
     if (act == RDZV_CLOSE_AFTER_LAST_CALL) {
       rc = kv_wait(rz, s, closed_key, (int)(c->last_call_timeout_s * 1000));
@@ -693,10 +783,20 @@ static void do_join(rdzv_t *rz) {
       /* Close with everyone who has joined so far (at least us, so at least min). */
       int64_t count = idx;
       if (act == RDZV_CLOSE_AFTER_LAST_CALL) {
-        keyf(rz, key, "r%d/n", r);
-        if ((rc = kv_add(s, key, 0, &count))) goto store_error;
+        if ((rc = kv_joined(rz, s, r, &count))) goto store_error;
         if (count > c->nnodes_max) count = c->nnodes_max;
       }
+      nodes = calloc((size_t)count, sizeof *nodes);
+      if (!nodes) {
+        rc = STORE_ENOMEM;
+        goto store_error;
+      }
+      /* A participant that never wrote its description: close anyway, and everyone (this node
+       * too) times out waiting for the list, as they did waiting for the descriptions. */
+      rc = publish_nodes(rz, s, r, (int)count, nodes, (int)(c->close_timeout_s * 1000));
+      if (rc == -EINVAL) goto out;
+      if (rc && rc != STORE_ETIMEDOUT) goto store_error;
+      listed = rc ? 0 : (int)count;
       snprintf(val, sizeof val, "%d", (int)count);
       void *actual = NULL;
       size_t alen = 0;
@@ -708,8 +808,7 @@ static void do_join(rdzv_t *rz) {
       if (rc == 1) return;
       if (rc == STORE_ETIMEDOUT) {
         int64_t count = 0;
-        keyf(rz, key, "r%d/n", r);
-        kv_add(s, key, 0, &count);
+        kv_joined(rz, s, r, &count);
         emit_error(rz, "rendezvous round %d did not close within join_timeout=%gs: %d of min %d nodes joined", r,
                    c->join_timeout_s, (int)count, c->nnodes_min);
         return;
@@ -719,19 +818,24 @@ static void do_join(rdzv_t *rz) {
     if ((rc = read_int(s, closed_key, -1, &closed))) goto store_error;
     if (idx > closed) {
       log_info("round %d closed with %d nodes before this node (index %d) joined", r, (int)closed, (int)idx);
+      free(nodes);
+      nodes = NULL;
       continue;
     }
 
-    /* Participants 1..N. */
+    /* Participants 1..N: ours when this node closed the round, else the closer's list. */
     int n = (int)closed;
-    nodes = calloc((size_t)n, sizeof *nodes);
-    if (!nodes) {
-      rc = STORE_ENOMEM;
-      goto store_error;
-    }
-    if ((rc = read_nodes(rz, s, r, n, nodes, (int)(c->close_timeout_s * 1000)))) {
-      if (rc == -EINVAL) goto out;
-      goto store_error;
+    if (listed != n) {
+      free(nodes);
+      nodes = calloc((size_t)n, sizeof *nodes);
+      if (!nodes) {
+        rc = STORE_ENOMEM;
+        goto store_error;
+      }
+      if ((rc = read_node_list(rz, s, r, n, nodes, (int)(c->close_timeout_s * 1000)))) {
+        if (rc == -EINVAL) goto out;
+        goto store_error;
+      }
     }
     rdzv_assignment_t a;
     int rank0_idx = 0;
@@ -927,7 +1031,8 @@ static void drain_fatal_end(rdzv_t *rz, conn_t *s, int r, int n, int me, const c
   double deadline = mono_now() + timeout;
   char key[RDZV_KEY_MAX];
   for (int i = 1; i <= n; i++) {
-    if (i == me || (done && done[i - 1]) || (hb && rdzv_hb_is_dead(hb, i - 1, mono_now(), timeout))) continue;
+    if (i == me || (done && done[i - 1]) || (hb && hb->watched == i - 1 && rdzv_hb_is_dead(hb, i - 1, mono_now(), timeout)))
+      continue;
     int is_done = 0;
     keyf(rz, key, "r%d/done/%d", r, i);
     if (kv_exists(s, key, &is_done)) return;
@@ -1034,14 +1139,18 @@ static void watch_store(rdzv_t *rz, int gen, int r, int n, int me, const rdzv_no
     if ((rc = kv_set(rz, s, key, val, 0))) break;
     store_alive(rz, 1);
     double now = mono_now();
-    for (int i = 0; i < n && !posted; i++) {
-      if (i + 1 == me || done[i]) continue;
+    /* The ring (rdzv_hb_t): the next peer not done; when it is done, the one after it. */
+    for (int i; !posted && (i = rdzv_hb_next(done, n, me - 1)) >= 0;) {
       int64_t v;
       keyf(rz, key, "r%d/hb/%d", r, i + 1);
       if ((rc = read_int(s, key, 0, &v))) goto lost;
       store_alive(rz, 1);
-      rdzv_hb_observe(&hb, i, v, now);
-      if (!rdzv_hb_is_dead(&hb, i, now, c->heartbeat_timeout_s)) continue;
+      int fresh = hb.watched != i;
+      rdzv_hb_follow(&hb, i, v, now);
+      int dead = rdzv_hb_is_dead(&hb, i, now, c->heartbeat_timeout_s);
+      if (!dead && !fresh) break;
+      /* Silent, or followed from now on (it may have finished long ago: ask now rather than
+       * after a heartbeat_timeout of its silence). */
       int is_done = 0;
       keyf(rz, key, "r%d/done/%d", r, i + 1);
       if ((rc = kv_exists(s, key, &is_done))) goto lost;
@@ -1049,6 +1158,7 @@ static void watch_store(rdzv_t *rz, int gen, int r, int n, int me, const rdzv_no
         done[i] = 1;
         continue;
       }
+      if (!dead) break;
       char what[128];
       snprintf(what, sizeof what, "sent no heartbeat for %.1fs (heartbeat_timeout=%gs)", now - hb.changed_at[i],
                c->heartbeat_timeout_s);
@@ -1465,6 +1575,7 @@ int rdzv_master_decode(const char *v, size_t len, rdzv_assignment_t *a) {
 
 int rdzv_hb_init(rdzv_hb_t *hb, int n, double now) {
   hb->n = n;
+  hb->watched = -1;
   hb->value = calloc((size_t)n, sizeof *hb->value);
   hb->changed_at = calloc((size_t)n, sizeof *hb->changed_at);
   if (!hb->value || !hb->changed_at) {
@@ -1490,6 +1601,25 @@ void rdzv_hb_observe(rdzv_hb_t *hb, int slot, int64_t value, double now) {
     hb->value[slot] = value;
     hb->changed_at[slot] = now;
   }
+}
+
+void rdzv_hb_follow(rdzv_hb_t *hb, int slot, int64_t value, double now) {
+  if (slot < 0 || slot >= hb->n) return;
+  if (hb->watched >= 0 && slot != hb->watched) {
+    hb->value[slot] = value;
+    hb->changed_at[slot] = now;
+  } else {
+    rdzv_hb_observe(hb, slot, value, now);
+  }
+  hb->watched = slot;
+}
+
+int rdzv_hb_next(const char *done, int n, int me) {
+  for (int k = 1; k < n; k++) {
+    int i = (me + k) % n;
+    if (!done[i]) return i;
+  }
+  return -1;
 }
 
 int rdzv_hb_is_dead(const rdzv_hb_t *hb, int slot, double now, double timeout) {

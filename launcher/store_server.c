@@ -18,10 +18,14 @@
  * holds no buffer at all.
  *
  * A waiting request (GET, WAIT, MULTI_GET) parks the connection: its payload is copied, a timer
- * armed, and the connection joins the waiters list; every write to the store rechecks the
- * waiters of that job. While parked a connection handles no further frames (replies must keep
- * request order). Replies that the client does not read pile up to STORE_MAX_FRAME at most,
- * then reading from it stops until they drain. Nothing here blocks.
+ * armed, and the connection is filed under the first of its keys that is missing, in a hash
+ * table of waiters by key. A write wakes only the waiters filed under the key it wrote, which
+ * look for their next missing key (filed again under it) or are answered. So a write costs the
+ * same whether one or thousands of requests wait (rechecking every waiter on every write made
+ * a 2048-node rendezvous, with a waiter per node, quadratic in the nodes). While parked a
+ * connection handles no further frames (replies must keep request order). Replies that the
+ * client does not read pile up to STORE_MAX_FRAME at most, then reading from it stops until
+ * they drain. Nothing here blocks.
  *
  * Closing, two ways. Refusals a client must be able to read (wrong secret, a request before
  * the handshake, over a limit) send an ERROR, shut down our side once it is written and wait
@@ -36,7 +40,6 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
-#include <openssl/crypto.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -62,6 +65,13 @@
  *   together. Past a limit the oldest unauthenticated connection (of that address, for the
  *   per-address one) is closed: idle sockets of an attacker go first and a node arriving
  *   later still gets in, where a refusal of newcomers would lock every real node out.
+ *   But only once it has had EVICT_GRACE_MS for its handshake: on a loaded host (1024 nodes
+ *   emulated on 2 cores, all from 127.0.0.1) a real node can take tens of milliseconds to
+ *   answer our HELLO with its AUTH, while hundreds of others connect, and evicting the
+ *   oldest at once evicted real nodes about 4000 times in a start of 1024 nodes with a
+ *   secret, each eviction making more (the node reconnects). Until then the limits are
+ *   exceeded for a moment; what an attacker can hold is still bounded, by max_conns (past
+ *   which the oldest goes at once, grace or not) and by the grace itself.
  * - handshake_ms 3000: the handshake is two round trips of under 100 bytes, milliseconds even
  *   across a data center or on a loaded host; three seconds is ample, and short enough that
  *   idle sockets do not pile up between evictions.
@@ -75,15 +85,22 @@
 #define DEFAULT_MAX_UNAUTH 64
 #define DEFAULT_MAX_UNAUTH_PER_ADDR 16
 #define DEFAULT_HANDSHAKE_MS 3000
+#define EVICT_GRACE_MS 500 /* capped at half of handshake_ms */
 #define DEFAULT_INFLIGHT_BUDGET ((size_t)256 << 20)
 
 #define BASE_BUF 4096u              /* room every connection may hold for a frame, budget aside */
 #define OUT_LIMIT STORE_MAX_FRAME   /* queued reply bytes that stop reading from a client */
+#define WRITER_KEEP (64u << 10)     /* reply buffer kept for the next reply when written at once */
 #define LINGER_MS 2000              /* wait for the client's EOF after a refusal */
 #define WARN_INTERVAL_MS 1000       /* at most one rate-limited warning per interval */
 #define RELISTEN_MS 500            /* pause of the last resort when accepting keeps failing */
 #define ACCEPT_FAILURES_MAX 64     /* accept errors in a row (no success between) that pause it */
-#define LISTEN_BACKLOG 1024
+/* Connections the kernel completes before we accept them. Past it, the kernel drops the
+ * client's SYN or final ACK and the client's TCP tries again after a second (its initial
+ * retransmission timeout): 2048 nodes starting at once on loopback overflowed a backlog of
+ * 1024 hundreds of times (TcpExtListenOverflows), each costing a node a second or more.
+ * Linux caps it at net.core.somaxconn (4096 by default). */
+#define LISTEN_BACKLOG 65535
 #define MAX_LISTENERS 8 /* one per address the endpoint's host resolves to */
 
 _Static_assert(STORE_PROTO_PREAUTH_FRAME <= BASE_BUF, "handshake frames never touch the budget");
@@ -94,6 +111,7 @@ typedef struct ns {
   struct ns *next;
   size_t nkeys;  /* keys stored under it */
   size_t nconns; /* authenticated connections of the job */
+  uint64_t hash; /* FNV-1a state after the prefix: where hash_key starts */
   size_t len;    /* of prefix: 1 + run id length */
   uint8_t prefix[]; /* u8 run id length, run id bytes */
 } ns_t;
@@ -121,7 +139,7 @@ struct conn {
   uv_shutdown_t shut;   /* after a refusal */
   store_server_t *srv;
   conn_t *prev, *next;   /* all live connections */
-  conn_t *wprev, *wnext; /* parked connections */
+  conn_t *wprev, *wnext; /* parked connections filed under the same waiter bucket */
   conn_t *rnext;         /* connections with buffered frames to resume */
   conn_t *uprev, *unext; /* connections in the handshake, oldest first */
   int on_ready, closing, handles_open;
@@ -129,6 +147,7 @@ struct conn {
   int state;     /* CONN_* */
   int unauth;    /* on the unauthenticated list */
   int foreign;   /* authenticated with a run id other than the hosting job's */
+  uint64_t accepted_ms; /* uv_now() when accepted: its handshake's age */
   char peer[64]; /* address:port, for messages */
   char addr[48]; /* address alone, for the per-address limit */
   char run_id[STORE_MAX_RUN_ID + 1]; /* from HELLO */
@@ -145,6 +164,8 @@ struct conn {
   const uint8_t **wkeys; /* point into wpayload */
   size_t *wklens;
   size_t nwkeys;
+  size_t wmissing;  /* index in wkeys of the key it is filed under (missing when filed) */
+  uint64_t whash;   /* hash_key of that key */
 
   size_t out_pending; /* bytes handed to uv_write and not yet written */
   int out_paused;     /* reading stopped because out_pending passed OUT_LIMIT */
@@ -158,11 +179,15 @@ struct store_server {
   char *host;              /* what we listen on, for listening again */
   int port;                /* bound */
   uv_timer_t relisten;     /* ends a pause in accepting; takes the spare descriptor back */
+  uv_timer_t limits;       /* the oldest handshake's grace ends: the limits are checked again */
   int spare_fd;            /* a descriptor kept to give back when out of them (-1: none) */
   int accept_failures;     /* accept errors since the last success */
   uv_idle_t idle; /* resumes connections whose parked request was answered */
   int closing, handles_open;
-  conn_t *conns, *waiters, *ready;
+  conn_t *conns, *ready;
+  conn_t **wbuckets; /* parked connections by the hash of the key they wait for; nwbuckets a
+                      * power of two (0: none yet), grown to keep chains short */
+  size_t nwbuckets;
   conn_t *uhead, *utail; /* unauthenticated connections, oldest first */
   size_t nclients, nwaiters, nunauth, nforeign;
   size_t buffered; /* sum of the connections' buffer capacities */
@@ -171,6 +196,7 @@ struct store_server {
   char *secret;    /* NULL: open store */
   size_t max_conns, max_unauth, max_unauth_per_addr, budget;
   int handshake_ms;
+  uint64_t grace_ms; /* before which a handshake is not evicted for the limits on handshakes */
   int64_t warned_ms;  /* last rate-limited warning */
   size_t nsuppressed; /* warnings not printed since */
   ns_t *spaces;
@@ -182,12 +208,13 @@ struct store_server {
 static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *b);
 static void on_read(uv_stream_t *s, ssize_t n, const uv_buf_t *b);
 static void schedule_ready(conn_t *c);
+static void on_limits(uv_timer_t *t);
 
 typedef struct {
   uv_write_t req;
   conn_t *c;
-  uint8_t *data;
-  size_t len;
+  uint8_t *data; /* the reply's buffer, freed when written */
+  size_t len;    /* bytes of it still to write (its end), counted in out_pending */
 } wreq_t;
 
 /* Warnings a flood could repeat thousands of times a second: one per WARN_INTERVAL_MS. */
@@ -211,6 +238,17 @@ static void warn_limited(store_server_t *srv, const char *fmt, ...) {
 
 /* ---- namespaces ---------------------------------------------------------------------- */
 
+#define FNV_OFFSET 1469598103934665603ull
+#define FNV_PRIME 1099511628211ull
+
+static uint64_t fnv1a(uint64_t h, const uint8_t *p, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    h ^= p[i];
+    h *= FNV_PRIME;
+  }
+  return h;
+}
+
 static ns_t *ns_get(store_server_t *srv, const char *run_id) {
   size_t n = strlen(run_id);
   for (ns_t *s = srv->spaces; s; s = s->next)
@@ -220,6 +258,7 @@ static ns_t *ns_get(store_server_t *srv, const char *run_id) {
   s->len = 1 + n;
   s->prefix[0] = (uint8_t)n;
   memcpy(s->prefix + 1, run_id, n);
+  s->hash = fnv1a(FNV_OFFSET, s->prefix, s->len);
   s->next = srv->spaces;
   srv->spaces = s;
   return s;
@@ -238,18 +277,8 @@ static void ns_maybe_free(store_server_t *srv, ns_t *s) {
 
 /* ---- hash table ---------------------------------------------------------------------- */
 
-static uint64_t hash_key(const ns_t *ns, const uint8_t *k, size_t n) {
-  uint64_t h = 1469598103934665603ull; /* FNV-1a over prefix and key */
-  for (size_t i = 0; i < ns->len; i++) {
-    h ^= ns->prefix[i];
-    h *= 1099511628211ull;
-  }
-  for (size_t i = 0; i < n; i++) {
-    h ^= k[i];
-    h *= 1099511628211ull;
-  }
-  return h;
-}
+/* FNV-1a over prefix and key, the prefix's part done once per namespace. */
+static uint64_t hash_key(const ns_t *ns, const uint8_t *k, size_t n) { return fnv1a(ns->hash, k, n); }
 
 static entry_t **tab_slot(table_t *t, const ns_t *ns, const uint8_t *k, size_t n, uint64_t h) {
   if (!t->nb) return NULL;
@@ -263,9 +292,13 @@ static entry_t **tab_slot(table_t *t, const ns_t *ns, const uint8_t *k, size_t n
   return NULL;
 }
 
-static entry_t *tab_find(table_t *t, const ns_t *ns, const uint8_t *k, size_t n) {
-  entry_t **pp = tab_slot(t, ns, k, n, hash_key(ns, k, n));
+static entry_t *tab_find_h(table_t *t, const ns_t *ns, const uint8_t *k, size_t n, uint64_t h) {
+  entry_t **pp = tab_slot(t, ns, k, n, h);
   return pp ? *pp : NULL;
+}
+
+static entry_t *tab_find(table_t *t, const ns_t *ns, const uint8_t *k, size_t n) {
+  return tab_find_h(t, ns, k, n, hash_key(ns, k, n));
 }
 
 static int tab_grow(table_t *t) {
@@ -285,10 +318,9 @@ static int tab_grow(table_t *t) {
   return 0;
 }
 
-/* Sets key (in ns) to val; STORE_ENOMEM when memory or the STORE_SERVER_MAX_BYTES budget runs
- * out. */
-static int tab_set(table_t *t, ns_t *ns, const uint8_t *k, size_t kn, const uint8_t *v, size_t vn) {
-  uint64_t h = hash_key(ns, k, kn);
+/* Sets key (in ns, hash h) to val; STORE_ENOMEM when memory or the STORE_SERVER_MAX_BYTES
+ * budget runs out. */
+static int tab_set(table_t *t, ns_t *ns, const uint8_t *k, size_t kn, uint64_t h, const uint8_t *v, size_t vn) {
   entry_t **pp = tab_slot(t, ns, k, kn, h);
   entry_t *e = pp ? *pp : NULL;
   size_t old = e ? e->klen + e->vlen : 0, fk = ns->len + kn;
@@ -379,6 +411,7 @@ static void unreserve(conn_t *c) {
 static void server_maybe_free(store_server_t *srv) {
   if (!srv->closing || srv->handles_open > 0 || srv->conns) return;
   tab_free(&srv->tab);
+  free(srv->wbuckets);
   store_proto_writer_free(&srv->w);
   while (srv->spaces) {
     ns_t *s = srv->spaces;
@@ -389,7 +422,7 @@ static void server_maybe_free(store_server_t *srv) {
   free(srv->host);
   if (srv->spare_fd >= 0) close(srv->spare_fd);
   if (srv->secret) {
-    OPENSSL_cleanse(srv->secret, strlen(srv->secret));
+    explicit_bzero(srv->secret, strlen(srv->secret));
     free(srv->secret);
   }
   free(srv);
@@ -405,13 +438,50 @@ static void free_wait(conn_t *c) {
   c->nwkeys = 0;
 }
 
+static conn_t **wbucket(store_server_t *srv, uint64_t h) { return &srv->wbuckets[h & (srv->nwbuckets - 1)]; }
+
+/* Files parked c under c->whash, at the head of its bucket. */
+static void wfile(store_server_t *srv, conn_t *c) {
+  conn_t **head = wbucket(srv, c->whash);
+  c->wprev = NULL;
+  c->wnext = *head;
+  if (*head) (*head)->wprev = c;
+  *head = c;
+}
+
+static void wunfile(store_server_t *srv, conn_t *c) {
+  if (c->wprev) c->wprev->wnext = c->wnext;
+  else *wbucket(srv, c->whash) = c->wnext;
+  if (c->wnext) c->wnext->wprev = c->wprev;
+  c->wprev = c->wnext = NULL;
+}
+
+/* Room for one more waiter: the buckets double once waiters outnumber them, so chains stay
+ * about one long. Returns 0, or -1 when there are no buckets and none could be allocated (a
+ * failed growth keeps the old ones: longer chains, still correct). */
+static int wgrow(store_server_t *srv) {
+  if (srv->nwaiters < srv->nwbuckets) return 0;
+  size_t nb = srv->nwbuckets ? srv->nwbuckets * 2 : 64;
+  conn_t **b = calloc(nb, sizeof *b);
+  if (!b) return srv->nwbuckets ? 0 : -1;
+  conn_t **old = srv->wbuckets;
+  size_t nold = srv->nwbuckets;
+  srv->wbuckets = b;
+  srv->nwbuckets = nb;
+  for (size_t i = 0; i < nold; i++) {
+    for (conn_t *c = old[i], *next; c; c = next) {
+      next = c->wnext;
+      wfile(srv, c);
+    }
+  }
+  free(old);
+  return 0;
+}
+
 static void unpark(conn_t *c) {
   store_server_t *srv = c->srv;
   if (!c->parked_op) return;
-  if (c->wprev) c->wprev->wnext = c->wnext;
-  else srv->waiters = c->wnext;
-  if (c->wnext) c->wnext->wprev = c->wprev;
-  c->wprev = c->wnext = NULL;
+  wunfile(srv, c);
   srv->nwaiters--;
   c->parked_op = 0;
   free_wait(c);
@@ -580,8 +650,13 @@ static void on_write(uv_write_t *req, int status) {
   }
 }
 
-/* Sends the frame in srv->w (an ERROR instead if it could not be built). The buffer moves to
- * the write request, so the writer starts empty next time. */
+/* Sends the frame in srv->w (an ERROR instead if it could not be built). Most replies fit in
+ * the socket's buffer at once: written here, with no allocation and no write request (the
+ * writer keeps its buffer for the next reply, unless it grew past WRITER_KEEP). When the
+ * socket takes less, the buffer moves to a write request for the rest (the writer starts
+ * empty next time). While replies are queued uv_try_write takes nothing, so order holds.
+ * (Queued replies, 40 KB each in a 2048-node start, had the store's process peak at 90 MB;
+ * every reply also cost a malloc, a free and a callback.) */
 static void send_reply(conn_t *c) {
   store_server_t *srv = c->srv;
   store_proto_writer_t *w = &srv->w;
@@ -592,6 +667,20 @@ static void send_reply(conn_t *c) {
     return;
   }
   if (c->closing) return;
+  size_t done = 0;
+  if (c->out_pending == 0) {
+    uv_buf_t b = uv_buf_init((char *)w->buf, (unsigned)w->len);
+    int n = uv_try_write((uv_stream_t *)&c->tcp, &b, 1);
+    if (n < 0 && n != UV_EAGAIN) {
+      conn_close(c, uv_strerror(n));
+      return;
+    }
+    if (n > 0) done = (size_t)n;
+  }
+  if (done == w->len) {
+    if (w->cap > WRITER_KEEP) store_proto_writer_free(w);
+    return;
+  }
   wreq_t *wr = malloc(sizeof *wr);
   if (!wr) {
     conn_close(c, "out of memory for a reply");
@@ -599,10 +688,10 @@ static void send_reply(conn_t *c) {
   }
   wr->c = c;
   wr->data = w->buf;
-  wr->len = w->len;
+  wr->len = w->len - done;
   w->buf = NULL;
   w->len = w->cap = 0;
-  uv_buf_t b = uv_buf_init((char *)wr->data, (unsigned)wr->len);
+  uv_buf_t b = uv_buf_init((char *)wr->data + done, (unsigned)wr->len);
   c->out_pending += wr->len;
   int err = uv_write(&wr->req, (uv_stream_t *)&c->tcp, &b, 1, on_write);
   if (err < 0) {
@@ -650,38 +739,66 @@ static void send_value(conn_t *c, const entry_t *e) {
 
 /* ---- waiting ------------------------------------------------------------------------- */
 
-static int all_exist(store_server_t *srv, const ns_t *ns, const uint8_t *const *keys, const size_t *lens,
-                     size_t n) {
-  for (size_t i = 0; i < n; i++)
-    if (!tab_find(&srv->tab, ns, keys[i], lens[i])) return 0;
-  return 1;
-}
-
-/* Answers a waiting request whose keys all exist now. */
-static void answer_wait(conn_t *c, int op, const uint8_t *const *keys, const size_t *lens, size_t n) {
-  store_server_t *srv = c->srv;
-  if (op == STORE_OP_WAIT) {
-    send_empty(c, STORE_REP_OK);
-  } else if (op == STORE_OP_GET) {
-    send_value(c, tab_find(&srv->tab, c->ns, keys[0], lens[0]));
-  } else {
-    store_proto_begin(&srv->w, STORE_REP_VALUES);
-    store_proto_put_u32(&srv->w, (uint32_t)n);
-    for (size_t i = 0; i < n; i++) {
-      const entry_t *e = tab_find(&srv->tab, c->ns, keys[i], lens[i]);
-      store_proto_put_bytes(&srv->w, e->val, e->vlen);
+/* Index of the first of the n keys that is missing, or n when all exist; *h gets its hash. */
+static size_t first_missing(store_server_t *srv, const ns_t *ns, const uint8_t *const *keys, const size_t *lens,
+                            size_t n, uint64_t *h) {
+  for (size_t i = 0; i < n; i++) {
+    uint64_t kh = hash_key(ns, keys[i], lens[i]);
+    if (!tab_find_h(&srv->tab, ns, keys[i], lens[i], kh)) {
+      *h = kh;
+      return i;
     }
-    send_reply(c);
   }
+  return n;
 }
 
-/* After a write to ns: answers every parked request of that job whose keys now all exist.
- * Other jobs' waiters cannot be concerned (their keys live under other prefixes). */
-static void wake_waiters(store_server_t *srv, const ns_t *ns) {
-  for (conn_t *c = srv->waiters, *next; c; c = next) {
+/* Answers c's request (WAIT, GET or MULTI_GET) over the n keys when they all exist, looking
+ * each up once (a MULTI_GET's reply is built as it goes), and returns n. Otherwise sends
+ * nothing and returns the index of the first missing key, its hash in *h. */
+static size_t try_answer(conn_t *c, int op, const uint8_t *const *keys, const size_t *lens, size_t n, uint64_t *h) {
+  store_server_t *srv = c->srv;
+  store_proto_writer_t *w = &srv->w;
+  const entry_t *e = NULL;
+  if (op == STORE_OP_MULTI_GET) {
+    store_proto_begin(w, STORE_REP_VALUES);
+    store_proto_put_u32(w, (uint32_t)n);
+  }
+  for (size_t i = 0; i < n; i++) {
+    uint64_t kh = hash_key(c->ns, keys[i], lens[i]);
+    if (!(e = tab_find_h(&srv->tab, c->ns, keys[i], lens[i], kh))) {
+      *h = kh;
+      return i; /* a VALUES frame begun in w is simply dropped: the next reply begins afresh */
+    }
+    if (op == STORE_OP_MULTI_GET) store_proto_put_bytes(w, e->val, e->vlen);
+  }
+  if (op == STORE_OP_MULTI_GET) send_reply(c);
+  else if (op == STORE_OP_GET) send_value(c, e);
+  else send_empty(c, STORE_REP_OK);
+  return n;
+}
+
+/* After a write of key k (hash h) in ns: each request filed under k looks for its next missing
+ * key from k on, and is filed under it. When none is missing it is answered, unless one of
+ * the keys before k has gone meanwhile (they existed when it last looked; deletes are rare):
+ * then it is filed under that one. Waiters under other keys, and other jobs', cannot be
+ * concerned. */
+static void wake_key(store_server_t *srv, const ns_t *ns, const uint8_t *k, size_t kn, uint64_t h) {
+  if (!srv->nwbuckets) return;
+  for (conn_t *c = *wbucket(srv, h), *next; c; c = next) {
     next = c->wnext;
-    if (c->ns != ns || !all_exist(srv, ns, c->wkeys, c->wklens, c->nwkeys)) continue;
-    answer_wait(c, c->parked_op, c->wkeys, c->wklens, c->nwkeys);
+    size_t m = c->wmissing, n = c->nwkeys;
+    if (c->whash != h || c->ns != ns || c->wklens[m] != kn || memcmp(c->wkeys[m], k, kn) != 0) continue;
+    uint64_t mh = 0;
+    size_t miss = m + first_missing(srv, ns, c->wkeys + m, c->wklens + m, n - m, &mh);
+    if (miss == n) miss = try_answer(c, c->parked_op, c->wkeys, c->wklens, n, &mh);
+    if (miss < n) {
+      /* Refiled at the head of its new bucket: behind this walk, even when that is this bucket. */
+      wunfile(srv, c);
+      c->wmissing = miss;
+      c->whash = mh;
+      wfile(srv, c);
+      continue;
+    }
     unpark(c);
     if (!c->closing && c->len) schedule_ready(c);
   }
@@ -695,14 +812,15 @@ static void on_wait_timeout(uv_timer_t *t) {
   if (!c->closing && c->len) schedule_ready(c);
 }
 
-/* Parks c on a request whose keys are not all there yet. Keys are re-pointed into an owned
- * copy of the payload, since the read buffer moves. */
+/* Parks c on a request whose key `missing` (hash h) is not there yet, filed under that key.
+ * Keys are re-pointed into an owned copy of the payload, since the read buffer moves. */
 static void park(conn_t *c, int op, const uint8_t *payload, size_t plen, const uint8_t *const *keys,
-                 const size_t *lens, size_t n, int64_t timeout_ms) {
+                 const size_t *lens, size_t n, size_t missing, uint64_t h, int64_t timeout_ms) {
+  store_server_t *srv = c->srv;
   c->wpayload = malloc(plen ? plen : 1);
   c->wkeys = malloc((n ? n : 1) * sizeof *c->wkeys);
   c->wklens = malloc((n ? n : 1) * sizeof *c->wklens);
-  if (!c->wpayload || !c->wkeys || !c->wklens) {
+  if (!c->wpayload || !c->wkeys || !c->wklens || wgrow(srv)) {
     free_wait(c);
     send_error(c, STORE_ENOMEM, "out of memory parking a %s", store_proto_op_name(op));
     return;
@@ -713,14 +831,20 @@ static void park(conn_t *c, int op, const uint8_t *payload, size_t plen, const u
     c->wklens[i] = lens[i];
   }
   c->nwkeys = n;
+  c->wmissing = missing;
+  c->whash = h;
   c->parked_op = op;
-  store_server_t *srv = c->srv;
-  c->wprev = NULL;
-  c->wnext = srv->waiters;
-  if (srv->waiters) srv->waiters->wprev = c;
-  srv->waiters = c;
+  wfile(srv, c);
   srv->nwaiters++;
   if (timeout_ms >= 0) uv_timer_start(&c->timer, on_wait_timeout, (uint64_t)timeout_ms, 0);
+}
+
+/* Stores k = v in ns and wakes the requests waiting for k. */
+static int set_key(store_server_t *srv, ns_t *ns, const uint8_t *k, size_t kn, const uint8_t *v, size_t vn) {
+  uint64_t h = hash_key(ns, k, kn);
+  int rc = tab_set(&srv->tab, ns, k, kn, h, v, vn);
+  if (rc == 0) wake_key(srv, ns, k, kn, h);
+  return rc;
 }
 
 /* ---- requests ------------------------------------------------------------------------ */
@@ -848,7 +972,7 @@ static void handle_hello(conn_t *c, store_proto_reader_t *r) {
   c->run_id[rn] = 0;
   memcpy(c->cnonce, nonce, STORE_PROTO_NONCE);
   if (store_proto_nonce(c->snonce)) {
-    conn_finish(c, STORE_ENOMEM, "the store has no random bytes for the handshake (RAND_bytes failed)");
+    conn_finish(c, STORE_ENOMEM, "the store has no random bytes for the handshake (getrandom failed)");
     return;
   }
   store_proto_writer_t *w = &srv->w;
@@ -943,12 +1067,11 @@ static void handle(conn_t *c, int op, const uint8_t *p, size_t plen) {
     if (get_key(c, &r, &k, &kn)) return;
     v = store_proto_get_bytes(&r, &vn);
     DONE_OR_CLOSE();
-    if ((rc = tab_set(&srv->tab, ns, k, kn, v, vn))) {
+    if ((rc = set_key(srv, ns, k, kn, v, vn))) {
       store_err(c, rc, k, kn);
       return;
     }
     send_empty(c, STORE_REP_OK);
-    wake_waiters(srv, ns);
     return;
 
   case STORE_OP_GET:
@@ -959,7 +1082,7 @@ static void handle(conn_t *c, int op, const uint8_t *p, size_t plen) {
     if ((e = tab_find(&srv->tab, ns, k, kn))) send_value(c, e);
     else if (op == STORE_OP_GET_NOWAIT) send_empty(c, STORE_REP_NOKEY);
     else if (i64 == 0) send_empty(c, STORE_REP_TIMEOUT);
-    else park(c, op, p, plen, &k, &kn, 1, i64);
+    else park(c, op, p, plen, &k, &kn, 1, 0, hash_key(ns, k, kn), i64);
     return;
 
   case STORE_OP_ADD:
@@ -981,13 +1104,12 @@ static void handle(conn_t *c, int op, const uint8_t *p, size_t plen) {
       }
       char txt[32];
       int tn = snprintf(txt, sizeof txt, "%lld", (long long)sum);
-      if ((rc = tab_set(&srv->tab, ns, k, kn, (const uint8_t *)txt, (size_t)tn))) {
+      if ((rc = set_key(srv, ns, k, kn, (const uint8_t *)txt, (size_t)tn))) {
         store_err(c, rc, k, kn);
         return;
       }
       send_int(c, sum);
     }
-    wake_waiters(srv, ns);
     return;
 
   case STORE_OP_CAS: {
@@ -999,7 +1121,7 @@ static void handle(conn_t *c, int op, const uint8_t *p, size_t plen) {
     e = tab_find(&srv->tab, ns, k, kn);
     int swap = expect_absent ? !e : (e && e->vlen == vn && memcmp(e->val, v, vn) == 0);
     if (swap) {
-      if ((rc = tab_set(&srv->tab, ns, k, kn, v2, vn2))) {
+      if ((rc = set_key(srv, ns, k, kn, v2, vn2))) {
         store_err(c, rc, k, kn);
         return;
       }
@@ -1007,7 +1129,6 @@ static void handle(conn_t *c, int op, const uint8_t *p, size_t plen) {
     }
     if (e) send_value(c, e);
     else send_empty(c, STORE_REP_NOKEY);
-    if (swap) wake_waiters(srv, ns);
     return;
   }
 
@@ -1016,9 +1137,12 @@ static void handle(conn_t *c, int op, const uint8_t *p, size_t plen) {
     i64 = store_proto_get_i64(&r);
     if (get_keys(c, &r, &keys, &lens, &n)) return;
     DONE_OR_CLOSE();
-    if (all_exist(srv, ns, keys, lens, n)) answer_wait(c, op, keys, lens, n);
-    else if (i64 == 0) send_empty(c, STORE_REP_TIMEOUT);
-    else park(c, op, p, plen, keys, lens, n, i64);
+    {
+      uint64_t h = 0;
+      size_t miss = try_answer(c, op, keys, lens, n, &h);
+      if (miss < n && i64 == 0) send_empty(c, STORE_REP_TIMEOUT);
+      else if (miss < n) park(c, op, p, plen, keys, lens, n, miss, h, i64);
+    }
     free(keys);
     free(lens);
     return;
@@ -1026,7 +1150,10 @@ static void handle(conn_t *c, int op, const uint8_t *p, size_t plen) {
   case STORE_OP_CHECK:
     if (get_keys(c, &r, &keys, &lens, &n)) return;
     DONE_OR_CLOSE();
-    send_int(c, all_exist(srv, ns, keys, lens, n));
+    {
+      uint64_t h;
+      send_int(c, first_missing(srv, ns, keys, lens, n, &h) == n);
+    }
     free(keys);
     free(lens);
     return;
@@ -1057,14 +1184,12 @@ static void handle(conn_t *c, int op, const uint8_t *p, size_t plen) {
     for (uint32_t i = 0; i < cnt; i++) {
       k = store_proto_get_bytes(&r, &kn);
       v = store_proto_get_bytes(&r, &vn);
-      if ((rc = tab_set(&srv->tab, ns, k, kn, v, vn))) {
+      if ((rc = set_key(srv, ns, k, kn, v, vn))) {
         store_err(c, rc, k, kn);
-        wake_waiters(srv, ns);
         return;
       }
     }
     send_empty(c, STORE_REP_OK);
-    wake_waiters(srv, ns);
     return;
   }
 
@@ -1192,49 +1317,88 @@ static void on_read(uv_stream_t *s, ssize_t n, const uv_buf_t *b) {
   conn_process(c);
 }
 
+/* Reads what a newly accepted socket already holds, as on_read will for later bytes. A client
+ * sends its HELLO right after connecting, so when the loop has been busy the HELLO is usually
+ * there by the time the connection is accepted; and libuv accepts the whole backlog in one go,
+ * before it polls any of the new sockets. So an open store's handshake is done here, and the
+ * connection never counts against the limits on handshakes. (Without it, 1024 nodes starting
+ * at once on loopback, all from one address, were evicted about 4000 times, each eviction
+ * costing its node a reconnect after a pause.) What is not there yet, an EOF or an error are
+ * left to libuv's reads. */
+static void read_now(conn_t *c) {
+  uv_os_fd_t fd;
+  if (uv_fileno((uv_handle_t *)&c->tcp, &fd) != 0) return;
+  uv_buf_t b;
+  on_alloc((uv_handle_t *)&c->tcp, BASE_BUF, &b);
+  if (b.len == 0) return;
+  ssize_t n;
+  do n = recv(fd, b.base, b.len, MSG_DONTWAIT);
+  while (n < 0 && errno == EINTR);
+  if (n > 0) on_read((uv_stream_t *)&c->tcp, n, &b);
+  else buf_resize(c, 0); /* a silent connection holds no buffer */
+}
+
 /* ---- listening ----------------------------------------------------------------------- */
 
-static size_t count_unauth_from(store_server_t *srv, const char *addr, conn_t **oldest) {
+static size_t count_unauth_from(store_server_t *srv, const char *addr) {
   size_t n = 0;
-  *oldest = NULL;
-  for (conn_t *u = srv->uhead; u; u = u->unext) {
-    if (strcmp(u->addr, addr) != 0) continue;
-    if (!*oldest) *oldest = u;
-    n++;
-  }
+  for (conn_t *u = srv->uhead; u; u = u->unext) n += strcmp(u->addr, addr) == 0;
   return n;
 }
 
-/* Applies the connection limits to the newcomer c (already on the unauthenticated list, the
- * newest there): per address, then in the handshake, then in all. Evicting the oldest keeps
- * a flood of idle sockets from locking real nodes out; only when every other connection has
- * finished its handshake is the newcomer the one refused. */
-static void admit(conn_t *c) {
+/* The newcomer c (on the unauthenticated list, the newest there) against the limit on
+ * connections in all, before anything of it is read: the oldest connection still in its
+ * handshake goes; only when every other connection has finished its handshake is c the one
+ * refused, before its HELLO is answered, so that its store_connect names the limit. Returns 0
+ * when c stays. */
+static int admit_conn(conn_t *c) {
   store_server_t *srv = c->srv;
-  conn_t *old;
-  size_t n;
-  while ((n = count_unauth_from(srv, c->addr, &old)) > srv->max_unauth_per_addr && old != c) {
-    warn_limited(srv, "%zu connections from %s have not finished the handshake (limit %zu): closing the oldest",
-                 n, c->addr, srv->max_unauth_per_addr);
-    conn_abort(old, STORE_EBUSY, "evicted: %zu connections from %s have not finished the handshake (limit %zu)", n,
-               c->addr, srv->max_unauth_per_addr);
+  if (srv->nclients <= srv->max_conns) return 0;
+  if (srv->uhead != c) {
+    conn_abort(srv->uhead, STORE_EBUSY, "evicted: the store of job '%s' is at its limit of %zu connections",
+               srv->run_id, srv->max_conns);
+    return 0;
   }
-  while (srv->nunauth > srv->max_unauth && srv->uhead != c) {
-    warn_limited(srv, "%zu connections have not finished the handshake (limit %zu): closing the oldest, from %s",
-                 srv->nunauth, srv->max_unauth, srv->uhead->peer);
-    conn_abort(srv->uhead, STORE_EBUSY, "evicted: %zu connections have not finished the handshake (limit %zu)",
-               srv->nunauth, srv->max_unauth);
-  }
-  if (srv->nclients > srv->max_conns) {
-    if (srv->uhead != c) {
-      conn_abort(srv->uhead, STORE_EBUSY, "evicted: the store of job '%s' is at its limit of %zu connections",
-                 srv->run_id, srv->max_conns);
-    } else {
-      warn_limited(srv, "at the limit of %zu connections: refusing %s", srv->max_conns, c->peer);
-      conn_finish(c, STORE_EBUSY, "the store of job '%s' is at its limit of %zu connections", srv->run_id,
-                  srv->max_conns);
+  warn_limited(srv, "at the limit of %zu connections: refusing %s", srv->max_conns, c->peer);
+  conn_finish(c, STORE_EBUSY, "the store of job '%s' is at its limit of %zu connections", srv->run_id,
+              srv->max_conns);
+  return -1;
+}
+
+/* The limits on connections in the handshake: per address, then in all. Looks at them oldest
+ * first, and closes each that has had its grace and is over a limit, so that a flood of idle
+ * sockets cannot lock real nodes out. Stops at the first still in its grace (the younger ones
+ * are younger still) and checks again when that grace ends. Called when a connection was
+ * accepted (after read_now, so that a node whose HELLO came with it is not counted). */
+static void check_unauth(store_server_t *srv) {
+  uint64_t now = uv_now(srv->loop);
+  conn_t *u = srv->uhead;
+  while (u) {
+    if (now - u->accepted_ms < srv->grace_ms) {
+      if (!uv_is_active((uv_handle_t *)&srv->limits))
+        uv_timer_start(&srv->limits, on_limits, srv->grace_ms - (now - u->accepted_ms), 0);
+      return;
     }
+    conn_t *next = u->unext;
+    size_t n = count_unauth_from(srv, u->addr);
+    if (n > srv->max_unauth_per_addr) {
+      warn_limited(srv, "%zu connections from %s have not finished the handshake (limit %zu): closing the oldest",
+                   n, u->addr, srv->max_unauth_per_addr);
+      conn_abort(u, STORE_EBUSY, "evicted: %zu connections from %s have not finished the handshake (limit %zu)", n,
+                 u->addr, srv->max_unauth_per_addr);
+    } else if (srv->nunauth > srv->max_unauth) {
+      warn_limited(srv, "%zu connections have not finished the handshake (limit %zu): closing the oldest, from %s",
+                   srv->nunauth, srv->max_unauth, u->peer);
+      conn_abort(u, STORE_EBUSY, "evicted: %zu connections have not finished the handshake (limit %zu)",
+                 srv->nunauth, srv->max_unauth);
+    }
+    u = next;
   }
+}
+
+static void on_limits(uv_timer_t *t) {
+  store_server_t *srv = t->data;
+  if (!srv->closing) check_unauth(srv);
 }
 
 static void on_listener_closed(uv_handle_t *h) {
@@ -1412,6 +1576,7 @@ static void on_connection(uv_stream_t *l, int status) {
   }
   uv_tcp_nodelay(&c->tcp, 1);
   c->state = CONN_HELLO;
+  c->accepted_ms = uv_now(srv->loop);
   unauth_push(c);
   uv_timer_start(&c->timer, on_handshake_timeout, (uint64_t)srv->handshake_ms, 0);
   err = uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
@@ -1419,7 +1584,9 @@ static void on_connection(uv_stream_t *l, int status) {
     conn_close(c, uv_strerror(err));
     return;
   }
-  admit(c);
+  if (admit_conn(c)) return;
+  read_now(c);
+  check_unauth(srv);
 }
 
 static void server_handle_closed(uv_handle_t *h) {
@@ -1471,6 +1638,7 @@ int store_server_start(store_server_t **out, uv_loop_t *loop, const char *host, 
   srv->max_unauth = o.max_unauth ? o.max_unauth : DEFAULT_MAX_UNAUTH;
   srv->max_unauth_per_addr = o.max_unauth_per_addr ? o.max_unauth_per_addr : DEFAULT_MAX_UNAUTH_PER_ADDR;
   srv->handshake_ms = o.handshake_ms > 0 ? o.handshake_ms : DEFAULT_HANDSHAKE_MS;
+  srv->grace_ms = (uint64_t)(srv->handshake_ms / 2 < EVICT_GRACE_MS ? srv->handshake_ms / 2 : EVICT_GRACE_MS);
   srv->budget = o.inflight_budget ? o.inflight_budget : DEFAULT_INFLIGHT_BUDGET;
   int rc = 0;
   if (!srv->run_id || !srv->host || (o.secret && *o.secret && !srv->secret)) {
@@ -1489,7 +1657,9 @@ int store_server_start(store_server_t **out, uv_loop_t *loop, const char *host, 
   uv_idle_init(loop, &srv->idle);
   srv->relisten.data = srv;
   uv_timer_init(loop, &srv->relisten);
-  srv->handles_open += 2;
+  srv->limits.data = srv;
+  uv_timer_init(loop, &srv->limits);
+  srv->handles_open += 3;
   if (bound_port) *bound_port = srv->port;
   *out = srv;
   return 0;
@@ -1504,6 +1674,7 @@ void store_server_close(store_server_t *srv) {
   srv->nlisteners = 0;
   uv_close((uv_handle_t *)&srv->idle, server_handle_closed);
   uv_close((uv_handle_t *)&srv->relisten, server_handle_closed);
+  uv_close((uv_handle_t *)&srv->limits, server_handle_closed);
 }
 
 size_t store_server_num_clients(const store_server_t *srv) { return srv ? srv->nclients : 0; }

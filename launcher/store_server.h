@@ -8,9 +8,9 @@
  * The store belongs to one job (opts.run_id) and may require its secret; every connection
  * shakes hands first and then sees only its own job's keys (common/store.h). What strangers
  * on the port can take is bounded (store_server_opts_t): connections in all, connections
- * still in the handshake (the oldest are evicted, so real nodes still get in) and how long
- * they may take, and the bytes buffered for partly received frames, which grow only as bytes
- * arrive. The whole store is bounded by STORE_SERVER_MAX_BYTES (sets beyond it are refused
+ * still in the handshake (the oldest are evicted once they have had a grace of their own, so
+ * real nodes still get in, even slow ones) and how long they may take, and the bytes buffered
+ * for partly received frames, which grow only as bytes arrive. The whole store is bounded by STORE_SERVER_MAX_BYTES (sets beyond it are refused
  * with an error reply). Running out of file descriptors is survived, never fatal. */
 #ifndef MESHRUN_STORE_SERVER_H
 #define MESHRUN_STORE_SERVER_H
@@ -29,7 +29,8 @@ typedef struct {
   const char *run_id;       /* the hosting job: named to clients in the handshake */
   const char *secret;       /* NULL or "": an open store (anyone reaching the port may use it) */
   size_t max_conns;         /* connections in all (0: from the file limit, less a reserve) */
-  size_t max_unauth;        /* connections still in the handshake; past it the oldest goes */
+  size_t max_unauth;        /* connections still in the handshake; past it the oldest goes,
+                             * once it has been in the handshake for a grace (store_server.c) */
   size_t max_unauth_per_addr; /* the same, per peer address (the oldest of that address goes) */
   int handshake_ms;         /* a connection that has not finished its handshake by then is closed */
   size_t inflight_budget;   /* bytes buffered for partly received frames, all connections together */

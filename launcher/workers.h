@@ -1,8 +1,8 @@
 /* workers: one round's worker processes on this node: spawn, environment, output, stop.
  *
- * Spawning is fork + exec done here, not uv_spawn: libuv has no pre-exec hook, and every
- * child must, before exec, enter its own process group (setpgid) and ask to be SIGKILLed when
- * meshrun dies (prctl PR_SET_PDEATHSIG, then getppid() to close the race with a parent that
+ * Spawning is clone (CLONE_VM | CLONE_VFORK, as posix_spawn does) + exec done here, not
+ * uv_spawn: libuv has no pre-exec hook, and every child must, before exec, enter its own
+ * process group (setpgid) and ask to be SIGKILLed when meshrun dies (prctl PR_SET_PDEATHSIG, then getppid() to close the race with a parent that
  * died before the prctl). Exits are events: a uv_signal on SIGCHLD reaps with waitpid(pid,
  * WNOHANG), plus a fallback tick every --monitor_interval. Output comes back through pipes
  * read on the loop (uv_pipe_open): lines are prefixed "[rank<R>]:" when the world has more
@@ -35,7 +35,8 @@ typedef struct {
   char store_secret[CLI_SECRET_MAX + 1]; /* MESHRUN_RDZV_TOKEN; "" = an open store (not set) */
   char run_id[128];
   int max_restarts;
-  char attempt_dir[PATH_MAX]; /* <base>/attempt_<round>: <rank>/error.json and logs go below */
+  char attempt_dir[PATH_MAX]; /* <base>/attempt_<round>: <rank>/error.json and logs go below, or
+                               <rank>.error.json for a rank that writes no log */
   int log_files;              /* write stdout.log/stderr.log for every stream */
 } workers_round_t;
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # gpu-session: the two commands of a GPU session, each one shell command that writes its logs
 # into LOGDIR. They run the kit made here by scripts/make-kit.sh (carried to the GPU machine as
-# build/kit), since that machine has no network and no libuv/cJSON/OpenBLAS/cmocka/OpenSSL.
+# build/kit), since that machine has no network and no libuv/cJSON/OpenBLAS/cmocka/Nettle.
 #
 #   scripts/gpu-session.sh test  LOGDIR   # (a) versions, smoke test, every GPU test; < 8 min
 #   scripts/gpu-session.sh bench LOGDIR   # (b) the benchmark against PyTorch eager and

@@ -10,7 +10,7 @@ pkgs=(
   libcjson-dev      # plan parsing
   libopenblas-dev   # cpu backend GEMMs
   libcmocka-dev     # C unit tests
-  libssl-dev        # libcrypto: HMAC-SHA256 and random bytes for the store's job secret
+  nettle-dev        # Nettle (static): HMAC-SHA256 for the store's job secret, base64 for etcd
   libcurl4-openssl-dev  # the etcd client (HTTP/JSON gateway) of --rdzv_backend=etcd
   etcd-server       # etcd for the etcd rendezvous tests (test_etcd)
   clang libclang-rt-dev  # libFuzzer for the fuzz targets (make fuzz; short runs in make test)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # make-kit: everything the GPU machine needs to run meshrun's GPU tests and benchmark, in one
 # folder to carry there (that machine has CUDA, cuBLAS and PyTorch with NCCL in its wheels, but
-# no network and no libuv, cJSON, OpenBLAS, cmocka or OpenSSL headers).
+# no network and no libuv, cJSON, OpenBLAS, cmocka or Nettle headers).
 #
 #   scripts/make-kit.sh [KIT]        # default KIT = build/kit (ignored by git), under 60 MiB
 #
@@ -11,8 +11,8 @@
 #   KIT/bin/          meshrun, trainer (debug info stripped)
 #   KIT/test-gpu/     the GPU test binaries (test/gpu/*.c)
 #   KIT/test/         the C unit tests (cpu; a quick check that the kit's libraries load there)
-#   KIT/lib/          libuv, libcjson, libopenblas (+ libgfortran, libquadmath), libcmocka,
-#                     libcrypto, libgomp: whatever ldd resolves outside glibc and CUDA
+#   KIT/lib/          libcjson, libopenblas (+ libgfortran, libquadmath), libcmocka,
+#                     libgomp: whatever ldd resolves outside glibc and CUDA (libuv and Nettle are linked statically)
 #   KIT/env.sh        source it: sets LD_LIBRARY_PATH to KIT/lib, then the CUDA libraries and
 #                     NCCL (a system libnccl, or the one in PyTorch's nvidia/nccl wheel), and
 #                     MESHRUN_BIN / MESHRUN_KIT; prints what it found

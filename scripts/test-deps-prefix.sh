@@ -2,7 +2,7 @@
 # test-deps-prefix: proves the other way to a GPU machine: building there from .debs unpacked into
 # a prefix (make DEPS_PREFIX=DIR), with no -dev package installed. As root, in a private mount
 # namespace, the system's headers and link-time libraries of libuv, cJSON, OpenBLAS, cmocka and
-# OpenSSL are covered (empty directories, /dev/null files); the build must then take everything
+# Nettle are covered (empty directories, /dev/null files); the build must then take everything
 # from the prefix, and a few unit tests run against the prefix's libraries.
 #
 #   scripts/test-deps-prefix.sh [DEBDIR]   # default: download the .debs (apt-get download) into
@@ -13,7 +13,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 debs=${1:-$root/build/debs}
 prefix=$root/build/deps
 pkgs=(libuv1-dev libuv1 libcjson-dev libcjson1 libopenblas-dev libopenblas0-pthread libopenblas-pthread-dev
-      libopenblas0 libcmocka-dev libcmocka0 libssl-dev libssl3)
+      libopenblas0 libcmocka-dev libcmocka0 nettle-dev libnettle8)
 
 if [ "${MESHRUN_DEPS_HIDDEN:-}" != 1 ]; then
   [ "$(id -u)" -eq 0 ] || { echo "test-deps-prefix: needs root (a private mount namespace)"; echo "test-deps-prefix: 0 passed, 1 failed"; exit 1; }
@@ -28,18 +28,19 @@ fi
 
 # --- inside the namespace: cover the system's copies.
 empty=$(mktemp -d)
-for d in /usr/include/uv /usr/include/cjson /usr/include/openssl /usr/include/x86_64-linux-gnu/openssl \
+for d in /usr/include/uv /usr/include/cjson /usr/include/nettle \
          /usr/include/x86_64-linux-gnu/openblas-pthread /usr/lib/x86_64-linux-gnu/openblas-pthread; do
   [ -d "$d" ] && mount --bind "$empty" "$d"
 done
 for f in /usr/include/uv.h /usr/include/cmocka.h /usr/include/cblas.h /usr/include/x86_64-linux-gnu/cblas.h \
-         /usr/lib/x86_64-linux-gnu/{libuv,libcjson,libcmocka,libcrypto,libssl,libopenblas}.so; do
+         /usr/lib/x86_64-linux-gnu/{libuv,libcjson,libcmocka,libopenblas}.so \
+         /usr/lib/x86_64-linux-gnu/{libuv_a,libnettle}.a; do
   [ -e "$f" ] && mount --bind /dev/null "$(readlink -f "$f")"
 done
 
 pass=0; fail=0
 # Negative control: without the prefix, the covered headers must be gone.
-if printf '#include <uv.h>\n#include <cjson/cJSON.h>\n#include <cblas.h>\n#include <openssl/hmac.h>\n' |
+if printf '#include <uv.h>\n#include <cjson/cJSON.h>\n#include <cblas.h>\n#include <nettle/hmac.h>\n' |
    cc -E -I/usr/include/x86_64-linux-gnu/openblas-pthread - >/dev/null 2>&1; then
   echo "   FAIL: the system's headers are still visible"; fail=$((fail+1))
 else

@@ -25,7 +25,7 @@
 # run becomes a cpu run (then the comparisons must pass trivially, and nothing about CUDA is shown;
 # the device-auto check and the nccl plans are skipped).
 #
-# In a GPU session. The GPU machine has no network and no libuv/cJSON/OpenBLAS/cmocka/OpenSSL, so
+# In a GPU session. The GPU machine has no network and no libuv/cJSON/OpenBLAS/cmocka/Nettle, so
 # the programs travel as a kit built here (nvcc 13 and NCCL exist here; scripts/make-kit.sh says
 # what it holds, scripts/test-kit.sh proves it runs with the system's copies hidden):
 #   here:   scripts/make-kit.sh && scripts/test-kit.sh     # build/kit, ~54 MiB (carry limit 64)

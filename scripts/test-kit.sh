@@ -6,7 +6,7 @@
 #   1. negative control: the trainer without the kit's env.sh must fail to load;
 #   2. with env.sh: ldd resolves every carried library inside the kit;
 #   3. every C unit test of the kit passes (cpu; they exercise libuv, cJSON, OpenBLAS, cmocka,
-#      libcrypto, OpenMP);
+#      Nettle, OpenMP);
 #   4. a two-step training smoke test on the cpu backend, alone and as fsdp2 under the kit's meshrun.
 #
 #   scripts/test-kit.sh [KIT] [LOGDIR]    # default build/kit; logs to LOGDIR (default: a temp dir)

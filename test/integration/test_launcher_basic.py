@@ -60,7 +60,8 @@ def test_worker_environment(launch, tmp_path):
         assert e["MESHRUN_ROUND"] == "0"
         assert e["TORCHELASTIC_MAX_RESTARTS"] == "3"
         assert e["TORCHELASTIC_RUN_ID"] == "envjob"
-        assert e["TORCHELASTIC_ERROR_FILE"].endswith("/attempt_0/%d/error.json" % r)
+        # no log dir: the files go straight into the temporary directory, no directory per rank
+        assert re.search(r"/meshrun-envjob-[^/]+/%d\.error\.json$" % r, e["TORCHELASTIC_ERROR_FILE"])
         assert e["OMP_NUM_THREADS"] == "1"
         host, port = e["MESHRUN_STORE"].rsplit(":", 1)
         assert host == "127.0.0.1" and 0 < int(port) < 65536

@@ -4,9 +4,13 @@
  *   bench_worker DIR stamp        writes DIR/start.<RANK>.<attempt> = start time (ns), exits 0
  *   bench_worker DIR failover     attempt 0: rank 0 writes DIR/fail = its exit time and exits 1,
  *                                 the others wait to be stopped; attempt >= 1: like stamp.
+ *   bench_worker DIR hold         round 0 (MESHRUN_ROUND): writes DIR/start.<RANK>.0, then waits
+ *                                 for SIGTERM and writes DIR/stop.<RANK> = when it came, exits 0;
+ *                                 a later round: writes DIR/start.<RANK>.<round>, exits 0.
  * Times are CLOCK_REALTIME nanoseconds, so they compare across processes. Does nothing else:
  * no store, no sockets. */
 #include <fcntl.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -30,10 +34,16 @@ static int write_stamp(const char *path, long long t) {
   return rename(tmp, path) ? 1 : 0;
 }
 
+static volatile sig_atomic_t stopped;
+static void on_term(int sig) {
+  (void)sig;
+  stopped = 1;
+}
+
 int main(int argc, char **argv) {
   long long t0 = now_ns();
   if (argc < 3) {
-    fprintf(stderr, "usage: bench_worker DIR stamp|failover\n");
+    fprintf(stderr, "usage: bench_worker DIR stamp|failover|hold\n");
     return 2;
   }
   const char *rank = getenv("RANK"), *attempt = getenv("TORCHELASTIC_RESTART_COUNT");
@@ -42,6 +52,24 @@ int main(int argc, char **argv) {
     return 2;
   }
   char path[4096];
+  if (!strcmp(argv[2], "hold")) {
+    const char *round = getenv("MESHRUN_ROUND");
+    if (!round) {
+      fprintf(stderr, "bench_worker: MESHRUN_ROUND must be set\n");
+      return 2;
+    }
+    snprintf(path, sizeof path, "%s/start.%s.%s", argv[1], rank, round);
+    if (strcmp(round, "0")) return write_stamp(path, t0);
+    sigset_t term, old;
+    sigemptyset(&term);
+    sigaddset(&term, SIGTERM);
+    sigprocmask(SIG_BLOCK, &term, &old); /* no SIGTERM lost between the check and the wait */
+    signal(SIGTERM, on_term);
+    if (write_stamp(path, t0)) return 2;
+    while (!stopped) sigsuspend(&old);
+    snprintf(path, sizeof path, "%s/stop.%s", argv[1], rank);
+    return write_stamp(path, now_ns()) ? 2 : 0;
+  }
   if (!strcmp(argv[2], "failover") && !strcmp(attempt, "0")) {
     if (!strcmp(rank, "0")) {
       snprintf(path, sizeof path, "%s/fail", argv[1]);

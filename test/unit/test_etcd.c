@@ -408,6 +408,66 @@ static void test_add_concurrent(void **state) {
 
 /* --- leases */
 
+/* --- join indices: creates from two threads, counted by create revision */
+
+typedef struct {
+  char ep[32];
+  int64_t idx[ADDS];
+  int rc;
+  char err[512];
+} joiner_t;
+
+static void *joiner(void *arg) {
+  joiner_t *a = arg;
+  etcd_t *c;
+  if ((a->rc = etcd_connect(&c, a->ep, OP_MS, a->err, sizeof a->err))) return NULL;
+  for (int i = 0; i < ADDS && !a->rc; i++) {
+    char key[64];
+    int64_t rev = 0;
+    snprintf(key, sizeof key, "join/%p/%d", (void *)a, i);
+    if (!(a->rc = etcd_create(c, key, "", 0, &rev))) a->rc = etcd_count(c, "join/", rev, &a->idx[i]);
+    if (a->rc) snprintf(a->err, sizeof a->err, "%s", etcd_errmsg(c));
+  }
+  etcd_close(c);
+  return NULL;
+}
+
+static void test_create_count_indices(void **state) {
+  etcd_t *c = client();
+  joiner_t a[2] = {0};
+  pthread_t th[2];
+  for (int i = 0; i < 2; i++) {
+    endpoint(&g_one, 0, a[i].ep, sizeof a[i].ep);
+    assert_int_equal(pthread_create(&th[i], NULL, joiner, &a[i]), 0);
+  }
+  for (int i = 0; i < 2; i++) pthread_join(th[i], NULL);
+  for (int i = 0; i < 2; i++) {
+    if (a[i].rc) fprintf(stderr, "joiner %d: %s\n", i, a[i].err);
+    assert_int_equal(a[i].rc, 0);
+  }
+  /* Each index once, 1..2*ADDS, increasing per thread: a counter's guarantees, no counter. */
+  char seen[2 * ADDS + 1] = {0};
+  for (int i = 0; i < 2; i++)
+    for (int k = 0; k < ADDS; k++) {
+      assert_in_range(a[i].idx[k], 1, 2 * ADDS);
+      assert_int_equal(seen[a[i].idx[k]], 0);
+      seen[a[i].idx[k]] = 1;
+      if (k) assert_true(a[i].idx[k] > a[i].idx[k - 1]);
+    }
+  int64_t n = 0, r1 = 0, r2 = 0;
+  OK(c, etcd_count(c, "join/", 0, &n));
+  assert_int_equal(n, 2 * ADDS);
+  OK(c, etcd_create(c, "join/again", "x", 1, &r1));
+  OK(c, etcd_create(c, "join/again", "y", 1, &r2)); /* present: its creation's revision, unchanged */
+  assert_int_equal(r1, r2);
+  void *v;
+  size_t len;
+  OK(c, etcd_get(c, "join/again", &v, &len, NULL));
+  assert_memory_equal(v, "x", 1);
+  free(v);
+  etcd_close(c);
+}
+
 static void test_lease_expiry_fences(void **state) {
   etcd_t *c = client();
   const int ttl = 2;
@@ -860,7 +920,7 @@ int main(void) {
            ETCD_BIN);
   const struct CMUnitTest one[] = {
       cmocka_unit_test(test_put_get_delete_binary), cmocka_unit_test(test_compare_set),
-      cmocka_unit_test(test_add_concurrent),        cmocka_unit_test(test_lease_expiry_fences),
+      cmocka_unit_test(test_add_concurrent),        cmocka_unit_test(test_create_count_indices),        cmocka_unit_test(test_lease_expiry_fences),
       cmocka_unit_test(test_watch),                 cmocka_unit_test(test_lost_txn_reply_counts_once),
       cmocka_unit_test(test_unreachable_endpoints),
   };

@@ -117,6 +117,41 @@ static void test_heartbeat_verdicts(void **state) {
   rdzv_hb_free(&hb); /* twice is fine */
 }
 
+/* The ring: each node follows the next participant not done, and a peer followed from now on
+ * starts its silence afresh. */
+static void test_hb_ring(void **state) {
+  (void)state;
+  char done[4] = {0, 0, 0, 0};
+  assert_int_equal(rdzv_hb_next(done, 4, 0), 1);
+  assert_int_equal(rdzv_hb_next(done, 4, 3), 0); /* wraps around */
+  done[1] = done[2] = 1;
+  assert_int_equal(rdzv_hb_next(done, 4, 0), 3); /* skips the done */
+  done[3] = 1;
+  assert_int_equal(rdzv_hb_next(done, 4, 0), -1); /* everyone else is done */
+  assert_int_equal(rdzv_hb_next(done, 1, 0), -1); /* alone */
+  /* Every death is seen: for any set of dead nodes with one alive, some live node's next is dead. */
+  for (int mask = 1; mask < 15; mask++) {
+    char none[4] = {0, 0, 0, 0};
+    int seen = 0;
+    for (int me = 0; me < 4; me++)
+      if (!(mask >> me & 1) && (mask >> rdzv_hb_next(none, 4, me) & 1)) seen = 1;
+    assert_true(seen);
+  }
+  rdzv_hb_t hb;
+  assert_int_equal(rdzv_hb_init(&hb, 4, 100.0), 0);
+  rdzv_hb_follow(&hb, 1, 0, 100.5); /* the first followed: its silence counts from the round's start */
+  assert_true(rdzv_hb_is_dead(&hb, 1, 101.2, 1.0));
+  rdzv_hb_follow(&hb, 1, 0, 101.2); /* unchanged: still dead */
+  assert_true(rdzv_hb_is_dead(&hb, 1, 101.2, 1.0));
+  rdzv_hb_follow(&hb, 3, 0, 101.2); /* switched to slot 3: afresh, though its counter never moved */
+  assert_int_equal(hb.watched, 3);
+  assert_false(rdzv_hb_is_dead(&hb, 3, 102.0, 1.0));
+  assert_true(rdzv_hb_is_dead(&hb, 3, 102.3, 1.0));
+  rdzv_hb_follow(&hb, 3, 5, 102.3); /* it moved */
+  assert_false(rdzv_hb_is_dead(&hb, 3, 103.0, 1.0));
+  rdzv_hb_free(&hb);
+}
+
 static void test_end_fatal(void **state) {
   (void)state;
   assert_false(rdzv_end_fatal(RDZV_END_FAILURE, 1, 1, 2, 2));
@@ -353,6 +388,7 @@ int main(void) {
       cmocka_unit_test(test_ranks_by_node_rank),
       cmocka_unit_test(test_ranks_errors),
       cmocka_unit_test(test_heartbeat_verdicts),
+      cmocka_unit_test(test_hb_ring),
       cmocka_unit_test(test_end_fatal),
       cmocka_unit_test(test_master_record),
       cmocka_unit_test(test_end_json_round_trip),

@@ -51,6 +51,7 @@ typedef struct {
   int port, started, start_rc;
   char start_err[256];
   int stop, query, answered;
+  int pause, paused; /* fixture_pause: the loop thread is held in on_async */
   size_t nclients, nkeys, nwaiters, nforeign, inflight;
 } fixture_t;
 
@@ -66,6 +67,12 @@ static void on_async(uv_async_t *a) {
     f->query = 0;
     f->answered = 1;
     pthread_cond_broadcast(&f->cv);
+  }
+  if (f->pause) {
+    f->paused = 1;
+    pthread_cond_broadcast(&f->cv);
+    while (f->pause) pthread_cond_wait(&f->cv, &f->mu);
+    f->paused = 0;
   }
   if (f->stop) {
     store_server_close(f->srv);
@@ -141,6 +148,23 @@ static void fixture_query(fixture_t *f) {
   pthread_mutex_unlock(&f->mu);
   if (!answered) print_message("the server's loop did not answer within %d ms\n", WAIT_MS);
   assert_true(answered);
+}
+
+/* Holds the server's loop (as a busy host's would be) until fixture_resume: connections made
+ * meanwhile wait in the listen backlog, with whatever their clients sent. */
+static void fixture_pause(fixture_t *f) {
+  pthread_mutex_lock(&f->mu);
+  f->pause = 1;
+  uv_async_send(&f->async);
+  while (!f->paused) pthread_cond_wait(&f->cv, &f->mu);
+  pthread_mutex_unlock(&f->mu);
+}
+
+static void fixture_resume(fixture_t *f) {
+  pthread_mutex_lock(&f->mu);
+  f->pause = 0;
+  pthread_cond_broadcast(&f->cv);
+  pthread_mutex_unlock(&f->mu);
 }
 
 static int64_t now_ms(void) {
@@ -830,6 +854,73 @@ static void test_many_waiters(void **state) {
   store_proto_writer_free(&w);
 }
 
+/* Waiters are filed under the first key they miss, and move on as keys appear. One multi_get
+ * over keys k0..k7, with keys set out of order, a key it saw deleted behind it, and the last
+ * key deleted and set again: answered exactly when all eight exist, with the values current
+ * then. Waiters on other keys are not disturbed, and a CAS, an ADD and a multi_set wake the
+ * waiters of the keys they write. */
+static void test_waiters_follow_keys(void **state) {
+  fixture_t *f = *state;
+  enum { K = 8 };
+  int fd = raw_session(f);
+  store_proto_writer_t w = {0};
+  store_proto_begin(&w, STORE_OP_MULTI_GET);
+  store_proto_put_i64(&w, 20000);
+  store_proto_put_u32(&w, K);
+  for (int i = 0; i < K; i++) {
+    char k[8];
+    snprintf(k, sizeof k, "k%d", i);
+    store_proto_put_bytes(&w, k, strlen(k));
+  }
+  raw_send(fd, &w);
+  int other = raw_session(f); /* waits for a key nobody writes */
+  store_proto_begin(&w, STORE_OP_GET);
+  store_proto_put_bytes(&w, "nobody", 6);
+  store_proto_put_i64(&w, 20000);
+  raw_send(other, &w);
+  assert_true(wait_counts(f, 2, 2));
+  store_t *s = client(f);
+  void *act;
+  size_t alen;
+  int64_t r;
+  assert_int_equal(store_set(s, "k5", "5", 1), STORE_OK);                                /* filed under k0 */
+  assert_int_equal(store_compare_set(s, "k0", NULL, 0, "0", 1, &act, &alen), STORE_OK); /* moves to k1 */
+  free(act);
+  assert_int_equal(store_add(s, "k1", 1, &r), STORE_OK);                                /* to k2 */
+  const char *mk[] = {"k2", "k3", "k4"};
+  const void *mv[] = {"2", "3", "4"};
+  size_t ml[] = {1, 1, 1};
+  assert_int_equal(store_multi_set(s, mk, mv, ml, 3), STORE_OK); /* to k6 (k5 is there) */
+  int deleted;
+  assert_int_equal(store_delete(s, "k5", &deleted), STORE_OK); /* behind it now */
+  assert_int_equal(deleted, 1);
+  assert_int_equal(store_set(s, "k6", "6", 1), STORE_OK);
+  assert_int_equal(store_set(s, "k7", "7", 1), STORE_OK); /* all but k5: around to k5 */
+  assert_true(wait_counts(f, 2, 3));
+  assert_int_equal(store_set(s, "k5", "five", 4), STORE_OK);
+  uint8_t *p;
+  size_t n;
+  assert_int_equal(raw_reply(fd, &p, &n), STORE_REP_VALUES);
+  store_proto_reader_t rd;
+  store_proto_reader_init(&rd, p, n);
+  assert_int_equal(store_proto_get_u32(&rd), K);
+  const char *want[K] = {"0", "1", "2", "3", "4", "five", "6", "7"};
+  for (int i = 0; i < K; i++) {
+    size_t vn;
+    const uint8_t *v = store_proto_get_bytes(&rd, &vn);
+    assert_int_equal(vn, strlen(want[i]));
+    assert_memory_equal(v, want[i], vn);
+  }
+  assert_true(store_proto_reader_done(&rd));
+  free(p);
+  assert_true(wait_counts(f, 1, 3)); /* the other one still waits */
+  store_close(s);
+  close(fd);
+  close(other);
+  assert_true(wait_counts(f, 0, 0));
+  store_proto_writer_free(&w);
+}
+
 /* A client that pipelines requests and does not read the replies: the server stops reading
  * from it once about STORE_MAX_FRAME of replies are queued, keeps serving others, and
  * resumes (in order) when the client reads. */
@@ -1260,18 +1351,22 @@ static void test_evict_oldest_unauthenticated(void **state) {
   assert_int_equal(f->start_rc, 0);
   int fds[N];
   for (int i = 0; i < N; i++) fds[i] = raw_connect(f);
-  /* Accepted in order: the EXTRA oldest go, each told why. */
+  /* Accepted in order: the EXTRA oldest go (once their grace has passed), each told why. */
   for (int i = 0; i < EXTRA; i++) {
     expect_refused(fds[i], STORE_EBUSY);
   }
   assert_true(wait_counts(f, 0, MAX));
-  /* A real client arriving now gets in, at the cost of the oldest idle one. */
+  /* A real client arriving now gets in: its HELLO came with it (nothing to evict), or it
+   * costs the oldest idle one its place. A silent newcomer after it does in either case. */
   expect_healthy(f);
+  int late = raw_connect(f);
   expect_refused(fds[EXTRA], STORE_EBUSY);
   for (int i = EXTRA + 1; i < N; i++) {
     assert_int_equal(raw_hello(fds[i], JOB_A), 0); /* the younger ones were left alone */
     close(fds[i]);
   }
+  assert_int_equal(raw_hello(late, JOB_A), 0);
+  close(late);
   assert_true(wait_counts(f, 0, 0));
   fixture_stop(f);
 }
@@ -1294,13 +1389,17 @@ static void test_evict_per_address(void **state) {
     expect_refused(fds[i], STORE_EBUSY);
   }
   assert_true(wait_counts(f, 0, OTHER + PER));
-  /* A real client from the flooded address still gets in; the oldest idle one there goes. */
+  /* A real client from the flooded address still gets in (as in the test above); the oldest
+   * idle one there goes, by its hand or a silent newcomer's. */
   expect_healthy(f);
+  int late = raw_connect(f);
   expect_refused(fds[N - PER], STORE_EBUSY);
   for (int i = N - PER + 1; i < N; i++) {
     assert_int_equal(raw_hello(fds[i], JOB_A), 0);
     close(fds[i]);
   }
+  assert_int_equal(raw_hello(late, JOB_A), 0);
+  close(late);
   /* The other address was under its own limit throughout. */
   for (int i = 0; i < OTHER; i++) {
     assert_int_equal(raw_hello(other[i], JOB_A), 0);
@@ -1309,6 +1408,88 @@ static void test_evict_per_address(void **state) {
   assert_true(wait_counts(f, 0, 0));
   fixture_stop(f);
 }
+
+/* A connection in its handshake has EVICT_GRACE_MS (500 ms here: handshake_ms/2 is more)
+ * before the limits on handshakes may take it: a real node on a loaded host may need that
+ * long to answer. */
+static void test_evict_after_grace(void **state) {
+  enum { PER = 2, N = 4, GRACE_MS = 500, TOL_MS = 50 };
+  store_server_opts_t o = {.max_unauth = 64, .max_unauth_per_addr = PER, .handshake_ms = 60000};
+  fixture_t *f = fixture_start_opts("127.0.0.1", &o, NULL);
+  assert_int_equal(f->start_rc, 0);
+  int64_t t0 = now_ms();
+  int fds[N];
+  for (int i = 0; i < N; i++) fds[i] = raw_connect(f);
+  assert_true(wait_counts(f, 0, N)); /* all in for now, past the limit */
+  expect_refused(fds[0], STORE_EBUSY);
+  int64_t waited = now_ms() - t0;
+  expect_refused(fds[1], STORE_EBUSY);
+  print_message("the oldest of %d silent connections (limit %d) evicted after %lld ms; grace %d ms, tolerance -%d "
+                "ms\n", N, PER, (long long)waited, GRACE_MS, TOL_MS);
+  assert_true(waited >= GRACE_MS - TOL_MS);
+  for (int i = PER; i < N; i++) {
+    assert_int_equal(raw_hello(fds[i], JOB_A), 0);
+    close(fds[i]);
+  }
+  assert_true(wait_counts(f, 0, 0));
+  fixture_stop(f);
+}
+
+/* Nodes connecting while the server's loop is busy: each has sent its HELLO before the server
+ * gets to it, and libuv accepts the whole backlog at once. None is evicted, though they
+ * outnumber the limits on handshakes many times over: an open store's handshake is done as the
+ * connection is accepted; with a secret each one answers the store's HELLO with its AUTH (as
+ * store_connect does), within its grace. */
+static void burst(const char *secret) {
+  enum { PER = 4, MAX = 8, N = 48 };
+  store_server_opts_t o = {.max_unauth = MAX, .max_unauth_per_addr = PER, .handshake_ms = 60000};
+  fixture_t *f = fixture_start_opts("127.0.0.1", &o, secret);
+  assert_int_equal(f->start_rc, 0);
+  fixture_pause(f);
+  int fds[N];
+  for (int i = 0; i < N; i++) {
+    fds[i] = raw_connect(f);
+    raw_send_hello(fds[i], JOB_A);
+  }
+  fixture_resume(f);
+  int evicted = 0;
+  store_proto_writer_t w = {0};
+  for (int i = 0; i < N; i++) {
+    uint8_t *p;
+    size_t n;
+    int op = raw_reply(fds[i], &p, &n);
+    if (op == STORE_REP_HELLO && secret) {
+      store_proto_reader_t r;
+      store_proto_reader_init(&r, p, n);
+      size_t bn, jn, nn;
+      store_proto_get_bytes(&r, &bn);
+      store_proto_get_bytes(&r, &jn);
+      store_proto_get_u8(&r);
+      const uint8_t *snonce = store_proto_get_bytes(&r, &nn);
+      assert_int_equal(nn, STORE_PROTO_NONCE);
+      uint8_t cnonce[STORE_PROTO_NONCE] = {0}, proof[STORE_PROTO_PROOF];
+      assert_int_equal(store_proto_proof(proof, secret, 0, cnonce, snonce, JOB_A, strlen(JOB_A)), 0);
+      store_proto_begin(&w, STORE_OP_AUTH);
+      store_proto_put_bytes(&w, proof, sizeof proof);
+      raw_send(fds[i], &w);
+      free(p);
+      op = raw_reply(fds[i], &p, &n);
+    }
+    evicted += op == STORE_REP_ERROR;
+    free(p);
+  }
+  print_message("%d connections (limits: %d per address, %d in all) shook hands after a held loop%s: %d "
+                "evicted\n", N, PER, MAX, secret ? " (with a secret)" : "", evicted);
+  assert_int_equal(evicted, 0);
+  assert_true(wait_counts(f, 0, N));
+  for (int i = 0; i < N; i++) close(fds[i]);
+  assert_true(wait_counts(f, 0, 0));
+  store_proto_writer_free(&w);
+  fixture_stop(f);
+}
+
+static void test_burst_open(void **state) { burst(NULL); }
+static void test_burst_secret(void **state) { burst(SECRET_A); }
 
 static void test_connection_limit(void **state) {
   store_server_opts_t o = {.max_conns = 4, .handshake_ms = 60000};
@@ -1518,6 +1699,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_slow_client_does_not_stall, setup, teardown),
       cmocka_unit_test_setup_teardown(test_disconnect_while_parked, setup, teardown),
       cmocka_unit_test_setup_teardown(test_many_waiters, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_waiters_follow_keys, setup, teardown),
       cmocka_unit_test_setup_teardown(test_unread_replies, setup, teardown),
       cmocka_unit_test(test_not_a_store),
       cmocka_unit_test(test_connect_refused),
@@ -1534,6 +1716,9 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_request_before_hello, setup, teardown),
       cmocka_unit_test(test_evict_oldest_unauthenticated),
       cmocka_unit_test(test_evict_per_address),
+      cmocka_unit_test(test_evict_after_grace),
+      cmocka_unit_test(test_burst_open),
+      cmocka_unit_test(test_burst_secret),
       cmocka_unit_test(test_connection_limit),
       cmocka_unit_test(test_inflight_budget),
       cmocka_unit_test(test_out_of_descriptors),
