@@ -363,7 +363,6 @@ static void keyf(rdzv_t *rz, char *out, const char *fmt, ...) {
   va_end(ap);
 }
 
-/* Reads an integer key; absent reads as dflt. */
 /* Takes this node's join index in round r (1, 2, ...). The store adds 1 to P/r<r>/n. etcd
  * would retry a compare-and-swap on one counter O(n^2) times in all across n joiners (at 256
  * nodes on two cores, half gave up after the 5 s call timeout): each node instead creates
@@ -393,6 +392,7 @@ static int kv_joined(rdzv_t *rz, conn_t *c, int r, int64_t *count) {
   return from_etcd(etcd_count(c->e, key, 0, count));
 }
 
+/* Reads an integer key; absent reads as dflt. */
 static int read_int(conn_t *c, const char *key, int64_t dflt, int64_t *out) {
   void *v = NULL;
   size_t len = 0;

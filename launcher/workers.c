@@ -14,12 +14,12 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sched.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -386,25 +386,30 @@ static int open_log(const char *dir, const char *name, char *err, size_t errlen)
   return fd;
 }
 
-/* Decides, per stream, where the child's fd points and where its lines go. child_fd gets the
- * fd to dup2 onto 1/2 in the child (-1: keep meshrun's own); *pipe_rd the parent's end. */
-/* Whether local rank lr's stdout (is_err 0) or stderr goes to a file in its rank dir. */
-static int stream_to_file(const launcher_opts_t *o, const workers_round_t *r, int lr, int is_err) {
-  int bit = is_err ? 2 : 1;
-  int redir = (lr < CLI_MAX_LOCAL_RANKS && o->redirects_per_rank[lr] >= 0) ? o->redirects_per_rank[lr] : o->redirects;
-  int tee = (lr < CLI_MAX_LOCAL_RANKS && o->tee_per_rank[lr] >= 0) ? o->tee_per_rank[lr] : o->tee;
-  return r->log_files || (redir & bit) || (tee & bit);
+/* --redirects and --tee of local rank lr (bit 1 stdout, bit 2 stderr; a per-rank value wins). */
+static void rank_streams(const launcher_opts_t *o, int lr, int *redir, int *tee) {
+  *redir = (lr < CLI_MAX_LOCAL_RANKS && o->redirects_per_rank[lr] >= 0) ? o->redirects_per_rank[lr] : o->redirects;
+  *tee = (lr < CLI_MAX_LOCAL_RANKS && o->tee_per_rank[lr] >= 0) ? o->tee_per_rank[lr] : o->tee;
 }
 
+/* Whether local rank lr writes a log file (stdout.log or stderr.log) in its rank dir. */
+static int rank_writes_log(const launcher_opts_t *o, const workers_round_t *r, int lr) {
+  int redir, tee;
+  rank_streams(o, lr, &redir, &tee);
+  return r->log_files || redir || tee;
+}
+
+/* Decides, per stream, where the child's fd points and where its lines go. child_fd gets the
+ * fd to dup2 onto 1/2 in the child (-1: keep meshrun's own); *pipe_rd the parent's end. */
 static int setup_stream(workers_t *w, worker_t *wk, stream_t *s, int is_err, const workers_round_t *r,
                         const char *rank_dir, int *child_fd, int *pipe_rd, char *err, size_t errlen) {
   const launcher_opts_t *o = w->opts;
   int lr = wk->info.local_rank;
   int bit = is_err ? 2 : 1;
-  int redir = (lr < CLI_MAX_LOCAL_RANKS && o->redirects_per_rank[lr] >= 0) ? o->redirects_per_rank[lr] : o->redirects;
-  int tee = (lr < CLI_MAX_LOCAL_RANKS && o->tee_per_rank[lr] >= 0) ? o->tee_per_rank[lr] : o->tee;
+  int redir, tee;
+  rank_streams(o, lr, &redir, &tee);
   int shown = lr >= CLI_MAX_LOCAL_RANKS || o->local_ranks_filter[lr];
-  int to_file = stream_to_file(o, r, lr, is_err);
+  int to_file = r->log_files || (redir & bit) || (tee & bit);
   int console = shown && (!(redir & bit) || (tee & bit));
   s->owner = wk;
   s->is_err = is_err;
@@ -643,7 +648,7 @@ int workers_start(workers_t *w, const workers_round_t *r, char *err, size_t errl
      * and remove per worker, which in a 1024-node start on one machine was a tenth of it. */
     char rank_dir[PATH_MAX];
     snprintf(rank_dir, sizeof rank_dir, "%.3900s/%d", r->attempt_dir, wk->info.rank);
-    if (stream_to_file(o, r, i, 0) || stream_to_file(o, r, i, 1)) {
+    if (rank_writes_log(o, r, i)) {
       if ((rc = mkdir_p(rank_dir, err, errlen))) goto error;
       snprintf(wk->info.error_file, sizeof wk->info.error_file, "%.4000s/error.json", rank_dir);
     } else {

@@ -86,7 +86,7 @@ def failover_once(launcher, worker, d):
         os.unlink(os.path.join(d, f))
     run_quiet(launcher + [worker, d, "failover"], timeout=120)
     fail = read_ns(os.path.join(d, "fail"))
-    starts = [read_ns(os.path.join(d, f)) for f in os.listdir(d) if f.startswith("start.") and f.endswith(".1")]
+    starts = stamps(d, "start.", ".1")
     if len(starts) != 8:
         raise RuntimeError("expected 8 restarted workers, found %d" % len(starts))
     return (max(starts) - fail) / 1e9
@@ -163,22 +163,16 @@ def many_nodes(meshrun, worker, d, n, etcd=None):
     errpath = os.path.join(os.path.dirname(d), "nodes.err")
     t0 = time.time_ns()
     wait_all(spawn_all(cmd, n, errpath), errpath, "nodes")
-    starts = [read_ns(os.path.join(d, f)) for f in os.listdir(d) if f.startswith("start.")]
+    starts = stamps(d, "start.")
     if len(starts) != n:
         raise RuntimeError("expected %d workers, found %d" % (n, len(starts)))
     return (max(starts) - t0) / 1e9
 
 
-def spawn_floor(cmd, n, errpath):
-    """Seconds to start and reap n copies of cmd the way many_nodes starts meshrun: what process
-    creation alone costs on this machine, for the table's footnote."""
-    t0 = time.perf_counter()
-    wait_all(spawn_all(cmd, n, errpath), errpath, cmd[0])
-    return time.perf_counter() - t0
-
-
-def stamps(d, prefix):
-    return [read_ns(os.path.join(d, f)) for f in os.listdir(d) if f.startswith(prefix) and not f.endswith(".tmp")]
+def stamps(d, prefix, suffix=""):
+    """The timestamps in d's files named prefix...suffix (bench_worker's, not its .tmp files)."""
+    return [read_ns(os.path.join(d, f)) for f in os.listdir(d)
+            if f.startswith(prefix) and f.endswith(suffix) and not f.endswith(".tmp")]
 
 
 def wait_stamps(d, prefix, n, pids, timeout=120):
@@ -219,7 +213,7 @@ def node_death(meshrun, worker, d, n, interval, timeout, etcd=None):
     rest = [p for p in pids if p != victim] + spawn_all(cmd, 1, errpath)
     wait_all(rest, errpath, "nodes")
     stops = stamps(d, "stop.")
-    starts = [read_ns(os.path.join(d, f)) for f in os.listdir(d) if f.startswith("start.") and f.endswith(".1")]
+    starts = stamps(d, "start.", ".1")
     if len(stops) != n - 1 or len(starts) != n:
         raise RuntimeError("expected %d stopped and %d restarted workers, found %d and %d" %
                            (n - 1, n, len(stops), len(starts)))

@@ -349,10 +349,37 @@ static void test_compare_set(void **state) {
 
 typedef struct {
   char ep[32];
-  int64_t got[ADDS];
+  int64_t got[ADDS]; /* the counter's values after each add, or each create's join index */
   int rc;
   char err[512];
 } adder_t;
+
+/* Runs fn in two threads, each with a client of the one-member cluster, and checks they both
+ * succeeded. */
+static void run_pair(void *(*fn)(void *), adder_t a[2]) {
+  pthread_t th[2];
+  for (int i = 0; i < 2; i++) {
+    endpoint(&g_one, 0, a[i].ep, sizeof a[i].ep);
+    assert_int_equal(pthread_create(&th[i], NULL, fn, &a[i]), 0);
+  }
+  for (int i = 0; i < 2; i++) pthread_join(th[i], NULL);
+  for (int i = 0; i < 2; i++) {
+    if (a[i].rc) fprintf(stderr, "thread %d: %s\n", i, a[i].err);
+    assert_int_equal(a[i].rc, 0);
+  }
+}
+
+/* Each of 1..2*ADDS got exactly once over both threads, increasing within each. */
+static void assert_each_once(const adder_t a[2]) {
+  char seen[2 * ADDS + 1] = {0};
+  for (int i = 0; i < 2; i++)
+    for (int k = 0; k < ADDS; k++) {
+      assert_in_range(a[i].got[k], 1, 2 * ADDS);
+      assert_int_equal(seen[a[i].got[k]], 0);
+      seen[a[i].got[k]] = 1;
+      if (k) assert_true(a[i].got[k] > a[i].got[k - 1]);
+    }
+}
 
 static void *adder(void *arg) {
   adder_t *a = arg;
@@ -367,27 +394,11 @@ static void *adder(void *arg) {
 static void test_add_concurrent(void **state) {
   etcd_t *c = client();
   adder_t a[2] = {0};
-  pthread_t th[2];
   int64_t t0 = net_now_ms();
-  for (int i = 0; i < 2; i++) {
-    endpoint(&g_one, 0, a[i].ep, sizeof a[i].ep);
-    assert_int_equal(pthread_create(&th[i], NULL, adder, &a[i]), 0);
-  }
-  for (int i = 0; i < 2; i++) pthread_join(th[i], NULL);
+  run_pair(adder, a);
   int64_t ms = net_now_ms() - t0;
-  for (int i = 0; i < 2; i++) {
-    if (a[i].rc) fprintf(stderr, "adder %d: %s\n", i, a[i].err);
-    assert_int_equal(a[i].rc, 0);
-  }
   /* Exactly once each: the values returned are 1..2*ADDS, each once, increasing per thread. */
-  char seen[2 * ADDS + 1] = {0};
-  for (int i = 0; i < 2; i++)
-    for (int k = 0; k < ADDS; k++) {
-      assert_in_range(a[i].got[k], 1, 2 * ADDS);
-      assert_int_equal(seen[a[i].got[k]], 0);
-      seen[a[i].got[k]] = 1;
-      if (k) assert_true(a[i].got[k] > a[i].got[k - 1]);
-    }
+  assert_each_once(a);
   void *v;
   size_t len;
   OK(c, etcd_get(c, "add/n", &v, &len, NULL));
@@ -408,24 +419,18 @@ static void test_add_concurrent(void **state) {
 
 /* --- leases */
 
-/* --- join indices: creates from two threads, counted by create revision */
-
-typedef struct {
-  char ep[32];
-  int64_t idx[ADDS];
-  int rc;
-  char err[512];
-} joiner_t;
+/* --- join indices: creates from two threads (adder_t.got: the indices), counted by create
+ * revision */
 
 static void *joiner(void *arg) {
-  joiner_t *a = arg;
+  adder_t *a = arg;
   etcd_t *c;
   if ((a->rc = etcd_connect(&c, a->ep, OP_MS, a->err, sizeof a->err))) return NULL;
   for (int i = 0; i < ADDS && !a->rc; i++) {
     char key[64];
     int64_t rev = 0;
     snprintf(key, sizeof key, "join/%p/%d", (void *)a, i);
-    if (!(a->rc = etcd_create(c, key, "", 0, &rev))) a->rc = etcd_count(c, "join/", rev, &a->idx[i]);
+    if (!(a->rc = etcd_create(c, key, "", 0, &rev))) a->rc = etcd_count(c, "join/", rev, &a->got[i]);
     if (a->rc) snprintf(a->err, sizeof a->err, "%s", etcd_errmsg(c));
   }
   etcd_close(c);
@@ -434,26 +439,10 @@ static void *joiner(void *arg) {
 
 static void test_create_count_indices(void **state) {
   etcd_t *c = client();
-  joiner_t a[2] = {0};
-  pthread_t th[2];
-  for (int i = 0; i < 2; i++) {
-    endpoint(&g_one, 0, a[i].ep, sizeof a[i].ep);
-    assert_int_equal(pthread_create(&th[i], NULL, joiner, &a[i]), 0);
-  }
-  for (int i = 0; i < 2; i++) pthread_join(th[i], NULL);
-  for (int i = 0; i < 2; i++) {
-    if (a[i].rc) fprintf(stderr, "joiner %d: %s\n", i, a[i].err);
-    assert_int_equal(a[i].rc, 0);
-  }
+  adder_t a[2] = {0};
+  run_pair(joiner, a);
   /* Each index once, 1..2*ADDS, increasing per thread: a counter's guarantees, no counter. */
-  char seen[2 * ADDS + 1] = {0};
-  for (int i = 0; i < 2; i++)
-    for (int k = 0; k < ADDS; k++) {
-      assert_in_range(a[i].idx[k], 1, 2 * ADDS);
-      assert_int_equal(seen[a[i].idx[k]], 0);
-      seen[a[i].idx[k]] = 1;
-      if (k) assert_true(a[i].idx[k] > a[i].idx[k - 1]);
-    }
+  assert_each_once(a);
   int64_t n = 0, r1 = 0, r2 = 0;
   OK(c, etcd_count(c, "join/", 0, &n));
   assert_int_equal(n, 2 * ADDS);
