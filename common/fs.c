@@ -14,6 +14,10 @@ int fs_mkdir_p(const char *dir, char *failed, size_t failedlen) {
   char buf[PATH_MAX];
   if (snprintf(buf, sizeof buf, "%s", dir) >= (int)sizeof buf) return -ENAMETOOLONG;
   if (!buf[0]) return 0;
+  /* Already there, the usual case: a lookup takes no lock, a mkdir that finds the name taken
+   * locks the parent directory first (contended when many processes share it). */
+  struct stat st;
+  if (stat(buf, &st) == 0 && S_ISDIR(st.st_mode)) return 0;
   /* Each prefix that ends at a '/' (after the first character: "/" itself exists), then the
    * whole path. */
   for (char *p = buf + 1;; p++) {
@@ -97,4 +101,8 @@ int fs_read_file(const char *path, size_t max, char **out, size_t *len, long lon
   *out = buf;
   *len = n;
   return 0;
+}
+
+void fs_unlink_if_there(const char *path) {
+  if (access(path, F_OK) == 0) unlink(path);
 }

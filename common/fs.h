@@ -18,4 +18,8 @@ int fs_mkdir_parent(const char *path, char *failed, size_t failedlen);
  * may be NULL. */
 int fs_read_file(const char *path, size_t max, char **out, size_t *len, long long *size);
 
+/* Unlinks path if it is there. The existence check takes no lock; an unlink locks the
+ * directory even to find nothing, which many processes sharing a directory contend for. */
+void fs_unlink_if_there(const char *path);
+
 #endif

@@ -220,6 +220,36 @@ static int retryable(int e) {
          e == ECONNRESET || e == EAGAIN || e == ECONNABORTED;
 }
 
+/* One try at every address of host:port before deadline (< 0: none): the fd, or a negative
+ * errno (a refusal preferred) with the reason in err. */
+static int connect_any(const char *host, int port, const char *ep, int64_t deadline, char *err, size_t errlen) {
+  struct addrinfo *res = NULL;
+  int rc = resolve(host, port, 0, &res, err, errlen);
+  if (rc) return rc;
+  int last = 0;
+  for (struct addrinfo *ai = res; ai; ai = ai->ai_next) {
+    int left = deadline < 0 ? -1 : (int)(deadline - net_now_ms() > 0 ? deadline - net_now_ms() : 1);
+    int fd = connect_one(ai, left);
+    if (fd >= 0) {
+      freeaddrinfo(res);
+      return fd;
+    }
+    /* Prefer a refusal over, say, "address family not supported" from an unused family. */
+    if (!last || -fd == ECONNREFUSED) last = -fd;
+  }
+  freeaddrinfo(res);
+  char et[128];
+  err_text(et, sizeof et, last);
+  err_set(err, errlen, 0, "connect %s: %s", ep, et);
+  return -last;
+}
+
+int net_connect_once(const char *host, int port, int timeout_ms, char *err, size_t errlen) {
+  char ep[300];
+  net_format_endpoint(ep, sizeof ep, host, port);
+  return connect_any(host, port, ep, timeout_ms < 0 ? -1 : net_now_ms() + timeout_ms, err, errlen);
+}
+
 int net_connect(const char *host, int port, int timeout_ms, char *err, size_t errlen) {
   char ep[300];
   net_format_endpoint(ep, sizeof ep, host, port);
@@ -227,26 +257,8 @@ int net_connect(const char *host, int port, int timeout_ms, char *err, size_t er
   int64_t deadline = timeout_ms < 0 ? -1 : start + timeout_ms;
   int backoff = 10;
   for (;;) {
-    struct addrinfo *res = NULL;
-    int rc = resolve(host, port, 0, &res, err, errlen);
-    int last = 0;
-    if (rc == 0) {
-      for (struct addrinfo *ai = res; ai; ai = ai->ai_next) {
-        int left = deadline < 0 ? -1 : (int)(deadline - net_now_ms() > 0 ? deadline - net_now_ms() : 1);
-        int fd = connect_one(ai, left);
-        if (fd >= 0) {
-          freeaddrinfo(res);
-          return fd;
-        }
-        /* Prefer a refusal over, say, "address family not supported" from an unused family. */
-        if (!last || -fd == ECONNREFUSED) last = -fd;
-      }
-      freeaddrinfo(res);
-      char et[128];
-      err_text(et, sizeof et, last);
-      err_set(err, errlen, 0, "connect %s: %s", ep, et);
-      rc = -last;
-    }
+    int rc = connect_any(host, port, ep, deadline, err, errlen);
+    if (rc >= 0) return rc;
     if (!retryable(-rc)) return rc;
     int64_t t = net_now_ms();
     if (deadline >= 0 && t >= deadline) {
@@ -435,10 +447,11 @@ int net_send_all(int fd, const void *buf, size_t len) {
   return 0;
 }
 
-int net_recv_all(int fd, void *buf, size_t len, int timeout_ms) {
+ssize_t net_recv_some(int fd, void *buf, size_t min, size_t len, int timeout_ms) {
   char *p = buf;
+  size_t got = 0;
   int64_t deadline = timeout_ms < 0 ? -1 : net_now_ms() + timeout_ms;
-  while (len > 0) {
+  while (got < min) {
     if (deadline >= 0) {
       int64_t left = deadline - net_now_ms();
       if (left < 0) left = 0;
@@ -450,16 +463,20 @@ int net_recv_all(int fd, void *buf, size_t len, int timeout_ms) {
       }
       if (r == 0) return -ETIMEDOUT;
     }
-    ssize_t n = recv(fd, p, len, 0);
+    ssize_t n = recv(fd, p + got, len - got, 0);
     if (n < 0) {
       if (errno == EINTR || errno == EAGAIN) continue;
       return -errno;
     }
     if (n == 0) return -ECONNRESET;
-    p += n;
-    len -= (size_t)n;
+    got += (size_t)n;
   }
-  return 0;
+  return (ssize_t)got;
+}
+
+int net_recv_all(int fd, void *buf, size_t len, int timeout_ms) {
+  ssize_t n = net_recv_some(fd, buf, len, len, timeout_ms);
+  return n < 0 ? (int)n : 0;
 }
 
 void net_hostname(char *buf, size_t len) {

@@ -9,6 +9,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/types.h>
 
 /* Splits "host", "host:port", "[v6]:port", "[v6]" or a bare IPv6 literal ("::1") into host
  * (without brackets) and port (default_port when absent). Rejects empty hosts, ports outside
@@ -21,6 +22,8 @@ void net_format_endpoint(char *out, size_t outlen, const char *host, int port);
  * unreachable connections are retried with backoff until timeout_ms (< 0: forever) passes.
  * Returns the fd, or a negative code with the reason in err. */
 int net_connect(const char *host, int port, int timeout_ms, char *err, size_t errlen);
+/* net_connect without the retries: each address once, a refusal answered at once. */
+int net_connect_once(const char *host, int port, int timeout_ms, char *err, size_t errlen);
 /* Creates a listening TCP socket on host:port (port 0: the kernel picks; host "" = any) and
  * returns the fd; *bound_port gets the real port. -EADDRINUSE when the port is taken. */
 int net_listen(const char *host, int port, int backlog, int *bound_port, char *err, size_t errlen);
@@ -40,6 +43,10 @@ int net_free_port(const char *host, int *port, char *err, size_t errlen);
  * (-ECONNRESET when the peer closed). timeout_ms < 0: no timeout (recv only). */
 int net_send_all(int fd, const void *buf, size_t len);
 int net_recv_all(int fd, void *buf, size_t len, int timeout_ms);
+/* Receives at least min and at most len bytes (what has arrived past min, up to len, comes
+ * in the same call: a reply's header and a small body in one recv). The count, or negative
+ * errno as net_recv_all. */
+ssize_t net_recv_some(int fd, void *buf, size_t min, size_t len, int timeout_ms);
 /* Milliseconds on the monotonic clock: the clock of every deadline in net, store and comm. */
 int64_t net_now_ms(void);
 /* This machine's hostname (never fails: "localhost" as a last resort). */

@@ -120,16 +120,20 @@ static int mark_broken(store_t *s, int code) {
   return code;
 }
 
-/* Receives exactly n bytes before deadline (< 0: none), mapping failures to store codes. */
-static int recv_until(store_t *s, void *buf, size_t n, int64_t deadline, int *sys) {
+/* Receives at least min and at most n bytes before deadline (< 0: none), mapping failures to
+ * store codes; *got gets the count. */
+static int recv_until(store_t *s, void *buf, size_t min, size_t n, int64_t deadline, size_t *got, int *sys) {
   int left = -1;
   if (deadline >= 0) {
     int64_t l = deadline - net_now_ms();
     left = l < 0 ? 0 : (l > INT_MAX ? INT_MAX : (int)l);
   }
-  int rc = net_recv_all(s->fd, buf, n, left);
-  *sys = -rc;
-  if (rc == 0) return 0;
+  ssize_t rc = net_recv_some(s->fd, buf, min, n, left);
+  *sys = rc < 0 ? (int)-rc : 0;
+  if (rc >= 0) {
+    *got = (size_t)rc;
+    return 0;
+  }
   if (rc == -ETIMEDOUT) return STORE_ETIMEDOUT;
   return STORE_EIO;
 }
@@ -164,9 +168,12 @@ static int roundtrip(store_t *s, int reply_ms, int *op) {
     return mark_broken(s, STORE_EIO);
   }
   int64_t deadline = reply_ms < 0 ? -1 : net_now_ms() + reply_ms;
-  uint8_t hdr[STORE_PROTO_HEADER];
+  /* The header and, in the same recv, a small reply's payload: one request has one reply in
+   * flight, so nothing past this frame can be read by mistake. */
+  uint8_t first[STORE_PROTO_HEADER + 248];
+  size_t got = 0;
   int sys = 0;
-  rc = recv_until(s, hdr, sizeof hdr, deadline, &sys);
+  rc = recv_until(s, first, STORE_PROTO_HEADER, sizeof first, deadline, &got, &sys);
   if (rc == STORE_ETIMEDOUT) {
     seterr(s, "%s to store %s: no reply within %d ms", what, s->ep, reply_ms);
     return mark_broken(s, rc);
@@ -178,18 +185,24 @@ static int roundtrip(store_t *s, int reply_ms, int *op) {
   }
   uint32_t flen;
   char why[160];
-  if (store_proto_parse_header(hdr, 0, &flen, op, why, sizeof why)) {
+  if (store_proto_parse_header(first, 0, &flen, op, why, sizeof why)) {
     snprintf(s->detail, sizeof s->detail, "%s", why);
     seterr(s, "%s to store %s: bad reply: %s", what, s->ep, why);
     return mark_broken(s, STORE_EPROTO);
   }
-  size_t plen = flen - STORE_PROTO_HEADER;
+  if (got > flen) {
+    snprintf(s->detail, sizeof s->detail, "%zu bytes past a %u-byte frame", got - flen, flen);
+    seterr(s, "%s to store %s: bad reply: %s", what, s->ep, s->detail);
+    return mark_broken(s, STORE_EPROTO);
+  }
+  size_t plen = flen - STORE_PROTO_HEADER, have = got - STORE_PROTO_HEADER;
   s->reply = malloc(plen + 1);
   if (!s->reply) {
     seterr(s, "out of memory for a %zu-byte reply", plen);
     return mark_broken(s, STORE_ENOMEM);
   }
-  rc = recv_until(s, s->reply, plen, deadline, &sys);
+  memcpy(s->reply, first + STORE_PROTO_HEADER, have);
+  rc = have < plen ? recv_until(s, s->reply + have, plen - have, plen - have, deadline, &got, &sys) : 0;
   if (rc) {
     seterr(s, "%s to store %s: reply cut short: %s", what, s->ep,
            rc == STORE_ETIMEDOUT ? "timed out" : strerror(sys));
@@ -367,9 +380,10 @@ static int handshake(store_t *s, const char *run_id, const char *secret, int tim
 
 /* One connection and handshake; s->err says why not. */
 static int connect_once(store_t *s, const char *host, int port, const char *run_id, const char *secret,
-                        int timeout_ms) {
+                        int timeout_ms, int retry) {
   int64_t start = net_now_ms();
-  s->fd = net_connect(host, port, timeout_ms, s->err, sizeof s->err);
+  s->fd = retry ? net_connect(host, port, timeout_ms, s->err, sizeof s->err)
+                : net_connect_once(host, port, timeout_ms, s->err, sizeof s->err);
   if (s->fd < 0) {
     s->fd = -1;
     return STORE_ECONNECT;
@@ -388,8 +402,9 @@ static int connect_once(store_t *s, const char *host, int port, const char *run_
   return handshake(s, run_id, secret, hello_ms);
 }
 
-int store_connect(store_t **out, const char *host, int port, const store_auth_t *auth, int timeout_ms,
-                  char *err, size_t errlen) {
+/* store_connect, and with retry 0 store_connect_once. */
+static int connect_store(store_t **out, const char *host, int port, const store_auth_t *auth, int timeout_ms,
+                         int retry, char *err, size_t errlen) {
   if (!out || !host || !*host || port <= 0 || port > 65535) {
     if (err && errlen) snprintf(err, errlen, "store_connect: bad host or port");
     return STORE_EINVAL;
@@ -413,7 +428,7 @@ int store_connect(store_t **out, const char *host, int port, const store_auth_t 
     }
     s->fd = -1;
     net_format_endpoint(s->ep, sizeof s->ep, host, port);
-    int rc = connect_once(s, host, port, run_id, secret, deadline < 0 ? -1 : left_ms(deadline));
+    int rc = connect_once(s, host, port, run_id, secret, deadline < 0 ? -1 : left_ms(deadline), retry);
     if (rc == 0) {
       s->err[0] = 0;
       *out = s;
@@ -423,11 +438,21 @@ int store_connect(store_t **out, const char *host, int port, const store_auth_t 
     store_close(s);
     /* A store at its connection limit may have room a moment later (its unauthenticated
      * connections time out or are evicted); anything else is answered already. */
-    if (rc != STORE_EBUSY || (deadline >= 0 && net_now_ms() + pause_ms >= deadline)) return rc;
+    if (!retry || rc != STORE_EBUSY || (deadline >= 0 && net_now_ms() + pause_ms >= deadline)) return rc;
     struct timespec ts = {pause_ms / 1000, (long)(pause_ms % 1000) * 1000000L};
     nanosleep(&ts, NULL);
     pause_ms = pause_ms * 2 > CLIENT_BUSY_RETRY_MAX_MS ? CLIENT_BUSY_RETRY_MAX_MS : pause_ms * 2;
   }
+}
+
+int store_connect(store_t **out, const char *host, int port, const store_auth_t *auth, int timeout_ms,
+                  char *err, size_t errlen) {
+  return connect_store(out, host, port, auth, timeout_ms, 1, err, errlen);
+}
+
+int store_connect_once(store_t **out, const char *host, int port, const store_auth_t *auth, int timeout_ms,
+                       char *err, size_t errlen) {
+  return connect_store(out, host, port, auth, timeout_ms, 0, err, errlen);
 }
 
 int store_connect_endpoint(store_t **out, const char *endpoint, const store_auth_t *auth, int timeout_ms,

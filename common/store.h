@@ -61,6 +61,11 @@ typedef struct store store_t;
  * connection limit) is tried again until timeout_ms passes. */
 int store_connect(store_t **out, const char *host, int port, const store_auth_t *auth, int timeout_ms,
                   char *err, size_t errlen);
+/* store_connect with one try: a refusal (STORE_ECONNECT) or a busy store (STORE_EBUSY) is
+ * answered at once; timeout_ms bounds the connect and the handshake. For asking whether a
+ * store is there. */
+int store_connect_once(store_t **out, const char *host, int port, const store_auth_t *auth, int timeout_ms,
+                       char *err, size_t errlen);
 /* Parses "host:port", "[v6addr]:port" (as in MESHRUN_STORE) and connects. */
 int store_connect_endpoint(store_t **out, const char *endpoint, const store_auth_t *auth, int timeout_ms,
                            char *err, size_t errlen);

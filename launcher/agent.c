@@ -52,6 +52,7 @@
 
 typedef enum { AGENT_JOINING = 0, AGENT_RUNNING, AGENT_STOPPING, AGENT_FINISHING, AGENT_EXITING } agent_state_t;
 
+/* workers.c resets these in a worker before its exec (RESET_SIGNALS): keep the two lists alike. */
 static const int FORWARDED[] = {SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2};
 #define NFORWARDED ((int)(sizeof FORWARDED / sizeof FORWARDED[0]))
 
@@ -60,6 +61,7 @@ typedef struct {
   launcher_opts_t *opts;
   agent_state_t state;
   store_server_t *srv;
+  store_t *probe; /* host_or_join's connection to another node's store, for rdzv to take over */
   char store_host[256];
   int store_port;
   char store_ep[300];
@@ -72,6 +74,8 @@ typedef struct {
   int lingering;
   char base_dir[PATH_MAX]; /* <log_dir>/<run_id>, or a temporary directory */
   int base_is_tmp;
+  int base_shared;        /* base_dir is $TMPDIR/meshrun-<uid>, shared: our files carry file_prefix */
+  char file_prefix[200];  /* "<run id>-<pid>-<random>-" there, else "" */
   int have_end;    /* the round's end record is in */
   rdzv_end_t end;
   int drained;     /* store host: the other nodes have read the round's fatal end */
@@ -272,9 +276,9 @@ static void on_workers_idle(workers_t *w, void *arg) {
 }
 
 /* Where a round's worker files go: <base>/attempt_<round>, or, when no worker writes a log
- * and the base is a temporary directory removed at exit, the base itself: its only files are
- * the error files and the stop file, each round clears them before it starts, and a directory
- * fewer to make and remove per node was measurable in a 1024-node start on one machine. */
+ * and the base is temporary, the base itself: the only files are the error files and the stop
+ * file, each round clears them before it starts, and a directory fewer to make and remove per
+ * node was measurable in a 1024-node start on one machine. */
 static int make_attempt_dir(agent_t *a, int attempt, char *out, size_t len) {
   if (a->base_is_tmp) return snprintf(out, len, "%s", a->base_dir) >= (int)len ? -ENAMETOOLONG : 0;
   if (snprintf(out, len, "%.4000s/attempt_%d", a->base_dir, attempt) >= (int)len) return -ENAMETOOLONG;
@@ -308,6 +312,7 @@ static void on_rdzv(rdzv_t *rz, const rdzv_event_t *ev, void *arg) {
     memcpy(r.store_secret, a->opts->secret, sizeof r.store_secret);
     snprintf(r.run_id, sizeof r.run_id, "%s", a->opts->rdzv_id);
     make_attempt_dir(a, g->round, r.attempt_dir, sizeof r.attempt_dir);
+    snprintf(r.file_prefix, sizeof r.file_prefix, "%s", a->file_prefix);
     char err[512];
     a->state = AGENT_RUNNING;
     int wrc = workers_start(a->wk, &r, err, sizeof err);
@@ -416,6 +421,19 @@ static int rm_entry(const char *path, const struct stat *st, int flag, struct FT
   return 0;
 }
 
+/* $TMPDIR/meshrun-<uid> into out: one directory that every meshrun of this user on this
+ * machine shares for its workers' error and stop files (names prefixed per node), made once,
+ * private (0700) and checked to be ours before use; -1 when it cannot be had (then a node
+ * makes a directory of its own, as before). A directory per node cost a mkdir and an rmdir in
+ * $TMPDIR each, under $TMPDIR's lock: in a start of 2048 nodes on one machine, the exits spent
+ * a twentieth of their time waiting on it. lstat first: a lookup takes no lock. */
+static int shared_tmp_dir(const char *tmp, char *out, size_t len) {
+  if (snprintf(out, len, "%s/meshrun-%u", tmp, (unsigned)getuid()) >= (int)len) return -1;
+  struct stat st;
+  if (lstat(out, &st) && (errno != ENOENT || (mkdir(out, 0700) && errno != EEXIST) || lstat(out, &st))) return -1;
+  return S_ISDIR(st.st_mode) && st.st_uid == getuid() && !(st.st_mode & 077) ? 0 : -1;
+}
+
 static int setup_base_dir(agent_t *a, char *err, size_t errlen) {
   const launcher_opts_t *o = a->opts;
   if (o->log_dir[0]) {
@@ -431,15 +449,24 @@ static int setup_base_dir(agent_t *a, char *err, size_t errlen) {
     return 0;
   }
   const char *tmp = getenv("TMPDIR");
-  snprintf(a->base_dir, sizeof a->base_dir, "%s/meshrun-%s-XXXXXX", tmp && *tmp ? tmp : "/tmp", o->rdzv_id);
+  tmp = tmp && *tmp ? tmp : "/tmp";
+  /* Redirected or teed streams without --log_dir live in a directory of the node's own. */
+  int any = o->redirects || o->tee;
+  for (int i = 0; i < CLI_MAX_LOCAL_RANKS; i++) any |= o->redirects_per_rank[i] > 0 || o->tee_per_rank[i] > 0;
+  uint32_t tag = 0;
+  if (!any && shared_tmp_dir(tmp, a->base_dir, sizeof a->base_dir) == 0 &&
+      getrandom(&tag, sizeof tag, 0) == (ssize_t)sizeof tag) {
+    snprintf(a->file_prefix, sizeof a->file_prefix, "%.120s-%d-%08x-", o->rdzv_id, (int)getpid(), tag);
+    a->base_is_tmp = a->base_shared = 1;
+    return 0;
+  }
+  snprintf(a->base_dir, sizeof a->base_dir, "%s/meshrun-%s-XXXXXX", tmp, o->rdzv_id);
   if (!mkdtemp(a->base_dir)) {
     snprintf(err, errlen, "creating a temporary directory %.900s: %s", a->base_dir, strerror(errno));
     return -errno;
   }
   a->base_is_tmp = 1;
-  /* Redirected or teed streams without --log_dir live here; keep it then, and say where. */
-  int any = o->redirects || o->tee;
-  for (int i = 0; i < CLI_MAX_LOCAL_RANKS; i++) any |= o->redirects_per_rank[i] > 0 || o->tee_per_rank[i] > 0;
+  /* Keep the logs, and say where. */
   if (any) {
     log_info("worker logs (no --log_dir given): %s", a->base_dir);
     a->base_is_tmp = 0;
@@ -496,13 +523,19 @@ static void node_address(const launcher_opts_t *o, char *out, size_t len) {
   else if (net_local_addr_toward(o->rdzv_host, o->rdzv_port, out, len)) net_hostname(out, len);
 }
 
-/* Binds the rendezvous endpoint and serves the store there, or leaves it to whoever does.
- * EADDRINUSE alone does not mean another node hosts it: the port can be the source port of some
- * outgoing connection for a moment, with nobody listening. So while a probe of the endpoint is
- * refused, binding is tried again, for up to HOST_RETRY_S; then this node is a client and rdzv
- * keeps connecting until join_timeout (the loop is running by then, so signals work). The probe
- * shakes hands as this job: a store that refuses our secret is another job's, and rendezvous
- * there can never succeed (*refused = 1, the reason in err). Returns store_server_start's code. */
+/* Serves the store at the rendezvous endpoint, or leaves it to whoever does. A probe comes
+ * first: when a store of this job already answers there (every node but the first), this node
+ * joins it through the probe's connection (a->probe, taken over by rdzv) without trying to
+ * bind; a failed bind walks every socket on the port, thousands with thousands of nodes. The
+ * probe shakes hands as this job: a store that refuses our secret is another job's, and
+ * rendezvous there can never succeed (*refused = 1, the reason in err). Anyone else answering,
+ * or nobody in PROBE_MS, makes this node a client too (rdzv connects until join_timeout and
+ * names what it finds). Refused: nobody listens, so this node binds. EADDRINUSE alone does not
+ * mean another node hosts it: the port can be the source port of some outgoing connection for
+ * a moment, with nobody listening, or another node bound it and is not listening yet. So the
+ * probe and the bind are tried again, for up to HOST_RETRY_S; then this node is a client. An
+ * address that is not this host's (EADDRNOTAVAIL) makes it a client at once. Returns 0 when
+ * this node serves the store, else why not (err says it). */
 #define HOST_RETRY_S 5.0
 #define PROBE_MS 50
 static int host_or_join(agent_t *a, int *refused, char *err, size_t errlen) {
@@ -513,24 +546,27 @@ static int host_or_join(agent_t *a, int *refused, char *err, size_t errlen) {
   uint64_t start = uv_hrtime();
   int64_t nap_ms = 5;
   *refused = 0;
+  if (o->rdzv_port == 0) /* --standalone: a port of its own */
+    return store_server_start(&a->srv, &a->loop, o->rdzv_host, 0, &so, &a->store_port, err, errlen);
   for (;;) {
-    int rc = store_server_start(&a->srv, &a->loop, o->rdzv_host, o->rdzv_port, &so, &a->store_port, err, errlen);
-    if (rc == 0 || o->rdzv_port == 0) return rc;
-    char perr[512];
     store_t *probe = NULL;
-    int prc = store_connect(&probe, o->rdzv_host, o->rdzv_port, &auth, PROBE_MS, perr, sizeof perr);
+    int prc = store_connect_once(&probe, o->rdzv_host, o->rdzv_port, &auth, PROBE_MS, err, errlen);
+    if (prc == 0) {
+      a->probe = probe; /* a store of this job listens there: rdzv joins through this connection */
+      snprintf(err, errlen, "a store of this job serves the endpoint");
+      return STORE_SERVER_EADDRINUSE;
+    }
     store_close(probe);
     if (prc == STORE_EAUTH) {
       *refused = 1;
-      snprintf(err, errlen, "%s", perr);
-      return rc;
+      return STORE_SERVER_EADDRINUSE;
     }
-    /* Someone listens there (a store, or another program), or the endpoint is not this host's
-     * (rdzv connects until join_timeout and names what it finds). */
-    if (rc != STORE_SERVER_EADDRINUSE || prc != STORE_ECONNECT) return rc;
+    if (prc != STORE_ECONNECT) return STORE_SERVER_EADDRINUSE; /* someone else answers, or nobody in time */
+    int rc = store_server_start(&a->srv, &a->loop, o->rdzv_host, o->rdzv_port, &so, &a->store_port, err, errlen);
+    if (rc != STORE_SERVER_EADDRINUSE) return rc; /* serving, or the address is not this host's */
     if ((double)(uv_hrtime() - start) / 1e9 >= HOST_RETRY_S) return rc;
     if (nap_ms == 5)
-      log_debug("--rdzv_endpoint port %d is taken but nobody listens there: retrying the bind", o->rdzv_port);
+      log_debug("--rdzv_endpoint port %d is taken but nobody listens there: retrying", o->rdzv_port);
     struct timespec ts = {.tv_sec = 0, .tv_nsec = nap_ms * 1000000};
     nanosleep(&ts, NULL);
     if (nap_ms < 100) nap_ms *= 2;
@@ -619,7 +655,8 @@ int agent_run(launcher_opts_t *o) {
                        .last_call_timeout_s = o->last_call_timeout_s, .close_timeout_s = o->close_timeout_s,
                        .heartbeat_interval_s = o->heartbeat_interval_s,
                        .heartbeat_timeout_s = o->heartbeat_timeout_s, .max_restarts = o->max_restarts,
-                       .is_store_host = a->drains};
+                       .is_store_host = a->drains, .conn = a->probe};
+  a->probe = NULL; /* rdzv_create's now */
   _Static_assert(sizeof o->secret <= sizeof cfg.secret, "rdzv must hold any secret cli accepts");
   memcpy(cfg.secret, o->secret, sizeof o->secret);
   snprintf(cfg.store_host, sizeof cfg.store_host, "%s", a->store_host);
@@ -644,13 +681,16 @@ out:
   agent_exit(a, 1);
   uv_run(&a->loop, UV_RUN_DEFAULT);
 cleanup:
-  if (a->base_is_tmp) nftw(a->base_dir, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+  store_close(a->probe);
+  a->probe = NULL;
+  if (a->base_shared && a->wk) workers_remove_files(a->wk);
+  else if (a->base_is_tmp) nftw(a->base_dir, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
   /* rdzv's threads are interrupted and joined. One still inside a connect attempt after
    * RDZV_JOIN_WAIT_MS keeps rdzv, the loop and the agent (it may still touch them) until the
    * process exits, which ends it: neither is torn down under it. Nor is anything else: the
-   * process ends with _exit, since exit's handlers (OpenSSL's cleanup among them) would free
-   * what that thread may be using (a store handshake's RAND_bytes crashed on OpenSSL's freed
-   * lock in 2 of 1024 nodes of a 1024-node start, whose store evicted slow handshakes). */
+   * process ends with _exit, since exit's handlers would free what that thread may be using
+   * (a store handshake crashed on a library's freed lock in 2 of 1024 nodes of a 1024-node
+   * start, whose store evicted slow handshakes, when meshrun used OpenSSL). */
   if (rdzv_destroy(a->rz, RDZV_JOIN_WAIT_MS)) {
     log_debug("rendezvous thread still connecting at exit; left to the process exit");
     fflush(stdout);

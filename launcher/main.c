@@ -9,6 +9,7 @@
  * errors. */
 #include <errno.h>
 #include <limits.h>
+#include <malloc.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -21,6 +22,9 @@
 #include "launcher/workers.h"
 
 int main(int argc, char **argv) {
+  /* One malloc arena: the rendezvous threads allocate little, and an arena of their own cost
+   * each a 128 MiB reservation, its trimming and its first page faults at every start. */
+  mallopt(M_ARENA_MAX, 1);
   log_init("[meshrun]");
   launcher_opts_t opts;
   char err[1024];

@@ -181,6 +181,19 @@ static int kv_set(rdzv_t *rz, conn_t *c, const char *key, const char *val, int l
   return leased && rc == -ENOENT ? RDZV_EFENCED : from_etcd(rc);
 }
 
+/* Sets k1 then k2; with the store in one request, so no reader sees k2 without k1. */
+static int kv_set_pair(rdzv_t *rz, conn_t *c, const char *k1, const char *v1, const char *k2, const char *v2,
+                       int leased) {
+  if (c->e) {
+    int rc = kv_set(rz, c, k1, v1, leased);
+    return rc ? rc : kv_set(rz, c, k2, v2, leased);
+  }
+  const char *keys[2] = {k1, k2};
+  const void *vals[2] = {v1, v2};
+  size_t lens[2] = {strlen(v1), strlen(v2)};
+  return store_multi_set(c->s, keys, vals, lens, 2);
+}
+
 static int kv_get_nowait(conn_t *c, const char *key, void **v, size_t *len) {
   if (!c->e) return store_get_nowait(c->s, key, v, len);
   return from_etcd(etcd_get(c->e, key, v, len, NULL));
@@ -245,9 +258,10 @@ static int etcd_wait_slice(conn_t *c, const char *key, int ms) {
   return found ? 0 : STORE_ETIMEDOUT;
 }
 
-/* Waits for key up to timeout_ms (< 0: until stop), in slices so the stop flag is seen.
+/* Waits for key up to timeout_ms (< 0: until stop), in slices so the stop flag is seen, and
+ * when v is not NULL returns its value (malloc'ed; with the store in the same request).
  * Returns 0, STORE_ETIMEDOUT, 1 when stopped, or an error. */
-static int kv_wait(rdzv_t *rz, conn_t *c, const char *key, int timeout_ms) {
+static int kv_wait_get(rdzv_t *rz, conn_t *c, const char *key, int timeout_ms, void **v, size_t *len) {
   double deadline = mono_now() + timeout_ms / 1000.0;
   const char *k[1] = {key};
   for (;;) {
@@ -258,13 +272,21 @@ static int kv_wait(rdzv_t *rz, conn_t *c, const char *key, int timeout_ms) {
       if (left <= 0) return STORE_ETIMEDOUT;
       if (left < slice) slice = (int)left + 1;
     }
-    int rc = c->e ? etcd_wait_slice(c, key, slice) : store_wait(c->s, k, 1, slice);
+    int rc;
+    if (c->e) {
+      rc = etcd_wait_slice(c, key, slice);
+      if (rc == 0 && v && (rc = kv_get_nowait(c, key, v, len)) == STORE_ENOKEY) rc = STORE_ETIMEDOUT; /* gone again */
+    } else {
+      rc = v ? store_get(c->s, key, v, len, slice) : store_wait(c->s, k, 1, slice);
+    }
     if (rc != STORE_ETIMEDOUT) return rc;
   }
 }
 
-/* Waits up to timeout_ms for key and returns its value: one request to the store (the value is
- * in hand even if the store goes away next); with etcd, reads and waits in turn. */
+static int kv_wait(rdzv_t *rz, conn_t *c, const char *key, int timeout_ms) {
+  return kv_wait_get(rz, c, key, timeout_ms, NULL, NULL);
+}
+
 static int kv_get_wait(rdzv_t *rz, conn_t *c, const char *key, void **v, size_t *len, int timeout_ms) {
   if (!c->e) return store_get(c->s, key, v, len, timeout_ms);
   double deadline = mono_now() + timeout_ms / 1000.0;
@@ -557,27 +579,69 @@ static int post_end(rdzv_t *rz, conn_t *c, int r, rdzv_end_t *e, int survivors) 
   return bump_round(rz, c, r);
 }
 
-/* Parses a description "node_rank nproc addr" (what follows the address is ignored) and
- * returns where it ends, or NULL. By hand rather than with sscanf, which took about 0.5 us a
- * description: every node parses all of them. */
-static const char *parse_node(const char *v, int idx, rdzv_node_t *n) {
-  char *end;
-  long rank = strtol(v, &end, 10);
-  if (end == v || (*end != ' ' && *end != '\t')) return NULL;
-  v = end;
-  long nproc = strtol(v, &end, 10);
-  if (end == v || (*end != ' ' && *end != '\t')) return NULL;
-  v = end;
+/* A decimal int at *p after spaces or tabs (an optional '-', then 1 to 10 digits), followed by
+ * a space or a tab; *p moves past it. -1 when there is none. */
+static int parse_field(const char **p, long *out) {
+  const char *v = *p;
   while (*v == ' ' || *v == '\t') v++;
-  size_t len = strcspn(v, " \t\n");
-  if (len == 0 || len >= sizeof n->addr || rank < INT_MIN || rank > INT_MAX || nproc < INT_MIN || nproc > INT_MAX)
+  int neg = *v == '-';
+  v += neg;
+  long x = 0;
+  const char *digits = v;
+  while (*v >= '0' && *v <= '9' && v - digits < 10) x = x * 10 + (*v++ - '0');
+  if (v == digits || (*v != ' ' && *v != '\t')) return -1;
+  *out = neg ? -x : x;
+  *p = v;
+  return 0;
+}
+
+/* Parses a description "node_rank nproc addr" (what follows the address is ignored): the
+ * address is [*addr, the returned end). NULL when malformed. By hand rather than with sscanf
+ * or strtol: every node parses every node's, 2048 of them in a 2048-node job. */
+static const char *parse_desc(const char *v, int *node_rank, int *nproc, const char **addr) {
+  long rank, np;
+  if (parse_field(&v, &rank) || parse_field(&v, &np)) return NULL;
+  while (*v == ' ' || *v == '\t') v++;
+  const char *a = v;
+  while (*v && *v != ' ' && *v != '\t' && *v != '\n') v++;
+  if (v == a || v - a >= RDZV_ADDR_MAX || rank < INT_MIN || rank > INT_MAX || np < INT_MIN || np > INT_MAX)
     return NULL;
-  n->idx = idx;
-  n->node_rank = (int)rank;
-  n->nproc = (int)nproc;
-  memcpy(n->addr, v, len);
-  n->addr[len] = 0;
-  return v + len;
+  *node_rank = (int)rank;
+  *nproc = (int)np;
+  *addr = a;
+  return v;
+}
+
+/* One allocation, the n entries followed by a copy of the text in which each address ends in
+ * a NUL, so that the entries stay 24 bytes (an address array inline was 268 bytes a node, a
+ * half megabyte for each of 2048 nodes to fault in, and again for the watch thread's copy). */
+rdzv_node_t *rdzv_parse_node_list(const char *text, size_t len, int n, int *oom) {
+  *oom = 0;
+  rdzv_node_t *nodes = malloc((size_t)n * sizeof *nodes + len + 1);
+  if (!nodes) {
+    *oom = 1;
+    return NULL;
+  }
+  char *p = (char *)(nodes + n), *end = p + len;
+  memcpy(p, text, len);
+  *end = 0;
+  for (int i = 0; i < n; i++) {
+    const char *addr;
+    char *aend = (char *)(p < end ? parse_desc(p, &nodes[i].node_rank, &nodes[i].nproc, &addr) : NULL);
+    if (!aend || *aend != '\n') {
+      free(nodes);
+      return NULL;
+    }
+    *aend = 0;
+    nodes[i].idx = i + 1;
+    nodes[i].addr = addr;
+    p = aend + 1;
+  }
+  if (p != end) {
+    free(nodes);
+    return NULL;
+  }
+  return nodes;
 }
 
 /* The participant index of a key "<prefix><what>/<i>", or 0. */
@@ -589,18 +653,14 @@ static int key_idx(const char *key, const char *prefix, const char *what, int n)
   return *end || i < 1 || i > n ? 0 : (int)i;
 }
 
-/* Reads the descriptions of participants 1..n of round r into nodes (each wrote its own right
- * after taking its index, so waiting up to timeout_ms for the slow). -EINVAL (and an error
- * event) for a malformed one. The store answers all n keys in one request; etcd in one prefix
- * read, then a wait for each one still missing. */
-static int read_nodes(rdzv_t *rz, conn_t *c, int r, int n, rdzv_node_t *nodes, int timeout_ms) {
+/* Reads the descriptions of participants 1..n of round r into vals[0..n) (malloc'ed; each
+ * wrote its own right after taking its index, so waiting up to timeout_ms for the slow). The
+ * store answers all n keys in one request; etcd in one prefix read, then a wait for each one
+ * still missing. */
+static int read_nodes(rdzv_t *rz, conn_t *c, int r, int n, void **vals, int timeout_ms) {
   char *have = calloc((size_t)n, 1);
-  void **vals = calloc((size_t)n, sizeof *vals);
   int rc = 0;
-  if (!have || !vals) {
-    rc = STORE_ENOMEM;
-    goto out;
-  }
+  if (!have) return STORE_ENOMEM;
   if (!c->e) {
     const char **keys = calloc((size_t)n, sizeof *keys);
     size_t *lens = calloc((size_t)n, sizeof *lens);
@@ -641,16 +701,7 @@ static int read_nodes(rdzv_t *rz, conn_t *c, int r, int n, rdzv_node_t *nodes, i
       if (rc) goto out;
     }
   }
-  for (int i = 0; i < n; i++)
-    if (!parse_node(vals[i], i + 1, &nodes[i])) {
-      emit_error(rz, "rendezvous round %d: node %d published a malformed description", r, i + 1);
-      rc = -EINVAL;
-      break;
-    }
 out:
-  if (vals)
-    for (int i = 0; i < n; i++) free(vals[i]);
-  free(vals);
   free(have);
   return rc;
 }
@@ -662,42 +713,68 @@ out:
  * round's start quadratic in the nodes (in a 2048-node start on loopback, each node built
  * 2048 keys in a megabyte of buffer and the store looked up 4 million keys). Closers racing
  * with the same n write the same list; one that loses the race to another n wrote a list
- * nobody reads. nodes gets the descriptions. */
-static int publish_nodes(rdzv_t *rz, conn_t *c, int r, int n, rdzv_node_t *nodes, int timeout_ms) {
-  int rc = read_nodes(rz, c, r, n, nodes, timeout_ms);
-  if (rc) return rc;
+ * nobody reads. *out gets the participants (rdzv_parse_node_list). -EINVAL (and an error event)
+ * for a malformed description. */
+static int publish_nodes(rdzv_t *rz, conn_t *c, int r, int n, rdzv_node_t **out, int timeout_ms) {
+  void **vals = calloc((size_t)n, sizeof *vals);
   size_t cap = (size_t)n * (RDZV_ADDR_MAX + 32) + 1, len = 0;
   char *list = malloc(cap);
-  if (!list) return STORE_ENOMEM;
-  for (int i = 0; i < n; i++)
-    len += (size_t)snprintf(list + len, cap - len, "%d %d %s\n", nodes[i].node_rank, nodes[i].nproc, nodes[i].addr);
+  int rc = vals && list ? read_nodes(rz, c, r, n, vals, timeout_ms) : STORE_ENOMEM;
+  for (int i = 0; !rc && i < n; i++) {
+    int node_rank, nproc;
+    const char *addr, *end = parse_desc(vals[i], &node_rank, &nproc, &addr);
+    if (!end) {
+      emit_error(rz, "rendezvous round %d: node %d published a malformed description", r, i + 1);
+      rc = -EINVAL;
+      break;
+    }
+    len += (size_t)snprintf(list + len, cap - len, "%d %d %.*s\n", node_rank, nproc, (int)(end - addr), addr);
+  }
+  if (vals)
+    for (int i = 0; i < n; i++) free(vals[i]);
+  free(vals);
   char key[RDZV_KEY_MAX];
   keyf(rz, key, "r%d/nodes/%d", r, n);
-  rc = kv_set(rz, c, key, list, 0);
+  if (!rc) rc = kv_set(rz, c, key, list, 0);
+  int oom = 0;
+  if (!rc && !(*out = rdzv_parse_node_list(list, len, n, &oom))) rc = STORE_ENOMEM; /* our own list parses */
   free(list);
   return rc;
 }
 
-/* Reads round r's participant list (publish_nodes) into nodes[0..n), waiting up to timeout_ms
- * (it is written before the round closes, so this waits only for a store that lost it).
- * -EINVAL (and an error event) when it is malformed. */
-static int read_node_list(rdzv_t *rz, conn_t *c, int r, int n, rdzv_node_t *nodes, int timeout_ms) {
-  char key[RDZV_KEY_MAX];
+/* Reads round r's participant list (publish_nodes) into *out (rdzv_parse_node_list), waiting up to
+ * timeout_ms (it is written before the round closes, so this waits only for a store that lost
+ * it). With master not NULL and the store, the round's master record too, in the same request
+ * (waiting for it as well), into *master (malloc'ed); with etcd *master stays NULL. -EINVAL (and
+ * an error event) when the list is malformed. */
+static int read_node_list(rdzv_t *rz, conn_t *c, int r, int n, rdzv_node_t **out, void **master, size_t *mlen,
+                          int timeout_ms) {
+  char key[RDZV_KEY_MAX], mkey[RDZV_KEY_MAX];
   keyf(rz, key, "r%d/nodes/%d", r, n);
   void *v = NULL;
   size_t len = 0;
-  int rc = kv_get_wait(rz, c, key, &v, &len, timeout_ms);
-  if (rc) return rc;
-  const char *p = v;
-  for (int i = 0; i < n && !rc; i++) {
-    const char *end = parse_node(p, i + 1, &nodes[i]);
-    if (!end || *end != '\n') rc = -EINVAL;
-    else p = end + 1;
+  int rc;
+  if (master && !c->e) {
+    keyf(rz, mkey, "r%d/master", r);
+    const char *keys[2] = {key, mkey};
+    void *vals[2] = {NULL, NULL};
+    size_t lens[2] = {0, 0};
+    rc = store_multi_get(c->s, keys, 2, vals, lens, timeout_ms);
+    v = vals[0];
+    len = lens[0];
+    *master = vals[1];
+    *mlen = lens[1];
+  } else {
+    rc = kv_get_wait(rz, c, key, &v, &len, timeout_ms);
   }
-  if (!rc && p != (const char *)v + len) rc = -EINVAL;
+  if (rc) return rc;
+  int oom = 0;
+  *out = rdzv_parse_node_list(v, len, n, &oom);
   free(v);
-  if (rc) emit_error(rz, "rendezvous round %d: the list of its %d participants is malformed", r, n);
-  return rc;
+  if (*out) return 0;
+  if (oom) return STORE_ENOMEM;
+  emit_error(rz, "rendezvous round %d: the list of its %d participants is malformed", r, n);
+  return -EINVAL;
 }
 
 /* Publishes the round to the watch thread. */
@@ -723,6 +800,8 @@ static void do_join(rdzv_t *rz) {
   char key[RDZV_KEY_MAX], val[RDZV_ADDR_MAX + 64];
   int rc;
   rdzv_node_t *nodes = NULL;
+  void *mv = NULL; /* the round's master record */
+  size_t mlen = 0;
   if ((rc = ensure_lease(rz, s))) goto store_error;
   for (;;) {
     if (atomic_load(&rz->stop)) return;
@@ -763,16 +842,17 @@ static void do_join(rdzv_t *rz) {
     if ((rc = kv_join(rz, s, r, &idx))) goto store_error;
     /* Liveness first (a heartbeat counter in the store, a key on this node's lease in etcd):
      * whoever reads our description can then count on finding it. */
+    char node_key[RDZV_KEY_MAX];
     keyf(rz, key, is_etcd(rz) ? "r%d/alive/%d" : "r%d/hb/%d", r, (int)idx);
-    if ((rc = kv_set(rz, s, key, is_etcd(rz) ? "1" : "0", 1))) goto store_error;
-    keyf(rz, key, "r%d/node/%d", r, (int)idx);
+    keyf(rz, node_key, "r%d/node/%d", r, (int)idx);
     snprintf(val, sizeof val, "%d %d %s", c->node_rank, c->nproc, c->addr);
-    if ((rc = kv_set(rz, s, key, val, 1))) goto store_error;
+    if ((rc = kv_set_pair(rz, s, key, is_etcd(rz) ? "1" : "0", node_key, val, 1))) goto store_error;
     log_debug("round %d: joined as node %d", r, (int)idx);
 
     char closed_key[RDZV_KEY_MAX];
     keyf(rz, closed_key, "r%d/closed", r);
     int listed = 0; /* nodes holds the descriptions of participants 1..listed (a closer's) */
+    closed = -1;    /* the count the round closed with, once known */
     rdzv_close_action_t act = rdzv_close_action((int)idx, c->nnodes_min, c->nnodes_max);
     if (act == RDZV_CLOSE_AFTER_LAST_CALL) {
       rc = kv_wait(rz, s, closed_key, (int)(c->last_call_timeout_s * 1000));
@@ -786,14 +866,9 @@ static void do_join(rdzv_t *rz) {
         if ((rc = kv_joined(rz, s, r, &count))) goto store_error;
         if (count > c->nnodes_max) count = c->nnodes_max;
       }
-      nodes = calloc((size_t)count, sizeof *nodes);
-      if (!nodes) {
-        rc = STORE_ENOMEM;
-        goto store_error;
-      }
       /* A participant that never wrote its description: close anyway, and everyone (this node
        * too) times out waiting for the list, as they did waiting for the descriptions. */
-      rc = publish_nodes(rz, s, r, (int)count, nodes, (int)(c->close_timeout_s * 1000));
+      rc = publish_nodes(rz, s, r, (int)count, &nodes, (int)(c->close_timeout_s * 1000));
       if (rc == -EINVAL) goto out;
       if (rc && rc != STORE_ETIMEDOUT) goto store_error;
       listed = rc ? 0 : (int)count;
@@ -801,10 +876,15 @@ static void do_join(rdzv_t *rz) {
       void *actual = NULL;
       size_t alen = 0;
       if ((rc = kv_compare_set(rz, s, closed_key, NULL, val, 0, &actual, &alen))) goto store_error;
+      if (actual) closed = strtoll(actual, NULL, 10);
       free(actual);
     } else {
       double left = deadline - mono_now();
-      rc = kv_wait(rz, s, closed_key, left > 0 ? (int)(left * 1000) : 0);
+      void *cv = NULL;
+      size_t clen = 0;
+      rc = kv_wait_get(rz, s, closed_key, left > 0 ? (int)(left * 1000) : 0, &cv, &clen);
+      if (rc == 0) closed = strtoll(cv, NULL, 10);
+      free(cv);
       if (rc == 1) return;
       if (rc == STORE_ETIMEDOUT) {
         int64_t count = 0;
@@ -815,7 +895,7 @@ static void do_join(rdzv_t *rz) {
       }
       if (rc) goto store_error;
     }
-    if ((rc = read_int(s, closed_key, -1, &closed))) goto store_error;
+    if (closed < 0 && (rc = read_int(s, closed_key, -1, &closed))) goto store_error;
     if (idx > closed) {
       log_info("round %d closed with %d nodes before this node (index %d) joined", r, (int)closed, (int)idx);
       free(nodes);
@@ -823,16 +903,15 @@ static void do_join(rdzv_t *rz) {
       continue;
     }
 
-    /* Participants 1..N: ours when this node closed the round, else the closer's list. */
+    /* Participants 1..N: ours when this node closed the round, else the closer's list. A node
+     * without --node_rank that did not join first cannot be group rank 0 (ranks follow join
+     * order unless every node has one), so it reads the master record in the same request. */
     int n = (int)closed;
+    int not_rank0 = c->node_rank < 0 && idx != 1;
     if (listed != n) {
       free(nodes);
-      nodes = calloc((size_t)n, sizeof *nodes);
-      if (!nodes) {
-        rc = STORE_ENOMEM;
-        goto store_error;
-      }
-      if ((rc = read_node_list(rz, s, r, n, nodes, (int)(c->close_timeout_s * 1000)))) {
+      nodes = NULL;
+      if ((rc = read_node_list(rz, s, r, n, &nodes, not_rank0 ? &mv : NULL, &mlen, (int)(c->close_timeout_s * 1000)))) {
         if (rc == -EINVAL) goto out;
         goto store_error;
       }
@@ -869,15 +948,11 @@ static void do_join(rdzv_t *rz) {
       }
       if ((rc = kv_set(rz, s, key, val, 0))) goto store_error;
     }
-    void *mv = NULL;
-    size_t mlen = 0;
-    if ((rc = kv_get_wait(rz, s, key, &mv, &mlen, (int)(c->close_timeout_s * 1000)))) goto store_error;
+    if (!mv && (rc = kv_get_wait(rz, s, key, &mv, &mlen, (int)(c->close_timeout_s * 1000)))) goto store_error;
     if (rdzv_master_decode(mv, mlen, &a)) {
-      free(mv);
       emit_error(rz, "rendezvous round %d: malformed master record", r);
       goto out;
     }
-    free(mv);
     rdzv_event_t *ev = calloc(1, sizeof *ev);
     if (!ev) goto out;
     ev->kind = RDZV_EV_ASSIGNED;
@@ -897,6 +972,7 @@ store_error:
   else
     store_lost(rz, s, rc);
 out:
+  free(mv);
   free(nodes);
 }
 
@@ -1301,8 +1377,8 @@ static void watch_loop(rdzv_t *rz) {
     }
     seen = rz->watch_gen;
     int r = rz->cur_round, n = rz->cur_n, me = rz->cur_my_idx;
-    rdzv_node_t *nodes = malloc((size_t)n * sizeof *nodes);
-    if (nodes) memcpy(nodes, rz->cur_nodes, (size_t)n * sizeof *nodes);
+    rdzv_node_t *nodes = rz->cur_nodes; /* ours now: the next round's join brings its own */
+    rz->cur_nodes = NULL;
     uv_mutex_unlock(&rz->mu);
     if (!nodes) continue;
     if (ensure_conn(rz, &rz->ws, (int)(rz->cfg.join_timeout_s * 1000), watch_ms) == 0) {
@@ -1331,10 +1407,14 @@ int rdzv_create(rdzv_t **out, uv_loop_t *loop, const rdzv_config_t *cfg, rdzv_ev
   *out = NULL;
   rdzv_t *rz = calloc(1, sizeof *rz);
   if (!rz) {
+    store_close(cfg->conn);
     snprintf(err, errlen, "rdzv: out of memory");
     return -ENOMEM;
   }
   rz->cfg = *cfg;
+  rz->cfg.conn = NULL;
+  rz->cs.s = cfg->conn; /* one connection fewer per node: the agent's probe already shook hands */
+  if (rz->cs.s) atomic_store(&rz->reached, 1);
   rz->loop = loop;
   rz->cb = cb;
   rz->arg = arg;
@@ -1479,6 +1559,17 @@ rdzv_late_action_t rdzv_late_action(int closed_n, int nmax) {
   return closed_n < nmax ? RDZV_LATE_SCALE_UP : RDZV_LATE_WAIT_END;
 }
 
+typedef struct {
+  int key, i; /* node rank or join index; the node's place in the list */
+} sort_key_t;
+
+/* Ties (equal node ranks, an error found after the sort) by place, so the message is stable. */
+static int by_key(const void *pa, const void *pb) {
+  const sort_key_t *a = pa, *b = pb;
+  if (a->key != b->key) return a->key < b->key ? -1 : 1;
+  return (a->i > b->i) - (a->i < b->i);
+}
+
 int rdzv_assign_ranks(const rdzv_node_t *nodes, int n, int my_idx, rdzv_assignment_t *a, int *rank0_idx, char *err,
                       size_t errlen) {
   if (n <= 0) {
@@ -1489,34 +1580,29 @@ int rdzv_assign_ranks(const rdzv_node_t *nodes, int n, int my_idx, rdzv_assignme
   int by_rank = 1;
   for (int i = 0; i < n; i++)
     if (nodes[i].node_rank < 0) by_rank = 0;
-  int *order = malloc((size_t)n * sizeof *order);
+  sort_key_t *order = malloc((size_t)n * sizeof *order);
   if (!order) {
     snprintf(err, errlen, "out of memory");
     return -ENOMEM;
   }
-  for (int i = 0; i < n; i++) order[i] = i;
-  /* Insertion sort by (node_rank or join index): n is small and this stays obvious. */
-  for (int i = 1; i < n; i++) {
-    int x = order[i], j = i - 1;
-    int kx = by_rank ? nodes[x].node_rank : nodes[x].idx;
-    while (j >= 0 && (by_rank ? nodes[order[j]].node_rank : nodes[order[j]].idx) > kx) {
-      order[j + 1] = order[j];
-      j--;
-    }
-    order[j + 1] = x;
+  int sorted = 1; /* by join index they always are: the list is in join order */
+  for (int i = 0; i < n; i++) {
+    order[i] = (sort_key_t){by_rank ? nodes[i].node_rank : nodes[i].idx, i};
+    if (i && by_key(&order[i - 1], &order[i]) > 0) sorted = 0;
   }
+  if (!sorted) qsort(order, (size_t)n, sizeof *order, by_key);
   if (by_rank)
     for (int i = 1; i < n; i++)
-      if (nodes[order[i]].node_rank == nodes[order[i - 1]].node_rank) {
-        snprintf(err, errlen, "two nodes (%s and %s) both have --node_rank=%d", nodes[order[i - 1]].addr,
-                 nodes[order[i]].addr, nodes[order[i]].node_rank);
+      if (order[i].key == order[i - 1].key) {
+        snprintf(err, errlen, "two nodes (%s and %s) both have --node_rank=%d", nodes[order[i - 1].i].addr,
+                 nodes[order[i].i].addr, order[i].key);
         free(order);
         return -EINVAL;
       }
   int found = 0, offset = 0, world = 0;
   memset(a, 0, sizeof *a);
   for (int g = 0; g < n; g++) {
-    const rdzv_node_t *nd = &nodes[order[g]];
+    const rdzv_node_t *nd = &nodes[order[g].i];
     if (nd->idx == my_idx) {
       found = 1;
       a->group_rank = g;
@@ -1527,7 +1613,7 @@ int rdzv_assign_ranks(const rdzv_node_t *nodes, int n, int my_idx, rdzv_assignme
     offset += nd->nproc;
     world += nd->nproc;
   }
-  *rank0_idx = nodes[order[0]].idx;
+  *rank0_idx = nodes[order[0].i].idx;
   free(order);
   if (!found) {
     snprintf(err, errlen, "node %d is not a participant", my_idx);

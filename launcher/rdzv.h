@@ -88,6 +88,8 @@
 #include <stdint.h>
 #include <uv.h>
 
+#include "common/store.h"
+
 #define RDZV_ADDR_MAX 256
 #define RDZV_MSG_MAX 1024
 #define RDZV_SECRET_MAX 1024 /* bytes of the job secret, its NUL included */
@@ -111,13 +113,15 @@ typedef struct {
   double heartbeat_interval_s, heartbeat_timeout_s;
   int max_restarts;
   int is_store_host; /* this node serves the store: it waits for the others before exiting */
+  store_t *conn; /* c10d: an open connection to the store (the agent's probe of the endpoint),
+                  * taken over for the joins, or NULL; rdzv_create owns it, failing or not */
 } rdzv_config_t;
 
 typedef struct {
   int idx;       /* join index in the round, 1-based */
   int node_rank; /* -1 when not given */
   int nproc;
-  char addr[RDZV_ADDR_MAX];
+  const char *addr; /* into the round's participant list, which owns it */
 } rdzv_node_t;
 
 /* This node's place in a closed round. */
@@ -213,6 +217,12 @@ typedef enum {
   RDZV_LATE_WAIT_END,     /* the running round is full: wait for it to end */
 } rdzv_late_action_t;
 rdzv_late_action_t rdzv_late_action(int closed_n, int nmax);
+
+/* A round's participants from its list: n lines "node_rank nproc addr\n" in join order (what
+ * the closer publishes). Returns the n entries (idx 1..n; addr points into the same block;
+ * one free() releases all), or NULL when the text is malformed (*oom = 0) or memory ran out
+ * (*oom = 1). */
+rdzv_node_t *rdzv_parse_node_list(const char *text, size_t len, int n, int *oom);
 
 /* Orders the n participants (by node_rank when every node gave a distinct one, else by join
  * index) and fills group_rank, rank_offset, world_size, nnodes, nproc of the node with join

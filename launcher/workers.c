@@ -3,9 +3,10 @@
  * Order inside the child, between fork and exec (only async-signal-safe calls: the parent has
  * threads): own process group first, so that a signal to the group never reaches meshrun;
  * then PR_SET_PDEATHSIG=SIGKILL and a getppid() check (if meshrun died before the prctl, the
- * child was already reparented and exits); then default signal dispositions and an empty mask
- * (ignored signals and masks survive exec; the parent forks with every signal blocked, so
- * none reaches an inherited handler before this); then the fds; then execve of the path that
+ * child was already reparented and exits); then default dispositions for the signals meshrun
+ * handles or ignores (RESET_SIGNALS) and an empty mask (ignored signals and masks survive exec;
+ * the parent forks with every signal blocked, so none reaches an inherited handler before
+ * this); then the fds; then execve of the path that
  * workers_find_program resolved once in the parent. An exec failure is
  * reported through a CLOEXEC pipe, so workers_start can name the cause.
  * Environment and argv are built before fork, since the child must not allocate. */
@@ -143,7 +144,9 @@ static void write_file(stream_t *s, const char *p, size_t n) {
 }
 
 static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
-  static __thread char chunk[65536]; /* the loop is one thread; data is copied out at once */
+  /* The loop is one thread and data is copied out at once. Not thread-local: 64 KiB of TLS
+   * was zeroed for every thread meshrun starts. */
+  static char chunk[65536];
   (void)h;
   (void)suggested;
   buf->base = chunk;
@@ -508,13 +511,19 @@ int workers_find_program(const char *prog, char *out, size_t outlen, char *why, 
   return seen_noexec ? EACCES : ENOENT;
 }
 
+/* The signals meshrun handles (the agent's forwarded ones and SIGCHLD, through libuv) or
+ * ignores (SIGPIPE, main.c): what the child sets back to default before it unblocks signals.
+ * Others keep the disposition meshrun got from its parent, as under torchrun (an ignored
+ * SIGHUP under nohup stays ignored); resetting all 64 was 64 system calls per worker. */
+static const int RESET_SIGNALS[] = {SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2, SIGCHLD, SIGPIPE};
+
 /* The child side: see the order and reasons at the top of the file. */
 static void __attribute__((noreturn)) child_exec(pid_t parent, int out_fd, int err_fd, int report_fd,
                                                  const char *file, char **argv, char **env) {
   setpgid(0, 0);
   prctl(PR_SET_PDEATHSIG, SIGKILL);
   if (getppid() != parent) _exit(137);
-  for (int sig = 1; sig < NSIG; sig++) signal(sig, SIG_DFL);
+  for (size_t i = 0; i < sizeof RESET_SIGNALS / sizeof RESET_SIGNALS[0]; i++) signal(RESET_SIGNALS[i], SIG_DFL);
   sigset_t none;
   sigemptyset(&none);
   sigprocmask(SIG_SETMASK, &none, NULL);
@@ -634,9 +643,9 @@ int workers_start(workers_t *w, const workers_round_t *r, char *err, size_t errl
     return -ENOMEM;
   }
   for (int i = 0; i < r->nproc; i++) reports[i] = -1;
-  snprintf(w->stop_file, sizeof w->stop_file, "%.4000s/stop", r->attempt_dir);
+  snprintf(w->stop_file, sizeof w->stop_file, "%.3800s/%sstop", r->attempt_dir, r->file_prefix);
   if ((rc = mkdir_p(r->attempt_dir, err, errlen))) goto error;
-  unlink(w->stop_file);
+  fs_unlink_if_there(w->stop_file);
   for (int i = 0; i < r->nproc; i++) {
     worker_t *wk = &w->ws[i];
     wk->owner = w;
@@ -651,10 +660,13 @@ int workers_start(workers_t *w, const workers_round_t *r, char *err, size_t errl
     if (rank_writes_log(o, r, i)) {
       if ((rc = mkdir_p(rank_dir, err, errlen))) goto error;
       snprintf(wk->info.error_file, sizeof wk->info.error_file, "%.4000s/error.json", rank_dir);
+    } else if (r->file_prefix[0]) {
+      snprintf(wk->info.error_file, sizeof wk->info.error_file, "%.3800s/%s%d.error.json", r->attempt_dir,
+               r->file_prefix, i);
     } else {
       snprintf(wk->info.error_file, sizeof wk->info.error_file, "%.4000s.error.json", rank_dir);
     }
-    unlink(wk->info.error_file);
+    fs_unlink_if_there(wk->info.error_file);
     int out_child, out_rd, err_child, err_rd;
     if ((rc = setup_stream(w, wk, &wk->out, 0, r, rank_dir, &out_child, &out_rd, err, errlen))) goto error;
     if ((rc = setup_stream(w, wk, &wk->err, 1, r, rank_dir, &err_child, &err_rd, err, errlen))) {
@@ -809,4 +821,10 @@ void workers_close(workers_t *w) {
     close_stream(&w->ws[i].out);
     close_stream(&w->ws[i].err);
   }
+}
+
+void workers_remove_files(workers_t *w) {
+  if (w->stop_file[0]) fs_unlink_if_there(w->stop_file);
+  for (int i = 0; i < w->n; i++)
+    if (w->ws[i].info.error_file[0]) fs_unlink_if_there(w->ws[i].info.error_file);
 }

@@ -38,6 +38,10 @@ typedef struct {
   char attempt_dir[PATH_MAX]; /* <base>/attempt_<round>: <rank>/error.json and logs go below, or
                                <rank>.error.json for a rank that writes no log */
   int log_files;              /* write stdout.log/stderr.log for every stream */
+  char file_prefix[200]; /* "" or, in a directory shared with other nodes, what starts this node's
+                            file names there: <prefix>stop, <prefix><local rank>.error.json (by
+                            local rank: the same names every round, so the node knows what to
+                            remove when it exits) */
 } workers_round_t;
 
 typedef struct {
@@ -77,6 +81,9 @@ void workers_signal(workers_t *w, int sig);
  * itself is ending). A worker that can save its state (the trainer's checkpoint.on_signal) does
  * so for the first two and just ends for the others. */
 void workers_stop(workers_t *w, int sig, double grace_s, const char *reason);
+/* Unlinks the stop file and the last round's error files (in a temporary directory shared
+ * with other nodes, at exit: file_prefix names them the same every round). */
+void workers_remove_files(workers_t *w);
 /* SIGKILL to every process group this round started, running or not (exit paths). */
 void workers_kill_all(workers_t *w);
 int workers_running(const workers_t *w);

@@ -60,8 +60,9 @@ def test_worker_environment(launch, tmp_path):
         assert e["MESHRUN_ROUND"] == "0"
         assert e["TORCHELASTIC_MAX_RESTARTS"] == "3"
         assert e["TORCHELASTIC_RUN_ID"] == "envjob"
-        # no log dir: the files go straight into the temporary directory, no directory per rank
-        assert re.search(r"/meshrun-envjob-[^/]+/%d\.error\.json$" % r, e["TORCHELASTIC_ERROR_FILE"])
+        # no log dir: the files go into the user's shared temporary directory, named per node
+        assert re.search(r"/meshrun-%d/envjob-\d+-[0-9a-f]{8}-%d\.error\.json$" % (os.getuid(), r),
+                         e["TORCHELASTIC_ERROR_FILE"]), e["TORCHELASTIC_ERROR_FILE"]
         assert e["OMP_NUM_THREADS"] == "1"
         host, port = e["MESHRUN_STORE"].rsplit(":", 1)
         assert host == "127.0.0.1" and 0 < int(port) < 65536
@@ -69,6 +70,40 @@ def test_worker_environment(launch, tmp_path):
         store = store or e["MESHRUN_STORE"]
         assert e["MESHRUN_STORE"] == store
     assert envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"]
+
+
+def test_temporary_files_shared_dir_and_removed(launch, tmp_path):
+    """Without --log_dir, the error and stop files go to $TMPDIR/meshrun-<uid> (made private, 0700),
+    named per node, and are gone when meshrun exits, also after a failure that wrote error files
+    and a restart that wrote the stop file."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    m = launch(["--nproc_per_node=2", "--max_restarts=1", "--rdzv_id=tmpjob"] +
+               worker_cmd(tmp_path, "--fail-rank", "1", "--errfile", "boom"), env={"TMPDIR": str(tmp)})
+    assert m.wait(60) == 3, m.describe()
+    assert "boom" in m.err, m.describe()
+    shared = tmp / ("meshrun-%d" % os.getuid())
+    st = os.lstat(shared)
+    assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700, oct(st.st_mode)
+    ef = read_json(worker_file(tmp_path, 1, 0, "json"))["TORCHELASTIC_ERROR_FILE"]
+    assert os.path.dirname(ef) == str(shared), ef
+    assert os.listdir(shared) == [], os.listdir(shared)
+    assert sorted(os.listdir(tmp)) == [shared.name]
+
+
+def test_temporary_dir_not_ours_is_not_used(launch, tmp_path):
+    """A $TMPDIR/meshrun-<uid> that others may write (here 0777) is left alone: the node makes a
+    directory of its own, and removes it at exit."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    shared = tmp / ("meshrun-%d" % os.getuid())
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    m = launch(["--nproc_per_node=1", "--rdzv_id=tmpjob2"] + worker_cmd(tmp_path), env={"TMPDIR": str(tmp)})
+    assert m.wait(30) == 0, m.describe()
+    ef = read_json(worker_file(tmp_path, 0, 0, "json"))["TORCHELASTIC_ERROR_FILE"]
+    assert re.search(r"/meshrun-tmpjob2-[^/]+/0\.error\.json$", ef), ef
+    assert sorted(os.listdir(tmp)) == [shared.name] and os.listdir(shared) == []
 
 
 def test_omp_num_threads_kept_when_set(launch, tmp_path):

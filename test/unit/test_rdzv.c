@@ -19,8 +19,7 @@
 #include "launcher/store_server.h"
 
 static rdzv_node_t mk(int idx, int node_rank, int nproc, const char *addr) {
-  rdzv_node_t n = {.idx = idx, .node_rank = node_rank, .nproc = nproc};
-  strcpy(n.addr, addr);
+  rdzv_node_t n = {.idx = idx, .node_rank = node_rank, .nproc = nproc, .addr = addr};
   return n;
 }
 
@@ -98,6 +97,74 @@ static void test_ranks_errors(void **state) {
   nodes[1].node_rank = 1;
   assert_int_equal(rdzv_assign_ranks(nodes, 2, 9, &a, &r0, err, sizeof err), -EINVAL);
   assert_non_null(strstr(err, "not a participant"));
+}
+
+static void test_node_list_parse(void **state) {
+  (void)state;
+  const char *text = "-1 2 10.0.0.1\n-1 1 host-b.example\n7\t8\t[fd00::3]\n";
+  int oom = 1;
+  rdzv_node_t *nodes = rdzv_parse_node_list(text, strlen(text), 3, &oom);
+  assert_non_null(nodes);
+  assert_int_equal(oom, 0);
+  assert_int_equal(nodes[0].idx, 1);
+  assert_int_equal(nodes[0].node_rank, -1);
+  assert_int_equal(nodes[0].nproc, 2);
+  assert_string_equal(nodes[0].addr, "10.0.0.1");
+  assert_string_equal(nodes[1].addr, "host-b.example");
+  assert_int_equal(nodes[2].idx, 3);
+  assert_int_equal(nodes[2].node_rank, 7);
+  assert_int_equal(nodes[2].nproc, 8);
+  assert_string_equal(nodes[2].addr, "[fd00::3]");
+  free(nodes);
+  /* The count must match, every line must end, and each field must be there and in range. */
+  char long_addr[RDZV_ADDR_MAX + 16];
+  snprintf(long_addr, sizeof long_addr, "0 1 %0*d\n", RDZV_ADDR_MAX, 0);
+  const char *bad[] = {
+      "-1 1 a\n",              /* one line for two nodes */
+      "-1 1 a\n-1 1 b\n-1 1 c\n", /* three */
+      "-1 1 a\n-1 1 b",         /* the last line unended */
+      "-1 1 a\nx 1 b\n",        /* not a number */
+      "-1 1 a\n-1 1\n",         /* no address */
+      "-1 1 a\n-1 1 \n",        /* an empty one */
+      "-1 1 a\n- 1 b\n",        /* a sign alone */
+      "-1 1 a\n99999999999 1 b\n", /* 11 digits */
+      "-1 1 a\n3000000000 1 b\n", /* past INT_MAX */
+      "-1 1 a\n-1 1 b c\n",     /* something after the address */
+      long_addr,
+  };
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    oom = 1;
+    nodes = rdzv_parse_node_list(bad[i], strlen(bad[i]), 2, &oom);
+    if (nodes) fail_msg("accepted malformed list %zu: %s", i, bad[i]);
+    assert_int_equal(oom, 0);
+  }
+}
+
+/* Many nodes with node ranks in a scrambled order (the sort) and without (join order, no sort):
+ * each node's group rank is its node rank, or its join position. */
+static void test_ranks_many_nodes(void **state) {
+  (void)state;
+  enum { N = 2048 };
+  rdzv_node_t *nodes = calloc(N, sizeof *nodes);
+  assert_non_null(nodes);
+  for (int i = 0; i < N; i++) nodes[i] = mk(i + 1, (int)((i * 1237L) % N), 1 + i % 3, "h");
+  rdzv_assignment_t a;
+  int r0 = 0;
+  char err[256];
+  for (int i = 0; i < N; i += 97) {
+    assert_int_equal(rdzv_assign_ranks(nodes, N, i + 1, &a, &r0, err, sizeof err), 0);
+    assert_int_equal(a.group_rank, nodes[i].node_rank);
+    assert_int_equal(nodes[r0 - 1].node_rank, 0);
+    int offset = 0; /* nproc of the nodes with lower node ranks */
+    for (int j = 0; j < N; j++)
+      if (nodes[j].node_rank < nodes[i].node_rank) offset += nodes[j].nproc;
+    assert_int_equal(a.rank_offset, offset);
+  }
+  for (int i = 0; i < N; i++) nodes[i].node_rank = -1;
+  assert_int_equal(rdzv_assign_ranks(nodes, N, 1500, &a, &r0, err, sizeof err), 0);
+  assert_int_equal(a.group_rank, 1499);
+  assert_int_equal(r0, 1);
+  free(nodes);
 }
 
 static void test_heartbeat_verdicts(void **state) {
@@ -387,6 +454,8 @@ int main(void) {
       cmocka_unit_test(test_ranks_by_join_order_heterogeneous),
       cmocka_unit_test(test_ranks_by_node_rank),
       cmocka_unit_test(test_ranks_errors),
+      cmocka_unit_test(test_node_list_parse),
+      cmocka_unit_test(test_ranks_many_nodes),
       cmocka_unit_test(test_heartbeat_verdicts),
       cmocka_unit_test(test_hb_ring),
       cmocka_unit_test(test_end_fatal),
