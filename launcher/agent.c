@@ -566,7 +566,7 @@ static int host_or_join(agent_t *a, int *refused, char *err, size_t errlen) {
     if (rc != STORE_SERVER_EADDRINUSE) return rc; /* serving, or the address is not this host's */
     if ((double)(uv_hrtime() - start) / 1e9 >= HOST_RETRY_S) return rc;
     if (nap_ms == 5)
-      log_debug("--rdzv_endpoint port %d is taken but nobody listens there: retrying", o->rdzv_port);
+      log_debug("--rdzv_endpoint port %d is taken but nobody listens there: retrying the bind", o->rdzv_port);
     struct timespec ts = {.tv_sec = 0, .tv_nsec = nap_ms * 1000000};
     nanosleep(&ts, NULL);
     if (nap_ms < 100) nap_ms *= 2;
