@@ -74,6 +74,7 @@ HB_TIMEOUT = 1.0
 # grants 2 s for less), so a node's heartbeat_timeout (its lease's TTL) is 2 s there.
 ETCD_HB_TIMEOUT = 2.0
 ETCD_MEMBERS = 3  # on hosts of their own, after the meshrun hosts
+ELECTION_HB_TIMEOUT = 6.0  # test_kill_etcd_member: outlasts an election with a split vote
 GLOBAL_BATCH = 24
 CKPT_INTERVAL = 5
 KILL_AFTER = 12       # the step the full world must have logged before a kill (past step 10's checkpoint)
@@ -510,10 +511,13 @@ def test_partition_and_heal(netcluster, reference, tmp_path, backend, giveup):
 def test_kill_etcd_member(netcluster, reference, tmp_path):
     """3 hosts x 1 worker with etcd on 3 hosts of its own: the etcd leader is SIGKILLed mid-run.
     Two of three members keep quorum (after an election), so nothing changes for the job: one
-    round from start to end, every node exits 0, the losses are the one-process run's."""
+    round from start to end, every node exits 0, the losses are the one-process run's. The
+    leases' TTL here is ELECTION_HB_TIMEOUT: an election that splits its first vote takes two
+    or three election timeouts (1-2 s each), past the 2 s TTL of the other tests, and every node
+    was then fenced for etcd's own pause (seen once in CI)."""
     hosts, steps = 3, 60
     c = cluster(netcluster, "etcd", hosts)
-    job = Job(c, tmp_path, "etcd", hosts, 1, steps)
+    job = Job(c, tmp_path, "etcd", hosts, 1, steps, hb_timeout={i: ELECTION_HB_TIMEOUT for i in range(hosts)})
     _, seen = job.wait(lambda: full_world_at(job, hosts, KILL_AFTER), 60, "the full world at step %d" % KILL_AFTER)
     leader = job.etcd.leader()
     assert leader is not None, job.describe()
