@@ -52,8 +52,7 @@
 
 typedef enum { AGENT_JOINING = 0, AGENT_RUNNING, AGENT_STOPPING, AGENT_FINISHING, AGENT_EXITING } agent_state_t;
 
-/* workers.c resets these in a worker before its exec (RESET_SIGNALS): keep the two lists alike. */
-static const int FORWARDED[] = {SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2};
+static const int FORWARDED[] = {WORKERS_FORWARDED_SIGNALS};
 #define NFORWARDED ((int)(sizeof FORWARDED / sizeof FORWARDED[0]))
 
 typedef struct {
@@ -523,6 +522,12 @@ static void node_address(const launcher_opts_t *o, char *out, size_t len) {
   else if (net_local_addr_toward(o->rdzv_host, o->rdzv_port, out, len)) net_hostname(out, len);
 }
 
+/* The store this node serves: this job's, with its secret and handshake deadline. */
+static store_server_opts_t server_opts(const launcher_opts_t *o) {
+  return (store_server_opts_t){.run_id = o->rdzv_id, .secret = o->secret,
+                               .handshake_ms = (int)(o->handshake_timeout_s * 1000)};
+}
+
 /* Serves the store at the rendezvous endpoint, or leaves it to whoever does. A probe comes
  * first: when a store of this job already answers there (every node but the first), this node
  * joins it through the probe's connection (a->probe, taken over by rdzv) without trying to
@@ -540,8 +545,7 @@ static void node_address(const launcher_opts_t *o, char *out, size_t len) {
 #define PROBE_MS 50
 static int host_or_join(agent_t *a, int *refused, char *err, size_t errlen) {
   const launcher_opts_t *o = a->opts;
-  store_server_opts_t so = {.run_id = o->rdzv_id, .secret = o->secret,
-                            .handshake_ms = (int)(o->handshake_timeout_s * 1000)};
+  store_server_opts_t so = server_opts(o);
   store_auth_t auth = {.run_id = o->rdzv_id, .secret = o->secret};
   uint64_t start = uv_hrtime();
   int64_t nap_ms = 5;
@@ -613,8 +617,7 @@ int agent_run(launcher_opts_t *o) {
   char addr[RDZV_ADDR_MAX];
   node_address(o, addr, sizeof addr);
   if (etcd) {
-    store_server_opts_t so = {.run_id = o->rdzv_id, .secret = o->secret,
-                              .handshake_ms = (int)(o->handshake_timeout_s * 1000)};
+    store_server_opts_t so = server_opts(o);
     if ((rc = store_server_start(&a->srv, &a->loop, addr, 0, &so, &a->store_port, err, sizeof err))) {
       log_error("serving this node's store on %s: %s", addr, err);
       goto out;

@@ -658,9 +658,7 @@ static int key_idx(const char *key, const char *prefix, const char *what, int n)
  * store answers all n keys in one request; etcd in one prefix read, then a wait for each one
  * still missing. */
 static int read_nodes(rdzv_t *rz, conn_t *c, int r, int n, void **vals, int timeout_ms) {
-  char *have = calloc((size_t)n, 1);
   int rc = 0;
-  if (!have) return STORE_ENOMEM;
   if (!c->e) {
     const char **keys = calloc((size_t)n, sizeof *keys);
     size_t *lens = calloc((size_t)n, sizeof *lens);
@@ -674,32 +672,33 @@ static int read_nodes(rdzv_t *rz, conn_t *c, int r, int n, void **vals, int time
     free(keybuf);
     free(lens);
     free(keys);
-    if (rc) goto out;
-  } else {
-    double deadline = mono_now() + timeout_ms / 1000.0;
-    char round[RDZV_KEY_MAX], prefix[RDZV_KEY_MAX], key[RDZV_KEY_MAX];
-    keyf(rz, round, "r%d/", r);
-    keyf(rz, prefix, "r%d/node/", r);
-    for (;;) {
-      etcd_kvs_t kvs;
-      if ((rc = from_etcd(etcd_get_prefix(c->e, prefix, &kvs)))) goto out;
-      for (size_t k = 0; k < kvs.n; k++) {
-        int i = key_idx(kvs.kvs[k].key, round, "node", n);
-        if (!i || have[i - 1]) continue;
-        have[i - 1] = 1;
-        vals[i - 1] = kvs.kvs[k].value;
-        kvs.kvs[k].value = NULL;
-      }
-      etcd_kvs_free(&kvs);
-      int first = 0;
-      while (first < n && have[first]) first++;
-      if (first == n) break;
-      keyf(rz, key, "r%d/node/%d", r, first + 1);
-      int left = (int)((deadline - mono_now()) * 1000.0);
-      rc = left > 0 ? kv_wait(rz, c, key, left) : STORE_ETIMEDOUT;
-      if (rc == 1) rc = STORE_ETIMEDOUT;
-      if (rc) goto out;
+    return rc;
+  }
+  char *have = calloc((size_t)n, 1); /* which descriptions are in */
+  if (!have) return STORE_ENOMEM;
+  double deadline = mono_now() + timeout_ms / 1000.0;
+  char round[RDZV_KEY_MAX], prefix[RDZV_KEY_MAX], key[RDZV_KEY_MAX];
+  keyf(rz, round, "r%d/", r);
+  keyf(rz, prefix, "r%d/node/", r);
+  for (;;) {
+    etcd_kvs_t kvs;
+    if ((rc = from_etcd(etcd_get_prefix(c->e, prefix, &kvs)))) goto out;
+    for (size_t k = 0; k < kvs.n; k++) {
+      int i = key_idx(kvs.kvs[k].key, round, "node", n);
+      if (!i || have[i - 1]) continue;
+      have[i - 1] = 1;
+      vals[i - 1] = kvs.kvs[k].value;
+      kvs.kvs[k].value = NULL;
     }
+    etcd_kvs_free(&kvs);
+    int first = 0;
+    while (first < n && have[first]) first++;
+    if (first == n) break;
+    keyf(rz, key, "r%d/node/%d", r, first + 1);
+    int left = (int)((deadline - mono_now()) * 1000.0);
+    rc = left > 0 ? kv_wait(rz, c, key, left) : STORE_ETIMEDOUT;
+    if (rc == 1) rc = STORE_ETIMEDOUT;
+    if (rc) goto out;
   }
 out:
   free(have);
@@ -958,7 +957,7 @@ static void do_join(rdzv_t *rz) {
     ev->kind = RDZV_EV_ASSIGNED;
     a.serves_store = is_etcd(rz) ? rank0_idx == idx : c->is_store_host;
     ev->assignment = a;
-    watch_round(rz, r, n, (int)idx, is_etcd(rz) ? rank0_idx == idx : c->is_store_host, nodes);
+    watch_round(rz, r, n, (int)idx, a.serves_store, nodes);
     nodes = NULL;
     emit(rz, ev);
     free(ev);

@@ -6,9 +6,9 @@
  * child was already reparented and exits); then default dispositions for the signals meshrun
  * handles or ignores (RESET_SIGNALS) and an empty mask (ignored signals and masks survive exec;
  * the parent forks with every signal blocked, so none reaches an inherited handler before
- * this); then the fds; then execve of the path that
- * workers_find_program resolved once in the parent. An exec failure is
- * reported through a CLOEXEC pipe, so workers_start can name the cause.
+ * this); then the fds; then execve of the path that workers_find_program resolved once in the
+ * parent. An exec failure is reported through a CLOEXEC pipe, so workers_start can name the
+ * cause.
  * Environment and argv are built before fork, since the child must not allocate. */
 #include "launcher/workers.h"
 
@@ -515,7 +515,7 @@ int workers_find_program(const char *prog, char *out, size_t outlen, char *why, 
  * ignores (SIGPIPE, main.c): what the child sets back to default before it unblocks signals.
  * Others keep the disposition meshrun got from its parent, as under torchrun (an ignored
  * SIGHUP under nohup stays ignored); resetting all 64 was 64 system calls per worker. */
-static const int RESET_SIGNALS[] = {SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2, SIGCHLD, SIGPIPE};
+static const int RESET_SIGNALS[] = {WORKERS_FORWARDED_SIGNALS, SIGCHLD, SIGPIPE};
 
 /* The child side: see the order and reasons at the top of the file. */
 static void __attribute__((noreturn)) child_exec(pid_t parent, int out_fd, int err_fd, int report_fd,

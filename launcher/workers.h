@@ -24,6 +24,11 @@
 
 #include "launcher/cli.h"
 
+/* The signals meshrun forwards to its workers (the agent handles them): with SIGCHLD, which
+ * workers.c handles, and SIGPIPE, which meshrun ignores, what a worker sets back to default
+ * before its exec. */
+#define WORKERS_FORWARDED_SIGNALS SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2
+
 /* What one round gives its workers (the environment) and where their files go. */
 typedef struct {
   int restart_count; /* TORCHELASTIC_RESTART_COUNT: failure restarts so far, job-wide */
