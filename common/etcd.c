@@ -538,6 +538,21 @@ void etcd_close(etcd_t *c) {
   free(c);
 }
 
+/* c's libcurl handle and headers. hasleader: a member cut off from its leader refuses at once
+ * ("no leader") instead of holding the request until its 7 s request timeout; the watch server
+ * also ends our streams when its member loses the leader. Expect: a POST never waits for a
+ * 100. */
+static int open_handle(etcd_t *c) {
+  const char *hdrs[] = {"Content-Type: application/json", "Grpc-Metadata-hasleader: true", "Expect:"};
+  if (!(c->curl = cx.easy_init())) return -ENOMEM;
+  for (size_t i = 0; i < sizeof hdrs / sizeof *hdrs; i++) {
+    struct curl_slist *h = cx.slist_append(c->headers, hdrs[i]);
+    if (!h) return -ENOMEM;
+    c->headers = h;
+  }
+  return 0;
+}
+
 int etcd_connect(etcd_t **out, const char *endpoints, int timeout_ms, char *err, size_t errlen) {
   *out = NULL;
   if (!endpoints || timeout_ms <= 0)
@@ -582,24 +597,15 @@ int etcd_connect(etcd_t **out, const char *endpoints, int timeout_ms, char *err,
     rc = err_set(err, errlen, -EINVAL, "etcd endpoints '%s': none given (host:port,host:port,...)", endpoints);
     goto error;
   }
-  c->curl = cx.easy_init();
-  /* hasleader: a member cut off from its leader refuses at once ("no leader") instead of
-   * holding the request until its 7 s request timeout; the watch server also ends our
-   * streams when its member loses the leader. Expect: a POST never waits for a 100. */
-  const char *hdrs[] = {"Content-Type: application/json", "Grpc-Metadata-hasleader: true", "Expect:"};
-  int ok = c->curl != NULL;
-  for (size_t i = 0; i < sizeof hdrs / sizeof *hdrs && ok; i++) {
-    struct curl_slist *h = cx.slist_append(c->headers, hdrs[i]);
-    if ((ok = h != NULL)) c->headers = h;
-  }
-  if (!ok) {
-    rc = err_set(err, errlen, -ENOMEM, "etcd connect: out of memory");
+  if ((rc = open_handle(c))) {
+    err_set(err, errlen, rc, "etcd connect: out of memory");
     goto error;
   }
   /* A first call proves that the cluster can serve: a linearizable read (of the key "\0",
    * counted, not fetched) needs a leader that a quorum still follows, where a status call is
    * answered by any live member, even by a leader that has just lost its quorum. */
   cJSON *j;
+  int ok;
   if ((rc = call(c, "connect", "/v3/kv/range", "{\"key\":\"AA==\",\"count_only\":true}", &j))) {
     err_set(err, errlen, rc, "%s", c->err);
     goto error;
@@ -620,6 +626,22 @@ error:
   return rc;
 }
 
+int etcd_clone(etcd_t **out, const etcd_t *c) {
+  *out = NULL;
+  etcd_t *d = calloc(1, sizeof *d);
+  if (!d) return -ENOMEM;
+  d->n = c->n;
+  d->timeout_ms = c->timeout_ms;
+  memcpy(d->name, c->name, sizeof d->name);
+  memcpy(d->url, c->url, sizeof d->url);
+  if (open_handle(d)) {
+    etcd_close(d);
+    return -ENOMEM;
+  }
+  *out = d;
+  return 0;
+}
+
 /* --- key-value. */
 
 int etcd_put(etcd_t *c, const char *key, const void *val, size_t len, int64_t lease) {
@@ -632,6 +654,23 @@ int etcd_put(etcd_t *c, const char *key, const void *val, size_t len, int64_t le
   rc = call(c, op, "/v3/kv/put", body, &j);
   cJSON_Delete(j);
   free(k), free(v), free(body);
+  return rc;
+}
+
+int etcd_put2(etcd_t *c, const char *k1, const void *v1, size_t l1, const char *k2, const void *v2, size_t l2,
+              int64_t lease) {
+  int rc = check_key(c, "put", k1, 0);
+  if (rc || (rc = check_key(c, "put", k2, 0))) return rc;
+  char op[128], *a = b64(k1, strlen(k1)), *av = b64(v1, l1), *b = b64(k2, strlen(k2)), *bv = b64(v2, l2), *body = NULL;
+  if (a && av && b && bv)
+    body = fmt("{\"success\":[{\"request_put\":{\"key\":\"%s\",\"value\":\"%s\",\"lease\":\"%" PRId64 "\"}},"
+               "{\"request_put\":{\"key\":\"%s\",\"value\":\"%s\",\"lease\":\"%" PRId64 "\"}}]}",
+               a, av, lease, b, bv, lease);
+  opname(op, sizeof op, "put", k1);
+  cJSON *j = NULL;
+  rc = call(c, op, "/v3/kv/txn", body, &j); /* puts: applying it twice changes nothing */
+  free(a), free(av), free(b), free(bv), free(body);
+  cJSON_Delete(j);
   return rc;
 }
 
@@ -768,7 +807,7 @@ int etcd_create(etcd_t *c, const char *key, const void *val, size_t len, int64_t
   return rc;
 }
 
-int etcd_count(etcd_t *c, const char *prefix, int64_t max_create_revision, int64_t *count) {
+int etcd_count(etcd_t *c, const char *prefix, int64_t max_create_revision, int64_t *count, int64_t *revision) {
   int rc = check_key(c, "count", prefix, 1);
   if (rc) return rc;
   char op[128], *f = key_fields(prefix, 1), *body = NULL;
@@ -782,8 +821,42 @@ int etcd_count(etcd_t *c, const char *prefix, int64_t max_create_revision, int64
   rc = call(c, op, "/v3/kv/range", body, &j);
   free(f), free(body);
   if (!rc) *count = max_create_revision > 0 ? cJSON_GetArraySize(cJSON_GetObjectItemCaseSensitive(j, "kvs")) : jint(j, "count");
+  if (!rc && revision) *revision = jint(cJSON_GetObjectItemCaseSensitive(j, "header"), "revision");
   cJSON_Delete(j);
   return rc;
+}
+
+int etcd_create_index(etcd_t *c, const char *key, const char *prefix, int64_t *index) {
+  int rc = check_key(c, "create", key, 0);
+  if (rc || (rc = check_key(c, "create", prefix, 1))) return rc;
+  if (strncmp(key, prefix, strlen(prefix)))
+    return seterr(c, "etcd create '%.80s': not under '%.80s'", key, prefix), -EINVAL;
+  char op[128], *k = b64(key, strlen(key)), *f = key_fields(prefix, 1), *body = NULL;
+  /* The range runs after the put in the same transaction and sees it: the count is the number
+   * of keys created up to this one, and no two joiners can get the same. */
+  if (k && f)
+    body = fmt("{\"compare\":[{\"key\":\"%s\",\"target\":\"CREATE\",\"result\":\"EQUAL\",\"create_revision\":\"0\"}],"
+               "\"success\":[{\"request_put\":{\"key\":\"%s\"}},{\"request_range\":{%s,\"count_only\":true}}],"
+               "\"failure\":[{\"request_range\":{\"key\":\"%s\"}}]}",
+               k, k, f, k);
+  opname(op, sizeof op, "create", key);
+  cJSON *j = NULL;
+  rc = call(c, op, "/v3/kv/txn", body, &j);
+  free(k), free(f), free(body);
+  if (rc) return rc;
+  const cJSON *resp = cJSON_GetObjectItemCaseSensitive(j, "responses");
+  int64_t created = 0;
+  *index = 0;
+  if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(j, "succeeded")))
+    *index = jint(cJSON_GetObjectItemCaseSensitive(cJSON_GetArrayItem(resp, 1), "response_range"), "count");
+  else
+    created = jint(first_kv(cJSON_GetObjectItemCaseSensitive(cJSON_GetArrayItem(resp, 0), "response_range")),
+                   "create_revision");
+  cJSON_Delete(j);
+  /* Present: an unsure earlier try of ours created it; count up to its creation. */
+  if (created > 0 && (rc = etcd_count(c, prefix, created, index, NULL))) return rc;
+  if (*index <= 0) return seterr(c, "etcd %s: no count in the reply", op), -EPROTO;
+  return 0;
 }
 
 int etcd_add(etcd_t *c, const char *key, int64_t delta, int64_t *result) {
@@ -842,7 +915,7 @@ int etcd_add(etcd_t *c, const char *key, int64_t delta, int64_t *result) {
 
 /* --- leases. */
 
-int etcd_lease_grant(etcd_t *c, int ttl_s, int64_t *id) {
+int etcd_lease_grant(etcd_t *c, int ttl_s, int64_t *id, int *granted_s) {
   if (!c) return -EINVAL;
   if (ttl_s <= 0) return seterr(c, "etcd lease grant: ttl %d s is not positive", ttl_s), -EINVAL;
   char op[64], *body = fmt("{\"TTL\":\"%d\"}", ttl_s);
@@ -852,6 +925,7 @@ int etcd_lease_grant(etcd_t *c, int ttl_s, int64_t *id) {
   free(body);
   if (rc) return rc;
   *id = jint(j, "ID");
+  if (granted_s) *granted_s = (int)jint(j, "TTL");
   cJSON_Delete(j);
   if (*id == 0) return seterr(c, "etcd %s: no lease id in the reply", op), -EPROTO;
   return 0;

@@ -72,6 +72,9 @@ void etcd_kvs_free(etcd_kvs_t *kvs); /* frees the contents; accepts NULL and emp
  * 0 and *out, or a code with the reason in err. */
 int etcd_connect(etcd_t **out, const char *endpoints, int timeout_ms, char *err, size_t errlen);
 void etcd_close(etcd_t *c); /* accepts NULL */
+/* A new client for c's members, with c's timeout, without etcd_connect's check (c has passed
+ * it): for a second thread. Reads only what connect set, so c's owner may be using it. */
+int etcd_clone(etcd_t **out, const etcd_t *c);
 /* May be called from another thread than the owner's: a call in progress on c fails within
  * about a second (libcurl's progress callback's cadence when idle) with -EINTR, and so does
  * every later call. For stopping a thread that owns c; the owner still calls etcd_close.
@@ -85,6 +88,9 @@ const char *etcd_errmsg(const etcd_t *c);
 /* lease: 0, or a lease id from etcd_lease_grant (the key dies with the lease; -ENOENT when
  * that lease is already gone). */
 int etcd_put(etcd_t *c, const char *key, const void *val, size_t len, int64_t lease);
+/* Both keys or neither, with lease, in one transaction. */
+int etcd_put2(etcd_t *c, const char *k1, const void *v1, size_t l1, const char *k2, const void *v2, size_t l2,
+              int64_t lease);
 /* -ENOENT when absent. *val malloc'ed (NUL appended past len); mod_revision may be NULL. */
 int etcd_get(etcd_t *c, const char *key, void **val, size_t *len, int64_t *mod_revision);
 /* Every key that starts with prefix, in key order ("" = all keys). */
@@ -106,13 +112,21 @@ int etcd_add(etcd_t *c, const char *key, int64_t delta, int64_t *result);
  * With etcd_count, an index without contention: n nodes adding 1 to one counter retry O(n^2)
  * times in all (at 256 nodes on two cores, half gave up after the 5 s call timeout). */
 int etcd_create(etcd_t *c, const char *key, const void *val, size_t len, int64_t *create_revision);
-/* How many keys under prefix were created at or before max_create_revision (0: all). */
-int etcd_count(etcd_t *c, const char *prefix, int64_t max_create_revision, int64_t *count);
+/* How many keys under prefix were created at or before max_create_revision (0: all), and the
+ * revision read at (revision may be NULL). */
+int etcd_count(etcd_t *c, const char *prefix, int64_t max_create_revision, int64_t *count, int64_t *revision);
+/* etcd_create and etcd_count in one transaction (its range sees its own put): creates key (no
+ * lease, empty), which must lie under prefix, unless it exists, and *index gets the number of
+ * keys under prefix created no later than it: 1, 2, ... in creation order, each once. One
+ * request, and a count rather than the keys: at 2048 joiners, reading the keys created before
+ * one's own made the joins quadratic in bytes. */
+int etcd_create_index(etcd_t *c, const char *key, const char *prefix, int64_t *index);
 
 /* Leases: the liveness of a node. Keys put with the lease vanish ttl_s after the last
  * keepalive. keepalive returns -ENOENT once the lease has expired or was revoked: the node
  * has been fenced out and must not act on the job's behalf before it joins again. */
-int etcd_lease_grant(etcd_t *c, int ttl_s, int64_t *id);
+int etcd_lease_grant(etcd_t *c, int ttl_s, int64_t *id, int *granted_s); /* granted_s (may be NULL): the TTL etcd
+                                                                          * gave (it raises one below its minimum) */
 int etcd_lease_keepalive(etcd_t *c, int64_t id, int *ttl_s); /* ttl_s (may be NULL): remaining */
 int etcd_lease_revoke(etcd_t *c, int64_t id);                /* -ENOENT when already gone */
 

@@ -430,7 +430,7 @@ static void *joiner(void *arg) {
     char key[64];
     int64_t rev = 0;
     snprintf(key, sizeof key, "join/%p/%d", (void *)a, i);
-    if (!(a->rc = etcd_create(c, key, "", 0, &rev))) a->rc = etcd_count(c, "join/", rev, &a->got[i]);
+    if (!(a->rc = etcd_create(c, key, "", 0, &rev))) a->rc = etcd_count(c, "join/", rev, &a->got[i], NULL);
     if (a->rc) snprintf(a->err, sizeof a->err, "%s", etcd_errmsg(c));
   }
   etcd_close(c);
@@ -444,7 +444,7 @@ static void test_create_count_indices(void **state) {
   /* Each index once, 1..2*ADDS, increasing per thread: a counter's guarantees, no counter. */
   assert_each_once(a);
   int64_t n = 0, r1 = 0, r2 = 0;
-  OK(c, etcd_count(c, "join/", 0, &n));
+  OK(c, etcd_count(c, "join/", 0, &n, NULL));
   assert_int_equal(n, 2 * ADDS);
   OK(c, etcd_create(c, "join/again", "x", 1, &r1));
   OK(c, etcd_create(c, "join/again", "y", 1, &r2)); /* present: its creation's revision, unchanged */
@@ -457,12 +457,70 @@ static void test_create_count_indices(void **state) {
   etcd_close(c);
 }
 
+/* etcd_create_index: the create and the count in one transaction, from two threads. */
+static void *indexer(void *arg) {
+  adder_t *a = arg;
+  etcd_t *c;
+  if ((a->rc = etcd_connect(&c, a->ep, OP_MS, a->err, sizeof a->err))) return NULL;
+  for (int i = 0; i < ADDS && !a->rc; i++) {
+    char key[64];
+    snprintf(key, sizeof key, "idx/%p/%d", (void *)a, i);
+    if ((a->rc = etcd_create_index(c, key, "idx/", &a->got[i]))) snprintf(a->err, sizeof a->err, "%s", etcd_errmsg(c));
+  }
+  etcd_close(c);
+  return NULL;
+}
+
+static void test_create_index_one_request(void **state) {
+  etcd_t *c = client();
+  adder_t a[2] = {0};
+  run_pair(indexer, a);
+  assert_each_once(a); /* 1..2*ADDS, each once, increasing per thread */
+  /* Again on a key that is there (an unsure retry's case): its own index, not a new one. */
+  int64_t i1 = 0, i2 = 0, n = 0, rev = 0;
+  OK(c, etcd_create_index(c, "idx/zz-again", "idx/", &i1));
+  assert_int_equal(i1, 2 * ADDS + 1);
+  OK(c, etcd_create_index(c, "idx/zz-later", "idx/", &i2));
+  assert_int_equal(i2, 2 * ADDS + 2);
+  OK(c, etcd_create_index(c, "idx/zz-again", "idx/", &i1));
+  assert_int_equal(i1, 2 * ADDS + 1);
+  OK(c, etcd_count(c, "idx/", 0, &n, &rev));
+  assert_int_equal(n, 2 * ADDS + 2);
+  assert_true(rev >= mod_rev(c, "idx/zz-later"));
+  assert_int_equal(etcd_create_index(c, "other/key", "idx/", &i1), -EINVAL); /* not under the prefix */
+  etcd_close(c);
+}
+
+/* etcd_put2 writes both keys on the lease, or neither when the lease is gone; etcd_clone talks
+ * to the same cluster; the grant says the TTL it gave. */
+static void test_put2_clone_grant_ttl(void **state) {
+  etcd_t *c = client(), *d = NULL;
+  int64_t id = 0;
+  int ttl = 0;
+  OK(c, etcd_lease_grant(c, 30, &id, &ttl));
+  assert_int_equal(ttl, 30);
+  OK(c, etcd_put2(c, "two/a", "1", 1, "two/b", "22", 2, id));
+  assert_int_equal(etcd_clone(&d, c), 0);
+  void *v;
+  size_t len;
+  OK(d, etcd_get(d, "two/b", &v, &len, NULL));
+  assert_int_equal(len, 2);
+  assert_memory_equal(v, "22", 2);
+  free(v);
+  OK(d, etcd_lease_revoke(d, id));
+  assert_int_equal(etcd_get(c, "two/a", &v, &len, NULL), -ENOENT); /* gone with the lease */
+  assert_int_equal(etcd_put2(c, "two/c", "1", 1, "two/d", "1", 1, id), -ENOENT);
+  assert_int_equal(etcd_get(c, "two/c", &v, &len, NULL), -ENOENT);
+  etcd_close(d);
+  etcd_close(c);
+}
+
 static void test_lease_expiry_fences(void **state) {
   etcd_t *c = client();
   const int ttl = 2;
   int64_t id, rev;
   int left;
-  OK(c, etcd_lease_grant(c, ttl, &id));
+  OK(c, etcd_lease_grant(c, ttl, &id, NULL));
   OK(c, etcd_put(c, "lease/alive", "me", 2, id));
   int swapped;
   OK(c, etcd_compare_set(c, "lease/leader", NULL, 0, "me", 2, id, &swapped, NULL, NULL));
@@ -495,7 +553,7 @@ static void test_lease_expiry_fences(void **state) {
   assert_non_null(strstr(etcd_errmsg(c), "fenced"));
 
   /* Revoke: the keys go at once, and the lease is gone for keepalive and a second revoke. */
-  OK(c, etcd_lease_grant(c, 30, &id));
+  OK(c, etcd_lease_grant(c, 30, &id, NULL));
   OK(c, etcd_put(c, "lease/r", "x", 1, id));
   OK(c, etcd_lease_revoke(c, id));
   assert_int_equal(etcd_get(c, "lease/r", &v, &len, NULL), -ENOENT);
@@ -794,7 +852,7 @@ static void every_operation(etcd_t *c, const char *tag) {
   OK(c, etcd_add(c, k2, 3, &n));
   OK(c, etcd_add(c, k2, 4, &n));
   assert_int_equal(n, 7);
-  OK(c, etcd_lease_grant(c, 10, &id));
+  OK(c, etcd_lease_grant(c, 10, &id, NULL));
   OK(c, etcd_lease_keepalive(c, id, &left));
   OK(c, etcd_lease_revoke(c, id));
   OK(c, etcd_watch(c, k, 0, rev, 5000, &kvs)); /* the compare_set's write */
@@ -909,7 +967,8 @@ int main(void) {
            ETCD_BIN);
   const struct CMUnitTest one[] = {
       cmocka_unit_test(test_put_get_delete_binary), cmocka_unit_test(test_compare_set),
-      cmocka_unit_test(test_add_concurrent),        cmocka_unit_test(test_create_count_indices),        cmocka_unit_test(test_lease_expiry_fences),
+      cmocka_unit_test(test_add_concurrent),        cmocka_unit_test(test_create_count_indices),
+      cmocka_unit_test(test_create_index_one_request), cmocka_unit_test(test_put2_clone_grant_ttl),        cmocka_unit_test(test_lease_expiry_fences),
       cmocka_unit_test(test_watch),                 cmocka_unit_test(test_lost_txn_reply_counts_once),
       cmocka_unit_test(test_unreachable_endpoints),
   };
