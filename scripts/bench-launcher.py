@@ -205,7 +205,11 @@ def node_death(meshrun, worker, d, n, interval, timeout, etcd=None):
         wait_stamps(d, "start.", n, pids)
     except Exception:
         for pid in pids:
-            os.kill(pid, signal.SIGKILL)
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass  # exited already (and reaped by wait_stamps)
         raise
     victim = pids[n // 2]  # the store's node is the first to bind the port, not this one
     t_kill = time.time_ns()
