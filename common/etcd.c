@@ -605,12 +605,11 @@ int etcd_connect(etcd_t **out, const char *endpoints, int timeout_ms, char *err,
    * counted, not fetched) needs a leader that a quorum still follows, where a status call is
    * answered by any live member, even by a leader that has just lost its quorum. */
   cJSON *j;
-  int ok;
   if ((rc = call(c, "connect", "/v3/kv/range", "{\"key\":\"AA==\",\"count_only\":true}", &j))) {
     err_set(err, errlen, rc, "%s", c->err);
     goto error;
   }
-  ok = jstr(cJSON_GetObjectItemCaseSensitive(j, "header"), "cluster_id") != NULL;
+  int ok = jstr(cJSON_GetObjectItemCaseSensitive(j, "header"), "cluster_id") != NULL;
   cJSON_Delete(j);
   if (!ok) {
     rc = err_set(err, errlen, -EPROTO, "etcd connect: %s answers, but not as etcd", c->name[c->cur]);
@@ -785,26 +784,6 @@ int etcd_compare_set(etcd_t *c, const char *key, const void *expected, size_t ex
   if (actual) *actual = now.value, *actual_len = now.len;
   else free(now.value);
   return 0;
-}
-
-int etcd_create(etcd_t *c, const char *key, const void *val, size_t len, int64_t *create_revision) {
-  int rc = check_key(c, "create", key, 0);
-  if (rc) return rc;
-  char op[128], *k = b64(key, strlen(key));
-  char *cmp = k ? fmt("{\"key\":\"%s\",\"target\":\"CREATE\",\"result\":\"EQUAL\",\"create_revision\":\"0\"}", k) : NULL;
-  opname(op, sizeof op, "create", key);
-  cJSON *j = NULL;
-  const cJSON *kv = NULL;
-  int put = 0;
-  rc = txn_put(c, op, key, cmp, val, len, 0, &put, &kv, &j);
-  free(k), free(cmp);
-  if (!rc) {
-    /* Created: this write's revision. Present: its creation's (an unsure earlier try of ours). */
-    *create_revision = put ? jint(cJSON_GetObjectItemCaseSensitive(j, "header"), "revision") : jint(kv, "create_revision");
-    if (*create_revision <= 0) rc = -EPROTO, seterr(c, "etcd %s: no revision in the reply", op);
-  }
-  cJSON_Delete(j);
-  return rc;
 }
 
 int etcd_count(etcd_t *c, const char *prefix, int64_t max_create_revision, int64_t *count, int64_t *revision) {

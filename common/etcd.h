@@ -108,18 +108,16 @@ int etcd_compare_set(etcd_t *c, const char *key, const void *expected, size_t ex
 /* Adds delta to the integer at key (decimal text; absent counts as 0) by compare-and-swap on
  * the key's mod_revision, and returns the new value. -EINVAL when the key holds no integer. */
 int etcd_add(etcd_t *c, const char *key, int64_t delta, int64_t *result);
-/* Creates key (no lease) unless it exists; *create_revision gets the revision that created it.
- * With etcd_count, an index without contention: n nodes adding 1 to one counter retry O(n^2)
- * times in all (at 256 nodes on two cores, half gave up after the 5 s call timeout). */
-int etcd_create(etcd_t *c, const char *key, const void *val, size_t len, int64_t *create_revision);
 /* How many keys under prefix were created at or before max_create_revision (0: all), and the
  * revision read at (revision may be NULL). */
 int etcd_count(etcd_t *c, const char *prefix, int64_t max_create_revision, int64_t *count, int64_t *revision);
-/* etcd_create and etcd_count in one transaction (its range sees its own put): creates key (no
- * lease, empty), which must lie under prefix, unless it exists, and *index gets the number of
- * keys under prefix created no later than it: 1, 2, ... in creation order, each once. One
- * request, and a count rather than the keys: at 2048 joiners, reading the keys created before
- * one's own made the joins quadratic in bytes. */
+/* An index without contention (n nodes adding 1 to one counter retry O(n^2) times in all: at
+ * 256 nodes on two cores, half gave up after the 5 s call timeout). Creates key (no lease,
+ * empty), which must lie under prefix, unless it exists, and *index gets the number of keys
+ * under prefix created no later than it: 1, 2, ... in creation order, each once. One
+ * transaction whose range sees its own put, and a count rather than the keys: at 2048 joiners,
+ * reading the keys created before one's own made the joins quadratic in bytes. A key already
+ * there (an unsure earlier try) is counted up to its creation, a second request. */
 int etcd_create_index(etcd_t *c, const char *key, const char *prefix, int64_t *index);
 
 /* Leases: the liveness of a node. Keys put with the lease vanish ttl_s after the last

@@ -281,22 +281,16 @@ static int etcd_wait_get(rdzv_t *rz, conn_t *c, const char *key, int timeout_ms,
       if (rc == -ETIMEDOUT) continue;
       if (rc == -ESTALE) break; /* compacted: read it again */
       if (rc) return from_etcd(rc);
-      int found = 0; /* after the last event: set, or deleted again */
-      for (size_t k = 0; k < kvs.n; k++) {
-        found = !kvs.kvs[k].deleted;
-        if (found && v) {
-          free(*v);
-          *v = kvs.kvs[k].value;
-          *len = kvs.kvs[k].len;
-          kvs.kvs[k].value = NULL;
-        }
+      /* The last event says: set (its value is the key's), or deleted again (wait on). */
+      etcd_kv_t *last = kvs.n ? &kvs.kvs[kvs.n - 1] : NULL;
+      int found = last && !last->deleted;
+      if (found && v) {
+        *v = last->value;
+        *len = last->len;
+        last->value = NULL;
       }
       etcd_kvs_free(&kvs);
       if (found) return 0;
-      if (v) {
-        free(*v);
-        *v = NULL;
-      }
     }
   }
 }
@@ -1313,7 +1307,7 @@ static void watch_etcd(rdzv_t *rz, int gen, int r, int n, int me, const rdzv_nod
   keyf(rz, end_key, "r%d/end", r);
   keyf(rz, alive_prefix, "r%d/alive/", r);
   char *done = calloc((size_t)n, 1), *alive = malloc((size_t)n);
-  int interval_ms = (int)(rz->cfg.heartbeat_interval_s * 1000);
+  int interval_ms = (int)(c->heartbeat_interval_s * 1000);
   if (interval_ms < 1) interval_ms = 1;
   int posted = 0, rc = 0, reread = 1;
   int64_t rev = 0;
@@ -1332,26 +1326,29 @@ static void watch_etcd(rdzv_t *rz, int gen, int r, int n, int me, const rdzv_nod
        * reading every node's keys made a 2048-node round's start quadratic in bytes. All n
        * alive: nobody has left, and the watch starts from the end key's read. Fewer: the
        * round's keys say who is alive and who is done. */
-      int64_t count = 0;
       if ((rc = etcd_get_prefix(s->e, end_key, &kvs))) goto retry;
-      if (find_key(&kvs, end_key) < 0) {
-        rev = kvs.revision;
+      int e = find_key(&kvs, end_key);
+      rev = kvs.revision;
+      if (e >= 0) {
+        end = kvs.kvs[e].value, end_len = kvs.kvs[e].len;
+      } else {
         etcd_kvs_free(&kvs);
+        int64_t count = 0;
         if ((rc = etcd_count(s->e, alive_prefix, 0, &count, NULL))) goto retry;
         memset(alive, 1, (size_t)n);
-        if (count < n && (rc = etcd_get_prefix(s->e, prefix, &kvs))) goto retry;
-      }
-      reread = 0;
-      if (count < n) {
-        rev = kvs.revision;
-        memset(alive, 0, (size_t)n);
-        for (size_t k = 0; k < kvs.n; k++) {
-          int i;
-          if ((i = key_idx(kvs.kvs[k].key, prefix, "alive", n))) alive[i - 1] = 1;
-          if ((i = key_idx(kvs.kvs[k].key, prefix, "done", n))) done[i - 1] = 1;
-          if (!strcmp(kvs.kvs[k].key, end_key)) end = kvs.kvs[k].value, end_len = kvs.kvs[k].len;
+        if (count < n) {
+          if ((rc = etcd_get_prefix(s->e, prefix, &kvs))) goto retry;
+          rev = kvs.revision;
+          memset(alive, 0, (size_t)n);
+          for (size_t k = 0; k < kvs.n; k++) {
+            int i;
+            if ((i = key_idx(kvs.kvs[k].key, prefix, "alive", n))) alive[i - 1] = 1;
+            if ((i = key_idx(kvs.kvs[k].key, prefix, "done", n))) done[i - 1] = 1;
+            if (!strcmp(kvs.kvs[k].key, end_key)) end = kvs.kvs[k].value, end_len = kvs.kvs[k].len;
+          }
         }
       }
+      reread = 0;
     } else {
       rc = etcd_watch(s->e, prefix, 1, rev, interval_ms, &kvs);
       if (rc == -ESTALE) {

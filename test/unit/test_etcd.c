@@ -347,20 +347,37 @@ static void test_compare_set(void **state) {
 
 #define ADDS 100
 
-typedef struct {
+typedef struct adder adder_t;
+/* One step i of a thread: its result into *got. */
+typedef int (*step_fn)(etcd_t *c, const adder_t *a, int i, int64_t *got);
+
+struct adder {
   char ep[32];
+  step_fn step;
   int64_t got[ADDS]; /* the counter's values after each add, or each create's join index */
   int rc;
   char err[512];
-} adder_t;
+};
 
-/* Runs fn in two threads, each with a client of the one-member cluster, and checks they both
- * succeeded. */
-static void run_pair(void *(*fn)(void *), adder_t a[2]) {
+/* A thread: its own client, ADDS steps, the first failure's message kept. */
+static void *stepper(void *arg) {
+  adder_t *a = arg;
+  etcd_t *c;
+  if ((a->rc = etcd_connect(&c, a->ep, OP_MS, a->err, sizeof a->err))) return NULL;
+  for (int i = 0; i < ADDS && !a->rc; i++)
+    if ((a->rc = a->step(c, a, i, &a->got[i]))) snprintf(a->err, sizeof a->err, "%s", etcd_errmsg(c));
+  etcd_close(c);
+  return NULL;
+}
+
+/* Runs step ADDS times in each of two threads, each with a client of the one-member cluster,
+ * and checks they both succeeded. */
+static void run_pair(step_fn step, adder_t a[2]) {
   pthread_t th[2];
   for (int i = 0; i < 2; i++) {
     endpoint(&g_one, 0, a[i].ep, sizeof a[i].ep);
-    assert_int_equal(pthread_create(&th[i], NULL, fn, &a[i]), 0);
+    a[i].step = step;
+    assert_int_equal(pthread_create(&th[i], NULL, stepper, &a[i]), 0);
   }
   for (int i = 0; i < 2; i++) pthread_join(th[i], NULL);
   for (int i = 0; i < 2; i++) {
@@ -381,21 +398,16 @@ static void assert_each_once(const adder_t a[2]) {
     }
 }
 
-static void *adder(void *arg) {
-  adder_t *a = arg;
-  etcd_t *c;
-  if ((a->rc = etcd_connect(&c, a->ep, OP_MS, a->err, sizeof a->err))) return NULL;
-  for (int i = 0; i < ADDS && !a->rc; i++)
-    if ((a->rc = etcd_add(c, "add/n", 1, &a->got[i]))) snprintf(a->err, sizeof a->err, "%s", etcd_errmsg(c));
-  etcd_close(c);
-  return NULL;
+static int add_step(etcd_t *c, const adder_t *a, int i, int64_t *got) {
+  (void)a, (void)i;
+  return etcd_add(c, "add/n", 1, got);
 }
 
 static void test_add_concurrent(void **state) {
   etcd_t *c = client();
   adder_t a[2] = {0};
   int64_t t0 = net_now_ms();
-  run_pair(adder, a);
+  run_pair(add_step, a);
   int64_t ms = net_now_ms() - t0;
   /* Exactly once each: the values returned are 1..2*ADDS, each once, increasing per thread. */
   assert_each_once(a);
@@ -419,62 +431,19 @@ static void test_add_concurrent(void **state) {
 
 /* --- leases */
 
-/* --- join indices: creates from two threads (adder_t.got: the indices), counted by create
- * revision */
-
-static void *joiner(void *arg) {
-  adder_t *a = arg;
-  etcd_t *c;
-  if ((a->rc = etcd_connect(&c, a->ep, OP_MS, a->err, sizeof a->err))) return NULL;
-  for (int i = 0; i < ADDS && !a->rc; i++) {
-    char key[64];
-    int64_t rev = 0;
-    snprintf(key, sizeof key, "join/%p/%d", (void *)a, i);
-    if (!(a->rc = etcd_create(c, key, "", 0, &rev))) a->rc = etcd_count(c, "join/", rev, &a->got[i], NULL);
-    if (a->rc) snprintf(a->err, sizeof a->err, "%s", etcd_errmsg(c));
-  }
-  etcd_close(c);
-  return NULL;
-}
-
-static void test_create_count_indices(void **state) {
-  etcd_t *c = client();
-  adder_t a[2] = {0};
-  run_pair(joiner, a);
-  /* Each index once, 1..2*ADDS, increasing per thread: a counter's guarantees, no counter. */
-  assert_each_once(a);
-  int64_t n = 0, r1 = 0, r2 = 0;
-  OK(c, etcd_count(c, "join/", 0, &n, NULL));
-  assert_int_equal(n, 2 * ADDS);
-  OK(c, etcd_create(c, "join/again", "x", 1, &r1));
-  OK(c, etcd_create(c, "join/again", "y", 1, &r2)); /* present: its creation's revision, unchanged */
-  assert_int_equal(r1, r2);
-  void *v;
-  size_t len;
-  OK(c, etcd_get(c, "join/again", &v, &len, NULL));
-  assert_memory_equal(v, "x", 1);
-  free(v);
-  etcd_close(c);
-}
+/* --- join indices from two threads (adder_t.got: the indices) */
 
 /* etcd_create_index: the create and the count in one transaction, from two threads. */
-static void *indexer(void *arg) {
-  adder_t *a = arg;
-  etcd_t *c;
-  if ((a->rc = etcd_connect(&c, a->ep, OP_MS, a->err, sizeof a->err))) return NULL;
-  for (int i = 0; i < ADDS && !a->rc; i++) {
-    char key[64];
-    snprintf(key, sizeof key, "idx/%p/%d", (void *)a, i);
-    if ((a->rc = etcd_create_index(c, key, "idx/", &a->got[i]))) snprintf(a->err, sizeof a->err, "%s", etcd_errmsg(c));
-  }
-  etcd_close(c);
-  return NULL;
+static int index_step(etcd_t *c, const adder_t *a, int i, int64_t *got) {
+  char key[64];
+  snprintf(key, sizeof key, "idx/%p/%d", (const void *)a, i);
+  return etcd_create_index(c, key, "idx/", got);
 }
 
 static void test_create_index_one_request(void **state) {
   etcd_t *c = client();
   adder_t a[2] = {0};
-  run_pair(indexer, a);
+  run_pair(index_step, a);
   assert_each_once(a); /* 1..2*ADDS, each once, increasing per thread */
   /* Again on a key that is there (an unsure retry's case): its own index, not a new one. */
   int64_t i1 = 0, i2 = 0, n = 0, rev = 0;
@@ -967,8 +936,7 @@ int main(void) {
            ETCD_BIN);
   const struct CMUnitTest one[] = {
       cmocka_unit_test(test_put_get_delete_binary), cmocka_unit_test(test_compare_set),
-      cmocka_unit_test(test_add_concurrent),        cmocka_unit_test(test_create_count_indices),
-      cmocka_unit_test(test_create_index_one_request), cmocka_unit_test(test_put2_clone_grant_ttl),        cmocka_unit_test(test_lease_expiry_fences),
+      cmocka_unit_test(test_add_concurrent),        cmocka_unit_test(test_create_index_one_request), cmocka_unit_test(test_put2_clone_grant_ttl),        cmocka_unit_test(test_lease_expiry_fences),
       cmocka_unit_test(test_watch),                 cmocka_unit_test(test_lost_txn_reply_counts_once),
       cmocka_unit_test(test_unreachable_endpoints),
   };
