@@ -54,10 +54,6 @@ CMOCKA_LIBS  := $(shell pkg-config --libs cmocka 2>/dev/null || echo -lcmocka)
 # started on one machine runs 4096 of them (meshrun and its worker); libcrypto alone cost each
 # 0.4 ms there. Static, the GPU kit carries neither.
 NETTLE_LIBS   := -l:libnettle.a
-# libcurl: the etcd client's HTTP (common/etcd.c). Only its header is needed here: the client
-# loads libcurl.so.4 at run time, on the first etcd connect.
-CURL_CFLAGS  := $(shell pkg-config --cflags libcurl 2>/dev/null)
-CURL_LIBS    := $(shell pkg-config --libs libcurl 2>/dev/null || echo -lcurl)
 else
 # Unpacked .debs: no pkg-config files to trust (they name /usr), and no update-alternatives links,
 # so OpenBLAS is taken from its openblas-pthread folder directly.
@@ -71,10 +67,8 @@ BLAS_CFLAGS  := -I$(DEPS_INC)/x86_64-linux-gnu/openblas-pthread
 BLAS_LIBS    := -L$(DEPS_LIB)/openblas-pthread -Wl,-rpath-link,$(DEPS_LIB)/openblas-pthread -lopenblas
 CMOCKA_LIBS  := -lcmocka
 NETTLE_LIBS   := $(DEPS_LIB)/libnettle.a
-CURL_CFLAGS  :=
-CURL_LIBS    := -lcurl
 endif
-CFLAGS += $(UV_CFLAGS) $(CJSON_CFLAGS) $(BLAS_CFLAGS) $(CURL_CFLAGS) -fopenmp
+CFLAGS += $(UV_CFLAGS) $(CJSON_CFLAGS) $(BLAS_CFLAGS) -fopenmp
 LDFLAGS += -fopenmp
 ALL_LIBS := $(UV_LIBS) $(CJSON_LIBS) $(BLAS_LIBS) $(NETTLE_LIBS) $(LDLIBS)
 
@@ -130,7 +124,7 @@ COMMON_OBJ   := $(COMMON_SRC:%.c=$(BUILD)/%.o)
 LAUNCHER_OBJ := $(LAUNCHER_SRC:%.c=$(BUILD)/%.o)
 TRAINER_OBJ  := $(TRAINER_SRC:%.c=$(BUILD)/%.o) $(if $(HAVE_CUDA),$(CU_SRC:%.cu=$(BUILD)/%.o))
 # The etcd client is the launcher's (--rdzv_backend=etcd); the trainer has no use for it.
-ETCD_OBJ     := $(BUILD)/common/etcd.o
+ETCD_OBJ     := $(BUILD)/common/etcd.o $(BUILD)/common/http.o
 
 UNIT_SRC  := $(wildcard test/unit/test_*.c)
 UNIT_BIN  := $(UNIT_SRC:test/unit/%.c=$(BUILD)/test/%)
@@ -168,15 +162,13 @@ raw_deps = $(shell sed -n '1s|^// deps: *||p' $(1))
 needs_cuda = $(if $(HAVE_CUDA),$(or $(filter trainer/backend.c %.cu,$(call raw_deps,$(1))),$(findstring test/gpu/,$(1))))
 CU_OBJ := $(CU_SRC:%.cu=$(BUILD)/%.o)
 needs_dnnl = $(if $(filter 1,$(HAVE_DNNL)),$(filter test/tools/gemm_bench.c,$(1)))
-# A test that calls libcurl itself (test_etcd's raw requests to etcd) links it.
-needs_curl = $(shell grep -l '^#include <curl/curl.h>' $(1) 2>/dev/null)
 deps_of = $(sort $(patsubst %.cu,$(BUILD)/%.o,$(patsubst %.c,$(BUILD)/%.o,$(call raw_deps,$(1)))) \
           $(if $(call needs_cuda,$(1)),$(CU_OBJ)))
 define link_rule
 $(2): $(BUILD)/$(1:%.c=%.o) $(call deps_of,$(1))
 	@mkdir -p $$(@D)
 	@$$(if $$(Q),echo "  LD      $$@")
-	$$(Q)$$(CC) $$(LDFLAGS) -o $$@ $$^ $$(ALL_LIBS) $$(CMOCKA_LIBS) $(if $(call needs_cuda,$(1)),$$(CUDA_LIBS)) $(if $(call needs_dnnl,$(1)),$$(DNNL_LIBS)) $(if $(call needs_curl,$(1)),$$(CURL_LIBS))
+	$$(Q)$$(CC) $$(LDFLAGS) -o $$@ $$^ $$(ALL_LIBS) $$(CMOCKA_LIBS) $(if $(call needs_cuda,$(1)),$$(CUDA_LIBS)) $(if $(call needs_dnnl,$(1)),$$(DNNL_LIBS))
 endef
 $(foreach t,$(UNIT_SRC),$(eval $(call link_rule,$(t),$(t:test/unit/%.c=$(BUILD)/test/%))))
 $(foreach t,$(TOOL_SRC),$(eval $(call link_rule,$(t),$(t:test/tools/%.c=$(BUILD)/tools/%))))

@@ -1,7 +1,7 @@
 /* etcd: the blocking etcd v3 client (API and the reasons for HTTP/JSON in etcd.h).
  *
- * One libcurl easy handle per client, so the HTTP connection to the member in use is kept
- * between calls. Request bodies are built with printf: every string in them is base64 or
+ * One kept HTTP/1.1 connection per client (common/http.c), to the member in use, reused between
+ * calls. Request bodies are built with printf: every string in them is base64 or
  * digits, so nothing needs JSON escaping; replies are parsed with cJSON. Quirks of the gateway
  * this code relies on (checked against etcd 3.4.23): 64-bit numbers come as strings; fields at
  * their zero value are omitted ("succeeded": false and a lease's "TTL": 0 are absent, a PUT
@@ -17,8 +17,6 @@
 #include "common/etcd.h"
 
 #include <cJSON.h>
-#include <curl/curl.h>
-#include <dlfcn.h>
 #include <errno.h>
 #include <inttypes.h>
 #include <nettle/base64.h>
@@ -32,6 +30,7 @@
 #include <time.h>
 
 #include "common/err.h"
+#include "common/http.h"
 #include "common/net.h"
 
 #define MAX_MEMBERS 16
@@ -44,11 +43,11 @@
 #define PASS_BACKOFF_MAX_MS 500
 
 struct etcd {
-  CURL *curl;
-  struct curl_slist *headers;
+  http_conn_t http;
   int n, cur;                    /* members, and the one that answered last */
   char name[MAX_MEMBERS][272];   /* host:port, for messages */
-  char url[MAX_MEMBERS][280];    /* http://host:port */
+  char host[MAX_MEMBERS][256];
+  int port[MAX_MEMBERS];
   int timeout_ms;
   int unsure;                    /* the last call retried after a try that may have been applied */
   atomic_int interrupted;        /* etcd_interrupt: every call fails at once with -EINTR */
@@ -66,7 +65,7 @@ typedef struct {
   buf_t body;
   int watch;          /* stream mode: parse lines, stop at the first events */
   int created, done;  /* watch confirmed by the member; a message ended the stream */
-  int64_t create_by;  /* ms: give up on a member that has not confirmed the watch by then */
+  int64_t create_by;  /* ms: give up on a member that has not confirmed the watch by then (0 once it has) */
   cJSON *msg;         /* the message that ended the stream (events, cancel or error) */
   int oom;
 } xfer_t;
@@ -86,7 +85,9 @@ void etcd_set_timeout(etcd_t *c, int timeout_ms) {
 }
 
 void etcd_interrupt(etcd_t *c) {
-  if (c) atomic_store(&c->interrupted, 1);
+  if (!c) return;
+  atomic_store(&c->interrupted, 1);
+  http_wake(&c->http);
 }
 
 static char *fmt(const char *f, ...) __attribute__((format(printf, 1, 2)));
@@ -213,34 +214,9 @@ static int parse_kvs(const cJSON *arr, int events, etcd_kvs_t *out) {
   return 0;
 }
 
-/* libcurl is opened at run time, on the first connect: meshrun needs it only for
- * --rdzv_backend=etcd, and a machine that never uses etcd (the GPU machine, whose kit carries
- * every library it lacks) need not have it or its dependencies. */
-#define CURL_SONAME "libcurl.so.4"
-static struct {
-  CURLcode (*global_init)(long);
-  CURL *(*easy_init)(void);
-  void (*easy_cleanup)(CURL *);
-  void (*easy_reset)(CURL *);
-  CURLcode (*easy_setopt)(CURL *, CURLoption, ...);
-  CURLcode (*easy_perform)(CURL *);
-  CURLcode (*easy_getinfo)(CURL *, CURLINFO, ...);
-  const char *(*easy_strerror)(CURLcode);
-  struct curl_slist *(*slist_append)(struct curl_slist *, const char *);
-  void (*slist_free_all)(struct curl_slist *);
-} cx;
-static pthread_once_t curl_once = PTHREAD_ONCE_INIT;
-static char curl_init_err[512]; /* "" once libcurl is loaded and initialized */
-
 /* --- HTTP. */
 
-static size_t on_data(char *data, size_t size, size_t nmemb, void *arg);
-
-static int xferinfo(void *arg, curl_off_t dt, curl_off_t dn, curl_off_t ut, curl_off_t un) {
-  xfer_t *x = arg;
-  if (atomic_load(&x->c->interrupted)) return 1; /* nonzero aborts */
-  return x->watch && !x->created && net_now_ms() > x->create_by;
-}
+static int on_data(void *arg, const char *data, size_t n);
 
 /* gRPC status codes (in the gateway's "code") as errno. */
 static int grpc_errno(int code) {
@@ -271,46 +247,24 @@ static int reply_error(const cJSON *j, const char **text) {
   return 0;
 }
 
-/* Sockets close on exec: meshrun forks workers while its threads talk to etcd, and a worker
- * must not inherit (and hold open) the agent's connections. Made so atomically, not by a later
- * fcntl that a fork could overtake. */
-static curl_socket_t open_socket(void *arg, curlsocktype purpose, struct curl_sockaddr *a) {
-  (void)arg;
-  (void)purpose;
-  return socket(a->family, a->socktype | SOCK_CLOEXEC, a->protocol);
-}
-
 /* One try on member i. Returns 0 with *reply, or a code with the member's cause in cause;
  * *retry says whether another member may do better, *unsure whether etcd may have applied it. */
 static int attempt(etcd_t *c, int i, const char *path, const char *body, int timeout_ms, xfer_t *x,
                    cJSON **reply, char *cause, size_t clen, int *retry, int *unsure) {
-  char url[320];
-  snprintf(url, sizeof url, "%s%s", c->url[i], path);
-  CURL *h = c->curl;
-  cx.easy_reset(h); /* options only: the open connection is kept */
-  cx.easy_setopt(h, CURLOPT_URL, url);
-  cx.easy_setopt(h, CURLOPT_HTTPHEADER, c->headers);
-  cx.easy_setopt(h, CURLOPT_POSTFIELDS, body);
-  cx.easy_setopt(h, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)strlen(body));
-  cx.easy_setopt(h, CURLOPT_NOSIGNAL, 1L);     /* threads: no SIGALRM for DNS timeouts */
-  cx.easy_setopt(h, CURLOPT_NOPROXY, "*");     /* an http_proxy meant for the web must not see etcd */
-  cx.easy_setopt(h, CURLOPT_TIMEOUT_MS, (long)timeout_ms);
-  cx.easy_setopt(h, CURLOPT_CONNECTTIMEOUT_MS, (long)timeout_ms);
-  cx.easy_setopt(h, CURLOPT_WRITEFUNCTION, on_data);
-  cx.easy_setopt(h, CURLOPT_WRITEDATA, x);
-  cx.easy_setopt(h, CURLOPT_NOPROGRESS, 0L);
-  cx.easy_setopt(h, CURLOPT_XFERINFOFUNCTION, xferinfo);
-  cx.easy_setopt(h, CURLOPT_XFERINFODATA, x);
-  cx.easy_setopt(h, CURLOPT_OPENSOCKETFUNCTION, open_socket);
-  /* libcurl silently sends a request again when a reused connection closes before any reply:
-   * for a transaction that etcd applied before the connection died, a second application.
-   * On a fresh connection a lost reply is an error we see (and resolve, as "unsure"). */
-  if (!strcmp(path, "/v3/kv/txn")) cx.easy_setopt(h, CURLOPT_FRESH_CONNECT, 1L);
-  CURLcode cr = cx.easy_perform(h);
-  long status = 0, oserr = 0, sent = 0;
-  cx.easy_getinfo(h, CURLINFO_RESPONSE_CODE, &status);
-  cx.easy_getinfo(h, CURLINFO_OS_ERRNO, &oserr);
-  cx.easy_getinfo(h, CURLINFO_REQUEST_SIZE, &sent);
+  /* hasleader: a member cut off from its leader refuses at once ("no leader") instead of
+   * holding the request until its 7 s request timeout; the watch server also ends our streams
+   * when its member loses the leader. A transaction goes on a new connection: on a kept one
+   * that closes as it is used, the reply lost is an error we see and resolve ("unsure"), never
+   * a second send. */
+  static const char headers[] = "Content-Type: application/json\r\nGrpc-Metadata-hasleader: true\r\n";
+  http_req_t rq = {.host = c->host[i], .port = c->port[i], .peer = i, .path = path, .headers = headers,
+                   .body = body, .body_len = strlen(body), .fresh = !strcmp(path, "/v3/kv/txn"),
+                   .deadline = net_now_ms() + timeout_ms, .early = x->watch ? &x->create_by : NULL,
+                   .on_data = on_data, .arg = x};
+  http_res_t res;
+  char herr[256] = "";
+  int rc = http_post(&c->http, &rq, &res, herr, sizeof herr);
+  long status = res.status;
   *retry = 1;
   *unsure = 0;
   if (x->oom) {
@@ -318,28 +272,20 @@ static int attempt(etcd_t *c, int i, const char *path, const char *body, int tim
     snprintf(cause, clen, "reply over %u MiB, or out of memory", MAX_REPLY >> 20);
     return -ENOMEM;
   }
-  if (x->done) return 0; /* a watch message ended the stream (the write callback stopped curl) */
-  if (cr != CURLE_OK) {
-    *unsure = sent > 0;
-    if (cr == CURLE_OPERATION_TIMEDOUT) {
-      snprintf(cause, clen, "no answer in %d ms", timeout_ms);
-      return -ETIMEDOUT;
-    }
-    if (cr == CURLE_ABORTED_BY_CALLBACK && atomic_load(&c->interrupted)) {
+  if (x->done) return 0; /* a watch message ended the stream (the data callback stopped it) */
+  if (rc) {
+    *unsure = res.sent > 0;
+    if (rc == -EINTR) {
       *retry = 0;
       snprintf(cause, clen, "interrupted");
-      return -EINTR;
-    }
-    if (cr == CURLE_ABORTED_BY_CALLBACK) {
+    } else if (rc == -ETIMEDOUT && res.early) {
       snprintf(cause, clen, "watch not confirmed in %d ms", timeout_ms);
-      return -ETIMEDOUT;
+    } else if (rc == -ETIMEDOUT) {
+      snprintf(cause, clen, "no answer in %d ms", timeout_ms);
+    } else {
+      snprintf(cause, clen, "%s", herr);
     }
-    if (cr == CURLE_COULDNT_CONNECT && oserr) {
-      snprintf(cause, clen, "%s", strerror((int)oserr));
-      return oserr == ECONNREFUSED ? -ECONNREFUSED : -EHOSTUNREACH;
-    }
-    snprintf(cause, clen, "%s", cx.easy_strerror(cr));
-    return cr == CURLE_COULDNT_RESOLVE_HOST ? -EHOSTUNREACH : -EIO;
+    return rc == -ENOMEM ? (*retry = 0, -ENOMEM) : rc;
   }
   if (x->watch) { /* the stream ended without a message for us: the member went away */
     *unsure = 1;
@@ -394,7 +340,7 @@ static void watch_message(xfer_t *x, cJSON *j) {
     x->done = 1;
     return;
   }
-  if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(r, "created"))) x->created = 1;
+  if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(r, "created"))) x->created = 1, x->create_by = 0;
   if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(r, "canceled")) ||
       cJSON_GetArraySize(cJSON_GetObjectItemCaseSensitive(r, "events")) > 0) {
     x->msg = j;
@@ -404,14 +350,13 @@ static void watch_message(xfer_t *x, cJSON *j) {
   cJSON_Delete(j);
 }
 
-static size_t on_data(char *data, size_t size, size_t nmemb, void *arg) {
+static int on_data(void *arg, const char *data, size_t n) {
   xfer_t *x = arg;
-  size_t n = size * nmemb;
   if (buf_add(&x->body, data, n)) {
     x->oom = 1;
-    return 0;
+    return 1;
   }
-  if (!x->watch) return n;
+  if (!x->watch) return 0;
   char *nl;
   while (!x->done && (nl = memchr(x->body.p, '\n', x->body.len))) {
     size_t line = (size_t)(nl - x->body.p);
@@ -420,7 +365,7 @@ static size_t on_data(char *data, size_t size, size_t nmemb, void *arg) {
     x->body.len -= line + 1;
     if (j) watch_message(x, j);
   }
-  return x->done ? 0 : n; /* 0 stops the transfer: we have what we came for */
+  return x->done; /* stops the transfer: we have what we came for */
 }
 
 static void xfer_free(xfer_t *x) {
@@ -508,58 +453,27 @@ static int check_key(etcd_t *c, const char *verb, const char *key, int allow_emp
 
 /* --- connect. */
 
-static void curl_init(void) {
-  void *lib = dlopen(CURL_SONAME, RTLD_NOW | RTLD_LOCAL);
-  if (!lib) {
-    snprintf(curl_init_err, sizeof curl_init_err, "cannot load " CURL_SONAME " (install libcurl4): %s", dlerror());
-    return;
-  }
-  struct {
-    void **fn;
-    const char *name;
-  } syms[] = {{(void **)&cx.global_init, "curl_global_init"},   {(void **)&cx.easy_init, "curl_easy_init"},
-              {(void **)&cx.easy_cleanup, "curl_easy_cleanup"}, {(void **)&cx.easy_reset, "curl_easy_reset"},
-              {(void **)&cx.easy_setopt, "curl_easy_setopt"},   {(void **)&cx.easy_perform, "curl_easy_perform"},
-              {(void **)&cx.easy_getinfo, "curl_easy_getinfo"}, {(void **)&cx.easy_strerror, "curl_easy_strerror"},
-              {(void **)&cx.slist_append, "curl_slist_append"}, {(void **)&cx.slist_free_all, "curl_slist_free_all"}};
-  for (size_t i = 0; i < sizeof syms / sizeof *syms; i++)
-    if (!(*syms[i].fn = dlsym(lib, syms[i].name))) {
-      snprintf(curl_init_err, sizeof curl_init_err, CURL_SONAME " lacks %s", syms[i].name);
-      return;
-    }
-  CURLcode rc = cx.global_init(CURL_GLOBAL_DEFAULT);
-  if (rc != CURLE_OK) snprintf(curl_init_err, sizeof curl_init_err, "libcurl: %s", cx.easy_strerror(rc));
-}
-
 void etcd_close(etcd_t *c) {
   if (!c) return;
-  if (c->curl) cx.easy_cleanup(c->curl);
-  if (c->headers) cx.slist_free_all(c->headers);
+  http_close(&c->http);
   free(c);
 }
 
-/* c's libcurl handle and headers. hasleader: a member cut off from its leader refuses at once
- * ("no leader") instead of holding the request until its 7 s request timeout; the watch server
- * also ends our streams when its member loses the leader. Expect: a POST never waits for a
- * 100. */
-static int open_handle(etcd_t *c) {
-  const char *hdrs[] = {"Content-Type: application/json", "Grpc-Metadata-hasleader: true", "Expect:"};
-  if (!(c->curl = cx.easy_init())) return -ENOMEM;
-  for (size_t i = 0; i < sizeof hdrs / sizeof *hdrs; i++) {
-    struct curl_slist *h = cx.slist_append(c->headers, hdrs[i]);
-    if (!h) return -ENOMEM;
-    c->headers = h;
+/* A new client for c's members (n, names, hosts, ports set), without a connection yet. */
+static etcd_t *client_new(void) {
+  etcd_t *c = calloc(1, sizeof *c);
+  if (c && http_init(&c->http)) {
+    free(c);
+    return NULL;
   }
-  return 0;
+  return c;
 }
 
 int etcd_connect(etcd_t **out, const char *endpoints, int timeout_ms, char *err, size_t errlen) {
   *out = NULL;
   if (!endpoints || timeout_ms <= 0)
     return err_set(err, errlen, -EINVAL, "etcd connect: %s", endpoints ? "timeout must be > 0" : "no endpoints");
-  pthread_once(&curl_once, curl_init);
-  if (curl_init_err[0]) return err_set(err, errlen, -ENOSYS, "etcd connect: %s", curl_init_err);
-  etcd_t *c = calloc(1, sizeof *c);
+  etcd_t *c = client_new();
   if (!c) return err_set(err, errlen, -ENOMEM, "etcd connect: out of memory");
   c->timeout_ms = timeout_ms;
   int rc = 0;
@@ -590,15 +504,12 @@ int etcd_connect(etcd_t **out, const char *endpoints, int timeout_ms, char *err,
     char name[sizeof c->name[0]];
     net_format_endpoint(name, sizeof name, host, port);
     snprintf(c->name[c->n], sizeof c->name[c->n], "%s", name);
-    snprintf(c->url[c->n], sizeof c->url[c->n], "http://%s", name);
+    snprintf(c->host[c->n], sizeof c->host[c->n], "%s", host);
+    c->port[c->n] = port;
     c->n++;
   }
   if (c->n == 0) {
     rc = err_set(err, errlen, -EINVAL, "etcd endpoints '%s': none given (host:port,host:port,...)", endpoints);
-    goto error;
-  }
-  if ((rc = open_handle(c))) {
-    err_set(err, errlen, rc, "etcd connect: out of memory");
     goto error;
   }
   /* A first call proves that the cluster can serve: a linearizable read (of the key "\0",
@@ -627,16 +538,13 @@ error:
 
 int etcd_clone(etcd_t **out, const etcd_t *c) {
   *out = NULL;
-  etcd_t *d = calloc(1, sizeof *d);
+  etcd_t *d = client_new();
   if (!d) return -ENOMEM;
   d->n = c->n;
   d->timeout_ms = c->timeout_ms;
   memcpy(d->name, c->name, sizeof d->name);
-  memcpy(d->url, c->url, sizeof d->url);
-  if (open_handle(d)) {
-    etcd_close(d);
-    return -ENOMEM;
-  }
+  memcpy(d->host, c->host, sizeof d->host);
+  memcpy(d->port, c->port, sizeof d->port);
   *out = d;
   return 0;
 }

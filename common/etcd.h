@@ -5,10 +5,9 @@
  * hand-made HTTP/2 + protobuf stack. etcd also serves the same API as HTTP/JSON on its client
  * URLs (the grpc-gateway, under /v3/ since etcd 3.4: POST /v3/kv/range, /v3/kv/txn,
  * /v3/lease/keepalive, /v3/watch, ...; keys and values base64, 64-bit numbers as strings), so
- * libcurl and cJSON, both ordinary Debian packages, are the whole dependency. libcurl is
- * loaded at run time (dlopen of libcurl.so.4) on the first etcd_connect, so a program that
- * links this client runs without libcurl until it is asked for etcd; then etcd_connect fails
- * with -ENOSYS and says what to install. Streams (watch,
+ * a small HTTP/1.1 client (common/http.c) and cJSON are the whole dependency. (It was libcurl
+ * until loading it, on every node, proved to cost more CPU than a whole c10d node: http.h.)
+ * Streams (watch,
  * keepalive) are one HTTP request whose response is newline-separated JSON messages; this
  * client opens one, reads what it needs and closes it, which keeps every call blocking and
  * bounded.

@@ -11,7 +11,6 @@ pkgs=(
   libopenblas-dev   # cpu backend GEMMs
   libcmocka-dev     # C unit tests
   nettle-dev        # Nettle (static): HMAC-SHA256 for the store's job secret, base64 for etcd
-  libcurl4-openssl-dev  # the etcd client (HTTP/JSON gateway) of --rdzv_backend=etcd
   etcd-server       # etcd for the etcd rendezvous tests (test_etcd)
   clang libclang-rt-dev  # libFuzzer for the fuzz targets (make fuzz; short runs in make test)
   python3-pytest    # integration tests (real processes on loopback)

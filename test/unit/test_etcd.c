@@ -1,4 +1,4 @@
-// deps: common/etcd.c common/net.c common/err.c
+// deps: common/etcd.c common/http.c common/net.c common/err.c
 /* test_etcd: the etcd client against real etcd servers (/usr/bin/etcd, Debian's etcd-server),
  * run as child processes on free loopback ports with their data under one mkdtemp directory.
  *
@@ -15,7 +15,6 @@
 #include <stdint.h>
 #include <cmocka.h>
 
-#include <curl/curl.h>
 #include <errno.h>
 #include <ftw.h>
 #include <limits.h>
@@ -31,6 +30,7 @@
 #include <unistd.h>
 
 #include "common/etcd.h"
+#include "common/http.h"
 #include "common/net.h"
 
 #define ETCD_BIN "/usr/bin/etcd"
@@ -218,21 +218,25 @@ static int64_t mod_rev(etcd_t *c, const char *key) {
  * offer (compaction, member status, metrics). Returns the number that follows pat in the
  * reply ("\"leader\":\"", or "\nmetric_name "; unsigned: member ids use all 64 bits), or
  * UINT64_MAX when there is none. */
+static int raw_collect(void *arg, const char *p, size_t n) {
+  FILE *f = arg;
+  return fwrite(p, 1, n, f) != n;
+}
+
 static uint64_t raw_number(const cluster_t *cl, int i, const char *path, const char *body, const char *pat) {
-  char url[128], *reply = NULL;
+  char *reply = NULL, err[256];
   size_t len = 0;
-  snprintf(url, sizeof url, "http://127.0.0.1:%d%s", cl->m[i].client_port, path);
-  CURL *h = curl_easy_init();
   FILE *f = open_memstream(&reply, &len);
-  curl_easy_setopt(h, CURLOPT_URL, url);
-  if (body) curl_easy_setopt(h, CURLOPT_POSTFIELDS, body);
-  curl_easy_setopt(h, CURLOPT_WRITEDATA, f);
-  curl_easy_setopt(h, CURLOPT_NOPROXY, "*");
-  curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, 5000L);
-  CURLcode cr = curl_easy_perform(h);
+  http_conn_t h;
+  assert_int_equal(http_init(&h), 0);
+  http_req_t rq = {.host = "127.0.0.1", .port = cl->m[i].client_port, .method = body ? "POST" : "GET",
+                   .path = path, .body = body, .body_len = body ? strlen(body) : 0,
+                   .deadline = net_now_ms() + 5000, .on_data = raw_collect, .arg = f};
+  http_res_t res;
+  int rc = http_post(&h, &rq, &res, err, sizeof err);
+  http_close(&h);
   fclose(f);
-  curl_easy_cleanup(h);
-  const char *p = cr == CURLE_OK && reply ? strstr(reply, pat) : NULL;
+  const char *p = !rc && reply ? strstr(reply, pat) : NULL;
   uint64_t v = p ? strtoull(p + strlen(pat), NULL, 10) : UINT64_MAX;
   free(reply);
   return v;
