@@ -20,12 +20,9 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <nettle/base64.h>
-#include <pthread.h>
-#include <stdatomic.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include <sys/socket.h>
 #include <string.h>
 #include <time.h>
 
@@ -50,7 +47,6 @@ struct etcd {
   int port[MAX_MEMBERS];
   int timeout_ms;
   int unsure;                    /* the last call retried after a try that may have been applied */
-  atomic_int interrupted;        /* etcd_interrupt: every call fails at once with -EINTR */
   char err[2048];
 };
 
@@ -85,9 +81,7 @@ void etcd_set_timeout(etcd_t *c, int timeout_ms) {
 }
 
 void etcd_interrupt(etcd_t *c) {
-  if (!c) return;
-  atomic_store(&c->interrupted, 1);
-  http_wake(&c->http);
+  if (c) http_wake(&c->http); /* every call, the one in progress too, fails at once with -EINTR */
 }
 
 static char *fmt(const char *f, ...) __attribute__((format(printf, 1, 2)));
@@ -459,7 +453,7 @@ void etcd_close(etcd_t *c) {
   free(c);
 }
 
-/* A new client for c's members (n, names, hosts, ports set), without a connection yet. */
+/* An empty client (no members yet, no connection): its caller fills in the members. */
 static etcd_t *client_new(void) {
   etcd_t *c = calloc(1, sizeof *c);
   if (c && http_init(&c->http)) {

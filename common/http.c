@@ -105,9 +105,8 @@ typedef struct {
   int done, stopped;
 } body_t;
 
-static int deliver(body_t *b, const http_req_t *rq, const char *p, size_t n) {
+static void deliver(body_t *b, const http_req_t *rq, const char *p, size_t n) {
   if (n && rq->on_data && rq->on_data(rq->arg, p, n)) b->stopped = 1;
-  return 0;
 }
 
 /* One line of chunked framing, complete in b->line (without its "\n"). */
@@ -136,7 +135,10 @@ static int chunk_line(body_t *b) {
 
 /* Feeds n bytes of the body; 0 or -EPROTO. Stops taking bytes once done or stopped. */
 static int feed(body_t *b, const http_req_t *rq, const char *p, size_t n) {
-  if (b->mode == BODY_EOF) return deliver(b, rq, p, n);
+  if (b->mode == BODY_EOF) {
+    deliver(b, rq, p, n);
+    return 0;
+  }
   if (b->mode == BODY_LEN) {
     size_t k = n < b->left ? n : (size_t)b->left;
     b->left -= k;
