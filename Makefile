@@ -54,6 +54,9 @@ CMOCKA_LIBS  := $(shell pkg-config --libs cmocka 2>/dev/null || echo -lcmocka)
 # started on one machine runs 4096 of them (meshrun and its worker); libcrypto alone cost each
 # 0.4 ms there. Static, the GPU kit carries neither.
 NETTLE_LIBS   := -l:libnettle.a
+# PCRE2 (8-bit, libpcre2-dev): the tokenizer's pre-tokenizer regexes (\p{L}, lookahead); linked
+# by the trainer and by what links trainer/tokenizer.c (needs_pcre2 below).
+PCRE2_LIBS    := -lpcre2-8
 else
 # Unpacked .debs: no pkg-config files to trust (they name /usr), and no update-alternatives links,
 # so OpenBLAS is taken from its openblas-pthread folder directly.
@@ -67,6 +70,7 @@ BLAS_CFLAGS  := -I$(DEPS_INC)/x86_64-linux-gnu/openblas-pthread
 BLAS_LIBS    := -L$(DEPS_LIB)/openblas-pthread -Wl,-rpath-link,$(DEPS_LIB)/openblas-pthread -lopenblas
 CMOCKA_LIBS  := -lcmocka
 NETTLE_LIBS   := $(DEPS_LIB)/libnettle.a
+PCRE2_LIBS    := $(DEPS_LIB)/libpcre2-8.a
 endif
 CFLAGS += $(UV_CFLAGS) $(CJSON_CFLAGS) $(BLAS_CFLAGS) -fopenmp
 LDFLAGS += -fopenmp
@@ -144,7 +148,7 @@ $(BIN)/meshrun: $(LAUNCHER_OBJ) $(COMMON_OBJ)
 $(BIN)/trainer: $(TRAINER_OBJ) $(filter-out $(ETCD_OBJ),$(COMMON_OBJ))
 	@mkdir -p $(@D)
 	@$(if $(Q),echo "  LD      $@")
-	$(Q)$(CC) $(LDFLAGS) -o $@ $^ $(ALL_LIBS) $(CUDA_LIBS)
+	$(Q)$(CC) $(LDFLAGS) -o $@ $^ $(ALL_LIBS) $(PCRE2_LIBS) $(CUDA_LIBS)
 
 $(BUILD)/%.o: %.c
 	@mkdir -p $(@D)
@@ -162,13 +166,14 @@ raw_deps = $(shell sed -n '1s|^// deps: *||p' $(1))
 needs_cuda = $(if $(HAVE_CUDA),$(or $(filter trainer/backend.c %.cu,$(call raw_deps,$(1))),$(findstring test/gpu/,$(1))))
 CU_OBJ := $(CU_SRC:%.cu=$(BUILD)/%.o)
 needs_dnnl = $(if $(filter 1,$(HAVE_DNNL)),$(filter test/tools/gemm_bench.c,$(1)))
+needs_pcre2 = $(filter trainer/tokenizer.c,$(call raw_deps,$(1)))
 deps_of = $(sort $(patsubst %.cu,$(BUILD)/%.o,$(patsubst %.c,$(BUILD)/%.o,$(call raw_deps,$(1)))) \
           $(if $(call needs_cuda,$(1)),$(CU_OBJ)))
 define link_rule
 $(2): $(BUILD)/$(1:%.c=%.o) $(call deps_of,$(1))
 	@mkdir -p $$(@D)
 	@$$(if $$(Q),echo "  LD      $$@")
-	$$(Q)$$(CC) $$(LDFLAGS) -o $$@ $$^ $$(ALL_LIBS) $$(CMOCKA_LIBS) $(if $(call needs_cuda,$(1)),$$(CUDA_LIBS)) $(if $(call needs_dnnl,$(1)),$$(DNNL_LIBS))
+	$$(Q)$$(CC) $$(LDFLAGS) -o $$@ $$^ $$(ALL_LIBS) $$(CMOCKA_LIBS) $(if $(call needs_cuda,$(1)),$$(CUDA_LIBS)) $(if $(call needs_dnnl,$(1)),$$(DNNL_LIBS)) $(if $(call needs_pcre2,$(1)),$$(PCRE2_LIBS))
 endef
 $(foreach t,$(UNIT_SRC),$(eval $(call link_rule,$(t),$(t:test/unit/%.c=$(BUILD)/test/%))))
 $(foreach t,$(TOOL_SRC),$(eval $(call link_rule,$(t),$(t:test/tools/%.c=$(BUILD)/tools/%))))
@@ -188,8 +193,12 @@ unit: $(UNIT_BIN)
 integration: all
 	$(Q)MESHRUN_BIN=$(abspath $(BIN)) MESHRUN_BUILD=$(abspath $(BUILD)) $(PYTHON) -m pytest -q -p no:cacheprovider test/integration
 
+# The demo trains the byte-level model on tinyshakespeare, then draws its loss curve.
+DEMO_OUT := out/demo
 demo: $(BIN)/trainer
-	$(Q)$(BIN)/trainer configs/demo.json
+	$(Q)$(BIN)/trainer configs/demo.json --set log.metrics_file=$(DEMO_OUT)/metrics.jsonl
+	$(Q)/usr/bin/python3 scripts/plot_metrics.py $(DEMO_OUT)/metrics.jsonl -o $(DEMO_OUT)/loss.png --lr
+	@echo "demo: metrics in $(DEMO_OUT)/metrics.jsonl, loss curve in $(DEMO_OUT)/loss.png"
 
 bench: all
 	$(Q)MESHRUN_BIN=$(abspath $(BIN)) MESHRUN_BUILD=$(abspath $(BUILD)) scripts/bench.sh

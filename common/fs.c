@@ -3,6 +3,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <glob.h>
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -105,4 +106,64 @@ int fs_read_file(const char *path, size_t max, char **out, size_t *len, long lon
 
 void fs_unlink_if_there(const char *path) {
   if (access(path, F_OK) == 0) unlink(path);
+}
+
+static int add_path(char ***v, size_t *n, size_t *cap, const char *path) {
+  if (*n + 1 >= *cap) {
+    size_t c = *cap ? *cap * 2 : 8;
+    char **nv = realloc(*v, c * sizeof *nv);
+    if (!nv) return -ENOMEM;
+    *v = nv;
+    *cap = c;
+  }
+  if (!((*v)[*n] = strdup(path))) return -ENOMEM;
+  (*v)[++*n] = NULL;
+  return 0;
+}
+
+int fs_expand_paths(const char *lines, char ***out, size_t *n, char *bad, size_t badlen) {
+  char **v = NULL;
+  size_t count = 0, cap = 0;
+  int rc = 0;
+  *out = NULL;
+  *n = 0;
+  for (const char *a = lines; *a && rc == 0;) {
+    size_t k = strcspn(a, "\n");
+    char *line = strndup(a, k);
+    a += k + (a[k] == '\n');
+    if (!line) {
+      rc = -ENOMEM;
+      break;
+    }
+    if (!line[strcspn(line, "*?[")]) {
+      rc = add_path(&v, &count, &cap, line);
+    } else {
+      glob_t g;
+      int grc = glob(line, 0, NULL, &g); /* sorted: shard order is the data's order */
+      if (grc == GLOB_NOMATCH) {
+        snprintf(bad, badlen, "%s", line);
+        rc = -ENOENT;
+      } else if (grc != 0) {
+        rc = grc == GLOB_NOSPACE ? -ENOMEM : -EIO;
+        snprintf(bad, badlen, "%s", line);
+      }
+      for (size_t i = 0; rc == 0 && i < g.gl_pathc; i++) rc = add_path(&v, &count, &cap, g.gl_pathv[i]);
+      if (grc == 0) globfree(&g);
+    }
+    free(line);
+  }
+  if (rc == 0 && !v && !(v = calloc(1, sizeof *v))) rc = -ENOMEM; /* no lines: an empty list */
+  if (rc) {
+    fs_paths_free(v);
+    return rc;
+  }
+  *out = v;
+  *n = count;
+  return 0;
+}
+
+void fs_paths_free(char **paths) {
+  if (!paths) return;
+  for (char **p = paths; *p; p++) free(*p);
+  free(paths);
 }

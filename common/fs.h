@@ -18,6 +18,13 @@ int fs_mkdir_parent(const char *path, char *failed, size_t failedlen);
  * may be NULL. */
 int fs_read_file(const char *path, size_t max, char **out, size_t *len, long long *size);
 
+/* The paths named by lines (one path or glob a line, as the trainer's data.train keeps a list):
+ * a line without *, ? or [ is taken as it is; a glob is expanded, sorted, and must match.
+ * Returns 0 with *out a NULL-terminated malloc'ed array (free with fs_paths_free) of *n paths;
+ * -ENOENT with the glob that matched nothing in bad; -ENOMEM. */
+int fs_expand_paths(const char *lines, char ***out, size_t *n, char *bad, size_t badlen);
+void fs_paths_free(char **paths); /* accepts NULL */
+
 /* Unlinks path if it is there. The existence check takes no lock; an unlink locks the
  * directory even to find nothing, which many processes sharing a directory contend for. */
 void fs_unlink_if_there(const char *path);

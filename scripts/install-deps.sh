@@ -11,6 +11,8 @@ pkgs=(
   libopenblas-dev   # cpu backend GEMMs
   libcmocka-dev     # C unit tests
   nettle-dev        # Nettle (static): HMAC-SHA256 for the store's job secret, base64 for etcd
+  libpcre2-dev      # the tokenizer's pre-tokenizer regexes (\p{L}, \p{N}, lookahead) as HF's use them
+  python3-pip       # PyPI's tokenizers for /usr/bin/python3 (below)
   etcd-server       # etcd for the etcd rendezvous tests (test_etcd)
   clang libclang-rt-dev  # libFuzzer for the fuzz targets (make fuzz; short runs in make test)
   python3-pytest    # integration tests (real processes on loopback)
@@ -23,12 +25,22 @@ missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
-if [ ${#missing[@]} -eq 0 ]; then
-  exit 0
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "install-deps: installing ${missing[*]}" >&2
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  export DEBIAN_FRONTEND=noninteractive
+  $sudo apt-get update -qq
+  $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
-echo "install-deps: installing ${missing[*]}" >&2
-sudo=""
-[ "$(id -u)" -eq 0 ] || sudo="sudo"
-export DEBIAN_FRONTEND=noninteractive
-$sudo apt-get update -qq
-$sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+
+# PyPI's tokenizers (Hugging Face's own BPE) for Debian's python3, which the tests run under:
+# scripts/prepare_data.py trains and applies tokenizers with it, and test_tokenizer checks the
+# C tokenizer's ids against it. Debian has no package of it, hence pip (system-wide: CI machines
+# are throwaway; --break-system-packages is pip's word for that on Debian 12).
+if ! /usr/bin/python3 -c "import tokenizers" 2>/dev/null; then
+  echo "install-deps: installing PyPI tokenizers for /usr/bin/python3" >&2
+  pip_sudo=""
+  [ "$(id -u)" -eq 0 ] || pip_sudo="sudo"
+  $pip_sudo /usr/bin/python3 -m pip install -q --break-system-packages tokenizers
+fi

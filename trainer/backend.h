@@ -45,6 +45,7 @@ typedef enum { BACKEND_MEM_HOST = 0, BACKEND_MEM_DEVICE } backend_mem_t;
 
 struct backend {
   const char *name; /* "cpu", "cuda": for messages only, never compared outside backend.c */
+  char device[96];  /* the device's own name ("NVIDIA H100 80GB HBM3"); "" on cpu. Reports only */
   backend_mem_t mem;
   void *impl;       /* backend-private state */
 

@@ -1397,6 +1397,11 @@ extern "C" backend_t *backend_cuda_create(int device, char *err, size_t errlen) 
   be->mem = BACKEND_MEM_DEVICE;
   cu->device = device;
   if ((e = cudaSetDevice(device)) != cudaSuccess) { what = "cudaSetDevice"; goto fail; }
+  {
+    cudaDeviceProp prop;
+    if ((e = cudaGetDeviceProperties(&prop, device)) != cudaSuccess) { what = "cudaGetDeviceProperties"; goto fail; }
+    snprintf(be->device, sizeof be->device, "%.95s", prop.name); /* MFU's peak (trainer/metrics) */
+  }
   if ((e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device)) != cudaSuccess) {
     what = "cudaDeviceGetAttribute";
     goto fail;

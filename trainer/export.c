@@ -1,8 +1,129 @@
 /* export: the `trainer export` program (see export.h). */
 #include "trainer/export.h"
 
+#include <cJSON.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "common/err.h"
+#include "common/fs.h"
+#include "common/log.h"
+#include "trainer/tokenizer.h"
 #include "trainer/weights.h"
 
-int export_run(const plan_t *p, const char *weights, const char *format, const char *out, char *err, size_t errlen) {
-  return weights_export(&p->model, weights, format, out, err, errlen);
+#define TOKENIZER_JSON_MAX (256u << 20)
+
+/* Writes len bytes to dir/name through a temporary file and a rename. */
+static int write_beside(const char *dir, const char *name, const char *data, size_t len, char *err, size_t errlen) {
+  char path[PLAN_PATH_MAX + 64], tmp[PLAN_PATH_MAX + 96];
+  snprintf(path, sizeof path, "%s/%s", dir, name);
+  snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, (int)getpid());
+  FILE *fp = fopen(tmp, "wb");
+  if (!fp) return err_set(err, errlen, 1, "export error: cannot create %s: %s", tmp, strerror(errno));
+  int failed = fwrite(data, 1, len, fp) != len;
+  failed |= fclose(fp) != 0;
+  if (failed || rename(tmp, path) != 0) {
+    int e = errno;
+    unlink(tmp);
+    return err_set(err, errlen, 1, "export error: cannot write %s: %s", path, strerror(e));
+  }
+  return 0;
+}
+
+/* A token's text for tokenizer_config.json, or JSON null. */
+static void add_token(cJSON *o, const char *key, const tokenizer_t *t, int id) {
+  size_t len = 0;
+  const char *b = id >= 0 ? tokenizer_token_bytes(t, id, -1, &len) : NULL;
+  char *s = b ? strndup(b, len) : NULL;
+  if (s) cJSON_AddStringToObject(o, key, s);
+  else cJSON_AddNullToObject(o, key);
+  free(s);
+}
+
+/* The tokenizer that goes with an HF export: loaded and checked before anything is written. */
+typedef struct {
+  tokenizer_t *t;
+  char *json; /* tokenizer.json's bytes; NULL for llama2.c's tokenizer.bin (not exported) */
+  size_t len;
+} export_tok_t;
+
+/* path: a tokenizer.json, a folder holding one, or a tokenizer.bin. Returns 0, 1 (cannot be
+ * read) or 2 (more tokens than the model's vocabulary). */
+static int tok_open(export_tok_t *x, const char *path, const plan_model_t *cfg, char *err, size_t errlen) {
+  char json_path[PLAN_PATH_MAX + 32], why[512];
+  struct stat sb;
+  if (stat(path, &sb) == 0 && S_ISDIR(sb.st_mode)) snprintf(json_path, sizeof json_path, "%s/tokenizer.json", path);
+  else snprintf(json_path, sizeof json_path, "%s", path);
+  if (tokenizer_load(&x->t, path, why, sizeof why) != 0) {
+    x->t = NULL;
+    return err_set(err, errlen, 1, "export error: %s", why);
+  }
+  if (tokenizer_vocab_size(x->t) > cfg->vocab_size)
+    return err_set(err, errlen, 2, "export error: tokenizer %s has %d tokens, more than the model's vocab_size %d",
+                   path, tokenizer_vocab_size(x->t), cfg->vocab_size);
+  int r = fs_read_file(json_path, TOKENIZER_JSON_MAX, &x->json, &x->len, NULL);
+  if (r) return err_set(err, errlen, 1, "export error: tokenizer %s: %s", json_path, strerror(-r));
+  size_t i = 0;
+  while (i < x->len && strchr(" \t\r\n", x->json[i])) i++;
+  if (i == x->len || x->json[i] != '{') { /* llama2.c's tokenizer.bin */
+    log_warn("export: %s is not a tokenizer.json (llama2.c's tokenizer.bin?); the HF folder gets no tokenizer", path);
+    free(x->json);
+    x->json = NULL;
+  }
+  return 0;
+}
+
+/* tokenizer.json byte for byte, and a tokenizer_config.json naming BOS and EOS, into out. */
+static int tok_write(const export_tok_t *x, const plan_model_t *cfg, const char *out, char *err, size_t errlen) {
+  if (!x->json) return 0;
+  int rc = write_beside(out, "tokenizer.json", x->json, x->len, err, errlen);
+  cJSON *o = rc == 0 ? cJSON_CreateObject() : NULL;
+  char *text = NULL;
+  if (o) {
+    cJSON_AddStringToObject(o, "tokenizer_class", "PreTrainedTokenizerFast");
+    add_token(o, "bos_token", x->t, tokenizer_bos(x->t));
+    add_token(o, "eos_token", x->t, tokenizer_eos(x->t));
+    cJSON_AddNumberToObject(o, "model_max_length", cfg->max_seq_len);
+    cJSON_AddFalseToObject(o, "clean_up_tokenization_spaces");
+    text = cJSON_Print(o);
+    cJSON_Delete(o);
+  }
+  char *line = text ? malloc(strlen(text) + 2) : NULL;
+  if (rc == 0 && !line) rc = err_set(err, errlen, 1, "export error: out of memory");
+  if (rc == 0) {
+    size_t n = strlen(text);
+    memcpy(line, text, n);
+    line[n] = '\n';
+    rc = write_beside(out, "tokenizer_config.json", line, n + 1, err, errlen);
+  }
+  free(line);
+  if (text) cJSON_free(text);
+  if (rc == 0) log_info("exported the tokenizer to %s/tokenizer.json and tokenizer_config.json", out);
+  return rc;
+}
+
+int export_run(const plan_t *p, const char *path, int plan_file, const char *const *sets, int nsets,
+               const char *format, const char *out, char *err, size_t errlen) {
+  weights_file_t *f = NULL;
+  plan_model_t cfg;
+  export_tok_t tok = {0};
+  int rc = weights_open(&f, path, err, errlen);
+  if (rc == 0) rc = weights_resolve_model(f, &p->model, plan_file, sets, nsets, &cfg, err, errlen);
+  if (rc == 0 && !strcmp(format, "hf")) { /* the tokenizer, when one is known (export.h) */
+    const plan_data_t *fd = plan_file ? NULL : weights_data(f);
+    const char *tp = p->data.tokenizer[0] ? p->data.tokenizer
+                     : fd && fd->tokenizer[0] ? fd->tokenizer
+                                              : weights_tokenizer(f);
+    if (tp) rc = tok_open(&tok, tp, &cfg, err, errlen);
+  }
+  if (rc == 0) rc = weights_export(f, &cfg, format, out, err, errlen);
+  if (rc == 0) rc = tok_write(&tok, &cfg, out, err, errlen);
+  free(tok.json);
+  tokenizer_free(tok.t);
+  weights_close(f);
+  return rc;
 }

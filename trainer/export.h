@@ -1,6 +1,13 @@
-/* export: the `trainer export` program. Writes a weights file saved by training as a llama2.c
- * file or a Hugging Face directory, checked against the plan's model; no model is built, no
- * device is opened. The conversion itself is trainer/weights' (and trainer/interop's) job. */
+/* export: the `trainer export` program. Writes any weights the trainer reads (our safetensors,
+ * a llama2.c file, a Hugging Face folder; the format found from the content) as a llama2.c file
+ * or a Hugging Face folder. The model is the file's own when no plan file is given (the --set
+ * model keys checked against it), else the plan's, checked against the file (a mismatch names
+ * the field, exit 2). To HF, the tokenizer goes along when one is known: data.tokenizer (or,
+ * without a plan file, the one in our file's metadata plan, or the source HF folder's) when it
+ * is a tokenizer.json, copied as is beside the weights with a tokenizer_config.json naming its
+ * BOS and EOS, so the folder is complete for `transformers`; a llama2.c tokenizer.bin is not
+ * converted (a warning says so). No model is built, no device is opened. The conversion itself
+ * is trainer/weights' and trainer/interop's job. */
 #ifndef MESHRUN_EXPORT_H
 #define MESHRUN_EXPORT_H
 
@@ -8,8 +15,10 @@
 
 #include "trainer/plan.h"
 
-/* Returns 0, 2 (usage: unknown format, a file not of this model) or 1 (I/O), with the message
- * in err. */
-int export_run(const plan_t *p, const char *weights, const char *format, const char *out, char *err, size_t errlen);
+/* path: the weights; plan_file: p came from a plan file (else sets, the --set list, names the
+ * model keys to check). Returns 0, 2 (usage: unknown format, a weights file not of this model,
+ * a tokenizer larger than the vocabulary) or 1 (I/O), with one line in err. */
+int export_run(const plan_t *p, const char *path, int plan_file, const char *const *sets, int nsets,
+               const char *format, const char *out, char *err, size_t errlen);
 
 #endif

@@ -238,13 +238,35 @@ static int ends_with(const char *s, const char *suffix) {
   return a >= b && !strcmp(s + a - b, suffix);
 }
 
+/* A path that exists is judged by its content: a directory is HF; a file that begins as JSON
+ * ('{') is HF's config.json; a file that begins as safetensors (a u64 header length that fits
+ * the file, then '{') is HF's model.safetensors when it holds model.embed_tokens.weight, else
+ * ours (a corrupt one too, so that its error is the safetensors reader's); anything else is
+ * llama2.c's, which has no magic and is checked by its exact size when opened. A path that does
+ * not exist is judged by its name, for messages about it. */
 interop_format_t interop_detect(const char *path) {
   struct stat st;
-  if (stat(path, &st) == 0 && S_ISDIR(st.st_mode)) return INTEROP_HF;
-  if (ends_with(path, "config.json") || ends_with(path, "/model.safetensors") || !strcmp(path, "model.safetensors"))
-    return INTEROP_HF;
-  if (ends_with(path, ".safetensors")) return INTEROP_MESHRUN;
-  return INTEROP_LLAMA2C;
+  if (stat(path, &st) != 0) {
+    if (ends_with(path, "config.json") || ends_with(path, "/model.safetensors") || !strcmp(path, "model.safetensors"))
+      return INTEROP_HF;
+    return ends_with(path, ".safetensors") ? INTEROP_MESHRUN : INTEROP_LLAMA2C;
+  }
+  if (S_ISDIR(st.st_mode)) return INTEROP_HF;
+  unsigned char head[16] = {0};
+  FILE *fp = fopen(path, "rb");
+  size_t got = fp ? fread(head, 1, sizeof head, fp) : 0;
+  if (fp) fclose(fp);
+  size_t i = 0;
+  while (i < got && (head[i] == ' ' || head[i] == '\t' || head[i] == '\n' || head[i] == '\r')) i++;
+  if (i < got && head[i] == '{') return INTEROP_HF;
+  uint64_t n = 0;
+  for (int b = 7; b >= 0; b--) n = n << 8 | head[b];
+  if (got < 9 || head[8] != '{' || n < 2 || n > (uint64_t)st.st_size - 8) return INTEROP_LLAMA2C;
+  st_file_t *sf = NULL;
+  if (st_open(&sf, path, NULL, 0) != 0) return INTEROP_MESHRUN;
+  interop_format_t f = st_find(sf, "model.embed_tokens.weight") ? INTEROP_HF : INTEROP_MESHRUN;
+  st_close(sf);
+  return f;
 }
 
 /* ------------------------------------------------------------------------------ reading */
@@ -535,7 +557,12 @@ const plan_model_t *interop_config(const interop_file_t *f) { return &f->cfg; }
 interop_format_t interop_file_format(const interop_file_t *f) { return f->fmt; }
 
 int interop_check_plan(const interop_file_t *f, const plan_model_t *plan, char *err, size_t errlen) {
-  const plan_model_t *c = &f->cfg;
+  char msg[256];
+  if (interop_model_diff(&f->cfg, plan, NULL, msg, sizeof msg) == 0) return 0;
+  return fail(err, errlen, INTEROP_EMISMATCH, f->path, "%s", msg);
+}
+
+int interop_model_diff(const plan_model_t *c, const plan_model_t *plan, const char *key, char *msg, size_t len) {
   const struct {
     const char *file_key, *plan_key;
     int file, plan;
@@ -546,20 +573,22 @@ int interop_check_plan(const interop_file_t *f, const plan_model_t *plan, char *
            {"vocab_size", "vocab_size", c->vocab_size, plan->vocab_size},
            {"hidden_dim", "hidden_dim", c->hidden_dim, plan->hidden_dim}};
   for (size_t i = 0; i < sizeof d / sizeof d[0]; i++)
-    if (d[i].file != d[i].plan)
-      return fail(err, errlen, INTEROP_EMISMATCH, f->path, "%s %d but the plan says %d (set model.%s=%d)",
-                  d[i].file_key, d[i].file, d[i].plan, d[i].plan_key, d[i].file);
+    if ((!key || !strcmp(key, d[i].plan_key)) && d[i].file != d[i].plan) {
+      snprintf(msg, len, "%s %d but the plan says %d (set model.%s=%d)", d[i].file_key, d[i].file, d[i].plan,
+               d[i].plan_key, d[i].file);
+      return 1;
+    }
   const struct {
     const char *key;
     double file, plan;
   } g[] = {{"rope_theta", c->rope_theta, plan->rope_theta}, {"norm_eps", c->norm_eps, plan->norm_eps}};
   for (size_t i = 0; i < sizeof g / sizeof g[0]; i++)
-    if (!same_double(g[i].file, g[i].plan)) {
+    if ((!key || !strcmp(key, g[i].key)) && !same_double(g[i].file, g[i].plan)) {
       char a[32], b[32];
       fmt_double(a, sizeof a, g[i].file);
       fmt_double(b, sizeof b, g[i].plan);
-      return fail(err, errlen, INTEROP_EMISMATCH, f->path, "%s %s but the plan says %s (set model.%s=%s)", g[i].key, a,
-                  b, g[i].key, a);
+      snprintf(msg, len, "%s %s but the plan says %s (set model.%s=%s)", g[i].key, a, b, g[i].key, a);
+      return 1;
     }
   return 0;
 }

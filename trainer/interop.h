@@ -34,7 +34,7 @@
 #include "trainer/plan.h"
 
 typedef enum {
-  INTEROP_AUTO = 0, /* by path: a directory (or its config.json) is HF, *.safetensors is ours, else llama2.c */
+  INTEROP_AUTO = 0, /* by content (interop_detect) */
   INTEROP_MESHRUN,  /* our own safetensors (trainer's weights files); not opened by interop_open */
   INTEROP_LLAMA2C,
   INTEROP_HF
@@ -54,7 +54,11 @@ typedef struct interop_file interop_file_t;
 /* "llama2c" | "hf" | "meshrun" | "auto". Returns 0 or INTEROP_EINVAL. */
 int interop_format_parse(const char *name, interop_format_t *out);
 const char *interop_format_name(interop_format_t f);
-/* The format INTEROP_AUTO means for path (never INTEROP_AUTO). Looks at the file system only. */
+/* The format INTEROP_AUTO means for path (never INTEROP_AUTO), from what is there: a directory
+ * or a JSON file (config.json) is HF, a safetensors file is HF when it holds
+ * model.embed_tokens.weight and ours otherwise, any other file llama2.c (checked when opened).
+ * A path that does not exist is judged by its name (.safetensors ours, config.json or
+ * model.safetensors HF, else llama2.c). */
 interop_format_t interop_detect(const char *path);
 
 /* Opens a llama2.c file or an HF directory (path may also name the directory's config.json),
@@ -70,6 +74,11 @@ interop_format_t interop_file_format(const interop_file_t *f);
  * computed for any length). Returns 0 or INTEROP_EMISMATCH with e.g.
  * "interop error: stories260K.bin: n_kv_heads 4 but the plan says 2 (set model.n_kv_heads=4)". */
 int interop_check_plan(const interop_file_t *f, const plan_model_t *plan, char *err, size_t errlen);
+/* The comparison behind interop_check_plan, of any two models: file's (what a weights file
+ * holds) against plan's, on every field it checks or (key not NULL) on that field only
+ * ("dim", "norm_eps", ...; other keys compare nothing). Returns 0 when they agree, else 1 with
+ * "dim 64 but the plan says 128 (set model.dim=64)" in msg. */
+int interop_model_diff(const plan_model_t *file, const plan_model_t *plan, const char *key, char *msg, size_t len);
 
 /* Copies the full tensor of our name (e.g. "layers.0.attention.wq.weight") into dst, numel
  * floats, in our layout (HF wq/wk rows un-permuted; output.weight from the embedding when the

@@ -3,7 +3,8 @@
  *
  *   trainer [PLAN.json] [--set key.path=value ...]                  train (no PLAN: embedded default)
  *   trainer sample [PLAN.json] --weights FILE [--set key.path=value ...]   print generated text
- *   trainer export --format llama2c|hf [PLAN.json] --weights FILE --out PATH
+ *   trainer export --format llama2c|hf [PLAN.json] --weights FILE --out PATH  convert weights
+ * (FILE: ours, llama2.c or Hugging Face; without PLAN the model is the file's)
  *
  * main() reads top to bottom like llm.c's train_gpt2.c: environment (RANK, WORLD_SIZE,
  * LOCAL_RANK, set by meshrun) -> plan -> device (trainer/device: backend, precision, comm
@@ -81,9 +82,15 @@ static const char *usage_text =
     "Trains a Llama model as the JSON plan says (keys: docs/plan.md); without PLAN, the embedded\n"
     "default plan (configs/demo.json). --set overrides one key, e.g. --set train.steps=50\n"
     "--set model.dim=128; values parse as JSON when they can, else as strings.\n"
-    "'sample' loads weights saved by a training run and prints sample.tokens generated tokens.\n"
-    "'export' writes saved weights as a llama2.c file or a Hugging Face directory; model.init\n"
-    "also reads both (a .bin file or a directory), checked against the plan's model.\n"
+    "'sample' and 'export' take any weights: a training run's .safetensors, a llama2.c .bin or a\n"
+    "Hugging Face folder (config.json + model.safetensors), told apart by content. Without PLAN the\n"
+    "model's shape is the file's (--set model.* is checked against it); with PLAN, the plan's model\n"
+    "must be the file's (else exit 2). 'sample' prints sample.tokens tokens (sample.temperature,\n"
+    "sample.top_k, sample.top_p, sample.prompt; seed) decoded with a KV cache over the model's\n"
+    "max_seq_len (then a sliding window); with data.tokenizer (or an HF folder's tokenizer.json) the\n"
+    "prompt is encoded and text streamed, else bytes or ids. 'export' writes a llama2.c file or an\n"
+    "HF folder (with tokenizer.json + tokenizer_config.json when a tokenizer.json is known);\n"
+    "model.init reads all three formats too, checked against the plan's model.\n"
     "Checkpoints: checkpoint.dir, .interval (steps; also at the end), .keep, .async, .resume\n"
     "(none, auto = the latest intact one or a fresh start, or a step directory).\n"
     "Environment: RANK, WORLD_SIZE, LOCAL_RANK (set by meshrun; default 0, 1, 0), MESHRUN_STORE\n"
@@ -527,8 +534,9 @@ int main(int argc, char **argv) {
              "(WORLD_SIZE=%d)", env.world);
     goto error;
   }
-  if (a.export_mode) { /* our weights file to llama2.c or Hugging Face: no device, no model */
-    if ((code = export_run(p, a.weights, a.format, a.out, err, sizeof err))) goto error;
+  if (a.export_mode) { /* any weights to llama2.c or Hugging Face: no device, no model */
+    if ((code = export_run(p, a.weights, a.plan_path != NULL, a.sets, a.nsets, a.format, a.out, err, sizeof err)))
+      goto error;
     goto done;
   }
 
@@ -536,7 +544,7 @@ int main(int argc, char **argv) {
   if ((code = device_open(p, env.local_rank, env.local_world, env.world, &be, &comm_backend, err, sizeof err)))
     goto error;
   if (a.sample_mode) { /* weights in, text out (one process) */
-    if ((code = sample_run(p, be, a.weights, err, sizeof err) ? 1 : 0)) goto error;
+    if ((code = sample_run(p, be, a.weights, a.plan_path != NULL, a.sets, a.nsets, err, sizeof err))) goto error;
     goto done;
   }
 
@@ -546,8 +554,13 @@ int main(int argc, char **argv) {
   if (env.world > 1 && (code = mesh_setup(&mesh, p, env.rank, env.world, comm_backend, be, err, sizeof err)))
     goto error;
   code = 1;
-  /* --- data before the model: a wrong path fails before a large allocation */
-  if (data_load(&data, p, p->eval.interval > 0 && p->eval.batches > 0, err, sizeof err)) goto error;
+  /* --- data before the model: a wrong file fails before a large allocation. A file that is
+   * not what the plan says is the plan's error (exit 2, not retried); only memory is not. */
+  int drc = data_load(&data, p, p->eval.interval > 0 && p->eval.batches > 0, err, sizeof err);
+  if (drc) {
+    if (drc != DATA_ENOMEM) code = 2, plan_failed = 1;
+    goto error;
+  }
   /* --- model, then the data-parallel strategy (it owns the optimizer over this rank's range) */
   if (mesh && mesh->dims[MESH_PP] > 1) {
     if (pipeline_setup(&ppr, p, mesh, err, sizeof err)) goto error;

@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <time.h>
 
 #include "common/log.h"
@@ -117,6 +118,40 @@ void metrics_skip_traffic(metrics_t *mt) {
   traffic_step(mt, comm_json, sizeof comm_json);
 }
 
+double metrics_flops_per_token(const plan_t *p) {
+  const plan_model_t *c = &p->model;
+  const double d = c->dim, head = (double)c->dim / c->n_heads, kv = head * c->n_kv_heads;
+  const double hidden = c->hidden_dim > 0 ? c->hidden_dim : plan_llama_hidden_dim(c->dim, c->multiple_of,
+                                                                                   c->ffn_dim_multiplier);
+  /* wq, wo (d x d), wk, wv (d x kv), w1, w3, w2 (d x hidden) per layer; the output (vocab x d) */
+  const double n = c->n_layers * (2 * d * d + 2 * d * kv + 3 * d * hidden) + (double)c->vocab_size * d;
+  return 6 * n + 12.0 * c->n_layers * d * p->train.seq_len;
+}
+
+/* Dense tensor-core peaks from the vendors' data sheets, TFLOP/s (bf16, tf32). The first name
+ * that the device name contains wins, so the longer names come first. */
+static const struct {
+  const char *name;
+  double bf16, tf32;
+} gpu_peaks[] = {
+    {"H100 PCIe", 756, 378}, {"H100 NVL", 835, 418}, {"H100", 989, 495}, {"H200", 989, 495},
+    {"H800 PCIe", 756, 378}, {"H800", 989, 495},     {"GH200", 989, 495}, {"B200", 2250, 1100},
+    {"A100", 312, 156},      {"A800", 312, 156},      {"A10G", 70, 35},    {"A10", 125, 62.5},
+    {"L40S", 362, 183},      {"L4", 121, 60},         {"RTX 4090", 165, 82.6}, {"V100", 125, 0},
+};
+
+double metrics_gpu_peak_flops(const char *device, int bf16) {
+  if (!device || !device[0]) return 0;
+  for (size_t i = 0; i < sizeof gpu_peaks / sizeof gpu_peaks[0]; i++)
+    if (strstr(device, gpu_peaks[i].name)) return 1e12 * (bf16 ? gpu_peaks[i].bf16 : gpu_peaks[i].tf32);
+  return 0;
+}
+
+size_t metrics_peak_rss(void) {
+  struct rusage ru;
+  return getrusage(RUSAGE_SELF, &ru) == 0 ? (size_t)ru.ru_maxrss * 1024 : 0; /* Linux: KiB */
+}
+
 int metrics_open(metrics_t *mt, const plan_t *p, model_t *m, dp_t *dp, const mesh_t *mesh, const data_t *data,
                  const backend_t *be, int rank, int world, int start_step, int resumed, const char *plan_json,
                  char *err, size_t errlen) {
@@ -130,6 +165,10 @@ int metrics_open(metrics_t *mt, const plan_t *p, model_t *m, dp_t *dp, const mes
   const int T = p->train.seq_len, B = p->train.micro_batch_size, accum = p->train.grad_accum_steps;
   const int tp = mesh ? mesh->dims[MESH_TP] : 1;
   mt->tokens_per_step = (long long)p->train.global_batch_size * T;
+  mt->flops_per_token = metrics_flops_per_token(p);
+  mt->world = world;
+  mt->peak_flops = p->log.peak_tflops > 0 ? p->log.peak_tflops * 1e12
+                                          : metrics_gpu_peak_flops(be->device, model_param_dtype(m) == DT_BF16);
 
   /* --- memory per rank (this rank's, and the largest of any rank) */
   memory_report_t mem;
@@ -207,11 +246,18 @@ void metrics_step(metrics_t *mt, int step, double loss, double lr, double gnorm,
   char comm[512];
   mt->t_in_steps += dt;
   const double tps = (double)mt->tokens_per_step / dt;
+  const double flops = tps * mt->flops_per_token / mt->world; /* per rank */
+  const double mfu = mt->peak_flops > 0 ? flops / mt->peak_flops : 0;
+  const size_t rss = metrics_peak_rss();
+  char mfu_json[32] = "null";
+  if (mt->peak_flops > 0) snprintf(mfu_json, sizeof mfu_json, "%.6f", mfu);
   traffic_step(mt, comm, sizeof comm);
   metrics_printf(mt, step,
                  "{\"step\":%d,\"loss\":%.9g,\"lr\":%.9g,\"grad_norm\":%.9g,\"tokens_per_s\":%.1f,"
+                 "\"flops_per_s\":%.6g,\"mfu\":%s,\"peak_mem_bytes\":%zu,"
                  "\"step_ms\":%.3f,\"compute_ms\":%.3f,\"comm_wait_ms\":%.3f%s}\n",
-                 step, loss, lr, gnorm, tps, dt * 1e3, (dt - comm_wait) * 1e3, comm_wait * 1e3, comm);
+                 step, loss, lr, gnorm, tps, flops, mfu_json, rss, dt * 1e3, (dt - comm_wait) * 1e3, comm_wait * 1e3,
+                 comm);
   const int interval = mt->p->log.interval;
   if (interval > 0 && (step % interval == 0 || step == 1 || step == mt->steps)) {
     char tps_s[32], eta[32];
@@ -220,8 +266,12 @@ void metrics_step(metrics_t *mt, int step, double loss, double lr, double gnorm,
     fmt_duration(eta, sizeof eta, per_step * (mt->steps - step));
     char share[32] = ""; /* the exposed communication's share of the step, where there is a mesh */
     if (mt->mesh) snprintf(share, sizeof share, " | comm %.0f%%", dt > 0 ? 100.0 * comm_wait / dt : 0.0);
-    log_rank0("step %d/%d | loss %.4f | lr %.2e | grad norm %.4f | %s tok/s | %.1f ms%s | ETA %s", step, mt->steps,
-              loss, lr, gnorm, tps_s, dt * 1e3, share, eta);
+    char fl[48]; /* FLOP/s per rank, and MFU where the peak is known */
+    int k = snprintf(fl, sizeof fl, "%.3g %sFLOP/s", flops >= 1e12 ? flops / 1e12 : flops / 1e9,
+                     flops >= 1e12 ? "T" : "G");
+    if (mt->peak_flops > 0) snprintf(fl + k, sizeof fl - (size_t)k, " | MFU %.1f%%", 100 * mfu);
+    log_rank0("step %d/%d | loss %.4f | lr %.2e | grad norm %.4f | %s tok/s | %s | mem %.0f MiB | %.1f ms%s | ETA %s",
+              step, mt->steps, loss, lr, gnorm, tps_s, fl, rss / 1048576.0, dt * 1e3, share, eta);
   }
 }
 

@@ -9,6 +9,10 @@
  *
  * A write that fails (a full disk, /dev/full) is one warning; no record is written after it (a
  * torn line would follow), training goes on, and metrics_close reports it so the run exits 1.
+ * Throughput: the step line and record carry tokens/s, the model FLOP/s per rank (6N + 12 L d T
+ * per token), MFU (that over the device's peak: log.peak_tflops, or a known GPU's from the table
+ * here; none on cpu unless given) and the peak memory measured (resident memory of the process;
+ * on cuda too, until the allocator's own peak is reported).
  * Not here: computing the values (train.c), the sample text (sample.c). */
 #ifndef MESHRUN_METRICS_H
 #define MESHRUN_METRICS_H
@@ -41,6 +45,9 @@ typedef struct {
   int err;            /* errno of the first failed write; 0 while every write succeeded */
   char what[48];      /* what failed: "the first record", "the record of step 12", "the close" */
   metrics_traffic_t traffic; /* the counters at the last record */
+  double flops_per_token; /* model FLOPs of training, per token: 6N + 12 L d T (plan.md, log.peak_tflops) */
+  int world;
+  double peak_flops;  /* per rank, for MFU; 0 = unknown (no MFU) */
   double t_loop;      /* metrics_now() when the loop started */
   double t_in_steps;  /* seconds spent in optimizer steps */
 } metrics_t;
@@ -52,6 +59,15 @@ typedef struct {
  * "pp_span_ms", "pp_peak_inflight", "pp_act_bytes"}. Returns 0 or -1 with err. */
 int metrics_pipeline(metrics_t *mt, int step, double busy_ms, double span_ms, int peak_inflight, size_t act_bytes,
                      char *err, size_t errlen);
+
+/* Model FLOPs of one trained token (forward and backward) for p's model and train.seq_len:
+ * 6 N + 12 L d T, N the parameters of the matrix products. */
+double metrics_flops_per_token(const plan_t *p);
+/* The dense peak FLOP/s of a GPU named device (the CUDA device name) for bf16 (bf16 != 0) or
+ * else TF32 tensor-core math; 0 when the name is not in the table. */
+double metrics_gpu_peak_flops(const char *device, int bf16);
+/* The process's peak resident memory, bytes (getrusage). */
+size_t metrics_peak_rss(void);
 
 /* Seconds on the monotonic clock. */
 double metrics_now(void);

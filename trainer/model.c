@@ -57,6 +57,9 @@
  * gradients flow through the backward by accumulation: the backward kernels add into the one
  * residual-gradient buffer, so the skip connections cost nothing.
  *
+ * KV-cache decoding (model_kv_*, for `trainer sample`) runs block_forward's kernels on a
+ * separate cache and scratch, one sequence at a time, and touches none of the above state.
+ *
  * It does not own the optimizer (trainer/optim) nor the data-parallel strategy (trainer/dp). */
 #include "trainer/model.h"
 
@@ -1393,3 +1396,197 @@ size_t model_boundary_numel(const model_t *m, int b, int t) {
 
 
 const char *model_errmsg(const model_t *m) { return m->err; }
+
+/* ------------------------------------------------------------------ KV-cache decoding */
+
+/* Decode attention spans the cache rounded up to this many positions (model.h). */
+#define KV_SPAN_BLOCK 64
+
+struct model_kv {
+  model_t *m;
+  int max_t, len;
+  void *mem;      /* one backend allocation, carved by kv_layout */
+  void *kc, *vc;  /* (L, KV, max_t, D) dt: per layer and kv head, keys after RoPE and values by position */
+  /* one layer's activations for up to max_t rows, as block_forward's (dt unless fp32) */
+  void *x;        /* (n, C) the residual stream */
+  void *xn;       /* (n, C) a norm's output */
+  float *rstd;    /* (n) fp32 */
+  void *q;        /* (n, H*D) after RoPE */
+  void *k, *v;    /* (n, KV*D) the new positions' keys (after RoPE) and values */
+  void *att;      /* (n, H*D) */
+  float *lse;     /* (H, n) fp32 */
+  void *x_mid;    /* (n, C) */
+  void *a, *g, *h; /* (n, F) */
+  void *scores;   /* (H, span_max) one query's scores, then its probabilities */
+  float *rowmax;  /* (H) fp32 */
+  float *stats;   /* (2H) fp32 */
+  float *losses;  /* (H) fp32, unused output of ce_shard_loss */
+  int32_t *outside; /* (H) a target id outside every scores row (INT32_MAX) */
+  int32_t *tokens;  /* (max_t) */
+  void *logits;     /* (V) dt */
+  float *logits32;  /* (V) fp32: logits itself in fp32, a widened copy in bf16 */
+  int span_max;     /* max_t rounded up to KV_SPAN_BLOCK */
+};
+
+/* Lays the cache and scratch out from base (NULL: only counts); returns the bytes. */
+static size_t kv_layout(model_kv_t *kv, void *base) {
+  const model_t *m = kv->m;
+  size_t T = (size_t)kv->max_t, C = m->C, HD = (size_t)m->H * m->D, KD = (size_t)m->KV * m->D, F = m->F,
+         es = m->es, f4 = sizeof(float), off = 0;
+  kv->kc = carve(base, &off, (size_t)m->L * KD * T, es);
+  kv->vc = carve(base, &off, (size_t)m->L * KD * T, es);
+  kv->x = carve(base, &off, T * C, es);
+  kv->xn = carve(base, &off, T * C, es);
+  kv->rstd = carve(base, &off, T, f4);
+  kv->q = carve(base, &off, T * HD, es);
+  kv->k = carve(base, &off, T * KD, es);
+  kv->v = carve(base, &off, T * KD, es);
+  kv->att = carve(base, &off, T * HD, es);
+  kv->lse = carve(base, &off, (size_t)m->H * T, f4);
+  kv->x_mid = carve(base, &off, T * C, es);
+  kv->a = carve(base, &off, T * F, es);
+  kv->g = carve(base, &off, T * F, es);
+  kv->h = carve(base, &off, T * F, es);
+  kv->scores = carve(base, &off, (size_t)m->H * kv->span_max, es);
+  kv->rowmax = carve(base, &off, (size_t)m->H, f4);
+  kv->stats = carve(base, &off, 2 * (size_t)m->H, f4);
+  kv->losses = carve(base, &off, (size_t)m->H, f4);
+  kv->outside = carve(base, &off, (size_t)m->H, sizeof(int32_t));
+  kv->tokens = carve(base, &off, T, sizeof(int32_t));
+  kv->logits = carve(base, &off, (size_t)m->V, es);
+  kv->logits32 = m->dt == DT_F32 ? kv->logits : carve(base, &off, (size_t)m->V, f4);
+  return off;
+}
+
+int model_kv_create(model_kv_t **out, model_t *m, int max_t, char *err, size_t errlen) {
+  *out = NULL;
+  backend_t *be = m->be;
+  if (m->tp > 1 || m->n_chunks != 1 || !m->chunks[0].embed || !m->chunks[0].head)
+    return err_set(err, errlen, -1, "model error: KV-cache decoding needs the whole model on one process (no "
+                   "tensor parallelism, no pipeline chunks)");
+  if (m->dt != DT_F32 && m->strategy_casts)
+    return err_set(err, errlen, -1, "model error: KV-cache decoding in bf16 needs the model's own compute copy "
+                   "(strategy_casts 0)");
+  if (max_t < 1) return err_set(err, errlen, -1, "model error: a KV cache of %d positions", max_t);
+  if (!be->copy_2d || !be->ce_shard_max || !be->ce_shard_stats || !be->ce_shard_loss)
+    return err_set(err, errlen, -1, "model error: backend %s lacks copy_2d or ce_shard_* (KV-cache decoding)",
+                   be->name);
+  model_kv_t *kv = calloc(1, sizeof *kv);
+  if (!kv) return err_set(err, errlen, -1, "model error: out of memory");
+  kv->m = m;
+  kv->max_t = max_t;
+  kv->span_max = (max_t + KV_SPAN_BLOCK - 1) / KV_SPAN_BLOCK * KV_SPAN_BLOCK;
+  size_t bytes = kv_layout(kv, NULL);
+  if (!(kv->mem = be->alloc(be, bytes))) { /* zeroed: cache rows not yet written hold 0 */
+    free(kv);
+    return err_set(err, errlen, -1, "model error: cannot allocate %zu MiB for a KV cache of %d positions",
+                   bytes >> 20, max_t);
+  }
+  kv_layout(kv, kv->mem);
+  int32_t *outside = malloc((size_t)m->H * sizeof *outside);
+  if (!outside) {
+    model_kv_destroy(kv);
+    return err_set(err, errlen, -1, "model error: out of memory");
+  }
+  for (int i = 0; i < m->H; i++) outside[i] = INT32_MAX;
+  be->to_device(be, kv->outside, outside, (size_t)m->H * sizeof *outside);
+  free(outside);
+  *out = kv;
+  return 0;
+}
+
+void model_kv_destroy(model_kv_t *kv) {
+  if (!kv) return;
+  kv->m->be->free(kv->m->be, kv->mem);
+  free(kv);
+}
+
+void model_kv_reset(model_kv_t *kv) { kv->len = 0; }
+int model_kv_len(const model_kv_t *kv) { return kv->len; }
+const float *model_kv_logits(const model_kv_t *kv) { return kv->logits32; }
+
+/* The one query of a decode step (kv->q, (1, H, D)) against layer l's cache of t positions,
+ * into kv->att. Per kv head j, its G = H/KV query heads are G contiguous rows of q:
+ *   scores (G, span) = q_j K_j^T / sqrt(D)   (K_j: the head's (max_t, D) cache rows)
+ *   probabilities    = softmax over the first t columns (0 on the rest, up to span)
+ *   att_j (G, D)     = probabilities V_j */
+static void kv_attention(model_kv_t *kv, int l, int t) {
+  model_t *m = kv->m;
+  backend_t *be = m->be;
+  const int H = m->H, KV = m->KV, D = m->D, G = H / KV;
+  int span = (t + KV_SPAN_BLOCK - 1) / KV_SPAN_BLOCK * KV_SPAN_BLOCK;
+  span = span > kv->max_t ? kv->max_t : span;
+  const float scale = 1.0f / sqrtf((float)D); /* the attention kernels' scale */
+  const size_t per_head = (size_t)kv->max_t * D, layer = (size_t)KV * per_head;
+  for (int j = 0; j < KV; j++)
+    be->matmul(be, at(m, kv->scores, (size_t)j * G * span), at(m, kv->q, (size_t)j * G * D),
+               at(m, kv->kc, l * layer + j * per_head), G, span, D, 0, 1, scale, 0.0f, m->dt, m->dt);
+  be->ce_shard_max(be, kv->rowmax, kv->scores, H, t, span, m->dt);
+  be->ce_shard_stats(be, kv->stats, kv->scores, kv->rowmax, kv->outside, H, t, span, 0, m->dt);
+  be->ce_shard_loss(be, kv->losses, kv->scores, kv->scores, kv->rowmax, kv->stats, kv->outside, H, t, span, 0, 1.0f,
+                    m->dt);
+  for (int j = 0; j < KV; j++)
+    be->matmul(be, at(m, kv->att, (size_t)j * G * D), at(m, kv->scores, (size_t)j * G * span),
+               at(m, kv->vc, l * layer + j * per_head), G, D, span, 0, 0, 1.0f, 0.0f, m->dt, m->dt);
+}
+
+/* Layer l on n rows at positions pos..pos+n-1, kv->x in place: block_forward's kernels in its
+ * order, plus the cache append; pos 0 is the prefill (causal attention over the n rows). */
+static void kv_block(model_kv_t *kv, int l, int n, int pos) {
+  model_t *m = kv->m;
+  backend_t *be = m->be;
+  const layer_tensors_t *lt = &m->layer[l];
+  const int C = m->C, H = m->H, KV = m->KV, D = m->D, HD = H * D, KD = KV * D, F = m->F;
+  const size_t per_head = (size_t)kv->max_t * D, layer = (size_t)KV * per_head;
+  be->rmsnorm_fwd(be, kv->xn, kv->rstd, kv->x, cparam_of(m, lt->attention_norm), n, C, m->eps, m->dt);
+  mm(m, kv->q, kv->xn, cparam_of(m, lt->wq), n, HD, C, 1, 0.0f);
+  mm(m, kv->k, kv->xn, cparam_of(m, lt->wk), n, KD, C, 1, 0.0f);
+  mm(m, kv->v, kv->xn, cparam_of(m, lt->wv), n, KD, C, 1, 0.0f);
+  be->rope_fwd(be, kv->q, 1, n, H, D, pos, m->theta, m->dt);
+  be->rope_fwd(be, kv->k, 1, n, KV, D, pos, m->theta, m->dt);
+  for (int j = 0; j < KV; j++) { /* rows (n, KV, D) -> kv head j's cache rows pos.. */
+    size_t dst = l * layer + j * per_head + (size_t)pos * D;
+    be->copy_2d(be, at(m, kv->kc, dst), D, at(m, kv->k, (size_t)j * D), KD, n, D, m->dt);
+    be->copy_2d(be, at(m, kv->vc, dst), D, at(m, kv->v, (size_t)j * D), KD, n, D, m->dt);
+  }
+  if (pos == 0)
+    be->attention_fwd(be, kv->att, kv->lse, kv->q, kv->k, kv->v, 1, n, H, KV, D, m->dt);
+  else
+    kv_attention(kv, l, pos + 1);
+  be->copy(be, kv->x_mid, kv->x, (size_t)n * C * m->es); /* x_mid = x + att wo^T */
+  mm(m, kv->x_mid, kv->att, cparam_of(m, lt->wo), n, C, HD, 1, 1.0f);
+  be->rmsnorm_fwd(be, kv->xn, kv->rstd, kv->x_mid, cparam_of(m, lt->ffn_norm), n, C, m->eps, m->dt);
+  mm(m, kv->a, kv->xn, cparam_of(m, lt->w1), n, F, C, 1, 0.0f);
+  mm(m, kv->g, kv->xn, cparam_of(m, lt->w3), n, F, C, 1, 0.0f);
+  be->swiglu_fwd(be, kv->h, kv->a, kv->g, (size_t)n * F, m->dt);
+  be->copy(be, kv->x, kv->x_mid, (size_t)n * C * m->es); /* out = x_mid + h w2^T */
+  mm(m, kv->x, kv->h, cparam_of(m, lt->w2), n, C, F, 1, 1.0f);
+}
+
+int model_kv_forward(model_kv_t *kv, const int32_t *tokens, int n) {
+  model_t *m = kv->m;
+  backend_t *be = m->be;
+  int rc;
+  m->err[0] = '\0';
+  if (!tokens || n < 1 || (kv->len > 0 && n != 1) || kv->len + n > kv->max_t)
+    return set_error(m, MODEL_EINVAL, "KV-cache forward of %d tokens at position %d: the first takes any number, "
+                     "later ones one each, up to the cache's %d positions", n, kv->len, kv->max_t);
+  for (int u = 0; u < m->n_units; u++)
+    if (!m->unit_params[u] || !m->unit_cparams[u])
+      return set_error(m, MODEL_EINVAL, "KV-cache forward: unit %d has no parameters in place", u);
+  if ((rc = check_ids(m, tokens, n, n, 0, "token")) != 0) return rc;
+  if (kv->len == 0 && m->dt != DT_F32) /* the model's own compute copy, from the current parameters */
+    for (int u = 0; u < m->n_units; u++)
+      be->convert(be, (void *)m->unit_cparams[u], m->dt, m->unit_params[u], DT_F32, m->unit_numel[u]);
+  const int pos = kv->len, C = m->C;
+  be->to_device(be, kv->tokens, tokens, (size_t)n * sizeof(int32_t));
+  be->embedding_fwd(be, kv->x, cparam_of(m, m->tok_embeddings), kv->tokens, n, C, 0, m->V, m->dt);
+  for (int l = 0; l < m->L; l++) kv_block(kv, l, n, pos);
+  /* the head on the last row only */
+  be->rmsnorm_fwd(be, kv->xn, kv->rstd, at(m, kv->x, (size_t)(n - 1) * C), cparam_of(m, m->norm), 1, C, m->eps,
+                  m->dt);
+  mm(m, kv->logits, kv->xn, cparam_of(m, m->output), 1, m->V, C, 1, 0.0f);
+  if (m->dt != DT_F32) be->convert(be, kv->logits32, DT_F32, kv->logits, m->dt, (size_t)m->V);
+  kv->len += n;
+  return 0;
+}

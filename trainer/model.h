@@ -225,4 +225,39 @@ void model_zero_grad(model_t *m);
 const float *model_logits(model_t *m);
 int model_vocab_size(const model_t *m);
 
+/* --- KV-cache decoding (`trainer sample`): one sequence on one process. A model_kv_t keeps, per
+ * layer, the keys (after RoPE) and values of the positions seen so far, up to max_t of them,
+ * and its own scratch; model_kv_forward runs new tokens at the next positions with the same
+ * kernels as model_forward and leaves the logits of the last one. The first call after
+ * model_kv_create or model_kv_reset is the prefill: any n tokens at positions 0..n-1, causal
+ * attention as in model_forward (so its last row's logits match a full forward of those
+ * tokens up to the output product's rounding). Every later call is a decode step of exactly one
+ * token: its query against every cached key, softmax and the weighted sum of values as
+ * matmuls, with the rows' softmax taken by the vocab-parallel cross-entropy kernels (a target
+ * outside the row makes ce_shard_loss's gradient the plain softmax), so any backend with
+ * ce_shard_* and copy_2d runs it. A full cache refuses more: the caller resets and prefills
+ * again (trainer/sample slides its window that way).
+ * The model must be whole (no tensor parallelism, no pipeline chunks) with every unit's
+ * parameters in place (flat buffers, or set with model_set_unit_buffers); no strategy gather
+ * is called. In bf16 without strategy_casts the prefill rounds the model's compute copy from
+ * the fp32 parameters first, as a forward gather does. Costs per decode step: the linears of
+ * one row, and attention over the cache rounded up to a multiple of 64 positions (so matmul
+ * shapes change every 64 tokens, not every token; the extra columns get probability 0). */
+typedef struct model_kv model_kv_t;
+
+/* Cache and scratch for max_t positions on m's backend (2 * n_layers * max_t * kv_dim elements
+ * of the compute dtype for the cache; the scratch holds max_t rows of one layer's activations).
+ * Returns 0 or -1 with "model error: ..." in err. */
+int model_kv_create(model_kv_t **out, model_t *m, int max_t, char *err, size_t errlen);
+void model_kv_destroy(model_kv_t *kv); /* accepts NULL */
+/* Forgets every position (the next forward is a prefill). */
+void model_kv_reset(model_kv_t *kv);
+/* Positions held. */
+int model_kv_len(const model_kv_t *kv);
+/* n tokens (host int32) at positions len..len+n-1: n >= 1 when len is 0, else n = 1, and
+ * len + n <= max_t. Returns 0, or MODEL_EINVAL with the reason in model_errmsg(m). */
+int model_kv_forward(model_kv_t *kv, const int32_t *tokens, int n);
+/* Logits of the last token forwarded: device memory, (V) fp32. */
+const float *model_kv_logits(const model_kv_t *kv);
+
 #endif

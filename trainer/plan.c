@@ -14,6 +14,7 @@
 
 #include <cJSON.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <limits.h>
 #include <math.h>
@@ -80,6 +81,7 @@ typedef enum {
   F_BOOL,   /* int 0/1 from true/false */
   F_TRI,    /* int -1 (absent: decided by plan_resolve) or 0/1 */
   F_STR,    /* char buffer of .size bytes */
+  F_PATHS,  /* char buffer of .size bytes: a string, or a list of strings kept one per line */
   F_ENUM,   /* int index into .names */
   F_TPPLAN, /* parallel.tp_plan: object module -> style, merged over the default Llama plan */
   F_PPSPLIT, /* parallel.pp_split: array of positive integers (layer boundaries) */
@@ -119,6 +121,7 @@ static const char *const style_names[] = {"colwise", "rowwise", "sequence_parall
 #define K_BOOL(n, m, d) {.name = n, .kind = F_BOOL, .off = O(m), .def = d}
 #define K_TRI(n, m) {.name = n, .kind = F_TRI, .off = O(m), .def = -1}
 #define K_STR(n, m, d) {.name = n, .kind = F_STR, .off = O(m), .size = SZ(m), .sdef = d}
+#define K_PATHS(n, m, d) {.name = n, .kind = F_PATHS, .off = O(m), .size = SZ(m), .sdef = d}
 #define K_ENUM(n, m, names_, d) {.name = n, .kind = F_ENUM, .off = O(m), .names = names_, .def = d}
 #define K_SECT(n, sub_) {.name = n, .kind = F_SECT, .sub = sub_}
 #define K_END {.name = NULL}
@@ -188,10 +191,11 @@ static const field_t train_fields[] = {
     K_END};
 
 static const field_t data_fields[] = {
-    K_STR("train", data.train, ""),
-    K_STR("val", data.val, ""),
+    K_PATHS("train", data.train, ""),
+    K_PATHS("val", data.val, ""),
     K_ENUM("format", data.format, format_names, PLAN_DATA_AUTO),
     K_DBL("val_fraction", data.val_fraction, 0, 0, 1, 1, 0.1),
+    K_STR("tokenizer", data.tokenizer, ""),
     K_END};
 
 static const field_t eval_fields[] = {
@@ -213,12 +217,15 @@ static const field_t log_fields[] = {
     K_STR("metrics_file", log.metrics_file, ""),
     K_STR("trace_file", log.trace_file, ""),
     K_INT("trace_steps", log.trace_steps, 1, INT_MAX, 3),
+    K_DBL("peak_tflops", log.peak_tflops, 0, 0, INFINITY, 0, 0),
     K_END};
 
 static const field_t sample_fields[] = {
     K_INT("tokens", sample.sample_tokens, 0, INT_MAX, 200),
     K_DBL("temperature", sample.temperature, 0, 0, INFINITY, 0, 0.8),
     K_STR("prompt", sample.prompt, "\n"),
+    K_INT("top_k", sample.top_k, 0, INT_MAX, 0),
+    K_DBL("top_p", sample.top_p, 0, 1, 1, 0, 1.0),
     K_END};
 
 static const field_t root_fields[] = {
@@ -357,7 +364,8 @@ static void set_defaults(plan_t *p, const field_t *f) {
     case F_ENUM: *(int *)at(p, f->off) = (int)f->def; break;
     case F_U64: *(uint64_t *)at(p, f->off) = (uint64_t)f->def; break;
     case F_DBL: *(double *)at(p, f->off) = f->def; break;
-    case F_STR: snprintf((char *)at(p, f->off), f->size, "%s", f->sdef); break;
+    case F_STR:
+    case F_PATHS: snprintf((char *)at(p, f->off), f->size, "%s", f->sdef); break;
     case F_TPPLAN: set_default_tp_plan(&p->parallel); break;
     case F_PPSPLIT: p->parallel.n_pp_split = 0; break;
     case F_SECT: set_defaults(p, f->sub); break;
@@ -414,6 +422,37 @@ static int read_tp_plan(const cJSON *obj, plan_parallel_t *par, const char *path
       par->n_tp_plan++;
     }
     par->tp_plan[e].style = (plan_tp_style_t)s;
+  }
+  return 0;
+}
+
+/* A path, or a list of paths, into one buffer with the entries a line each (a path holding a
+ * newline is refused: nobody names a shard so, and the line is the separator). */
+static int read_paths(const cJSON *v, const field_t *f, plan_t *p, const char *path, char *err, size_t errlen) {
+  char got[96];
+  describe(v, got, sizeof got);
+  char *out = (char *)at(p, f->off);
+  size_t len = 0;
+  const cJSON *e = v;
+  int list = cJSON_IsArray(v);
+  if (list) {
+    if (cJSON_GetArraySize(v) == 0) return perr(err, errlen, path, "must not be an empty list");
+    e = v->child;
+  } else if (!cJSON_IsString(v)) {
+    return perr(err, errlen, path, "must be a path, a glob or a list of them, got %s", got);
+  }
+  out[0] = '\0';
+  for (int i = 0; e; e = list ? e->next : NULL, i++) {
+    if (!cJSON_IsString(e)) {
+      describe(e, got, sizeof got);
+      return perr(err, errlen, path, "entry %d must be a string, got %s", i, got);
+    }
+    if (list && !e->valuestring[0]) return perr(err, errlen, path, "entry %d is empty", i);
+    if (strchr(e->valuestring, '\n')) return perr(err, errlen, path, "entry %d holds a newline", i);
+    size_t k = strlen(e->valuestring);
+    if (len + k + (len > 0) >= f->size)
+      return perr(err, errlen, path, "must be shorter than %zu bytes in all (use a glob for many shards)", f->size);
+    len += (size_t)snprintf(out + len, f->size - len, "%s%s", len > 0 ? "\n" : "", e->valuestring);
   }
   return 0;
 }
@@ -488,6 +527,7 @@ static int read_field(const cJSON *v, const field_t *f, plan_t *p, const char *p
       return perr(err, errlen, path, "must be shorter than %zu bytes", f->size);
     snprintf((char *)at(p, f->off), f->size, "%s", v->valuestring);
     return 0;
+  case F_PATHS: return read_paths(v, f, p, path, err, errlen);
   case F_ENUM:
     if (cJSON_IsString(v))
       for (int i = 0; f->names[i]; i++)
@@ -604,6 +644,83 @@ static char *read_file(const char *path, char *err, size_t errlen) {
   return buf;
 }
 
+/* The files a plan reads. Relative ones written in a plan file are taken from the plan's folder,
+ * so a plan runs from any working directory; --set values (and the embedded default's) from the
+ * working directory, where they are typed. Both are made absolute at load. What a run writes (checkpoint.dir, log files, and
+ * checkpoint.resume, which names a checkpoint of that dir) stays relative to the working
+ * directory, like the out/ default: a plan may live in a read-only folder. */
+static const char *const input_keys[][2] = {
+    {"model", "init"}, {"data", "train"}, {"data", "val"}, {"data", "tokenizer"}};
+
+/* dir (a real path: no symlinks, no dots) joined with the relative path rel, as a new string.
+ * Leading "./" and "../" of rel are taken against dir (the parent of a real directory is its
+ * lexical parent); the rest of rel is kept as written. */
+static cJSON *rebased(const cJSON *v, const char *dir) {
+  if (!cJSON_IsString(v) || !v->valuestring[0] || v->valuestring[0] == '/') return NULL;
+  const char *rel = v->valuestring;
+  size_t dirlen = strlen(dir);
+  for (;;) {
+    if (strncmp(rel, "./", 2) == 0) {
+      rel += 2;
+    } else if (strncmp(rel, "../", 3) == 0 || strcmp(rel, "..") == 0) {
+      while (dirlen > 1 && dir[dirlen - 1] != '/') dirlen--;
+      if (dirlen > 1) dirlen--; /* the slash, except the root's */
+      rel += rel[2] ? 3 : 2;
+    } else {
+      break;
+    }
+  }
+  size_t k = strlen(rel);
+  char *joined = malloc(dirlen + k + 2);
+  if (!joined) return NULL;
+  snprintf(joined, dirlen + k + 2, "%.*s%s%s", (int)dirlen, dir, dir[dirlen - 1] == '/' || !k ? "" : "/", rel);
+  cJSON *r = cJSON_CreateString(joined);
+  free(joined);
+  return r;
+}
+
+/* Rewrites the relative input paths in the tree as absolute paths from dir, so the resolved
+ * plan (metadata, --print-plan, a plan written back and read elsewhere) names the same files
+ * wherever it is read. */
+static int rebase_inputs(cJSON *root, const char *dir, unsigned *done) {
+  for (size_t i = 0; i < sizeof input_keys / sizeof input_keys[0]; i++) {
+    cJSON *sect = cJSON_GetObjectItemCaseSensitive(root, input_keys[i][0]);
+    cJSON *v = cJSON_IsObject(sect) ? cJSON_GetObjectItemCaseSensitive(sect, input_keys[i][1]) : NULL;
+    cJSON *items = cJSON_IsArray(v) ? v->child : v; /* a list of shards, or one value */
+    for (cJSON *e = items, *next; e; e = next) {
+      next = cJSON_IsArray(v) ? e->next : NULL;
+      cJSON *r = rebased(e, dir);
+      if (!r) continue;
+      *done |= 1u << i;
+      int ok = cJSON_IsArray(v) ? cJSON_ReplaceItemViaPointer(v, e, r)
+                                : cJSON_ReplaceItemInObjectCaseSensitive(sect, input_keys[i][1], r);
+      if (!ok) {
+        cJSON_Delete(r);
+        return -1;
+      }
+    }
+  }
+  return 0;
+}
+
+/* The real path of the folder holding the plan file (malloc'ed), or of the working directory. */
+static char *plan_folder(const char *plan_path) {
+  const char *slash = plan_path ? strrchr(plan_path, '/') : NULL;
+  char *folder = slash ? strndup(plan_path, slash == plan_path ? 1 : (size_t)(slash - plan_path)) : strdup(".");
+  char *dir = folder ? realpath(folder, NULL) : NULL;
+  free(folder);
+  return dir;
+}
+
+/* First the plan file's own paths from its folder, then (after --set) the rest from the
+ * working directory. */
+static int absolute_inputs(cJSON *root, const char *plan_path, unsigned *done) {
+  char *dir = plan_folder(plan_path);
+  int rc = dir ? rebase_inputs(root, dir, done) : -1;
+  free(dir);
+  return rc;
+}
+
 int plan_load(plan_t *p, const char *path, const char *const *sets, int nsets, char *err,
               size_t errlen) {
   const char *name = path ? path : "(embedded default)";
@@ -634,11 +751,27 @@ int plan_load(plan_t *p, const char *path, const char *const *sets, int nsets, c
     cJSON_Delete(root);
     return perr(err, errlen, name, "the plan must be a JSON object");
   }
-  for (int i = 0; i < nsets; i++)
+  unsigned rebased = 0, ignored = 0;
+  if (path && absolute_inputs(root, path, &rebased)) {
+    cJSON_Delete(root);
+    return perr(err, errlen, name, "cannot resolve the plan's folder: %s", strerror(errno));
+  }
+  for (int i = 0; i < nsets; i++) {
     if (apply_set(root, sets[i], err, errlen)) {
       cJSON_Delete(root);
       return PLAN_EINVAL;
     }
+    for (size_t k = 0; k < sizeof input_keys / sizeof input_keys[0]; k++) { /* no longer the file's */
+      size_t a = strlen(input_keys[k][0]), b = strlen(input_keys[k][1]);
+      if (!strncmp(sets[i], input_keys[k][0], a) && sets[i][a] == '.' && !strncmp(sets[i] + a + 1, input_keys[k][1], b) &&
+          sets[i][a + 1 + b] == '=')
+        rebased &= ~(1u << k);
+    }
+  }
+  if (absolute_inputs(root, NULL, &ignored)) {
+    cJSON_Delete(root);
+    return perr(err, errlen, name, "cannot resolve the working directory: %s", strerror(errno));
+  }
 
   memset(p, 0, sizeof *p);
   set_defaults(p, root_fields);
@@ -660,6 +793,7 @@ int plan_load(plan_t *p, const char *path, const char *const *sets, int nsets, c
     p->parallel.param_dtype = p->device == PLAN_DEVICE_CPU ? PLAN_DTYPE_FP32 : PLAN_DTYPE_BF16;
   cJSON_Delete(root);
   snprintf(p->source, sizeof p->source, "%s", name);
+  p->rebased = rebased;
   return 0;
 }
 
@@ -917,7 +1051,59 @@ int plan_resolve(plan_t *p, int world_size, char *err, size_t errlen) {
 
 /* ---- paths ----------------------------------------------------------------------------- */
 
+/* A hint for a missing input the plan file wrote relative to its folder. */
+static const char *folder_hint(const plan_t *p, const char *key, char *buf, size_t len) {
+  buf[0] = '\0';
+  for (size_t i = 0; i < sizeof input_keys / sizeof input_keys[0]; i++) {
+    char name[64];
+    snprintf(name, sizeof name, "%s.%s", input_keys[i][0], input_keys[i][1]);
+    if (!strcmp(name, key) && (p->rebased >> i & 1u)) {
+      char *dir = plan_folder(p->source);
+      snprintf(buf, len, " (a relative path in a plan file is taken from the plan's folder, %s/)", dir ? dir : "?");
+      free(dir);
+    }
+  }
+  return buf;
+}
+
+/* One input: present, and a readable regular file (dir_ok: or a directory, for model.init's
+ * Hugging Face folders and data.tokenizer's). */
+static int check_input(const plan_t *p, const char *key, const char *path, int dir_ok, char *err, size_t errlen) {
+  char hint[PLAN_PATH_MAX + 96];
+  struct stat sb;
+  if (stat(path, &sb) != 0) {
+    int e = errno;
+    return perr(err, errlen, key, "%s: %s%s", path, strerror(e), folder_hint(p, key, hint, sizeof hint));
+  }
+  if (S_ISDIR(sb.st_mode) && dir_ok) return 0;
+  if (!S_ISREG(sb.st_mode))
+    return perr(err, errlen, key, "%s is not a regular file%s", path, dir_ok ? " or a directory" : "");
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return perr(err, errlen, key, "%s: %s", path, strerror(errno));
+  close(fd);
+  return 0;
+}
+
+static int check_inputs(const plan_t *p, const char *key, const char *lines, char *err, size_t errlen) {
+  char **paths = NULL, bad[PLAN_PATH_MAX], hint[PLAN_PATH_MAX + 96];
+  size_t n = 0;
+  int rc = fs_expand_paths(lines, &paths, &n, bad, sizeof bad);
+  if (rc == -ENOENT)
+    return perr(err, errlen, key, "no file matches %s%s", bad, folder_hint(p, key, hint, sizeof hint));
+  if (rc) return perr(err, errlen, key, "cannot expand %s: %s", bad, strerror(-rc));
+  for (size_t i = 0; rc == 0 && i < n; i++) rc = check_input(p, key, paths[i], 0, err, errlen);
+  fs_paths_free(paths);
+  return rc;
+}
+
 int plan_check_paths(const plan_t *p, char *err, size_t errlen) {
+  if (p->model.init[0] && check_input(p, "model.init", p->model.init, 1, err, errlen)) return PLAN_EINVAL;
+  if (p->data.format != PLAN_DATA_SYNTHETIC) {
+    if (p->data.train[0] && check_inputs(p, "data.train", p->data.train, err, errlen)) return PLAN_EINVAL;
+    if (p->data.val[0] && check_inputs(p, "data.val", p->data.val, err, errlen)) return PLAN_EINVAL;
+  }
+  if (p->data.tokenizer[0] && check_input(p, "data.tokenizer", p->data.tokenizer, 1, err, errlen))
+    return PLAN_EINVAL;
   const char *dir = p->checkpoint.dir;
   if (!dir[0]) return 0;
   struct stat sb;
@@ -976,6 +1162,22 @@ static cJSON *write_object(const plan_t *p, const field_t *f) {
       break;
     }
     case F_STR: v = cJSON_CreateString((const char *)cat(p, f->off)); break;
+    case F_PATHS: {
+      const char *text = (const char *)cat(p, f->off);
+      if (!strchr(text, '\n')) {
+        v = cJSON_CreateString(text);
+        break;
+      }
+      v = cJSON_CreateArray();
+      for (const char *a = text; v && *a;) {
+        size_t k = strcspn(a, "\n");
+        char entry[PLAN_PATHS_MAX];
+        snprintf(entry, sizeof entry, "%.*s", (int)k, a);
+        cJSON_AddItemToArray(v, cJSON_CreateString(entry));
+        a += k + (a[k] == '\n');
+      }
+      break;
+    }
     case F_ENUM: {
       int x = *(const int *)cat(p, f->off);
       int n = 0;

@@ -6,6 +6,9 @@
  * world size (mesh product, batch divisibility) and computes the derived fields. Every error is
  * one line "plan error: <key.path>: <what is wrong and what is allowed>" in err; main prints it
  * and exits 2. The cJSON tree never leaves plan.c. Keys are documented in docs/plan.md.
+ * Relative paths of the files a plan reads (model.init, data.train, data.val, data.tokenizer)
+ * written in a plan file are taken from the plan file's folder; --set values and the paths a
+ * run writes stay relative to the working directory.
  * plan_check_paths is the one part that touches the filesystem beyond reading the plan. */
 #ifndef MESHRUN_PLAN_H
 #define MESHRUN_PLAN_H
@@ -14,6 +17,7 @@
 #include <stdint.h>
 
 #define PLAN_PATH_MAX 1024
+#define PLAN_PATHS_MAX 8192 /* data.train and data.val: a list of shards */
 #define PLAN_FILE_MAX (16 << 20) /* bytes; a plan file must be a regular file no larger */
 #define PLAN_EINVAL (-2)
 
@@ -118,10 +122,13 @@ typedef struct {
 } plan_train_t;
 
 typedef struct {
-  char train[PLAN_PATH_MAX]; /* path; "" with format synthetic */
-  char val[PLAN_PATH_MAX];   /* "" = split off the end of train */
+  char train[PLAN_PATHS_MAX]; /* path, glob, or several a line each (a list in JSON); "" with
+                                format synthetic. Shards are read in order, as one stream */
+  char val[PLAN_PATHS_MAX];   /* the same; "" = split off the end of train */
   plan_data_format_t format;
   double val_fraction;       /* when val is "", default 0.1 */
+  char tokenizer[PLAN_PATH_MAX]; /* HF tokenizer.json (or its folder) or llama2.c tokenizer.bin;
+                                    "" = none (ids printed as numbers, bytes for text data) */
 } plan_data_t;
 
 typedef struct {
@@ -144,12 +151,16 @@ typedef struct {
   char metrics_file[PLAN_PATH_MAX]; /* JSONL, "" = none */
   char trace_file[PLAN_PATH_MAX];   /* Chrome trace events (chrome://tracing, Perfetto), "" = none */
   int trace_steps;                  /* steps traced, from the first (default 3) */
+  double peak_tflops;               /* the device's peak for MFU, TFLOP/s; 0 = a known GPU's from the
+                                       table in trainer/metrics, else no MFU (FLOP/s alone) */
 } plan_log_t;
 
 typedef struct {
   int sample_tokens; /* tokens generated at the end of training (default 200; 0 = none) */
   double temperature; /* default 0.8; 0 = greedy */
   char prompt[256];   /* default "\n" */
+  int top_k;          /* keep the k most likely tokens; 0 = all (default) */
+  double top_p;       /* nucleus: the fewest tokens whose probability sums to >= top_p; 1 = all */
 } plan_sample_t;
 
 typedef struct {
@@ -165,6 +176,8 @@ typedef struct {
   plan_log_t log;
   plan_sample_t sample;
   char source[PLAN_PATH_MAX]; /* file it came from, "(embedded default)" otherwise */
+  unsigned rebased;           /* inputs written relative in the plan file, taken from its folder
+                                 (bits: model.init, data.train, data.val, data.tokenizer) */
 } plan_t;
 
 /* Parses path (NULL = the embedded default) and applies the overrides "key.path=value" in order.
@@ -174,10 +187,11 @@ int plan_load(plan_t *p, const char *path, const char *const *sets, int nsets, c
 /* Checks the plan against world_size, resolves mesh -1 entries, hidden_dim, grad_accum_steps,
  * defaults that depend on other keys. Returns 0 or PLAN_EINVAL. */
 int plan_resolve(plan_t *p, int world_size, char *err, size_t errlen);
-/* Checks, for a training run, that checkpoint.dir (when set) is a directory this process can
- * write: created with its missing parents when absent, then a file created and removed in it.
- * Returns 0 or PLAN_EINVAL with "plan error: checkpoint.dir: ..." (a file, not creatable, not
- * writable, with the system's reason). */
+/* Checks, for a training run, before anything starts: every file the plan reads (model.init,
+ * each shard of data.train and data.val after glob expansion, data.tokenizer) is there and
+ * readable; then that checkpoint.dir (when set) is a directory this process can write: created
+ * with its missing parents when absent, then a file created and removed in it. Returns 0 or
+ * PLAN_EINVAL with "plan error: <key>: ..." (the path, and the system's reason). */
 int plan_check_paths(const plan_t *p, char *err, size_t errlen);
 /* Serializes the (resolved) plan as one line of JSON (malloc'ed string, caller frees): for logs, metrics
  * and checkpoint metadata. */

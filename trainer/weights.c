@@ -1,11 +1,16 @@
 /* weights: full weights in and out of files (see weights.h). */
 #include "trainer/weights.h"
 
+#include <cJSON.h>
+#include <errno.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
+#include "common/err.h"
 #include "common/fs.h"
 #include "common/log.h"
 #include "trainer/interop.h"
@@ -305,16 +310,237 @@ int weights_init(model_t *m, backend_t *be, dp_t *dp, const mesh_t *mesh, const 
   return 0;
 }
 
-int weights_export(const plan_model_t *cfg, const char *path, const char *format, const char *out, char *err,
+/* ------------------------------------------------------------------ any weights, read-only */
+
+struct weights_file {
+  interop_format_t fmt;
+  char path[PLAN_PATH_MAX];
+  interop_file_t *ix;  /* llama2.c, HF */
+  st_file_t *st;       /* ours */
+  plan_model_t cfg;    /* the file's model */
+  int has_cfg;         /* 0: our file without a plan in its metadata */
+  plan_data_t data;    /* ours: the plan's data section */
+  int has_data;
+  char tokenizer[PLAN_PATH_MAX + 32]; /* HF: <folder>/tokenizer.json when present */
+};
+
+/* Our file's model and data from the plan JSON in its metadata (resolved when saved, so
+ * hidden_dim is explicit and paths are absolute): has_cfg stays 0 without a usable model
+ * section; the data section is optional. */
+static void parse_plan_meta(weights_file_t *f, const char *json) {
+  cJSON *root = json ? cJSON_Parse(json) : NULL;
+  const cJSON *mo = cJSON_GetObjectItemCaseSensitive(root, "model");
+  int rc = cJSON_IsObject(mo) ? 0 : -1;
+  plan_model_t *c = &f->cfg;
+  const struct {
+    const char *key;
+    int *dst;
+  } ints[] = {{"dim", &c->dim},           {"n_layers", &c->n_layers},       {"n_heads", &c->n_heads},
+              {"n_kv_heads", &c->n_kv_heads}, {"vocab_size", &c->vocab_size}, {"max_seq_len", &c->max_seq_len},
+              {"hidden_dim", &c->hidden_dim}, {"multiple_of", &c->multiple_of}};
+  for (size_t i = 0; i < sizeof ints / sizeof ints[0] && rc == 0; i++) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(mo, ints[i].key);
+    if (!cJSON_IsNumber(v) || v->valuedouble < 1 || v->valuedouble > INT32_MAX) rc = -1;
+    else *ints[i].dst = (int)v->valuedouble;
+  }
+  const struct {
+    const char *key;
+    double *dst;
+  } dbls[] = {{"rope_theta", &c->rope_theta}, {"norm_eps", &c->norm_eps}, {"init_std", &c->init_std},
+              {"ffn_dim_multiplier", &c->ffn_dim_multiplier}};
+  for (size_t i = 0; i < sizeof dbls / sizeof dbls[0] && rc == 0; i++) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(mo, dbls[i].key);
+    if (cJSON_IsNumber(v)) *dbls[i].dst = v->valuedouble;
+  }
+  f->has_cfg = rc == 0;
+  /* how samples of this model print: the data it was trained on, and its tokenizer */
+  static const char *const formats[] = {"auto", "text", "llmc", "u16", "u32", "synthetic"};
+  const cJSON *da = cJSON_GetObjectItemCaseSensitive(root, "data");
+  const cJSON *fm = cJSON_GetObjectItemCaseSensitive(da, "format");
+  const cJSON *tr = cJSON_GetObjectItemCaseSensitive(da, "train");
+  if (cJSON_IsArray(tr)) tr = cJSON_GetArrayItem(tr, 0); /* a list of shards: the first tells */
+  const cJSON *tk = cJSON_GetObjectItemCaseSensitive(da, "tokenizer");
+  for (size_t i = 0; cJSON_IsString(fm) && i < sizeof formats / sizeof formats[0]; i++)
+    if (!strcmp(fm->valuestring, formats[i])) {
+      f->data.format = (plan_data_format_t)i;
+      f->has_data = 1;
+    }
+  if (f->has_data && cJSON_IsString(tr)) snprintf(f->data.train, sizeof f->data.train, "%s", tr->valuestring);
+  if (f->has_data && cJSON_IsString(tk))
+    snprintf(f->data.tokenizer, sizeof f->data.tokenizer, "%s", tk->valuestring);
+  cJSON_Delete(root);
+}
+
+/* The HF folder of path (itself, or the folder of a file in it). */
+static void hf_folder(const char *path, char *dir, size_t len) {
+  struct stat sb;
+  snprintf(dir, len, "%s", path);
+  if (stat(dir, &sb) == 0 && S_ISDIR(sb.st_mode)) return;
+  char *slash = strrchr(dir, '/');
+  if (slash) *slash = 0;
+  else snprintf(dir, len, ".");
+}
+
+int weights_open(weights_file_t **out, const char *path, char *err, size_t errlen) {
+  *out = NULL;
+  struct stat sb;
+  if (!path || !*path) return err_set(err, errlen, 2, "weights error: no weights path given");
+  if (strlen(path) >= PLAN_PATH_MAX) return err_set(err, errlen, 2, "weights error: path longer than %d bytes",
+                                                    PLAN_PATH_MAX);
+  if (stat(path, &sb) != 0) return err_set(err, errlen, 1, "weights error: %s: %s", path, strerror(errno));
+  weights_file_t *f = calloc(1, sizeof *f);
+  if (!f) return err_set(err, errlen, 1, "weights error: %s: out of memory", path);
+  snprintf(f->path, sizeof f->path, "%s", path);
+  f->fmt = interop_detect(path);
+  int rc = 0;
+  if (f->fmt == INTEROP_MESHRUN) {
+    char sterr[512];
+    int st = st_open(&f->st, path, sterr, sizeof sterr);
+    if (st) rc = err_set(err, errlen, st == ST_EIO || st == ST_ENOMEM ? 1 : 2, "weights error: %s", sterr);
+    else parse_plan_meta(f, st_metadata(f->st, "plan"));
+  } else {
+    int ix = interop_open(&f->ix, path, f->fmt, err, errlen);
+    if (ix == INTEROP_EIO || ix == INTEROP_ENOMEM) {
+      rc = 1;
+    } else if (ix && f->fmt == INTEROP_LLAMA2C) { /* llama2.c is the guess for any other file */
+      char why[1024];
+      snprintf(why, sizeof why, "%s", err);
+      rc = err_set(err, errlen, 2, "weights error: %s is not our safetensors, a Hugging Face folder or a llama2.c "
+                   "version 0 file that we can read (as llama2.c: %s)", path, why);
+    } else if (ix) {
+      rc = 2;
+    } else {
+      f->cfg = *interop_config(f->ix);
+      f->has_cfg = 1;
+    }
+    if (rc == 0 && f->fmt == INTEROP_HF) {
+      char dir[PLAN_PATH_MAX];
+      hf_folder(path, dir, sizeof dir);
+      snprintf(f->tokenizer, sizeof f->tokenizer, "%s/tokenizer.json", dir);
+      if (access(f->tokenizer, R_OK) != 0) f->tokenizer[0] = 0;
+    }
+  }
+  if (rc) {
+    weights_close(f);
+    return rc;
+  }
+  f->cfg.init[0] = 0;
+  *out = f;
+  return 0;
+}
+
+void weights_close(weights_file_t *f) {
+  if (!f) return;
+  interop_close(f->ix);
+  st_close(f->st);
+  free(f);
+}
+
+interop_format_t weights_format(const weights_file_t *f) { return f->fmt; }
+const plan_model_t *weights_model(const weights_file_t *f) { return f->has_cfg ? &f->cfg : NULL; }
+const plan_data_t *weights_data(const weights_file_t *f) { return f->has_data ? &f->data : NULL; }
+const char *weights_tokenizer(const weights_file_t *f) { return f->tokenizer[0] ? f->tokenizer : NULL; }
+
+int weights_read(weights_file_t *f, const char *name, float *dst, size_t numel, char *err, size_t errlen) {
+  if (f->ix) return interop_read_tensor(f->ix, name, dst, numel, err, errlen) ? 2 : 0;
+  const st_tensor_t *s = st_find(f->st, name);
+  if (!s) return err_set(err, errlen, 2, "weights error: %s: no tensor %s (is it from a model of this plan?)", f->path,
+                         name);
+  if (s->dtype != ST_F32 || st_numel(s) != numel)
+    return err_set(err, errlen, 2, "weights error: %s: tensor %s has %zu %s elements, the model wants %zu F32", f->path,
+                   name, st_numel(s), s->dtype == ST_F32 ? "F32" : "I32", numel);
+  memcpy(dst, s->data, numel * sizeof(float));
+  return 0;
+}
+
+int weights_resolve_model(const weights_file_t *f, const plan_model_t *plan, int plan_file, const char *const *sets,
+                          int nsets, plan_model_t *out, char *err, size_t errlen) {
+  const plan_model_t *fm = weights_model(f);
+  char msg[256];
+  if (plan_file) {
+    *out = *plan; /* our file without metadata: its tensors are checked as they load */
+    if (fm && interop_model_diff(fm, plan, NULL, msg, sizeof msg))
+      return err_set(err, errlen, 2, "weights error: %s: %s", f->path, msg);
+    return 0;
+  }
+  if (!fm)
+    return err_set(err, errlen, 2, "weights error: %s: no plan in its metadata says the model's shape; name the plan "
+                   "file it was trained with", f->path);
+  *out = *fm;
+  for (int i = 0; i < nsets; i++) {
+    char key[64];
+    const char *eq = strchr(sets[i], '=');
+    size_t n = eq ? (size_t)(eq - sets[i]) : 0;
+    if (n <= 6 || n - 6 >= sizeof key || strncmp(sets[i], "model.", 6)) continue;
+    memcpy(key, sets[i] + 6, n - 6);
+    key[n - 6] = 0;
+    if (!strcmp(key, "max_seq_len")) out->max_seq_len = plan->max_seq_len;
+    else if (interop_model_diff(fm, plan, key, msg, sizeof msg))
+      return err_set(err, errlen, 2, "weights error: %s: %s", f->path, msg);
+  }
+  return 0;
+}
+
+int weights_load_file(model_t *m, weights_file_t *f, char *err, size_t errlen) {
+  const int nt = model_num_tensors(m);
+  size_t fmax = 0;
+  for (int i = 0; i < nt; i++) fmax = full_numel(model_tensor(m, i)) > fmax ? full_numel(model_tensor(m, i)) : fmax;
+  float *buf = malloc((fmax ? fmax : 1) * sizeof(float));
+  if (!buf) return err_set(err, errlen, 1, "weights error: %s: out of memory (%zu floats)", f->path, fmax);
+  int rc = 0;
+  for (int i = 0; i < nt && rc == 0; i++) {
+    const model_tensor_t *t = model_tensor(m, i);
+    rc = weights_read(f, t->name, buf, full_numel(t), err, errlen);
+    if (rc == 0) model_import_tensor(m, i, buf);
+  }
+  free(buf);
+  return rc;
+}
+
+/* Export source: our file's tensors in place; the other formats' copied out (interop_read_tensor
+ * un-permutes HF's wq/wk), each kept until the export ends, since the writer holds several. */
+typedef struct {
+  weights_file_t *f;
+  float **copies;
+  int n, cap;
+} export_src_t;
+
+static const float *get_from_file(void *ctx, const char *name, size_t numel) {
+  export_src_t *s = ctx;
+  if (s->f->st) {
+    const st_tensor_t *t = st_find(s->f->st, name);
+    return t && t->dtype == ST_F32 && st_numel(t) == numel ? (const float *)t->data : NULL;
+  }
+  if (s->n == s->cap) {
+    int cap = s->cap ? 2 * s->cap : 64;
+    float **grown = realloc(s->copies, (size_t)cap * sizeof *grown);
+    if (!grown) return NULL;
+    s->copies = grown;
+    s->cap = cap;
+  }
+  float *p = malloc((numel ? numel : 1) * sizeof(float));
+  if (!p || interop_read_tensor(s->f->ix, name, p, numel, NULL, 0)) {
+    free(p);
+    return NULL;
+  }
+  s->copies[s->n++] = p;
+  return p;
+}
+
+int weights_export(weights_file_t *f, const plan_model_t *cfg, const char *format, const char *out, char *err,
                    size_t errlen) {
   interop_format_t fmt;
   if (interop_format_parse(format, &fmt) || (fmt != INTEROP_LLAMA2C && fmt != INTEROP_HF)) {
     snprintf(err, errlen, "--format %s: export writes llama2c or hf", format);
     return 2;
   }
-  int rc = interop_export_weights(cfg, path, fmt, out, err, errlen);
-  if (rc == 0) log_info("exported %s to %s (%s)", path, out, interop_format_name(fmt));
-  return rc == 0 ? 0 : rc == INTEROP_EMISMATCH || rc == INTEROP_EINVAL || rc == 2 ? 2 : 1;
+  export_src_t src = {.f = f};
+  int rc = interop_export(cfg, get_from_file, &src, fmt, out, err, errlen);
+  for (int i = 0; i < src.n; i++) free(src.copies[i]);
+  free(src.copies);
+  if (rc == 0) log_info("exported %s (%s) to %s (%s)", f->path, interop_format_name(f->fmt), out,
+                        interop_format_name(fmt));
+  return rc == 0 ? 0 : rc == INTEROP_EMISMATCH || rc == INTEROP_EINVAL || rc == INTEROP_ECORRUPT ? 2 : 1;
 }
 
 void weights_final_path(const plan_t *p, char *out, size_t len) {

@@ -1,6 +1,10 @@
 /* weights: a model's full weights in and out of files. One path for every user: training's
- * initial and final weights, `trainer sample` (load), `trainer export` (our file to llama2.c or
- * Hugging Face), and the oracle test's --dump-init (save).
+ * initial and final weights, `trainer sample` (load), `trainer export` (any of the formats to
+ * llama2.c or Hugging Face), and the oracle test's --dump-init (save).
+ *
+ * `trainer sample` and `trainer export` read any of the three formats through one reader
+ * (weights_open), the format found from the content, and the model's shape from the file
+ * itself when no plan file says it (weights_resolve_model).
  *
  * Our files are safetensors of full (unsplit) fp32 tensors with the model's names, metadata
  * {"format": "meshrun", "plan": <resolved plan JSON>, "step": N}. Under a mesh, saving gathers
@@ -17,6 +21,7 @@
 
 #include "trainer/backend.h"
 #include "trainer/dp.h"
+#include "trainer/interop.h"
 #include "trainer/mesh.h"
 #include "trainer/model.h"
 #include "trainer/plan.h"
@@ -39,10 +44,46 @@ int weights_load(model_t *m, backend_t *be, dp_t *dp, const char *path, char *er
 int weights_init(model_t *m, backend_t *be, dp_t *dp, const mesh_t *mesh, const plan_t *p, char *err,
                  size_t errlen);
 
-/* `trainer export`: our weights file at path, checked against cfg, written to out as format
- * ("llama2c" or "hf"). Returns 0, 2 (usage: unknown format, a file not of this model) or 1 (I/O),
- * with the message in err. */
-int weights_export(const plan_model_t *cfg, const char *path, const char *format, const char *out, char *err,
+/* --- Any weights, read-only: what `trainer sample` and `trainer export` take. */
+typedef struct weights_file weights_file_t;
+
+/* Opens path, its format found from what is there (interop_detect): our safetensors (the model
+ * from the plan in its metadata), a llama2.c version 0 file, or a Hugging Face folder (or its
+ * config.json or model.safetensors). Returns 0, 1 (cannot be read: missing, I/O, memory) or 2
+ * (none of these formats, or a corrupt file), with one line "weights error: PATH: ..." or
+ * interop's in err. */
+int weights_open(weights_file_t **out, const char *path, char *err, size_t errlen);
+void weights_close(weights_file_t *f); /* accepts NULL */
+interop_format_t weights_format(const weights_file_t *f);
+/* The model the file holds (hidden_dim explicit, max_seq_len: our plan's, llama2.c's seq_len,
+ * HF's max_position_embeddings), or NULL for our file without a plan in its metadata. */
+const plan_model_t *weights_model(const weights_file_t *f);
+/* Our file: the plan's data section from its metadata (format, train, tokenizer), which tells
+ * how its samples print; NULL for other formats and without metadata. */
+const plan_data_t *weights_data(const weights_file_t *f);
+/* An HF folder's tokenizer.json when there is one, else NULL. */
+const char *weights_tokenizer(const weights_file_t *f);
+/* The full tensor of our name ("layers.0.attention.wq.weight") into dst, numel floats, in our
+ * layout. Returns 0 or 2 (no such tensor, another size) with the message in err. */
+int weights_read(weights_file_t *f, const char *name, float *dst, size_t numel, char *err, size_t errlen);
+
+/* The model `trainer sample` and `trainer export` build for f. plan_file 1: the plan came from a
+ * file, and its model is the answer once checked against the file's (dim, n_layers, n_heads,
+ * n_kv_heads, vocab_size, hidden_dim, rope_theta, norm_eps; max_seq_len is the plan's). Else
+ * the file's model, with each model key named in sets (the --set list, "model.dim=64") checked
+ * against it, and model.max_seq_len, when set, taken from plan. Returns 0, or 2 with
+ * "weights error: PATH: dim 64 but the plan says 128 (set model.dim=64)" in err. */
+int weights_resolve_model(const weights_file_t *f, const plan_model_t *plan, int plan_file, const char *const *sets,
+                          int nsets, plan_model_t *out, char *err, size_t errlen);
+
+/* Every tensor of model cfg from f into m (flat buffers or units in place, one process).
+ * Returns 0 or 2 with the message in err. */
+int weights_load_file(model_t *m, weights_file_t *f, char *err, size_t errlen);
+
+/* `trainer export`: f's model cfg (weights_resolve_model's) written to out as format
+ * ("llama2c" or "hf"). Returns 0, 2 (usage: unknown format, a model llama2.c cannot express) or
+ * 1 (I/O, memory), with the message in err. */
+int weights_export(weights_file_t *f, const plan_model_t *cfg, const char *format, const char *out, char *err,
                    size_t errlen);
 
 /* Where a training run's final weights go: <checkpoint.dir>/final.safetensors when

@@ -30,7 +30,7 @@ batch of 16 sequences (24 for the 8 -> 6 ranks case, so that both worlds divide 
   weights (rank 0 writes them) -> both ranks exit 1, rank 0 naming the cause.
 - Interop: `trainer export` to llama2.c and HF from a run's final weights; model.init from each
   (and from our safetensors) trains step 1 to the same loss bits; a wrong shape is refused with
-  the interop message (exit 2); configs/stories260K.json loads ../shared/data/stories260K.bin.
+  the interop message (exit 2); configs/stories260K.json loads ../../shared/data/stories260K.bin (from its folder).
 OMP_NUM_THREADS=1 everywhere (2 shared cores).
 """
 import json
@@ -421,4 +421,6 @@ def test_stories260k_config(tmp_path):
                         "--set", "sample.tokens=8", "--set", "checkpoint.dir=%s" % (tmp_path / "ck")],
                        cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert "step 2/2" in r.stderr and "model.init: ../shared/data/stories260K.bin (llama2c" in r.stderr, r.stderr
+    # configs/ names it from its own folder: ../../shared/data, made absolute at load
+    want = "model.init: %s (llama2c" % os.path.realpath(bin_path)
+    assert "step 2/2" in r.stderr and want in r.stderr, r.stderr

@@ -98,7 +98,8 @@ def test_tiny_plan_trains_and_loss_falls(tmp_path):
     assert first["plan"]["train"]["global_batch_size"] == 8 and first["tokens_per_step"] == 8 * 32
     assert [s["step"] for s in steps] == list(range(1, 31))
     for s in steps:
-        assert set(s) == {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_ms", "compute_ms", "comm_wait_ms"}
+        assert set(s) == {"step", "loss", "lr", "grad_norm", "tokens_per_s", "flops_per_s", "mfu", "peak_mem_bytes",
+                          "step_ms", "compute_ms", "comm_wait_ms"}
         assert s["tokens_per_s"] > 0 and s["step_ms"] > 0 and s["grad_norm"] > 0
         assert s["comm_wait_ms"] == 0 and s["compute_ms"] == s["step_ms"]  # one process: nothing to wait on
     assert [e["step"] for e in evals] == [10, 20, 30]
@@ -149,7 +150,7 @@ def test_sample_from_saved_weights(tmp_path):
     assert s2.returncode == 0 and len(s2.stdout) == len("ROMEO:") + 10 + 1
     # A weights file from another model is refused by tensor name and size.
     bad = run(["sample", plan_path, "--weights", weights, "--set", "model.dim=64"], cwd=tmp_path)
-    assert bad.returncode == 1 and "the model wants" in one_error_line(bad)
+    assert bad.returncode == 2 and "dim 32 but the plan says 64" in one_error_line(bad)
     none = run(["sample", plan_path], cwd=tmp_path)
     assert none.returncode == 2 and "--weights" in one_error_line(none)
 
@@ -176,7 +177,7 @@ def test_missing_data_file(tmp_path):
     r, _ = train(tmp_path, [f"data.train={tmp_path / 'nope.txt'}"])
     line = one_error_line(r)
     print(line)
-    assert r.returncode == 1 and "nope.txt" in line and "No such file" in line
+    assert r.returncode == 2 and "plan error: data.train" in line and "nope.txt" in line and "No such file" in line
 
 
 def test_unreadable_data_file(tmp_path):
@@ -190,7 +191,7 @@ def test_unreadable_data_file(tmp_path):
     r, _ = train(tmp_path, [f"data.train={bad}"])
     line = one_error_line(r)
     print(line)
-    assert r.returncode == 1 and str(bad) in line and "cannot" in line
+    assert r.returncode == 2 and str(bad) in line and ("cannot" in line or "not a regular file" in line)
 
 
 def test_data_shorter_than_one_sequence(tmp_path):
@@ -199,7 +200,7 @@ def test_data_shorter_than_one_sequence(tmp_path):
     r, _ = train(tmp_path, [f"data.train={short}", "data.val_fraction=0", "eval.interval=0"])
     line = one_error_line(r)
     print(line)
-    assert r.returncode == 1 and "short.txt" in line and "fewer than one sequence" in line
+    assert r.returncode == 2 and "short.txt" in line and "fewer than one sequence" in line
 
 
 def test_token_id_out_of_vocab(tmp_path):
@@ -210,7 +211,7 @@ def test_token_id_out_of_vocab(tmp_path):
     r, _ = train(tmp_path, [f"data.train={path}"])
     line = one_error_line(r)
     print(line)
-    assert r.returncode == 1 and "toks.u16" in line and "token id 300 at position 123" in line
+    assert r.returncode == 2 and "toks.u16" in line and "token id 300 at position 123" in line
 
 
 def test_nan_loss_stops_at_once(tmp_path):

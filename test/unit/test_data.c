@@ -1,4 +1,4 @@
-// deps: trainer/data.c trainer/rng.c
+// deps: trainer/data.c trainer/rng.c common/fs.c
 /* test_data: file formats and their detection, the validation split, the load-time checks
  * with their messages, and the batch rule (the same global batch whatever the dp degree). */
 #include <setjmp.h>
@@ -67,8 +67,8 @@ static void test_text_and_split(void **state) {
   size_t nv = (size_t)(n * 0.1);
   assert_int_equal(d.n_val, nv);
   assert_int_equal(d.n_train, n - nv);
-  assert_int_equal(d.train[0], 'h');
-  assert_int_equal(d.val[0], (unsigned char)txt[n - nv]);
+  assert_int_equal(data_train_token(&d, 0), 'h');
+  assert_int_equal(data_val_token(&d, 0), (unsigned char)txt[n - nv]);
   data_free(&d);
 }
 
@@ -90,7 +90,7 @@ static void test_llmc_u16_u32(void **state) {
   assert_int_equal(data_load(&d, &p, 0, err, sizeof err), 0);
   assert_int_equal(d.format, PLAN_DATA_LLMC);
   assert_int_equal(d.n_train, 50);
-  assert_int_equal(d.train[49], 1049);
+  assert_int_equal(data_train_token(&d, 49), 1049);
   assert_int_equal(d.n_val, 0);
   data_free(&d);
 
@@ -98,7 +98,7 @@ static void test_llmc_u16_u32(void **state) {
   snprintf(p.data.train, sizeof p.data.train, "%s", path_in("t.u16"));
   assert_int_equal(data_load(&d, &p, 0, err, sizeof err), 0);
   assert_int_equal(d.format, PLAN_DATA_U16);
-  assert_int_equal(d.train[3], 1003);
+  assert_int_equal(data_train_token(&d, 3), 1003);
   data_free(&d);
 
   uint32_t t32[20];
@@ -108,7 +108,7 @@ static void test_llmc_u16_u32(void **state) {
   p.model.vocab_size = 100000;
   assert_int_equal(data_load(&d, &p, 0, err, sizeof err), 0);
   assert_int_equal(d.format, PLAN_DATA_U32);
-  assert_int_equal(d.train[19], 70019);
+  assert_int_equal(data_train_token(&d, 19), 70019);
   data_free(&d);
 
   /* Separate validation file. */
@@ -179,6 +179,148 @@ static void test_errors(void **state) {
   data_free(&d);
 }
 
+/* An llm.c shard of ids under GPT-2's header (width 2) or Llama 3's (width 4). */
+static void write_llmc(const char *path, int width, const uint32_t *ids, int n) {
+  int32_t hdr[256] = {width == 2 ? 20240520 : 20240801, width == 2 ? 1 : 7, n};
+  unsigned char buf[sizeof hdr + 4 * 4096];
+  assert_true(n <= 4096);
+  memcpy(buf, hdr, sizeof hdr);
+  for (int i = 0; i < n; i++)
+    for (int b = 0; b < width; b++) buf[sizeof hdr + (size_t)i * width + b] = (unsigned char)(ids[i] >> (8 * b));
+  write_bytes(path, buf, sizeof hdr + (size_t)n * width);
+}
+
+static void test_llmc_u32_header(void **state) {
+  uint32_t ids[40];
+  for (int i = 0; i < 40; i++) ids[i] = 100000u + (uint32_t)i * 3;
+  write_llmc(path_in("llama3.bin"), 4, ids, 40);
+  plan_t p;
+  base_plan(&p, 128256, 8, 2);
+  p.data.val_fraction = 0;
+  snprintf(p.data.train, sizeof p.data.train, "%s", path_in("llama3.bin"));
+  data_t d;
+  char err[512] = "";
+  assert_int_equal(data_load(&d, &p, 0, err, sizeof err), 0);
+  assert_int_equal(d.format, PLAN_DATA_LLMC);
+  assert_false(d.is_text);
+  assert_int_equal(d.n_train, 40);
+  assert_int_equal(data_train_token(&d, 39), 100000 + 39 * 3);
+  data_free(&d);
+
+  /* An id past the vocabulary, in a uint32 shard. */
+  p.model.vocab_size = 100050;
+  assert_int_equal(data_load(&d, &p, 0, err, sizeof err), DATA_EINVAL);
+  printf("u32 vocab: %s\n", err);
+  assert_non_null(strstr(err, "token id 100051 at position 17"));
+
+  /* A header whose version does not go with its magic. */
+  int32_t hdr[256] = {20240801, 1, 0};
+  write_bytes(path_in("badver.bin"), hdr, sizeof hdr);
+  snprintf(p.data.train, sizeof p.data.train, "%s", path_in("badver.bin"));
+  assert_int_equal(data_load(&d, &p, 0, err, sizeof err), DATA_EINVAL);
+  printf("version: %s\n", err);
+  assert_non_null(strstr(err, "bad llm.c header"));
+}
+
+/* An llm.c file is never read as text or raw ids, and llmc needs the header. */
+static void test_format_disagrees(void **state) {
+  uint32_t ids[64];
+  for (int i = 0; i < 64; i++) ids[i] = (uint32_t)i;
+  write_llmc(path_in("shard.txt"), 2, ids, 64); /* a misleading extension too */
+  plan_t p;
+  base_plan(&p, 256, 8, 2);
+  snprintf(p.data.train, sizeof p.data.train, "%s", path_in("shard.txt"));
+  data_t d;
+  char err[512];
+  const plan_data_format_t wrong[] = {PLAN_DATA_TEXT, PLAN_DATA_U16, PLAN_DATA_U32};
+  for (int i = 0; i < 3; i++) {
+    p.data.format = wrong[i];
+    assert_int_equal(data_load(&d, &p, 0, err, sizeof err), DATA_EINVAL);
+    printf("explicit %s: %s\n", data_format_name(wrong[i]), err);
+    assert_non_null(strstr(err, "starts with an llm.c header"));
+    assert_non_null(strstr(err, data_format_name(wrong[i])));
+  }
+  p.data.format = PLAN_DATA_AUTO;
+  assert_int_equal(data_load(&d, &p, 0, err, sizeof err), 0);
+  assert_int_equal(d.format, PLAN_DATA_LLMC);
+  data_free(&d);
+
+  write_bytes(path_in("plain.txt"), "some plain text, long enough for a window or two", 48);
+  snprintf(p.data.train, sizeof p.data.train, "%s", path_in("plain.txt"));
+  p.data.format = PLAN_DATA_LLMC;
+  assert_int_equal(data_load(&d, &p, 0, err, sizeof err), DATA_EINVAL);
+  printf("explicit llmc: %s\n", err);
+  assert_non_null(strstr(err, "has no llm.c header"));
+}
+
+/* Shards as a list and as a glob: one stream, the same batches as the one file they were cut
+ * from, including windows across the shard boundaries, and a validation split off the end. */
+static void test_shards_match_one_file(void **state) {
+  enum { N = 3000, T = 32, G = 8 };
+  static uint32_t ids[N];
+  uint16_t raw[N];
+  for (int i = 0; i < N; i++) ids[i] = raw[i] = (uint16_t)((i * 7919u + 13u) % 5000u);
+  write_bytes(path_in("all.u16"), raw, sizeof raw);
+  /* 3 shards of unequal size, two header kinds, named so that sorting gives their order */
+  write_llmc(path_in("tok_train_000000.bin"), 2, ids, 1000);
+  write_llmc(path_in("tok_train_000001.bin"), 4, ids + 1000, 37);
+  write_bytes(path_in("tok_train_000002.u16"), raw + 1037, (N - 1037) * sizeof(uint16_t));
+
+  plan_t one, list, glob;
+  base_plan(&one, 5000, T, G);
+  one.data.val_fraction = 0.1;
+  list = glob = one;
+  snprintf(one.data.train, sizeof one.data.train, "%s", path_in("all.u16"));
+  snprintf(list.data.train, sizeof list.data.train, "%s\n%s\n%s", path_in("tok_train_000000.bin"),
+           path_in("tok_train_000001.bin"), path_in("tok_train_000002.u16"));
+  snprintf(glob.data.train, sizeof glob.data.train, "%s", path_in("tok_train_*"));
+  data_t a, b, c;
+  char err[512] = "";
+  assert_int_equal(data_load(&a, &one, 1, err, sizeof err), 0);
+  assert_int_equal(data_load(&b, &list, 1, err, sizeof err), 0);
+  assert_int_equal(data_load(&c, &glob, 1, err, sizeof err), 0);
+  assert_int_equal(b.train_src.n_shards, 3);
+  assert_int_equal(c.train_src.n_shards, 3);
+  assert_int_equal(b.n_train, a.n_train);
+  assert_int_equal(b.n_val, a.n_val);
+  static int32_t ta[G * T], ya[G * T], tb[G * T], yb[G * T], tc[G * T], yc[G * T];
+  int crossings = 0;
+  for (int s = 0; s < 200; s++) {
+    data_train_batch(&a, s, 0, 0, 1, G, ta, ya);
+    data_train_batch(&b, s, 0, 0, 1, G, tb, yb);
+    data_train_batch(&c, s, 0, 0, 1, G, tc, yc);
+    assert_memory_equal(ta, tb, sizeof ta);
+    assert_memory_equal(ya, yb, sizeof ya);
+    assert_memory_equal(ta, tc, sizeof ta);
+    assert_memory_equal(ya, yc, sizeof ya);
+    for (int i = 0; i < G; i++) /* a window holding the token before and after a boundary */
+      for (int k = 0; k < T; k++)
+        if (ta[i * T + k] == (int32_t)ids[999] && ya[i * T + k] == (int32_t)ids[1000]) crossings++;
+  }
+  printf("shards: 200 steps of %d windows equal to the one file's; %d windows across a boundary\n", G, crossings);
+  assert_true(crossings > 0); /* the comparison covered a boundary */
+  for (int k = 0; k < 4; k++) {
+    data_eval_batch(&a, k, G, ta, ya);
+    data_eval_batch(&b, k, G, tb, yb);
+    assert_memory_equal(ta, tb, sizeof ta);
+    assert_memory_equal(ya, yb, sizeof ya);
+  }
+  data_free(&a);
+  data_free(&b);
+  data_free(&c);
+
+  /* A glob that matches nothing; text among id shards. */
+  snprintf(glob.data.train, sizeof glob.data.train, "%s", path_in("nothing_*.bin"));
+  assert_int_equal(data_load(&c, &glob, 0, err, sizeof err), DATA_EIO);
+  printf("no match: %s\n", err);
+  assert_non_null(strstr(err, "no file matches"));
+  write_bytes(path_in("words.txt"), "text among the shards", 21);
+  snprintf(list.data.train, sizeof list.data.train, "%s\n%s", path_in("tok_train_000000.bin"), path_in("words.txt"));
+  assert_int_equal(data_load(&c, &list, 0, err, sizeof err), DATA_EINVAL);
+  printf("mixed: %s\n", err);
+  assert_non_null(strstr(err, "all text or all ids"));
+}
+
 /* Collects step s's global batch as dp ranks x accumulation micro-steps would see it. */
 static void global_batch(const data_t *d, int s, int dp, int micro, int accum, int32_t *out_tok, int32_t *out_tgt) {
   const int t = d->seq_len;
@@ -227,7 +369,7 @@ static void test_batch_rule(void **state) {
   size_t n = d.n_train, same = 0;
   static int32_t best[64][64];
   memset(best, 0, sizeof best);
-  for (size_t i = 0; i + 1 < n; i++) best[d.train[i]][d.train[i + 1]]++;
+  for (size_t i = 0; i + 1 < n; i++) best[data_train_token(&d, i)][data_train_token(&d, i + 1)]++;
   for (int a = 0; a < 64; a++) {
     int mx = 0;
     for (int b = 0; b < 64; b++)
@@ -245,6 +387,9 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_text_and_split, setup, teardown),
       cmocka_unit_test_setup_teardown(test_llmc_u16_u32, setup, teardown),
       cmocka_unit_test_setup_teardown(test_errors, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_llmc_u32_header, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_format_disagrees, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_shards_match_one_file, setup, teardown),
       cmocka_unit_test(test_batch_rule),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -149,6 +149,13 @@ static void test_embedded_default_is_demo_json(void **state) {
   assert_int_equal(plan_load(&a, NULL, NULL, 0, err, sizeof err), 0);
   assert_string_equal(a.source, "(embedded default)");
   assert_int_equal(plan_load(&b, "configs/demo.json", NULL, 0, err, sizeof err), 0);
+  /* The file names its data from its own folder (../data/...), the embedded default from the
+   * working directory (the repository here): the same file, made absolute at load. */
+  char *real = realpath("data/tinyshakespeare.txt", NULL);
+  assert_non_null(real);
+  assert_string_equal(b.data.train, real);
+  assert_string_equal(a.data.train, real);
+  free(real);
   char *ja = plan_to_json(&a), *jb = plan_to_json(&b);
   assert_non_null(ja);
   assert_non_null(jb);
@@ -157,7 +164,6 @@ static void test_embedded_default_is_demo_json(void **state) {
   free(jb);
   /* The demo: byte-level model on tinyshakespeare. */
   assert_int_equal(a.model.vocab_size, 256);
-  assert_string_equal(a.data.train, "data/tinyshakespeare.txt");
   assert_int_equal(plan_resolve(&a, 1, err, sizeof err), 0);
   assert_int_equal(a.model.hidden_dim, 352);
 }
@@ -321,12 +327,22 @@ static void test_key_errors(void **state) {
                "parallel.tp_plan.attention.wz");
 
   /* Strings that do not fit. */
-  char big[1200 + 64];
+  static char big[PLAN_PATHS_MAX + 64];
   memset(big, 0, sizeof big);
-  strcpy(big, "{\"data\":{\"train\":\"");
-  memset(big + strlen(big), 'a', 1100);
+  strcpy(big, "{\"data\":{\"train\":\"/");
+  memset(big + strlen(big), 'a', PLAN_PATHS_MAX);
   strcat(big, "\"}}");
   expect_error(big, 0, "data.train");
+  memset(big, 0, sizeof big);
+  strcpy(big, "{\"model\":{\"init\":\"/");
+  memset(big + strlen(big), 'a', PLAN_PATH_MAX);
+  strcat(big, "\"}}");
+  expect_error(big, 0, "model.init");
+  /* data.train as a list: strings only, none empty, not an empty list */
+  expect_error("{\"data\":{\"train\":[]}}", 0, "data.train");
+  expect_error("{\"data\":{\"train\":[\"/a.bin\", 3]}}", 0, "data.train");
+  expect_error("{\"data\":{\"train\":[\"/a.bin\", \"\"]}}", 0, "data.train");
+  expect_error("{\"data\":{\"train\":[\"/a\\nb.bin\"]}}", 0, "data.train");
 
   /* A valid value at the edge of its range is accepted. */
   plan_t p;
@@ -345,7 +361,8 @@ static void test_set_overrides(void **state) {
                         "checkpoint.async=true", "model.dim=96"};
   load_ok(&p, NULL, sets, 10);
   assert_int_equal(p.model.dim, 96); /* the later --set wins */
-  assert_string_equal(p.data.train, "foo.txt");
+  assert_string_equal(p.data.train + strlen(p.data.train) - strlen("/foo.txt"), "/foo.txt");
+  assert_true(p.data.train[0] == '/'); /* from the working directory, made absolute */
   assert_true(p.train.lr == 1e-3);
   assert_true(p.train.min_lr == 3e-4); /* given in demo.json, not derived */
   assert_int_equal(p.device, PLAN_DEVICE_CPU);
@@ -543,6 +560,7 @@ static void round_trip(const char *path, const char *const *sets, int nsets, int
   char *jb = plan_to_json(&b);
   assert_string_equal(ja, jb);
   memcpy(b.source, a.source, sizeof b.source);
+  b.rebased = a.rebased; /* read from the JSON: absolute already */
   /* The serialized plan states every key, so param_dtype reads back as given explicitly. */
   assert_int_equal(b.parallel.param_dtype_explicit, 1);
   b.parallel.param_dtype_explicit = a.parallel.param_dtype_explicit;
@@ -577,6 +595,111 @@ static void test_round_trip(void **state) {
   /* One line: JSONL records and metadata values embed it as is. */
   assert_null(strchr(j, '\n'));
   free(j);
+}
+
+/* ---- paths ------------------------------------------------------------------------------ */
+
+static void write_file_at(const char *path, const char *text) {
+  FILE *f = fopen(path, "w");
+  assert_non_null(f);
+  fputs(text, f);
+  fclose(f);
+}
+
+/* A plan's input paths are taken from its folder and made absolute; --set ones, absolute ones
+ * and output paths are left as given; every input is checked by plan_check_paths. */
+static void test_paths_from_plan_folder(void **state) {
+  (void)state;
+  char root[] = "/tmp/test_plan_paths_XXXXXX";
+  assert_non_null(mkdtemp(root));
+  char *real = realpath(root, NULL);
+  assert_non_null(real);
+  char path[512], want[1024], cmd[600];
+  snprintf(path, sizeof path, "%s/plans", root);
+  assert_int_equal(mkdir(path, 0755), 0);
+  snprintf(path, sizeof path, "%s/shards", root);
+  assert_int_equal(mkdir(path, 0755), 0);
+  for (int i = 0; i < 3; i++) {
+    snprintf(path, sizeof path, "%s/shards/tok_train_%06d.bin", root, i);
+    write_file_at(path, "x");
+  }
+  snprintf(path, sizeof path, "%s/plans/tok.json", root);
+  write_file_at(path, "{}");
+  snprintf(path, sizeof path, "%s/plans/p.json", root);
+  write_file_at(path, "{\"model\": {\"init\": \"../w.bin\"},"
+                      " \"data\": {\"train\": [\"../shards/tok_train_*.bin\", \"./../shards/tok_train_000000.bin\"],"
+                      " \"val\": \"/abs/val.bin\", \"tokenizer\": \"tok.json\"},"
+                      " \"checkpoint\": {\"dir\": \"ck\"}, \"log\": {\"metrics_file\": \"m.jsonl\"}}");
+  plan_t p;
+  char err[2048] = "";
+  if (plan_load(&p, path, NULL, 0, err, sizeof err)) fail_msg("%s", err);
+  snprintf(want, sizeof want, "%s/w.bin", real);
+  assert_string_equal(p.model.init, want);
+  snprintf(want, sizeof want, "%s/shards/tok_train_*.bin\n%s/shards/tok_train_000000.bin", real, real);
+  assert_string_equal(p.data.train, want);
+  assert_string_equal(p.data.val, "/abs/val.bin");
+  snprintf(want, sizeof want, "%s/plans/tok.json", real);
+  assert_string_equal(p.data.tokenizer, want);
+  assert_string_equal(p.checkpoint.dir, "ck");        /* what a run writes: the working directory's */
+  assert_string_equal(p.log.metrics_file, "m.jsonl");
+  printf("  data.train -> %s\n", p.data.train);
+
+  /* The list survives plan_to_json and a reload from anywhere (absolute now). */
+  char *j = plan_to_json(&p);
+  assert_non_null(j);
+  assert_non_null(strstr(j, "\"train\":[\""));
+  plan_t q;
+  load_ok(&q, j, NULL, 0);
+  assert_string_equal(q.data.train, p.data.train);
+  free(j);
+
+  /* --set values are taken from the working directory. */
+  const char *sets[] = {"data.train=rel/x.bin", "model.init=/w2.bin"};
+  if (plan_load(&p, path, sets, 2, err, sizeof err)) fail_msg("%s", err);
+  char *cwd = getcwd(NULL, 0);
+  snprintf(want, sizeof want, "%s/rel/x.bin", cwd);
+  free(cwd);
+  assert_string_equal(p.data.train, want);
+  assert_string_equal(p.model.init, "/w2.bin");
+
+  /* plan_check_paths: model.init is missing, with the folder named. */
+  if (plan_load(&p, path, NULL, 0, err, sizeof err)) fail_msg("%s", err);
+  snprintf(p.data.val, sizeof p.data.val, "%s", "");
+  snprintf(p.checkpoint.dir, sizeof p.checkpoint.dir, "%s/ck", root);
+  assert_int_equal(plan_check_paths(&p, err, sizeof err), PLAN_EINVAL);
+  printf("  %s\n", err);
+  snprintf(want, sizeof want, "plan error: model.init: %s/w.bin: No such file or directory", real);
+  assert_true(strncmp(err, want, strlen(want)) == 0);
+  assert_non_null(strstr(err, "taken from the plan's folder"));
+  /* present now: the shards, expanded, and the tokenizer are checked and pass */
+  snprintf(want, sizeof want, "%s/w.bin", root);
+  write_file_at(want, "w");
+  if (plan_check_paths(&p, err, sizeof err)) fail_msg("%s", err);
+  /* a glob that matches nothing */
+  snprintf(p.data.train, sizeof p.data.train, "%s/shards/nope_*.bin", real);
+  assert_int_equal(plan_check_paths(&p, err, sizeof err), PLAN_EINVAL);
+  printf("  %s\n", err);
+  assert_non_null(strstr(err, "plan error: data.train: no file matches"));
+  /* a folder as a shard */
+  snprintf(p.data.train, sizeof p.data.train, "%s/shards", real);
+  assert_int_equal(plan_check_paths(&p, err, sizeof err), PLAN_EINVAL);
+  printf("  %s\n", err);
+  assert_non_null(strstr(err, "is not a regular file"));
+  /* a missing tokenizer */
+  snprintf(p.data.train, sizeof p.data.train, "%s/shards/tok_train_000001.bin", real);
+  snprintf(p.data.tokenizer, sizeof p.data.tokenizer, "%s/plans/nope.json", real);
+  assert_int_equal(plan_check_paths(&p, err, sizeof err), PLAN_EINVAL);
+  printf("  %s\n", err);
+  assert_non_null(strstr(err, "plan error: data.tokenizer:"));
+  /* synthetic data names no files */
+  p.data.format = PLAN_DATA_SYNTHETIC;
+  snprintf(p.data.tokenizer, sizeof p.data.tokenizer, "%s", "");
+  snprintf(p.data.train, sizeof p.data.train, "%s", "/nope/at/all");
+  if (plan_check_paths(&p, err, sizeof err)) fail_msg("%s", err);
+
+  free(real);
+  snprintf(cmd, sizeof cmd, "rm -rf %s", root);
+  assert_int_equal(system(cmd), 0);
 }
 
 /* ---- shipped configs -------------------------------------------------------------------- */
@@ -734,6 +857,7 @@ int main(void) {
       cmocka_unit_test(test_resolve_errors),
       cmocka_unit_test(test_hidden_dim),
       cmocka_unit_test(test_round_trip),
+      cmocka_unit_test(test_paths_from_plan_folder),
       cmocka_unit_test(test_configs),
       cmocka_unit_test(test_docs),
   };

@@ -1,0 +1,402 @@
+"""test_sample: `trainer sample` and `trainer export` on any weights, as a user runs them.
+
+- stories260K.bin (llama2.c, ../shared/data or MESHRUN_DATA) samples with no plan: the shape comes
+  from its header; greedy (temperature 0) from BOS gives, over 120 tokens, exactly the ids that a
+  float64 PyTorch Llama (llama_ref) picks by full forwards -- the trainer decodes with its KV cache,
+  so this checks the cache against an independent full forward (tolerance: identical ids); the
+  output repeats run to run and does not depend on the seed at temperature 0, while temperature 1
+  repeats under a seed and changes with it; top_k=1 gives the greedy ids. The same from its HF
+  export, and with a plan of the right shape; a 64-token context slides (the first 63 tokens are
+  those of the 512-token context).
+- export llama2c -> hf -> llama2c: the weights come back bit-identical, the RoPE tables within
+  1e-5 (the original's were computed in float32, ours in double; max|diff| printed); ours -> hf ->
+  llama2c -> hf gives the same model.safetensors bytes.
+- A tokenizer (a byte-level BPE tokenizer.json written here: the 256 byte symbols, four merges and
+  <|endoftext|>): a model trained with data.tokenizer samples text with no plan (the tokenizer from
+  its file's metadata), the text equal to the ids of the same draw without a tokenizer, decoded here
+  (BOS first, stopping at EOS); `export --format hf` writes tokenizer.json (same bytes) and a
+  tokenizer_config.json naming BOS and EOS; the HF folder then samples the same text. transformers
+  is not installed on this machine, so the folder's files are checked for presence and content;
+  with transformers, its AutoTokenizer and LlamaForCausalLM load the folder too.
+- Bad inputs: a missing file, a file of no known format, a truncated safetensors, an HF folder
+  without weights, a plan of another shape, --set model.* against the file, a tokenizer larger than
+  the vocabulary, a missing tokenizer, an unknown export format, an unwritable output: each a
+  one-line message naming the cause and exit 1 or 2, never a crash.
+"""
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import llama_ref  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+BIN = os.environ.get("MESHRUN_BIN", os.path.join(REPO, "bin"))
+TRAINER = os.path.join(BIN, "trainer")
+DATA = os.environ.get("MESHRUN_DATA", os.path.join(REPO, "..", "shared", "data"))
+STORIES = os.path.join(DATA, "stories260K.bin")
+ROPE_TOL = 1e-5
+
+
+def run(args, cwd, timeout=120, binary=False):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(k, None)
+    if binary:
+        return subprocess.run([TRAINER] + [str(a) for a in args], cwd=str(cwd), env=env, capture_output=True,
+                              timeout=timeout)
+    return subprocess.run([TRAINER] + [str(a) for a in args], cwd=str(cwd), env=env, capture_output=True, text=True,
+                          errors="replace", timeout=timeout)
+
+
+def last_line(r):
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert lines, "no message on stderr"
+    return lines[-1]
+
+
+def need_stories():
+    if not os.path.exists(STORIES):
+        pytest.skip(f"{STORIES} not found (llama2.c's stories260K.bin; set MESHRUN_DATA to its directory)")
+
+
+def sample_ids(r):
+    """(prompt ids, generated ids) of an id sample "p1 p2 | g1 g2 ...\\n"."""
+    assert r.returncode == 0, r.stderr
+    head, _, tail = r.stdout.partition("|")
+    return [int(w) for w in head.split()], [int(w) for w in tail.split()]
+
+
+GREEDY = ["--set", "sample.temperature=0", "--set", 'sample.prompt="1"', "--set", "sample.tokens=120"]
+
+
+def read_llama2c(path):
+    """(header ints, weights floats, rope floats, classifier floats) of a version-0 file."""
+    raw = open(path, "rb").read()
+    h = struct.unpack("<7i", raw[:28])
+    dim, hidden, n_layers, n_heads, n_kv, vocab, seq_len = h
+    hd, kv = dim // n_heads, n_kv * (dim // n_heads)
+    n = abs(vocab) * dim + n_layers * (2 * dim + dim * dim + 2 * kv * dim + dim * dim + 3 * hidden * dim) + dim
+    f = np.frombuffer(raw, dtype="<f4", offset=28)
+    rope = seq_len * hd
+    return h, f[:n], f[n:n + rope], f[n + rope:]
+
+
+def stories_weights():
+    h, w, _, _ = read_llama2c(STORIES)
+    dim, hidden, n_layers, n_heads, n_kv, vocab, _ = h
+    kv, at, out = n_kv * (dim // n_heads), 0, {}
+
+    def take(shape):
+        nonlocal at
+        k = int(np.prod(shape))
+        a = w[at:at + k].reshape(shape)
+        at += k
+        return a
+
+    out["tok_embeddings.weight"] = take((vocab, dim))
+    shapes = [("attention_norm", (dim,)), ("attention.wq", (dim, dim)), ("attention.wk", (kv, dim)),
+              ("attention.wv", (kv, dim)), ("attention.wo", (dim, dim)), ("ffn_norm", (dim,)),
+              ("feed_forward.w1", (hidden, dim)), ("feed_forward.w2", (dim, hidden)),
+              ("feed_forward.w3", (hidden, dim))]
+    for name, shape in shapes:
+        for layer in range(n_layers):
+            out[f"layers.{layer}.{name}.weight"] = take(shape)
+    out["norm.weight"] = take((dim,))
+    out["output.weight"] = out["tok_embeddings.weight"]
+    cfg = dict(dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv, vocab_size=vocab, hidden_dim=hidden)
+    return cfg, out
+
+
+# --------------------------------------------------------------------- stories260K, no plan
+
+def test_stories260k_greedy_matches_full_forward(tmp_path):
+    need_stories()
+    r = run(["sample", "--weights", STORIES] + GREEDY, tmp_path)
+    prompt, ids = sample_ids(r)
+    assert prompt == [1] and len(ids) == 120 and all(0 <= i < 512 for i in ids)
+    # an independent full forward each step, float64
+    cfg, w = stories_weights()
+    ref = llama_ref.Llama(cfg, dtype=torch.float64)
+    ref.load_weights(w)
+    seq = [1]
+    with torch.no_grad():
+        for _ in range(120):
+            seq.append(int(ref(np.array([seq]))[0, -1].argmax()))
+    first = next((k for k, (a, b) in enumerate(zip(ids, seq[1:])) if a != b), None)
+    print(f"stories260K greedy from BOS, 120 tokens: trainer (KV cache) vs llama_ref full forwards (float64): "
+          f"{'identical' if first is None else 'first difference at token %d' % first} (tolerance: identical)")
+    print("ids:", " ".join(map(str, ids)))
+    assert ids == seq[1:]
+    # deterministic; the seed does not matter at temperature 0, top_k=1 is greedy
+    assert run(["sample", "--weights", STORIES] + GREEDY, tmp_path).stdout == r.stdout
+    assert run(["sample", "--weights", STORIES, "--set", "seed=99"] + GREEDY, tmp_path).stdout == r.stdout
+    k1 = run(["sample", "--weights", STORIES] + GREEDY + ["--set", "sample.temperature=1", "--set", "sample.top_k=1"],
+             tmp_path)
+    assert k1.stdout == r.stdout
+    hot = GREEDY + ["--set", "sample.temperature=1"]
+    a = run(["sample", "--weights", STORIES, "--set", "seed=5"] + hot, tmp_path)
+    b = run(["sample", "--weights", STORIES, "--set", "seed=5"] + hot, tmp_path)
+    c = run(["sample", "--weights", STORIES, "--set", "seed=6"] + hot, tmp_path)
+    assert a.stdout == b.stdout and a.stdout != c.stdout and a.stdout != r.stdout
+
+
+def test_stories260k_hf_plan_and_window(tmp_path):
+    need_stories()
+    base = run(["sample", "--weights", STORIES] + GREEDY, tmp_path)
+    assert base.returncode == 0, base.stderr
+    # its HF export samples the same (no plan: the shape from config.json)
+    e = run(["export", "--format", "hf", "--weights", STORIES, "--out", tmp_path / "hf"], tmp_path)
+    assert e.returncode == 0, e.stderr
+    assert run(["sample", "--weights", tmp_path / "hf"] + GREEDY, tmp_path).stdout == base.stdout
+    assert run(["sample", "--weights", tmp_path / "hf" / "config.json"] + GREEDY, tmp_path).stdout == base.stdout
+    # a plan of the right shape gives the same (its data synthetic: ids)
+    plan = {"model": {"dim": 64, "n_layers": 5, "n_heads": 8, "n_kv_heads": 4, "vocab_size": 512,
+                      "hidden_dim": 172, "max_seq_len": 512},
+            "train": {"seq_len": 64}, "data": {"format": "synthetic", "train": ""}}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    assert run(["sample", tmp_path / "plan.json", "--weights", STORIES] + GREEDY, tmp_path).stdout == base.stdout
+    # a 64-token context: the first 63 new tokens as with 512, then the window slides on (the
+    # embedded plan's train.seq_len 128 must fit in it too)
+    w = run(["sample", "--weights", STORIES, "--set", "model.max_seq_len=64", "--set", "train.seq_len=64"] + GREEDY,
+            tmp_path)
+    _, ids = sample_ids(w)
+    _, ids512 = sample_ids(base)
+    same = sum(a == b for a, b in zip(ids, ids512))
+    print(f"context 64 vs 512: first 63 tokens equal: {ids[:63] == ids512[:63]}; {same} of 120 equal overall")
+    assert len(ids) == 120 and ids[:63] == ids512[:63]
+
+
+# --------------------------------------------------------------------- export round trips
+
+def test_export_round_trips(tmp_path):
+    need_stories()
+    hf, back = tmp_path / "hf", tmp_path / "back.bin"
+    r = run(["export", "--format", "hf", "--weights", STORIES, "--out", hf], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert sorted(os.listdir(hf)) == ["config.json", "model.safetensors"]  # no tokenizer known
+    r = run(["export", "--format", "llama2c", "--weights", hf, "--out", back], tmp_path)
+    assert r.returncode == 0, r.stderr
+    h0, w0, rope0, cls0 = read_llama2c(STORIES)
+    h1, w1, rope1, cls1 = read_llama2c(back)
+    diff = float(np.abs(rope0 - rope1).max())
+    print(f"stories260K -> hf -> llama2c: header {h1 == h0}, weights bit-identical {np.array_equal(w0, w1)}, "
+          f"RoPE tables max|diff| {diff:.3e} (tolerance {ROPE_TOL})")
+    assert h1 == h0 and np.array_equal(w0, w1) and cls0.size == 0 and cls1.size == 0
+    assert diff <= ROPE_TOL
+    # ours (a short training run's weights, untied) -> hf -> llama2c -> hf: the same HF files
+    plan = {"device": "cpu", "seed": 3,
+            "model": {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 300, "max_seq_len": 32,
+                      "multiple_of": 16},
+            "train": {"steps": 2, "seq_len": 16, "micro_batch_size": 2, "lr": 1e-2},
+            "data": {"format": "synthetic", "train": ""}, "eval": {"interval": 0},
+            "checkpoint": {"dir": str(tmp_path / "ck")}, "sample": {"tokens": 0}}
+    (tmp_path / "p.json").write_text(json.dumps(plan))
+    t = run([tmp_path / "p.json"], tmp_path)
+    assert t.returncode == 0, t.stderr
+    ours = tmp_path / "ck" / "final.safetensors"
+    for args in (["hf", ours, tmp_path / "a"], ["llama2c", tmp_path / "a", tmp_path / "a.bin"],
+                 ["hf", tmp_path / "a.bin", tmp_path / "b"]):
+        r = run(["export", "--format", args[0], "--weights", args[1], "--out", args[2]], tmp_path)
+        assert r.returncode == 0, r.stderr
+    for name in ("config.json", "model.safetensors"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    # and the three sample alike (ids: synthetic data in our file's plan, and a vocabulary above 256)
+    outs = [run(["sample", "--weights", w, "--set", "sample.tokens=20", "--set", "sample.temperature=0.9"],
+                tmp_path) for w in (ours, tmp_path / "a", tmp_path / "a.bin")]
+    assert all(o.returncode == 0 for o in outs), [o.stderr for o in outs]
+    assert outs[0].stdout == outs[1].stdout == outs[2].stdout and "|" in outs[0].stdout
+
+
+# --------------------------------------------------------------------- a tokenizer
+
+def byte_symbols():
+    """GPT-2's byte -> printable character table (byte-level BPE)."""
+    bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("e", "r")]
+EOT = 260
+
+
+def write_tokenizer(path):
+    sym = byte_symbols()
+    vocab = {sym[b]: b for b in range(256)}
+    for i, (a, b) in enumerate(MERGES):
+        vocab[a + b] = 256 + i
+    vocab["<|endoftext|>"] = EOT
+    tok = {"version": "1.0", "truncation": None, "padding": None,
+           "added_tokens": [{"id": EOT, "content": "<|endoftext|>", "single_word": False, "lstrip": False,
+                             "rstrip": False, "normalized": False, "special": True}],
+           "normalizer": None,
+           "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+           "post_processor": None,
+           "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+           "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                     "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                     "vocab": vocab, "merges": [f"{a} {b}" for a, b in MERGES]}}
+    path.write_text(json.dumps(tok, ensure_ascii=False, indent=1))
+
+
+def decode(ids):
+    """The bytes of ids under write_tokenizer's vocabulary, stopping at EOS (ids past it print nothing)."""
+    inv = {v: k for k, v in byte_symbols().items()}
+    out = b""
+    for i in ids:
+        if i == EOT:
+            break
+        if i < 256:
+            out += bytes([i])
+        elif i < 260:
+            a, b = MERGES[i - 256]
+            out += bytes(inv[ch] for ch in a + b)
+    return out
+
+
+def tiny_plan(tmp_path, tokenizer, vocab=264):
+    plan = {"device": "cpu", "seed": 3,
+            "model": {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": vocab,
+                      "max_seq_len": 32, "multiple_of": 16},
+            "train": {"steps": 2, "seq_len": 16, "micro_batch_size": 2, "lr": 1e-2},
+            "data": {"format": "synthetic", "train": "", "tokenizer": str(tokenizer)}, "eval": {"interval": 0},
+            "checkpoint": {"dir": str(tmp_path / "ck")}, "sample": {"tokens": 0}}
+    path = tmp_path / "tok_plan.json"
+    path.write_text(json.dumps(plan))
+    return path
+
+
+def test_tokenizer_sample_and_export(tmp_path):
+    tok = tmp_path / "tokenizer.json"
+    write_tokenizer(tok)
+    plan = tiny_plan(tmp_path, tok)
+    t = run([plan], tmp_path)
+    assert t.returncode == 0, t.stderr
+    ours = tmp_path / "ck" / "final.safetensors"
+    # The same draw twice: without the tokenizer, from the prompt's ids (BOS, "t", "he") by hand,
+    # then with it, from the text. A near-uniform draw (temperature 100) of 300 tokens; the first
+    # seed whose ids hold a merged token and, after it, EOS is used, so that decoding merges and
+    # stopping at EOS are both exercised.
+    for seed in range(11, 61):
+        hot = ["--set", "sample.temperature=100", "--set", "sample.tokens=300", "--set", f"seed={seed}",
+               "--set", 'sample.prompt="the"']
+        ids = run(["sample", plan, "--weights", ours, "--set", 'data.tokenizer=""'] + hot +
+                  ["--set", f'sample.prompt="{EOT} 116 257"'], tmp_path)
+        prompt, gen = sample_ids(ids)
+        assert prompt == [EOT, 116, 257]
+        merged = [k for k, i in enumerate(gen) if 256 <= i < EOT]
+        if EOT in gen and merged and merged[0] < gen.index(EOT):
+            break
+    else:
+        pytest.fail("no seed in 11..60 drew a merged token before EOS")
+    text = run(["sample", "--weights", ours] + hot, tmp_path, binary=True)  # no plan: its metadata's tokenizer
+    assert text.returncode == 0, text.stderr
+    want = b"the" + decode(gen) + b"\n"
+    print(f"seed {seed}: ids {gen[:gen.index(EOT) + 1]} (EOS at {gen.index(EOT)}, merged tokens at {merged}); "
+          f"text {text.stdout!r}")
+    assert text.stdout == want
+    # export to HF: the tokenizer goes along, and the folder samples the same text
+    hf = tmp_path / "hf"
+    e = run(["export", "--format", "hf", "--weights", ours, "--out", hf], tmp_path)
+    assert e.returncode == 0, e.stderr
+    assert sorted(os.listdir(hf)) == ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    assert (hf / "tokenizer.json").read_bytes() == tok.read_bytes()
+    tc = json.loads((hf / "tokenizer_config.json").read_text())
+    print("tokenizer_config.json:", tc)
+    assert tc["bos_token"] == "<|endoftext|>" and tc["eos_token"] == "<|endoftext|>"
+    assert tc["tokenizer_class"] == "PreTrainedTokenizerFast" and tc["model_max_length"] == 32
+    cfg = json.loads((hf / "config.json").read_text())
+    assert cfg["vocab_size"] == 264 and cfg["model_type"] == "llama"
+    assert run(["sample", "--weights", hf] + hot, tmp_path, binary=True).stdout == text.stdout
+    # to llama2.c no tokenizer is written; with data.tokenizer it samples the same text again
+    b = run(["export", "--format", "llama2c", "--weights", hf, "--out", tmp_path / "m.bin"], tmp_path)
+    assert b.returncode == 0, b.stderr
+    again = run(["sample", "--weights", tmp_path / "m.bin", "--set", f"data.tokenizer={tok}"] + hot, tmp_path,
+                binary=True)
+    assert again.stdout == text.stdout
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print("transformers is not installed: the HF folder's files were checked by content only")
+        return
+    from transformers import AutoTokenizer, LlamaForCausalLM
+    at = AutoTokenizer.from_pretrained(str(hf))
+    assert at.encode("the", add_special_tokens=False) == [116, 257]
+    model = LlamaForCausalLM.from_pretrained(str(hf))
+    assert model.config.vocab_size == 264
+
+
+# --------------------------------------------------------------------- bad inputs
+
+def bad(r, code, *needles):
+    line = last_line(r)
+    print(f"exit {r.returncode}: {line}")
+    assert r.returncode == code, r.stderr
+    assert "Traceback" not in r.stderr and "Segmentation" not in r.stderr
+    for n in needles:
+        assert n in line, line
+
+
+def test_bad_inputs(tmp_path):
+    need_stories()
+    bad(run(["sample", "--weights", tmp_path / "nope.bin"], tmp_path), 1, "nope.bin", "No such file")
+    (tmp_path / "notes.txt").write_text("hello, these are not weights\n" * 10)
+    bad(run(["sample", "--weights", tmp_path / "notes.txt"], tmp_path), 2, "notes.txt",
+        "is not our safetensors, a Hugging Face folder or a llama2.c")
+    bad(run(["export", "--format", "hf", "--weights", tmp_path / "notes.txt", "--out", tmp_path / "x"], tmp_path), 2,
+        "notes.txt")
+    # a truncated safetensors (our HF export's weights, cut short) and an HF folder without weights
+    run(["export", "--format", "hf", "--weights", STORIES, "--out", tmp_path / "hf"], tmp_path)
+    raw = (tmp_path / "hf" / "model.safetensors").read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(raw[:len(raw) // 2])
+    bad(run(["sample", "--weights", tmp_path / "cut.safetensors"], tmp_path), 2, "cut.safetensors")
+    (tmp_path / "empty").mkdir()
+    shutil.copy(tmp_path / "hf" / "config.json", tmp_path / "empty" / "config.json")
+    bad(run(["sample", "--weights", tmp_path / "empty"], tmp_path), 2, "model.safetensors")
+    # shapes: a plan of another shape, --set against the file
+    plan = {"model": {"dim": 64, "n_layers": 5, "n_heads": 8, "n_kv_heads": 2, "vocab_size": 512,
+                      "hidden_dim": 172, "max_seq_len": 512}, "train": {"seq_len": 64},
+            "data": {"format": "synthetic", "train": ""}}
+    (tmp_path / "p.json").write_text(json.dumps(plan))
+    bad(run(["sample", tmp_path / "p.json", "--weights", STORIES], tmp_path), 2,
+        "n_kv_heads 4 but the plan says 2 (set model.n_kv_heads=4)")
+    bad(run(["export", "--format", "hf", tmp_path / "p.json", "--weights", STORIES, "--out", tmp_path / "o"],
+            tmp_path), 2, "n_kv_heads 4 but the plan says 2")
+    assert not (tmp_path / "o").exists()
+    bad(run(["sample", "--weights", STORIES, "--set", "model.n_layers=4"], tmp_path), 2,
+        "n_layers 5 but the plan says 4")
+    # tokenizers: missing, larger than the vocabulary (sample and export)
+    bad(run(["sample", "--weights", STORIES, "--set", f"data.tokenizer={tmp_path / 'none.json'}"], tmp_path), 1,
+        "none.json")
+    tok = tmp_path / "tokenizer.json"
+    write_tokenizer(tok)
+    plan = tiny_plan(tmp_path, tok, vocab=256)
+    bad(run(["sample", "--weights", STORIES, "--set", f"data.tokenizer={tok}", "--set", "model.vocab_size=256"],
+            tmp_path), 2, "vocab_size 512 but the plan says 256")
+    t = run([plan, "--set", 'data.tokenizer=""'], tmp_path)
+    assert t.returncode == 0, t.stderr
+    ours = tmp_path / "ck" / "final.safetensors"
+    bad(run(["sample", "--weights", ours, "--set", f"data.tokenizer={tok}"], tmp_path), 2,
+        "has 261 tokens, more than the model's vocab_size 256")
+    bad(run(["export", "--format", "hf", "--weights", ours, "--set", f"data.tokenizer={tok}", "--out",
+             tmp_path / "o2"], tmp_path), 2, "has 261 tokens, more than the model's vocab_size 256")
+    assert not (tmp_path / "o2").exists()
+    # export: an unknown format, an output that cannot be written
+    bad(run(["export", "--format", "gguf", "--weights", STORIES, "--out", tmp_path / "g"], tmp_path), 2, "gguf")
+    (tmp_path / "file").write_text("x")
+    bad(run(["export", "--format", "llama2c", "--weights", STORIES, "--out", tmp_path / "file" / "m.bin"], tmp_path),
+        1, "m.bin")

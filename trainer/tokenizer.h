@@ -1,0 +1,72 @@
+/* tokenizer: text to token ids and back, for the two tokenizer files models come with.
+ *
+ *   tokenizer.json   Hugging Face's: byte-level BPE as GPT-2 and Llama 3 use it. model BPE
+ *                    (vocab, merges as "a b" strings or [a, b] pairs, ignore_merges, unk_token),
+ *                    pre_tokenizer ByteLevel (GPT-2's regex when use_regex, add_prefix_space) or a
+ *                    Sequence of Split (regex or string pattern, behavior Isolated, invert false)
+ *                    ending in ByteLevel, as Llama 3's; decoder ByteLevel; added_tokens matched
+ *                    literally in the input before pre-tokenization (leftmost, longest first;
+ *                    lstrip/rstrip honoured), as the library does. Regexes run on PCRE2 with
+ *                    Unicode properties (\p{L}, \p{N}, (?i:...), \s+(?!\S)).
+ *   tokenizer.bin    llama2.c's: int32 max_token_length, then per token float score, int32 len,
+ *                    len bytes; the vocab size is what the file holds. Encoding follows llama2.c's
+ *                    run.c: a dummy-prefix space, each UTF-8 character its token or its bytes as
+ *                    <0xNN> tokens (id byte + 3), then the adjacent pair whose merge has the best
+ *                    score is merged until none can be. BOS 1, EOS 2. A sentencepiece "▁" in a
+ *                    piece is read as a space.
+ * The kind is told from the content (JSON opens with '{'), not the name; a folder stands for
+ * its tokenizer.json (and its tokenizer_config.json, when there, names BOS and EOS).
+ *
+ * Encoding merges by rank (or score) with a priority queue, so a long word costs n log n, and
+ * keeps a cache of words per call; nothing is shared between calls, so one tokenizer_t serves
+ * several threads. Not here: WordPiece, Unigram, sentencepiece-style BPE in tokenizer.json
+ * (byte_fallback, Metaspace), normalizers that change text, other pre-tokenizers, post-processing
+ * (no BOS is added), truncation or padding; each is refused at load with a message naming it.
+ * Input that is not valid UTF-8 is still encoded (its bytes are pieces of their own), which the
+ * Python library cannot be given; decoding returns bytes as they are, without the library's
+ * replacement of invalid UTF-8. */
+#ifndef MESHRUN_TOKENIZER_H
+#define MESHRUN_TOKENIZER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+enum {
+  TOKENIZER_OK = 0,
+  TOKENIZER_EINVAL = -1,      /* bad argument from the caller, or an id out of range */
+  TOKENIZER_EIO = -2,         /* the file could not be read (errno text in the message) */
+  TOKENIZER_EFORMAT = -3,     /* the file is malformed: bad JSON, truncated .bin, unknown token */
+  TOKENIZER_EUNSUPPORTED = -4, /* a valid file asking for something this module does not do */
+  TOKENIZER_ENOMEM = -5,
+};
+
+typedef struct tokenizer tokenizer_t;
+
+/* path: a Hugging Face tokenizer.json, a folder holding one, or llama2.c's tokenizer.bin
+ * (detected from the content, not the name). Returns 0 and *out, or a negative code with a
+ * one-line message naming the file and the cause in err. */
+int tokenizer_load(tokenizer_t **out, const char *path, char *err, size_t errlen);
+void tokenizer_free(tokenizer_t *t); /* accepts NULL */
+
+int tokenizer_vocab_size(const tokenizer_t *t); /* ids are in [0, vocab_size) incl. added/special tokens */
+int tokenizer_bos(const tokenizer_t *t);        /* -1 when none */
+int tokenizer_eos(const tokenizer_t *t);        /* -1 when none */
+
+/* The ids of text[0..len) (no BOS added); *ids malloc'd (non-NULL even when *n is 0), caller
+ * frees. Returns 0 or a negative code with the message in err. */
+int tokenizer_encode(const tokenizer_t *t, const char *text, size_t len, int32_t **ids, size_t *n, char *err,
+                     size_t errlen);
+
+/* The bytes one token stands for in decoded text (byte-level decoding; sentencepiece's "▁" as a
+ * space and <0xNN> byte tokens as their byte; added tokens as their content), *len of them (not
+ * NUL-terminated); NULL for an id out of range. prev is the token before it (-1 when none): for
+ * llama2.c, a piece after BOS loses its leading space, as run.c's decode does. Concatenating
+ * token_bytes of ids gives the decoded text, for streaming a sample. */
+const char *tokenizer_token_bytes(const tokenizer_t *t, int32_t id, int32_t prev, size_t *len);
+
+/* The text of ids[0..n), malloc'd with a NUL past its *len bytes. The first id is taken as
+ * following BOS, so llama2.c's dummy-prefix space goes and decode(encode(x)) == x for either
+ * kind. Returns 0, or TOKENIZER_EINVAL for an id out of range, TOKENIZER_ENOMEM. */
+int tokenizer_decode(const tokenizer_t *t, const int32_t *ids, size_t n, char **text, size_t *len);
+
+#endif
