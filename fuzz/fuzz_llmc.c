@@ -1,4 +1,4 @@
-// deps: trainer/data.c trainer/rng.c fuzz/support.c
+// deps: trainer/data.c trainer/rng.c common/fs.c fuzz/support.c
 // max_len: 4096
 /* fuzz_llmc: the token-file reader (data_load) on llm.c / nanoGPT shards.
  *
@@ -41,9 +41,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   CHECK(d.format == PLAN_DATA_LLMC);
   CHECK(d.n_train >= T + 1 && d.n_val >= T + 1);
   for (size_t i = 0; i < d.n_train; i++)
-    CHECK(d.train[i] >= 0 && d.train[i] < VOCAB);
+    CHECK(data_train_token(&d, i) >= 0 && data_train_token(&d, i) < VOCAB);
   for (size_t i = 0; i < d.n_val; i++)
-    CHECK(d.val[i] >= 0 && d.val[i] < VOCAB);
+    CHECK(data_val_token(&d, i) >= 0 && data_val_token(&d, i) < VOCAB);
   int32_t tok[B * T], tgt[B * T];
   for (int step = 0; step < 2; step++)
     for (int m = 0; m < G / (B * DP); m++)
