@@ -39,8 +39,7 @@
 #define CACHE_MAX_WORDS (1u << 18)
 
 /* GPT-2's pre-tokenizer regex (the library's ByteLevel with use_regex). */
-static const char GPT2_PATTERN[] =
-    "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+";
+static const char GPT2_PATTERN[] = "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+";
 
 typedef enum { TOK_BPE = 0, TOK_LLAMA2C = 1 } tok_kind_t;
 
@@ -90,7 +89,7 @@ struct tokenizer {
   /* Per id: lookup key key_buf[key_off[i] .. + key_len[i]); keys maps key -> id. */
   uint32_t *key_off, *key_len;
   char *key_buf;
-  size_t max_key;
+  size_t max_key; /* the longest key */
   smap_t keys;
 
   /* tokenizer.json */
@@ -100,16 +99,15 @@ struct tokenizer {
   int fuse_unk, ignore_merges;
   added_t *added;
   int n_added;
-  int32_t *added_of;       /* (vocab_size) index into added, -1: decoding prefers added content */
-  int *added_by_byte;      /* indices into added, by first byte then longest first */
-  int added_start[257];    /* added_by_byte[added_start[b] .. added_start[b+1]) start with b */
+  int *added_by_byte;   /* indices into added, by first byte then longest first */
+  int added_start[257]; /* added_by_byte[added_start[b] .. added_start[b+1]) start with b */
   pre_t *pre;
   int n_pre;
 
   /* llama2.c */
-  float *score;      /* (vocab_size) */
-  uint8_t *is_byte;  /* (vocab_size) 1 for <0xNN> pieces */
-  int32_t space_id;  /* the dummy prefix " ", -1 when the vocab lacks it */
+  float *score;     /* (vocab_size) */
+  uint8_t *is_byte; /* (vocab_size) 1 for <0xNN> pieces */
+  int32_t space_id; /* the dummy prefix " ", -1 when the vocab lacks it */
 };
 
 /* ---------------------------------------------------------------- small containers */
@@ -259,16 +257,9 @@ static void byte_level_tables(uint32_t cp_of[256], int16_t byte_of[324]) {
 static size_t utf8_next(const unsigned char *s, size_t n, uint32_t *cp) {
   if (n == 0) return 0;
   unsigned c = s[0];
-  size_t len;
-  uint32_t v;
-  if (c < 0x80) {
-    *cp = c;
-    return 1;
-  } else if ((c & 0xE0) == 0xC0) len = 2, v = c & 0x1F;
-  else if ((c & 0xF0) == 0xE0) len = 3, v = c & 0x0F;
-  else if ((c & 0xF8) == 0xF0) len = 4, v = c & 0x07;
-  else return 0;
-  if (len > n) return 0;
+  size_t len = c < 0x80 ? 1 : (c & 0xE0) == 0xC0 ? 2 : (c & 0xF0) == 0xE0 ? 3 : (c & 0xF8) == 0xF0 ? 4 : 0;
+  if (len == 0 || len > n) return 0;
+  uint32_t v = len == 1 ? c : c & (0x7Fu >> len);
   for (size_t i = 1; i < len; i++) {
     if ((s[i] & 0xC0) != 0x80) return 0;
     v = v << 6 | (s[i] & 0x3F);
@@ -396,8 +387,8 @@ static int push_pair(enc_t *e, int32_t left, int32_t right) {
   return heap_push(e, (cand_t){.pri = pri, .left = left, .right = right, .a = a, .b = b, .id = id});
 }
 
-/* Merges e->sym[0..nsym) until no pair merges, then appends the ids to out (and, when
- * cache_word, to the cache's ids). Symbol 0 is never merged away: merges keep the left one. */
+/* Merges e->sym[0..nsym) until no pair merges, then appends the ids to out and, when not NULL,
+ * to also (the word cache's ids). Symbol 0 is never merged away: merges keep the left one. */
 static int merge_and_emit(enc_t *e, ids_t *also) {
   int rc;
   e->nheap = 0;
@@ -630,6 +621,8 @@ int tokenizer_encode(const tokenizer_t *t, const char *text, size_t len, int32_t
   if (!t || (!text && len) || !ids || !n) return err_set(err, errlen, TOKENIZER_EINVAL, "tokenizer: invalid arguments");
   *ids = NULL;
   *n = 0;
+  if (len > INT32_MAX) /* symbols are indexed by int32 */
+    return err_set(err, errlen, TOKENIZER_EINVAL, "tokenizer: %zu bytes is more than one call encodes (2 GiB)", len);
   enc_t e = {.t = t, .err = err, .errlen = errlen};
   int rc = TOKENIZER_ENOMEM;
   if (t->kind == TOK_LLAMA2C) {
@@ -648,7 +641,8 @@ int tokenizer_encode(const tokenizer_t *t, const char *text, size_t len, int32_t
   }
 done:
   if (rc == TOKENIZER_ENOMEM) err_set(err, errlen, rc, "tokenizer: out of memory encoding %zu bytes", len);
-  if (rc == 0 && !e.out.v && !(e.out.v = malloc(sizeof(int32_t)))) rc = err_set(err, errlen, TOKENIZER_ENOMEM, "tokenizer: out of memory");
+  if (rc == 0 && !e.out.v && !(e.out.v = malloc(sizeof(int32_t))))
+    rc = err_set(err, errlen, TOKENIZER_ENOMEM, "tokenizer: out of memory");
   if (rc == 0) {
     *ids = e.out.v;
     *n = e.out.n;
@@ -710,7 +704,6 @@ void tokenizer_free(tokenizer_t *t) {
   if (t->added)
     for (int i = 0; i < t->n_added; i++) free(t->added[i].content);
   free(t->added);
-  free(t->added_of);
   free(t->added_by_byte);
   if (t->pre)
     for (int i = 0; i < t->n_pre; i++) pcre2_code_free(t->pre[i].re);
@@ -760,7 +753,10 @@ static int32_t rd_i32(const unsigned char *p) {
 }
 
 static int hexval(int c) {
-  return c >= '0' && c <= '9' ? c - '0' : c >= 'A' && c <= 'F' ? c - 'A' + 10 : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+  return c >= '0' && c <= '9'   ? c - '0'
+         : c >= 'A' && c <= 'F' ? c - 'A' + 10
+         : c >= 'a' && c <= 'f' ? c - 'a' + 10
+                                : -1;
 }
 
 static int load_llama2c(tokenizer_t *t, const char *path, const unsigned char *buf, size_t len, char *err,
@@ -788,8 +784,8 @@ static int load_llama2c(tokenizer_t *t, const char *path, const unsigned char *b
                      "tokenizer: %s: token %zu has length %d, outside 0..max_token_length %d", path, count, l, max_len);
     if ((size_t)l > len - pos - 8)
       return err_set(err, errlen, TOKENIZER_EFORMAT,
-                     "tokenizer: %s: truncated: token %zu needs %d bytes at byte %zu, the file ends at %zu", path, count,
-                     l, pos + 8, len);
+                     "tokenizer: %s: truncated: token %zu needs %d bytes at byte %zu, the file ends at %zu", path,
+                     count, l, pos + 8, len);
     pos += 8 + (size_t)l;
   }
   if (count == 0) return err_set(err, errlen, TOKENIZER_EFORMAT, "tokenizer: %s: no tokens", path);
@@ -939,8 +935,8 @@ static int add_pre(tokenizer_t *t, const cJSON *pt, const char *path, int *cap, 
   if (strcmp(ty, "Sequence") == 0) {
     const cJSON *list = cJSON_GetObjectItemCaseSensitive(pt, "pretokenizers"), *it;
     if (!cJSON_IsArray(list))
-      return err_set(err, errlen, TOKENIZER_EFORMAT, "tokenizer: %s: pre_tokenizer Sequence without a pretokenizers list",
-                     path);
+      return err_set(err, errlen, TOKENIZER_EFORMAT,
+                     "tokenizer: %s: pre_tokenizer Sequence without a pretokenizers list", path);
     cJSON_ArrayForEach(it, list) {
       if ((rc = add_pre(t, it, path, cap, err, errlen))) return rc;
     }
@@ -969,15 +965,15 @@ static int add_pre(tokenizer_t *t, const cJSON *pt, const char *path, int *cap, 
     const cJSON *lit = cJSON_GetObjectItemCaseSensitive(pat, "String");
     const cJSON *beh = cJSON_GetObjectItemCaseSensitive(pt, "behavior");
     if (!cJSON_IsString(re) && !cJSON_IsString(lit))
-      return err_set(err, errlen, TOKENIZER_EFORMAT, "tokenizer: %s: Split pre-tokenizer without a Regex or String pattern",
-                     path);
+      return err_set(err, errlen, TOKENIZER_EFORMAT,
+                     "tokenizer: %s: Split pre-tokenizer without a Regex or String pattern", path);
     if (!cJSON_IsString(beh) || strcmp(beh->valuestring, "Isolated") != 0)
       return err_set(err, errlen, TOKENIZER_EUNSUPPORTED,
                      "tokenizer: %s: Split pre-tokenizer behavior %s is unsupported (only Isolated)", path,
                      cJSON_IsString(beh) ? beh->valuestring : "(none)");
     if (!is_false_or_absent(pt, "invert"))
-      return err_set(err, errlen, TOKENIZER_EUNSUPPORTED, "tokenizer: %s: Split pre-tokenizer with invert is unsupported",
-                     path);
+      return err_set(err, errlen, TOKENIZER_EUNSUPPORTED,
+                     "tokenizer: %s: Split pre-tokenizer with invert is unsupported", path);
     p->kind = PRE_SPLIT;
     t->n_pre++;
     const char *s = cJSON_IsString(re) ? re->valuestring : lit->valuestring;
@@ -1070,10 +1066,10 @@ static int load_json(tokenizer_t *t, const char *path, const char *buf, size_t l
     size_t off = at && at >= buf && at <= buf + len ? (size_t)(at - buf) : 0;
     return err_set(err, errlen, TOKENIZER_EFORMAT, "tokenizer: %s: bad JSON near byte %zu", path, off);
   }
-#define FAIL(code, ...)                                                                                               \
-  do {                                                                                                                \
-    rc = err_set(err, errlen, code, __VA_ARGS__);                                                                     \
-    goto done;                                                                                                        \
+#define FAIL(code, ...)                                                                                                \
+  do {                                                                                                                 \
+    rc = err_set(err, errlen, code, __VA_ARGS__);                                                                      \
+    goto done;                                                                                                         \
   } while (0)
 #define OOM() FAIL(TOKENIZER_ENOMEM, "tokenizer: %s: out of memory", path)
   if (!cJSON_IsObject(root)) FAIL(TOKENIZER_EFORMAT, "tokenizer: %s: the JSON is not an object", path);
@@ -1088,7 +1084,8 @@ static int load_json(tokenizer_t *t, const char *path, const char *buf, size_t l
     FAIL(TOKENIZER_EUNSUPPORTED, "tokenizer: %s: BPE dropout is unsupported", path);
   if (!empty_or_null(cJSON_GetObjectItemCaseSensitive(model, "continuing_subword_prefix")) ||
       !empty_or_null(cJSON_GetObjectItemCaseSensitive(model, "end_of_word_suffix")))
-    FAIL(TOKENIZER_EUNSUPPORTED, "tokenizer: %s: BPE continuing_subword_prefix/end_of_word_suffix are unsupported", path);
+    FAIL(TOKENIZER_EUNSUPPORTED, "tokenizer: %s: BPE continuing_subword_prefix/end_of_word_suffix are unsupported",
+         path);
   if (flag(model, "byte_fallback", 0))
     FAIL(TOKENIZER_EUNSUPPORTED,
          "tokenizer: %s: BPE with byte_fallback (sentencepiece-style, not byte-level) is unsupported", path);
@@ -1151,7 +1148,8 @@ static int load_json(tokenizer_t *t, const char *path, const char *buf, size_t l
            TOK_MAX_ID);
     k++;
     if (flag(it, "single_word", 0))
-      FAIL(TOKENIZER_EUNSUPPORTED, "tokenizer: %s: added token %.40s: single_word is unsupported", path, c->valuestring);
+      FAIL(TOKENIZER_EUNSUPPORTED, "tokenizer: %s: added token %.40s: single_word is unsupported", path,
+           c->valuestring);
     int dup = 0;
     for (int i = 0; i < t->n_added && !dup; i++) dup = strcmp(t->added[i].content, c->valuestring) == 0;
     if (dup) continue;
@@ -1170,10 +1168,8 @@ static int load_json(tokenizer_t *t, const char *path, const char *buf, size_t l
   if (max_added > max_id) max_id = max_added;
   if (max_id < 0) FAIL(TOKENIZER_EFORMAT, "tokenizer: %s: the vocab is empty", path);
   t->vocab_size = max_id + 1;
-  if (alloc_tables(t) || !(t->added_of = malloc((size_t)t->vocab_size * sizeof *t->added_of)) ||
-      !(tmp = malloc(max_str + 1)))
-    OOM();
-  for (int32_t i = 0; i < t->vocab_size; i++) t->added_of[i] = -1;
+  size_t tmp_cap = max_str + 1; /* a vocab string, then a merge's two sides */
+  if (alloc_tables(t) || !(tmp = malloc(tmp_cap))) OOM();
 
   /* Vocab: decoded bytes; a key (the raw bytes) for tokens wholly of the byte-level alphabet,
    * the only ones a byte-level word can become. */
@@ -1215,7 +1211,7 @@ static int load_json(tokenizer_t *t, const char *path, const char *buf, size_t l
     if (ia < 0 || ib < 0)
       FAIL(TOKENIZER_EFORMAT, "tokenizer: %s: merges[%d] names %.*s, which is not in the vocab", path, rank,
            (int)(ia < 0 ? la : lb), ia < 0 ? a : b);
-    if (buf_reserve(&tmp, &max_str, la + lb + 1)) OOM();
+    if (buf_reserve(&tmp, &tmp_cap, la + lb + 1)) OOM();
     memcpy(tmp, a, la);
     memcpy(tmp + la, b, lb);
     int32_t id = smap_find(&names, names_a.b, tmp, la + lb);
@@ -1229,7 +1225,8 @@ static int load_json(tokenizer_t *t, const char *path, const char *buf, size_t l
   const cJSON *unk = cJSON_GetObjectItemCaseSensitive(model, "unk_token");
   if (cJSON_IsString(unk)) {
     t->unk_id = smap_find(&names, names_a.b, unk->valuestring, strlen(unk->valuestring));
-    if (t->unk_id < 0) FAIL(TOKENIZER_EFORMAT, "tokenizer: %s: unk_token %.40s is not in the vocab", path, unk->valuestring);
+    if (t->unk_id < 0)
+      FAIL(TOKENIZER_EFORMAT, "tokenizer: %s: unk_token %.40s is not in the vocab", path, unk->valuestring);
   }
   t->fuse_unk = flag(model, "fuse_unk", 0);
   t->ignore_merges = flag(model, "ignore_merges", 0);
@@ -1238,7 +1235,6 @@ static int load_json(tokenizer_t *t, const char *path, const char *buf, size_t l
    * at most), and are looked for by first byte, longest first. */
   for (int i = 0; i < t->n_added; i++) {
     const added_t *a = &t->added[i];
-    t->added_of[a->id] = i;
     if (arena_add(&dec, a->content, a->len, &t->dec_off[a->id])) OOM();
     t->dec_len[a->id] = (uint32_t)a->len;
   }
@@ -1276,8 +1272,7 @@ int tokenizer_load(tokenizer_t **out, const char *path, char *err, size_t errlen
   cJSON *config = NULL;
   int rc;
   struct stat st;
-  if (stat(path, &st) != 0)
-    return err_set(err, errlen, TOKENIZER_EIO, "tokenizer: %s: %s", path, strerror(errno));
+  if (stat(path, &st) != 0) return err_set(err, errlen, TOKENIZER_EIO, "tokenizer: %s: %s", path, strerror(errno));
   if (S_ISDIR(st.st_mode)) {
     /* A model folder: its tokenizer.json, and tokenizer_config.json for BOS/EOS when there. */
     if (asprintf(&file, "%s/tokenizer.json", path) < 0) file = NULL;
@@ -1308,7 +1303,8 @@ int tokenizer_load(tokenizer_t **out, const char *path, char *err, size_t errlen
   long long size;
   int r = fs_read_file(file, TOK_MAX_FILE, &buf, &len, &size);
   if (r == -EFBIG) {
-    rc = err_set(err, errlen, TOKENIZER_EFORMAT, "tokenizer: %s: %lld bytes is larger than a tokenizer can be", file, size);
+    rc = err_set(err, errlen, TOKENIZER_EFORMAT, "tokenizer: %s: %lld bytes is larger than a tokenizer can be", file,
+                 size);
     goto done;
   }
   if (r) {

@@ -17,14 +17,20 @@
  * The kind is told from the content (JSON opens with '{'), not the name; a folder stands for
  * its tokenizer.json (and its tokenizer_config.json, when there, names BOS and EOS).
  *
+ * Added tokens get the ids the library gives them on load (a content the vocab has takes the
+ * vocab's id, others follow the vocab), which are the file's ids in any file the library wrote.
+ *
  * Encoding merges by rank (or score) with a priority queue, so a long word costs n log n, and
  * keeps a cache of words per call; nothing is shared between calls, so one tokenizer_t serves
- * several threads. Not here: WordPiece, Unigram, sentencepiece-style BPE in tokenizer.json
- * (byte_fallback, Metaspace), normalizers that change text, other pre-tokenizers, post-processing
- * (no BOS is added), truncation or padding; each is refused at load with a message naming it.
- * Input that is not valid UTF-8 is still encoded (its bytes are pieces of their own), which the
- * Python library cannot be given; decoding returns bytes as they are, without the library's
- * replacement of invalid UTF-8. */
+ * several threads. Refused at load, with a message naming what: WordPiece, Unigram,
+ * sentencepiece-style BPE in tokenizer.json (byte_fallback, Metaspace), BPE dropout or subword
+ * prefixes/suffixes, any normalizer, pre-tokenizers other than the above, Split behaviors other
+ * than Isolated, single_word added tokens. Ignored: post_processor (no BOS is added), truncation
+ * and padding. Input that is not valid UTF-8 is still encoded (its bytes are pieces of their
+ * own), which the Python library cannot be given; decoding returns bytes as they are, without
+ * the library's replacement of invalid UTF-8. Regex classes follow PCRE2's Unicode tables
+ * (Unicode 14 in Debian 12), the library's Oniguruma its own: a character assigned since may
+ * split differently. */
 #ifndef MESHRUN_TOKENIZER_H
 #define MESHRUN_TOKENIZER_H
 
@@ -33,9 +39,9 @@
 
 enum {
   TOKENIZER_OK = 0,
-  TOKENIZER_EINVAL = -1,      /* bad argument from the caller, or an id out of range */
-  TOKENIZER_EIO = -2,         /* the file could not be read (errno text in the message) */
-  TOKENIZER_EFORMAT = -3,     /* the file is malformed: bad JSON, truncated .bin, unknown token */
+  TOKENIZER_EINVAL = -1,       /* bad argument from the caller, or an id out of range */
+  TOKENIZER_EIO = -2,          /* the file could not be read (errno text in the message) */
+  TOKENIZER_EFORMAT = -3,      /* the file is malformed: bad JSON, truncated .bin, unknown token */
   TOKENIZER_EUNSUPPORTED = -4, /* a valid file asking for something this module does not do */
   TOKENIZER_ENOMEM = -5,
 };
@@ -49,8 +55,12 @@ int tokenizer_load(tokenizer_t **out, const char *path, char *err, size_t errlen
 void tokenizer_free(tokenizer_t *t); /* accepts NULL */
 
 int tokenizer_vocab_size(const tokenizer_t *t); /* ids are in [0, vocab_size) incl. added/special tokens */
-int tokenizer_bos(const tokenizer_t *t);        /* -1 when none */
-int tokenizer_eos(const tokenizer_t *t);        /* -1 when none */
+/* BOS and EOS, -1 when none. llama2.c: 1 and 2. tokenizer.json: those a folder's
+ * tokenizer_config.json names (bos_token, eos_token), else the first the tokenizer has of
+ * <|begin_of_text|> <s> <bos> <|startoftext|> <|endoftext|> (BOS) and <|end_of_text|> </s> <eos>
+ * <|endoftext|> (EOS); GPT-2's <|endoftext|> is both. */
+int tokenizer_bos(const tokenizer_t *t);
+int tokenizer_eos(const tokenizer_t *t);
 
 /* The ids of text[0..len) (no BOS added); *ids malloc'd (non-NULL even when *n is 0), caller
  * frees. Returns 0 or a negative code with the message in err. */

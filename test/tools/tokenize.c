@@ -114,7 +114,8 @@ int main(int argc, char **argv) {
   if (argc >= 2 && strcmp(argv[1], "--decode") == 0) mode = 1;
   if (argc >= 2 && strcmp(argv[1], "--info") == 0) mode = 2;
   if (argc != (mode == 2 ? 3 : mode == 1 ? 4 : 3)) {
-    fprintf(stderr, "usage: tokenize TOKENIZER FILE | tokenize --decode TOKENIZER IDSFILE | tokenize --info TOKENIZER\n");
+    fprintf(stderr,
+            "usage: tokenize TOKENIZER FILE | tokenize --decode TOKENIZER IDSFILE | tokenize --info TOKENIZER\n");
     return 2;
   }
   const char *tpath = argv[mode ? 2 : 1];
