@@ -148,7 +148,7 @@ int fs_expand_paths(const char *lines, char ***out, size_t *n, char *bad, size_t
         snprintf(bad, badlen, "%s", line);
       }
       for (size_t i = 0; rc == 0 && i < g.gl_pathc; i++) rc = add_path(&v, &count, &cap, g.gl_pathv[i]);
-      if (grc == 0) globfree(&g);
+      globfree(&g); /* whatever glob returned: it may hold a partial list after an error */
     }
     free(line);
   }

@@ -646,11 +646,24 @@ static char *read_file(const char *path, char *err, size_t errlen) {
 
 /* The files a plan reads. Relative ones written in a plan file are taken from the plan's folder,
  * so a plan runs from any working directory; --set values (and the embedded default's) from the
- * working directory, where they are typed. Both are made absolute at load. What a run writes (checkpoint.dir, log files, and
- * checkpoint.resume, which names a checkpoint of that dir) stays relative to the working
- * directory, like the out/ default: a plan may live in a read-only folder. */
+ * working directory, where they are typed. Both are made absolute at load. What a run writes
+ * (checkpoint.dir, log files, and checkpoint.resume, which names a checkpoint of that dir)
+ * stays relative to the working directory, like the out/ default: a plan may live in a
+ * read-only folder. */
 static const char *const input_keys[][2] = {
     {"model", "init"}, {"data", "train"}, {"data", "val"}, {"data", "tokenizer"}};
+#define N_INPUT_KEYS (sizeof input_keys / sizeof input_keys[0])
+
+/* The index in input_keys of the dotted key of len bytes ("data.train"), or -1. */
+static int input_key_index(const char *key, size_t len) {
+  for (size_t i = 0; i < N_INPUT_KEYS; i++) {
+    size_t a = strlen(input_keys[i][0]), b = strlen(input_keys[i][1]);
+    if (len == a + 1 + b && !strncmp(key, input_keys[i][0], a) && key[a] == '.' &&
+        !strncmp(key + a + 1, input_keys[i][1], b))
+      return (int)i;
+  }
+  return -1;
+}
 
 /* dir (a real path: no symlinks, no dots) joined with the relative path rel, as a new string.
  * Leading "./" and "../" of rel are taken against dir (the parent of a real directory is its
@@ -683,7 +696,7 @@ static cJSON *rebased(const cJSON *v, const char *dir) {
  * plan (metadata, --print-plan, a plan written back and read elsewhere) names the same files
  * wherever it is read. */
 static int rebase_inputs(cJSON *root, const char *dir, unsigned *done) {
-  for (size_t i = 0; i < sizeof input_keys / sizeof input_keys[0]; i++) {
+  for (size_t i = 0; i < N_INPUT_KEYS; i++) {
     cJSON *sect = cJSON_GetObjectItemCaseSensitive(root, input_keys[i][0]);
     cJSON *v = cJSON_IsObject(sect) ? cJSON_GetObjectItemCaseSensitive(sect, input_keys[i][1]) : NULL;
     cJSON *items = cJSON_IsArray(v) ? v->child : v; /* a list of shards, or one value */
@@ -761,12 +774,8 @@ int plan_load(plan_t *p, const char *path, const char *const *sets, int nsets, c
       cJSON_Delete(root);
       return PLAN_EINVAL;
     }
-    for (size_t k = 0; k < sizeof input_keys / sizeof input_keys[0]; k++) { /* no longer the file's */
-      size_t a = strlen(input_keys[k][0]), b = strlen(input_keys[k][1]);
-      if (!strncmp(sets[i], input_keys[k][0], a) && sets[i][a] == '.' && !strncmp(sets[i] + a + 1, input_keys[k][1], b) &&
-          sets[i][a + 1 + b] == '=')
-        rebased &= ~(1u << k);
-    }
+    int k = input_key_index(sets[i], strcspn(sets[i], "="));
+    if (k >= 0) rebased &= ~(1u << k); /* no longer the file's */
   }
   if (absolute_inputs(root, NULL, &ignored)) {
     cJSON_Delete(root);
@@ -1054,14 +1063,11 @@ int plan_resolve(plan_t *p, int world_size, char *err, size_t errlen) {
 /* A hint for a missing input the plan file wrote relative to its folder. */
 static const char *folder_hint(const plan_t *p, const char *key, char *buf, size_t len) {
   buf[0] = '\0';
-  for (size_t i = 0; i < sizeof input_keys / sizeof input_keys[0]; i++) {
-    char name[64];
-    snprintf(name, sizeof name, "%s.%s", input_keys[i][0], input_keys[i][1]);
-    if (!strcmp(name, key) && (p->rebased >> i & 1u)) {
-      char *dir = plan_folder(p->source);
-      snprintf(buf, len, " (a relative path in a plan file is taken from the plan's folder, %s/)", dir ? dir : "?");
-      free(dir);
-    }
+  int i = input_key_index(key, strlen(key));
+  if (i >= 0 && (p->rebased >> i & 1u)) {
+    char *dir = plan_folder(p->source);
+    snprintf(buf, len, " (a relative path in a plan file is taken from the plan's folder, %s/)", dir ? dir : "?");
+    free(dir);
   }
   return buf;
 }
