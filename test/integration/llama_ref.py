@@ -74,6 +74,44 @@ def save_safetensors(path, tensors, metadata=None):
             f.write(b)
 
 
+LAYER_KINDS = ["attention_norm", "attention.wq", "attention.wk", "attention.wv", "attention.wo", "ffn_norm",
+               "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"]
+
+
+def read_llama2c(path):
+    """(cfg, {our name: array}, rope (cos, sin)) from a version-0 llama2.c file, read here
+    independently of the trainer's importer (test_interop, test_sample)."""
+    raw = open(path, "rb").read()
+    dim, hidden, n_layers, n_heads, n_kv, vocab, seq_len = struct.unpack("<7i", raw[:28])
+    shared, vocab = vocab > 0, abs(vocab)
+    d = np.frombuffer(raw, dtype="<f4", offset=28)
+    hd = dim // n_heads
+    kv_dim = n_kv * hd
+    shapes = {"attention_norm": (dim,), "attention.wq": (dim, dim), "attention.wk": (kv_dim, dim),
+              "attention.wv": (kv_dim, dim), "attention.wo": (dim, dim), "ffn_norm": (dim,),
+              "feed_forward.w1": (hidden, dim), "feed_forward.w2": (dim, hidden), "feed_forward.w3": (hidden, dim)}
+    at = 0
+
+    def take(shape):
+        nonlocal at
+        n = int(np.prod(shape))
+        a = d[at:at + n].reshape(shape)
+        at += n
+        return a
+
+    w = {"tok_embeddings.weight": take((vocab, dim))}
+    for k in LAYER_KINDS:
+        for layer in range(n_layers):
+            w[f"layers.{layer}.{k}.weight"] = take(shapes[k])
+    w["norm.weight"] = take((dim,))
+    cos, sin = take((seq_len, hd // 2)), take((seq_len, hd // 2))
+    w["output.weight"] = w["tok_embeddings.weight"] if shared else take((vocab, dim))
+    assert at == d.size, f"{path}: {d.size - at} floats left over"
+    cfg = dict(dim=dim, hidden_dim=hidden, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv, vocab_size=vocab,
+               seq_len=seq_len, shared=shared)
+    return cfg, w, (cos, sin)
+
+
 def llama_hidden_dim(dim, multiple_of=256, ffn_dim_multiplier=None):
     h = int(2 * (4 * dim) / 3)
     if ffn_dim_multiplier:

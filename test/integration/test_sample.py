@@ -91,29 +91,8 @@ def read_llama2c(path):
 
 
 def stories_weights():
-    h, w, _, _ = read_llama2c(STORIES)
-    dim, hidden, n_layers, n_heads, n_kv, vocab, _ = h
-    kv, at, out = n_kv * (dim // n_heads), 0, {}
-
-    def take(shape):
-        nonlocal at
-        k = int(np.prod(shape))
-        a = w[at:at + k].reshape(shape)
-        at += k
-        return a
-
-    out["tok_embeddings.weight"] = take((vocab, dim))
-    shapes = [("attention_norm", (dim,)), ("attention.wq", (dim, dim)), ("attention.wk", (kv, dim)),
-              ("attention.wv", (kv, dim)), ("attention.wo", (dim, dim)), ("ffn_norm", (dim,)),
-              ("feed_forward.w1", (hidden, dim)), ("feed_forward.w2", (dim, hidden)),
-              ("feed_forward.w3", (hidden, dim))]
-    for name, shape in shapes:
-        for layer in range(n_layers):
-            out[f"layers.{layer}.{name}.weight"] = take(shape)
-    out["norm.weight"] = take((dim,))
-    out["output.weight"] = out["tok_embeddings.weight"]
-    cfg = dict(dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv, vocab_size=vocab, hidden_dim=hidden)
-    return cfg, out
+    cfg, w, _ = llama_ref.read_llama2c(STORIES)
+    return {k: cfg[k] for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "hidden_dim")}, w
 
 
 # --------------------------------------------------------------------- stories260K, no plan

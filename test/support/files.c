@@ -1,4 +1,4 @@
-/* files: whole-file read and write for tests (see files.h). */
+/* files: whole-file read and write, and scratch directories, for tests (see files.h). */
 #include "test/support/files.h"
 
 #include <setjmp.h>
@@ -26,4 +26,15 @@ void testfile_write(const char *path, const void *b, size_t len) {
   assert_non_null(f);
   assert_int_equal(fwrite(b, 1, len, f), len);
   fclose(f);
+}
+
+int testdir_make(char *dir, size_t len, const char *prefix) {
+  snprintf(dir, len, "/tmp/%s.XXXXXX", prefix);
+  return mkdtemp(dir) ? 0 : -1;
+}
+
+int testdir_remove(const char *dir) {
+  char cmd[512];
+  snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+  return system(cmd) == 0 ? 0 : -1;
 }

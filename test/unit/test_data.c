@@ -1,4 +1,4 @@
-// deps: trainer/data.c trainer/rng.c common/fs.c
+// deps: trainer/data.c trainer/rng.c common/fs.c test/support/files.c
 /* test_data: file formats and their detection, the validation split, the load-time checks
  * with their messages, and the batch rule (the same global batch whatever the dp degree). */
 #include <setjmp.h>
@@ -12,21 +12,14 @@
 
 #include <cmocka.h>
 
+#include "test/support/files.h"
 #include "trainer/data.h"
 
 static char g_dir[256];
 
-static int setup(void **state) {
-  snprintf(g_dir, sizeof g_dir, "/tmp/test_data.XXXXXX");
-  assert_non_null(mkdtemp(g_dir));
-  return 0;
-}
+static int setup(void **state) { return testdir_make(g_dir, sizeof g_dir, "test_data"); }
 
-static int teardown(void **state) {
-  char cmd[300];
-  snprintf(cmd, sizeof cmd, "rm -rf %s", g_dir);
-  return system(cmd) == 0 ? 0 : -1;
-}
+static int teardown(void **state) { return testdir_remove(g_dir); }
 
 static const char *path_in(const char *name) {
   static char buf[4][512];
@@ -34,13 +27,6 @@ static const char *path_in(const char *name) {
   char *p = buf[k++ & 3];
   snprintf(p, 512, "%s/%s", g_dir, name);
   return p;
-}
-
-static void write_bytes(const char *path, const void *data, size_t n) {
-  FILE *f = fopen(path, "wb");
-  assert_non_null(f);
-  assert_int_equal(fwrite(data, 1, n, f), n);
-  fclose(f);
 }
 
 static void base_plan(plan_t *p, int vocab, int t, int g) {
@@ -55,7 +41,7 @@ static void base_plan(plan_t *p, int vocab, int t, int g) {
 static void test_text_and_split(void **state) {
   const char *txt = "hello world, this is a small text file for the byte tokenizer!\n";
   size_t n = strlen(txt);
-  write_bytes(path_in("a.txt"), txt, n);
+  testfile_write(path_in("a.txt"), txt, n);
   plan_t p;
   base_plan(&p, 256, 8, 4);
   snprintf(p.data.train, sizeof p.data.train, "%s", path_in("a.txt"));
@@ -80,7 +66,7 @@ static void test_llmc_u16_u32(void **state) {
   unsigned char buf[sizeof hdr + sizeof toks];
   memcpy(buf, hdr, sizeof hdr);
   memcpy(buf + sizeof hdr, toks, sizeof toks);
-  write_bytes(path_in("shard.bin"), buf, sizeof buf);
+  testfile_write(path_in("shard.bin"), buf, sizeof buf);
   plan_t p;
   base_plan(&p, 2000, 8, 2);
   p.data.val_fraction = 0;
@@ -94,7 +80,7 @@ static void test_llmc_u16_u32(void **state) {
   assert_int_equal(d.n_val, 0);
   data_free(&d);
 
-  write_bytes(path_in("t.u16"), toks, sizeof toks);
+  testfile_write(path_in("t.u16"), toks, sizeof toks);
   snprintf(p.data.train, sizeof p.data.train, "%s", path_in("t.u16"));
   assert_int_equal(data_load(&d, &p, 0, err, sizeof err), 0);
   assert_int_equal(d.format, PLAN_DATA_U16);
@@ -103,7 +89,7 @@ static void test_llmc_u16_u32(void **state) {
 
   uint32_t t32[20];
   for (int i = 0; i < 20; i++) t32[i] = 70000u + (uint32_t)i;
-  write_bytes(path_in("t.u32"), t32, sizeof t32);
+  testfile_write(path_in("t.u32"), t32, sizeof t32);
   snprintf(p.data.train, sizeof p.data.train, "%s", path_in("t.u32"));
   p.model.vocab_size = 100000;
   assert_int_equal(data_load(&d, &p, 0, err, sizeof err), 0);
@@ -131,7 +117,7 @@ static void test_errors(void **state) {
   assert_non_null(strstr(err, "missing.txt"));
 
   /* Shorter than one sequence (T+1 = 9 tokens). */
-  write_bytes(path_in("short.txt"), "abcdefgh", 8);
+  testfile_write(path_in("short.txt"), "abcdefgh", 8);
   snprintf(p.data.train, sizeof p.data.train, "%s", path_in("short.txt"));
   p.data.val_fraction = 0;
   assert_int_equal(data_load(&d, &p, 0, err, sizeof err), DATA_EINVAL);
@@ -142,7 +128,7 @@ static void test_errors(void **state) {
   uint16_t toks[30];
   for (int i = 0; i < 30; i++) toks[i] = 5;
   toks[17] = 300;
-  write_bytes(path_in("big.u16"), toks, sizeof toks);
+  testfile_write(path_in("big.u16"), toks, sizeof toks);
   snprintf(p.data.train, sizeof p.data.train, "%s", path_in("big.u16"));
   assert_int_equal(data_load(&d, &p, 0, err, sizeof err), DATA_EINVAL);
   printf("vocab: %s\n", err);
@@ -150,17 +136,17 @@ static void test_errors(void **state) {
   assert_non_null(strstr(err, "token id 300 at position 17"));
 
   /* Odd byte count for u16; truncated llm.c shard; unknown extension. */
-  write_bytes(path_in("odd.u16"), "abcde", 5);
+  testfile_write(path_in("odd.u16"), "abcde", 5);
   snprintf(p.data.train, sizeof p.data.train, "%s", path_in("odd.u16"));
   assert_int_equal(data_load(&d, &p, 0, err, sizeof err), DATA_EINVAL);
   printf("odd: %s\n", err);
   int32_t hdr[256] = {20240520, 1, 1000};
-  write_bytes(path_in("trunc.bin"), hdr, sizeof hdr);
+  testfile_write(path_in("trunc.bin"), hdr, sizeof hdr);
   snprintf(p.data.train, sizeof p.data.train, "%s", path_in("trunc.bin"));
   assert_int_equal(data_load(&d, &p, 0, err, sizeof err), DATA_EINVAL);
   printf("trunc: %s\n", err);
   assert_non_null(strstr(err, "header says 1000 tokens"));
-  write_bytes(path_in("x.dat"), "0123456789abcdef", 16);
+  testfile_write(path_in("x.dat"), "0123456789abcdef", 16);
   snprintf(p.data.train, sizeof p.data.train, "%s", path_in("x.dat"));
   assert_int_equal(data_load(&d, &p, 0, err, sizeof err), DATA_EINVAL);
   printf("unknown: %s\n", err);
@@ -169,7 +155,7 @@ static void test_errors(void **state) {
   /* Validation needed but too short. */
   char text[200];
   memset(text, 'a', sizeof text);
-  write_bytes(path_in("v.txt"), text, sizeof text);
+  testfile_write(path_in("v.txt"), text, sizeof text);
   snprintf(p.data.train, sizeof p.data.train, "%s", path_in("v.txt"));
   p.data.val_fraction = 0.02; /* 4 tokens < 9 */
   assert_int_equal(data_load(&d, &p, 1, err, sizeof err), DATA_EINVAL);
@@ -187,7 +173,7 @@ static void write_llmc(const char *path, int width, const uint32_t *ids, int n) 
   memcpy(buf, hdr, sizeof hdr);
   for (int i = 0; i < n; i++)
     for (int b = 0; b < width; b++) buf[sizeof hdr + (size_t)i * width + b] = (unsigned char)(ids[i] >> (8 * b));
-  write_bytes(path, buf, sizeof hdr + (size_t)n * width);
+  testfile_write(path, buf, sizeof hdr + (size_t)n * width);
 }
 
 static void test_llmc_u32_header(void **state) {
@@ -215,7 +201,7 @@ static void test_llmc_u32_header(void **state) {
 
   /* A header whose version does not go with its magic. */
   int32_t hdr[256] = {20240801, 1, 0};
-  write_bytes(path_in("badver.bin"), hdr, sizeof hdr);
+  testfile_write(path_in("badver.bin"), hdr, sizeof hdr);
   snprintf(p.data.train, sizeof p.data.train, "%s", path_in("badver.bin"));
   assert_int_equal(data_load(&d, &p, 0, err, sizeof err), DATA_EINVAL);
   printf("version: %s\n", err);
@@ -245,7 +231,7 @@ static void test_format_disagrees(void **state) {
   assert_int_equal(d.format, PLAN_DATA_LLMC);
   data_free(&d);
 
-  write_bytes(path_in("plain.txt"), "some plain text, long enough for a window or two", 48);
+  testfile_write(path_in("plain.txt"), "some plain text, long enough for a window or two", 48);
   snprintf(p.data.train, sizeof p.data.train, "%s", path_in("plain.txt"));
   p.data.format = PLAN_DATA_LLMC;
   assert_int_equal(data_load(&d, &p, 0, err, sizeof err), DATA_EINVAL);
@@ -260,11 +246,11 @@ static void test_shards_match_one_file(void **state) {
   static uint32_t ids[N];
   uint16_t raw[N];
   for (int i = 0; i < N; i++) ids[i] = raw[i] = (uint16_t)((i * 7919u + 13u) % 5000u);
-  write_bytes(path_in("all.u16"), raw, sizeof raw);
+  testfile_write(path_in("all.u16"), raw, sizeof raw);
   /* 3 shards of unequal size, two header kinds, named so that sorting gives their order */
   write_llmc(path_in("tok_train_000000.bin"), 2, ids, 1000);
   write_llmc(path_in("tok_train_000001.bin"), 4, ids + 1000, 37);
-  write_bytes(path_in("tok_train_000002.u16"), raw + 1037, (N - 1037) * sizeof(uint16_t));
+  testfile_write(path_in("tok_train_000002.u16"), raw + 1037, (N - 1037) * sizeof(uint16_t));
 
   plan_t one, list, glob;
   base_plan(&one, 5000, T, G);
@@ -314,7 +300,7 @@ static void test_shards_match_one_file(void **state) {
   assert_int_equal(data_load(&c, &glob, 0, err, sizeof err), DATA_EIO);
   printf("no match: %s\n", err);
   assert_non_null(strstr(err, "no file matches"));
-  write_bytes(path_in("words.txt"), "text among the shards", 21);
+  testfile_write(path_in("words.txt"), "text among the shards", 21);
   snprintf(list.data.train, sizeof list.data.train, "%s\n%s", path_in("tok_train_000000.bin"), path_in("words.txt"));
   assert_int_equal(data_load(&c, &list, 0, err, sizeof err), DATA_EINVAL);
   printf("mixed: %s\n", err);

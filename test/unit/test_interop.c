@@ -497,14 +497,11 @@ static int setup(void **state) {
   char err[256];
   be = backend_create("cpu", 1, err, sizeof err);
   if (!be) return -1;
-  snprintf(dir, sizeof dir, "/tmp/test_interop.XXXXXX");
-  return mkdtemp(dir) ? 0 : -1;
+  return testdir_make(dir, sizeof dir, "test_interop");
 }
 static int teardown(void **state) {
   backend_destroy(be);
-  char cmd[300];
-  snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
-  return system(cmd) == 0 ? 0 : -1;
+  return testdir_remove(dir);
 }
 
 int main(void) {

@@ -152,13 +152,10 @@ static void test_errors(void **state) {
 }
 
 static int setup(void **state) {
-  snprintf(dir, sizeof dir, "/tmp/test_safetensors.XXXXXX");
-  return mkdtemp(dir) ? 0 : -1;
+  return testdir_make(dir, sizeof dir, "test_safetensors");
 }
 static int teardown(void **state) {
-  char cmd[300];
-  snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
-  return system(cmd) == 0 ? 0 : -1;
+  return testdir_remove(dir);
 }
 
 int main(void) {

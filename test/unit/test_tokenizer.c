@@ -508,13 +508,10 @@ static void test_malformed_bin(void **state) {
 }
 
 static int setup(void **state) {
-  snprintf(dir, sizeof dir, "/tmp/test_tokenizer.XXXXXX");
-  return mkdtemp(dir) ? 0 : -1;
+  return testdir_make(dir, sizeof dir, "test_tokenizer");
 }
 static int teardown(void **state) {
-  char cmd[300];
-  snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
-  return system(cmd) == 0 ? 0 : -1;
+  return testdir_remove(dir);
 }
 
 int main(void) {
