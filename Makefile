@@ -137,7 +137,7 @@ GPU_BIN   := $(GPU_SRC:test/gpu/%.c=$(BUILD)/test-gpu/%)
 TOOL_SRC  := $(wildcard test/tools/*.c)
 TOOL_BIN  := $(TOOL_SRC:test/tools/%.c=$(BUILD)/tools/%)
 
-.PHONY: all test unit integration test-gpu demo bench bench-gpu install clean
+.PHONY: all test unit integration test-gpu demo stories bench bench-gpu install clean
 all: $(BIN)/meshrun $(BIN)/trainer $(UNIT_BIN) $(TOOL_BIN) $(GPU_BIN)
 
 $(BIN)/meshrun: $(LAUNCHER_OBJ) $(COMMON_OBJ)
@@ -199,6 +199,17 @@ demo: $(BIN)/trainer
 	$(Q)$(BIN)/trainer configs/demo.json --set log.metrics_file=$(DEMO_OUT)/metrics.jsonl
 	$(Q)/usr/bin/python3 scripts/plot_metrics.py $(DEMO_OUT)/metrics.jsonl -o $(DEMO_OUT)/loss.png --lr
 	@echo "demo: metrics in $(DEMO_OUT)/metrics.jsonl, loss curve in $(DEMO_OUT)/loss.png"
+
+# A story model end to end: a BPE tokenizer trained on tinyshakespeare and llm.c shards of it
+# (scripts/prepare_data.py), then a 2.8M-parameter Llama trained on them, which prints a sample
+# through the tokenizer (configs/stories.json; about 5 minutes on 2 cores).
+STORIES_OUT := out/stories
+stories: $(BIN)/trainer
+	$(Q)$(PYTHON) scripts/prepare_data.py --train-tokenizer 1024 -o $(STORIES_OUT)/data data/tinyshakespeare.txt
+	$(Q)$(BIN)/trainer configs/stories.json
+	$(Q)$(PYTHON) scripts/plot_metrics.py $(STORIES_OUT)/metrics.jsonl -o $(STORIES_OUT)/loss.png --lr
+	@echo "stories: weights $(STORIES_OUT)/final.safetensors, metrics $(STORIES_OUT)/metrics.jsonl, loss curve $(STORIES_OUT)/loss.png"
+	@echo "stories: more text: $(BIN)/trainer sample configs/stories.json --weights $(STORIES_OUT)/final.safetensors --set seed=7"
 
 bench: all
 	$(Q)MESHRUN_BIN=$(abspath $(BIN)) MESHRUN_BUILD=$(abspath $(BUILD)) scripts/bench.sh

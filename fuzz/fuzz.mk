@@ -37,7 +37,7 @@ fuzz_deps_of = $(sort $(patsubst %.c,$(FUZZ_DIR)/obj/%.o,$(call raw_deps,$(1))))
 define fuzz_link_rule
 $(FUZZ_DIR)/fuzz_$(1): $(FUZZ_DIR)/obj/fuzz/fuzz_$(1).o $(call fuzz_deps_of,fuzz/fuzz_$(1).c)
 	@$$(if $$(Q),echo "  FUZZLD  $$@")
-	$$(Q)$$(FUZZ_CC) $$(FUZZ_SAN) -fsanitize=fuzzer -fopenmp -o $$@ $$^ $$(ALL_LIBS)
+	$$(Q)$$(FUZZ_CC) $$(FUZZ_SAN) -fsanitize=fuzzer -fopenmp -o $$@ $$^ $$(ALL_LIBS) $(if $(call needs_pcre2,fuzz/fuzz_$(1).c),$$(PCRE2_LIBS))
 endef
 $(foreach n,$(FUZZ_NAMES),$(eval $(call fuzz_link_rule,$(n))))
 

@@ -1,4 +1,4 @@
-// deps: trainer/data.c trainer/rng.c common/fs.c fuzz/support.c
+// deps: trainer/data.c trainer/tokenizer.c trainer/rng.c common/fs.c common/err.c fuzz/support.c
 // max_len: 4096
 /* fuzz_llmc: the token-file reader (data_load) on llm.c / nanoGPT shards.
  *

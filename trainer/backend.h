@@ -52,6 +52,10 @@ struct backend {
   /* --- memory (bytes). alloc returns zeroed memory, or NULL when it cannot. */
   void *(*alloc)(backend_t *be, size_t bytes);
   void (*free)(backend_t *be, void *p); /* accepts NULL */
+  /* The most device memory the backend's allocator has held at once (alloc's buffers, its
+   * scratch and workspaces); NULL where memory is the host's, whose figure is the process's
+   * peak resident memory (metrics). */
+  size_t (*mem_peak)(backend_t *be);
   void (*to_device)(backend_t *be, void *dst, const void *host_src, size_t bytes);
   void (*to_host)(backend_t *be, void *host_dst, const void *src, size_t bytes);
   void (*copy)(backend_t *be, void *dst, const void *src, size_t bytes); /* device to device */

@@ -119,6 +119,20 @@ typedef struct {
   size_t bytes;
 } scratch_t;
 
+/* What the backend's allocator holds: every cudaMalloc it made (alloc's buffers, kept with their
+ * sizes for free; scratch; the cuBLASLt workspace), the bytes of them now, and the most ever.
+ * That peak is the "allocator's peak" of the step line, as torch.cuda.max_memory_allocated is
+ * PyTorch's; NCCL's and the CUDA context's own memory are not in it. */
+typedef struct {
+  void *p;
+  size_t bytes;
+} mem_held_t;
+typedef struct {
+  mem_held_t *v;
+  int n, cap;
+  size_t now, peak;
+} mem_track_t;
+
 typedef struct {
   int device;
   size_t smem_optin; /* the most dynamic shared memory one block may have */
@@ -136,26 +150,35 @@ typedef struct {
   scratch_t rope;                       /* (T, D/2) cos then (T, D/2) sin, fp32 */
   int rope_t, rope_d, rope_offset, rope_valid;
   float rope_theta;
+  mem_track_t mem;
 } cuda_t;
 
 static cuda_t *cuda_of(backend_t *be) { return (cuda_t *)be->impl; }
 
+static void mem_add(mem_track_t *m, ptrdiff_t bytes) {
+  m->now += (size_t)bytes; /* wraps back for a negative bytes */
+  if (m->now > m->peak) m->peak = m->now;
+}
+
 /* Grows s to at least bytes. Kernels have no error path, so running out of device memory for
  * scratch is fatal (the model's own buffers are far larger than any of these). */
-static void *scratch_get(scratch_t *s, size_t bytes) {
+static void *scratch_get(cuda_t *cu, scratch_t *s, size_t bytes) {
   if (bytes == 0) bytes = 16;
   if (bytes > s->bytes) {
     if (s->p) CUDA_CHECK(cudaFree(s->p));
+    mem_add(&cu->mem, -(ptrdiff_t)s->bytes);
     s->p = NULL;
     s->bytes = 0;
     CUDA_CHECK(cudaMalloc(&s->p, bytes));
     s->bytes = bytes;
+    mem_add(&cu->mem, (ptrdiff_t)bytes);
   }
   return s->p;
 }
 
-static void scratch_free(scratch_t *s) {
+static void scratch_free(cuda_t *cu, scratch_t *s) {
   if (s->p) cudaFree(s->p);
+  mem_add(&cu->mem, -(ptrdiff_t)s->bytes);
   s->p = NULL;
   s->bytes = 0;
 }
@@ -199,8 +222,16 @@ __device__ float block_sum(float x, float *sh) {
 
 static void *cu_alloc(backend_t *be, size_t bytes) {
   cuda_t *cu = cuda_of(be);
+  mem_track_t *m = &cu->mem;
   void *p = NULL;
   if (bytes == 0) bytes = 16;
+  if (m->n == m->cap) {
+    int cap = m->cap ? 2 * m->cap : 256;
+    mem_held_t *v = (mem_held_t *)realloc(m->v, (size_t)cap * sizeof *v);
+    if (!v) return NULL;
+    m->v = v;
+    m->cap = cap;
+  }
   if (cudaMalloc(&p, bytes) != cudaSuccess) {
     (void)cudaGetLastError(); /* out of memory is not sticky: clear it, let the caller report */
     return NULL;
@@ -210,12 +241,26 @@ static void *cu_alloc(backend_t *be, size_t bytes) {
     cudaFree(p);
     return NULL;
   }
+  m->v[m->n].p = p;
+  m->v[m->n++].bytes = bytes;
+  mem_add(m, (ptrdiff_t)bytes);
   return p;
 }
 
+/* Buffers are few (hundreds) and freed at the end, so a scan from the newest is enough. */
 static void cu_free(backend_t *be, void *p) {
-  if (p) CUDA_CHECK(cudaFree(p));
+  if (!p) return;
+  mem_track_t *m = &cuda_of(be)->mem;
+  for (int i = m->n - 1; i >= 0; i--)
+    if (m->v[i].p == p) {
+      mem_add(m, -(ptrdiff_t)m->v[i].bytes);
+      m->v[i] = m->v[--m->n];
+      break;
+    }
+  CUDA_CHECK(cudaFree(p));
 }
+
+static size_t cu_mem_peak(backend_t *be) { return cuda_of(be)->mem.peak; }
 
 /* The host buffer may be reused as soon as this returns, as with the cpu backend: wait. */
 static void cu_to_device(backend_t *be, void *dst, const void *host_src, size_t bytes) {
@@ -326,7 +371,7 @@ static double cu_sumsq(backend_t *be, const float *x, size_t n) {
   if (!n) return 0.0;
   size_t g = (n + 256 * 16 - 1) / (256 * 16);
   if (g > SUMSQ_BLOCKS) g = SUMSQ_BLOCKS;
-  double *part = (double *)scratch_get(&cu->sumsq, (SUMSQ_BLOCKS + 1) * sizeof(double));
+  double *part = (double *)scratch_get(cu, &cu->sumsq, (SUMSQ_BLOCKS + 1) * sizeof(double));
   sumsq_partial_kernel<<<(unsigned)g, 256, 0, cu->stream>>>(part, x, n);
   LAUNCH_CHECK("sumsq_partial_kernel");
   sumsq_final_kernel<<<1, 1, 0, cu->stream>>>(part + SUMSQ_BLOCKS, part, (int)g);
@@ -491,12 +536,12 @@ static void cu_embedding_bwd(backend_t *be, float *dtable, const void *dout, con
                              int vocab_start, int rows, dtype_t dt) {
   cuda_t *cu = cuda_of(be);
   if (n <= 0 || c <= 0) return;
-  int32_t *keys = (int32_t *)scratch_get(&cu->emb_keys, (size_t)n * sizeof(int32_t));
-  int32_t *pos = (int32_t *)scratch_get(&cu->emb_pos, (size_t)n * sizeof(int32_t));
-  int32_t *pos_sorted = (int32_t *)scratch_get(&cu->emb_pos_sorted, (size_t)n * sizeof(int32_t));
+  int32_t *keys = (int32_t *)scratch_get(cu, &cu->emb_keys, (size_t)n * sizeof(int32_t));
+  int32_t *pos = (int32_t *)scratch_get(cu, &cu->emb_pos, (size_t)n * sizeof(int32_t));
+  int32_t *pos_sorted = (int32_t *)scratch_get(cu, &cu->emb_pos_sorted, (size_t)n * sizeof(int32_t));
   size_t tmp_bytes = 0;
   CUDA_CHECK(cub::DeviceRadixSort::SortPairs(NULL, tmp_bytes, tokens, keys, pos, pos_sorted, n, 0, 32, cu->stream));
-  void *tmp = scratch_get(&cu->emb_cub, tmp_bytes);
+  void *tmp = scratch_get(cu, &cu->emb_cub, tmp_bytes);
   iota_kernel<<<ew_blocks((size_t)n), EW_THREADS, 0, cu->stream>>>(pos, n);
   LAUNCH_CHECK("iota_kernel");
   /* LSD radix sort: stable, so equal tokens keep position order */
@@ -576,7 +621,7 @@ static void cu_rmsnorm_bwd(backend_t *be, void *dx, float *dw, const void *dout,
   cuda_t *cu = cuda_of(be);
   if (n <= 0 || c <= 0) return;
   int g = n < RMS_PARTIALS ? n : RMS_PARTIALS;
-  float *part = (float *)scratch_get(&cu->rms, (size_t)g * c * sizeof(float));
+  float *part = (float *)scratch_get(cu, &cu->rms, (size_t)g * c * sizeof(float));
   DT_DISPATCH(dt, rmsnorm_bwd_kernel<T><<<g, rms_threads(c), 0, cu->stream>>>(
                       (T *)dx, part, (const T *)dout, (const T *)x, (const T *)w, rstd, n, c));
   LAUNCH_CHECK("rmsnorm_bwd_kernel");
@@ -623,7 +668,7 @@ static void rope_apply(backend_t *be, void *x, int b, int t, int h, int d, int p
   if (b <= 0 || t <= 0 || h <= 0 || half <= 0) return;
   if (!(cu->rope_valid && cu->rope_t == t && cu->rope_d == d && cu->rope_offset == pos_offset &&
         cu->rope_theta == theta)) {
-    float *tab = (float *)scratch_get(&cu->rope, 2 * (size_t)t * half * sizeof(float));
+    float *tab = (float *)scratch_get(cu, &cu->rope, 2 * (size_t)t * half * sizeof(float));
     int cnt = t * half;
     rope_table_kernel<<<(cnt + 255) / 256, 256, 0, cu->stream>>>(tab, tab + (size_t)t * half, t, d, pos_offset,
                                                                  (double)theta);
@@ -1053,7 +1098,7 @@ template <typename T>
 static void att_bwd_typed(cuda_t *cu, T *dq, T *dk, T *dv, const T *dout, const T *q, const T *k, const T *v,
                           const T *out, const float *lse, int b, int t, int h, int kv, int d) {
   size_t rows = (size_t)b * t * h;
-  float *delta = (float *)scratch_get(&cu->att_delta, rows * sizeof(float));
+  float *delta = (float *)scratch_get(cu, &cu->att_delta, rows * sizeof(float));
   attn_delta_kernel<T><<<(unsigned)((rows * 32 + 255) / 256), 256, 0, cu->stream>>>(delta, out, dout, b, t, h, d);
   LAUNCH_CHECK("attn_delta_kernel");
   if (d <= 16) att_bwd_launch<16, T>(cu, dq, dk, dv, dout, q, k, v, lse, delta, b, t, h, kv, d);
@@ -1340,15 +1385,16 @@ static void cu_destroy(backend_t *be) {
   if (cu) {
     if (cu->stream) cudaStreamSynchronize(cu->stream);
     for (int i = 0; i < cu->mm_count; i++) mm_entry_destroy(&cu->mm[i]);
-    scratch_free(&cu->sumsq);
-    scratch_free(&cu->rms);
-    scratch_free(&cu->att_delta);
-    scratch_free(&cu->emb_keys);
-    scratch_free(&cu->emb_pos);
-    scratch_free(&cu->emb_pos_sorted);
-    scratch_free(&cu->emb_cub);
-    scratch_free(&cu->rope);
+    scratch_free(cu, &cu->sumsq);
+    scratch_free(cu, &cu->rms);
+    scratch_free(cu, &cu->att_delta);
+    scratch_free(cu, &cu->emb_keys);
+    scratch_free(cu, &cu->emb_pos);
+    scratch_free(cu, &cu->emb_pos_sorted);
+    scratch_free(cu, &cu->emb_cub);
+    scratch_free(cu, &cu->rope);
     if (cu->workspace) cudaFree(cu->workspace);
+    free(cu->mem.v);
     if (cu->lt) cublasLtDestroy(cu->lt);
     if (cu->stream) cudaStreamDestroy(cu->stream);
     free(cu);
@@ -1412,6 +1458,7 @@ extern "C" backend_t *backend_cuda_create(int device, char *err, size_t errlen) 
     goto fail;
   }
   if ((e = cudaMalloc(&cu->workspace, WORKSPACE_BYTES)) != cudaSuccess) { what = "cudaMalloc(workspace)"; goto fail; }
+  mem_add(&cu->mem, (ptrdiff_t)WORKSPACE_BYTES);
   if ((bs = cublasLtCreate(&cu->lt)) != CUBLAS_STATUS_SUCCESS) { what = "cublasLtCreate"; goto fail; }
   if (att_setup<16>(cu) || att_setup<32>(cu) || att_setup<64>(cu) || att_setup<128>(cu)) {
     what = "attention kernels' shared memory (cudaFuncSetAttribute)";
@@ -1420,6 +1467,7 @@ extern "C" backend_t *backend_cuda_create(int device, char *err, size_t errlen) 
   }
   be->alloc = cu_alloc;
   be->free = cu_free;
+  be->mem_peak = cu_mem_peak;
   be->to_device = cu_to_device;
   be->to_host = cu_to_host;
   be->copy = cu_copy;

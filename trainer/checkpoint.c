@@ -21,6 +21,8 @@ static int save(checkpoint_t *c, dp_t *dp, int step, char *err, size_t errlen) {
   ckpt_state_set(&st, "global_batch_size", v);
   snprintf(v, sizeof v, "%d", p->train.steps);
   ckpt_state_set(&st, "train_steps", v);
+  snprintf(v, sizeof v, "%llu", (unsigned long long)c->data_tokens);
+  ckpt_state_set(&st, "data_tokens", v);
   ckpt_chunks_t cs = {0};
   float *host = NULL;
   /* A rank that cannot copy still joins the collective save, with n_chunks -1: the save then
@@ -103,6 +105,13 @@ static int resume(checkpoint_t *c, dp_t *dp, int world, int restart, int round, 
     ckpt_close(ck);
     return 2;
   }
+  /* Another dataset size: the batches are drawn over other offsets, so the run goes on but no
+   * longer reads what the uninterrupted one would have (older checkpoints have no count). */
+  const char *saved_tokens = ckpt_state_get(&meta->state, "data_tokens");
+  if (saved_tokens && strtoull(saved_tokens, NULL, 10) != c->data_tokens && c->rank == 0)
+    log_warn("%s was saved over a dataset of %s tokens, this run's has %llu: the data changed, so the batches "
+                   "after step %llu are not those the run would have read", meta->path, saved_tokens,
+                   (unsigned long long)c->data_tokens, (unsigned long long)step);
   if (dp_ckpt_from_host(dp, ck, err, errlen)) {
     ckpt_close(ck);
     return 1;
@@ -117,10 +126,11 @@ static int resume(checkpoint_t *c, dp_t *dp, int world, int restart, int round, 
 }
 
 int checkpoint_open(checkpoint_t *c, const plan_t *p, dp_t *dp, const mesh_t *mesh, hooks_t *hooks, int rank,
-                    int world, int restart, int round, const char *plan_json, int *start_step, int *resumed,
-                    char *err, size_t errlen) {
+                    int world, int restart, int round, const char *plan_json, uint64_t data_tokens, int *start_step,
+                    int *resumed, char *err, size_t errlen) {
   memset(c, 0, sizeof *c);
   c->p = p;
+  c->data_tokens = data_tokens;
   c->rank = rank;
   if (mesh) {
     ckpt_group_from_comm(&c->group, mesh_host_comm(mesh, "world")); /* host memory, whatever the device */

@@ -33,6 +33,7 @@ typedef struct {
   int saved;              /* the step of the last save started (committed unless it failed) */
   int final_failed;       /* the save after the last step failed (final_err says why) */
   int no_restart;         /* a failure was a lack of space: ask meshrun not to restart */
+  uint64_t data_tokens;   /* tokens in the train and val streams: saved, and compared at resume */
   char final_err[1024];
 } checkpoint_t;
 
@@ -41,10 +42,12 @@ typedef struct {
  * parameters and optimizer state came from a checkpoint. restart and round (TORCHELASTIC_RESTART_COUNT,
  * MESHRUN_ROUND) are for the log line. Returns 0, 2 (usage: wrong shape, no such checkpoint,
  * another global batch) or 1 (nothing intact, I/O, a collective), with the message in err.
+ * data_tokens is the dataset's size in tokens: a checkpoint saved over another count resumes
+ * with a warning (the same (seed, step) then reads other windows: the data changed).
  * checkpoint_free releases what it made, also after a failure. */
 int checkpoint_open(checkpoint_t *c, const plan_t *p, dp_t *dp, const mesh_t *mesh, hooks_t *hooks, int rank,
-                    int world, int restart, int round, const char *plan_json, int *start_step, int *resumed,
-                    char *err, size_t errlen);
+                    int world, int restart, int round, const char *plan_json, uint64_t data_tokens, int *start_step,
+                    int *resumed, char *err, size_t errlen);
 /* After step `step` (1-based): commits an asynchronous save that finished, saves when due.
  * Collective (every rank calls it after every step). Returns 0 (also after a failure the run
  * survives) or -1 when the run must stop, with the message in err. */

@@ -1,7 +1,7 @@
 /* data: maps token files (text bytes, llm.c shards, raw u16/u32; one file or many shards) or
  * makes synthetic tokens, checks them once, splits off validation, and cuts deterministic
- * batches (rule in data.h). It does not tokenize (trainer/tokenizer and
- * scripts/prepare_data.py do): text files are read as bytes. */
+ * batches (rule in data.h). Text is read as bytes, or encoded once at load through
+ * data.tokenizer (trainer/tokenizer) when the plan names one. */
 #include "trainer/data.h"
 
 #include <errno.h>
@@ -16,6 +16,7 @@
 
 #include "common/fs.h"
 #include "trainer/rng.h"
+#include "trainer/tokenizer.h"
 
 #define LLMC_MAGIC 20240520     /* GPT-2 tokens, uint16, version 1 */
 #define LLMC_MAGIC_U32 20240801 /* Llama 3 tokens, uint32, version 7 */
@@ -130,10 +131,34 @@ static data_shard_t *stream_add(data_stream_t *s, const char *path, char *err, s
   return sh;
 }
 
+/* A text shard's bytes, encoded through tok, become its tokens: uint32 ids in memory (the
+ * mapping is let go), so the rest of data sees an id shard like any other. */
+static int encode_shard(data_shard_t *sh, const tokenizer_t *tok, char *err, size_t errlen) {
+  int32_t *ids = NULL;
+  size_t n = 0;
+  char why[512];
+  if (tokenizer_encode(tok, (const char *)sh->tokens, sh->n, &ids, &n, why, sizeof why) != 0) {
+    snprintf(err, errlen, "data: %s: cannot encode it with data.tokenizer: %s", sh->path, why);
+    return DATA_EINVAL;
+  }
+  for (size_t i = 0; i < n; i++) { /* little-endian, as files are */
+    uint32_t v = (uint32_t)ids[i];
+    unsigned char *b = (unsigned char *)&ids[i];
+    b[0] = (unsigned char)v, b[1] = (unsigned char)(v >> 8), b[2] = (unsigned char)(v >> 16), b[3] = (unsigned char)(v >> 24);
+  }
+  if (sh->map_len) munmap(sh->map, sh->map_len);
+  sh->map = ids;
+  sh->map_len = 0;
+  sh->tokens = (const unsigned char *)ids;
+  sh->width = 4;
+  sh->n = n;
+  return 0;
+}
+
 /* Maps one file of format f as the stream's next shard: its header checked, its ids checked
  * against vocab (a pass over the mapped tokens, at memory speed). */
-static int map_shard(data_stream_t *s, const char *path, plan_data_format_t f, int vocab, char *err,
-                     size_t errlen) {
+static int map_shard(data_stream_t *s, const char *path, plan_data_format_t f, int vocab, const tokenizer_t *tok,
+                     char *err, size_t errlen) {
   if (check_regular(path, err, errlen)) return DATA_EIO;
   int fd = open(path, O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
@@ -194,7 +219,10 @@ static int map_shard(data_stream_t *s, const char *path, plan_data_format_t f, i
     snprintf(err, errlen, "data: %s: format %s is not a file format", path, data_format_name(f));
     return DATA_EINVAL;
   }
-  if (sh->width > 1 && f != PLAN_DATA_LLMC && len % (size_t)sh->width != 0) {
+  if (f == PLAN_DATA_TEXT && tok) {
+    int rc = encode_shard(sh, tok, err, errlen);
+    if (rc) return rc;
+  } else if (sh->width > 1 && f != PLAN_DATA_LLMC && len % (size_t)sh->width != 0) {
     snprintf(err, errlen, "data: %s: %zu bytes is not a whole number of %s tokens", path, len, data_format_name(f));
     return DATA_EINVAL;
   }
@@ -211,9 +239,11 @@ static int map_shard(data_stream_t *s, const char *path, plan_data_format_t f, i
 }
 
 /* The files of key (a path, glob or list, a line each) as one stream; every file's format
- * resolved under f, and all of them ids or all text (*is_text, *first_format). */
+ * resolved under f, and all of them ids or all text (*is_text, *first_format). Text is encoded
+ * through tok when there is one. */
 static int map_stream(data_stream_t *s, const char *key, const char *lines, plan_data_format_t f, int vocab,
-                      int *is_text, plan_data_format_t *first_format, char *err, size_t errlen) {
+                      const tokenizer_t *tok, int *is_text, plan_data_format_t *first_format, char *err,
+                      size_t errlen) {
   char **paths = NULL, bad[512];
   size_t n = 0;
   int rc = fs_expand_paths(lines, &paths, &n, bad, sizeof bad);
@@ -238,7 +268,7 @@ static int map_stream(data_stream_t *s, const char *key, const char *lines, plan
       rc = DATA_EINVAL;
       break;
     }
-    rc = map_shard(s, paths[i], (plan_data_format_t)g, vocab, err, errlen);
+    rc = map_shard(s, paths[i], (plan_data_format_t)g, vocab, tok, err, errlen);
   }
   fs_paths_free(paths);
   return rc;
@@ -277,6 +307,23 @@ static int make_synthetic(data_stream_t *s, uint64_t seed, int vocab, size_t n, 
   return 0;
 }
 
+/* data.tokenizer, for encoding text shards: its ids must fit the model's vocabulary. */
+static int load_tokenizer(tokenizer_t **out, const char *path, int vocab, char *err, size_t errlen) {
+  char why[512];
+  if (tokenizer_load(out, path, why, sizeof why) != 0) {
+    snprintf(err, errlen, "data: %s", why);
+    return DATA_EINVAL;
+  }
+  int tv = tokenizer_vocab_size(*out);
+  if (tv > vocab) {
+    snprintf(err, errlen, "data: data.tokenizer %s has %d tokens, more than model.vocab_size %d", path, tv, vocab);
+    tokenizer_free(*out);
+    *out = NULL;
+    return DATA_EINVAL;
+  }
+  return 0;
+}
+
 int data_load(data_t *d, const plan_t *p, int need_val, char *err, size_t errlen) {
   memset(d, 0, sizeof *d);
   d->vocab_size = p->model.vocab_size;
@@ -298,19 +345,24 @@ int data_load(data_t *d, const plan_t *p, int need_val, char *err, size_t errlen
       snprintf(err, errlen, "data: data.train is empty; give a token file or set data.format to synthetic");
       return DATA_EINVAL;
     }
+    tokenizer_t *tok = NULL;
+    if (p->data.tokenizer[0] && (rc = load_tokenizer(&tok, p->data.tokenizer, d->vocab_size, err, errlen)))
+      return rc;
     int is_text = -1;
-    rc = map_stream(&d->train_src, "data.train", train_name, p->data.format, d->vocab_size, &is_text, &d->format,
-                    err, errlen);
+    rc = map_stream(&d->train_src, "data.train", train_name, p->data.format, d->vocab_size, tok, &is_text,
+                    &d->format, err, errlen);
     if (rc == 0 && p->data.val[0]) {
       plan_data_format_t vf;
-      rc = map_stream(&d->val_src, "data.val", p->data.val, p->data.format, d->vocab_size, &is_text, &vf, err,
-                      errlen);
+      rc = map_stream(&d->val_src, "data.val", p->data.val, p->data.format, d->vocab_size, tok, &is_text, &vf,
+                      err, errlen);
     }
+    const int encoded = tok != NULL;
+    tokenizer_free(tok);
     if (rc) {
       data_free(d);
       return rc;
     }
-    d->is_text = is_text == 1;
+    d->is_text = is_text == 1 && !encoded; /* encoded text is ids, not bytes */
     if (d->train_src.n_shards > 1) train_name = "data.train";
   }
   d->n_train = d->train_src.n;

@@ -1,7 +1,9 @@
 /* data: training and validation tokens, and the batches drawn from them.
  *
  * Sources (plan.data.format, auto-detected when "auto"):
- *   text       any file, one token per byte (vocab 256); auto for .txt/.text/.md
+ *   text       any file, one token per byte (vocab 256); auto for .txt/.text/.md. With
+ *              data.tokenizer, the tokenizer's ids of the file instead: encoded once at load,
+ *              held in memory as uint32 (is_text is then 0: the ids are not bytes)
  *   llmc       llm.c's layout: 256 int32 header (magic, version, token count at header[2]),
  *              then the tokens: uint16 under GPT-2's header (magic 20240520, version 1), uint32
  *              under Llama 3's (magic 20240801, version 7); auto when a magic is present

@@ -77,11 +77,14 @@ static const char *usage_text =
     "usage: trainer [PLAN.json] [--set key.path=value ...]\n"
     "       trainer sample [PLAN.json] --weights FILE [--set key.path=value ...]\n"
     "       trainer export --format llama2c|hf [PLAN.json] --weights FILE --out PATH [--set ...]\n"
+    "       trainer [PLAN.json] [--set ...] --print-plan\n"
     "       trainer --help | --version\n"
     "\n"
     "Trains a Llama model as the JSON plan says (keys: docs/plan.md); without PLAN, the embedded\n"
     "default plan (configs/demo.json). --set overrides one key, e.g. --set train.steps=50\n"
-    "--set model.dim=128; values parse as JSON when they can, else as strings.\n"
+    "--set model.dim=128; values parse as JSON when they can, else as strings. --print-plan prints\n"
+    "the plan as resolved for WORLD_SIZE (defaults filled in, mesh sizes, global batch, absolute\n"
+    "input paths) as JSON and exits: 0 when every input file is there, else 2, nothing trained.\n"
     "'sample' and 'export' take any weights: a training run's .safetensors, a llama2.c .bin or a\n"
     "Hugging Face folder (config.json + model.safetensors), told apart by content. Without PLAN the\n"
     "model's shape is the file's (--set model.* is checked against it); with PLAN, the plan's model\n"
@@ -102,6 +105,7 @@ static const char *usage_text =
 
 typedef struct {
   int sample_mode, export_mode;
+  int print_plan;        /* --print-plan: the resolved plan on stdout, then exit */
   const char *format;    /* export */
   const char *out;       /* export */
   const char *plan_path; /* NULL: embedded default */
@@ -281,6 +285,9 @@ static int parse_args(args_t *a, int argc, char **argv, char *err, size_t errlen
       target = &a->format;
     } else if (!strcmp(s, "--out") && a->export_mode) {
       target = &a->out;
+    } else if (!strcmp(s, "--print-plan") && !a->sample_mode && !a->export_mode) {
+      a->print_plan = 1;
+      continue;
     } else if (!strcmp(s, "--stop-after")) {
       target = &stop;
     } else if (!strcmp(s, "--dump-init")) {
@@ -349,9 +356,20 @@ static int env_read(env_t *e, char *err, size_t errlen) {
  * checkpoint.interval 0, comes after the last step). Errors are the documented one-liners
  * "plan error: <key.path>: ...". */
 static int plan_setup(plan_t *p, const args_t *a, int world, char *err, size_t errlen) {
-  if (plan_load(p, a->plan_path, a->sets, a->nsets, err, errlen) != 0 || plan_resolve(p, world, err, errlen) != 0 ||
-      (!a->sample_mode && !a->export_mode && plan_check_paths(p, err, errlen) != 0))
+  if (plan_load(p, a->plan_path, a->sets, a->nsets, err, errlen) != 0 || plan_resolve(p, world, err, errlen) != 0)
     return -1;
+  if (a->print_plan) { /* printed before the inputs are checked, so a plan can be read whatever is missing */
+    char *json = plan_to_json(p);
+    if (!json) {
+      snprintf(err, errlen, "out of memory");
+      return -1;
+    }
+    fputs(json, stdout);
+    fputc('\n', stdout);
+    fflush(stdout);
+    free(json);
+  }
+  if (!a->sample_mode && !a->export_mode && plan_check_paths(p, err, errlen) != 0) return -1;
   return 0;
 }
 
@@ -529,6 +547,7 @@ int main(int argc, char **argv) {
     plan_failed = 1; /* the message is already the documented one-liner */
     goto error;
   }
+  if (a.print_plan) goto done; /* plan_setup printed it and found every input */
   if (env.world > 1 && (a.sample_mode || a.export_mode || hooks_one_process(&a.hooks))) {
     snprintf(err, sizeof err, "'trainer sample', 'trainer export', --dump-init and --dump-batches run in one process "
              "(WORLD_SIZE=%d)", env.world);
@@ -577,7 +596,7 @@ int main(int argc, char **argv) {
   /* --- checkpoint: resume (collective over the job), then a writer when checkpoint.dir is set */
   hooks_init(&a.hooks, env.rank);
   if ((code = checkpoint_open(&ck, p, dp, mesh, &a.hooks, env.rank, env.world, env.restart, env.round, plan_json,
-                              &start_step, &resumed, err, sizeof err)))
+                              (uint64_t)data.train_src.n + data.val_src.n, &start_step, &resumed, err, sizeof err)))
     goto error;
   if (p->checkpoint.on_signal) install_preempt();
   /* --- initial weights (unless resumed): random, our safetensors, llama2.c or Hugging Face */

@@ -159,6 +159,7 @@ int metrics_open(metrics_t *mt, const plan_t *p, model_t *m, dp_t *dp, const mes
   mt->p = p;
   mt->dp = dp;
   mt->mesh = mesh;
+  mt->be = (backend_t *)be;
   mt->path = p->log.metrics_file;
   mt->steps = p->train.steps;
   mt->start_step = start_step;
@@ -216,12 +217,12 @@ int metrics_open(metrics_t *mt, const plan_t *p, model_t *m, dp_t *dp, const mes
     int torn = resumed && fseek(mt->f, -1, SEEK_END) == 0 && fgetc(mt->f) != '\n';
     fseek(mt->f, 0, SEEK_END);
     metrics_printf(mt, 0,
-                   "%s{\"plan\":%s,\"num_params\":%zu,\"world_size\":%d,\"tokens_per_step\":%lld,\"data_tokens\":%zu,"
+                   "%s{\"plan\":%s,\"num_params\":%zu,\"world_size\":%d,\"tokens_per_step\":%lld,\"data_tokens\":%zu,\"val_tokens\":%zu,"
                    "\"strategy\":\"%s\",\"mesh\":[%d,%d,%d],\"param_bytes\":%zu,\"grad_bytes\":%zu,\"optim_bytes\":%zu,"
                    "\"work_bytes\":%zu,\"param_bytes_max\":%zu,\"grad_bytes_max\":%zu,\"optim_bytes_max\":%zu,"
                    "\"work_bytes_max\":%zu,\"act_bytes\":%zu,\"act_block_bytes\":%zu,\"act_bytes_max\":%zu,"
                    "\"param_dtype\":\"%s\",\"reduce_dtype\":\"%s\",\"start_step\":%d}\n",
-                   torn ? "\n" : "", plan_json ? plan_json : "{}", np, world, mt->tokens_per_step, data->n_train,
+                   torn ? "\n" : "", plan_json ? plan_json : "{}", np, world, mt->tokens_per_step, data->n_train, data->n_val,
                    dp->name, mesh ? mesh->dims[MESH_DP_REPLICATE] : 1, mesh ? mesh->dims[MESH_DP_SHARD] : 1, tp,
                    mem.mine.param_bytes, mem.mine.grad_bytes, mem.mine.optim_bytes, mem.mine.work_bytes,
                    mem.max.param_bytes, mem.max.grad_bytes, mem.max.optim_bytes, mem.max.work_bytes,
@@ -231,11 +232,13 @@ int metrics_open(metrics_t *mt, const plan_t *p, model_t *m, dp_t *dp, const mes
   }
 
   const int dp_size = mesh ? comm_size(mesh_host_comm(mesh, "dp")) : 1;
-  log_rank0("%s: %.2fM parameters%s, %d layers, dim %d, %s data %s (%zu train / %zu val tokens), "
+  const int encoded = data->format == PLAN_DATA_TEXT && !data->is_text; /* text through data.tokenizer */
+  log_rank0("%s: %.2fM parameters%s, %d layers, dim %d, %s data %s%s%s (%zu train / %zu val tokens), "
             "%d steps of %lld tokens (%d x %d x %d accum x %d dp), %s backend",
             p->source, (double)np / 1e6, tp > 1 ? " per tp rank" : "", p->model.n_layers, p->model.dim,
-            data_format_name(data->format), data->format == PLAN_DATA_SYNTHETIC ? "" : p->data.train, data->n_train,
-            data->n_val, mt->steps, mt->tokens_per_step, B, T, accum, dp_size, be->name);
+            data_format_name(data->format), data->format == PLAN_DATA_SYNTHETIC ? "" : p->data.train,
+            encoded ? " encoded by " : "", encoded ? p->data.tokenizer : "", data->n_train, data->n_val, mt->steps,
+            mt->tokens_per_step, B, T, accum, dp_size, be->name);
 
   metrics_skip_traffic(mt); /* start counting here */
   mt->t_loop = metrics_now();
@@ -248,7 +251,8 @@ void metrics_step(metrics_t *mt, int step, double loss, double lr, double gnorm,
   const double tps = (double)mt->tokens_per_step / dt;
   const double flops = tps * mt->flops_per_token / mt->world; /* per rank */
   const double mfu = mt->peak_flops > 0 ? flops / mt->peak_flops : 0;
-  const size_t rss = metrics_peak_rss();
+  /* peak memory: the device allocator's where there is one (cuda), else resident memory */
+  const size_t rss = mt->be && mt->be->mem_peak ? mt->be->mem_peak(mt->be) : metrics_peak_rss();
   char mfu_json[32] = "null";
   if (mt->peak_flops > 0) snprintf(mfu_json, sizeof mfu_json, "%.6f", mfu);
   traffic_step(mt, comm, sizeof comm);

@@ -38,6 +38,7 @@ typedef struct {
   const plan_t *p;
   dp_t *dp;
   const mesh_t *mesh;
+  backend_t *be;       /* its mem_peak, where memory is a device's */
   int steps, start_step;
   long long tokens_per_step;
   FILE *f;            /* NULL: no records (log.metrics_file "", or not rank 0) */

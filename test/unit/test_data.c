@@ -1,4 +1,4 @@
-// deps: trainer/data.c trainer/rng.c common/fs.c test/support/files.c
+// deps: trainer/data.c trainer/tokenizer.c trainer/rng.c common/fs.c common/err.c test/support/files.c
 /* test_data: file formats and their detection, the validation split, the load-time checks
  * with their messages, and the batch rule (the same global batch whatever the dp degree). */
 #include <setjmp.h>
@@ -14,6 +14,7 @@
 
 #include "test/support/files.h"
 #include "trainer/data.h"
+#include "trainer/tokenizer.h"
 
 static char g_dir[256];
 
@@ -368,6 +369,71 @@ static void test_batch_rule(void **state) {
   data_free(&d);
 }
 
+/* A llama2.c tokenizer.bin: <unk> <s> </s>, the 256 byte tokens, then " ", "a", "b", "ab", " ab"
+ * (ids 259..263; the merge scores favour "ab" then " ab"). */
+static void write_tok_bin(const char *path) {
+  static const struct { const char *s; float score; } extra[] = {{" ", -9}, {"a", -9}, {"b", -9}, {"ab", -1}, {" ab", -2}};
+  unsigned char buf[8192], *w = buf;
+  int32_t v = 8;
+  memcpy(w, &v, 4), w += 4;
+  for (int i = 0; i < 264; i++) {
+    char piece[16];
+    float score = 0;
+    if (i < 3) snprintf(piece, sizeof piece, "%s", i == 0 ? "<unk>" : i == 1 ? "\n<s>\n" : "\n</s>\n");
+    else if (i < 259) snprintf(piece, sizeof piece, "<0x%02X>", i - 3);
+    else snprintf(piece, sizeof piece, "%s", extra[i - 259].s), score = extra[i - 259].score;
+    int32_t len = (int32_t)strlen(piece);
+    memcpy(w, &score, 4), w += 4;
+    memcpy(w, &len, 4), w += 4;
+    memcpy(w, piece, (size_t)len), w += len;
+  }
+  testfile_write(path, buf, (size_t)(w - buf));
+}
+
+/* Text through data.tokenizer: the split's tokens are the tokenizer's ids of the file, in
+ * order (the validation split their tail), not its bytes; a tokenizer with more ids than the
+ * model is a load error naming both sizes. */
+static void test_text_through_tokenizer(void **state) {
+  const char *txt = "ab ab abab a b ba\nab, \xc3\xa9 ab ab ab ab ab ab ab ab ab ab ab abba";
+  testfile_write(path_in("t.txt"), txt, strlen(txt));
+  write_tok_bin(path_in("tok.bin"));
+  tokenizer_t *tok = NULL;
+  char err[512] = "";
+  assert_int_equal(tokenizer_load(&tok, path_in("tok.bin"), err, sizeof err), 0);
+  int32_t *ids = NULL;
+  size_t n = 0;
+  assert_int_equal(tokenizer_encode(tok, txt, strlen(txt), &ids, &n, err, sizeof err), 0);
+  tokenizer_free(tok);
+  assert_true(n > 8 && n < strlen(txt)); /* merged: fewer ids than bytes */
+
+  plan_t p;
+  base_plan(&p, 264, 4, 2);
+  p.data.val_fraction = 0.3;
+  snprintf(p.data.train, sizeof p.data.train, "%s", path_in("t.txt"));
+  snprintf(p.data.tokenizer, sizeof p.data.tokenizer, "%s", path_in("tok.bin"));
+  data_t d;
+  int rc = data_load(&d, &p, 1, err, sizeof err);
+  if (rc) printf("%s\n", err);
+  assert_int_equal(rc, 0);
+  assert_int_equal(d.format, PLAN_DATA_TEXT);
+  assert_false(d.is_text);
+  assert_int_equal(d.n_train + d.n_val, n);
+  size_t differ = 0;
+  for (size_t i = 0; i < n; i++)
+    differ += (i < d.n_train ? data_train_token(&d, i) : data_val_token(&d, i - d.n_train)) != ids[i];
+  printf("text through tokenizer: %zu ids from %zu bytes, %zu differ from tokenizer_encode\n", n, strlen(txt), differ);
+  assert_int_equal(differ, 0);
+  data_free(&d);
+  free(ids);
+
+  base_plan(&p, 263, 4, 2);
+  snprintf(p.data.train, sizeof p.data.train, "%s", path_in("t.txt"));
+  snprintf(p.data.tokenizer, sizeof p.data.tokenizer, "%s", path_in("tok.bin"));
+  assert_int_equal(data_load(&d, &p, 0, err, sizeof err), DATA_EINVAL);
+  printf("%s\n", err);
+  assert_non_null(strstr(err, "has 264 tokens, more than model.vocab_size 263"));
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_text_and_split, setup, teardown),
@@ -376,6 +442,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_llmc_u32_header, setup, teardown),
       cmocka_unit_test_setup_teardown(test_format_disagrees, setup, teardown),
       cmocka_unit_test_setup_teardown(test_shards_match_one_file, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_text_through_tokenizer, setup, teardown),
       cmocka_unit_test(test_batch_rule),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
