@@ -44,3 +44,16 @@ if ! /usr/bin/python3 -c "import tokenizers" 2>/dev/null; then
   [ "$(id -u)" -eq 0 ] || pip_sudo="sudo"
   $pip_sudo /usr/bin/python3 -m pip install -q --break-system-packages tokenizers
 fi
+
+# PyPI's transformers for the same python3: test_hf_transformers loads `trainer export --format hf`
+# folders with it (weights, tokenizer, generate). Pinned to 4.49.0, the newest that runs on
+# Debian 12's torch 1.13: 4.50 and later import torch.distributed.tensor (torch 2), 4.52 and
+# later disable torch below 2.1. transformers does not depend on torch, so pip leaves Debian's
+# python3-torch and python3-numpy alone; it does take tokenizers back to 0.21.x and
+# huggingface_hub below 1.0, as 4.49 requires (test_tokenizer agrees with 0.21 too).
+if ! /usr/bin/python3 -c "import transformers" 2>/dev/null; then
+  echo "install-deps: installing PyPI transformers 4.49.0 for /usr/bin/python3" >&2
+  pip_sudo=""
+  [ "$(id -u)" -eq 0 ] || pip_sudo="sudo"
+  $pip_sudo /usr/bin/python3 -m pip install -q --break-system-packages "transformers==4.49.0"
+fi

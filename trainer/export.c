@@ -120,7 +120,10 @@ int export_run(const plan_t *p, const char *path, int plan_file, const char *con
                                               : weights_tokenizer(f);
     if (tp) rc = tok_open(&tok, tp, &cfg, err, errlen);
   }
-  if (rc == 0) rc = weights_export(f, &cfg, format, out, err, errlen);
+  /* the tokenizer's BOS and EOS go into config.json even when its file does not go along
+   * (llama2.c's tokenizer.bin): they are the ids generation starts from and stops at */
+  const int bos = tok.t ? tokenizer_bos(tok.t) : -1, eos = tok.t ? tokenizer_eos(tok.t) : -1;
+  if (rc == 0) rc = weights_export(f, &cfg, format, bos, eos, out, err, errlen);
   if (rc == 0) rc = tok_write(&tok, &cfg, out, err, errlen);
   free(tok.json);
   tokenizer_free(tok.t);

@@ -6,8 +6,10 @@
  * without a plan file, the one in our file's metadata plan, or the source HF folder's) when it
  * is a tokenizer.json, copied as is beside the weights with a tokenizer_config.json naming its
  * BOS and EOS, so the folder is complete for `transformers`; a llama2.c tokenizer.bin is not
- * converted (a warning says so). No model is built, no device is opened. The conversion itself
- * is trainer/weights' and trainer/interop's job. */
+ * converted (a warning says so). Either way the tokenizer's BOS and EOS ids go into config.json
+ * and generation_config.json (config.json says null without a tokenizer), so that
+ * transformers' generate stops at EOS as `trainer sample` does. No model is built, no device
+ * is opened. The conversion itself is trainer/weights' and trainer/interop's job. */
 #ifndef MESHRUN_EXPORT_H
 #define MESHRUN_EXPORT_H
 

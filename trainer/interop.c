@@ -747,8 +747,18 @@ static int mkdir_p(const char *dir, char *err, size_t errlen) {
   return 0;
 }
 
-static int write_hf_config(const plan_model_t *c, const char *dir, char *err, size_t errlen) {
-  char path[PLAN_PATH_MAX + 32], tmp[PLAN_PATH_MAX + 64], eps[32], theta[32];
+/* A token id for config.json, or null for none (-1). */
+static const char *fmt_token(char *buf, size_t n, int id) {
+  if (id < 0) return "null";
+  snprintf(buf, n, "%d", id);
+  return buf;
+}
+
+/* config.json. bos_token_id and eos_token_id are written even when unknown (null): absent,
+ * LlamaConfig would take 1 and 2, Llama 2's ids, which mean nothing in another vocabulary and
+ * would make transformers' generate stop at whatever token 2 is. */
+static int write_hf_config(const plan_model_t *c, int bos, int eos, const char *dir, char *err, size_t errlen) {
+  char path[PLAN_PATH_MAX + 32], tmp[PLAN_PATH_MAX + 64], eps[32], theta[32], b[16], e[16];
   snprintf(path, sizeof path, "%s/config.json", dir);
   snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, (int)getpid());
   fmt_double(eps, sizeof eps, c->norm_eps);
@@ -774,14 +784,36 @@ static int write_hf_config(const plan_model_t *c, const char *dir, char *err, si
                   "  \"attention_bias\": false,\n"
                   "  \"mlp_bias\": false,\n"
                   "  \"tie_word_embeddings\": false,\n"
+                  "  \"bos_token_id\": %s,\n"
+                  "  \"eos_token_id\": %s,\n"
                   "  \"torch_dtype\": \"float32\"\n"
                   "}\n",
                   c->dim, c->hidden_dim, c->n_layers, c->n_heads, c->n_kv_heads, c->dim / c->n_heads, c->vocab_size,
-                  c->max_seq_len, eps, theta);
+                  c->max_seq_len, eps, theta, fmt_token(b, sizeof b, bos), fmt_token(e, sizeof e, eos));
   return finish_file(fp, n < 0, tmp, path, err, errlen);
 }
 
-static int export_hf(const plan_model_t *c, const source_t *src, const char *out, char *err, size_t errlen) {
+/* generation_config.json, when a token id is known: where transformers' generate looks for
+ * them first (reading them from config.json is its legacy fallback). When none is, one left
+ * in dir by an earlier export is removed, lest it override config.json's nulls. */
+static int write_hf_generation_config(int bos, int eos, const char *dir, char *err, size_t errlen) {
+  char path[PLAN_PATH_MAX + 32], tmp[PLAN_PATH_MAX + 64], b[16], e[16];
+  snprintf(path, sizeof path, "%s/generation_config.json", dir);
+  if (bos < 0 && eos < 0) {
+    if (unlink(path) != 0 && errno != ENOENT)
+      return fail(err, errlen, INTEROP_EIO, path, "cannot remove the earlier export's: %s", strerror(errno));
+    return 0;
+  }
+  snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, (int)getpid());
+  FILE *fp = fopen(tmp, "w");
+  if (!fp) return fail(err, errlen, INTEROP_EIO, path, "cannot create %s: %s", tmp, strerror(errno));
+  int n = fprintf(fp, "{\n  \"bos_token_id\": %s,\n  \"eos_token_id\": %s\n}\n", fmt_token(b, sizeof b, bos),
+                  fmt_token(e, sizeof e, eos));
+  return finish_file(fp, n < 0, tmp, path, err, errlen);
+}
+
+static int export_hf(const plan_model_t *c, const source_t *src, int bos, int eos, const char *out, char *err,
+                     size_t errlen) {
   int rc = mkdir_p(out, err, errlen);
   if (rc) return rc;
   const int n = 2 + 9 * c->n_layers + 1, D = c->dim / c->n_heads;
@@ -823,7 +855,8 @@ static int export_hf(const plan_model_t *c, const source_t *src, const char *out
     const char *meta[] = {"format", "pt"};
     if (st_write(path, ts, i, meta, 1, sterr, sizeof sterr) != 0) rc = fail(err, errlen, INTEROP_EIO, out, "%s", sterr);
   }
-  if (rc == 0) rc = write_hf_config(c, out, err, errlen);
+  if (rc == 0) rc = write_hf_config(c, bos, eos, out, err, errlen);
+  if (rc == 0) rc = write_hf_generation_config(bos, eos, out, err, errlen);
   for (int j = 0; perm && j < n; j++)
     free(perm[j]);
   free(perm);
@@ -832,23 +865,23 @@ static int export_hf(const plan_model_t *c, const source_t *src, const char *out
   return rc;
 }
 
-static int export_from(const plan_model_t *cfg, const source_t *src, interop_format_t fmt, const char *out, char *err,
-                       size_t errlen) {
+static int export_from(const plan_model_t *cfg, const source_t *src, interop_format_t fmt, int bos, int eos,
+                       const char *out, char *err, size_t errlen) {
   if (!out || !*out) return fail(err, errlen, INTEROP_EINVAL, "(none)", "no output path given");
   if (strlen(out) >= PLAN_PATH_MAX)
     return fail(err, errlen, INTEROP_EINVAL, "(path)", "longer than %d bytes", PLAN_PATH_MAX);
   int rc = check_dims(cfg, out, err, errlen);
   if (rc) return rc;
   if (fmt == INTEROP_LLAMA2C) return export_llama2c(cfg, src, out, err, errlen);
-  if (fmt == INTEROP_HF) return export_hf(cfg, src, out, err, errlen);
+  if (fmt == INTEROP_HF) return export_hf(cfg, src, bos, eos, out, err, errlen);
   return fail(err, errlen, INTEROP_EINVAL, out, "export format must be llama2c or hf, not %s",
               interop_format_name(fmt));
 }
 
-int interop_export(const plan_model_t *cfg, interop_get_fn get, void *ctx, interop_format_t fmt, const char *out,
-                   char *err, size_t errlen) {
+int interop_export(const plan_model_t *cfg, interop_get_fn get, void *ctx, interop_format_t fmt, int bos_id,
+                   int eos_id, const char *out, char *err, size_t errlen) {
   source_t src = {get, ctx, "export source"};
-  return export_from(cfg, &src, fmt, out, err, errlen);
+  return export_from(cfg, &src, fmt, bos_id, eos_id, out, err, errlen);
 }
 
 /* Source: our safetensors weights file. */
@@ -863,7 +896,7 @@ int interop_export_weights(const plan_model_t *cfg, const char *weights, interop
   char sterr[512];
   if (st_open(&st, weights, sterr, sizeof sterr) != 0) return fail(err, errlen, INTEROP_EIO, weights, "%s", sterr);
   source_t src = {get_from_st, st, weights};
-  int rc = export_from(cfg, &src, fmt, out, err, errlen);
+  int rc = export_from(cfg, &src, fmt, -1, -1, out, err, errlen);
   st_close(st);
   return rc;
 }
@@ -897,7 +930,7 @@ int interop_export_model(model_t *m, const plan_model_t *cfg, interop_format_t f
       rc = fail(err, errlen, INTEROP_EIO, out ? out : "(none)", "assembling %s failed (see the log)", t->name);
   }
   source_t s = {get_from_model, &src, "model"};
-  if (rc == 0 && out) rc = export_from(cfg, &s, fmt, out, err, errlen);
+  if (rc == 0 && out) rc = export_from(cfg, &s, fmt, -1, -1, out, err, errlen);
   for (int i = 0; src.host && i < nt; i++)
     free(src.host[i]);
   free(src.host);

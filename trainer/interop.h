@@ -93,9 +93,13 @@ int interop_load_model(interop_file_t *f, model_t *m, char *err, size_t errlen);
 /* Export. A source hands out full tensors by our name, numel floats (NULL: not there). */
 typedef const float *(*interop_get_fn)(void *ctx, const char *name, size_t numel);
 /* Writes cfg's model from get to out: a llama2.c file, or an HF directory (created if needed;
- * config.json and model.safetensors inside). */
-int interop_export(const plan_model_t *cfg, interop_get_fn get, void *ctx, interop_format_t fmt, const char *out,
-                   char *err, size_t errlen);
+ * config.json and model.safetensors inside). bos_id and eos_id, the ids of the tokenizer that
+ * goes with the weights (-1: none known), are what an HF directory's config.json records
+ * (null when -1), and its generation_config.json, written when either is known, so that
+ * transformers' generate stops where `trainer sample` does; llama2.c files have no place for
+ * them. interop_export_weights and interop_export_model know no tokenizer (-1, -1). */
+int interop_export(const plan_model_t *cfg, interop_get_fn get, void *ctx, interop_format_t fmt, int bos_id,
+                   int eos_id, const char *out, char *err, size_t errlen);
 /* From our safetensors weights file (what the trainer saves): `trainer export`. */
 int interop_export_weights(const plan_model_t *cfg, const char *weights, interop_format_t fmt, const char *out,
                            char *err, size_t errlen);

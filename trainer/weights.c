@@ -527,15 +527,15 @@ static const float *get_from_file(void *ctx, const char *name, size_t numel) {
   return p;
 }
 
-int weights_export(weights_file_t *f, const plan_model_t *cfg, const char *format, const char *out, char *err,
-                   size_t errlen) {
+int weights_export(weights_file_t *f, const plan_model_t *cfg, const char *format, int bos_id, int eos_id,
+                   const char *out, char *err, size_t errlen) {
   interop_format_t fmt;
   if (interop_format_parse(format, &fmt) || (fmt != INTEROP_LLAMA2C && fmt != INTEROP_HF)) {
     snprintf(err, errlen, "--format %s: export writes llama2c or hf", format);
     return 2;
   }
   export_src_t src = {.f = f};
-  int rc = interop_export(cfg, get_from_file, &src, fmt, out, err, errlen);
+  int rc = interop_export(cfg, get_from_file, &src, fmt, bos_id, eos_id, out, err, errlen);
   for (int i = 0; i < src.n; i++) free(src.copies[i]);
   free(src.copies);
   if (rc == 0) log_info("exported %s (%s) to %s (%s)", f->path, interop_format_name(f->fmt), out,

@@ -81,10 +81,11 @@ int weights_resolve_model(const weights_file_t *f, const plan_model_t *plan, int
 int weights_load_file(model_t *m, weights_file_t *f, char *err, size_t errlen);
 
 /* `trainer export`: f's model cfg (weights_resolve_model's) written to out as format
- * ("llama2c" or "hf"). Returns 0, 2 (usage: unknown format, a model llama2.c cannot express) or
- * 1 (I/O, memory), with the message in err. */
-int weights_export(weights_file_t *f, const plan_model_t *cfg, const char *format, const char *out, char *err,
-                   size_t errlen);
+ * ("llama2c" or "hf"); bos_id and eos_id (-1: none) as interop_export records them. Returns 0,
+ * 2 (usage: unknown format, a model llama2.c cannot express) or 1 (I/O, memory), with the
+ * message in err. */
+int weights_export(weights_file_t *f, const plan_model_t *cfg, const char *format, int bos_id, int eos_id,
+                   const char *out, char *err, size_t errlen);
 
 /* Where a training run's final weights go: <checkpoint.dir>/final.safetensors when
  * checkpoint.dir is set, else out/<plan file name without .json>/final.safetensors ("default"

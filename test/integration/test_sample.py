@@ -14,10 +14,11 @@
 - A tokenizer (a byte-level BPE tokenizer.json written here: the 256 byte symbols, four merges and
   <|endoftext|>): a model trained with data.tokenizer samples text with no plan (the tokenizer from
   its file's metadata), the text equal to the ids of the same draw without a tokenizer, decoded here
-  (BOS first, stopping at EOS); `export --format hf` writes tokenizer.json (same bytes) and a
-  tokenizer_config.json naming BOS and EOS; the HF folder then samples the same text. transformers
-  is not installed on this machine, so the folder's files are checked for presence and content;
-  with transformers, its AutoTokenizer and LlamaForCausalLM load the folder too.
+  (BOS first, stopping at EOS); `export --format hf` writes tokenizer.json (same bytes), a
+  tokenizer_config.json naming BOS and EOS, and their id in config.json and generation_config.json
+  (config.json says null where no tokenizer is known); the HF folder then samples the same text.
+  Where transformers is installed its AutoTokenizer and LlamaForCausalLM load the folder too
+  (test_hf_transformers checks such folders in transformers in full).
 - Bad inputs: a missing file, a file of no known format, a truncated safetensors, an HF folder
   without weights, a plan of another shape, --set model.* against the file, a tokenizer larger than
   the vocabulary, a missing tokenizer, an unknown export format, an unwritable output: each a
@@ -162,6 +163,8 @@ def test_export_round_trips(tmp_path):
     r = run(["export", "--format", "hf", "--weights", STORIES, "--out", hf], tmp_path)
     assert r.returncode == 0, r.stderr
     assert sorted(os.listdir(hf)) == ["config.json", "model.safetensors"]  # no tokenizer known
+    cfg = json.loads((hf / "config.json").read_text())
+    assert cfg["bos_token_id"] is None and cfg["eos_token_id"] is None  # not LlamaConfig's 1 and 2
     r = run(["export", "--format", "llama2c", "--weights", hf, "--out", back], tmp_path)
     assert r.returncode == 0, r.stderr
     h0, w0, rope0, cls0 = read_llama2c(STORIES)
@@ -292,14 +295,18 @@ def test_tokenizer_sample_and_export(tmp_path):
     hf = tmp_path / "hf"
     e = run(["export", "--format", "hf", "--weights", ours, "--out", hf], tmp_path)
     assert e.returncode == 0, e.stderr
-    assert sorted(os.listdir(hf)) == ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    assert sorted(os.listdir(hf)) == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                                      "tokenizer_config.json"]
     assert (hf / "tokenizer.json").read_bytes() == tok.read_bytes()
     tc = json.loads((hf / "tokenizer_config.json").read_text())
     print("tokenizer_config.json:", tc)
     assert tc["bos_token"] == "<|endoftext|>" and tc["eos_token"] == "<|endoftext|>"
     assert tc["tokenizer_class"] == "PreTrainedTokenizerFast" and tc["model_max_length"] == 32
     cfg = json.loads((hf / "config.json").read_text())
+    gen = json.loads((hf / "generation_config.json").read_text())
+    print("config.json token ids:", cfg["bos_token_id"], cfg["eos_token_id"], "generation_config.json:", gen)
     assert cfg["vocab_size"] == 264 and cfg["model_type"] == "llama"
+    assert cfg["bos_token_id"] == cfg["eos_token_id"] == gen["bos_token_id"] == gen["eos_token_id"] == EOT
     assert run(["sample", "--weights", hf] + hot, tmp_path, binary=True).stdout == text.stdout
     # to llama2.c no tokenizer is written; with data.tokenizer it samples the same text again
     b = run(["export", "--format", "llama2c", "--weights", hf, "--out", tmp_path / "m.bin"], tmp_path)
