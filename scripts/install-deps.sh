@@ -34,26 +34,20 @@ if [ ${#missing[@]} -gt 0 ]; then
   $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
-# PyPI's tokenizers (Hugging Face's own BPE) for Debian's python3, which the tests run under:
-# scripts/prepare_data.py trains and applies tokenizers with it, and test_tokenizer checks the
-# C tokenizer's ids against it. Debian has no package of it, hence pip (system-wide: CI machines
-# are throwaway; --break-system-packages is pip's word for that on Debian 12).
-if ! /usr/bin/python3 -c "import tokenizers" 2>/dev/null; then
-  echo "install-deps: installing PyPI tokenizers for /usr/bin/python3" >&2
+# PyPI packages for Debian's python3, which the tests run under (Debian has neither; pip installs
+# them system-wide: CI machines are throwaway, and --break-system-packages is pip's word for that
+# on Debian 12):
+# - tokenizers (Hugging Face's own BPE): scripts/prepare_data.py trains and applies tokenizers
+#   with it, and test_tokenizer checks the C tokenizer's ids against it;
+# - transformers: test_hf_transformers loads `trainer export --format hf` folders with it
+#   (weights, tokenizer, generate). Pinned to 4.49.0, the newest that runs on Debian 12's torch
+#   1.13: 4.50 and later import torch.distributed.tensor (torch 2), 4.52 and later disable torch
+#   below 2.1. It does not depend on torch, so pip leaves python3-torch and python3-numpy alone;
+#   it takes tokenizers 0.21.x and huggingface_hub below 1.0 (test_tokenizer agrees with 0.21).
+# One pip call, so that pip picks the tokenizers that transformers accepts.
+if ! /usr/bin/python3 -c "import tokenizers, transformers" 2>/dev/null; then
+  echo "install-deps: installing PyPI tokenizers and transformers 4.49.0 for /usr/bin/python3" >&2
   pip_sudo=""
   [ "$(id -u)" -eq 0 ] || pip_sudo="sudo"
-  $pip_sudo /usr/bin/python3 -m pip install -q --break-system-packages tokenizers
-fi
-
-# PyPI's transformers for the same python3: test_hf_transformers loads `trainer export --format hf`
-# folders with it (weights, tokenizer, generate). Pinned to 4.49.0, the newest that runs on
-# Debian 12's torch 1.13: 4.50 and later import torch.distributed.tensor (torch 2), 4.52 and
-# later disable torch below 2.1. transformers does not depend on torch, so pip leaves Debian's
-# python3-torch and python3-numpy alone; it does take tokenizers back to 0.21.x and
-# huggingface_hub below 1.0, as 4.49 requires (test_tokenizer agrees with 0.21 too).
-if ! /usr/bin/python3 -c "import transformers" 2>/dev/null; then
-  echo "install-deps: installing PyPI transformers 4.49.0 for /usr/bin/python3" >&2
-  pip_sudo=""
-  [ "$(id -u)" -eq 0 ] || pip_sudo="sudo"
-  $pip_sudo /usr/bin/python3 -m pip install -q --break-system-packages "transformers==4.49.0"
+  $pip_sudo /usr/bin/python3 -m pip install -q --break-system-packages tokenizers "transformers==4.49.0"
 fi
