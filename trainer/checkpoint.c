@@ -110,8 +110,8 @@ static int resume(checkpoint_t *c, dp_t *dp, int world, int restart, int round, 
   const char *saved_tokens = ckpt_state_get(&meta->state, "data_tokens");
   if (saved_tokens && strtoull(saved_tokens, NULL, 10) != c->data_tokens && c->rank == 0)
     log_warn("%s was saved over a dataset of %s tokens, this run's has %llu: the data changed, so the batches "
-                   "after step %llu are not those the run would have read", meta->path, saved_tokens,
-                   (unsigned long long)c->data_tokens, (unsigned long long)step);
+             "after step %llu are not those the run would have read", meta->path, saved_tokens,
+             (unsigned long long)c->data_tokens, (unsigned long long)step);
   if (dp_ckpt_from_host(dp, ck, err, errlen)) {
     ckpt_close(ck);
     return 1;
