@@ -131,6 +131,12 @@ static data_shard_t *stream_add(data_stream_t *s, const char *path, char *err, s
   return sh;
 }
 
+/* v as 4 little-endian bytes at p, as token files hold ids (the tokens in memory read alike). */
+static void put_le32(void *p, uint32_t v) {
+  unsigned char *b = p;
+  b[0] = (unsigned char)v, b[1] = (unsigned char)(v >> 8), b[2] = (unsigned char)(v >> 16), b[3] = (unsigned char)(v >> 24);
+}
+
 /* A text shard's bytes, encoded through tok, become its tokens: uint32 ids in memory (the
  * mapping is let go), so the rest of data sees an id shard like any other. */
 static int encode_shard(data_shard_t *sh, const tokenizer_t *tok, char *err, size_t errlen) {
@@ -141,11 +147,7 @@ static int encode_shard(data_shard_t *sh, const tokenizer_t *tok, char *err, siz
     snprintf(err, errlen, "data: %s: cannot encode it with data.tokenizer: %s", sh->path, why);
     return DATA_EINVAL;
   }
-  for (size_t i = 0; i < n; i++) { /* little-endian, as files are */
-    uint32_t v = (uint32_t)ids[i];
-    unsigned char *b = (unsigned char *)&ids[i];
-    b[0] = (unsigned char)v, b[1] = (unsigned char)(v >> 8), b[2] = (unsigned char)(v >> 16), b[3] = (unsigned char)(v >> 24);
-  }
+  for (size_t i = 0; i < n; i++) put_le32(&ids[i], (uint32_t)ids[i]);
   if (sh->map_len) munmap(sh->map, sh->map_len);
   sh->map = ids;
   sh->map_len = 0;
@@ -291,11 +293,7 @@ static int make_synthetic(data_stream_t *s, uint64_t seed, int vocab, size_t n, 
   for (int v = 0; v < vocab; v++) succ[v] = (int32_t)rng_below(&r, (uint64_t)vocab);
   int32_t cur = (int32_t)rng_below(&r, (uint64_t)vocab);
   for (size_t i = 0; i < n; i++) {
-    unsigned char *b = (unsigned char *)&tok[i]; /* little-endian, as files are */
-    b[0] = (unsigned char)cur;
-    b[1] = (unsigned char)(cur >> 8);
-    b[2] = (unsigned char)(cur >> 16);
-    b[3] = (unsigned char)(cur >> 24);
+    put_le32(&tok[i], (uint32_t)cur);
     cur = rng_below(&r, 4) < 3 ? succ[cur] : (int32_t)rng_below(&r, (uint64_t)vocab);
   }
   free(succ);
@@ -304,23 +302,6 @@ static int make_synthetic(data_stream_t *s, uint64_t seed, int vocab, size_t n, 
   sh->width = 4;
   sh->n = n;
   s->n = n;
-  return 0;
-}
-
-/* data.tokenizer, for encoding text shards: its ids must fit the model's vocabulary. */
-static int load_tokenizer(tokenizer_t **out, const char *path, int vocab, char *err, size_t errlen) {
-  char why[512];
-  if (tokenizer_load(out, path, why, sizeof why) != 0) {
-    snprintf(err, errlen, "data: %s", why);
-    return DATA_EINVAL;
-  }
-  int tv = tokenizer_vocab_size(*out);
-  if (tv > vocab) {
-    snprintf(err, errlen, "data: data.tokenizer %s has %d tokens, more than model.vocab_size %d", path, tv, vocab);
-    tokenizer_free(*out);
-    *out = NULL;
-    return DATA_EINVAL;
-  }
   return 0;
 }
 
@@ -345,9 +326,12 @@ int data_load(data_t *d, const plan_t *p, int need_val, char *err, size_t errlen
       snprintf(err, errlen, "data: data.train is empty; give a token file or set data.format to synthetic");
       return DATA_EINVAL;
     }
-    tokenizer_t *tok = NULL;
-    if (p->data.tokenizer[0] && (rc = load_tokenizer(&tok, p->data.tokenizer, d->vocab_size, err, errlen)))
-      return rc;
+    tokenizer_t *tok = NULL; /* data.tokenizer, for encoding text shards */
+    char why[512];
+    if (p->data.tokenizer[0] && tokenizer_load_within(&tok, p->data.tokenizer, d->vocab_size, why, sizeof why)) {
+      snprintf(err, errlen, "data: data.%s", why);
+      return DATA_EINVAL;
+    }
     int is_text = -1;
     rc = map_stream(&d->train_src, "data.train", train_name, p->data.format, d->vocab_size, tok, &is_text,
                     &d->format, err, errlen);

@@ -58,13 +58,8 @@ static int tok_open(export_tok_t *x, const char *path, const plan_model_t *cfg, 
   struct stat sb;
   if (stat(path, &sb) == 0 && S_ISDIR(sb.st_mode)) snprintf(json_path, sizeof json_path, "%s/tokenizer.json", path);
   else snprintf(json_path, sizeof json_path, "%s", path);
-  if (tokenizer_load(&x->t, path, why, sizeof why) != 0) {
-    x->t = NULL;
-    return err_set(err, errlen, 1, "export error: %s", why);
-  }
-  if (tokenizer_vocab_size(x->t) > cfg->vocab_size)
-    return err_set(err, errlen, 2, "export error: tokenizer %s has %d tokens, more than the model's vocab_size %d",
-                   path, tokenizer_vocab_size(x->t), cfg->vocab_size);
+  int rc = tokenizer_load_within(&x->t, path, cfg->vocab_size, why, sizeof why);
+  if (rc) return err_set(err, errlen, rc == TOKENIZER_EVOCAB ? 2 : 1, "export error: %s", why);
   int r = fs_read_file(json_path, TOKENIZER_JSON_MAX, &x->json, &x->len, NULL);
   if (r) return err_set(err, errlen, 1, "export error: tokenizer %s: %s", json_path, strerror(-r));
   size_t i = 0;

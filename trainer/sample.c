@@ -235,19 +235,8 @@ static int generate(gen_t *g, model_t *m, backend_t *be, model_kv_t *kv, int win
  * outside the embedding). Returns 0, 1 (cannot load) or 2 (too large). */
 static int load_tokenizer(tokenizer_t **out, const char *path, int vocab, char *err, size_t errlen) {
   char why[512];
-  *out = NULL;
-  if (tokenizer_load(out, path, why, sizeof why) != 0) {
-    *out = NULL;
-    return err_set(err, errlen, 1, "sample error: %s", why);
-  }
-  int tv = tokenizer_vocab_size(*out);
-  if (tv > vocab) {
-    tokenizer_free(*out);
-    *out = NULL;
-    return err_set(err, errlen, 2, "sample error: tokenizer %s has %d tokens, more than the model's vocab_size %d",
-                   path, tv, vocab);
-  }
-  return 0;
+  int rc = tokenizer_load_within(out, path, vocab, why, sizeof why);
+  return rc ? err_set(err, errlen, rc == TOKENIZER_EVOCAB ? 2 : 1, "sample error: %s", why) : 0;
 }
 
 int sample_generate(model_t *m, backend_t *be, const plan_t *p, int is_text, FILE *out, char *err, size_t errlen) {

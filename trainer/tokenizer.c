@@ -1338,3 +1338,14 @@ done:
   cJSON_Delete(config);
   return rc;
 }
+
+int tokenizer_load_within(tokenizer_t **out, const char *path, int vocab, char *err, size_t errlen) {
+  int rc = tokenizer_load(out, path, err, errlen);
+  if (rc) return rc;
+  int n = tokenizer_vocab_size(*out);
+  if (n <= vocab) return 0;
+  tokenizer_free(*out);
+  *out = NULL;
+  return err_set(err, errlen, TOKENIZER_EVOCAB, "tokenizer %s has %d tokens, more than the model's vocab_size %d",
+                 path, n, vocab);
+}

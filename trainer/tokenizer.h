@@ -44,6 +44,7 @@ enum {
   TOKENIZER_EFORMAT = -3,      /* the file is malformed: bad JSON, truncated .bin, unknown token */
   TOKENIZER_EUNSUPPORTED = -4, /* a valid file asking for something this module does not do */
   TOKENIZER_ENOMEM = -5,
+  TOKENIZER_EVOCAB = -6,       /* tokenizer_load_within: more ids than the model has */
 };
 
 typedef struct tokenizer tokenizer_t;
@@ -52,6 +53,10 @@ typedef struct tokenizer tokenizer_t;
  * (detected from the content, not the name). Returns 0 and *out, or a negative code with a
  * one-line message naming the file and the cause in err. */
 int tokenizer_load(tokenizer_t **out, const char *path, char *err, size_t errlen);
+/* tokenizer_load for a model of vocab tokens: a tokenizer with more ids than that is refused
+ * with TOKENIZER_EVOCAB ("tokenizer PATH has N tokens, more than the model's vocab_size V"),
+ * *out NULL. What sample, export and data load their tokenizer with. */
+int tokenizer_load_within(tokenizer_t **out, const char *path, int vocab, char *err, size_t errlen);
 void tokenizer_free(tokenizer_t *t); /* accepts NULL */
 
 int tokenizer_vocab_size(const tokenizer_t *t); /* ids are in [0, vocab_size) incl. added/special tokens */

@@ -42,11 +42,6 @@ def header_record(path):
     return next(r for r in records(path) if "data_tokens" in r)
 
 
-def sample_text(stdout):
-    """The sample, as printed on stdout."""
-    return stdout.strip()
-
-
 def test_text_through_the_tokenizer(tmp_path):
     text = open(TEXT, "rb").read()[:60000]
     (tmp_path / "part.txt").write_bytes(text)
@@ -77,7 +72,7 @@ def test_text_through_the_tokenizer(tmp_path):
     start = [l for l in r.stderr.splitlines() if "parameters" in l and "text data" in l][0]
     print(start)
     assert "encoded by %s" % BPE512 in start
-    out = sample_text(r.stdout)
+    out = r.stdout.strip()
     print("sample: %r" % out)
     assert out.startswith("KING") and " | " not in out  # decoded text, not "id | id" lines
 
@@ -85,7 +80,7 @@ def test_text_through_the_tokenizer(tmp_path):
     plan["model"]["vocab_size"] = 500
     r = trainer([write_json(tmp_path / "p2.json", plan)], tmp_path)
     print(r.stderr.strip().splitlines()[-1])
-    assert r.returncode == 2 and "has 512 tokens, more than model.vocab_size 500" in r.stderr
+    assert r.returncode == 2 and "has 512 tokens, more than the model's vocab_size 500" in r.stderr
 
 
 def test_stories_plan_on_prepared_shards(tmp_path):
@@ -103,7 +98,7 @@ def test_stories_plan_on_prepared_shards(tmp_path):
                  "--set", "data.tokenizer=%s" % (d / "tokenizer.json")], tmp_path)
     assert r.returncode == 0, r.stderr
     assert "step 2/2" in r.stderr and "llmc data" in r.stderr
-    out = sample_text(r.stdout)
+    out = r.stdout.strip()
     print("sample: %r" % out)
     assert out.startswith("ROMEO:") and " | " not in out
     assert (tmp_path / "out" / "stories" / "metrics.jsonl").is_file()
@@ -118,7 +113,7 @@ def test_stories260k_finetunes_on_text(tmp_path):
     start = [l for l in r.stderr.splitlines() if "parameters" in l and "data" in l][0]
     print(start)
     assert "text data %s encoded by %s" % (os.path.realpath(TEXT), os.path.realpath(BPE512)) in start
-    assert sample_text(r.stdout).startswith("ROMEO:")
+    assert r.stdout.strip().startswith("ROMEO:")
 
 
 def test_print_plan(tmp_path):

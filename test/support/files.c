@@ -5,6 +5,7 @@
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include <cmocka.h>
 
@@ -26,6 +27,30 @@ void testfile_write(const char *path, const void *b, size_t len) {
   assert_non_null(f);
   assert_int_equal(fwrite(b, 1, len, f), len);
   fclose(f);
+}
+
+size_t testfile_write_llama2c_tok(const char *path, int32_t max_len, int with_bytes, const testpiece_t *extra, int n) {
+  const testpiece_t head[3] = {{"<unk>", 0}, {"\n<s>\n", 0}, {"\n</s>\n", 0}};
+  const int nbytes = with_bytes ? 256 : 0, total = 3 + nbytes + n;
+  size_t size = 4 + (size_t)nbytes * (8 + 6); /* a byte piece: score, length, "<0xNN>" */
+  for (int i = 0; i < 3; i++) size += 8 + strlen(head[i].s);
+  for (int i = 0; i < n; i++) size += 8 + strlen(extra[i].s);
+  unsigned char *buf = malloc(size), *w = buf;
+  assert_non_null(buf);
+  memcpy(w, &max_len, 4), w += 4;
+  for (int i = 0; i < total; i++) {
+    char byte[8];
+    testpiece_t p = i < 3 ? head[i] : i < 3 + nbytes ? (testpiece_t){byte, 0} : extra[i - 3 - nbytes];
+    if (i >= 3 && i < 3 + nbytes) snprintf(byte, sizeof byte, "<0x%02X>", i - 3);
+    int32_t len = (int32_t)strlen(p.s);
+    memcpy(w, &p.score, 4), w += 4;
+    memcpy(w, &len, 4), w += 4;
+    memcpy(w, p.s, (size_t)len), w += len;
+  }
+  assert_int_equal((size_t)(w - buf), size);
+  testfile_write(path, buf, size);
+  free(buf);
+  return size;
 }
 
 int testdir_make(char *dir, size_t len, const char *prefix) {

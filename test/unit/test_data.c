@@ -372,22 +372,8 @@ static void test_batch_rule(void **state) {
 /* A llama2.c tokenizer.bin: <unk> <s> </s>, the 256 byte tokens, then " ", "a", "b", "ab", " ab"
  * (ids 259..263; the merge scores favour "ab" then " ab"). */
 static void write_tok_bin(const char *path) {
-  static const struct { const char *s; float score; } extra[] = {{" ", -9}, {"a", -9}, {"b", -9}, {"ab", -1}, {" ab", -2}};
-  unsigned char buf[8192], *w = buf;
-  int32_t v = 8;
-  memcpy(w, &v, 4), w += 4;
-  for (int i = 0; i < 264; i++) {
-    char piece[16];
-    float score = 0;
-    if (i < 3) snprintf(piece, sizeof piece, "%s", i == 0 ? "<unk>" : i == 1 ? "\n<s>\n" : "\n</s>\n");
-    else if (i < 259) snprintf(piece, sizeof piece, "<0x%02X>", i - 3);
-    else snprintf(piece, sizeof piece, "%s", extra[i - 259].s), score = extra[i - 259].score;
-    int32_t len = (int32_t)strlen(piece);
-    memcpy(w, &score, 4), w += 4;
-    memcpy(w, &len, 4), w += 4;
-    memcpy(w, piece, (size_t)len), w += len;
-  }
-  testfile_write(path, buf, (size_t)(w - buf));
+  static const testpiece_t extra[] = {{" ", -9}, {"a", -9}, {"b", -9}, {"ab", -1}, {" ab", -2}};
+  testfile_write_llama2c_tok(path, 8, 1, extra, 5);
 }
 
 /* Text through data.tokenizer: the split's tokens are the tokenizer's ids of the file, in
@@ -431,7 +417,7 @@ static void test_text_through_tokenizer(void **state) {
   snprintf(p.data.tokenizer, sizeof p.data.tokenizer, "%s", path_in("tok.bin"));
   assert_int_equal(data_load(&d, &p, 0, err, sizeof err), DATA_EINVAL);
   printf("%s\n", err);
-  assert_non_null(strstr(err, "has 264 tokens, more than model.vocab_size 263"));
+  assert_non_null(strstr(err, "has 264 tokens, more than the model's vocab_size 263"));
 }
 
 int main(void) {

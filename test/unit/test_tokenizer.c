@@ -244,10 +244,7 @@ static void test_full_json(void **state) {
 
 /* ---------------------------------------------------------------- llama2.c tokenizer.bin */
 
-typedef struct {
-  const char *s;
-  float score;
-} piece_t;
+typedef testpiece_t piece_t;
 
 /* ids 259.. after <unk> <s> </s> and the byte tokens; "▁d" is read as " d". */
 static const piece_t PIECES[] = {
@@ -255,40 +252,12 @@ static const piece_t PIECES[] = {
     {"\xc3\xa9", -5}, {"\xe2\x96\x81" "d", -4}, {"d", -10}, {"x", -10}, {"y", -10}, {"z", -10}, {"xy", -1}, {"yz", -1},
 };
 
-static void put_i32(unsigned char **w, int32_t v) {
-  memcpy(*w, &v, 4);
-  *w += 4;
-}
-
-/* Writes a tokenizer.bin; returns its size. with_bytes: the 256 <0xNN> tokens at 3..258. */
+/* Writes a tokenizer.bin in the scratch directory; returns its size. with_bytes: the 256 <0xNN>
+ * tokens at 3..258. */
 static size_t write_bin(const char *name, int32_t max_len, int with_bytes, const piece_t *extra, int nextra) {
-  unsigned char *buf = malloc(1 << 16), *w = buf;
-  assert_non_null(buf);
-  put_i32(&w, max_len);
-  piece_t head[3] = {{"<unk>", 0}, {"\n<s>\n", 0}, {"\n</s>\n", 0}};
-  char bytes[256][8];
-  for (int i = 0; i < 3 + (with_bytes ? 256 : 0) + nextra; i++) {
-    piece_t p;
-    if (i < 3) {
-      p = head[i];
-    } else if (with_bytes && i < 259) {
-      snprintf(bytes[i - 3], sizeof bytes[0], "<0x%02X>", i - 3);
-      p = (piece_t){bytes[i - 3], 0};
-    } else {
-      p = extra[i - 3 - (with_bytes ? 256 : 0)];
-    }
-    memcpy(w, &p.score, 4);
-    w += 4;
-    put_i32(&w, (int32_t)strlen(p.s));
-    memcpy(w, p.s, strlen(p.s));
-    w += strlen(p.s);
-  }
   char path[300];
   path_in(path, sizeof path, name);
-  size_t n = (size_t)(w - buf);
-  testfile_write(path, buf, n);
-  free(buf);
-  return n;
+  return testfile_write_llama2c_tok(path, max_len, with_bytes, extra, nextra);
 }
 
 static void test_llama2c_bin(void **state) {
