@@ -208,6 +208,52 @@ def placeholders(meta):
     return re.sub(r'("crc32c":\s*)"0x[0-9a-f]{8}"', r'\1"@CRC@"', meta)
 
 
+def l2c_tokenizer(pieces, byte_tokens=True, max_len=16):
+    """llama2.c's tokenizer.bin: <unk> <s> </s>, the byte tokens, then (piece, score) pairs."""
+    head = [("<unk>", 0.0), ("\n<s>\n", 0.0), ("\n</s>\n", 0.0)]
+    body = [("<0x%02X>" % b, 0.0) for b in range(256)] if byte_tokens else []
+    data = struct.pack("<i", max_len)
+    for s, score in head + body + pieces:
+        e = s.encode("utf-8")
+        data += struct.pack("<fi", score, len(e)) + e
+    return data
+
+
+def seeds_tokenizer():
+    """Byte-level (GPT-2 style) and sentencepiece-style tokenizer.json files, each with a text
+    after a NUL; llama2.c tokenizer.bin files with and without byte tokens."""
+    g = "\u0120"
+    byte_level = {"added_tokens": [{"id": 8, "content": "<|endoftext|>", "special": True}],
+                  "normalizer": None,
+                  "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True},
+                  "decoder": {"type": "ByteLevel"},
+                  "model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "c": 2, g: 3, "ab": 4, g + "ab": 5, "'": 6,
+                                                     "s": 7},
+                            "merges": ["a b", g + " ab"]}}
+    meta = "\u2581"
+    spm = {"added_tokens": [{"id": 0, "content": "<unk>", "special": True, "normalized": False},
+                            {"id": 1, "content": "<s>", "special": True, "normalized": False}],
+           "normalizer": {"type": "Sequence", "normalizers": [
+               {"type": "Prepend", "prepend": meta},
+               {"type": "Replace", "pattern": {"String": " "}, "content": meta}]},
+           "pre_tokenizer": None,
+           "decoder": {"type": "Sequence", "decoders": [
+               {"type": "Replace", "pattern": {"String": meta}, "content": " "}, {"type": "ByteFallback"},
+               {"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+           "model": {"type": "BPE", "unk_token": "<unk>", "fuse_unk": True, "byte_fallback": True,
+                     "vocab": {"<unk>": 0, "<s>": 1, "<0x21>": 2, meta: 3, "a": 4, "b": 5, meta + "a": 6, "ab": 7},
+                     "merges": [["a", "b"], [meta, "a"]]}}
+    metaspace = dict(spm, normalizer=None,
+                     pre_tokenizer={"type": "Metaspace", "replacement": meta, "prepend_scheme": "first",
+                                    "split": True},
+                     decoder={"type": "Metaspace", "replacement": meta, "prepend_scheme": "first"})
+    for name, j in (("byte_level", byte_level), ("spm", spm), ("metaspace", metaspace)):
+        out("tokenizer", name + ".json", json.dumps(j, ensure_ascii=False).encode() + b"\0ab ab's <s>a!\xc3\xa9")
+    pieces = [(" ", -1.0), ("a", -1.0), ("b", -1.0), ("ab", -2.0), (" ab", -3.0), ("\u00e9", -1.0)]
+    out("tokenizer", "llama2c.bin", l2c_tokenizer(pieces))
+    out("tokenizer", "llama2c_nobytes.bin", l2c_tokenizer(pieces, byte_tokens=False))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ckpt-seed")
@@ -215,7 +261,7 @@ def main():
     ap.add_argument("targets", nargs="*")
     a = ap.parse_args()
     gens = dict(plan=seeds_plan, safetensors=seeds_safetensors, llama2c=seeds_llama2c, llmc=seeds_llmc,
-                store=seeds_store)
+                store=seeds_store, tokenizer=seeds_tokenizer)
     os.makedirs(os.path.join(CORPUS, "plan"), exist_ok=True)
     for t in a.targets or list(gens):
         if t in gens:

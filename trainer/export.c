@@ -47,8 +47,9 @@ static void add_token(cJSON *o, const char *key, const tokenizer_t *t, int id) {
 /* The tokenizer that goes with an HF export: loaded and checked before anything is written. */
 typedef struct {
   tokenizer_t *t;
-  char *json; /* tokenizer.json's bytes; NULL for llama2.c's tokenizer.bin (not exported) */
+  char *json; /* tokenizer.json's bytes (a tokenizer.bin's converted); NULL when there is none */
   size_t len;
+  int converted; /* json is llama2.c's tokenizer.bin converted */
 } export_tok_t;
 
 /* path: a tokenizer.json, a folder holding one, or a tokenizer.bin. Returns 0, 1 (cannot be
@@ -64,10 +65,13 @@ static int tok_open(export_tok_t *x, const char *path, const plan_model_t *cfg, 
   if (r) return err_set(err, errlen, 1, "export error: tokenizer %s: %s", json_path, strerror(-r));
   size_t i = 0;
   while (i < x->len && strchr(" \t\r\n", x->json[i])) i++;
-  if (i == x->len || x->json[i] != '{') { /* llama2.c's tokenizer.bin */
-    log_warn("export: %s is not a tokenizer.json (llama2.c's tokenizer.bin?); the HF folder gets no tokenizer", path);
+  if (i == x->len || x->json[i] != '{') { /* llama2.c's tokenizer.bin: written as tokenizer.json */
     free(x->json);
     x->json = NULL;
+    if (tokenizer_llama2c_json(x->t, &x->json, &x->len, why, sizeof why) == TOKENIZER_ENOMEM)
+      return err_set(err, errlen, 1, "export error: %s", why);
+    if (!x->json) log_warn("export: %s: %s; the HF folder gets no tokenizer", path, why);
+    x->converted = x->json != NULL;
   }
   return 0;
 }
@@ -76,12 +80,32 @@ static int tok_open(export_tok_t *x, const char *path, const plan_model_t *cfg, 
 static int tok_write(const export_tok_t *x, const plan_model_t *cfg, const char *out, char *err, size_t errlen) {
   if (!x->json) return 0;
   int rc = write_beside(out, "tokenizer.json", x->json, x->len, err, errlen);
+  /* a converted tokenizer.bin is read back as what was written: its ids and BOS/EOS must be the
+   * .bin's, and its BOS/EOS names (<s>, </s>) are the JSON's, not the .bin's "\n<s>\n" */
+  tokenizer_t *names = x->t, *back = NULL;
+  if (rc == 0 && x->converted) {
+    char path[PLAN_PATH_MAX + 32], why[512];
+    snprintf(path, sizeof path, "%s/tokenizer.json", out);
+    if (tokenizer_load(&back, path, why, sizeof why))
+      rc = err_set(err, errlen, 1, "export error: the tokenizer.json written from llama2.c's does not read back: %s",
+                   why);
+    else if (tokenizer_vocab_size(back) != tokenizer_vocab_size(x->t) || tokenizer_bos(back) != tokenizer_bos(x->t) ||
+             tokenizer_eos(back) != tokenizer_eos(x->t))
+      rc = err_set(err, errlen, 1,
+                   "export error: %s reads back as %d tokens, BOS %d, EOS %d; the tokenizer.bin has %d, %d, %d", path,
+                   tokenizer_vocab_size(back), tokenizer_bos(back), tokenizer_eos(back), tokenizer_vocab_size(x->t),
+                   tokenizer_bos(x->t), tokenizer_eos(x->t));
+    names = back;
+  }
   cJSON *o = rc == 0 ? cJSON_CreateObject() : NULL;
   char *text = NULL;
   if (o) {
     cJSON_AddStringToObject(o, "tokenizer_class", "PreTrainedTokenizerFast");
-    add_token(o, "bos_token", x->t, tokenizer_bos(x->t));
-    add_token(o, "eos_token", x->t, tokenizer_eos(x->t));
+    add_token(o, "bos_token", names, tokenizer_bos(names));
+    add_token(o, "eos_token", names, tokenizer_eos(names));
+    size_t ul = 0;
+    const char *unk = x->converted ? tokenizer_token_bytes(names, 0, -1, &ul) : NULL;
+    if (unk && ul == 5 && memcmp(unk, "<unk>", 5) == 0) cJSON_AddStringToObject(o, "unk_token", "<unk>");
     cJSON_AddNumberToObject(o, "model_max_length", cfg->max_seq_len);
     cJSON_AddFalseToObject(o, "clean_up_tokenization_spaces");
     text = cJSON_Print(o);
@@ -97,7 +121,10 @@ static int tok_write(const export_tok_t *x, const plan_model_t *cfg, const char 
   }
   free(line);
   if (text) cJSON_free(text);
-  if (rc == 0) log_info("exported the tokenizer to %s/tokenizer.json and tokenizer_config.json", out);
+  tokenizer_free(back);
+  if (rc == 0)
+    log_info("exported the tokenizer%s to %s/tokenizer.json and tokenizer_config.json",
+             x->converted ? " (llama2.c's tokenizer.bin, converted)" : "", out);
   return rc;
 }
 

@@ -73,12 +73,23 @@ typedef struct {
   int lstrip, rstrip, normalized;
 } added_t;
 
-typedef enum { PRE_SPLIT, PRE_BYTELEVEL } pre_kind_t;
+typedef enum { PRE_SPLIT, PRE_BYTELEVEL, PRE_METASPACE } pre_kind_t;
+typedef enum { PREPEND_NEVER, PREPEND_ALWAYS, PREPEND_FIRST } prepend_t;
 typedef struct {
   pre_kind_t kind;
   pcre2_code *re;       /* Split's pattern; ByteLevel's GPT-2 regex, NULL without use_regex */
   int add_prefix_space; /* ByteLevel */
+  char rep[8];          /* Metaspace: the replacement character's UTF-8 ("▁") */
+  size_t rep_len;
+  prepend_t prepend; /* Metaspace: when the piece gets a replacement in front */
+  int split;         /* Metaspace: each replacement starts a new word */
 } pre_t;
+
+/* A normalizer step: Prepend (from NULL) or Replace of a literal string. */
+typedef struct {
+  char *from, *to;
+  size_t from_len, to_len;
+} norm_t;
 
 struct tokenizer {
   tok_kind_t kind;
@@ -103,6 +114,13 @@ struct tokenizer {
   int added_start[257]; /* added_by_byte[added_start[b] .. added_start[b+1]) start with b */
   pre_t *pre;
   int n_pre;
+  norm_t *norm; /* the normalizer's steps, in order */
+  int n_norm;
+  /* sentencepiece-style tokenizer.json: a word's symbols are its UTF-8 characters (the vocab's
+   * strings as they are), a character the vocab lacks its <0xNN> tokens with byte_fallback */
+  int spm, byte_fallback;
+  int32_t fallback_id[256]; /* <0xNN>'s id, -1 when the vocab lacks it */
+  int strip_first;          /* decoder Strip/Metaspace: the first token loses a leading space */
 
   /* llama2.c */
   float *score;     /* (vocab_size) */
@@ -295,6 +313,12 @@ typedef struct {
   size_t nheap, heapcap;
   char *scratch; /* a piece with its prefix space; llama2.c's concatenated pair */
   size_t scratchcap;
+  char *norm; /* the normalized piece (pass 1), norm_len bytes */
+  size_t normcap, norm_len;
+  char *meta; /* a piece after Metaspace */
+  size_t metacap;
+  const char *orig;  /* the text given to tokenizer_encode */
+  const char *start; /* where the normalized piece that begins the text begins, else NULL */
   smap_t cache; /* word -> index into cache_at */
   char *cache_keys;
   size_t cache_keys_n, cache_keys_cap;
@@ -430,12 +454,27 @@ static int bpe_word(enc_t *e, const char *p, size_t n) {
     int32_t id = smap_find(&t->keys, t->key_buf, p, n);
     if (id >= 0) return ids_push(&e->out, id);
   }
-  /* One symbol per byte (per character of the byte-level string). Bytes the vocab lacks become
-   * unk_token (consecutive ones one unk with fuse_unk) or, without one, are dropped. */
+  /* One symbol per byte (per character of the byte-level string); sentencepiece-style, one per
+   * UTF-8 character, or its <0xNN> tokens when the vocab lacks it (byte_fallback, all of its
+   * bytes there). What is left becomes unk_token (consecutive ones one unk with fuse_unk) or,
+   * without one, is dropped. An invalid UTF-8 byte is a character of its own. */
   e->nsym = 0;
   int last_unk = 0;
-  for (size_t i = 0; i < n; i++) {
-    int32_t id = t->byte_id[(unsigned char)p[i]];
+  for (size_t i = 0, l; i < n; i += l) {
+    uint32_t cp;
+    l = t->spm ? utf8_next((const unsigned char *)p + i, n - i, &cp) : 1;
+    l = l ? l : 1;
+    int32_t id = t->spm ? smap_find(&t->keys, t->key_buf, p + i, l) : t->byte_id[(unsigned char)p[i]];
+    if (id < 0 && t->byte_fallback) {
+      size_t k = 0;
+      while (k < l && t->fallback_id[(unsigned char)p[i + k]] >= 0) k++;
+      if (k == l) {
+        for (k = 0; k < l; k++)
+          if ((rc = sym_push(e, t->fallback_id[(unsigned char)p[i + k]]))) return rc;
+        last_unk = 0;
+        continue;
+      }
+    }
     if (id < 0) {
       if (t->unk_id < 0 || (t->fuse_unk && last_unk)) continue;
       id = t->unk_id;
@@ -505,9 +544,34 @@ static int split_isolated(enc_t *e, const pcre2_code *re, int step, int next, co
   return 0;
 }
 
+/* Metaspace (always last): spaces become the replacement, which is put in front as prepend
+ * says (unless the piece starts with one); with split, each replacement starts a new word. */
+static int metaspace(enc_t *e, const pre_t *s, const char *p, size_t n) {
+  int front = (s->prepend == PREPEND_ALWAYS || (s->prepend == PREPEND_FIRST && p == e->start)) && p[0] != ' ' &&
+              !(n >= s->rep_len && memcmp(p, s->rep, s->rep_len) == 0);
+  if (buf_reserve(&e->meta, &e->metacap, (n + 1) * s->rep_len)) return TOKENIZER_ENOMEM;
+  size_t k = 0;
+  if (front) memcpy(e->meta, s->rep, s->rep_len), k = s->rep_len;
+  for (size_t i = 0; i < n; i++) {
+    if (p[i] == ' ') memcpy(e->meta + k, s->rep, s->rep_len), k += s->rep_len;
+    else e->meta[k++] = p[i];
+  }
+  if (!s->split) return bpe_word(e, e->meta, k);
+  size_t last = 0;
+  int rc;
+  for (size_t i = 1; i + s->rep_len <= k; i++) {
+    if (memcmp(e->meta + i, s->rep, s->rep_len) != 0) continue;
+    if ((rc = bpe_word(e, e->meta + last, i - last))) return rc;
+    last = i;
+    i += s->rep_len - 1;
+  }
+  return bpe_word(e, e->meta + last, k - last);
+}
+
 static int pre_run(enc_t *e, int step, const char *p, size_t n) {
   const pre_t *s = &e->t->pre[step];
   if (s->kind == PRE_SPLIT) return split_isolated(e, s->re, step, step + 1, p, n);
+  if (s->kind == PRE_METASPACE) return metaspace(e, s, p, n);
   /* ByteLevel (always last): the prefix space, then GPT-2's regex or the piece as one word. */
   if (s->add_prefix_space && p[0] != ' ') {
     if (buf_reserve(&e->scratch, &e->scratchcap, n + 1)) return TOKENIZER_ENOMEM;
@@ -520,6 +584,40 @@ static int pre_run(enc_t *e, int step, const char *p, size_t n) {
   return bpe_word(e, p, n);
 }
 
+/* The normalizer's steps over p[0..n) into e->norm (e->meta the other buffer of each step):
+ * Prepend puts its string in front of a non-empty piece, Replace every occurrence of its string,
+ * left to right, without overlap. */
+static int normalize(enc_t *e, const char *p, size_t n) {
+  const tokenizer_t *t = e->t;
+  for (int s = 0; s < t->n_norm; s++) {
+    const norm_t *st = &t->norm[s];
+    size_t most = st->from ? n * (st->to_len > st->from_len ? st->to_len : 1) + 1 : n + st->to_len;
+    if (buf_reserve(&e->meta, &e->metacap, most + 1)) return TOKENIZER_ENOMEM;
+    size_t k = 0;
+    if (!st->from) {
+      if (n) memcpy(e->meta, st->to, st->to_len), k = st->to_len;
+      memcpy(e->meta + k, p, n), k += n;
+    } else {
+      for (size_t i = 0; i < n;) {
+        if (n - i >= st->from_len && memcmp(p + i, st->from, st->from_len) == 0) {
+          memcpy(e->meta + k, st->to, st->to_len), k += st->to_len;
+          i += st->from_len;
+        } else {
+          e->meta[k++] = p[i++];
+        }
+      }
+    }
+    char *b = e->norm; /* the result becomes e->norm, the old e->norm the next step's output */
+    size_t c = e->normcap;
+    e->norm = e->meta, e->normcap = e->metacap;
+    e->meta = b, e->metacap = c;
+    p = e->norm;
+    n = k;
+  }
+  e->norm_len = n;
+  return 0;
+}
+
 /* Cuts the added tokens of this pass out of p[0..n): pass 0 those with normalized false, pass 1
  * those with normalized true; what remains goes to the next pass, then to the pre-tokenizers.
  * At each position the longest token wins; lstrip/rstrip take the whitespace beside a match
@@ -529,6 +627,15 @@ static int encode_text(enc_t *e, int pass, const char *p, size_t n) {
   int rc;
   if (n == 0) return 0;
   if (pass == 2) return t->n_pre ? pre_run(e, 0, p, n) : bpe_word(e, p, n);
+  if (pass == 1) { /* a piece between non-normalized added tokens: normalized */
+    int first = p == e->orig;
+    if (t->n_norm) {
+      if ((rc = normalize(e, p, n))) return rc;
+      p = e->norm;
+      n = e->norm_len;
+    }
+    e->start = first ? p : NULL;
+  }
   size_t last = 0;
   for (size_t i = 0; i < n;) {
     unsigned char c = (unsigned char)p[i];
@@ -605,6 +712,8 @@ static void enc_free(enc_t *e) {
   free(e->sym);
   free(e->heap);
   free(e->scratch);
+  free(e->norm);
+  free(e->meta);
   smap_free(&e->cache);
   free(e->cache_keys);
   free(e->cache_at);
@@ -623,7 +732,7 @@ int tokenizer_encode(const tokenizer_t *t, const char *text, size_t len, int32_t
   *n = 0;
   if (len > INT32_MAX) /* symbols are indexed by int32 */
     return err_set(err, errlen, TOKENIZER_EINVAL, "tokenizer: %zu bytes is more than one call encodes (2 GiB)", len);
-  enc_t e = {.t = t, .err = err, .errlen = errlen};
+  enc_t e = {.t = t, .err = err, .errlen = errlen, .orig = text};
   int rc = TOKENIZER_ENOMEM;
   if (t->kind == TOK_LLAMA2C) {
     rc = llama2c_encode(&e, text, len);
@@ -660,6 +769,9 @@ const char *tokenizer_token_bytes(const tokenizer_t *t, int32_t id, int32_t prev
   /* run.c: after BOS a piece drops its leading space (the dummy prefix); a <0x20> byte token
    * is a space of the text and stays. */
   if (t->kind == TOK_LLAMA2C && t->bos >= 0 && prev == t->bos && !t->is_byte[id] && l > 0 && p[0] == ' ') p++, l--;
+  /* sentencepiece-style tokenizer.json: the decoder's Strip (or Metaspace) takes the space off
+   * the first token of the text; the first after BOS when BOS is skipped, as samples are. */
+  if (t->strip_first && (prev < 0 || prev == t->bos) && l > 0 && p[0] == ' ') p++, l--;
   if (len) *len = l;
   return p;
 }
@@ -708,6 +820,9 @@ void tokenizer_free(tokenizer_t *t) {
   if (t->pre)
     for (int i = 0; i < t->n_pre; i++) pcre2_code_free(t->pre[i].re);
   free(t->pre);
+  if (t->norm)
+    for (int i = 0; i < t->n_norm; i++) free(t->norm[i].from), free(t->norm[i].to);
+  free(t->norm);
   free(t->score);
   free(t->is_byte);
   free(t);
@@ -928,7 +1043,7 @@ static int compile_regex(pcre2_code **out, const char *pat, size_t patlen, int l
   return 0;
 }
 
-/* Flattens pre_tokenizer (ByteLevel, Split, Sequence of them) into t->pre. */
+/* Flattens pre_tokenizer (ByteLevel, Split, Metaspace, Sequence of them) into t->pre. */
 static int add_pre(tokenizer_t *t, const cJSON *pt, const char *path, int *cap, char *err, size_t errlen) {
   const char *ty = type_of(pt);
   int rc;
@@ -979,9 +1094,176 @@ static int add_pre(tokenizer_t *t, const cJSON *pt, const char *path, int *cap, 
     const char *s = cJSON_IsString(re) ? re->valuestring : lit->valuestring;
     return compile_regex(&p->re, s, strlen(s), !cJSON_IsString(re), path, "Split", err, errlen);
   }
+  if (strcmp(ty, "Metaspace") == 0) {
+    const cJSON *rep = cJSON_GetObjectItemCaseSensitive(pt, "replacement");
+    const cJSON *scheme = cJSON_GetObjectItemCaseSensitive(pt, "prepend_scheme");
+    uint32_t cp;
+    if (!cJSON_IsString(rep) || !rep->valuestring[0] ||
+        utf8_next((const unsigned char *)rep->valuestring, strlen(rep->valuestring), &cp) != strlen(rep->valuestring))
+      return err_set(err, errlen, TOKENIZER_EFORMAT, "tokenizer: %s: Metaspace needs a replacement of one character",
+                     path);
+    p->kind = PRE_METASPACE;
+    p->rep_len = strlen(rep->valuestring);
+    memcpy(p->rep, rep->valuestring, p->rep_len);
+    p->split = flag(pt, "split", 1);
+    /* prepend_scheme since tokenizers 0.19; add_prefix_space before it */
+    p->prepend = flag(pt, "add_prefix_space", 1) ? PREPEND_ALWAYS : PREPEND_NEVER;
+    if (cJSON_IsString(scheme)) {
+      const char *v = scheme->valuestring;
+      if (strcmp(v, "always") && strcmp(v, "first") && strcmp(v, "never"))
+        return err_set(err, errlen, TOKENIZER_EUNSUPPORTED, "tokenizer: %s: Metaspace prepend_scheme %.20s is unknown",
+                       path, v);
+      p->prepend = v[0] == 'a' ? PREPEND_ALWAYS : v[0] == 'f' ? PREPEND_FIRST : PREPEND_NEVER;
+    }
+    t->n_pre++;
+    return 0;
+  }
   return err_set(err, errlen, TOKENIZER_EUNSUPPORTED,
-                 "tokenizer: %s: pre_tokenizer %s is unsupported (only ByteLevel, Split and Sequence)", path,
+                 "tokenizer: %s: pre_tokenizer %s is unsupported (only ByteLevel, Split, Metaspace and Sequence)", path,
                  ty[0] ? ty : "without a type");
+}
+
+/* A string field of o, "" when absent. */
+static const char *str_of(const cJSON *o, const char *key) {
+  const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
+  return cJSON_IsString(v) ? v->valuestring : "";
+}
+
+/* Replace's {"pattern": {"String": from}, "content": to}: 0 with both, else a message. */
+static int replace_of(const cJSON *o, const char *what, const char **from, const char **to, const char *path,
+                      char *err, size_t errlen) {
+  const cJSON *pat = cJSON_GetObjectItemCaseSensitive(o, "pattern");
+  const cJSON *lit = cJSON_GetObjectItemCaseSensitive(pat, "String");
+  const cJSON *content = cJSON_GetObjectItemCaseSensitive(o, "content");
+  if (cJSON_GetObjectItemCaseSensitive(pat, "Regex"))
+    return err_set(err, errlen, TOKENIZER_EUNSUPPORTED,
+                   "tokenizer: %s: %s Replace with a Regex pattern is unsupported (only String)", path, what);
+  if (!cJSON_IsString(lit) || !lit->valuestring[0] || !cJSON_IsString(content))
+    return err_set(err, errlen, TOKENIZER_EFORMAT,
+                   "tokenizer: %s: %s Replace needs a non-empty String pattern and a content", path, what);
+  *from = lit->valuestring;
+  *to = content->valuestring;
+  return 0;
+}
+
+/* Flattens normalizer (Prepend, Replace with a String pattern, Sequence of them) into t->norm. */
+static int add_norm(tokenizer_t *t, const cJSON *nj, const char *path, int *cap, char *err, size_t errlen) {
+  const char *ty = type_of(nj);
+  int rc;
+  if (strcmp(ty, "Sequence") == 0) {
+    const cJSON *list = cJSON_GetObjectItemCaseSensitive(nj, "normalizers"), *it;
+    if (!cJSON_IsArray(list))
+      return err_set(err, errlen, TOKENIZER_EFORMAT, "tokenizer: %s: normalizer Sequence without a normalizers list",
+                     path);
+    cJSON_ArrayForEach(it, list) {
+      if ((rc = add_norm(t, it, path, cap, err, errlen))) return rc;
+    }
+    return 0;
+  }
+  const char *from = NULL, *to = NULL;
+  if (strcmp(ty, "Prepend") == 0) {
+    to = str_of(nj, "prepend");
+  } else if (strcmp(ty, "Replace") == 0) {
+    if ((rc = replace_of(nj, "normalizer", &from, &to, path, err, errlen))) return rc;
+  } else {
+    return err_set(err, errlen, TOKENIZER_EUNSUPPORTED,
+                   "tokenizer: %s: normalizer %s is unsupported (only Prepend, Replace of a String, Sequence)", path,
+                   ty[0] ? ty : "without a type");
+  }
+  if (t->n_norm == *cap) {
+    int c = *cap ? *cap * 2 : 4;
+    norm_t *n = realloc(t->norm, (size_t)c * sizeof *n);
+    if (!n) return err_set(err, errlen, TOKENIZER_ENOMEM, "tokenizer: %s: out of memory", path);
+    t->norm = n;
+    *cap = c;
+  }
+  norm_t *n = &t->norm[t->n_norm++];
+  *n = (norm_t){.from = from ? strdup(from) : NULL, .to = strdup(to)};
+  if ((from && !n->from) || !n->to) return err_set(err, errlen, TOKENIZER_ENOMEM, "tokenizer: %s: out of memory", path);
+  n->from_len = from ? strlen(from) : 0;
+  n->to_len = strlen(to);
+  return 0;
+}
+
+/* A sentencepiece-style decoder: what a vocab token decodes to (*dec_step, in order) and whether
+ * the text's first token loses a leading space. Steps: Replace of a String, ByteFallback (a
+ * <0xNN> token is its byte), Fuse, Strip of one leading space after Fuse, Metaspace (its
+ * replacement is a space; the first token's leading space goes unless prepend_scheme never). */
+typedef struct {
+  const char *from, *to; /* Replace, Metaspace; NULL for ByteFallback */
+} dstep_t;
+#define MAX_DSTEPS 16
+
+static int spm_decoder(tokenizer_t *t, const cJSON *d, dstep_t *steps, int *n, int *fused, const char *path,
+                       char *err, size_t errlen) {
+  const char *ty = type_of(d);
+  int rc;
+  if (strcmp(ty, "Sequence") == 0) {
+    const cJSON *list = cJSON_GetObjectItemCaseSensitive(d, "decoders"), *it;
+    if (!cJSON_IsArray(list))
+      return err_set(err, errlen, TOKENIZER_EFORMAT, "tokenizer: %s: decoder Sequence without a decoders list", path);
+    cJSON_ArrayForEach(it, list) {
+      if ((rc = spm_decoder(t, it, steps, n, fused, path, err, errlen))) return rc;
+    }
+    return 0;
+  }
+  if (*n == MAX_DSTEPS)
+    return err_set(err, errlen, TOKENIZER_EUNSUPPORTED, "tokenizer: %s: more than %d decoder steps", path, MAX_DSTEPS);
+  if (strcmp(ty, "Replace") == 0) {
+    if ((rc = replace_of(d, "decoder", &steps[*n].from, &steps[*n].to, path, err, errlen))) return rc;
+    if (strlen(steps[*n].to) > strlen(steps[*n].from)) /* a token's decoding never grows */
+      return err_set(err, errlen, TOKENIZER_EUNSUPPORTED,
+                     "tokenizer: %s: decoder Replace with a content longer than its pattern is unsupported", path);
+    ++*n;
+  } else if (strcmp(ty, "ByteFallback") == 0) {
+    steps[(*n)++] = (dstep_t){0};
+  } else if (strcmp(ty, "Fuse") == 0) {
+    *fused = 1;
+  } else if (strcmp(ty, "Strip") == 0) {
+    const cJSON *start = cJSON_GetObjectItemCaseSensitive(d, "start"), *stop = cJSON_GetObjectItemCaseSensitive(d, "stop");
+    int st = cJSON_IsNumber(start) ? start->valueint : 0, sp = cJSON_IsNumber(stop) ? stop->valueint : 0;
+    if (strcmp(str_of(d, "content"), " ") || st > 1 || st < 0 || sp || !*fused)
+      return err_set(err, errlen, TOKENIZER_EUNSUPPORTED,
+                     "tokenizer: %s: decoder Strip is supported only as Fuse then Strip(\" \", 1, 0)", path);
+    t->strip_first = st;
+  } else if (strcmp(ty, "Metaspace") == 0) {
+    steps[*n].from = str_of(d, "replacement");
+    if (!steps[*n].from[0])
+      return err_set(err, errlen, TOKENIZER_EFORMAT, "tokenizer: %s: decoder Metaspace without a replacement", path);
+    steps[(*n)++].to = " ";
+    const char *scheme = str_of(d, "prepend_scheme");
+    t->strip_first = scheme[0] ? strcmp(scheme, "never") != 0 : flag(d, "add_prefix_space", 1);
+  } else {
+    return err_set(err, errlen, TOKENIZER_EUNSUPPORTED,
+                   "tokenizer: %s: decoder %s is unsupported (ByteLevel; or Replace, ByteFallback, Fuse, Strip, "
+                   "Metaspace)", path, ty[0] ? ty : "null");
+  }
+  return 0;
+}
+
+/* What token s[0..n) decodes to under steps, into out; its length. out and tmp hold n bytes:
+ * no step lengthens a token. */
+static size_t spm_decode_token(const dstep_t *steps, int nsteps, const char *s, size_t n, char *out, char *tmp) {
+  memcpy(out, s, n);
+  for (int i = 0; i < nsteps; i++) {
+    const dstep_t *d = &steps[i];
+    int hi, lo;
+    if (!d->from) {
+      if (n == 6 && memcmp(out, "<0x", 3) == 0 && out[5] == '>' && (hi = hexval(out[3])) >= 0 &&
+          (lo = hexval(out[4])) >= 0)
+        out[0] = (char)(hi << 4 | lo), n = 1;
+      continue;
+    }
+    size_t fl = strlen(d->from), tl = strlen(d->to), k = 0;
+    if (!fl) continue;
+    for (size_t j = 0; j < n;) {
+      if (n - j >= fl && memcmp(out + j, d->from, fl) == 0) memcpy(tmp + k, d->to, tl), k += tl, j += fl;
+      else tmp[k++] = out[j++];
+    }
+    memcpy(out, tmp, k);
+    n = k;
+  }
+  return n;
 }
 
 /* Raw bytes of a byte-level token string into out (room for strlen(s) bytes); 1 when every
@@ -1086,28 +1368,42 @@ static int load_json(tokenizer_t *t, const char *path, const char *buf, size_t l
       !empty_or_null(cJSON_GetObjectItemCaseSensitive(model, "end_of_word_suffix")))
     FAIL(TOKENIZER_EUNSUPPORTED, "tokenizer: %s: BPE continuing_subword_prefix/end_of_word_suffix are unsupported",
          path);
-  if (flag(model, "byte_fallback", 0))
-    FAIL(TOKENIZER_EUNSUPPORTED,
-         "tokenizer: %s: BPE with byte_fallback (sentencepiece-style, not byte-level) is unsupported", path);
+  t->byte_fallback = flag(model, "byte_fallback", 0);
   const cJSON *norm = cJSON_GetObjectItemCaseSensitive(root, "normalizer");
-  if (norm && !cJSON_IsNull(norm))
-    FAIL(TOKENIZER_EUNSUPPORTED, "tokenizer: %s: normalizer %s is unsupported (only null)", path,
-         type_of(norm)[0] ? type_of(norm) : "(no type)");
+  int cap = 0;
+  if (norm && !cJSON_IsNull(norm) && (rc = add_norm(t, norm, path, &cap, err, errlen))) goto done;
   const cJSON *dec_j = cJSON_GetObjectItemCaseSensitive(root, "decoder");
-  if (strcmp(type_of(dec_j), "ByteLevel") != 0)
-    FAIL(TOKENIZER_EUNSUPPORTED, "tokenizer: %s: decoder %s is unsupported (only ByteLevel)", path,
-         type_of(dec_j)[0] ? type_of(dec_j) : "null");
   const cJSON *pt = cJSON_GetObjectItemCaseSensitive(root, "pre_tokenizer");
-  if (!pt || cJSON_IsNull(pt))
-    FAIL(TOKENIZER_EUNSUPPORTED, "tokenizer: %s: no pre_tokenizer (byte-level BPE needs ByteLevel)", path);
-  int pre_cap = 0;
-  if ((rc = add_pre(t, pt, path, &pre_cap, err, errlen))) goto done;
-  for (int i = 0; i < t->n_pre; i++)
-    if ((t->pre[i].kind == PRE_BYTELEVEL) != (i == t->n_pre - 1))
-      FAIL(TOKENIZER_EUNSUPPORTED,
-           "tokenizer: %s: pre_tokenizer must end in one ByteLevel (Split steps before it); step %d is %s", path, i,
-           t->pre[i].kind == PRE_BYTELEVEL ? "ByteLevel" : "Split");
-  if (t->n_pre == 0) FAIL(TOKENIZER_EUNSUPPORTED, "tokenizer: %s: pre_tokenizer has no ByteLevel step", path);
+  cap = 0;
+  if (pt && !cJSON_IsNull(pt) && (rc = add_pre(t, pt, path, &cap, err, errlen))) goto done;
+  /* Byte-level (GPT-2, Llama 3) when the decoder or a pre-tokenizer says ByteLevel; else
+   * sentencepiece-style (Llama 2, Mistral, llama2.c's exported): characters, byte_fallback. */
+  int byte_level = strcmp(type_of(dec_j), "ByteLevel") == 0;
+  for (int i = 0; i < t->n_pre; i++) byte_level |= t->pre[i].kind == PRE_BYTELEVEL;
+  static const char *const pre_name[] = {"Split", "ByteLevel", "Metaspace"};
+  dstep_t dsteps[MAX_DSTEPS];
+  int n_dsteps = 0, fused = 0;
+  if (byte_level) {
+    if (t->byte_fallback)
+      FAIL(TOKENIZER_EUNSUPPORTED, "tokenizer: %s: BPE with byte_fallback beside ByteLevel is unsupported", path);
+    if (strcmp(type_of(dec_j), "ByteLevel") != 0)
+      FAIL(TOKENIZER_EUNSUPPORTED, "tokenizer: %s: decoder %s with a ByteLevel pre_tokenizer is unsupported", path,
+           type_of(dec_j)[0] ? type_of(dec_j) : "null");
+    if (t->n_pre == 0)
+      FAIL(TOKENIZER_EUNSUPPORTED, "tokenizer: %s: no pre_tokenizer (byte-level BPE needs ByteLevel)", path);
+    for (int i = 0; i < t->n_pre; i++)
+      if ((t->pre[i].kind == PRE_BYTELEVEL) != (i == t->n_pre - 1) || t->pre[i].kind == PRE_METASPACE)
+        FAIL(TOKENIZER_EUNSUPPORTED,
+             "tokenizer: %s: pre_tokenizer must end in one ByteLevel (Split steps before it); step %d is %s", path, i,
+             pre_name[t->pre[i].kind]);
+  } else {
+    t->spm = 1;
+    for (int i = 0; i < t->n_pre; i++)
+      if (t->pre[i].kind == PRE_METASPACE && i != t->n_pre - 1)
+        FAIL(TOKENIZER_EUNSUPPORTED, "tokenizer: %s: Metaspace must be the last pre_tokenizer step (it is step %d of %d)", path,
+             i + 1, t->n_pre);
+    if ((rc = spm_decoder(t, dec_j, dsteps, &n_dsteps, &fused, path, err, errlen))) goto done;
+  }
 
   /* The vocab's byte-level strings (for merges, added tokens and names), its largest id. */
   const cJSON *vocab = cJSON_GetObjectItemCaseSensitive(model, "vocab"), *merges_j, *added_j, *it;
@@ -1168,7 +1464,7 @@ static int load_json(tokenizer_t *t, const char *path, const char *buf, size_t l
   if (max_added > max_id) max_id = max_added;
   if (max_id < 0) FAIL(TOKENIZER_EFORMAT, "tokenizer: %s: the vocab is empty", path);
   t->vocab_size = max_id + 1;
-  size_t tmp_cap = max_str + 1; /* a vocab string, then a merge's two sides */
+  size_t tmp_cap = 2 * max_str + 2; /* a vocab string (and its decoding's scratch), a merge's two sides */
   if (alloc_tables(t) || !(tmp = malloc(tmp_cap))) OOM();
 
   /* Vocab: decoded bytes; a key (the raw bytes) for tokens wholly of the byte-level alphabet,
@@ -1177,20 +1473,26 @@ static int load_json(tokenizer_t *t, const char *path, const char *buf, size_t l
     int32_t id = json_id(it);
     size_t sl = strlen(it->string), l;
     if (t->dec_len[id] != TOK_NO_PIECE) FAIL(TOKENIZER_EFORMAT, "tokenizer: %s: vocab id %d is used twice", path, id);
-    int all_bytes = byte_level_decode(it->string, sl, tmp, &l, byte_of);
+    int key = t->spm; /* sentencepiece-style: the string is the key; byte-level: its bytes, when all are */
+    if (t->spm) l = spm_decode_token(dsteps, n_dsteps, it->string, sl, tmp, tmp + max_str + 1);
+    else key = byte_level_decode(it->string, sl, tmp, &l, byte_of);
     if (arena_add(&dec, tmp, l, &t->dec_off[id])) OOM();
     t->dec_len[id] = (uint32_t)l;
-    if (all_bytes) {
-      if (arena_add(&keys, tmp, l, &t->key_off[id])) OOM();
-      t->key_len[id] = (uint32_t)l;
+    if (key) {
+      const char *k = t->spm ? it->string : tmp;
+      size_t kl = t->spm ? sl : l;
+      if (arena_add(&keys, k, kl, &t->key_off[id])) OOM();
+      t->key_len[id] = (uint32_t)kl;
     }
   }
   t->key_buf = keys.b, keys.b = NULL;
   for (int32_t i = 0; i < t->vocab_size; i++)
     if (t->key_len[i] != TOK_NO_PIECE && smap_add(&t->keys, t->key_buf, t->key_off[i], t->key_len[i], i) < 0) OOM();
   for (int b = 0; b < 256; b++) {
-    char c = (char)b;
+    char c = (char)b, name[8];
     t->byte_id[b] = smap_find(&t->keys, t->key_buf, &c, 1);
+    snprintf(name, sizeof name, "<0x%02X>", b);
+    t->fallback_id[b] = t->byte_fallback ? smap_find(&names, names_a.b, name, 6) : -1;
   }
 
   /* Merges: "a b" or ["a", "b"]; rank = position. Both sides and their concatenation must be
@@ -1348,4 +1650,237 @@ int tokenizer_load_within(tokenizer_t **out, const char *path, int vocab, char *
   *out = NULL;
   return err_set(err, errlen, TOKENIZER_EVOCAB, "tokenizer %s has %d tokens, more than the model's vocab_size %d",
                  path, n, vocab);
+}
+
+/* ---------------------------------------------------------------- llama2.c to tokenizer.json */
+
+typedef struct {
+  float score; /* the merged piece's */
+  int32_t id, a, b;
+} l2merge_t;
+
+static int cmp_l2merge(const void *x, const void *y) {
+  const l2merge_t *p = x, *q = y;
+  if (p->score != q->score) return p->score > q->score ? -1 : 1;
+  if (p->id != q->id) return p->id < q->id ? -1 : 1;
+  return p->a < q->a ? -1 : p->a > q->a;
+}
+
+/* The HF name of llama2.c token i: a space is "▁", a byte token <0xNN> in capitals, ids 0..2
+ * (<unk>, "\n<s>\n", "\n</s>\n" as llama2.c's exporter writes them) the special <unk> <s> </s>.
+ * *special is set for those. */
+static int l2_name(const tokenizer_t *t, int32_t i, arena_t *a, uint32_t *off, uint32_t *len, int *special) {
+  static const char *const spec[3][2] = {{"<unk>", "<unk>"}, {"\n<s>\n", "<s>"}, {"\n</s>\n", "</s>"}};
+  const char *k = t->key_buf + t->key_off[i];
+  size_t kl = t->key_len[i];
+  char buf[16];
+  *special = 0;
+  for (int w = 0; i < 3 && w < 2 && !*special; w++)
+    if (kl == strlen(spec[i][w]) && memcmp(k, spec[i][w], kl) == 0) {
+      *special = 1;
+      k = spec[i][1], kl = strlen(k);
+    }
+  if (t->is_byte[i]) {
+    snprintf(buf, sizeof buf, "<0x%02X>", (unsigned char)t->dec_buf[t->dec_off[i]]);
+    k = buf, kl = 6;
+  }
+  size_t spaces = 0;
+  for (size_t j = 0; j < kl; j++) spaces += k[j] == ' ';
+  if (buf_reserve(&a->b, &a->cap, a->n + kl + 2 * spaces + 1) || a->n + kl + 2 * spaces + 1 > UINT32_MAX)
+    return TOKENIZER_ENOMEM;
+  *off = (uint32_t)a->n;
+  for (size_t j = 0; j < kl; j++) {
+    if (k[j] == ' ') memcpy(a->b + a->n, "\xe2\x96\x81", 3), a->n += 3;
+    else a->b[a->n++] = k[j];
+  }
+  *len = (uint32_t)(a->n - *off);
+  a->b[a->n++] = '\0';
+  return 0;
+}
+
+static cJSON *json_pair(const char *k1, cJSON *v1, const char *k2, cJSON *v2) {
+  cJSON *o = cJSON_CreateObject();
+  if (o && v1) cJSON_AddItemToObject(o, k1, v1);
+  if (o && v2) cJSON_AddItemToObject(o, k2, v2);
+  return o;
+}
+
+static cJSON *json_replace(const char *from, const char *to) {
+  cJSON *o = json_pair("type", cJSON_CreateString("Replace"), "pattern",
+                       json_pair("String", cJSON_CreateString(from), NULL, NULL));
+  if (o) cJSON_AddStringToObject(o, "content", to);
+  return o;
+}
+
+/* What Llama's tokenizer.json files do with a text: <s> first (single), and <s> before each of
+ * a pair; tokenizer_load ignores it, transformers applies it. */
+static void l2_post_processor(cJSON *root) {
+  cJSON *pp = cJSON_AddObjectToObject(root, "post_processor");
+  cJSON_AddStringToObject(pp, "type", "TemplateProcessing");
+  const char *const parts[2][4] = {{"<s>", "A", NULL, NULL}, {"<s>", "A", "<s>", "B"}};
+  for (int w = 0; w < 2; w++) {
+    cJSON *list = cJSON_AddArrayToObject(pp, w ? "pair" : "single");
+    for (int i = 0; i < 4 && parts[w][i]; i++) {
+      cJSON *inner = json_pair("id", cJSON_CreateString(parts[w][i]), "type_id", cJSON_CreateNumber(i / 2));
+      cJSON_AddItemToArray(list, json_pair(i % 2 ? "Sequence" : "SpecialToken", inner, NULL, NULL));
+    }
+  }
+  cJSON *sp = cJSON_AddObjectToObject(pp, "special_tokens");
+  cJSON *bos = cJSON_AddObjectToObject(sp, "<s>");
+  cJSON_AddStringToObject(bos, "id", "<s>");
+  cJSON_AddItemToObject(bos, "ids", cJSON_CreateIntArray((const int[]){1}, 1));
+  cJSON_AddItemToObject(bos, "tokens", cJSON_CreateStringArray((const char *const[]){"<s>"}, 1));
+}
+
+/* The parts of the document that do not depend on the vocab: normalizer, post-processor, decoder. */
+static void l2_fixed_parts(cJSON *root, int dummy_prefix) {
+  static const char *const dsteps[] = {"ByteFallback", "Fuse"};
+  cJSON *norm = cJSON_CreateNull();
+  if (dummy_prefix) { /* llama2.c's dummy prefix and its spaces, as sentencepiece's normalizer */
+    cJSON_Delete(norm);
+    norm = json_pair("type", cJSON_CreateString("Sequence"), "normalizers", cJSON_CreateArray());
+    cJSON *list = cJSON_GetObjectItemCaseSensitive(norm, "normalizers");
+    cJSON_AddItemToArray(list, json_pair("type", cJSON_CreateString("Prepend"), "prepend",
+                                         cJSON_CreateString("\xe2\x96\x81")));
+    cJSON_AddItemToArray(list, json_replace(" ", "\xe2\x96\x81"));
+  }
+  cJSON_AddItemToObject(root, "normalizer", norm);
+  cJSON_AddNullToObject(root, "pre_tokenizer");
+  l2_post_processor(root);
+  cJSON *dec = cJSON_AddObjectToObject(root, "decoder");
+  cJSON_AddStringToObject(dec, "type", "Sequence");
+  cJSON *list = cJSON_AddArrayToObject(dec, "decoders");
+  cJSON_AddItemToArray(list, json_replace("\xe2\x96\x81", " "));
+  for (int i = 0; i < 2; i++) cJSON_AddItemToArray(list, json_pair("type", cJSON_CreateString(dsteps[i]), NULL, NULL));
+  cJSON *strip = json_pair("type", cJSON_CreateString("Strip"), "content", cJSON_CreateString(" "));
+  cJSON_AddNumberToObject(strip, "start", 1);
+  cJSON_AddNumberToObject(strip, "stop", 0);
+  cJSON_AddItemToArray(list, strip);
+}
+
+int tokenizer_llama2c_json(const tokenizer_t *t, char **json, size_t *len, char *err, size_t errlen) {
+  if (!t || !json) return err_set(err, errlen, TOKENIZER_EINVAL, "tokenizer: invalid arguments");
+  *json = NULL;
+  if (t->kind != TOK_LLAMA2C)
+    return err_set(err, errlen, TOKENIZER_EINVAL, "tokenizer: only a llama2.c tokenizer.bin is converted");
+  const int32_t v = t->vocab_size;
+  /* llama2.c falls back to id byte + 3 for a character it lacks, tokenizer.json to the token
+   * named <0xNN>: the same only when ids 3..258 are the byte tokens in order. */
+  for (int b = 0; b < 256; b++)
+    if (b + 3 >= v || !t->is_byte[b + 3] || (unsigned char)t->dec_buf[t->dec_off[b + 3]] != b)
+      return err_set(err, errlen, TOKENIZER_EUNSUPPORTED,
+                     "tokenizer: id %d is not the byte token <0x%02X> (llama2.c falls back to byte + 3), so the "
+                     "tokenizer has no tokenizer.json form",
+                     b + 3, b);
+  arena_t names = {0};
+  uint32_t *off = malloc((size_t)v * sizeof *off), *nl = malloc((size_t)v * sizeof *nl);
+  uint8_t *special = calloc((size_t)v, 1);
+  smap_t map = {0}; /* non-special names -> id, for the merges */
+  l2merge_t *m = NULL;
+  size_t nm = 0, mcap = 0;
+  cJSON *root = cJSON_CreateObject();
+  int rc = 0;
+  if (!off || !nl || !special || !root) goto oom;
+  for (int32_t i = 0; i < v && !rc; i++) {
+    int sp;
+    if (l2_name(t, i, &names, &off[i], &nl[i], &sp)) goto oom;
+    special[i] = (uint8_t)sp;
+  }
+  if (!special[1] || !special[2]) { /* llama2.c's BOS and EOS are 1 and 2 whatever they read */
+    rc = err_set(err, errlen, TOKENIZER_EUNSUPPORTED,
+                 "tokenizer: ids 1 and 2 are not <s> and </s>, which llama2.c takes them for, so the tokenizer has no "
+                 "tokenizer.json form");
+    goto done;
+  }
+  for (int32_t i = 0; i < v; i++) {
+    const char *s = names.b + off[i];
+    uint32_t cp;
+    for (size_t j = 0, l; j < nl[i]; j += l)
+      if (!(l = utf8_next((const unsigned char *)s + j, nl[i] - j, &cp))) {
+        rc = err_set(err, errlen, TOKENIZER_EUNSUPPORTED,
+                     "tokenizer: token %d is not valid UTF-8, which tokenizer.json cannot hold", i);
+        goto done;
+      }
+    int r = smap_add(&map, names.b, off[i], nl[i], i);
+    if (r < 0) goto oom;
+    if (r) {
+      rc = err_set(err, errlen, TOKENIZER_EUNSUPPORTED,
+                   "tokenizer: tokens %d and %d are both \"%.40s\", which tokenizer.json cannot tell apart",
+                   smap_find(&map, names.b, s, nl[i]), i, s);
+      goto done;
+    }
+  }
+  /* Merges: every split of a piece into two pieces, at a character boundary, the best-scored
+   * merged piece first (llama2.c merges the pair whose concatenation scores best). */
+  for (int32_t i = 0; i < v; i++) {
+    if (special[i]) continue;
+    const char *s = names.b + off[i];
+    for (size_t k = 1; k < nl[i]; k++) {
+      if (((unsigned char)s[k] & 0xC0) == 0x80) continue;
+      int32_t a = smap_find(&map, names.b, s, k), b = smap_find(&map, names.b, s + k, nl[i] - k);
+      if (a < 0 || b < 0 || special[a] || special[b]) continue;
+      if (nm == mcap) {
+        mcap = mcap ? 2 * mcap : 1024;
+        l2merge_t *g = realloc(m, mcap * sizeof *g);
+        if (!g) goto oom;
+        m = g;
+      }
+      m[nm++] = (l2merge_t){.score = t->score[i], .id = i, .a = a, .b = b};
+    }
+  }
+  qsort(m, nm, sizeof *m, cmp_l2merge);
+
+  cJSON_AddStringToObject(root, "version", "1.0");
+  cJSON_AddNullToObject(root, "truncation");
+  cJSON_AddNullToObject(root, "padding");
+  cJSON *added = cJSON_AddArrayToObject(root, "added_tokens");
+  for (int32_t i = 0; i < v; i++) {
+    if (!special[i]) continue;
+    cJSON *a = json_pair("id", cJSON_CreateNumber(i), "content", cJSON_CreateString(names.b + off[i]));
+    static const char *const flags[] = {"single_word", "lstrip", "rstrip", "normalized"};
+    for (int f = 0; f < 4; f++) cJSON_AddFalseToObject(a, flags[f]);
+    cJSON_AddTrueToObject(a, "special");
+    cJSON_AddItemToArray(added, a);
+  }
+  l2_fixed_parts(root, t->space_id >= 0);
+  cJSON *model = cJSON_AddObjectToObject(root, "model");
+  cJSON_AddStringToObject(model, "type", "BPE");
+  cJSON_AddNullToObject(model, "dropout");
+  if (special[0]) cJSON_AddStringToObject(model, "unk_token", "<unk>");
+  else cJSON_AddNullToObject(model, "unk_token");
+  cJSON_AddNullToObject(model, "continuing_subword_prefix");
+  cJSON_AddNullToObject(model, "end_of_word_suffix");
+  cJSON_AddTrueToObject(model, "fuse_unk");
+  cJSON_AddTrueToObject(model, "byte_fallback");
+  cJSON_AddFalseToObject(model, "ignore_merges");
+  cJSON *vocab = cJSON_AddObjectToObject(model, "vocab"), *merges = cJSON_AddArrayToObject(model, "merges");
+  for (int32_t i = 0; vocab && i < v; i++) cJSON_AddNumberToObject(vocab, names.b + off[i], i);
+  for (size_t i = 0; merges && i < nm; i++) {
+    const char *pair[2] = {names.b + off[m[i].a], names.b + off[m[i].b]};
+    cJSON_AddItemToArray(merges, cJSON_CreateStringArray(pair, 2));
+  }
+  char *text = cJSON_Print(root);
+  if (!text) goto oom;
+  size_t n = strlen(text);
+  if (!(*json = malloc(n + 2))) {
+    cJSON_free(text);
+    goto oom;
+  }
+  memcpy(*json, text, n);
+  (*json)[n] = '\n';
+  (*json)[n + 1] = '\0';
+  if (len) *len = n + 1;
+  cJSON_free(text);
+  goto done;
+oom:
+  rc = err_set(err, errlen, TOKENIZER_ENOMEM, "tokenizer: out of memory writing tokenizer.json");
+done:
+  cJSON_Delete(root);
+  free(names.b);
+  free(off);
+  free(nl);
+  free(special);
+  smap_free(&map);
+  free(m);
+  return rc;
 }

@@ -8,6 +8,14 @@
  *                    literally in the input before pre-tokenization (leftmost, longest first;
  *                    lstrip/rstrip honoured), as the library does. Regexes run on PCRE2 with
  *                    Unicode properties (\p{L}, \p{N}, (?i:...), \s+(?!\S)).
+ *                    Also sentencepiece-style BPE as Llama 2, Mistral and TinyLlama use it (and
+ *                    tokenizer_llama2c_json writes): model BPE with byte_fallback (a character
+ *                    the vocab lacks is its <0xNN> tokens) and fuse_unk; normalizer Prepend and
+ *                    Replace of a String (Sequence of them), applied to each piece between added
+ *                    tokens; pre_tokenizer null, or Metaspace (replacement, prepend_scheme
+ *                    always/first/never, split) after any Split steps; decoder Replace,
+ *                    ByteFallback, Fuse, Strip(" ", 1, 0) or Metaspace. Words are merged from
+ *                    UTF-8 characters, not bytes.
  *   tokenizer.bin    llama2.c's: int32 max_token_length, then per token float score, int32 len,
  *                    len bytes; the vocab size is what the file holds. Encoding follows llama2.c's
  *                    run.c: a dummy-prefix space, each UTF-8 character its token or its bytes as
@@ -22,12 +30,12 @@
  *
  * Encoding merges by rank (or score) with a priority queue, so a long word costs n log n, and
  * keeps a cache of words per call; nothing is shared between calls, so one tokenizer_t serves
- * several threads. Refused at load, with a message naming what: WordPiece, Unigram,
- * sentencepiece-style BPE in tokenizer.json (byte_fallback, Metaspace), BPE dropout or subword
- * prefixes/suffixes, any normalizer, pre-tokenizers other than the above, Split behaviors other
- * than Isolated, single_word added tokens. Ignored: post_processor (no BOS is added), truncation
- * and padding. Input that is not valid UTF-8 is still encoded (its bytes are pieces of their
- * own), which the Python library cannot be given; decoding returns bytes as they are, without
+ * several threads. Refused at load, with a message naming what: WordPiece, Unigram, BPE dropout
+ * or subword prefixes/suffixes, byte_fallback beside ByteLevel, normalizers other than the above
+ * (NFC, NFKC, Lowercase, Replace of a Regex), pre-tokenizers and decoders other than the above,
+ * Split behaviors other than Isolated, single_word added tokens. Ignored: post_processor (no BOS
+ * is added), truncation and padding. Input that is not valid UTF-8 is still encoded (its bytes
+ * are pieces of their own), which the Python library cannot be given; decoding returns bytes as they are, without
  * the library's replacement of invalid UTF-8. Regex classes follow PCRE2's Unicode tables
  * (Unicode 14 in Debian 12), the library's Oniguruma its own: a character assigned since may
  * split differently. */
@@ -83,5 +91,16 @@ const char *tokenizer_token_bytes(const tokenizer_t *t, int32_t id, int32_t prev
  * following BOS, so llama2.c's dummy-prefix space goes and decode(encode(x)) == x for either
  * kind. Returns 0, or TOKENIZER_EINVAL for an id out of range, TOKENIZER_ENOMEM. */
 int tokenizer_decode(const tokenizer_t *t, const int32_t *ids, size_t n, char **text, size_t *len);
+
+/* llama2.c's tokenizer t as a Hugging Face tokenizer.json (sentencepiece-style, as Llama 2's):
+ * the same ids; spaces as "▁"; ids 0..2 the special <unk> <s> </s>; BPE with byte_fallback,
+ * whose merges are every split of a piece into two pieces, ordered by the merged piece's score;
+ * the dummy prefix as a Prepend normalizer; a post-processor that puts <s> first. Encoding with
+ * it (here or in the library) gives llama2.c's ids, but where two different pieces score the
+ * same, or one piece can be made by two splits at once, llama2.c merges the leftmost pair and
+ * the JSON the better-ranked one. *json malloc'd (*len bytes, NUL after). Refused
+ * (TOKENIZER_EUNSUPPORTED) when ids 3..258 are not the byte tokens <0x00>..<0xFF> in order, a
+ * piece is not valid UTF-8, or two pieces read the same. */
+int tokenizer_llama2c_json(const tokenizer_t *t, char **json, size_t *len, char *err, size_t errlen);
 
 #endif

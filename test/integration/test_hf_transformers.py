@@ -8,20 +8,23 @@ shards of three short documents so that it learns to end them with <|endoftext|>
   over, in float32 (torch_dtype "auto": the config's); its logits on random tokens equal our C
   model's on the same folder (interop_tool) and a float64 llama_ref's on the source weights, read
   independently; its loss on a greedy sequence equals the C model's.
-- AutoTokenizer.from_pretrained(folder) (gpt2-style and Llama-3-regex tokenizers) encodes a
-  passage past the training slice plus test_tokenizer's hard cases into the same ids as our C
-  tokenizer (build/tools/tokenize) and as `tokenizers`, decodes them back to the text, and names
-  the BOS and EOS ids that config.json and generation_config.json record.
+- AutoTokenizer.from_pretrained(folder) (gpt2-style and Llama-3-regex tokenizers, and llama2.c's
+  tokenizer.bin of a sentencepiece-style BPE, which export converts) encodes a passage past the
+  training slice plus test_tokenizer's hard cases into the same ids as our C tokenizer
+  (build/tools/tokenize; for the converted one, on the .bin too) and as `tokenizers`, decodes them
+  back to the text, and names the BOS and EOS ids that config.json and generation_config.json
+  record.
 - generate, greedy: stories260K from BOS gives the ids `trainer sample` gives at temperature 0;
   the trained model from a text prompt gives the ids `trainer sample` draws and stops at EOS where
-  `trainer sample` stops, the same text.
+  `trainer sample` stops, the same text; through the converted tokenizer.json, `trainer sample`
+  prints the text of the ids transformers draws.
 
 Tolerance: logits max|HF - torch64| <= 1e-5 * max(1, max|torch64|) (HF computes in float32, as
 test_interop allows C), max|HF - C| <= 2e-5 * that (both float32); losses within 1e-5 *
 max(1, loss); ids and text exactly. Each difference is printed.
 transformers must be importable (scripts/install-deps.sh installs 4.49.0); without it these
 tests skip.
-What not: bf16 or sharded folders, transformers' training, tokenizers other than byte-level BPE.
+What not: bf16 or sharded folders, transformers' training, Unigram tokenizers.
 """
 import json
 import os
@@ -37,6 +40,7 @@ from test_interop import tool as interop_tool  # noqa: E402
 from test_sample import STORIES, need_stories, run, sample_ids  # noqa: E402
 from test_tokenizer import HARD, PREPARE, PYTHON, TOOL, c_decode, corpus_path  # noqa: E402
 from test_tokenizer import run as run_checked  # noqa: E402
+from test_sentencepiece import train_spm, write_llama2c  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -106,8 +110,12 @@ def trained(tmp_path_factory):
     weights = d / "ck" / "final.safetensors"
     export(weights, d / "hf", d)  # the tokenizer from the weights' metadata plan
     export(weights, d / "hf_llama3", d, "--set", f"data.tokenizer={d / 'llama3' / 'tokenizer.json'}")
+    # llama2.c's tokenizer.bin of a sentencepiece-style BPE: export converts it to tokenizer.json
+    spm = train_spm(tokenizers, (d / "shk.txt").read_text(), 512, d / "spm.json")
+    l2c = write_llama2c(spm, d / "tokenizer.bin")
+    export(weights, d / "hf_l2c", d, "--set", f"data.tokenizer={l2c}")
     return {"dir": d, "plan": d / "plan.json", "weights": weights, "model": plan["model"], "hf": d / "hf",
-            "gpt2": d / "hf", "llama3": d / "hf_llama3"}
+            "gpt2": d / "hf", "llama3": d / "hf_llama3", "l2c": d / "hf_l2c", "l2c_bin": l2c}
 
 
 def reference(name, stories, trained):
@@ -165,7 +173,7 @@ def test_logits_and_loss_match(name, request, tmp_path):
 
 # --------------------------------------------------------------------- tokenizer
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama3"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama3", "l2c"])
 def test_tokenizer_agrees(kind, trained, tmp_path):
     folder = trained[kind]
     with open(corpus_path(), "rb") as f:
@@ -176,12 +184,17 @@ def test_tokenizer_agrees(kind, trained, tmp_path):
     at = transformers.AutoTokenizer.from_pretrained(str(folder))
     assert at.is_fast
     hf = at.encode(text, add_special_tokens=False)
-    lib = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json")).encode(text).ids
+    lib = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json")).encode(text, add_special_tokens=False).ids
     c = [int(x) for x in run_checked([TOOL, str(folder / "tokenizer.json"), str(path)]).stdout.split()]
     first = next((i for i, (a, b, x) in enumerate(zip(hf, lib, c)) if not a == b == x), None)
     print(f"[{kind}] {len(text)} characters: {len(hf)} ids from AutoTokenizer, {len(lib)} from tokenizers, {len(c)} "
           f"from C; {'identical' if first is None else 'first difference at %d' % first}")
     assert hf == lib == c
+    if kind == "l2c":  # the converted JSON gives the tokenizer.bin's ids
+        c_bin = [int(x) for x in run_checked([TOOL, str(trained["l2c_bin"]), str(path)]).stdout.split()]
+        print(f"[{kind}] C on llama2.c's tokenizer.bin: {len(c_bin)} ids, {'the same' if c_bin == c else 'DIFFERENT'}")
+        assert c_bin == c
+        assert at.encode(text)[0] == at.bos_token_id, "the converted tokenizer.json does not put BOS first"
     assert at.decode(hf) == text, "AutoTokenizer's decode(encode(x)) != x"
     assert c_decode(str(folder / "tokenizer.json"), hf, str(tmp_path)) == text.encode("utf-8")
     # BOS and EOS: transformers' tokenizer, the C tokenizer, and what the model's files record
@@ -235,3 +248,33 @@ def test_generate_stops_at_eos(trained, tmp_path):
     print(f"EOS ({eos}) after {stop - 1} new tokens: transformers stopped after {len(hf)} ids")
     assert hf == ours[:stop]
     assert text.stdout == (PROMPT + at.decode(hf, skip_special_tokens=True) + "\n").encode("utf-8")
+
+
+def test_generate_llama2c_tokenizer(trained, tmp_path):
+    """The folder exported with llama2.c's tokenizer.bin: our sample reads its converted
+    tokenizer.json and prints the text transformers decodes from the ids its generate draws."""
+    n = 40
+    folder = trained["l2c"]
+    at = transformers.AutoTokenizer.from_pretrained(str(folder))
+    prompt = [at.bos_token_id] + at.encode(PROMPT, add_special_tokens=False)
+    hf = generate(load_model(folder), prompt, n)
+    text = run(["sample", "--weights", folder, "--set", "sample.temperature=0", "--set", f"sample.tokens={n}",
+                "--set", f'sample.prompt="{PROMPT}"'], tmp_path, binary=True)
+    assert text.returncode == 0, text.stderr
+    # The model learned other ids, so its draws may be bytes that are not UTF-8, which transformers'
+    # decode replaces by U+FFFD and ours prints as they are: the bytes the tokenizer's pieces name
+    # (decoder: "▁" a space, <0xNN> its byte, the first space stripped; BOS not printed), and
+    # transformers' decode
+    # itself whenever that is valid UTF-8.
+    pieces = at.convert_ids_to_tokens(prompt[1:] + hf)
+    want = b"".join(bytes([int(p[3:5], 16)]) if len(p) == 6 and p.startswith("<0x") else
+                    p.replace("\u2581", " ").encode("utf-8") for p in pieces)  # a drawn <unk> prints as such
+    want = want[1:] if want.startswith(b" ") else want
+    print(f"prompt {PROMPT!r} = {prompt}: transformers {len(hf)} ids, {want!r}; trainer sample {text.stdout!r}")
+    assert text.stdout == want + b"\n"
+    try:
+        valid = want.decode("utf-8")
+    except UnicodeDecodeError:
+        valid = None
+    if valid is not None:
+        assert valid == at.decode(prompt[1:] + hf)

@@ -13,7 +13,8 @@ version, count) and exactly [<|endoftext|>] + the library's ids of the file.
 Tolerance: none; ids are compared exactly and the counts (tokens compared, mismatches) printed.
 Python's tokenizers must be importable: scripts/install-deps.sh installs it and this test fails
 (does not skip) without it.
-What not: llama2.c's tokenizer.bin (test/unit/test_tokenizer.c), tokenizers not trained here.
+What not: llama2.c's tokenizer.bin and sentencepiece-style tokenizer.json (test_sentencepiece.py,
+test/unit/test_tokenizer.c), tokenizers not trained here.
 """
 import json
 import os

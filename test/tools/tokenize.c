@@ -5,6 +5,7 @@
  *   tokenize TOKENIZER FILE             the ids of FILE's bytes, one per line
  *   tokenize --decode TOKENIZER IDSFILE the text of the ids (whitespace-separated) in IDSFILE
  *   tokenize --info TOKENIZER           vocab_size, bos and eos, one "key value" a line
+ *   tokenize --json TOKENIZER           a llama2.c tokenizer.bin as tokenizer.json, to stdout
  *
  * TOKENIZER is a tokenizer.json, a folder holding one, or a llama2.c tokenizer.bin. Encoding
  * prints "tokenize: B bytes -> N tokens in S s" to stderr. Errors print the module's one-line
@@ -110,12 +111,13 @@ static int decode(const tokenizer_t *t, const char *path) {
 }
 
 int main(int argc, char **argv) {
-  int mode = 0; /* 0 encode, 1 decode, 2 info */
+  int mode = 0; /* 0 encode, 1 decode, 2 info, 3 json */
   if (argc >= 2 && strcmp(argv[1], "--decode") == 0) mode = 1;
   if (argc >= 2 && strcmp(argv[1], "--info") == 0) mode = 2;
-  if (argc != (mode == 2 ? 3 : mode == 1 ? 4 : 3)) {
-    fprintf(stderr,
-            "usage: tokenize TOKENIZER FILE | tokenize --decode TOKENIZER IDSFILE | tokenize --info TOKENIZER\n");
+  if (argc >= 2 && strcmp(argv[1], "--json") == 0) mode = 3;
+  if (argc != (mode >= 2 ? 3 : mode == 1 ? 4 : 3)) {
+    fprintf(stderr, "usage: tokenize TOKENIZER FILE | tokenize --decode TOKENIZER IDSFILE | tokenize --info "
+                    "TOKENIZER | tokenize --json TOKENIZER.bin\n");
     return 2;
   }
   const char *tpath = argv[mode ? 2 : 1];
@@ -129,6 +131,16 @@ int main(int argc, char **argv) {
   if (mode == 2) {
     printf("vocab_size %d\nbos %d\neos %d\n", tokenizer_vocab_size(t), tokenizer_bos(t), tokenizer_eos(t));
     rc = 0;
+  } else if (mode == 3) {
+    char *json;
+    size_t n;
+    rc = tokenizer_llama2c_json(t, &json, &n, err, sizeof err) != 0;
+    if (rc) {
+      fprintf(stderr, "%s\n", err);
+    } else {
+      rc = fwrite(json, 1, n, stdout) != n || fflush(stdout) != 0;
+      free(json);
+    }
   } else {
     rc = mode == 1 ? decode(t, argv[3]) : encode(t, argv[2]);
   }

@@ -327,6 +327,176 @@ static void test_llama2c_bin(void **state) {
   tokenizer_free(t);
 }
 
+/* ---------------------------------------------------------------- llama2.c as tokenizer.json */
+
+static void expect_refused(const char *name, int code, const char *needle);
+
+/* The ids of text under t, malloc'd. */
+static int32_t *ids_of(const tokenizer_t *t, const char *text, size_t len, size_t *n) {
+  int32_t *ids;
+  char err[512];
+  int rc = tokenizer_encode(t, text, len, &ids, n, err, sizeof err);
+  if (rc) printf("  encode: %s\n", err);
+  assert_int_equal(rc, 0);
+  return ids;
+}
+
+/* Converts name (a tokenizer.bin) with tokenizer_llama2c_json: the code and message. */
+static int convert(const char *name, char *err, size_t errlen) {
+  tokenizer_t *t = load_ok(name);
+  char *json = NULL;
+  size_t len;
+  int rc = tokenizer_llama2c_json(t, &json, &len, err, errlen);
+  tokenizer_free(t);
+  if (rc == 0) {
+    assert_non_null(json);
+    free(json);
+  } else {
+    assert_null(json);
+    printf("  %-22s %s\n", name, err);
+  }
+  return rc;
+}
+
+static void test_llama2c_json(void **state) {
+  write_bin("conv.bin", 8, 1, PIECES, (int)(sizeof PIECES / sizeof *PIECES));
+  tokenizer_t *bin = load_ok("conv.bin");
+  char *json, err[512], p[300];
+  size_t len;
+  assert_int_equal(tokenizer_llama2c_json(bin, &json, &len, err, sizeof err), 0);
+  assert_int_equal(strlen(json), len);
+  path_in(p, sizeof p, "conv.json");
+  testfile_write(p, json, len);
+  /* the document names what the library needs: byte_fallback, the specials, "▁" for a space */
+  assert_non_null(strstr(json, "\"byte_fallback\":\ttrue"));
+  assert_non_null(strstr(json, "\"content\":\t\"<s>\""));
+  assert_non_null(strstr(json, "\"\xe2\x96\x81" "ab\":\t266"));
+  free(json);
+  tokenizer_t *js = load_ok("conv.json");
+  assert_int_equal(tokenizer_vocab_size(js), tokenizer_vocab_size(bin));
+  assert_int_equal(tokenizer_bos(js), 1);
+  assert_int_equal(tokenizer_eos(js), 2);
+  /* the same ids as the .bin on the texts test_llama2c_bin checks and on the hard cases, and the
+   * same text back */
+  static const char *const texts[] = {"abc", "bc", "\xc3\xa9", "\xc3\xbc", "d", "xyz", "a\nb", "ab abc  bc d", ""};
+  int compared = 0;
+  for (size_t i = 0; i < sizeof texts / sizeof *texts + sizeof HARD / sizeof *HARD; i++) {
+    int easy = i < sizeof texts / sizeof *texts;
+    const char *text = easy ? texts[i] : HARD[i - sizeof texts / sizeof *texts].s;
+    size_t tl = easy ? strlen(text) : HARD[i - sizeof texts / sizeof *texts].n, na, nb;
+    /* not UTF-8: llama2.c takes a stray continuation byte with the byte before it as one
+     * character ("y \x80" falls back to <0x20><0x80>), a tokenizer.json reader the space alone;
+     * the library cannot be given such text at all */
+    if (strncmp(text, "invalid ", 8) == 0) continue;
+    int32_t *a = ids_of(bin, text, tl, &na), *b = ids_of(js, text, tl, &nb);
+    if (na != nb || memcmp(a, b, na * sizeof *a) != 0) printf("  text %zu: %zu ids from the .bin, %zu from JSON\n", i, na, nb);
+    assert_int_equal(na, nb);
+    assert_memory_equal(a, b, na * sizeof *a);
+    compared += (int)na;
+    char *da, *db;
+    size_t la, lb;
+    assert_int_equal(tokenizer_decode(bin, a, na, &da, &la), 0);
+    assert_int_equal(tokenizer_decode(js, b, nb, &db, &lb), 0);
+    assert_int_equal(la, lb);
+    assert_memory_equal(da, db, la);
+    free(da), free(db), free(a), free(b);
+  }
+  printf("  %d ids the same from the .bin and its tokenizer.json\n", compared);
+  /* a tokenizer.json is not converted */
+  assert_int_equal(tokenizer_llama2c_json(js, &json, &len, err, sizeof err), TOKENIZER_EINVAL);
+  tokenizer_free(bin);
+  tokenizer_free(js);
+
+  /* what has no tokenizer.json form: no byte tokens at 3..258, a piece that is not UTF-8, two
+   * pieces that read the same ("a b" and "a▁b" are both "a▁b") */
+  piece_t few[] = {{" ", -1}, {"a", -1}};
+  write_bin("nobytes.bin", 8, 0, few, 2);
+  assert_int_equal(convert("nobytes.bin", err, sizeof err), TOKENIZER_EUNSUPPORTED);
+  assert_non_null(strstr(err, "id 3 is not the byte token <0x00>"));
+  piece_t latin1[] = {{"a", -1}, {"\xe9t\xe9", -1}};
+  write_bin("latin1.bin", 8, 1, latin1, 2);
+  assert_int_equal(convert("latin1.bin", err, sizeof err), TOKENIZER_EUNSUPPORTED);
+  assert_non_null(strstr(err, "token 260 is not valid UTF-8"));
+  /* llama2.c takes ids 1 and 2 for BOS and EOS whatever they read; JSON finds them by name */
+  write_bin("nobos.bin", 8, 1, few, 2);
+  path_in(p, sizeof p, "nobos.bin");
+  unsigned char *raw = testfile_read(p, &len);
+  unsigned char *at = memmem(raw, len, "\n<s>\n", 5);
+  assert_non_null(at);
+  at[2] = 't';
+  testfile_write(p, raw, len);
+  free(raw);
+  assert_int_equal(convert("nobos.bin", err, sizeof err), TOKENIZER_EUNSUPPORTED);
+  assert_non_null(strstr(err, "ids 1 and 2 are not <s> and </s>"));
+  piece_t twice[] = {{"a b", -1}, {"a\xe2\x96\x81" "b", -2}};
+  write_bin("twice.bin", 8, 1, twice, 2);
+  assert_int_equal(convert("twice.bin", err, sizeof err), TOKENIZER_EUNSUPPORTED);
+  assert_non_null(strstr(err, "tokens 259 and 260"));
+}
+
+/* A sentencepiece-style tokenizer.json (Llama 2's layout) and what is refused in one. */
+static const char SPM_JSON[] =
+    "{\"added_tokens\": [{\"id\": 0, \"content\": \"<unk>\", \"special\": true, \"normalized\": false},\n"
+    " {\"id\": 1, \"content\": \"<s>\", \"special\": true, \"normalized\": false}],\n"
+    " \"normalizer\": {\"type\": \"Sequence\", \"normalizers\": [{\"type\": \"Prepend\", \"prepend\": \"_\"},\n"
+    "   {\"type\": \"Replace\", \"pattern\": {\"String\": \" \"}, \"content\": \"_\"}]},\n"
+    " \"pre_tokenizer\": null,\n"
+    " \"decoder\": {\"type\": \"Sequence\", \"decoders\": [{\"type\": \"Replace\", \"pattern\": {\"String\": \"_\"},\n"
+    "   \"content\": \" \"}, {\"type\": \"ByteFallback\"}, {\"type\": \"Fuse\"},\n"
+    "   {\"type\": \"Strip\", \"content\": \" \", \"start\": 1, \"stop\": 0}]},\n"
+    " \"model\": {\"type\": \"BPE\", \"unk_token\": \"<unk>\", \"fuse_unk\": true, \"byte_fallback\": true,\n"
+    "   \"vocab\": {\"<unk>\": 0, \"<s>\": 1, \"<0x21>\": 2, \"_\": 3, \"a\": 4, \"b\": 5, \"_a\": 6, \"ab\": 7, \"_ab\": 8},\n"
+    "   \"merges\": [[\"a\", \"b\"], [\"_\", \"ab\"], [\"_\", \"a\"]]}}\n";
+
+static void test_sentencepiece_json(void **state) {
+  char p[300];
+  path_in(p, sizeof p, "spm.json");
+  testfile_write(p, SPM_JSON, sizeof SPM_JSON - 1);
+  tokenizer_t *t = load_ok("spm.json");
+  assert_int_equal(tokenizer_bos(t), 1);
+  EXPECT(t, "ab", 8);             /* "_ab": a+b first (rank 0), then _+ab */
+  EXPECT(t, "a a", 6, 6);         /* "_a_a" */
+  EXPECT(t, "ab!", 8, 2);         /* "!" is not in the vocab: its byte token <0x21> */
+  EXPECT(t, "ab?c", 8, 0);        /* "?" and "c" have neither: one <unk> (fuse_unk) */
+  EXPECT(t, "b<s>a", 3, 5, 1, 6); /* <s> is cut out first; each side is normalized on its own */
+  int32_t ids[] = {8, 6, 2};
+  char *text;
+  size_t l;
+  assert_int_equal(tokenizer_decode(t, ids, 3, &text, &l), 0);
+  assert_string_equal(text, "ab a!"); /* the first space stripped, <0x21> its byte */
+  free(text);
+  tokenizer_free(t);
+
+  static const struct {
+    const char *from, *to, *needle;
+  } edits[] = {
+      {"{\"type\": \"Prepend\", \"prepend\": \"_\"}", "{\"type\": \"NFKC\"}", "normalizer NFKC"},
+      {"\"String\": \" \"}, \"content\": \"_\"", "\"Regex\": \" \"}, \"content\": \"_\"", "Regex pattern"},
+      {"{\"type\": \"Fuse\"},", "", "Strip is supported only as Fuse then Strip"},
+      {"\"type\": \"ByteFallback\"", "\"type\": \"WordPiece\"", "decoder WordPiece"},
+      {"\"content\": \" \"}, {\"type\": \"ByteFallback\"", "\"content\": \"  \"}, {\"type\": \"ByteFallback\"",
+       "content longer than its pattern"},
+      {"\"pre_tokenizer\": null",
+       "\"pre_tokenizer\": {\"type\": \"Sequence\", \"pretokenizers\": [{\"type\": \"Metaspace\", \"replacement\": \"_\"},"
+       " {\"type\": \"Split\", \"pattern\": {\"String\": \"x\"}, \"behavior\": \"Isolated\"}]}",
+       "Metaspace must be the last"},
+      {"\"pre_tokenizer\": null", "\"pre_tokenizer\": {\"type\": \"Metaspace\", \"replacement\": \"_\", "
+       "\"prepend_scheme\": \"sometimes\"}", "prepend_scheme sometimes"},
+      {"\"pre_tokenizer\": null", "\"pre_tokenizer\": {\"type\": \"ByteLevel\"}", "byte_fallback beside ByteLevel"},
+  };
+  for (size_t i = 0; i < sizeof edits / sizeof *edits; i++) {
+    const char *at = strstr(SPM_JSON, edits[i].from);
+    assert_non_null(at);
+    char *o, name[32];
+    assert_true(asprintf(&o, "%.*s%s%s", (int)(at - SPM_JSON), SPM_JSON, edits[i].to, at + strlen(edits[i].from)) > 0);
+    snprintf(name, sizeof name, "spm%02zu.json", i);
+    path_in(p, sizeof p, name);
+    testfile_write(p, o, strlen(o));
+    free(o);
+    expect_refused(name, TOKENIZER_EUNSUPPORTED, edits[i].needle);
+  }
+}
+
 /* ---------------------------------------------------------------- folders, ids, arguments */
 
 static void test_folder_and_ids(void **state) {
@@ -486,6 +656,7 @@ static int teardown(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_tiny_json),      cmocka_unit_test(test_full_json),     cmocka_unit_test(test_llama2c_bin),
+      cmocka_unit_test(test_llama2c_json),   cmocka_unit_test(test_sentencepiece_json),
       cmocka_unit_test(test_folder_and_ids), cmocka_unit_test(test_malformed_json), cmocka_unit_test(test_malformed_bin),
   };
   return cmocka_run_group_tests_name("tokenizer", tests, setup, teardown);
