@@ -128,6 +128,21 @@ static int tok_write(const export_tok_t *x, const plan_model_t *cfg, const char 
   return rc;
 }
 
+/* An HF export without a tokenizer: a tokenizer.json or tokenizer_config.json left in out by an
+ * earlier export belongs to other weights, and transformers would load it with these; removed,
+ * with a warning naming each. */
+static void drop_stale_tokenizer(const char *out) {
+  static const char *const names[] = {"tokenizer.json", "tokenizer_config.json"};
+  for (int i = 0; i < 2; i++) {
+    char path[PLAN_PATH_MAX + 64];
+    snprintf(path, sizeof path, "%s/%s", out, names[i]);
+    if (unlink(path) == 0)
+      log_warn("export: removed %s, left by an earlier export: these weights come with no tokenizer", path);
+    else if (errno != ENOENT)
+      log_warn("export: %s is left from an earlier export and cannot be removed: %s", path, strerror(errno));
+  }
+}
+
 int export_run(const plan_t *p, const char *path, int plan_file, const char *const *sets, int nsets,
                const char *format, const char *out, char *err, size_t errlen) {
   weights_file_t *f = NULL;
@@ -147,6 +162,7 @@ int export_run(const plan_t *p, const char *path, int plan_file, const char *con
   const int bos = tok.t ? tokenizer_bos(tok.t) : -1, eos = tok.t ? tokenizer_eos(tok.t) : -1;
   if (rc == 0) rc = weights_export(f, &cfg, format, bos, eos, out, err, errlen);
   if (rc == 0) rc = tok_write(&tok, &cfg, out, err, errlen);
+  if (rc == 0 && !strcmp(format, "hf") && !tok.json) drop_stale_tokenizer(out);
   free(tok.json);
   tokenizer_free(tok.t);
   weights_close(f);

@@ -8,7 +8,8 @@
  * BOS and EOS, so the folder is complete for `transformers`; a llama2.c tokenizer.bin is
  * converted to a sentencepiece-style tokenizer.json (tokenizer_llama2c_json: the same ids), read
  * back, and written the same way; one that cannot be converted (byte tokens not at 3..258) is
- * left out with a warning naming why. Either way the tokenizer's BOS and EOS ids go into config.json
+ * left out with a warning naming why. Without a tokenizer, the tokenizer files an earlier export
+ * left in the folder are removed (a warning each). Either way the tokenizer's BOS and EOS ids go into config.json
  * and generation_config.json (config.json says null without a tokenizer), so that
  * transformers' generate stops at EOS as `trainer sample` does. No model is built, no device
  * is opened. The conversion itself is trainer/weights' and trainer/interop's job. */

@@ -356,10 +356,12 @@ static int env_read(env_t *e, char *err, size_t errlen) {
  * training run checks its checkpoint directory now, not at the first save (which, with
  * checkpoint.interval 0, comes after the last step). Errors are the documented one-liners
  * "plan error: <key.path>: ...". */
-static int plan_setup(plan_t *p, const args_t *a, int world, char *err, size_t errlen) {
+static int plan_setup(plan_t *p, const args_t *a, int rank, int world, char *err, size_t errlen) {
   if (plan_load(p, a->plan_path, a->sets, a->nsets, err, errlen) != 0 || plan_resolve(p, world, err, errlen) != 0)
     return -1;
-  if (a->print_plan) { /* printed before the inputs are checked, so a plan can be read whatever is missing */
+  /* printed before the inputs are checked, so a plan can be read whatever is missing; by rank 0
+   * alone under meshrun (every rank resolves the same plan) */
+  if (a->print_plan && rank == 0) {
     char *json = plan_to_json(p);
     if (!json) {
       snprintf(err, errlen, "out of memory");
@@ -544,7 +546,7 @@ int main(int argc, char **argv) {
     goto error;
   }
   code = 2;
-  if (plan_setup(p, &a, env.world, err, sizeof err)) {
+  if (plan_setup(p, &a, env.rank, env.world, err, sizeof err)) {
     plan_failed = 1; /* the message is already the documented one-liner */
     goto error;
   }

@@ -16,7 +16,8 @@
   its file's metadata), the text equal to the ids of the same draw without a tokenizer, decoded here
   (BOS first, stopping at EOS); `export --format hf` writes tokenizer.json (same bytes), a
   tokenizer_config.json naming BOS and EOS, and their id in config.json and generation_config.json
-  (config.json says null where no tokenizer is known); the HF folder then samples the same text.
+  (config.json says null where no tokenizer is known); the HF folder then samples the same text;
+  exported again without a tokenizer, the folder's old tokenizer files are removed (a warning each).
   Where transformers is installed its AutoTokenizer and LlamaForCausalLM load the folder too
   (test_hf_transformers checks such folders in transformers in full).
 - Bad inputs: a missing file, a file of no known format, a truncated safetensors, an HF folder
@@ -314,6 +315,14 @@ def test_tokenizer_sample_and_export(tmp_path):
     again = run(["sample", "--weights", tmp_path / "m.bin", "--set", f"data.tokenizer={tok}"] + hot, tmp_path,
                 binary=True)
     assert again.stdout == text.stdout
+    # re-exported without a tokenizer (the llama2.c file has none), a folder loses the old one
+    stale = tmp_path / "stale"
+    shutil.copytree(hf, stale)
+    r = run(["export", "--format", "hf", "--weights", tmp_path / "m.bin", "--out", stale], tmp_path)
+    assert r.returncode == 0, r.stderr
+    print(r.stderr.strip())
+    assert sorted(os.listdir(stale)) == ["config.json", "model.safetensors"]  # generation_config.json too
+    assert r.stderr.count("left by an earlier export") == 2
     try:
         import transformers  # noqa: F401
     except ImportError:

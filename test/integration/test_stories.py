@@ -9,8 +9,8 @@ printed without training, and a resume over a changed dataset named.
   writes with a tokenizer it trains, and samples text through it; configs/stories260K.json
   fine-tunes llama2.c's stories260K on tinyshakespeare's tokens (not synthetic ones).
 - --print-plan prints the resolved plan as JSON and trains nothing; the printed plan, run again,
-  prints itself (a fixed point); WORLD_SIZE resolves the mesh; a missing input still prints the
-  plan, then exits 2 naming the file.
+  prints itself (a fixed point); WORLD_SIZE resolves the mesh, and a rank other than 0 prints
+  nothing; a missing input still prints the plan, then exits 2 naming the file.
 - A checkpoint records the dataset's size in tokens; a resume over another size warns (once,
   naming both sizes), a resume over the same data does not.
 OMP_NUM_THREADS=1 everywhere (2 shared cores).
@@ -134,6 +134,10 @@ def test_print_plan(tmp_path):
     mesh = json.loads(r.stdout)["mesh"]
     print("fsdp.json at WORLD_SIZE=4: mesh %s" % mesh)
     assert mesh["dp_shard"] * mesh["dp_replicate"] * mesh["tp"] * mesh.get("pp", 1) == 4
+    # under meshrun every rank resolves the plan; rank 0 alone prints it
+    r = trainer([os.path.join(REPO, "configs", "fsdp.json"), "--print-plan"], tmp_path, WORLD_SIZE="4", RANK="3")
+    print("RANK=3: exit %d, %d bytes on stdout" % (r.returncode, len(r.stdout)))
+    assert r.returncode == 0 and r.stdout == ""
 
     r = trainer([os.path.join(REPO, "configs", "tiny.json"), "--print-plan", "--set", "data.train=missing.txt"],
                 tmp_path)
