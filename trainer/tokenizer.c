@@ -874,6 +874,14 @@ static int hexval(int c) {
                                 : -1;
 }
 
+/* The byte a piece <0xNN> stands for (either case of hex digit), -1 for any other piece. */
+static int byte_piece(const char *s, size_t n) {
+  int hi, lo;
+  if (n != 6 || memcmp(s, "<0x", 3) != 0 || s[5] != '>' || (hi = hexval(s[3])) < 0 || (lo = hexval(s[4])) < 0)
+    return -1;
+  return hi << 4 | lo;
+}
+
 static int load_llama2c(tokenizer_t *t, const char *path, const unsigned char *buf, size_t len, char *err,
                         size_t errlen) {
   int rc;
@@ -939,10 +947,9 @@ static int load_llama2c(tokenizer_t *t, const char *path, const unsigned char *b
     t->key_len[i] = (uint32_t)k;
     if (k > t->max_key) t->max_key = k;
     /* <0xNN> decodes to its byte */
-    int hi, lo;
-    if (k == 6 && memcmp(piece, "<0x", 3) == 0 && piece[5] == '>' && (hi = hexval(piece[3])) >= 0 &&
-        (lo = hexval(piece[4])) >= 0) {
-      piece[0] = (char)(hi << 4 | lo);
+    int b = byte_piece(piece, k);
+    if (b >= 0) {
+      piece[0] = (char)b;
       k = 1;
       t->is_byte[i] = 1;
     }
@@ -1247,11 +1254,9 @@ static size_t spm_decode_token(const dstep_t *steps, int nsteps, const char *s, 
   memcpy(out, s, n);
   for (int i = 0; i < nsteps; i++) {
     const dstep_t *d = &steps[i];
-    int hi, lo;
     if (!d->from) {
-      if (n == 6 && memcmp(out, "<0x", 3) == 0 && out[5] == '>' && (hi = hexval(out[3])) >= 0 &&
-          (lo = hexval(out[4])) >= 0)
-        out[0] = (char)(hi << 4 | lo), n = 1;
+      int b = byte_piece(out, n);
+      if (b >= 0) out[0] = (char)b, n = 1;
       continue;
     }
     size_t fl = strlen(d->from), tl = strlen(d->to), k = 0;

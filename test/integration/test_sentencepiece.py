@@ -35,7 +35,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_tokenizer import HARD, TOOL, c_decode, c_encode, corpus_path, lib, run  # noqa: E402,F401
+from test_tokenizer import HARD, TOOL, c_decode, c_encode, compare, corpus_path, lib, run  # noqa: E402,F401
 
 VOCAB = 512
 SLICE = 300_000  # bytes of tinyshakespeare the tokenizer is trained on
@@ -129,22 +129,12 @@ def read(path):
 
 
 def agree(lib, tok_json, path, what, tmp, c_tok=None):
-    """The library's ids of path's text under tok_json; fails unless C's (under c_tok, default
-    tok_json) are the same and both decode back to the text."""
-    tok = lib.Tokenizer.from_file(str(tok_json))
-    text = read(path)
-    want = tok.encode(text, add_special_tokens=False).ids
-    got, c_s, _ = c_encode(str(c_tok or tok_json), path)
-    mism = sum(a != b for a, b in zip(want, got)) + abs(len(want) - len(got))
-    print("  %-34s %-20s %8d tokens compared, %d mismatches (C %.3f s)" %
-          (what, os.path.basename(path), len(want), mism, c_s))
-    if mism:
-        i = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
-        pytest.fail("%s: first difference at token %d: library %s, C %s" %
-                    (what, i, [tok.id_to_token(x) for x in want[i:i + 6]], [tok.id_to_token(x) for x in got[i:i + 6]]))
+    """test_tokenizer's compare (the library's ids under tok_json, C's under c_tok, the same), and
+    both decode back to the text where it holds no special token."""
+    tok, text, want = compare(lib, tok_json, path, "%s, %s" % (what, os.path.basename(path)), c_tok)
     if "<s>" not in text:  # the decoders add a space after a special token; text without them goes back
         assert tok.decode(want) == text, "%s: the library's decode(encode(x)) != x" % what
-        assert c_decode(str(c_tok or tok_json), got, str(tmp)) == text.encode("utf-8"), "%s: C decode != text" % what
+        assert c_decode(str(c_tok or tok_json), want, str(tmp)) == text.encode("utf-8"), "%s: C decode != text" % what
     return want
 
 

@@ -130,14 +130,16 @@ def prepared(lib, tmp_path_factory):
     return out
 
 
-def compare(lib, tok_json, path, what):
-    tok = lib.Tokenizer.from_file(tok_json)
+def compare(lib, tok_json, path, what, c_tok=None):
+    """The library's ids of path's text under tok_json (no post-processor: no BOS added, as the C
+    tokenizer adds none); fails unless C's under c_tok (default tok_json) are the same."""
+    tok = lib.Tokenizer.from_file(str(tok_json))
     with open(path, encoding="utf-8", newline="") as f:
         text = f.read()
     t0 = time.monotonic()
-    want = tok.encode(text).ids
+    want = tok.encode(text, add_special_tokens=False).ids
     py_s = time.monotonic() - t0
-    got, c_s, c_msg = c_encode(tok_json, path)
+    got, c_s, c_msg = c_encode(str(c_tok or tok_json), path)
     mism = sum(a != b for a, b in zip(want, got)) + abs(len(want) - len(got))
     print("  %-28s %8d tokens compared, %d mismatches (C %.3f s incl. printing, library %.3f s; %s)" %
           (what, len(want), mism, c_s, py_s, c_msg))

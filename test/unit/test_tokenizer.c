@@ -69,17 +69,22 @@ static void write_tiny(const char *name, const char *merges) {
   free(s);
 }
 
+/* A copy of text with its first `from` replaced by `to`, written as name. */
+static void write_edited(const char *name, const char *text, const char *from, const char *to) {
+  const char *at = strstr(text, from);
+  assert_non_null(at);
+  char *o;
+  assert_true(asprintf(&o, "%.*s%s%s", (int)(at - text), text, to, at + strlen(from)) > 0);
+  write_text(name, o);
+  free(o);
+}
+
 /* A copy of the tiny file with the first `from` replaced by `to`. */
 static void write_tiny_edit(const char *name, const char *from, const char *to) {
   char *s;
   assert_true(asprintf(&s, "%s%s", TINY_HEAD, TINY_MERGES_STR) > 0);
-  char *at = strstr(s, from);
-  assert_non_null(at);
-  char *o;
-  assert_true(asprintf(&o, "%.*s%s%s", (int)(at - s), s, to, at + strlen(from)) > 0);
-  write_text(name, o);
+  write_edited(name, s, from, to);
   free(s);
-  free(o);
 }
 
 static tokenizer_t *load_ok(const char *name) {
@@ -449,9 +454,7 @@ static const char SPM_JSON[] =
     "   \"merges\": [[\"a\", \"b\"], [\"_\", \"ab\"], [\"_\", \"a\"]]}}\n";
 
 static void test_sentencepiece_json(void **state) {
-  char p[300];
-  path_in(p, sizeof p, "spm.json");
-  testfile_write(p, SPM_JSON, sizeof SPM_JSON - 1);
+  write_text("spm.json", SPM_JSON);
   tokenizer_t *t = load_ok("spm.json");
   assert_int_equal(tokenizer_bos(t), 1);
   EXPECT(t, "ab", 8);             /* "_ab": a+b first (rank 0), then _+ab */
@@ -485,14 +488,9 @@ static void test_sentencepiece_json(void **state) {
       {"\"pre_tokenizer\": null", "\"pre_tokenizer\": {\"type\": \"ByteLevel\"}", "byte_fallback beside ByteLevel"},
   };
   for (size_t i = 0; i < sizeof edits / sizeof *edits; i++) {
-    const char *at = strstr(SPM_JSON, edits[i].from);
-    assert_non_null(at);
-    char *o, name[32];
-    assert_true(asprintf(&o, "%.*s%s%s", (int)(at - SPM_JSON), SPM_JSON, edits[i].to, at + strlen(edits[i].from)) > 0);
+    char name[32];
     snprintf(name, sizeof name, "spm%02zu.json", i);
-    path_in(p, sizeof p, name);
-    testfile_write(p, o, strlen(o));
-    free(o);
+    write_edited(name, SPM_JSON, edits[i].from, edits[i].to);
     expect_refused(name, TOKENIZER_EUNSUPPORTED, edits[i].needle);
   }
 }
