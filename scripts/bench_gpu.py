@@ -3,9 +3,11 @@
 
 For each model size (a Llama of about 125M parameters and one of about 0.85B, see SIZES), trains
 on synthetic tokens for --warmup + --steps steps and reports tokens/s, MFU and peak GPU memory for:
-  - ours:  bin/trainer with a plan written on the fly (device cuda; fp32 with TF32 as the trainer
-           allows until bf16 mixed precision exists in the cuda backend; the mode is printed);
-           tokens/s from its metrics file (log.metrics_file), warmup steps skipped;
+  - ours:  bin/trainer with a plan written on the fly (device cuda, bf16 mixed precision: bf16
+           compute copies, fp32 master weights, gradients and AdamW, as PyTorch's autocast side);
+           tokens/s from its metrics file (log.metrics_file), warmup steps skipped; with
+           --profile, MESHRUN_OP_PROFILE=<last warmup step> prints where that step's time went,
+           kernel by kernel (trainer/opprof.h), without touching the measured steps;
   - torch eager and torch.compile: a small Llama written below (the structure of
            test/integration/llama_ref.py), bf16 autocast, SDPA flash attention, AdamW fused when
            available. Skipped with "PyTorch GPU reference unavailable" when torch or its CUDA is not.
@@ -23,10 +25,10 @@ d the model width (= heads x head dim). 6N is the forward (2N) plus backward (4N
 products; 12 L T d the attention scores and weighted sum (QK^T and PV, 2 x 2 T d per token per
 layer forward, x3 with backward), counted for the full T x T square as PaLM does, although
 causal attention only needs half. Peak: a table keyed by the GPU name nvidia-smi reports.
-Our side currently runs fp32, so its MFU against the bf16 peak is low by construction: the table
-says the mode.
+Each row is printed as soon as it is measured and, with --results FILE, appended to FILE as one
+JSON object (a GPU session's results.jsonl), so a run cut short keeps what it measured.
 
-Not here: multi-GPU runs, activation checkpointing, bf16 for our side (not built yet)."""
+Not here: multi-GPU runs, activation checkpointing."""
 import argparse
 import json
 import math
@@ -41,16 +43,27 @@ import time
 PEAK_BF16 = [("H200", 989e12), ("H100", 989e12), ("A100", 312e12)]
 
 SIZES = {
+    # a dry run's (scripts/gpu-session.sh --dry-run, device cpu): the same code path in seconds
+    "tiny": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, seq=64, batch=4,
+                 multiple_of=32, ffn_mult=0, theta=10000.0),
     # ~125M (GPT-2 small shape, Llama blocks): dim 768, 12 layers, 12 heads, seq 1024
-    "125m": dict(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, vocab_size=32000, seq=1024, batch=8),
-    # ~0.85B with vocab 32000 (1.2B with 128256): dim 2048, 16 layers, 32 heads, 8 kv heads, seq 2048
-    "1b": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=32000, seq=2048, batch=4),
+    "125m": dict(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, vocab_size=32000, seq=1024, batch=8,
+                 multiple_of=256, ffn_mult=0, theta=10000.0),
+    # Llama 3.2 1B's shape (configs/llama-1b.json): dim 2048, 16 layers, 32 heads, 8 kv heads,
+    # hidden 8192, vocab 128256, rope theta 5e5; output not tied to the embedding (1.5B
+    # parameters); seq 2048, 4 sequences (8192 tokens) a step
+    "1b": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, seq=2048, batch=4,
+               multiple_of=256, ffn_mult=1.5, theta=500000.0),
 }
 
 
-def hidden_dim(dim, multiple_of=256):
-    h = int(2 * (4 * dim) / 3)
-    return multiple_of * ((h + multiple_of - 1) // multiple_of)
+def hidden_dim(m):
+    """The feed-forward width as the trainer computes it (plan_llama_hidden_dim)."""
+    h = 8 * m["dim"] // 3
+    if m["ffn_mult"] > 0:
+        h = int(m["ffn_mult"] * h)
+    mo = m["multiple_of"]
+    return mo * ((h + mo - 1) // mo)
 
 
 def param_counts(m):
@@ -58,7 +71,7 @@ def param_counts(m):
     d, L, V = m["dim"], m["n_layers"], m["vocab_size"]
     hd = d // m["n_heads"]
     kvd = m["n_kv_heads"] * hd
-    f = hidden_dim(d)
+    f = hidden_dim(m)
     block = d * d * 2 + d * kvd * 2 + 3 * d * f + 2 * d
     total = V * d + L * block + d + V * d
     return total, total - V * d
@@ -130,37 +143,53 @@ def run_with_sampler(cmd, env=None, timeout=600):
 
 # ---------------------------------------------------------------------------------------- ours
 
-def run_ours(trainer, size, m, steps, warmup, workdir):
+def run_ours(trainer, size, m, steps, warmup, workdir, dtype="bf16", profile=False, timeout=600, device="cuda"):
     plan = {
-        "device": "cuda", "seed": 1337,
+        "device": device, "seed": 1337,
         "model": {"dim": m["dim"], "n_layers": m["n_layers"], "n_heads": m["n_heads"],
-                  "n_kv_heads": m["n_kv_heads"], "vocab_size": m["vocab_size"], "max_seq_len": m["seq"]},
+                  "n_kv_heads": m["n_kv_heads"], "vocab_size": m["vocab_size"], "max_seq_len": m["seq"],
+                  "multiple_of": m["multiple_of"], "ffn_dim_multiplier": m["ffn_mult"], "rope_theta": m["theta"]},
         "mesh": {"dp_replicate": 1, "dp_shard": 1, "tp": 1},
-        "parallel": {"mixed_precision": {"param_dtype": "fp32"}},
+        "parallel": {"mixed_precision": {"param_dtype": dtype, "reduce_dtype": "fp32"}},
         "train": {"steps": warmup + steps, "seq_len": m["seq"], "micro_batch_size": m["batch"],
-                  "global_batch_size": m["batch"], "lr": 3e-4, "warmup_steps": 2, "decay": "cosine"},
+                  "global_batch_size": m["batch"], "lr": 3e-4, "warmup_steps": 2, "decay": "cosine",
+                  "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95, "grad_clip": 1.0},
         "data": {"train": "", "format": "synthetic"},
         "eval": {"interval": 0, "batches": 1},
-        "log": {"interval": 5, "metrics_file": os.path.join(workdir, "ours-%s.jsonl" % size)},
+        "checkpoint": {"dir": os.path.join(workdir, "ckpt-%s" % size), "interval": 0},
+        "log": {"interval": 1, "metrics_file": os.path.join(workdir, "ours-%s.jsonl" % size)},
         "sample": {"tokens": 0},
     }
     path = os.path.join(workdir, "plan-%s.json" % size)
     with open(path, "w") as f:
         json.dump(plan, f)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MESHRUN_STORE")}
-    rc, out, mem = run_with_sampler([trainer, path], env=env)
+    if profile and warmup > 0:
+        env["MESHRUN_OP_PROFILE"] = str(warmup)
+    rc, out, mem = run_with_sampler([trainer, path], env=env, timeout=timeout)
+    if profile:  # the profile table, as the trainer printed it
+        lines = out.splitlines()
+        start = next((i for i, ln in enumerate(lines) if ln.startswith("op profile of step")), None)
+        if start is not None:
+            end = start + 1
+            while end < len(lines) and lines[end].startswith("  "):
+                end += 1
+            print("\n".join(lines[start:end]), flush=True)
     if rc != 0:
         return {"error": "trainer exit %s: %s" % (rc, out.strip().splitlines()[-1] if out.strip() else "")}
-    toks, ms = 0.0, 0.0
+    toks, ms, peak, loss = 0.0, 0.0, 0, None
     with open(plan["log"]["metrics_file"]) as f:
         for line in f:
             r = json.loads(line)
             if "loss" in r and r.get("step", 0) > warmup:
                 toks += r["tokens_per_s"] * r["step_ms"] / 1e3
                 ms += r["step_ms"]
+                peak = max(peak, r.get("peak_mem_bytes", 0))
+                loss = r["loss"]
     if ms <= 0:
         return {"error": "no measured steps in the metrics file"}
-    return {"tokens_per_s": toks / (ms / 1e3), "mem_gib": mem, "mode": "fp32"}
+    return {"tokens_per_s": toks / (ms / 1e3), "mem_gib": mem, "alloc_gib": peak / 2**30, "loss": loss,
+            "mode": dtype + " mixed" if dtype == "bf16" else dtype}
 
 
 # --------------------------------------------------------------------------------------- torch
@@ -187,7 +216,7 @@ def torch_worker(args):
 
     def rope_tables(t, d):
         i = torch.arange(d // 2, dtype=torch.float64, device=dev)
-        ang = torch.arange(t, dtype=torch.float64, device=dev)[:, None] * (10000.0 ** (-2.0 * i / d))[None, :]
+        ang = torch.arange(t, dtype=torch.float64, device=dev)[:, None] * (m["theta"] ** (-2.0 * i / d))[None, :]
         return torch.cos(ang).float()[None, :, None, :], torch.sin(ang).float()[None, :, None, :]
 
     def rope(x, cos, sin):  # adjacent pairs (2i, 2i+1), as llama_ref.py and our backends
@@ -216,7 +245,7 @@ def torch_worker(args):
     class Block(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            d, f = m["dim"], hidden_dim(m["dim"])
+            d, f = m["dim"], hidden_dim(m)
             self.attention_norm, self.ffn_norm = RMSNorm(d), RMSNorm(d)
             self.attention = Attention()
             self.w1 = torch.nn.Linear(d, f, bias=False)
@@ -292,6 +321,42 @@ def torch_worker(args):
                       "attention": attn, "torch": torch.__version__}))
 
 
+def attention_bench(args):
+    """Causal attention forward + backward at a size's shape through PyTorch's SDPA backends
+    (flash, cuDNN, efficient), bf16: what a tensor-core attention costs on this GPU, beside our
+    attention_fwd/bwd rows of the op profile. One JSON line per backend."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    m = SIZES[args.size]
+    b, t, h, d = m["batch"], m["seq"], m["n_heads"], m["dim"] // m["n_heads"]
+    q, k, v = (torch.randn(b, h, t, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    dout = torch.randn(b, h, t, d, device="cuda", dtype=torch.bfloat16)
+    flops = 2.0 * b * h * t * t * d * (1 + 2.5)  # the causal half: QK^T and PV forward, 2.5x that backward
+    for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                     ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        try:
+            with sdpa_kernel([be]):
+                def once():
+                    o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                    o.backward(dout)
+                for _ in range(3):
+                    once()
+                torch.cuda.synchronize()
+                ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+                ev[0].record()
+                for _ in range(10):
+                    once()
+                ev[1].record()
+                torch.cuda.synchronize()
+                ms = ev[0].elapsed_time(ev[1]) / 10
+            r = {"backend": name, "ms_fwd_bwd": ms, "tflops": flops / ms * 1e-9}
+        except Exception as e:  # a backend this build or GPU lacks
+            r = {"backend": name, "error": str(e).splitlines()[0][:120]}
+        print(json.dumps(dict(r, shape="b%d t%d h%d d%d bf16 causal" % (b, t, h, d))), flush=True)
+
+
 def torch_available():
     try:
         r = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__, torch.cuda.is_available())"],
@@ -304,10 +369,10 @@ def torch_available():
     return ok == "True", "torch %s, cuda available: %s" % (ver, ok)
 
 
-def run_torch(size, steps, warmup, compile_):
+def run_torch(size, steps, warmup, compile_, timeout=900):
     cmd = [sys.executable, os.path.abspath(__file__), "--torch-worker", "--size", size, "--steps", str(steps),
            "--warmup", str(warmup)] + (["--compile"] if compile_ else [])
-    rc, out, mem = run_with_sampler(cmd, timeout=900)
+    rc, out, mem = run_with_sampler(cmd, timeout=timeout)
     for line in reversed(out.strip().splitlines()):
         if line.startswith("{"):
             r = json.loads(line)
@@ -319,6 +384,21 @@ def run_torch(size, steps, warmup, compile_):
 
 # ---------------------------------------------------------------------------------------- main
 
+def row_line(size, impl, r, fpt, peak, ref=None, ref_name="eager"):
+    if "error" in r:
+        return "%-6s %-14s %s" % (size, impl, "error: " + r["error"][:110])
+    tps = r["tokens_per_s"]
+    mfu = "%6.1f%%" % (100 * tps * fpt / peak) if peak else "    n/a"
+    ratio = "%9.2fx" % (tps / ref) if ref else "       n/a"
+    alloc = "%.2f" % r["alloc_gib"] if r.get("alloc_gib") is not None else "-"
+    return "%-6s %-14s %-22s %12.0f %7s %9.2f %9s %10s" % (size, impl, r["mode"], tps, mfu, r["mem_gib"], alloc,
+                                                           ratio)
+
+
+HEADER = "%-6s %-14s %-22s %12s %7s %9s %9s %10s" % ("model", "impl", "mode", "tokens/s", "MFU", "smi GiB",
+                                                      "alloc GiB", "vs compile")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--bin", default=os.environ.get("MESHRUN_BIN", os.path.join(os.path.dirname(
@@ -328,12 +408,26 @@ def main():
     ap.add_argument("--warmup", type=int, default=3, help="steps not measured")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--device", default="cuda", help="our side's device (cpu: a dry run of this script)")
+    ap.add_argument("--profile", action="store_true", help="our kernel-by-kernel profile of the last warmup step")
+    ap.add_argument("--results", help="append one JSON object per measured row to this file")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds for each run (ours, eager, compile)")
+    ap.add_argument("--deadline", type=float, default=0,
+                    help="a time.time() after which no further run starts (0: none); each run's timeout is cut "
+                         "to end by it")
+    ap.add_argument("--attention", action="store_true",
+                    help="only PyTorch's SDPA attention (forward + backward) at each size's shape, per backend")
     ap.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--size", help=argparse.SUPPRESS)
     ap.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.torch_worker:
         return torch_worker(args)
+    if args.attention:
+        for size in args.sizes.split(","):
+            args.size = size
+            attention_bench(args)
+        return 0
 
     name = gpu_name()
     peak = peak_for(name)
@@ -345,36 +439,52 @@ def main():
     else:
         print("PyTorch: %s" % why)
     trainer = os.path.join(args.bin, "trainer")
+
+    def budget():
+        if not args.deadline:
+            return args.timeout
+        return min(args.timeout, args.deadline - time.time())
+
+    def record(size, impl, r, fpt):
+        print(row_line(size, impl, r, fpt, peak), flush=True)
+        if args.results:
+            rec = {"check": "bench", "gpu": name, "model": size, "impl": impl, "flops_per_token": fpt}
+            rec.update(r)
+            if "tokens_per_s" in r and peak:
+                rec["mfu"] = r["tokens_per_s"] * fpt / peak
+            with open(args.results, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+
     rows = []
+    print(HEADER, flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-gpu.") as work:
         for size in args.sizes.split(","):
             m = SIZES[size]
             total, _ = param_counts(m)
             fpt = flops_per_token(m)
-            print("-- %s: %.0fM parameters, %.2f GFLOP/token (6N + 12LTd), batch %d x %d" %
-                  (size, total / 1e6, fpt / 1e9, m["batch"], m["seq"]), flush=True)
-            res = [("ours", run_ours(trainer, size, m, args.steps, args.warmup, work))]
+            print("-- %s: %.0fM parameters, hidden %d, %.2f GFLOP/token (6N + 12LTd), batch %d x %d" %
+                  (size, total / 1e6, hidden_dim(m), fpt / 1e9, m["batch"], m["seq"]), flush=True)
+            runs = [("ours", lambda t: run_ours(trainer, size, m, args.steps, args.warmup, work,
+                                                profile=args.profile, timeout=t, device=args.device))]
             if have_torch:
-                res.append(("torch eager", run_torch(size, args.steps, args.warmup, False)))
                 if not args.no_compile:
-                    res.append(("torch compile", run_torch(size, args.steps, args.warmup, True)))
-            ref = next((r["tokens_per_s"] for n, r in res if n == "torch eager" and "tokens_per_s" in r), None)
-            for impl, r in res:
-                rows.append((size, impl, r, fpt, ref))
+                    runs.append(("torch compile", lambda t: run_torch(size, args.steps, args.warmup, True, t)))
+                runs.append(("torch eager", lambda t: run_torch(size, args.steps, args.warmup, False, t)))
+            for impl, fn in runs:
+                t = budget()
+                r = fn(t) if t >= 20 else {"error": "skipped: the session's time budget is spent"}
+                record(size, impl, r, fpt)
+                rows.append((size, impl, r, fpt))
 
     print()
-    print("%-6s %-14s %-22s %12s %7s %10s %10s" % ("model", "impl", "mode", "tokens/s", "MFU", "peak GiB",
-                                                  "vs eager"))
-    for size, impl, r, fpt, ref in rows:
-        if "error" in r:
-            print("%-6s %-14s %s" % (size, impl, "error: " + r["error"][:100]))
-            continue
-        tps = r["tokens_per_s"]
-        mfu = "%6.1f%%" % (100 * tps * fpt / peak) if peak else "    n/a"
-        ratio = "%9.2fx" % (tps / ref) if ref else "       n/a"
-        print("%-6s %-14s %-22s %12.0f %7s %10.2f %10s" % (size, impl, r["mode"], tps, mfu, r["mem_gib"], ratio))
-    print("MFU against the dense bf16 peak; peak GiB: nvidia-smi's used memory of the process (with the CUDA "
-          "context), sampled every 0.2 s")
+    print(HEADER)
+    for size, impl, r, fpt in rows:
+        ref = next((x["tokens_per_s"] for s_, i, x, _ in rows if s_ == size and i == "torch compile"
+                    and "tokens_per_s" in x), None)
+        print(row_line(size, impl, r, fpt, peak, ref))
+    print("MFU against the dense bf16 peak; smi GiB: nvidia-smi's used memory of the process (with the CUDA "
+          "context), sampled every 0.2 s; alloc GiB: the allocator's peak (ours: the backend's; torch: "
+          "max_memory_allocated)")
     return 0
 
 

@@ -71,27 +71,36 @@ done
 
 cat >"$kit/env.sh" <<'EOF'
 # Source me: . KIT/env.sh   (sets the library path for the kit's binaries; prints what it found)
+# CUDA's libraries (cudart, cublas, cublasLt: the soname the binaries ask for, .so.13) and NCCL
+# are the machine's own. Each one the loader does not already know is looked for beside nvcc,
+# under /usr/local/cuda, and in the Python wheels of site-packages/nvidia (CUDA 13 wheels put
+# cuBLAS and cudart in nvidia/cu13/lib, CUDA 12 ones in nvidia/cublas/lib; NCCL in
+# nvidia/nccl/lib); the first folder holding it joins LD_LIBRARY_PATH.
 MESHRUN_KIT=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 export MESHRUN_KIT MESHRUN_BIN=$MESHRUN_KIT/bin
-_kit_path=$MESHRUN_KIT/lib
-# CUDA's libraries: beside nvcc, else the usual prefix.
-for _d in "$(dirname "$(command -v nvcc 2>/dev/null || echo /usr/local/cuda/bin/nvcc)")/../lib64" /usr/local/cuda/lib64; do
-  [ -e "$_d/libcudart.so" ] || ls "$_d"/libcudart.so.* >/dev/null 2>&1 || continue
-  _kit_path=$_kit_path:$(cd "$_d" && pwd); break
+export LD_LIBRARY_PATH=$MESHRUN_KIT/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+_dirs=()
+_nvcc=$(command -v nvcc 2>/dev/null || true)
+[ -n "$_nvcc" ] && _dirs+=("$(dirname "$_nvcc")/../lib64" "$(dirname "$_nvcc")/../lib")
+_dirs+=(/usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib)
+for _sp in $(python3 -c 'import site; print(" ".join(site.getsitepackages()))' 2>/dev/null); do
+  for _d in "$_sp"/nvidia/cu13/lib "$_sp"/nvidia/*/lib; do [ -d "$_d" ] && _dirs+=("$_d"); done
 done
-# NCCL: a system libnccl.so.2 if the loader knows one, else PyTorch's wheel (nvidia/nccl/lib).
-if ! ldconfig -p 2>/dev/null | grep -q 'libnccl.so.2 '; then
-  _nccl=$(python3 -c 'import os, nvidia.nccl as n; print(os.path.join(list(n.__path__)[0], "lib"))' 2>/dev/null || true)
-  [ -n "$_nccl" ] && [ -e "$_nccl/libnccl.so.2" ] && _kit_path=$_kit_path:$_nccl
-  # cuBLAS too may live only in wheels (nvidia/cublas/lib) on a machine without the toolkit.
-  _cublas=$(python3 -c 'import os, nvidia.cublas as n; print(os.path.join(list(n.__path__)[0], "lib"))' 2>/dev/null || true)
-  [ -n "$_cublas" ] && [ -e "$_cublas" ] && _kit_path=$_kit_path:$_cublas
-fi
-export LD_LIBRARY_PATH=$_kit_path${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+for _so in $(ldd "$MESHRUN_BIN/trainer" 2>/dev/null | awk '$2 == "=>" && $3 == "not" {print $1}'); do
+  _hit=""
+  for _d in "${_dirs[@]}"; do
+    if [ -e "$_d/$_so" ]; then _hit=$(cd "$_d" && pwd); break; fi
+  done
+  if [ -n "$_hit" ]; then
+    case ":$LD_LIBRARY_PATH:" in *":$_hit:"*) ;; *) LD_LIBRARY_PATH=$LD_LIBRARY_PATH:$_hit ;; esac
+    echo "kit: $_so from $_hit" >&2
+  fi
+done
+export LD_LIBRARY_PATH
 echo "kit: $MESHRUN_KIT; LD_LIBRARY_PATH=$LD_LIBRARY_PATH" >&2
 _missing=$(ldd "$MESHRUN_BIN/trainer" 2>/dev/null | grep 'not found' || true)
-[ -z "$_missing" ] || echo "kit: trainer is missing libraries: $_missing" >&2
-unset _kit_path _d _nccl _cublas _missing
+[ -z "$_missing" ] || echo "kit: trainer is missing libraries (searched ${_dirs[*]}): $_missing" >&2
+unset _dirs _nvcc _sp _d _so _hit _missing
 EOF
 
 {

@@ -21,6 +21,11 @@
 # Closing line: "test-gpu: N passed, N failed (N not yet: ...)". Exits non-zero on any failure,
 # when no GPU is visible, or when there is nothing to run (a build without nvcc has no GPU tests).
 # Environment (set by the Makefile): MESHRUN_BIN (programs), MESHRUN_BUILD (objects).
+# TEST_GPU_SECTIONS picks sections, a comma list of binaries (1), train (2, 3), parallel (4: needs
+# train's serial runs, in the same invocation) and sanitizer (5); all by default. Without
+# binaries no test binary need be given. TEST_GPU_RESULTS=FILE appends one JSON object per check
+# to FILE as it ends ({"check": "test-gpu", "name": ..., "result": "pass"|"fail"}), so a run cut
+# short keeps what it found. TEST_GPU_TIMEOUT: seconds for each test binary (default 300).
 # TEST_GPU_DEVICE=cpu dry-runs the script's own logic on a machine without a GPU: every "cuda"
 # run becomes a cpu run (then the comparisons must pass trivially, and nothing about CUDA is shown;
 # the device-auto check and the nccl plans are skipped).
@@ -51,14 +56,24 @@
 set -u
 DEV=${TEST_GPU_DEVICE:-cuda}
 pass=0; fail=0; failed=(); notyet=(); skipped=()
+SECTIONS=${TEST_GPU_SECTIONS:-binaries,train,parallel,sanitizer}
+RESULTS=${TEST_GPU_RESULTS:-}
+has() { case ",$SECTIONS," in *",$1,"*) return 0 ;; esac; return 1; }
+# record NAME pass|fail: one JSON line in $RESULTS (quotes and backslashes escaped)
+record() {
+  [ -n "$RESULTS" ] || return 0
+  local n=${1//\\/\\\\}
+  n=${n//\"/\\\"}
+  printf '{"check":"test-gpu","name":"%s","result":"%s"}\n' "$n" "$2" >>"$RESULTS"
+}
 BIN=${MESHRUN_BIN:-$(cd "$(dirname "$0")/.." && pwd)/bin}
 TRAINER=$BIN/trainer
 MESHRUN=$BIN/meshrun
 
-ok()  { echo "   PASS: $1"; pass=$((pass+1)); }
-bad() { echo "   FAIL: $1"; fail=$((fail+1)); failed+=("$1"); }
+ok()  { echo "   PASS: $1"; pass=$((pass+1)); record "$1" pass; }
+bad() { echo "   FAIL: $1"; fail=$((fail+1)); failed+=("$1"); record "$1" fail; }
 
-if [ $# -eq 0 ]; then
+if [ $# -eq 0 ] && has binaries; then
   echo "test-gpu: no GPU test binaries given (was this built without nvcc? the cuda backend builds only where nvcc exists)"
   echo "test-gpu: 0 passed, 1 failed"
   exit 1
@@ -77,8 +92,9 @@ fi
 
 # --- 1. GPU test binaries ------------------------------------------------------------------------
 for t in "$@"; do
+  has binaries || break
   echo "== $(basename "$t")"
-  if timeout 300 "$t"; then pass=$((pass+1)); else fail=$((fail+1)); failed+=("$(basename "$t")"); fi
+  if timeout "${TEST_GPU_TIMEOUT:-300}" "$t"; then ok "$(basename "$t")"; else bad "$(basename "$t")"; fi
 done
 
 # --- the plan of the training checks -------------------------------------------------------------
@@ -138,6 +154,7 @@ compare() {
 tail_log() { sed -n '$p' "$work/$1.log" | sed 's/^/   /'; }
 
 # --- 2. training equivalence, fp32 -----------------------------------------------------------------
+if has train; then
 echo "== training equivalence (20 steps, fp32, TF32 off): cuda vs cpu losses"
 if ! run cpu cpu fp32; then bad "cpu reference run"; tail_log cpu
 elif ! run cuda "$DEV" fp32; then bad "cuda fp32 run"; tail_log cuda
@@ -176,6 +193,7 @@ if [ "$DEV" = cuda ]; then
 else
   echo "   skipped: TEST_GPU_DEVICE=$DEV"; skipped+=("defaults")
 fi
+fi # train
 
 # --- 4. multi-rank plans on one GPU (staged comm), then on several GPUs (nccl) -----------------
 FAST_CONF="join_timeout=20,last_call_timeout=0.5,heartbeat_interval=0.1,heartbeat_timeout=1"
@@ -203,6 +221,7 @@ parallel_plan() {
   elif compare "$ref" "$work/$name.jsonl" $tol rel; then ok "$name losses = serial cuda $dtype within $tol"
   else bad "$name losses vs serial cuda $dtype"; fi
 }
+if has parallel; then
 echo "== parallel plans on one GPU through the staged comm (meshrun, 2 ranks each) vs serial cuda"
 for plan in ddp2 fsdp2 tp2 pp2; do parallel_plan $plan staged staged; done
 parallel_plan fsdp2 staged staged bf16
@@ -217,8 +236,10 @@ if [ "$ngpu" -ge 2 ]; then
 else
   echo "   skipped: $ngpu GPU(s) visible, nccl needs one per rank"; skipped+=("nccl plans")
 fi
+fi # parallel
 
 # --- 5. compute-sanitizer -----------------------------------------------------------------------
+if has sanitizer; then
 echo "== compute-sanitizer memcheck (2 cuda steps, fp32 then bf16)"
 SAN=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
 if [ -n "$SAN" ]; then
@@ -235,6 +256,7 @@ if [ -n "$SAN" ]; then
 else
   echo "   skipped: compute-sanitizer not found"; skipped+=("compute-sanitizer")
 fi
+fi # sanitizer
 
 [ $fail -eq 0 ] || echo "failed: ${failed[*]}"
 extra=""

@@ -63,6 +63,7 @@
 #include "trainer/mesh.h"
 #include "trainer/metrics.h"
 #include "trainer/model.h"
+#include "trainer/opprof.h"
 #include "trainer/pipeline.h"
 #include "trainer/plan.h"
 #include "trainer/sample.h"
@@ -565,6 +566,10 @@ int main(int argc, char **argv) {
   /* --- device: the backend, its precision options, and the comm backend of a multi-rank run */
   if ((code = device_open(p, env.local_rank, env.local_world, env.world, &be, &comm_backend, err, sizeof err)))
     goto error;
+  code = 2; /* MESHRUN_OP_PROFILE=STEP: the kernel times of one step, printed after it (opprof.h) */
+  int prof_step = opprof_step_from_env(err, sizeof err);
+  if (prof_step < 0) goto error;
+  if (prof_step > 0 && !a.sample_mode) opprof_install(be, prof_step, stderr);
   if (a.sample_mode) { /* weights in, text out (one process) */
     if ((code = sample_run(p, be, a.weights, a.plan_path != NULL, a.sets, a.nsets, err, sizeof err))) goto error;
     goto done;
@@ -677,6 +682,7 @@ error:
   free(plan_json);
   pp_runner_free(&ppr);
   model_destroy(m);
+  opprof_uninstall(be);
   backend_destroy(be);
   mesh_destroy(mesh);
   trace_close();

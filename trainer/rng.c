@@ -3,8 +3,10 @@
 
 #include <math.h>
 
+#define SPLITMIX_GAMMA 0x9E3779B97F4A7C15ull
+
 static uint64_t splitmix64(uint64_t *x) {
-  uint64_t z = (*x += 0x9E3779B97F4A7C15ull);
+  uint64_t z = (*x += SPLITMIX_GAMMA);
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
   return z ^ (z >> 31);
@@ -20,6 +22,12 @@ void rng_init(rng_t *r, uint64_t seed, uint64_t stream) {
 }
 
 uint64_t rng_u64(rng_t *r) { return splitmix64(&r->state); }
+
+void rng_skip(rng_t *r, uint64_t n) {
+  r->state += n * SPLITMIX_GAMMA; /* modulo 2^64, as the draws themselves */
+  r->has_spare = 0;
+  r->spare = 0.0;
+}
 
 double rng_uniform(rng_t *r) { return (double)(rng_u64(r) >> 11) * (1.0 / 9007199254740992.0); }
 

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "trainer/metrics.h"
+#include "trainer/opprof.h"
 #include "trainer/optim.h"
 #include "trainer/trace.h"
 
@@ -73,6 +74,7 @@ int train_step(train_t *t, int s, train_result_t *out, char *err, size_t errlen)
   const double t0 = metrics_now();
   const uint64_t wait0 = mesh_wait_ns(t->mesh);
   trace_step_begin(s + 1);
+  opprof_step_begin(s + 1);
   const double lr = optim_lr(&p->train, s);
   double loss = 0;
   dp_zero_grad(t->dp);
@@ -134,6 +136,7 @@ int train_step(train_t *t, int s, train_result_t *out, char *err, size_t errlen)
   out->gnorm = gnorm;
   out->dt = metrics_now() - t0;
   out->comm_wait = (double)(mesh_wait_ns(t->mesh) - wait0) * 1e-9;
+  opprof_step_end(s + 1, out->dt);
   trace_step_end();
   return 0;
 }
