@@ -451,15 +451,6 @@ static mm_entry_t *mm_lookup(cuda_t *cu, int m, int n, int k, int ta, int tb, dt
   CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &a2, sizeof a2));
   CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &a3, sizeof a3));
   CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &a3, sizeof a3));
-  /* A bf16 output: split-K partial sums only in fp32 (the compute type), reduced in a separate
-   * step. The "in place" and "output type" schemes add the partials in the output's type, so a
-   * bf16 result is rounded once per partial, not once (seen on an H200: dx += dy W with beta 1,
-   * m=128 n=256 k=64, up to 251 ulps off the once-rounded sum). */
-  if (c_dt == DT_BF16) {
-    uint32_t scheme = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
-    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &scheme,
-                                                      sizeof scheme));
-  }
   cublasLtMatmulHeuristicResult_t res;
   int found = 0;
   memset(&res, 0, sizeof res);
