@@ -13,7 +13,7 @@ on synthetic tokens for --warmup + --steps steps and reports tokens/s, MFU and p
            available. Skipped with "PyTorch GPU reference unavailable" when torch or its CUDA is not.
 Each side runs in its own process, one after the other, so peak memory is per process: sampled
 with nvidia-smi (every 0.2 s, the process's used memory, which includes the CUDA context) for
-every side, plus torch.cuda.max_memory_allocated for PyTorch. Ratios are against torch eager,
+every side, plus torch.cuda.max_memory_allocated for PyTorch. Ratios are against torch.compile,
 measured in the same run.
 
 MFU = model FLOPs per token x tokens/s / the GPU's dense bf16 peak. Model FLOPs per token, after

@@ -34,10 +34,9 @@
 # the programs travel as a kit built here (nvcc 13 and NCCL exist here; scripts/make-kit.sh says
 # what it holds, scripts/test-kit.sh proves it runs with the system's copies hidden):
 #   here:   scripts/make-kit.sh && scripts/test-kit.sh     # build/kit, ~54 MiB (carry limit 64)
-#   there, with the device tool, carry ["build/kit"], each one command writing into $OUT:
-#     (a) scripts/gpu-session.sh test $OUT     # versions, 2-step smoke test, this script over the
-#                                              # kit's GPU tests; bounded to 8 min
-#     (b) scripts/gpu-session.sh bench $OUT    # bench-gpu.sh --sizes 125m,1b; bounded to 9 min
+#   there, with the device tool, carry ["build/kit"], one command writing into $OUT:
+#     scripts/gpu-session.sh $OUT     # versions, smoke test, this script's sections, the benchmark
+#                                     # and kernel profile, in a time budget (--dry-run here first)
 # To build there instead (a newer host compiler: WERROR defaults to 0 off gcc 12; NCCL from
 # PyTorch's wheel): carry the -dev .debs (scripts/test-deps-prefix.sh downloads them into
 # build/debs and proves such a build here with the system's headers hidden), unpack each with
