@@ -193,9 +193,10 @@ unit: $(UNIT_BIN)
 integration: all
 	$(Q)MESHRUN_BIN=$(abspath $(BIN)) MESHRUN_BUILD=$(abspath $(BUILD)) $(PYTHON) -m pytest -q -p no:cacheprovider test/integration
 
-# The demo trains the byte-level model on tinyshakespeare, then draws its loss curve.
+# The demo trains the byte-level model on tinyshakespeare, then draws its loss curve. It builds
+# meshrun too: the README's next examples launch it after this first command.
 DEMO_OUT := out/demo
-demo: $(BIN)/trainer
+demo: $(BIN)/trainer $(BIN)/meshrun
 	$(Q)$(BIN)/trainer configs/demo.json --set log.metrics_file=$(DEMO_OUT)/metrics.jsonl
 	$(Q)/usr/bin/python3 scripts/plot_metrics.py $(DEMO_OUT)/metrics.jsonl -o $(DEMO_OUT)/loss.png --lr
 	@echo "demo: metrics in $(DEMO_OUT)/metrics.jsonl, loss curve in $(DEMO_OUT)/loss.png"
@@ -204,7 +205,7 @@ demo: $(BIN)/trainer
 # (scripts/prepare_data.py), then a 2.8M-parameter Llama trained on them, which prints a sample
 # through the tokenizer (configs/stories.json; about 5 minutes on 2 cores).
 STORIES_OUT := out/stories
-stories: $(BIN)/trainer
+stories: $(BIN)/trainer $(BIN)/meshrun
 	$(Q)$(PYTHON) scripts/prepare_data.py --train-tokenizer 1024 -o $(STORIES_OUT)/data data/tinyshakespeare.txt
 	$(Q)$(BIN)/trainer configs/stories.json
 	$(Q)$(PYTHON) scripts/plot_metrics.py $(STORIES_OUT)/metrics.jsonl -o $(STORIES_OUT)/loss.png --lr

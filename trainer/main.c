@@ -79,7 +79,7 @@ static const char *usage_text =
     "       trainer sample [PLAN.json] --weights FILE [--set key.path=value ...]\n"
     "       trainer export --format llama2c|hf [PLAN.json] --weights FILE --out PATH [--set ...]\n"
     "       trainer [PLAN.json] [--set ...] --print-plan\n"
-    "       trainer --help | --version\n"
+    "       trainer --help | --version    (trainer sample --help, trainer export --help: their own)\n"
     "\n"
     "Trains a Llama model as the JSON plan says (keys: docs/plan.md); without PLAN, the embedded\n"
     "default plan (configs/demo.json). --set overrides one key, e.g. --set train.steps=50\n"
@@ -105,7 +105,41 @@ static const char *usage_text =
     "nccl with a GPU per local rank, else staged).\n"
     "Exit status: 0 done, 1 runtime failure, 2 usage or plan error.\n";
 
+/* 'trainer sample --help' and 'trainer export --help': the command's own page. */
+static const char *sample_usage_text =
+    "usage: trainer sample [PLAN.json] --weights FILE [--set key.path=value ...]\n"
+    "\n"
+    "Prints text (or token ids) drawn from a model. One process; no training.\n"
+    "  --weights FILE   a training run's .safetensors, a llama2.c .bin or a Hugging Face folder\n"
+    "                   (config.json + model.safetensors), told apart by content\n"
+    "  PLAN.json        optional: its model must be the file's (else exit 2); without it the\n"
+    "                   model's shape is the file's and --set model.* is checked against it\n"
+    "  --set sample.tokens=N        tokens to draw (a KV cache over model.max_seq_len, then a\n"
+    "                               sliding window)\n"
+    "  --set sample.temperature=T   0 draws the most likely token\n"
+    "  --set sample.top_k=K, sample.top_p=P, sample.prompt=TEXT, seed=S\n"
+    "  --set data.tokenizer=FILE    a tokenizer.json or llama2.c tokenizer.bin: the prompt is\n"
+    "                               encoded and text streamed (an HF folder's own tokenizer.json\n"
+    "                               is used when there is one); without one, bytes or ids\n"
+    "  --set device=cpu|cuda|auto\n"
+    "Exit status: 0 done, 1 runtime failure, 2 usage, plan or weights error.\n";
+
+static const char *export_usage_text =
+    "usage: trainer export --format llama2c|hf [PLAN.json] --weights FILE --out PATH [--set ...]\n"
+    "\n"
+    "Converts weights, on the host; no device, no training.\n"
+    "  --weights FILE   a training run's .safetensors, a llama2.c .bin or a Hugging Face folder\n"
+    "  --format llama2c a llama2.c checkpoint file (version 0) at PATH\n"
+    "  --format hf      a Hugging Face folder at PATH: config.json, generation_config.json,\n"
+    "                   model.safetensors, and tokenizer.json + tokenizer_config.json when a\n"
+    "                   tokenizer is known (data.tokenizer; llama2.c's tokenizer.bin converted)\n"
+    "  --out PATH       the file (llama2c) or folder (hf) to write\n"
+    "  PLAN.json        optional: its model must be the file's (else exit 2)\n"
+    "  --set data.tokenizer=FILE   the tokenizer to write beside HF weights\n"
+    "Exit status: 0 done, 1 runtime failure, 2 usage, plan or weights error.\n";
+
 typedef struct {
+  int help;              /* --help or -h anywhere: the command's usage on stdout, exit 0 */
   int sample_mode, export_mode;
   int print_plan;        /* --print-plan: the resolved plan on stdout, then exit */
   const char *format;    /* export */
@@ -268,6 +302,10 @@ static int parse_args(args_t *a, int argc, char **argv, char *err, size_t errlen
   for (; i < argc; i++) {
     const char *s = argv[i];
     const char **target = NULL;
+    if (!strcmp(s, "--help") || !strcmp(s, "-h")) {
+      a->help = 1;
+      return 0;
+    }
     if (!strcmp(s, "--set") || !strcmp(s, "-s")) {
       if (a->nsets == MAX_SETS) {
         snprintf(err, errlen, "too many --set options (at most %d)", MAX_SETS);
@@ -514,9 +552,13 @@ int main(int argc, char **argv) {
   char err[4096] = "";
   args_t a;
   env_t env;
-  if (parse_args(&a, argc, argv, err, sizeof err) != 0 || env_read(&env, err, sizeof err) != 0) {
+  if (parse_args(&a, argc, argv, err, sizeof err) != 0 || (!a.help && env_read(&env, err, sizeof err) != 0)) {
     fprintf(stderr, "trainer: %s\n", err);
     return 2;
+  }
+  if (a.help) {
+    fputs(a.sample_mode ? sample_usage_text : a.export_mode ? export_usage_text : usage_text, stdout);
+    return 0;
   }
   char prefix[64];
   snprintf(prefix, sizeof prefix, "[trainer r%d/%d]", env.rank, env.world);

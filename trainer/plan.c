@@ -484,8 +484,10 @@ static int read_field(const cJSON *v, const field_t *f, plan_t *p, const char *p
   }
   case F_INT:
     if (!is_integral(v) || v->valuedouble < f->lo || v->valuedouble > f->hi) {
-      if (f->hi < INT_MAX)
-        return perr(err, errlen, path, "must be an integer from %.0f to %.0f, got %s", f->lo, f->hi, got);
+      /* past the top the whole range is the answer (an int's 2^31 - 1 is no one's guess) */
+      if (f->hi < INT_MAX || (is_integral(v) && v->valuedouble > f->hi))
+        return perr(err, errlen, path, "must be an integer from %.0f to %.0f%s, got %s", f->lo, f->hi,
+                    f->hi == INT_MAX ? " (2^31 - 1)" : "", got);
       return perr(err, errlen, path, "must be an integer >= %.0f, got %s", f->lo, got);
     }
     *(int *)at(p, f->off) = (int)v->valuedouble;

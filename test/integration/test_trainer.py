@@ -89,6 +89,25 @@ def test_help_and_version(tmp_path):
     assert r.returncode == 0 and r.stdout.startswith("trainer (meshrun)")
 
 
+@pytest.mark.parametrize("args, first, must", [
+    (["-h"], "usage: trainer [PLAN.json]", ["--set", "--print-plan"]),
+    (["configs/tiny.json", "--set", "train.steps=5", "--help"], "usage: trainer [PLAN.json]", ["--set"]),
+    (["sample", "--help"], "usage: trainer sample", ["--weights", "sample.tokens", "sample.top_p"]),
+    (["sample", "--weights", "nowhere.safetensors", "-h"], "usage: trainer sample", ["data.tokenizer"]),
+    (["export", "--help"], "usage: trainer export", ["--format llama2c", "--format hf", "--out PATH"]),
+])
+def test_help_of_each_command(tmp_path, args, first, must):
+    """Each command's own page on stdout, exit 0, whatever else the line holds (nothing is run:
+    no weights are read, no plan is loaded)."""
+    r = run(args, cwd=REPO)
+    print(r.returncode, r.stdout[:200], r.stderr[:200])
+    assert r.returncode == 0
+    assert r.stdout.startswith(first)
+    for m in must:
+        assert m in r.stdout, m
+    assert r.stderr == ""
+
+
 def test_tiny_plan_trains_and_loss_falls(tmp_path):
     r, metrics = train(tmp_path)
     assert r.returncode == 0, r.stderr
@@ -244,6 +263,20 @@ def test_plan_errors_exit_2(tmp_path, sets, key):
     assert r.returncode == 2 and line.startswith(f"plan error: {key}: "), line
 
 
+@pytest.mark.parametrize("value, says", [
+    ("1e12", "must be an integer from 1 to 2147483647 (2^31 - 1), got 1000000000000"),
+    ("3000000000", "must be an integer from 1 to 2147483647 (2^31 - 1), got 3000000000"),
+    ("0", "must be an integer >= 1, got 0"),
+    ("2.5", "must be an integer >= 1, got 2.5"),
+])
+def test_integer_keys_say_their_range(tmp_path, value, says):
+    """A value past an int's top names the whole range, not only the lower bound it meets."""
+    r, _ = train(tmp_path, [f"train.steps={value}"])
+    line = one_error_line(r)
+    print(line)
+    assert r.returncode == 2 and line == f"plan error: train.steps: {says}", line
+
+
 def test_usage_errors(tmp_path):
     r = run([str(tmp_path / "missing-plan.json")], cwd=tmp_path)
     assert r.returncode == 2 and "missing-plan.json" in one_error_line(r)
@@ -357,3 +390,17 @@ def test_plot_metrics_draws_a_png(tmp_path):
     p = subprocess.run(["/usr/bin/python3", os.path.join(REPO, "scripts", "plot_metrics.py"), str(empty),
                         "-o", str(png)], capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and "no loss records" in p.stderr
+
+
+@pytest.mark.parametrize("target", ["demo", "stories"])
+def test_make_targets_build_both_programs(tmp_path, target):
+    """`make demo` (the README's first command) and `make stories` build meshrun as well as the
+    trainer, so the README's next examples, which launch meshrun, work after them. A dry run
+    (make -n) into an empty build tree lists the links it would do."""
+    r = subprocess.run(["make", "-n", "--no-print-directory", "V=1", target, f"BUILD={tmp_path}/build",
+                        f"BIN={tmp_path}/bin"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    links = [l for l in r.stdout.splitlines() if f" -o {tmp_path}/bin/" in l]
+    print("\n".join(l[:160] for l in links))
+    assert any(f"-o {tmp_path}/bin/trainer " in l for l in links)
+    assert any(f"-o {tmp_path}/bin/meshrun " in l for l in links)
