@@ -159,6 +159,15 @@ static void print_summary(agent_t *a) {
     log_error("root cause (first observed failure):");
     log_error("  rank:      %d (local_rank %d)", e->rank, e->local_rank);
     log_error("  host:      %s", e->host);
+    char cmd[256];
+    size_t k = 0;
+    cmd[0] = '\0';
+    if (a->opts->python) /* a Python worker: the interpreter it ran under, as it was exec'd */
+      k = (size_t)snprintf(cmd, sizeof cmd, "%s -u%s ", a->opts->python, a->opts->run_module ? " -m" : "");
+    for (int i = 0; i < a->opts->prog_argc && k < sizeof cmd - 1; i++) /* the job's command (every node runs it) */
+      k += (size_t)snprintf(cmd + k, sizeof cmd - k, "%s%s", i ? " " : "", a->opts->prog_argv[i]);
+    if (k >= sizeof cmd - 1) strcpy(cmd + sizeof cmd - 4, "...");
+    log_error("  program:   %s", cmd);
     if (e->signal)
       log_error("  exitcode:  %d (%s)", e->exit_code, sig_name(e->signal, sbuf, sizeof sbuf));
     else
@@ -264,7 +273,8 @@ static void on_workers_idle(workers_t *w, void *arg) {
   switch (a->state) {
   case AGENT_RUNNING:
     /* Every worker exited 0. */
-    log_info("round %d: all %d workers exited 0", a->asg.round, workers_count(w));
+    if (workers_count(w) == 1) log_info("round %d: the worker exited 0", a->asg.round);
+    else log_info("round %d: all %d workers exited 0", a->asg.round, workers_count(w));
     a->state = AGENT_FINISHING;
     rdzv_done(a->rz);
     break;

@@ -1496,7 +1496,7 @@ const char *cli_usage(void) {
          "  2                       a usage error of meshrun's (one line naming the flag)\n"
          "  " STR(AGENT_EXIT_STORE_LOST) "                      the rendezvous store was lost: the node serving it\n"
          "                          died or was silent for heartbeat_timeout (EX_UNAVAILABLE);\n"
-         "                          with etcd: no etcd member could serve for join_timeout\n"
+         "                          with etcd: no etcd member could serve a call within 5 s\n"
          "  127                     PROGRAM not found or not executable\n"
          "  128+N                   meshrun itself got signal N (INT, TERM, HUP)\n"
          "  1                       other launcher errors (endpoint unreachable, join timeout, ...)\n"

@@ -278,6 +278,10 @@ int workers_create(workers_t **out, uv_loop_t *loop, const launcher_opts_t *opts
   uv_timer_init(loop, &w->tick);
   uv_timer_init(loop, &w->grace);
   w->tick.data = w->grace.data = w;
+  /* As torchrun does with several workers a node: say once that each gets one OpenMP thread. */
+  if (!getenv("OMP_NUM_THREADS") && opts->nproc_per_node > 1)
+    log_info("OMP_NUM_THREADS=1 for each of the %d workers (it is not set here), so that they do not all take every "
+             "core; set it to give each worker more threads", opts->nproc_per_node);
   *out = w;
   return 0;
 error:

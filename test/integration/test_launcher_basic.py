@@ -292,3 +292,59 @@ def test_output_held_outside_the_group_does_not_hang(launch, tmp_path):
                     os.kill(int(f.read_text()), signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+
+
+def test_success_line_counts_workers_in_words(launch):
+    """One worker: "the worker exited 0" (was "all 1 workers exited 0"); more: "all N workers"."""
+    m = launch(["--nproc_per_node=1", "true"])
+    assert m.wait(30) == 0, m.describe()
+    assert "round 0: the worker exited 0" in m.err and "all 1 workers" not in m.err, m.describe()
+    m = launch(["--nproc_per_node=3", "true"])
+    assert m.wait(30) == 0, m.describe()
+    assert "round 0: all 3 workers exited 0" in m.err, m.describe()
+
+
+def test_omp_num_threads_notice(launch):
+    """Like torchrun: one line when meshrun sets OMP_NUM_THREADS=1 for several workers; none when
+    the user set it, or for one worker."""
+    notice = "OMP_NUM_THREADS=1 for each of the 2 workers"
+    m = launch(["--nproc_per_node=2", "true"])
+    assert m.wait(30) == 0, m.describe()
+    assert m.err.count(notice) == 1, m.describe()
+    m = launch(["--nproc_per_node=2", "true"], env={"OMP_NUM_THREADS": "4"})
+    assert m.wait(30) == 0, m.describe()
+    assert "OMP_NUM_THREADS=1" not in m.err, m.describe()
+    m = launch(["--nproc_per_node=1", "true"])
+    assert m.wait(30) == 0, m.describe()
+    assert "OMP_NUM_THREADS=1" not in m.err, m.describe()
+
+
+def test_failure_summary_names_the_program_and_interpreter(launch, tmp_path):
+    """The root-cause block names what ran: a .py worker with its interpreter, as torchrun names
+    the script."""
+    script = tmp_path / "fail.py"
+    script.write_text("import sys\nsys.exit(4)\n")
+    m = launch(["--nproc_per_node=1", str(script), "--flag", "x"], env={"PYTHON_EXEC": PYTHON})
+    assert m.wait(30) == 4, m.describe()
+    lines = [l for l in m.err.splitlines() if "program:" in l]
+    print(lines)
+    assert lines == ["[meshrun]   program:   %s -u %s --flag x" % (PYTHON, script)], m.describe()
+    m = launch(["--nproc_per_node=1", "sh", "-c", "exit 5"])
+    assert m.wait(30) == 5, m.describe()
+    assert "[meshrun]   program:   sh -c exit 5" in m.err, m.describe()
+
+
+def test_exit_69_described_alike(launch):
+    """--help and the README give exit 69 the same cause and the same number for etcd (a call
+    that no member serves within 5 s), not join_timeout in one and the call timeout in the other."""
+    m = launch(["--help"])
+    assert m.wait(10) == 0, m.describe()
+    block = m.out[m.out.index("\n  69 "):]
+    block = block[:block.index("\n  127 ")]
+    print(block)
+    assert "within 5 s" in block and "join_timeout" not in block
+    readme = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "README.md")
+    with open(readme) as f:
+        row = [l for l in f.read().splitlines() if l.startswith("| 69 |")]
+    print(row)
+    assert len(row) == 1 and "5 s" in row[0] and "join_timeout" not in row[0]
