@@ -71,7 +71,7 @@ typedef struct {
   uv_timer_t join_timer;
   uv_timer_t linger_timer; /* running while the store serves only other jobs */
   int lingering;
-  char base_dir[PATH_MAX]; /* <log_dir>/<run_id>, or a temporary directory */
+  char base_dir[PATH_MAX]; /* <log_dir>/<run_id>_<random>, or a temporary directory */
   int base_is_tmp;
   int base_shared;        /* base_dir is $TMPDIR/meshrun-<uid>, shared: our files carry file_prefix */
   char file_prefix[200];  /* "<run id>-<pid>-<random>-" there, else "" */
@@ -446,15 +446,19 @@ static int shared_tmp_dir(const char *tmp, char *out, size_t len) {
 static int setup_base_dir(agent_t *a, char *err, size_t errlen) {
   const launcher_opts_t *o = a->opts;
   if (o->log_dir[0]) {
-    snprintf(a->base_dir, sizeof a->base_dir, "%s/%s", o->log_dir, o->rdzv_id);
+    /* A folder of this run's own, <run_id>_<random> as torchrun names it: two runs with the
+     * same --log_dir (and the default run id) never write into each other's attempt_0. */
     if (mkdir(o->log_dir, 0755) && errno != EEXIST) {
       snprintf(err, errlen, "--log_dir %.900s: %s", o->log_dir, strerror(errno));
       return -errno;
     }
-    if (mkdir(a->base_dir, 0755) && errno != EEXIST) {
-      snprintf(err, errlen, "--log_dir: mkdir %.900s: %s", a->base_dir, strerror(errno));
+    snprintf(a->base_dir, sizeof a->base_dir, "%s/%s_XXXXXX", o->log_dir, o->rdzv_id);
+    if (!mkdtemp(a->base_dir)) {
+      snprintf(err, errlen, "--log_dir: creating %.900s: %s", a->base_dir, strerror(errno));
       return -errno;
     }
+    chmod(a->base_dir, 0755); /* mkdtemp's 0700 would hide the logs from the user's group */
+    log_info("worker logs: %s", a->base_dir);
     return 0;
   }
   const char *tmp = getenv("TMPDIR");

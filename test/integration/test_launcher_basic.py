@@ -238,8 +238,11 @@ def test_log_dir_redirects_tee_and_filter(launch, tmp_path):
     m = launch(["--nproc_per_node=2", "--rdzv_id=logjob", "--log_dir", str(logs), "--redirects=1", "--tee=2",
                 "--local_ranks_filter=1"] + worker_cmd(d, "--print=2"))
     assert m.wait(30) == 0, m.describe()
+    runs = sorted(logs.iterdir())
+    assert len(runs) == 1 and re.fullmatch(r"logjob_\w{6}", runs[0].name), runs
+    assert "worker logs: %s" % runs[0] in m.err, m.describe()
     for r in range(2):
-        base = logs / "logjob" / "attempt_0" / str(r)
+        base = runs[0] / "attempt_0" / str(r)
         out = (base / "stdout.log").read_text()
         err = (base / "stderr.log").read_text()
         assert out == "".join("out line %d from %d\n" % (i, r) for i in range(2)), out
@@ -348,3 +351,17 @@ def test_exit_69_described_alike(launch):
         row = [l for l in f.read().splitlines() if l.startswith("| 69 |")]
     print(row)
     assert len(row) == 1 and "5 s" in row[0] and "join_timeout" not in row[0]
+
+
+def test_log_dir_runs_never_overwrite_each_other(launch, tmp_path):
+    """Two runs with the same --log_dir and the default run id each get a folder of their own
+    (was: both wrote <log_dir>/none/attempt_0)."""
+    logs = tmp_path / "logs"
+    for i in range(2):
+        m = launch(["--nproc_per_node=1", "--tee=3", "--log_dir", str(logs), "sh", "-c", "echo run %d" % i])
+        assert m.wait(30) == 0, m.describe()
+    runs = sorted(logs.iterdir())
+    print(runs)
+    assert len(runs) == 2 and all(re.fullmatch(r"none_\w{6}", r.name) for r in runs), runs
+    outs = sorted((r / "attempt_0" / "0" / "stdout.log").read_text() for r in runs)
+    assert outs == ["run 0\n", "run 1\n"], outs
