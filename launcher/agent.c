@@ -672,7 +672,7 @@ int agent_run(launcher_opts_t *o) {
                        .last_call_timeout_s = o->last_call_timeout_s, .close_timeout_s = o->close_timeout_s,
                        .heartbeat_interval_s = o->heartbeat_interval_s,
                        .heartbeat_timeout_s = o->heartbeat_timeout_s, .max_restarts = o->max_restarts,
-                       .is_store_host = a->drains, .conn = a->probe};
+                       .master_port = o->worker_master_port, .is_store_host = a->drains, .conn = a->probe};
   a->probe = NULL; /* rdzv_create's now */
   _Static_assert(sizeof o->secret <= sizeof cfg.secret, "rdzv must hold any secret cli accepts");
   memcpy(cfg.secret, o->secret, sizeof o->secret);

@@ -1084,6 +1084,13 @@ static int cli_validate(launcher_opts_t *o, const cli_seen_t *seen, char *err, s
     o->rdzv_port = 0;
   }
 
+  /* One node: --master_port is what the workers get as MASTER_PORT (PyTorch's rank 0 binds it),
+   * and meshrun's store moves to a free port so that the two never collide. */
+  if (seen->master_port_set && o->nnodes_max == 1 && !seen->endpoint_set && !o->from_slurm) {
+    o->worker_master_port = o->master_port;
+    o->rdzv_port = 0;
+  }
+
   if (o->node_rank >= o->nnodes_max)
     return usage_error(err, errlen,
                        "--node_rank: \"%d\" is not valid with --nnodes=%d:%d; expected 0..%d",
@@ -1419,9 +1426,10 @@ const char *cli_usage(void) {
          "                          --rdzv_endpoint)\n"
          "  --master_addr HOST      static: node 0's address, where the store lives; also\n"
          "                          overrides the workers' MASTER_ADDR (default: unset)\n"
-         "  --master_port PORT      static: the store's port (default " STR(
-             DEF_MASTER_PORT) " with --master_addr,\n"
-         "                          a free port on one node)\n"
+         "  --master_port PORT      one node: the workers' MASTER_PORT, every round (as torchrun;\n"
+         "                          meshrun's store takes a free port); several nodes with\n"
+         "                          static: the store's port (default " STR(DEF_MASTER_PORT) "), and the\n"
+         "                          workers get a free port each round\n"
          "\n"
          "Supervision:\n"
          "  --max_restarts N        restarts of the worker group before giving up (default " STR(

@@ -86,6 +86,10 @@ typedef struct {
 
   char master_addr[256]; /* static backend (and MASTER_ADDR override); "" = unset */
   int master_port;       /* 0 = unset */
+  /* The workers' MASTER_PORT in every round: --master_port on one node (torchrun gives its
+   * workers that port), the store then on a free port of its own. 0: a free port each round
+   * (several nodes, where --master_port is the static store's port). */
+  int worker_master_port;
 
   int max_restarts;          /* default 0 */
   double monitor_interval_s; /* default 0.1 (torchrun 5); only a fallback: exits are events */

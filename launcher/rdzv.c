@@ -971,8 +971,8 @@ static void do_join(rdzv_t *rz) {
        * opens after that), and none of round r can be yet. Each node reading P/failures for
        * itself could see a failure of round r posted before a slow node got there. With
        * etcd, this node's own store serves the round's workers: its port goes in too. */
-      int port = 0;
-      if (net_free_port("", &port, err, sizeof err)) {
+      int port = c->master_port; /* the user's, on one node; else a free one */
+      if (port <= 0 && net_free_port("", &port, err, sizeof err)) {
         emit_error(rz, "choosing MASTER_PORT: %s", err);
         goto out;
       }

@@ -112,6 +112,8 @@ typedef struct {
   double join_timeout_s, last_call_timeout_s, close_timeout_s;
   double heartbeat_interval_s, heartbeat_timeout_s;
   int max_restarts;
+  int master_port; /* > 0: the workers' MASTER_PORT every round (--master_port on one node); 0: a
+                    * free port of rank 0's node each round */
   int is_store_host; /* this node serves the store: it waits for the others before exiting */
   store_t *conn; /* c10d: an open connection to the store (the agent's probe of the endpoint),
                   * taken over for the joins, or NULL; rdzv_create owns it, failing or not */

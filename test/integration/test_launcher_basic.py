@@ -5,8 +5,8 @@ import re
 import signal
 import stat
 
-from conftest import (FAST_CONF, MESHRUN, PYTHON, WORKER, pids_alive, read_json, wait_for, worker_cmd,
-                      worker_file)
+from conftest import (FAST_CONF, MESHRUN, PYTHON, WORKER, free_port, pids_alive, read_json, wait_for,
+                      worker_cmd, worker_file)
 
 import subprocess
 
@@ -365,3 +365,19 @@ def test_log_dir_runs_never_overwrite_each_other(launch, tmp_path):
     assert len(runs) == 2 and all(re.fullmatch(r"none_\w{6}", r.name) for r in runs), runs
     outs = sorted((r / "attempt_0" / "0" / "stdout.log").read_text() for r in runs)
     assert outs == ["run 0\n", "run 1\n"], outs
+
+
+def test_master_port_is_the_workers_on_one_node(launch, tmp_path):
+    """--master_port on one node is every worker's MASTER_PORT, in every round, as torchrun gives
+    it (was: ignored, a random port); meshrun's own store is elsewhere. In round 0 each worker
+    has printed before any fails: a rank fails only once both have left their mark."""
+    port = free_port()
+    m = launch(["--nproc_per_node=2", "--max_restarts=1", "--master_port=%d" % port, "sh", "-c",
+                'echo "port $MASTER_PORT store $MESHRUN_STORE round $TORCHELASTIC_RESTART_COUNT"; '
+                '[ "$TORCHELASTIC_RESTART_COUNT" = 1 ] && exit 0; touch "$0/$RANK"; '
+                'while [ ! -e "$0/0" ] || [ ! -e "$0/1" ]; do sleep 0.01; done; exit 1', str(tmp_path)])
+    assert m.wait(30) == 0, m.describe()
+    lines = re.findall(r"port (\d+) store \S+:(\d+) round (\d)", m.out)
+    print(lines)
+    assert len(lines) == 4 and {(p, r) for p, _, r in lines} == {(str(port), "0"), (str(port), "1")}, m.describe()
+    assert all(s != str(port) for _, s, _ in lines), m.describe()

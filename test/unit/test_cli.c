@@ -214,10 +214,12 @@ static void chk_master_addr(const launcher_opts_t *o) {
 static void chk_master_addr_v6(const launcher_opts_t *o) {
   assert_string_equal(o->master_addr, "::1");
 }
+/* one node: the port is the workers' MASTER_PORT; the store takes a free one (port 0) */
 static void chk_master_port(const launcher_opts_t *o) {
   assert_int_equal(o->master_port, 1234);
   assert_string_equal(o->rdzv_host, "h");
-  assert_int_equal(o->rdzv_port, 1234);
+  assert_int_equal(o->rdzv_port, 0);
+  assert_int_equal(o->worker_master_port, 1234);
 }
 static void chk_max_restarts(const launcher_opts_t *o) { assert_int_equal(o->max_restarts, 3); }
 static void chk_monitor(const launcher_opts_t *o) { assert_true(o->monitor_interval_s == 0.5); }
@@ -621,10 +623,24 @@ static void test_static_resolution(void **state) {
   assert_int_equal(r.o.rdzv_port, 777);
   assert_string_equal(r.o.master_addr, "10.0.0.1");
 
+  /* one node: --master_port is the workers' MASTER_PORT (torchrun's), the store on a free port */
   expect_ok(&r, RUN(&r, "--rdzv_backend=static", "--master_port=4321", "p"));
   assert_string_equal(r.o.rdzv_host, "127.0.0.1");
-  assert_int_equal(r.o.rdzv_port, 4321);
+  assert_int_equal(r.o.rdzv_port, 0);
+  assert_int_equal(r.o.worker_master_port, 4321);
   assert_int_equal(r.o.node_rank, 0);
+  expect_ok(&r, RUN(&r, "--nproc_per_node=2", "--master_port=4322", "p")); /* c10d, standalone */
+  assert_int_equal(r.o.standalone, 1);
+  assert_int_equal(r.o.rdzv_port, 0);
+  assert_int_equal(r.o.worker_master_port, 4322);
+  expect_ok(&r, RUN(&r, "p"));
+  assert_int_equal(r.o.worker_master_port, 0); /* unset: a free port each round */
+
+  /* several nodes with static: --master_port stays the store's; the workers' port is free */
+  expect_ok(&r, RUN(&r, "--rdzv_backend=static", "--nnodes=2", "--node_rank=0", "--master_addr=10.0.0.1",
+                    "--master_port=4323", "p"));
+  assert_int_equal(r.o.rdzv_port, 4323);
+  assert_int_equal(r.o.worker_master_port, 0);
 
   /* c10d with an explicit node rank keeps it (orders nodes). */
   expect_ok(&r, RUN(&r, "--nnodes=1:3", "--node_rank=2", "--rdzv_endpoint=h", "p"));
