@@ -85,7 +85,8 @@ static const char *usage_text =
     "default plan (configs/demo.json). --set overrides one key, e.g. --set train.steps=50\n"
     "--set model.dim=128; values parse as JSON when they can, else as strings. --print-plan prints\n"
     "the plan as resolved for WORLD_SIZE (defaults filled in, mesh sizes, global batch, absolute\n"
-    "input paths) as JSON and exits: 0 when every input file is there, else 2, nothing trained.\n"
+    "input paths) as indented JSON and exits: 0 when every input file is there, else 2, nothing\n"
+    "trained.\n"
     "'sample' and 'export' take any weights: a training run's .safetensors, a llama2.c .bin or a\n"
     "Hugging Face folder (config.json + model.safetensors), told apart by content. Without PLAN the\n"
     "model's shape is the file's (--set model.* is checked against it); with PLAN, the plan's model\n"
@@ -401,7 +402,7 @@ static int plan_setup(plan_t *p, const args_t *a, int rank, int world, char *err
   /* printed before the inputs are checked, so a plan can be read whatever is missing; by rank 0
    * alone under meshrun (every rank resolves the same plan) */
   if (a->print_plan && rank == 0) {
-    char *json = plan_to_json(p);
+    char *json = plan_format(p, 1);
     if (!json) {
       snprintf(err, errlen, "out of memory");
       return -1;

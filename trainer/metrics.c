@@ -270,12 +270,15 @@ void metrics_step(metrics_t *mt, int step, double loss, double lr, double gnorm,
     fmt_duration(eta, sizeof eta, per_step * (mt->steps - step));
     char share[32] = ""; /* the exposed communication's share of the step, where there is a mesh */
     if (mt->mesh) snprintf(share, sizeof share, " | comm %.0f%%", dt > 0 ? 100.0 * comm_wait / dt : 0.0);
-    char fl[48]; /* FLOP/s per rank, and MFU where the peak is known */
-    int k = snprintf(fl, sizeof fl, "%.3g %sFLOP/s", flops >= 1e12 ? flops / 1e12 : flops / 1e9,
-                     flops >= 1e12 ? "T" : "G");
+    /* tokens/s are the job's, FLOP/s (and MFU) each rank's: with several ranks the labels say so */
+    const int many = mt->world > 1;
+    char fl[64]; /* FLOP/s per rank, and MFU where the peak is known */
+    int k = snprintf(fl, sizeof fl, "%.3g %sFLOP/s%s", flops >= 1e12 ? flops / 1e12 : flops / 1e9,
+                     flops >= 1e12 ? "T" : "G", many ? "/rank" : "");
     if (mt->peak_flops > 0) snprintf(fl + k, sizeof fl - (size_t)k, " | MFU %.1f%%", 100 * mfu);
-    log_rank0("step %d/%d | loss %.4f | lr %.2e | grad norm %.4f | %s tok/s | %s | mem %.0f MiB | %.1f ms%s | ETA %s",
-              step, mt->steps, loss, lr, gnorm, tps_s, fl, rss / 1048576.0, dt * 1e3, share, eta);
+    log_rank0("step %d/%d | loss %.4f | lr %.2e | grad norm %.4f | %s tok/s%s | %s | mem %.0f MiB | %.1f ms%s | ETA %s",
+              step, mt->steps, loss, lr, gnorm, tps_s, many ? " (job)" : "", fl, rss / 1048576.0, dt * 1e3, share,
+              eta);
   }
 }
 

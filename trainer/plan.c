@@ -1217,10 +1217,13 @@ static cJSON *write_object(const plan_t *p, const field_t *f) {
   return obj;
 }
 
-char *plan_to_json(const plan_t *p) {
+char *plan_to_json(const plan_t *p) { return plan_format(p, 0); }
+
+char *plan_format(const plan_t *p, int indented) {
   cJSON *root = write_object(p, root_fields);
   if (!root) return NULL;
-  char *s = cJSON_PrintUnformatted(root); /* one line: JSONL records and metadata values */
+  /* one line for JSONL records and metadata values; indented for a person (--print-plan) */
+  char *s = indented ? cJSON_Print(root) : cJSON_PrintUnformatted(root);
   cJSON_Delete(root);
   if (!s) return NULL;
   char *out = strdup(s); /* caller frees with free(), whatever allocator cJSON was built with */

@@ -196,6 +196,8 @@ int plan_check_paths(const plan_t *p, char *err, size_t errlen);
 /* Serializes the (resolved) plan as one line of JSON (malloc'ed string, caller frees): for logs, metrics
  * and checkpoint metadata. */
 char *plan_to_json(const plan_t *p);
+/* The same, indented (one key a line) when indented is non-zero: --print-plan's form. */
+char *plan_format(const plan_t *p, int indented);
 /* The embedded default plan text (same content as configs/demo.json). */
 const char *plan_default_json(void);
 /* Llama's hidden-size rule: 4*dim, *2/3, *multiplier, rounded up to multiple_of. */

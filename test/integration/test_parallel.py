@@ -167,6 +167,8 @@ def test_plan_matches_one_process(serial, tmp_path, name):
     assert rc == 0, m.describe()
     first = read_records(tmp_path)[0]
     assert first["mesh"] == list(mesh) and first["world_size"] == nproc
+    # several ranks: the step line says tokens/s are the job's and FLOP/s each rank's
+    assert re.search(r"step 1/\d+ \|.* tok/s \(job\) \| [\d.]+ [GT]FLOP/s/rank \|", m.err), m.describe()
     compare(serial(extra), tmp_path, name)
 
 

@@ -121,6 +121,10 @@ def test_print_plan(tmp_path):
     assert r.returncode == 0, r.stderr
     first = json.loads(r.stdout)
     assert first["train"]["steps"] == 7 and first["data"]["train"] == os.path.realpath(TEXT)
+    # indented for a person: a line per key, nested keys deeper (was one line)
+    lines = r.stdout.splitlines()
+    print("--print-plan: %d lines; %r" % (len(lines), lines[:3]))
+    assert len(lines) > 50 and any(l.startswith("\t\t\"steps\"") for l in lines)
     assert "step" not in r.stderr and not (tmp_path / "out").exists()  # nothing trained, nothing written
     again = trainer([write_json(tmp_path / "printed.json", first), "--print-plan"], tmp_path)
     assert again.returncode == 0, again.stderr
