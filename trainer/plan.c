@@ -1074,6 +1074,21 @@ static const char *folder_hint(const plan_t *p, const char *key, char *buf, size
   return buf;
 }
 
+/* For a missing input, where such a file comes from: llm.c shards and tokenizers are what
+ * scripts/prepare_data.py makes (make stories runs it for configs/stories.json); llama2.c's
+ * checkpoints are published as karpathy/tinyllamas on Hugging Face. "" when nothing applies. */
+static const char *origin_hint(const plan_t *p, const char *key, const char *path) {
+  size_t n = strlen(path);
+  int bin = n > 4 && !strcmp(path + n - 4, ".bin");
+  if (!strcmp(key, "model.init") && bin)
+    return "; llama2.c checkpoints such as stories260K.bin are published at "
+           "huggingface.co/karpathy/tinyllamas (the README's 'Other formats' says where to put it)";
+  if ((!strncmp(key, "data.", 5) && (bin || p->data.format == PLAN_DATA_LLMC)) || !strcmp(key, "data.tokenizer"))
+    return "; scripts/prepare_data.py makes llm.c shards and tokenizers from text (make stories runs it for "
+           "configs/stories.json)";
+  return "";
+}
+
 /* One input: present, and a readable regular file (dir_ok: or a directory, for model.init's
  * Hugging Face folders and data.tokenizer's). */
 static int check_input(const plan_t *p, const char *key, const char *path, int dir_ok, char *err, size_t errlen) {
@@ -1081,7 +1096,8 @@ static int check_input(const plan_t *p, const char *key, const char *path, int d
   struct stat sb;
   if (stat(path, &sb) != 0) {
     int e = errno;
-    return perr(err, errlen, key, "%s: %s%s", path, strerror(e), folder_hint(p, key, hint, sizeof hint));
+    return perr(err, errlen, key, "%s: %s%s%s", path, strerror(e), folder_hint(p, key, hint, sizeof hint),
+                origin_hint(p, key, path));
   }
   if (S_ISDIR(sb.st_mode) && dir_ok) return 0;
   if (!S_ISREG(sb.st_mode))

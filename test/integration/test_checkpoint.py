@@ -30,7 +30,9 @@ batch of 16 sequences (24 for the 8 -> 6 ranks case, so that both worlds divide 
   weights (rank 0 writes them) -> both ranks exit 1, rank 0 naming the cause.
 - Interop: `trainer export` to llama2.c and HF from a run's final weights; model.init from each
   (and from our safetensors) trains step 1 to the same loss bits; a wrong shape is refused with
-  the interop message (exit 2); configs/stories260K.json loads ../../shared/data/stories260K.bin (from its folder).
+  the interop message (exit 2); configs/stories260K.json loads data/stories260K.bin (../data from its
+  folder), and without it says where the file comes from; configs/stories.json before `make
+  stories` names scripts/prepare_data.py.
 OMP_NUM_THREADS=1 everywhere (2 shared cores).
 """
 import json
@@ -413,14 +415,47 @@ def test_export_and_reimport(straight, tmp_path):
     assert r.rc == 2 and "interop error" in r.err and "n_kv_heads" in r.err, r.describe()
 
 
+def layout(tmp_path, config, files):
+    """A copy of the repository's layout in tmp_path: configs/CONFIG and the data files named
+    (REPO-relative source, tmp-relative destination), so a plan's ../data paths resolve there."""
+    (tmp_path / "configs").mkdir()
+    shutil.copy(os.path.join(REPO, "configs", config), tmp_path / "configs" / config)
+    for src, dst in files:
+        (tmp_path / dst).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(src, tmp_path / dst)
+    return str(tmp_path / "configs" / config)
+
+
 def test_stories260k_config(tmp_path):
+    """configs/stories260K.json reads data/stories260K.bin (from its own folder: ../data); without
+    the file, the plan error says where llama2.c's checkpoints come from."""
     bin_path = os.path.join(REPO, "..", "shared", "data", "stories260K.bin")
+    data = [(os.path.join(REPO, "data", f), "data/" + f) for f in ("tinyshakespeare.txt", "tinyshakespeare-bpe512.json")]
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    r = subprocess.run([TRAINER, layout(bare, "stories260K.json", data), "--set", "train.steps=2"], cwd=bare,
+                       env=clean_env(), capture_output=True, text=True, timeout=120)
+    print(r.stderr.strip().splitlines()[-1])
+    assert r.returncode == 2 and "model.init: %s/data/stories260K.bin: No such file" % os.path.realpath(bare) in r.stderr
+    assert "huggingface.co/karpathy/tinyllamas" in r.stderr, r.stderr
     if not os.path.exists(bin_path):
         pytest.skip("no %s" % bin_path)
-    r = subprocess.run([TRAINER, os.path.join(REPO, "configs", "stories260K.json"), "--set", "train.steps=2",
-                        "--set", "sample.tokens=8", "--set", "checkpoint.dir=%s" % (tmp_path / "ck")],
+    full = tmp_path / "full"
+    full.mkdir()
+    plan = layout(full, "stories260K.json", data + [(bin_path, "data/stories260K.bin")])
+    r = subprocess.run([TRAINER, plan, "--set", "train.steps=2", "--set", "sample.tokens=8", "--set",
+                        "checkpoint.dir=%s" % (tmp_path / "ck")],
                        cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    # configs/ names it from its own folder: ../../shared/data, made absolute at load
-    want = "model.init: %s (llama2c" % os.path.realpath(bin_path)
+    want = "model.init: %s (llama2c" % os.path.realpath(full / "data" / "stories260K.bin")
     assert "step 2/2" in r.stderr and want in r.stderr, r.stderr
+
+
+def test_stories_config_says_how_data_is_made(tmp_path):
+    """configs/stories.json before `make stories`: the missing shard's plan error names
+    scripts/prepare_data.py."""
+    r = subprocess.run([TRAINER, layout(tmp_path, "stories.json", []), "--set", "train.steps=1"], cwd=tmp_path,
+                       env=clean_env(), capture_output=True, text=True, timeout=60)
+    line = r.stderr.strip().splitlines()[-1]
+    print(line)
+    assert r.returncode == 2 and line.startswith("plan error: data.") and "scripts/prepare_data.py" in line
