@@ -416,6 +416,26 @@ static int plan_setup(plan_t *p, const args_t *a, int rank, int world, char *err
   return 0;
 }
 
+/* Every file a training run writes, checked before the device starts (a read-only folder found
+ * after the last step would lose the weights): rank 0's final weights folder and metrics file,
+ * every rank's trace file. checkpoint.dir was checked with the inputs (plan_check_paths). */
+static int check_outputs(const plan_t *p, int rank, char *err, size_t errlen) {
+  if (rank == 0) {
+    char path[PLAN_PATH_MAX + 32];
+    weights_final_path(p, path, sizeof path);
+    char *slash = strrchr(path, '/');
+    if (slash) *slash = '\0';
+    if (!p->checkpoint.dir[0] &&
+        plan_check_output_dir("final weights", path, " (the final weights go to out/<plan name>/ of the working "
+                              "directory unless checkpoint.dir is set)", err, errlen))
+      return -1;
+    if (p->log.metrics_file[0] && plan_check_output_file("log.metrics_file", p->log.metrics_file, err, errlen))
+      return -1;
+  }
+  if (p->log.trace_file[0] && plan_check_output_file("log.trace_file", p->log.trace_file, err, errlen)) return -1;
+  return 0;
+}
+
 /* Builds the mesh of a multi-process run and connects its groups through meshrun's store, with
  * comm backend comm_backend on device be's memory. */
 static int mesh_setup(mesh_t **out, const plan_t *p, int rank, int world, const char *comm_backend, backend_t *be,
@@ -604,6 +624,11 @@ int main(int argc, char **argv) {
     if ((code = export_run(p, a.weights, a.plan_path != NULL, a.sets, a.nsets, a.format, a.out, err, sizeof err)))
       goto error;
     goto done;
+  }
+
+  if (!a.sample_mode && check_outputs(p, env.rank, err, sizeof err)) {
+    plan_failed = 1; /* code 2: the plan's outputs, a one-liner, never retried */
+    goto error;
   }
 
   /* --- device: the backend, its precision options, and the comm backend of a multi-rank run */

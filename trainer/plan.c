@@ -1128,23 +1128,44 @@ int plan_check_paths(const plan_t *p, char *err, size_t errlen) {
   }
   if (p->data.tokenizer[0] && check_input(p, "data.tokenizer", p->data.tokenizer, 1, err, errlen))
     return PLAN_EINVAL;
-  const char *dir = p->checkpoint.dir;
-  if (!dir[0]) return 0;
+  if (!p->checkpoint.dir[0]) return 0;
+  return plan_check_output_dir("checkpoint.dir", p->checkpoint.dir, "", err, errlen) ? PLAN_EINVAL : 0;
+}
+
+int plan_check_output_dir(const char *key, const char *dir, const char *why, char *err, size_t errlen) {
   struct stat sb;
   if (stat(dir, &sb) == 0 && !S_ISDIR(sb.st_mode))
-    return perr(err, errlen, "checkpoint.dir", "%s exists and is not a directory", dir);
+    return perr(err, errlen, key, "%s exists and is not a directory%s", dir, why);
   char failed[PLAN_PATH_MAX + 64];
   int rc = fs_mkdir_p(dir, failed, sizeof failed);
-  if (rc) return perr(err, errlen, "checkpoint.dir", "cannot create %s: %s", failed, strerror(-rc));
+  if (rc) return perr(err, errlen, key, "cannot create %s: %s%s", failed, strerror(-rc), why);
   /* A file created and removed is the one test that sees read-only mounts, ACLs and quotas,
    * for root too (access() answers root from mode bits). Named *.tmp: a crash's leftover is
    * removed by the next save like any other. */
   char probe[PLAN_PATH_MAX + 64];
   snprintf(probe, sizeof probe, "%s/.write-check-XXXXXX.tmp", dir);
   int fd = mkstemps(probe, 4);
-  if (fd < 0) return perr(err, errlen, "checkpoint.dir", "%s is not writable: %s", dir, strerror(errno));
+  if (fd < 0) return perr(err, errlen, key, "%s is not writable: %s%s", dir, strerror(errno), why);
   close(fd);
   unlink(probe);
+  return 0;
+}
+
+int plan_check_output_file(const char *key, const char *path, char *err, size_t errlen) {
+  char dir[PLAN_PATH_MAX];
+  snprintf(dir, sizeof dir, "%s", path);
+  char *slash = strrchr(dir, '/');
+  if (slash == dir) dir[1] = '\0';        /* "/file": the root */
+  else if (slash) *slash = '\0';
+  else snprintf(dir, sizeof dir, ".");
+  if (plan_check_output_dir(key, dir, "", err, errlen)) return PLAN_EINVAL;
+  struct stat sb;
+  if (stat(path, &sb) == 0) {
+    if (S_ISDIR(sb.st_mode)) return perr(err, errlen, key, "%s is a directory", path);
+    int fd = open(path, O_WRONLY | O_APPEND | O_CLOEXEC); /* writable as it is, nothing changed */
+    if (fd < 0) return perr(err, errlen, key, "%s is not writable: %s", path, strerror(errno));
+    close(fd);
+  }
   return 0;
 }
 

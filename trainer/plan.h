@@ -193,6 +193,12 @@ int plan_resolve(plan_t *p, int world_size, char *err, size_t errlen);
  * with its missing parents when absent, then a file created and removed in it. Returns 0 or
  * PLAN_EINVAL with "plan error: <key>: ..." (the path, and the system's reason). */
 int plan_check_paths(const plan_t *p, char *err, size_t errlen);
+/* An output folder: created with its missing parents, then proven writable by a file created
+ * and removed in it; an output file: its folder so, and the file writable if it exists (left as
+ * it is). 0, or PLAN_EINVAL with "plan error: <key>: ..." (the path, the system's reason, then
+ * why, "" or a clause that says where the path came from). */
+int plan_check_output_dir(const char *key, const char *dir, const char *why, char *err, size_t errlen);
+int plan_check_output_file(const char *key, const char *path, char *err, size_t errlen);
 /* Serializes the (resolved) plan as one line of JSON (malloc'ed string, caller frees): for logs, metrics
  * and checkpoint metadata. */
 char *plan_to_json(const plan_t *p);

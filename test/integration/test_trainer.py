@@ -405,3 +405,27 @@ def test_make_targets_build_both_programs(tmp_path, target):
     print("\n".join(l[:160] for l in links))
     assert any(f"-o {tmp_path}/bin/trainer " in l for l in links)
     assert any(f"-o {tmp_path}/bin/meshrun " in l for l in links)
+
+
+@pytest.mark.parametrize("case", ["weights", "metrics", "trace"])
+def test_outputs_checked_before_step_1(tmp_path, case):
+    """Every output is checked before the device starts: a folder that cannot be made is a plan
+    error (exit 2, one line) before step 1, not a failure after the last step that loses the
+    weights (was: 20 steps trained, then exit 1). A regular file where a folder must go makes
+    the folder impossible for root too."""
+    (tmp_path / "f").write_text("a file, not a folder\n")
+    sets = ["--set", "train.steps=20", "--set", "eval.interval=0", "--set", "sample.tokens=0"]
+    if case == "weights":
+        (tmp_path / "out").write_text("a file where out/ would go\n")
+        key = "final weights"
+    elif case == "metrics":
+        sets += ["--set", f"log.metrics_file={tmp_path}/f/m.jsonl", "--set", f"checkpoint.dir={tmp_path}/ck"]
+        key = "log.metrics_file"
+    else:
+        sets += ["--set", f"log.trace_file={tmp_path}/f/t.json", "--set", f"checkpoint.dir={tmp_path}/ck"]
+        key = "log.trace_file"
+    r = run([os.path.join(REPO, "configs", "tiny.json")] + sets, cwd=tmp_path)
+    line = one_error_line(r)
+    print(line)
+    assert r.returncode == 2 and line.startswith(f"plan error: {key}: "), r.stderr
+    assert "step 1/" not in r.stderr
