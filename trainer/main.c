@@ -103,7 +103,8 @@ static const char *usage_text =
     "(host:port of meshrun's store; needed when WORLD_SIZE > 1), TORCHELASTIC_RESTART_COUNT, MESHRUN_ROUND,\n"
     "OMP_NUM_THREADS (cpu threads), MESHRUN_LOG_LEVEL (error, warn, info, debug), MESHRUN_COMM_BACKEND\n"
     "(cpu, nccl or staged: the collectives of a multi-rank run; default by device: cpu on cpu, on cuda\n"
-    "nccl with a GPU per local rank, else staged).\n"
+    "nccl with a GPU per local rank, else staged), MESHRUN_OP_PROFILE=STEP (that step's time,\n"
+    "kernel by kernel, printed after it).\n"
     "Exit status: 0 done, 1 runtime failure, 2 usage or plan error.\n";
 
 /* 'trainer sample --help' and 'trainer export --help': the command's own page. */
