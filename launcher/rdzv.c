@@ -279,6 +279,13 @@ static int etcd_wait_get(rdzv_t *rz, conn_t *c, const char *key, int timeout_ms,
       }
       rev = kvs.revision;
       if (rc == -ETIMEDOUT) continue;
+      /* No member confirmed the watch, but only because this wait's own end cut the slice
+       * shorter than an etcd call is given to fail (a last-call wait's final millisecond): that
+       * says nothing about the cluster, and is this wait's timeout, not a lost store. */
+      if (rc == -EAGAIN && timeout_ms >= 0 && ms < ETCD_CMD_MS && mono_now() >= deadline) {
+        etcd_kvs_free(&kvs);
+        return STORE_ETIMEDOUT;
+      }
       if (rc == -ESTALE) break; /* compacted: read it again */
       if (rc) return from_etcd(rc);
       /* The last event says: set (its value is the key's), or deleted again (wait on). */
