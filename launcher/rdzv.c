@@ -266,11 +266,11 @@ static int etcd_wait_get(rdzv_t *rz, conn_t *c, const char *key, int timeout_ms,
     etcd_kvs_free(&kvs);
     if (i >= 0) return 0;
     for (;;) {
-      int ms = ETCD_WAIT_SLICE_MS;
+      int ms = ETCD_WAIT_SLICE_MS, final_slice = 0; /* the slice ends with this wait */
       if (timeout_ms >= 0) {
         double left = (deadline - mono_now()) * 1000.0;
         if (left <= 0) return STORE_ETIMEDOUT;
-        if (left < ms) ms = (int)left + 1;
+        if (left < ms) ms = (int)left + 1, final_slice = 1;
       }
       rc = etcd_watch(c->e, key, 0, rev, ms, &kvs);
       if (atomic_load(&rz->stop)) {
@@ -279,10 +279,12 @@ static int etcd_wait_get(rdzv_t *rz, conn_t *c, const char *key, int timeout_ms,
       }
       rev = kvs.revision;
       if (rc == -ETIMEDOUT) continue;
-      /* No member confirmed the watch, but only because this wait's own end cut the slice
-       * shorter than an etcd call is given to fail (a last-call wait's final millisecond): that
-       * says nothing about the cluster, and is this wait's timeout, not a lost store. */
-      if (rc == -EAGAIN && timeout_ms >= 0 && ms < ETCD_CMD_MS && mono_now() >= deadline) {
+      /* No member confirmed the watch, but in a slice this wait's own end cut shorter than an
+       * etcd call is given to fail (a last-call wait's final milliseconds): that says nothing
+       * about the cluster, and is this wait's timeout, not a lost store. (Not a clock check:
+       * the watch counts whole milliseconds and may return a fraction of one before the
+       * deadline.) */
+      if (rc == -EAGAIN && final_slice && ms < ETCD_CMD_MS) {
         etcd_kvs_free(&kvs);
         return STORE_ETIMEDOUT;
       }
