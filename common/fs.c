@@ -35,12 +35,20 @@ int fs_mkdir_p(const char *dir, char *failed, size_t failedlen) {
   }
 }
 
+int fs_dirname(const char *path, char *out, size_t len) {
+  if (snprintf(out, len, "%s", path) >= (int)len) return -ENAMETOOLONG;
+  char *slash = strrchr(out, '/');
+  if (!slash) snprintf(out, len, ".");
+  else if (slash == out) out[1] = '\0';
+  else *slash = '\0';
+  return 0;
+}
+
 int fs_mkdir_parent(const char *path, char *failed, size_t failedlen) {
   char buf[PATH_MAX];
-  if (snprintf(buf, sizeof buf, "%s", path) >= (int)sizeof buf) return -ENAMETOOLONG;
-  char *slash = strrchr(buf, '/');
-  if (!slash || slash == buf) return 0; /* no directory part, or the root */
-  *slash = 0;
+  int rc = fs_dirname(path, buf, sizeof buf);
+  if (rc) return rc;
+  if (!strcmp(buf, ".") || !strcmp(buf, "/")) return 0; /* no directory part, or the root */
   return fs_mkdir_p(buf, failed, failedlen);
 }
 

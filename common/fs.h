@@ -11,6 +11,9 @@
 int fs_mkdir_p(const char *dir, char *failed, size_t failedlen);
 /* mkdir -p of the directory part of path ("a/b/c.json" makes a/b; "c.json" makes nothing). */
 int fs_mkdir_parent(const char *path, char *failed, size_t failedlen);
+/* The directory part of path into out: "a/b/c.json" -> "a/b", "c.json" -> ".", "/c" -> "/".
+ * 0, or -ENAMETOOLONG when it does not fit. */
+int fs_dirname(const char *path, char *out, size_t len);
 /* The whole of a regular file of at most max bytes, malloc'ed into *out with a NUL past its *len
  * bytes. Refused before reading: a path that is not a regular file (-EINVAL; a FIFO is opened
  * without waiting for a writer), a file over max (-EFBIG, *size gets its size). The limit holds

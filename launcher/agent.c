@@ -159,13 +159,12 @@ static void print_summary(agent_t *a) {
     log_error("root cause (first observed failure):");
     log_error("  rank:      %d (local_rank %d)", e->rank, e->local_rank);
     log_error("  host:      %s", e->host);
-    char cmd[256];
+    char cmd[256] = "";
     size_t k = 0;
-    cmd[0] = '\0';
-    if (a->opts->python) /* a Python worker: the interpreter it ran under, as it was exec'd */
-      k = (size_t)snprintf(cmd, sizeof cmd, "%s -u%s ", a->opts->python, a->opts->run_module ? " -m" : "");
-    for (int i = 0; i < a->opts->prog_argc && k < sizeof cmd - 1; i++) /* the job's command (every node runs it) */
-      k += (size_t)snprintf(cmd + k, sizeof cmd - k, "%s%s", i ? " " : "", a->opts->prog_argv[i]);
+    char **argv = cli_worker_argv(a->opts); /* what every node's workers exec'd */
+    for (int i = 0; argv && argv[i] && k < sizeof cmd - 1; i++)
+      k += (size_t)snprintf(cmd + k, sizeof cmd - k, "%s%s", i ? " " : "", argv[i]);
+    free(argv);
     if (k >= sizeof cmd - 1) strcpy(cmd + sizeof cmd - 4, "...");
     log_error("  program:   %s", cmd);
     if (e->signal)

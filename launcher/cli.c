@@ -1371,6 +1371,21 @@ int cli_parse(launcher_opts_t *o, int argc, char **argv, char *err, size_t errle
   return 0;
 }
 
+char **cli_worker_argv(const launcher_opts_t *o) {
+  int n = 0;
+  while (o->prog_argv[n]) n++;
+  char **argv = malloc((size_t)(n + 4) * sizeof *argv);
+  if (!argv) return NULL;
+  int k = 0;
+  if (o->python) { /* -u: the workers' output goes through pipes that Python would buffer */
+    argv[k++] = (char *)o->python;
+    argv[k++] = "-u";
+    if (o->run_module) argv[k++] = "-m";
+  }
+  for (int i = 0; i <= n; i++) argv[k++] = o->prog_argv[i]; /* its NULL too */
+  return argv;
+}
+
 const char *cli_usage(void) {
   return "usage: meshrun [OPTIONS] PROGRAM [ARGS...]\n"
          "\n"

@@ -122,6 +122,10 @@ typedef struct {
 void cli_defaults(launcher_opts_t *o);
 /* Returns 0, CLI_HELP, CLI_VERSION or CLI_EUSAGE (message in err). */
 int cli_parse(launcher_opts_t *o, int argc, char **argv, char *err, size_t errlen);
+/* What each worker execs: PROGRAM ARGS, or torchrun's "PYTHON -u [-m] PROGRAM ARGS" for a
+ * Python PROGRAM. A malloc'ed NULL-terminated array of pointers into o (free the array alone),
+ * or NULL when out of memory. The workers exec it; the failure summary prints it. */
+char **cli_worker_argv(const launcher_opts_t *o);
 /* The --help text. */
 const char *cli_usage(void);
 /* What --nproc_per_node=auto counts, exposed for tests. GPUs: /dev/nvidiaN files under dev_dir

@@ -612,30 +612,17 @@ int workers_start(workers_t *w, const workers_round_t *r, char *err, size_t errl
   w->draining = 0;
   w->idle_reported = 0;
   w->prefix = r->world_size > 1;
-  /* A Python PROGRAM (cli decided: -m, or *.py): torchrun's command, "PYTHON -u [-m] PROGRAM
-   * ARGS"; -u, because the workers' output goes through pipes that Python would buffer. */
-  char **argv = o->prog_argv;
-  char **pyargv = NULL;
-  if (o->python) {
-    int n = 0;
-    while (o->prog_argv[n]) n++;
-    pyargv = malloc((size_t)(n + 4) * sizeof *pyargv);
-    if (!pyargv) {
-      snprintf(err, errlen, "out of memory");
-      return -ENOMEM;
-    }
-    int k = 0;
-    pyargv[k++] = (char *)o->python;
-    pyargv[k++] = "-u";
-    if (o->run_module) pyargv[k++] = "-m";
-    for (int i = 0; i <= n; i++) pyargv[k++] = o->prog_argv[i]; /* its NULL too */
-    argv = pyargv;
+  /* PROGRAM ARGS, or for a Python PROGRAM (cli decided: -m, or *.py) torchrun's command */
+  char **argv = cli_worker_argv(o);
+  if (!argv) {
+    snprintf(err, errlen, "out of memory");
+    return -ENOMEM;
   }
   /* PATH is searched once here, not by each child's execvp. */
   char file[PATH_MAX], why[128];
   if (workers_find_program(argv[0], file, sizeof file, why, sizeof why)) {
     snprintf(err, errlen, "%s: %s", argv[0], why);
-    free(pyargv);
+    free(argv);
     return -ENOEXEC;
   }
   pid_t self = getpid();
@@ -643,7 +630,7 @@ int workers_start(workers_t *w, const workers_round_t *r, char *err, size_t errl
   int *reports = malloc((size_t)r->nproc * sizeof *reports);
   if (!reports) {
     snprintf(err, errlen, "out of memory");
-    free(pyargv);
+    free(argv);
     return -ENOMEM;
   }
   for (int i = 0; i < r->nproc; i++) reports[i] = -1;
@@ -756,14 +743,14 @@ int workers_start(workers_t *w, const workers_round_t *r, char *err, size_t errl
   uint64_t tick_ms = (uint64_t)(o->monitor_interval_s * 1000);
   if (tick_ms < 1) tick_ms = 1;
   uv_timer_start(&w->tick, on_tick, tick_ms, tick_ms);
-  free(pyargv);
+  free(argv);
   return 0;
 error:
   if (reports)
     for (int i = 0; i < r->nproc; i++)
       if (reports[i] >= 0) close(reports[i]);
   free(reports);
-  free(pyargv);
+  free(argv);
   /* Nothing of this round may survive a failed start: kill what started; reaping and the
    * pipes' EOF make the round idle as usual. Workers not yet started count as not running. */
   w->stopping = 1;

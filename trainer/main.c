@@ -49,6 +49,7 @@
 #include <unistd.h>
 
 #include "common/env.h"
+#include "common/fs.h"
 #include "common/log.h"
 #include "common/store.h"
 #include "trainer/backend.h"
@@ -422,12 +423,11 @@ static int plan_setup(plan_t *p, const args_t *a, int rank, int world, char *err
  * every rank's trace file. checkpoint.dir was checked with the inputs (plan_check_paths). */
 static int check_outputs(const plan_t *p, int rank, char *err, size_t errlen) {
   if (rank == 0) {
-    char path[PLAN_PATH_MAX + 32];
+    char path[PLAN_PATH_MAX + 32], dir[PLAN_PATH_MAX + 32];
     weights_final_path(p, path, sizeof path);
-    char *slash = strrchr(path, '/');
-    if (slash) *slash = '\0';
+    fs_dirname(path, dir, sizeof dir); /* fits: no longer than path */
     if (!p->checkpoint.dir[0] &&
-        plan_check_output_dir("final weights", path, " (the final weights go to out/<plan name>/ of the working "
+        plan_check_output_dir("final weights", dir, " (the final weights go to out/<plan name>/ of the working "
                               "directory unless checkpoint.dir is set)", err, errlen))
       return -1;
     if (p->log.metrics_file[0] && plan_check_output_file("log.metrics_file", p->log.metrics_file, err, errlen))
@@ -631,20 +631,23 @@ int main(int argc, char **argv) {
     plan_failed = 1; /* code 2: the plan's outputs, a one-liner, never retried */
     goto error;
   }
+  /* MESHRUN_OP_PROFILE=STEP: the kernel times of one step, printed after it (opprof.h); a bad
+   * value is refused before the device starts (code is 2 here) */
+  int prof_step = opprof_step_from_env(err, sizeof err);
+  if (prof_step < 0) goto error;
 
   /* --- device: the backend, its precision options, and the comm backend of a multi-rank run */
   if ((code = device_open(p, env.local_rank, env.local_world, env.world, &be, &comm_backend, err, sizeof err)))
     goto error;
-  code = 2; /* MESHRUN_OP_PROFILE=STEP: the kernel times of one step, printed after it (opprof.h) */
-  int prof_step = opprof_step_from_env(err, sizeof err);
-  if (prof_step < 0) goto error;
   if (prof_step > 0 && !a.sample_mode) opprof_install(be, prof_step, stderr);
   if (a.sample_mode) { /* weights in, text out (one process) */
     if ((code = sample_run(p, be, a.weights, a.plan_path != NULL, a.sets, a.nsets, err, sizeof err))) goto error;
     goto done;
   }
 
-  /* --- the trace (log.trace_file) observes the collectives: open before the mesh */
+  /* --- the trace (log.trace_file) observes the collectives: open before the mesh. code is 2
+   * from here until the mesh: device_open left it 0, and a failure must not exit 0. */
+  code = 2;
   if (trace_open(p->log.trace_file, env.rank, p->log.trace_steps, err, sizeof err)) goto error;
   /* --- mesh: the groups every later collective runs on */
   if (env.world > 1 && (code = mesh_setup(&mesh, p, env.rank, env.world, comm_backend, be, err, sizeof err)))

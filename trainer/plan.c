@@ -1153,11 +1153,7 @@ int plan_check_output_dir(const char *key, const char *dir, const char *why, cha
 
 int plan_check_output_file(const char *key, const char *path, char *err, size_t errlen) {
   char dir[PLAN_PATH_MAX];
-  snprintf(dir, sizeof dir, "%s", path);
-  char *slash = strrchr(dir, '/');
-  if (slash == dir) dir[1] = '\0';        /* "/file": the root */
-  else if (slash) *slash = '\0';
-  else snprintf(dir, sizeof dir, ".");
+  if (fs_dirname(path, dir, sizeof dir)) return perr(err, errlen, key, "%s: path too long", path);
   if (plan_check_output_dir(key, dir, "", err, errlen)) return PLAN_EINVAL;
   struct stat sb;
   if (stat(path, &sb) == 0) {
