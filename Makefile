@@ -194,10 +194,11 @@ integration: all
 	$(Q)MESHRUN_BIN=$(abspath $(BIN)) MESHRUN_BUILD=$(abspath $(BUILD)) $(PYTHON) -m pytest -q -p no:cacheprovider test/integration
 
 # The demo trains the byte-level model on tinyshakespeare, then draws its loss curve. It builds
-# meshrun too: the README's next examples launch it after this first command.
+# meshrun too: the README's next examples launch it after this first command. Each `make demo`
+# starts out/demo afresh (overwrite=true); a run of your own refuses to replace what it left.
 DEMO_OUT := out/demo
 demo: $(BIN)/trainer $(BIN)/meshrun
-	$(Q)$(BIN)/trainer configs/demo.json --set log.metrics_file=$(DEMO_OUT)/metrics.jsonl
+	$(Q)$(BIN)/trainer configs/demo.json --set log.metrics_file=$(DEMO_OUT)/metrics.jsonl --set overwrite=true
 	$(Q)/usr/bin/python3 scripts/plot_metrics.py $(DEMO_OUT)/metrics.jsonl -o $(DEMO_OUT)/loss.png --lr
 	@echo "demo: metrics in $(DEMO_OUT)/metrics.jsonl, loss curve in $(DEMO_OUT)/loss.png"
 
@@ -207,7 +208,7 @@ demo: $(BIN)/trainer $(BIN)/meshrun
 STORIES_OUT := out/stories
 stories: $(BIN)/trainer $(BIN)/meshrun
 	$(Q)$(PYTHON) scripts/prepare_data.py --train-tokenizer 1024 -o $(STORIES_OUT)/data data/tinyshakespeare.txt
-	$(Q)$(BIN)/trainer configs/stories.json
+	$(Q)$(BIN)/trainer configs/stories.json --set overwrite=true
 	$(Q)$(PYTHON) scripts/plot_metrics.py $(STORIES_OUT)/metrics.jsonl -o $(STORIES_OUT)/loss.png --lr
 	@echo "stories: weights $(STORIES_OUT)/final.safetensors, metrics $(STORIES_OUT)/metrics.jsonl, loss curve $(STORIES_OUT)/loss.png"
 	@echo "stories: more text: $(BIN)/trainer sample configs/stories.json --weights $(STORIES_OUT)/final.safetensors --set seed=7"

@@ -1,6 +1,7 @@
 /* checkpoint: the run's save and resume policy over trainer/ckpt (see checkpoint.h). */
 #include "trainer/checkpoint.h"
 
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -61,6 +62,23 @@ static int failed(checkpoint_t *c, int rc, int step, char *err, size_t errlen) {
              is_final ? "; the final weights are saved next, and the run will exit 1" : "; training goes on");
   if (is_final) c->final_failed = 1;
   return 0;
+}
+
+int checkpoint_peek(plan_t *p, char *from, size_t fromlen, int *carried) {
+  *carried = 0;
+  from[0] = 0;
+  if (!strcmp(p->checkpoint.resume, "none")) return 0;
+  ckpt_state_t st;
+  int rc = ckpt_peek(p->checkpoint.dir[0] ? p->checkpoint.dir : ".", p->checkpoint.resume, &st, from, fromlen);
+  if (rc == CKPT_ECORRUPT) return 1;
+  if (rc) return 0;
+  const char *g = ckpt_state_get(&st, "global_batch_size");
+  unsigned long long G = g ? strtoull(g, NULL, 10) : st.step > 0 ? st.data_position / (uint64_t)st.step : 0;
+  if (p->train.global_batch_size == 0 && G > 0 && G <= INT_MAX) {
+    p->train.global_batch_size = (int)G;
+    *carried = 1;
+  }
+  return 1;
 }
 
 /* checkpoint.resume: "none", "auto" or a step directory. Sets *start_step (0: fresh); returns

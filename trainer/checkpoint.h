@@ -37,6 +37,13 @@ typedef struct {
   char final_err[1024];
 } checkpoint_t;
 
+/* Before the plan is resolved, for a training run: the checkpoint checkpoint.resume would load
+ * (ckpt_peek: its metadata alone; the resume reads it whole). Its step directory goes to from;
+ * a plan that leaves train.global_batch_size unset (0) takes the checkpoint's (*carried set),
+ * so that resuming under another world continues the same data order instead of failing.
+ * Returns 1 when checkpoints are there (also when their metadata cannot be read: the resume will
+ * say why), 0 when none (resume none, an empty or absent directory). */
+int checkpoint_peek(plan_t *p, char *from, size_t fromlen, int *carried);
 /* Resumes as checkpoint.resume says (collective over the job), then creates the writer when
  * checkpoint.dir is set. *start_step is the first step to run (0: fresh), *resumed whether the
  * parameters and optimizer state came from a checkpoint. restart and round (TORCHELASTIC_RESTART_COUNT,

@@ -1375,6 +1375,14 @@ static int auto_candidates(const char *dir, int64_t *cand, int max) {
   return n;
 }
 
+/* The step directory ckpt_open(dir, which) tries first for an explicit which; "" when none. */
+static void explicit_dir(const char *dir, const char *which, char *path, size_t n) {
+  struct stat sb;
+  snprintf(path, n, "%s", which);
+  if (stat(path, &sb) != 0 || !S_ISDIR(sb.st_mode)) pathf(path, n, "%s/%s", dir, which);
+  if (stat(path, &sb) != 0 || !S_ISDIR(sb.st_mode)) path[0] = 0;
+}
+
 int ckpt_open(ckpt_t **out, const char *dir, const char *which, const ckpt_shape_t *expect, const ckpt_group_t *group,
               char *err, size_t errlen) {
   *out = NULL;
@@ -1383,11 +1391,8 @@ int ckpt_open(ckpt_t **out, const char *dir, const char *which, const ckpt_shape
   if (group && group->size <= 1) group = NULL;
   char path[CKPT_PATH], notes[4096] = "";
   if (which && *which && strcmp(which, "auto")) {
-    struct stat sb;
-    snprintf(path, sizeof path, "%s", which);
-    if (stat(path, &sb) != 0 || !S_ISDIR(sb.st_mode)) pathf(path, sizeof path, "%s/%s", dir, which);
-    if (stat(path, &sb) != 0 || !S_ISDIR(sb.st_mode))
-      return err_set(err, errlen, CKPT_ENOENT, "checkpoint error: %s: no such checkpoint directory", which);
+    explicit_dir(dir, which, path, sizeof path);
+    if (!path[0]) return err_set(err, errlen, CKPT_ENOENT, "checkpoint error: %s: no such checkpoint directory", which);
     return try_open(out, path, expect, group, err, errlen);
   }
   /* Rank 0 lists, so that every rank tries the same candidates in the same order. */
@@ -1418,6 +1423,29 @@ int ckpt_open(ckpt_t **out, const char *dir, const char *which, const ckpt_shape
     snprintf(notes + used, sizeof notes - used, "%s\n", line);
   }
   return err_set(err, errlen, CKPT_ECORRUPT, "checkpoint error: no intact checkpoint in %s:\n%s", dir, notes);
+}
+
+int ckpt_peek(const char *dir, const char *which, ckpt_state_t *state, char *path, size_t pathlen) {
+  if (!dir || strlen(dir) > CKPT_PATH - 64 || (which && strlen(which) > CKPT_PATH - 64)) return CKPT_EINVAL;
+  int64_t cand[CKPT_MAX_CANDIDATES];
+  int explicit = which && *which && strcmp(which, "auto"), n = explicit ? 1 : auto_candidates(dir, cand, CKPT_MAX_CANDIDATES);
+  char msg[1024];
+  for (int i = 0; i < n; i++) {
+    ckpt_t *ck = calloc(1, sizeof *ck);
+    if (!ck) return CKPT_ENOMEM;
+    if (explicit)
+      explicit_dir(dir, which, ck->path, sizeof ck->path);
+    else
+      pathf(ck->path, sizeof ck->path, "%s/step-%" PRId64, dir, cand[i]);
+    int rc = ck->path[0] ? parse_metadata(ck, msg, sizeof msg) : CKPT_ENOENT;
+    if (rc == 0) {
+      *state = ck->meta.state;
+      snprintf(path, pathlen, "%s", ck->path);
+    }
+    ckpt_close(ck);
+    if (rc == 0 || rc == CKPT_ENOMEM || (explicit && rc == CKPT_ENOENT)) return rc;
+  }
+  return n ? CKPT_ECORRUPT : CKPT_ENOENT;
 }
 
 /* First index entry of (kind, name), or -1. */

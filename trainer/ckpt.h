@@ -210,6 +210,12 @@ typedef struct {
 int ckpt_open(ckpt_t **out, const char *dir, const char *which, const ckpt_shape_t *expect, const ckpt_group_t *group,
               char *err, size_t errlen);
 void ckpt_close(ckpt_t *ck); /* accepts NULL */
+/* The checkpoint ckpt_open(dir, which) would most likely load, from its metadata.json alone (its
+ * own checksum checked; shards not read): one process, no group, cheap enough to call before
+ * anything starts. *state gets its scalar state and path (pathlen bytes) its step directory.
+ * Returns 0; CKPT_ENOENT when there is no checkpoint there; CKPT_ECORRUPT when there are step
+ * directories but no readable metadata (ckpt_open will name the damage). */
+int ckpt_peek(const char *dir, const char *which, ckpt_state_t *state, char *path, size_t pathlen);
 const ckpt_meta_t *ckpt_meta(const ckpt_t *ck);
 /* Whether the checkpoint holds any chunk of (kind, name). */
 int ckpt_has(const ckpt_t *ck, const char *kind, const char *name);

@@ -26,7 +26,10 @@
  *
  * Where the final weights go: <checkpoint.dir>/final.safetensors when checkpoint.dir is set,
  * else out/<plan file name without .json>/final.safetensors ("default" for the embedded plan),
- * with the resolved plan JSON in the safetensors metadata under "plan".
+ * with the resolved plan JSON in the safetensors metadata under "plan". A run that starts at
+ * step 1 replaces no earlier run's outputs unless the plan says overwrite (check_outputs); a
+ * resume, a restart and a later round continue them. Ctrl-C without checkpoint.on_signal ends the
+ * run as by default after one line saying what was lost (on_sigint).
  *
  * Exit codes: 0 done; 1 runtime failure (data, memory, NaN loss, I/O, a collective, a failed save
  * after the last step or of the final weights, a failed write of log.metrics_file); 2 usage or
@@ -99,7 +102,11 @@ static const char *usage_text =
     "tokenizer.bin converted);\n"
     "model.init reads all three formats too, checked against the plan's model.\n"
     "Checkpoints: checkpoint.dir, .interval (steps; also at the end), .keep, .async, .resume\n"
-    "(none, auto = the latest intact one or a fresh start, or a step directory).\n"
+    "(none, auto = the latest intact one or a fresh start, or a step directory); a resume keeps the\n"
+    "checkpoint's train.global_batch_size when the plan sets none. Ctrl-C saves a checkpoint when\n"
+    "checkpoint.dir is set, else says what was lost.\n"
+    "Outputs: a run that starts at step 1 refuses (exit 2) to replace an earlier run's final\n"
+    "weights, metrics, trace or checkpoints unless --set overwrite=true; a resume continues them.\n"
     "Environment: RANK, WORLD_SIZE, LOCAL_RANK (set by meshrun; default 0, 1, 0), MESHRUN_STORE\n"
     "(host:port of meshrun's store; needed when WORLD_SIZE > 1), TORCHELASTIC_RESTART_COUNT, MESHRUN_ROUND,\n"
     "OMP_NUM_THREADS (cpu threads), MESHRUN_LOG_LEVEL (error, warn, info, debug), MESHRUN_COMM_BACKEND\n"
@@ -267,6 +274,71 @@ static void install_sigterm(void) {
   sigaction(SIGTERM, &sa, NULL);
 }
 
+/* Ctrl-C without checkpoint.on_signal: the process ends at once, as by default, and rank 0 first
+ * says on stderr what the interruption cost: "trainer: interrupted in step 7 of 300; nothing
+ * saved: set checkpoint.dir ...". The loop keeps these current; the message is assembled in the
+ * handler from async-signal-safe pieces. */
+static volatile sig_atomic_t run_phase;  /* 0 before the first step, 1 in the loop, 2 after it, 3 weights saved */
+static volatile sig_atomic_t run_step;   /* the step in progress (1-based) */
+static volatile sig_atomic_t run_ckpt;   /* the step of the last checkpoint saved, 0 when none */
+static int run_steps, run_has_ckpt_dir, run_rank0;
+
+static void say(char *buf, size_t *n, size_t cap, const char *s) {
+  while (*s && *n + 1 < cap) buf[(*n)++] = *s++;
+}
+static void say_int(char *buf, size_t *n, size_t cap, long v) {
+  char d[24];
+  int k = 0;
+  do d[k++] = (char)('0' + v % 10); while ((v /= 10) > 0 && k < 23);
+  while (k > 0 && *n + 1 < cap) buf[(*n)++] = d[--k];
+}
+
+static void on_sigint(int sig) {
+  if (run_rank0 && !failing) {
+    char m[320];
+    size_t n = 0;
+    say(m, &n, sizeof m, "trainer: interrupted ");
+    if (run_phase == 0) {
+      say(m, &n, sizeof m, "before the first step");
+    } else if (run_phase == 3) {
+      say(m, &n, sizeof m, "after the final weights were saved");
+    } else {
+      if (run_phase == 1) {
+        say(m, &n, sizeof m, "in step ");
+        say_int(m, &n, sizeof m, run_step);
+        say(m, &n, sizeof m, " of ");
+        say_int(m, &n, sizeof m, run_steps);
+      } else {
+        say(m, &n, sizeof m, "after the last step, before the final weights were saved");
+      }
+      if (!run_has_ckpt_dir) {
+        say(m, &n, sizeof m, "; nothing saved: set checkpoint.dir to save a checkpoint on Ctrl-C");
+      } else if (run_ckpt > 0) {
+        say(m, &n, sizeof m, "; the last checkpoint is step ");
+        say_int(m, &n, sizeof m, run_ckpt);
+        say(m, &n, sizeof m, " (checkpoint.on_signal is off)");
+      } else {
+        say(m, &n, sizeof m, "; no checkpoint saved yet (checkpoint.on_signal is off)");
+      }
+    }
+    m[n++] = '\n';
+    ssize_t w = write(STDERR_FILENO, m, n);
+    (void)w;
+  }
+  signal(sig, SIG_DFL);
+  raise(sig);
+}
+
+/* The Ctrl-C message's facts that do not change (checkpoint.on_signal replaces the handler). */
+static void install_sigint(const plan_t *p, int rank) {
+  run_steps = p->train.steps;
+  run_has_ckpt_dir = p->checkpoint.dir[0] != 0;
+  run_rank0 = rank == 0;
+  struct sigaction sa = {.sa_handler = on_sigint, .sa_flags = SA_RESTART};
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, NULL);
+}
+
 /* checkpoint.on_signal: SIGINT and SIGUSR1 join SIGTERM. */
 static void install_preempt(void) {
   struct sigaction sa = {.sa_handler = on_sigterm, .sa_flags = SA_RESTART};
@@ -395,12 +467,28 @@ static int env_read(env_t *e, char *err, size_t errlen) {
 }
 
 /* The plan of this run: file (or the embedded default), --set, resolved for the world. A
- * training run checks its checkpoint directory now, not at the first save (which, with
- * checkpoint.interval 0, comes after the last step). Errors are the documented one-liners
- * "plan error: <key.path>: ...". */
-static int plan_setup(plan_t *p, const args_t *a, int rank, int world, char *err, size_t errlen) {
-  if (plan_load(p, a->plan_path, a->sets, a->nsets, err, errlen) != 0 || plan_resolve(p, world, err, errlen) != 0)
+ * training run first looks at the checkpoint its resume would load (checkpoint_peek): *resuming
+ * says one is there, and a plan without train.global_batch_size takes the checkpoint's, so that
+ * a resume under another world continues the same data order. The run checks its checkpoint
+ * directory now, not at the first save (which, with checkpoint.interval 0, comes after the last
+ * step). Errors are the documented one-liners "plan error: <key.path>: ...". */
+static int plan_setup(plan_t *p, const args_t *a, int rank, int world, int *resuming, char *err, size_t errlen) {
+  *resuming = 0;
+  if (plan_load(p, a->plan_path, a->sets, a->nsets, err, errlen) != 0) return -1;
+  char from[PLAN_PATH_MAX + 64];
+  int carried = 0;
+  if (!a->sample_mode && !a->export_mode) *resuming = checkpoint_peek(p, from, sizeof from, &carried);
+  if (plan_resolve(p, world, err, errlen) != 0) {
+    size_t n = strlen(err);
+    if (carried && !strncmp(err, "plan error: train.global_batch_size:", 36))
+      snprintf(err + n, errlen - n, " (train.global_batch_size is the checkpoint %s's, kept on resume so that the "
+               "data order continues: choose a micro-batch size that divides it, or checkpoint.resume=none)", from);
     return -1;
+  }
+  if (carried)
+    log_rank0("train.global_batch_size=%d as %s trained (unset in the plan; a resume keeps it, so the data order "
+              "continues): micro-batch %d x dp %d x %d accumulation steps", p->train.global_batch_size, from,
+              p->train.micro_batch_size, p->mesh.dp_replicate * p->mesh.dp_shard, p->train.grad_accum_steps);
   /* printed before the inputs are checked, so a plan can be read whatever is missing; by rank 0
    * alone under meshrun (every rank resolves the same plan) */
   if (a->print_plan && rank == 0) {
@@ -420,20 +508,42 @@ static int plan_setup(plan_t *p, const args_t *a, int rank, int world, char *err
 
 /* Every file a training run writes, checked before the device starts (a read-only folder found
  * after the last step would lose the weights): rank 0's final weights folder and metrics file,
- * every rank's trace file. checkpoint.dir was checked with the inputs (plan_check_paths). */
-static int check_outputs(const plan_t *p, int rank, char *err, size_t errlen) {
-  if (rank == 0) {
-    char path[PLAN_PATH_MAX + 32], dir[PLAN_PATH_MAX + 32];
-    weights_final_path(p, path, sizeof path);
-    fs_dirname(path, dir, sizeof dir); /* fits: no longer than path */
-    if (!p->checkpoint.dir[0] &&
-        plan_check_output_dir("final weights", dir, " (the final weights go to out/<plan name>/ of the working "
-                              "directory unless checkpoint.dir is set)", err, errlen))
-      return -1;
-    if (p->log.metrics_file[0] && plan_check_output_file("log.metrics_file", p->log.metrics_file, err, errlen))
-      return -1;
-  }
+ * the trace file. checkpoint.dir was checked with the inputs (plan_check_paths). A run that
+ * starts afresh (fresh: not a resume, a restart or a later round of a meshrun job, which
+ * continue the outputs of the run they belong to) replaces no earlier run's results unless
+ * the plan says overwrite: existing final weights, metrics or trace, or checkpoints in
+ * checkpoint.dir with checkpoint.resume none (this run's saves would prune them), are refused. */
+static int check_outputs(const plan_t *p, int rank, int fresh, char *err, size_t errlen) {
+  if (rank != 0) return 0;
+  char path[PLAN_PATH_MAX + 32], dir[PLAN_PATH_MAX + 32];
+  weights_final_path(p, path, sizeof path);
+  fs_dirname(path, dir, sizeof dir); /* fits: no longer than path */
+  const char *wkey = p->checkpoint.dir[0] ? "checkpoint.dir" : "final weights";
+  if (!p->checkpoint.dir[0] &&
+      plan_check_output_dir(wkey, dir, " (the final weights go to out/<plan name>/ of the working directory "
+                            "unless checkpoint.dir is set)", err, errlen))
+    return -1;
+  if (p->log.metrics_file[0] && plan_check_output_file("log.metrics_file", p->log.metrics_file, err, errlen))
+    return -1;
   if (p->log.trace_file[0] && plan_check_output_file("log.trace_file", p->log.trace_file, err, errlen)) return -1;
+  if (!fresh || p->overwrite) return 0;
+  if (plan_check_not_there(wkey, path, "an earlier run's final weights", err, errlen) ||
+      (p->log.metrics_file[0] &&
+       plan_check_not_there("log.metrics_file", p->log.metrics_file, "an earlier run's metrics", err, errlen)) ||
+      (p->log.trace_file[0] &&
+       plan_check_not_there("log.trace_file", p->log.trace_file, "an earlier run's trace", err, errlen)))
+    return -1;
+  ckpt_state_t st;
+  char from[PLAN_PATH_MAX + 64] = "";
+  if (p->checkpoint.dir[0] && !strcmp(p->checkpoint.resume, "none") &&
+      ckpt_peek(p->checkpoint.dir, "auto", &st, from, sizeof from) != CKPT_ENOENT) {
+    char newest[PLAN_PATH_MAX + 80] = "";
+    if (from[0]) snprintf(newest, sizeof newest, " (the newest %s)", from);
+    snprintf(err, errlen, "plan error: checkpoint.resume: none, and checkpoint.dir %s holds an earlier run's "
+             "checkpoints%s, which this run's saves would replace: checkpoint.resume=auto continues that run, "
+             "--set overwrite=true starts over there", p->checkpoint.dir, newest);
+    return -1;
+  }
   return 0;
 }
 
@@ -522,6 +632,7 @@ static int final_weights(model_t *m, dp_t *dp, const mesh_t *mesh, const plan_t 
     return -1;
   }
   log_rank0("saved %s", path);
+  run_phase = 3;
   return 0;
 }
 
@@ -611,7 +722,8 @@ int main(int argc, char **argv) {
     goto error;
   }
   code = 2;
-  if (plan_setup(p, &a, env.rank, env.world, err, sizeof err)) {
+  int resuming = 0;
+  if (plan_setup(p, &a, env.rank, env.world, &resuming, err, sizeof err)) {
     plan_failed = 1; /* the message is already the documented one-liner */
     goto error;
   }
@@ -627,10 +739,12 @@ int main(int argc, char **argv) {
     goto done;
   }
 
-  if (!a.sample_mode && check_outputs(p, env.rank, err, sizeof err)) {
+  const int fresh = !resuming && env.restart == 0 && env.round == 0;
+  if (!a.sample_mode && check_outputs(p, env.rank, fresh, err, sizeof err)) {
     plan_failed = 1; /* code 2: the plan's outputs, a one-liner, never retried */
     goto error;
   }
+  if (!a.sample_mode) install_sigint(p, env.rank);
   /* MESHRUN_OP_PROFILE=STEP: the kernel times of one step, printed after it (opprof.h); a bad
    * value is refused before the device starts (code is 2 here) */
   int prof_step = opprof_step_from_env(err, sizeof err);
@@ -652,6 +766,10 @@ int main(int argc, char **argv) {
   /* --- mesh: the groups every later collective runs on */
   if (env.world > 1 && (code = mesh_setup(&mesh, p, env.rank, env.world, comm_backend, be, err, sizeof err)))
     goto error;
+  if (trace_attach(err, sizeof err)) { /* rank 0 created the file before the mesh connected */
+    code = 2;
+    goto error;
+  }
   code = 1;
   /* --- data before the model: a wrong file fails before a large allocation. A file that is
    * not what the plan says is the plan's error (exit 2, not retried); only memory is not. */
@@ -694,8 +812,11 @@ int main(int argc, char **argv) {
                    sizeof err) ||
       hooks_start(&a.hooks, err, sizeof err))
     goto error;
+  run_ckpt = start_step;
+  run_phase = 1;
   for (int s = start_step; s < p->train.steps && !stopped; s++) {
     train_result_t r;
+    run_step = s + 1;
     if (train_step(&tr, s, &r, err, sizeof err)) goto error;
     metrics_step(&mt, s + 1, r.loss, r.lr, r.gnorm, r.dt, r.comm_wait);
     if (pp && pipeline_record(&mt, m, s + 1, &r.pp, err, sizeof err)) goto error;
@@ -705,6 +826,7 @@ int main(int argc, char **argv) {
       metrics_eval(&mt, s + 1, el);
     }
     if (checkpoint_after_step(&ck, dp, s + 1, err, sizeof err)) goto error;
+    if (ck.saved > 0 && !ck.pending) run_ckpt = ck.saved; /* committed, not still in flight */
     metrics_skip_traffic(&mt); /* a checkpoint's traffic is not a step's */
     stopped = hooks_stop(&a.hooks, s + 1, p->train.steps); /* as if killed here */
     int sig = p->checkpoint.on_signal && s + 1 < p->train.steps ? preempt_agreed(mesh, err, sizeof err) : 0;
@@ -724,6 +846,7 @@ int main(int argc, char **argv) {
     }
   }
   if (checkpoint_finish(&ck, err, sizeof err)) goto error;
+  run_phase = 2;
 
   /* --- final weights, then a sample; what failed without stopping the run decides the status */
   if (!stopped) {

@@ -231,6 +231,7 @@ static const field_t sample_fields[] = {
 static const field_t root_fields[] = {
     K_ENUM("device", device, device_names, PLAN_DEVICE_AUTO),
     K_U64("seed", seed, 1337),
+    K_BOOL("overwrite", overwrite, 0),
     K_SECT("model", model_fields),
     K_SECT("mesh", mesh_fields),
     K_SECT("parallel", parallel_fields),
@@ -1163,6 +1164,13 @@ int plan_check_output_file(const char *key, const char *path, char *err, size_t 
     close(fd);
   }
   return 0;
+}
+
+int plan_check_not_there(const char *key, const char *path, const char *what, char *err, size_t errlen) {
+  struct stat sb;
+  if (stat(path, &sb) != 0 || !S_ISREG(sb.st_mode)) return 0; /* /dev/stdout, a pipe: not a result */
+  return perr(err, errlen, key, "%s exists (%s) and this run starts at step 1: move it away, write elsewhere, or "
+              "--set overwrite=true to replace it", path, what);
 }
 
 /* ---- serialize -------------------------------------------------------------------------- */

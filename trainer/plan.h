@@ -166,6 +166,7 @@ typedef struct {
 typedef struct {
   plan_device_t device;
   uint64_t seed;
+  int overwrite; /* a run starting afresh may replace an earlier run's outputs (default false) */
   plan_model_t model;
   plan_mesh_t mesh;
   plan_parallel_t parallel;
@@ -199,6 +200,10 @@ int plan_check_paths(const plan_t *p, char *err, size_t errlen);
  * why, "" or a clause that says where the path came from). */
 int plan_check_output_dir(const char *key, const char *dir, const char *why, char *err, size_t errlen);
 int plan_check_output_file(const char *key, const char *path, char *err, size_t errlen);
+/* An output a run starting afresh would replace: PLAN_EINVAL with "plan error: <key>: <path>
+ * exists (<what>) ..." naming the ways out (--set overwrite=true among them) when path is a
+ * regular file, else 0 (absent, or a device or pipe such as /dev/stdout). */
+int plan_check_not_there(const char *key, const char *path, const char *what, char *err, size_t errlen);
 /* Serializes the (resolved) plan as one line of JSON (malloc'ed string, caller frees): for logs, metrics
  * and checkpoint metadata. */
 char *plan_to_json(const plan_t *p);

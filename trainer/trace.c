@@ -24,6 +24,7 @@
 static struct {
   int fd;
   int rank, steps;
+  char path[4096]; /* a rank other than 0 opens it at trace_attach */
   volatile int step; /* being traced, 0 outside */
   pthread_mutex_t mu;
   char *buf;
@@ -63,6 +64,7 @@ static void add(const char *fmt, ...) {
 }
 
 static void flush_locked(void) {
+  if (tr.fd < 0) return; /* not attached yet: kept until trace_attach */
   size_t off = 0;
   while (off < tr.len) {
     ssize_t k = write(tr.fd, tr.buf + off, tr.len - off);
@@ -110,9 +112,12 @@ static void observe(const comm_t *c, int what, const char *op, uint64_t bytes, i
 
 int trace_open(const char *path, int rank, int steps, char *err, size_t errlen) {
   if (!path || !*path) return 0;
-  int flags = O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | (rank == 0 ? O_TRUNC : 0);
-  tr.fd = open(path, flags, 0644);
-  if (tr.fd < 0) {
+  if (strlen(path) >= sizeof tr.path) {
+    snprintf(err, errlen, "log.trace_file %.64s...: path too long", path);
+    return -1;
+  }
+  snprintf(tr.path, sizeof tr.path, "%s", path);
+  if (rank == 0 && (tr.fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_TRUNC, 0644)) < 0) {
     snprintf(err, errlen, "cannot open log.trace_file %s: %s", path, strerror(errno));
     return -1;
   }
@@ -128,13 +133,25 @@ int trace_open(const char *path, int rank, int steps, char *err, size_t errlen) 
   return 0;
 }
 
+int trace_attach(char *err, size_t errlen) {
+  if (!tr.path[0] || tr.fd >= 0) return 0;
+  if ((tr.fd = open(tr.path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644)) < 0) {
+    snprintf(err, errlen, "cannot open log.trace_file %s: %s", tr.path, strerror(errno));
+    return -1;
+  }
+  pthread_mutex_lock(&tr.mu);
+  flush_locked();
+  pthread_mutex_unlock(&tr.mu);
+  return 0;
+}
+
 void trace_close(void) {
-  if (tr.fd < 0) return;
   pthread_mutex_lock(&tr.mu);
   tr.step = 0;
   flush_locked();
-  close(tr.fd);
+  if (tr.fd >= 0) close(tr.fd);
   tr.fd = -1;
+  tr.path[0] = 0;
   free(tr.buf);
   tr.buf = NULL;
   tr.len = tr.cap = 0;

@@ -10,8 +10,10 @@
  * span; the exposed communication is the compute track's "wait" spans.
  *
  * Every rank writes into the same file: rank 0 creates (truncates) it and writes the opening
- * "[", before the mesh connects; each rank appends its events a step at a time with one
- * write() of whole lines (O_APPEND: lines of different ranks never interleave). The trailing
+ * "[", before the mesh connects; the other ranks open it only once the mesh has connected
+ * (trace_attach), so none touches a file that rank 0 then refuses (an earlier run's trace) or
+ * truncates after it; each rank appends its events a step at a time with one write() of whole
+ * lines (O_APPEND: lines of different ranks never interleave). The trailing
  * "]" is left out, which the JSON array format allows (both viewers accept it). Ranks on other
  * machines write their own file at the same path. Only the first log.trace_steps steps of a run
  * are traced, so the file stays small; outside them every call here is one branch.
@@ -26,6 +28,9 @@
 /* Opens the trace for this rank (path "" or NULL: tracing stays off). 0, or -1 with err. Also
  * installs the comm observer (comm_set_observer): call before the mesh connects. */
 int trace_open(const char *path, int rank, int steps, char *err, size_t errlen);
+/* A rank other than 0, after the mesh connected: opens the file and writes what it buffered.
+ * 0 (also when tracing is off or already attached), or -1 with err. */
+int trace_attach(char *err, size_t errlen);
 void trace_close(void); /* writes what is buffered; accepts a trace never opened */
 
 /* Step s (1-based) begins / ends; events are kept only between them, for s <= steps. */

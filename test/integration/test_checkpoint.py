@@ -16,7 +16,8 @@ batch of 16 sequences (24 for the 8 -> 6 ranks case, so that both worlds divide 
   resume auto names both files, falls back to step-5, and still ends on the never-stopped run's
   bits; saving step-10 again removes the abandoned step-15 with a warning.
 - Another model shape -> refused with a message naming the shape, exit 2; another global batch ->
-  exit 2.
+  exit 2; a plan without train.global_batch_size takes the checkpoint's (fsdp2 -> one process with
+  2 accumulation steps, losses within 1e-4 of the run that kept its world).
 - Tampered metadata: a one-bit flip of optim_step in step-15's metadata.json and of data_position
   in step-10's -> both named (checksum mismatch), resume falls back to step-5 and ends on the
   never-stopped run's bits.
@@ -98,10 +99,11 @@ class Result:
         return "rc=%s\nstdout:\n%s\nstderr:\n%s" % (self.rc, self.out, self.err)
 
 
-def run(d, name, extra=(), flags=(), timeout=120, env=None):
-    """Runs layout `name` in directory d (one process, or meshrun with its ranks); env: extra variables."""
+def run(d, name, extra=(), flags=(), timeout=120, env=None, plan=None):
+    """Runs layout `name` in directory d (one process, or meshrun with its ranks); env: extra
+    variables; plan: another plan than PLAN."""
     nproc = LAYOUTS[name][0]
-    args = [write_plan(d)] + layout_sets(d, name, extra) + list(flags)
+    args = [write_plan(d, plan)] + layout_sets(d, name, extra) + list(flags)
     if nproc == 1:
         r = subprocess.run([TRAINER] + args, cwd=str(d), env=clean_env(env), capture_output=True, text=True,
                            timeout=timeout)
@@ -376,6 +378,42 @@ def test_wrong_shape_and_batch_refused(straight, tmp_path):
     assert "global_batch_size" in r.err, r.describe()
     r = run(tmp_path, "serial", ["checkpoint.resume=%s" % (tmp_path / "nowhere")])
     assert r.rc == 2 and "no such checkpoint" in r.err, r.describe()
+
+
+def test_resume_on_another_world_keeps_the_global_batch(tmp_path):
+    """A plan that leaves train.global_batch_size unset gets micro-batch x dp, which changes with
+    the world; a resume takes the checkpoint's instead (one line says so), so fsdp2's checkpoint
+    (global batch 2 x 2 = 4) resumes in one process as 2 x 1 x 2 accumulation steps, on the losses
+    of the run that kept its world (tolerance 1e-4 relative). A world that cannot make that batch
+    from its micro-batches is refused, naming the checkpoint. Before: exit 2, "set
+    train.global_batch_size=4"."""
+    plan = tiny_plan()
+    del plan["train"]["global_batch_size"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    straight.mkdir()
+    resumed.mkdir()
+    r = run(straight, "fsdp2", ["checkpoint.interval=10"], plan=plan)
+    assert r.rc == 0, r.describe()
+    src = straight / "ck" / "step-10"
+    args = [write_plan(resumed, plan)] + layout_sets(resumed, "serial", ["checkpoint.resume=%s" % src])
+    r = subprocess.run([TRAINER] + args, cwd=str(resumed), env=clean_env(), capture_output=True, text=True,
+                       timeout=120)
+    line = [l for l in r.stderr.splitlines() if "train.global_batch_size=4 as" in l]
+    print(line[0] if line else r.stderr[-2000:])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert line and "micro-batch 2 x dp 1 x 2 accumulation steps" in line[0]
+    ref, got = losses(straight), losses(resumed)
+    keys = sorted(k for k in ref if k[1] > 10)
+    assert sorted(got) == keys
+    d = max_rel(ref, got, keys)
+    print("fsdp2 -> one process, global batch carried: max rel diff %.2e over %d losses (tolerance %.0e)" %
+          (d, len(keys), TOL))
+    assert d <= TOL
+    r = subprocess.run([TRAINER] + args + ["--set", "train.micro_batch_size=3"], cwd=str(resumed), env=clean_env(),
+                       capture_output=True, text=True, timeout=120)
+    print(r.stderr.strip().splitlines()[-1])
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(
+        "plan error: train.global_batch_size: 4 is not a multiple of train.micro_batch_size 3") and str(src) in r.stderr
 
 
 # ---------------------------------------------------------------------------------------- interop

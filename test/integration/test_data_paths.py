@@ -172,7 +172,8 @@ def test_step_records_carry_flops_mfu_and_memory(tmp_path):
     print(line)
     assert "FLOP/s" in line and "| mem " in line and "MFU" not in line
 
-    r = trainer([path, "--set", "log.peak_tflops=0.001"], tmp_path)  # a 1 GFLOP/s "device"
+    # a 1 GFLOP/s "device", into the first run's metrics file
+    r = trainer([path, "--set", "log.peak_tflops=0.001", "--set", "overwrite=true"], tmp_path)
     assert r.returncode == 0, r.stderr
     steps = [x for x in records(tmp_path / "m.jsonl") if "loss" in x]
     worst = max(abs(x["mfu"] - x["flops_per_s"] / 1e9) / x["mfu"] for x in steps)

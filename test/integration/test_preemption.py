@@ -12,11 +12,15 @@ signal made. Signals are sent once the metrics file shows progress (polled), nev
 - SIGUSR1 to a lone trainer: exit 138 and a checkpoint of the step it finished.
 - Without a checkpoint directory the signal ends the run as before (on_signal is off by
   default there; asking for it without a directory is a plan error).
+- Ctrl-C without on_signal (no checkpoint.dir, or on_signal false): the trainer dies by SIGINT as
+  before, after one line naming the step in progress and what is saved ("nothing saved: set
+  checkpoint.dir ...", or the last checkpoint); under meshrun, one such line (rank 0's).
 - A plan error writes TORCHELASTIC_ERROR_FILE with the message and {"meshrun": {"restart": false}}
   (meshrun's summary carries it and does not restart).
 """
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -40,6 +44,20 @@ def wait_metrics_step(d, step, proc, timeout=60):
             return
         time.sleep(0.005)
     pytest.fail("no step %d within %ds" % (step, timeout))
+
+
+def signal_lone_trainer(d, args, sig):
+    """Starts a trainer in d, sends sig once its metrics file shows step 5; (exit status, stderr)."""
+    p = subprocess.Popen(args, cwd=str(d), env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    try:
+        wait_metrics_step(d, 5, p)
+        p.send_signal(sig)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    return p.returncode, err
 
 
 def latest(d):
@@ -81,17 +99,9 @@ def test_sigterm_to_meshrun_saves_and_resumes(tmp_path):
 
 def test_sigusr1_lone_trainer(tmp_path):
     args = [TRAINER, write_plan(tmp_path)] + layout_sets(tmp_path, "serial", ["train.steps=%d" % STEPS])
-    p = subprocess.Popen(args, cwd=str(tmp_path), env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True)
-    try:
-        wait_metrics_step(tmp_path, 5, p)
-        p.send_signal(signal.SIGUSR1)
-        out, err = p.communicate(timeout=60)
-    finally:
-        if p.poll() is None:
-            p.kill()
+    rc, err = signal_lone_trainer(tmp_path, args, signal.SIGUSR1)
     print(err.strip().splitlines()[-1])
-    assert p.returncode == 128 + signal.SIGUSR1, err[-2000:]
+    assert rc == 128 + signal.SIGUSR1, err[-2000:]
     n = int(err.split("after step ")[1].split(":")[0])
     assert latest(tmp_path) == "step-%d" % n
 
@@ -125,3 +135,55 @@ def test_plan_error_writes_error_file(tmp_path):
         doc = json.load(f)
     print(doc)
     assert doc["message"]["message"] == r.stderr.strip() and doc["meshrun"] == {"restart": False}
+
+
+INTERRUPTED = re.compile(r"trainer: interrupted in step (\d+) of 100000; (.*)$")
+
+
+def interrupted_lines(err):
+    return [m for m in (INTERRUPTED.search(l) for l in err.splitlines()) if m]
+
+
+@pytest.mark.parametrize("case", ["no_dir", "on_signal_off"])
+def test_ctrl_c_says_what_was_lost(tmp_path, case):
+    """Ctrl-C (SIGINT) without checkpoint.on_signal ends the trainer at once, as by default (killed
+    by SIGINT), after one line that says what was lost: the step in progress and "nothing saved"
+    (no checkpoint.dir), or the last checkpoint (a directory with on_signal off). Before: no line."""
+    sets = ["train.steps=100000", "eval.interval=0", "log.metrics_file=%s" % (tmp_path / "metrics.jsonl")]
+    if case == "on_signal_off":
+        sets += ["checkpoint.dir=%s" % (tmp_path / "ck"), "checkpoint.interval=2", "checkpoint.on_signal=false"]
+    args = [TRAINER, write_plan(tmp_path)] + [a for s in sets for a in ("--set", s)]
+    rc, err = signal_lone_trainer(tmp_path, args, signal.SIGINT)
+    lines = interrupted_lines(err)
+    print(lines[0].group(0) if lines else err[-2000:])
+    assert rc == -signal.SIGINT, err[-2000:]
+    assert len(lines) == 1, err[-2000:]
+    n, rest = int(lines[0].group(1)), lines[0].group(2)
+    logged = max(r["step"] for r in read_records(tmp_path / "metrics.jsonl") if "loss" in r)
+    assert n >= 5 and logged in (n - 1, n), (n, logged)
+    if case == "no_dir":
+        assert rest == "nothing saved: set checkpoint.dir to save a checkpoint on Ctrl-C"
+    else:
+        k = int(rest.split("the last checkpoint is step ")[1].split(" ")[0])
+        assert rest.endswith("(checkpoint.on_signal is off)")
+        # a save committed in the instant of the signal may be one newer than the line says
+        assert k % 2 == 0 and k <= n and int(latest(tmp_path).split("-")[1]) in (k, k + 2), (k, latest(tmp_path))
+
+
+def test_ctrl_c_under_meshrun_one_line(tmp_path):
+    """meshrun forwards SIGINT to its workers; rank 0 alone says what was lost, and the job exits
+    128 + SIGINT."""
+    sets = ["train.steps=100000", "eval.interval=0", "mesh.dp_shard=2",
+            "log.metrics_file=%s" % (tmp_path / "metrics.jsonl")]
+    m = Meshrun(["--nproc_per_node=2", "--rdzv_conf=" + FAST_CONF, TRAINER, write_plan(tmp_path)] +
+                [a for s in sets for a in ("--set", s)], env={"OMP_NUM_THREADS": "1"}, cwd=str(tmp_path))
+    try:
+        wait_metrics_step(tmp_path, 3, m.proc)
+        m.signal(signal.SIGINT)
+        rc = m.wait(60)
+    finally:
+        m.kill()
+    lines = interrupted_lines(m.err)
+    print(lines[0].group(0) if lines else m.err[-2000:])
+    assert rc == 128 + signal.SIGINT, m.describe()
+    assert len(lines) == 1 and lines[0].group(2).startswith("nothing saved"), m.describe()

@@ -78,6 +78,7 @@ def test_text_through_the_tokenizer(tmp_path):
 
     # a model smaller than the tokenizer is refused before training, naming both sizes
     plan["model"]["vocab_size"] = 500
+    plan["overwrite"] = True  # the first run's outputs are in the same folder
     r = trainer([write_json(tmp_path / "p2.json", plan)], tmp_path)
     print(r.stderr.strip().splitlines()[-1])
     assert r.returncode == 2 and "has 512 tokens, more than the model's vocab_size 500" in r.stderr

@@ -68,7 +68,8 @@ def read_metrics(path):
 def train(tmp_path, extra_sets=(), plan=TINY, name="m.jsonl"):
     plan_path = write_plan(tmp_path, plan)
     metrics = str(tmp_path / name)
-    sets = ["--set", f"log.metrics_file={metrics}", "--set", f"checkpoint.dir={tmp_path / 'ck'}"]
+    ck = tmp_path / ("ck" if name == "m.jsonl" else "ck-" + os.path.splitext(name)[0])  # a run's own outputs
+    sets = ["--set", f"log.metrics_file={metrics}", "--set", f"checkpoint.dir={ck}"]
     for s in extra_sets:
         sets += ["--set", s]
     r = run([plan_path] + sets, cwd=tmp_path)
@@ -245,7 +246,7 @@ def test_nan_loss_stops_at_once(tmp_path):
         line.startswith("trainer: loss is inf at step 2 (micro-batch 1);")
     assert [s["step"] for s in read_metrics(metrics)[1]] == [1]  # step 1 was logged, no more
     # Huge initial weights: RMSNorm keeps the forward finite, but the gradients overflow.
-    r, metrics = train(tmp_path, ["model.init_std=1e30"])
+    r, metrics = train(tmp_path, ["model.init_std=1e30"], name="m2.jsonl")
     line = one_error_line(r)
     print(line)
     assert r.returncode == 1 and "is nan at step 1" in line
@@ -429,3 +430,91 @@ def test_outputs_checked_before_step_1(tmp_path, case):
     print(line)
     assert r.returncode == 2 and line.startswith(f"plan error: {key}: "), r.stderr
     assert "step 1/" not in r.stderr
+
+
+@pytest.mark.parametrize("case", ["weights", "metrics", "trace", "checkpoints"])
+def test_results_never_silently_overwritten(tmp_path, case):
+    """A run that starts at step 1 replaces no earlier run's results: existing final weights,
+    metrics, trace, or checkpoints in checkpoint.dir with checkpoint.resume none are refused
+    before step 1 (exit 2, one line naming the key, the file and --set overwrite=true), the file
+    left as it was; overwrite=true replaces it, and so may a restart of a meshrun job
+    (TORCHELASTIC_RESTART_COUNT 1), which continues the outputs of its own run. Before: each was
+    replaced without a word (make demo, then a 2-step run, left 300-step metrics beside 2-step
+    weights)."""
+    base = ["--set", "train.steps=2", "--set", "eval.interval=0", "--set", "sample.tokens=0"]
+    if case == "weights":
+        key, target, sets = "final weights", tmp_path / "out" / "tiny" / "final.safetensors", []
+    elif case == "metrics":
+        target = tmp_path / "m.jsonl"
+        key, sets = "log.metrics_file", ["--set", f"log.metrics_file={target}"]
+    elif case == "trace":
+        target = tmp_path / "t.json"
+        key, sets = "log.trace_file", ["--set", f"log.trace_file={target}"]
+    else:
+        key, target = "checkpoint.resume", tmp_path / "ck" / "step-2" / "metadata.json"
+        sets = ["--set", f"checkpoint.dir={tmp_path / 'ck'}"]
+    args = [os.path.join(REPO, "configs", "tiny.json")] + base + sets
+    if case == "checkpoints":  # an earlier run's checkpoint, its final weights moved away
+        assert run(args, cwd=tmp_path).returncode == 0
+        os.remove(tmp_path / "ck" / "final.safetensors")
+    else:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text("an earlier run's result\n")
+    before = target.read_bytes()
+    r = run(args, cwd=tmp_path)
+    line = one_error_line(r)
+    print(line)
+    assert r.returncode == 2 and line.startswith(f"plan error: {key}: ") and "overwrite=true" in line, r.stderr
+    assert str(target.parent if case == "checkpoints" else target.name) in line or target.name in line
+    assert "step 1/" not in r.stderr and target.read_bytes() == before
+    r = run(args, cwd=tmp_path, env_extra={"TORCHELASTIC_RESTART_COUNT": "1"})
+    assert r.returncode == 0, r.stderr
+    if case != "checkpoints":
+        target.write_text("an earlier run's result\n")
+    r = run(args + ["--set", "overwrite=true"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert case == "checkpoints" or target.read_bytes() != before
+
+
+def test_a_resumed_run_continues_its_outputs(tmp_path):
+    """A resume (checkpoint.resume auto finding a checkpoint) is the same run going on: no
+    overwrite needed; its metrics file keeps the steps before the checkpoint and gains the rest."""
+    metrics = tmp_path / "m.jsonl"
+    args = [os.path.join(REPO, "configs", "tiny.json"), "--set", "eval.interval=0", "--set", "sample.tokens=0",
+            "--set", f"log.metrics_file={metrics}", "--set", f"checkpoint.dir={tmp_path / 'ck'}",
+            "--set", "checkpoint.interval=2", "--set", "checkpoint.resume=auto"]
+    r = run(args + ["--set", "train.steps=4"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    r = run(args + ["--set", "train.steps=6"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    _, steps, _ = read_metrics(metrics)
+    print([s["step"] for s in steps])
+    assert [s["step"] for s in steps] == [1, 2, 3, 4, 5, 6]
+
+
+def test_plot_is_not_replaced_by_other_data(tmp_path):
+    """plot_metrics.py redraws a PNG drawn from the same metrics files (a run that went on), and
+    refuses (exit 2, one line) to replace one drawn from others, or not by it, unless --overwrite."""
+    plot = [os.path.join(REPO, "scripts", "plot_metrics.py")]
+    r, metrics = train(tmp_path)
+    assert r.returncode == 0, r.stderr
+    other = tmp_path / "other.jsonl"
+    other.write_bytes(open(metrics, "rb").read())
+    png = tmp_path / "loss.png"
+
+    def draw(*args):
+        return subprocess.run(["/usr/bin/python3"] + plot + list(args) + ["-o", str(png)], capture_output=True,
+                              text=True, timeout=120)
+
+    assert draw(metrics).returncode == 0
+    assert draw(metrics).returncode == 0  # the same run's plot, redrawn
+    first = png.read_bytes()
+    p = draw(str(other))
+    print(p.stderr.strip())
+    assert p.returncode == 2 and p.stderr.strip() == (
+        f"plot_metrics: {png} exists (drawn from {os.path.realpath(metrics)}): --overwrite replaces it, or "
+        "choose another -o") and png.read_bytes() == first
+    assert draw(str(other), "--overwrite").returncode == 0
+    png.write_text("not a plot\n")
+    p = draw(metrics)
+    assert p.returncode == 2 and "not drawn by plot_metrics" in p.stderr
