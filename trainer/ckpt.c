@@ -1535,6 +1535,21 @@ int ckpt_read(ckpt_t *ck, const ckpt_chunk_t *q, float *out, char *err, size_t e
   return 0;
 }
 
+int ckpt_read_tensor(ckpt_t *ck, const char *kind, const char *name, float *out, size_t numel, char *err,
+                     size_t errlen) {
+  int first = ck && kind && name ? find_tensor(ck, kind, name) : -1;
+  if (first < 0)
+    return err_set(err, errlen, CKPT_ENOENT, "checkpoint error: %s has no %s/%s", ck ? ck->path : "?",
+                   kind ? kind : "?", name ? name : "?");
+  const entry_t *e = &ck->ents[first];
+  if ((uint64_t)e->rows * (uint64_t)e->cols != (uint64_t)numel)
+    return err_set(err, errlen, CKPT_ESHAPE,
+                   "checkpoint error: %s: %s/%s has %" PRId64 " x %" PRId64 " elements there but %zu here", ck->path,
+                   kind, name, e->rows, e->cols, numel);
+  ckpt_chunk_t q = {kind, name, e->rows, e->cols, 0, e->rows, 0, e->cols, 0, e->rows * e->cols, NULL};
+  return ckpt_read(ck, &q, out, err, errlen);
+}
+
 int ckpt_read_range(ckpt_t *ck, const char *kind, const model_tensor_t *tensors, int n_tensors, int tp_rank,
                     size_t offset, size_t count, float *out, char *err, size_t errlen) {
   for (int i = 0; i < n_tensors; i++) {

@@ -223,6 +223,12 @@ int ckpt_has(const ckpt_t *ck, const char *kind, const char *name);
  * must be covered. Returns 0, CKPT_ENOENT (no such tensor), CKPT_ESHAPE (full shape differs),
  * CKPT_EINVAL (bad region) or CKPT_ECORRUPT (not covered). */
 int ckpt_read(ckpt_t *ck, const ckpt_chunk_t *region, float *out, char *err, size_t errlen);
+/* The whole tensor (kind, name), numel floats, as its full shape lays it out (row-major): for
+ * a reader that knows names and sizes, not the saving layout (`trainer sample`). Returns 0,
+ * CKPT_ENOENT (no such tensor), CKPT_ESHAPE (it has another number of elements) or
+ * CKPT_ECORRUPT (not covered). */
+int ckpt_read_tensor(ckpt_t *ck, const char *kind, const char *name, float *out, size_t numel, char *err,
+                     size_t errlen);
 /* The inverse of ckpt_chunks_add_range: fills the flat-layout range [offset, offset + count)
  * of this tp rank's local tensors (replicated ones included) from the checkpoint. */
 int ckpt_read_range(ckpt_t *ck, const char *kind, const model_tensor_t *tensors, int n_tensors, int tp_rank,

@@ -1,8 +1,8 @@
 /* export: the `trainer export` program. Writes any weights the trainer reads (our safetensors,
- * a llama2.c file, a Hugging Face folder; the format found from the content) as a llama2.c file
- * or a Hugging Face folder. The model is the file's own when no plan file is given (the --set
- * model keys checked against it), else the plan's, checked against the file (a mismatch names
- * the field, exit 2). To HF, the tokenizer goes along when one is known: data.tokenizer (or,
+ * a llama2.c file, a Hugging Face folder, a checkpoint's parameters; the format found from the
+ * content) as a llama2.c file or a Hugging Face folder. The model is the file's own when no
+ * plan file is given (the --set model keys checked against it), else the plan's, checked
+ * against the file (a mismatch names the field, exit 2). To HF, the tokenizer goes along when one is known: data.tokenizer (or,
  * without a plan file, the one in our file's metadata plan, or the source HF folder's) when it
  * is a tokenizer.json, copied as is beside the weights with a tokenizer_config.json naming its
  * BOS and EOS, so the folder is complete for `transformers`; a llama2.c tokenizer.bin is

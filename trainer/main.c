@@ -4,7 +4,7 @@
  *   trainer [PLAN.json] [--set key.path=value ...]                  train (no PLAN: embedded default)
  *   trainer sample [PLAN.json] --weights FILE [--set key.path=value ...]   print generated text
  *   trainer export --format llama2c|hf [PLAN.json] --weights FILE --out PATH  convert weights
- * (FILE: ours, llama2.c or Hugging Face; without PLAN the model is the file's)
+ * (FILE: ours, llama2.c, Hugging Face or a checkpoint; without PLAN the model is the file's)
  *
  * main() reads top to bottom like llm.c's train_gpt2.c: environment (RANK, WORLD_SIZE,
  * LOCAL_RANK, set by meshrun) -> plan -> device (trainer/device: backend, precision, comm
@@ -91,10 +91,11 @@ static const char *usage_text =
     "the plan as resolved for WORLD_SIZE (defaults filled in, mesh sizes, global batch, absolute\n"
     "input paths) as indented JSON and exits: 0 when every input file is there, else 2, nothing\n"
     "trained.\n"
-    "'sample' and 'export' take any weights: a training run's .safetensors, a llama2.c .bin or a\n"
-    "Hugging Face folder (config.json + model.safetensors), told apart by content. Without PLAN the\n"
-    "model's shape is the file's (--set model.* is checked against it); with PLAN, the plan's model\n"
-    "must be the file's (else exit 2). 'sample' prints sample.tokens tokens (sample.temperature,\n"
+    "'sample' and 'export' take any weights: a training run's .safetensors, a llama2.c .bin, a\n"
+    "Hugging Face folder (config.json + model.safetensors), or a checkpoint step folder (ck/step-200)\n"
+    "or directory (ck: its newest intact checkpoint) of any plan and world, told apart by content.\n"
+    "Without PLAN the model's shape is the file's (--set model.* is checked against it); with PLAN,\n"
+    "the plan's model must be the file's (else exit 2). 'sample' prints sample.tokens tokens (sample.temperature,\n"
     "sample.top_k, sample.top_p, sample.prompt; seed) decoded with a KV cache over the model's\n"
     "max_seq_len (then a sliding window); with data.tokenizer (or an HF folder's tokenizer.json) the\n"
     "prompt is encoded and text streamed, else bytes or ids. 'export' writes a llama2.c file or an\n"
@@ -120,8 +121,9 @@ static const char *sample_usage_text =
     "usage: trainer sample [PLAN.json] --weights FILE [--set key.path=value ...]\n"
     "\n"
     "Prints text (or token ids) drawn from a model. One process; no training.\n"
-    "  --weights FILE   a training run's .safetensors, a llama2.c .bin or a Hugging Face folder\n"
-    "                   (config.json + model.safetensors), told apart by content\n"
+    "  --weights FILE   a training run's .safetensors, a llama2.c .bin, a Hugging Face folder\n"
+    "                   (config.json + model.safetensors), or a checkpoint step folder (ck/step-200)\n"
+    "                   or directory (ck: its newest intact checkpoint), told apart by content\n"
     "  PLAN.json        optional: its model must be the file's (else exit 2); without it the\n"
     "                   model's shape is the file's and --set model.* is checked against it\n"
     "  --set sample.tokens=N        tokens to draw (a KV cache over model.max_seq_len, then a\n"
@@ -138,7 +140,8 @@ static const char *export_usage_text =
     "usage: trainer export --format llama2c|hf [PLAN.json] --weights FILE --out PATH [--set ...]\n"
     "\n"
     "Converts weights, on the host; no device, no training.\n"
-    "  --weights FILE   a training run's .safetensors, a llama2.c .bin or a Hugging Face folder\n"
+    "  --weights FILE   a training run's .safetensors, a llama2.c .bin, a Hugging Face folder, or a\n"
+    "                   checkpoint step folder (ck/step-200) or directory (ck: its newest intact one)\n"
     "  --format llama2c a llama2.c checkpoint file (version 0) at PATH\n"
     "  --format hf      a Hugging Face folder at PATH: config.json, generation_config.json,\n"
     "                   model.safetensors, and tokenizer.json + tokenizer_config.json when a\n"

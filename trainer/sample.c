@@ -301,7 +301,7 @@ int sample_run(const plan_t *p, backend_t *be, const char *path, int plan_file, 
   }
   if (rc == 0)
     log_info("sample: %s (%s): dim %d, %d layers, vocab %d, context %d (KV cache)%s%s", path,
-             interop_format_name(weights_format(f)), cfg.dim, cfg.n_layers, cfg.vocab_size, cfg.max_seq_len,
+             weights_format_name(f), cfg.dim, cfg.n_layers, cfg.vocab_size, cfg.max_seq_len,
              tok ? ", text through " : "", tok ? tokenizer_path : "");
   if (rc == 0) rc = build_model(&m, &params, &cfg, be, err, errlen);
   if (rc == 0) rc = weights_load_file(m, f, err, errlen);

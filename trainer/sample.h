@@ -2,10 +2,10 @@
  *
  * Two ways to run the model over a growing sequence, one way to draw and print:
  * - sample_run (`trainer sample`, one process) loads any weights (our safetensors, a llama2.c
- *   file, a Hugging Face folder: trainer/weights finds the format from the content, and the
- *   model's shape from the file when no plan file gives one) and decodes with a KV cache
- *   (model_kv_*): the prompt in one prefill, then one token at a time against the cached keys
- *   and values. The context is the model's max_seq_len. When the sequence fills it, the window
+ *   file, a Hugging Face folder, a checkpoint's parameters: trainer/weights finds the format
+ *   from the content, and the model's shape from the file when no plan file gives one) and
+ *   decodes with a KV cache (model_kv_*): the prompt in one prefill, then one token at a time
+ *   against the cached keys and values. The context is the model's max_seq_len. When the sequence fills it, the window
  *   slides: every further token re-runs the prefill over the last max_seq_len tokens (positions
  *   from 0 again, exactly what the full-forward path computes), so the text goes on at the cost
  *   of one full forward per token from there.

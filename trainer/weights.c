@@ -2,6 +2,7 @@
 #include "trainer/weights.h"
 
 #include <cJSON.h>
+#include <dirent.h>
 #include <errno.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -13,6 +14,7 @@
 #include "common/err.h"
 #include "common/fs.h"
 #include "common/log.h"
+#include "trainer/ckpt.h"
 #include "trainer/interop.h"
 #include "trainer/safetensors.h"
 
@@ -313,10 +315,11 @@ int weights_init(model_t *m, backend_t *be, dp_t *dp, const mesh_t *mesh, const 
 /* ------------------------------------------------------------------ any weights, read-only */
 
 struct weights_file {
-  interop_format_t fmt;
+  interop_format_t fmt; /* INTEROP_MESHRUN for ours and our checkpoints */
   char path[PLAN_PATH_MAX];
   interop_file_t *ix;  /* llama2.c, HF */
   st_file_t *st;       /* ours */
+  ckpt_t *ck;          /* a checkpoint: its "param" tensors */
   plan_model_t cfg;    /* the file's model */
   int has_cfg;         /* 0: our file without a plan in its metadata */
   plan_data_t data;    /* ours: the plan's data section */
@@ -381,6 +384,56 @@ static void hf_folder(const char *path, char *dir, size_t len) {
   else snprintf(dir, len, ".");
 }
 
+/* What a folder holds, by the names in it: a checkpoint step folder (metadata.json, or a shard
+ * without it: a damaged one), an HF folder (config.json), a checkpoint directory (latest, or a
+ * step-<N> folder), or none of these. */
+typedef enum { FOLDER_NONE, FOLDER_STEP, FOLDER_HF, FOLDER_CKPT } folder_kind_t;
+
+static int has_entry(const char *dir, const char *name, int want_dir) {
+  char p[PLAN_PATH_MAX + 64];
+  struct stat sb;
+  snprintf(p, sizeof p, "%s/%s", dir, name);
+  return stat(p, &sb) == 0 && (want_dir ? S_ISDIR(sb.st_mode) : S_ISREG(sb.st_mode));
+}
+
+static folder_kind_t folder_kind(const char *dir) {
+  if (has_entry(dir, "metadata.json", 0) || has_entry(dir, "shard-0.safetensors", 0)) return FOLDER_STEP;
+  if (has_entry(dir, "config.json", 0)) return FOLDER_HF;
+  if (has_entry(dir, "latest", 0)) return FOLDER_CKPT;
+  DIR *d = opendir(dir);
+  folder_kind_t kind = FOLDER_NONE;
+  for (struct dirent *e; d && kind == FOLDER_NONE && (e = readdir(d));) {
+    const char *n = e->d_name;
+    if (strncmp(n, "step-", 5) || !n[5] || strspn(n + 5, "0123456789") != strlen(n + 5)) continue;
+    if (has_entry(dir, n, 1)) kind = FOLDER_CKPT;
+  }
+  if (d) closedir(d);
+  return kind;
+}
+
+/* A checkpoint (trainer/ckpt), whatever world and plan saved it: a step folder as it is, or a
+ * checkpoint directory's newest intact checkpoint (as checkpoint.resume=auto picks it: latest,
+ * then older ones, the damaged skipped with a warning). Its plan gives the model and the data. */
+static int open_checkpoint(weights_file_t *f, int step_folder, char *err, size_t errlen) {
+  char msg[1024];
+  int rc = ckpt_open(&f->ck, f->path, step_folder ? f->path : "auto", NULL, NULL, msg, sizeof msg);
+  if (rc) {
+    /* "no intact checkpoint in D:" goes on with a line per checkpoint, each already a warning */
+    char *nl = strchr(msg, '\n');
+    if (nl) {
+      if (nl > msg && nl[-1] == ':') nl--;
+      snprintf(nl, sizeof msg - (size_t)(nl - msg), " (see the warnings above)");
+    }
+    return err_set(err, errlen, rc == CKPT_EIO || rc == CKPT_ENOMEM ? 1 : 2, "%s", msg);
+  }
+  const ckpt_meta_t *meta = ckpt_meta(f->ck);
+  if (!step_folder)
+    log_info("weights: %s: the newest intact checkpoint is %s (step %lld)", f->path, meta->path,
+             (long long)meta->state.step);
+  parse_plan_meta(f, meta->plan_json);
+  return 0;
+}
+
 int weights_open(weights_file_t **out, const char *path, char *err, size_t errlen) {
   *out = NULL;
   struct stat sb;
@@ -388,12 +441,19 @@ int weights_open(weights_file_t **out, const char *path, char *err, size_t errle
   if (strlen(path) >= PLAN_PATH_MAX) return err_set(err, errlen, 2, "weights error: path longer than %d bytes",
                                                     PLAN_PATH_MAX);
   if (stat(path, &sb) != 0) return err_set(err, errlen, 1, "weights error: %s: %s", path, strerror(errno));
+  const folder_kind_t kind = S_ISDIR(sb.st_mode) ? folder_kind(path) : FOLDER_NONE;
+  if (S_ISDIR(sb.st_mode) && kind == FOLDER_NONE)
+    return err_set(err, errlen, 2, "weights error: %s is neither a Hugging Face folder (config.json, "
+                   "model.safetensors) nor a checkpoint (a step-<N> folder with metadata.json, or the checkpoint "
+                   "directory that holds them)", path);
   weights_file_t *f = calloc(1, sizeof *f);
   if (!f) return err_set(err, errlen, 1, "weights error: %s: out of memory", path);
   snprintf(f->path, sizeof f->path, "%s", path);
-  f->fmt = interop_detect(path);
+  f->fmt = kind == FOLDER_STEP || kind == FOLDER_CKPT ? INTEROP_MESHRUN : interop_detect(path);
   int rc = 0;
-  if (f->fmt == INTEROP_MESHRUN) {
+  if (kind == FOLDER_STEP || kind == FOLDER_CKPT) {
+    rc = open_checkpoint(f, kind == FOLDER_STEP, err, errlen);
+  } else if (f->fmt == INTEROP_MESHRUN) {
     char sterr[512];
     int st = st_open(&f->st, path, sterr, sizeof sterr);
     if (st) rc = err_set(err, errlen, st == ST_EIO || st == ST_ENOMEM ? 1 : 2, "weights error: %s", sterr);
@@ -433,16 +493,20 @@ void weights_close(weights_file_t *f) {
   if (!f) return;
   interop_close(f->ix);
   st_close(f->st);
+  ckpt_close(f->ck);
   free(f);
 }
 
-interop_format_t weights_format(const weights_file_t *f) { return f->fmt; }
+const char *weights_format_name(const weights_file_t *f) {
+  return f->ck ? "checkpoint" : interop_format_name(f->fmt);
+}
 const plan_model_t *weights_model(const weights_file_t *f) { return f->has_cfg ? &f->cfg : NULL; }
 const plan_data_t *weights_data(const weights_file_t *f) { return f->has_data ? &f->data : NULL; }
 const char *weights_tokenizer(const weights_file_t *f) { return f->tokenizer[0] ? f->tokenizer : NULL; }
 
 int weights_read(weights_file_t *f, const char *name, float *dst, size_t numel, char *err, size_t errlen) {
   if (f->ix) return interop_read_tensor(f->ix, name, dst, numel, err, errlen) ? 2 : 0;
+  if (f->ck) return ckpt_read_tensor(f->ck, "param", name, dst, numel, err, errlen) ? 2 : 0;
   const st_tensor_t *s = st_find(f->st, name);
   if (!s) return err_set(err, errlen, 2, "weights error: %s: no tensor %s (is it from a model of this plan?)", f->path,
                          name);
@@ -497,8 +561,9 @@ int weights_load_file(model_t *m, weights_file_t *f, char *err, size_t errlen) {
   return rc;
 }
 
-/* Export source: our file's tensors in place; the other formats' copied out (interop_read_tensor
- * un-permutes HF's wq/wk), each kept until the export ends, since the writer holds several. */
+/* Export source: our file's tensors in place; the other formats' and a checkpoint's copied out
+ * (interop_read_tensor un-permutes HF's wq/wk; a checkpoint's are assembled from chunks), each
+ * kept until the export ends, since the writer holds several. */
 typedef struct {
   weights_file_t *f;
   float **copies;
@@ -519,7 +584,7 @@ static const float *get_from_file(void *ctx, const char *name, size_t numel) {
     s->cap = cap;
   }
   float *p = malloc((numel ? numel : 1) * sizeof(float));
-  if (!p || interop_read_tensor(s->f->ix, name, p, numel, NULL, 0)) {
+  if (!p || weights_read(s->f, name, p, numel, NULL, 0)) {
     free(p);
     return NULL;
   }
@@ -538,7 +603,7 @@ int weights_export(weights_file_t *f, const plan_model_t *cfg, const char *forma
   int rc = interop_export(cfg, get_from_file, &src, fmt, bos_id, eos_id, out, err, errlen);
   for (int i = 0; i < src.n; i++) free(src.copies[i]);
   free(src.copies);
-  if (rc == 0) log_info("exported %s (%s) to %s (%s)", f->path, interop_format_name(f->fmt), out,
+  if (rc == 0) log_info("exported %s (%s) to %s (%s)", f->path, weights_format_name(f), out,
                         interop_format_name(fmt));
   return rc == 0 ? 0 : rc == INTEROP_EMISMATCH || rc == INTEROP_EINVAL || rc == INTEROP_ECORRUPT ? 2 : 1;
 }

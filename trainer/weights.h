@@ -2,9 +2,11 @@
  * initial and final weights, `trainer sample` (load), `trainer export` (any of the formats to
  * llama2.c or Hugging Face), and the oracle test's --dump-init (save).
  *
- * `trainer sample` and `trainer export` read any of the three formats through one reader
- * (weights_open), the format found from the content, and the model's shape from the file
- * itself when no plan file says it (weights_resolve_model).
+ * `trainer sample` and `trainer export` read any of the three formats, and the "param" tensors
+ * of a distributed checkpoint (trainer/ckpt: a step folder, or a checkpoint directory's newest
+ * intact one) whatever world and plan saved it, through one reader (weights_open), the format
+ * found from the content, and the model's shape from the file itself (a checkpoint's: the plan
+ * in its metadata) when no plan file says it (weights_resolve_model).
  *
  * Our files are safetensors of full (unsplit) fp32 tensors with the model's names, metadata
  * {"format": "meshrun", "plan": <resolved plan JSON>, "step": N}. Under a mesh, saving gathers
@@ -12,8 +14,8 @@
  * writes; loading has every rank read the file and keep its part. llama2.c files and Hugging
  * Face directories are read and written through trainer/interop.
  *
- * Not here: sharded checkpoints with optimizer state (trainer/ckpt), and the choice of when
- * weights are saved (main.c). */
+ * Not here: saving and resuming checkpoints, optimizer state (trainer/checkpoint, trainer/ckpt),
+ * and the choice of when weights are saved (main.c). */
 #ifndef MESHRUN_WEIGHTS_H
 #define MESHRUN_WEIGHTS_H
 
@@ -49,17 +51,21 @@ typedef struct weights_file weights_file_t;
 
 /* Opens path, its format found from what is there (interop_detect): our safetensors (the model
  * from the plan in its metadata), a llama2.c version 0 file, or a Hugging Face folder (or its
- * config.json or model.safetensors). Returns 0, 1 (cannot be read: missing, I/O, memory) or 2
- * (none of these formats, or a corrupt file), with one line "weights error: PATH: ..." or
- * interop's in err. */
+ * config.json or model.safetensors). A folder with metadata.json (or shard files) is a
+ * checkpoint step folder, one with config.json an HF folder, one with `latest` or step-<N>
+ * folders a checkpoint directory: its newest intact checkpoint is read, named in a log line.
+ * Returns 0, 1 (cannot be read: missing, I/O, memory) or 2 (none of these formats, a folder of
+ * none of these kinds, a corrupt file or checkpoint), with one line "weights error: PATH: ...",
+ * interop's or the checkpoint loader's in err. */
 int weights_open(weights_file_t **out, const char *path, char *err, size_t errlen);
 void weights_close(weights_file_t *f); /* accepts NULL */
-interop_format_t weights_format(const weights_file_t *f);
+/* "meshrun", "llama2c", "hf" (interop_format_name) or "checkpoint". */
+const char *weights_format_name(const weights_file_t *f);
 /* The model the file holds (hidden_dim explicit, max_seq_len: our plan's, llama2.c's seq_len,
  * HF's max_position_embeddings), or NULL for our file without a plan in its metadata. */
 const plan_model_t *weights_model(const weights_file_t *f);
-/* Our file: the plan's data section from its metadata (format, train, tokenizer), which tells
- * how its samples print; NULL for other formats and without metadata. */
+/* Our file or checkpoint: the plan's data section from its metadata (format, train,
+ * tokenizer), which tells how its samples print; NULL for other formats and without metadata. */
 const plan_data_t *weights_data(const weights_file_t *f);
 /* An HF folder's tokenizer.json when there is one, else NULL. */
 const char *weights_tokenizer(const weights_file_t *f);

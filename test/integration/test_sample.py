@@ -20,6 +20,14 @@
   exported again without a tokenizer, the folder's old tokenizer files are removed (a warning each).
   Where transformers is installed its AutoTokenizer and LlamaForCausalLM load the folder too
   (test_hf_transformers checks such folders in transformers in full).
+- Checkpoint step folders: the shared tiny Llama trained 4 steps on 2 ranks under meshrun (fsdp2
+  and tp2), checkpoints every 2 steps. `sample --weights ck/step-4` at temperature 0 prints exactly
+  what final.safetensors of the same run prints (the same weights), as does `--weights ck` (its
+  newest intact checkpoint, named in one log line) and the training plan given; `export` of the step
+  folder and of the directory gives HF tensors byte-identical to final.safetensors' export (and the
+  same config.json and llama2.c file), step-2's differs. Errors, exit 2 and one line: a folder of
+  neither kind (what was expected), a shard with a flipped bit (the loader's checksum message;
+  `--weights ck` falls back to step-2), no intact checkpoint left, a plan or --set of another shape.
 - Bad inputs: a missing file, a file of no known format, a truncated safetensors, an HF folder
   without weights, a plan of another shape, --set model.* against the file, a tokenizer larger than
   the vocabulary, a missing tokenizer, an unknown export format, an unwritable output: each a
@@ -38,6 +46,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import llama_ref  # noqa: E402
+from conftest import FAST_CONF, Meshrun  # noqa: E402
+from conftest import tiny_plan as shared_tiny_plan  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -395,3 +405,132 @@ def test_bad_inputs(tmp_path):
     (tmp_path / "file").write_text("x")
     bad(run(["export", "--format", "llama2c", "--weights", STORIES, "--out", tmp_path / "file" / "m.bin"], tmp_path),
         1, "m.bin")
+
+
+# --------------------------------------------------------------------- checkpoint step folders
+
+CK_STEPS = 4  # the run's last step: its final checkpoint and final.safetensors hold the same weights
+CK_LAYOUTS = {"fsdp2": (2, {"dp_shard": 2, "tp": 1}), "tp2": (2, {"dp_shard": 1, "tp": 2})}
+
+
+@pytest.fixture(scope="module")
+def ck_run(tmp_path_factory):
+    """ck_run(name) -> the directory of a CK_STEPS-step run of the shared tiny Llama on 2 ranks
+    (fsdp2 or tp2) under meshrun, checkpoints every 2 steps, all kept: ck/step-2, ck/step-4 and
+    ck/final.safetensors (each run once per module)."""
+    runs = {}
+
+    def get(name):
+        if name not in runs:
+            nproc, mesh = CK_LAYOUTS[name]
+            d = tmp_path_factory.mktemp("ck_" + name)
+            plan = shared_tiny_plan(mesh=dict({"dp_replicate": 1}, **mesh), eval={"interval": 0})
+            plan["train"]["steps"] = CK_STEPS
+            plan["checkpoint"] = {"dir": str(d / "ck"), "interval": 2, "keep": 0}
+            (d / "plan.json").write_text(json.dumps(plan))
+            m = Meshrun([f"--nproc_per_node={nproc}", "--rdzv_conf=" + FAST_CONF, TRAINER, str(d / "plan.json")],
+                        env={"OMP_NUM_THREADS": "1"}, cwd=str(d))
+            assert m.wait(120) == 0, m.describe()
+            assert sorted(os.listdir(d / "ck")) == ["final.safetensors", "latest", "step-2", "step-4"]
+            runs[name] = d
+        return runs[name]
+
+    return get
+
+
+CK_GREEDY = ["--set", "sample.temperature=0", "--set", "sample.tokens=40"]
+ONE_PROCESS = ["--set", "mesh.dp_shard=1", "--set", "mesh.tp=1"]  # the training plan's mesh, for one process
+
+
+@pytest.mark.parametrize("name", sorted(CK_LAYOUTS))
+def test_checkpoint_step_samples_like_final(ck_run, tmp_path, name):
+    d = ck_run(name)
+    final = run(["sample", "--weights", d / "ck" / "final.safetensors"] + CK_GREEDY, tmp_path)
+    assert final.returncode == 0, final.stderr
+    step = run(["sample", "--weights", d / "ck" / f"step-{CK_STEPS}"] + CK_GREEDY, tmp_path)
+    print(f"{name}: final.safetensors: {final.stdout.strip()}")
+    print(f"{name}: step-{CK_STEPS}:          {step.stdout.strip()}")
+    assert step.returncode == 0, step.stderr
+    assert step.stdout == final.stdout and "|" in final.stdout
+    # the checkpoint directory: its newest intact checkpoint, named in the log
+    auto = run(["sample", "--weights", d / "ck"] + CK_GREEDY, tmp_path)
+    assert auto.returncode == 0, auto.stderr
+    assert auto.stdout == final.stdout
+    picked = [ln for ln in auto.stderr.splitlines() if "newest intact checkpoint" in ln]
+    print(f"{name}: {picked}")
+    assert len(picked) == 1 and f"step-{CK_STEPS}" in picked[0], auto.stderr
+    # with the plan the run was trained with: checked against the checkpoint, the same text
+    planned = run(["sample", d / "plan.json", "--weights", d / "ck" / f"step-{CK_STEPS}"] + ONE_PROCESS + CK_GREEDY,
+                  tmp_path)
+    assert planned.returncode == 0, planned.stderr
+    assert planned.stdout == final.stdout
+
+
+@pytest.mark.parametrize("name", sorted(CK_LAYOUTS))
+def test_checkpoint_step_exports_like_final(ck_run, tmp_path, name):
+    d = ck_run(name)
+    outs = {}
+    for label, weights in [("final", d / "ck" / "final.safetensors"), ("step", d / "ck" / f"step-{CK_STEPS}"),
+                           ("dir", d / "ck"), ("early", d / "ck" / "step-2")]:
+        for fmt, out in [("hf", tmp_path / f"{label}_hf"), ("llama2c", tmp_path / f"{label}.bin")]:
+            r = run(["export", "--format", fmt, "--weights", weights, "--out", out], tmp_path)
+            assert r.returncode == 0, r.stderr
+        outs[label] = llama_ref.load_safetensors(tmp_path / f"{label}_hf" / "model.safetensors")[0]
+    ref = outs["final"]
+    for label in ("step", "dir"):
+        got = outs[label]
+        same = [k for k in ref if k in got and ref[k].dtype == got[k].dtype and ref[k].shape == got[k].shape
+                and ref[k].tobytes() == got[k].tobytes()]
+        print(f"{name}: HF export of {label} vs final.safetensors: {len(same)} of {len(ref)} tensors byte-identical "
+              f"(tolerance: identical)")
+        assert sorted(got) == sorted(ref) and len(same) == len(ref)
+        assert (tmp_path / f"{label}_hf" / "config.json").read_bytes() == (tmp_path / "final_hf" /
+                                                                           "config.json").read_bytes()
+        assert (tmp_path / f"{label}.bin").read_bytes() == (tmp_path / "final.bin").read_bytes()
+    # step-2 is another model: what the step folder names is what is read
+    early = outs["early"]
+    assert any(early[k].tobytes() != ref[k].tobytes() for k in ref)
+
+
+def test_checkpoint_weights_errors(ck_run, tmp_path):
+    d = ck_run("fsdp2")
+    # a folder that is neither an HF folder nor a checkpoint
+    (tmp_path / "empty").mkdir()
+    for cmd in (["sample"], ["export", "--format", "hf", "--out", tmp_path / "o"]):
+        bad(run(cmd + ["--weights", tmp_path / "empty"], tmp_path), 2, "empty",
+            "neither a Hugging Face folder", "nor a checkpoint")
+    assert not (tmp_path / "o").exists()
+    # damaged: one shard of step-4 with a flipped bit; the step folder is refused with the loader's
+    # message, the checkpoint directory falls back to step-2 (a warning, then the pick)
+    ck = tmp_path / "ck"
+    shutil.copytree(d / "ck", ck)
+    shard = ck / f"step-{CK_STEPS}" / "shard-1.safetensors"
+    with open(shard, "r+b") as f:
+        f.seek(os.path.getsize(shard) - 5)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
+    for cmd in (["sample"], ["export", "--format", "hf", "--out", tmp_path / "o"]):
+        bad(run(cmd + ["--weights", ck / f"step-{CK_STEPS}"], tmp_path), 2, "checkpoint error",
+            "shard-1.safetensors", "checksum mismatch")
+    back = run(["sample", "--weights", ck] + CK_GREEDY, tmp_path)
+    assert back.returncode == 0, back.stderr
+    picked = [ln for ln in back.stderr.splitlines() if "newest intact checkpoint" in ln]
+    print(f"step-{CK_STEPS} damaged: {picked}")
+    assert len(picked) == 1 and "step-2" in picked[0], back.stderr
+    # every checkpoint damaged: one line, the loader's (the files were named in its warnings)
+    (ck / "step-2" / "metadata.json").write_text("{}")
+    r = run(["sample", "--weights", ck], tmp_path)
+    bad(r, 2, "checkpoint error", "no intact checkpoint in")
+    assert "step-2/metadata.json" in r.stderr and "shard-1.safetensors" in r.stderr
+    # the model: a plan of another shape, --set model.* against the checkpoint's
+    plan = json.loads((d / "plan.json").read_text())
+    plan["model"]["n_layers"] = 3
+    (tmp_path / "p3.json").write_text(json.dumps(plan))
+    step = d / "ck" / f"step-{CK_STEPS}"
+    bad(run(["sample", tmp_path / "p3.json", "--weights", step] + ONE_PROCESS, tmp_path), 2,
+        "n_layers 2 but the plan says 3 (set model.n_layers=2)")
+    bad(run(["export", "--format", "hf", tmp_path / "p3.json", "--weights", step, "--out", tmp_path / "o"]
+            + ONE_PROCESS, tmp_path), 2, "n_layers 2 but the plan says 3")
+    bad(run(["sample", "--weights", d / "ck", "--set", "model.dim=128"], tmp_path), 2, "dim 64 but the plan says 128")
+    assert not (tmp_path / "o").exists()

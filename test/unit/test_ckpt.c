@@ -487,6 +487,34 @@ static void test_random_regions(void **state) {
   ckpt_close(ck);
 }
 
+/* Whole tensors by name and size (what `trainer sample` reads), saved as fsdp3 x tp2 chunks:
+ * every tensor equal to the value function, bit for bit; a wrong size or name refused. */
+static void test_read_whole_tensors(void **state) {
+  assert_int_equal(save((save_t){.S = 3, .T = 2, .steps = {7}, .n_steps = 1}), 0);
+  ckpt_t *ck = open_auto("auto", 7);
+  char err[512];
+  float *out = malloc(V * H * sizeof *out);
+  for (int i = 0; i < NT; i++) {
+    const spec_t *s = &SPECS[i];
+    int rc = ckpt_read_tensor(ck, "param", s->name, out, (size_t)s->rows * (size_t)s->cols, err, sizeof err);
+    if (rc) printf("%s\n", err);
+    assert_int_equal(rc, 0);
+    int differ = 0;
+    for (int64_t f = 0; f < (int64_t)s->rows * s->cols; f++) {
+      float want = value("param", s->name, 7, f / s->cols, f % s->cols);
+      differ += memcmp(&out[f], &want, sizeof want) != 0;
+    }
+    if (differ) printf("%s: %d of %d elements differ (want 0)\n", s->name, differ, s->rows * s->cols);
+    assert_int_equal(differ, 0);
+  }
+  assert_int_equal(ckpt_read_tensor(ck, "param", "output.weight", out, V * C - 1, err, sizeof err), CKPT_ESHAPE);
+  assert_non_null(strstr(err, "output.weight"));
+  assert_int_equal(ckpt_read_tensor(ck, "param", "nope.weight", out, 4, err, sizeof err), CKPT_ENOENT);
+  assert_int_equal(ckpt_read_tensor(ck, "adam_v", "output.weight", out, V * C, err, sizeof err), CKPT_ENOENT);
+  free(out);
+  ckpt_close(ck);
+}
+
 /* Verification and selection run collectively: 3 ranks open, each checks its own layout. */
 typedef struct {
   int64_t want;
@@ -921,6 +949,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_serial_save, setup, teardown),
       cmocka_unit_test_setup_teardown(test_replicas_deduplicated, setup, teardown),
       cmocka_unit_test_setup_teardown(test_random_regions, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_read_whole_tensors, setup, teardown),
       cmocka_unit_test_setup_teardown(test_truncated_shard_falls_back, setup, teardown),
       cmocka_unit_test_setup_teardown(test_flipped_byte_falls_back, setup, teardown),
       cmocka_unit_test_setup_teardown(test_wrong_shape_refused, setup, teardown),
