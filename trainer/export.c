@@ -47,7 +47,7 @@ static void add_token(cJSON *o, const char *key, const tokenizer_t *t, int id) {
 /* The tokenizer that goes with an HF export: loaded and checked before anything is written. */
 typedef struct {
   tokenizer_t *t;
-  char *json; /* tokenizer.json's bytes (a tokenizer.bin's converted); NULL when there is none */
+  char *json; /* tokenizer.json's bytes (a tokenizer.bin's converted, or BOS put first); NULL when none */
   size_t len;
   int converted; /* json is llama2.c's tokenizer.bin converted */
 } export_tok_t;
@@ -72,11 +72,26 @@ static int tok_open(export_tok_t *x, const char *path, const plan_model_t *cfg, 
       return err_set(err, errlen, 1, "export error: %s", why);
     if (!x->json) log_warn("export: %s: %s; the HF folder gets no tokenizer", path, why);
     x->converted = x->json != NULL;
+    return 0; /* the converted JSON puts <s> first */
+  }
+  /* trainer sample puts BOS before a prompt; transformers' tokenizer(text) must too */
+  char *bos_first = NULL;
+  size_t n = 0;
+  r = tokenizer_json_bos_first(x->t, x->json, x->len, &bos_first, &n, why, sizeof why);
+  if (r < 0) return err_set(err, errlen, 1, "export error: %s: %s", json_path, why);
+  if (r == 1) {
+    free(x->json);
+    x->json = bos_first;
+    x->len = n;
+    log_info("export: %s: the exported tokenizer.json gets a post-processor that puts BOS (id %d) first, as trainer "
+             "sample does",
+             json_path, tokenizer_bos(x->t));
+    if (why[0]) log_warn("export: %s: %s (trainer sample adds no token but BOS)", json_path, why);
   }
   return 0;
 }
 
-/* tokenizer.json byte for byte, and a tokenizer_config.json naming BOS and EOS, into out. */
+/* tokenizer.json, and a tokenizer_config.json naming BOS, EOS and the model's inputs, into out. */
 static int tok_write(const export_tok_t *x, const plan_model_t *cfg, const char *out, char *err, size_t errlen) {
   if (!x->json) return 0;
   int rc = write_beside(out, "tokenizer.json", x->json, x->len, err, errlen);
@@ -107,6 +122,9 @@ static int tok_write(const export_tok_t *x, const plan_model_t *cfg, const char 
     const char *unk = x->converted ? tokenizer_token_bytes(names, 0, -1, &ul) : NULL;
     if (unk && ul == 5 && memcmp(unk, "<unk>", 5) == 0) cJSON_AddStringToObject(o, "unk_token", "<unk>");
     cJSON_AddNumberToObject(o, "model_max_length", cfg->max_seq_len);
+    /* what a Llama takes: without it tokenizer(text) adds token_type_ids, which generate refuses */
+    cJSON_AddItemToObject(o, "model_input_names",
+                          cJSON_CreateStringArray((const char *const[]){"input_ids", "attention_mask"}, 2));
     cJSON_AddFalseToObject(o, "clean_up_tokenization_spaces");
     text = cJSON_Print(o);
     cJSON_Delete(o);

@@ -4,8 +4,10 @@
  * plan file is given (the --set model keys checked against it), else the plan's, checked
  * against the file (a mismatch names the field, exit 2). To HF, the tokenizer goes along when one is known: data.tokenizer (or,
  * without a plan file, the one in our file's metadata plan, or the source HF folder's) when it
- * is a tokenizer.json, copied as is beside the weights with a tokenizer_config.json naming its
- * BOS and EOS, so the folder is complete for `transformers`; a llama2.c tokenizer.bin is
+ * is a tokenizer.json, copied beside the weights (its post-processor made to put BOS first,
+ * as trainer sample does with a prompt: tokenizer_json_bos_first) with a tokenizer_config.json
+ * naming its BOS and EOS and the model's inputs (input_ids, attention_mask: no token_type_ids),
+ * so the folder is complete for `transformers`; a llama2.c tokenizer.bin is
  * converted to a sentencepiece-style tokenizer.json (tokenizer_llama2c_json: the same ids), read
  * back, and written the same way; one that cannot be converted (byte tokens not at 3..258) is
  * left out with a warning naming why. Without a tokenizer, the tokenizer files an earlier export

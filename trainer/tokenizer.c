@@ -1717,12 +1717,12 @@ static cJSON *json_replace(const char *from, const char *to) {
   return o;
 }
 
-/* What Llama's tokenizer.json files do with a text: <s> first (single), and <s> before each of
- * a pair; tokenizer_load ignores it, transformers applies it. */
-static void l2_post_processor(cJSON *root) {
-  cJSON *pp = cJSON_AddObjectToObject(root, "post_processor");
+/* What Llama's tokenizer.json files do with a text: BOS (name, id) first (single), and before
+ * each of a pair; tokenizer_load ignores it, transformers applies it. */
+static cJSON *bos_template(const char *name, int id) {
+  cJSON *pp = cJSON_CreateObject();
   cJSON_AddStringToObject(pp, "type", "TemplateProcessing");
-  const char *const parts[2][4] = {{"<s>", "A", NULL, NULL}, {"<s>", "A", "<s>", "B"}};
+  const char *const parts[2][4] = {{name, "A", NULL, NULL}, {name, "A", name, "B"}};
   for (int w = 0; w < 2; w++) {
     cJSON *list = cJSON_AddArrayToObject(pp, w ? "pair" : "single");
     for (int i = 0; i < 4 && parts[w][i]; i++) {
@@ -1731,10 +1731,94 @@ static void l2_post_processor(cJSON *root) {
     }
   }
   cJSON *sp = cJSON_AddObjectToObject(pp, "special_tokens");
-  cJSON *bos = cJSON_AddObjectToObject(sp, "<s>");
-  cJSON_AddStringToObject(bos, "id", "<s>");
-  cJSON_AddItemToObject(bos, "ids", cJSON_CreateIntArray((const int[]){1}, 1));
-  cJSON_AddItemToObject(bos, "tokens", cJSON_CreateStringArray((const char *const[]){"<s>"}, 1));
+  cJSON *bos = cJSON_AddObjectToObject(sp, name);
+  cJSON_AddStringToObject(bos, "id", name);
+  cJSON_AddItemToObject(bos, "ids", cJSON_CreateIntArray((const int[]){id}, 1));
+  cJSON_AddItemToObject(bos, "tokens", cJSON_CreateStringArray((const char *const[]){name}, 1));
+  return pp;
+}
+
+/* root printed, a newline after it: *json malloc'd (*len bytes, NUL after). */
+static int json_text(const cJSON *root, char **json, size_t *len) {
+  char *text = cJSON_Print(root);
+  size_t n = text ? strlen(text) : 0;
+  *json = text ? malloc(n + 2) : NULL;
+  if (*json) {
+    memcpy(*json, text, n);
+    (*json)[n] = '\n';
+    (*json)[n + 1] = '\0';
+    if (len) *len = n + 1;
+  }
+  cJSON_free(text);
+  return *json ? 0 : TOKENIZER_ENOMEM;
+}
+
+/* Whether a post-processor is a template whose single is exactly BOS (id bos), then the text. */
+static int is_bos_template(const cJSON *pp, int32_t bos) {
+  const cJSON *single = cJSON_GetObjectItemCaseSensitive(pp, "single");
+  if (cJSON_GetArraySize(single) != 2) return 0;
+  const cJSON *name = cJSON_GetObjectItemCaseSensitive(
+      cJSON_GetObjectItemCaseSensitive(cJSON_GetArrayItem(single, 0), "SpecialToken"), "id");
+  const cJSON *text = cJSON_GetObjectItemCaseSensitive(
+      cJSON_GetObjectItemCaseSensitive(cJSON_GetArrayItem(single, 1), "Sequence"), "id");
+  if (!cJSON_IsString(name) || !cJSON_IsString(text) || strcmp(text->valuestring, "A") != 0) return 0;
+  const cJSON *ids = cJSON_GetObjectItemCaseSensitive(
+      cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(pp, "special_tokens"), name->valuestring),
+      "ids");
+  return cJSON_GetArraySize(ids) == 1 && cJSON_IsNumber(ids->child) && ids->child->valuedouble == bos;
+}
+
+int tokenizer_json_bos_first(const tokenizer_t *t, const char *json, size_t len, char **out, size_t *outlen,
+                             char *note, size_t notelen) {
+  if (!t || !json || !out) return err_set(note, notelen, TOKENIZER_EINVAL, "tokenizer: invalid arguments");
+  *out = NULL;
+  if (note && notelen) note[0] = '\0';
+  if (t->bos < 0) return 0;
+  cJSON *root = cJSON_ParseWithLength(json, len);
+  if (!cJSON_IsObject(root)) {
+    cJSON_Delete(root);
+    return err_set(note, notelen, TOKENIZER_EFORMAT, "tokenizer: tokenizer.json is not a JSON object");
+  }
+  /* The post-processor's steps: ByteLevel ones only trim offsets and are kept; a template of BOS
+   * then the text is what is wanted; any other step adds tokens that trainer sample does not. */
+  cJSON *pp = cJSON_GetObjectItemCaseSensitive(root, "post_processor");
+  const char *type = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(pp, "type"));
+  const cJSON *steps =
+      type && strcmp(type, "Sequence") == 0 ? cJSON_GetObjectItemCaseSensitive(pp, "processors") : NULL;
+  cJSON *keep = cJSON_CreateArray();
+  int bos_first = 0;
+  char other[64] = "";
+  for (const cJSON *s = steps ? steps->child : cJSON_IsObject(pp) ? pp : NULL; s; s = steps ? s->next : NULL) {
+    const char *k = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(s, "type"));
+    if (k && strcmp(k, "ByteLevel") == 0) cJSON_AddItemToArray(keep, cJSON_Duplicate(s, 1));
+    else if (k && strcmp(k, "TemplateProcessing") == 0 && !bos_first && is_bos_template(s, t->bos)) bos_first = 1;
+    else if (!other[0]) snprintf(other, sizeof other, "%s", k ? k : "a step with no type");
+  }
+  int rc = 1;
+  if (bos_first && !other[0]) {
+    rc = 0;
+  } else {
+    size_t nl = 0;
+    const char *b = tokenizer_token_bytes(t, t->bos, -1, &nl);
+    char *name = strndup(b, nl);
+    cJSON *bos = name ? bos_template(name, t->bos) : NULL;
+    free(name);
+    if (bos && cJSON_GetArraySize(keep) > 0) { /* ByteLevel's offsets, then BOS */
+      cJSON_AddItemToArray(keep, bos);
+      bos = json_pair("type", cJSON_CreateString("Sequence"), "processors", keep);
+      keep = NULL;
+    }
+    int put = bos && (pp ? cJSON_ReplaceItemInObjectCaseSensitive(root, "post_processor", bos)
+                         : cJSON_AddItemToObject(root, "post_processor", bos));
+    if (!put) cJSON_Delete(bos);
+    if (!put || json_text(root, out, outlen))
+      rc = err_set(note, notelen, TOKENIZER_ENOMEM, "tokenizer: out of memory rewriting tokenizer.json");
+    else if (other[0])
+      err_set(note, notelen, 0, "its post-processor's %s step is dropped", other);
+  }
+  cJSON_Delete(keep);
+  cJSON_Delete(root);
+  return rc;
 }
 
 /* The parts of the document that do not depend on the vocab: normalizer, post-processor, decoder. */
@@ -1751,7 +1835,7 @@ static void l2_fixed_parts(cJSON *root, int dummy_prefix) {
   }
   cJSON_AddItemToObject(root, "normalizer", norm);
   cJSON_AddNullToObject(root, "pre_tokenizer");
-  l2_post_processor(root);
+  cJSON_AddItemToObject(root, "post_processor", bos_template("<s>", 1));
   cJSON *dec = cJSON_AddObjectToObject(root, "decoder");
   cJSON_AddStringToObject(dec, "type", "Sequence");
   cJSON *list = cJSON_AddArrayToObject(dec, "decoders");
@@ -1864,18 +1948,7 @@ int tokenizer_llama2c_json(const tokenizer_t *t, char **json, size_t *len, char 
     const char *pair[2] = {names.b + off[m[i].a], names.b + off[m[i].b]};
     cJSON_AddItemToArray(merges, cJSON_CreateStringArray(pair, 2));
   }
-  char *text = cJSON_Print(root);
-  if (!text) goto oom;
-  size_t n = strlen(text);
-  if (!(*json = malloc(n + 2))) {
-    cJSON_free(text);
-    goto oom;
-  }
-  memcpy(*json, text, n);
-  (*json)[n] = '\n';
-  (*json)[n + 1] = '\0';
-  if (len) *len = n + 1;
-  cJSON_free(text);
+  if (json_text(root, json, len)) goto oom;
   goto done;
 oom:
   rc = err_set(err, errlen, TOKENIZER_ENOMEM, "tokenizer: out of memory writing tokenizer.json");

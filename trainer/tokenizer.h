@@ -103,4 +103,14 @@ int tokenizer_decode(const tokenizer_t *t, const int32_t *ids, size_t n, char **
  * piece is not valid UTF-8, or two pieces read the same. */
 int tokenizer_llama2c_json(const tokenizer_t *t, char **json, size_t *len, char *err, size_t errlen);
 
+/* A tokenizer.json (json[0..len), the file t was loaded from) whose post-processor puts t's BOS
+ * first, as trainer sample puts it before a prompt's ids, so that the library, encoding with its
+ * special tokens (transformers' tokenizer(text)), gives the ids sample feeds. Returns 0 when json
+ * does already (a template of BOS then the text, alone or beside ByteLevel steps) or t has no BOS,
+ * *out NULL; 1 with *out malloc'd (*outlen bytes, NUL after): json with a post-processor of its
+ * ByteLevel steps and that template, any other step dropped and named in note ("" when none); or
+ * a negative code with the message in note. */
+int tokenizer_json_bos_first(const tokenizer_t *t, const char *json, size_t len, char **out, size_t *outlen,
+                             char *note, size_t notelen);
+
 #endif

@@ -14,6 +14,10 @@ shards of three short documents so that it learns to end them with <|endoftext|>
   (build/tools/tokenize; for the converted one, on the .bin too) and as `tokenizers`, decodes them
   back to the text, and names the BOS and EOS ids that config.json and generation_config.json
   record.
+- AutoTokenizer's tok(text), as users call it, gives input_ids and attention_mask only (no
+  token_type_ids, which generate refuses) and puts BOS first, as `trainer sample` does with a
+  prompt (also through GPT-2's ByteLevel post_processor); README.md's transformers example, run as
+  written, prints what its `trainer sample` line prints.
 - generate, greedy: stories260K from BOS gives the ids `trainer sample` gives at temperature 0;
   the trained model from a text prompt gives the ids `trainer sample` draws and stops at EOS where
   `trainer sample` stops, the same text; through the converted tokenizer.json, `trainer sample`
@@ -28,6 +32,8 @@ What not: bf16 or sharded folders, transformers' training, Unigram tokenizers.
 """
 import json
 import os
+import re
+import subprocess
 import sys
 
 import numpy as np
@@ -37,7 +43,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import llama_ref  # noqa: E402
 from test_interop import tool as interop_tool  # noqa: E402
-from test_sample import STORIES, need_stories, run, sample_ids  # noqa: E402
+from test_sample import STORIES, TRAINER, need_stories, run, sample_ids  # noqa: E402
 from test_tokenizer import HARD, PREPARE, PYTHON, TOOL, c_decode, corpus_path  # noqa: E402
 from test_tokenizer import run as run_checked  # noqa: E402
 from test_sentencepiece import train_spm, write_llama2c  # noqa: E402
@@ -51,6 +57,7 @@ DOCS = ["To be, or not to be: that is the question.",
         "All the world's a stage, and all the men and women merely players.",
         "Now is the winter of our discontent."]
 PROMPT = "All the"
+README = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "README.md")
 
 
 def export(weights, out, cwd, *sets):
@@ -110,12 +117,18 @@ def trained(tmp_path_factory):
     weights = d / "ck" / "final.safetensors"
     export(weights, d / "hf", d)  # the tokenizer from the weights' metadata plan
     export(weights, d / "hf_llama3", d, "--set", f"data.tokenizer={d / 'llama3' / 'tokenizer.json'}")
+    # the same tokenizer with GPT-2's post_processor (ByteLevel), which export keeps beside BOS
+    gpt2 = json.loads((d / "gpt2" / "tokenizer.json").read_text())
+    gpt2["post_processor"] = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    (d / "bytelevel.json").write_text(json.dumps(gpt2, ensure_ascii=False))
+    export(weights, d / "hf_bytelevel", d, "--set", f"data.tokenizer={d / 'bytelevel.json'}")
     # llama2.c's tokenizer.bin of a sentencepiece-style BPE: export converts it to tokenizer.json
     spm = train_spm(tokenizers, (d / "shk.txt").read_text(), 512, d / "spm.json")
     l2c = write_llama2c(spm, d / "tokenizer.bin")
     export(weights, d / "hf_l2c", d, "--set", f"data.tokenizer={l2c}")
     return {"dir": d, "plan": d / "plan.json", "weights": weights, "model": plan["model"], "hf": d / "hf",
-            "gpt2": d / "hf", "llama3": d / "hf_llama3", "l2c": d / "hf_l2c", "l2c_bin": l2c}
+            "gpt2": d / "hf", "llama3": d / "hf_llama3", "l2c": d / "hf_l2c", "l2c_bin": l2c,
+            "bytelevel": d / "hf_bytelevel"}
 
 
 def reference(name, stories, trained):
@@ -278,3 +291,79 @@ def test_generate_llama2c_tokenizer(trained, tmp_path):
         valid = None
     if valid is not None:
         assert valid == at.decode(prompt[1:] + hf)
+
+
+# --------------------------------------------------------------------- as users call it
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama3", "l2c", "bytelevel"])
+def test_tokenizer_call_gives_model_inputs(kind, trained):
+    """tok(text) gives what a Llama takes, so generate(**tok(text)) runs: PreTrainedTokenizerFast
+    adds token_type_ids unless tokenizer_config.json names model_input_names, and generate refuses
+    them ("model_kwargs are not used by the model")."""
+    folder = trained[kind]
+    at = transformers.AutoTokenizer.from_pretrained(str(folder))
+    enc = at(PROMPT, return_tensors="pt")
+    print(f"[{kind}] tok({PROMPT!r}) gives {list(enc)}")
+    assert list(enc) == ["input_ids", "attention_mask"]
+    with torch.no_grad():
+        out = load_model(folder).generate(**enc, max_new_tokens=4, do_sample=False, synced_gpus=False)
+    assert out.shape[1] > enc["input_ids"].shape[1]
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama3", "l2c", "bytelevel"])
+def test_tokenizer_call_puts_bos_first(kind, trained, tmp_path):
+    """tok(text) gives the ids `trainer sample` feeds for the prompt text: the tokenizer's BOS, then
+    the text's ids (the C tokenizer's; test_generate_stops_at_eos checks that the text sample
+    continues those ids)."""
+    folder = trained[kind]
+    at = transformers.AutoTokenizer.from_pretrained(str(folder))
+    path = tmp_path / "prompt.txt"
+    path.write_text(PROMPT)
+    c = [int(x) for x in run_checked([TOOL, str(folder / "tokenizer.json"), str(path)]).stdout.split()]
+    info = dict(ln.split() for ln in run_checked([TOOL, "--info", str(folder / "tokenizer.json")]).stdout.decode()
+                .splitlines())
+    want = [int(info["bos"])] + c
+    hf = at(PROMPT)["input_ids"]
+    print(f"[{kind}] {PROMPT!r}: tok() {hf}, trainer sample {want}")
+    assert hf == want
+    assert at.decode(hf, skip_special_tokens=True) == PROMPT
+
+
+def readme_example():
+    """README.md's transformers example: (its python block, the README's only one; the sh block
+    just before it)."""
+    blocks, lang, lines = [], None, []
+    with open(README, encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("```"):
+                if lang is None:
+                    lang, lines = line[3:].strip(), []
+                else:
+                    blocks.append((lang, "".join(lines)))
+                    lang = None
+            elif lang is not None:
+                lines.append(line)
+    at = [i for i, (lang, _) in enumerate(blocks) if lang == "python"]
+    assert len(at) == 1 and at[0] > 0 and blocks[at[0] - 1][0] == "sh", \
+        "README.md: no python block after an sh block, or more than one python block"
+    return blocks[at[0] - 1][1], blocks[at[0]][1]
+
+
+def test_readme_example(trained, tmp_path):
+    """README.md's export and sample lines, then its transformers lines, run as written in a
+    folder where bin/ is ours and out/stories/final.safetensors the trained model: both print
+    the same text, longer than the prompt."""
+    sh, py = readme_example()
+    (tmp_path / "bin").symlink_to(os.path.dirname(os.path.abspath(TRAINER)))
+    (tmp_path / "out" / "stories").mkdir(parents=True)
+    (tmp_path / "out" / "stories" / "final.safetensors").symlink_to(trained["weights"])
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    ours = subprocess.run(["bash", "-euo", "pipefail", "-c", sh], cwd=str(tmp_path), env=env, capture_output=True,
+                          timeout=120)
+    assert ours.returncode == 0, ours.stderr.decode(errors="replace")
+    hf = subprocess.run([sys.executable, "-c", py], cwd=str(tmp_path), env=env, capture_output=True, timeout=300)
+    print(f"README: trainer sample printed {ours.stdout!r}; the transformers lines {hf.stdout!r}")
+    assert hf.returncode == 0, hf.stderr.decode(errors="replace")[-3000:]
+    prompt = re.search(r'sample\.prompt="([^"]*)"', sh).group(1)
+    assert ours.stdout.startswith(prompt.encode()) and len(ours.stdout) > len(prompt) + 1
+    assert hf.stdout == ours.stdout

@@ -14,8 +14,9 @@
 - A tokenizer (a byte-level BPE tokenizer.json written here: the 256 byte symbols, four merges and
   <|endoftext|>): a model trained with data.tokenizer samples text with no plan (the tokenizer from
   its file's metadata), the text equal to the ids of the same draw without a tokenizer, decoded here
-  (BOS first, stopping at EOS); `export --format hf` writes tokenizer.json (same bytes), a
-  tokenizer_config.json naming BOS and EOS, and their id in config.json and generation_config.json
+  (BOS first, stopping at EOS); `export --format hf` writes tokenizer.json (the same but for a
+  post-processor that puts BOS first), a tokenizer_config.json naming BOS, EOS and the model's
+  inputs, and their id in config.json and generation_config.json
   (config.json says null where no tokenizer is known); the HF folder then samples the same text;
   exported again without a tokenizer, the folder's old tokenizer files are removed (a warning each).
   Where transformers is installed its AutoTokenizer and LlamaForCausalLM load the folder too
@@ -308,10 +309,16 @@ def test_tokenizer_sample_and_export(tmp_path):
     assert e.returncode == 0, e.stderr
     assert sorted(os.listdir(hf)) == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                                       "tokenizer_config.json"]
-    assert (hf / "tokenizer.json").read_bytes() == tok.read_bytes()
+    src, out = json.loads(tok.read_text()), json.loads((hf / "tokenizer.json").read_text())
+    pp = out.pop("post_processor")
+    print("tokenizer.json's post_processor:", src.pop("post_processor"), "->", pp)
+    assert out == src
+    assert pp["single"][0] == {"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}}
+    assert pp["special_tokens"]["<|endoftext|>"]["ids"] == [EOT]
     tc = json.loads((hf / "tokenizer_config.json").read_text())
     print("tokenizer_config.json:", tc)
     assert tc["bos_token"] == "<|endoftext|>" and tc["eos_token"] == "<|endoftext|>"
+    assert tc["model_input_names"] == ["input_ids", "attention_mask"]
     assert tc["tokenizer_class"] == "PreTrainedTokenizerFast" and tc["model_max_length"] == 32
     cfg = json.loads((hf / "config.json").read_text())
     gen = json.loads((hf / "generation_config.json").read_text())

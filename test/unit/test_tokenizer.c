@@ -1,6 +1,7 @@
 // deps: trainer/tokenizer.c common/fs.c common/err.c test/support/files.c
 /* test_tokenizer: encoding with hand-made tokenizers whose ids are worked out by hand, round
- * trips on hard text, and every malformed file refused with a message naming it.
+ * trips on hard text, every malformed file refused with a message naming it, and
+ * tokenizer_json_bos_first's post-processor for each kind of post_processor a file may have.
  *
  * Files are written into a fresh mkdtemp directory:
  *   tiny.json / tiny_pairs.json  21 byte-level tokens, 8 merges (as "a b" strings / as [a, b]
@@ -19,6 +20,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cJSON.h>
 #include <cmocka.h>
 
 #include "test/support/files.h"
@@ -538,6 +540,126 @@ static void test_folder_and_ids(void **state) {
   tokenizer_free(NULL);
 }
 
+/* ---------------------------------------------------------------- BOS first for the library */
+
+/* tokenizer_json_bos_first on the tiny file whose post_processor is pp; returns its code, the
+ * rewritten document parsed into *doc (NULL when not rewritten) and the note. */
+static int bos_first(const tokenizer_t *t, const char *pp, cJSON **doc, char *note, size_t notelen) {
+  char *src, *out = (char *)1;
+  size_t n = 0;
+  assert_true(asprintf(&src, "%s%s", TINY_HEAD, TINY_MERGES_STR) > 0);
+  char *at = strstr(src, "\"post_processor\": null");
+  assert_non_null(at);
+  char *text;
+  assert_true(asprintf(&text, "%.*s\"post_processor\": %s%s", (int)(at - src), src, pp,
+                       at + strlen("\"post_processor\": null")) > 0);
+  int rc = tokenizer_json_bos_first(t, text, strlen(text), &out, &n, note, notelen);
+  printf("  post_processor %.60s: %d%s%s\n", pp, rc, note[0] ? ", " : "", note);
+  *doc = NULL;
+  if (rc == 1) {
+    assert_non_null(out);
+    assert_int_equal(strlen(out), n);
+    *doc = cJSON_Parse(out);
+    assert_non_null(*doc);
+    /* the rest of the document is the source's */
+    cJSON *want = cJSON_Parse(text);
+    cJSON_DeleteItemFromObjectCaseSensitive(want, "post_processor");
+    cJSON *got = cJSON_Duplicate(*doc, 1);
+    cJSON_DeleteItemFromObjectCaseSensitive(got, "post_processor");
+    assert_true(cJSON_Compare(got, want, 1));
+    cJSON_Delete(got);
+    cJSON_Delete(want);
+    /* and done again, it is left as it is */
+    char *again = NULL, note2[256];
+    assert_int_equal(tokenizer_json_bos_first(t, out, n, &again, &n, note2, sizeof note2), 0);
+    assert_null(again);
+  } else {
+    assert_null(out);
+  }
+  free(out);
+  free(text);
+  free(src);
+  return rc;
+}
+
+/* Whether pp is the template <|endoftext|> (21) then the text. */
+static void expect_bos_template(const cJSON *pp) {
+  char *s = cJSON_PrintUnformatted(pp);
+  assert_string_equal(s, "{\"type\":\"TemplateProcessing\","
+                         "\"single\":[{\"SpecialToken\":{\"id\":\"<|endoftext|>\",\"type_id\":0}},"
+                         "{\"Sequence\":{\"id\":\"A\",\"type_id\":0}}],"
+                         "\"pair\":[{\"SpecialToken\":{\"id\":\"<|endoftext|>\",\"type_id\":0}},"
+                         "{\"Sequence\":{\"id\":\"A\",\"type_id\":0}},"
+                         "{\"SpecialToken\":{\"id\":\"<|endoftext|>\",\"type_id\":1}},"
+                         "{\"Sequence\":{\"id\":\"B\",\"type_id\":1}}],"
+                         "\"special_tokens\":{\"<|endoftext|>\":{\"id\":\"<|endoftext|>\",\"ids\":[21],"
+                         "\"tokens\":[\"<|endoftext|>\"]}}}");
+  cJSON_free(s);
+}
+
+#define BYTE_LEVEL "{\"type\": \"ByteLevel\", \"add_prefix_space\": false, \"trim_offsets\": true, \"use_regex\": true}"
+#define TEMPLATE(single, id)                                                                                          \
+  "{\"type\": \"TemplateProcessing\", \"single\": " single ", \"pair\": [], \"special_tokens\": {\"<|endoftext|>\": " \
+  "{\"id\": \"<|endoftext|>\", \"ids\": [" id "], \"tokens\": [\"<|endoftext|>\"]}}}"
+#define BOS_STEP "{\"SpecialToken\": {\"id\": \"<|endoftext|>\", \"type_id\": 0}}"
+#define A_STEP "{\"Sequence\": {\"id\": \"A\", \"type_id\": 0}}"
+#define BOS_A "[" BOS_STEP ", " A_STEP "]"
+#define BOS_A_BOS "[" BOS_STEP ", " A_STEP ", " BOS_STEP "]"
+
+static void test_json_bos_first(void **state) {
+  write_tiny("bos.json", TINY_MERGES_STR);
+  tokenizer_t *t = load_ok("bos.json");
+  assert_int_equal(tokenizer_bos(t), 21);
+  char note[256];
+  cJSON *doc;
+
+  /* none (prepare_data.py's): the template alone */
+  assert_int_equal(bos_first(t, "null", &doc, note, sizeof note), 1);
+  expect_bos_template(cJSON_GetObjectItemCaseSensitive(doc, "post_processor"));
+  assert_string_equal(note, "");
+  cJSON_Delete(doc);
+  /* GPT-2's ByteLevel: kept, the template after it */
+  assert_int_equal(bos_first(t, BYTE_LEVEL, &doc, note, sizeof note), 1);
+  const cJSON *pp = cJSON_GetObjectItemCaseSensitive(doc, "post_processor");
+  assert_string_equal(cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(pp, "type")), "Sequence");
+  const cJSON *steps = cJSON_GetObjectItemCaseSensitive(pp, "processors");
+  assert_int_equal(cJSON_GetArraySize(steps), 2);
+  cJSON *bl = cJSON_Parse(BYTE_LEVEL);
+  assert_true(cJSON_Compare(cJSON_GetArrayItem(steps, 0), bl, 1));
+  cJSON_Delete(bl);
+  expect_bos_template(cJSON_GetArrayItem(steps, 1));
+  assert_string_equal(note, "");
+  cJSON_Delete(doc);
+  /* Llama 2's and Llama 3's: BOS first already, the file is left as it is */
+  assert_int_equal(bos_first(t, TEMPLATE(BOS_A, "21"), &doc, note, sizeof note), 0);
+  assert_int_equal(bos_first(t, "{\"type\": \"Sequence\", \"processors\": [" BYTE_LEVEL ", " TEMPLATE(BOS_A, "21") "]}",
+                             &doc, note, sizeof note),
+                   0);
+  /* a template that adds more than BOS, or another token; another processor: replaced, named */
+  assert_int_equal(bos_first(t, TEMPLATE(BOS_A_BOS, "21"), &doc, note, sizeof note), 1);
+  expect_bos_template(cJSON_GetObjectItemCaseSensitive(doc, "post_processor"));
+  assert_string_equal(note, "its post-processor's TemplateProcessing step is dropped");
+  cJSON_Delete(doc);
+  assert_int_equal(bos_first(t, TEMPLATE(BOS_A, "20"), &doc, note, sizeof note), 1);
+  expect_bos_template(cJSON_GetObjectItemCaseSensitive(doc, "post_processor"));
+  cJSON_Delete(doc);
+  assert_int_equal(bos_first(t, "{\"type\": \"RobertaProcessing\", \"sep\": [\"a\", 0], \"cls\": [\"b\", 1]}", &doc,
+                             note, sizeof note),
+                   1);
+  assert_string_equal(note, "its post-processor's RobertaProcessing step is dropped");
+  cJSON_Delete(doc);
+  tokenizer_free(t);
+
+  /* no BOS: nothing to put first, nothing changed */
+  write_tiny_edit("nobos.json", "<|endoftext|>", "<|x|>");
+  t = load_ok("nobos.json");
+  assert_int_equal(tokenizer_bos(t), -1);
+  assert_int_equal(bos_first(t, "null", &doc, note, sizeof note), 0);
+  tokenizer_free(t);
+  char *out = NULL;
+  assert_int_equal(tokenizer_json_bos_first(NULL, "{}", 2, &out, NULL, note, sizeof note), TOKENIZER_EINVAL);
+}
+
 /* ---------------------------------------------------------------- malformed files */
 
 static void expect_refused(const char *name, int code, const char *needle) {
@@ -655,7 +777,8 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_tiny_json),      cmocka_unit_test(test_full_json),     cmocka_unit_test(test_llama2c_bin),
       cmocka_unit_test(test_llama2c_json),   cmocka_unit_test(test_sentencepiece_json),
-      cmocka_unit_test(test_folder_and_ids), cmocka_unit_test(test_malformed_json), cmocka_unit_test(test_malformed_bin),
+      cmocka_unit_test(test_folder_and_ids), cmocka_unit_test(test_json_bos_first),
+      cmocka_unit_test(test_malformed_json), cmocka_unit_test(test_malformed_bin),
   };
   return cmocka_run_group_tests_name("tokenizer", tests, setup, teardown);
 }
