@@ -124,8 +124,9 @@ static const char *sample_usage_text =
     "  --weights FILE   a training run's .safetensors, a llama2.c .bin, a Hugging Face folder\n"
     "                   (config.json + model.safetensors), or a checkpoint step folder (ck/step-200)\n"
     "                   or directory (ck: its newest intact checkpoint), told apart by content\n"
-    "  PLAN.json        optional: its model must be the file's (else exit 2); without it the\n"
-    "                   model's shape is the file's and --set model.* is checked against it\n"
+    "  PLAN.json        optional, any training plan (its mesh is not used): its model must be\n"
+    "                   the file's (else exit 2); without it the model's shape is the file's\n"
+    "                   and --set model.* is checked against it\n"
     "  --set sample.tokens=N        tokens to draw (a KV cache over model.max_seq_len, then a\n"
     "                               sliding window)\n"
     "  --set sample.temperature=T   0 draws the most likely token\n"
@@ -147,7 +148,8 @@ static const char *export_usage_text =
     "                   model.safetensors, and tokenizer.json + tokenizer_config.json when a\n"
     "                   tokenizer is known (data.tokenizer; llama2.c's tokenizer.bin converted)\n"
     "  --out PATH       the file (llama2c) or folder (hf) to write\n"
-    "  PLAN.json        optional: its model must be the file's (else exit 2)\n"
+    "  PLAN.json        optional, any training plan (its mesh is not used): its model must be\n"
+    "                   the file's (else exit 2)\n"
     "  --set data.tokenizer=FILE   the tokenizer to write beside HF weights\n"
     "Exit status: 0 done, 1 runtime failure, 2 usage, plan or weights error.\n";
 
@@ -481,6 +483,9 @@ static int plan_setup(plan_t *p, const args_t *a, int rank, int world, int *resu
   char from[PLAN_PATH_MAX + 64];
   int carried = 0;
   if (!a->sample_mode && !a->export_mode) *resuming = checkpoint_peek(p, from, sizeof from, &carried);
+  /* sample and export run in one process whatever mesh the plan trains on: the plan resolves for
+   * the smallest world its mesh takes (its fixed entries), so a training plan of 8 ranks serves */
+  if (a->sample_mode || a->export_mode) world = plan_mesh_min_world(p);
   if (plan_resolve(p, world, err, errlen) != 0) {
     size_t n = strlen(err);
     if (carried && !strncmp(err, "plan error: train.global_batch_size:", 36))

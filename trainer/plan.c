@@ -1166,6 +1166,14 @@ int plan_check_output_file(const char *key, const char *path, char *err, size_t 
   return 0;
 }
 
+int plan_mesh_min_world(const plan_t *p) {
+  const int e[4] = {p->mesh.dp_replicate, p->mesh.dp_shard, p->mesh.tp, p->mesh.pp};
+  long long w = 1;
+  for (int i = 0; i < 4; i++)
+    if (e[i] > 0 && (w *= e[i]) > INT_MAX) return INT_MAX; /* resolve names the entry */
+  return (int)w;
+}
+
 int plan_check_not_there(const char *key, const char *path, const char *what, char *err, size_t errlen) {
   struct stat sb;
   if (stat(path, &sb) != 0 || !S_ISREG(sb.st_mode)) return 0; /* /dev/stdout, a pipe: not a result */

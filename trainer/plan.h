@@ -188,6 +188,9 @@ int plan_load(plan_t *p, const char *path, const char *const *sets, int nsets, c
 /* Checks the plan against world_size, resolves mesh -1 entries, hidden_dim, grad_accum_steps,
  * defaults that depend on other keys. Returns 0 or PLAN_EINVAL. */
 int plan_resolve(plan_t *p, int world_size, char *err, size_t errlen);
+/* The smallest world the plan's mesh takes: the product of its entries that are not -1 (so
+ * sample and export resolve a training plan of any world in one process). */
+int plan_mesh_min_world(const plan_t *p);
 /* Checks, for a training run, before anything starts: every file the plan reads (model.init,
  * each shard of data.train and data.val after glob expansion, data.tokenizer) is there and
  * readable; then that checkpoint.dir (when set) is a directory this process can write: created

@@ -446,7 +446,6 @@ def ck_run(tmp_path_factory):
 
 
 CK_GREEDY = ["--set", "sample.temperature=0", "--set", "sample.tokens=40"]
-ONE_PROCESS = ["--set", "mesh.dp_shard=1", "--set", "mesh.tp=1"]  # the training plan's mesh, for one process
 
 
 @pytest.mark.parametrize("name", sorted(CK_LAYOUTS))
@@ -466,11 +465,14 @@ def test_checkpoint_step_samples_like_final(ck_run, tmp_path, name):
     picked = [ln for ln in auto.stderr.splitlines() if "newest intact checkpoint" in ln]
     print(f"{name}: {picked}")
     assert len(picked) == 1 and f"step-{CK_STEPS}" in picked[0], auto.stderr
-    # with the plan the run was trained with: checked against the checkpoint, the same text
-    planned = run(["sample", d / "plan.json", "--weights", d / "ck" / f"step-{CK_STEPS}"] + ONE_PROCESS + CK_GREEDY,
-                  tmp_path)
+    # with the plan the run was trained with (its mesh of 2 ranks, resolved for one process):
+    # checked against the checkpoint, the same text; and export takes it too
+    planned = run(["sample", d / "plan.json", "--weights", d / "ck" / f"step-{CK_STEPS}"] + CK_GREEDY, tmp_path)
     assert planned.returncode == 0, planned.stderr
     assert planned.stdout == final.stdout
+    r = run(["export", "--format", "llama2c", d / "plan.json", "--weights", d / "ck", "--out", tmp_path / "p.bin"],
+            tmp_path)
+    assert r.returncode == 0, r.stderr
 
 
 @pytest.mark.parametrize("name", sorted(CK_LAYOUTS))
@@ -535,9 +537,9 @@ def test_checkpoint_weights_errors(ck_run, tmp_path):
     plan["model"]["n_layers"] = 3
     (tmp_path / "p3.json").write_text(json.dumps(plan))
     step = d / "ck" / f"step-{CK_STEPS}"
-    bad(run(["sample", tmp_path / "p3.json", "--weights", step] + ONE_PROCESS, tmp_path), 2,
+    bad(run(["sample", tmp_path / "p3.json", "--weights", step], tmp_path), 2,
         "n_layers 2 but the plan says 3 (set model.n_layers=2)")
-    bad(run(["export", "--format", "hf", tmp_path / "p3.json", "--weights", step, "--out", tmp_path / "o"]
-            + ONE_PROCESS, tmp_path), 2, "n_layers 2 but the plan says 3")
+    bad(run(["export", "--format", "hf", tmp_path / "p3.json", "--weights", step, "--out", tmp_path / "o"], tmp_path),
+        2, "n_layers 2 but the plan says 3")
     bad(run(["sample", "--weights", d / "ck", "--set", "model.dim=128"], tmp_path), 2, "dim 64 but the plan says 128")
     assert not (tmp_path / "o").exists()
