@@ -319,6 +319,7 @@ static void on_rdzv(rdzv_t *rz, const rdzv_event_t *ev, void *arg) {
     else snprintf(r.store_endpoint, sizeof r.store_endpoint, "%s", a->store_ep);
     memcpy(r.store_secret, a->opts->secret, sizeof r.store_secret);
     snprintf(r.run_id, sizeof r.run_id, "%s", a->opts->rdzv_id);
+    snprintf(r.job_id, sizeof r.job_id, "%.127s@%.300s", a->opts->rdzv_id, a->store_ep);
     make_attempt_dir(a, g->round, r.attempt_dir, sizeof r.attempt_dir);
     snprintf(r.file_prefix, sizeof r.file_prefix, "%s", a->file_prefix);
     char err[512];

@@ -1503,6 +1503,8 @@ const char *cli_usage(void) {
          "                                joining or leaving restarts workers without counting)\n"
          "  MESHRUN_ROUND                 the rendezvous round: unique per round, up on every\n"
          "                                restart (key per-round state with it)\n"
+         "  MESHRUN_JOB_ID                run id @ rendezvous endpoint: the same on every node,\n"
+         "                                round and restart of this job (and no other job's)\n"
          "  TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID, TORCHELASTIC_ERROR_FILE\n"
          "  OMP_NUM_THREADS=1             unless already set\n"
          "  MESHRUN_STORE=HOST:PORT       the agent's key-value store\n"

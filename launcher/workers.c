@@ -326,7 +326,7 @@ static const char *const OWN_VARS[] = {
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
     "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
     "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "MESHRUN_STORE",
-    "MESHRUN_ROUND", "MESHRUN_STOP_FILE", "TORCHELASTIC_USE_AGENT_STORE", STORE_ENV_SECRET, NULL};
+    "MESHRUN_ROUND", "MESHRUN_JOB_ID", "MESHRUN_STOP_FILE", "TORCHELASTIC_USE_AGENT_STORE", STORE_ENV_SECRET, NULL};
 
 static int is_own_var(const char *kv) {
   for (int i = 0; OWN_VARS[i]; i++) {
@@ -370,6 +370,7 @@ static char **build_env(const workers_t *w, const workers_round_t *r, const work
   if (!rc) rc = env_add(&env, &n, &cap, "TORCHELASTIC_ERROR_FILE", "%s", i->error_file);
   if (!rc) rc = env_add(&env, &n, &cap, "MESHRUN_STORE", "%s", r->store_endpoint);
   if (!rc) rc = env_add(&env, &n, &cap, "MESHRUN_ROUND", "%d", r->round);
+  if (!rc) rc = env_add(&env, &n, &cap, "MESHRUN_JOB_ID", "%s", r->job_id);
   if (!rc) rc = env_add(&env, &n, &cap, "MESHRUN_STOP_FILE", "%s", w->stop_file);
   /* Not through env_add: its buffer is sized for paths, and a secret is never cut. */
   if (!rc && r->store_secret[0]) {

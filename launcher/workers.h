@@ -39,6 +39,8 @@ typedef struct {
   char store_endpoint[300]; /* MESHRUN_STORE */
   char store_secret[CLI_SECRET_MAX + 1]; /* MESHRUN_RDZV_TOKEN; "" = an open store (not set) */
   char run_id[128];
+  char job_id[448]; /* MESHRUN_JOB_ID: "<run id>@<rendezvous endpoint>", one value for every node,
+                       round and restart of a job (the trainer's checkpoint lock knows its job) */
   int max_restarts;
   char attempt_dir[PATH_MAX]; /* <base>/attempt_<round>: <rank>/error.json and logs go below, or
                                <rank>.error.json for a rank that writes no log */

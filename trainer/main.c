@@ -61,6 +61,7 @@
 #include "trainer/comm.h"
 #include "trainer/data.h"
 #include "trainer/device.h"
+#include "trainer/dirlock.h"
 #include "trainer/dp.h"
 #include "trainer/export.h"
 #include "trainer/hooks.h"
@@ -752,6 +753,12 @@ int main(int argc, char **argv) {
     plan_failed = 1; /* code 2: the plan's outputs, a one-liner, never retried */
     goto error;
   }
+  if (!a.sample_mode && p->checkpoint.dir[0] && env.rank == 0 &&
+      (code = dirlock_take(p->checkpoint.dir, err, sizeof err))) { /* one run at a time (dirlock.h) */
+    plan_failed = code == 2;
+    goto error;
+  }
+  code = 2;
   if (!a.sample_mode) install_sigint(p, env.rank);
   /* MESHRUN_OP_PROFILE=STEP: the kernel times of one step, printed after it (opprof.h); a bad
    * value is refused before the device starts (code is 2 here) */
@@ -877,6 +884,7 @@ error:
     exit_error(code, err, !(no_restart || ck.no_restart));
   }
   checkpoint_free(&ck); /* a save still in flight (only after a failure) is waited for */
+  dirlock_release();
   hooks_close(&a.hooks);
   metrics_free(&mt);
   dp_destroy(dp);

@@ -29,6 +29,9 @@ batch of 16 sequences (24 for the 8 -> 6 ranks case, so that both worlds divide 
   nothing left in the directory, and the error file says {"meshrun": {"restart": false}}; no space
   on rank 1 only (fault injection) -> every rank stops with that cause; no space for fsdp2's final
   weights (rank 0 writes them) -> both ranks exit 1, rank 0 naming the cause.
+- One run per checkpoint.dir: a second run (another job, seed 7) is refused while the first holds
+  ck/meshrun.lock, and takes it over once the first is killed -9; locks of another host (touched:
+  refused; untouched for 60 s: taken over), of the same job (taken over silently) and garbage.
 - Interop: `trainer export` to llama2.c and HF from a run's final weights; model.init from each
   (and from our safetensors) trains step 1 to the same loss bits; a wrong shape is refused with
   the interop message (exit 2); configs/stories260K.json loads data/stories260K.bin (../data from its
@@ -414,6 +417,76 @@ def test_resume_on_another_world_keeps_the_global_batch(tmp_path):
     print(r.stderr.strip().splitlines()[-1])
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(
         "plan error: train.global_batch_size: 4 is not a multiple of train.micro_batch_size 3") and str(src) in r.stderr
+
+
+def lock_line(d):
+    with open(os.path.join(str(d), "ck", "meshrun.lock")) as f:
+        return f.read().strip()
+
+
+def test_two_runs_one_checkpoint_dir(tmp_path):
+    """Two runs on one checkpoint.dir: the second is refused before step 1 (exit 2, one line
+    naming the holder's host and pid) instead of pruning the first's checkpoints; once the first
+    is killed (-9: its lock stays behind), a run takes the lock over with one line and resumes.
+    Before: both ran and exited 0, every surviving checkpoint the other's."""
+    from test_preemption import wait_metrics_step
+    args = [TRAINER, write_plan(tmp_path)] + layout_sets(tmp_path, "serial", ["train.steps=100000",
+                                                                             "checkpoint.interval=2"])
+    first = subprocess.Popen(args, cwd=str(tmp_path), env=clean_env(), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    try:
+        wait_metrics_step(tmp_path, 3, first)
+        held = lock_line(tmp_path)
+        print("lock:", held)
+        assert held.startswith("host ") and " pid %d job - since " % first.pid in held
+        other = tmp_path / "other"
+        other.mkdir()
+        r = run(other, "fsdp2", ["checkpoint.dir=%s" % (tmp_path / "ck"), "checkpoint.resume=auto", "seed=7"])
+        line = r.err.strip().splitlines()[-1] if r.err.strip() else ""
+        print(line)
+        assert r.rc == 2 and "plan error: checkpoint.dir: %s is in use by another run (host " % (tmp_path / "ck") in r.err
+        assert "pid %d, job -," % first.pid in r.err and "step 1/" not in r.err, r.describe()
+        assert first.poll() is None and lock_line(tmp_path) == held
+    finally:
+        first.kill()
+        first.wait()
+    with open(tmp_path / "ck" / "latest") as f:
+        upto = int(f.read().strip().split("-")[1]) + 2
+    r = run(tmp_path / "other", "serial", ["checkpoint.dir=%s" % (tmp_path / "ck"), "checkpoint.resume=auto",
+                                           "train.steps=%d" % upto])
+    taken = [l for l in r.err.splitlines() if "taking over the lock of pid %d" % first.pid in l]
+    print(taken[0] if taken else r.describe())
+    assert r.rc == 0 and len(taken) == 1 and "which is gone" in taken[0], r.describe()
+    assert not os.path.exists(tmp_path / "ck" / "meshrun.lock"), "the lock outlived its run"
+
+
+@pytest.mark.parametrize("case", ["other_host_alive", "other_host_stale", "same_job", "garbage"])
+def test_checkpoint_lock_holders(tmp_path, case):
+    """A lock from another host is refused while it is touched (its holder's heartbeat) and taken
+    over once untouched for 60 s; a lock of the same meshrun job (MESHRUN_JOB_ID: a restart or a
+    later round) is taken over without a word; a file that is no lock of ours is taken over with a
+    warning. Every run that took it removes it at its end."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    lock = ck / "meshrun.lock"
+    job = "none@127.0.0.1:29400"
+    text = {"same_job": "host elsewhere pid 1 job %s since 1700000000\n" % job, "garbage": "not a lock\n"}
+    lock.write_text(text.get(case, "host elsewhere pid 1 job other@x:1 since 1700000000\n"))
+    if case == "other_host_stale":
+        old = lock.stat().st_mtime - 120
+        os.utime(lock, (old, old))
+    r = run(tmp_path, "serial", ["train.steps=2"], env={"MESHRUN_JOB_ID": job})
+    print(r.err.strip().splitlines()[-1] if case == "other_host_alive" else
+          [l for l in r.err.splitlines() if "lock" in l])
+    if case == "other_host_alive":
+        assert r.rc == 2 and "in use by another run (host elsewhere, pid 1, job other@x:1, since 2023-11-14T22:13:20Z" \
+            "; its lock was touched " in r.err and "s ago, and one left for 60s is taken over)" in r.err, r.describe()
+        assert lock.read_text().startswith("host elsewhere")
+        return
+    assert r.rc == 0, r.describe()
+    warned = [l for l in r.err.splitlines() if "taking over" in l or "taking it over" in l]
+    assert len(warned) == (0 if case == "same_job" else 1), warned
+    assert not lock.exists()
 
 
 # ---------------------------------------------------------------------------------------- interop
