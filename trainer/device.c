@@ -31,14 +31,18 @@ static backend_t *cuda_open(int local_rank, char *err, size_t errlen) {
 
 /* Creates the backend of the plan's device. "auto": cuda when this trainer has the cuda backend
  * and creating it succeeds (a GPU is visible), else cpu, with the choice and its reason logged
- * on rank 0. Returns 0 with *out, or 2 (device cuda in a build without it) or 1 (the backend
- * failed) with the message in err. */
+ * on rank 0. Returns 0 with *out, or 2 (device cuda in a build without it, or with no GPU
+ * visible: permanent) or 1 (the backend failed on a GPU that is there) with the message in err. */
 static int backend_open(const plan_t *p, int local_rank, backend_t **out, char *err, size_t errlen) {
   *out = NULL;
   if (p->device == PLAN_DEVICE_CUDA) {
 #ifdef MESHRUN_HAVE_CUDA
     *out = cuda_open(local_rank, err, errlen);
-    return *out ? 0 : 1;
+    if (*out) return 0;
+    if (comm_nccl_visible_gpus() > 0) return 1; /* a GPU is there: its failure may pass */
+    size_t n = strlen(err);
+    snprintf(err + n, errlen - n, "; device \"cuda\" needs one: run where a GPU is visible, or set device auto or cpu");
+    return 2; /* no restart can make one appear */
 #else
     (void)local_rank;
     snprintf(err, errlen, "device \"cuda\": this trainer was built without the cuda backend; use device \"cpu\" or "
@@ -127,6 +131,43 @@ static void precision_apply(plan_t *p, backend_t *be) {
 #ifdef MESHRUN_HAVE_CUDA
   if (on_device) backend_cuda_set_tf32(be, p->parallel.allow_tf32);
 #endif
+}
+
+/* The first number in a file, or 0 ("max", absent, unreadable). */
+static double file_number(const char *path) {
+  FILE *f = fopen(path, "r");
+  double v = 0;
+  if (f) {
+    if (fscanf(f, "%lf", &v) != 1) v = 0;
+    fclose(f);
+  }
+  return v;
+}
+
+double device_host_memory(void) {
+  double total = 0, swap = 0;
+  FILE *f = fopen("/proc/meminfo", "r");
+  char line[256];
+  while (f && fgets(line, sizeof line, f)) {
+    double kb;
+    if (sscanf(line, "MemTotal: %lf kB", &kb) == 1) total = kb * 1024;
+    if (sscanf(line, "SwapTotal: %lf kB", &kb) == 1) swap = kb * 1024;
+  }
+  if (f) fclose(f);
+  double limit = total + swap;
+  /* cgroup v2: "0::/path" in /proc/self/cgroup; memory.max (+ memory.swap.max) there */
+  char cg[512] = "", path[700];
+  f = fopen("/proc/self/cgroup", "r");
+  while (f && fgets(line, sizeof line, f))
+    if (!strncmp(line, "0::", 3)) snprintf(cg, sizeof cg, "%s", line + 3);
+  if (f) fclose(f);
+  cg[strcspn(cg, "\n")] = 0;
+  snprintf(path, sizeof path, "/sys/fs/cgroup%s/memory.max", cg);
+  const double mem_max = file_number(path);
+  snprintf(path, sizeof path, "/sys/fs/cgroup%s/memory.swap.max", cg);
+  const double swap_max = file_number(path);
+  if (mem_max > 0 && mem_max + swap_max < limit) limit = mem_max + swap_max;
+  return limit;
 }
 
 int device_open(plan_t *p, int local_rank, int local_world, int world, backend_t **be, const char **comm_backend,

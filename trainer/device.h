@@ -27,5 +27,8 @@ int device_open(plan_t *p, int local_rank, int local_world, int world, backend_t
 
 /* The backends this trainer was built with, for --version: "cpu" or "cpu, cuda". */
 const char *device_backends(void);
+/* This machine's memory as far as this process may use it, in bytes: RAM + swap, or the cgroup
+ * v2 limit (memory.max + memory.swap.max) when lower; 0 when unknown. */
+double device_host_memory(void);
 
 #endif

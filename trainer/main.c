@@ -31,6 +31,9 @@
  * resume, a restart and a later round continue them. Ctrl-C without checkpoint.on_signal ends the
  * run as by default after one line saying what was lost (on_sigint).
  *
+ * Failures no restart can cure are code 2 (model.init unreadable as weights, a plan over the
+ * machine's memory, no intact checkpoint under resume auto, no GPU for device cuda) or carry
+ * restart false (a divergence replayed after a restart).
  * Exit codes: 0 done; 1 runtime failure (data, memory, NaN loss, I/O, a collective, a failed save
  * after the last step or of the final weights, a failed write of log.metrics_file); 2 usage or
  * plan error (including device "cuda" in a build without it, WORLD_SIZE > 1 without MESHRUN_STORE,
@@ -556,6 +559,19 @@ static int check_outputs(const plan_t *p, int rank, int fresh, char *err, size_t
   return 0;
 }
 
+/* model.init, read before the device starts: a file that is not weights, is cut short or holds
+ * another model is the plan's error (exit 2: a restart would read the same file). Its headers
+ * only; weights_init reads the values later. */
+static int check_init_weights(const plan_t *p, char *err, size_t errlen) {
+  if (!p->model.init[0]) return 0;
+  weights_file_t *f = NULL;
+  plan_model_t cfg;
+  int rc = weights_open(&f, p->model.init, err, errlen);
+  if (rc == 0) rc = weights_resolve_model(f, &p->model, 1, NULL, 0, &cfg, err, errlen);
+  weights_close(f);
+  return rc;
+}
+
 /* Builds the mesh of a multi-process run and connects its groups through meshrun's store, with
  * comm backend comm_backend on device be's memory. */
 static int mesh_setup(mesh_t **out, const plan_t *p, int rank, int world, const char *comm_backend, backend_t *be,
@@ -759,6 +775,11 @@ int main(int argc, char **argv) {
     goto error;
   }
   code = 2;
+  if (!a.sample_mode && (code = check_init_weights(p, err, sizeof err))) {
+    plan_failed = code == 2;
+    goto error;
+  }
+  code = 2;
   if (!a.sample_mode) install_sigint(p, env.rank);
   /* MESHRUN_OP_PROFILE=STEP: the kernel times of one step, printed after it (opprof.h); a bad
    * value is refused before the device starts (code is 2 here) */
@@ -769,6 +790,11 @@ int main(int argc, char **argv) {
   if ((code = device_open(p, env.local_rank, env.local_world, env.world, &be, &comm_backend, err, sizeof err)))
     goto error;
   if (prof_step > 0 && !a.sample_mode) opprof_install(be, prof_step, stderr);
+  if (!a.sample_mode && be->mem == BACKEND_MEM_HOST &&
+      plan_check_memory(p, device_host_memory(), env.local_world, err, sizeof err)) {
+    code = 2, plan_failed = 1; /* more than the machine has: no restart makes it fit */
+    goto error;
+  }
   if (a.sample_mode) { /* weights in, text out (one process) */
     if ((code = sample_run(p, be, a.weights, a.plan_path != NULL, a.sets, a.nsets, err, sizeof err))) goto error;
     goto done;
@@ -832,7 +858,18 @@ int main(int argc, char **argv) {
   for (int s = start_step; s < p->train.steps && !stopped; s++) {
     train_result_t r;
     run_step = s + 1;
-    if (train_step(&tr, s, &r, err, sizeof err)) goto error;
+    if (train_step(&tr, s, &r, err, sizeof err)) {
+      /* Training is deterministic: a restart replays from the newest checkpoint bit for bit. An
+       * attempt that is itself a failure restart and saved nothing since it began was that
+       * replay, so every further restart would diverge at the same step. */
+      if (tr.diverged && env.restart > 0 && run_ckpt == start_step) {
+        size_t n = strlen(err);
+        snprintf(err + n, sizeof err - n, " (again after restart %d from step %d: the run replays bit for bit, so "
+                 "no restart is tried)", env.restart, start_step);
+        no_restart = 1;
+      }
+      goto error;
+    }
     metrics_step(&mt, s + 1, r.loss, r.lr, r.gnorm, r.dt, r.comm_wait);
     if (pp && pipeline_record(&mt, m, s + 1, &r.pp, err, sizeof err)) goto error;
     if (eval_due(p, s + 1)) {

@@ -1166,6 +1166,31 @@ int plan_check_output_file(const char *key, const char *path, char *err, size_t 
   return 0;
 }
 
+double plan_param_count(const plan_t *p) {
+  const plan_model_t *m = &p->model;
+  const double C = m->dim, L = m->n_layers, V = m->vocab_size, F = m->hidden_dim;
+  const double kv = C / m->n_heads * m->n_kv_heads;
+  return 2 * V * C + C + L * (2 * C + 2 * C * C + 2 * C * kv + 3 * C * F);
+}
+
+int plan_check_memory(const plan_t *p, double bytes, int ranks, char *err, size_t errlen) {
+  if (bytes <= 0 || ranks < 1) return 0;
+  const plan_mesh_t *m = &p->mesh;
+  const double n = plan_param_count(p), shards = (double)m->tp * m->pp * m->dp_shard;
+  const double state = n * 6 / shards + n * 8 / (shards * m->dp_replicate);
+  const double logits =
+      m->pp > 1 ? 0 : (double)p->train.micro_batch_size * p->train.seq_len * p->model.vocab_size / m->tp * 2;
+  const double need = state + logits, have = bytes / ranks;
+  if (need <= have) return 0;
+  const double G = 1024.0 * 1024 * 1024;
+  char shared[48] = "";
+  if (ranks > 1) snprintf(shared, sizeof shared, " shared by its %d ranks", ranks);
+  return perr(err, errlen, "model", "one rank needs at least %.1f GiB (%.3g parameters: %.1f GiB of weights, "
+              "gradients and AdamW moments over its shards; %.1f GiB of one micro-batch's logits), more than the "
+              "%.1f GiB of this machine%s: shrink model or train.micro_batch_size, or shard more (mesh.dp_shard, "
+              "mesh.tp, mesh.pp)", need / G, n, state / G, logits / G, bytes / G, shared);
+}
+
 int plan_mesh_min_world(const plan_t *p) {
   const int e[4] = {p->mesh.dp_replicate, p->mesh.dp_shard, p->mesh.tp, p->mesh.pp};
   long long w = 1;

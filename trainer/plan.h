@@ -191,6 +191,15 @@ int plan_resolve(plan_t *p, int world_size, char *err, size_t errlen);
 /* The smallest world the plan's mesh takes: the product of its entries that are not -1 (so
  * sample and export resolve a training plan of any world in one process). */
 int plan_mesh_min_world(const plan_t *p);
+/* The parameters of the plan's model (resolved plan), as a double: sizes no int holds. */
+double plan_param_count(const plan_t *p);
+/* A lower bound of the memory one rank of the (resolved) plan needs: its share of the fp32
+ * parameters and at least bf16 gradients (6 bytes a parameter, over tp x pp x dp_shard) and of
+ * the AdamW moments (8 bytes, over every rank that may shard them), and one micro-batch's logits
+ * (2 bytes each, a tp rank's columns; without a pipeline, whose micro-batches differ). PLAN_EINVAL with "plan error: model: ..."
+ * (the figures and what to change) when it exceeds bytes / ranks (the memory of a machine that
+ * runs `ranks` of them), else 0; bytes 0 (unknown) passes. */
+int plan_check_memory(const plan_t *p, double bytes, int ranks, char *err, size_t errlen);
 /* Checks, for a training run, before anything starts: every file the plan reads (model.init,
  * each shard of data.train and data.val after glob expansion, data.tokenizer) is there and
  * readable; then that checkpoint.dir (when set) is a directory this process can write: created

@@ -107,6 +107,7 @@ int train_step(train_t *t, int s, train_result_t *out, char *err, size_t errlen)
     loss = lf;
   }
   if (!isfinite(loss)) {
+    t->diverged = 1;
     char where[64] = "on another data-parallel rank";
     if (bad_micro) snprintf(where, sizeof where, "micro-batch %d", bad_micro);
     snprintf(err, errlen,
@@ -122,6 +123,7 @@ int train_step(train_t *t, int s, train_result_t *out, char *err, size_t errlen)
     return -1;
   }
   if (!isfinite(gnorm)) {
+    t->diverged = 1;
     snprintf(err, errlen, "gradient norm is %s at step %d (loss %.4f); lower train.lr or check model.init_std",
              isnan(gnorm) ? "nan" : "inf", s + 1, loss);
     return -1;

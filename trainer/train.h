@@ -42,6 +42,7 @@ typedef struct {
    * host comm of the pp group that shares the last stage's loss with the others. */
   pp_runner_t *pp;
   comm_t *ppc;
+  int diverged; /* set by a train_step that failed on a non-finite loss or gradient norm */
 } train_t;
 
 typedef struct {
