@@ -536,10 +536,28 @@ static void node_address(const launcher_opts_t *o, char *out, size_t len) {
   else if (net_local_addr_toward(o->rdzv_host, o->rdzv_port, out, len)) net_hostname(out, len);
 }
 
-/* The store this node serves: this job's, with its secret and handshake deadline. */
+/* What the store keeps free of the file limit for this agent: measured, 16 descriptors with one
+ * worker, 24 with four, 32 with eight (pipes, listeners, libuv's, the store clients), a restart
+ * adding up to 5 for a moment; twice that and more. */
+#define FD_RESERVE_BASE 64
+#define FD_RESERVE_PER_WORKER 8
+/* Store connections of one node: its agent's (a command and a watch connection) and one per
+ * worker (the trainer's), doubled, since a restart's new connections can arrive before the
+ * old ones' close is seen and a program may open a second one; plus HOST_MARGIN per host. */
+#define NODE_STORE_CONNS(nproc) (2 * ((size_t)(nproc) + 2))
+#define HOST_MARGIN 64
+
+/* The store this node serves: this job's, with its secret and deadlines, and room for the job:
+ * one host may hold as many connections as the whole job makes (every node may run on one
+ * host), so that a host holding the secret, or a client leaking connections, takes no more
+ * than that, and the agent's own descriptors stay free. */
 static store_server_opts_t server_opts(const launcher_opts_t *o) {
   return (store_server_opts_t){.run_id = o->rdzv_id, .secret = o->secret,
-                               .handshake_ms = (int)(o->handshake_timeout_s * 1000)};
+                               .handshake_ms = (int)(o->handshake_timeout_s * 1000),
+                               .frame_ms = (int)(o->frame_timeout_s * 1000),
+                               .fd_reserve = FD_RESERVE_BASE + FD_RESERVE_PER_WORKER * (size_t)o->nproc_per_node,
+                               .max_conns_per_host =
+                                   (size_t)o->nnodes_max * NODE_STORE_CONNS(o->nproc_per_node) + HOST_MARGIN};
 }
 
 /* Serves the store at the rendezvous endpoint, or leaves it to whoever does. A probe comes

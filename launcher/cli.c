@@ -595,7 +595,7 @@ static int set_rdzv_conf(launcher_opts_t *o, cli_seen_t *seen, const char *flag,
                          char *err, size_t errlen) {
   static const char expected[] =
       "expected KEY=VALUE[,...] with KEY one of join_timeout, last_call_timeout, "
-      "close_timeout, heartbeat_interval, heartbeat_timeout, handshake_timeout (seconds), "
+      "close_timeout, heartbeat_interval, heartbeat_timeout, handshake_timeout, frame_timeout (seconds), "
       "token_file (a path)";
   const char *p = val;
   while (*p) {
@@ -638,6 +638,8 @@ static int set_rdzv_conf(launcher_opts_t *o, cli_seen_t *seen, const char *flag,
       dst = &o->heartbeat_timeout_s;
     else if (strcmp(item, "handshake_timeout") == 0)
       dst = &o->handshake_timeout_s;
+    else if (strcmp(item, "frame_timeout") == 0)
+      dst = &o->frame_timeout_s;
     else
       return usage_error(err, errlen, "%s: unknown key \"%s\"; %s", flag, item, expected);
     if (parse_seconds(value, 0, zero_ok, dst) != 0)
@@ -1435,7 +1437,9 @@ const char *cli_usage(void) {
          "                          heartbeat_timeout (default " STR(
              DEF_HEARTBEAT_TIMEOUT) ": a node silent longer is dead),\n"
          "                          handshake_timeout (default: the store's, a few seconds: a\n"
-         "                          connection that has not proved the secret by then is closed)\n"
+         "                          connection that has not proved the secret by then is closed),\n"
+         "                          frame_timeout (default: the store's, 10: a frame over 4 KiB\n"
+         "                          that gets no byte for that long is dropped)\n"
          "  --standalone            one node, store on 127.0.0.1 on a free port; implied by\n"
          "                          c10d without --rdzv_endpoint and nnodes 1 (not with\n"
          "                          --rdzv_endpoint)\n"

@@ -75,6 +75,7 @@ typedef struct {
   double heartbeat_interval_s; /* default 1 */
   double heartbeat_timeout_s;  /* default 5; a node silent longer is dead */
   double handshake_timeout_s;  /* a connection still in the handshake then is closed; 0: store's */
+  double frame_timeout_s;      /* a big frame to the store stalled this long is dropped; 0: store's */
   char token_file[1024];       /* token_file=PATH; "" = none */
   int standalone;
 

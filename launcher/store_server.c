@@ -14,8 +14,10 @@
  * bytes arrive (doubling when full, never past the announced length), and a frame bigger than
  * BASE_BUF must first fit in what is left of the server's budget for partly received frames,
  * or the connection is refused with STORE_EBUSY: twenty connections announcing 64 MiB and
- * sending half cost what they sent, within the budget, not 64 MiB each. An idle connection
- * holds no buffer at all.
+ * sending half cost what they sent, within the budget, not 64 MiB each. Such a frame must keep
+ * coming (frame_ms): one that stalls is dropped and its share of the budget released, so that
+ * four stalled 64 MiB frames cannot keep everyone else's big SETs out for good. An idle
+ * connection holds no buffer at all.
  *
  * A waiting request (GET, WAIT, MULTI_GET) parks the connection: its payload is copied, a timer
  * armed, and the connection is filed under the first of its keys that is missing, in a hash
@@ -28,10 +30,19 @@
  * they drain. Nothing here blocks.
  *
  * Closing, two ways. Refusals a client must be able to read (wrong secret, a request before
- * the handshake, over a limit) send an ERROR, shut down our side once it is written and wait
- * LINGER_MS for the client's EOF, discarding what it sends: closing at once with its request
- * unread would reset the connection and could lose the ERROR. Evictions and deadlines write
- * the ERROR only if the socket takes it at once, then close.
+ * the handshake, over a limit, a stalled frame) send an ERROR, shut down our side once it is
+ * written and wait LINGER_MS for the client's EOF, discarding what it sends: closing at once
+ * with its request unread would reset the connection and could lose the ERROR. At most
+ * MAX_LINGER refused connections wait so (the oldest is closed when one more comes), and they
+ * count against no limit but that one: each holds a descriptor. Evictions and the handshake
+ * deadline write the ERROR only if the socket takes it at once, then close.
+ *
+ * Descriptors. The store holds at most max_conns connections that are not refused plus
+ * MAX_LINGER refused ones; the rest of the file limit (fd_reserve) is the host's: the agent
+ * serving the store restarts workers (pipes, a listener for MASTER_PORT), and a store that
+ * took the last descriptor would end the job it serves. Past the handshake each peer address
+ * may hold max_conns_per_host connections: one host that holds the secret, or a client that
+ * leaks connections, cannot take the others' room.
  *
  * Not here: persistence, per-job quotas beyond the whole store's STORE_SERVER_MAX_BYTES. */
 #include "launcher/store_server.h"
@@ -55,10 +66,13 @@
 
 /* Default limits (store_server_opts_t fields left 0), and why:
  *
- * - max_conns: the soft RLIMIT_NOFILE less NOFILE_RESERVE. The agent serving the store also
- *   opens its workers' pipes, log and error files, its listeners and libuv's own descriptors
- *   (three or four per worker), and running out of those must never be the store's doing;
- *   256 covers 64 workers with room to spare. Never below MIN_CONNS.
+ * - max_conns: the soft RLIMIT_NOFILE less fd_reserve (NOFILE_RESERVE by default) and
+ *   MAX_LINGER. The agent serving the store also opens its workers' pipes, log and error
+ *   files, its listeners and libuv's own descriptors (three or four per worker), and running
+ *   out of those must never be the store's doing; 256 covers 64 workers with room to spare
+ *   (the agent passes a reserve sized for its own workers). Never below MIN_CONNS.
+ * - max_conns_per_host: none but max_conns. Only the agent knows how many connections its job
+ *   makes (a node's agent and workers), so it sets this one.
  * - max_unauth 64, max_unauth_per_addr 16: a real job's connections finish the handshake
  *   within a round trip or two, so even thousands of nodes starting at once rarely have more
  *   than a few in it at a time; 16 per address leaves room for a node's workers connecting
@@ -79,9 +93,17 @@
  *   once. Real jobs send a few big values at most (checkpoint metadata, comm bench payloads),
  *   one at a time per connection; the budget bounds what clients that announce big frames and
  *   stall can pin. Frames up to BASE_BUF (every rendezvous and heartbeat request) never wait
- *   on it, so big frames cannot starve them; those buffers are bounded by max_conns. */
+ *   on it, so big frames cannot starve them; those buffers are bounded by max_conns.
+ * - frame_ms 10000, and FRAME_MIN_RATE: a client sends a frame with one blocking send, which
+ *   the kernel carries on even while the client's process is descheduled; ten seconds without
+ *   a byte is a dead or stalled peer even across TCP's retransmissions (a few seconds at
+ *   worst), and 1 MiB/s on top is far below any network a job runs on, while it stops a peer
+ *   that keeps a frame alive by trickling a byte at a time. A 64 MiB frame may take 74 s. */
 #define NOFILE_RESERVE 256
 #define MIN_CONNS 16
+#define MAX_LINGER 16 /* refused connections waiting for their client's EOF */
+#define DEFAULT_FRAME_MS 10000
+#define FRAME_MIN_RATE (1u << 20) /* bytes per second a big frame must average, after frame_ms */
 #define DEFAULT_MAX_UNAUTH 64
 #define DEFAULT_MAX_UNAUTH_PER_ADDR 16
 #define DEFAULT_HANDSHAKE_MS 3000
@@ -116,23 +138,54 @@ typedef struct ns {
   uint8_t prefix[]; /* u8 run id length, run id bytes */
 } ns_t;
 
-typedef struct entry {
-  struct entry *next;
+/* The first member of every node of the chained hash tables here (keys, peers): its bucket's
+ * chain and its whole hash, which is all that growing a table needs (links_grow). */
+typedef struct link {
+  struct link *next;
   uint64_t hash;
+} link_t;
+
+/* A peer address with connections past the handshake, for max_conns_per_host. Lives while it
+ * has some. */
+typedef struct {
+  link_t link; /* first: the peer table holds peers as links */
+  size_t nconns;
+  char addr[48];
+} peer_t;
+
+typedef struct entry {
+  link_t link;       /* first: the key table holds entries as links */
   size_t klen, vlen; /* klen includes the namespace prefix */
   uint8_t *val;      /* vlen bytes plus a NUL, so ADD can parse it in place */
   uint8_t key[];     /* namespace prefix, then the client's key */
 } entry_t;
 
 typedef struct {
-  entry_t **b;
+  link_t **b; /* entries; nb a power of two (0: none yet) */
   size_t nb, n;
   size_t bytes; /* sum of key and value lengths, against STORE_SERVER_MAX_BYTES */
 } table_t;
 
 enum { CONN_HELLO = 0, CONN_AUTH, CONN_READY }; /* handshake progress */
 
+/* Rate-limited warnings, each kind on its own clock, so that a flood of one kind never hides
+ * the first of another: refusals at the connection limits (in all, per host) and dropped
+ * stalled frames, the rest together. */
+enum { WARN_MISC = 0, WARN_LIMITS, WARN_STALLS, WARN_KINDS };
+typedef struct {
+  int64_t last_ms;    /* last warning printed */
+  size_t nsuppressed; /* warnings not printed since */
+} warn_rate_t;
+
 typedef struct conn conn_t;
+
+/* Connections in order of arrival: those in the handshake, or the refused ones lingering. A
+ * connection is on one queue at most. */
+typedef struct {
+  conn_t *head, *tail; /* oldest, newest */
+  size_t n;
+} queue_t;
+
 struct conn {
   uv_tcp_t tcp;
   uv_timer_t timer;     /* the handshake deadline, then a parked request's timeout or the linger */
@@ -141,23 +194,26 @@ struct conn {
   conn_t *prev, *next;   /* all live connections */
   conn_t *wprev, *wnext; /* parked connections filed under the same waiter bucket */
   conn_t *rnext;         /* connections with buffered frames to resume */
-  conn_t *uprev, *unext; /* connections in the handshake, oldest first */
+  queue_t *queue;         /* &srv->unauth or &srv->linger while on it, else NULL */
+  conn_t *qprev, *qnext;  /* its neighbours there */
   int on_ready, closing, handles_open;
   int finishing; /* refused: the ERROR is on its way, then our side shuts down */
   int state;     /* CONN_* */
-  int unauth;    /* on the unauthenticated list */
   int foreign;   /* authenticated with a run id other than the hosting job's */
   uint64_t accepted_ms; /* uv_now() when accepted: its handshake's age */
   char peer[64]; /* address:port, for messages */
   char addr[48]; /* address alone, for the per-address limit */
   char run_id[STORE_MAX_RUN_ID + 1]; /* from HELLO */
   ns_t *ns;      /* once authenticated */
+  peer_t *host;  /* its address's count, once past the handshake (until refused or closed) */
   uint8_t cnonce[STORE_PROTO_NONCE], snonce[STORE_PROTO_NONCE];
 
   uint8_t *buf;  /* received bytes not yet handled: [0, len) of cap; NULL when empty */
   size_t len, cap;
   uint32_t frame_len; /* announced length of the partly received frame at buf's head, 0: not known */
   size_t reserved;    /* bytes of the budget held for that frame */
+  uint64_t frame_start_ms, frame_seen_ms; /* uv_now() when that frame was reserved, and when
+                                           * its last bytes arrived */
 
   int parked_op; /* 0, or the op of the parked request */
   uint8_t *wpayload; /* owned copy of the parked request's payload */
@@ -188,17 +244,19 @@ struct store_server {
   conn_t **wbuckets; /* parked connections by the hash of the key they wait for; nwbuckets a
                       * power of two (0: none yet), grown to keep chains short */
   size_t nwbuckets;
-  conn_t *uhead, *utail; /* unauthenticated connections, oldest first */
-  size_t nclients, nwaiters, nunauth, nforeign;
+  queue_t unauth; /* connections in the handshake */
+  queue_t linger; /* refused connections waiting for their client's EOF */
+  size_t nclients, nwaiters, nforeign; /* nclients counts the lingering too */
+  link_t **pbuckets; /* peers by the hash of their address; npbuckets a power of two (0: none) */
+  size_t npbuckets, npeers;
   size_t buffered; /* sum of the connections' buffer capacities */
   size_t reserved; /* sum of their budget reservations, <= budget */
   char *run_id;    /* the hosting job */
   char *secret;    /* NULL: open store */
-  size_t max_conns, max_unauth, max_unauth_per_addr, budget;
-  int handshake_ms;
+  size_t max_conns, max_per_host, max_unauth, max_unauth_per_addr, budget;
+  int handshake_ms, frame_ms;
   uint64_t grace_ms; /* before which a handshake is not evicted for the limits on handshakes */
-  int64_t warned_ms;  /* last rate-limited warning */
-  size_t nsuppressed; /* warnings not printed since */
+  warn_rate_t warn[WARN_KINDS];
   ns_t *spaces;
   table_t tab;
   store_proto_writer_t w; /* scratch for building one reply at a time */
@@ -217,12 +275,14 @@ typedef struct {
   size_t len;    /* bytes of it still to write (its end), counted in out_pending */
 } wreq_t;
 
-/* Warnings a flood could repeat thousands of times a second: one per WARN_INTERVAL_MS. */
-static void warn_limited(store_server_t *srv, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void warn_limited(store_server_t *srv, const char *fmt, ...) {
+/* Warnings a flood could repeat thousands of times a second: one of each kind (WARN_*) per
+ * WARN_INTERVAL_MS. */
+static void warn_limited(store_server_t *srv, int kind, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void warn_limited(store_server_t *srv, int kind, const char *fmt, ...) {
+  warn_rate_t *w = &srv->warn[kind];
   int64_t now = net_now_ms();
-  if (srv->warned_ms && now - srv->warned_ms < WARN_INTERVAL_MS) {
-    srv->nsuppressed++;
+  if (w->last_ms && now - w->last_ms < WARN_INTERVAL_MS) {
+    w->nsuppressed++;
     return;
   }
   char msg[512];
@@ -230,10 +290,10 @@ static void warn_limited(store_server_t *srv, const char *fmt, ...) {
   va_start(ap, fmt);
   vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
-  if (srv->nsuppressed) log_warn("store: %s (%zu similar warnings before it not shown)", msg, srv->nsuppressed);
+  if (w->nsuppressed) log_warn("store: %s (%zu similar warnings before it not shown)", msg, w->nsuppressed);
   else log_warn("store: %s", msg);
-  srv->warned_ms = now;
-  srv->nsuppressed = 0;
+  w->last_ms = now;
+  w->nsuppressed = 0;
 }
 
 /* ---- namespaces ---------------------------------------------------------------------- */
@@ -280,12 +340,31 @@ static void ns_maybe_free(store_server_t *srv, ns_t *s) {
 /* FNV-1a over prefix and key, the prefix's part done once per namespace. */
 static uint64_t hash_key(const ns_t *ns, const uint8_t *k, size_t n) { return fnv1a(ns->hash, k, n); }
 
-static entry_t **tab_slot(table_t *t, const ns_t *ns, const uint8_t *k, size_t n, uint64_t h) {
+/* Doubles the nb buckets of a chained table (64 at first), moving every node to its new chain.
+ * Returns 0, or -1 when out of memory (the table is unchanged). */
+static int links_grow(link_t ***buckets, size_t *nb) {
+  size_t n = *nb ? *nb * 2 : 64;
+  link_t **b = calloc(n, sizeof *b);
+  if (!b) return -1;
+  for (size_t i = 0; i < *nb; i++) {
+    for (link_t *l = (*buckets)[i], *next; l; l = next) {
+      next = l->next;
+      l->next = b[l->hash & (n - 1)];
+      b[l->hash & (n - 1)] = l;
+    }
+  }
+  free(*buckets);
+  *buckets = b;
+  *nb = n;
+  return 0;
+}
+
+static link_t **tab_slot(table_t *t, const ns_t *ns, const uint8_t *k, size_t n, uint64_t h) {
   if (!t->nb) return NULL;
-  entry_t **pp = &t->b[h & (t->nb - 1)];
+  link_t **pp = &t->b[h & (t->nb - 1)];
   for (; *pp; pp = &(*pp)->next) {
-    entry_t *e = *pp;
-    if (e->hash == h && e->klen == ns->len + n && memcmp(e->key, ns->prefix, ns->len) == 0 &&
+    entry_t *e = (entry_t *)*pp;
+    if (e->link.hash == h && e->klen == ns->len + n && memcmp(e->key, ns->prefix, ns->len) == 0 &&
         memcmp(e->key + ns->len, k, n) == 0)
       return pp;
   }
@@ -293,36 +372,19 @@ static entry_t **tab_slot(table_t *t, const ns_t *ns, const uint8_t *k, size_t n
 }
 
 static entry_t *tab_find_h(table_t *t, const ns_t *ns, const uint8_t *k, size_t n, uint64_t h) {
-  entry_t **pp = tab_slot(t, ns, k, n, h);
-  return pp ? *pp : NULL;
+  link_t **pp = tab_slot(t, ns, k, n, h);
+  return pp ? (entry_t *)*pp : NULL;
 }
 
 static entry_t *tab_find(table_t *t, const ns_t *ns, const uint8_t *k, size_t n) {
   return tab_find_h(t, ns, k, n, hash_key(ns, k, n));
 }
 
-static int tab_grow(table_t *t) {
-  size_t nb = t->nb ? t->nb * 2 : 64;
-  entry_t **b = calloc(nb, sizeof *b);
-  if (!b) return STORE_ENOMEM;
-  for (size_t i = 0; i < t->nb; i++) {
-    for (entry_t *e = t->b[i], *next; e; e = next) {
-      next = e->next;
-      e->next = b[e->hash & (nb - 1)];
-      b[e->hash & (nb - 1)] = e;
-    }
-  }
-  free(t->b);
-  t->b = b;
-  t->nb = nb;
-  return 0;
-}
-
 /* Sets key (in ns, hash h) to val; STORE_ENOMEM when memory or the STORE_SERVER_MAX_BYTES
  * budget runs out. */
 static int tab_set(table_t *t, ns_t *ns, const uint8_t *k, size_t kn, uint64_t h, const uint8_t *v, size_t vn) {
-  entry_t **pp = tab_slot(t, ns, k, kn, h);
-  entry_t *e = pp ? *pp : NULL;
+  link_t **pp = tab_slot(t, ns, k, kn, h);
+  entry_t *e = pp ? (entry_t *)*pp : NULL;
   size_t old = e ? e->klen + e->vlen : 0, fk = ns->len + kn;
   if (t->bytes - old + fk + vn > STORE_SERVER_MAX_BYTES) return STORE_ENOMEM;
   uint8_t *nv = malloc(vn + 1);
@@ -330,7 +392,7 @@ static int tab_set(table_t *t, ns_t *ns, const uint8_t *k, size_t kn, uint64_t h
   if (vn) memcpy(nv, v, vn);
   nv[vn] = 0;
   if (!e) {
-    if (t->n >= t->nb && tab_grow(t)) {
+    if (t->n >= t->nb && links_grow(&t->b, &t->nb)) {
       free(nv);
       return STORE_ENOMEM;
     }
@@ -339,14 +401,14 @@ static int tab_set(table_t *t, ns_t *ns, const uint8_t *k, size_t kn, uint64_t h
       free(nv);
       return STORE_ENOMEM;
     }
-    e->hash = h;
+    e->link.hash = h;
     e->klen = fk;
     memcpy(e->key, ns->prefix, ns->len);
     memcpy(e->key + ns->len, k, kn);
     e->val = NULL;
     e->vlen = 0;
-    e->next = t->b[h & (t->nb - 1)];
-    t->b[h & (t->nb - 1)] = e;
+    e->link.next = t->b[h & (t->nb - 1)];
+    t->b[h & (t->nb - 1)] = &e->link;
     t->n++;
     ns->nkeys++;
   }
@@ -358,10 +420,10 @@ static int tab_set(table_t *t, ns_t *ns, const uint8_t *k, size_t kn, uint64_t h
 }
 
 static int tab_del(table_t *t, ns_t *ns, const uint8_t *k, size_t kn) {
-  entry_t **pp = tab_slot(t, ns, k, kn, hash_key(ns, k, kn));
+  link_t **pp = tab_slot(t, ns, k, kn, hash_key(ns, k, kn));
   if (!pp) return 0;
-  entry_t *e = *pp;
-  *pp = e->next;
+  entry_t *e = (entry_t *)*pp;
+  *pp = e->link.next;
   t->bytes -= e->klen + e->vlen;
   t->n--;
   ns->nkeys--;
@@ -372,14 +434,53 @@ static int tab_del(table_t *t, ns_t *ns, const uint8_t *k, size_t kn) {
 
 static void tab_free(table_t *t) {
   for (size_t i = 0; i < t->nb; i++) {
-    for (entry_t *e = t->b[i], *next; e; e = next) {
-      next = e->next;
+    for (link_t *l = t->b[i], *next; l; l = next) {
+      next = l->next;
+      entry_t *e = (entry_t *)l;
       free(e->val);
       free(e);
     }
   }
   free(t->b);
   memset(t, 0, sizeof *t);
+}
+
+/* ---- peers (connections per host) ---------------------------------------------------- */
+
+static link_t **peer_slot(store_server_t *srv, const char *addr, uint64_t h) {
+  link_t **pp = &srv->pbuckets[h & (srv->npbuckets - 1)];
+  while (*pp && ((*pp)->hash != h || strcmp(((peer_t *)*pp)->addr, addr) != 0)) pp = &(*pp)->next;
+  return pp;
+}
+
+/* The count of addr, made (at 0) when it has none; NULL when out of memory. The buckets double
+ * once peers outnumber them (a failed growth keeps the old ones: longer chains, still
+ * correct). */
+static peer_t *peer_get(store_server_t *srv, const char *addr) {
+  if (srv->npeers >= srv->npbuckets && links_grow(&srv->pbuckets, &srv->npbuckets) && !srv->npbuckets) return NULL;
+  uint64_t h = fnv1a(FNV_OFFSET, (const uint8_t *)addr, strlen(addr));
+  link_t **pp = peer_slot(srv, addr, h);
+  if (*pp) return (peer_t *)*pp;
+  peer_t *p = calloc(1, sizeof *p);
+  if (!p) return NULL;
+  p->link.hash = h;
+  snprintf(p->addr, sizeof p->addr, "%s", addr);
+  *pp = &p->link;
+  srv->npeers++;
+  return p;
+}
+
+/* c no longer counts against its host's limit (refused or closed). */
+static void peer_release(conn_t *c) {
+  store_server_t *srv = c->srv;
+  peer_t *p = c->host;
+  if (!p) return;
+  c->host = NULL;
+  if (--p->nconns) return;
+  link_t **pp = peer_slot(srv, p->addr, p->link.hash);
+  *pp = p->link.next;
+  free(p);
+  srv->npeers--;
 }
 
 /* ---- buffers and the budget ---------------------------------------------------------- */
@@ -412,6 +513,7 @@ static void server_maybe_free(store_server_t *srv) {
   if (!srv->closing || srv->handles_open > 0 || srv->conns) return;
   tab_free(&srv->tab);
   free(srv->wbuckets);
+  free(srv->pbuckets); /* empty: each connection's close released its peer */
   store_proto_writer_free(&srv->w);
   while (srv->spaces) {
     ns_t *s = srv->spaces;
@@ -488,27 +590,28 @@ static void unpark(conn_t *c) {
   if (!c->closing) uv_timer_stop(&c->timer);
 }
 
-static void unauth_push(conn_t *c) {
-  store_server_t *srv = c->srv;
-  c->uprev = srv->utail;
-  c->unext = NULL;
-  if (srv->utail) srv->utail->unext = c;
-  else srv->uhead = c;
-  srv->utail = c;
-  c->unauth = 1;
-  srv->nunauth++;
+/* Appends c, on no queue, to q. */
+static void queue_push(queue_t *q, conn_t *c) {
+  c->qprev = q->tail;
+  c->qnext = NULL;
+  if (q->tail) q->tail->qnext = c;
+  else q->head = c;
+  q->tail = c;
+  c->queue = q;
+  q->n++;
 }
 
-static void unauth_remove(conn_t *c) {
-  store_server_t *srv = c->srv;
-  if (!c->unauth) return;
-  if (c->uprev) c->uprev->unext = c->unext;
-  else srv->uhead = c->unext;
-  if (c->unext) c->unext->uprev = c->uprev;
-  else srv->utail = c->uprev;
-  c->uprev = c->unext = NULL;
-  c->unauth = 0;
-  srv->nunauth--;
+/* Takes c off the queue it is on, if any. */
+static void queue_remove(conn_t *c) {
+  queue_t *q = c->queue;
+  if (!q) return;
+  if (c->qprev) c->qprev->qnext = c->qnext;
+  else q->head = c->qnext;
+  if (c->qnext) c->qnext->qprev = c->qprev;
+  else q->tail = c->qprev;
+  c->qprev = c->qnext = NULL;
+  c->queue = NULL;
+  q->n--;
 }
 
 static void conn_handle_closed(uv_handle_t *h) {
@@ -540,7 +643,8 @@ static void conn_close(conn_t *c, const char *why) {
   else srv->conns = c->next;
   if (c->next) c->next->prev = c->prev;
   srv->nclients--;
-  unauth_remove(c);
+  queue_remove(c);
+  peer_release(c);
   if (c->foreign) srv->nforeign--;
   if (c->ns) {
     c->ns->nconns--;
@@ -608,6 +712,12 @@ static void conn_finish(conn_t *c, int code, const char *fmt, ...) {
   if (c->closing) return;
   c->finishing = 1;
   unreserve(c);
+  peer_release(c);
+  /* It waits as the newest refusal; the oldest goes when more than MAX_LINGER wait. */
+  queue_t *linger = &c->srv->linger;
+  queue_remove(c);
+  queue_push(linger, c);
+  while (linger->n > MAX_LINGER) conn_close(linger->head, "refused, and more refusals lingering");
   if (c->out_paused) {
     c->out_paused = 0;
     int err = uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
@@ -939,13 +1049,36 @@ static void conn_authed(conn_t *c) {
   ns->nconns++;
   c->ns = ns;
   c->state = CONN_READY;
-  unauth_remove(c);
+  queue_remove(c);
   uv_timer_stop(&c->timer);
   if (strcmp(c->run_id, srv->run_id) != 0) {
     c->foreign = 1;
     srv->nforeign++;
     log_debug("store: client %s of job '%s' joined the store of job '%s'", c->peer, c->run_id, srv->run_id);
   }
+}
+
+/* c has proved it holds the secret (or the store is open) and is about to be told so: it stays
+ * unless its address already holds max_per_host connections past the handshake. Checked
+ * before the reply, so that the client's store_connect fails naming the limit instead of its
+ * first request. Returns 0 when c stays (counted for its address), else c is refused. */
+static int admit_host(conn_t *c) {
+  store_server_t *srv = c->srv;
+  peer_t *p = peer_get(srv, c->addr);
+  if (!p) {
+    conn_finish(c, STORE_ENOMEM, "out of memory admitting a connection from %s", c->addr);
+    return -1;
+  }
+  if (p->nconns >= srv->max_per_host) {
+    warn_limited(srv, WARN_LIMITS, "refusing %s: %zu connections from %s are past the handshake (limit %zu per host)",
+                 c->peer, p->nconns, c->addr, srv->max_per_host);
+    conn_finish(c, STORE_EBUSY, "the store of job '%s' holds %zu connections from %s, its limit per host", srv->run_id,
+                p->nconns, c->addr);
+    return -1;
+  }
+  p->nconns++;
+  c->host = p;
+  return 0;
 }
 
 /* HELLO: bytes banner, bytes run_id, bytes client_nonce. */
@@ -975,6 +1108,7 @@ static void handle_hello(conn_t *c, store_proto_reader_t *r) {
     conn_finish(c, STORE_ENOMEM, "the store has no random bytes for the handshake (getrandom failed)");
     return;
   }
+  if (!srv->secret && admit_host(c)) return;
   store_proto_writer_t *w = &srv->w;
   store_proto_begin(w, STORE_REP_HELLO);
   store_proto_put_bytes(w, STORE_PROTO_BANNER, strlen(STORE_PROTO_BANNER));
@@ -1004,10 +1138,11 @@ static void handle_auth(conn_t *c, store_proto_reader_t *r) {
     return;
   }
   if (!store_proto_proof_equal(proof, want)) {
-    warn_limited(srv, "client %s of job '%s' does not hold this job's secret; refused", c->peer, c->run_id);
+    warn_limited(srv, WARN_MISC, "client %s of job '%s' does not hold this job's secret; refused", c->peer, c->run_id);
     conn_finish(c, STORE_EAUTH, "authentication failed: this store belongs to job '%s'", srv->run_id);
     return;
   }
+  if (admit_host(c)) return;
   store_proto_begin(&srv->w, STORE_REP_AUTH);
   store_proto_put_bytes(&srv->w, mine, sizeof mine);
   send_reply(c);
@@ -1205,9 +1340,13 @@ static void handle(conn_t *c, int op, const uint8_t *p, size_t plen) {
 #undef DONE_OR_CLOSE
 }
 
+static void on_frame_timeout(uv_timer_t *t);
+
 /* Handles every whole frame in c's buffer, in order, until one parks, output backs up or c is
  * refused. A frame not yet whole that is bigger than BASE_BUF takes its announced length from
- * the budget first (once); it is refused when that does not fit. */
+ * the budget first (once), and its deadline (on_frame_timeout); it is refused when that does
+ * not fit. The timer is free then: such frames come after the handshake, and a parked or
+ * refused connection reserves nothing. */
 static void conn_process(conn_t *c) {
   store_server_t *srv = c->srv;
   size_t off = 0;
@@ -1228,8 +1367,9 @@ static void conn_process(conn_t *c) {
     if (c->len - off < flen) {
       if (flen > BASE_BUF && !c->reserved) {
         if (flen > srv->budget - srv->reserved) {
-          warn_limited(srv, "client %s: a %u-byte frame does not fit in the %zu bytes left of the %zu-byte budget "
-                            "for partly received frames; refused",
+          warn_limited(srv, WARN_MISC,
+                       "client %s: a %u-byte frame does not fit in the %zu bytes left of the %zu-byte budget "
+                       "for partly received frames; refused",
                        c->peer, flen, srv->budget - srv->reserved, srv->budget);
           conn_finish(c, STORE_EBUSY, "store busy: a %u-byte %s does not fit in the %zu bytes left of its %zu-byte "
                                       "budget for frames being received; try again later",
@@ -1238,12 +1378,18 @@ static void conn_process(conn_t *c) {
         }
         c->reserved = flen;
         srv->reserved += flen;
+        c->frame_start_ms = c->frame_seen_ms = uv_now(srv->loop);
+        uv_timer_start(&c->timer, on_frame_timeout, (uint64_t)srv->frame_ms, 0);
       }
       partial = flen;
       break;
     }
     handle(c, op, c->buf + off + STORE_PROTO_HEADER, flen - STORE_PROTO_HEADER);
-    unreserve(c);
+    if (c->reserved) {
+      unreserve(c);
+      /* Its deadline goes with it, unless the request parked (the timer is its wait's now). */
+      if (!c->closing && !c->finishing && !c->parked_op) uv_timer_stop(&c->timer);
+    }
     off += flen;
   }
   if (c->closing) return;
@@ -1314,6 +1460,7 @@ static void on_read(uv_stream_t *s, ssize_t n, const uv_buf_t *b) {
   }
   if (c->finishing) return; /* discarded: we wait for its EOF */
   c->len += (size_t)n;
+  if (c->reserved && n > 0) c->frame_seen_ms = uv_now(c->srv->loop);
   conn_process(c);
 }
 
@@ -1335,31 +1482,64 @@ static void read_now(conn_t *c) {
   do n = recv(fd, b.base, b.len, MSG_DONTWAIT);
   while (n < 0 && errno == EINTR);
   if (n > 0) on_read((uv_stream_t *)&c->tcp, n, &b);
-  else buf_resize(c, 0); /* a silent connection holds no buffer */
+  else if (c->len == 0) buf_resize(c, 0); /* a silent connection holds no buffer */
+}
+
+/* The deadline of c's reserved frame: dropped once no byte of it came for frame_ms, or once
+ * it has taken frame_ms plus its length at FRAME_MIN_RATE; else armed again for whichever
+ * comes first. Timers run before the loop polls, so after a busy spell the bytes that did
+ * come may still be in the socket: read first, then judge. */
+static void on_frame_timeout(uv_timer_t *t) {
+  conn_t *c = t->data;
+  store_server_t *srv = c->srv;
+  if (c->closing || c->finishing || !c->reserved) return;
+  read_now(c);
+  /* The frame may have been whole and handled, parking c or refusing it, or the next frame
+   * reserved: each armed the timer anew. */
+  if (c->closing || c->finishing || !c->reserved || uv_is_active((uv_handle_t *)&c->timer)) return;
+  uint64_t now = uv_now(srv->loop), frame_ms = (uint64_t)srv->frame_ms;
+  uint64_t idle = now - c->frame_seen_ms, age = now - c->frame_start_ms;
+  uint64_t limit = frame_ms + (uint64_t)c->frame_len * 1000 / FRAME_MIN_RATE;
+  if (idle < frame_ms && age < limit) {
+    uint64_t next = frame_ms - idle < limit - age ? frame_ms - idle : limit - age;
+    uv_timer_start(&c->timer, on_frame_timeout, next, 0);
+    return;
+  }
+  char why[96];
+  if (idle >= frame_ms) snprintf(why, sizeof why, "no byte of it for %llu ms", (unsigned long long)idle);
+  else snprintf(why, sizeof why, "not whole after %llu ms (%u KiB/s at least)", (unsigned long long)age,
+                FRAME_MIN_RATE >> 10);
+  const char *op = store_proto_op_name(c->buf[6]); /* the header is in: the frame was reserved */
+  warn_limited(srv, WARN_STALLS, "client %s: a %u-byte %s stalled at %zu bytes, %s: dropped, releasing its budget",
+               c->peer, c->frame_len, op, c->len, why);
+  conn_finish(c, STORE_ETIMEDOUT, "a %u-byte %s stalled at %zu bytes received, %s: dropped", c->frame_len, op, c->len,
+              why);
 }
 
 /* ---- listening ----------------------------------------------------------------------- */
 
 static size_t count_unauth_from(store_server_t *srv, const char *addr) {
   size_t n = 0;
-  for (conn_t *u = srv->uhead; u; u = u->unext) n += strcmp(u->addr, addr) == 0;
+  for (conn_t *u = srv->unauth.head; u; u = u->qnext) n += strcmp(u->addr, addr) == 0;
   return n;
 }
 
 /* The newcomer c (on the unauthenticated list, the newest there) against the limit on
  * connections in all, before anything of it is read: the oldest connection still in its
  * handshake goes; only when every other connection has finished its handshake is c the one
- * refused, before its HELLO is answered, so that its store_connect names the limit. Returns 0
- * when c stays. */
+ * refused, before its HELLO is answered, so that its store_connect names the limit. Refused
+ * connections still lingering are not counted: they are off the handshake list, so a newcomer
+ * never takes the place of one (that let every second newcomer past a full store), and
+ * MAX_LINGER bounds them. Returns 0 when c stays. */
 static int admit_conn(conn_t *c) {
   store_server_t *srv = c->srv;
-  if (srv->nclients <= srv->max_conns) return 0;
-  if (srv->uhead != c) {
-    conn_abort(srv->uhead, STORE_EBUSY, "evicted: the store of job '%s' is at its limit of %zu connections",
+  if (srv->nclients - srv->linger.n <= srv->max_conns) return 0;
+  if (srv->unauth.head != c) {
+    conn_abort(srv->unauth.head, STORE_EBUSY, "evicted: the store of job '%s' is at its limit of %zu connections",
                srv->run_id, srv->max_conns);
     return 0;
   }
-  warn_limited(srv, "at the limit of %zu connections: refusing %s", srv->max_conns, c->peer);
+  warn_limited(srv, WARN_LIMITS, "at the limit of %zu connections: refusing %s", srv->max_conns, c->peer);
   conn_finish(c, STORE_EBUSY, "the store of job '%s' is at its limit of %zu connections", srv->run_id,
               srv->max_conns);
   return -1;
@@ -1372,25 +1552,27 @@ static int admit_conn(conn_t *c) {
  * accepted (after read_now, so that a node whose HELLO came with it is not counted). */
 static void check_unauth(store_server_t *srv) {
   uint64_t now = uv_now(srv->loop);
-  conn_t *u = srv->uhead;
+  conn_t *u = srv->unauth.head;
   while (u) {
     if (now - u->accepted_ms < srv->grace_ms) {
       if (!uv_is_active((uv_handle_t *)&srv->limits))
         uv_timer_start(&srv->limits, on_limits, srv->grace_ms - (now - u->accepted_ms), 0);
       return;
     }
-    conn_t *next = u->unext;
+    conn_t *next = u->qnext;
     size_t n = count_unauth_from(srv, u->addr);
     if (n > srv->max_unauth_per_addr) {
-      warn_limited(srv, "%zu connections from %s have not finished the handshake (limit %zu): closing the oldest",
-                   n, u->addr, srv->max_unauth_per_addr);
+      warn_limited(srv, WARN_MISC,
+                   "%zu connections from %s have not finished the handshake (limit %zu): closing the oldest", n,
+                   u->addr, srv->max_unauth_per_addr);
       conn_abort(u, STORE_EBUSY, "evicted: %zu connections from %s have not finished the handshake (limit %zu)", n,
                  u->addr, srv->max_unauth_per_addr);
-    } else if (srv->nunauth > srv->max_unauth) {
-      warn_limited(srv, "%zu connections have not finished the handshake (limit %zu): closing the oldest, from %s",
-                   srv->nunauth, srv->max_unauth, u->peer);
+    } else if (srv->unauth.n > srv->max_unauth) {
+      warn_limited(srv, WARN_MISC,
+                   "%zu connections have not finished the handshake (limit %zu): closing the oldest, from %s",
+                   srv->unauth.n, srv->max_unauth, u->peer);
       conn_abort(u, STORE_EBUSY, "evicted: %zu connections have not finished the handshake (limit %zu)",
-                 srv->nunauth, srv->max_unauth);
+                 srv->unauth.n, srv->max_unauth);
     }
     u = next;
   }
@@ -1453,7 +1635,7 @@ static void on_relisten(uv_timer_t *t) {
   if (srv->nlisteners) return; /* not paused: the spare was all */
   char err[256];
   if (srv->nlisteners_closing > 0 || listen_on(srv, srv->port, err, sizeof err) != 0) {
-    if (srv->nlisteners_closing == 0) warn_limited(srv, "%s; trying again in %d ms", err, RELISTEN_MS);
+    if (srv->nlisteners_closing == 0) warn_limited(srv, WARN_MISC, "%s; trying again in %d ms", err, RELISTEN_MS);
     uv_timer_start(&srv->relisten, on_relisten, RELISTEN_MS, 0);
     return;
   }
@@ -1506,8 +1688,8 @@ static int shed_load(store_server_t *srv) {
     }
   }
   if (!uv_is_active((uv_handle_t *)&srv->relisten)) uv_timer_start(&srv->relisten, on_relisten, 0, 0);
-  warn_limited(srv, "out of file descriptors (%zu connections open): dropped %zu waiting connection(s)", srv->nclients,
-               dropped);
+  warn_limited(srv, WARN_MISC, "out of file descriptors (%zu connections open): dropped %zu waiting connection(s)",
+               srv->nclients, dropped);
   return 0;
 }
 
@@ -1517,15 +1699,19 @@ static int shed_load(store_server_t *srv) {
 static void accept_failed(store_server_t *srv, int status) {
   srv->accept_failures++;
   if (status == UV_EMFILE || status == UV_ENFILE) {
-    if (srv->uhead) {
-      warn_limited(srv, "accept: %s (%zu connections, %zu in the handshake): closing the oldest of those",
-                   uv_strerror(status), srv->nclients, srv->nunauth);
-      conn_abort(srv->uhead, STORE_EBUSY, "evicted: the store's host is out of file descriptors");
+    if (srv->linger.head) { /* refused already: only its ERROR's delivery is at stake */
+      conn_close(srv->linger.head, "out of descriptors");
+      return;
+    }
+    if (srv->unauth.head) {
+      warn_limited(srv, WARN_MISC, "accept: %s (%zu connections, %zu in the handshake): closing the oldest of those",
+                   uv_strerror(status), srv->nclients, srv->unauth.n);
+      conn_abort(srv->unauth.head, STORE_EBUSY, "evicted: the store's host is out of file descriptors");
       return;
     }
     if (shed_load(srv) == 0) return;
   } else {
-    warn_limited(srv, "accept: %s", uv_strerror(status));
+    warn_limited(srv, WARN_MISC, "accept: %s", uv_strerror(status));
     if (srv->accept_failures < ACCEPT_FAILURES_MAX) return;
   }
   pause_listening(srv, uv_strerror(status));
@@ -1541,7 +1727,7 @@ static void on_connection(uv_stream_t *l, int status) {
   srv->accept_failures = 0;
   conn_t *c = calloc(1, sizeof *c);
   if (!c) {
-    warn_limited(srv, "out of memory accepting a client");
+    warn_limited(srv, WARN_MISC, "out of memory accepting a client");
     return;
   }
   c->srv = srv;
@@ -1577,7 +1763,7 @@ static void on_connection(uv_stream_t *l, int status) {
   uv_tcp_nodelay(&c->tcp, 1);
   c->state = CONN_HELLO;
   c->accepted_ms = uv_now(srv->loop);
-  unauth_push(c);
+  queue_push(&srv->unauth, c);
   uv_timer_start(&c->timer, on_handshake_timeout, (uint64_t)srv->handshake_ms, 0);
   err = uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
   if (err < 0) {
@@ -1605,12 +1791,14 @@ long store_server_raise_nofile(void) {
   return rl.rlim_cur == RLIM_INFINITY || rl.rlim_cur > LONG_MAX ? LONG_MAX : (long)rl.rlim_cur;
 }
 
-/* max_conns's default: the soft descriptor limit less what the agent needs for itself. */
-static size_t default_max_conns(void) {
+/* max_conns's default: the soft descriptor limit less what the host keeps for itself and the
+ * refused connections that may linger. */
+static size_t default_max_conns(size_t reserve) {
   struct rlimit rl;
-  if (getrlimit(RLIMIT_NOFILE, &rl) != 0) return 1024 - NOFILE_RESERVE;
-  rlim_t soft = rl.rlim_cur == RLIM_INFINITY ? (rlim_t)1 << 20 : rl.rlim_cur;
-  return soft > NOFILE_RESERVE + MIN_CONNS ? (size_t)(soft - NOFILE_RESERVE) : MIN_CONNS;
+  rlim_t soft = 1024;
+  if (getrlimit(RLIMIT_NOFILE, &rl) == 0) soft = rl.rlim_cur == RLIM_INFINITY ? (rlim_t)1 << 20 : rl.rlim_cur;
+  size_t off = reserve + MAX_LINGER;
+  return soft > off + MIN_CONNS ? (size_t)(soft - off) : MIN_CONNS;
 }
 
 int store_server_start(store_server_t **out, uv_loop_t *loop, const char *host, int port,
@@ -1634,12 +1822,15 @@ int store_server_start(store_server_t **out, uv_loop_t *loop, const char *host, 
   srv->run_id = strdup(run_id);
   srv->host = strdup(host ? host : "");
   srv->secret = o.secret && *o.secret ? strdup(o.secret) : NULL;
-  srv->max_conns = o.max_conns ? o.max_conns : default_max_conns();
+  srv->max_conns = o.max_conns ? o.max_conns : default_max_conns(o.fd_reserve ? o.fd_reserve : NOFILE_RESERVE);
+  srv->max_per_host = o.max_conns_per_host && o.max_conns_per_host < srv->max_conns ? o.max_conns_per_host
+                                                                                   : srv->max_conns;
   srv->max_unauth = o.max_unauth ? o.max_unauth : DEFAULT_MAX_UNAUTH;
   srv->max_unauth_per_addr = o.max_unauth_per_addr ? o.max_unauth_per_addr : DEFAULT_MAX_UNAUTH_PER_ADDR;
   srv->handshake_ms = o.handshake_ms > 0 ? o.handshake_ms : DEFAULT_HANDSHAKE_MS;
   srv->grace_ms = (uint64_t)(srv->handshake_ms / 2 < EVICT_GRACE_MS ? srv->handshake_ms / 2 : EVICT_GRACE_MS);
   srv->budget = o.inflight_budget ? o.inflight_budget : DEFAULT_INFLIGHT_BUDGET;
+  srv->frame_ms = o.frame_ms > 0 ? o.frame_ms : DEFAULT_FRAME_MS;
   int rc = 0;
   if (!srv->run_id || !srv->host || (o.secret && *o.secret && !srv->secret)) {
     snprintf(err, errlen, "store server: out of memory");

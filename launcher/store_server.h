@@ -7,10 +7,12 @@
  *
  * The store belongs to one job (opts.run_id) and may require its secret; every connection
  * shakes hands first and then sees only its own job's keys (common/store.h). What strangers
- * on the port can take is bounded (store_server_opts_t): connections in all, connections
- * still in the handshake (the oldest are evicted once they have had a grace of their own, so
- * real nodes still get in, even slow ones) and how long they may take, and the bytes buffered
- * for partly received frames, which grow only as bytes arrive. The whole store is bounded by STORE_SERVER_MAX_BYTES (sets beyond it are refused
+ * on the port can take is bounded (store_server_opts_t): connections in all (a reserve of the
+ * file limit stays free for the host's own use), connections past the handshake per peer host,
+ * connections still in the handshake (the oldest are evicted once they have had a grace of
+ * their own, so real nodes still get in, even slow ones) and how long they may take, and the
+ * bytes buffered for partly received frames, which grow only as bytes arrive and must keep
+ * arriving. The whole store is bounded by STORE_SERVER_MAX_BYTES (sets beyond it are refused
  * with an error reply). Running out of file descriptors is survived, never fatal. */
 #ifndef MESHRUN_STORE_SERVER_H
 #define MESHRUN_STORE_SERVER_H
@@ -28,12 +30,19 @@ typedef struct store_server store_server_t;
 typedef struct {
   const char *run_id;       /* the hosting job: named to clients in the handshake */
   const char *secret;       /* NULL or "": an open store (anyone reaching the port may use it) */
-  size_t max_conns;         /* connections in all (0: from the file limit, less a reserve) */
+  size_t max_conns;         /* connections in all (0: the file limit less fd_reserve and the
+                             * refusals that may linger) */
+  size_t fd_reserve;        /* descriptors the host keeps for itself (0: 256) */
+  size_t max_conns_per_host; /* connections past the handshake from one peer address (0: no
+                              * limit but max_conns); past it a newcomer is refused */
   size_t max_unauth;        /* connections still in the handshake; past it the oldest goes,
                              * once it has been in the handshake for a grace (store_server.c) */
   size_t max_unauth_per_addr; /* the same, per peer address (the oldest of that address goes) */
   int handshake_ms;         /* a connection that has not finished its handshake by then is closed */
   size_t inflight_budget;   /* bytes buffered for partly received frames, all connections together */
+  int frame_ms;             /* a frame over 4 KiB being received that gets no byte for this long,
+                             * or is not whole after this long plus its size at 1 MiB/s, is
+                             * dropped and its budget released (0: 10 s) */
 } store_server_opts_t;
 
 /* Listens on host:port (port 0: a free port; host "" = all addresses) on loop. *bound_port gets

@@ -22,6 +22,15 @@ version 2: HELLO naming a run id, then AUTH with the HMAC-SHA256 proof of the jo
     in-flight budget (256 MiB) + 32 MiB when they hold the secret (640 MiB unbounded); the job
     still works. Before/after printed.
 (f) A script whose "#!" interpreter is missing: exit 127 (a shell's "command not found").
+(g) Connections that hold the secret, HELLO + AUTH then idle, against a store host whose
+    meshrun runs under `ulimit -n 256`: 100 from one address get at most the limit per host
+    (76 for this job), the rest refused naming it, and a client from another address still
+    gets in; 100 more from each of four other addresses stop at the limit in all, with
+    descriptors left for the host (at most 256 - 40 held); a worker failure then restarts
+    (no "too many open files"), and once one address's connections go a client gets in again.
+(h) Four clients holding the secret announce 64 MiB SETs (the whole 256 MiB in-flight budget)
+    and send half: with frame_timeout=0.5 they are dropped, each told so, and another client's
+    8 MiB SET is stored (bound: 20 s); meshrun logs the drop.
 Also: workers get MESHRUN_RDZV_TOKEN (the given secret, or the generated one), the open-store
 and token-file-mode warnings, and a worker's error file asking for no restart.
 """
@@ -52,6 +61,7 @@ OP = {"HELLO": 1, "SET": 2, "GET": 3, "GET_NOWAIT": 4, "ADD": 5, "CAS": 6, "WAIT
 REP = {0x80: "OK", 0x81: "HELLO", 0x82: "VALUE", 0x83: "VALUES", 0x84: "INT", 0x85: "TIMEOUT",
        0x86: "NOKEY", 0x87: "ERROR", 0x88: "AUTH"}
 STORE_EAUTH = -9
+STORE_ETIMEDOUT = -5
 
 
 def b(x):
@@ -76,8 +86,9 @@ class StoreClient:
     """One connection. hello()/auth() for the handshake; call() sends a frame and reads the reply
     ("ERROR" replies come back as ("ERROR", code, message)); Closed when the server hung up."""
 
-    def __init__(self, port, timeout=10):
-        self.s = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    def __init__(self, port, timeout=10, src=None):
+        self.s = socket.create_connection(("127.0.0.1", port), timeout=timeout,
+                                          source_address=(src, 0) if src else None)
 
     def close(self):
         self.s.close()
@@ -521,6 +532,155 @@ def test_half_sent_big_frames_do_not_grow_memory(launch, tmp_path, authed):
           % ("with the secret" if authed else "stranger", sent / 2**20, closed, rss0 / 1024, rss1 / 1024,
              hwm0 / 1024, hwm1 / 1024, (hwm1 - hwm0) / 1024, bound_kb >> 10))
     assert hwm1 - hwm0 < bound_kb
+    assert rc == 0, m.describe()
+
+
+# ---- (g) connections that hold the secret ----
+
+NOFILE_LOW = 256
+# The store's room for a job of --nnodes=1:2 --nproc_per_node=1 (README, Limits): per host
+# 2 nodes x 2 x (1 worker + 2) + 64 = 76 connections; in all 256 - (64 + 8 x 1) - 16 = 168.
+PER_HOST = 76
+# Descriptors the host must still have free with the store full: a restart takes about 5.
+FDS_LEFT = 40
+
+
+def nofile_low():
+    resource.setrlimit(resource.RLIMIT_NOFILE, (NOFILE_LOW, NOFILE_LOW))
+
+
+def open_authed(port, src, n, run_id):
+    """n connections from source address src, each HELLO + AUTH, then left idle. Returns (the
+    admitted clients, the replies of the refused ones, all clients). Refused connections are
+    left open too, as a careless or hostile client leaves them."""
+    kept, refused, every = [], [], []
+    for _ in range(n):
+        c = StoreClient(port, src=src)
+        every.append(c)
+        try:
+            r = c.hello(run_id)
+            if r[0] == "HELLO":
+                r = c.auth(SECRET)
+        except Closed:
+            r = ("closed",)
+        if r[0] == "AUTH":
+            kept.append(c)
+        else:
+            refused.append(r)
+    return kept, refused, every
+
+
+def served(port):
+    try:
+        c = authed_client(port, "jobH", SECRET)
+    except (AssertionError, Closed, OSError):
+        return False
+    ok = c.set("still", "served")[0] == "OK"
+    c.close()
+    return ok
+
+
+def test_connections_with_the_secret_are_bounded(launch, tmp_path):
+    n_each, hosts = 100, ["127.0.0.%d" % i for i in range(3, 7)]
+    want = n_each * (len(hosts) + 1) + 100
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+        except (ValueError, OSError):
+            pass
+        if resource.getrlimit(resource.RLIMIT_NOFILE)[0] < want:
+            pytest.skip("cannot open %d sockets here (RLIMIT_NOFILE %d)" % (want, soft))
+    try:
+        socket.socket().bind(("127.0.0.2", 0))
+    except OSError:
+        pytest.skip("cannot bind 127.0.0.2 here")
+    port = free_port()
+    d = tmp_path
+    n1 = job(launch, port, "jobH", mini_worker(d), nnodes="1:2", extra=["--max_restarts=3"], preexec_fn=nofile_low)
+    wait_for(lambda: started(d, 0, 0), 20, "node 1's worker")
+    fds_before = nfds(n1.pid)
+    # One host: past its limit it is refused, naming the limit; another address still gets in.
+    kept1, refused1, every1 = open_authed(port, "127.0.0.2", n_each, "jobH")
+    other_ok = served(port)
+    # More hosts: the store stops at its limit in all, short of the file limit.
+    floods = {h: open_authed(port, h, n_each, "jobH") for h in hosts}
+    fds_flood = nfds(n1.pid)
+    kept = len(kept1) + sum(len(k) for k, _, _ in floods.values())
+    msgs = sorted(set(r[2] for _, rs, _ in floods.values() for r in rs if r[0] == "ERROR"))
+    print("meshrun under ulimit -n %d: fds %d before; 127.0.0.2: %d of %d admitted (limit per host %d), refused: %s; "
+          "%s: %s admitted; %d admitted in all; fds with the flood %d (at most %d)"
+          % (NOFILE_LOW, fds_before, len(kept1), n_each, PER_HOST, refused1[:1], ", ".join(hosts),
+             [len(k) for k, _, _ in floods.values()], kept, fds_flood, NOFILE_LOW - FDS_LEFT))
+    print("refusals: %s" % msgs)
+    assert fds_flood <= NOFILE_LOW - FDS_LEFT, "meshrun holds %d of %d descriptors" % (fds_flood, NOFILE_LOW)
+    assert len(kept1) <= PER_HOST, "127.0.0.2 got %d connections past the limit per host" % len(kept1)
+    assert refused1 and all(r[0] == "ERROR" and "limit per host" in r[2] for r in refused1), refused1[:3]
+    assert other_ok, "a client from 127.0.0.1 was not served while 127.0.0.2 was at its limit"
+    assert any("at its limit of" in m for m in msgs), msgs
+    # A worker failure: the round restarts (fork, pipes, a listener for MASTER_PORT).
+    open(os.path.join(str(d), "fail.0"), "w").close()
+    wait_for(lambda: started(d, 0, 1), 30, "the restarted worker (round 1)")
+    fds_restart = nfds(n1.pid)
+    # One address's connections go: there is room again.
+    for c in every1:
+        c.close()
+    wait_for(lambda: served(port), 10, "a client admitted once 127.0.0.2's connections closed")
+    release(d)
+    rc = n1.wait(60)
+    for c in [c for _, _, every in floods.values() for c in every]:
+        c.close()
+    print("fds after the restart %d; node exit %d" % (fds_restart, rc))
+    assert "too many open files" not in n1.err.lower(), n1.describe()
+    assert rc == 0, n1.describe()
+
+
+# ---- (h) big frames that stall ----
+
+def test_stalled_big_frames_are_dropped(launch, tmp_path):
+    port = free_port()
+    d = tmp_path
+    m = job(launch, port, "jobS", mini_worker(d), conf=FAST_CONF + ",frame_timeout=0.5", extra=["--max_restarts=1"])
+    wait_for(lambda: started(d, 0, 0), 20, "the worker")
+    stalled = []
+    key = b"stalled"
+    head = (struct.pack(">IBBBB", BIG, MAGIC, VERSION, OP["SET"], 0) + b(key)
+            + struct.pack(">I", BIG - 8 - 4 - len(key) - 4))
+    body = bytes(BIG // 2 - len(head))
+    for _ in range(4):  # 4 x 64 MiB: the whole in-flight budget
+        c = authed_client(port, "jobS", SECRET)
+        c.s.sendall(head)
+        c.s.sendall(body)
+        stalled.append(c)
+    t0 = time.monotonic()
+    value = bytes(8 << 20)
+    tries = []
+
+    def big_set():
+        c = authed_client(port, "jobS", SECRET)
+        try:
+            r = c.set("big", value)
+        except Closed:
+            r = ("closed",)
+        c.close()
+        tries.append(r[0] if r[0] != "ERROR" else r[2])
+        return r[0] == "OK"
+
+    wait_for(big_set, 20, "another client's 8 MiB SET once the stalled frames are dropped")
+    took = time.monotonic() - t0
+    told = []
+    for c in stalled:
+        try:
+            told.append(c.reply())
+        except Closed:
+            told.append(("closed",))
+        c.close()
+    release(d)
+    rc = m.wait(60)
+    print("4 x 64 MiB frames half sent; an 8 MiB SET stored %.2fs later (frame_timeout 0.5s) after %d tries, the "
+          "first: %s; the stalled clients were told: %s" % (took, len(tries), tries[0], told[0]))
+    assert all(r[0] == "ERROR" and r[1] == STORE_ETIMEDOUT and "stalled" in r[2] for r in told), told
+    assert "stalled" in m.err, m.describe()
     assert rc == 0, m.describe()
 
 

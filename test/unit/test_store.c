@@ -1517,6 +1517,81 @@ static void test_connection_limit(void **state) {
   fixture_stop(f);
 }
 
+/* Newcomers to a full store are refused one after the other, however long each refused one
+ * stays open, and at most MAX_LINGER (16, store_server.c) of those wait for their client's EOF:
+ * what the store holds is max_conns plus 16 descriptors. (A refused one used to stay on the
+ * handshake list, and the next newcomer took its place: every second newcomer got in.) */
+static void test_connection_limit_holds(void **state) {
+  enum { MAX = 4, NEW = 24, LINGER = 16 };
+  store_server_opts_t o = {.max_conns = MAX, .handshake_ms = 60000};
+  fixture_t *f = fixture_start_opts("127.0.0.1", &o, NULL);
+  assert_int_equal(f->start_rc, 0);
+  store_t *s[MAX];
+  for (int i = 0; i < MAX; i++) s[i] = client(f);
+  int fds[NEW], admitted = 0;
+  for (int i = 0; i < NEW; i++) {
+    fds[i] = raw_connect(f);
+    raw_send_hello(fds[i], JOB_A);
+    uint8_t *p;
+    size_t n;
+    admitted += raw_reply(fds[i], &p, &n) != STORE_REP_ERROR;
+    free(p);
+  }
+  fixture_query(f);
+  print_message("%d newcomers to a full store (limit %d), each left open: %d admitted; the store holds %zu "
+                "connections (bound %d + %d refused ones lingering)\n", NEW, MAX, admitted, f->nclients, MAX, LINGER);
+  assert_int_equal(admitted, 0);
+  assert_true(wait_counts(f, 0, MAX + LINGER));
+  for (int i = 0; i < NEW; i++) close(fds[i]);
+  assert_true(wait_counts(f, 0, MAX));
+  for (int i = 0; i < MAX; i++) store_close(s[i]);
+  fixture_stop(f);
+}
+
+/* Past the handshake one address holds at most max_conns_per_host connections: one more from
+ * it is refused, naming the limit, while other addresses still get in; a place freed there is
+ * taken again. */
+static void test_conns_per_host(void **state) {
+  enum { PER = 3 };
+  store_server_opts_t o = {.max_conns_per_host = PER, .handshake_ms = 60000};
+  fixture_t *f = fixture_start_opts("127.0.0.1", &o, NULL);
+  assert_int_equal(f->start_rc, 0);
+  int other[PER + 1];
+  for (int i = 0; i <= PER; i++) {
+    other[i] = raw_connect_from(f, "127.0.0.2");
+    if (other[i] < 0) {
+      fixture_stop(f);
+      skip();
+    }
+  }
+  for (int i = 0; i < PER; i++) assert_int_equal(raw_hello(other[i], JOB_A), 0);
+  raw_send_hello(other[PER], JOB_A);
+  expect_refused(other[PER], STORE_EBUSY);
+  /* 127.0.0.1 has its own PER places... */
+  store_t *s[PER];
+  for (int i = 0; i < PER; i++) s[i] = client(f);
+  store_t *x = NULL;
+  char err[512];
+  store_auth_t auth = {.run_id = JOB_A};
+  int rc = store_connect_once(&x, f->host, f->port, &auth, WAIT_MS, err, sizeof err);
+  print_message("connection %d from 127.0.0.1: %s: %s\n", PER + 1, store_strerror(rc), err);
+  assert_int_equal(rc, STORE_EBUSY);
+  assert_non_null(strstr(err, "its limit per host"));
+  /* ...and one given back is taken again. */
+  close(other[0]);
+  store_close(s[0]);
+  assert_true(wait_counts(f, 0, 2 * PER - 2));
+  other[0] = raw_connect_from(f, "127.0.0.2");
+  assert_int_equal(raw_hello(other[0], JOB_A), 0);
+  s[0] = client(f);
+  assert_int_equal(store_set(s[0], "in", "yes", 3), STORE_OK);
+  for (int i = 0; i < PER; i++) {
+    close(other[i]);
+    store_close(s[i]);
+  }
+  fixture_stop(f);
+}
+
 static int count_open_fds(void) {
   DIR *d = opendir("/proc/self/fd");
   if (!d) return -1;
@@ -1606,6 +1681,78 @@ static void send_partial_set(int fd, uint32_t flen, size_t nsend) {
   free(body);
 }
 
+/* A fresh client's SET of a 5 MiB value: expects want, saying when. */
+static void expect_big_set(fixture_t *f, const char *key, int want, const char *when) {
+  size_t vlen = 5u << 20;
+  uint8_t *val = calloc(1, vlen);
+  store_t *s = client(f);
+  int rc = store_set(s, key, val, vlen);
+  print_message("big set %s: %s%s%s\n", when, store_strerror(rc), rc ? ": " : "", rc ? store_errmsg(s) : "");
+  assert_int_equal(rc, want);
+  store_close(s);
+  free(val);
+}
+
+/* Reads the reply to a SET whose frame was sent whole: OK. */
+static void expect_set_ok(int fd) {
+  uint8_t *p;
+  size_t n;
+  assert_int_equal(raw_reply(fd, &p, &n), STORE_REP_OK);
+  free(p);
+}
+
+/* A big frame must keep coming: one sent slowly but steadily, taking longer than frame_ms in
+ * all, is stored; two that stop half way are dropped once frame_ms has passed without a byte,
+ * each told why, and their budget goes to the next big SET, refused while they held it. */
+static void test_frame_deadline(void **state) {
+  enum { FRAME_MS = 1000, TOL_MS = 50, PIECES = 4 };
+  const size_t budget = 8u << 20, frame = 4u << 20;
+  store_server_opts_t o = {.inflight_budget = budget, .frame_ms = FRAME_MS};
+  fixture_t *f = fixture_start_opts("127.0.0.1", &o, NULL);
+  assert_int_equal(f->start_rc, 0);
+
+  /* Steady: a piece every FRAME_MS/2 (pacing the sender, not waiting for the server). */
+  int slow = raw_session(f);
+  size_t piece = frame / PIECES;
+  int64_t t0 = now_ms();
+  send_partial_set(slow, (uint32_t)frame, piece - (STORE_PROTO_HEADER + 4 + 3 + 4)); /* after the SET's head */
+  uint8_t *zeros = calloc(1, piece);
+  for (int i = 1; i < PIECES; i++) {
+    struct timespec ts = {0, FRAME_MS / 2 * 1000000L};
+    nanosleep(&ts, NULL);
+    assert_int_equal(net_send_all(slow, zeros, piece), 0);
+  }
+  expect_set_ok(slow);
+  print_message("a %zu-byte frame sent in %d pieces over %lld ms (frame_ms %d): stored\n", frame, PIECES,
+                (long long)(now_ms() - t0), FRAME_MS);
+  close(slow);
+
+  /* Stalled: the budget is theirs until the deadline, then released. */
+  int fds[2];
+  int64_t sent[2];
+  for (int i = 0; i < 2; i++) {
+    fds[i] = raw_session(f);
+    send_partial_set(fds[i], (uint32_t)frame, frame / 2);
+    sent[i] = now_ms();
+  }
+  int64_t end = now_ms() + WAIT_MS;
+  do fixture_query(f);
+  while (f->inflight < budget && now_ms() < end && (sched_yield(), 1));
+  expect_big_set(f, "big", STORE_EBUSY, "while two stalled frames hold the budget");
+  for (int i = 0; i < 2; i++) {
+    expect_error(fds[i], STORE_ETIMEDOUT);
+    int64_t waited = now_ms() - sent[i];
+    print_message("stalled frame %d dropped %lld ms after its last byte was sent; frame_ms %d, tolerance -%d ms\n",
+                  i, (long long)waited, FRAME_MS, TOL_MS);
+    assert_true(waited >= FRAME_MS - TOL_MS);
+    expect_closed(fds[i]);
+    close(fds[i]);
+  }
+  expect_big_set(f, "big", STORE_OK, "after the drops");
+  free(zeros);
+  fixture_stop(f);
+}
+
 static void test_inflight_budget(void **state) {
   enum { N = 6 };
   const size_t budget = 8u << 20, frame = 4u << 20, sent = 3u << 20;
@@ -1656,13 +1803,7 @@ static void test_inflight_budget(void **state) {
   }
   /* Small requests never wait on the budget; a big one does while it is spent. */
   expect_healthy(f);
-  store_t *s = client(f);
-  size_t vlen = 5u << 20;
-  uint8_t *val = calloc(1, vlen);
-  int rc = store_set(s, "big2", val, vlen);
-  print_message("big set while the budget is spent: %s: %s\n", store_strerror(rc), store_errmsg(s));
-  assert_int_equal(rc, STORE_EBUSY);
-  store_close(s);
+  expect_big_set(f, "big2", STORE_EBUSY, "while the budget is spent");
   for (int i = 0; i < N; i++)
     if (!refused[i]) close(fds[i]);
   int64_t end = now_ms() + WAIT_MS;
@@ -1670,10 +1811,7 @@ static void test_inflight_budget(void **state) {
     fixture_query(f);
   } while ((f->inflight != 0 || f->nclients != 0) && now_ms() < end && (sched_yield(), 1));
   assert_int_equal(f->inflight, 0);
-  s = client(f);
-  assert_int_equal(store_set(s, "big2", val, vlen), STORE_OK);
-  free(val);
-  store_close(s);
+  expect_big_set(f, "big2", STORE_OK, "once the budget is free");
   fixture_stop(f);
 }
 
@@ -1720,7 +1858,10 @@ int main(void) {
       cmocka_unit_test(test_burst_open),
       cmocka_unit_test(test_burst_secret),
       cmocka_unit_test(test_connection_limit),
+      cmocka_unit_test(test_connection_limit_holds),
+      cmocka_unit_test(test_conns_per_host),
       cmocka_unit_test(test_inflight_budget),
+      cmocka_unit_test(test_frame_deadline),
       cmocka_unit_test(test_out_of_descriptors),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
