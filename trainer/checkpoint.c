@@ -98,7 +98,7 @@ static int resume(checkpoint_t *c, dp_t *dp, int world, int restart, int round, 
     log_rank0("checkpoint.resume auto: no checkpoint in %s; starting from step 0", p->checkpoint.dir);
     return 0;
   }
-  if (rc) return rc == CKPT_ESHAPE || rc == CKPT_ENOENT ? 2 : 1;
+  if (rc) return rc == CKPT_ESHAPE || rc == CKPT_ENOENT || rc == CKPT_ENONFINITE ? 2 : 1;
   const ckpt_meta_t *meta = ckpt_meta(ck);
   const uint64_t G = (uint64_t)p->train.global_batch_size, step = (uint64_t)meta->state.step;
   const uint64_t pos = meta->state.data_position;
