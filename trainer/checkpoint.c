@@ -106,7 +106,7 @@ static int resume(checkpoint_t *c, dp_t *dp, int world, int restart, int round, 
              "checkpoint.resume=none and overwrite=true", p->checkpoint.dir);
     return 2;
   }
-  if (rc) return rc == CKPT_ESHAPE || rc == CKPT_ENOENT || rc == CKPT_ECORRUPT ? 2 : 1;
+  if (rc) return rc == CKPT_ESHAPE || rc == CKPT_ENOENT || rc == CKPT_ECORRUPT || rc == CKPT_ENONFINITE ? 2 : 1;
   const ckpt_meta_t *meta = ckpt_meta(ck);
   const uint64_t G = (uint64_t)p->train.global_batch_size, step = (uint64_t)meta->state.step;
   const uint64_t pos = meta->state.data_position;

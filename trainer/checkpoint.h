@@ -48,7 +48,8 @@ int checkpoint_peek(plan_t *p, char *from, size_t fromlen, int *carried);
  * checkpoint.dir is set. *start_step is the first step to run (0: fresh), *resumed whether the
  * parameters and optimizer state came from a checkpoint. restart and round (TORCHELASTIC_RESTART_COUNT,
  * MESHRUN_ROUND) are for the log line. Returns 0, 2 (usage: wrong shape, no such checkpoint,
- * another global batch) or 1 (nothing intact, I/O, a collective), with the message in err.
+ * another global batch; a NaN or an infinity in the checkpoint, which a restart would only load
+ * again) or 1 (nothing intact, I/O, a collective), with the message in err.
  * data_tokens is the dataset's size in tokens: a checkpoint saved over another count resumes
  * with a warning (the same (seed, step) then reads other windows: the data changed).
  * checkpoint_free releases what it made, also after a failure. */

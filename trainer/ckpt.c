@@ -11,7 +11,10 @@
  * The reader keeps every shard file mapped (safetensors.h) and an index of all chunks sorted by
  * (kind, name, position); a read walks only the chunks of one tensor and, per chunk, only the
  * rows both it and the request cover, copying row spans with memcpy (one memcpy when both are
- * full-width, i.e. contiguous in the full tensor). It does not cache assembled tensors. */
+ * full-width, i.e. contiguous in the full tensor). It does not cache assembled tensors. Values
+ * are checked once, when a checkpoint opens (every chunk, split across the ranks like the CRCs,
+ * which read the same bytes just before), not on every read: the verdict is then shared, so every
+ * rank refuses a diverged checkpoint together instead of one rank failing alone mid-load. */
 #include "trainer/ckpt.h"
 
 #include <cJSON.h>
@@ -75,6 +78,7 @@ const char *ckpt_strerror(int code) {
   case CKPT_ENOMEM: return "out of memory";
   case CKPT_ECOMM: return "collective failed";
   case CKPT_ENOSPC: return "no space left on device";
+  case CKPT_ENONFINITE: return "non-finite value";
   default: return "unknown error";
   }
 }
@@ -1311,6 +1315,22 @@ static int index_tensors(const char *path, int world, cJSON *out, char *msg, siz
   return rc;
 }
 
+/* The chunks of the files this rank verified (file i on rank i % size) hold finite numbers
+ * only; else the first NaN or infinity, named by its index in the full tensor (row-major). */
+static int check_finite(const ckpt_t *ck, int rank, int size, char *msg, size_t len) {
+  for (int i = 0; i < ck->n_ents; i++) {
+    const entry_t *e = &ck->ents[i];
+    size_t at;
+    const char *what;
+    if (e->file % size != rank || st_check_finite(e->data, (size_t)(e->b - e->a), &at, &what) == 0) continue;
+    const int64_t w = e->c1 - e->c0, k = e->a + (int64_t)at;
+    return err_set(msg, len, CKPT_ENONFINITE,
+                   "checkpoint error: %s: tensor %s/%s element %" PRId64 " is %s (not a finite number)", ck->path,
+                   e->kind, e->name, (e->r0 + k / w) * e->cols + e->c0 + k % w, what);
+  }
+  return 0;
+}
+
 /* Tries one step directory (collective). 0: *out is open; else everyone gets the same error. */
 static int try_open(ckpt_t **out, const char *path, const ckpt_shape_t *expect, const ckpt_group_t *g, char *msg,
                     size_t len) {
@@ -1330,11 +1350,16 @@ static int try_open(ckpt_t **out, const char *path, const ckpt_shape_t *expect, 
     if (!mine.rc && expect) mine.rc = check_shape(ck, expect, mine.msg, sizeof mine.msg);
     if (!mine.rc) mine.rc = verify_files(ck, grp_rank(g), world, mine.msg, sizeof mine.msg);
   }
-  /* Two verdicts: checksums first, so a damaged file is named as such rather than by whatever
-   * the safetensors parser trips over on another rank. */
+  /* Three verdicts: checksums first, so a damaged file is named as such rather than by whatever
+   * the safetensors parser trips over on another rank; the values last, since a damaged
+   * checkpoint falls back and a diverged one does not. */
   int rc = grp_verdict(g, &mine, all, msg, len);
   if (!rc) {
     mine.rc = build_index(ck, mine.msg, sizeof mine.msg);
+    rc = grp_verdict(g, &mine, all, msg, len);
+  }
+  if (!rc) {
+    mine.rc = check_finite(ck, grp_rank(g), world, mine.msg, sizeof mine.msg);
     rc = grp_verdict(g, &mine, all, msg, len);
   }
   free(all);
@@ -1412,6 +1437,10 @@ int ckpt_open(ckpt_t **out, const char *dir, const char *which, const ckpt_shape
       ck->meta.notes = ck->notes ? ck->notes : "";
       return 0;
     }
+    if (rc == CKPT_ENONFINITE && i + 1 < n) /* diverged: no fallback (ckpt.h) */
+      return err_set(err, errlen, rc, "%s; its files are intact, so the run saved it so (training diverged), and auto "
+                     "does not fall back to step-%" PRId64 ", where the same plan would diverge again: "
+                     "name that one to load it instead", msg, cand[2 + i]);
     if (rc != CKPT_ECORRUPT && rc != CKPT_EIO) return err_set(err, errlen, rc, "%s", msg);
     char line[1200];
     if (i + 1 < n)

@@ -59,6 +59,18 @@
  * skipped. With a group, the CRC work is split across ranks and the verdict is shared, so every
  * rank picks the same checkpoint.
  *
+ * Every value of a checkpoint that opens is a finite number: each rank scans the chunks of the
+ * files it verified, and a NaN or an infinity in any kind (parameters, AdamW moments) refuses
+ * the checkpoint with CKPT_ENONFINITE, naming the tensor and the element (its index in the full
+ * tensor, row-major): "checkpoint error: ck/step-40: tensor adam_v/norm.weight element 7 is nan
+ * (not a finite number)". Its files passed their checksums, so the run saved it so: training
+ * had diverged. "auto" does not fall back to an older checkpoint then, as it does for damage:
+ * batches are a function of (seed, step), so the same plan would replay the same steps into the
+ * same divergence, and the first save of that replay would prune the diverged checkpoint, the
+ * evidence. The caller stops instead (the trainer exits 2, which meshrun does not restart), and
+ * the message names the older checkpoint that a person may resume from by name, after changing
+ * what diverged.
+ *
  * Format versions: 2 added the metadata checksum. Version 1 checkpoints (no checksum) are not
  * loaded: the format is young and a metadata file nothing vouches for could resume on a wrong
  * optimizer step; they are named as version 1 in the message, like any unreadable checkpoint.
@@ -86,6 +98,7 @@ enum {
   CKPT_ENOMEM = -6,
   CKPT_ECOMM = -7,    /* a collective of the group failed */
   CKPT_ENOSPC = -8,   /* a write failed for lack of space (ENOSPC or EDQUOT) */
+  CKPT_ENONFINITE = -9, /* an intact checkpoint holds a NaN or an infinity (the run diverged) */
 };
 const char *ckpt_strerror(int code);
 
@@ -206,7 +219,8 @@ typedef struct {
  * <dir>/latest and fall back as described above; else a step directory: a path, or a name inside
  * dir ("step-30"); no fallback then. expect (may be NULL) is compared with the saved shape.
  * Returns 0; CKPT_ENOENT when there is no checkpoint to load; CKPT_ESHAPE; CKPT_ECORRUPT when
- * none is intact (err names the files). */
+ * none is intact (err names the files); CKPT_ENONFINITE when the one tried first that is intact
+ * holds a NaN or an infinity (no fallback; see above). */
 int ckpt_open(ckpt_t **out, const char *dir, const char *which, const ckpt_shape_t *expect, const ckpt_group_t *group,
               char *err, size_t errlen);
 void ckpt_close(ckpt_t *ck); /* accepts NULL */

@@ -204,9 +204,10 @@ static int valid_name(const char *s) {
   return 1;
 }
 
-static int default_timeout_ms(void) {
-  double s; /* seconds; an unreadable value means the default, as before */
-  env_double("MESHRUN_COMM_TIMEOUT", 1e-3, 1e6 - 1e-3, COMM_DEFAULT_TIMEOUT_MS / 1000.0, &s);
+int comm_timeout_ms(double configured_s) {
+  double s; /* seconds; an unreadable value means the configured one, as before */
+  env_double("MESHRUN_COMM_TIMEOUT", 1e-3, 1e6 - 1e-3, configured_s > 0 ? configured_s : COMM_DEFAULT_TIMEOUT_MS / 1000.0,
+             &s);
   return (int)(s * 1000.0);
 }
 
@@ -266,7 +267,7 @@ int comm_create(comm_t **out, const char *backend, const comm_config_t *cfg, cha
   snprintf(c->name, sizeof c->name, "%s", cfg->name);
   c->rank = cfg->rank;
   c->size = cfg->size;
-  c->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : default_timeout_ms();
+  c->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : comm_timeout_ms(0);
   c->mem = entry->mem;
   int rc = create(c, cfg, err, errlen);
   if (rc != COMM_OK) {

@@ -63,7 +63,7 @@ typedef enum { COMM_SUM = 0, COMM_AVG, COMM_MAX } comm_op_t;
 
 #define COMM_NAME_MAX 64
 #define COMM_ERR_MAX 512
-#define COMM_DEFAULT_TIMEOUT_MS 300000 /* MESHRUN_COMM_TIMEOUT (seconds) overrides */
+#define COMM_DEFAULT_TIMEOUT_MS 300000 /* the trainer's parallel.comm_timeout_s default; MESHRUN_COMM_TIMEOUT overrides */
 
 /* Traffic of one communicator since creation (or comm_reset_stats), this rank only. */
 typedef struct {
@@ -214,6 +214,11 @@ int comm_size(const comm_t *c);
 const char *comm_name(const comm_t *c);
 /* Stall timeout of later collectives (> 0 ms). */
 int comm_set_timeout(comm_t *c, int timeout_ms);
+/* The stall timeout to create communicators with, in ms: MESHRUN_COMM_TIMEOUT (seconds) when it is
+ * set to a number in (0, 1e6), an override for tests and one-off runs; else configured_s (the
+ * trainer's parallel.comm_timeout_s) when > 0; else COMM_DEFAULT_TIMEOUT_MS. What comm_create uses
+ * for a timeout_ms <= 0 is comm_timeout_ms(0). */
+int comm_timeout_ms(double configured_s);
 const char *comm_errmsg(const comm_t *c); /* "" when nothing failed */
 /* 1 once any communicator of this process has broken (a system, remote or timeout error). Only
  * reads a flag, so a signal handler may call it (the trainer's SIGTERM handler does). */

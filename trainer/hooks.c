@@ -5,6 +5,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common/log.h"
 #include "trainer/weights.h"
@@ -19,6 +20,9 @@ void hooks_init(hooks_t *h, int rank) {
   s = getenv("MESHRUN_FAULT_SAVE");
   if (s && sscanf(s, "%d:%d:%15s", &h->save_rank, &h->save_step, name) >= 2)
     h->save_err = !strcmp(name, "ENOSPC") ? ENOSPC : EIO;
+  h->stall_rank = h->stall_step = -1;
+  s = getenv("MESHRUN_FAULT_STALL");
+  if (s && sscanf(s, "%d:%d", &h->stall_rank, &h->stall_step) != 2) h->stall_rank = -1;
 }
 
 int hooks_one_process(const hooks_t *h) { return h->dump_init || h->dump_batches; }
@@ -59,6 +63,12 @@ int hooks_batch(hooks_t *h, const int32_t *tok, const int32_t *tgt, size_t n, ch
 
 float hooks_loss(const hooks_t *h, int step, int micro, float loss) {
   return h->nan_rank == h->rank && h->nan_step == step && micro == 0 ? NAN : loss;
+}
+
+void hooks_stall(const hooks_t *h, int step) {
+  if (h->stall_rank != h->rank || h->stall_step != step) return;
+  log_warn("MESHRUN_FAULT_STALL: stalling before step %d until a signal ends this process", step);
+  for (;;) pause();
 }
 
 int hooks_stop(const hooks_t *h, int step, int steps) {

@@ -11,6 +11,9 @@
  *   MESHRUN_FAULT_SAVE=RANK:STEP[:EIO|ENOSPC]   that rank's shard write of the checkpoint of that
  *                               step fails with that errno (default EIO), as a failing disk
  *                               would (hooks_ckpt_writer installs ckpt's "write" hook)
+ *   MESHRUN_FAULT_STALL=RANK:STEP  that rank stops before step STEP and waits for signals until
+ *                               one ends it, as a hung device or a deadlocked process would: its
+ *                               peers' next collective fails after the comm timeout (hooks_stall)
  *
  * The two dumps serve the PyTorch oracle test and run in one process only. Not here: the
  * behaviour the hooks provoke (the loss check in train.c, the save policy in checkpoint.c). */
@@ -36,6 +39,7 @@ typedef struct {
   FILE *dump;
   int nan_rank, nan_step;   /* MESHRUN_FAULT_NAN; nan_rank -1: off */
   int save_rank, save_step, save_err; /* MESHRUN_FAULT_SAVE; save_err 0: off */
+  int stall_rank, stall_step; /* MESHRUN_FAULT_STALL; stall_rank -1: off */
 } hooks_t;
 
 /* Reads the fault variables for this rank. The flags stay as set. */
@@ -53,6 +57,10 @@ int hooks_start(hooks_t *h, char *err, size_t errlen);
 int hooks_batch(hooks_t *h, const int32_t *tok, const int32_t *tgt, size_t n, char *err, size_t errlen);
 /* The loss of micro-batch micro (0-based) of step `step` (1-based), possibly replaced by nan. */
 float hooks_loss(const hooks_t *h, int step, int micro, float loss);
+/* Before step `step` (1-based): on the stalling rank of that step, a warning and then no return
+ * (pause() until a signal's default action ends the process; the trainer's SIGTERM handler lets
+ * a second SIGTERM do that). */
+void hooks_stall(const hooks_t *h, int step);
 /* After step `step` (1-based) of steps and its checkpoint: 1 when the run stops here (logged). */
 int hooks_stop(const hooks_t *h, int step, int steps);
 void hooks_close(hooks_t *h); /* accepts a zeroed hooks_t */

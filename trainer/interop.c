@@ -814,8 +814,7 @@ static int write_hf_generation_config(int bos, int eos, const char *dir, char *e
 
 static int export_hf(const plan_model_t *c, const source_t *src, int bos, int eos, const char *out, char *err,
                      size_t errlen) {
-  int rc = mkdir_p(out, err, errlen);
-  if (rc) return rc;
+  int rc = 0;
   const int n = 2 + 9 * c->n_layers + 1, D = c->dim / c->n_heads;
   st_tensor_t *ts = calloc((size_t)n, sizeof *ts);
   char(*names)[128] = calloc((size_t)n, sizeof *names);
@@ -849,6 +848,7 @@ static int export_hf(const plan_model_t *c, const source_t *src, int bos, int eo
       ts[i].shape[0] = r;
       ts[i].shape[1] = q;
     }
+  if (rc == 0) rc = mkdir_p(out, err, errlen); /* once every tensor was read: a refused source leaves nothing */
   if (rc == 0) {
     char path[PLAN_PATH_MAX + 32], sterr[512];
     snprintf(path, sizeof path, "%s/model.safetensors", out);

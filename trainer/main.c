@@ -37,7 +37,8 @@
  * Exit codes: 0 done; 1 runtime failure (data, memory, NaN loss, I/O, a collective, a failed save
  * after the last step or of the final weights, a failed write of log.metrics_file); 2 usage or
  * plan error (including device "cuda" in a build without it, WORLD_SIZE > 1 without MESHRUN_STORE,
- * an unknown or unsuitable MESHRUN_COMM_BACKEND, a checkpoint.dir that cannot be written). A
+ * an unknown or unsuitable MESHRUN_COMM_BACKEND, a checkpoint.dir that cannot be written, weights
+ * or a checkpoint holding a NaN or an infinity: a restart would read them again). A
  * runtime failure also goes to TORCHELASTIC_ERROR_FILE (torchrun's layout), with
  * "meshrun": {"restart": false} when it was a lack of space.
  * Startup: when OMP_WAIT_POLICY is unset the program sets it to passive and re-execs itself once
@@ -105,7 +106,8 @@ static const char *usage_text =
     "prompt is encoded and text streamed, else bytes or ids. 'export' writes a llama2.c file or an\n"
     "HF folder (with tokenizer.json + tokenizer_config.json when a tokenizer is known; llama2.c's\n"
     "tokenizer.bin converted);\n"
-    "model.init reads all three formats too, checked against the plan's model.\n"
+    "model.init reads all three formats too, checked against the plan's model. A NaN or an infinity\n"
+    "in any weights or checkpoint read is refused, naming the tensor and element (exit 2).\n"
     "Checkpoints: checkpoint.dir, .interval (steps; also at the end), .keep, .async, .resume\n"
     "(none, auto = the latest intact one or a fresh start, or a step directory); a resume keeps the\n"
     "checkpoint's train.global_batch_size when the plan sets none. Ctrl-C saves a checkpoint when\n"
@@ -116,8 +118,10 @@ static const char *usage_text =
     "(host:port of meshrun's store; needed when WORLD_SIZE > 1), TORCHELASTIC_RESTART_COUNT, MESHRUN_ROUND,\n"
     "OMP_NUM_THREADS (cpu threads), MESHRUN_LOG_LEVEL (error, warn, info, debug), MESHRUN_COMM_BACKEND\n"
     "(cpu, nccl or staged: the collectives of a multi-rank run; default by device: cpu on cpu, on cuda\n"
-    "nccl with a GPU per local rank, else staged), MESHRUN_OP_PROFILE=STEP (that step's time,\n"
-    "kernel by kernel, printed after it).\n"
+    "nccl with a GPU per local rank, else staged), MESHRUN_COMM_TIMEOUT=SECONDS (overrides the plan's\n"
+    "parallel.comm_timeout_s, default 300: a collective or the comms' setup that gets no progress\n"
+    "from a peer for that long fails, naming the collective and the peer), MESHRUN_OP_PROFILE=STEP\n"
+    "(that step's time, kernel by kernel, printed after it).\n"
     "Exit status: 0 done, 1 runtime failure, 2 usage or plan error.\n";
 
 /* 'trainer sample --help' and 'trainer export --help': the command's own page. */
@@ -586,7 +590,7 @@ static int mesh_setup(mesh_t **out, const plan_t *p, int rank, int world, const 
     return 2;
   store_t *st = NULL;
   if (store_connect_env(&st, 60000, err, errlen)) return 1;
-  int rc = mesh_connect(*out, comm_backend, be, st, -1, NULL, 0, err, errlen);
+  int rc = mesh_connect(*out, comm_backend, be, st, -1, NULL, comm_timeout_ms(p->parallel.comm_timeout_s), err, errlen);
   store_close(st);
   return rc ? 1 : 0;
 }
@@ -839,7 +843,7 @@ int main(int argc, char **argv) {
     goto error;
   if (p->checkpoint.on_signal) install_preempt();
   /* --- initial weights (unless resumed): random, our safetensors, llama2.c or Hugging Face */
-  if (!resumed && (code = weights_init(m, be, dp, mesh, p, err, sizeof err))) goto error;
+  if (!resumed && (code = weights_init(m, dp, p, err, sizeof err))) goto error;
   code = 1;
   if (hooks_initial_weights(&a.hooks, m, dp, mesh, plan_json, err, sizeof err)) goto error;
 
@@ -858,6 +862,7 @@ int main(int argc, char **argv) {
   for (int s = start_step; s < p->train.steps && !stopped; s++) {
     train_result_t r;
     run_step = s + 1;
+    hooks_stall(&a.hooks, s + 1);
     if (train_step(&tr, s, &r, err, sizeof err)) {
       /* Training is deterministic: a restart replays from the newest checkpoint bit for bit. An
        * attempt that is itself a failure restart and saved nothing since it began was that

@@ -93,6 +93,9 @@ typedef struct {
                                 DDP buckets reduced during the backward (default 1; 0: every collective
                                 blocks where it is issued). Bit-identical losses either way. */
   double bucket_mb;          /* DDP / ZeRO-1 gradient buckets, MiB (default 25, PyTorch's bucket_cap_mb) */
+  double comm_timeout_s;     /* seconds a collective (or the comms' setup) may go without progress from
+                                a peer before it fails naming the collective (default 300);
+                                MESHRUN_COMM_TIMEOUT, when set, overrides it (comm_timeout_ms) */
   /* Pipeline parallelism (mesh.pp > 1). */
   plan_pp_schedule_t pp_schedule; /* default 1f1b */
   int pp_microbatches;       /* micro-batches per step per dp rank; 0 in the file: train.grad_accum_steps

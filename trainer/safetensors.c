@@ -9,7 +9,9 @@
 #include <cJSON.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <float.h>
 #include <libgen.h>
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -44,6 +46,24 @@ size_t st_numel(const st_tensor_t *t) {
   for (int i = 0; i < t->ndim; i++)
     n *= (size_t)t->shape[i];
   return n;
+}
+
+/* A block is tested without a branch per element (NaN fails every comparison, so !(|v| <= max)
+ * catches both kinds); only a block that holds one is searched element by element. */
+int st_check_finite(const float *x, size_t n, size_t *at, const char **what) {
+  enum { BLOCK = 1024 };
+  for (size_t lo = 0; lo < n; lo += BLOCK) {
+    const size_t hi = n - lo < BLOCK ? n : lo + BLOCK;
+    int bad = 0;
+    for (size_t i = lo; i < hi; i++) bad |= !(fabsf(x[i]) <= FLT_MAX);
+    for (size_t i = lo; bad && i < hi; i++)
+      if (!isfinite(x[i])) {
+        *at = i;
+        *what = isnan(x[i]) ? "nan" : x[i] > 0 ? "inf" : "-inf";
+        return -1;
+      }
+  }
+  return 0;
 }
 
 static int write_all(int fd, const void *buf, size_t len) {

@@ -193,125 +193,6 @@ int weights_save(model_t *m, dp_t *dp, const mesh_t *mesh, int rank, const char 
   return rc ? -1 : 0;
 }
 
-/* Under a strategy: every rank reads the file and keeps its part (its tp slice through
- * model_import_tensor, then its FSDP shard through dp_unit_commit). */
-static int load_units(model_t *m, dp_t *dp, const char *path, char *err, size_t errlen) {
-  st_file_t *f = NULL;
-  if (st_open(&f, path, err, errlen) != 0) return -1;
-  const int nt = model_num_tensors(m), nu = model_num_units(m);
-  int rc = 0;
-  for (int u = 0; u < nu && rc == 0; u++) {
-    if (dp_unit_open(dp, u)) {
-      snprintf(err, errlen, "loading %s: %s", path, dp_errmsg(dp));
-      rc = -1;
-      break;
-    }
-    for (int i = 0; i < nt && rc == 0; i++) {
-      const model_tensor_t *t = model_tensor(m, i);
-      if (t->unit != u) continue;
-      size_t full = full_numel(t);
-      const st_tensor_t *s = st_find(f, t->name);
-      if (!s) {
-        snprintf(err, errlen, "%s: no tensor %s (is it from a model of this plan?)", path, t->name);
-        rc = -1;
-      } else if (s->dtype != ST_F32 || st_numel(s) != full) {
-        snprintf(err, errlen, "%s: tensor %s has %zu elements, the model wants %zu F32", path, t->name, st_numel(s),
-                 full);
-        rc = -1;
-      } else {
-        model_import_tensor(m, i, s->data);
-      }
-    }
-    if (rc == 0) dp_unit_commit(dp, u);
-  }
-  st_close(f);
-  return rc;
-}
-
-/* One process with flat buffers: each tensor copied to its place in the parameter buffer. */
-static int load_flat(model_t *m, backend_t *be, const char *path, char *err, size_t errlen) {
-  st_file_t *f = NULL;
-  if (st_open(&f, path, err, errlen) != 0) return -1;
-  int nt = model_num_tensors(m), rc = 0;
-  float *params = model_params(m);
-  for (int i = 0; i < nt && rc == 0; i++) {
-    const model_tensor_t *t = model_tensor(m, i);
-    const st_tensor_t *s = st_find(f, t->name);
-    if (!s) {
-      snprintf(err, errlen, "%s: no tensor %s (is it from a model of this plan?)", path, t->name);
-      rc = -1;
-    } else if (s->dtype != ST_F32 || st_numel(s) != t->numel) {
-      snprintf(err, errlen, "%s: tensor %s has %zu %s elements, the model wants %zu F32 (shape %d x %d)", path,
-               t->name, st_numel(s), s->dtype == ST_F32 ? "F32" : "I32", t->numel, t->shape[0],
-               t->ndim == 2 ? t->shape[1] : 1);
-      rc = -1;
-    } else {
-      be->to_device(be, params + t->offset, s->data, t->numel * sizeof(float));
-    }
-  }
-  st_close(f);
-  return rc;
-}
-
-int weights_load(model_t *m, backend_t *be, dp_t *dp, const char *path, char *err, size_t errlen) {
-  return dp ? load_units(m, dp, path, err, errlen) : load_flat(m, be, path, err, errlen);
-}
-
-/* A llama2.c file or a Hugging Face directory (trainer/interop): checked against the plan's
- * model first (a mismatch is a plan error: returns 2), then unit by unit as load_units does, so
- * it works under every strategy (dp may be a serial one). */
-static int load_interop(model_t *m, dp_t *dp, const plan_t *p, char *err, size_t errlen) {
-  interop_file_t *f = NULL;
-  int rc = interop_open(&f, p->model.init, INTEROP_AUTO, err, errlen);
-  if (rc) return rc == INTEROP_EMISMATCH ? 2 : 1;
-  if (interop_check_plan(f, &p->model, err, errlen)) {
-    interop_close(f);
-    return 2;
-  }
-  const int nt = model_num_tensors(m), nu = model_num_units(m);
-  size_t fmax = 0;
-  for (int i = 0; i < nt; i++) {
-    const model_tensor_t *t = model_tensor(m, i);
-    size_t full = full_numel(t);
-    fmax = full > fmax ? full : fmax;
-  }
-  log_rank0("model.init: %s (%s, checked against the plan's model)", p->model.init,
-            interop_format_name(interop_file_format(f)));
-  float *buf = malloc(fmax * sizeof(float));
-  rc = buf ? 0 : 1;
-  if (!buf) snprintf(err, errlen, "out of memory loading %s", p->model.init);
-  for (int u = 0; u < nu && rc == 0; u++) {
-    if (dp_unit_open(dp, u)) {
-      snprintf(err, errlen, "loading %s: %s", p->model.init, dp_errmsg(dp));
-      rc = 1;
-      break;
-    }
-    for (int i = 0; i < nt && rc == 0; i++) {
-      const model_tensor_t *t = model_tensor(m, i);
-      if (t->unit != u) continue;
-      size_t full = full_numel(t);
-      if (interop_read_tensor(f, t->name, buf, full, err, errlen)) rc = 2;
-      else model_import_tensor(m, i, buf);
-    }
-    if (rc == 0) dp_unit_commit(dp, u);
-  }
-  free(buf);
-  interop_close(f);
-  return rc;
-}
-
-int weights_init(model_t *m, backend_t *be, dp_t *dp, const mesh_t *mesh, const plan_t *p, char *err,
-                 size_t errlen) {
-  if (p->model.init[0] && interop_detect(p->model.init) != INTEROP_MESHRUN) return load_interop(m, dp, p, err, errlen);
-  /* Our file: without a mesh straight into the flat buffers, as `trainer sample` loads it. */
-  if (p->model.init[0]) return weights_load(m, be, mesh ? dp : NULL, p->model.init, err, errlen) ? 1 : 0;
-  if (dp_init_params(dp, p->seed, p->model.init_std)) {
-    snprintf(err, errlen, "%s", dp_errmsg(dp));
-    return 1;
-  }
-  return 0;
-}
-
 /* ------------------------------------------------------------------ any weights, read-only */
 
 struct weights_file {
@@ -504,17 +385,40 @@ const plan_model_t *weights_model(const weights_file_t *f) { return f->has_cfg ?
 const plan_data_t *weights_data(const weights_file_t *f) { return f->has_data ? &f->data : NULL; }
 const char *weights_tokenizer(const weights_file_t *f) { return f->tokenizer[0] ? f->tokenizer : NULL; }
 
-int weights_read(weights_file_t *f, const char *name, float *dst, size_t numel, char *err, size_t errlen) {
-  if (f->ix) return interop_read_tensor(f->ix, name, dst, numel, err, errlen) ? 2 : 0;
-  if (f->ck) return ckpt_read_tensor(f->ck, "param", name, dst, numel, err, errlen) ? 2 : 0;
+/* The one check every tensor read from a weights file passes (our file's in place, the other
+ * formats' as copied out): a NaN or an infinity is an input error (2), named by the tensor and
+ * its element in our layout. A checkpoint's values were checked when it opened (trainer/ckpt). */
+static int check_finite(const weights_file_t *f, const char *name, const float *x, size_t numel, char *err,
+                        size_t errlen) {
+  size_t at;
+  const char *what;
+  if (st_check_finite(x, numel, &at, &what) == 0) return 0;
+  return err_set(err, errlen, 2, "weights error: %s: tensor %s element %zu is %s (not a finite number)", f->path, name,
+                 at, what);
+}
+
+/* Our file's tensor in place (the mapping lives until weights_close), checked. */
+static int read_ours(weights_file_t *f, const char *name, size_t numel, const float **out, char *err, size_t errlen) {
   const st_tensor_t *s = st_find(f->st, name);
   if (!s) return err_set(err, errlen, 2, "weights error: %s: no tensor %s (is it from a model of this plan?)", f->path,
                          name);
   if (s->dtype != ST_F32 || st_numel(s) != numel)
     return err_set(err, errlen, 2, "weights error: %s: tensor %s has %zu %s elements, the model wants %zu F32", f->path,
                    name, st_numel(s), s->dtype == ST_F32 ? "F32" : "I32", numel);
-  memcpy(dst, s->data, numel * sizeof(float));
-  return 0;
+  *out = s->data;
+  return check_finite(f, name, *out, numel, err, errlen);
+}
+
+int weights_read(weights_file_t *f, const char *name, float *dst, size_t numel, char *err, size_t errlen) {
+  if (f->ck) return ckpt_read_tensor(f->ck, "param", name, dst, numel, err, errlen) ? 2 : 0;
+  if (f->ix) {
+    if (interop_read_tensor(f->ix, name, dst, numel, err, errlen)) return 2;
+    return check_finite(f, name, dst, numel, err, errlen);
+  }
+  const float *src = NULL;
+  int rc = read_ours(f, name, numel, &src, err, errlen);
+  if (rc == 0) memcpy(dst, src, numel * sizeof(float));
+  return rc;
 }
 
 int weights_resolve_model(const weights_file_t *f, const plan_model_t *plan, int plan_file, const char *const *sets,
@@ -545,14 +449,20 @@ int weights_resolve_model(const weights_file_t *f, const plan_model_t *plan, int
   return 0;
 }
 
+/* The largest full tensor of m, in floats: the size of a read buffer. */
+static size_t max_full_numel(model_t *m) {
+  size_t fmax = 1;
+  for (int i = 0; i < model_num_tensors(m); i++)
+    if (full_numel(model_tensor(m, i)) > fmax) fmax = full_numel(model_tensor(m, i));
+  return fmax;
+}
+
 int weights_load_file(model_t *m, weights_file_t *f, char *err, size_t errlen) {
-  const int nt = model_num_tensors(m);
-  size_t fmax = 0;
-  for (int i = 0; i < nt; i++) fmax = full_numel(model_tensor(m, i)) > fmax ? full_numel(model_tensor(m, i)) : fmax;
-  float *buf = malloc((fmax ? fmax : 1) * sizeof(float));
+  const size_t fmax = max_full_numel(m);
+  float *buf = malloc(fmax * sizeof(float));
   if (!buf) return err_set(err, errlen, 1, "weights error: %s: out of memory (%zu floats)", f->path, fmax);
   int rc = 0;
-  for (int i = 0; i < nt && rc == 0; i++) {
+  for (int i = 0; i < model_num_tensors(m) && rc == 0; i++) {
     const model_tensor_t *t = model_tensor(m, i);
     rc = weights_read(f, t->name, buf, full_numel(t), err, errlen);
     if (rc == 0) model_import_tensor(m, i, buf);
@@ -561,21 +471,71 @@ int weights_load_file(model_t *m, weights_file_t *f, char *err, size_t errlen) {
   return rc;
 }
 
+/* model.init through the strategy, unit by unit, so it works under every one (dp may be a
+ * serial one): every rank reads the file and keeps its part (its tp slice through
+ * model_import_tensor, then its FSDP shard through dp_unit_commit). */
+static int load_units(model_t *m, dp_t *dp, weights_file_t *f, char *err, size_t errlen) {
+  const int nt = model_num_tensors(m), nu = model_num_units(m);
+  const size_t fmax = max_full_numel(m);
+  float *buf = malloc(fmax * sizeof(float));
+  int rc = buf ? 0 : err_set(err, errlen, 1, "weights error: %s: out of memory (%zu floats)", f->path, fmax);
+  for (int u = 0; u < nu && rc == 0; u++) {
+    if (dp_unit_open(dp, u)) {
+      rc = err_set(err, errlen, 1, "loading %s: %s", f->path, dp_errmsg(dp));
+      break;
+    }
+    for (int i = 0; i < nt && rc == 0; i++) {
+      const model_tensor_t *t = model_tensor(m, i);
+      if (t->unit != u) continue;
+      rc = weights_read(f, t->name, buf, full_numel(t), err, errlen);
+      if (rc == 0) model_import_tensor(m, i, buf);
+    }
+    if (rc == 0) dp_unit_commit(dp, u);
+  }
+  free(buf);
+  return rc;
+}
+
+/* model.init takes weights files; a checkpoint (refused before it is opened, which verifies every
+ * file) carries its run on through checkpoint.resume. A llama2.c file or a Hugging Face folder is
+ * checked against the plan's model first (a mismatch returns 2); our file's tensors are checked
+ * as they load. */
+int weights_init(model_t *m, dp_t *dp, const plan_t *p, char *err, size_t errlen) {
+  const char *path = p->model.init;
+  if (!path[0]) {
+    if (dp_init_params(dp, p->seed, p->model.init_std) == 0) return 0;
+    return err_set(err, errlen, 1, "%s", dp_errmsg(dp));
+  }
+  const folder_kind_t kind = folder_kind(path);
+  if (kind == FOLDER_STEP || kind == FOLDER_CKPT)
+    return err_set(err, errlen, 2, "weights error: model.init %s is a checkpoint: checkpoint.resume continues a run "
+                   "from one; model.init takes weights (ours, llama2.c, Hugging Face)", path);
+  weights_file_t *f = NULL;
+  int rc = weights_open(&f, path, err, errlen);
+  if (rc == 0 && f->ix) {
+    if (interop_check_plan(f->ix, &p->model, err, errlen)) rc = 2;
+    else log_rank0("model.init: %s (%s, checked against the plan's model)", path, interop_format_name(f->fmt));
+  }
+  if (rc == 0) rc = load_units(m, dp, f, err, errlen);
+  weights_close(f);
+  return rc;
+}
+
 /* Export source: our file's tensors in place; the other formats' and a checkpoint's copied out
  * (interop_read_tensor un-permutes HF's wq/wk; a checkpoint's are assembled from chunks), each
- * kept until the export ends, since the writer holds several. */
+ * kept until the export ends, since the writer holds several. A tensor that cannot be read
+ * leaves its message in err for the export's. */
 typedef struct {
   weights_file_t *f;
   float **copies;
   int n, cap;
+  char err[1024];
 } export_src_t;
 
 static const float *get_from_file(void *ctx, const char *name, size_t numel) {
   export_src_t *s = ctx;
-  if (s->f->st) {
-    const st_tensor_t *t = st_find(s->f->st, name);
-    return t && t->dtype == ST_F32 && st_numel(t) == numel ? (const float *)t->data : NULL;
-  }
+  const float *p = NULL;
+  if (s->f->st) return read_ours(s->f, name, numel, &p, s->err, sizeof s->err) ? NULL : p;
   if (s->n == s->cap) {
     int cap = s->cap ? 2 * s->cap : 64;
     float **grown = realloc(s->copies, (size_t)cap * sizeof *grown);
@@ -583,13 +543,13 @@ static const float *get_from_file(void *ctx, const char *name, size_t numel) {
     s->copies = grown;
     s->cap = cap;
   }
-  float *p = malloc((numel ? numel : 1) * sizeof(float));
-  if (!p || weights_read(s->f, name, p, numel, NULL, 0)) {
-    free(p);
+  float *copy = malloc((numel ? numel : 1) * sizeof(float));
+  if (!copy || weights_read(s->f, name, copy, numel, s->err, sizeof s->err)) {
+    free(copy);
     return NULL;
   }
-  s->copies[s->n++] = p;
-  return p;
+  s->copies[s->n++] = copy;
+  return copy;
 }
 
 int weights_export(weights_file_t *f, const plan_model_t *cfg, const char *format, int bos_id, int eos_id,
@@ -603,6 +563,7 @@ int weights_export(weights_file_t *f, const plan_model_t *cfg, const char *forma
   int rc = interop_export(cfg, get_from_file, &src, fmt, bos_id, eos_id, out, err, errlen);
   for (int i = 0; i < src.n; i++) free(src.copies[i]);
   free(src.copies);
+  if (rc && src.err[0]) return err_set(err, errlen, 2, "%s", src.err); /* the tensor's own cause */
   if (rc == 0) log_info("exported %s (%s) to %s (%s)", f->path, weights_format_name(f), out,
                         interop_format_name(fmt));
   return rc == 0 ? 0 : rc == INTEROP_EMISMATCH || rc == INTEROP_EINVAL || rc == INTEROP_ECORRUPT ? 2 : 1;

@@ -6,7 +6,11 @@
  * of a distributed checkpoint (trainer/ckpt: a step folder, or a checkpoint directory's newest
  * intact one) whatever world and plan saved it, through one reader (weights_open), the format
  * found from the content, and the model's shape from the file itself (a checkpoint's: the plan
- * in its metadata) when no plan file says it (weights_resolve_model).
+ * in its metadata) when no plan file says it (weights_resolve_model). model.init goes through
+ * the same reader (the three formats; checkpoints are checkpoint.resume's). Every value read is
+ * checked to be a finite number where every read passes (weights_read; a checkpoint's when it
+ * opens), so a NaN or an infinity in a file is an input error (exit 2) naming the tensor and
+ * the element, never trained on or written on into other files.
  *
  * Our files are safetensors of full (unsplit) fp32 tensors with the model's names, metadata
  * {"format": "meshrun", "plan": <resolved plan JSON>, "step": N}. Under a mesh, saving gathers
@@ -34,17 +38,13 @@
 int weights_save(model_t *m, dp_t *dp, const mesh_t *mesh, int rank, const char *path, const char *plan_json,
                  int step, char *err, size_t errlen);
 
-/* Our safetensors file into the model. dp NULL: one process with flat buffers (sample, and
- * training without a mesh); else unit by unit through the strategy, each rank keeping its tp
- * slice and shard. Returns 0 or -1 with the message in err. */
-int weights_load(model_t *m, backend_t *be, dp_t *dp, const char *path, char *err, size_t errlen);
-
 /* The initial weights of a training run that did not resume: model.init's file when set (ours,
- * a llama2.c file or a Hugging Face directory, the last two checked against p's model first),
- * else random from (seed, init_std) through the strategy. Returns 0, 2 (the file's model is not
- * the plan's) or 1, with the message in err. */
-int weights_init(model_t *m, backend_t *be, dp_t *dp, const mesh_t *mesh, const plan_t *p, char *err,
-                 size_t errlen);
+ * a llama2.c file or a Hugging Face folder, read as weights_open reads them; the last two checked
+ * against p's model first) through the strategy, unit by unit, every rank keeping its part; else
+ * random from (seed, init_std) through the strategy. Returns 0, 2 (the file's model is not the
+ * plan's, a file of no known format or a checkpoint, a missing tensor, a NaN or an infinity) or 1
+ * (I/O, memory), with the message in err. */
+int weights_init(model_t *m, dp_t *dp, const plan_t *p, char *err, size_t errlen);
 
 /* --- Any weights, read-only: what `trainer sample` and `trainer export` take. */
 typedef struct weights_file weights_file_t;
@@ -70,7 +70,10 @@ const plan_data_t *weights_data(const weights_file_t *f);
 /* An HF folder's tokenizer.json when there is one, else NULL. */
 const char *weights_tokenizer(const weights_file_t *f);
 /* The full tensor of our name ("layers.0.attention.wq.weight") into dst, numel floats, in our
- * layout. Returns 0 or 2 (no such tensor, another size) with the message in err. */
+ * layout: every read of weights passes here (model.init, sample, export). Returns 0 or 2 (no such
+ * tensor, another size, a NaN or an infinity: "weights error: FILE: tensor NAME element INDEX is
+ * nan (not a finite number)", INDEX in our layout, row-major) with the message in err. A
+ * checkpoint's values were checked when it opened (trainer/ckpt's message then). */
 int weights_read(weights_file_t *f, const char *name, float *dst, size_t numel, char *err, size_t errlen);
 
 /* The model `trainer sample` and `trainer export` build for f. plan_file 1: the plan came from a

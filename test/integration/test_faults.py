@@ -19,14 +19,27 @@ backward:
 Before model_backward returned a status, a failed backward collective was noticed only at the
 next forward, after the optimizer had stepped on partial gradients, and step 3 was logged and
 saved: this test fails that way.
+
+A stalled peer, the same tp2 run: MESHRUN_FAULT_STALL=1:3 (trainer/hooks.c) stops rank 1 before
+step 3 as a hung device would, alive and silent, so only the comm timeout can end rank 0's wait in
+step 3's first tensor-parallel collective. With the plan's parallel.comm_timeout_s=2 (and, second
+case, the plan's 300 overridden by MESHRUN_COMM_TIMEOUT=1.5, which wins as documented), rank 0
+fails naming the collective, its group, the peer and the timeout; the time from rank 1's stall
+line to rank 0's timeout line, as meshrun forwards them, is the timeout T, within [T - 0.25 s,
+T + 1.5 s] (observed T + 0.01 s); meshrun ends within 10 s after that. Before the plan key
+existed, the run was a plan error (unknown key parallel.comm_timeout_s), and the only timeout was
+MESHRUN_COMM_TIMEOUT's or the default 300 s.
 """
 import json
 import os
+import re
+import subprocess
+import threading
 import time
 
 import pytest
 
-from conftest import FAST_CONF, Meshrun, bin_dir, tiny_plan
+from conftest import FAST_CONF, MESHRUN, Meshrun, bin_dir, tiny_plan
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAINER = os.path.join(bin_dir(), "trainer")
@@ -88,3 +101,54 @@ def test_failed_collective_stops_the_step_on_every_rank(tmp_path, phase, word):
     assert steps == [1, 2], m.describe()
     saved = sorted(x for x in os.listdir(tmp_path / "ck") if x.startswith("step-"))
     assert saved == ["step-1", "step-2"], m.describe()
+
+
+def run_stalled(d, sets, env):
+    """meshrun with rank 1 stalled before step 3: (rc, [(arrival time, stderr line)], end time).
+    Lines are timed as they arrive (a reader thread), so the test sees when each rank said what."""
+    plan = os.path.join(str(d), "plan.json")
+    with open(plan, "w") as f:
+        json.dump(PLAN, f)
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "SLURM_", "MESHRUN_"))}
+    e.update({"OMP_NUM_THREADS": "1", "MESHRUN_FAULT_STALL": "1:3"}, **env)
+    args = [MESHRUN, "--nproc_per_node=2", "--max_restarts=0", "--rdzv_conf=" + FAST_CONF, TRAINER, plan]
+    for kv in sets:
+        args += ["--set", kv]
+    p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=e, cwd=str(d),
+                         start_new_session=True)
+    lines = []
+
+    def read():
+        for raw in p.stderr:
+            lines.append((time.monotonic(), raw.decode(errors="replace").rstrip("\n")))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        rc = p.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, 9)
+        rc = p.wait()
+    end = time.monotonic()
+    reader.join(10)
+    return rc, lines, end
+
+
+@pytest.mark.parametrize("case,sets,env,timeout_s", [
+    ("plan", ["parallel.comm_timeout_s=2"], {}, 2.0),
+    ("env_overrides_plan", ["parallel.comm_timeout_s=300"], {"MESHRUN_COMM_TIMEOUT": "1.5"}, 1.5),
+])
+def test_stalled_peer_fails_after_the_comm_timeout(tmp_path, case, sets, env, timeout_s):
+    rc, lines, end = run_stalled(tmp_path, sets, env)
+    text = "\n".join(l for _, l in lines)
+    stall = [(t, l) for t, l in lines if l.startswith("[rank1]") and "MESHRUN_FAULT_STALL: stalling before step 3" in l]
+    timeout = [(t, l) for t, l in lines if l.startswith("[rank0]") and "timed out after %g s" % timeout_s in l]
+    assert rc != 0 and stall and timeout, "rc=%d\n%s" % (rc, text)
+    waited, ended = timeout[0][0] - stall[0][0], end - timeout[0][0]
+    print("%s: rank 0 failed %.2f s after rank 1 stalled (timeout %g s, bound [%g, %g] s); meshrun rc %d %.2f s "
+          "later\n  %s" % (case, waited, timeout_s, timeout_s - 0.25, timeout_s + 1.5, rc, ended, timeout[0][1]))
+    # the collective, its group, the peer waited for, the step and the pass
+    assert re.search(r"step 3 .*the forward pass failed: .*comm tp\.0 .*: (all_reduce|all_gather|reduce_scatter) "
+                     r"timed out after %g s waiting for rank 1" % timeout_s, timeout[0][1]), timeout[0][1]
+    assert timeout_s - 0.25 <= waited <= timeout_s + 1.5
+    assert ended < 10

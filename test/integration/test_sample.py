@@ -28,7 +28,11 @@
   folder and of the directory gives HF tensors byte-identical to final.safetensors' export (and the
   same config.json and llama2.c file), step-2's differs. Errors, exit 2 and one line: a folder of
   neither kind (what was expected), a shard with a flipped bit (the loader's checksum message;
-  `--weights ck` falls back to step-2), no intact checkpoint left, a plan or --set of another shape.
+  `--weights ck` falls back to step-2), no intact checkpoint left, a plan or --set of another shape;
+  a step folder as model.init (checkpoint.resume's, named).
+- Values that are not numbers: one NaN or infinity in tok_embeddings.weight of our file, a llama2.c
+  file and an HF folder is refused by sample, export (nothing written) and model.init (one process
+  and fsdp2), exit 2 and one line naming the file, the tensor and the element.
 - Bad inputs: a missing file, a file of no known format, a truncated safetensors, an HF folder
   without weights, a plan of another shape, --set model.* against the file, a tokenizer larger than
   the vocabulary, a missing tokenizer, an unknown export format, an unwritable output: each a
@@ -169,6 +173,21 @@ def test_stories260k_hf_plan_and_window(tmp_path):
 
 # --------------------------------------------------------------------- export round trips
 
+def train_ours(tmp_path):
+    """Trains a tiny untied model (dim 32, vocab 300, synthetic data) for 2 steps as planned in
+    tmp_path/p.json; returns its final weights, tmp_path/ck/final.safetensors."""
+    plan = {"device": "cpu", "seed": 3,
+            "model": {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 300, "max_seq_len": 32,
+                      "multiple_of": 16},
+            "train": {"steps": 2, "seq_len": 16, "micro_batch_size": 2, "lr": 1e-2},
+            "data": {"format": "synthetic", "train": ""}, "eval": {"interval": 0},
+            "checkpoint": {"dir": str(tmp_path / "ck")}, "sample": {"tokens": 0}}
+    (tmp_path / "p.json").write_text(json.dumps(plan))
+    t = run([tmp_path / "p.json"], tmp_path)
+    assert t.returncode == 0, t.stderr
+    return tmp_path / "ck" / "final.safetensors"
+
+
 def test_export_round_trips(tmp_path):
     need_stories()
     hf, back = tmp_path / "hf", tmp_path / "back.bin"
@@ -187,16 +206,7 @@ def test_export_round_trips(tmp_path):
     assert h1 == h0 and np.array_equal(w0, w1) and cls0.size == 0 and cls1.size == 0
     assert diff <= ROPE_TOL
     # ours (a short training run's weights, untied) -> hf -> llama2c -> hf: the same HF files
-    plan = {"device": "cpu", "seed": 3,
-            "model": {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 300, "max_seq_len": 32,
-                      "multiple_of": 16},
-            "train": {"steps": 2, "seq_len": 16, "micro_batch_size": 2, "lr": 1e-2},
-            "data": {"format": "synthetic", "train": ""}, "eval": {"interval": 0},
-            "checkpoint": {"dir": str(tmp_path / "ck")}, "sample": {"tokens": 0}}
-    (tmp_path / "p.json").write_text(json.dumps(plan))
-    t = run([tmp_path / "p.json"], tmp_path)
-    assert t.returncode == 0, t.stderr
-    ours = tmp_path / "ck" / "final.safetensors"
+    ours = train_ours(tmp_path)
     for args in (["hf", ours, tmp_path / "a"], ["llama2c", tmp_path / "a", tmp_path / "a.bin"],
                  ["hf", tmp_path / "a.bin", tmp_path / "b"]):
         r = run(["export", "--format", args[0], "--weights", args[1], "--out", args[2]], tmp_path)
@@ -543,3 +553,69 @@ def test_checkpoint_weights_errors(ck_run, tmp_path):
         2, "n_layers 2 but the plan says 3")
     bad(run(["sample", "--weights", d / "ck", "--set", "model.dim=128"], tmp_path), 2, "dim 64 but the plan says 128")
     assert not (tmp_path / "o").exists()
+    # model.init takes weights; a checkpoint is checkpoint.resume's
+    bad(run([d / "plan.json", "--set", f"model.init={step}", "--set", "mesh.dp_shard=1", "--set",
+             f"checkpoint.dir={tmp_path / 'ck_init'}"], tmp_path), 2, f"model.init {step} is a checkpoint",
+        "checkpoint.resume")
+
+
+# --------------------------------------------------------------------- values that are not numbers
+
+NAN_AT = 37  # an element of tok_embeddings.weight (row 1, column 5 of dim 32): the same index in every format
+
+
+def poison_safetensors(path, name, index, value):
+    """Writes value (float32) over element `index` of tensor `name` of the safetensors file path."""
+    with open(path, "r+b") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        begin = json.loads(f.read(n))[name]["data_offsets"][0]
+        f.seek(8 + n + begin + 4 * index)
+        f.write(struct.pack("<f", value))
+
+
+def test_nonfinite_weights_refused(tmp_path):
+    """One NaN or infinity in tok_embeddings.weight of a weights file of each format (ours: nan,
+    llama2.c: -inf, HF: inf) stops every reader: `sample`, `export` (nothing written) and training
+    from it as model.init (one process, and fsdp2 under meshrun, whose ranks all read it: no
+    restart spent, no final weights) exit 2 with one line naming the file, the tensor and the
+    element. Before the check all of them exited 0, and the value went on into the output."""
+    good = train_ours(tmp_path)
+    for fmt, out in (("llama2c", tmp_path / "good.bin"), ("hf", tmp_path / "good_hf")):
+        r = run(["export", "--format", fmt, "--weights", good, "--out", out], tmp_path)
+        assert r.returncode == 0, r.stderr
+    ours, l2c, hf = tmp_path / "nan.safetensors", tmp_path / "ninf.bin", tmp_path / "inf_hf"
+    shutil.copy(good, ours)
+    poison_safetensors(ours, "tok_embeddings.weight", NAN_AT, float("nan"))
+    shutil.copy(tmp_path / "good.bin", l2c)
+    with open(l2c, "r+b") as f:  # the embedding is the first tensor after the 7-int header
+        f.seek(28 + 4 * NAN_AT)
+        f.write(struct.pack("<f", float("-inf")))
+    shutil.copytree(tmp_path / "good_hf", hf)
+    poison_safetensors(hf / "model.safetensors", "model.embed_tokens.weight", NAN_AT, float("inf"))
+
+    for path, what in ((ours, "nan"), (l2c, "-inf"), (hf, "inf")):
+        want = f"weights error: {path}: tensor tok_embeddings.weight element {NAN_AT} is {what} (not a finite number)"
+        bad(run(["sample", "--weights", path, "--set", "sample.tokens=4"], tmp_path), 2, want)
+        for fmt in ("llama2c", "hf"):
+            out = tmp_path / f"out_{path.name}_{fmt}"
+            bad(run(["export", "--format", fmt, "--weights", path, "--out", out], tmp_path), 2, want)
+            assert not out.exists()
+        d = tmp_path / f"init_{path.name}"
+        d.mkdir()
+        r = run([tmp_path / "p.json", "--set", f"model.init={path}", "--set", f"checkpoint.dir={d / 'ck'}"], d)
+        bad(r, 2, want)
+        assert not (d / "ck" / "final.safetensors").exists()
+
+    # fsdp2: every rank reads model.init and refuses it alike; exit 2 is not restarted
+    d = tmp_path / "init_fsdp2"
+    d.mkdir()
+    m = Meshrun(["--nproc_per_node=2", "--max_restarts=2", "--rdzv_conf=" + FAST_CONF, TRAINER, str(tmp_path / "p.json"),
+                 "--set", "mesh.dp_shard=2", "--set", f"model.init={hf}", "--set", f"checkpoint.dir={d / 'ck'}"],
+                env={"OMP_NUM_THREADS": "1"}, cwd=str(d))
+    rc = m.wait(120)
+    want = f"weights error: {hf}: tensor tok_embeddings.weight element {NAN_AT} is inf (not a finite number)"
+    lines = [ln for ln in m.err.splitlines() if want in ln]
+    print(f"fsdp2 model.init: meshrun rc {rc}; {len(lines)} lines name it, e.g. {lines[:1]}")
+    assert rc == 2 and "no restart tried" in m.err, m.describe()
+    assert {ln.split("]:")[0] for ln in lines if ln.startswith("[rank")} == {"[rank0", "[rank1"}, m.describe()
+    assert not (d / "ck" / "final.safetensors").exists()

@@ -14,9 +14,11 @@
  * metadata's own checksum (every one-bit flip of metadata.json refused, a tampered optim_step
  * falling back, a version-1 file named as such); failed writes (the "write" hook) failing the
  * save on every rank with the cause, a lack of space winning, the .tmp removed, and the writer
- * saving again afterwards. */
+ * saving again afterwards; a NaN or an infinity in an intact checkpoint refused, the element named,
+ * with no fallback. */
 #include <errno.h>
 #include <dirent.h>
+#include <math.h>
 #include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -227,6 +229,11 @@ typedef struct {
   int64_t fault_step;   /* with fault_err: the step whose shard writes fail */
   int fault_err[MAXR];  /* per rank: the errno its "write" hook returns at fault_step (0: none) */
   int go_on;            /* keep saving the next steps after a failed one (first error returned) */
+  int64_t poison_step;  /* with poison_kind, poison_tensor, poison_r, poison_c: the element of that full */
+  int poison_kind;      /* tensor that holds poison instead of its value at that step, on the rank */
+  int poison_tensor;    /* that holds it */
+  int64_t poison_r, poison_c;
+  float poison;
 } save_t;
 
 /* The "write" hook of rank `rank` under save_t a (fault_step, fault_err). */
@@ -263,6 +270,12 @@ static int save_rank(rank_ctx_t *rc) {
     ckpt_chunks_t cs = {0};
     for (int q = 0; q < a->nkinds; q++) {
       bufs[q] = local_values(ts, n, t, KINDS[q], step);
+      const model_tensor_t *pt = &ts[a->poison_tensor];
+      const int64_t lr = a->poison_r - (pt->tp_split == MODEL_TP_ROWS ? (int64_t)t * pt->shape[0] : 0);
+      const int64_t lc = a->poison_c - (pt->tp_split == MODEL_TP_COLS ? (int64_t)t * pt->shape[1] : 0);
+      if (a->poison_step == step && a->poison_kind == q && lr >= 0 && lr < pt->shape[0] && lc >= 0 &&
+          lc < pt->shape[1])
+        bufs[q][pt->offset + (size_t)(lr * pt->shape[1] + lc)] = a->poison;
       ckpt_chunks_add_range(&cs, KINDS[q], ts, NT, t, off, cnt, bufs[q] + off);
     }
     if (rc->rank == a->bad_rank && cs.n > 0) cs.v[0].b = cs.v[0].rows * cs.v[0].cols + 1;
@@ -593,6 +606,53 @@ static void test_flipped_byte_falls_back(void **state) {
   printf("%s", err);
   assert_non_null(strstr(err, "step-20/shard-2.safetensors"));
   assert_non_null(strstr(err, "step-10/shard-0.safetensors"));
+}
+
+/* Every rank opens auto through the group and must get CKPT_ENONFINITE with a message holding arg. */
+static int group_nonfinite_rank(rank_ctx_t *r) {
+  ckpt_t *ck = NULL;
+  int rc = ckpt_open(&ck, root, "auto", &SHAPE, r->g, r->err, sizeof r->err);
+  ckpt_close(ck);
+  return rc == CKPT_ENONFINITE && strstr(r->err, r->arg) ? 0 : rc ? rc : -100;
+}
+
+/* A NaN in an AdamW moment, in a tensor split by columns under tp 2 and cut mid-row by FSDP (wo:
+ * (12, 12), element (7, 9) in tp rank 1's columns) refuses a checkpoint whose files are intact,
+ * naming the element by its index in the full tensor (7 * 12 + 9). The run saved it so: auto does
+ * not fall back to step-10 (it names it), an explicit step-20 is refused alike, and step-10 named
+ * opens. On 3 ranks that each scan a third of the four files, every rank gets the same verdict. */
+static void test_nonfinite_refused_without_fallback(void **state) {
+  assert_int_equal(save((save_t){.S = 2, .T = 2, .nkinds = 3, .steps = {10, 20}, .n_steps = 2, .poison_step = 20,
+                                 .poison_kind = 2, .poison_tensor = 3, .poison_r = 7, .poison_c = 9, .poison = NAN}),
+                   0);
+  char want[256], err[2048];
+  snprintf(want, sizeof want, "step-20: tensor adam_v/layers.0.attention.wo.weight element %d is nan (not a finite "
+           "number)", 7 * C + 9);
+  ckpt_t *ck = NULL;
+  assert_int_equal(ckpt_open(&ck, root, "auto", &SHAPE, NULL, err, sizeof err), CKPT_ENONFINITE);
+  printf("  auto: %s\n", err);
+  assert_null(ck);
+  assert_non_null(strstr(err, want));
+  assert_non_null(strstr(err, "does not fall back to step-10"));
+  assert_int_equal(ckpt_open(&ck, root, "step-20", &SHAPE, NULL, err, sizeof err), CKPT_ENONFINITE);
+  printf("  step-20: %s\n", err);
+  assert_non_null(strstr(err, want));
+  assert_null(strstr(err, "fall back"));
+  ck = NULL;
+  assert_int_equal(ckpt_open(&ck, root, "step-10", &SHAPE, NULL, err, sizeof err), 0);
+  assert_int_equal(check_layout(ck, 3, 1, 10, 3), 0);
+  ckpt_close(ck);
+  int rc = run_ranks(3, group_nonfinite_rank, want);
+  for (int i = 0; i < 3; i++)
+    if (ranks[i].rc) printf("  rank %d: %d %s\n", i, ranks[i].rc, ranks[i].err);
+  assert_int_equal(rc, 0);
+  /* an infinity in a parameter, a 1-D tensor replicated across tp (saved by tp rank 0) */
+  assert_int_equal(save((save_t){.S = 2, .T = 2, .steps = {30}, .n_steps = 1, .poison_step = 30, .poison_kind = 0,
+                                 .poison_tensor = 7, .poison_r = 11, .poison = -INFINITY}),
+                   0);
+  assert_int_equal(ckpt_open(&ck, root, "step-30", &SHAPE, NULL, err, sizeof err), CKPT_ENONFINITE);
+  printf("  step-30: %s\n", err);
+  assert_non_null(strstr(err, "tensor param/norm.weight element 11 is -inf (not a finite number)"));
 }
 
 static void test_wrong_shape_refused(void **state) {
@@ -952,6 +1012,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_read_whole_tensors, setup, teardown),
       cmocka_unit_test_setup_teardown(test_truncated_shard_falls_back, setup, teardown),
       cmocka_unit_test_setup_teardown(test_flipped_byte_falls_back, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_nonfinite_refused_without_fallback, setup, teardown),
       cmocka_unit_test_setup_teardown(test_wrong_shape_refused, setup, teardown),
       cmocka_unit_test_setup_teardown(test_crash_during_save_keeps_previous, setup, teardown),
       cmocka_unit_test_setup_teardown(test_failing_rank_fails_everyone, setup, teardown),

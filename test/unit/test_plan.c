@@ -112,6 +112,7 @@ static void test_defaults(void **state) {
   assert_int_equal(p.parallel.activation_checkpoint, PLAN_AC_NONE);
   assert_int_equal(p.parallel.activation_checkpoint_every, 2);
   assert_int_equal(plan_checkpoint_every(&p), 0);
+  assert_true(p.parallel.comm_timeout_s == 300);
   assert_int_equal(p.train.steps, 1000);
   assert_int_equal(p.train.global_batch_size, 0);
   assert_true(p.train.min_lr == p.train.lr / 10);
@@ -298,6 +299,8 @@ static void test_key_errors(void **state) {
   expect_error("{\"model\":{\"norm_eps\":0}}", 0, "model.norm_eps");
   expect_error("{\"train\":{\"lr\":0}}", 0, "train.lr");
   expect_error("{\"train\":{\"beta1\":1.0}}", 0, "train.beta1");
+  expect_error("{\"parallel\":{\"comm_timeout_s\":0}}", 0, "parallel.comm_timeout_s");
+  expect_error("{\"parallel\":{\"comm_timeout_s\":1e6}}", 0, "parallel.comm_timeout_s");
   expect_error("{\"train\":{\"beta2\":0}}", 0, "train.beta2");
   expect_error("{\"train\":{\"weight_decay\":-0.1}}", 0, "train.weight_decay");
   expect_error("{\"train\":{\"warmup_steps\":-1}}", 0, "train.warmup_steps");
@@ -358,8 +361,8 @@ static void test_set_overrides(void **state) {
   const char *sets[] = {"model.dim=64", "data.train=foo.txt", "train.lr=1e-3", "device=cpu",
                         "seed=42", "parallel.mixed_precision.reduce_dtype=bf16",
                         "parallel.tp_plan.attention.wq=replicate", "sample.prompt=To be",
-                        "checkpoint.async=true", "model.dim=96"};
-  load_ok(&p, NULL, sets, 10);
+                        "checkpoint.async=true", "model.dim=96", "parallel.comm_timeout_s=2.5"};
+  load_ok(&p, NULL, sets, 11);
   assert_int_equal(p.model.dim, 96); /* the later --set wins */
   assert_string_equal(p.data.train + strlen(p.data.train) - strlen("/foo.txt"), "/foo.txt");
   assert_true(p.data.train[0] == '/'); /* from the working directory, made absolute */
@@ -370,6 +373,7 @@ static void test_set_overrides(void **state) {
   assert_int_equal(p.parallel.reduce_dtype, PLAN_DTYPE_BF16);
   assert_int_equal(p.parallel.param_dtype, PLAN_DTYPE_FP32); /* follows device=cpu */
   assert_int_equal(p.checkpoint.async, 1);
+  assert_true(p.parallel.comm_timeout_s == 2.5);
   assert_string_equal(p.sample.prompt, "To be");
   int found = 0;
   for (int i = 0; i < p.parallel.n_tp_plan; i++)

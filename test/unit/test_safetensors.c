@@ -3,7 +3,10 @@
  *
  * Each corrupt case starts from a valid file and breaks one thing (truncation, header length,
  * header JSON, offsets, dtype, shape), then checks that st_open fails with ST_ECORRUPT and a
- * message that names the problem. Files live in a fresh mkdtemp directory. */
+ * message that names the problem. Files live in a fresh mkdtemp directory. Also the finite-value
+ * check every weights reader runs (st_check_finite). */
+#include <float.h>
+#include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -151,6 +154,36 @@ static void test_errors(void **state) {
   printf("  unwritable path: %s\n", err);
 }
 
+/* st_check_finite: the first NaN or infinity of a buffer of 3000 (three blocks of 1024 and a
+ * partial one), at the first, a block's last, the next block's first and the last element; the
+ * name of each kind; a buffer of the largest finite values and subnormals passes. */
+static void test_check_finite(void **state) {
+  enum { N = 3000 };
+  static float x[N];
+  size_t at = 0;
+  const char *what = NULL;
+  for (size_t i = 0; i < N; i++) x[i] = (i % 3 ? FLT_MAX : -1e-45f) * (i % 2 ? 1 : -1);
+  assert_int_equal(st_check_finite(x, N, &at, &what), 0);
+  assert_int_equal(st_check_finite(x, 0, &at, &what), 0);
+  const size_t where[] = {0, 1023, 1024, 2047, N - 1};
+  const float bad[] = {NAN, INFINITY, -INFINITY, -NAN, INFINITY};
+  const char *names[] = {"nan", "inf", "-inf", "nan", "inf"};
+  for (int k = 0; k < 5; k++) {
+    const float keep = x[where[k]];
+    x[where[k]] = bad[k];
+    assert_int_equal(st_check_finite(x, N, &at, &what), -1);
+    printf("  %s at %zu: found at %zu, named %s\n", names[k], where[k], at, what);
+    assert_int_equal(at, where[k]);
+    assert_string_equal(what, names[k]);
+    assert_int_equal(st_check_finite(x, where[k], &at, &what), 0); /* not within the first where[k] */
+    x[where[k]] = keep;
+  }
+  x[2500] = NAN; /* the first of two */
+  x[2999] = INFINITY;
+  assert_int_equal(st_check_finite(x, N, &at, &what), -1);
+  assert_int_equal(at, 2500);
+}
+
 static int setup(void **state) {
   return testdir_make(dir, sizeof dir, "test_safetensors");
 }
@@ -163,6 +196,7 @@ int main(void) {
       cmocka_unit_test(test_round_trip),
       cmocka_unit_test(test_corrupt_files_refused),
       cmocka_unit_test(test_errors),
+      cmocka_unit_test(test_check_finite),
   };
   return cmocka_run_group_tests_name("safetensors", tests, setup, teardown);
 }
