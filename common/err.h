@@ -1,5 +1,5 @@
 /* err: writing an error message into a caller's buffer, the one way every library module of
- * meshrun reports what went wrong (STYLE.md: errors in libraries). The message names the cause;
+ * meshrun reports what went wrong (docs/STYLE.md, "Errors"). The message names the cause;
  * the return value is the caller's code, so a failure is one statement:
  *
  *     if (n < 0) return err_set(err, errlen, -EINVAL, "%s: negative size %d", path, n);

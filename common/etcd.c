@@ -47,6 +47,7 @@ struct etcd {
   int port[MAX_MEMBERS];
   int timeout_ms;
   int unsure;                    /* the last call retried after a try that may have been applied */
+  int heard_http, heard_etcd;    /* some member answered in HTTP; one answered as etcd does */
   char err[2048];
 };
 
@@ -259,6 +260,7 @@ static int attempt(etcd_t *c, int i, const char *path, const char *body, int tim
   char herr[256] = "";
   int rc = http_post(&c->http, &rq, &res, herr, sizeof herr);
   long status = res.status;
+  if (status) c->heard_http = 1;
   *retry = 1;
   *unsure = 0;
   if (x->oom) {
@@ -289,6 +291,7 @@ static int attempt(etcd_t *c, int i, const char *path, const char *body, int tim
   cJSON *j = x->body.p ? cJSON_ParseWithLengthOpts(x->body.p, x->body.len, NULL, 0) : NULL;
   const char *text = NULL;
   int code = j ? reply_error(j, &text) : 0;
+  if (text || (status == 200 && j)) c->heard_etcd = 1;
   if (status != 200 || code) {
     /* 4xx: the request is wrong wherever it goes. "no leader" is refused before it reaches
      * raft; other 5xx (timed out, leader changed) may still be applied. */
@@ -511,6 +514,10 @@ int etcd_connect(etcd_t **out, const char *endpoints, int timeout_ms, char *err,
    * answered by any live member, even by a leader that has just lost its quorum. */
   cJSON *j;
   if ((rc = call(c, "connect", "/v3/kv/range", "{\"key\":\"AA==\",\"count_only\":true}", &j))) {
+    /* What answered, for the caller's message: HTTP but never etcd's error form (a web server on
+     * the port), or etcd that could not serve the read, or (the code as it is) nothing. */
+    if (c->heard_http && !c->heard_etcd) rc = -EPROTO;
+    else if (c->heard_etcd && rc != -EACCES && rc != -ENOMEM) rc = -EAGAIN;
     err_set(err, errlen, rc, "%s", c->err);
     goto error;
   }

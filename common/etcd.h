@@ -68,7 +68,10 @@ void etcd_kvs_free(etcd_kvs_t *kvs); /* frees the contents; accepts NULL and emp
 /* endpoints: "host:port,host:port,..." (port defaults to 2379; "[v6]:port" and an http://
  * prefix are accepted). timeout_ms (> 0) bounds every later call, retries included. Checks
  * that the cluster serves a linearizable read (waiting up to timeout_ms for it). Returns
- * 0 and *out, or a code with the reason in err. */
+ * 0 and *out, or a code with the reason in err that says what answered: -EPROTO something,
+ * not etcd (a web server: HTTP without etcd's replies); -EAGAIN etcd, which could not serve
+ * the read (no leader, no quorum); -EACCES etcd, refusing us; -EINVAL bad endpoints; any other
+ * code (-ECONNREFUSED, -ETIMEDOUT, -EHOSTUNREACH, -EIO) nothing. */
 int etcd_connect(etcd_t **out, const char *endpoints, int timeout_ms, char *err, size_t errlen);
 void etcd_close(etcd_t *c); /* accepts NULL */
 /* A new client for c's members, with c's timeout, without etcd_connect's check (c has passed

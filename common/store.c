@@ -380,7 +380,7 @@ static int handshake(store_t *s, const char *run_id, const char *secret, int tim
 
 /* One connection and handshake; s->err says why not. */
 static int connect_once(store_t *s, const char *host, int port, const char *run_id, const char *secret,
-                        int timeout_ms, int retry) {
+                        int handshake_ms, int timeout_ms, int retry) {
   int64_t start = net_now_ms();
   s->fd = retry ? net_connect(host, port, timeout_ms, s->err, sizeof s->err)
                 : net_connect_once(host, port, timeout_ms, s->err, sizeof s->err);
@@ -395,7 +395,9 @@ static int connect_once(store_t *s, const char *host, int port, const char *run_
   setsockopt(s->fd, IPPROTO_TCP, TCP_KEEPINTVL, &intvl, sizeof intvl);
   setsockopt(s->fd, IPPROTO_TCP, TCP_KEEPCNT, &cnt, sizeof cnt);
   int hello_ms = CLIENT_HELLO_TIMEOUT_MS;
-  if (timeout_ms >= 0) {
+  if (handshake_ms > 0) {
+    hello_ms = handshake_ms;
+  } else if (timeout_ms >= 0) {
     int64_t left = timeout_ms - (net_now_ms() - start);
     hello_ms = left < 1000 ? 1000 : (int)left;
   }
@@ -428,7 +430,8 @@ static int connect_store(store_t **out, const char *host, int port, const store_
     }
     s->fd = -1;
     net_format_endpoint(s->ep, sizeof s->ep, host, port);
-    int rc = connect_once(s, host, port, run_id, secret, deadline < 0 ? -1 : left_ms(deadline), retry);
+    int rc = connect_once(s, host, port, run_id, secret, auth ? auth->handshake_ms : 0,
+                          deadline < 0 ? -1 : left_ms(deadline), retry);
     if (rc == 0) {
       s->err[0] = 0;
       *out = s;

@@ -39,12 +39,20 @@ enum {
   STORE_EBUSY = -10,    /* the server is at a limit (connections, bytes in flight) */
 };
 
-/* Who a client is: its job's run id (its key namespace on the server; "" is a namespace too;
- * NULL = "") and the job secret (NUL-terminated text; NULL or "" = none). A client with a
- * secret refuses a store that has none (it could be anyone's), and the other way round. */
+/* The handshake's default bound in seconds, on both ends: the server closes a connection that
+ * has not finished it by then, and meshrun's rendezvous gives up on an endpoint that has not
+ * answered it by then (a program that accepts and never replies is not a meshrun store). */
+#define STORE_HANDSHAKE_S 3
+
+/* The handshake: who a client is, its job's run id (its key namespace on the server; "" is a
+ * namespace too; NULL = "") and the job secret (NUL-terminated text; NULL or "" = none), and how
+ * long the handshake may take once connected, in milliseconds (0: what is left of the connect's
+ * timeout, at least a second). A client with a secret refuses a store that has none (it could
+ * be anyone's), and the other way round. */
 typedef struct {
   const char *run_id;
   const char *secret;
+  int handshake_ms;
 } store_auth_t;
 
 /* The environment a worker finds the store by, as meshrun sets it. */
@@ -56,8 +64,10 @@ typedef struct store store_t;
 
 /* Connects to host:port (IPv4, IPv6 or a hostname: every address getaddrinfo returns is tried,
  * retrying refused connections until timeout_ms passes) and shakes hands as auth says (NULL:
- * run id "" and no secret). Returns 0 and *out, or a code with the reason in err;
- * STORE_EAUTH is final (retrying cannot help). A store that answers STORE_EBUSY (at its
+ * run id "" and no secret). Returns 0 and *out, or a code with the reason in err:
+ * STORE_ECONNECT (nothing accepted the connection), STORE_ETIMEDOUT (something accepted it and
+ * did not answer the handshake in time), STORE_EPROTO (something answered, not as a meshrun
+ * store), STORE_EAUTH (final: retrying cannot help). A store that answers STORE_EBUSY (at its
  * connection limit) is tried again until timeout_ms passes. */
 int store_connect(store_t **out, const char *host, int port, const store_auth_t *auth, int timeout_ms,
                   char *err, size_t errlen);

@@ -182,21 +182,25 @@ static void start_join(agent_t *a) {
   a->have_end = 0;
   a->drained = 0;
   a->local_failure = 0;
-  /* The rdzv thread enforces join_timeout with precise messages; this timer is the backstop
-   * for a peer that accepts and never answers. */
+  /* The rdzv thread enforces join_timeout with precise messages (and handshake_timeout on an
+   * endpoint that accepts and never answers); this timer is the backstop for a store that
+   * answered the handshake and then stalls a request. */
   rdzv_join(a->rz);
 }
 
 static void on_join_timeout(uv_timer_t *t) {
   agent_t *a = t->data;
   if (a->state != AGENT_JOINING) return;
-  log_error("--rdzv_endpoint %s: rendezvous did not complete within join_timeout=%gs (no meshrun store "
-            "answered, or too few nodes joined)",
-            a->store_ep, a->opts->join_timeout_s);
+  log_error("%s %s: rendezvous did not complete within join_timeout=%gs (no meshrun store answered, or too few "
+            "nodes joined)",
+            a->opts->rdzv_endpoint_from, a->store_ep, a->opts->join_timeout_s);
   agent_exit(a, 1);
 }
 
 static void arm_join_timer(agent_t *a) {
+  /* From now: before the first uv_run the loop's clock still reads its start, and probing the
+   * endpoint (host_or_join) can take seconds. */
+  uv_update_time(&a->loop);
   uv_timer_start(&a->join_timer, on_join_timeout, (uint64_t)(a->opts->join_timeout_s * 1000) + 2000, 0);
 }
 
@@ -602,7 +606,8 @@ static int host_or_join(agent_t *a, int *refused, char *err, size_t errlen) {
     if (rc != STORE_SERVER_EADDRINUSE) return rc; /* serving, or the address is not this host's */
     if ((double)(uv_hrtime() - start) / 1e9 >= HOST_RETRY_S) return rc;
     if (nap_ms == 5)
-      log_debug("--rdzv_endpoint port %d is taken but nobody listens there: retrying the bind", o->rdzv_port);
+      log_debug("%s port %d is taken but nobody listens there: retrying the bind", o->rdzv_endpoint_from,
+                o->rdzv_port);
     struct timespec ts = {.tv_sec = 0, .tv_nsec = nap_ms * 1000000};
     nanosleep(&ts, NULL);
     if (nap_ms < 100) nap_ms *= 2;
@@ -663,8 +668,8 @@ int agent_run(launcher_opts_t *o) {
   } else if (refused) {
     /* err names the endpoint and the job that owns it (store_connect's message). */
     log_error("error: not joining: %s; give both jobs the same secret to share the port, or use another "
-              "--rdzv_endpoint",
-              err);
+              "endpoint than %s",
+              err, o->rdzv_endpoint_from);
     goto out;
   }
   if (rc == 0) {
@@ -690,13 +695,16 @@ int agent_run(launcher_opts_t *o) {
                        .last_call_timeout_s = o->last_call_timeout_s, .close_timeout_s = o->close_timeout_s,
                        .heartbeat_interval_s = o->heartbeat_interval_s,
                        .heartbeat_timeout_s = o->heartbeat_timeout_s, .max_restarts = o->max_restarts,
-                       .master_port = o->worker_master_port, .is_store_host = a->drains, .conn = a->probe};
+                       .master_port = o->worker_master_port, .is_store_host = a->drains, .conn = a->probe,
+                       .handshake_ms = (int)(o->handshake_timeout_s * 1000),
+                       .progress_interval_s = o->progress_interval_s};
   a->probe = NULL; /* rdzv_create's now */
   _Static_assert(sizeof o->secret <= sizeof cfg.secret, "rdzv must hold any secret cli accepts");
   memcpy(cfg.secret, o->secret, sizeof o->secret);
   snprintf(cfg.store_host, sizeof cfg.store_host, "%s", a->store_host);
   snprintf(cfg.etcd_endpoints, sizeof cfg.etcd_endpoints, "%s", o->rdzv_endpoints);
   snprintf(cfg.run_id, sizeof cfg.run_id, "%s", o->rdzv_id);
+  snprintf(cfg.endpoint_from, sizeof cfg.endpoint_from, "%s", o->rdzv_endpoint_from);
   snprintf(cfg.addr, sizeof cfg.addr, "%s", addr);
   if (workers_create(&a->wk, &a->loop, o, on_worker_exit, on_workers_idle, a, err, sizeof err)) {
     log_error("%s", err);

@@ -53,6 +53,7 @@
 #include "common/store.h"
 #include "launcher/agent.h"   /* exit statuses, for --help */
 #include "launcher/errfile.h" /* the permanent exit codes, for --help */
+#include "launcher/rdzv.h"    /* etcd's call timeout, for --help */
 
 /* Defaults, written once: cli_defaults() uses them and cli_usage() prints them. */
 #define DEF_RDZV_PORT 29400
@@ -64,6 +65,7 @@
 #define DEF_HEARTBEAT_TIMEOUT 5
 #define DEF_MONITOR_INTERVAL 0.1
 #define DEF_SHUTDOWN_TIMEOUT 30
+#define DEF_PROGRESS_INTERVAL 5
 #define DEF_MAX_RESTARTS 0
 #define DEF_RDZV_ID "none"
 #define DEF_ROLE "default"
@@ -78,6 +80,7 @@ typedef struct {
   int master_port_set;
   int master_addr_set, node_rank_set, nproc_set, rdzv_id_set;
   int redirects_max_rank, tee_max_rank, filter_max_rank; /* highest local rank named, -1 none */
+  char master_addr_flag[80], master_port_flag[80];       /* as given: "--master_addr", "PET_..." */
 } cli_seen_t;
 
 typedef int (*cli_setter_t)(launcher_opts_t *o, cli_seen_t *seen, const char *flag,
@@ -557,22 +560,25 @@ static int set_rdzv_endpoint(launcher_opts_t *o, cli_seen_t *seen, const char *f
   }
   memcpy(o->rdzv_host, host, sizeof host);
   o->rdzv_port = port;
+  snprintf(o->rdzv_endpoint_from, sizeof o->rdzv_endpoint_from, "%s", flag);
   seen->endpoint_set = 1;
   return 0;
 }
 
 static int set_rdzv_id(launcher_opts_t *o, cli_seen_t *seen, const char *flag, const char *val,
                        char *err, size_t errlen) {
-  /* The id becomes part of store keys and TORCHELASTIC_RUN_ID: printable, no spaces. */
-  for (const char *p = val; *p; p++)
-    if (!isgraph((unsigned char)*p))
-      return usage_error(err, errlen,
-                         "%s: \"%s\" is not valid; expected a non-empty id without spaces or "
-                         "control characters",
-                         flag, val);
-  if (copy_string(o->rdzv_id, sizeof o->rdzv_id, val) != 0)
-    return usage_error(err, errlen, "%s: \"%s\" is not valid; expected a non-empty id of at most %zu bytes",
-                       flag, val, sizeof o->rdzv_id - 1);
+  /* The id names a folder under --log_dir, files in $TMPDIR and the job's prefix of keys in the
+   * store and in etcd: a '/' or a leading '.' would reach other folders ("../x") or another
+   * job's keys (etcd's "meshrun/a/" holds job "a/b"'s), so only plain name characters pass. */
+  size_t n = strlen(val);
+  int ok = n >= 1 && n <= CLI_RUN_ID_MAX && val[0] != '.';
+  for (const char *p = val; ok && *p; p++)
+    ok = isalnum((unsigned char)*p) || strchr("._-", *p);
+  if (!ok)
+    return usage_error(err, errlen, "%s: \"%.100s%s\" is not valid; expected 1..%d characters of " CLI_RUN_ID_CHARS
+                       ", not starting with '.'",
+                       flag, val, n > 100 ? "..." : "", CLI_RUN_ID_MAX);
+  memcpy(o->rdzv_id, val, n + 1);
   seen->rdzv_id_set = 1;
   return 0;
 }
@@ -595,8 +601,8 @@ static int set_rdzv_conf(launcher_opts_t *o, cli_seen_t *seen, const char *flag,
                          char *err, size_t errlen) {
   static const char expected[] =
       "expected KEY=VALUE[,...] with KEY one of join_timeout, last_call_timeout, "
-      "close_timeout, heartbeat_interval, heartbeat_timeout, handshake_timeout, frame_timeout (seconds), "
-      "token_file (a path)";
+      "close_timeout, heartbeat_interval, heartbeat_timeout, handshake_timeout, frame_timeout, "
+      "progress_interval (seconds), token_file (a path)";
   const char *p = val;
   while (*p) {
     size_t len = strcspn(p, ",");
@@ -640,6 +646,8 @@ static int set_rdzv_conf(launcher_opts_t *o, cli_seen_t *seen, const char *flag,
       dst = &o->handshake_timeout_s;
     else if (strcmp(item, "frame_timeout") == 0)
       dst = &o->frame_timeout_s;
+    else if (strcmp(item, "progress_interval") == 0)
+      dst = &o->progress_interval_s, zero_ok = 1;
     else
       return usage_error(err, errlen, "%s: unknown key \"%s\"; %s", flag, item, expected);
     if (parse_seconds(value, 0, zero_ok, dst) != 0)
@@ -751,6 +759,7 @@ static int set_master_addr(launcher_opts_t *o, cli_seen_t *seen, const char *fla
                        "port (the port goes in --master_port)",
                        flag, val);
   memcpy(o->master_addr, host, strlen(host) + 1);
+  snprintf(seen->master_addr_flag, sizeof seen->master_addr_flag, "%s", flag);
   seen->master_addr_set = 1;
   return 0;
 }
@@ -762,6 +771,7 @@ static int set_master_port(launcher_opts_t *o, cli_seen_t *seen, const char *fla
     return usage_error(err, errlen, "%s: \"%s\" is not valid; expected a port 1..65535", flag,
                        val);
   o->master_port = (int)v;
+  snprintf(seen->master_port_flag, sizeof seen->master_port_flag, "%s", flag);
   seen->master_port_set = 1;
   return 0;
 }
@@ -975,6 +985,8 @@ void cli_defaults(launcher_opts_t *o) {
   o->close_timeout_s = DEF_CLOSE_TIMEOUT;
   o->heartbeat_interval_s = DEF_HEARTBEAT_INTERVAL;
   o->heartbeat_timeout_s = DEF_HEARTBEAT_TIMEOUT;
+  o->progress_interval_s = DEF_PROGRESS_INTERVAL;
+  snprintf(o->rdzv_endpoint_from, sizeof o->rdzv_endpoint_from, "--rdzv_endpoint");
   o->max_restarts = DEF_MAX_RESTARTS;
   o->monitor_interval_s = DEF_MONITOR_INTERVAL;
   for (int i = 0; i < CLI_MAX_LOCAL_RANKS; i++) {
@@ -1059,6 +1071,12 @@ static int cli_validate(launcher_opts_t *o, const cli_seen_t *seen, char *err, s
       if (o->master_addr[0]) {
         snprintf(o->rdzv_host, sizeof o->rdzv_host, "%s", o->master_addr);
         o->rdzv_port = seen->master_port_set ? o->master_port : DEF_MASTER_PORT;
+        if (seen->master_port_set)
+          snprintf(o->rdzv_endpoint_from, sizeof o->rdzv_endpoint_from, "%s/%s", seen->master_addr_flag,
+                   seen->master_port_flag);
+        else
+          snprintf(o->rdzv_endpoint_from, sizeof o->rdzv_endpoint_from,
+                   "%s (port " STR(DEF_MASTER_PORT) ", --master_port's default)", seen->master_addr_flag);
       } else if (o->nnodes_max == 1) {
         snprintf(o->rdzv_host, sizeof o->rdzv_host, "127.0.0.1");
         o->rdzv_port = seen->master_port_set ? o->master_port : 0;
@@ -1080,6 +1098,7 @@ static int cli_validate(launcher_opts_t *o, const cli_seen_t *seen, char *err, s
     o->standalone = 1;
   }
   if (o->standalone) {
+    snprintf(o->rdzv_endpoint_from, sizeof o->rdzv_endpoint_from, "--standalone");
     o->rdzv_backend = RDZV_BACKEND_C10D;
     o->nnodes_min = o->nnodes_max = 1;
     snprintf(o->rdzv_host, sizeof o->rdzv_host, "127.0.0.1");
@@ -1222,6 +1241,7 @@ static int apply_slurm(launcher_opts_t *o, cli_seen_t *seen, char *note, size_t 
   if (!seen->rdzv_id_set) snprintf(o->rdzv_id, sizeof o->rdzv_id, "%s", job);
   seen->nnodes_set = seen->node_rank_set = seen->endpoint_set = 1;
   o->from_slurm = 1;
+  snprintf(o->rdzv_endpoint_from, sizeof o->rdzv_endpoint_from, "Slurm's %s (port %s)", list_var, port_from);
   size_t n = (size_t)snprintf(note, notelen,
                                "options from Slurm job %s: --nnodes=%ld (SLURM_NNODES) --node_rank=%ld "
                                "(SLURM_NODEID) --rdzv_endpoint=%s:%ld (first host of %s; port %s)",
@@ -1425,7 +1445,9 @@ const char *cli_usage(void) {
          "                          with etcd, the cluster's client endpoints, tried in turn\n"
          "                          (PORT default " STR(CLI_ETCD_PORT) ")\n"
          "  --rdzv_id ID, --run_id ID\n"
-         "                          id shared by every node of one run (default " DEF_RDZV_ID ")\n"
+         "                          id shared by every node of one run (default " DEF_RDZV_ID "):\n"
+         "                          1.." STR(CLI_RUN_ID_MAX) " of " CLI_RUN_ID_CHARS ", not starting with '.'\n"
+         "                          (it names log folders and the job's keys)\n"
          "  --rdzv_conf KEY=VALUE[,KEY=VALUE...]\n"
          "                          token_file=PATH: the job secret (see Secret below);\n"
          "                          in seconds: join_timeout (default " STR(DEF_JOIN_TIMEOUT) "),\n"
@@ -1436,10 +1458,17 @@ const char *cli_usage(void) {
              DEF_HEARTBEAT_INTERVAL) "),\n"
          "                          heartbeat_timeout (default " STR(
              DEF_HEARTBEAT_TIMEOUT) ": a node silent longer is dead),\n"
-         "                          handshake_timeout (default: the store's, a few seconds: a\n"
-         "                          connection that has not proved the secret by then is closed),\n"
+         "                          handshake_timeout (default " STR(STORE_HANDSHAKE_S) "; etcd " STR(
+             RDZV_ETCD_CALL_S) "): a node exits 1 when\n"
+         "                          the endpoint has not answered as a meshrun store (or etcd)\n"
+         "                          by then, and the store closes a connection that has not\n"
+         "                          proved the secret by then (a refused connection is retried\n"
+         "                          until join_timeout),\n"
          "                          frame_timeout (default: the store's, 10: a frame over 4 KiB\n"
-         "                          that gets no byte for that long is dropped)\n"
+         "                          that gets no byte for that long is dropped),\n"
+         "                          progress_interval (default " STR(
+             DEF_PROGRESS_INTERVAL) "; 0: none): a line this often while\n"
+         "                          waiting for nodes or for the store, with the time left\n"
          "  --standalone            one node, store on 127.0.0.1 on a free port; implied by\n"
          "                          c10d without --rdzv_endpoint and nnodes 1 (not with\n"
          "                          --rdzv_endpoint)\n"
@@ -1526,10 +1555,12 @@ const char *cli_usage(void) {
          "  2                       a usage error of meshrun's (one line naming the flag)\n"
          "  " STR(AGENT_EXIT_STORE_LOST) "                      the rendezvous store was lost: the node serving it\n"
          "                          died or was silent for heartbeat_timeout (EX_UNAVAILABLE);\n"
-         "                          with etcd: no etcd member could serve a call within 5 s\n"
+         "                          with etcd: no etcd member could serve a call within " STR(RDZV_ETCD_CALL_S) " s\n"
          "  127                     PROGRAM not found or not executable\n"
          "  128+N                   meshrun itself got signal N (INT, TERM, HUP)\n"
-         "  1                       other launcher errors (endpoint unreachable, join timeout, ...)\n"
+         "  1                       other launcher errors: the endpoint answered nothing within\n"
+         "                          handshake_timeout, or not as a meshrun store (or etcd), or\n"
+         "                          refused until join_timeout; too few nodes by join_timeout; ...\n"
          "\n"
          "Examples:\n"
          "  meshrun --nproc_per_node=8 bin/trainer configs/llama-1b-fsdp-tp.json\n"

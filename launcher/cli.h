@@ -35,6 +35,11 @@
 #define CLI_SLURM_PORT_BASE 20000
 #define CLI_SLURM_PORT_SPAN 12000
 
+/* A run id (--rdzv_id, PET_RDZV_ID): 1..CLI_RUN_ID_MAX of these characters, not starting with
+ * '.'. It names folders and files and prefixes the job's keys, so no '/' and no "..". */
+#define CLI_RUN_ID_MAX 64
+#define CLI_RUN_ID_CHARS "A-Z a-z 0-9 . _ -"
+
 typedef enum { RDZV_BACKEND_C10D = 0, RDZV_BACKEND_STATIC, RDZV_BACKEND_ETCD } rdzv_backend_t;
 /* etcd's client port, when an endpoint of --rdzv_backend=etcd names none. */
 #define CLI_ETCD_PORT 2379
@@ -67,15 +72,23 @@ typedef struct {
   /* --rdzv_endpoint as given: with etcd, the cluster's members "h1:2379,h2:2379,..." (at most
    * CLI_ETCD_MAX_MEMBERS; rdzv_host/rdzv_port are then the first one's). */
   char rdzv_endpoints[1024];
-  char rdzv_id[128];   /* --rdzv_id / --run_id; default "none" */
+  /* What named that endpoint, as messages about it say it: "--rdzv_endpoint", "--master_addr/
+   * --master_port" (static), "PET_RDZV_ENDPOINT (--rdzv_endpoint)", "Slurm's SLURM_STEP_NODELIST
+   * (...)" or "--standalone". */
+  char rdzv_endpoint_from[200];
+  char rdzv_id[CLI_RUN_ID_MAX + 1]; /* --rdzv_id / --run_id; default "none" */
   /* --rdzv_conf key=value,key=value (seconds, may be fractional) */
   double join_timeout_s;       /* default 600 */
   double last_call_timeout_s;  /* default 30 (elastic only) */
   double close_timeout_s;      /* default 60 */
   double heartbeat_interval_s; /* default 1 */
   double heartbeat_timeout_s;  /* default 5; a node silent longer is dead */
-  double handshake_timeout_s;  /* a connection still in the handshake then is closed; 0: store's */
+  /* The handshake's bound on both ends: the store closes a connection still in it then, and a
+   * node gives up on an endpoint that has not answered as a meshrun store (or etcd) by then.
+   * 0: the defaults (STORE_HANDSHAKE_S; RDZV_ETCD_CALL_S for etcd). */
+  double handshake_timeout_s;
   double frame_timeout_s;      /* a big frame to the store stalled this long is dropped; 0: store's */
+  double progress_interval_s;  /* default 5: a line this often while waiting for nodes or the store; 0: none */
   char token_file[1024];       /* token_file=PATH; "" = none */
   int standalone;
 

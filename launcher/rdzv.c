@@ -33,7 +33,7 @@
 #define RDZV_EFENCED (-100)
 /* How long an etcd call (all members, retries included) may take before it counts as failed:
  * the command thread's, and the watch thread's (which must renew the lease within its TTL). */
-#define ETCD_CMD_MS 5000
+#define ETCD_CMD_MS (RDZV_ETCD_CALL_S * 1000)
 #define ETCD_WATCH_MIN_MS 1000
 /* One watch's length while waiting for a key (etcd_wait_get). */
 #define ETCD_WAIT_SLICE_MS 5000
@@ -463,13 +463,88 @@ static int read_int(conn_t *c, const char *key, int64_t dflt, int64_t *out) {
   return 0;
 }
 
-/* Connects c once (the store, or the etcd cluster: each thread has its own). */
+/* The bound on a connection's handshake (etcd: on its first answer), in ms: handshake_ms, else
+ * the store's default or an etcd call's, and never past timeout_ms. */
+static int handshake_bound(const rdzv_t *rz, int timeout_ms) {
+  int ms = rz->cfg.handshake_ms > 0 ? rz->cfg.handshake_ms : is_etcd(rz) ? ETCD_CMD_MS : STORE_HANDSHAKE_S * 1000;
+  return ms < timeout_ms ? ms : timeout_ms;
+}
+
+/* Seconds for a progress line: whole ones, tenths below ten. */
+static int left_digits(double left) { return left < 10 ? 1 : 0; }
+
+/* store_connect until timeout_ms, in slices of the progress interval while the store has never
+ * been reached: nothing accepting the connection means its node has not started yet, and that
+ * wait is said once a slice, with the time left. An endpoint that accepts and does not answer
+ * the handshake (hs ms), or answers as something else, ends it at once. */
+static int connect_store(rdzv_t *rz, store_t **s, int timeout_ms, int hs, char *err, size_t errlen) {
+  const rdzv_config_t *c = &rz->cfg;
+  store_auth_t auth = {.run_id = c->run_id, .secret = c->secret, .handshake_ms = hs};
+  double deadline = mono_now() + timeout_ms / 1000.0;
+  for (;;) {
+    double left = deadline - mono_now();
+    int quiet = c->progress_interval_s <= 0 || c->progress_interval_s >= left || atomic_load(&rz->reached);
+    double slice = quiet ? left : c->progress_interval_s;
+    int rc = store_connect(s, c->store_host, c->store_port, &auth, slice > 0.001 ? (int)(slice * 1000) : 1, err, errlen);
+    if (rc != STORE_ECONNECT) return rc;
+    /* net's " (gave up after N ms)" is a slice's, not the wait's: the lines name the wait. */
+    char *tail = strstr(err, " (gave up after");
+    if (tail) *tail = 0;
+    if (quiet || atomic_load(&rz->stop)) return rc;
+    char ep[300];
+    net_format_endpoint(ep, sizeof ep, c->store_host, c->store_port);
+    left = deadline - mono_now();
+    log_info("rendezvous: waiting for the store at %s (%s) to accept connections: %.500s; %.*f s left (join_timeout)",
+             ep, c->endpoint_from, err, left_digits(left), left > 0 ? left : 0);
+  }
+}
+
+/* The first connection failed: one line that names the endpoint, what named it, and what
+ * answered there (hs: the handshake's bound used). */
+static void report_unreachable(rdzv_t *rz, int rc, int hs, const char *err) {
+  const rdzv_config_t *c = &rz->cfg;
+  if (is_etcd(rz)) {
+    char what[200];
+    if (rc == -EPROTO)
+      snprintf(what, sizeof what, "not etcd: something answers there, not as etcd's v3 JSON gateway");
+    else if (rc == -EAGAIN)
+      snprintf(what, sizeof what, "etcd answered but could not serve a read within handshake_timeout=%gs (no leader, "
+               "or no quorum)", hs / 1000.0);
+    else if (rc == -EACCES)
+      snprintf(what, sizeof what, "etcd refused this client");
+    else if (rc == -EINVAL || rc == -ENOMEM)
+      snprintf(what, sizeof what, "cannot be used");
+    else
+      snprintf(what, sizeof what, "no answer from any member within handshake_timeout=%gs", hs / 1000.0);
+    emit_error(rz, "%s %.300s (etcd): %s: %.600s", c->endpoint_from, c->etcd_endpoints, what, err);
+    return;
+  }
+  char ep[300];
+  net_format_endpoint(ep, sizeof ep, c->store_host, c->store_port);
+  if (rc == STORE_EPROTO)
+    emit_error(rz, "%s %s: port is in use by another program (not a meshrun store): %s", c->endpoint_from, ep, err);
+  else if (rc == STORE_ETIMEDOUT)
+    emit_error(rz, "%s %s: no answer: it accepted the connection but did not answer the store handshake within "
+               "handshake_timeout=%gs (not a meshrun store, or a stuck one)",
+               c->endpoint_from, ep, hs / 1000.0);
+  else if (rc == STORE_ECONNECT)
+    emit_error(rz, "%s %s: nothing accepted the connection within join_timeout=%gs (the store's node did not start, "
+               "or cannot be reached): %s",
+               c->endpoint_from, ep, c->join_timeout_s, err);
+  else
+    emit_error(rz, "%s %s: %s", c->endpoint_from, ep, err);
+}
+
+/* Connects c once (the store, or the etcd cluster: each thread has its own) within timeout_ms.
+ * A store not accepting connections yet is waited for until then (connect_store); the
+ * handshake, and etcd's first answer, have handshake_bound: etcd runs before any job does, so
+ * a cluster that does not answer is not waited for. */
 static int ensure_conn(rdzv_t *rz, conn_t *c, int timeout_ms, int call_ms) {
   if (c->s || c->e) return 0;
   char err[1024];
   store_t *s = NULL;
   etcd_t *e = NULL;
-  int rc;
+  int rc, hs = handshake_bound(rz, timeout_ms);
   uv_mutex_lock(&rz->mu);
   etcd_t *first = c != &rz->cs ? rz->cs.e : NULL;
   uv_mutex_unlock(&rz->mu);
@@ -479,11 +554,10 @@ static int ensure_conn(rdzv_t *rz, conn_t *c, int timeout_ms, int call_ms) {
     if (rc) snprintf(err, sizeof err, "etcd connect: out of memory");
     else etcd_set_timeout(e, call_ms);
   } else if (is_etcd(rz)) {
-    rc = etcd_connect(&e, rz->cfg.etcd_endpoints, timeout_ms, err, sizeof err);
+    rc = etcd_connect(&e, rz->cfg.etcd_endpoints, hs, err, sizeof err);
     etcd_set_timeout(e, call_ms);
   } else {
-    store_auth_t auth = {.run_id = rz->cfg.run_id, .secret = rz->cfg.secret};
-    rc = store_connect(&s, rz->cfg.store_host, rz->cfg.store_port, &auth, timeout_ms, err, sizeof err);
+    rc = connect_store(rz, &s, timeout_ms, hs, err, sizeof err);
   }
   uv_mutex_lock(&rz->mu);
   c->s = s;
@@ -493,15 +567,8 @@ static int ensure_conn(rdzv_t *rz, conn_t *c, int timeout_ms, int call_ms) {
   if (rc && atomic_load(&rz->reached)) {
     /* A connection worked before: whatever answers now, ours has gone away. */
     store_lost_because(rz, err);
-  } else if (rc && is_etcd(rz)) {
-    emit_error(rz, "--rdzv_endpoint %.300s (etcd): %s", rz->cfg.etcd_endpoints, err);
   } else if (rc) {
-    char ep[300];
-    net_format_endpoint(ep, sizeof ep, rz->cfg.store_host, rz->cfg.store_port);
-    if (rc == STORE_EPROTO)
-      emit_error(rz, "--rdzv_endpoint %s: port is in use by another program (not a meshrun store): %s", ep, err);
-    else
-      emit_error(rz, "--rdzv_endpoint %s: %s", ep, err);
+    report_unreachable(rz, rc, hs, err);
   }
   return rc;
 }
@@ -838,6 +905,27 @@ static void watch_round(rdzv_t *rz, int r, int n, int my_idx, int serves, rdzv_n
   uv_mutex_unlock(&rz->mu);
 }
 
+/* Waits for round r's closed key until deadline (mono_now's clock), its value into *v when v is
+ * not NULL: kv_wait_get, cut at every progress interval by a line that says how many nodes have
+ * joined and how long is left of what (the timeout that ends the wait), so that waiting for a
+ * node that never comes is never silent. Returns as kv_wait_get. */
+static int wait_closed(rdzv_t *rz, conn_t *s, int r, const char *key, double deadline, const char *what, void **v,
+                       size_t *len) {
+  const rdzv_config_t *c = &rz->cfg;
+  for (;;) {
+    double left = deadline - mono_now();
+    int last = c->progress_interval_s <= 0 || c->progress_interval_s >= left;
+    double slice = last ? left : c->progress_interval_s;
+    int rc = kv_wait_get(rz, s, key, slice > 0 ? (int)(slice * 1000) : 0, v, len);
+    if (rc != STORE_ETIMEDOUT || last) return rc;
+    int64_t joined = 0;
+    if ((rc = kv_joined(rz, s, r, &joined))) return rc;
+    left = deadline - mono_now();
+    log_info("rendezvous: %d of min %d / max %d nodes joined, %.*f s left (%s)", (int)joined, c->nnodes_min,
+             c->nnodes_max, left_digits(left), left > 0 ? left : 0, what);
+  }
+}
+
 static void do_join(rdzv_t *rz) {
   const rdzv_config_t *c = &rz->cfg;
   double deadline = mono_now() + c->join_timeout_s;
@@ -902,7 +990,7 @@ static void do_join(rdzv_t *rz) {
     closed = -1;    /* the count the round closed with, once known */
     rdzv_close_action_t act = rdzv_close_action((int)idx, c->nnodes_min, c->nnodes_max);
     if (act == RDZV_CLOSE_AFTER_LAST_CALL) {
-      rc = kv_wait(rz, s, closed_key, (int)(c->last_call_timeout_s * 1000));
+      rc = wait_closed(rz, s, r, closed_key, mono_now() + c->last_call_timeout_s, "last_call_timeout", NULL, NULL);
       if (rc == 1) return;
       if (rc && rc != STORE_ETIMEDOUT) goto store_error;
     }
@@ -926,10 +1014,9 @@ static void do_join(rdzv_t *rz) {
       if (actual) closed = strtoll(actual, NULL, 10);
       free(actual);
     } else {
-      double left = deadline - mono_now();
       void *cv = NULL;
       size_t clen = 0;
-      rc = kv_wait_get(rz, s, closed_key, left > 0 ? (int)(left * 1000) : 0, &cv, &clen);
+      rc = wait_closed(rz, s, r, closed_key, deadline, "join_timeout", &cv, &clen);
       if (rc == 0) closed = strtoll(cv, NULL, 10);
       free(cv);
       if (rc == 1) return;

@@ -90,6 +90,10 @@
 
 #include "common/store.h"
 
+/* How long an etcd call (all members, retries included) may take before it counts as failed;
+ * also the default bound on etcd's first answer (handshake_ms 0). */
+#define RDZV_ETCD_CALL_S 5
+
 #define RDZV_ADDR_MAX 256
 #define RDZV_MSG_MAX 1024
 #define RDZV_SECRET_MAX 1024 /* bytes of the job secret, its NUL included */
@@ -101,6 +105,7 @@ typedef struct {
   char store_host[RDZV_ADDR_MAX]; /* c10d: the store */
   int store_port;
   char etcd_endpoints[1024]; /* etcd: "host:port,host:port,..." */
+  char endpoint_from[200]; /* what named the endpoint, for messages ("--rdzv_endpoint", ...) */
   int node_store_port; /* etcd: the port of this node's own store (served by its agent); the
                         * round's first node publishes it for the workers (MESHRUN_STORE) */
   char run_id[128];           /* the job: its namespace in the store */
@@ -111,6 +116,11 @@ typedef struct {
   char addr[RDZV_ADDR_MAX]; /* this node's address as peers should dial it (MASTER_ADDR) */
   double join_timeout_s, last_call_timeout_s, close_timeout_s;
   double heartbeat_interval_s, heartbeat_timeout_s;
+  /* A connection's handshake (etcd: its first answer) not done by then fails the node: the
+   * endpoint is not a meshrun store (or etcd), or a stuck one. 0: STORE_HANDSHAKE_S, or
+   * RDZV_ETCD_CALL_S with etcd. Never longer than join_timeout. */
+  int handshake_ms;
+  double progress_interval_s; /* > 0: a line this often while waiting for nodes or the store */
   int max_restarts;
   int master_port; /* > 0: the workers' MASTER_PORT every round (--master_port on one node); 0: a
                     * free port of rank 0's node each round */

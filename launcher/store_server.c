@@ -106,7 +106,7 @@
 #define FRAME_MIN_RATE (1u << 20) /* bytes per second a big frame must average, after frame_ms */
 #define DEFAULT_MAX_UNAUTH 64
 #define DEFAULT_MAX_UNAUTH_PER_ADDR 16
-#define DEFAULT_HANDSHAKE_MS 3000
+#define DEFAULT_HANDSHAKE_MS (STORE_HANDSHAKE_S * 1000)
 #define EVICT_GRACE_MS 500 /* capped at half of handshake_ms */
 #define DEFAULT_INFLIGHT_BUDGET ((size_t)256 << 20)
 

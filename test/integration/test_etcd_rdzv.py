@@ -37,7 +37,7 @@ ETCD = "/usr/bin/etcd"
 STORE_LOST = 69
 TTL = 2  # heartbeat_timeout below; etcd's minimum lease TTL with a 1 s election timeout
 CONF = "join_timeout=20,last_call_timeout=0.5,heartbeat_interval=0.1,heartbeat_timeout=%d" % TTL
-ETCD_CALL_S = 5  # rdzv.c's ETCD_CMD_MS: how long a join's etcd call may take before it fails
+ETCD_CALL_S = 5  # rdzv.h's RDZV_ETCD_CALL_S: how long a join's etcd call may take before it fails
 
 pytestmark = pytest.mark.skipif(not os.access(ETCD, os.X_OK), reason="%s not found (Debian package etcd-server)" % ETCD)
 

@@ -504,6 +504,12 @@ static const error_case_t error_cases[] = {
     {"--rdzv_id", {"--rdzv_id=", "p"}},
     {"--rdzv_id", {"--rdzv_id=a b", "p"}},
     {"--run_id", {"--run_id=", "p"}},
+    {"--rdzv_id", {"--rdzv_id=../x", "p"}},
+    {"--rdzv_id", {"--rdzv_id=a/b", "p"}},
+    {"--rdzv_id", {"--rdzv_id=.hidden", "p"}},
+    {"--rdzv_id", {"--rdzv_id=..", "p"}},
+    {"--rdzv_id", {"--rdzv_id=a:b", "p"}},
+    {"--rdzv_id", {"--rdzv_id=xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx", "p"}}, /* 65 */
     {"--rdzv_backend", {"--rdzv_backend=zookeeper", "p"}},
     {"--rdzv_endpoint", {"--rdzv_backend=etcd", "p"}},
     {"--rdzv_endpoint", {"--rdzv_backend=etcd", "--nnodes=2", "p"}},
@@ -622,6 +628,7 @@ static void test_static_resolution(void **state) {
   assert_string_equal(r.o.rdzv_host, "10.0.0.9"); /* an endpoint wins over master_addr */
   assert_int_equal(r.o.rdzv_port, 777);
   assert_string_equal(r.o.master_addr, "10.0.0.1");
+  assert_string_equal(r.o.rdzv_endpoint_from, "--rdzv_endpoint");
 
   /* one node: --master_port is the workers' MASTER_PORT (torchrun's), the store on a free port */
   expect_ok(&r, RUN(&r, "--rdzv_backend=static", "--master_port=4321", "p"));
@@ -641,6 +648,21 @@ static void test_static_resolution(void **state) {
                     "--master_port=4323", "p"));
   assert_int_equal(r.o.rdzv_port, 4323);
   assert_int_equal(r.o.worker_master_port, 0);
+  /* messages about the store's endpoint name the flags the user gave */
+  assert_string_equal(r.o.rdzv_endpoint_from, "--master_addr/--master_port");
+  expect_ok(&r, RUN(&r, "--rdzv_backend=static", "--nnodes=2", "--node_rank=0", "--master_addr=10.0.0.1", "p"));
+  assert_int_equal(r.o.rdzv_port, 29500);
+  assert_string_equal(r.o.rdzv_endpoint_from, "--master_addr (port 29500, --master_port's default)");
+  setenv("PET_MASTER_ADDR", "10.0.0.2", 1);
+  expect_ok(&r, RUN(&r, "--rdzv_backend=static", "--nnodes=2", "--node_rank=0", "--master_port=4324", "p"));
+  unsetenv("PET_MASTER_ADDR");
+  assert_string_equal(r.o.rdzv_endpoint_from, "PET_MASTER_ADDR (--master_addr)/--master_port");
+  setenv("PET_RDZV_ENDPOINT", "h:1", 1);
+  expect_ok(&r, RUN(&r, "--nnodes=2", "p"));
+  unsetenv("PET_RDZV_ENDPOINT");
+  assert_string_equal(r.o.rdzv_endpoint_from, "PET_RDZV_ENDPOINT (--rdzv_endpoint)");
+  expect_ok(&r, RUN(&r, "p"));
+  assert_string_equal(r.o.rdzv_endpoint_from, "--standalone");
 
   /* c10d with an explicit node rank keeps it (orders nodes). */
   expect_ok(&r, RUN(&r, "--nnodes=1:3", "--node_rank=2", "--rdzv_endpoint=h", "p"));
@@ -870,6 +892,15 @@ static void test_handshake_timeout(void **state) {
   expect_ok(&r, RUN(&r, "--rdzv_conf=handshake_timeout=0.5", "p"));
   assert_true(r.o.handshake_timeout_s == 0.5);
   int rc = RUN(&r, "--rdzv_conf=handshake_timeout=0", "p");
+  expect_usage(&r, rc, "--rdzv_conf");
+  /* progress lines: every 5 s by default, 0 turns them off */
+  expect_ok(&r, RUN(&r, "p"));
+  assert_true(r.o.progress_interval_s == 5);
+  expect_ok(&r, RUN(&r, "--rdzv_conf=progress_interval=0", "p"));
+  assert_true(r.o.progress_interval_s == 0);
+  expect_ok(&r, RUN(&r, "--rdzv_conf=progress_interval=0.25", "p"));
+  assert_true(r.o.progress_interval_s == 0.25);
+  rc = RUN(&r, "--rdzv_conf=progress_interval=-1", "p");
   expect_usage(&r, rc, "--rdzv_conf");
 }
 
@@ -1318,7 +1349,7 @@ static void test_usage_text(void **state) {
       "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
       "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE",
       "OMP_NUM_THREADS", "MESHRUN_STORE", "MESHRUN_ROUND", "ROLE_NAME", MESHRUN_VERSION,
-      "token_file", "handshake_timeout", STORE_ENV_SECRET, "token_file wins",
+      "token_file", "handshake_timeout", "progress_interval", CLI_RUN_ID_CHARS, STORE_ENV_SECRET, "token_file wins",
       "Exit status:", "EX_CONFIG", "EX_UNAVAILABLE", "\"restart\": false", "\"restart\": true",
       "PET_<FLAG>", "PET_STANDALONE=1", "PYTHON_EXEC", "*.py", "SLURM_JOB_ID", "SLURM_NNODES",
       "SLURM_NODEID", "SLURM_JOB_NODELIST", "SLURM_NTASKS_PER_NODE", "SLURM_GPUS_ON_NODE",
