@@ -1,5 +1,5 @@
 /* fatal: the check macros of device library calls (CUDA, cuBLAS, NCCL), one per library, all
- * ending in the one fatal path, backend_fatal (trainer/backend.c; STYLE.md convention 4):
+ * ending in the one fatal path, backend_fatal (trainer/backend.c; docs/STYLE.md, "Errors"):
  *
  *   [trainer rank R host] file:line: call: message
  *
