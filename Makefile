@@ -55,7 +55,7 @@ CMOCKA_LIBS  := $(shell pkg-config --libs cmocka 2>/dev/null || echo -lcmocka)
 # 0.4 ms there. Static, the GPU kit carries neither.
 NETTLE_LIBS   := -l:libnettle.a
 # PCRE2 (8-bit, libpcre2-dev): the tokenizer's pre-tokenizer regexes (\p{L}, lookahead); linked
-# by the trainer and by what links trainer/tokenizer.c (needs_pcre2 below).
+# by the trainer and by what links trainer/formats/tokenizer.c (needs_pcre2 below).
 PCRE2_LIBS    := -lpcre2-8
 else
 # Unpacked .debs: no pkg-config files to trust (they name /usr), and no update-alternatives links,
@@ -83,7 +83,7 @@ endif
 # --- CUDA: the cuda backend builds when nvcc exists; nothing else ever needs it.
 CUDA_HOME ?= /usr/local/cuda
 NVCC := $(shell command -v nvcc 2>/dev/null || ls $(CUDA_HOME)/bin/nvcc 2>/dev/null)
-CU_SRC := $(wildcard trainer/*.cu)
+CU_SRC := $(wildcard trainer/*/*.cu)
 ifneq ($(NVCC),)
 ifneq ($(CU_SRC),)
   HAVE_CUDA := 1
@@ -123,7 +123,7 @@ endif
 
 COMMON_SRC   := $(wildcard common/*.c)
 LAUNCHER_SRC := $(wildcard launcher/*.c)
-TRAINER_SRC  := $(wildcard trainer/*.c)
+TRAINER_SRC  := $(wildcard trainer/*/*.c)
 COMMON_OBJ   := $(COMMON_SRC:%.c=$(BUILD)/%.o)
 LAUNCHER_OBJ := $(LAUNCHER_SRC:%.c=$(BUILD)/%.o)
 TRAINER_OBJ  := $(TRAINER_SRC:%.c=$(BUILD)/%.o) $(if $(HAVE_CUDA),$(CU_SRC:%.cu=$(BUILD)/%.o))
@@ -161,12 +161,12 @@ $(BUILD)/%.o: %.cu
 	$(Q)$(NVCC) $(NVCCFLAGS) -c -o $@ $<
 
 # A test or tool links its own object plus the sources its "// deps:" line names. Where the cuda
-# backend is built, whatever links trainer/backend.c (the backend factory) also gets it and CUDA.
+# backend is built, whatever links trainer/backend/backend.c (the backend factory) also gets it and CUDA.
 raw_deps = $(shell sed -n '1s|^// deps: *||p' $(1))
-needs_cuda = $(if $(HAVE_CUDA),$(or $(filter trainer/backend.c %.cu,$(call raw_deps,$(1))),$(findstring test/gpu/,$(1))))
+needs_cuda = $(if $(HAVE_CUDA),$(or $(filter trainer/backend/backend.c %.cu,$(call raw_deps,$(1))),$(findstring test/gpu/,$(1))))
 CU_OBJ := $(CU_SRC:%.cu=$(BUILD)/%.o)
 needs_dnnl = $(if $(filter 1,$(HAVE_DNNL)),$(filter test/tools/gemm_bench.c,$(1)))
-needs_pcre2 = $(filter trainer/tokenizer.c,$(call raw_deps,$(1)))
+needs_pcre2 = $(filter trainer/formats/tokenizer.c,$(call raw_deps,$(1)))
 deps_of = $(sort $(patsubst %.cu,$(BUILD)/%.o,$(patsubst %.c,$(BUILD)/%.o,$(call raw_deps,$(1)))) \
           $(if $(call needs_cuda,$(1)),$(CU_OBJ)))
 define link_rule
@@ -183,6 +183,7 @@ $(foreach t,$(GPU_SRC),$(eval $(call link_rule,$(t),$(t:test/gpu/%.c=$(BUILD)/te
 # The whole suite: C unit tests (each in its own process), then integration tests with real
 # processes on loopback and the PyTorch oracle.
 test: all
+	$(Q)$(PYTHON) test/tools/check_rooms.py
 	$(Q)$(MAKE) --no-print-directory unit
 	$(Q)$(MAKE) --no-print-directory integration
 	$(Q)$(MAKE) --no-print-directory fuzz-ci

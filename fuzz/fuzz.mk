@@ -2,7 +2,7 @@
 # $(BUILD)/fuzz/, apart from the gcc objects. Included from the top Makefile.
 #
 # Each target's first line names the project sources it links, as tests do
-# (// deps: trainer/plan.c fuzz/support.c); its second line caps the input size (// max_len: N).
+# (// deps: trainer/plan/plan.c fuzz/support.c); its second line caps the input size (// max_len: N).
 # Those sources are compiled again with clang and coverage into $(BUILD)/fuzz/obj/.
 #
 #   make fuzz      each target FUZZ_SECONDS (60) on the repo corpus; new inputs go to

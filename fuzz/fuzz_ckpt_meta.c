@@ -1,4 +1,4 @@
-// deps: trainer/ckpt.c trainer/safetensors.c trainer/comm.c trainer/comm_cpu.c common/store.c common/store_proto.c common/net.c common/log.c common/fs.c fuzz/support.c common/err.c common/env.c
+// deps: trainer/formats/ckpt.c trainer/formats/safetensors.c trainer/comm/comm.c trainer/comm/comm_cpu.c common/store.c common/store_proto.c common/net.c common/log.c common/fs.c fuzz/support.c common/err.c common/env.c trainer/backend/fatal.c
 // max_len: 16384
 /* fuzz_ckpt_meta: opening a checkpoint (ckpt_open) whose metadata.json is the input.
  *
@@ -23,7 +23,7 @@
 
 #include "common/log.h"
 #include "fuzz/support.h"
-#include "trainer/ckpt.h"
+#include "trainer/formats/ckpt.h"
 
 static char g_dir[512], g_step[600], g_meta[700], g_shard[700];
 static unsigned char *g_default_shard;

@@ -1,4 +1,4 @@
-// deps: trainer/interop.c trainer/model.c trainer/trace.c trainer/comm.c trainer/comm_cpu.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c trainer/safetensors.c common/net.c common/store.c common/store_proto.c common/log.c common/fs.c fuzz/support.c common/err.c common/env.c
+// deps: trainer/formats/interop.c trainer/model/model.c trainer/comm/trace.c trainer/comm/comm.c trainer/comm/comm_cpu.c trainer/backend/backend.c trainer/backend/backend_cpu.c trainer/model/rng.c trainer/formats/safetensors.c common/net.c common/store.c common/store_proto.c common/log.c common/fs.c fuzz/support.c common/err.c common/env.c trainer/backend/fatal.c
 // max_len: 16384
 /* fuzz_llama2c: interop's readers: llama2.c checkpoints and Hugging Face directories.
  *
@@ -14,7 +14,7 @@
 #include <unistd.h>
 
 #include "fuzz/support.h"
-#include "trainer/interop.h"
+#include "trainer/formats/interop.h"
 
 static void read_one(interop_file_t *f, const char *name, size_t rows, size_t cols) {
   size_t n = rows * cols;

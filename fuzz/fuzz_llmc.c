@@ -1,4 +1,4 @@
-// deps: trainer/data.c trainer/tokenizer.c trainer/rng.c common/fs.c common/err.c fuzz/support.c
+// deps: trainer/formats/data.c trainer/formats/tokenizer.c trainer/model/rng.c common/fs.c common/err.c fuzz/support.c
 // max_len: 4096
 /* fuzz_llmc: the token-file reader (data_load) on llm.c / nanoGPT shards.
  *
@@ -12,7 +12,7 @@
 #include <string.h>
 
 #include "fuzz/support.h"
-#include "trainer/data.h"
+#include "trainer/formats/data.h"
 
 enum { VOCAB = 50257, T = 8, B = 2, DP = 2, G = B * DP * 2 };
 

@@ -1,4 +1,4 @@
-// deps: trainer/plan.c trainer/pipeline.c common/fs.c common/err.c fuzz/support.c
+// deps: trainer/plan/plan.c trainer/plan/pipeline.c common/fs.c common/err.c fuzz/support.c
 // max_len: 8192
 /* fuzz_plan: the trainer's plan reader (plan_load, plan_resolve, plan_to_json) on arbitrary text.
  *
@@ -11,7 +11,7 @@
 #include <string.h>
 
 #include "fuzz/support.h"
-#include "trainer/plan.h"
+#include "trainer/plan/plan.h"
 
 #define MAX_PARTS 9
 

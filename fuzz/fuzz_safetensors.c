@@ -1,4 +1,4 @@
-// deps: trainer/safetensors.c fuzz/support.c common/err.c
+// deps: trainer/formats/safetensors.c fuzz/support.c common/err.c
 // max_len: 16384
 /* fuzz_safetensors: the safetensors reader (st_open) on arbitrary files.
  *
@@ -11,7 +11,7 @@
 #include <string.h>
 
 #include "fuzz/support.h"
-#include "trainer/safetensors.h"
+#include "trainer/formats/safetensors.h"
 
 static volatile unsigned char g_sink;
 

@@ -1,6 +1,6 @@
-// deps: trainer/tokenizer.c common/fs.c common/err.c fuzz/support.c
+// deps: trainer/formats/tokenizer.c common/fs.c common/err.c fuzz/support.c
 // max_len: 65536
-/* fuzz_tokenizer: trainer/tokenizer's two readers, its encoder and decoder, and the llama2.c to
+/* fuzz_tokenizer: trainer/formats/tokenizer's two readers, its encoder and decoder, and the llama2.c to
  * tokenizer.json conversion.
  *
  * Input: a tokenizer.json's text when it starts with '{' (up to the first NUL; what follows the
@@ -14,7 +14,7 @@
 #include <string.h>
 
 #include "fuzz/support.h"
-#include "trainer/tokenizer.h"
+#include "trainer/formats/tokenizer.h"
 
 static const char TEXT[] = "Hello, world! It's  a test\n\twith \xc3\xa9 and \xf0\x9f\x98\x80 <s> ab";
 

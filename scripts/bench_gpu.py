@@ -7,7 +7,7 @@ on synthetic tokens for --warmup + --steps steps and reports tokens/s, MFU and p
            compute copies, fp32 master weights, gradients and AdamW, as PyTorch's autocast side);
            tokens/s from its metrics file (log.metrics_file), warmup steps skipped; with
            --profile, MESHRUN_OP_PROFILE=<last warmup step> prints where that step's time went,
-           kernel by kernel (trainer/opprof.h), without touching the measured steps;
+           kernel by kernel (trainer/run/opprof.h), without touching the measured steps;
   - torch eager and torch.compile: a small Llama written below (the structure of
            test/integration/llama_ref.py), bf16 autocast, SDPA flash attention, AdamW fused when
            available. Skipped with "PyTorch GPU reference unavailable" when torch or its CUDA is not.

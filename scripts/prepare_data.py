@@ -9,7 +9,7 @@ Tokenizer: --train-tokenizer VOCAB trains one on the input files with Hugging Fa
 alphabet, ByteLevel decoder, the special token <|endoftext|> as id 0) and writes
 OUT/tokenizer.json; --llama3-regex makes its pre-tokenizer Llama 3's instead,
 Sequence[Split(Llama 3's regex, Isolated), ByteLevel(use_regex=False)]. --tokenizer PATH takes
-an existing tokenizer.json (or a folder holding one). Both are what trainer/tokenizer.c reads.
+an existing tokenizer.json (or a folder holding one). Both are what trainer/formats/tokenizer.c reads.
 
 Tokens: each input file is one document, encoded whole (pre-tokenization sees its whitespace
 runs entire) and preceded by <|endoftext|> when the tokenizer has it (--no-eot: not), as llm.c's

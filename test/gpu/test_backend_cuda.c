@@ -1,4 +1,4 @@
-// deps: trainer/backend.c trainer/backend_cpu.c trainer/backend_cuda.cu common/env.c
+// deps: trainer/backend/backend.c trainer/backend/backend_cpu.c trainer/backend/backend_cuda.cu common/env.c trainer/backend/fatal.c
 /* test_backend_cuda: every kernel of the cuda backend against the cpu backend on the same
  * random inputs, in fp32 and in bf16, and the cuda kernels' determinism (the same inputs twice
  * give the same bits).
@@ -23,7 +23,7 @@
  * dtable) keep the fp32 criterion and tolerance of their fp32 kernel: their inputs are the same
  * bf16 values on both sides. Exact (0) where both do the same fp32 operation and the same
  * rounding: add (one fp32 add, one rounding), embedding (copies; dtable adds in position order
- * in both), convert (against trainer/bf16.h itself), and AdamW's bf16 copy must be the rounding
+ * in both), convert (against trainer/backend/bf16.h itself), and AdamW's bf16 copy must be the rounding
  * of the fp32 parameter it wrote. bf16 matmuls run on tensor cores with fp32 accumulation whose
  * order and intermediate rounding are cuBLASLt's (not IEEE sequential sums): floor 1e-4 x
  * max|cpu| for the fp32 part of the error, with k up to 4096.
@@ -42,8 +42,8 @@
 
 #include <cmocka.h>
 
-#include "trainer/backend.h"
-#include "trainer/bf16.h"
+#include "trainer/backend/backend.h"
+#include "trainer/backend/bf16.h"
 
 #define TOL_FP32 1e-5
 #define TOL_TF32 5e-3
@@ -443,7 +443,7 @@ static float from_bits(uint32_t u) {
   return f;
 }
 
-/* fp32 -> bf16 against trainer/bf16.h bit for bit (a NaN only as a NaN: CUDA writes the
+/* fp32 -> bf16 against trainer/backend/bf16.h bit for bit (a NaN only as a NaN: CUDA writes the
  * canonical quiet NaN, bf16.h keeps the payload), bf16 -> fp32 exact, and same-dtype copies. */
 static void test_convert(void **state) {
   const float special[] = {0.0f, -0.0f, 1.0f, -1.0f, INFINITY, -INFINITY, NAN, -NAN, FLT_MAX, -FLT_MAX,

@@ -1,4 +1,4 @@
-// deps: trainer/backend.c trainer/backend_cpu.c trainer/backend_cuda.cu common/env.c
+// deps: trainer/backend/backend.c trainer/backend/backend_cpu.c trainer/backend/backend_cuda.cu common/env.c trainer/backend/fatal.c
 /* test_backend_cuda_tp: the cuda backend's tensor-parallel kernels (copy_2d and the
  * vocab-parallel cross-entropy ce_shard_max / ce_shard_stats / ce_shard_loss) against the cpu
  * backend on the same random inputs, with fp32 and with bf16 logits. A vocabulary is cut into
@@ -24,8 +24,8 @@
 
 #include <cmocka.h>
 
-#include "trainer/backend.h"
-#include "trainer/bf16.h"
+#include "trainer/backend/backend.h"
+#include "trainer/backend/bf16.h"
 
 #define TOL 1e-5
 #define BF16_ULPS 2

@@ -1,4 +1,4 @@
-// deps: test/support/fixture.c trainer/comm.c trainer/comm_cpu.c trainer/comm_nccl.c trainer/comm_staged.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c common/store.c common/store_proto.c common/net.c common/log.c launcher/store_server.c common/err.c common/env.c
+// deps: test/support/fixture.c trainer/comm/comm.c trainer/comm/comm_cpu.c trainer/comm/comm_nccl.c trainer/comm/comm_staged.c trainer/backend/backend.c trainer/backend/backend_cpu.c trainer/model/rng.c common/store.c common/store_proto.c common/net.c common/log.c launcher/store_server.c common/err.c common/env.c trainer/backend/fatal.c
 /* test_nccl: the nccl comm backend's bootstrap on one GPU, and the staged backend over the real
  * cuda backend.
  *
@@ -27,9 +27,9 @@
 #include <cmocka.h>
 
 #include "test/support/fixture.h"
-#include "trainer/backend.h"
-#include "trainer/comm.h"
-#include "trainer/comm_impl.h" /* drives the nccl backend table directly */
+#include "trainer/backend/backend.h"
+#include "trainer/comm/comm.h"
+#include "trainer/comm/comm_impl.h" /* drives the nccl backend table directly */
 
 #define ALARM_S 120
 #define TIMEOUT_MS 60000

@@ -1,6 +1,6 @@
 """llama_ref: a plain PyTorch Llama, the reference the C model is checked against.
 
-What it is: the same architecture as trainer/model.c (RMSNorm, RoPE on adjacent pairs
+What it is: the same architecture as trainer/model/model.c (RMSNorm, RoPE on adjacent pairs
 (2i, 2i+1) with theta^(-2i/D) as in Meta's checkpoints, causal grouped-query attention,
 SwiGLU, untied output), with parameter names identical to ours, so that
 ``model.state_dict()`` keys are exactly the C tensor names. Plus a safetensors reader/writer

@@ -1,4 +1,4 @@
-"""test_checkpoint: the trainer's checkpoints (trainer/ckpt through trainer/main.c and trainer/dp.c).
+"""test_checkpoint: the trainer's checkpoints (trainer/formats/ckpt through trainer/run/main.c and trainer/parallel/dp.c).
 
 Every run is bin/trainer (one process) or bin/trainer under bin/meshrun, on a tiny Llama (dim 64,
 n_heads 4, n_kv_heads 2, vocab 256, 2 layers, seq 32) with synthetic data, 20 steps of a global

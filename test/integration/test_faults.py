@@ -4,7 +4,7 @@ optimizer, on every rank, at once.
 tp2 under bin/meshrun (2 ranks, cpu backend, comm "cpu" on loopback): the tensor-parallel model
 runs collectives in the forward (reductions of the rowwise linears, the vocab-parallel
 embedding, the loss) and in the backward (their mirrors). MESHRUN_FAULT_COMM=1:3:fwd|bwd (a
-test hook of trainer/model.c) makes rank 1's first tensor-parallel collective of its third
+test hook of trainer/model/model.c) makes rank 1's first tensor-parallel collective of its third
 training pass fail as a lost connection would: that rank shuts its ring down, so rank 0, inside
 the same collective, fails at once too. With one micro-batch per step, no eval before the last
 step and no resume, the third pass is step 3. Checked, for a fault in the forward and one in the
@@ -20,7 +20,7 @@ Before model_backward returned a status, a failed backward collective was notice
 next forward, after the optimizer had stepped on partial gradients, and step 3 was logged and
 saved: this test fails that way.
 
-A stalled peer, the same tp2 run: MESHRUN_FAULT_STALL=1:3 (trainer/hooks.c) stops rank 1 before
+A stalled peer, the same tp2 run: MESHRUN_FAULT_STALL=1:3 (trainer/run/hooks.c) stops rank 1 before
 step 3 as a hung device would, alive and silent, so only the comm timeout can end rank 0's wait in
 step 3's first tensor-parallel collective. With the plan's parallel.comm_timeout_s=2 (and, second
 case, the plan's 300 overridden by MESHRUN_COMM_TIMEOUT=1.5, which wins as documented), rank 0

@@ -1,4 +1,4 @@
-"""llama2.c and Hugging Face files written by trainer/interop, loaded by PyTorch; stories260K.bin read by us.
+"""llama2.c and Hugging Face files written by trainer/formats/interop, loaded by PyTorch; stories260K.bin read by us.
 
 What: interop_tool (test/tools) exports a random model of ours (untied, tied, GQA, MQA) as a
 llama2.c file or an HF directory and dumps our logits on a batch; here an independent reader of

@@ -10,7 +10,7 @@ PyTorch then repeats the run in float64 from the same weights on the same batche
 llama_ref.py model, torch.optim.AdamW with the plan's betas/eps and weight decay on the same
 tensors (not on norms or the embedding: the plan's defaults), global-norm clipping
 (scale = min(1, clip / norm), the trainer's rule; torch's clip_grad_norm_ adds 1e-6 to the norm),
-and the schedule of trainer/optim.h re-implemented below. Every step's loss must agree within
+and the schedule of trainer/model/optim.h re-implemented below. Every step's loss must agree within
 1e-4 relative; the lr must agree within 1e-8 relative (the metrics file keeps 9 digits) and the gradient
 norm within 5e-3 relative. The grad-norm bound is wider because the norm is the most rounding-sensitive
 figure of fp32 training: PyTorch's own fp32 run of this test drifts 1.5e-3 from its float64 run, and ours
@@ -49,7 +49,7 @@ LOSS_RTOL, LR_RTOL, GNORM_RTOL = 1e-4, 1e-8, 5e-3
 
 
 def schedule(t, s):
-    """trainer/optim.h: lr of optimizer step s (0-based)."""
+    """trainer/model/optim.h: lr of optimizer step s (0-based)."""
     if s < t["warmup_steps"]:
         return t["lr"] * (s + 1) / t["warmup_steps"]
     p = min(1.0, (s - t["warmup_steps"]) / (t["steps"] - t["warmup_steps"]))

@@ -19,7 +19,7 @@ The memory test reads the first metrics record (per-rank bytes written by the tr
 at most 1/4 + 2% of DDP's gradient bytes (its shards are padded to a multiple of 4 per unit) and
 of its optimizer state, and TP over 2 ranks at most 55% of the parameters.
 
-Tensor-parallel plans need the tensor-parallel model (trainer/model.c); while it refuses them,
+Tensor-parallel plans need the tensor-parallel model (trainer/model/model.c); while it refuses them,
 they are skipped with the trainer's own message. OMP_NUM_THREADS=1 everywhere (2 shared cores).
 """
 import json

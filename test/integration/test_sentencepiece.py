@@ -1,4 +1,4 @@
-"""Sentencepiece-style tokenizers (Llama 2, Mistral, llama2.c) in trainer/tokenizer.c, against
+"""Sentencepiece-style tokenizers (Llama 2, Mistral, llama2.c) in trainer/formats/tokenizer.c, against
 Python's `tokenizers` (the reference).
 
 What: `tokenizers` trains a BPE of VOCAB ids the way sentencepiece models are built: byte_fallback

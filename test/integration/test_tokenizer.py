@@ -1,4 +1,4 @@
-"""trainer/tokenizer.c against Python's `tokenizers` (Hugging Face's library, the reference).
+"""trainer/formats/tokenizer.c against Python's `tokenizers` (Hugging Face's library, the reference).
 
 What: scripts/prepare_data.py trains two byte-level BPE tokenizers of VOCAB ids on
 tinyshakespeare (GPT-2 style: ByteLevel with GPT-2's regex; and --llama3-regex: Split with

@@ -10,13 +10,13 @@
  * waiting for a store key (the ranks' synchronization besides the comm; no sleeps), and a message
  * size no loopback socket pair can buffer. The test links test/support/fixture.c plus
  * launcher/store_server.c, common/store.c, common/store_proto.c, common/net.c, common/log.c,
- * and trainer/comm.c, trainer/comm_cpu.c for fixture_comm_open. It does not use cmocka, so
+ * and trainer/comm/comm.c, trainer/comm/comm_cpu.c for fixture_comm_open. It does not use cmocka, so
  * failures come back as return codes with a message on stderr. */
 #ifndef MESHRUN_TEST_FIXTURE_H
 #define MESHRUN_TEST_FIXTURE_H
 
 #include "common/store.h"
-#include "trainer/comm.h"
+#include "trainer/comm/comm.h"
 
 /* What one rank runs; returns 0 when its checks pass. Runs in a forked child. */
 typedef int (*fixture_rank_fn)(int rank, int n, store_t *store, void *arg);

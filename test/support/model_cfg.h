@@ -3,7 +3,7 @@
 #ifndef MESHRUN_TEST_MODEL_CFG_H
 #define MESHRUN_TEST_MODEL_CFG_H
 
-#include "trainer/plan.h"
+#include "trainer/plan/plan.h"
 
 plan_model_t test_model_cfg(int dim, int n_layers, int n_heads, int n_kv_heads, int vocab, int hidden_dim,
                             int max_seq_len);

@@ -1,4 +1,4 @@
-// deps: trainer/ckpt.c trainer/safetensors.c trainer/comm.c trainer/comm_cpu.c common/store.c common/store_proto.c common/net.c common/log.c common/fs.c common/err.c common/env.c
+// deps: trainer/formats/ckpt.c trainer/formats/safetensors.c trainer/comm/comm.c trainer/comm/comm_cpu.c common/store.c common/store_proto.c common/net.c common/log.c common/fs.c common/err.c common/env.c trainer/backend/fatal.c
 /* ckpt_bench: save and reshard one Llama-1B-size tensor (the 128256 x 2048 embedding, 1 GiB of
  * fp32) and print a table of times and bandwidths.
  *
@@ -15,7 +15,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "trainer/ckpt.h"
+#include "trainer/formats/ckpt.h"
 
 static double now(void) {
   struct timespec ts;

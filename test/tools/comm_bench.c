@@ -1,4 +1,4 @@
-// deps: test/support/fixture.c trainer/comm.c trainer/comm_cpu.c common/store.c common/store_proto.c common/net.c common/log.c launcher/store_server.c common/err.c common/env.c
+// deps: test/support/fixture.c trainer/comm/comm.c trainer/comm/comm_cpu.c common/store.c common/store_proto.c common/net.c common/log.c launcher/store_server.c common/err.c common/env.c trainer/backend/fatal.c
 /* comm_bench: bandwidth of the collectives, printed as nccl-tests' fixed-width table.
  *
  *   comm_bench [-n RANKS] [-b MIN] [-e MAX] [-f FACTOR] [-o OP|all] [-w WARMUP] [-i ITERS]
@@ -23,7 +23,7 @@
 
 #include "common/store.h"
 #include "test/support/fixture.h"
-#include "trainer/comm.h"
+#include "trainer/comm/comm.h"
 
 typedef enum { OP_ALL_REDUCE = 0, OP_ALL_GATHER, OP_REDUCE_SCATTER, OP_BROADCAST, OP_COUNT } bench_op_t;
 static const char *const op_names[OP_COUNT] = {"all_reduce", "all_gather", "reduce_scatter",

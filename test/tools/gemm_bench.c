@@ -4,7 +4,7 @@
  *   gemm_bench [set=256|1024|all] [reps=N] [threads=T]
  *
  * For each linear layer of the model (rows N, in, out) it runs the three products the model
- * makes with it (trainer/backend.h):
+ * makes with it (trainer/backend/backend.h):
  *   fwd  y  = x W^T      NT  m=N   n=out k=in   beta 0, c bf16
  *   dx   dx += dy W      NN  m=N   n=in  k=out  beta 1, c bf16
  *   dW   dW += dy^T x    TN  m=out n=in  k=N    beta 1, c fp32 (gradients stay fp32)
@@ -44,7 +44,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "trainer/bf16.h"
+#include "trainer/backend/bf16.h"
 
 #ifdef MESHRUN_HAVE_DNNL
 #include <dnnl.h>

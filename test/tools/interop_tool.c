@@ -1,5 +1,5 @@
-// deps: trainer/interop.c trainer/model.c trainer/trace.c trainer/comm.c trainer/comm_cpu.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c trainer/safetensors.c common/net.c common/store.c common/store_proto.c common/log.c common/fs.c common/err.c common/env.c test/support/model_cfg.c
-/* interop_tool: a small CLI over trainer/interop for the integration tests (until `trainer
+// deps: trainer/formats/interop.c trainer/model/model.c trainer/comm/trace.c trainer/comm/comm.c trainer/comm/comm_cpu.c trainer/backend/backend.c trainer/backend/backend_cpu.c trainer/model/rng.c trainer/formats/safetensors.c common/net.c common/store.c common/store_proto.c common/log.c common/fs.c common/err.c common/env.c test/support/model_cfg.c trainer/backend/fatal.c
+/* interop_tool: a small CLI over trainer/formats/interop for the integration tests (until `trainer
  * export` and model.init of .bin / HF directories are wired into main.c).
  *
  *   interop_tool export FORMAT OUT DUMP.safetensors [key=value ...]
@@ -20,11 +20,11 @@
 #include <string.h>
 
 #include "common/log.h"
-#include "trainer/backend.h"
-#include "trainer/interop.h"
-#include "trainer/model.h"
-#include "trainer/rng.h"
-#include "trainer/safetensors.h"
+#include "trainer/backend/backend.h"
+#include "trainer/formats/interop.h"
+#include "trainer/model/model.h"
+#include "trainer/model/rng.h"
+#include "trainer/formats/safetensors.h"
 #include "test/support/model_cfg.h"
 
 typedef struct {

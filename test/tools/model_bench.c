@@ -1,4 +1,4 @@
-// deps: trainer/model.c trainer/trace.c trainer/comm.c trainer/comm_cpu.c common/net.c common/store.c common/store_proto.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c common/log.c common/err.c common/env.c
+// deps: trainer/model/model.c trainer/comm/trace.c trainer/comm/comm.c trainer/comm/comm_cpu.c common/net.c common/store.c common/store_proto.c trainer/backend/backend.c trainer/backend/backend_cpu.c trainer/model/rng.c common/log.c common/err.c common/env.c trainer/backend/fatal.c
 /* model_bench: times forward + backward of a Llama on the cpu backend (no optimizer, no data).
  *
  *   model_bench [key=value ...]   keys: dim n_layers n_heads n_kv_heads vocab hidden b t iters threads
@@ -13,8 +13,8 @@
 #include <time.h>
 
 #include "common/log.h"
-#include "trainer/model.h"
-#include "trainer/rng.h"
+#include "trainer/model/model.h"
+#include "trainer/model/rng.h"
 
 static double now_ms(void) {
   struct timespec ts;

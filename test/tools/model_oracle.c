@@ -1,4 +1,4 @@
-// deps: trainer/model.c trainer/trace.c trainer/comm.c trainer/comm_cpu.c common/net.c common/store.c common/store_proto.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c trainer/safetensors.c common/log.c common/err.c common/env.c test/support/model_cfg.c
+// deps: trainer/model/model.c trainer/comm/trace.c trainer/comm/comm.c trainer/comm/comm_cpu.c common/net.c common/store.c common/store_proto.c trainer/backend/backend.c trainer/backend/backend_cpu.c trainer/model/rng.c trainer/formats/safetensors.c common/log.c common/err.c common/env.c test/support/model_cfg.c trainer/backend/fatal.c
 /* model_oracle: one forward + backward of a small Llama on the cpu backend, dumped for PyTorch.
  *
  *   model_oracle OUT.safetensors [key=value ...]
@@ -18,9 +18,9 @@
 #include <string.h>
 
 #include "common/log.h"
-#include "trainer/model.h"
-#include "trainer/rng.h"
-#include "trainer/safetensors.h"
+#include "trainer/model/model.h"
+#include "trainer/model/rng.h"
+#include "trainer/formats/safetensors.h"
 #include "test/support/model_cfg.h"
 
 /* Llama's hidden-size rule (as plan_llama_hidden_dim; kept here so the tool links no plan). */

@@ -1,5 +1,5 @@
-// deps: trainer/tokenizer.c common/fs.c common/err.c
-/* tokenize: trainer/tokenizer from the command line, for the integration tests (C against
+// deps: trainer/formats/tokenizer.c common/fs.c common/err.c
+/* tokenize: trainer/formats/tokenizer from the command line, for the integration tests (C against
  * Python's tokenizers) and for looking at a tokenizer by hand.
  *
  *   tokenize TOKENIZER FILE             the ids of FILE's bytes, one per line
@@ -17,7 +17,7 @@
 #include <time.h>
 
 #include "common/fs.h"
-#include "trainer/tokenizer.h"
+#include "trainer/formats/tokenizer.h"
 
 #define MAX_INPUT (1ull << 32)
 

@@ -1,4 +1,4 @@
-// deps: trainer/backend.c trainer/backend_cpu.c trainer/rng.c common/env.c
+// deps: trainer/backend/backend.c trainer/backend/backend_cpu.c trainer/model/rng.c common/env.c trainer/backend/fatal.c
 /* test_backend_cpu: every kernel of the cpu backend against a naive double-precision reference.
  *
  * Forward kernels are compared with a straightforward double implementation; backward kernels
@@ -23,9 +23,9 @@
 
 #include <cmocka.h>
 
-#include "trainer/backend.h"
-#include "trainer/bf16.h"
-#include "trainer/rng.h"
+#include "trainer/backend/backend.h"
+#include "trainer/backend/bf16.h"
+#include "trainer/model/rng.h"
 
 #define FWD_TOL 1e-5
 #define BWD_TOL 1e-4

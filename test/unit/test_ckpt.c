@@ -1,4 +1,4 @@
-// deps: trainer/ckpt.c trainer/safetensors.c trainer/comm.c trainer/comm_cpu.c common/store.c common/store_proto.c common/net.c common/log.c test/support/files.c common/fs.c common/err.c common/env.c
+// deps: trainer/formats/ckpt.c trainer/formats/safetensors.c trainer/comm/comm.c trainer/comm/comm_cpu.c common/store.c common/store_proto.c common/net.c common/log.c test/support/files.c common/fs.c common/err.c common/env.c trainer/backend/fatal.c
 /* test_ckpt: distributed checkpoints saved under one layout and loaded under another.
  *
  * A small synthetic Llama-like tensor set (embedding and output split by rows under tp, wq/w1
@@ -35,8 +35,8 @@
 
 #include "test/support/files.h"
 
-#include "trainer/ckpt.h"
-#include "trainer/comm_impl.h" /* a fake shared-memory comm backend */
+#include "trainer/formats/ckpt.h"
+#include "trainer/comm/comm_impl.h" /* a fake shared-memory comm backend */
 
 /* --- the synthetic model */
 

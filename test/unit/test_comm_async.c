@@ -1,4 +1,4 @@
-// deps: test/support/fixture.c trainer/comm.c trainer/comm_cpu.c trainer/mesh.c common/store.c common/store_proto.c common/net.c common/log.c launcher/store_server.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c common/err.c common/env.c
+// deps: test/support/fixture.c trainer/comm/comm.c trainer/comm/comm_cpu.c trainer/parallel/mesh.c common/store.c common/store_proto.c common/net.c common/log.c launcher/store_server.c trainer/backend/backend.c trainer/backend/backend_cpu.c trainer/model/rng.c common/err.c common/env.c trainer/backend/fatal.c
 /* test_comm_async: asynchronous collectives (comm_start_* / comm_wait / comm_test) of the cpu
  * backend, with real processes on loopback (test/support/fixture: forked ranks, a store server
  * thread, an alarm per rank).
@@ -25,7 +25,7 @@
 
 #include "common/store.h"
 #include "test/support/fixture.h"
-#include "trainer/comm.h"
+#include "trainer/comm/comm.h"
 
 #define CHILD_ALARM_S 60
 

@@ -1,4 +1,4 @@
-// deps: test/support/fixture.c trainer/comm.c trainer/comm_cpu.c trainer/mesh.c common/store.c common/store_proto.c common/net.c common/log.c launcher/store_server.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c common/err.c common/env.c
+// deps: test/support/fixture.c trainer/comm/comm.c trainer/comm/comm_cpu.c trainer/parallel/mesh.c common/store.c common/store_proto.c common/net.c common/log.c launcher/store_server.c trainer/backend/backend.c trainer/backend/backend_cpu.c trainer/model/rng.c common/err.c common/env.c trainer/backend/fatal.c
 /* test_comm_cpu: the cpu collective backend with real processes on loopback.
  *
  * Each test starts a store server on its own libuv loop in a thread (port 0), forks one
@@ -27,11 +27,11 @@
 
 #include "common/store.h"
 #include "test/support/fixture.h"
-#include "trainer/backend.h"
-#include "trainer/bf16.h"
-#include "trainer/comm.h"
-#include "trainer/comm_impl.h" /* a fake float32-only backend table (test_bf16_refused_by_fp32_backend) */
-#include "trainer/mesh.h"
+#include "trainer/backend/backend.h"
+#include "trainer/backend/bf16.h"
+#include "trainer/comm/comm.h"
+#include "trainer/comm/comm_impl.h" /* a fake float32-only backend table (test_bf16_refused_by_fp32_backend) */
+#include "trainer/parallel/mesh.h"
 
 #define CHILD_ALARM_S 60
 
@@ -522,7 +522,7 @@ static int rank_fatal(int rank, int n, store_t *st, void *arg) {
     if (pid == 0) {
       dup2(pfd[1], 2);
       setenv("RANK", "1", 1);
-      backend_fatal("trainer/backend_cuda.cu", 123, "cudaMemcpyAsync(dst, src, bytes)",
+      backend_fatal("trainer/backend/backend_cuda.cu", 123, "cudaMemcpyAsync(dst, src, bytes)",
                     "an illegal memory access was encountered");
     }
     close(pfd[1]);
@@ -536,7 +536,7 @@ static int rank_fatal(int rank, int n, store_t *st, void *arg) {
     waitpid(pid, &status, 0);
     char host[256] = "?", want[512];
     gethostname(host, sizeof host - 1);
-    snprintf(want, sizeof want, "[trainer rank 1 %s] trainer/backend_cuda.cu:123: cudaMemcpyAsync(dst, src, bytes): "
+    snprintf(want, sizeof want, "[trainer rank 1 %s] trainer/backend/backend_cuda.cu:123: cudaMemcpyAsync(dst, src, bytes): "
              "an illegal memory access was encountered\n", host);
     printf("  rank 1: child exited %d, printed: %s", WIFEXITED(status) ? WEXITSTATUS(status) : -1, out);
     if (!WIFEXITED(status) || WEXITSTATUS(status) != 1 || strcmp(out, want) != 0) {

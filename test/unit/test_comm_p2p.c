@@ -1,4 +1,4 @@
-// deps: test/support/fixture.c trainer/comm.c trainer/comm_cpu.c common/store.c common/store_proto.c common/net.c common/log.c launcher/store_server.c common/err.c common/env.c
+// deps: test/support/fixture.c trainer/comm/comm.c trainer/comm/comm_cpu.c common/store.c common/store_proto.c common/net.c common/log.c launcher/store_server.c common/err.c common/env.c trainer/backend/fatal.c
 /* test_comm_p2p: point-to-point sends and receives (comm_send, comm_recv, comm_start_send,
  * comm_start_recv) of the cpu backend, with real processes on loopback (test/support/fixture:
  * forked ranks, a store server, an alarm per rank; no fixed ports).
@@ -30,8 +30,8 @@
 
 #include "common/store.h"
 #include "test/support/fixture.h"
-#include "trainer/comm.h"
-#include "trainer/comm_impl.h" /* a fake backend without point-to-point (test_refusals_local) */
+#include "trainer/comm/comm.h"
+#include "trainer/comm/comm_impl.h" /* a fake backend without point-to-point (test_refusals_local) */
 
 #define CHILD_ALARM_S 60
 #define TIMEOUT_MS 20000

@@ -1,4 +1,4 @@
-// deps: test/support/fixture.c trainer/comm.c trainer/comm_cpu.c trainer/comm_staged.c trainer/mesh.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c common/store.c common/store_proto.c common/net.c common/log.c launcher/store_server.c common/err.c common/env.c
+// deps: test/support/fixture.c trainer/comm/comm.c trainer/comm/comm_cpu.c trainer/comm/comm_staged.c trainer/parallel/mesh.c trainer/backend/backend.c trainer/backend/backend_cpu.c trainer/model/rng.c common/store.c common/store_proto.c common/net.c common/log.c launcher/store_server.c common/err.c common/env.c trainer/backend/fatal.c
 /* test_comm_staged: the staged comm backend (device buffers through host memory, reduced by an
  * inner cpu communicator) against the cpu backend, with real forked ranks and a store server.
  *
@@ -31,10 +31,10 @@
 #include <cmocka.h>
 
 #include "test/support/fixture.h"
-#include "trainer/backend.h"
-#include "trainer/bf16.h"
-#include "trainer/comm.h"
-#include "trainer/mesh.h"
+#include "trainer/backend/backend.h"
+#include "trainer/backend/bf16.h"
+#include "trainer/comm/comm.h"
+#include "trainer/parallel/mesh.h"
 
 #define ALARM_S 60
 #define TIMEOUT_MS 20000

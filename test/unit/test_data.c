@@ -1,4 +1,4 @@
-// deps: trainer/data.c trainer/tokenizer.c trainer/rng.c common/fs.c common/err.c test/support/files.c
+// deps: trainer/formats/data.c trainer/formats/tokenizer.c trainer/model/rng.c common/fs.c common/err.c test/support/files.c
 /* test_data: file formats and their detection, the validation split, the load-time checks
  * with their messages, and the batch rule (the same global batch whatever the dp degree). */
 #include <setjmp.h>
@@ -13,8 +13,8 @@
 #include <cmocka.h>
 
 #include "test/support/files.h"
-#include "trainer/data.h"
-#include "trainer/tokenizer.h"
+#include "trainer/formats/data.h"
+#include "trainer/formats/tokenizer.h"
 
 static char g_dir[256];
 

@@ -1,4 +1,4 @@
-// deps: trainer/interop.c trainer/model.c trainer/trace.c trainer/comm.c trainer/comm_cpu.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c trainer/safetensors.c common/net.c common/store.c common/store_proto.c common/log.c test/support/files.c common/fs.c common/err.c common/env.c test/support/model_cfg.c
+// deps: trainer/formats/interop.c trainer/model/model.c trainer/comm/trace.c trainer/comm/comm.c trainer/comm/comm_cpu.c trainer/backend/backend.c trainer/backend/backend_cpu.c trainer/model/rng.c trainer/formats/safetensors.c common/net.c common/store.c common/store_proto.c common/log.c test/support/files.c common/fs.c common/err.c common/env.c test/support/model_cfg.c trainer/backend/fatal.c
 /* test_interop: llama2.c and HF import/export of our model, in C.
  *
  * Round trips (ours -> llama2.c -> ours, ours -> HF -> ours) must be bit-identical; the HF
@@ -25,11 +25,11 @@
 #include "test/support/files.h"
 
 #include "common/log.h"
-#include "trainer/backend.h"
-#include "trainer/interop.h"
-#include "trainer/model.h"
-#include "trainer/rng.h"
-#include "trainer/safetensors.h"
+#include "trainer/backend/backend.h"
+#include "trainer/formats/interop.h"
+#include "trainer/model/model.h"
+#include "trainer/model/rng.h"
+#include "trainer/formats/safetensors.h"
 #include "test/support/model_cfg.h"
 
 static char dir[256];

@@ -1,4 +1,4 @@
-// deps: trainer/mesh.c trainer/comm.c trainer/comm_cpu.c common/store.c common/store_proto.c common/net.c common/log.c common/err.c common/env.c
+// deps: trainer/parallel/mesh.c trainer/comm/comm.c trainer/comm/comm_cpu.c common/store.c common/store_proto.c common/net.c common/log.c common/err.c common/env.c trainer/backend/fatal.c
 /* test_mesh: the mesh layout (pure arithmetic, no processes): coordinates, group members and
  * their order, uids, size-1 dimensions and errors. The groups' communicators across processes
  * are tested in test_comm_cpu (test_mesh_2x2x2). Expected memberships are written out by hand
@@ -13,7 +13,7 @@
 
 #include <cmocka.h>
 
-#include "trainer/mesh.h"
+#include "trainer/parallel/mesh.h"
 
 static mesh_t *make(int R, int S, int T, int rank) {
   char err[256] = "";

@@ -1,4 +1,4 @@
-// deps: trainer/model.c trainer/trace.c trainer/comm.c trainer/comm_cpu.c common/net.c common/store.c common/store_proto.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c common/log.c common/err.c common/env.c test/support/model_cfg.c
+// deps: trainer/model/model.c trainer/comm/trace.c trainer/comm/comm.c trainer/comm/comm_cpu.c common/net.c common/store.c common/store_proto.c trainer/backend/backend.c trainer/backend/backend_cpu.c trainer/model/rng.c common/log.c common/err.c common/env.c test/support/model_cfg.c trainer/backend/fatal.c
 /* test_model: the model's contract with the training loop and the dp strategies.
  *
  * Numerics against PyTorch are in test/integration/test_oracle_model.py; here: tensor names,
@@ -17,7 +17,7 @@
 
 #include <cmocka.h>
 
-#include "trainer/model.h"
+#include "trainer/model/model.h"
 #include "test/support/model_cfg.h"
 
 enum { B = 2, T = 9, V = 31 };
@@ -200,18 +200,18 @@ typedef struct {
   int fail_unit; /* > 0: reduce_grads of this unit fails (with -7) */
 } rec_t;
 
-static int rec_gather(dp_t *dp, int u, int bwd) {
+static int rec_gather(model_hooks_t *dp, int u, int bwd) {
   rec_t *r = dp->ctx;
   snprintf(r->log + strlen(r->log), sizeof r->log - strlen(r->log), "g%d%s ", u, bwd ? "b" : "");
   if (u == 1) model_set_unit_buffers(r->m, 1, r->copy_p, r->copy_g);
   return 0;
 }
-static int rec_release(dp_t *dp, int u, int bwd) {
+static int rec_release(model_hooks_t *dp, int u, int bwd) {
   rec_t *r = dp->ctx;
   snprintf(r->log + strlen(r->log), sizeof r->log - strlen(r->log), "r%d%s ", u, bwd ? "b" : "");
   return 0;
 }
-static int rec_reduce(dp_t *dp, int u) {
+static int rec_reduce(model_hooks_t *dp, int u) {
   rec_t *r = dp->ctx;
   snprintf(r->log + strlen(r->log), sizeof r->log - strlen(r->log), "s%d ", u);
   return r->fail_unit > 0 && u == r->fail_unit ? -7 : 0;
@@ -233,8 +233,8 @@ static void test_dp_hooks(void **state) {
   r.copy_p = malloc(n * sizeof(float));
   r.copy_g = calloc(n, sizeof(float));
   memcpy(r.copy_p, model_params(m) + off, n * sizeof(float));
-  dp_t dp = {.name = "record", .ctx = &r, .gather = rec_gather, .release = rec_release, .reduce_grads = rec_reduce};
-  model_set_dp(m, &dp);
+  model_hooks_t dp = {.name = "record", .ctx = &r, .gather = rec_gather, .release = rec_release, .reduce_grads = rec_reduce};
+  model_set_hooks(m, &dp);
   model_zero_grad(m);
   memset(model_params(m) + off, 0, n * sizeof(float)); /* unit 1 now lives only in the copy */
   float l1 = fwd_ok(m, tok, tgt, B, T);
@@ -257,7 +257,7 @@ static void test_dp_hooks(void **state) {
   assert_non_null(strstr(model_errmsg(m), "reduce_grads of unit 2 failed (-7)"));
   assert_string_equal(r.log, "g0 r0 g1 r1 g2 r2 g3 r3 g3b s3 r3b g2b s2 ");
   model_set_unit_buffers(m, 1, NULL, NULL);
-  model_set_dp(m, NULL);
+  model_set_hooks(m, NULL);
   free(g0);
   free(r.copy_p);
   free(r.copy_g);
@@ -298,12 +298,12 @@ typedef struct {
   model_t *m;
 } fsdp_fake_t;
 
-static int fake_gather(dp_t *dp, int u, int bwd) {
+static int fake_gather(model_hooks_t *dp, int u, int bwd) {
   fsdp_fake_t *f = dp->ctx;
   model_set_unit_buffers(f->m, u, f->p[u], f->g[u]);
   return 0;
 }
-static int fake_release(dp_t *dp, int u, int bwd) {
+static int fake_release(model_hooks_t *dp, int u, int bwd) {
   fsdp_fake_t *f = dp->ctx;
   model_set_unit_buffers(f->m, u, NULL, NULL);
   return 0;
@@ -341,8 +341,8 @@ static void test_no_flat_buffers(void **state) {
     model_init_unit_host(m, u, p[u], 7, 0.1);
   }
   fsdp_fake_t f = {.p = p, .g = g, .m = m};
-  dp_t dp = {.name = "fake-fsdp", .ctx = &f, .gather = fake_gather, .release = fake_release};
-  model_set_dp(m, &dp);
+  model_hooks_t dp = {.name = "fake-fsdp", .ctx = &f, .gather = fake_gather, .release = fake_release};
+  model_set_hooks(m, &dp);
   float l2 = fwd_ok(m, tok, tgt, B, T);
   bwd_ok(m, 1.0f);
   printf("  no_flat_buffers loss %.7f vs flat %.7f\n", l2, lref);

@@ -1,4 +1,4 @@
-// deps: trainer/model.c trainer/trace.c trainer/comm.c trainer/comm_cpu.c common/net.c common/store.c common/store_proto.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c common/log.c common/err.c common/env.c test/support/model_cfg.c
+// deps: trainer/model/model.c trainer/comm/trace.c trainer/comm/comm.c trainer/comm/comm_cpu.c common/net.c common/store.c common/store_proto.c trainer/backend/backend.c trainer/backend/backend_cpu.c trainer/model/rng.c common/log.c common/err.c common/env.c test/support/model_cfg.c trainer/backend/fatal.c
 /* test_model_bf16: the model under param_dtype bf16 (model_opts_t.param_dtype), on the cpu
  * backend's real bf16 arithmetic.
  *
@@ -19,8 +19,8 @@
 
 #include <cmocka.h>
 
-#include "trainer/bf16.h"
-#include "trainer/model.h"
+#include "trainer/backend/bf16.h"
+#include "trainer/model/model.h"
 #include "test/support/model_cfg.h"
 
 enum { B = 2, T = 24, V = 61, L = 3 };
@@ -124,7 +124,7 @@ typedef struct {
   model_t *m;
 } cast_fake_t;
 
-static int cast_gather(dp_t *dp, int u, int bwd) {
+static int cast_gather(model_hooks_t *dp, int u, int bwd) {
   cast_fake_t *f = dp->ctx;
   model_set_unit_buffers(f->m, u, NULL, f->g[u]);
   model_set_unit_compute(f->m, u, f->lp[u]);
@@ -152,8 +152,8 @@ static void test_bf16_strategy_casts(void **state) {
     free(host);
   }
   cast_fake_t f = {.lp = lp, .g = g, .m = m};
-  dp_t dp = {.name = "fake-fsdp-bf16", .ctx = &f, .gather = cast_gather};
-  model_set_dp(m, &dp);
+  model_hooks_t dp = {.name = "fake-fsdp-bf16", .ctx = &f, .gather = cast_gather};
+  model_set_hooks(m, &dp);
   int32_t tok[B * T], tgt[B * T];
   batch(tok, tgt);
   float l = NAN;

@@ -1,4 +1,4 @@
-// deps: test/support/fixture.c trainer/model.c trainer/trace.c trainer/comm.c trainer/comm_cpu.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c common/store.c common/store_proto.c common/net.c common/log.c launcher/store_server.c common/err.c common/env.c
+// deps: test/support/fixture.c trainer/model/model.c trainer/comm/trace.c trainer/comm/comm.c trainer/comm/comm_cpu.c trainer/backend/backend.c trainer/backend/backend_cpu.c trainer/model/rng.c common/store.c common/store_proto.c common/net.c common/log.c launcher/store_server.c common/err.c common/env.c trainer/backend/fatal.c
 /* test_model_tp: the tensor-parallel model against the serial one.
  *
  * For each configuration the parent builds the serial model, runs two micro-batches of forward
@@ -32,9 +32,9 @@
 
 #include "common/net.h"
 #include "test/support/fixture.h"
-#include "trainer/backend.h"
-#include "trainer/comm.h"
-#include "trainer/model.h"
+#include "trainer/backend/backend.h"
+#include "trainer/comm/comm.h"
+#include "trainer/model/model.h"
 
 #define B 2
 #define T 7

@@ -1,4 +1,4 @@
-// deps: trainer/opprof.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c common/env.c
+// deps: trainer/run/opprof.c trainer/backend/backend.c trainer/backend/backend_cpu.c trainer/model/rng.c common/env.c trainer/backend/fatal.c
 /* test_opprof: the per-kernel step profile (MESHRUN_OP_PROFILE) on the cpu backend.
  *
  * Checks that only the chosen step is recorded, that every call of it is counted under its op
@@ -16,8 +16,8 @@
 
 #include <cmocka.h>
 
-#include "trainer/backend.h"
-#include "trainer/opprof.h"
+#include "trainer/backend/backend.h"
+#include "trainer/run/opprof.h"
 
 static void fill(float *x, size_t n, float s) {
   for (size_t i = 0; i < n; i++)

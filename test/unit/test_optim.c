@@ -1,4 +1,4 @@
-// deps: trainer/optim.c trainer/backend.c trainer/backend_cpu.c common/env.c
+// deps: trainer/model/optim.c trainer/backend/backend.c trainer/backend/backend_cpu.c common/env.c trainer/backend/fatal.c
 /* test_optim: the LR schedule at its key steps, the clip scale and the gradient sum of squares,
  * AdamW steps against a double-precision reference written here (PyTorch's AdamW formulas,
  * decoupled decay, per-tensor decay flags), and sharded ranges giving the same bits as the
@@ -13,7 +13,7 @@
 
 #include <cmocka.h>
 
-#include "trainer/optim.h"
+#include "trainer/model/optim.h"
 
 static plan_train_t base_cfg(void) {
   plan_train_t c;

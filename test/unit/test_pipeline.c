@@ -1,5 +1,5 @@
-// deps: trainer/pipeline.c common/err.c
-/* test_pipeline: the pipeline schedules as data (trainer/pipeline.h), without a model.
+// deps: trainer/plan/pipeline.c common/err.c
+/* test_pipeline: the pipeline schedules as data (trainer/plan/pipeline.h), without a model.
  *
  * What is checked:
  * - every generated schedule (gpipe, 1f1b for p = 2..8 and m in {p, p+1, 2p, 3p+1, 4p};
@@ -28,7 +28,7 @@
 
 #include <cmocka.h>
 
-#include "trainer/pipeline.h"
+#include "trainer/plan/pipeline.h"
 
 static void check_ok(pp_schedule_t s, int p, int v, int m, double *worst) {
   pp_plan_t pl;

@@ -1,4 +1,4 @@
-// deps: trainer/rng.c
+// deps: trainer/model/rng.c
 /* test_rng: rng_skip lands where sequential draws land, bit for bit: after n rng_u64 for any n,
  * and after 2k normals for any k (the parallel weight initialization relies on it). */
 #include <setjmp.h>
@@ -10,7 +10,7 @@
 
 #include <cmocka.h>
 
-#include "trainer/rng.h"
+#include "trainer/model/rng.h"
 
 static void test_skip_u64(void **state) {
   (void)state;

@@ -1,4 +1,4 @@
-// deps: trainer/safetensors.c test/support/files.c common/err.c
+// deps: trainer/formats/safetensors.c test/support/files.c common/err.c
 /* test_safetensors: round trip of fp32/int32 tensors and metadata; corrupt files refused.
  *
  * Each corrupt case starts from a valid file and breaks one thing (truncation, header length,
@@ -20,7 +20,7 @@
 
 #include "test/support/files.h"
 
-#include "trainer/safetensors.h"
+#include "trainer/formats/safetensors.h"
 
 static char dir[256];
 

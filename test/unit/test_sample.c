@@ -1,4 +1,4 @@
-// deps: trainer/sample.c trainer/tokenizer.c trainer/data.c trainer/weights.c trainer/interop.c trainer/safetensors.c trainer/model.c trainer/dp.c trainer/dp_ddp.c trainer/dp_fsdp.c trainer/dp_zero2.c trainer/optim.c trainer/ckpt.c trainer/mesh.c trainer/trace.c trainer/comm.c trainer/comm_cpu.c trainer/comm_staged.c trainer/backend.c trainer/backend_cpu.c trainer/rng.c common/net.c common/store.c common/store_proto.c common/log.c common/err.c common/env.c common/fs.c test/support/model_cfg.c
+// deps: trainer/run/sample.c trainer/formats/tokenizer.c trainer/formats/data.c trainer/run/weights.c trainer/formats/interop.c trainer/formats/safetensors.c trainer/model/model.c trainer/parallel/dp.c trainer/parallel/dp_ddp.c trainer/parallel/dp_fsdp.c trainer/parallel/dp_zero2.c trainer/model/optim.c trainer/formats/ckpt.c trainer/parallel/mesh.c trainer/comm/trace.c trainer/comm/comm.c trainer/comm/comm_cpu.c trainer/comm/comm_staged.c trainer/backend/backend.c trainer/backend/backend_cpu.c trainer/model/rng.c common/net.c common/store.c common/store_proto.c common/log.c common/err.c common/env.c common/fs.c test/support/model_cfg.c trainer/backend/fatal.c
 /* test_sample: the KV-cache decode against the full forward, and the draw's filters.
  *
  * KV cache: greedy generation through model_kv_* (prefill, one-token steps, the sliding window
@@ -29,10 +29,10 @@
 
 #include "common/log.h"
 #include "test/support/model_cfg.h"
-#include "trainer/model.h"
-#include "trainer/rng.h"
-#include "trainer/sample.h"
-#include "trainer/weights.h"
+#include "trainer/model/model.h"
+#include "trainer/model/rng.h"
+#include "trainer/run/sample.h"
+#include "trainer/run/weights.h"
 
 #define KV_TOL 1e-5   /* fp32 logits: max|diff| <= KV_TOL * max(1, max|logit|), as test_interop.py */
 #define BF16_TOL 2.0 /* bf16: times the bf16 full forward's own max error against fp32 */

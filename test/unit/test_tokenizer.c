@@ -1,4 +1,4 @@
-// deps: trainer/tokenizer.c common/fs.c common/err.c test/support/files.c
+// deps: trainer/formats/tokenizer.c common/fs.c common/err.c test/support/files.c
 /* test_tokenizer: encoding with hand-made tokenizers whose ids are worked out by hand, round
  * trips on hard text, every malformed file refused with a message naming it, and
  * tokenizer_json_bos_first's post-processor for each kind of post_processor a file may have.
@@ -25,7 +25,7 @@
 
 #include "test/support/files.h"
 
-#include "trainer/tokenizer.h"
+#include "trainer/formats/tokenizer.h"
 
 static char dir[256];
 

@@ -1,0 +1,189 @@
+/* backend: memory and the kernels the Llama model needs, forward and backward.
+ *
+ * The model calls kernels only through this table, so it never sees a device type: "cpu"
+ * (OpenBLAS sgemm, OpenMP threads for the rest; backend_cpu.c) and "cuda" (cuBLASLt, fused
+ * kernels; backend_cuda.cu). All tensor pointers are device memory of the backend (plain host
+ * memory for cpu), row-major. Integer ids (tokens, targets) are int32 device memory.
+ *
+ * Dtypes (mixed precision, PyTorch's MixedPrecisionPolicy): a kernel's last argument dt is the
+ * dtype of its activation and parameter tensors (the compute copies): DT_F32, or DT_BF16 for
+ * bf16 storage. Whatever dt is, arithmetic happens in fp32: kernels widen bf16 inputs, compute
+ * in fp32 and round once to bf16 when they store (trainer/backend/bf16.h: to nearest even). Some
+ * arguments are fp32 whatever dt says, and their comments say "fp32": statistics (RMSNorm's
+ * rstd, attention's log-sum-exp, the losses, the loss-parallel row stats), parameter gradients
+ * (rmsnorm dw, embedding dtable: the fp32 gradient buffers the strategies reduce), and the
+ * optimizer's tensors. matmul names two dtypes: its operands' and its output's, so that
+ * dW += dy^T x takes bf16 operands and accumulates into fp32 gradients.
+ *
+ * Conventions, the same for every kernel:
+ * - Shapes in comments use N = B*T rows, C = model dim, H = heads, KV = kv heads, D = head dim,
+ *   V = vocab (local shard under tensor parallelism), F = hidden dim of the feed-forward.
+ * - Backward kernels ACCUMULATE into every gradient they produce (dx +=, dw +=), as llm.c does:
+ *   callers zero gradient buffers once per step. The one exception, rope_bwd, works in place.
+ *   A bf16 accumulation widens the old value, adds in fp32 and rounds once.
+ * - With dt = DT_F32 every kernel computes exactly what it computed before dtypes existed
+ *   (the same bits).
+ * - Kernels are deterministic: the same inputs and thread count give the same bits.
+ * - A kernel never allocates per call beyond scratch it caches inside the backend. */
+#ifndef MESHRUN_BACKEND_H
+#define MESHRUN_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct backend backend_t;
+
+/* Element types of tensors (dtype_size gives the bytes of one element). */
+typedef enum { DT_F32 = 0, DT_BF16 = 1 } dtype_t;
+static inline size_t dtype_size(dtype_t dt) { return dt == DT_BF16 ? 2 : 4; }
+static inline const char *dtype_name(dtype_t dt) { return dt == DT_BF16 ? "bf16" : "fp32"; }
+
+/* Where a backend's memory lives: plain host memory (cpu) or a device's (cuda). Callers ask this,
+ * never the backend's name, whether a buffer can be touched from the host or handed to a comm
+ * that moves host memory. */
+typedef enum { BACKEND_MEM_HOST = 0, BACKEND_MEM_DEVICE } backend_mem_t;
+
+struct backend {
+  const char *name; /* "cpu", "cuda": for messages only, never compared outside backend.c */
+  char device[96];  /* the device's own name ("NVIDIA H100 80GB HBM3"); "" on cpu. Reports only */
+  backend_mem_t mem;
+  void *impl;       /* backend-private state */
+
+  /* --- memory (bytes). alloc returns zeroed memory, or NULL when it cannot. */
+  void *(*alloc)(backend_t *be, size_t bytes);
+  void (*free)(backend_t *be, void *p); /* accepts NULL */
+  /* The most device memory the backend's allocator has held at once (alloc's buffers, its
+   * scratch and workspaces); NULL where memory is the host's, whose figure is the process's
+   * peak resident memory (metrics). */
+  size_t (*mem_peak)(backend_t *be);
+  void (*to_device)(backend_t *be, void *dst, const void *host_src, size_t bytes);
+  void (*to_host)(backend_t *be, void *host_dst, const void *src, size_t bytes);
+  void (*copy)(backend_t *be, void *dst, const void *src, size_t bytes); /* device to device */
+  void (*zero)(backend_t *be, void *p, size_t bytes);
+  void (*synchronize)(backend_t *be);
+
+  /* --- dense algebra. c(m,n) = alpha * op(a) op(b) + beta * c, row-major; op(a) is (m,k):
+   * a is (m,k) or, with trans_a, (k,m); op(b) is (k,n): b is (k,n) or, with trans_b, (n,k).
+   * a and b are ab_dt, c is c_dt; products accumulate in fp32 (beta * c too), rounded once
+   * when c is bf16. Combinations: (bf16, bf16), (bf16, fp32), (fp32, fp32). (The cpu backend
+   * computes a bf16 product as fp32 sgemm of the widened operands: products of two bf16 values
+   * are exact in fp32.)
+   * A linear layer y = x W^T with W (out,in):  matmul(y, x, W, N, out, in, 0, 1, 1, 0, dt, dt)
+   *   dx += dy W:                               matmul(dx, dy, W, N, in, out, 0, 0, 1, 1, dt, dt)
+   *   dW += dy^T x:                             matmul(dW, dy, x, out, in, N, 1, 0, 1, 1, dt, DT_F32) */
+  void (*matmul)(backend_t *be, void *c, const void *a, const void *b, int m, int n, int k, int trans_a,
+                 int trans_b, float alpha, float beta, dtype_t ab_dt, dtype_t c_dt);
+
+  /* --- elementwise */
+  /* out = a + b (out may alias) */
+  void (*add)(backend_t *be, void *out, const void *a, const void *b, size_t n, dtype_t dt);
+  void (*scale)(backend_t *be, float *x, float s, size_t n);  /* x *= s, fp32 */
+  /* Sum of squares of x (fp32), accumulated in double, returned to the host (gradient norms). */
+  double (*sumsq)(backend_t *be, const float *x, size_t n);
+  /* dst (n elements of dst_dt) = src (n of src_dt): widening exact, narrowing rounded to nearest
+   * even; the same dtype copies. dst and src do not overlap. */
+  void (*convert)(backend_t *be, void *dst, dtype_t dst_dt, const void *src, dtype_t src_dt, size_t n);
+
+  /* --- embedding. out(N,C) = table[tok - vocab_start] for tokens in [vocab_start,
+   * vocab_start + rows); other tokens give zero rows (vocab-parallel embedding under TP).
+   * out and table are dt; dtable is fp32 (a parameter gradient), dout dt. */
+  void (*embedding_fwd)(backend_t *be, void *out, const void *table, const int32_t *tokens, int n, int c,
+                        int vocab_start, int rows, dtype_t dt);
+  void (*embedding_bwd)(backend_t *be, float *dtable, const void *dout, const int32_t *tokens, int n, int c,
+                        int vocab_start, int rows, dtype_t dt);
+
+  /* --- RMSNorm. out(N,C) = x / rms(x) * w; rstd(N) fp32, saved for backward. dw fp32. */
+  void (*rmsnorm_fwd)(backend_t *be, void *out, float *rstd, const void *x, const void *w, int n, int c, float eps,
+                      dtype_t dt);
+  void (*rmsnorm_bwd)(backend_t *be, void *dx, float *dw, const void *dout, const void *x, const void *w,
+                      const float *rstd, int n, int c, dtype_t dt);
+
+  /* --- RoPE, in place on x (B,T,H,D). Adjacent pairs (2i, 2i+1) of each head rotate by
+   * angle pos * theta^(-2i/D), pos = pos_offset + t (Meta's layout, as llama2.c checkpoints).
+   * rope_bwd rotates a gradient back (by -angle), in place. */
+  void (*rope_fwd)(backend_t *be, void *x, int b, int t, int h, int d, int pos_offset, float theta, dtype_t dt);
+  void (*rope_bwd)(backend_t *be, void *dx, int b, int t, int h, int d, int pos_offset, float theta, dtype_t dt);
+
+  /* --- causal attention with grouped-query heads, scale 1/sqrt(D).
+   * q (B,T,H,D), k and v (B,T,KV,D), out (B,T,H,D); head h uses kv head h / (H/KV).
+   * lse (B,H,T) fp32 saves the log-sum-exp of each softmax row for the backward, which
+   * recomputes the probabilities (no (T,T) matrix is kept between forward and backward). */
+  void (*attention_fwd)(backend_t *be, void *out, float *lse, const void *q, const void *k, const void *v, int b,
+                        int t, int h, int kv, int d, dtype_t dt);
+  void (*attention_bwd)(backend_t *be, void *dq, void *dk, void *dv, const void *dout, const void *q,
+                        const void *k, const void *v, const void *out, const float *lse, int b, int t, int h, int kv,
+                        int d, dtype_t dt);
+
+  /* --- SwiGLU. out(N,F) = silu(a) * g, with a = x W1^T and g = x W3^T. */
+  void (*swiglu_fwd)(backend_t *be, void *out, const void *a, const void *g, size_t n, dtype_t dt);
+  void (*swiglu_bwd)(backend_t *be, void *da, void *dg, const void *dout, const void *a, const void *g, size_t n,
+                     dtype_t dt);
+
+  /* --- softmax cross-entropy, fused forward and backward.
+   * logits (N, ld) dt with V valid columns (ld >= V: columns past V are padding and ignored).
+   * losses(N) fp32 = -log softmax(logits)[target], computed in fp32; a target < 0 is ignored
+   * (loss 0, zero gradient). If dlogits (dt) is non-NULL it receives (softmax - onehot) *
+   * grad_scale (may alias logits; padding columns get 0). */
+  void (*cross_entropy)(backend_t *be, float *losses, void *dlogits, const void *logits, const int32_t *targets,
+                        int n, int v, int ld, float grad_scale, dtype_t dt);
+
+  /* --- 2-D strided copy (device to device) of dt elements: dst[i*ldd + j] = src[i*lds + j]
+   * for i < rows, j < cols. Tensor parallelism rearranges column blocks with it (gathered vocab
+   * shards into full logit rows, and back). */
+  void (*copy_2d)(backend_t *be, void *dst, int ldd, const void *src, int lds, int rows, int cols, dtype_t dt);
+
+  /* --- vocab-parallel cross-entropy (loss parallel under tensor parallelism). logits (N, ld)
+   * dt hold one rank's vocabulary shard: column j is vocabulary id vocab_start + j, and only the
+   * first v columns are real (v may be 0 on a shard that is all padding). targets are ids of
+   * the full vocabulary (< 0 = ignored). rowmax, stats and losses are fp32. The model
+   * all-reduces across the shards between the steps, so no rank ever holds all logits of a row:
+   *   ce_shard_max:   rowmax(N) = max over the shard's v columns (-FLT_MAX when v = 0)
+   *                   -> all_reduce(max)
+   *   ce_shard_stats: stats(2N): stats[i] = sum_j exp(logit - rowmax[i]) over the v columns,
+   *                   stats[N + i] = the target's logit when this shard holds it, else 0
+   *                   -> all_reduce(sum)
+   *   ce_shard_loss:  losses(N) = log(stats[i]) + rowmax[i] - stats[N + i] (0 for ignored
+   *                   targets); if dlogits (dt) is non-NULL (it may alias logits) it receives
+   *                   (exp(logit - rowmax) / stats[i] - onehot) * grad_scale over the v columns,
+   *                   0 on padding columns and ignored rows. (Written, not accumulated.) */
+  void (*ce_shard_max)(backend_t *be, float *rowmax, const void *logits, int n, int v, int ld, dtype_t dt);
+  void (*ce_shard_stats)(backend_t *be, float *stats, const void *logits, const float *rowmax,
+                         const int32_t *targets, int n, int v, int ld, int vocab_start, dtype_t dt);
+  void (*ce_shard_loss)(backend_t *be, float *losses, void *dlogits, const void *logits, const float *rowmax,
+                        const float *stats, const int32_t *targets, int n, int v, int ld, int vocab_start,
+                        float grad_scale, dtype_t dt);
+
+  /* --- AdamW with decoupled weight decay on n elements, all fp32 (the master weights, their
+   * gradients and moments). g is multiplied by grad_scale first (gradient clipping). step
+   * counts from 1 (bias correction). param_lp, when not NULL, receives the updated parameters
+   * rounded to bf16 (n elements): the compute copy, written by the same pass. */
+  void (*adamw)(backend_t *be, float *param, const float *grad, float *m, float *v, void *param_lp, size_t n,
+                float lr, float beta1, float beta2, float eps, float weight_decay, int step, float grad_scale);
+
+  void (*destroy)(backend_t *be);
+};
+
+/* Creates a backend by name ("cpu"; "cuda" where built). threads <= 0: OMP_NUM_THREADS or
+ * the number of CPUs. Returns NULL with a message in err. */
+backend_t *backend_create(const char *name, int threads, char *err, size_t errlen);
+void backend_destroy(backend_t *be); /* accepts NULL */
+
+backend_t *backend_cpu_create(int threads, char *err, size_t errlen);
+
+/* The one fatal path of device errors (trainer/backend/fatal.h's CUDA_CHECK, CUBLAS_CHECK, NCCL_CHECK
+ * call it): prints "[trainer rank R host] file:line: call: message" to stderr (R from RANK, 0
+ * when unset), calls the hook of backend_on_fatal (the comm room's: abort every live
+ * communicator, so peers fail at once), and exits with status 1. It never returns. */
+void backend_fatal(const char *file, int line, const char *call, const char *msg) __attribute__((noreturn));
+/* What backend_fatal calls before it exits (one hook; the last one set). */
+void backend_on_fatal(void (*hook)(const char *why));
+
+/* The cuda backend, in builds with MESHRUN_HAVE_CUDA only (backend_cuda.cu). device < 0: the
+ * only visible GPU, else the one numbered LOCAL_RANK. With no GPU visible it returns NULL and
+ * err starts "cuda: no GPU visible" (device "auto" falls back to cpu on it). */
+backend_t *backend_cuda_create(int device, char *err, size_t errlen);
+/* Lets the cuda backend's matmuls use TF32 tensor cores (10-bit mantissa inputs, fp32
+ * accumulation); off by default (plain fp32). No effect on other backends. */
+void backend_cuda_set_tf32(backend_t *be, int allow);
+
+#endif

@@ -1,0 +1,1507 @@
+/* backend_cuda: the CUDA implementation of backend.h, fp32 or bf16 storage.
+ *
+ * Every call is queued on one stream that the backend owns; only to_device, to_host, sumsq
+ * and synchronize wait for it (the first three because the host reads or reuses memory).
+ * Matrix products go through cuBLASLt (row-major operands, called as the column-major product
+ * c^T = op(b)^T op(a)^T); their descriptors and the chosen algorithm are cached per shape,
+ * transposition, dtypes and pointer alignment, so one shape always runs the same algorithm.
+ * fp32 operands: plain fp32 by default; backend_cuda_set_tf32 lets them use TF32 tensor cores
+ * (10-bit mantissa inputs). bf16 operands: bf16 tensor cores with fp32 accumulation
+ * (CUBLAS_COMPUTE_32F), the output bf16 (rounded once) or fp32 (the dW += dy^T x of the
+ * parameter gradients).
+ * Everything else is a kernel written here: RMSNorm, RoPE, SwiGLU, embedding, softmax
+ * cross-entropy and AdamW fused one pass each, and flash-style causal attention with
+ * grouped-query heads that keeps no (T, T) matrix: tiles of 32 queries and 32 keys in shared
+ * memory, an online softmax in the forward, the probabilities recomputed from the saved
+ * log-sum-exp in the backward.
+ *
+ * Dtypes: each kernel is a template on its storage type T (float or __nv_bfloat16), and the
+ * host wrapper picks the instantiation from the call's dt. Loads widen to fp32 (widen), all
+ * arithmetic and every statistic (RMSNorm's rstd, attention's lse and delta, the
+ * cross-entropy's max and sums) is fp32, and each store rounds once (narrow: round to nearest
+ * even, __float2bfloat16_rn); an accumulating store (dx +=) widens the old value, adds in fp32
+ * and rounds. For T = float widen and narrow are the identity, so the fp32 instantiations
+ * compute the same expressions, in the same order, as the fp32-only kernels before them (the
+ * same bits). The attention tiles in shared memory are fp32 whatever T is: they are widened as
+ * they are loaded. Parameter gradients (RMSNorm's dw, the embedding's dtable) and the
+ * optimizer's tensors are fp32 always; AdamW writes the bf16 compute copy of the updated
+ * parameters in the same pass when asked (param_lp).
+ *
+ * Determinism: no float atomics anywhere. Reductions that cross blocks (sumsq, RMSNorm's dw)
+ * write per-block partials and add them in a fixed order; the embedding backward sorts the
+ * positions by token (a stable radix sort) and one block per distinct token adds its rows in
+ * position order (the cpu backend's order, so the bits agree with it); the attention backward
+ * runs one kernel for dq (one block per query tile) and one for dk/dv (one block per key tile,
+ * looping over its query heads in order). The grid of every reduction depends on the sizes
+ * only, never on the device.
+ *
+ * Not here: vectorized (2 or 8 bf16 per load) elementwise kernels, tensor-core attention,
+ * overlap of communication. The fatal checks abort every live communicator before exiting
+ * (trainer/backend/fatal.h). Head dims above 128 are not supported. */
+#include <cublasLt.h>
+#include <cublas_api.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <float.h>
+#include <math.h>
+#include <limits.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cub/cub.cuh>
+
+extern "C" {
+#include "common/env.h"
+#include "trainer/backend/backend.h"
+#include "trainer/backend/fatal.h"
+}
+
+#define MM_CACHE 128                  /* cached matmul shapes */
+#define WORKSPACE_BYTES ((size_t)32 << 20) /* cuBLASLt workspace (32 MiB, Hopper's advice) */
+#define EW_THREADS 256                /* elementwise kernels */
+#define SUMSQ_BLOCKS 1024             /* at most this many sumsq partials */
+#define RMS_PARTIALS 512              /* at most this many dw partial rows in rmsnorm_bwd */
+#define ATT_TILE 32                   /* queries per block, keys per tile */
+#define ATT_WARPS 4
+#define ATT_ROWS 8                    /* rows (queries or keys) per warp: ATT_WARPS * ATT_ROWS = ATT_TILE */
+#define ATT_THREADS (ATT_WARPS * 32)
+
+/* ------------------------------------------------------------------ fatal checks */
+
+/* Device errors have no recovery path inside a kernel call: CUDA_CHECK and CUBLAS_CHECK
+ * (trainer/backend/fatal.h) print where, abort every live communicator so that peers do not hang, and
+ * exit non-zero so that meshrun restarts or reports (backend_fatal). */
+/* after a kernel launch: launch errors now, execution errors at the next synchronizing call */
+#define LAUNCH_CHECK(name) CUDA_CHECK(cudaPeekAtLastError())
+
+/* ------------------------------------------------------------------ storage types */
+
+/* widen: a stored element as fp32 (exact). narrow<T>: fp32 to storage, rounded to nearest even
+ * for bf16 (the one rounding of a store). Both are the identity for float. */
+__device__ __forceinline__ float widen(float x) { return x; }
+__device__ __forceinline__ float widen(nv_bfloat16 x) { return __bfloat162float(x); }
+template <typename T>
+__device__ __forceinline__ T narrow(float x);
+template <>
+__device__ __forceinline__ float narrow<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ nv_bfloat16 narrow<nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+/* Runs the statements with T the storage type of dt (nv_bfloat16 for DT_BF16, else float):
+ * the host wrappers' one switch from a dtype_t to a kernel instantiation. */
+#define DT_DISPATCH(dt, ...)                                                                   \
+  do {                                                                                         \
+    if ((dt) == DT_BF16) {                                                                     \
+      typedef nv_bfloat16 T;                                                                   \
+      __VA_ARGS__;                                                                             \
+    } else {                                                                                   \
+      typedef float T;                                                                         \
+      __VA_ARGS__;                                                                             \
+    }                                                                                          \
+  } while (0)
+
+/* ------------------------------------------------------------------ state */
+
+typedef struct {
+  int m, n, k, trans_a, trans_b, tf32;
+  dtype_t ab_dt, c_dt;           /* operands', output's */
+  int align_a, align_b, align_c; /* bytes, of the row-major a, b, c */
+  cublasLtMatmulDesc_t desc;
+  cublasLtMatrixLayout_t la, lb, lc; /* of the column-major call: la describes b, lb describes a */
+  cublasLtMatmulAlgo_t algo;
+} mm_entry_t;
+
+typedef struct {
+  void *p;
+  size_t bytes;
+} scratch_t;
+
+/* What the backend's allocator holds: every cudaMalloc it made (alloc's buffers, kept with their
+ * sizes for free; scratch; the cuBLASLt workspace), the bytes of them now, and the most ever.
+ * That peak is the "allocator's peak" of the step line, as torch.cuda.max_memory_allocated is
+ * PyTorch's; NCCL's and the CUDA context's own memory are not in it. */
+typedef struct {
+  void *p;
+  size_t bytes;
+} mem_held_t;
+typedef struct {
+  mem_held_t *v;
+  int n, cap;
+  size_t now, peak;
+} mem_track_t;
+
+typedef struct {
+  int device;
+  size_t smem_optin; /* the most dynamic shared memory one block may have */
+  cudaStream_t stream;
+  cublasLtHandle_t lt;
+  void *workspace;
+  int allow_tf32;
+  mm_entry_t mm[MM_CACHE];
+  int mm_count, mm_next;
+  /* scratch, grown on demand, never shrunk */
+  scratch_t sumsq;                      /* SUMSQ_BLOCKS partials + the total, double */
+  scratch_t rms;                        /* (RMS_PARTIALS, C) dw partials, fp32 */
+  scratch_t att_delta;                  /* (B, H, T) rowsum(dout * out), fp32 */
+  scratch_t emb_keys, emb_pos, emb_pos_sorted, emb_cub; /* embedding backward sort */
+  scratch_t rope;                       /* (T, D/2) cos then (T, D/2) sin, fp32 */
+  int rope_t, rope_d, rope_offset, rope_valid;
+  float rope_theta;
+  mem_track_t mem;
+} cuda_t;
+
+static cuda_t *cuda_of(backend_t *be) { return (cuda_t *)be->impl; }
+
+static void mem_add(mem_track_t *m, ptrdiff_t bytes) {
+  m->now += (size_t)bytes; /* wraps back for a negative bytes */
+  if (m->now > m->peak) m->peak = m->now;
+}
+
+/* Grows s to at least bytes. Kernels have no error path, so running out of device memory for
+ * scratch is fatal (the model's own buffers are far larger than any of these). */
+static void *scratch_get(cuda_t *cu, scratch_t *s, size_t bytes) {
+  if (bytes == 0) bytes = 16;
+  if (bytes > s->bytes) {
+    if (s->p) CUDA_CHECK(cudaFree(s->p));
+    mem_add(&cu->mem, -(ptrdiff_t)s->bytes);
+    s->p = NULL;
+    s->bytes = 0;
+    CUDA_CHECK(cudaMalloc(&s->p, bytes));
+    s->bytes = bytes;
+    mem_add(&cu->mem, (ptrdiff_t)bytes);
+  }
+  return s->p;
+}
+
+static void scratch_free(cuda_t *cu, scratch_t *s) {
+  if (s->p) cudaFree(s->p);
+  mem_add(&cu->mem, -(ptrdiff_t)s->bytes);
+  s->p = NULL;
+  s->bytes = 0;
+}
+
+static unsigned ew_blocks(size_t n) {
+  size_t b = (n + EW_THREADS - 1) / EW_THREADS;
+  if (b > 65536) b = 65536; /* grid-stride loops do the rest */
+  return b ? (unsigned)b : 1u;
+}
+
+/* ------------------------------------------------------------------ reductions (device) */
+
+/* xor butterflies: every lane ends with the same value (float addition and max are
+ * commutative, so partners compute identical sums), in a fixed order. */
+__device__ __forceinline__ float warp_sum(float x) {
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+__device__ __forceinline__ double warp_sum_d(double x) {
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+__device__ __forceinline__ float warp_max(float x) {
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+
+/* Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
+ * sh holds 32 floats. */
+__device__ float block_sum(float x, float *sh) {
+  int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  x = warp_sum(x);
+  __syncthreads(); /* sh may still be read by an earlier call */
+  if (lane == 0) sh[w] = x;
+  __syncthreads();
+  x = lane < nw ? sh[lane] : 0.0f;
+  return warp_sum(x);
+}
+
+/* ------------------------------------------------------------------ memory */
+
+static void *cu_alloc(backend_t *be, size_t bytes) {
+  cuda_t *cu = cuda_of(be);
+  mem_track_t *m = &cu->mem;
+  void *p = NULL;
+  if (bytes == 0) bytes = 16;
+  if (m->n == m->cap) {
+    int cap = m->cap ? 2 * m->cap : 256;
+    mem_held_t *v = (mem_held_t *)realloc(m->v, (size_t)cap * sizeof *v);
+    if (!v) return NULL;
+    m->v = v;
+    m->cap = cap;
+  }
+  if (cudaMalloc(&p, bytes) != cudaSuccess) {
+    (void)cudaGetLastError(); /* out of memory is not sticky: clear it, let the caller report */
+    return NULL;
+  }
+  if (cudaMemsetAsync(p, 0, bytes, cu->stream) != cudaSuccess) {
+    (void)cudaGetLastError();
+    cudaFree(p);
+    return NULL;
+  }
+  m->v[m->n].p = p;
+  m->v[m->n++].bytes = bytes;
+  mem_add(m, (ptrdiff_t)bytes);
+  return p;
+}
+
+/* Buffers are few (hundreds) and freed at the end, so a scan from the newest is enough. */
+static void cu_free(backend_t *be, void *p) {
+  if (!p) return;
+  mem_track_t *m = &cuda_of(be)->mem;
+  for (int i = m->n - 1; i >= 0; i--)
+    if (m->v[i].p == p) {
+      mem_add(m, -(ptrdiff_t)m->v[i].bytes);
+      m->v[i] = m->v[--m->n];
+      break;
+    }
+  CUDA_CHECK(cudaFree(p));
+}
+
+static size_t cu_mem_peak(backend_t *be) { return cuda_of(be)->mem.peak; }
+
+/* The host buffer may be reused as soon as this returns, as with the cpu backend: wait. */
+static void cu_to_device(backend_t *be, void *dst, const void *host_src, size_t bytes) {
+  cuda_t *cu = cuda_of(be);
+  if (!bytes) return;
+  CUDA_CHECK(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, cu->stream));
+  CUDA_CHECK(cudaStreamSynchronize(cu->stream));
+}
+
+static void cu_to_host(backend_t *be, void *host_dst, const void *src, size_t bytes) {
+  cuda_t *cu = cuda_of(be);
+  if (!bytes) return;
+  CUDA_CHECK(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, cu->stream));
+  CUDA_CHECK(cudaStreamSynchronize(cu->stream));
+}
+
+static void cu_copy(backend_t *be, void *dst, const void *src, size_t bytes) {
+  if (!bytes || dst == src) return;
+  CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, cuda_of(be)->stream));
+}
+
+static void cu_zero(backend_t *be, void *p, size_t bytes) {
+  if (bytes) CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, cuda_of(be)->stream));
+}
+
+static void cu_sync(backend_t *be) { CUDA_CHECK(cudaStreamSynchronize(cuda_of(be)->stream)); }
+
+/* ------------------------------------------------------------------ elementwise */
+
+template <typename T>
+__global__ void add_kernel(T *out, const T *a, const T *b, size_t n) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+    out[i] = narrow<T>(widen(a[i]) + widen(b[i]));
+}
+
+__global__ void scale_kernel(float *x, float s, size_t n) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+    x[i] = __fmul_rn(x[i], s);
+}
+
+/* beta * c for an empty product (k = 0); beta = 0 writes zeros even over NaNs */
+template <typename T>
+__global__ void beta_kernel(T *c, float beta, size_t n) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+    c[i] = narrow<T>(beta == 0.0f ? 0.0f : beta * widen(c[i]));
+}
+
+/* dst = src in another dtype: widening is exact, narrowing rounds to nearest even */
+template <typename D, typename S>
+__global__ void convert_kernel(D *dst, const S *src, size_t n) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+    dst[i] = narrow<D>(widen(src[i]));
+}
+
+static void cu_add(backend_t *be, void *out, const void *a, const void *b, size_t n, dtype_t dt) {
+  if (!n) return;
+  DT_DISPATCH(dt, add_kernel<T><<<ew_blocks(n), EW_THREADS, 0, cuda_of(be)->stream>>>((T *)out, (const T *)a,
+                                                                                      (const T *)b, n));
+  LAUNCH_CHECK("add_kernel");
+}
+
+static void cu_scale(backend_t *be, float *x, float s, size_t n) {
+  if (!n) return;
+  scale_kernel<<<ew_blocks(n), EW_THREADS, 0, cuda_of(be)->stream>>>(x, s, n);
+  LAUNCH_CHECK("scale_kernel");
+}
+
+static void cu_convert(backend_t *be, void *dst, dtype_t dst_dt, const void *src, dtype_t src_dt, size_t n) {
+  cudaStream_t st = cuda_of(be)->stream;
+  if (!n) return;
+  if (dst_dt == src_dt) {
+    CUDA_CHECK(cudaMemcpyAsync(dst, src, n * dtype_size(dst_dt), cudaMemcpyDeviceToDevice, st));
+  } else if (dst_dt == DT_BF16) {
+    convert_kernel<nv_bfloat16, float><<<ew_blocks(n), EW_THREADS, 0, st>>>((nv_bfloat16 *)dst, (const float *)src, n);
+    LAUNCH_CHECK("convert_kernel");
+  } else {
+    convert_kernel<float, nv_bfloat16><<<ew_blocks(n), EW_THREADS, 0, st>>>((float *)dst, (const nv_bfloat16 *)src, n);
+    LAUNCH_CHECK("convert_kernel");
+  }
+}
+
+/* Pass 1: block g of G sums x[i]^2 (in double) for i = g*256 + tid + j*G*256, then its threads
+ * in a fixed tree. Pass 2: one thread adds the G partials in order. G depends on n only. */
+__global__ void sumsq_partial_kernel(double *part, const float *x, size_t n) {
+  __shared__ double sh[32];
+  double s = 0.0;
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+    s += (double)x[i] * (double)x[i];
+  int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  s = warp_sum_d(s);
+  if (lane == 0) sh[w] = s;
+  __syncthreads();
+  if (w == 0) {
+    s = lane < nw ? sh[lane] : 0.0;
+    s = warp_sum_d(s);
+    if (lane == 0) part[blockIdx.x] = s;
+  }
+}
+
+__global__ void sumsq_final_kernel(double *total, const double *part, int g) {
+  double s = 0.0;
+  for (int i = 0; i < g; i++) s += part[i];
+  *total = s;
+}
+
+static double cu_sumsq(backend_t *be, const float *x, size_t n) {
+  cuda_t *cu = cuda_of(be);
+  if (!n) return 0.0;
+  size_t g = (n + 256 * 16 - 1) / (256 * 16);
+  if (g > SUMSQ_BLOCKS) g = SUMSQ_BLOCKS;
+  double *part = (double *)scratch_get(cu, &cu->sumsq, (SUMSQ_BLOCKS + 1) * sizeof(double));
+  sumsq_partial_kernel<<<(unsigned)g, 256, 0, cu->stream>>>(part, x, n);
+  LAUNCH_CHECK("sumsq_partial_kernel");
+  sumsq_final_kernel<<<1, 1, 0, cu->stream>>>(part + SUMSQ_BLOCKS, part, (int)g);
+  LAUNCH_CHECK("sumsq_final_kernel");
+  double total = 0.0;
+  CUDA_CHECK(cudaMemcpyAsync(&total, part + SUMSQ_BLOCKS, sizeof total, cudaMemcpyDeviceToHost, cu->stream));
+  CUDA_CHECK(cudaStreamSynchronize(cu->stream));
+  return total;
+}
+
+/* ------------------------------------------------------------------ matmul (cuBLASLt) */
+
+/* The largest power of two (at most 256) dividing the address, at least 2: a bf16 tensor
+ * carved at an odd element offset is only 2-byte aligned, and the heuristic must know. */
+static int ptr_align(const void *p) {
+  uintptr_t a = (uintptr_t)p;
+  int al = 256;
+  while (al > 2 && (a % (uintptr_t)al) != 0) al >>= 1;
+  return al;
+}
+
+static cudaDataType_t cuda_type(dtype_t dt) { return dt == DT_BF16 ? CUDA_R_16BF : CUDA_R_32F; }
+
+static void mm_entry_destroy(mm_entry_t *e) {
+  if (e->la) cublasLtMatrixLayoutDestroy(e->la);
+  if (e->lb) cublasLtMatrixLayoutDestroy(e->lb);
+  if (e->lc) cublasLtMatrixLayoutDestroy(e->lc);
+  if (e->desc) cublasLtMatmulDescDestroy(e->desc);
+  memset(e, 0, sizeof *e);
+}
+
+/* Row-major c (m,n) = op(a) op(b) is column-major c^T (n,m) = op(b)^T op(a)^T: the column-major
+ * call's first operand is b, (n,k) after its op, stored as b's row-major layout read column-major:
+ * (n,k) ld n without trans_b, (k,n) ld k with it (then op T); likewise a as the second operand.
+ * Compute type: fp32 accumulation always; TF32 tensor cores only for fp32 operands when allowed
+ * (bf16 operands use bf16 tensor cores with fp32 accumulation under CUBLAS_COMPUTE_32F). */
+static mm_entry_t *mm_lookup(cuda_t *cu, int m, int n, int k, int ta, int tb, dtype_t ab_dt, dtype_t c_dt, int al_a,
+                             int al_b, int al_c) {
+  int tf32 = cu->allow_tf32 && ab_dt == DT_F32;
+  for (int i = 0; i < cu->mm_count; i++) {
+    mm_entry_t *e = &cu->mm[i];
+    if (e->m == m && e->n == n && e->k == k && e->trans_a == ta && e->trans_b == tb && e->tf32 == tf32 &&
+        e->ab_dt == ab_dt && e->c_dt == c_dt && e->align_a == al_a && e->align_b == al_b && e->align_c == al_c)
+      return e;
+  }
+  mm_entry_t *e;
+  if (cu->mm_count < MM_CACHE) {
+    e = &cu->mm[cu->mm_count++];
+  } else { /* full: replace in turn (the heuristic gives the same algorithm when asked again) */
+    e = &cu->mm[cu->mm_next];
+    cu->mm_next = (cu->mm_next + 1) % MM_CACHE;
+    mm_entry_destroy(e);
+  }
+  e->m = m, e->n = n, e->k = k, e->trans_a = ta, e->trans_b = tb, e->tf32 = tf32;
+  e->ab_dt = ab_dt, e->c_dt = c_dt;
+  e->align_a = al_a, e->align_b = al_b, e->align_c = al_c;
+  cudaDataType_t tab = cuda_type(ab_dt), tc = cuda_type(c_dt);
+
+  CUBLAS_CHECK(cublasLtMatmulDescCreate(&e->desc, tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  cublasOperation_t op_first = tb ? CUBLAS_OP_T : CUBLAS_OP_N, op_second = ta ? CUBLAS_OP_T : CUBLAS_OP_N;
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(e->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_first, sizeof op_first));
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(e->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_second, sizeof op_second));
+  /* first operand (b): op N -> stored (n,k) ld n; op T -> stored (k,n) ld k */
+  if (tb) CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&e->la, tab, (uint64_t)k, (uint64_t)n, (int64_t)k));
+  else CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&e->la, tab, (uint64_t)n, (uint64_t)k, (int64_t)n));
+  /* second operand (a): op N -> stored (k,m) ld k; op T -> stored (m,k) ld m */
+  if (ta) CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&e->lb, tab, (uint64_t)m, (uint64_t)k, (int64_t)m));
+  else CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&e->lb, tab, (uint64_t)k, (uint64_t)m, (int64_t)k));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&e->lc, tc, (uint64_t)n, (uint64_t)m, (int64_t)n));
+
+  cublasLtMatmulPreference_t pref;
+  CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  size_t ws = WORKSPACE_BYTES;
+  uint32_t a1 = (uint32_t)al_b, a2 = (uint32_t)al_a, a3 = (uint32_t)al_c; /* column-major A is b, B is a */
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &a1, sizeof a1));
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &a2, sizeof a2));
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &a3, sizeof a3));
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &a3, sizeof a3));
+  cublasLtMatmulHeuristicResult_t res;
+  int found = 0;
+  memset(&res, 0, sizeof res);
+  CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(cu->lt, e->desc, e->la, e->lb, e->lc, e->lc, pref, 1, &res, &found));
+  cublasLtMatmulPreferenceDestroy(pref);
+  if (found < 1) {
+    char msg[192];
+    snprintf(msg, sizeof msg, "no algorithm for m=%d n=%d k=%d trans_a=%d trans_b=%d tf32=%d operands %s output %s", m,
+             n, k, ta, tb, tf32, dtype_name(ab_dt), dtype_name(c_dt));
+    backend_fatal(__FILE__, __LINE__, "cublasLtMatmulAlgoGetHeuristic", msg);
+  }
+  e->algo = res.algo;
+  return e;
+}
+
+static void cu_matmul(backend_t *be, void *c, const void *a, const void *b, int m, int n, int k, int trans_a,
+                      int trans_b, float alpha, float beta, dtype_t ab_dt, dtype_t c_dt) {
+  cuda_t *cu = cuda_of(be);
+  if (ab_dt != DT_BF16 && c_dt == DT_BF16) /* not one of backend.h's combinations */
+    backend_fatal(__FILE__, __LINE__, "matmul", "fp32 operands with a bf16 output are not supported");
+  if (m <= 0 || n <= 0) return;
+  if (k <= 0) {
+    size_t cn = (size_t)m * n;
+    DT_DISPATCH(c_dt, beta_kernel<T><<<ew_blocks(cn), EW_THREADS, 0, cu->stream>>>((T *)c, beta, cn));
+    LAUNCH_CHECK("beta_kernel");
+    return;
+  }
+  mm_entry_t *e = mm_lookup(cu, m, n, k, trans_a, trans_b, ab_dt, c_dt, ptr_align(a), ptr_align(b), ptr_align(c));
+  CUBLAS_CHECK(cublasLtMatmul(cu->lt, e->desc, &alpha, b, e->la, a, e->lb, &beta, c, e->lc, c, e->lc, &e->algo,
+                              cu->workspace, WORKSPACE_BYTES, cu->stream));
+}
+
+/* ------------------------------------------------------------------ embedding */
+
+/* one block per token row; a copy of stored elements (no rounding) */
+template <typename T>
+__global__ void embedding_fwd_kernel(T *out, const T *table, const int32_t *tokens, int c, int vocab_start, int rows) {
+  int i = blockIdx.x;
+  int r = tokens[i] - vocab_start;
+  T *o = out + (size_t)i * c;
+  if (r >= 0 && r < rows) {
+    const T *src = table + (size_t)r * c;
+    for (int j = threadIdx.x; j < c; j += blockDim.x) o[j] = src[j];
+  } else {
+    for (int j = threadIdx.x; j < c; j += blockDim.x) o[j] = narrow<T>(0.0f);
+  }
+}
+
+__global__ void iota_kernel(int32_t *x, int n) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) x[i] = i;
+}
+
+/* Block s of the (token, position)-sorted list works only if s starts a run of one token: it
+ * adds the run's dout rows (widened) into the token's fp32 table row in position order, the cpu
+ * order. */
+template <typename T>
+__global__ void embedding_bwd_kernel(float *dtable, const T *dout, const int32_t *keys, const int32_t *pos, int n,
+                                     int c, int vocab_start, int rows) {
+  int s = blockIdx.x;
+  int key = keys[s];
+  if (s > 0 && keys[s - 1] == key) return;
+  int r = key - vocab_start;
+  if (r < 0 || r >= rows) return;
+  int e = s + 1;
+  while (e < n && keys[e] == key) e++;
+  float *dt = dtable + (size_t)r * c;
+  for (int j = threadIdx.x; j < c; j += blockDim.x) {
+    float acc = dt[j];
+    for (int u = s; u < e; u++) acc += widen(dout[(size_t)pos[u] * c + j]);
+    dt[j] = acc;
+  }
+}
+
+static void cu_embedding_fwd(backend_t *be, void *out, const void *table, const int32_t *tokens, int n, int c,
+                             int vocab_start, int rows, dtype_t dt) {
+  if (n <= 0 || c <= 0) return;
+  DT_DISPATCH(dt, embedding_fwd_kernel<T><<<n, 256, 0, cuda_of(be)->stream>>>((T *)out, (const T *)table, tokens, c,
+                                                                             vocab_start, rows));
+  LAUNCH_CHECK("embedding_fwd_kernel");
+}
+
+static void cu_embedding_bwd(backend_t *be, float *dtable, const void *dout, const int32_t *tokens, int n, int c,
+                             int vocab_start, int rows, dtype_t dt) {
+  cuda_t *cu = cuda_of(be);
+  if (n <= 0 || c <= 0) return;
+  int32_t *keys = (int32_t *)scratch_get(cu, &cu->emb_keys, (size_t)n * sizeof(int32_t));
+  int32_t *pos = (int32_t *)scratch_get(cu, &cu->emb_pos, (size_t)n * sizeof(int32_t));
+  int32_t *pos_sorted = (int32_t *)scratch_get(cu, &cu->emb_pos_sorted, (size_t)n * sizeof(int32_t));
+  size_t tmp_bytes = 0;
+  CUDA_CHECK(cub::DeviceRadixSort::SortPairs(NULL, tmp_bytes, tokens, keys, pos, pos_sorted, n, 0, 32, cu->stream));
+  void *tmp = scratch_get(cu, &cu->emb_cub, tmp_bytes);
+  iota_kernel<<<ew_blocks((size_t)n), EW_THREADS, 0, cu->stream>>>(pos, n);
+  LAUNCH_CHECK("iota_kernel");
+  /* LSD radix sort: stable, so equal tokens keep position order */
+  CUDA_CHECK(cub::DeviceRadixSort::SortPairs(tmp, tmp_bytes, tokens, keys, pos, pos_sorted, n, 0, 32, cu->stream));
+  DT_DISPATCH(dt, embedding_bwd_kernel<T><<<n, 256, 0, cu->stream>>>(dtable, (const T *)dout, keys, pos_sorted, n, c,
+                                                                    vocab_start, rows));
+  LAUNCH_CHECK("embedding_bwd_kernel");
+}
+
+/* ------------------------------------------------------------------ RMSNorm */
+
+template <typename T>
+__global__ void rmsnorm_fwd_kernel(T *out, float *rstd, const T *x, const T *w, int c, float eps) {
+  __shared__ float sh[32];
+  int i = blockIdx.x;
+  const T *xi = x + (size_t)i * c;
+  T *oi = out + (size_t)i * c;
+  float ss = 0.0f;
+  for (int j = threadIdx.x; j < c; j += blockDim.x) {
+    float xv = widen(xi[j]);
+    ss += xv * xv;
+  }
+  ss = block_sum(ss, sh);
+  float r = 1.0f / sqrtf(ss / (float)c + eps);
+  if (threadIdx.x == 0) rstd[i] = r;
+  for (int j = threadIdx.x; j < c; j += blockDim.x) oi[j] = narrow<T>(widen(xi[j]) * r * widen(w[j]));
+}
+
+/* Block g takes rows g, g+G, ...: dx for each row, and dw's contributions of its rows, summed in
+ * row order into its own fp32 partial row part[g] (each thread owns the same columns
+ * throughout). */
+template <typename T>
+__global__ void rmsnorm_bwd_kernel(T *dx, float *part, const T *dout, const T *x, const T *w, const float *rstd, int n,
+                                   int c) {
+  __shared__ float sh[32];
+  float *pg = part + (size_t)blockIdx.x * c;
+  for (int j = threadIdx.x; j < c; j += blockDim.x) pg[j] = 0.0f;
+  for (int i = blockIdx.x; i < n; i += gridDim.x) {
+    const T *xi = x + (size_t)i * c, *di = dout + (size_t)i * c;
+    T *dxi = dx + (size_t)i * c;
+    float r = rstd[i], dot = 0.0f;
+    for (int j = threadIdx.x; j < c; j += blockDim.x) dot += widen(di[j]) * widen(w[j]) * widen(xi[j]);
+    dot = block_sum(dot, sh);
+    float k = dot * r * r * r / (float)c;
+    for (int j = threadIdx.x; j < c; j += blockDim.x) {
+      float d = widen(di[j]), xv = widen(xi[j]); /* read before dx is written: dx may alias dout */
+      pg[j] += d * xv * r;
+      dxi[j] = narrow<T>(widen(dxi[j]) + (r * widen(w[j]) * d - xv * k));
+    }
+  }
+}
+
+__global__ void rmsnorm_dw_kernel(float *dw, const float *part, int g, int c) {
+  int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= c) return;
+  float s = 0.0f;
+  for (int i = 0; i < g; i++) s += part[(size_t)i * c + j];
+  dw[j] += s;
+}
+
+static int rms_threads(int c) {
+  int t = 32;
+  while (t < 1024 && t * 4 < c) t *= 2; /* about 4 columns per thread */
+  return t;
+}
+
+static void cu_rmsnorm_fwd(backend_t *be, void *out, float *rstd, const void *x, const void *w, int n, int c, float eps,
+                           dtype_t dt) {
+  if (n <= 0 || c <= 0) return;
+  DT_DISPATCH(dt, rmsnorm_fwd_kernel<T><<<n, rms_threads(c), 0, cuda_of(be)->stream>>>((T *)out, rstd, (const T *)x,
+                                                                                      (const T *)w, c, eps));
+  LAUNCH_CHECK("rmsnorm_fwd_kernel");
+}
+
+static void cu_rmsnorm_bwd(backend_t *be, void *dx, float *dw, const void *dout, const void *x, const void *w,
+                           const float *rstd, int n, int c, dtype_t dt) {
+  cuda_t *cu = cuda_of(be);
+  if (n <= 0 || c <= 0) return;
+  int g = n < RMS_PARTIALS ? n : RMS_PARTIALS;
+  float *part = (float *)scratch_get(cu, &cu->rms, (size_t)g * c * sizeof(float));
+  DT_DISPATCH(dt, rmsnorm_bwd_kernel<T><<<g, rms_threads(c), 0, cu->stream>>>(
+                      (T *)dx, part, (const T *)dout, (const T *)x, (const T *)w, rstd, n, c));
+  LAUNCH_CHECK("rmsnorm_bwd_kernel");
+  rmsnorm_dw_kernel<<<(c + 255) / 256, 256, 0, cu->stream>>>(dw, part, g, c);
+  LAUNCH_CHECK("rmsnorm_dw_kernel");
+}
+
+/* ------------------------------------------------------------------ RoPE */
+
+/* The table in double, rounded once to fp32, as the cpu backend does (so both use the same
+ * angles). */
+__global__ void rope_table_kernel(float *cs, float *sn, int t, int d, int pos_offset, double theta) {
+  int half = d / 2;
+  int idx = blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= t * half) return;
+  int p = idx / half, i = idx % half;
+  double freq = pow(theta, -2.0 * i / (double)d);
+  double ang = (double)(pos_offset + p) * freq;
+  cs[idx] = (float)cos(ang);
+  sn[idx] = (float)sin(ang);
+}
+
+/* one thread per pair; explicit roundings (no fused multiply-add) give the cpu backend's bits */
+template <typename T>
+__global__ void rope_kernel(T *x, const float *cs, const float *sn, size_t pairs, int t, int h, int d, int half,
+                            float sign) {
+  for (size_t idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x; idx < pairs; idx += (size_t)gridDim.x * blockDim.x) {
+    int i = (int)(idx % half);
+    size_t rest = idx / half; /* (row, head) */
+    size_t row = rest / h;
+    int p = (int)(row % t);
+    float c = cs[(size_t)p * half + i], s = sign * sn[(size_t)p * half + i];
+    T *xp = x + rest * (size_t)d + 2 * i;
+    float x0 = widen(xp[0]), x1 = widen(xp[1]);
+    xp[0] = narrow<T>(__fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s)));
+    xp[1] = narrow<T>(__fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c)));
+  }
+}
+
+static void rope_apply(backend_t *be, void *x, int b, int t, int h, int d, int pos_offset, float theta, float sign,
+                       dtype_t dt) {
+  cuda_t *cu = cuda_of(be);
+  int half = d / 2;
+  if (b <= 0 || t <= 0 || h <= 0 || half <= 0) return;
+  if (!(cu->rope_valid && cu->rope_t == t && cu->rope_d == d && cu->rope_offset == pos_offset &&
+        cu->rope_theta == theta)) {
+    float *tab = (float *)scratch_get(cu, &cu->rope, 2 * (size_t)t * half * sizeof(float));
+    int cnt = t * half;
+    rope_table_kernel<<<(cnt + 255) / 256, 256, 0, cu->stream>>>(tab, tab + (size_t)t * half, t, d, pos_offset,
+                                                                 (double)theta);
+    LAUNCH_CHECK("rope_table_kernel");
+    cu->rope_t = t, cu->rope_d = d, cu->rope_offset = pos_offset, cu->rope_theta = theta, cu->rope_valid = 1;
+  }
+  const float *cs = (const float *)cu->rope.p, *sn = cs + (size_t)t * half;
+  size_t pairs = (size_t)b * t * h * half;
+  DT_DISPATCH(dt, rope_kernel<T><<<ew_blocks(pairs), EW_THREADS, 0, cu->stream>>>((T *)x, cs, sn, pairs, t, h, d, half,
+                                                                                 sign));
+  LAUNCH_CHECK("rope_kernel");
+}
+
+static void cu_rope_fwd(backend_t *be, void *x, int b, int t, int h, int d, int pos_offset, float theta, dtype_t dt) {
+  rope_apply(be, x, b, t, h, d, pos_offset, theta, 1.0f, dt);
+}
+static void cu_rope_bwd(backend_t *be, void *dx, int b, int t, int h, int d, int pos_offset, float theta, dtype_t dt) {
+  rope_apply(be, dx, b, t, h, d, pos_offset, theta, -1.0f, dt);
+}
+
+/* ------------------------------------------------------------------ attention */
+
+/* Shapes: q, out, dq (B,T,H,D) with row stride H*D; k, v, dk, dv (B,T,KV,D) with row stride KV*D.
+ * DP is D rounded up to 16, 32, 64 or 128; tiles are zero-filled past D and past T, so dot
+ * products over DP equal those over D. Tiles are fp32 whatever the storage type T of the
+ * tensors: widened as they are loaded. lse and delta are fp32.
+ *
+ * Layout in a block: ATT_WARPS warps of ATT_ROWS rows each cover one tile of 32 rows (queries
+ * in the forward and dq kernels, keys in the dk/dv kernel); within a warp, lane j stands for
+ * column j of the 32-wide tile on the other side. Scores are dot products of a "row" held in
+ * shared memory (read as broadcasts) with a "lane" row of a padded (stride DP+4) tile, 16 bytes
+ * at a time. Products with a value tile (P V, dS K, P^T dO, dS^T Q) put the lanes on D instead:
+ * the warp writes its (ATT_ROWS, 32) probabilities to shared memory and reads them back as
+ * broadcasts. */
+
+template <int DP>
+struct att_dims {
+  static constexpr int DS = DP + 4;             /* padded stride of lane-row tiles */
+  static constexpr int DPL = (DP + 31) / 32;    /* D elements per lane in value products */
+};
+
+/* Loads rows [r0, r0+32) of a (T, stride) tensor into a fp32 (32, ld) tile, zero past t and
+ * past d. */
+template <int DP, typename T>
+__device__ __forceinline__ void att_load_tile(float *tile, int ld, const T *src, size_t stride, int r0, int t, int d) {
+  for (int idx = threadIdx.x; idx < ATT_TILE * DP; idx += blockDim.x) {
+    int r = idx / DP, col = idx % DP, row = r0 + r;
+    tile[r * ld + col] = (row < t && col < d) ? widen(src[(size_t)row * stride + col]) : 0.0f;
+  }
+}
+
+/* s[r] += dot(rows[r], lanerow) over DP, rows broadcast (stride DP), lanerow padded. */
+template <int DP>
+__device__ __forceinline__ void att_dots(float *s, const float *rows, const float *lanerow) {
+#pragma unroll 4
+  for (int c = 0; c < DP; c += 4) {
+    float4 kk = *(const float4 *)(lanerow + c);
+#pragma unroll
+    for (int r = 0; r < ATT_ROWS; r++) {
+      float4 qq = *(const float4 *)(rows + r * DP + c);
+      s[r] = fmaf(qq.x, kk.x, s[r]);
+      s[r] = fmaf(qq.y, kk.y, s[r]);
+      s[r] = fmaf(qq.z, kk.z, s[r]);
+      s[r] = fmaf(qq.w, kk.w, s[r]);
+    }
+  }
+}
+
+/* acc[r][i] += sum_j w[r][j] * tile[j][lane + 32 i], w (ATT_ROWS, 32) in shared memory. */
+template <int DP>
+__device__ __forceinline__ void att_accum(float (*acc)[att_dims<DP>::DPL], const float *w, const float *tile, int ld,
+                                          int lane) {
+  constexpr int DPL = att_dims<DP>::DPL;
+  for (int j = 0; j < ATT_TILE; j += 4) {
+    float tv[4][DPL];
+#pragma unroll
+    for (int u = 0; u < 4; u++)
+#pragma unroll
+      for (int i = 0; i < DPL; i++) {
+        int dd = lane + 32 * i;
+        tv[u][i] = dd < DP ? tile[(j + u) * ld + dd] : 0.0f;
+      }
+#pragma unroll
+    for (int r = 0; r < ATT_ROWS; r++) {
+      float4 ww = *(const float4 *)(w + r * ATT_TILE + j);
+#pragma unroll
+      for (int i = 0; i < DPL; i++) {
+        float a = acc[r][i];
+        a = fmaf(ww.x, tv[0][i], a);
+        a = fmaf(ww.y, tv[1][i], a);
+        a = fmaf(ww.z, tv[2][i], a);
+        a = fmaf(ww.w, tv[3][i], a);
+        acc[r][i] = a;
+      }
+    }
+  }
+}
+
+/* Forward: block (query tile, head, batch); the heaviest tiles (last queries) start first. */
+template <int DP, typename T>
+__global__ void __launch_bounds__(ATT_THREADS) attn_fwd_kernel(T *out, float *lse, const T *q, const T *k, const T *v,
+                                                                int t, int h, int kv, int d, float scale) {
+  constexpr int DS = att_dims<DP>::DS, DPL = att_dims<DP>::DPL;
+  extern __shared__ float4 att_smem4[];
+  float *Qs = (float *)att_smem4;        /* (32, DP)  queries, broadcast rows */
+  float *Ks = Qs + ATT_TILE * DP;        /* (32, DS)  keys, lane rows */
+  float *Vs = Ks + ATT_TILE * DS;        /* (32, DP)  values */
+  float *Ps = Vs + ATT_TILE * DP;        /* (WARPS, ROWS, 32) probabilities */
+  int qt = gridDim.x - 1 - blockIdx.x, hi = blockIdx.y, bi = blockIdx.z, ki = hi / (h / kv);
+  int q0 = qt * ATT_TILE, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  size_t qs = (size_t)h * d, ks = (size_t)kv * d;
+  const T *qb = q + (size_t)bi * t * qs + (size_t)hi * d;
+  const T *kb = k + (size_t)bi * t * ks + (size_t)ki * d;
+  const T *vb = v + (size_t)bi * t * ks + (size_t)ki * d;
+  att_load_tile<DP>(Qs, DP, qb, qs, q0, t, d);
+  const float *myq = Qs + warp * ATT_ROWS * DP;
+  float *myp = Ps + warp * ATT_ROWS * ATT_TILE;
+  int qrow0 = q0 + warp * ATT_ROWS;
+
+  float m[ATT_ROWS], l[ATT_ROWS], o[ATT_ROWS][DPL];
+#pragma unroll
+  for (int r = 0; r < ATT_ROWS; r++) {
+    m[r] = -INFINITY, l[r] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < DPL; i++) o[r][i] = 0.0f;
+  }
+  int last = min(q0 + ATT_TILE - 1, t - 1);
+  for (int k0 = 0; k0 <= last; k0 += ATT_TILE) {
+    __syncthreads(); /* the previous tiles are no longer read */
+    att_load_tile<DP>(Ks, DS, kb, ks, k0, t, d);
+    att_load_tile<DP>(Vs, DP, vb, ks, k0, t, d);
+    __syncthreads();
+    float s[ATT_ROWS];
+#pragma unroll
+    for (int r = 0; r < ATT_ROWS; r++) s[r] = 0.0f;
+    att_dots<DP>(s, myq, Ks + lane * DS);
+    int j = k0 + lane;
+#pragma unroll
+    for (int r = 0; r < ATT_ROWS; r++) {
+      int qi = qrow0 + r;
+      bool valid = qi < t && j <= qi;
+      float x = valid ? s[r] * scale : -INFINITY;
+      float mnew = fmaxf(m[r], warp_max(x));
+      float p = 0.0f, corr = 1.0f;
+      if (mnew != -INFINITY) { /* rows past t see no key at all */
+        corr = expf(m[r] - mnew);
+        p = valid ? expf(x - mnew) : 0.0f;
+      }
+      l[r] = l[r] * corr + warp_sum(p);
+      m[r] = mnew;
+#pragma unroll
+      for (int i = 0; i < DPL; i++) o[r][i] *= corr;
+      myp[r * ATT_TILE + lane] = p;
+    }
+    __syncwarp();
+    att_accum<DP>(o, myp, Vs, DP, lane);
+    __syncwarp();
+  }
+  T *ob = out + (size_t)bi * t * qs + (size_t)hi * d;
+  float *lb = lse + ((size_t)bi * h + hi) * t;
+#pragma unroll
+  for (int r = 0; r < ATT_ROWS; r++) {
+    int qi = qrow0 + r;
+    if (qi >= t) continue;
+    if (lane == 0) lb[qi] = m[r] + logf(l[r]);
+    float inv = 1.0f / l[r];
+#pragma unroll
+    for (int i = 0; i < DPL; i++) {
+      int dd = lane + 32 * i;
+      if (dd < d) ob[(size_t)qi * qs + dd] = narrow<T>(o[r][i] * inv);
+    }
+  }
+}
+
+/* delta (B,H,T) fp32 = rowsum(dout * out), one warp per row */
+template <typename T>
+__global__ void attn_delta_kernel(float *delta, const T *out, const T *dout, int b, int t, int h, int d) {
+  size_t rows = (size_t)b * t * h;
+  size_t wid = (blockIdx.x * (size_t)blockDim.x + threadIdx.x) >> 5;
+  int lane = threadIdx.x & 31;
+  if (wid >= rows) return;
+  /* wid walks (B,T,H) so that reads are contiguous; delta is stored (B,H,T) */
+  size_t bi = wid / ((size_t)t * h), rest = wid % ((size_t)t * h);
+  int ti = (int)(rest / h), hi = (int)(rest % h);
+  const T *o = out + wid * d, *g = dout + wid * d;
+  float s = 0.0f;
+  for (int j = lane; j < d; j += 32) s += widen(o[j]) * widen(g[j]);
+  s = warp_sum(s);
+  if (lane == 0) delta[(bi * h + hi) * t + ti] = s;
+}
+
+/* dq: block (query tile, head, batch), over the key tiles up to the diagonal:
+ * p = exp(scale q.k - lse), ds = p (do.v - delta), dq += scale ds k. */
+template <int DP, typename T>
+__global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dq_kernel(T *dq, const T *dout, const T *q, const T *k,
+                                                                   const T *v, const float *lse, const float *delta,
+                                                                   int t, int h, int kv, int d, float scale) {
+  constexpr int DS = att_dims<DP>::DS, DPL = att_dims<DP>::DPL;
+  extern __shared__ float4 att_smem4[];
+  float *Qs = (float *)att_smem4;   /* (32, DP) */
+  float *dOs = Qs + ATT_TILE * DP;  /* (32, DP) */
+  float *Ks = dOs + ATT_TILE * DP;  /* (32, DS) */
+  float *Vs = Ks + ATT_TILE * DS;   /* (32, DS) */
+  float *dSs = Vs + ATT_TILE * DS;  /* (WARPS, ROWS, 32) */
+  int qt = gridDim.x - 1 - blockIdx.x, hi = blockIdx.y, bi = blockIdx.z, ki = hi / (h / kv);
+  int q0 = qt * ATT_TILE, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  size_t qs = (size_t)h * d, ks = (size_t)kv * d;
+  const T *qb = q + (size_t)bi * t * qs + (size_t)hi * d;
+  const T *gb = dout + (size_t)bi * t * qs + (size_t)hi * d;
+  const T *kb = k + (size_t)bi * t * ks + (size_t)ki * d;
+  const T *vb = v + (size_t)bi * t * ks + (size_t)ki * d;
+  const float *lb = lse + ((size_t)bi * h + hi) * t, *db = delta + ((size_t)bi * h + hi) * t;
+  att_load_tile<DP>(Qs, DP, qb, qs, q0, t, d);
+  att_load_tile<DP>(dOs, DP, gb, qs, q0, t, d);
+  int qrow0 = q0 + warp * ATT_ROWS;
+  float lr[ATT_ROWS], dr[ATT_ROWS], acc[ATT_ROWS][DPL];
+#pragma unroll
+  for (int r = 0; r < ATT_ROWS; r++) {
+    int qi = qrow0 + r;
+    lr[r] = qi < t ? lb[qi] : 0.0f;
+    dr[r] = qi < t ? db[qi] : 0.0f;
+#pragma unroll
+    for (int i = 0; i < DPL; i++) acc[r][i] = 0.0f;
+  }
+  float *myds = dSs + warp * ATT_ROWS * ATT_TILE;
+  int last = min(q0 + ATT_TILE - 1, t - 1);
+  for (int k0 = 0; k0 <= last; k0 += ATT_TILE) {
+    __syncthreads();
+    att_load_tile<DP>(Ks, DS, kb, ks, k0, t, d);
+    att_load_tile<DP>(Vs, DS, vb, ks, k0, t, d);
+    __syncthreads();
+    float s[ATT_ROWS], dp[ATT_ROWS];
+#pragma unroll
+    for (int r = 0; r < ATT_ROWS; r++) s[r] = 0.0f, dp[r] = 0.0f;
+    att_dots<DP>(s, Qs + warp * ATT_ROWS * DP, Ks + lane * DS);
+    att_dots<DP>(dp, dOs + warp * ATT_ROWS * DP, Vs + lane * DS);
+    int j = k0 + lane;
+#pragma unroll
+    for (int r = 0; r < ATT_ROWS; r++) {
+      int qi = qrow0 + r;
+      bool valid = qi < t && j <= qi;
+      float p = valid ? expf(s[r] * scale - lr[r]) : 0.0f;
+      myds[r * ATT_TILE + lane] = p * (dp[r] - dr[r]);
+    }
+    __syncwarp();
+    att_accum<DP>(acc, myds, Ks, DS, lane);
+    __syncwarp();
+  }
+  T *dqb = dq + (size_t)bi * t * qs + (size_t)hi * d;
+#pragma unroll
+  for (int r = 0; r < ATT_ROWS; r++) {
+    int qi = qrow0 + r;
+    if (qi >= t) continue;
+#pragma unroll
+    for (int i = 0; i < DPL; i++) {
+      int dd = lane + 32 * i;
+      if (dd < d) {
+        T *p = dqb + (size_t)qi * qs + dd;
+        *p = narrow<T>(widen(*p) + scale * acc[r][i]);
+      }
+    }
+  }
+}
+
+/* dk, dv: block (key tile, kv head, batch), over the group's query heads in order and, for each,
+ * the query tiles from the diagonal on: dv += p^T do, dk += scale ds^T q. */
+template <int DP, typename T>
+__global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dkdv_kernel(T *dk, T *dv, const T *dout, const T *q,
+                                                                     const T *k, const T *v, const float *lse,
+                                                                     const float *delta, int t, int h, int kv, int d,
+                                                                     float scale) {
+  constexpr int DS = att_dims<DP>::DS, DPL = att_dims<DP>::DPL;
+  extern __shared__ float4 att_smem4[];
+  float *Ks = (float *)att_smem4;   /* (32, DP) keys, broadcast rows */
+  float *Vs = Ks + ATT_TILE * DP;   /* (32, DP) */
+  float *Qs = Vs + ATT_TILE * DP;   /* (32, DS) queries, lane rows */
+  float *dOs = Qs + ATT_TILE * DS;  /* (32, DS) */
+  float *Pss = dOs + ATT_TILE * DS; /* (WARPS, ROWS, 32) */
+  float *dSs = Pss + ATT_WARPS * ATT_ROWS * ATT_TILE;
+  float *Ls = dSs + ATT_WARPS * ATT_ROWS * ATT_TILE; /* (32) lse of the query tile */
+  float *Dls = Ls + ATT_TILE;                        /* (32) delta of the query tile */
+  int kt = blockIdx.x, ki = blockIdx.y, bi = blockIdx.z, group = h / kv;
+  int k0 = kt * ATT_TILE, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  size_t qs = (size_t)h * d, ks = (size_t)kv * d;
+  const T *kb = k + (size_t)bi * t * ks + (size_t)ki * d;
+  const T *vb = v + (size_t)bi * t * ks + (size_t)ki * d;
+  att_load_tile<DP>(Ks, DP, kb, ks, k0, t, d);
+  att_load_tile<DP>(Vs, DP, vb, ks, k0, t, d);
+  int krow0 = k0 + warp * ATT_ROWS;
+  float dka[ATT_ROWS][DPL], dva[ATT_ROWS][DPL];
+#pragma unroll
+  for (int r = 0; r < ATT_ROWS; r++)
+#pragma unroll
+    for (int i = 0; i < DPL; i++) dka[r][i] = 0.0f, dva[r][i] = 0.0f;
+  float *myp = Pss + warp * ATT_ROWS * ATT_TILE, *myds = dSs + warp * ATT_ROWS * ATT_TILE;
+  for (int hi = ki * group; hi < (ki + 1) * group; hi++) {
+    const T *qb = q + (size_t)bi * t * qs + (size_t)hi * d;
+    const T *gb = dout + (size_t)bi * t * qs + (size_t)hi * d;
+    const float *lb = lse + ((size_t)bi * h + hi) * t, *db = delta + ((size_t)bi * h + hi) * t;
+    for (int q0 = k0; q0 < t; q0 += ATT_TILE) {
+      __syncthreads();
+      att_load_tile<DP>(Qs, DS, qb, qs, q0, t, d);
+      att_load_tile<DP>(dOs, DS, gb, qs, q0, t, d);
+      if (threadIdx.x < ATT_TILE) {
+        int qi = q0 + threadIdx.x;
+        Ls[threadIdx.x] = qi < t ? lb[qi] : 0.0f;
+        Dls[threadIdx.x] = qi < t ? db[qi] : 0.0f;
+      }
+      __syncthreads();
+      float s[ATT_ROWS], dp[ATT_ROWS];
+#pragma unroll
+      for (int r = 0; r < ATT_ROWS; r++) s[r] = 0.0f, dp[r] = 0.0f;
+      att_dots<DP>(s, Ks + warp * ATT_ROWS * DP, Qs + lane * DS);
+      att_dots<DP>(dp, Vs + warp * ATT_ROWS * DP, dOs + lane * DS);
+      int qi = q0 + lane;
+      float lq = Ls[lane], dlt = Dls[lane];
+#pragma unroll
+      for (int r = 0; r < ATT_ROWS; r++) {
+        int kj = krow0 + r;
+        bool valid = qi < t && kj <= qi;
+        float p = valid ? expf(s[r] * scale - lq) : 0.0f;
+        myp[r * ATT_TILE + lane] = p;
+        myds[r * ATT_TILE + lane] = p * (dp[r] - dlt);
+      }
+      __syncwarp();
+      att_accum<DP>(dva, myp, dOs, DS, lane);
+      att_accum<DP>(dka, myds, Qs, DS, lane);
+      __syncwarp();
+    }
+  }
+  T *dkb = dk + (size_t)bi * t * ks + (size_t)ki * d;
+  T *dvb = dv + (size_t)bi * t * ks + (size_t)ki * d;
+#pragma unroll
+  for (int r = 0; r < ATT_ROWS; r++) {
+    int kj = krow0 + r;
+    if (kj >= t) continue;
+#pragma unroll
+    for (int i = 0; i < DPL; i++) {
+      int dd = lane + 32 * i;
+      if (dd < d) {
+        T *pk = dkb + (size_t)kj * ks + dd, *pv = dvb + (size_t)kj * ks + dd;
+        *pk = narrow<T>(widen(*pk) + scale * dka[r][i]);
+        *pv = narrow<T>(widen(*pv) + dva[r][i]);
+      }
+    }
+  }
+}
+
+template <int DP>
+static size_t att_fwd_smem(void) {
+  return sizeof(float) * (size_t)(ATT_TILE * DP + ATT_TILE * att_dims<DP>::DS + ATT_TILE * DP +
+                                  ATT_WARPS * ATT_ROWS * ATT_TILE);
+}
+template <int DP>
+static size_t att_dq_smem(void) {
+  return sizeof(float) * (size_t)(2 * ATT_TILE * DP + 2 * ATT_TILE * att_dims<DP>::DS + ATT_WARPS * ATT_ROWS * ATT_TILE);
+}
+template <int DP>
+static size_t att_dkdv_smem(void) {
+  return sizeof(float) * (size_t)(2 * ATT_TILE * DP + 2 * ATT_TILE * att_dims<DP>::DS +
+                                  2 * ATT_WARPS * ATT_ROWS * ATT_TILE + 2 * ATT_TILE);
+}
+
+/* Raises one storage type's kernels' dynamic shared-memory limits (above 48 KB needs it). */
+template <int DP, typename T>
+static int att_setup_t(void) {
+  if (cudaFuncSetAttribute(attn_fwd_kernel<DP, T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           (int)att_fwd_smem<DP>()) != cudaSuccess ||
+      cudaFuncSetAttribute(attn_bwd_dq_kernel<DP, T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           (int)att_dq_smem<DP>()) != cudaSuccess ||
+      cudaFuncSetAttribute(attn_bwd_dkdv_kernel<DP, T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           (int)att_dkdv_smem<DP>()) != cudaSuccess)
+    return -1;
+  return 0;
+}
+
+/* At create, for fp32 and bf16 tensors alike (the tiles are fp32 in both). */
+template <int DP>
+static int att_setup(cuda_t *cu) {
+  size_t need = att_dkdv_smem<DP>();
+  if (att_fwd_smem<DP>() > need) need = att_fwd_smem<DP>();
+  if (att_dq_smem<DP>() > need) need = att_dq_smem<DP>();
+  if (need > cu->smem_optin) return -1;
+  return (att_setup_t<DP, float>() || att_setup_t<DP, nv_bfloat16>()) ? -1 : 0;
+}
+
+template <int DP, typename T>
+static void att_fwd_launch(cuda_t *cu, T *out, float *lse, const T *q, const T *k, const T *v, int b, int t, int h,
+                           int kv, int d) {
+  dim3 grid((unsigned)((t + ATT_TILE - 1) / ATT_TILE), (unsigned)h, (unsigned)b);
+  attn_fwd_kernel<DP, T><<<grid, ATT_THREADS, att_fwd_smem<DP>(), cu->stream>>>(out, lse, q, k, v, t, h, kv, d,
+                                                                                1.0f / sqrtf((float)d));
+  LAUNCH_CHECK("attn_fwd_kernel");
+}
+
+template <int DP, typename T>
+static void att_bwd_launch(cuda_t *cu, T *dq, T *dk, T *dv, const T *dout, const T *q, const T *k, const T *v,
+                           const float *lse, const float *delta, int b, int t, int h, int kv, int d) {
+  unsigned tiles = (unsigned)((t + ATT_TILE - 1) / ATT_TILE);
+  float scale = 1.0f / sqrtf((float)d);
+  attn_bwd_dq_kernel<DP, T><<<dim3(tiles, (unsigned)h, (unsigned)b), ATT_THREADS, att_dq_smem<DP>(), cu->stream>>>(
+      dq, dout, q, k, v, lse, delta, t, h, kv, d, scale);
+  LAUNCH_CHECK("attn_bwd_dq_kernel");
+  attn_bwd_dkdv_kernel<DP, T><<<dim3(tiles, (unsigned)kv, (unsigned)b), ATT_THREADS, att_dkdv_smem<DP>(), cu->stream>>>(
+      dk, dv, dout, q, k, v, lse, delta, t, h, kv, d, scale);
+  LAUNCH_CHECK("attn_bwd_dkdv_kernel");
+}
+
+static void att_check_dims(int h, int kv, int d) {
+  if (d > 128 || d <= 0 || kv <= 0 || h % kv != 0) {
+    char msg[128];
+    snprintf(msg, sizeof msg, "unsupported shape h=%d kv=%d d=%d (need d <= 128, h a multiple of kv)", h, kv, d);
+    backend_fatal(__FILE__, __LINE__, "attention", msg);
+  }
+}
+
+template <typename T>
+static void att_fwd_typed(cuda_t *cu, T *out, float *lse, const T *q, const T *k, const T *v, int b, int t, int h,
+                          int kv, int d) {
+  if (d <= 16) att_fwd_launch<16, T>(cu, out, lse, q, k, v, b, t, h, kv, d);
+  else if (d <= 32) att_fwd_launch<32, T>(cu, out, lse, q, k, v, b, t, h, kv, d);
+  else if (d <= 64) att_fwd_launch<64, T>(cu, out, lse, q, k, v, b, t, h, kv, d);
+  else att_fwd_launch<128, T>(cu, out, lse, q, k, v, b, t, h, kv, d);
+}
+
+template <typename T>
+static void att_bwd_typed(cuda_t *cu, T *dq, T *dk, T *dv, const T *dout, const T *q, const T *k, const T *v,
+                          const T *out, const float *lse, int b, int t, int h, int kv, int d) {
+  size_t rows = (size_t)b * t * h;
+  float *delta = (float *)scratch_get(cu, &cu->att_delta, rows * sizeof(float));
+  attn_delta_kernel<T><<<(unsigned)((rows * 32 + 255) / 256), 256, 0, cu->stream>>>(delta, out, dout, b, t, h, d);
+  LAUNCH_CHECK("attn_delta_kernel");
+  if (d <= 16) att_bwd_launch<16, T>(cu, dq, dk, dv, dout, q, k, v, lse, delta, b, t, h, kv, d);
+  else if (d <= 32) att_bwd_launch<32, T>(cu, dq, dk, dv, dout, q, k, v, lse, delta, b, t, h, kv, d);
+  else if (d <= 64) att_bwd_launch<64, T>(cu, dq, dk, dv, dout, q, k, v, lse, delta, b, t, h, kv, d);
+  else att_bwd_launch<128, T>(cu, dq, dk, dv, dout, q, k, v, lse, delta, b, t, h, kv, d);
+}
+
+static void cu_attention_fwd(backend_t *be, void *out, float *lse, const void *q, const void *k, const void *v, int b,
+                             int t, int h, int kv, int d, dtype_t dt) {
+  cuda_t *cu = cuda_of(be);
+  if (b <= 0 || t <= 0 || h <= 0) return;
+  att_check_dims(h, kv, d);
+  DT_DISPATCH(dt, att_fwd_typed<T>(cu, (T *)out, lse, (const T *)q, (const T *)k, (const T *)v, b, t, h, kv, d));
+}
+
+static void cu_attention_bwd(backend_t *be, void *dq, void *dk, void *dv, const void *dout, const void *q,
+                             const void *k, const void *v, const void *out, const float *lse, int b, int t, int h,
+                             int kv, int d, dtype_t dt) {
+  cuda_t *cu = cuda_of(be);
+  if (b <= 0 || t <= 0 || h <= 0) return;
+  att_check_dims(h, kv, d);
+  DT_DISPATCH(dt, att_bwd_typed<T>(cu, (T *)dq, (T *)dk, (T *)dv, (const T *)dout, (const T *)q, (const T *)k,
+                                   (const T *)v, (const T *)out, lse, b, t, h, kv, d));
+}
+
+/* ------------------------------------------------------------------ SwiGLU */
+
+template <typename T>
+__global__ void swiglu_fwd_kernel(T *out, const T *a, const T *g, size_t n) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    float x = widen(a[i]);
+    out[i] = narrow<T>(x / (1.0f + expf(-x)) * widen(g[i]));
+  }
+}
+
+/* silu(a) = a s, s = sigmoid(a); silu'(a) = s (1 + a (1 - s)). */
+template <typename T>
+__global__ void swiglu_bwd_kernel(T *da, T *dg, const T *dout, const T *a, const T *g, size_t n) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    float x = widen(a[i]), s = 1.0f / (1.0f + expf(-x)), d = widen(dout[i]), gv = widen(g[i]);
+    da[i] = narrow<T>(widen(da[i]) + d * gv * s * (1.0f + x * (1.0f - s)));
+    dg[i] = narrow<T>(widen(dg[i]) + d * x * s);
+  }
+}
+
+static void cu_swiglu_fwd(backend_t *be, void *out, const void *a, const void *g, size_t n, dtype_t dt) {
+  if (!n) return;
+  DT_DISPATCH(dt, swiglu_fwd_kernel<T><<<ew_blocks(n), EW_THREADS, 0, cuda_of(be)->stream>>>(
+                      (T *)out, (const T *)a, (const T *)g, n));
+  LAUNCH_CHECK("swiglu_fwd_kernel");
+}
+
+static void cu_swiglu_bwd(backend_t *be, void *da, void *dg, const void *dout, const void *a, const void *g, size_t n,
+                          dtype_t dt) {
+  if (!n) return;
+  DT_DISPATCH(dt, swiglu_bwd_kernel<T><<<ew_blocks(n), EW_THREADS, 0, cuda_of(be)->stream>>>(
+                      (T *)da, (T *)dg, (const T *)dout, (const T *)a, (const T *)g, n));
+  LAUNCH_CHECK("swiglu_bwd_kernel");
+}
+
+/* ------------------------------------------------------------------ cross-entropy */
+
+/* (max, sum of exp(x - max)) pairs merge commutatively, so butterflies stay in step. */
+__device__ __forceinline__ void lse_merge(float &m, float &s, float m2, float s2) {
+  float mn = fmaxf(m, m2);
+  if (mn == -INFINITY) {
+    s = 0.0f;
+  } else {
+    s = s * expf(m - mn) + s2 * expf(m2 - mn);
+  }
+  m = mn;
+}
+
+/* One block per row: each thread an online (max, sum) over its columns, merged in a fixed tree;
+ * then the gradient row. The target's logit is read before any write (dlogits may alias), and
+ * each gradient element is written by the thread that read its logit. */
+template <typename T>
+__global__ void cross_entropy_kernel(float *losses, T *dlogits, const T *logits, const int32_t *targets, int v, int ld,
+                                     float grad_scale) {
+  __shared__ float shm[32], shs[32];
+  __shared__ float sh_lse;
+  int i = blockIdx.x, tid = threadIdx.x, lane = tid & 31, w = tid >> 5, nw = blockDim.x >> 5;
+  const T *li = logits + (size_t)i * ld;
+  T *di = dlogits ? dlogits + (size_t)i * ld : NULL;
+  int tg = targets[i];
+  if (tg < 0 || tg >= v) {
+    if (tid == 0) losses[i] = 0.0f;
+    if (di)
+      for (int j = tid; j < ld; j += blockDim.x) di[j] = narrow<T>(0.0f);
+    return;
+  }
+  float m = -INFINITY, s = 0.0f;
+  for (int j = tid; j < v; j += blockDim.x) {
+    float x = widen(li[j]);
+    if (x > m) {
+      s = s * expf(m - x) + 1.0f;
+      m = x;
+    } else {
+      s += expf(x - m);
+    }
+  }
+  float xt = tid == 0 ? widen(li[tg]) : 0.0f;
+  for (int o = 16; o > 0; o >>= 1) {
+    float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
+    lse_merge(m, s, m2, s2);
+  }
+  if (lane == 0) shm[w] = m, shs[w] = s;
+  __syncthreads();
+  if (w == 0) {
+    m = lane < nw ? shm[lane] : -INFINITY;
+    s = lane < nw ? shs[lane] : 0.0f;
+    for (int o = 16; o > 0; o >>= 1) {
+      float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
+      lse_merge(m, s, m2, s2);
+    }
+    if (lane == 0) {
+      float lse = m + logf(s);
+      sh_lse = lse;
+      losses[i] = lse - xt;
+    }
+  }
+  __syncthreads();
+  if (!di) return;
+  float lse = sh_lse;
+  for (int j = tid; j < v; j += blockDim.x) {
+    float g = expf(widen(li[j]) - lse) * grad_scale;
+    if (j == tg) g -= grad_scale;
+    di[j] = narrow<T>(g);
+  }
+  for (int j = v + tid; j < ld; j += blockDim.x) di[j] = narrow<T>(0.0f);
+}
+
+static int ce_threads(int v) { return v >= 8192 ? 1024 : v >= 1024 ? 256 : 64; }
+
+static void cu_cross_entropy(backend_t *be, float *losses, void *dlogits, const void *logits, const int32_t *targets,
+                             int n, int v, int ld, float grad_scale, dtype_t dt) {
+  if (n <= 0) return;
+  DT_DISPATCH(dt, cross_entropy_kernel<T><<<n, ce_threads(v), 0, cuda_of(be)->stream>>>(
+                      losses, (T *)dlogits, (const T *)logits, targets, v, ld, grad_scale));
+  LAUNCH_CHECK("cross_entropy_kernel");
+}
+
+/* ------------------------------------------------------------------ tensor-parallel pieces */
+
+static void cu_copy_2d(backend_t *be, void *dst, int ldd, const void *src, int lds, int rows, int cols, dtype_t dt) {
+  size_t es = dtype_size(dt);
+  if (rows <= 0 || cols <= 0) return;
+  CUDA_CHECK(cudaMemcpy2DAsync(dst, (size_t)ldd * es, src, (size_t)lds * es, (size_t)cols * es, (size_t)rows,
+                               cudaMemcpyDeviceToDevice, cuda_of(be)->stream));
+}
+
+/* Vocab-parallel cross-entropy (backend.h), one block per row; reductions in a fixed tree. */
+__device__ float block_reduce(float x, int is_max) {
+  __shared__ float sh[32];
+  int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  for (int o = 16; o > 0; o >>= 1) {
+    float y = __shfl_xor_sync(0xffffffffu, x, o);
+    x = is_max ? fmaxf(x, y) : x + y;
+  }
+  __syncthreads(); /* sh may still be read by an earlier call */
+  if (lane == 0) sh[w] = x;
+  __syncthreads();
+  float init = is_max ? -FLT_MAX : 0.0f;
+  x = lane < nw ? sh[lane] : init;
+  for (int o = 16; o > 0; o >>= 1) {
+    float y = __shfl_xor_sync(0xffffffffu, x, o);
+    x = is_max ? fmaxf(x, y) : x + y;
+  }
+  return x; /* every thread gets the total */
+}
+
+template <typename T>
+__global__ void ce_shard_max_kernel(float *rowmax, const T *logits, int v, int ld) {
+  const T *li = logits + (size_t)blockIdx.x * ld;
+  float m = -FLT_MAX;
+  for (int j = threadIdx.x; j < v; j += blockDim.x) m = fmaxf(m, widen(li[j]));
+  m = block_reduce(m, 1);
+  if (threadIdx.x == 0) rowmax[blockIdx.x] = m;
+}
+
+template <typename T>
+__global__ void ce_shard_stats_kernel(float *stats, const T *logits, const float *rowmax, const int32_t *targets, int n,
+                                      int v, int ld, int vocab_start) {
+  int i = blockIdx.x;
+  const T *li = logits + (size_t)i * ld;
+  float mx = rowmax[i], s = 0.0f;
+  for (int j = threadIdx.x; j < v; j += blockDim.x) s += expf(widen(li[j]) - mx);
+  s = block_reduce(s, 0);
+  if (threadIdx.x == 0) {
+    int tg = targets[i], j = tg - vocab_start;
+    stats[i] = s;
+    stats[n + i] = tg >= 0 && j >= 0 && j < v ? widen(li[j]) : 0.0f;
+  }
+}
+
+template <typename T>
+__global__ void ce_shard_loss_kernel(float *losses, T *dlogits, const T *logits, const float *rowmax,
+                                     const float *stats, const int32_t *targets, int n, int v, int ld, int vocab_start,
+                                     float grad_scale) {
+  int i = blockIdx.x, tg = targets[i];
+  T *di = dlogits ? dlogits + (size_t)i * ld : NULL;
+  if (tg < 0) {
+    if (threadIdx.x == 0) losses[i] = 0.0f;
+    if (di)
+      for (int j = threadIdx.x; j < ld; j += blockDim.x) di[j] = narrow<T>(0.0f);
+    return;
+  }
+  float mx = rowmax[i], sum = stats[i];
+  if (threadIdx.x == 0) losses[i] = mx + logf(sum) - stats[n + i];
+  if (!di) return;
+  const T *li = logits + (size_t)i * ld;
+  float k = grad_scale / sum;
+  int jt = tg - vocab_start;
+  for (int j = threadIdx.x; j < ld; j += blockDim.x) {
+    float g = 0.0f;
+    if (j < v) g = expf(widen(li[j]) - mx) * k - (j == jt ? grad_scale : 0.0f);
+    di[j] = narrow<T>(g);
+  }
+}
+
+static void cu_ce_shard_max(backend_t *be, float *rowmax, const void *logits, int n, int v, int ld, dtype_t dt) {
+  if (n <= 0) return;
+  DT_DISPATCH(dt, ce_shard_max_kernel<T><<<n, ce_threads(v), 0, cuda_of(be)->stream>>>(rowmax, (const T *)logits, v,
+                                                                                      ld));
+  LAUNCH_CHECK("ce_shard_max_kernel");
+}
+
+static void cu_ce_shard_stats(backend_t *be, float *stats, const void *logits, const float *rowmax,
+                              const int32_t *targets, int n, int v, int ld, int vocab_start, dtype_t dt) {
+  if (n <= 0) return;
+  DT_DISPATCH(dt, ce_shard_stats_kernel<T><<<n, ce_threads(v), 0, cuda_of(be)->stream>>>(
+                      stats, (const T *)logits, rowmax, targets, n, v, ld, vocab_start));
+  LAUNCH_CHECK("ce_shard_stats_kernel");
+}
+
+static void cu_ce_shard_loss(backend_t *be, float *losses, void *dlogits, const void *logits, const float *rowmax,
+                             const float *stats, const int32_t *targets, int n, int v, int ld, int vocab_start,
+                             float grad_scale, dtype_t dt) {
+  if (n <= 0) return;
+  DT_DISPATCH(dt, ce_shard_loss_kernel<T><<<n, ce_threads(v), 0, cuda_of(be)->stream>>>(
+                      losses, (T *)dlogits, (const T *)logits, rowmax, stats, targets, n, v, ld, vocab_start,
+                      grad_scale));
+  LAUNCH_CHECK("ce_shard_loss_kernel");
+}
+
+/* ------------------------------------------------------------------ AdamW */
+
+/* PyTorch's AdamW, step for step, on the fp32 master weights; the bias corrections come from
+ * the host, computed as the cpu backend computes them. With param_lp the same pass writes the
+ * bf16 compute copy: the updated parameter rounded once to nearest even. */
+__global__ void adamw_kernel(float *param, const float *grad, float *m, float *v, nv_bfloat16 *param_lp, size_t n,
+                             float beta1, float beta2, float eps, float step_size, float bc2_sqrt, float decay,
+                             float grad_scale) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    float g = grad[i] * grad_scale;
+    float mi = beta1 * m[i] + (1.0f - beta1) * g;
+    float vi = beta2 * v[i] + (1.0f - beta2) * g * g;
+    m[i] = mi;
+    v[i] = vi;
+    float p = param[i] * decay;
+    float np = p - step_size * mi / (sqrtf(vi) / bc2_sqrt + eps);
+    param[i] = np;
+    if (param_lp) param_lp[i] = __float2bfloat16_rn(np);
+  }
+}
+
+static void cu_adamw(backend_t *be, float *param, const float *grad, float *m, float *v, void *param_lp, size_t n,
+                     float lr, float beta1, float beta2, float eps, float weight_decay, int step, float grad_scale) {
+  if (!n) return;
+  float bc1 = 1.0f - powf(beta1, (float)step), bc2 = 1.0f - powf(beta2, (float)step);
+  float step_size = lr / bc1, bc2_sqrt = sqrtf(bc2), decay = 1.0f - lr * weight_decay;
+  adamw_kernel<<<ew_blocks(n), EW_THREADS, 0, cuda_of(be)->stream>>>(param, grad, m, v, (nv_bfloat16 *)param_lp, n,
+                                                                    beta1, beta2, eps, step_size, bc2_sqrt, decay,
+                                                                    grad_scale);
+  LAUNCH_CHECK("adamw_kernel");
+}
+
+/* ------------------------------------------------------------------ lifecycle */
+
+static void cu_destroy(backend_t *be) {
+  if (!be) return;
+  cuda_t *cu = (cuda_t *)be->impl;
+  if (cu) {
+    if (cu->stream) cudaStreamSynchronize(cu->stream);
+    for (int i = 0; i < cu->mm_count; i++) mm_entry_destroy(&cu->mm[i]);
+    scratch_free(cu, &cu->sumsq);
+    scratch_free(cu, &cu->rms);
+    scratch_free(cu, &cu->att_delta);
+    scratch_free(cu, &cu->emb_keys);
+    scratch_free(cu, &cu->emb_pos);
+    scratch_free(cu, &cu->emb_pos_sorted);
+    scratch_free(cu, &cu->emb_cub);
+    scratch_free(cu, &cu->rope);
+    if (cu->workspace) cudaFree(cu->workspace);
+    free(cu->mem.v);
+    if (cu->lt) cublasLtDestroy(cu->lt);
+    if (cu->stream) cudaStreamDestroy(cu->stream);
+    free(cu);
+  }
+  free(be);
+}
+
+extern "C" void backend_cuda_set_tf32(backend_t *be, int allow) {
+  if (be && be->name && !strcmp(be->name, "cuda")) cuda_of(be)->allow_tf32 = allow != 0;
+}
+
+/* Errors here are reported, not fatal: "device: auto" falls back to cpu on them. */
+extern "C" backend_t *backend_cuda_create(int device, char *err, size_t errlen) {
+  int count = 0;
+  cudaError_t ce = cudaGetDeviceCount(&count);
+  if (ce != cudaSuccess || count == 0) {
+    if (err && errlen)
+      snprintf(err, errlen, "cuda: no GPU visible (cudaGetDeviceCount: %s)",
+               ce != cudaSuccess ? cudaGetErrorString(ce) : "0 devices");
+    (void)cudaGetLastError();
+    return NULL;
+  }
+  if (device < 0) { /* auto: the only GPU, else the one of this LOCAL_RANK */
+    int lr;
+    env_int("LOCAL_RANK", 0, INT_MAX, 0, &lr);
+    device = count == 1 ? 0 : lr;
+  }
+  if (device >= count) {
+    if (err && errlen) snprintf(err, errlen, "cuda: device %d requested but %d visible", device, count);
+    return NULL;
+  }
+  backend_t *be = (backend_t *)calloc(1, sizeof *be);
+  cuda_t *cu = (cuda_t *)calloc(1, sizeof *cu);
+  const char *what = NULL;
+  cudaError_t e = cudaSuccess;
+  cublasStatus_t bs = CUBLAS_STATUS_SUCCESS;
+  int optin = 0;
+  if (!be || !cu) {
+    free(be);
+    free(cu);
+    if (err && errlen) snprintf(err, errlen, "cuda: out of host memory");
+    return NULL;
+  }
+  be->impl = cu;
+  be->name = "cuda";
+  be->mem = BACKEND_MEM_DEVICE;
+  cu->device = device;
+  if ((e = cudaSetDevice(device)) != cudaSuccess) { what = "cudaSetDevice"; goto fail; }
+  {
+    cudaDeviceProp prop;
+    if ((e = cudaGetDeviceProperties(&prop, device)) != cudaSuccess) { what = "cudaGetDeviceProperties"; goto fail; }
+    snprintf(be->device, sizeof be->device, "%.95s", prop.name); /* MFU's peak (trainer/run/metrics) */
+  }
+  if ((e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device)) != cudaSuccess) {
+    what = "cudaDeviceGetAttribute";
+    goto fail;
+  }
+  cu->smem_optin = (size_t)optin;
+  if ((e = cudaStreamCreateWithFlags(&cu->stream, cudaStreamNonBlocking)) != cudaSuccess) {
+    what = "cudaStreamCreate";
+    goto fail;
+  }
+  if ((e = cudaMalloc(&cu->workspace, WORKSPACE_BYTES)) != cudaSuccess) { what = "cudaMalloc(workspace)"; goto fail; }
+  mem_add(&cu->mem, (ptrdiff_t)WORKSPACE_BYTES);
+  if ((bs = cublasLtCreate(&cu->lt)) != CUBLAS_STATUS_SUCCESS) { what = "cublasLtCreate"; goto fail; }
+  if (att_setup<16>(cu) || att_setup<32>(cu) || att_setup<64>(cu) || att_setup<128>(cu)) {
+    what = "attention kernels' shared memory (cudaFuncSetAttribute)";
+    e = cudaGetLastError();
+    goto fail;
+  }
+  be->alloc = cu_alloc;
+  be->free = cu_free;
+  be->mem_peak = cu_mem_peak;
+  be->to_device = cu_to_device;
+  be->to_host = cu_to_host;
+  be->copy = cu_copy;
+  be->zero = cu_zero;
+  be->synchronize = cu_sync;
+  be->matmul = cu_matmul;
+  be->add = cu_add;
+  be->scale = cu_scale;
+  be->sumsq = cu_sumsq;
+  be->convert = cu_convert;
+  be->embedding_fwd = cu_embedding_fwd;
+  be->embedding_bwd = cu_embedding_bwd;
+  be->rmsnorm_fwd = cu_rmsnorm_fwd;
+  be->rmsnorm_bwd = cu_rmsnorm_bwd;
+  be->rope_fwd = cu_rope_fwd;
+  be->rope_bwd = cu_rope_bwd;
+  be->attention_fwd = cu_attention_fwd;
+  be->attention_bwd = cu_attention_bwd;
+  be->swiglu_fwd = cu_swiglu_fwd;
+  be->swiglu_bwd = cu_swiglu_bwd;
+  be->cross_entropy = cu_cross_entropy;
+  be->copy_2d = cu_copy_2d;
+  be->ce_shard_max = cu_ce_shard_max;
+  be->ce_shard_stats = cu_ce_shard_stats;
+  be->ce_shard_loss = cu_ce_shard_loss;
+  be->adamw = cu_adamw;
+  be->destroy = cu_destroy;
+  return be;
+
+fail:
+  if (err && errlen)
+    snprintf(err, errlen, "cuda: device %d: %s: %s", device, what,
+             bs != CUBLAS_STATUS_SUCCESS ? cublasGetStatusString(bs) : cudaGetErrorString(e));
+  (void)cudaGetLastError();
+  cu_destroy(be);
+  return NULL;
+}

@@ -1,0 +1,41 @@
+/* fatal: the check macros of device library calls (CUDA, cuBLAS, NCCL), one per library, all
+ * ending in the one fatal path, backend_fatal (trainer/backend/fatal.c; docs/STYLE.md, "Errors"):
+ *
+ *   [trainer rank R host] file:line: call: message
+ *
+ * on stderr, then every live communicator of the process aborted (comm_abort_all: peers fail at
+ * once instead of waiting out the comm timeout), then exit(1) so that meshrun restarts or
+ * reports. For errors with no recovery path inside a kernel or collective call; errors a caller
+ * can act on (a peer that left, a bad argument) are returned as statuses instead.
+ *
+ * Macros only: include this after the library's own header, in the files that make device calls
+ * (backend_cuda.cu, comm_nccl.c). backend_fatal has C linkage, so the .cu file calls the same
+ * function (fatal.c). */
+#ifndef MESHRUN_FATAL_H
+#define MESHRUN_FATAL_H
+
+#include "trainer/backend/backend.h"
+
+#define CUDA_CHECK(call)                                                                       \
+  do {                                                                                         \
+    cudaError_t e_ = (call);                                                                   \
+    if (e_ != cudaSuccess) backend_fatal(__FILE__, __LINE__, #call, cudaGetErrorString(e_));   \
+  } while (0)
+
+#define CUBLAS_CHECK(call)                                                                     \
+  do {                                                                                         \
+    cublasStatus_t s_ = (call);                                                                \
+    if (s_ != CUBLAS_STATUS_SUCCESS)                                                           \
+      backend_fatal(__FILE__, __LINE__, #call, cublasGetStatusString(s_));                     \
+  } while (0)
+
+/* For NCCL calls whose failure leaves nothing to return to (a collective's own errors are
+ * returned by the comm backend, with the peer named). */
+#define NCCL_CHECK(call)                                                                       \
+  do {                                                                                         \
+    ncclResult_t r_ = (call);                                                                  \
+    if (r_ != ncclSuccess && r_ != ncclInProgress)                                             \
+      backend_fatal(__FILE__, __LINE__, #call, ncclGetErrorString(r_));                        \
+  } while (0)
+
+#endif

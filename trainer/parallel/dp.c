@@ -1,0 +1,418 @@
+/* dp: the public side of the data-parallel strategies of dp.h, and what they share.
+ *
+ * A strategy is a table of operations (dp_ops_t, trainer/parallel/dp_impl.h) in its own file:
+ *   dp_ddp.c    serial, DDP and ZeRO-1 (the model's flat buffers, whole on every rank);
+ *   dp_fsdp.c   FSDP and HSDP (per-unit padded shards, gathered around each unit's use);
+ *   dp_zero2.c  ZeRO-2 (parameters replicated, gradients and optimizer state sharded).
+ * This file picks the table from the mesh and plan once (dp_create), then dispatches through
+ * it; it never asks which strategy it runs. What every strategy needs lives here: the counted
+ * and checked collectives (the traffic report), the first-error record, the global gradient
+ * norm over a storage's tensor parts, and the checkpoint plumbing that turns a strategy's
+ * ranges of state into chunks of full tensors and back.
+ *
+ * The gradient norm sums squares per tensor part, split in two: tensors split across tp
+ * (summed over tp) and tensors replicated across tp (counted once); sharded storage adds up
+ * over its shard group. Shares travel as fp32 (the cpu comm's only dtype): 1e-7 relative on a
+ * clip scale. They are host values, so they go through the groups' host communicators (the
+ * device ones themselves when the comm backend is cpu). */
+#include "trainer/parallel/dp.h"
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "trainer/formats/ckpt.h"
+#include "trainer/parallel/dp_impl.h"
+
+dp_impl_t *dp_impl_of(dp_t *dp) { return (dp_impl_t *)dp->ctx; }
+
+int dp_fail(dp_impl_t *d, int code, const char *fmt, ...) {
+  if (!d->status) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(d->err, sizeof d->err, fmt, ap);
+    va_end(ap);
+    d->status = code ? code : -1;
+  }
+  return code ? code : -1;
+}
+
+/* ------------------------------------------------------------------ the collectives */
+
+/* A started request becomes the op's (pending); without overlap it is waited for at once, so
+ * the order of everything is what the blocking strategy had. */
+static int op_started(dp_impl_t *d, dp_op_t *op, comm_t *c, uint64_t *counter, int rc, const char *coll,
+                      const char *what) {
+  snprintf(op->what, sizeof op->what, "%s of %s", coll, what);
+  op->comm = c;
+  op->counter = counter;
+  if (rc) return dp_fail(d, rc, "dp %s: %s failed: %s", d->pub.name, op->what, comm_errmsg(c));
+  op->pending = 1;
+  return d->overlap ? 0 : dp_op_wait(d, op);
+}
+
+int dp_op_wait(dp_impl_t *d, dp_op_t *op) {
+  if (!op->pending) return 0;
+  op->pending = 0;
+  uint64_t sent = 0;
+  int rc = comm_wait(op->req, &sent);
+  op->req = NULL;
+  *op->counter += sent;
+  if (rc) return dp_fail(d, rc, "dp %s: %s failed: %s", d->pub.name, op->what, comm_errmsg(op->comm));
+  return op->then ? op->then(d, op) : 0;
+}
+
+int dp_ops_wait(dp_impl_t *d, dp_op_t *ops, int n) {
+  int rc = 0;
+  for (int i = 0; i < n; i++) { /* all of them, also after a failure: none is left in flight */
+    int r = dp_op_wait(d, &ops[i]);
+    if (r && !rc) rc = r;
+  }
+  return rc;
+}
+
+int dp_start_all_gather(dp_impl_t *d, dp_op_t *op, comm_t *c, const void *in, void *out, size_t n, dtype_t dt,
+                        const char *what) {
+  int rc = comm_start_all_gather(c, in, out, n, comm_dtype_of(dt), &op->req);
+  return op_started(d, op, c, &d->traffic.all_gather, rc, "all_gather", what);
+}
+int dp_start_reduce_scatter(dp_impl_t *d, dp_op_t *op, comm_t *c, const void *in, void *out, size_t n, dtype_t dt,
+                            const char *what) {
+  int rc = comm_start_reduce_scatter(c, in, out, n, comm_dtype_of(dt), COMM_AVG, &op->req);
+  return op_started(d, op, c, &d->traffic.reduce_scatter, rc, "reduce_scatter", what);
+}
+static int start_all_reduce_op(dp_impl_t *d, dp_op_t *op, comm_t *c, void *buf, size_t n, dtype_t dt, comm_op_t rop,
+                               const char *what) {
+  int rc = comm_start_all_reduce(c, buf, n, comm_dtype_of(dt), rop, &op->req);
+  return op_started(d, op, c, &d->traffic.all_reduce, rc, "all_reduce", what);
+}
+int dp_start_all_reduce(dp_impl_t *d, dp_op_t *op, comm_t *c, void *buf, size_t n, dtype_t dt, const char *what) {
+  return start_all_reduce_op(d, op, c, buf, n, dt, COMM_AVG, what);
+}
+
+/* The blocking forms: a local op started and waited. */
+int dp_all_reduce(dp_impl_t *d, comm_t *c, float *buf, size_t n, comm_op_t op, const char *what) {
+  dp_op_t o = {0};
+  return start_all_reduce_op(d, &o, c, buf, n, DT_F32, op, what) ? d->status : dp_op_wait(d, &o);
+}
+int dp_all_gather(dp_impl_t *d, comm_t *c, const void *in, void *out, size_t n, dtype_t dt, const char *what) {
+  dp_op_t o = {0};
+  return dp_start_all_gather(d, &o, c, in, out, n, dt, what) ? d->status : dp_op_wait(d, &o);
+}
+int dp_reduce_scatter(dp_impl_t *d, comm_t *c, const float *in, float *out, size_t n, const char *what) {
+  dp_op_t o = {0};
+  return dp_start_reduce_scatter(d, &o, c, in, out, n, DT_F32, what) ? d->status : dp_op_wait(d, &o);
+}
+int dp_broadcast(dp_impl_t *d, comm_t *c, float *buf, size_t n, int root, const char *what) {
+  dp_op_t o = {0};
+  int rc = comm_start_broadcast(c, buf, n, COMM_FLOAT32, root, &o.req);
+  return op_started(d, &o, c, &d->traffic.broadcast, rc, "broadcast", what) ? d->status : dp_op_wait(d, &o);
+}
+
+/* parts has room for one entry per tensor: a tensor lies in one unit, and this rank's share
+ * of a unit is one contiguous range, so a tensor meets it in one interval at most. */
+void dp_add_part(dp_impl_t *d, size_t offset, size_t numel, int tp_split) {
+  d->parts[d->n_parts++] = (dp_part_t){.offset = offset, .numel = numel, .tp_split = tp_split};
+}
+
+int dp_rank_of(comm_t *c) { return c ? comm_rank(c) : 0; }
+
+int dp_norm_of(dp_impl_t *d, const float *g, comm_t *shard_hcomm, double *norm) {
+  double split = 0, repl = 0;
+  for (int i = 0; i < d->n_parts; i++) {
+    double s = d->be->sumsq(d->be, g + d->parts[i].offset, d->parts[i].numel);
+    if (d->tp > 1 && d->parts[i].tp_split == MODEL_TP_REPLICATED) repl += s;
+    else split += s;
+  }
+  float sums[2] = {(float)split, (float)repl};
+  if (shard_hcomm && dp_all_reduce(d, shard_hcomm, sums, 2, COMM_SUM, "gradient norm")) return d->status;
+  if (d->tp > 1 && dp_all_reduce(d, d->tp_hcomm, sums, 1, COMM_SUM, "gradient norm")) return d->status;
+  /* pipeline stages hold disjoint parameters: their shares add up */
+  if (d->pp_hcomm && dp_all_reduce(d, d->pp_hcomm, sums, 2, COMM_SUM, "gradient norm")) return d->status;
+  /* Unsharded without tp and pp, nothing travelled: the double sums stay exact. */
+  *norm = shard_hcomm || d->tp > 1 || d->pp_hcomm ? sqrt((double)sums[0] + (double)sums[1]) : sqrt(split + repl);
+  return 0;
+}
+
+/* ------------------------------------------------------------------ create / destroy */
+
+int dp_is_sharded(const mesh_t *mesh) { return mesh && mesh->dims[MESH_DP_SHARD] > 1; }
+
+int dp_owns_buffers(const mesh_t *mesh, const plan_t *p) {
+  return dp_is_sharded(mesh) || (mesh && mesh->dims[MESH_DP_REPLICATE] > 1 && p->parallel.zero == 2);
+}
+
+/* The one place that looks at the mesh and plan to choose: dp_shard > 1 is FSDP (HSDP with
+ * dp_replicate > 1 too), else dp_replicate > 1 is DDP (ZeRO-1/2 with parallel.zero). */
+static const dp_ops_t *ops_for(const mesh_t *mesh, const plan_t *p) {
+  int R = mesh ? mesh->dims[MESH_DP_REPLICATE] : 1, S = mesh ? mesh->dims[MESH_DP_SHARD] : 1;
+  if (S > 1) return R > 1 ? &dp_hsdp_ops : &dp_fsdp_ops;
+  if (R == 1) return &dp_serial_ops;
+  return p->parallel.zero == 2 ? &dp_zero2_ops : p->parallel.zero == 1 ? &dp_zero1_ops : &dp_ddp_ops;
+}
+
+/* Every collective still in flight, waited for (their errors are kept in d->status). */
+static int drain(dp_impl_t *d) { return d->ops->drain ? d->ops->drain(d) : 0; }
+
+void dp_destroy(dp_t *dp) {
+  if (!dp) return;
+  dp_impl_t *d = dp_impl_of(dp);
+  if (d->ops) drain(d);
+  if (d->m) model_set_hooks(d->m, NULL);
+  optim_free(&d->opt);
+  if (d->be) {
+    d->be->free(d->be, d->sparams);
+    d->be->free(d->be, d->sgrads);
+    d->be->free(d->be, d->gbuf);
+    d->be->free(d->be, d->gradbuf);
+    d->be->free(d->be, d->rstmp);
+    d->be->free(d->be, d->sp_lp);
+    d->be->free(d->be, d->gbuf_lp);
+    d->be->free(d->be, d->rlp);
+  }
+  free(d->uoff);
+  free(d->unumel);
+  free(d->chunk);
+  free(d->soff);
+  free(d->goff);
+  free(d->holder);
+  free(d->parts);
+  free(d->ck_ts);
+  free(d->blo);
+  free(d->bhi);
+  free(d->bucket_of);
+  free(d->bops);
+  free(d->gops);
+  free(d->rsops);
+  free(d->arops);
+  free(d);
+}
+
+/* The wire copies of reduce_dtype bf16 (see dp_impl_t.rlp): per gradient buffer the largest
+ * padded unit and its chunk, then the shard for HSDP's replicate all-reduce; or (DDP, ZeRO-1)
+ * the flat gradient, each bucket at its own offset. */
+static int reduce_scratch(dp_impl_t *d, char *err, size_t errlen) {
+  size_t n = d->num_params;
+  if (d->chunk) {
+    d->rs_lp_n = 0;
+    for (int u = 0; u < d->n_units; u++)
+      if (d->chunk[u] * (size_t)(d->S + 1) > d->rs_lp_n) d->rs_lp_n = d->chunk[u] * (size_t)(d->S + 1);
+    n = (size_t)d->ngrad * d->rs_lp_n + (d->rep_reduce ? d->shard_total : 0);
+  }
+  d->rlp_n = n;
+  if (n && !(d->rlp = d->be->alloc(d->be, n * dtype_size(d->rdt)))) {
+    snprintf(err, errlen, "dp error: out of memory for the %s gradient reduction buffer (%zu elements)",
+             dtype_name(d->rdt), n);
+    return -4;
+  }
+  return 0;
+}
+
+int dp_create(dp_t **out, model_t *m, backend_t *be, const mesh_t *mesh, const plan_t *p, char *err,
+              size_t errlen) {
+  *out = NULL;
+  dp_impl_t *d = calloc(1, sizeof *d);
+  if (!d) {
+    snprintf(err, errlen, "dp error: out of memory");
+    return -4;
+  }
+  d->pub.ctx = d;
+  d->ops = ops_for(mesh, p);
+  d->pub.name = d->ops->name;
+  d->m = m;
+  d->be = be;
+  d->sync = 1;
+  d->reshard = p->parallel.reshard_after_forward;
+  d->overlap = p->parallel.overlap;
+  d->ngrad = d->overlap ? 2 : 1;
+  d->n_units = model_num_units(m);
+  d->num_params = model_num_params(m);
+  d->uoff = calloc((size_t)d->n_units, sizeof *d->uoff);
+  d->unumel = calloc((size_t)d->n_units, sizeof *d->unumel);
+  if (!d->uoff || !d->unumel) {
+    dp_destroy(&d->pub);
+    snprintf(err, errlen, "dp error: out of memory");
+    return -4;
+  }
+  for (int u = 0; u < d->n_units; u++) model_unit_range(m, u, &d->uoff[u], &d->unumel[u]);
+
+  if (mesh) {
+    d->dp_comm = mesh_comm(mesh, "dp");
+    d->shard_comm = mesh_comm(mesh, "dp_shard");
+    d->rep_comm = mesh_comm(mesh, "dp_replicate");
+    d->tp_comm = mesh_comm(mesh, "tp");
+    d->dp_hcomm = mesh_host_comm(mesh, "dp");
+    d->shard_hcomm = mesh_host_comm(mesh, "dp_shard");
+    d->tp_hcomm = mesh_host_comm(mesh, "tp");
+    d->tp = mesh->dims[MESH_TP];
+    d->pp_hcomm = mesh->dims[MESH_PP] > 1 ? mesh_host_comm(mesh, "pp") : NULL;
+    if ((mesh->dims[MESH_PP] > 1 && !d->pp_hcomm) || !d->dp_comm || !d->shard_comm || !d->rep_comm || !d->tp_comm || !d->dp_hcomm || !d->shard_hcomm ||
+        !d->tp_hcomm) {
+      dp_destroy(&d->pub);
+      snprintf(err, errlen, "dp error: the mesh is not connected (call mesh_connect first)");
+      return -2;
+    }
+  }
+  d->S = mesh ? mesh->dims[MESH_DP_SHARD] : 1;
+  d->s = mesh ? mesh->coord[MESH_DP_SHARD] : 0;
+  d->pdt = model_param_dtype(m);
+  d->rdt = model_reduce_dtype(m);
+
+  int rc = d->ops->setup(d, p, err, errlen);
+  if (rc == 0 && d->rdt != DT_F32) rc = reduce_scratch(d, err, errlen);
+  if (rc) {
+    dp_destroy(&d->pub);
+    return rc;
+  }
+  d->pub.gather = d->ops->gather;
+  d->pub.release = d->ops->release;
+  d->pub.reduce_grads = d->ops->reduce_grads;
+  /* No hooks at all (serial): dp == NULL in the model, which then runs on its own buffers. */
+  if (d->pub.gather || d->pub.release || d->pub.reduce_grads) model_set_hooks(m, &d->pub);
+  *out = &d->pub;
+  return 0;
+}
+
+/* ------------------------------------------------------------------ parameters and the step */
+
+int dp_init_params(dp_t *dp, uint64_t seed, double init_std) {
+  dp_impl_t *d = dp_impl_of(dp);
+  return d->ops->init_params(d, seed, init_std);
+}
+
+int dp_unit_open(dp_t *dp, int u) {
+  dp_impl_t *d = dp_impl_of(dp);
+  if (drain(d)) return d->status;
+  return d->ops->unit_open(d, u);
+}
+
+int dp_unit_commit(dp_t *dp, int u) {
+  dp_impl_t *d = dp_impl_of(dp);
+  if (drain(d)) return d->status;
+  return d->ops->unit_commit(d, u);
+}
+
+void dp_unit_to_host(dp_t *dp, int u, float *host) {
+  dp_impl_t *d = dp_impl_of(dp);
+  d->be->to_host(d->be, host, d->ops->unit_params(d, u), d->unumel[u] * sizeof(float));
+}
+
+void dp_set_sync(dp_t *dp, int sync) { dp_impl_of(dp)->sync = sync; }
+
+void dp_zero_grad(dp_t *dp) {
+  dp_impl_t *d = dp_impl_of(dp);
+  drain(d);
+  d->ops->zero_grad(d);
+}
+
+int dp_grad_norm(dp_t *dp, double *norm) {
+  dp_impl_t *d = dp_impl_of(dp);
+  if (drain(d)) return d->status;
+  return d->ops->grad_norm(d, norm);
+}
+
+int dp_step(dp_t *dp, double lr, double grad_scale) {
+  dp_impl_t *d = dp_impl_of(dp);
+  if (drain(d)) return d->status;
+  return d->ops->step(d, lr, grad_scale);
+}
+
+/* ------------------------------------------------------------------ checkpoints */
+
+/* The model's tensor table as an array (what ckpt wants), kept: chunks borrow its names until
+ * the save has copied them. */
+static model_tensor_t *ck_tensors(dp_impl_t *d, int *nt) {
+  if (!d->ck_ts) {
+    int n = model_num_tensors(d->m);
+    if (!(d->ck_ts = malloc((size_t)n * sizeof *d->ck_ts))) return NULL;
+    for (int i = 0; i < n; i++) d->ck_ts[i] = *model_tensor(d->m, i);
+    d->ck_nt = n;
+  }
+  *nt = d->ck_nt;
+  return d->ck_ts;
+}
+
+int dp_ckpt_to_host(dp_t *dp, ckpt_chunks_t *cs, float **host, char *err, size_t errlen) {
+  dp_impl_t *d = dp_impl_of(dp);
+  *host = NULL;
+  if (drain(d)) {
+    snprintf(err, errlen, "%s", d->err);
+    return d->status;
+  }
+  dp_ck_range_t *r = malloc(DP_CK_RANGES_MAX(d->n_units) * sizeof *r);
+  int nt = 0;
+  model_tensor_t *ts = ck_tensors(d, &nt);
+  if (!r || !ts) goto nomem;
+  int n = d->ops->ck_ranges(d, r);
+  size_t total = 0;
+  for (int i = 0; i < n; i++) total += r[i].save ? r[i].count : 0;
+  float *h = *host = malloc((total ? total : 1) * sizeof(float));
+  if (!h) goto nomem;
+  const int tp_rank = dp_rank_of(d->tp_comm);
+  for (int i = 0; i < n; i++) {
+    if (!r[i].save) continue;
+    d->be->to_host(d->be, h, r[i].dev, r[i].count * sizeof(float));
+    if (ckpt_chunks_add_range(cs, r[i].kind, ts, nt, tp_rank, r[i].flat, r[i].count, h)) goto nomem;
+    h += r[i].count;
+  }
+  free(r);
+  return 0;
+nomem:
+  free(r);
+  free(*host);
+  *host = NULL;
+  snprintf(err, errlen, "dp error: out of memory copying the %s state for a checkpoint", d->pub.name);
+  return -4;
+}
+
+int dp_ckpt_from_host(dp_t *dp, ckpt_t *ck, char *err, size_t errlen) {
+  dp_impl_t *d = dp_impl_of(dp);
+  if (drain(d)) {
+    snprintf(err, errlen, "%s", d->err);
+    return d->status;
+  }
+  dp_ck_range_t *r = malloc(DP_CK_RANGES_MAX(d->n_units) * sizeof *r);
+  int nt = 0, rc = 0;
+  model_tensor_t *ts = ck_tensors(d, &nt);
+  int n = r && ts ? d->ops->ck_ranges(d, r) : 0;
+  size_t cmax = 0;
+  for (int i = 0; i < n; i++) cmax = r[i].count > cmax ? r[i].count : cmax;
+  float *h = malloc((cmax ? cmax : 1) * sizeof(float));
+  if (!r || !ts || !h) {
+    snprintf(err, errlen, "dp error: out of memory loading a checkpoint");
+    rc = -4;
+  }
+  const int tp_rank = dp_rank_of(d->tp_comm);
+  for (int i = 0; i < n && rc == 0; i++) {
+    rc = ckpt_read_range(ck, r[i].kind, ts, nt, tp_rank, r[i].flat, r[i].count, h, err, errlen);
+    if (rc == 0) d->be->to_device(d->be, r[i].dev, h, r[i].count * sizeof(float));
+  }
+  if (d->ops->ck_loaded) {
+    int lrc = d->ops->ck_loaded(d);
+    if (lrc && rc == 0) {
+      snprintf(err, errlen, "%s", d->err);
+      rc = lrc;
+    }
+  }
+  free(r);
+  free(h);
+  return rc;
+}
+
+int dp_optim_step(const dp_t *dp) { return ((const dp_impl_t *)dp->ctx)->opt.step; }
+void dp_set_optim_step(dp_t *dp, int step) { dp_impl_of(dp)->opt.step = step; }
+
+/* ------------------------------------------------------------------ reports */
+
+void dp_memory(const dp_t *dp, dp_memory_t *out) {
+  const dp_impl_t *d = dp->ctx;
+  memset(out, 0, sizeof *out);
+  d->ops->memory(d, out);
+  if (d->rlp) out->work_bytes += d->rlp_n * dtype_size(d->rdt); /* reduce_dtype's wire copy */
+}
+
+void dp_traffic(const dp_t *dp, dp_traffic_t *out) { *out = ((const dp_impl_t *)dp->ctx)->traffic; }
+int dp_status(const dp_t *dp) { return ((const dp_impl_t *)dp->ctx)->status; }
+const char *dp_errmsg(const dp_t *dp) { return ((const dp_impl_t *)dp->ctx)->err; }

@@ -1,0 +1,248 @@
+/* checkpoint: the run's save and resume policy over trainer/formats/ckpt (see checkpoint.h). */
+#include "trainer/run/checkpoint.h"
+
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/log.h"
+
+static int save(checkpoint_t *c, dp_t *dp, int step, char *err, size_t errlen) {
+  const plan_t *p = c->p;
+  ckpt_state_t st;
+  memset(&st, 0, sizeof st);
+  st.step = step;
+  st.optim_step = dp_optim_step(dp);
+  st.data_position = (uint64_t)step * (uint64_t)p->train.global_batch_size;
+  char v[64];
+  snprintf(v, sizeof v, "%llu", (unsigned long long)p->seed);
+  ckpt_state_set(&st, "seed", v);
+  snprintf(v, sizeof v, "%d", p->train.global_batch_size);
+  ckpt_state_set(&st, "global_batch_size", v);
+  snprintf(v, sizeof v, "%d", p->train.steps);
+  ckpt_state_set(&st, "train_steps", v);
+  snprintf(v, sizeof v, "%llu", (unsigned long long)c->data_tokens);
+  ckpt_state_set(&st, "data_tokens", v);
+  ckpt_chunks_t cs = {0};
+  float *host = NULL;
+  /* A rank that cannot copy still joins the collective save, with n_chunks -1: the save then
+   * fails on every rank instead of leaving the others waiting. (No chunks would not do: the
+   * coverage check sees only tensors some rank saved, so when this rank was the only holder of
+   * a tensor, e.g. DDP's rank 0 of every parameter, a checkpoint without it would commit.) */
+  char cerr[256] = "";
+  int crc = dp_ckpt_to_host(dp, &cs, &host, cerr, sizeof cerr);
+  int rc = ckpt_writer_save(c->w, &st, crc ? NULL : cs.v, crc ? -1 : cs.n, err, errlen);
+  if (crc) snprintf(err, errlen, "%s", cerr);
+  ckpt_chunks_free(&cs);
+  free(host);
+  return rc ? rc : crc ? CKPT_EINVAL : 0;
+}
+
+/* What a failed save (or the commit of an asynchronous one) of step `step` means for the run.
+ * Every rank gets the same rc and message from the writer, so every rank decides alike:
+ * - a lack of space (CKPT_ENOSPC) stops the run at once (-1, no_restart set): a restart would
+ *   fail the same way, so meshrun is asked not to spend one;
+ * - a broken collective (CKPT_ECOMM) stops it too (-1): the group cannot save, nor train;
+ * - anything else is one warning (rank 0) and the run goes on (0): the writer removed the
+ *   save's .tmp and the next save may succeed. When it was the save after the last step,
+ *   final_failed is set and final_err keeps the cause, for the exit status at the end. */
+static int failed(checkpoint_t *c, int rc, int step, char *err, size_t errlen) {
+  const int is_final = step == c->p->train.steps;
+  if (rc == 0) return 0;
+  if (rc == CKPT_ENOSPC || rc == CKPT_ECOMM) {
+    char cause[2048];
+    snprintf(cause, sizeof cause, "%s", err);
+    snprintf(err, errlen, "the checkpoint of step %d failed, stopping: %s", step, cause);
+    if (rc == CKPT_ENOSPC) c->no_restart = 1;
+    return -1;
+  }
+  if (c->rank == 0)
+    log_warn("the checkpoint of step %d failed (%s)%s", step, err,
+             is_final ? "; the final weights are saved next, and the run will exit 1" : "; training goes on");
+  if (is_final) c->final_failed = 1;
+  return 0;
+}
+
+int checkpoint_peek(plan_t *p, char *from, size_t fromlen, int *carried) {
+  *carried = 0;
+  from[0] = 0;
+  if (!strcmp(p->checkpoint.resume, "none")) return 0;
+  ckpt_state_t st;
+  int rc = ckpt_peek(p->checkpoint.dir[0] ? p->checkpoint.dir : ".", p->checkpoint.resume, &st, from, fromlen);
+  if (rc == CKPT_ECORRUPT) return 1;
+  if (rc) return 0;
+  const char *g = ckpt_state_get(&st, "global_batch_size");
+  unsigned long long G = g ? strtoull(g, NULL, 10) : st.step > 0 ? st.data_position / (uint64_t)st.step : 0;
+  if (p->train.global_batch_size == 0 && G > 0 && G <= INT_MAX) {
+    p->train.global_batch_size = (int)G;
+    *carried = 1;
+  }
+  return 1;
+}
+
+/* checkpoint.resume: "none", "auto" or a step directory. Sets *start_step (0: fresh); returns
+ * 0, 2 or 1 as checkpoint_open does. Collective. */
+static int resume(checkpoint_t *c, dp_t *dp, int world, int restart, int round, int *start_step, int *resumed,
+                  char *err, size_t errlen) {
+  const plan_t *p = c->p;
+  *start_step = 0;
+  *resumed = 0;
+  const char *which = p->checkpoint.resume;
+  if (!strcmp(which, "none")) return 0;
+  ckpt_shape_t shape;
+  ckpt_shape_from_plan(&shape, &p->model);
+  ckpt_t *ck = NULL;
+  int rc = ckpt_open(&ck, p->checkpoint.dir[0] ? p->checkpoint.dir : ".", which, &shape, c->cg, err, errlen);
+  if (rc == CKPT_ENOENT && !strcmp(which, "auto")) {
+    log_rank0("checkpoint.resume auto: no checkpoint in %s; starting from step 0", p->checkpoint.dir);
+    return 0;
+  }
+  if (rc == CKPT_ECORRUPT && !strcmp(which, "auto")) { /* damage a restart would read again */
+    char *nl = strchr(err, '\n');
+    if (nl) *(nl > err && nl[-1] == ':' ? nl - 1 : nl) = 0;
+    size_t n = strlen(err);
+    snprintf(err + n, errlen - n, " (each named above): move %s away, or start over in it with "
+             "checkpoint.resume=none and overwrite=true", p->checkpoint.dir);
+    return 2;
+  }
+  if (rc) return rc == CKPT_ESHAPE || rc == CKPT_ENOENT || rc == CKPT_ECORRUPT || rc == CKPT_ENONFINITE ? 2 : 1;
+  const ckpt_meta_t *meta = ckpt_meta(ck);
+  const uint64_t G = (uint64_t)p->train.global_batch_size, step = (uint64_t)meta->state.step;
+  const uint64_t pos = meta->state.data_position;
+  if (step ? pos % step != 0 : pos != 0) { /* no global batch explains it (the metadata checksum passed) */
+    snprintf(err, errlen, "checkpoint error: %s: data_position %llu is not a whole number of batches of its %llu "
+             "steps: the checkpoint is inconsistent", meta->path, (unsigned long long)pos, (unsigned long long)step);
+    ckpt_close(ck);
+    return 1;
+  }
+  if (meta->state.data_position != step * G) {
+    snprintf(err, errlen, "checkpoint error: %s consumed %llu samples in %llu steps (global batch %llu) but this "
+             "plan's train.global_batch_size is %llu: the data order would not continue; set "
+             "train.global_batch_size=%llu", meta->path, (unsigned long long)meta->state.data_position,
+             (unsigned long long)step, step ? (unsigned long long)(meta->state.data_position / step) : 0ULL,
+             (unsigned long long)G, step ? (unsigned long long)(meta->state.data_position / step) : 0ULL);
+    ckpt_close(ck);
+    return 2;
+  }
+  if (step > (uint64_t)p->train.steps) {
+    snprintf(err, errlen, "checkpoint error: %s is at step %llu, beyond train.steps %d", meta->path,
+             (unsigned long long)step, p->train.steps);
+    ckpt_close(ck);
+    return 2;
+  }
+  /* Another dataset size: the batches are drawn over other offsets, so the run goes on but no
+   * longer reads what the uninterrupted one would have (older checkpoints have no count). */
+  const char *saved_tokens = ckpt_state_get(&meta->state, "data_tokens");
+  if (saved_tokens && strtoull(saved_tokens, NULL, 10) != c->data_tokens && c->rank == 0)
+    log_warn("%s was saved over a dataset of %s tokens, this run's has %llu: the data changed, so the batches "
+             "after step %llu are not those the run would have read", meta->path, saved_tokens,
+             (unsigned long long)c->data_tokens, (unsigned long long)step);
+  if (dp_ckpt_from_host(dp, ck, err, errlen)) {
+    ckpt_close(ck);
+    return 1;
+  }
+  dp_set_optim_step(dp, (int)meta->state.optim_step);
+  log_rank0("resumed from %s (step %llu, saved by world %d, now world %d, restart %d, round %d)", meta->path,
+            (unsigned long long)step, meta->world_size, world, restart < 0 ? 0 : restart, round < 0 ? 0 : round);
+  *start_step = (int)step;
+  *resumed = 1;
+  ckpt_close(ck);
+  return 0;
+}
+
+int checkpoint_open(checkpoint_t *c, const plan_t *p, dp_t *dp, const mesh_t *mesh, hooks_t *hooks, int rank,
+                    int world, int restart, int round, const char *plan_json, uint64_t data_tokens, int *start_step,
+                    int *resumed, char *err, size_t errlen) {
+  memset(c, 0, sizeof *c);
+  c->p = p;
+  c->data_tokens = data_tokens;
+  c->rank = rank;
+  if (mesh) {
+    ckpt_group_from_comm(&c->group, mesh_host_comm(mesh, "world")); /* host memory, whatever the device */
+    c->cg = &c->group;
+  }
+  int rc = resume(c, dp, world, restart, round, start_step, resumed, err, errlen);
+  if (rc || !p->checkpoint.dir[0]) return rc;
+  const int tp = mesh ? mesh->dims[MESH_TP] : 1;
+  ckpt_writer_config_t wc = {.dir = p->checkpoint.dir, .keep = p->checkpoint.keep, .async = p->checkpoint.async,
+                             .group = c->cg, .plan_json = plan_json,
+                             .mesh = {mesh ? mesh->dims[MESH_DP_REPLICATE] : 1, mesh ? mesh->dims[MESH_DP_SHARD] : 1,
+                                      tp}};
+  ckpt_shape_from_plan(&wc.shape, &p->model);
+  hooks_ckpt_writer(hooks, &wc);
+  return ckpt_writer_create(&c->w, &wc, err, errlen) ? 1 : 0;
+}
+
+/* Keeps the cause of a failed final save for the end of the run. */
+static void keep_final_err(checkpoint_t *c, const char *err) {
+  if (c->final_failed && !c->final_err[0]) snprintf(c->final_err, sizeof c->final_err, "%s", err);
+}
+
+/* An async save in flight is committed by the first poll that finds every rank's writer done
+ * (poll is collective: every rank calls it after every step), or before the next save starts. */
+int checkpoint_after_step(checkpoint_t *c, dp_t *dp, int step, char *err, size_t errlen) {
+  if (!c->w) return 0;
+  const plan_t *p = c->p;
+  const int due = step == p->train.steps || (p->checkpoint.interval > 0 && step % p->checkpoint.interval == 0);
+  int rc = 0, settled = 1;
+  if (c->pending) {
+    int64_t committed = -1;
+    if (due) {
+      rc = ckpt_writer_wait(c->w, err, errlen);
+    } else {
+      rc = ckpt_writer_poll(c->w, &committed, err, errlen);
+      settled = rc != 0 || committed >= 0;
+    }
+    if (settled && rc && c->saved == c->pending) c->saved = 0; /* its commit failed */
+    if (settled && failed(c, rc, c->pending, err, errlen)) return -1;
+    if (settled) c->pending = 0;
+  }
+  if (due) {
+    rc = save(c, dp, step, err, errlen);
+    if (rc == 0) c->saved = step;
+    if (rc == 0 && p->checkpoint.async)
+      c->pending = step; /* in flight: its outcome comes with the commit */
+    else if (failed(c, rc, step, err, errlen))
+      return -1;
+  }
+  keep_final_err(c, err);
+  return 0;
+}
+
+int checkpoint_now(checkpoint_t *c, dp_t *dp, int step, char *err, size_t errlen) {
+  if (!c->w) return 0;
+  int rc = 0;
+  if (c->pending) { /* an asynchronous save in flight: committed (or failed) first */
+    rc = ckpt_writer_wait(c->w, err, errlen);
+    const int was = c->pending;
+    c->pending = 0;
+    if (rc && c->saved == was) c->saved = 0; /* its commit failed: save this step afresh */
+  }
+  if (c->saved == step) return 0;
+  rc = save(c, dp, step, err, errlen);
+  if (rc == 0 && c->p->checkpoint.async) rc = ckpt_writer_wait(c->w, err, errlen);
+  if (rc == 0) c->saved = step;
+  return rc ? -1 : 0;
+}
+
+int checkpoint_finish(checkpoint_t *c, char *err, size_t errlen) {
+  if (!c->w || !c->pending) return 0;
+  int rc = ckpt_writer_wait(c->w, err, errlen);
+  if (failed(c, rc, c->pending, err, errlen)) return -1;
+  keep_final_err(c, err);
+  c->pending = 0;
+  return 0;
+}
+
+int checkpoint_final_status(const checkpoint_t *c, char *err, size_t errlen) {
+  if (!c->final_failed) return 0;
+  snprintf(err, errlen, "the checkpoint after the last step (%d) was not saved: %s", c->p->train.steps, c->final_err);
+  return -1;
+}
+
+void checkpoint_free(checkpoint_t *c) {
+  if (!c) return;
+  ckpt_writer_destroy(c->w); /* a save still in flight (only after a failure) is waited for */
+  c->w = NULL;
+}

@@ -1,0 +1,83 @@
+/* hooks: the test hooks of a training run (see hooks.h). */
+#include "trainer/run/hooks.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common/log.h"
+#include "trainer/run/weights.h"
+
+void hooks_init(hooks_t *h, int rank) {
+  h->rank = rank;
+  h->nan_rank = h->nan_step = -1;
+  const char *s = getenv("MESHRUN_FAULT_NAN");
+  if (s && sscanf(s, "%d:%d", &h->nan_rank, &h->nan_step) != 2) h->nan_rank = -1;
+  h->save_err = 0;
+  char name[16] = "EIO";
+  s = getenv("MESHRUN_FAULT_SAVE");
+  if (s && sscanf(s, "%d:%d:%15s", &h->save_rank, &h->save_step, name) >= 2)
+    h->save_err = !strcmp(name, "ENOSPC") ? ENOSPC : EIO;
+  h->stall_rank = h->stall_step = -1;
+  s = getenv("MESHRUN_FAULT_STALL");
+  if (s && sscanf(s, "%d:%d", &h->stall_rank, &h->stall_step) != 2) h->stall_rank = -1;
+}
+
+int hooks_one_process(const hooks_t *h) { return h->dump_init || h->dump_batches; }
+
+/* ckpt's hook: the "write" point of the faulty step fails with the chosen errno. */
+static int save_fault(const char *point, int64_t step, void *arg) {
+  const hooks_t *h = arg;
+  return !strcmp(point, "write") && step == h->save_step ? h->save_err : 0;
+}
+
+void hooks_ckpt_writer(hooks_t *h, ckpt_writer_config_t *wc) {
+  if (!h->save_err || h->save_rank != h->rank) return;
+  wc->hook = save_fault;
+  wc->hook_arg = h;
+}
+
+int hooks_initial_weights(hooks_t *h, model_t *m, dp_t *dp, const mesh_t *mesh, const char *plan_json, char *err,
+                          size_t errlen) {
+  if (!h->dump_init) return 0;
+  return weights_save(m, dp, mesh, h->rank, h->dump_init, plan_json, 0, err, errlen);
+}
+
+int hooks_start(hooks_t *h, char *err, size_t errlen) {
+  if (h->dump_batches && !(h->dump = fopen(h->dump_batches, "wb"))) {
+    snprintf(err, errlen, "cannot open %s: %s", h->dump_batches, strerror(errno));
+    return -1;
+  }
+  return 0;
+}
+
+int hooks_batch(hooks_t *h, const int32_t *tok, const int32_t *tgt, size_t n, char *err, size_t errlen) {
+  if (h->dump && (fwrite(tok, sizeof(int32_t), n, h->dump) != n || fwrite(tgt, sizeof(int32_t), n, h->dump) != n)) {
+    snprintf(err, errlen, "cannot write %s: %s", h->dump_batches, strerror(errno));
+    return -1;
+  }
+  return 0;
+}
+
+float hooks_loss(const hooks_t *h, int step, int micro, float loss) {
+  return h->nan_rank == h->rank && h->nan_step == step && micro == 0 ? NAN : loss;
+}
+
+void hooks_stall(const hooks_t *h, int step) {
+  if (h->stall_rank != h->rank || h->stall_step != step) return;
+  log_warn("MESHRUN_FAULT_STALL: stalling before step %d until a signal ends this process", step);
+  for (;;) pause();
+}
+
+int hooks_stop(const hooks_t *h, int step, int steps) {
+  if (!h->stop_after || step != h->stop_after || step >= steps) return 0;
+  log_rank0("stopping after step %d (--stop-after)", step);
+  return 1;
+}
+
+void hooks_close(hooks_t *h) {
+  if (h && h->dump) fclose(h->dump);
+  if (h) h->dump = NULL;
+}

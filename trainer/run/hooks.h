@@ -1,0 +1,68 @@
+/* hooks: everything the tests reach into a training run with, in one place. The run calls one
+ * function per point; each does nothing unless its flag or variable is set.
+ *
+ *   --stop-after N              end the run after step N (and its checkpoint) as if it had been
+ *                               killed there, for resume tests (hooks_stop)
+ *   --dump-init FILE            the initial weights, as safetensors (hooks_initial_weights)
+ *   --dump-batches FILE         every micro-batch's tokens then targets, int32, in training order
+ *                               (hooks_start opens it, hooks_batch writes)
+ *   MESHRUN_FAULT_NAN=RANK:STEP that rank's first micro-batch of that step reports a nan loss,
+ *                               as a rank whose data made the model diverge would (hooks_loss)
+ *   MESHRUN_FAULT_SAVE=RANK:STEP[:EIO|ENOSPC]   that rank's shard write of the checkpoint of that
+ *                               step fails with that errno (default EIO), as a failing disk
+ *                               would (hooks_ckpt_writer installs ckpt's "write" hook)
+ *   MESHRUN_FAULT_STALL=RANK:STEP  that rank stops before step STEP and waits for signals until
+ *                               one ends it, as a hung device or a deadlocked process would: its
+ *                               peers' next collective fails after the comm timeout (hooks_stall)
+ *
+ * The two dumps serve the PyTorch oracle test and run in one process only. Not here: the
+ * behaviour the hooks provoke (the loss check in train.c, the save policy in checkpoint.c). */
+#ifndef MESHRUN_HOOKS_H
+#define MESHRUN_HOOKS_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "trainer/formats/ckpt.h"
+#include "trainer/parallel/dp.h"
+#include "trainer/parallel/mesh.h"
+#include "trainer/model/model.h"
+
+typedef struct {
+  /* flags (main's argument parser sets them) */
+  int stop_after;           /* 0 = never */
+  const char *dump_init;
+  const char *dump_batches;
+  /* state */
+  int rank;
+  FILE *dump;
+  int nan_rank, nan_step;   /* MESHRUN_FAULT_NAN; nan_rank -1: off */
+  int save_rank, save_step, save_err; /* MESHRUN_FAULT_SAVE; save_err 0: off */
+  int stall_rank, stall_step; /* MESHRUN_FAULT_STALL; stall_rank -1: off */
+} hooks_t;
+
+/* Reads the fault variables for this rank. The flags stay as set. */
+void hooks_init(hooks_t *h, int rank);
+/* Whether a hook that runs in one process only (a dump) is set. */
+int hooks_one_process(const hooks_t *h);
+/* Before the checkpoint writer is created: the save fault of this rank, if any. */
+void hooks_ckpt_writer(hooks_t *h, ckpt_writer_config_t *wc);
+/* After the initial weights are set: --dump-init. Collective as weights_save is. 0 or -1. */
+int hooks_initial_weights(hooks_t *h, model_t *m, dp_t *dp, const mesh_t *mesh, const char *plan_json, char *err,
+                          size_t errlen);
+/* Before the first step: opens --dump-batches. 0 or -1. */
+int hooks_start(hooks_t *h, char *err, size_t errlen);
+/* Each micro-batch's tokens and targets (n each) before its forward. 0 or -1. */
+int hooks_batch(hooks_t *h, const int32_t *tok, const int32_t *tgt, size_t n, char *err, size_t errlen);
+/* The loss of micro-batch micro (0-based) of step `step` (1-based), possibly replaced by nan. */
+float hooks_loss(const hooks_t *h, int step, int micro, float loss);
+/* Before step `step` (1-based): on the stalling rank of that step, a warning and then no return
+ * (pause() until a signal's default action ends the process; the trainer's SIGTERM handler lets
+ * a second SIGTERM do that). */
+void hooks_stall(const hooks_t *h, int step);
+/* After step `step` (1-based) of steps and its checkpoint: 1 when the run stops here (logged). */
+int hooks_stop(const hooks_t *h, int step, int steps);
+void hooks_close(hooks_t *h); /* accepts a zeroed hooks_t */
+
+#endif

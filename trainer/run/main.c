@@ -1,0 +1,944 @@
+/* trainer: trains a Llama model from a JSON plan, or samples text from saved weights, or exports
+ * them.
+ *
+ *   trainer [PLAN.json] [--set key.path=value ...]                  train (no PLAN: embedded default)
+ *   trainer sample [PLAN.json] --weights FILE [--set key.path=value ...]   print generated text
+ *   trainer export --format llama2c|hf [PLAN.json] --weights FILE --out PATH  convert weights
+ * (FILE: ours, llama2.c, Hugging Face or a checkpoint; without PLAN the model is the file's)
+ *
+ * main() reads top to bottom like llm.c's train_gpt2.c: environment (RANK, WORLD_SIZE,
+ * LOCAL_RANK, set by meshrun) -> plan -> device (trainer/run/device: backend, precision, comm
+ * backend) -> mesh (WORLD_SIZE > 1: the plan's dp_replicate x dp_shard x tp, groups connected
+ * through MESHRUN_STORE) -> data -> model (tensor-parallel when tp > 1) -> data-parallel strategy
+ * (trainer/parallel/dp: it owns the optimizer) -> checkpoint (trainer/run/checkpoint: resume, writer) ->
+ * initial weights (trainer/run/weights) -> loop { train_step (trainer/run/train); metrics; eval;
+ * checkpoint; test hooks (trainer/run/hooks) } -> final weights -> a text sample (trainer/run/sample).
+ * The other two programs are trainer/run/sample's and trainer/run/export's. Progress goes to stderr
+ * through the log ([trainer r0/1]), the sample to stdout, records to log.metrics_file
+ * (trainer/run/metrics). Only rank 0 prints progress and writes metrics and weights.
+ *
+ * Under a mesh: ranks of one dp slot (the tp ranks) read the same micro-batches, as dp rank
+ * mesh "dp".rank of "dp".size; the logged loss is the mean over dp (equal to the one-process
+ * loss of the same global batch); every rank takes part in saving (gathers across dp_shard and
+ * tp); rank 0 writes. Host values (the loss, eval sums, the memory report, checkpoint
+ * coordination, gradient-norm shares in trainer/parallel/dp) go through the mesh's host comms, cpu rings
+ * whatever the backend.
+ *
+ * Where the final weights go: <checkpoint.dir>/final.safetensors when checkpoint.dir is set,
+ * else out/<plan file name without .json>/final.safetensors ("default" for the embedded plan),
+ * with the resolved plan JSON in the safetensors metadata under "plan". A run that starts at
+ * step 1 replaces no earlier run's outputs unless the plan says overwrite (check_outputs); a
+ * resume, a restart and a later round continue them. Ctrl-C without checkpoint.on_signal ends the
+ * run as by default after one line saying what was lost (on_sigint).
+ *
+ * Failures no restart can cure are code 2 (model.init unreadable as weights, a plan over the
+ * machine's memory, no intact checkpoint under resume auto, no GPU for device cuda) or carry
+ * restart false (a divergence replayed after a restart).
+ * Exit codes: 0 done; 1 runtime failure (data, memory, NaN loss, I/O, a collective, a failed save
+ * after the last step or of the final weights, a failed write of log.metrics_file); 2 usage or
+ * plan error (including device "cuda" in a build without it, WORLD_SIZE > 1 without MESHRUN_STORE,
+ * an unknown or unsuitable MESHRUN_COMM_BACKEND, a checkpoint.dir that cannot be written, weights
+ * or a checkpoint holding a NaN or an infinity: a restart would read them again). A
+ * runtime failure also goes to TORCHELASTIC_ERROR_FILE (torchrun's layout), with
+ * "meshrun": {"restart": false} when it was a lack of space.
+ * Startup: when OMP_WAIT_POLICY is unset the program sets it to passive and re-execs itself once
+ * (see ensure_passive_omp); nothing else runs before the first step but loading the data.
+ * Hidden flags and fault variables for tests: trainer/hooks. */
+#include <cJSON.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "common/env.h"
+#include "common/fs.h"
+#include "common/log.h"
+#include "common/store.h"
+#include "trainer/backend/backend.h"
+#include "trainer/run/checkpoint.h"
+#include "trainer/formats/ckpt.h"
+#include "trainer/comm/comm.h"
+#include "trainer/formats/data.h"
+#include "trainer/run/device.h"
+#include "trainer/run/dirlock.h"
+#include "trainer/parallel/dp.h"
+#include "trainer/run/export.h"
+#include "trainer/run/hooks.h"
+#include "trainer/parallel/mesh.h"
+#include "trainer/run/metrics.h"
+#include "trainer/model/model.h"
+#include "trainer/run/opprof.h"
+#include "trainer/plan/pipeline.h"
+#include "trainer/plan/plan.h"
+#include "trainer/run/sample.h"
+#include "trainer/comm/trace.h"
+#include "trainer/run/train.h"
+#include "trainer/run/weights.h"
+
+#define TRAINER_VERSION "0.1.0"
+#define MAX_SETS 128
+
+static const char *usage_text =
+    "usage: trainer [PLAN.json] [--set key.path=value ...]\n"
+    "       trainer sample [PLAN.json] --weights FILE [--set key.path=value ...]\n"
+    "       trainer export --format llama2c|hf [PLAN.json] --weights FILE --out PATH [--set ...]\n"
+    "       trainer [PLAN.json] [--set ...] --print-plan\n"
+    "       trainer --help | --version    (trainer sample --help, trainer export --help: their own)\n"
+    "\n"
+    "Trains a Llama model as the JSON plan says (keys: docs/plan.md); without PLAN, the embedded\n"
+    "default plan (configs/demo.json). --set overrides one key, e.g. --set train.steps=50\n"
+    "--set model.dim=128; values parse as JSON when they can, else as strings. --print-plan prints\n"
+    "the plan as resolved for WORLD_SIZE (defaults filled in, mesh sizes, global batch, absolute\n"
+    "input paths) as indented JSON and exits: 0 when every input file is there, else 2, nothing\n"
+    "trained.\n"
+    "'sample' and 'export' take any weights: a training run's .safetensors, a llama2.c .bin, a\n"
+    "Hugging Face folder (config.json + model.safetensors), or a checkpoint step folder (ck/step-200)\n"
+    "or directory (ck: its newest intact checkpoint) of any plan and world, told apart by content.\n"
+    "Without PLAN the model's shape is the file's (--set model.* is checked against it); with PLAN,\n"
+    "the plan's model must be the file's (else exit 2). 'sample' prints sample.tokens tokens (sample.temperature,\n"
+    "sample.top_k, sample.top_p, sample.prompt; seed) decoded with a KV cache over the model's\n"
+    "max_seq_len (then a sliding window); with data.tokenizer (or an HF folder's tokenizer.json) the\n"
+    "prompt is encoded and text streamed, else bytes or ids. 'export' writes a llama2.c file or an\n"
+    "HF folder (with tokenizer.json + tokenizer_config.json when a tokenizer is known; llama2.c's\n"
+    "tokenizer.bin converted);\n"
+    "model.init reads all three formats too, checked against the plan's model. A NaN or an infinity\n"
+    "in any weights or checkpoint read is refused, naming the tensor and element (exit 2).\n"
+    "Checkpoints: checkpoint.dir, .interval (steps; also at the end), .keep, .async, .resume\n"
+    "(none, auto = the latest intact one or a fresh start, or a step directory); a resume keeps the\n"
+    "checkpoint's train.global_batch_size when the plan sets none. Ctrl-C saves a checkpoint when\n"
+    "checkpoint.dir is set, else says what was lost.\n"
+    "Outputs: a run that starts at step 1 refuses (exit 2) to replace an earlier run's final\n"
+    "weights, metrics, trace or checkpoints unless --set overwrite=true; a resume continues them.\n"
+    "Environment: RANK, WORLD_SIZE, LOCAL_RANK (set by meshrun; default 0, 1, 0), MESHRUN_STORE\n"
+    "(host:port of meshrun's store; needed when WORLD_SIZE > 1), TORCHELASTIC_RESTART_COUNT, MESHRUN_ROUND,\n"
+    "OMP_NUM_THREADS (cpu threads), MESHRUN_LOG_LEVEL (error, warn, info, debug), MESHRUN_COMM_BACKEND\n"
+    "(cpu, nccl or staged: the collectives of a multi-rank run; default by device: cpu on cpu, on cuda\n"
+    "nccl with a GPU per local rank, else staged), MESHRUN_COMM_TIMEOUT=SECONDS (overrides the plan's\n"
+    "parallel.comm_timeout_s, default 300: a collective or the comms' setup that gets no progress\n"
+    "from a peer for that long fails, naming the collective and the peer), MESHRUN_OP_PROFILE=STEP\n"
+    "(that step's time, kernel by kernel, printed after it).\n"
+    "Exit status: 0 done, 1 runtime failure, 2 usage or plan error.\n";
+
+/* 'trainer sample --help' and 'trainer export --help': the command's own page. */
+static const char *sample_usage_text =
+    "usage: trainer sample [PLAN.json] --weights FILE [--set key.path=value ...]\n"
+    "\n"
+    "Prints text (or token ids) drawn from a model. One process; no training.\n"
+    "  --weights FILE   a training run's .safetensors, a llama2.c .bin, a Hugging Face folder\n"
+    "                   (config.json + model.safetensors), or a checkpoint step folder (ck/step-200)\n"
+    "                   or directory (ck: its newest intact checkpoint), told apart by content\n"
+    "  PLAN.json        optional, any training plan (its mesh is not used): its model must be\n"
+    "                   the file's (else exit 2); without it the model's shape is the file's\n"
+    "                   and --set model.* is checked against it\n"
+    "  --set sample.tokens=N        tokens to draw (a KV cache over model.max_seq_len, then a\n"
+    "                               sliding window)\n"
+    "  --set sample.temperature=T   0 draws the most likely token\n"
+    "  --set sample.top_k=K, sample.top_p=P, sample.prompt=TEXT, seed=S\n"
+    "  --set data.tokenizer=FILE    a tokenizer.json or llama2.c tokenizer.bin: the prompt is\n"
+    "                               encoded and text streamed (an HF folder's own tokenizer.json\n"
+    "                               is used when there is one); without one, bytes or ids\n"
+    "  --set device=cpu|cuda|auto\n"
+    "Exit status: 0 done, 1 runtime failure, 2 usage, plan or weights error.\n";
+
+static const char *export_usage_text =
+    "usage: trainer export --format llama2c|hf [PLAN.json] --weights FILE --out PATH [--set ...]\n"
+    "\n"
+    "Converts weights, on the host; no device, no training.\n"
+    "  --weights FILE   a training run's .safetensors, a llama2.c .bin, a Hugging Face folder, or a\n"
+    "                   checkpoint step folder (ck/step-200) or directory (ck: its newest intact one)\n"
+    "  --format llama2c a llama2.c checkpoint file (version 0) at PATH\n"
+    "  --format hf      a Hugging Face folder at PATH: config.json, generation_config.json,\n"
+    "                   model.safetensors, and tokenizer.json + tokenizer_config.json when a\n"
+    "                   tokenizer is known (data.tokenizer; llama2.c's tokenizer.bin converted)\n"
+    "  --out PATH       the file (llama2c) or folder (hf) to write\n"
+    "  PLAN.json        optional, any training plan (its mesh is not used): its model must be\n"
+    "                   the file's (else exit 2)\n"
+    "  --set data.tokenizer=FILE   the tokenizer to write beside HF weights\n"
+    "Exit status: 0 done, 1 runtime failure, 2 usage, plan or weights error.\n";
+
+typedef struct {
+  int help;              /* --help or -h anywhere: the command's usage on stdout, exit 0 */
+  int sample_mode, export_mode;
+  int print_plan;        /* --print-plan: the resolved plan on stdout, then exit */
+  const char *format;    /* export */
+  const char *out;       /* export */
+  const char *plan_path; /* NULL: embedded default */
+  const char *sets[MAX_SETS];
+  int nsets;
+  const char *weights;   /* sample and export */
+  hooks_t hooks;         /* hidden flags: --stop-after, --dump-init, --dump-batches */
+} args_t;
+
+/* torchrun's variables, set by meshrun, read once. */
+typedef struct {
+  int rank, world, local_rank, local_world;
+  int restart, round; /* TORCHELASTIC_RESTART_COUNT, MESHRUN_ROUND: for the resume line */
+} env_t;
+
+/* ------------------------------------------------------------------------------------------ */
+/* small helpers */
+
+/* TORCHELASTIC_ERROR_FILE (set by meshrun, as by torchrun): the cause of a fatal runtime error
+ * in torchrun's layout {"message": {"message": ..., "extraInfo": {"timestamp": ...}}}, so that
+ * meshrun's root-cause line carries it. restart 0 adds "meshrun": {"restart": false}: a retry
+ * cannot help (a full disk), and meshrun ends the job instead of spending a restart. Best
+ * effort: a file that cannot be written costs one warning. */
+static void error_file_write(const char *msg, int restart) {
+  const char *path = getenv("TORCHELASTIC_ERROR_FILE");
+  if (!path || !*path) return;
+  char ts[32];
+  snprintf(ts, sizeof ts, "%lld", (long long)time(NULL));
+  cJSON *root = cJSON_CreateObject();
+  cJSON *m = cJSON_AddObjectToObject(root, "message");
+  cJSON_AddStringToObject(m, "message", msg);
+  cJSON_AddStringToObject(cJSON_AddObjectToObject(m, "extraInfo"), "timestamp", ts);
+  if (!restart) cJSON_AddBoolToObject(cJSON_AddObjectToObject(root, "meshrun"), "restart", 0);
+  char *txt = cJSON_PrintUnformatted(root);
+  cJSON_Delete(root);
+  FILE *f = txt ? fopen(path, "w") : NULL;
+  int ok = f && fputs(txt, f) >= 0;
+  int e = errno;
+  if (f && fclose(f) != 0 && ok) ok = 0, e = errno;
+  if (!ok) log_warn("cannot write TORCHELASTIC_ERROR_FILE %s: %s", path, txt ? strerror(e) : "out of memory");
+  free(txt);
+}
+
+/* The end of a run that failed: the one-line message, and the error file, so that meshrun's
+ * summary carries it; a usage or plan error (code 2) asks meshrun not to restart. Returns code. */
+static int exit_error(int code, const char *msg, int restart) {
+  fprintf(stderr, "trainer: %s\n", msg);
+  error_file_write(msg, restart && code == 1);
+  return code;
+}
+
+/* libgomp's threads spin for a while after each parallel region, and this build's OpenBLAS
+ * runs its own pthreads: on a few cores the two pools spin against each other (sampling was
+ * 16x slower on 2 cores). libgomp reads OMP_WAIT_POLICY when it loads, before main, so when
+ * the variable is unset we set it to passive and exec ourselves once. A user's own setting wins. */
+static void ensure_passive_omp(char **argv) {
+  if (getenv("OMP_WAIT_POLICY")) return;
+  setenv("OMP_WAIT_POLICY", "passive", 1);
+  execv("/proc/self/exe", argv); /* returns only on failure: then run with spinning threads */
+}
+
+/* When one rank fails, meshrun stops the others with SIGTERM (as torchrun does). The others are
+ * then usually about to fail themselves, at their next collective with the dead peer, and to
+ * say which collective and which peer: a rank whose communicator already broke, or that is
+ * exiting on an error, ignores SIGTERM so that the message is not cut short; a healthy rank
+ * gets TERM_DEFER_MS to find out (a second SIGTERM from a timer), then ends as by default.
+ * meshrun's SIGKILL after --shutdown_timeout bounds all of it. */
+#define TERM_DEFER_MS 100
+static volatile sig_atomic_t failing, term_deferred;
+static timer_t term_timer;
+static int have_term_timer;
+/* Preemption (checkpoint.on_signal): SIGTERM, SIGINT or SIGUSR1 only record the signal; the loop
+ * finishes the step, the ranks agree on it (preempt_agreed), save a checkpoint and exit 128 +
+ * the signal, as the signal would have ended the process. Not when meshrun stops the workers
+ * because a worker or a node is gone (its reason in MESHRUN_STOP_FILE: "failure", "dead_node",
+ * "exit"): peers may then be stuck in a collective with the dead one, so the rank ends as
+ * without on_signal; "signal" (meshrun forwards a preemption), "scale_up" (everyone is alive)
+ * or no file (a signal from outside meshrun) save. A second SIGINT ends the process at once (a
+ * user's Ctrl-C twice); meshrun's SIGKILL after its grace bounds the rest. */
+static volatile sig_atomic_t preempt_sig, preempt_on;
+static char stop_file[1024]; /* MESHRUN_STOP_FILE, copied before the handler can run */
+
+/* Whether meshrun's stop reason lets this rank save (async-signal-safe: open, read, close). */
+static int stop_allows_save(void) {
+  if (!stop_file[0]) return 1;
+  int fd = open(stop_file, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return 1; /* no reason written: the signal did not come from a stop of meshrun's */
+  char r[16] = "";
+  ssize_t n = read(fd, r, sizeof r - 1);
+  close(fd);
+  if (n <= 0) return 1;
+  return !strncmp(r, "signal", 6) || !strncmp(r, "scale_up", 8);
+}
+
+static void on_sigterm(int sig) {
+  if (failing || comm_failed_any()) return;
+  if (preempt_on && (preempt_sig || stop_allows_save())) {
+    if (!preempt_sig) {
+      preempt_sig = sig;
+      return;
+    }
+    if (sig != SIGINT) return;
+    signal(sig, SIG_DFL);
+    raise(sig);
+    return;
+  }
+  if (!term_deferred && have_term_timer) {
+    term_deferred = 1;
+    struct itimerspec its = {.it_value = {.tv_nsec = TERM_DEFER_MS * 1000000L}};
+    if (timer_settime(term_timer, 0, &its, NULL) == 0) return;
+  }
+  signal(sig, SIG_DFL);
+  raise(sig);
+}
+static void install_sigterm(void) {
+  struct sigevent ev = {.sigev_notify = SIGEV_SIGNAL, .sigev_signo = SIGTERM};
+  have_term_timer = timer_create(CLOCK_MONOTONIC, &ev, &term_timer) == 0;
+  struct sigaction sa = {.sa_handler = on_sigterm, .sa_flags = SA_RESTART};
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGTERM, &sa, NULL);
+}
+
+/* Ctrl-C without checkpoint.on_signal: the process ends at once, as by default, and rank 0 first
+ * says on stderr what the interruption cost: "trainer: interrupted in step 7 of 300; nothing
+ * saved: set checkpoint.dir ...". The loop keeps these current; the message is assembled in the
+ * handler from async-signal-safe pieces. */
+static volatile sig_atomic_t run_phase;  /* 0 before the first step, 1 in the loop, 2 after it, 3 weights saved */
+static volatile sig_atomic_t run_step;   /* the step in progress (1-based) */
+static volatile sig_atomic_t run_ckpt;   /* the step of the last checkpoint saved, 0 when none */
+static int run_steps, run_has_ckpt_dir, run_rank0;
+
+static void say(char *buf, size_t *n, size_t cap, const char *s) {
+  while (*s && *n + 1 < cap) buf[(*n)++] = *s++;
+}
+static void say_int(char *buf, size_t *n, size_t cap, long v) {
+  char d[24];
+  int k = 0;
+  do d[k++] = (char)('0' + v % 10); while ((v /= 10) > 0 && k < 23);
+  while (k > 0 && *n + 1 < cap) buf[(*n)++] = d[--k];
+}
+
+static void on_sigint(int sig) {
+  if (run_rank0 && !failing) {
+    char m[320];
+    size_t n = 0;
+    say(m, &n, sizeof m, "trainer: interrupted ");
+    if (run_phase == 0) {
+      say(m, &n, sizeof m, "before the first step");
+    } else if (run_phase == 3) {
+      say(m, &n, sizeof m, "after the final weights were saved");
+    } else {
+      if (run_phase == 1) {
+        say(m, &n, sizeof m, "in step ");
+        say_int(m, &n, sizeof m, run_step);
+        say(m, &n, sizeof m, " of ");
+        say_int(m, &n, sizeof m, run_steps);
+      } else {
+        say(m, &n, sizeof m, "after the last step, before the final weights were saved");
+      }
+      if (!run_has_ckpt_dir) {
+        say(m, &n, sizeof m, "; nothing saved: set checkpoint.dir to save a checkpoint on Ctrl-C");
+      } else if (run_ckpt > 0) {
+        say(m, &n, sizeof m, "; the last checkpoint is step ");
+        say_int(m, &n, sizeof m, run_ckpt);
+        say(m, &n, sizeof m, " (checkpoint.on_signal is off)");
+      } else {
+        say(m, &n, sizeof m, "; no checkpoint saved yet (checkpoint.on_signal is off)");
+      }
+    }
+    m[n++] = '\n';
+    ssize_t w = write(STDERR_FILENO, m, n);
+    (void)w;
+  }
+  signal(sig, SIG_DFL);
+  raise(sig);
+}
+
+/* The Ctrl-C message's facts that do not change (checkpoint.on_signal replaces the handler). */
+static void install_sigint(const plan_t *p, int rank) {
+  run_steps = p->train.steps;
+  run_has_ckpt_dir = p->checkpoint.dir[0] != 0;
+  run_rank0 = rank == 0;
+  struct sigaction sa = {.sa_handler = on_sigint, .sa_flags = SA_RESTART};
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, NULL);
+}
+
+/* checkpoint.on_signal: SIGINT and SIGUSR1 join SIGTERM. */
+static void install_preempt(void) {
+  struct sigaction sa = {.sa_handler = on_sigterm, .sa_flags = SA_RESTART};
+  sigemptyset(&sa.sa_mask);
+  const char *sf = getenv("MESHRUN_STOP_FILE");
+  snprintf(stop_file, sizeof stop_file, "%s", sf && strlen(sf) < sizeof stop_file ? sf : "");
+  preempt_on = 1;
+  sigaction(SIGINT, &sa, NULL);
+  sigaction(SIGUSR1, &sa, NULL);
+}
+
+/* After a step: the signal any rank received, agreed by all (the largest signal number over the
+ * world, one all-reduce per step while checkpoint.on_signal is on), 0 when none. -1 when the
+ * agreement itself failed (a peer is gone: the run fails as it would at any collective). */
+static int preempt_agreed(const mesh_t *mesh, char *err, size_t errlen) {
+  float sig = (float)preempt_sig;
+  comm_t *wc = mesh ? mesh_host_comm(mesh, "world") : NULL;
+  if (wc && comm_all_reduce(wc, &sig, 1, COMM_FLOAT32, COMM_MAX)) {
+    snprintf(err, errlen, "agreeing on a preemption signal: %s", comm_errmsg(wc));
+    return -1;
+  }
+  return (int)sig;
+}
+
+static int parse_args(args_t *a, int argc, char **argv, char *err, size_t errlen) {
+  memset(a, 0, sizeof *a);
+  int i = 1;
+  if (i < argc && !strcmp(argv[i], "sample")) {
+    a->sample_mode = 1;
+    i++;
+  } else if (i < argc && !strcmp(argv[i], "export")) {
+    a->export_mode = 1;
+    i++;
+  }
+  const char *stop = NULL;
+  for (; i < argc; i++) {
+    const char *s = argv[i];
+    const char **target = NULL;
+    if (!strcmp(s, "--help") || !strcmp(s, "-h")) {
+      a->help = 1;
+      return 0;
+    }
+    if (!strcmp(s, "--set") || !strcmp(s, "-s")) {
+      if (a->nsets == MAX_SETS) {
+        snprintf(err, errlen, "too many --set options (at most %d)", MAX_SETS);
+        return -1;
+      }
+      target = &a->sets[a->nsets++];
+    } else if (!strncmp(s, "--set=", 6)) {
+      if (a->nsets == MAX_SETS) {
+        snprintf(err, errlen, "too many --set options (at most %d)", MAX_SETS);
+        return -1;
+      }
+      a->sets[a->nsets++] = s + 6;
+      continue;
+    } else if (!strcmp(s, "--weights")) {
+      target = &a->weights;
+    } else if (!strcmp(s, "--format") && a->export_mode) {
+      target = &a->format;
+    } else if (!strcmp(s, "--out") && a->export_mode) {
+      target = &a->out;
+    } else if (!strcmp(s, "--print-plan") && !a->sample_mode && !a->export_mode) {
+      a->print_plan = 1;
+      continue;
+    } else if (!strcmp(s, "--stop-after")) {
+      target = &stop;
+    } else if (!strcmp(s, "--dump-init")) {
+      target = &a->hooks.dump_init;
+    } else if (!strcmp(s, "--dump-batches")) {
+      target = &a->hooks.dump_batches;
+    } else if (s[0] == '-' && s[1]) {
+      snprintf(err, errlen, "unknown option %s (see trainer --help)", s);
+      return -1;
+    } else if (!a->plan_path) {
+      a->plan_path = s;
+      continue;
+    } else {
+      snprintf(err, errlen, "unexpected argument %s: one plan file at most (see trainer --help)", s);
+      return -1;
+    }
+    if (i + 1 >= argc) {
+      snprintf(err, errlen, "%s needs a value", s);
+      return -1;
+    }
+    *target = argv[++i];
+  }
+  if (stop && (a->hooks.stop_after = atoi(stop)) <= 0) {
+    snprintf(err, errlen, "--stop-after needs a step number > 0, got %s", stop);
+    return -1;
+  }
+  if ((a->sample_mode || a->export_mode) && !a->weights) {
+    snprintf(err, errlen, "trainer %s needs --weights FILE", a->sample_mode ? "sample" : "export");
+    return -1;
+  }
+  if (a->export_mode && (!a->format || !a->out)) {
+    snprintf(err, errlen, "trainer export needs --format llama2c|hf and --out PATH");
+    return -1;
+  }
+  if (!a->sample_mode && !a->export_mode && a->weights) {
+    snprintf(err, errlen, "--weights is for 'trainer sample'; to start training from weights, set model.init");
+    return -1;
+  }
+  return 0;
+}
+
+static int env_read(env_t *e, char *err, size_t errlen) {
+  const struct { const char *name; int lo, dflt; int *out; } vars[] = {
+      {"RANK", 0, 0, &e->rank}, {"WORLD_SIZE", 1, 1, &e->world}, {"LOCAL_RANK", 0, 0, &e->local_rank},
+      {"LOCAL_WORLD_SIZE", 1, 1, &e->local_world}, {"TORCHELASTIC_RESTART_COUNT", 0, 0, &e->restart}};
+  for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++)
+    if (env_int(vars[i].name, vars[i].lo, INT_MAX, vars[i].dflt, vars[i].out)) {
+      snprintf(err, errlen, "bad environment %s=%s: expected an integer >= %d", vars[i].name, env_text(vars[i].name),
+               vars[i].lo);
+      return -1;
+    }
+  if (env_int("MESHRUN_ROUND", 0, INT_MAX, e->restart, &e->round)) {
+    snprintf(err, errlen, "bad environment MESHRUN_ROUND=%s: expected an integer >= 0", env_text("MESHRUN_ROUND"));
+    return -1;
+  }
+  if (e->rank >= e->world) {
+    snprintf(err, errlen, "bad environment RANK=%s WORLD_SIZE=%s LOCAL_RANK=%s", env_text("RANK"),
+             env_text("WORLD_SIZE"), env_text("LOCAL_RANK"));
+    return -1;
+  }
+  return 0;
+}
+
+/* The plan of this run: file (or the embedded default), --set, resolved for the world. A
+ * training run first looks at the checkpoint its resume would load (checkpoint_peek): *resuming
+ * says one is there, and a plan without train.global_batch_size takes the checkpoint's, so that
+ * a resume under another world continues the same data order. The run checks its checkpoint
+ * directory now, not at the first save (which, with checkpoint.interval 0, comes after the last
+ * step). Errors are the documented one-liners "plan error: <key.path>: ...". */
+static int plan_setup(plan_t *p, const args_t *a, int rank, int world, int *resuming, char *err, size_t errlen) {
+  *resuming = 0;
+  if (plan_load(p, a->plan_path, a->sets, a->nsets, err, errlen) != 0) return -1;
+  char from[PLAN_PATH_MAX + 64];
+  int carried = 0;
+  if (!a->sample_mode && !a->export_mode) *resuming = checkpoint_peek(p, from, sizeof from, &carried);
+  /* sample and export run in one process whatever mesh the plan trains on: the plan resolves for
+   * the smallest world its mesh takes (its fixed entries), so a training plan of 8 ranks serves */
+  if (a->sample_mode || a->export_mode) world = plan_mesh_min_world(p);
+  if (plan_resolve(p, world, err, errlen) != 0) {
+    size_t n = strlen(err);
+    if (carried && !strncmp(err, "plan error: train.global_batch_size:", 36))
+      snprintf(err + n, errlen - n, " (train.global_batch_size is the checkpoint %s's, kept on resume so that the "
+               "data order continues: choose a micro-batch size that divides it, or checkpoint.resume=none)", from);
+    return -1;
+  }
+  if (carried)
+    log_rank0("train.global_batch_size=%d as %s trained (unset in the plan; a resume keeps it, so the data order "
+              "continues): micro-batch %d x dp %d x %d accumulation steps", p->train.global_batch_size, from,
+              p->train.micro_batch_size, p->mesh.dp_replicate * p->mesh.dp_shard, p->train.grad_accum_steps);
+  /* printed before the inputs are checked, so a plan can be read whatever is missing; by rank 0
+   * alone under meshrun (every rank resolves the same plan) */
+  if (a->print_plan && rank == 0) {
+    char *json = plan_format(p, 1);
+    if (!json) {
+      snprintf(err, errlen, "out of memory");
+      return -1;
+    }
+    fputs(json, stdout);
+    fputc('\n', stdout);
+    fflush(stdout);
+    free(json);
+  }
+  if (!a->sample_mode && !a->export_mode && plan_check_paths(p, err, errlen) != 0) return -1;
+  return 0;
+}
+
+/* Every file a training run writes, checked before the device starts (a read-only folder found
+ * after the last step would lose the weights): rank 0's final weights folder and metrics file,
+ * the trace file. checkpoint.dir was checked with the inputs (plan_check_paths). A run that
+ * starts afresh (fresh: not a resume, a restart or a later round of a meshrun job, which
+ * continue the outputs of the run they belong to) replaces no earlier run's results unless
+ * the plan says overwrite: existing final weights, metrics or trace, or checkpoints in
+ * checkpoint.dir with checkpoint.resume none (this run's saves would prune them), are refused. */
+static int check_outputs(const plan_t *p, int rank, int fresh, char *err, size_t errlen) {
+  if (rank != 0) return 0;
+  char path[PLAN_PATH_MAX + 32], dir[PLAN_PATH_MAX + 32];
+  weights_final_path(p, path, sizeof path);
+  fs_dirname(path, dir, sizeof dir); /* fits: no longer than path */
+  const char *wkey = p->checkpoint.dir[0] ? "checkpoint.dir" : "final weights";
+  if (!p->checkpoint.dir[0] &&
+      plan_check_output_dir(wkey, dir, " (the final weights go to out/<plan name>/ of the working directory "
+                            "unless checkpoint.dir is set)", err, errlen))
+    return -1;
+  if (p->log.metrics_file[0] && plan_check_output_file("log.metrics_file", p->log.metrics_file, err, errlen))
+    return -1;
+  if (p->log.trace_file[0] && plan_check_output_file("log.trace_file", p->log.trace_file, err, errlen)) return -1;
+  if (!fresh || p->overwrite) return 0;
+  if (plan_check_not_there(wkey, path, "an earlier run's final weights", err, errlen) ||
+      (p->log.metrics_file[0] &&
+       plan_check_not_there("log.metrics_file", p->log.metrics_file, "an earlier run's metrics", err, errlen)) ||
+      (p->log.trace_file[0] &&
+       plan_check_not_there("log.trace_file", p->log.trace_file, "an earlier run's trace", err, errlen)))
+    return -1;
+  ckpt_state_t st;
+  char from[PLAN_PATH_MAX + 64] = "";
+  if (p->checkpoint.dir[0] && !strcmp(p->checkpoint.resume, "none") &&
+      ckpt_peek(p->checkpoint.dir, "auto", &st, from, sizeof from) != CKPT_ENOENT) {
+    char newest[PLAN_PATH_MAX + 80] = "";
+    if (from[0]) snprintf(newest, sizeof newest, " (the newest %s)", from);
+    snprintf(err, errlen, "plan error: checkpoint.resume: none, and checkpoint.dir %s holds an earlier run's "
+             "checkpoints%s, which this run's saves would replace: checkpoint.resume=auto continues that run, "
+             "--set overwrite=true starts over there", p->checkpoint.dir, newest);
+    return -1;
+  }
+  return 0;
+}
+
+/* model.init, read before the device starts: a file that is not weights, is cut short or holds
+ * another model is the plan's error (exit 2: a restart would read the same file). Its headers
+ * only; weights_init reads the values later. */
+static int check_init_weights(const plan_t *p, char *err, size_t errlen) {
+  if (!p->model.init[0]) return 0;
+  weights_file_t *f = NULL;
+  plan_model_t cfg;
+  int rc = weights_open(&f, p->model.init, err, errlen);
+  if (rc == 0) rc = weights_resolve_model(f, &p->model, 1, NULL, 0, &cfg, err, errlen);
+  weights_close(f);
+  return rc;
+}
+
+/* Builds the mesh of a multi-process run and connects its groups through meshrun's store, with
+ * comm backend comm_backend on device be's memory. */
+static int mesh_setup(mesh_t **out, const plan_t *p, int rank, int world, const char *comm_backend, backend_t *be,
+                      char *err, size_t errlen) {
+  const char *ep = getenv("MESHRUN_STORE");
+  if (!ep || !*ep) {
+    snprintf(err, errlen, "WORLD_SIZE=%d: the mesh's groups connect through meshrun's store, and MESHRUN_STORE is "
+                          "not set: run under meshrun, or set MESHRUN_STORE=host:port", world);
+    return 2;
+  }
+  if (mesh_create_pp(out, p->mesh.pp, p->mesh.dp_replicate, p->mesh.dp_shard, p->mesh.tp, rank, world, err, errlen))
+    return 2;
+  store_t *st = NULL;
+  if (store_connect_env(&st, 60000, err, errlen)) return 1;
+  int rc = mesh_connect(*out, comm_backend, be, st, -1, NULL, comm_timeout_ms(p->parallel.comm_timeout_s), err, errlen);
+  store_close(st);
+  return rc ? 1 : 0;
+}
+
+/* The pipeline's runner (mesh.pp > 1): the schedule of this rank, whose slots size the model's
+ * activations. The model, strategy and channels are filled in once they exist. */
+static int pipeline_setup(pp_runner_t *r, const plan_t *p, const mesh_t *mesh, char *err, size_t errlen) {
+  pp_runner_config_t cfg = {.schedule = (pp_schedule_t)p->parallel.pp_schedule, .p = p->mesh.pp,
+                            .v = p->parallel.pp_stages_per_rank, .m = p->parallel.pp_microbatches,
+                            .rank = mesh->coord[MESH_PP], .send_act = mesh->pp.send_act, .recv_act = mesh->pp.recv_act,
+                            .send_grad = mesh->pp.send_grad, .recv_grad = mesh->pp.recv_grad};
+  return pp_runner_init(r, &cfg, err, errlen);
+}
+
+/* This rank's model: its pipeline stages (pp: the runner's slots), its tp slice under a mesh
+ * (tpo, which must live as long as the model), no flat buffers when the strategy shards them,
+ * the plan's mixed precision (FSDP and HSDP gather the bf16 compute copies themselves). */
+static int model_setup(model_t **m, model_tp_t *tpo, const plan_t *p, backend_t *be, const mesh_t *mesh,
+                       const pp_runner_t *ppr, char *err, size_t errlen) {
+  const int B = p->train.micro_batch_size, T = p->train.seq_len, tp = mesh ? mesh->dims[MESH_TP] : 1;
+  model_opts_t opts = {.max_b = B, .max_t = T, .decay_norms = p->train.decay_norms,
+                       .decay_embeddings = p->train.decay_embeddings, .checkpoint_every = plan_checkpoint_every(p),
+                       .param_dtype = p->parallel.param_dtype == PLAN_DTYPE_BF16 ? DT_BF16 : DT_F32,
+                       .reduce_dtype = p->parallel.reduce_dtype == PLAN_DTYPE_BF16 ? DT_BF16 : DT_F32,
+                       .strategy_casts = dp_is_sharded(mesh)};
+  if (!mesh) return model_create_opts(m, &p->model, be, &opts, err, errlen);
+  *tpo = (model_tp_t){.comm = tp > 1 ? mesh_comm(mesh, "tp") : NULL,
+                      .sequence_parallel = p->parallel.sequence_parallel,
+                      .loss_parallel = p->parallel.loss_parallel,
+                      .plan = p->parallel.tp_plan,
+                      .n_plan = p->parallel.n_tp_plan};
+  opts.tp = tp > 1 ? tpo : NULL;
+  opts.no_flat_buffers = dp_owns_buffers(mesh, p);
+  int first[PP_MAX_CHUNKS], layers[PP_MAX_CHUNKS];
+  if (ppr) { /* stage q + c * pp as chunk c; a pipeline micro-batch is accum * B / m sequences */
+    const int v = ppr->cfg.v, q = ppr->cfg.rank, mb = p->train.grad_accum_steps * B / ppr->cfg.m;
+    for (int c = 0; c < v; c++) {
+      first[c] = plan_pp_stage_first(p, q + c * ppr->cfg.p);
+      layers[c] = plan_pp_stage_first(p, q + c * ppr->cfg.p + 1) - first[c];
+    }
+    opts.n_chunks = v;
+    opts.chunk_first = first;
+    opts.chunk_layers = layers;
+    opts.chunk_slots = ppr->slots;
+    opts.max_b = mb > B ? mb : B;
+  }
+  return model_create_opts(m, &p->model, be, &opts, err, errlen);
+}
+
+/* The final weights (every rank helps assemble them; rank 0 writes). Rank 0's outcome is shared
+ * before anything else collective (the sample's forwards): 0 saved, 1 failed, 2 failed for lack
+ * of space (st_write's errno comes as text; *no_restart set). */
+static int final_weights(model_t *m, dp_t *dp, const mesh_t *mesh, const plan_t *p, int rank, const char *plan_json,
+                         int *no_restart, char *err, size_t errlen) {
+  char path[PLAN_PATH_MAX + 32];
+  weights_final_path(p, path, sizeof path);
+  float wrc = weights_save(m, dp, mesh, rank, path, plan_json, p->train.steps, err, errlen) == 0 ? 0.0f
+              : ckpt_msg_is_nospace(err)                                                         ? 2.0f
+                                                                                                 : 1.0f;
+  const float mine = wrc;
+  if (mesh && comm_all_reduce(mesh_host_comm(mesh, "world"), &wrc, 1, COMM_FLOAT32, COMM_MAX)) {
+    snprintf(err, errlen, "saving the final weights: %s", comm_errmsg(mesh_host_comm(mesh, "world")));
+    return -1;
+  }
+  if (wrc != 0.0f) {
+    if (mine == 0.0f) snprintf(err, errlen, "the final weights %s were not saved (rank 0 says why)", path);
+    *no_restart = wrc == 2.0f;
+    return -1;
+  }
+  log_rank0("saved %s", path);
+  run_phase = 3;
+  return 0;
+}
+
+/* The sample after training. Under a mesh every rank runs the sample's forwards (they are
+ * collective under FSDP and TP) and draws the same tokens from the same seed; rank 0 prints. */
+static int final_sample(model_t *m, backend_t *be, dp_t *dp, const mesh_t *mesh, const plan_t *p, int is_text,
+                        int rank, char *err, size_t errlen) {
+  const int tp = mesh ? mesh->dims[MESH_TP] : 1;
+  if (p->sample.sample_tokens <= 0 || !(rank == 0 || dp_is_sharded(mesh) || tp > 1)) return 0;
+  if (mesh && mesh->dims[MESH_PP] > 1) { /* the sampler runs the whole model's forward */
+    char path[PLAN_PATH_MAX + 32];
+    weights_final_path(p, path, sizeof path);
+    log_rank0("sample: not under pipeline parallelism; run `trainer sample %s` for one", path);
+    return 0;
+  }
+  log_rank0("sample (%d tokens, temperature %.2f):", p->sample.sample_tokens, p->sample.temperature);
+  FILE *out = rank == 0 ? stdout : fopen("/dev/null", "w");
+  int rc = out ? sample_generate(m, be, p, is_text, out, err, errlen) : 0;
+  if (out && out != stdout) fclose(out);
+  if (dp_status(dp)) snprintf(err, errlen, "sample: %s", dp_errmsg(dp));
+  return rc || dp_status(dp) ? -1 : 0;
+}
+
+/* The pipeline's record of a step: this rank's compute and span, micro-batches in flight at the
+ * peak, and the activation arena its slots occupy (collective over the pp group). */
+static int pipeline_record(metrics_t *mt, model_t *m, int step, const pp_step_stats_t *st, char *err, size_t errlen) {
+  model_memory_t mm;
+  model_memory(m, &mm);
+  return metrics_pipeline(mt, step, st->busy_ns * 1e-6, st->span_ns * 1e-6, st->peak_inflight, mm.act_bytes, err,
+                          errlen);
+}
+
+static int eval_due(const plan_t *p, int step) {
+  return p->eval.interval > 0 && p->eval.batches > 0 && (step % p->eval.interval == 0 || step == p->train.steps);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+
+int main(int argc, char **argv) {
+  if (argc > 1 && (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h"))) {
+    fputs(usage_text, stdout);
+    return 0;
+  }
+  if (argc > 1 && !strcmp(argv[1], "--version")) {
+    printf("trainer (meshrun) %s, backends: %s\n", TRAINER_VERSION, device_backends());
+    return 0;
+  }
+  ensure_passive_omp(argv);
+  install_sigterm();
+  char err[4096] = "";
+  args_t a;
+  env_t env;
+  if (parse_args(&a, argc, argv, err, sizeof err) != 0 || (!a.help && env_read(&env, err, sizeof err) != 0)) {
+    fprintf(stderr, "trainer: %s\n", err);
+    return 2;
+  }
+  if (a.help) {
+    fputs(a.sample_mode ? sample_usage_text : a.export_mode ? export_usage_text : usage_text, stdout);
+    return 0;
+  }
+  char prefix[64];
+  snprintf(prefix, sizeof prefix, "[trainer r%d/%d]", env.rank, env.world);
+  log_init(prefix);
+  log_set_rank(env.rank, env.world);
+
+  /* Everything acquired below is released at the end, through one path; code is the exit
+   * status of a failure (2 usage or plan, 1 runtime). */
+  int code = 1, plan_failed = 0, no_restart = 0, stopped = 0, start_step = 0, resumed = 0, preempt_exit = 0;
+  plan_t *p = NULL;
+  backend_t *be = NULL;
+  const char *comm_backend = NULL;
+  mesh_t *mesh = NULL;
+  data_t data = {0};
+  model_t *m = NULL;
+  model_tp_t tpo = {0}; /* lives as long as the model, which may keep a pointer to it */
+  pp_runner_t ppr = {0};
+  pp_runner_t *pp = NULL; /* &ppr under pipeline parallelism */
+  char *plan_json = NULL;
+  dp_t *dp = NULL;
+  checkpoint_t ck = {0};
+  train_t tr = {0};
+  metrics_t mt = {0};
+
+  /* --- plan */
+  if (!(p = calloc(1, sizeof *p))) {
+    snprintf(err, sizeof err, "out of memory");
+    goto error;
+  }
+  code = 2;
+  int resuming = 0;
+  if (plan_setup(p, &a, env.rank, env.world, &resuming, err, sizeof err)) {
+    plan_failed = 1; /* the message is already the documented one-liner */
+    goto error;
+  }
+  if (a.print_plan) goto done; /* plan_setup printed it and found every input */
+  if (env.world > 1 && (a.sample_mode || a.export_mode || hooks_one_process(&a.hooks))) {
+    snprintf(err, sizeof err, "'trainer sample', 'trainer export', --dump-init and --dump-batches run in one process "
+             "(WORLD_SIZE=%d)", env.world);
+    goto error;
+  }
+  if (a.export_mode) { /* any weights to llama2.c or Hugging Face: no device, no model */
+    if ((code = export_run(p, a.weights, a.plan_path != NULL, a.sets, a.nsets, a.format, a.out, err, sizeof err)))
+      goto error;
+    goto done;
+  }
+
+  const int fresh = !resuming && env.restart == 0 && env.round == 0;
+  if (!a.sample_mode && check_outputs(p, env.rank, fresh, err, sizeof err)) {
+    plan_failed = 1; /* code 2: the plan's outputs, a one-liner, never retried */
+    goto error;
+  }
+  if (!a.sample_mode && p->checkpoint.dir[0] && env.rank == 0 &&
+      (code = dirlock_take(p->checkpoint.dir, err, sizeof err))) { /* one run at a time (dirlock.h) */
+    plan_failed = code == 2;
+    goto error;
+  }
+  code = 2;
+  if (!a.sample_mode && (code = check_init_weights(p, err, sizeof err))) {
+    plan_failed = code == 2;
+    goto error;
+  }
+  code = 2;
+  if (!a.sample_mode) install_sigint(p, env.rank);
+  /* MESHRUN_OP_PROFILE=STEP: the kernel times of one step, printed after it (opprof.h); a bad
+   * value is refused before the device starts (code is 2 here) */
+  int prof_step = opprof_step_from_env(err, sizeof err);
+  if (prof_step < 0) goto error;
+
+  /* --- device: the backend, its precision options, and the comm backend of a multi-rank run */
+  if ((code = device_open(p, env.local_rank, env.local_world, env.world, &be, &comm_backend, err, sizeof err)))
+    goto error;
+  if (prof_step > 0 && !a.sample_mode) opprof_install(be, prof_step, stderr);
+  if (!a.sample_mode && be->mem == BACKEND_MEM_HOST &&
+      plan_check_memory(p, device_host_memory(), env.local_world, err, sizeof err)) {
+    code = 2, plan_failed = 1; /* more than the machine has: no restart makes it fit */
+    goto error;
+  }
+  if (a.sample_mode) { /* weights in, text out (one process) */
+    if ((code = sample_run(p, be, a.weights, a.plan_path != NULL, a.sets, a.nsets, err, sizeof err))) goto error;
+    goto done;
+  }
+
+  /* --- the trace (log.trace_file) observes the collectives: open before the mesh. code is 2
+   * from here until the mesh: device_open left it 0, and a failure must not exit 0. */
+  code = 2;
+  if (trace_open(p->log.trace_file, env.rank, p->log.trace_steps, err, sizeof err)) goto error;
+  /* --- mesh: the groups every later collective runs on */
+  if (env.world > 1 && (code = mesh_setup(&mesh, p, env.rank, env.world, comm_backend, be, err, sizeof err)))
+    goto error;
+  if (trace_attach(err, sizeof err)) { /* rank 0 created the file before the mesh connected */
+    code = 2;
+    goto error;
+  }
+  code = 1;
+  /* --- data before the model: a wrong file fails before a large allocation. A file that is
+   * not what the plan says is the plan's error (exit 2, not retried); only memory is not. */
+  int drc = data_load(&data, p, p->eval.interval > 0 && p->eval.batches > 0, err, sizeof err);
+  if (drc) {
+    if (drc != DATA_ENOMEM) code = 2, plan_failed = 1;
+    goto error;
+  }
+  /* --- model, then the data-parallel strategy (it owns the optimizer over this rank's range) */
+  if (mesh && mesh->dims[MESH_PP] > 1) {
+    if (pipeline_setup(&ppr, p, mesh, err, sizeof err)) goto error;
+    pp = &ppr;
+  }
+  if (model_setup(&m, &tpo, p, be, mesh, pp, err, sizeof err)) goto error;
+  plan_json = plan_to_json(p);
+  if (dp_create(&dp, m, be, mesh, p, err, sizeof err)) goto error;
+  if (pp) {
+    ppr.cfg.model = m;
+    ppr.cfg.dp = dp;
+  }
+
+  /* --- checkpoint: resume (collective over the job), then a writer when checkpoint.dir is set */
+  hooks_init(&a.hooks, env.rank);
+  if ((code = checkpoint_open(&ck, p, dp, mesh, &a.hooks, env.rank, env.world, env.restart, env.round, plan_json,
+                              (uint64_t)data.train_src.n + data.val_src.n, &start_step, &resumed, err, sizeof err)))
+    goto error;
+  if (p->checkpoint.on_signal) install_preempt();
+  /* --- initial weights (unless resumed): random, our safetensors, llama2.c or Hugging Face */
+  if (!resumed && (code = weights_init(m, dp, p, err, sizeof err))) goto error;
+  code = 1;
+  if (hooks_initial_weights(&a.hooks, m, dp, mesh, plan_json, err, sizeof err)) goto error;
+
+  /* --- the loop. Step s (0-based) is logged as s + 1. */
+  comm_t *dpc = mesh ? mesh_host_comm(mesh, "dp") : NULL;
+  tr = (train_t){.p = p, .m = m, .dp = dp, .be = be, .data = &data, .dpc = dpc, .mesh = mesh, .hooks = &a.hooks,
+                 .dp_rank = dpc ? comm_rank(dpc) : 0, .dp_size = dpc ? comm_size(dpc) : 1, .pp = pp,
+                 .ppc = pp ? mesh_host_comm(mesh, "pp") : NULL};
+  if (train_init(&tr, err, sizeof err) ||
+      metrics_open(&mt, p, m, dp, mesh, &data, be, env.rank, env.world, start_step, resumed, plan_json, err,
+                   sizeof err) ||
+      hooks_start(&a.hooks, err, sizeof err))
+    goto error;
+  run_ckpt = start_step;
+  run_phase = 1;
+  for (int s = start_step; s < p->train.steps && !stopped; s++) {
+    train_result_t r;
+    run_step = s + 1;
+    hooks_stall(&a.hooks, s + 1);
+    if (train_step(&tr, s, &r, err, sizeof err)) {
+      /* Training is deterministic: a restart replays from the newest checkpoint bit for bit. An
+       * attempt that is itself a failure restart and saved nothing since it began was that
+       * replay, so every further restart would diverge at the same step. */
+      if (tr.diverged && env.restart > 0 && run_ckpt == start_step) {
+        size_t n = strlen(err);
+        snprintf(err + n, sizeof err - n, " (again after restart %d from step %d: the run replays bit for bit, so "
+                 "no restart is tried)", env.restart, start_step);
+        no_restart = 1;
+      }
+      goto error;
+    }
+    metrics_step(&mt, s + 1, r.loss, r.lr, r.gnorm, r.dt, r.comm_wait);
+    if (pp && pipeline_record(&mt, m, s + 1, &r.pp, err, sizeof err)) goto error;
+    if (eval_due(p, s + 1)) {
+      double el = 0;
+      if (train_eval(&tr, &el, err, sizeof err)) goto error;
+      metrics_eval(&mt, s + 1, el);
+    }
+    if (checkpoint_after_step(&ck, dp, s + 1, err, sizeof err)) goto error;
+    if (ck.saved > 0 && !ck.pending) run_ckpt = ck.saved; /* committed, not still in flight */
+    metrics_skip_traffic(&mt); /* a checkpoint's traffic is not a step's */
+    stopped = hooks_stop(&a.hooks, s + 1, p->train.steps); /* as if killed here */
+    int sig = p->checkpoint.on_signal && s + 1 < p->train.steps ? preempt_agreed(mesh, err, sizeof err) : 0;
+    if (sig < 0) goto error;
+    if (sig > 0) { /* preempted: this step's checkpoint, then the signal's exit status */
+      if (checkpoint_now(&ck, dp, s + 1, err, sizeof err)) {
+        char why[sizeof err];
+        snprintf(why, sizeof why, "%s", err);
+        snprintf(err, sizeof err, "%s after step %d: the checkpoint failed: %.3900s", strsignal(sig), s + 1, why);
+        goto error;
+      }
+      log_rank0("%s after step %d: checkpoint saved; exiting %d (128 + the signal); checkpoint.resume=auto continues",
+                strsignal(sig), s + 1, 128 + sig);
+      metrics_skip_traffic(&mt);
+      preempt_exit = 128 + sig;
+      stopped = 1;
+    }
+  }
+  if (checkpoint_finish(&ck, err, sizeof err)) goto error;
+  run_phase = 2;
+
+  /* --- final weights, then a sample; what failed without stopping the run decides the status */
+  if (!stopped) {
+    metrics_done(&mt);
+    if (final_weights(m, dp, mesh, p, env.rank, plan_json, &no_restart, err, sizeof err) ||
+        final_sample(m, be, dp, mesh, p, data.is_text, env.rank, err, sizeof err) ||
+        checkpoint_final_status(&ck, err, sizeof err))
+      goto error;
+  }
+  if (metrics_close(&mt, stopped ? NULL : &no_restart, err, sizeof err)) goto error;
+
+done:
+  code = 0;
+error:
+  failing = code != 0;
+  if (code && plan_failed) {
+    fprintf(stderr, "%s\n", err);
+    error_file_write(err, 0); /* a restart reads the same plan: meshrun is told not to try */
+  } else if (code) {
+    exit_error(code, err, !(no_restart || ck.no_restart));
+  }
+  checkpoint_free(&ck); /* a save still in flight (only after a failure) is waited for */
+  dirlock_release();
+  hooks_close(&a.hooks);
+  metrics_free(&mt);
+  dp_destroy(dp);
+  train_free(&tr);
+  data_free(&data);
+  free(plan_json);
+  pp_runner_free(&ppr);
+  model_destroy(m);
+  opprof_uninstall(be);
+  backend_destroy(be);
+  mesh_destroy(mesh);
+  trace_close();
+  free(p);
+  return code ? code : preempt_exit;
+}

@@ -1,0 +1,98 @@
+/* metrics: what a training run reports. On stderr (rank 0, through the log): the memory line of
+ * a mesh, the run's summary line, a console line per log.interval steps, eval lines and the
+ * closing "done" line. In log.metrics_file (rank 0, JSONL, one object per line, flushed as
+ * written so a crash keeps what was logged): a first record with the plan, sizes and memory
+ * per rank (this rank's and the maximum over ranks; act_bytes / act_block_bytes: the model's
+ * activation arena as allocated, model_memory), one record per optimizer step with the
+ * bytes this rank sent during it ("comm": by strategy collective and by mesh group), and one
+ * per evaluation.
+ *
+ * A write that fails (a full disk, /dev/full) is one warning; no record is written after it (a
+ * torn line would follow), training goes on, and metrics_close reports it so the run exits 1.
+ * Throughput: the step line and record carry tokens/s, the model FLOP/s per rank (6N + 12 L d T
+ * per token), MFU (that over the device's peak: log.peak_tflops, or a known GPU's from the table
+ * here; none on cpu unless given) and the peak memory measured (resident memory of the process;
+ * on cuda too, until the allocator's own peak is reported).
+ * Not here: computing the values (train.c), the sample text (sample.c). */
+#ifndef MESHRUN_METRICS_H
+#define MESHRUN_METRICS_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "trainer/backend/backend.h"
+#include "trainer/formats/data.h"
+#include "trainer/parallel/dp.h"
+#include "trainer/parallel/mesh.h"
+#include "trainer/model/model.h"
+#include "trainer/plan/plan.h"
+
+/* Bytes sent by this rank: by strategy collective, and per mesh group. */
+typedef struct {
+  dp_traffic_t dp;
+  uint64_t group[MESH_NGROUPS];
+} metrics_traffic_t;
+
+typedef struct {
+  const plan_t *p;
+  dp_t *dp;
+  const mesh_t *mesh;
+  backend_t *be;       /* its mem_peak, where memory is a device's */
+  int steps, start_step;
+  long long tokens_per_step;
+  FILE *f;            /* NULL: no records (log.metrics_file "", or not rank 0) */
+  const char *path;
+  int err;            /* errno of the first failed write; 0 while every write succeeded */
+  char what[48];      /* what failed: "the first record", "the record of step 12", "the close" */
+  metrics_traffic_t traffic; /* the counters at the last record */
+  double flops_per_token; /* model FLOPs of training, per token: 6N + 12 L d T (plan.md, log.peak_tflops) */
+  int world;
+  double peak_flops;  /* per rank, for MFU; 0 = unknown (no MFU) */
+  double t_loop;      /* metrics_now() when the loop started */
+  double t_in_steps;  /* seconds spent in optimizer steps */
+} metrics_t;
+
+/* Under pipeline parallelism, after a step: this rank's time in forwards and backwards, the
+ * schedule's span, the most micro-batches it held and its activation arena, gathered over the
+ * pp group (collective over it) into one record from rank 0: {"pp_step" (not "step": readers of
+ * step records expect a loss there), "pp_bubble": [1 - busy / span per pp rank], "pp_busy_ms",
+ * "pp_span_ms", "pp_peak_inflight", "pp_act_bytes"}. Returns 0 or -1 with err. */
+int metrics_pipeline(metrics_t *mt, int step, double busy_ms, double span_ms, int peak_inflight, size_t act_bytes,
+                     char *err, size_t errlen);
+
+/* Model FLOPs of one trained token (forward and backward) for p's model and train.seq_len:
+ * 6 N + 12 L d T, N the parameters of the matrix products. */
+double metrics_flops_per_token(const plan_t *p);
+/* The dense peak FLOP/s of a GPU named device (the CUDA device name) for bf16 (bf16 != 0) or
+ * else TF32 tensor-core math; 0 when the name is not in the table. */
+double metrics_gpu_peak_flops(const char *device, int bf16);
+/* The process's peak resident memory, bytes (getrusage). */
+size_t metrics_peak_rss(void);
+
+/* Seconds on the monotonic clock. */
+double metrics_now(void);
+
+/* Starts the run's reports: the memory per rank (collective over the job: the maximum over ranks
+ * goes through the world host comm) and its line under a mesh, then on rank 0 the metrics file
+ * (parents made; appended to when resumed, after a killed writer's torn line) and its first
+ * record, the summary line, and the traffic and time counters from here. Returns 0, or -1 with
+ * the message in err. metrics_free releases what it opened, also after a failure. */
+int metrics_open(metrics_t *mt, const plan_t *p, model_t *m, dp_t *dp, const mesh_t *mesh, const data_t *data,
+                 const backend_t *be, int rank, int world, int start_step, int resumed, const char *plan_json,
+                 char *err, size_t errlen);
+/* Optimizer step `step` (1-based) done in dt seconds: its record and, every log.interval steps
+ * (and on the first and last), its console line. */
+void metrics_step(metrics_t *mt, int step, double loss, double lr, double gnorm, double dt, double comm_wait);
+/* The eval loss after step `step`: its record and line. Its traffic is not counted as a step's. */
+void metrics_eval(metrics_t *mt, int step, double loss);
+/* Forgets the traffic since the last record (a checkpoint's is not a step's). */
+void metrics_skip_traffic(metrics_t *mt);
+/* The "done: N steps in T, X tok/s on average" line (when any step ran). */
+void metrics_done(metrics_t *mt);
+/* Closes the file; returns 0, or -1 with the message in err when any write (or the close)
+ * failed, and then *no_space (when non-NULL) says whether it was a lack of space. */
+int metrics_close(metrics_t *mt, int *no_space, char *err, size_t errlen);
+void metrics_free(metrics_t *mt); /* closes without reporting; accepts a zeroed metrics_t */
+
+#endif

@@ -1,0 +1,371 @@
+/* opprof: per-kernel times of one training step (see opprof.h).
+ *
+ * The original table is kept in `orig`; each wrapper asks prof_begin whether this call is timed
+ * (inside the profiled step, and not nested in another timed call), runs the original, and
+ * prof_end records it under its op name and a shape key formatted only then. Synchronizing
+ * before the call makes the clock start when the device is idle, so the call's time is its own
+ * and not the tail of the kernels queued before it. */
+#include "trainer/run/opprof.h"
+
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define PROF_MAX_KEYS 512
+
+typedef struct {
+  const char *op;
+  char shape[80];
+  int calls;
+  double secs;
+  double flops; /* 0 for kernels whose FLOPs are not counted */
+} prof_entry_t;
+
+static struct {
+  backend_t *be;       /* the wrapped backend, NULL when none */
+  struct backend orig; /* its table before wrapping */
+  FILE *out;
+  int step;            /* the profiled step (1-based) */
+  pthread_t thread;    /* the one that runs the step */
+  int active;          /* inside the profiled step */
+  int depth;           /* timed calls in progress (a wrapper calling another is not timed twice) */
+  int dropped;         /* calls past PROF_MAX_KEYS distinct shapes */
+  double floor_s;      /* a synchronize-launch-synchronize with nothing in it */
+  int n;
+  prof_entry_t e[PROF_MAX_KEYS];
+} P;
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+int opprof_step_from_env(char *err, size_t errlen) {
+  const char *s = getenv("MESHRUN_OP_PROFILE");
+  if (!s || !*s) return 0;
+  char *end = NULL;
+  long v = strtol(s, &end, 10);
+  if (*end || v < 1 || v > 1000000000L) {
+    snprintf(err, errlen, "MESHRUN_OP_PROFILE=%s: expected the step to profile, a positive integer", s);
+    return -1;
+  }
+  return (int)v;
+}
+
+/* -2: not profiled (outside the step, or another thread: a comm's progress thread may convert
+ * or copy while the step runs); -1: nested in a timed call; else the start time. */
+static double prof_begin(void) {
+  if (!P.active || !pthread_equal(pthread_self(), P.thread)) return -2;
+  if (P.depth++ > 0) return -1;
+  P.orig.synchronize(P.be);
+  return now_s();
+}
+
+static void prof_end(double t0, const char *op, double flops, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+static void prof_end(double t0, const char *op, double flops, const char *fmt, ...) {
+  if (t0 == -2) return;
+  P.depth--;
+  if (t0 < 0) return;
+  P.orig.synchronize(P.be);
+  double dt = now_s() - t0;
+  char shape[sizeof P.e[0].shape];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(shape, sizeof shape, fmt, ap);
+  va_end(ap);
+  prof_entry_t *e = NULL;
+  for (int i = 0; i < P.n && !e; i++)
+    if (P.e[i].op == op && !strcmp(P.e[i].shape, shape)) e = &P.e[i];
+  if (!e) {
+    if (P.n == PROF_MAX_KEYS) {
+      P.dropped++;
+      return;
+    }
+    e = &P.e[P.n++];
+    e->op = op;
+    snprintf(e->shape, sizeof e->shape, "%s", shape);
+  }
+  e->calls++;
+  e->secs += dt;
+  e->flops += flops;
+}
+
+#define DT(dt) dtype_name(dt)
+
+/* --- the wrappers: one per compute entry of struct backend, in its order */
+
+static void w_matmul(backend_t *be, void *c, const void *a, const void *b, int m, int n, int k, int ta, int tb,
+                     float alpha, float beta, dtype_t ab_dt, dtype_t c_dt) {
+  double t0 = prof_begin();
+  P.orig.matmul(be, c, a, b, m, n, k, ta, tb, alpha, beta, ab_dt, c_dt);
+  prof_end(t0, "matmul", 2.0 * m * n * k, "m%d n%d k%d %c%c %s>%s%s", m, n, k, ta ? 'T' : 'N', tb ? 'T' : 'N',
+           DT(ab_dt), DT(c_dt), beta != 0.0f ? " +=" : "");
+}
+
+static void w_add(backend_t *be, void *out, const void *a, const void *b, size_t n, dtype_t dt) {
+  double t0 = prof_begin();
+  P.orig.add(be, out, a, b, n, dt);
+  prof_end(t0, "add", 0, "n%zu %s", n, DT(dt));
+}
+
+static void w_scale(backend_t *be, float *x, float s, size_t n) {
+  double t0 = prof_begin();
+  P.orig.scale(be, x, s, n);
+  prof_end(t0, "scale", 0, "n%zu fp32", n);
+}
+
+static double w_sumsq(backend_t *be, const float *x, size_t n) {
+  double t0 = prof_begin();
+  double r = P.orig.sumsq(be, x, n);
+  prof_end(t0, "sumsq", 0, "n%zu fp32", n);
+  return r;
+}
+
+static void w_convert(backend_t *be, void *dst, dtype_t dst_dt, const void *src, dtype_t src_dt, size_t n) {
+  double t0 = prof_begin();
+  P.orig.convert(be, dst, dst_dt, src, src_dt, n);
+  prof_end(t0, "convert", 0, "n%zu %s>%s", n, DT(src_dt), DT(dst_dt));
+}
+
+static void w_embedding_fwd(backend_t *be, void *out, const void *table, const int32_t *tokens, int n, int c,
+                            int vocab_start, int rows, dtype_t dt) {
+  double t0 = prof_begin();
+  P.orig.embedding_fwd(be, out, table, tokens, n, c, vocab_start, rows, dt);
+  prof_end(t0, "embedding_fwd", 0, "n%d c%d %s", n, c, DT(dt));
+}
+
+static void w_embedding_bwd(backend_t *be, float *dtable, const void *dout, const int32_t *tokens, int n, int c,
+                            int vocab_start, int rows, dtype_t dt) {
+  double t0 = prof_begin();
+  P.orig.embedding_bwd(be, dtable, dout, tokens, n, c, vocab_start, rows, dt);
+  prof_end(t0, "embedding_bwd", 0, "n%d c%d %s", n, c, DT(dt));
+}
+
+static void w_rmsnorm_fwd(backend_t *be, void *out, float *rstd, const void *x, const void *w, int n, int c, float eps,
+                          dtype_t dt) {
+  double t0 = prof_begin();
+  P.orig.rmsnorm_fwd(be, out, rstd, x, w, n, c, eps, dt);
+  prof_end(t0, "rmsnorm_fwd", 0, "n%d c%d %s", n, c, DT(dt));
+}
+
+static void w_rmsnorm_bwd(backend_t *be, void *dx, float *dw, const void *dout, const void *x, const void *w,
+                          const float *rstd, int n, int c, dtype_t dt) {
+  double t0 = prof_begin();
+  P.orig.rmsnorm_bwd(be, dx, dw, dout, x, w, rstd, n, c, dt);
+  prof_end(t0, "rmsnorm_bwd", 0, "n%d c%d %s", n, c, DT(dt));
+}
+
+static void w_rope_fwd(backend_t *be, void *x, int b, int t, int h, int d, int pos_offset, float theta, dtype_t dt) {
+  double t0 = prof_begin();
+  P.orig.rope_fwd(be, x, b, t, h, d, pos_offset, theta, dt);
+  prof_end(t0, "rope_fwd", 0, "b%d t%d h%d d%d %s", b, t, h, d, DT(dt));
+}
+
+static void w_rope_bwd(backend_t *be, void *dx, int b, int t, int h, int d, int pos_offset, float theta, dtype_t dt) {
+  double t0 = prof_begin();
+  P.orig.rope_bwd(be, dx, b, t, h, d, pos_offset, theta, dt);
+  prof_end(t0, "rope_bwd", 0, "b%d t%d h%d d%d %s", b, t, h, d, DT(dt));
+}
+
+/* Causal attention FLOPs as the MFU formula counts them would be the full square; here the
+ * useful half: QK^T and PV over the lower triangle, 2 * 2 * b * h * t^2/2 * d forward, and
+ * 2.5 times that backward (dQ, dK, dV and the recomputed scores). */
+static void w_attention_fwd(backend_t *be, void *out, float *lse, const void *q, const void *k, const void *v, int b,
+                            int t, int h, int kv, int d, dtype_t dt) {
+  double t0 = prof_begin();
+  P.orig.attention_fwd(be, out, lse, q, k, v, b, t, h, kv, d, dt);
+  prof_end(t0, "attention_fwd", 2.0 * b * h * (double)t * t * d, "b%d t%d h%d kv%d d%d %s", b, t, h, kv, d, DT(dt));
+}
+
+static void w_attention_bwd(backend_t *be, void *dq, void *dk, void *dv, const void *dout, const void *q,
+                            const void *k, const void *v, const void *out, const float *lse, int b, int t, int h,
+                            int kv, int d, dtype_t dt) {
+  double t0 = prof_begin();
+  P.orig.attention_bwd(be, dq, dk, dv, dout, q, k, v, out, lse, b, t, h, kv, d, dt);
+  prof_end(t0, "attention_bwd", 5.0 * b * h * (double)t * t * d, "b%d t%d h%d kv%d d%d %s", b, t, h, kv, d, DT(dt));
+}
+
+static void w_swiglu_fwd(backend_t *be, void *out, const void *a, const void *g, size_t n, dtype_t dt) {
+  double t0 = prof_begin();
+  P.orig.swiglu_fwd(be, out, a, g, n, dt);
+  prof_end(t0, "swiglu_fwd", 0, "n%zu %s", n, DT(dt));
+}
+
+static void w_swiglu_bwd(backend_t *be, void *da, void *dg, const void *dout, const void *a, const void *g, size_t n,
+                         dtype_t dt) {
+  double t0 = prof_begin();
+  P.orig.swiglu_bwd(be, da, dg, dout, a, g, n, dt);
+  prof_end(t0, "swiglu_bwd", 0, "n%zu %s", n, DT(dt));
+}
+
+static void w_cross_entropy(backend_t *be, float *losses, void *dlogits, const void *logits, const int32_t *targets,
+                            int n, int v, int ld, float grad_scale, dtype_t dt) {
+  double t0 = prof_begin();
+  P.orig.cross_entropy(be, losses, dlogits, logits, targets, n, v, ld, grad_scale, dt);
+  prof_end(t0, "cross_entropy", 0, "n%d v%d %s", n, v, DT(dt));
+}
+
+static void w_copy_2d(backend_t *be, void *dst, int ldd, const void *src, int lds, int rows, int cols, dtype_t dt) {
+  double t0 = prof_begin();
+  P.orig.copy_2d(be, dst, ldd, src, lds, rows, cols, dt);
+  prof_end(t0, "copy_2d", 0, "%dx%d %s", rows, cols, DT(dt));
+}
+
+static void w_ce_shard_max(backend_t *be, float *rowmax, const void *logits, int n, int v, int ld, dtype_t dt) {
+  double t0 = prof_begin();
+  P.orig.ce_shard_max(be, rowmax, logits, n, v, ld, dt);
+  prof_end(t0, "ce_shard_max", 0, "n%d v%d %s", n, v, DT(dt));
+}
+
+static void w_ce_shard_stats(backend_t *be, float *stats, const void *logits, const float *rowmax,
+                             const int32_t *targets, int n, int v, int ld, int vocab_start, dtype_t dt) {
+  double t0 = prof_begin();
+  P.orig.ce_shard_stats(be, stats, logits, rowmax, targets, n, v, ld, vocab_start, dt);
+  prof_end(t0, "ce_shard_stats", 0, "n%d v%d %s", n, v, DT(dt));
+}
+
+static void w_ce_shard_loss(backend_t *be, float *losses, void *dlogits, const void *logits, const float *rowmax,
+                            const float *stats, const int32_t *targets, int n, int v, int ld, int vocab_start,
+                            float grad_scale, dtype_t dt) {
+  double t0 = prof_begin();
+  P.orig.ce_shard_loss(be, losses, dlogits, logits, rowmax, stats, targets, n, v, ld, vocab_start, grad_scale, dt);
+  prof_end(t0, "ce_shard_loss", 0, "n%d v%d %s", n, v, DT(dt));
+}
+
+static void w_adamw(backend_t *be, float *param, const float *grad, float *m, float *v, void *param_lp, size_t n,
+                    float lr, float beta1, float beta2, float eps, float weight_decay, int step, float grad_scale) {
+  double t0 = prof_begin();
+  P.orig.adamw(be, param, grad, m, v, param_lp, n, lr, beta1, beta2, eps, weight_decay, step, grad_scale);
+  prof_end(t0, "adamw", 0, "n%zu%s", n, param_lp ? " +bf16" : "");
+}
+
+int opprof_install(backend_t *be, int step, FILE *out) {
+  if (P.be) return -1;
+  memset(&P, 0, sizeof P);
+  P.be = be;
+  P.orig = *be;
+  P.out = out;
+  P.step = step;
+  be->matmul = w_matmul;
+  be->add = w_add;
+  be->scale = w_scale;
+  be->sumsq = w_sumsq;
+  be->convert = w_convert;
+  be->embedding_fwd = w_embedding_fwd;
+  be->embedding_bwd = w_embedding_bwd;
+  be->rmsnorm_fwd = w_rmsnorm_fwd;
+  be->rmsnorm_bwd = w_rmsnorm_bwd;
+  be->rope_fwd = w_rope_fwd;
+  be->rope_bwd = w_rope_bwd;
+  be->attention_fwd = w_attention_fwd;
+  be->attention_bwd = w_attention_bwd;
+  be->swiglu_fwd = w_swiglu_fwd;
+  be->swiglu_bwd = w_swiglu_bwd;
+  be->cross_entropy = w_cross_entropy;
+  be->copy_2d = w_copy_2d;
+  be->ce_shard_max = w_ce_shard_max;
+  be->ce_shard_stats = w_ce_shard_stats;
+  be->ce_shard_loss = w_ce_shard_loss;
+  be->adamw = w_adamw;
+  return 0;
+}
+
+void opprof_uninstall(backend_t *be) {
+  if (!be || P.be != be) return;
+  *be = P.orig;
+  P.be = NULL;
+  P.active = 0;
+}
+
+void opprof_step_begin(int step) {
+  if (!P.be || step != P.step) return;
+  P.n = P.dropped = P.depth = 0;
+  /* the floor: what an empty timed call costs (the median of 21, robust to one slow wake-up) */
+  double f[21];
+  for (int i = 0; i < 21; i++) {
+    P.orig.synchronize(P.be);
+    double t0 = now_s();
+    P.orig.synchronize(P.be);
+    f[i] = now_s() - t0;
+  }
+  for (int i = 1; i < 21; i++)
+    for (int j = i; j > 0 && f[j - 1] > f[j]; j--) {
+      double x = f[j];
+      f[j] = f[j - 1];
+      f[j - 1] = x;
+    }
+  P.floor_s = f[10];
+  P.thread = pthread_self();
+  P.active = 1;
+}
+
+static int by_secs(const void *a, const void *b) {
+  double x = ((const prof_entry_t *)a)->secs, y = ((const prof_entry_t *)b)->secs;
+  return x < y ? 1 : x > y ? -1 : 0;
+}
+
+static void print_row(FILE *o, const prof_entry_t *e, double step_s) {
+  char tf[16] = "";
+  if (e->flops > 0 && e->secs > 0) snprintf(tf, sizeof tf, "%8.1f", e->flops / e->secs * 1e-12);
+  fprintf(o, "  %-15s %-38s %6d %10.2f %10.1f %6.1f%% %8s\n", e->op, e->shape, e->calls, e->secs * 1e3,
+          e->secs / e->calls * 1e6, step_s > 0 ? 100 * e->secs / step_s : 0.0, tf);
+}
+
+void opprof_step_end(int step, double step_s) {
+  if (!P.be || !P.active || step != P.step) return;
+  P.active = 0;
+  FILE *o = P.out ? P.out : stderr;
+  /* by op over every shape, then the shapes themselves */
+  prof_entry_t ops[64];
+  int nops = 0, calls = 0;
+  double in_kernels = 0;
+  for (int i = 0; i < P.n; i++) {
+    const prof_entry_t *e = &P.e[i];
+    calls += e->calls;
+    in_kernels += e->secs;
+    int j = 0;
+    while (j < nops && ops[j].op != e->op) j++;
+    if (j == nops) {
+      if (nops == 64) continue;
+      ops[nops] = (prof_entry_t){.op = e->op, .shape = "(every shape)"};
+      nops++;
+    }
+    ops[j].calls += e->calls;
+    ops[j].secs += e->secs;
+    ops[j].flops += e->flops;
+  }
+  qsort(ops, nops, sizeof ops[0], by_secs);
+  qsort(P.e, P.n, sizeof P.e[0], by_secs);
+  fprintf(o, "op profile of step %d on %s%s%s: %d kernel calls, %.1f ms in kernels of a %.1f ms step; each call "
+          "includes a sync floor of %.1f us (%.1f ms in all)%s\n",
+          step, P.be->name, P.be->device[0] ? " " : "", P.be->device, calls, in_kernels * 1e3, step_s * 1e3,
+          P.floor_s * 1e6, P.floor_s * calls * 1e3, P.dropped ? " (some shapes not kept: table full)" : "");
+  fprintf(o, "  %-15s %-38s %6s %10s %10s %7s %8s\n", "op", "shape", "calls", "total ms", "mean us", "step",
+          "TFLOP/s");
+  for (int i = 0; i < nops; i++) print_row(o, &ops[i], step_s);
+  prof_entry_t rest = {.op = "(outside)", .shape = "host, comm, data, memory ops", .calls = 1,
+                       .secs = step_s - in_kernels};
+  if (rest.secs < 0) rest.secs = 0;
+  print_row(o, &rest, step_s);
+  enum { SHAPES_SHOWN = 40 };
+  fprintf(o, "  by shape%s:\n", P.n > SHAPES_SHOWN ? " (the 40 longest)" : "");
+  for (int i = 0; i < P.n && i < SHAPES_SHOWN; i++) print_row(o, &P.e[i], step_s);
+  fflush(o);
+}
+
+int opprof_calls(const char *op) {
+  int c = 0;
+  for (int i = 0; i < P.n; i++)
+    if (!strcmp(P.e[i].op, op)) c += P.e[i].calls;
+  return c;
+}
+
+double opprof_seconds(const char *op) {
+  double s = 0;
+  for (int i = 0; i < P.n; i++)
+    if (!strcmp(P.e[i].op, op)) s += P.e[i].secs;
+  return s;
+}

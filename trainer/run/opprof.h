@@ -1,0 +1,44 @@
+/* opprof: where one training step's time goes, kernel by kernel (MESHRUN_OP_PROFILE=STEP).
+ *
+ * It wraps every compute entry of a backend's table (matmul, attention, norms, the optimizer,
+ * ...) so that, during the one step it profiles, each call is bracketed by two synchronizations
+ * of the backend and timed on the host clock. The time of a call is then its device time plus
+ * one launch and one synchronization, whose cost with nothing between them is measured once and
+ * reported (the "sync floor"), so a reader can subtract it. Outside the profiled step each
+ * wrapper is one branch and a call through the original table: the other steps run as before.
+ *
+ * Calls are grouped by kernel and shape (matmul by m, n, k, transposes and dtypes; attention by
+ * b, t, h, kv, d; the rest by element count), and the report is a table sorted by time: calls,
+ * total ms, mean us, share of the step, and for matmuls the achieved TFLOP/s. The step's time
+ * outside the backend's kernels (host work, the comm's collectives, data) is the last row.
+ *
+ * Memory management (alloc, free, copies between host and device, zero, synchronize) is not
+ * wrapped: it passes straight through. One backend per process is profiled (the trainer's). */
+#ifndef MESHRUN_OPPROF_H
+#define MESHRUN_OPPROF_H
+
+#include <stdio.h>
+
+#include "trainer/backend/backend.h"
+
+/* The step to profile from MESHRUN_OP_PROFILE (1-based), 0 when unset or empty; -1 with a
+ * message in err when it is not a positive integer. */
+int opprof_step_from_env(char *err, size_t errlen);
+
+/* Wraps be's compute entries (in place) so that step `step` (1-based) is profiled; the report
+ * goes to out (NULL: stderr). Returns 0, or -1 when a backend is already wrapped. */
+int opprof_install(backend_t *be, int step, FILE *out);
+/* Undoes opprof_install (be's table as before); accepts a backend never wrapped. */
+void opprof_uninstall(backend_t *be);
+
+/* The trainer's step s (1-based) begins / ends. At the end of the profiled step the table is
+ * printed. step_end takes the step's wall time in seconds (as the step line reports it). */
+void opprof_step_begin(int step);
+void opprof_step_end(int step, double step_s);
+
+/* For tests: after the profiled step, the number of calls and the total seconds recorded for an
+ * op name ("matmul", "rmsnorm_fwd", ...) over every shape; 0 for a name never called. */
+int opprof_calls(const char *op);
+double opprof_seconds(const char *op);
+
+#endif

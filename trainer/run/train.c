@@ -1,0 +1,184 @@
+/* train: one optimizer step, and evaluation (see train.h). */
+#include "trainer/run/train.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "trainer/run/metrics.h"
+#include "trainer/run/opprof.h"
+#include "trainer/model/optim.h"
+#include "trainer/comm/trace.h"
+
+int train_init(train_t *t, char *err, size_t errlen) {
+  const int T = t->p->train.seq_len;
+  const int B = t->p->train.micro_batch_size * (t->pp ? t->p->train.grad_accum_steps : 1);
+  t->tok = malloc((size_t)B * T * sizeof(int32_t));
+  t->tgt = malloc((size_t)B * T * sizeof(int32_t));
+  if (!t->tok || !t->tgt) {
+    snprintf(err, errlen, "out of memory for batches of %d x %d tokens", B, T);
+    return -1;
+  }
+  return 0;
+}
+
+void train_free(train_t *t) {
+  if (!t) return;
+  free(t->tok);
+  free(t->tgt);
+  t->tok = t->tgt = NULL;
+}
+
+/* The message of a failed forward or backward: the strategy's when it failed (its hooks run
+ * inside the model's passes), else the model's. */
+static int pass_failed(train_t *t, const char *pass, int s, int micro, char *err, size_t errlen) {
+  if (dp_status(t->dp)) snprintf(err, errlen, "%s", dp_errmsg(t->dp));
+  else snprintf(err, errlen, "step %d (micro-batch %d): the %s failed: %s", s + 1, micro + 1, pass,
+                model_errmsg(t->m));
+  return -1;
+}
+
+/* The pipeline's share of a step: the step's batches, the schedule over pp_microbatches
+ * micro-batches of accum * B / m sequences, and the loss of the last stage (the mean over its
+ * micro-batches) shared with every stage. *bad_micro: the first micro-batch whose loss was not
+ * finite (1-based), 0 when none. */
+static int pipeline_step(train_t *t, int s, double *loss, int *bad_micro, pp_step_stats_t *st, char *err,
+                         size_t errlen) {
+  const plan_t *p = t->p;
+  const int T = p->train.seq_len, B = p->train.micro_batch_size, accum = p->train.grad_accum_steps;
+  const int M = p->parallel.pp_microbatches, b = accum * B / M;
+  const size_t bt = (size_t)B * T;
+  for (int micro = 0; micro < accum; micro++) {
+    data_train_batch(t->data, s, micro, t->dp_rank, t->dp_size, B, t->tok + micro * bt, t->tgt + micro * bt);
+    if (hooks_batch(t->hooks, t->tok + micro * bt, t->tgt + micro * bt, bt, err, errlen)) return -1;
+  }
+  if (pp_run_step(t->pp, t->tok, t->tgt, b, T, 1.0f / (float)M, st)) {
+    snprintf(err, errlen, "step %d: %s", s + 1, pp_run_errmsg(t->pp));
+    return -1;
+  }
+  /* only the last stage has these: the sum over pp adds zeros to them */
+  float v[2] = {(float)(st->loss_sum / M), st->bad_mb >= 0 ? (float)(st->bad_mb + 1) : 0.0f};
+  if (comm_all_reduce(t->ppc, v, 2, COMM_FLOAT32, COMM_SUM)) {
+    snprintf(err, errlen, "step %d: sharing the loss over pp: %s", s + 1, comm_errmsg(t->ppc));
+    return -1;
+  }
+  *loss = v[0];
+  *bad_micro = (int)v[1];
+  return 0;
+}
+
+int train_step(train_t *t, int s, train_result_t *out, char *err, size_t errlen) {
+  const plan_t *p = t->p;
+  const int T = p->train.seq_len, B = p->train.micro_batch_size, accum = p->train.grad_accum_steps;
+  const double t0 = metrics_now();
+  const uint64_t wait0 = mesh_wait_ns(t->mesh);
+  trace_step_begin(s + 1);
+  opprof_step_begin(s + 1);
+  const double lr = optim_lr(&p->train, s);
+  double loss = 0;
+  dp_zero_grad(t->dp);
+  int bad_micro = 0; /* first micro-batch of this step whose loss was nan/inf (1-based) */
+  memset(&out->pp, 0, sizeof out->pp);
+  if (t->pp && pipeline_step(t, s, &loss, &bad_micro, &out->pp, err, errlen)) return -1;
+  for (int micro = 0; !t->pp && micro < accum; micro++) {
+    data_train_batch(t->data, s, micro, t->dp_rank, t->dp_size, B, t->tok, t->tgt);
+    if (hooks_batch(t->hooks, t->tok, t->tgt, (size_t)B * T, err, errlen)) return -1;
+    float l = 0;
+    if (model_forward(t->m, t->tok, t->tgt, B, T, &l) || dp_status(t->dp))
+      return pass_failed(t, "forward pass", s, micro, err, errlen);
+    /* A diverged loss is not acted on here but after the loss is averaged over dp, where every
+     * rank sees it and stops at the same point: a rank leaving alone would strand its peers
+     * in the gradient reduction (and in a pending checkpoint commit). */
+    l = hooks_loss(t->hooks, s + 1, micro, l);
+    if (!isfinite(l) && !bad_micro) bad_micro = micro + 1;
+    dp_set_sync(t->dp, micro == accum - 1); /* gradients are synchronized once, on the last micro-step */
+    if (model_backward(t->m, 1.0f / (float)accum) || dp_status(t->dp))
+      return pass_failed(t, "backward pass", s, micro, err, errlen);
+    loss += l;
+  }
+  if (!t->pp) loss /= accum;
+  if (t->dpc && t->dp_size > 1) { /* the logged loss is the global batch's: the mean over dp */
+    float lf = (float)loss;
+    if (comm_all_reduce(t->dpc, &lf, 1, COMM_FLOAT32, COMM_AVG)) {
+      snprintf(err, errlen, "%s", comm_errmsg(t->dpc));
+      return -1;
+    }
+    loss = lf;
+  }
+  if (!isfinite(loss)) {
+    t->diverged = 1;
+    char where[64] = "on another data-parallel rank";
+    if (bad_micro) snprintf(where, sizeof where, "micro-batch %d", bad_micro);
+    snprintf(err, errlen,
+             "loss is %s at step %d (%s); the model diverged: lower train.lr, raise train.warmup_steps, "
+             "check model.init_std, or enable train.grad_clip",
+             isnan(loss) ? "nan" : "inf", s + 1, where);
+    return -1;
+  }
+
+  double gnorm = 0;
+  if (dp_grad_norm(t->dp, &gnorm)) {
+    snprintf(err, errlen, "%s", dp_errmsg(t->dp));
+    return -1;
+  }
+  if (!isfinite(gnorm)) {
+    t->diverged = 1;
+    snprintf(err, errlen, "gradient norm is %s at step %d (loss %.4f); lower train.lr or check model.init_std",
+             isnan(gnorm) ? "nan" : "inf", s + 1, loss);
+    return -1;
+  }
+  if (dp_step(t->dp, lr, optim_clip_scale(gnorm, p->train.grad_clip))) {
+    snprintf(err, errlen, "%s", dp_errmsg(t->dp));
+    return -1;
+  }
+  t->be->synchronize(t->be);
+  out->loss = loss;
+  out->lr = lr;
+  out->gnorm = gnorm;
+  out->dt = metrics_now() - t0;
+  out->comm_wait = (double)(mesh_wait_ns(t->mesh) - wait0) * 1e-9;
+  opprof_step_end(s + 1, out->dt);
+  trace_step_end();
+  return 0;
+}
+
+int train_eval(train_t *t, double *out, char *err, size_t errlen) {
+  const plan_t *p = t->p;
+  const int batches = p->eval.batches, B = p->train.micro_batch_size, T = p->train.seq_len;
+  const int n = t->dpc ? comm_size(t->dpc) : 1, r = t->dpc ? comm_rank(t->dpc) : 0;
+  double sum = 0;
+  for (int j = 0; j < (batches + n - 1) / n; j++) {
+    const int k = j * n + r;
+    data_eval_batch(t->data, k < batches ? k : k % batches, B, t->tok, t->tgt);
+    float l = 0;
+    if (t->pp) { /* through the stages; the loss on the last one's rank, 0 on the others */
+      if (pp_run_forward(t->pp, t->tok, t->tgt, B, T, &l)) {
+        snprintf(err, errlen, "eval: %s", pp_run_errmsg(t->pp));
+        return -1;
+      }
+    } else if (model_forward(t->m, t->tok, t->tgt, B, T, &l) || dp_status(t->dp)) {
+      snprintf(err, errlen, "eval: %s", dp_status(t->dp) ? dp_errmsg(t->dp) : model_errmsg(t->m));
+      return -1;
+    }
+    if (k < batches) sum += l;
+  }
+  if (t->pp) {
+    float s = (float)sum;
+    if (comm_all_reduce(t->ppc, &s, 1, COMM_FLOAT32, COMM_SUM)) {
+      snprintf(err, errlen, "eval: %s", comm_errmsg(t->ppc));
+      return -1;
+    }
+    sum = s;
+  }
+  if (n > 1) {
+    float s = (float)sum;
+    if (comm_all_reduce(t->dpc, &s, 1, COMM_FLOAT32, COMM_SUM)) {
+      snprintf(err, errlen, "eval: %s", comm_errmsg(t->dpc));
+      return -1;
+    }
+    sum = s;
+  }
+  *out = sum / batches;
+  return 0;
+}
