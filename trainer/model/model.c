@@ -984,7 +984,7 @@ void model_set_unit_compute(model_t *m, int unit, const void *params_lp) {
 }
 
 dtype_t model_param_dtype(const model_t *m) { return m->dt; }
-dtype_t model_reduce_dtype(const model_t *m) { return m->rdt; }
+dtype_t model_dtype_of(plan_dtype_t d) { return d == PLAN_DTYPE_BF16 ? DT_BF16 : DT_F32; }
 
 void model_zero_grad(model_t *m) {
   if (m->grads) m->be->zero(m->be, m->grads, m->num_params * sizeof(float));

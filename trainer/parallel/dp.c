@@ -258,7 +258,7 @@ int dp_create(dp_t **out, model_t *m, backend_t *be, const mesh_t *mesh, const p
   d->S = mesh ? mesh->dims[MESH_DP_SHARD] : 1;
   d->s = mesh ? mesh->coord[MESH_DP_SHARD] : 0;
   d->pdt = model_param_dtype(m);
-  d->rdt = model_reduce_dtype(m);
+  d->rdt = model_dtype_of(p->parallel.reduce_dtype); /* the plan's, as the model was given it */
 
   int rc = d->ops->setup(d, p, err, errlen);
   if (rc == 0 && d->rdt != DT_F32) rc = reduce_scratch(d, err, errlen);

@@ -120,7 +120,7 @@ static int take_slot(pp_runner_t *r, int c, int mb) {
   for (int j = 0; j < r->plan.m; j++) {
     mbstate_t *o = st_of(r, c, j);
     if (o->slot >= 0 && o->send_grad && o->done) {
-      const int stage = r->cfg.rank + c * r->cfg.p;
+      const int stage = pp_stage_of(r->cfg.rank, c, r->cfg.p);
       if (wait_req(r, &o->send_grad, r->cfg.send_grad, "sending the input gradient", stage, j)) return -1;
       give_slot(r, c, j);
       return take_slot(r, c, mb);
@@ -217,7 +217,7 @@ int pp_run_step(pp_runner_t *r, const int32_t *tok, const int32_t *tgt, int b, i
   for (int c = 0; c < cfg->v; c++)
     for (int mb = 0; mb < M; mb++) {
       mbstate_t *s = st_of(r, c, mb);
-      const int stage = rank + c * p;
+      const int stage = pp_stage_of(rank, c, p);
       int w = wait_req(r, &s->recv_act, cfg->recv_act, "receiving the input activation", stage, mb);
       w |= wait_req(r, &s->send_act, cfg->send_act, "sending the output activation", stage, mb);
       w |= wait_req(r, &s->recv_grad, cfg->recv_grad, "receiving the output gradient", stage, mb);

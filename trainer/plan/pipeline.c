@@ -26,6 +26,8 @@ static const char *const schedule_names[PP_SCHEDULE_COUNT] = {"gpipe", "1f1b", "
 static const char *const kind_names[PP_ACTION_COUNT] = {"forward", "backward", "recv_act",
                                                         "send_act", "recv_grad", "send_grad"};
 
+int pp_stage_of(int rank, int chunk, int p) { return rank + chunk * p; }
+
 const char *pp_schedule_name(pp_schedule_t s) {
   return (unsigned)s < PP_SCHEDULE_COUNT ? schedule_names[s] : "?";
 }
@@ -382,6 +384,6 @@ int pp_slots(const pp_plan_t *pl, int rank, int *slots) {
     if (give) live[c]--;
   }
   for (int c = 0; c < v; c++)
-    if (rank + c * p > 0) slots[c]++; /* a stage that sends gradients: the spare (pipeline_run.c) */
+    if (pp_stage_of(rank, c, p) > 0) slots[c]++; /* a stage that sends gradients: the spare (pipeline_run.c) */
   return 0;
 }

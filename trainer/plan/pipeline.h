@@ -54,6 +54,9 @@ typedef struct {
 } pp_plan_t;
 
 const char *pp_schedule_name(pp_schedule_t s);
+/* The stage rank `rank` (of p pipeline ranks) holds as its chunk c: stages are dealt round-robin,
+ * so chunk c of rank q is stage q + c * p (interleaved schedules; c is 0 otherwise). */
+int pp_stage_of(int rank, int chunk, int p);
 int pp_schedule_parse(const char *name, pp_schedule_t *out); /* 0, or -1 for an unknown name */
 const char *pp_kind_name(pp_kind_t k);
 

@@ -598,7 +598,7 @@ static int mesh_setup(mesh_t **out, const plan_t *p, int rank, int world, const 
 /* The pipeline's runner (mesh.pp > 1): the schedule of this rank, whose slots size the model's
  * activations. The model, strategy and channels are filled in once they exist. */
 static int pipeline_setup(pp_runner_t *r, const plan_t *p, const mesh_t *mesh, char *err, size_t errlen) {
-  pp_runner_config_t cfg = {.schedule = (pp_schedule_t)p->parallel.pp_schedule, .p = p->mesh.pp,
+  pp_runner_config_t cfg = {.schedule = (pp_schedule_t)p->parallel.pp_schedule, .p = mesh->dims[MESH_PP],
                             .v = p->parallel.pp_stages_per_rank, .m = p->parallel.pp_microbatches,
                             .rank = mesh->coord[MESH_PP], .send_act = mesh->pp.send_act, .recv_act = mesh->pp.recv_act,
                             .send_grad = mesh->pp.send_grad, .recv_grad = mesh->pp.recv_grad};
@@ -613,8 +613,8 @@ static int model_setup(model_t **m, model_tp_t *tpo, const plan_t *p, backend_t 
   const int B = p->train.micro_batch_size, T = p->train.seq_len, tp = mesh ? mesh->dims[MESH_TP] : 1;
   model_opts_t opts = {.max_b = B, .max_t = T, .decay_norms = p->train.decay_norms,
                        .decay_embeddings = p->train.decay_embeddings, .checkpoint_every = plan_checkpoint_every(p),
-                       .param_dtype = p->parallel.param_dtype == PLAN_DTYPE_BF16 ? DT_BF16 : DT_F32,
-                       .reduce_dtype = p->parallel.reduce_dtype == PLAN_DTYPE_BF16 ? DT_BF16 : DT_F32,
+                       .param_dtype = model_dtype_of(p->parallel.param_dtype),
+                       .reduce_dtype = model_dtype_of(p->parallel.reduce_dtype),
                        .strategy_casts = dp_is_sharded(mesh)};
   if (!mesh) return model_create_opts(m, &p->model, be, &opts, err, errlen);
   *tpo = (model_tp_t){.comm = tp > 1 ? mesh_comm(mesh, "tp") : NULL,
@@ -625,11 +625,12 @@ static int model_setup(model_t **m, model_tp_t *tpo, const plan_t *p, backend_t 
   opts.tp = tp > 1 ? tpo : NULL;
   opts.no_flat_buffers = dp_owns_buffers(mesh, p);
   int first[PP_MAX_CHUNKS], layers[PP_MAX_CHUNKS];
-  if (ppr) { /* stage q + c * pp as chunk c; a pipeline micro-batch is accum * B / m sequences */
+  if (ppr) { /* chunk c is stage pp_stage_of(q, c, pp); a pipeline micro-batch is accum * B / m sequences */
     const int v = ppr->cfg.v, q = ppr->cfg.rank, mb = p->train.grad_accum_steps * B / ppr->cfg.m;
     for (int c = 0; c < v; c++) {
-      first[c] = plan_pp_stage_first(p, q + c * ppr->cfg.p);
-      layers[c] = plan_pp_stage_first(p, q + c * ppr->cfg.p + 1) - first[c];
+      const int stage = pp_stage_of(q, c, ppr->cfg.p);
+      first[c] = plan_pp_stage_first(p, stage);
+      layers[c] = plan_pp_stage_first(p, stage + 1) - first[c];
     }
     opts.n_chunks = v;
     opts.chunk_first = first;

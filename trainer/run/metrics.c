@@ -227,7 +227,7 @@ int metrics_open(metrics_t *mt, const plan_t *p, model_t *m, dp_t *dp, const mes
                    mem.mine.param_bytes, mem.mine.grad_bytes, mem.mine.optim_bytes, mem.mine.work_bytes,
                    mem.max.param_bytes, mem.max.grad_bytes, mem.max.optim_bytes, mem.max.work_bytes,
                    mem.act.act_bytes, mem.act.act_block_bytes, mem.act_max.act_bytes,
-                   dtype_name(model_param_dtype(m)), dtype_name(model_reduce_dtype(m)),
+                   dtype_name(model_param_dtype(m)), dtype_name(model_dtype_of(p->parallel.reduce_dtype)),
                    start_step);
   }
 
