@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 
@@ -62,4 +63,31 @@ int testdir_remove(const char *dir) {
   char cmd[512];
   snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
   return system(cmd) == 0 ? 0 : -1;
+}
+
+int testfile_stderr_begin(const char *path) {
+  fflush(stderr);
+  int saved = dup(STDERR_FILENO);
+  FILE *f = fopen(path, "w");
+  assert_true(saved >= 0 && f);
+  assert_true(dup2(fileno(f), STDERR_FILENO) >= 0);
+  fclose(f);
+  return saved;
+}
+
+char *testfile_stderr_end(int saved, const char *path) {
+  fflush(stderr);
+  assert_true(dup2(saved, STDERR_FILENO) >= 0);
+  close(saved);
+  size_t n = 0;
+  char *s = (char *)testfile_read(path, &n);
+  s[n] = 0;
+  printf("%s", s);
+  return s;
+}
+
+int teststr_count(const char *hay, const char *needle) {
+  int n = 0;
+  for (const char *p = hay; (p = strstr(p, needle)); p += strlen(needle)) n++;
+  return n;
 }

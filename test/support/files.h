@@ -20,6 +20,14 @@ typedef struct {
  * with_bytes the 256 <0xNN> byte pieces (ids 3..258), then the n pieces of extra (score 0 for
  * all but extra's). Returns the file's size. */
 size_t testfile_write_llama2c_tok(const char *path, int32_t max_len, int with_bytes, const testpiece_t *extra, int n);
+/* Sends this process's stderr (fd 2) into path, replaced, until testfile_stderr_end; returns what
+ * testfile_stderr_end needs to put it back. For tests that count the lines a call logs. */
+int testfile_stderr_begin(const char *path);
+/* Puts stderr back and returns the captured text (malloc'ed, NUL-terminated), also echoed to
+ * stdout so that the test's output still shows it. */
+char *testfile_stderr_end(int saved, const char *path);
+/* How many times needle occurs in hay. */
+int teststr_count(const char *hay, const char *needle);
 /* A fresh directory /tmp/<prefix>.XXXXXX, its path into dir (len bytes): 0, or -1. */
 int testdir_make(char *dir, size_t len, const char *prefix);
 /* Removes dir and everything under it: 0, or -1. */
