@@ -9,8 +9,9 @@
  * that the other nodes have read it (RDZV_EV_DRAINED): leaving takes the store with it.
  *
  * What ends the job instead of a restart: a worker's failure it calls permanent (exit 2
- * or 78, or its error file; launcher/errfile decides), failures past --max_restarts, too few
- * nodes left, and the store lost (its node died: AGENT_EXIT_STORE_LOST on every other node).
+ * or 78, or its error file) or that its interpreter's import error makes so (the last line of
+ * its stderr; launcher/errfile decides), failures past --max_restarts, too few nodes left, and
+ * the store lost (its node died: AGENT_EXIT_STORE_LOST on every other node).
  *
  * The store and other jobs. The store belongs to this job (its run id and secret), but jobs
  * that hold the same secret may share its port: the server keeps each job's keys apart. So
@@ -219,6 +220,28 @@ static void round_over(agent_t *a) {
   arm_join_timer(a);
 }
 
+/* The one line for a Python worker that cannot import: who, what, and where to install it:
+ * "rank 0 (python3) cannot import 'x' (ModuleNotFoundError): install it for /usr/bin/python3;
+ * no restart tried", with "or set PYTHON_EXEC" when meshrun chose the interpreter (a *.py or -m
+ * PROGRAM). A program that runs Python some other way (a shell script) is named instead of an
+ * interpreter meshrun cannot know. */
+static void python_line(const workers_t *w, const launcher_opts_t *o, int rank, const char *exc, const char *what,
+                        char *out, size_t len) {
+  char python[PATH_MAX], prog[PATH_MAX];
+  workers_python(w, python, sizeof python);
+  char **argv = cli_worker_argv(o);
+  snprintf(prog, sizeof prog, "%s", python[0] ? python : argv ? argv[0] : "?");
+  free(argv);
+  const char *base = strrchr(prog, '/');
+  base = base ? base + 1 : prog;
+  if (python[0])
+    snprintf(out, len, "rank %d (%.100s) cannot import %.300s (%s): install it for %.400s%s; no restart tried", rank,
+             base, what, exc, python, o->python ? " or set PYTHON_EXEC" : "");
+  else
+    snprintf(out, len, "rank %d (%.100s) cannot import %.300s (%s): install it for the Python that %.100s runs; no "
+             "restart tried", rank, base, what, exc, base);
+}
+
 static void on_worker_exit(workers_t *w, const workers_info_t *info, void *arg) {
   agent_t *a = arg;
   char sbuf[32];
@@ -246,10 +269,20 @@ static void on_worker_exit(workers_t *w, const workers_info_t *info, void *arg) 
   else
     n = snprintf(e.reason, sizeof e.reason, "rank %d (pid %d) on %s exited with code %d", info->rank,
                  (int)info->pid, e.host, info->exit_code);
+  /* A Python worker's last line, when it exited 1 and its error file (if any) says nothing
+   * about restarting: an import failure is no restart's to cure. */
+  char exc[32] = "", what[256] = "";
+  int import_error = 0;
+  if (info->exit_code == 1 && !info->term_signal && restart == ERRFILE_RESTART_UNSAID) {
+    char tail[WORKERS_TAIL_BYTES];
+    size_t tn = workers_stderr_tail(w, info->local_rank, tail, sizeof tail);
+    import_error = errfile_import_error(tail, tn, exc, sizeof exc, what, sizeof what);
+  }
   /* The worker knows a restart cannot help (a bad plan, a missing file), by its error file or
-   * by its exit code: the job ends now, whatever budget is left. The end record is fatal and
-   * travels to every node, so each one stops with this code and says why. */
-  errfile_verdict_t v = errfile_verdict(info->exit_code, info->term_signal, restart);
+   * by its exit code, or its interpreter lacks a module: the job ends now, whatever budget is
+   * left. The end record is fatal and travels to every node, so each one stops with this code
+   * and says why. */
+  errfile_verdict_t v = errfile_verdict(info->exit_code, info->term_signal, restart, import_error);
   char *tail = n > 0 && (size_t)n < sizeof e.reason ? e.reason + n : NULL;
   size_t left = tail ? sizeof e.reason - (size_t)n : 0;
   if (v == ERRFILE_PERMANENT_BY_FILE) {
@@ -263,6 +296,11 @@ static void on_worker_exit(workers_t *w, const workers_info_t *info, void *arg) 
     if (!e.message[0])
       snprintf(e.message, sizeof e.message, "exit code %d (permanent: %s; meshrun does not restart it)",
                info->exit_code, meaning);
+  } else if (v == ERRFILE_PERMANENT_BY_IMPORT) {
+    python_line(w, a->opts, info->rank, exc, what, e.message, sizeof e.message);
+    log_error("%s", e.message);
+    e.fatal = 1;
+    if (tail) snprintf(tail, left, "; no restart tried: Python cannot import %s (%s)", what, exc);
   }
   log_warn("%s: stopping the other workers", e.reason);
   a->state = AGENT_STOPPING;
@@ -637,6 +675,12 @@ int agent_run(launcher_opts_t *o) {
     a->sigs[i].data = a;
     uv_signal_start(&a->sigs[i], on_signal, FORWARDED[i]);
   }
+  /* Before any thread and any socket: its guard is a copy of this process (launcher/tree), and
+   * meshrun's move into its cgroup then overlaps the rest of the start. */
+  if (workers_create(&a->wk, &a->loop, o, on_worker_exit, on_workers_idle, a, err, sizeof err)) {
+    log_error("%s", err);
+    goto out;
+  }
   /* The store holds a connection per worker and per peer node: the soft file limit (often
    * 1024) is too tight for big jobs and for weathering idle connections from strangers. */
   long nofile = store_server_raise_nofile();
@@ -706,10 +750,6 @@ int agent_run(launcher_opts_t *o) {
   snprintf(cfg.run_id, sizeof cfg.run_id, "%s", o->rdzv_id);
   snprintf(cfg.endpoint_from, sizeof cfg.endpoint_from, "%s", o->rdzv_endpoint_from);
   snprintf(cfg.addr, sizeof cfg.addr, "%s", addr);
-  if (workers_create(&a->wk, &a->loop, o, on_worker_exit, on_workers_idle, a, err, sizeof err)) {
-    log_error("%s", err);
-    goto out;
-  }
   if (rdzv_create(&a->rz, &a->loop, &cfg, on_rdzv, a, err, sizeof err)) {
     log_error("%s", err);
     goto out;

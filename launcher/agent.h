@@ -24,9 +24,9 @@
 
 /* Runs the whole job and returns meshrun's exit status: 0, the root-cause worker's code
  * (128+signal for a signal; also at once, without restarts, when that failure is permanent:
- * exit 2 or 78 or an error file asking for none, see launcher/errfile.h), 128+sig when
- * meshrun was told to stop, AGENT_EXIT_STORE_LOST, or 1 for other launcher errors (each one
- * printed as a line naming the cause). */
+ * exit 2 or 78, an error file asking for none, or a Python import failure, see
+ * launcher/errfile.h), 128+sig when meshrun was told to stop, AGENT_EXIT_STORE_LOST, or 1 for
+ * other launcher errors (each one printed as a line naming the cause). */
 int agent_run(launcher_opts_t *opts);
 
 #endif

@@ -1,5 +1,6 @@
 /* errfile: the worker's error file (TORCHELASTIC_ERROR_FILE) to a message, a timestamp and a
- * wish about restarting; with the exit code, to a verdict: restart or not.
+ * wish about restarting; with the exit code and the last line of its stderr, to a verdict:
+ * restart or not.
  * Only regular files up to 1 MiB are read (a bigger one is reported as such, not parsed in
  * part); a message longer than the caller's buffer is cut at a UTF-8 character boundary. */
 #include "launcher/errfile.h"
@@ -105,11 +106,36 @@ const char *errfile_exit_meaning(int exit_code) {
   }
 }
 
-errfile_verdict_t errfile_verdict(int exit_code, int term_signal, int restart) {
+errfile_verdict_t errfile_verdict(int exit_code, int term_signal, int restart, int import_error) {
   if (restart == ERRFILE_RESTART_NO) return ERRFILE_PERMANENT_BY_FILE;
   if (restart == ERRFILE_RESTART_YES) return ERRFILE_RESTARTABLE;
   /* 128+2 from a SIGINT is not an exit 2; a signal's code never reaches 78 either, but the
    * signal is what says how the worker ended. */
-  if (term_signal || !errfile_exit_meaning(exit_code)) return ERRFILE_RESTARTABLE;
-  return ERRFILE_PERMANENT_BY_CODE;
+  if (term_signal) return ERRFILE_RESTARTABLE;
+  if (exit_code == 1 && import_error) return ERRFILE_PERMANENT_BY_IMPORT; /* Python's exit for an exception */
+  return errfile_exit_meaning(exit_code) ? ERRFILE_PERMANENT_BY_CODE : ERRFILE_RESTARTABLE;
+}
+
+int errfile_import_error(const char *text, size_t len, char *exc, size_t exclen, char *what, size_t whatlen) {
+  /* The last line that is not blank. */
+  while (len > 0 && (text[len - 1] == '\n' || text[len - 1] == '\r' || text[len - 1] == ' ')) len--;
+  size_t start = len;
+  while (start > 0 && text[start - 1] != '\n') start--;
+  char line[1024];
+  snprintf(line, sizeof line, "%.*s", (int)(len - start), text + start);
+  static const char MODULE[] = "ModuleNotFoundError: No module named ", IMPORT[] = "ImportError: ";
+  if (!strncmp(line, MODULE, sizeof MODULE - 1)) {
+    snprintf(exc, exclen, "ModuleNotFoundError");
+    copy_text(what, whatlen, line + sizeof MODULE - 1);
+    return 1;
+  }
+  if (strncmp(line, IMPORT, sizeof IMPORT - 1)) return 0;
+  char *msg = line + sizeof IMPORT - 1;
+  if (!strncmp(msg, "cannot import ", 14)) msg += 14;
+  size_t n = strlen(msg);
+  char *paren = strrchr(msg, '(');
+  if (paren && paren > msg && paren[-1] == ' ' && paren[1] == '/' && n > 0 && msg[n - 1] == ')') paren[-1] = '\0';
+  snprintf(exc, exclen, "ImportError");
+  copy_text(what, whatlen, msg);
+  return 1;
 }

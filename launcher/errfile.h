@@ -12,6 +12,9 @@
  *     and the shells' convention) or 78 (EX_CONFIG of BSD sysexits.h, a configuration error,
  *     for a program whose 2 means something else). Every other code, and every death by a
  *     signal, is worth a restart.
+ *   - a Python worker that exits 1 with an uncaught ModuleNotFoundError or ImportError as the
+ *     last line of its stderr: its interpreter lacks a module (or a module lacks a name), which
+ *     no restart installs.
  * The file wins over the code: {"meshrun": {"restart": true}} makes an exit 2 or 78 a normal,
  * restartable failure (for programs that use those codes for transient faults). Only the JSON
  * values false and true count; anything else leaves the decision to the exit code. */
@@ -40,14 +43,21 @@ int errfile_read(const char *path, char *msg, size_t msglen, char *ts, size_t ts
                  size_t errlen);
 
 typedef enum {
-  ERRFILE_RESTARTABLE = 0,   /* a restart may help */
-  ERRFILE_PERMANENT_BY_FILE, /* the error file said "restart": false */
-  ERRFILE_PERMANENT_BY_CODE, /* exit code 2 or 78, and the error file did not say "restart": true */
+  ERRFILE_RESTARTABLE = 0,     /* a restart may help */
+  ERRFILE_PERMANENT_BY_FILE,   /* the error file said "restart": false */
+  ERRFILE_PERMANENT_BY_CODE,   /* exit code 2 or 78, and the error file did not say "restart": true */
+  ERRFILE_PERMANENT_BY_IMPORT, /* exit 1 after a Python import error, the file saying nothing */
 } errfile_verdict_t;
 /* The verdict on a failed worker: restart is what errfile_read gave (ERRFILE_RESTART_UNSAID
  * when there was no file), exit_code its code (128+signal for a signal), term_signal the
- * signal that killed it or 0. */
-errfile_verdict_t errfile_verdict(int exit_code, int term_signal, int restart);
+ * signal that killed it or 0, import_error what errfile_import_error said of its stderr. */
+errfile_verdict_t errfile_verdict(int exit_code, int term_signal, int restart, int import_error);
+/* Whether the last line of a worker's stderr (text, len bytes: its tail) is Python's report of
+ * an uncaught import failure, "ModuleNotFoundError: No module named 'x'" or "ImportError: ...".
+ * Returns 1 and fills exc (the exception's name) and what (for ModuleNotFoundError the module,
+ * quoted as Python quotes it: 'x'; for ImportError the message, without a leading "cannot
+ * import " and a trailing " (/path/of/module.py)"), else 0. */
+int errfile_import_error(const char *text, size_t len, char *exc, size_t exclen, char *what, size_t whatlen);
 /* What a permanent exit code means, as a phrase for the failure summary ("a usage or plan
  * error"), or NULL for any code that is not one. */
 const char *errfile_exit_meaning(int exit_code);

@@ -30,13 +30,17 @@
 #include "common/fs.h"
 #include "common/log.h"
 #include "common/store.h"
+#include "launcher/tree.h"
 
 extern char **environ;
 
 #define LINE_MAX_BYTES 65536
-/* After the last worker of a round is reaped and its process group killed, how long its
- * output pipes may stay open (held by a process that left the group) before they are closed. */
+/* After the last worker of a round is reaped and what it started killed, how long its output
+ * pipes may stay open (held by a process outside meshrun's tree) before they are closed. */
 #define DRAIN_MS 2000
+/* The last bytes of each worker's stderr that meshrun keeps, for the verdict on its failure
+ * (a Python worker's last line names an exception that no restart cures). */
+#define TAIL_BYTES WORKERS_TAIL_BYTES
 
 typedef struct worker worker_t;
 
@@ -46,9 +50,12 @@ typedef struct {
   int is_err;    /* stderr (else stdout) */
   int open;      /* pipe handle initialized and not yet closed */
   int console;   /* lines go to meshrun's stdout/stderr */
+  int raw;       /* console bytes go on as they come (no prefix: partial lines and \r stay) */
   int file_fd;   /* copy to this file, -1 none */
   char *line;    /* partial line, LINE_MAX_BYTES */
   size_t len;
+  char *tail;       /* stderr: a ring of its last TAIL_BYTES, NULL for stdout */
+  size_t tail_seen; /* bytes that went through the ring */
 } stream_t;
 
 struct worker {
@@ -56,6 +63,7 @@ struct worker {
   workers_info_t info;
   stream_t out, err;
   int group_alive; /* the process group may still hold processes: kill it on exit paths */
+  char *err_log;   /* the stderr.log the child writes itself (no pipe), for its tail; else NULL */
 };
 
 struct workers {
@@ -74,6 +82,10 @@ struct workers {
   int stopping;
   int draining; /* every worker reaped; pipes closing (see reap) */
   int idle_reported;
+  int tree_left; /* every worker is reaped but what they started still runs: killed, not yet gone */
+  uint64_t tree_kill_time; /* uv_hrtime of its first SIGKILL */
+  tree_t *tree;  /* the workers' process trees (launcher/tree) */
+  char program[PATH_MAX];   /* what the workers exec'd, as found along PATH */
   char stop_file[PATH_MAX]; /* MESHRUN_STOP_FILE of this round's workers (workers_stop writes it) */
 };
 
@@ -91,7 +103,7 @@ static int mkdir_p(const char *path, char *err, size_t errlen) {
 }
 
 static void check_idle(workers_t *w) {
-  if (w->running == 0 && w->open_pipes == 0 && w->n > 0 && !w->idle_reported) {
+  if (w->running == 0 && w->open_pipes == 0 && !w->tree_left && w->n > 0 && !w->idle_reported) {
     w->idle_reported = 1;
     uv_timer_stop(&w->grace);
     uv_timer_stop(&w->tick);
@@ -100,6 +112,18 @@ static void check_idle(workers_t *w) {
 }
 
 /* ---- output ---- */
+
+static void write_all(int fd, const char *p, size_t n) {
+  for (size_t off = 0; off < n;) {
+    ssize_t k = write(fd, p + off, n - off);
+    if (k < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN) continue; /* meshrun's own stdout is non-blocking only if its parent made it so */
+      break;
+    }
+    off += (size_t)k;
+  }
+}
 
 static void emit_line(stream_t *s, const char *p, size_t n) {
   if (!s->console) return;
@@ -114,17 +138,20 @@ static void emit_line(stream_t *s, const char *p, size_t n) {
   memcpy(buf, pre, (size_t)pn);
   memcpy(buf + pn, p, n);
   buf[total - 1] = '\n';
-  int fd = s->is_err ? STDERR_FILENO : STDOUT_FILENO;
-  for (size_t off = 0; off < total;) {
-    ssize_t k = write(fd, buf + off, total - off);
-    if (k < 0) {
-      if (errno == EINTR) continue;
-      if (errno == EAGAIN) continue; /* meshrun's own stdout is non-blocking only if its parent made it so */
-      break;
-    }
-    off += (size_t)k;
-  }
+  write_all(s->is_err ? STDERR_FILENO : STDOUT_FILENO, buf, total);
   if (buf != stackbuf) free(buf);
+}
+
+static void tail_add(stream_t *s, const char *p, size_t n) {
+  if (!s->tail) return;
+  if (n > TAIL_BYTES) {
+    p += n - TAIL_BYTES;
+    n = TAIL_BYTES;
+  }
+  size_t at = s->tail_seen % TAIL_BYTES, first = n < TAIL_BYTES - at ? n : TAIL_BYTES - at;
+  memcpy(s->tail + at, p, first);
+  memcpy(s->tail, p + first, n - first);
+  s->tail_seen += n;
 }
 
 static void write_file(stream_t *s, const char *p, size_t n) {
@@ -143,14 +170,16 @@ static void write_file(stream_t *s, const char *p, size_t n) {
   }
 }
 
+/* Where the workers' output is read into (on_alloc, drain_now). The loop is one thread and data
+ * is copied out at once. Not thread-local: 64 KiB of TLS was zeroed for every thread meshrun
+ * starts. */
+static char read_chunk[65536];
+
 static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
-  /* The loop is one thread and data is copied out at once. Not thread-local: 64 KiB of TLS
-   * was zeroed for every thread meshrun starts. */
-  static char chunk[65536];
   (void)h;
   (void)suggested;
-  buf->base = chunk;
-  buf->len = sizeof chunk;
+  buf->base = read_chunk;
+  buf->len = sizeof read_chunk;
 }
 
 static void on_pipe_closed(uv_handle_t *h) {
@@ -172,15 +201,16 @@ static void close_stream(stream_t *s) {
   uv_close((uv_handle_t *)&s->pipe, on_pipe_closed);
 }
 
-static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf) {
-  stream_t *s = st->data;
-  if (nread < 0) {
-    close_stream(s); /* EOF, or an error that ends this stream alike */
+/* What a worker wrote: to its file, its stderr's tail, and the console, whole lines or raw. */
+static void consume(stream_t *s, const char *p, size_t n) {
+  write_file(s, p, n);
+  tail_add(s, p, n);
+  if (s->raw) {
+    write_all(s->is_err ? STDERR_FILENO : STDOUT_FILENO, p, n);
     return;
   }
-  write_file(s, buf->base, (size_t)nread);
-  for (ssize_t i = 0; i < nread; i++) {
-    char c = buf->base[i];
+  for (size_t i = 0; i < n; i++) {
+    char c = p[i];
     if (c == '\n') {
       emit_line(s, s->line, s->len);
       s->len = 0;
@@ -194,6 +224,29 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf) {
   }
 }
 
+static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf) {
+  stream_t *s = st->data;
+  if (nread < 0) {
+    close_stream(s); /* EOF, or an error that ends this stream alike */
+    return;
+  }
+  consume(s, buf->base, (size_t)nread);
+}
+
+/* Reads what the pipe holds now, before the loop would: a worker's last words come before the
+ * line that says it exited, and are in its tail when the agent judges the exit. */
+static void drain_now(stream_t *s) {
+  uv_os_fd_t fd;
+  if (!s->open || uv_fileno((uv_handle_t *)&s->pipe, &fd)) return;
+  for (;;) {
+    ssize_t k = read(fd, read_chunk, sizeof read_chunk);
+    if (k < 0 && errno == EINTR) continue;
+    if (k > 0) consume(s, read_chunk, (size_t)k);
+    if (k == 0) close_stream(s);
+    if (k <= 0) return;
+  }
+}
+
 /* ---- exits ---- */
 
 static void on_drain(uv_timer_t *t) {
@@ -201,42 +254,74 @@ static void on_drain(uv_timer_t *t) {
   for (int i = 0; i < w->n; i++) {
     worker_t *wk = &w->ws[i];
     if (wk->out.open || wk->err.open)
-      log_warn("rank %d exited but a process outside its group still holds its output open: closing it",
+      log_warn("rank %d exited but a process outside meshrun's tree still holds its output open: closing it",
                wk->info.rank);
     close_stream(&wk->out);
     close_stream(&wk->err);
   }
 }
 
-static void reap(workers_t *w) {
-  for (int i = 0; i < w->n; i++) {
-    worker_t *wk = &w->ws[i];
-    if (!wk->info.running) continue;
-    int st;
-    pid_t p = waitpid(wk->info.pid, &st, WNOHANG);
-    if (p == 0 || (p < 0 && errno == EINTR)) continue;
-    wk->info.running = 0;
-    wk->info.exit_time = wall_now();
-    if (p < 0) {
-      wk->info.exit_code = 1; /* someone else reaped it: unknown status, count as a failure */
-    } else if (WIFSIGNALED(st)) {
-      wk->info.term_signal = WTERMSIG(st);
-      wk->info.exit_code = 128 + wk->info.term_signal;
-    } else {
-      wk->info.exit_code = WEXITSTATUS(st);
-    }
-    w->running--;
-    /* While stopping, take the worker's whole group with it: grandchildren die too. */
-    if (w->stopping) kill(-wk->info.pid, SIGKILL);
-    if (w->on_exit) w->on_exit(w, &wk->info, w->arg);
+/* A worker ended (st from waitpid; reaped 0: someone else reaped it, status unknown): its status,
+ * its group while stopping, the output it left in the pipes, then the agent. */
+static void worker_ended(workers_t *w, worker_t *wk, int reaped, int st) {
+  wk->info.running = 0;
+  wk->info.exit_time = wall_now();
+  if (!reaped) {
+    wk->info.exit_code = 1; /* unknown status: count as a failure */
+  } else if (WIFSIGNALED(st)) {
+    wk->info.term_signal = WTERMSIG(st);
+    wk->info.exit_code = 128 + wk->info.term_signal;
+  } else {
+    wk->info.exit_code = WEXITSTATUS(st);
   }
-  /* Every worker is gone but a pipe is still open: something the worker started holds it.
-   * Waiting for its EOF could take forever, so the groups go now (exit paths would kill them
-   * anyway), and a pipe held from outside the groups is closed after DRAIN_MS. */
+  w->running--;
+  /* While stopping, take the worker's whole group with it: grandchildren die too. */
+  if (w->stopping) kill(-wk->info.pid, SIGKILL);
+  drain_now(&wk->out);
+  drain_now(&wk->err);
+  if (w->on_exit) w->on_exit(w, &wk->info, w->arg);
+}
+
+/* tick: called by the fallback tick, not by SIGCHLD. */
+static void reap(workers_t *w, int tick) {
+  /* Every child that ended: a worker, or a process that a worker started and left, which
+   * meshrun adopted as its subreaper (launcher/tree) and only reaps. */
+  int left = 0, st;
+  for (;;) {
+    pid_t p = waitpid(-1, &st, WNOHANG);
+    if (p < 0 && errno == EINTR) continue;
+    if (p <= 0) {
+      left = p == 0; /* children left: running workers, or what they started */
+      break;
+    }
+    for (int i = 0; i < w->n; i++)
+      if (w->ws[i].info.running && w->ws[i].info.pid == p) worker_ended(w, &w->ws[i], 1, st);
+  }
+  for (int i = 0; i < w->n && !left; i++)
+    if (w->ws[i].info.running) worker_ended(w, &w->ws[i], 0, 0);
+  /* The round's workers are gone: what they started goes now, and the round is over once it is
+   * gone too (each SIGCHLD reaps, and says when nothing is left). A process forked in the
+   * moment between the listing and the kill survives that pass: each tick kills again, not each
+   * SIGCHLD (without a cgroup a pass reads all of /proc, and fifty processes dying are fifty
+   * SIGCHLDs). */
+  if (w->running == 0 && left && (!w->tree_left || tick)) {
+    uint64_t t0 = uv_hrtime();
+    int n = tree_kill(w->tree);
+    if (!w->tree_left) {
+      log_info("the workers of this round left %d process%s running: SIGKILL", n, n == 1 ? "" : "es");
+      w->tree_kill_time = t0;
+    }
+    w->tree_left = 1;
+  } else if (w->tree_left && !left) {
+    log_debug("what the workers left is gone, %.1f ms after meshrun began to kill it",
+              (double)(uv_hrtime() - w->tree_kill_time) / 1e6);
+    w->tree_left = 0;
+  }
+  /* Every worker is gone but a pipe is still open: something the worker started holds it. What
+   * meshrun's tree holds is killed by now; a pipe held from outside it (its descriptor passed
+   * on) is closed after DRAIN_MS, since its EOF could take forever. */
   if (w->running == 0 && w->open_pipes > 0 && w->n > 0 && !w->draining) {
     w->draining = 1;
-    for (int i = 0; i < w->n; i++)
-      if (w->ws[i].group_alive) kill(-w->ws[i].info.pid, SIGKILL);
     uv_timer_start(&w->grace, on_drain, DRAIN_MS, 0);
   }
   check_idle(w);
@@ -244,10 +329,10 @@ static void reap(workers_t *w) {
 
 static void on_sigchld(uv_signal_t *h, int sig) {
   (void)sig;
-  reap(h->data);
+  reap(h->data, 0);
 }
 
-static void on_tick(uv_timer_t *t) { reap(t->data); }
+static void on_tick(uv_timer_t *t) { reap(t->data, 1); }
 
 static void on_grace(uv_timer_t *t) {
   workers_t *w = t->data;
@@ -271,7 +356,13 @@ int workers_create(workers_t **out, uv_loop_t *loop, const launcher_opts_t *opts
   w->on_exit = on_exit;
   w->on_idle = on_idle;
   w->arg = arg;
-  int rc;
+  /* MESHRUN_CGROUP=0: no cgroup even where one could be made (the /proc way, tree.h). */
+  const char *cg = getenv("MESHRUN_CGROUP");
+  int rc = tree_create(&w->tree, !(cg && !strcmp(cg, "0")), err, errlen);
+  if (rc) {
+    free(w);
+    return rc;
+  }
   if ((rc = uv_signal_init(loop, &w->sigchld))) goto error;
   w->sigchld.data = w;
   if ((rc = uv_signal_start(&w->sigchld, on_sigchld, SIGCHLD))) goto error;
@@ -286,6 +377,7 @@ int workers_create(workers_t **out, uv_loop_t *loop, const launcher_opts_t *opts
   return 0;
 error:
   snprintf(err, errlen, "workers: SIGCHLD handler: %s", uv_strerror(rc));
+  tree_destroy(w->tree);
   free(w);
   return rc;
 }
@@ -326,7 +418,8 @@ static const char *const OWN_VARS[] = {
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
     "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
     "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "MESHRUN_STORE",
-    "MESHRUN_ROUND", "MESHRUN_JOB_ID", "MESHRUN_STOP_FILE", "TORCHELASTIC_USE_AGENT_STORE", STORE_ENV_SECRET, NULL};
+    "MESHRUN_ROUND", "MESHRUN_JOB_ID", "MESHRUN_STOP_FILE", "MESHRUN_TREE", "TORCHELASTIC_USE_AGENT_STORE",
+    STORE_ENV_SECRET, NULL};
 
 static int is_own_var(const char *kv) {
   for (int i = 0; OWN_VARS[i]; i++) {
@@ -372,6 +465,11 @@ static char **build_env(const workers_t *w, const workers_round_t *r, const work
   if (!rc) rc = env_add(&env, &n, &cap, "MESHRUN_ROUND", "%d", r->round);
   if (!rc) rc = env_add(&env, &n, &cap, "MESHRUN_JOB_ID", "%s", r->job_id);
   if (!rc) rc = env_add(&env, &n, &cap, "MESHRUN_STOP_FILE", "%s", w->stop_file);
+  /* This meshrun's id after those of the meshruns it runs under: every guard finds the process. */
+  const char *outer = getenv("MESHRUN_TREE");
+  if (!rc)
+    rc = env_add(&env, &n, &cap, "MESHRUN_TREE", "%.2000s%s%s", outer ? outer : "", outer && *outer ? "," : "",
+                 tree_id(w->tree));
   /* Not through env_add: its buffer is sized for paths, and a secret is never cut. */
   if (!rc && r->store_secret[0]) {
     char *kv = malloc(sizeof STORE_ENV_SECRET + 1 + strlen(r->store_secret));
@@ -426,9 +524,10 @@ static int setup_stream(workers_t *w, worker_t *wk, stream_t *s, int is_err, con
   *child_fd = -1;
   *pipe_rd = -1;
   if (to_file && !console) {
-    /* Straight to the file: no pipe, no loop work. */
+    /* Straight to the file: no pipe, no loop work. A failure's tail is read from the file. */
     int fd = open_log(rank_dir, is_err ? "stderr.log" : "stdout.log", err, errlen);
     if (fd < 0) return -errno;
+    if (is_err && asprintf(&wk->err_log, "%s/stderr.log", rank_dir) < 0) wk->err_log = NULL;
     *child_fd = fd;
     return 0;
   }
@@ -441,7 +540,10 @@ static int setup_stream(workers_t *w, worker_t *wk, stream_t *s, int is_err, con
     *child_fd = fd;
     return 0;
   }
-  if (!to_file && !w->prefix) return 0; /* console as is: the child writes to our fd */
+  /* stdout on the console unprefixed: the child writes to our fd. stderr goes through a pipe
+   * anyway, for its tail, and on raw: as it comes, partial lines and all. */
+  if (!to_file && !w->prefix && !is_err) return 0;
+  s->raw = !to_file && !w->prefix;
   if (to_file) {
     s->file_fd = open_log(rank_dir, is_err ? "stderr.log" : "stdout.log", err, errlen);
     if (s->file_fd < 0) return -errno;
@@ -451,8 +553,12 @@ static int setup_stream(workers_t *w, worker_t *wk, stream_t *s, int is_err, con
     snprintf(err, errlen, "pipe: %s", strerror(errno));
     return -errno;
   }
-  s->line = malloc(LINE_MAX_BYTES);
-  if (!s->line) {
+  s->line = s->raw ? NULL : malloc(LINE_MAX_BYTES);
+  s->tail = is_err ? malloc(TAIL_BYTES) : NULL;
+  if ((!s->raw && !s->line) || (is_err && !s->tail)) {
+    free(s->line);
+    free(s->tail);
+    s->line = s->tail = NULL;
     close(p[0]);
     close(p[1]);
     snprintf(err, errlen, "out of memory");
@@ -572,17 +678,20 @@ static pid_t spawn_child(child_args_t *a) {
   return pid;
 }
 
+/* The first line of file into line ("" when it cannot be read), without its end of line. */
+static void first_line(const char *file, char *line, size_t len) {
+  int fd = open(file, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  ssize_t k = fd >= 0 ? read(fd, line, len - 1) : -1;
+  if (fd >= 0) close(fd);
+  line[k > 0 ? k : 0] = '\0';
+  line[strcspn(line, "\r\n")] = '\0';
+}
+
 /* Names why exec failed. ENOENT for a file that exists (workers_find_program saw it) is the
  * kernel's answer for a script whose "#!" interpreter is missing: say which one. */
 static void exec_failure(const char *file, const char *prog, int e, char *err, size_t errlen) {
   char line[256] = "";
-  int fd = e == ENOENT ? open(file, O_RDONLY | O_CLOEXEC | O_NONBLOCK) : -1;
-  if (fd >= 0) {
-    ssize_t k = read(fd, line, sizeof line - 1);
-    close(fd);
-    line[k > 0 ? k : 0] = '\0';
-    line[strcspn(line, "\r\n")] = '\0';
-  }
+  if (e == ENOENT) first_line(file, line, sizeof line);
   if (!strncmp(line, "#!", 2)) {
     const char *interp = line + 2 + strspn(line + 2, " \t");
     snprintf(err, errlen, "exec %s: its interpreter %.*s is missing (%s)", prog, (int)strcspn(interp, " \t"),
@@ -593,6 +702,10 @@ static void exec_failure(const char *file, const char *prog, int e, char *err, s
 }
 
 static void free_round(workers_t *w) {
+  for (int i = 0; i < w->n; i++) {
+    free(w->ws[i].err.tail);
+    free(w->ws[i].err_log);
+  }
   free(w->ws);
   w->ws = NULL;
   w->n = 0;
@@ -612,6 +725,7 @@ int workers_start(workers_t *w, const workers_round_t *r, char *err, size_t errl
   w->stopping = 0;
   w->draining = 0;
   w->idle_reported = 0;
+  w->tree_left = 0;
   w->prefix = r->world_size > 1;
   /* PROGRAM ARGS, or for a Python PROGRAM (cli decided: -m, or *.py) torchrun's command */
   char **argv = cli_worker_argv(o);
@@ -620,8 +734,8 @@ int workers_start(workers_t *w, const workers_round_t *r, char *err, size_t errl
     return -ENOMEM;
   }
   /* PATH is searched once here, not by each child's execvp. */
-  char file[PATH_MAX], why[128];
-  if (workers_find_program(argv[0], file, sizeof file, why, sizeof why)) {
+  char *file = w->program, why[128];
+  if (workers_find_program(argv[0], file, sizeof w->program, why, sizeof why)) {
     snprintf(err, errlen, "%s: %s", argv[0], why);
     free(argv);
     return -ENOEXEC;
@@ -638,6 +752,7 @@ int workers_start(workers_t *w, const workers_round_t *r, char *err, size_t errl
   snprintf(w->stop_file, sizeof w->stop_file, "%.3800s/%sstop", r->attempt_dir, r->file_prefix);
   if ((rc = mkdir_p(r->attempt_dir, err, errlen))) goto error;
   fs_unlink_if_there(w->stop_file);
+  tree_round(w->tree);
   for (int i = 0; i < r->nproc; i++) {
     worker_t *wk = &w->ws[i];
     wk->owner = w;
@@ -698,6 +813,7 @@ int workers_start(workers_t *w, const workers_round_t *r, char *err, size_t errl
       wk->info.running = 1;
       wk->group_alive = 1;
       w->running++;
+      tree_note_group(w->tree, pid);
       reports[i] = rep[0]; /* read after every worker is forked: the execs overlap */
       rep[0] = -1;
     }
@@ -786,11 +902,12 @@ void workers_kill_all(workers_t *w) {
   if (!w) return;
   for (int i = 0; i < w->n; i++)
     if (w->ws[i].group_alive) kill(-w->ws[i].info.pid, SIGKILL);
+  tree_kill(w->tree);
 }
 
 int workers_running(const workers_t *w) { return w->running; }
 
-int workers_idle(const workers_t *w) { return w->running == 0 && w->open_pipes == 0; }
+int workers_idle(const workers_t *w) { return w->running == 0 && w->open_pipes == 0 && !w->tree_left; }
 
 const workers_info_t *workers_info(const workers_t *w, int local_rank) {
   return local_rank >= 0 && local_rank < w->n ? &w->ws[local_rank].info : NULL;
@@ -801,7 +918,59 @@ int workers_count(const workers_t *w) { return w->n; }
 void workers_destroy(workers_t *w) {
   if (!w) return;
   free_round(w);
+  tree_destroy(w->tree);
   free(w);
+}
+
+size_t workers_stderr_tail(const workers_t *w, int local_rank, char *out, size_t outlen) {
+  if (local_rank < 0 || local_rank >= w->n) return 0;
+  const worker_t *wk = &w->ws[local_rank];
+  const stream_t *s = &wk->err;
+  if (s->tail) {
+    size_t n = s->tail_seen < TAIL_BYTES ? s->tail_seen : TAIL_BYTES;
+    n = n < outlen ? n : outlen;
+    size_t start = (s->tail_seen - n) % TAIL_BYTES, first = n < TAIL_BYTES - start ? n : TAIL_BYTES - start;
+    memcpy(out, s->tail + start, first);
+    memcpy(out + first, s->tail, n - first);
+    return n;
+  }
+  int fd = wk->err_log ? open(wk->err_log, O_RDONLY | O_CLOEXEC | O_NONBLOCK) : -1;
+  struct stat st;
+  if (fd < 0 || fstat(fd, &st)) {
+    if (fd >= 0) close(fd);
+    return 0;
+  }
+  size_t n = (size_t)st.st_size < outlen ? (size_t)st.st_size : outlen;
+  ssize_t k = pread(fd, out, n, st.st_size - (off_t)n);
+  close(fd);
+  return k > 0 ? (size_t)k : 0;
+}
+
+/* 1 when path's last component starts with "python" (python3, python3.11, python). */
+static int is_python(const char *path) {
+  const char *base = strrchr(path, '/');
+  return !strncmp(base ? base + 1 : path, "python", 6);
+}
+
+void workers_python(const workers_t *w, char *out, size_t outlen) {
+  if (is_python(w->program)) {
+    snprintf(out, outlen, "%s", w->program);
+    return;
+  }
+  /* "#!/usr/bin/python3 -u", or "#!/usr/bin/env [-S] python3 ...": the first word not an
+   * option after env, found along PATH as env would. */
+  char line[256] = "", name[256] = "", why[128];
+  first_line(w->program, line, sizeof line);
+  out[0] = '\0';
+  if (strncmp(line, "#!", 2)) return;
+  char *save, *word = strtok_r(line + 2, " \t", &save);
+  const char *base = word ? strrchr(word, '/') : NULL;
+  if (base && !strcmp(base, "/env"))
+    while ((word = strtok_r(NULL, " \t", &save)) && word[0] == '-') {
+    }
+  if (word) snprintf(name, sizeof name, "%s", word);
+  if (!is_python(name)) return;
+  if (workers_find_program(name, out, outlen, why, sizeof why)) snprintf(out, outlen, "%s", name);
 }
 
 void workers_close(workers_t *w) {

@@ -11,9 +11,14 @@
  * points the child's fd straight at its file (no pipe); a stream nobody needs goes to the
  * console directly or to /dev/null.
  *
+ * stderr on the console always comes through a pipe (unprefixed: passed on raw, as it comes),
+ * so that meshrun keeps its last WORKERS_TAIL_BYTES for the verdict on a failure (a file-only
+ * stderr's tail is read from the file).
+ *
  * Stopping is SIGTERM to each worker's process group, then SIGKILL to the groups still alive
- * after the grace period. Not here: deciding when to stop or restart (launcher/agent),
- * rendezvous (launcher/rdzv). */
+ * after the grace period. Whatever a worker started is meshrun's to kill (launcher/tree): a
+ * round is idle only when its workers are reaped, their output drained and meshrun has no child
+ * left. Not here: deciding when to stop or restart (launcher/agent), rendezvous (launcher/rdzv). */
 #ifndef MESHRUN_WORKERS_H
 #define MESHRUN_WORKERS_H
 
@@ -71,6 +76,8 @@ typedef void (*workers_idle_cb)(workers_t *w, void *arg);
  * Returns 0, or an errno with "no such file", "command not found" or "not executable" in why. */
 int workers_find_program(const char *prog, char *out, size_t outlen, char *why, size_t whylen);
 
+/* Also makes meshrun its workers' subreaper, their cgroup where it can (not with MESHRUN_CGROUP=0)
+ * and the guard process (launcher/tree): call it before any thread starts. */
 int workers_create(workers_t **out, uv_loop_t *loop, const launcher_opts_t *opts, workers_exit_cb on_exit,
                    workers_idle_cb on_idle, void *arg, char *err, size_t errlen);
 /* Spawns the round's nproc workers. On error, the ones already started are killed and the
@@ -91,13 +98,24 @@ void workers_stop(workers_t *w, int sig, double grace_s, const char *reason);
 /* Unlinks the stop file and the last round's error files (in a temporary directory shared
  * with other nodes, at exit: file_prefix names them the same every round). */
 void workers_remove_files(workers_t *w);
-/* SIGKILL to every process group this round started, running or not (exit paths). */
+/* SIGKILL to every process group this round started, running or not, and to whatever else is
+ * below meshrun (exit paths). */
 void workers_kill_all(workers_t *w);
 int workers_running(const workers_t *w);
 /* 1 when no worker runs and every pipe is drained. */
 int workers_idle(const workers_t *w);
 const workers_info_t *workers_info(const workers_t *w, int local_rank);
 int workers_count(const workers_t *w);
+/* The last bytes (at most WORKERS_TAIL_BYTES and outlen) that a worker of this round wrote to
+ * its stderr, read from its log file when it wrote there directly; 0 when its stderr went to
+ * /dev/null (a rank --local_ranks_filter hides, without a log). Valid in the exit callback:
+ * what the worker wrote before it exited is in. */
+#define WORKERS_TAIL_BYTES 4096
+size_t workers_stderr_tail(const workers_t *w, int local_rank, char *out, size_t outlen);
+/* The Python that runs the workers into out: PROGRAM when its name starts with "python"
+ * (as for *.py and -m), else the interpreter of its "#!" line when that is one (through
+ * /usr/bin/env: found along PATH); "" when neither. */
+void workers_python(const workers_t *w, char *out, size_t outlen);
 /* Closes the handles (run the loop afterwards to let them close); accepts NULL. */
 void workers_close(workers_t *w);
 /* Frees w once workers_close's handles have closed (the loop ran); accepts NULL. */

@@ -6,7 +6,8 @@
   as soon as the observed event happens).
 - free_port() asks the kernel for a port on 127.0.0.1 (nothing fixed); free_port6() on ::1,
   or None where this machine cannot bind ::1 (IPv6 tests skip then).
-- pids_alive() scans /proc, for the "no orphan survives" checks.
+- pids_alive() scans /proc, for the "no orphan survives" checks; meshrun_guard() tells meshrun's
+  guard process from its workers.
 """
 import json
 import os
@@ -74,6 +75,16 @@ def pid_alive(pid):
 
 def pids_alive(pids):
     return [p for p in pids if pid_alive(p)]
+
+
+def meshrun_guard(pid):
+    """True if pid is a meshrun's guard (launcher/tree: the process that cleans up after a
+    killed meshrun), which runs beside the workers as meshrun's child, not a worker."""
+    try:
+        with open("/proc/%d/comm" % pid) as f:
+            return f.read().strip() == "meshrun-guard"
+    except OSError:
+        return False
 
 
 # Small timeouts so that tests take seconds; every one is still an upper bound, not a sleep.

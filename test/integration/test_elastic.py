@@ -31,7 +31,7 @@ import time
 
 import pytest
 
-from conftest import MESHRUN, Meshrun, free_port, wait_for
+from conftest import MESHRUN, Meshrun, free_port, meshrun_guard, wait_for
 from test_checkpoint import PLAN, TOL, TRAINER, losses, read_records, write_plan
 
 CONF = "join_timeout=30,last_call_timeout=0.3,heartbeat_interval=0.1,heartbeat_timeout=1"
@@ -109,7 +109,7 @@ def resumed_step(err):
 
 
 def worker_pids(meshrun_pid):
-    """The processes whose parent is meshrun_pid (its workers)."""
+    """The processes whose parent is meshrun_pid (its workers; not its guard)."""
     out = []
     for p in os.listdir("/proc"):
         if not p.isdigit():
@@ -117,7 +117,7 @@ def worker_pids(meshrun_pid):
         try:
             with open("/proc/%s/stat" % p) as f:
                 st = f.read()
-            if int(st.rsplit(")", 1)[1].split()[1]) == meshrun_pid:
+            if int(st.rsplit(")", 1)[1].split()[1]) == meshrun_pid and not meshrun_guard(int(p)):
                 out.append(int(p))
         except (OSError, IndexError, ValueError):
             pass

@@ -1353,7 +1353,8 @@ static void test_usage_text(void **state) {
       "Exit status:", "EX_CONFIG", "EX_UNAVAILABLE", "\"restart\": false", "\"restart\": true",
       "PET_<FLAG>", "PET_STANDALONE=1", "PYTHON_EXEC", "*.py", "SLURM_JOB_ID", "SLURM_NNODES",
       "SLURM_NODEID", "SLURM_JOB_NODELIST", "SLURM_NTASKS_PER_NODE", "SLURM_GPUS_ON_NODE",
-      "MESHRUN_SLURM_PORT", "port 20000 + SLURM_JOB_ID % 12000", "srun",
+      "MESHRUN_SLURM_PORT", "port 20000 + SLURM_JOB_ID % 12000", "srun", "MESHRUN_CGROUP=0", "MESHRUN_TREE",
+      "kill -9 of meshrun", "ModuleNotFoundError",
   };
   for (size_t i = 0; i < sizeof must / sizeof must[0]; i++) {
     if (!strstr(u, must[i])) print_error("--help lacks \"%s\"\n", must[i]);

@@ -272,35 +272,73 @@ static void test_restart_false_without_message(void **state) {
 }
 
 /* Exit codes 2 and 78 are permanent unless the file says "restart": true; a file saying
- * false makes any failure permanent, a signal death included; every other code, and a
- * signal whose 128+N looks like nothing special, restarts. */
+ * false makes any failure permanent, a signal death included; exit 1 after a Python import
+ * error is permanent unless the file says either; every other code, and a signal whose 128+N
+ * looks like nothing special, restarts. */
 static void test_verdict(void **state) {
   (void)state;
   const int U = ERRFILE_RESTART_UNSAID, N = ERRFILE_RESTART_NO, Y = ERRFILE_RESTART_YES;
   const struct {
-    int code, sig, restart;
+    int code, sig, restart, import_error;
     errfile_verdict_t want;
   } cases[] = {
-      {2, 0, U, ERRFILE_PERMANENT_BY_CODE},  {78, 0, U, ERRFILE_PERMANENT_BY_CODE},
-      {2, 0, N, ERRFILE_PERMANENT_BY_FILE},  {5, 0, N, ERRFILE_PERMANENT_BY_FILE},
-      {137, 9, N, ERRFILE_PERMANENT_BY_FILE}, {2, 0, Y, ERRFILE_RESTARTABLE},
-      {78, 0, Y, ERRFILE_RESTARTABLE},       {1, 0, U, ERRFILE_RESTARTABLE},
-      {3, 0, U, ERRFILE_RESTARTABLE},        {77, 0, U, ERRFILE_RESTARTABLE},
-      {79, 0, U, ERRFILE_RESTARTABLE},       {127, 0, U, ERRFILE_RESTARTABLE},
-      {130, 2, U, ERRFILE_RESTARTABLE},      {143, 15, U, ERRFILE_RESTARTABLE},
-      {2, 2, U, ERRFILE_RESTARTABLE}, /* never produced, but a signal always says "restart" */
+      {2, 0, U, 0, ERRFILE_PERMANENT_BY_CODE},   {78, 0, U, 0, ERRFILE_PERMANENT_BY_CODE},
+      {2, 0, N, 0, ERRFILE_PERMANENT_BY_FILE},   {5, 0, N, 0, ERRFILE_PERMANENT_BY_FILE},
+      {137, 9, N, 0, ERRFILE_PERMANENT_BY_FILE}, {2, 0, Y, 0, ERRFILE_RESTARTABLE},
+      {78, 0, Y, 0, ERRFILE_RESTARTABLE},        {1, 0, U, 0, ERRFILE_RESTARTABLE},
+      {3, 0, U, 0, ERRFILE_RESTARTABLE},         {77, 0, U, 0, ERRFILE_RESTARTABLE},
+      {79, 0, U, 0, ERRFILE_RESTARTABLE},        {127, 0, U, 0, ERRFILE_RESTARTABLE},
+      {130, 2, U, 0, ERRFILE_RESTARTABLE},       {143, 15, U, 0, ERRFILE_RESTARTABLE},
+      {2, 2, U, 0, ERRFILE_RESTARTABLE}, /* never produced, but a signal always says "restart" */
+      {1, 0, U, 1, ERRFILE_PERMANENT_BY_IMPORT}, {1, 0, Y, 1, ERRFILE_RESTARTABLE},
+      {1, 0, N, 1, ERRFILE_PERMANENT_BY_FILE},   {3, 0, U, 1, ERRFILE_RESTARTABLE},
+      {129, 1, U, 1, ERRFILE_RESTARTABLE},       {2, 0, U, 1, ERRFILE_PERMANENT_BY_CODE},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-    errfile_verdict_t v = errfile_verdict(cases[i].code, cases[i].sig, cases[i].restart);
+    errfile_verdict_t v = errfile_verdict(cases[i].code, cases[i].sig, cases[i].restart, cases[i].import_error);
     if (v != cases[i].want)
-      fail_msg("case %zu (code %d, signal %d, restart %d): verdict %d, expected %d", i, cases[i].code, cases[i].sig,
-               cases[i].restart, (int)v, (int)cases[i].want);
+      fail_msg("case %zu (code %d, signal %d, restart %d, import error %d): verdict %d, expected %d", i, cases[i].code,
+               cases[i].sig, cases[i].restart, cases[i].import_error, (int)v, (int)cases[i].want);
   }
   assert_string_equal(errfile_exit_meaning(2), "a usage or plan error");
   assert_non_null(strstr(errfile_exit_meaning(78), "EX_CONFIG"));
   assert_null(errfile_exit_meaning(0));
   assert_null(errfile_exit_meaning(1));
   assert_null(errfile_exit_meaning(130));
+}
+
+/* Python's last line, as it prints an uncaught import failure; anything after it, or any other
+ * exception, is not one. */
+static void test_import_error(void **state) {
+  (void)state;
+  const struct {
+    const char *text, *exc, *what; /* exc NULL: not an import failure */
+  } cases[] = {
+      {"Traceback (most recent call last):\n  File \"<string>\", line 1, in <module>\nModuleNotFoundError: No module "
+       "named 'x'\n",
+       "ModuleNotFoundError", "'x'"},
+      {"ModuleNotFoundError: No module named 'a.b'\r\n\n\n", "ModuleNotFoundError", "'a.b'"},
+      {"ModuleNotFoundError: No module named 'y'", "ModuleNotFoundError", "'y'"},
+      {"ImportError: cannot import name 'n' from 'os' (/usr/lib/python3.11/os.py)\n", "ImportError",
+       "name 'n' from 'os'"},
+      {"ImportError: cannot import name 'n' from 'p' (unknown location)\n", "ImportError",
+       "name 'n' from 'p' (unknown location)"},
+      {"ImportError: libcudart.so.12: cannot open shared object file: No such file or directory\n", "ImportError",
+       "libcudart.so.12: cannot open shared object file: No such file or directory"},
+      {"ModuleNotFoundError: No module named 'x'\nretrying without it\n", NULL, NULL},
+      {"RuntimeError: No module named 'x'\n", NULL, NULL},
+      {"  ModuleNotFoundError: No module named 'x'\n", NULL, NULL},
+      {"", NULL, NULL},
+      {"\n\n", NULL, NULL},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    char exc[32] = "", what[256] = "";
+    int got = errfile_import_error(cases[i].text, strlen(cases[i].text), exc, sizeof exc, what, sizeof what);
+    if (got != (cases[i].exc != NULL)) fail_msg("case %zu: %d, expected %d", i, got, cases[i].exc != NULL);
+    if (!got) continue;
+    assert_string_equal(exc, cases[i].exc);
+    assert_string_equal(what, cases[i].what);
+  }
 }
 
 int main(void) {
@@ -321,6 +359,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_restart_only_json_booleans_count, setup, teardown),
       cmocka_unit_test(test_restart_false_without_message),
       cmocka_unit_test(test_verdict),
+      cmocka_unit_test(test_import_error),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
