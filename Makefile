@@ -80,7 +80,7 @@ ifneq ($(V),1)
   Q := @
 endif
 
-# --- CUDA: the cuda backend builds when nvcc exists; nothing else ever needs it.
+# --- CUDA: the cuda backend and the nccl comm build when nvcc exists; nothing else ever needs it.
 CUDA_HOME ?= /usr/local/cuda
 NVCC := $(shell command -v nvcc 2>/dev/null || ls $(CUDA_HOME)/bin/nvcc 2>/dev/null)
 CU_SRC := $(wildcard trainer/*/*.cu)
@@ -91,7 +91,7 @@ ifneq ($(CU_SRC),)
   ifeq ($(WERROR),1)
     NVCCFLAGS += -Xcompiler -Werror -Werror all-warnings
   endif
-  CFLAGS += -DMESHRUN_HAVE_CUDA=1 -I$(CUDA_HOME)/include
+  CFLAGS += -I$(CUDA_HOME)/include
   CUDA_LIBDIRS := $(CUDA_HOME)/lib64 $(CUDA_HOME)/lib
   # NCCL: the toolkit's, or NCCL_HOME's; a lib/ without the unversioned link (a wheel) is linked
   # by its soname.
@@ -121,9 +121,24 @@ ifeq ($(HAVE_DNNL),1)
   DNNL_LIBS := $(if $(DEPS_PREFIX),-L$(DEPS_LIB) -Wl$(comma)-rpath-link$(comma)$(DEPS_LIB)) -ldnnl
 endif
 
+# --- Variants are files, picked here (libuv's way), never #ifdefs in shared code. A backend
+# that needs a toolkit has its files, built where the toolkit is, and a stand-in
+# (<file>_absent.c) built where it is not, which registers the name as known but not built.
+# The registries (trainer/backend/registry.c, trainer/comm/registry.c) list every backend; what
+# links a registry's dispatch (backend.c, comm.c) links the registry and every backend it lists:
+# its set, as a build without CUDA has it (_HOST: also the fuzz targets') or as this build does.
+CUDA_VARIANT     := trainer/backend/backend_cuda.cu trainer/comm/comm_nccl.c
+CUDA_STAND_INS   := trainer/backend/backend_cuda_absent.c trainer/comm/comm_nccl_absent.c
+NOT_BUILT        := $(if $(HAVE_CUDA),$(CUDA_STAND_INS),$(CUDA_VARIANT))
+BACKEND_SET_HOST := trainer/backend/registry.c trainer/backend/backend_cpu.c trainer/backend/backend_cuda_absent.c
+COMM_SET_HOST    := trainer/comm/registry.c trainer/comm/comm_cpu.c trainer/comm/comm_staged.c \
+                    trainer/comm/comm_nccl_absent.c
+BACKEND_SET      := $(filter-out $(NOT_BUILT),$(BACKEND_SET_HOST) trainer/backend/backend_cuda.cu common/gpus_cuda.c)
+COMM_SET         := $(filter-out $(NOT_BUILT),$(COMM_SET_HOST) trainer/comm/comm_nccl.c)
+
 COMMON_SRC   := $(wildcard common/*.c)
 LAUNCHER_SRC := $(wildcard launcher/*.c)
-TRAINER_SRC  := $(wildcard trainer/*/*.c)
+TRAINER_SRC  := $(filter-out $(NOT_BUILT),$(wildcard trainer/*/*.c))
 COMMON_OBJ   := $(COMMON_SRC:%.c=$(BUILD)/%.o)
 LAUNCHER_OBJ := $(LAUNCHER_SRC:%.c=$(BUILD)/%.o)
 TRAINER_OBJ  := $(TRAINER_SRC:%.c=$(BUILD)/%.o) $(if $(HAVE_CUDA),$(CU_SRC:%.cu=$(BUILD)/%.o))
@@ -160,15 +175,16 @@ $(BUILD)/%.o: %.cu
 	@$(if $(Q),echo "  NVCC    $<")
 	$(Q)$(NVCC) $(NVCCFLAGS) -c -o $@ $<
 
-# A test or tool links its own object plus the sources its "// deps:" line names. Where the cuda
-# backend is built, whatever links trainer/backend/backend.c (the backend factory) also gets it and CUDA.
+# A test or tool links its own object plus the sources its "// deps:" line names, and with
+# trainer/backend/backend.c or trainer/comm/comm.c the sets of their registries (above); the
+# CUDA libraries where those sets hold the cuda variant.
 raw_deps = $(shell sed -n '1s|^// deps: *||p' $(1))
-needs_cuda = $(if $(HAVE_CUDA),$(or $(filter trainer/backend/backend.c %.cu,$(call raw_deps,$(1))),$(findstring test/gpu/,$(1))))
-CU_OBJ := $(CU_SRC:%.cu=$(BUILD)/%.o)
+with_sets = $(1) $(if $(filter trainer/backend/backend.c,$(1)),$(2)) $(if $(filter trainer/comm/comm.c,$(1)),$(3))
+all_deps = $(call with_sets,$(call raw_deps,$(1)),$(BACKEND_SET),$(COMM_SET))
+needs_cuda = $(if $(HAVE_CUDA),$(or $(filter %.cu trainer/comm/comm_nccl.c,$(call all_deps,$(1))),$(findstring test/gpu/,$(1))))
 needs_dnnl = $(if $(filter 1,$(HAVE_DNNL)),$(filter test/tools/gemm_bench.c,$(1)))
 needs_pcre2 = $(filter trainer/formats/tokenizer.c,$(call raw_deps,$(1)))
-deps_of = $(sort $(patsubst %.cu,$(BUILD)/%.o,$(patsubst %.c,$(BUILD)/%.o,$(call raw_deps,$(1)))) \
-          $(if $(call needs_cuda,$(1)),$(CU_OBJ)))
+deps_of = $(sort $(patsubst %.cu,$(BUILD)/%.o,$(patsubst %.c,$(BUILD)/%.o,$(call all_deps,$(1)))))
 define link_rule
 $(2): $(BUILD)/$(1:%.c=%.o) $(call deps_of,$(1))
 	@mkdir -p $$(@D)
@@ -184,6 +200,7 @@ $(foreach t,$(GPU_SRC),$(eval $(call link_rule,$(t),$(t:test/gpu/%.c=$(BUILD)/te
 # processes on loopback and the PyTorch oracle.
 test: all
 	$(Q)$(PYTHON) test/tools/check_rooms.py
+	$(Q)$(PYTHON) test/tools/check_backend_names.py
 	$(Q)$(MAKE) --no-print-directory unit
 	$(Q)$(MAKE) --no-print-directory integration
 	$(Q)$(MAKE) --no-print-directory fuzz-ci

@@ -33,7 +33,10 @@ $(FUZZ_DIR)/obj/%.o: %.c
 	@$(if $(Q),echo "  FUZZCC  $<")
 	$(Q)$(FUZZ_CC) $(FUZZ_CFLAGS) -c -o $@ $<
 
-fuzz_deps_of = $(sort $(patsubst %.c,$(FUZZ_DIR)/obj/%.o,$(call raw_deps,$(1))))
+# clang, never nvcc: with backend.c or comm.c, their registries' sets as a build without CUDA
+# has them (Makefile).
+fuzz_deps_of = $(sort $(patsubst %.c,$(FUZZ_DIR)/obj/%.o,\
+               $(call with_sets,$(call raw_deps,$(1)),$(BACKEND_SET_HOST),$(COMM_SET_HOST))))
 define fuzz_link_rule
 $(FUZZ_DIR)/fuzz_$(1): $(FUZZ_DIR)/obj/fuzz/fuzz_$(1).o $(call fuzz_deps_of,fuzz/fuzz_$(1).c)
 	@$$(if $$(Q),echo "  FUZZLD  $$@")

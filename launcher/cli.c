@@ -33,7 +33,6 @@
 #include "launcher/cli.h"
 
 #include <ctype.h>
-#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -48,6 +47,7 @@
 #include <unistd.h>
 
 #include "common/fs.h"
+#include "common/gpus.h"
 #include "common/log.h"
 #include "common/net.h"
 #include "common/store.h"
@@ -145,58 +145,7 @@ static int copy_string(char *dst, size_t dstlen, const char *val) {
   return 0;
 }
 
-/* ---- GPU and CPU counting for --nproc_per_node=auto ---- */
-
-static int is_nvidia_minor(const char *name) {
-  if (strncmp(name, "nvidia", 6) != 0 || !name[6]) return 0;
-  for (const char *p = name + 6; *p; p++)
-    if (!isdigit((unsigned char)*p)) return 0;
-  return 1;
-}
-
-int cli_count_gpus(const char *dev_dir, const char *cuda_visible_devices) {
-  /* /dev/nvidia0, nvidia1, ...: one per GPU the driver exposes; nvidiactl, nvidia-uvm and
-   * nvidia-caps are not GPUs. Counting files needs neither CUDA headers nor the driver library. */
-  DIR *d = opendir(dev_dir);
-  if (!d) return 0;
-  int n = 0;
-  struct dirent *e;
-  while ((e = readdir(d)) != NULL)
-    if (is_nvidia_minor(e->d_name)) n++;
-  closedir(d);
-  if (!cuda_visible_devices || n == 0) return n;
-
-  /* CUDA reads the list left to right and stops at the first entry it cannot use, so
-   * "0,7,1" on a 4-GPU machine is one GPU and "" is none. UUIDs cannot be checked without the
-   * driver; each counts as one GPU, never more than exist. */
-  char seen[CLI_MAX_LOCAL_RANKS] = {0};
-  int count = 0;
-  const char *p = cuda_visible_devices;
-  while (count < n) {
-    while (*p == ' ' || *p == '\t') p++;
-    size_t len = strcspn(p, ",");
-    char tok[128];
-    if (len == 0 || len >= sizeof tok) break;
-    memcpy(tok, p, len);
-    tok[len] = '\0';
-    for (size_t t = len; t > 0 && (tok[t - 1] == ' ' || tok[t - 1] == '\t'); t--) tok[t - 1] = '\0';
-    long v;
-    if (parse_int(tok, 0, n - 1, &v) == 0) {
-      if (v < CLI_MAX_LOCAL_RANKS) {
-        if (seen[v]) break;
-        seen[v] = 1;
-      }
-      count++;
-    } else if (strncmp(tok, "GPU-", 4) == 0 || strncmp(tok, "MIG-", 4) == 0) {
-      count++;
-    } else {
-      break;
-    }
-    if (p[len] != ',') break;
-    p += len + 1;
-  }
-  return count;
-}
+/* ---- CPU counting for --nproc_per_node=auto (GPUs: common/gpus.h) ---- */
 
 int cli_count_cpus(void) {
   /* The affinity mask, not the machine: under taskset or a cgroup cpuset the workers can only
@@ -472,15 +421,13 @@ static int set_nproc_per_node(launcher_opts_t *o, cli_seen_t *seen, const char *
   long v;
   int n;
   if (strcmp(val, "auto") == 0) {
-    n = cli_count_gpus("/dev", getenv("CUDA_VISIBLE_DEVICES"));
+    n = gpus_visible();
     if (n == 0) n = cli_count_cpus();
   } else if (strcmp(val, "gpu") == 0) {
-    n = cli_count_gpus("/dev", getenv("CUDA_VISIBLE_DEVICES"));
+    n = gpus_visible();
     if (n == 0)
-      return usage_error(err, errlen,
-                         "%s: \"gpu\" found no GPU (no /dev/nvidiaN, or CUDA_VISIBLE_DEVICES "
-                         "hides them all); expected N, auto, cpu or gpu",
-                         flag);
+      return usage_error(err, errlen, "%s: \"gpu\" found no GPU (%s); expected N, auto, cpu or gpu", flag,
+                         gpus_none_hint());
   } else if (strcmp(val, "cpu") == 0) {
     n = cli_count_cpus();
   } else if (parse_int(val, 1, CLI_MAX_LOCAL_RANKS, &v) == 0) {

@@ -142,11 +142,8 @@ int cli_parse(launcher_opts_t *o, int argc, char **argv, char *err, size_t errle
 char **cli_worker_argv(const launcher_opts_t *o);
 /* The --help text. */
 const char *cli_usage(void);
-/* What --nproc_per_node=auto counts, exposed for tests. GPUs: /dev/nvidiaN files under dev_dir
- * ("/dev"), restricted by cuda_visible_devices when non-NULL (CUDA's rules: a list of ordinals or
- * GPU-/MIG- UUIDs, cut at the first invalid entry; "" means none). CPUs: this process's
- * affinity mask (sched_getaffinity), at least 1. */
-int cli_count_gpus(const char *dev_dir, const char *cuda_visible_devices);
+/* What --nproc_per_node=auto counts when there is no GPU (gpus.h counts those), exposed for
+ * tests: this process's affinity mask (sched_getaffinity), at least 1. */
 int cli_count_cpus(void);
 /* Expands a Slurm hostlist ("gpu-[01-03,07],cpu5") into its host names, in order, written into
  * out separated by single spaces ("gpu-01 gpu-02 gpu-03 gpu-07 cpu5"). Hosts are separated by

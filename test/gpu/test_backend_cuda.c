@@ -28,8 +28,9 @@
  * order and intermediate rounding are cuBLASLt's (not IEEE sequential sums): floor 1e-4 x
  * max|cpu| for the fp32 part of the error, with k up to 4096.
  *
- * Accumulating kernels start from random gradients, so that "+=" is checked too. Needs a GPU:
- * with none visible it prints the backend's message and exits 1. */
+ * Accumulating kernels start from random gradients, so that "+=" is checked too. First, what the
+ * registry and the backend report of the device (test_device). Needs a GPU: with none visible it
+ * prints the backend's message and exits 1. */
 #include <float.h>
 #include <math.h>
 #include <setjmp.h>
@@ -41,6 +42,8 @@
 #include <string.h>
 
 #include <cmocka.h>
+
+#include <cuda_runtime.h>
 
 #include "trainer/backend/backend.h"
 #include "trainer/backend/bf16.h"
@@ -338,16 +341,36 @@ static void matmul_combo(dtype_t ab, dtype_t cd, double tol) {
   matmul_case(5, 7, 0, 0, 1, 1.0f, 0.5f, 0, tol, ab, cd); /* empty product: c = beta c */
 }
 
+/* What the registry and the backend say about the device: the cuda entry counts the GPUs that
+ * CUDA numbers (its count is common/gpus.h's, the one meshrun makes for --nproc_per_node=gpu,
+ * from /dev and CUDA_VISIBLE_DEVICES), and the backend knows the peak FLOP/s of the GPUs in its
+ * table (checked on H100 and H200, printed on any). */
+static void test_device(void **state) {
+  const backend_entry_t *e = backend_find("cuda");
+  assert_non_null(e);
+  assert_non_null(e->visible_devices);
+  int count = 0;
+  assert_int_equal(cudaGetDeviceCount(&count), cudaSuccess);
+  printf("  GPUs: %d counted from /dev and CUDA_VISIBLE_DEVICES, %d by cudaGetDeviceCount\n", e->visible_devices(),
+         count);
+  assert_int_equal(e->visible_devices(), count);
+  assert_non_null(gpu->peak_flops);
+  const double bf16 = gpu->peak_flops(gpu, DT_BF16), tf32 = gpu->peak_flops(gpu, DT_F32);
+  printf("  %s: peak %.0f TFLOP/s bf16, %.0f tf32 (0: not in the backend's table)\n", gpu->device, bf16 / 1e12,
+         tf32 / 1e12);
+  if (strstr(gpu->device, "H100") || strstr(gpu->device, "H200")) assert_true(bf16 > 0 && tf32 > 0);
+}
+
 static void test_matmul(void **state) {
   matmul_combo(DT_F32, DT_F32, TOL_FP32);
   matmul_case(37, 53, 71, 0, 1, 1.0f, 1.0f, 1, TOL_FP32, DT_F32, DT_F32);
   matmul_case(256, 128, 512, 1, 0, 1.0f, 1.0f, 3, TOL_FP32, DT_F32, DT_F32);
   printf("  with TF32 allowed:\n");
-  backend_cuda_set_tf32(gpu, 1);
+  gpu->set_tf32(gpu, 1);
   matmul_case(300, 200, 500, 0, 1, 1.0f, 0.0f, 0, TOL_TF32, DT_F32, DT_F32);
   matmul_case(512, 512, 1024, 0, 0, 1.0f, 1.0f, 0, TOL_TF32, DT_F32, DT_F32);
   matmul_case(256, 384, 2048, 1, 0, 1.0f, 1.0f, 0, TOL_TF32, DT_F32, DT_F32);
-  backend_cuda_set_tf32(gpu, 0);
+  gpu->set_tf32(gpu, 0);
 }
 
 /* (bf16, bf16) and (bf16, fp32). After the other kernels' tests: if cuBLASLt had no algorithm
@@ -356,10 +379,10 @@ static void test_matmul_bf16(void **state) {
   matmul_combo(DT_BF16, DT_BF16, TOL_BF16_MM);
   matmul_combo(DT_BF16, DT_F32, TOL_BF16_MM);
   printf("  with TF32 allowed (it concerns fp32 operands only):\n");
-  backend_cuda_set_tf32(gpu, 1);
+  gpu->set_tf32(gpu, 1);
   matmul_case(300, 200, 500, 0, 1, 1.0f, 1.0f, 0, TOL_BF16_MM, DT_BF16, DT_BF16);
   matmul_case(256, 384, 2048, 1, 0, 1.0f, 1.0f, 0, TOL_BF16_MM, DT_BF16, DT_F32);
-  backend_cuda_set_tf32(gpu, 0);
+  gpu->set_tf32(gpu, 0);
 }
 
 /* bf16 operands at odd element offsets (2-byte aligned pointers). Last in the run, for the same
@@ -852,12 +875,13 @@ int main(void) {
     fprintf(stderr, "test_backend_cuda: %s\n", err);
     return 1;
   }
-  if (!(gpu = backend_cuda_create(-1, err, sizeof err))) {
+  if (!(gpu = backend_create("cuda", 0, err, sizeof err))) {
     fprintf(stderr, "test_backend_cuda: %s\n", err);
     backend_destroy(cpu);
     return 1;
   }
   const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_device),
       cmocka_unit_test(test_memory),
       cmocka_unit_test(test_matmul),
       cmocka_unit_test(test_elementwise),

@@ -287,7 +287,7 @@ int main(void) {
     fprintf(stderr, "test_backend_cuda_tp: %s\n", err);
     return 1;
   }
-  if (!(gpu = backend_cuda_create(-1, err, sizeof err))) {
+  if (!(gpu = backend_create("cuda", 0, err, sizeof err))) {
     fprintf(stderr, "test_backend_cuda_tp: %s\n", err);
     backend_destroy(cpu);
     return 1;

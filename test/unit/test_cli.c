@@ -1,11 +1,12 @@
-// deps: launcher/cli.c common/net.c common/err.c common/fs.c common/log.c
+// deps: launcher/cli.c common/gpus_cuda.c common/net.c common/err.c common/fs.c common/log.c
 /* test_cli: meshrun's command line (launcher/cli.c).
  *
  * Every value flag is parsed in four ways (underscore/dash spelling x "--flag=v"/"--flag v")
  * and the field it sets is checked; every error path is checked to return CLI_EUSAGE with a
  * one-line message that starts with the flag it blames and says what was expected. The
- * --nproc_per_node=auto counting is tested against a fake /dev with nvidiaN files and, for CPUs,
- * in a child process whose affinity is narrowed to one CPU. The job secret: token_file (read,
+ * --nproc_per_node=auto counting is tested against a fake /dev with nvidiaN files (common/gpus.h,
+ * the count the trainer makes too) and, for CPUs, in a child process whose affinity is narrowed
+ * to one CPU. The job secret: token_file (read,
  * stripped, checked; it wins over MESHRUN_RDZV_TOKEN) and every way such a file is unusable.
  * The environment's share: PET_<FLAG> for every flag (the command line wins; a bad value names
  * the variable), Slurm's hostlist expansion, the options derived from Slurm's variables, and
@@ -28,6 +29,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "common/gpus.h"
 #include "common/store.h"
 #include "launcher/agent.h"
 #include "launcher/cli.h"
@@ -689,7 +691,7 @@ static void rm(const char *dir, const char *name) {
 static void test_count_gpus_fake_dev(void **state) {
   char dir[] = "/tmp/meshrun_test_cli_XXXXXX";
   assert_non_null(mkdtemp(dir));
-  assert_int_equal(cli_count_gpus(dir, NULL), 0);
+  assert_int_equal(gpus_count(dir, NULL), 0);
   static const char *files[] = {"nvidia0", "nvidia1", "nvidia2", "nvidia3",
                                 "nvidiactl", "nvidia-uvm", "nvidia-modeset", "nvidia"};
   for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) touch(dir, files[i]);
@@ -697,22 +699,22 @@ static void test_count_gpus_fake_dev(void **state) {
   snprintf(caps, sizeof caps, "%s/nvidia-caps", dir);
   assert_int_equal(mkdir(caps, 0700), 0);
 
-  assert_int_equal(cli_count_gpus(dir, NULL), 4);
-  assert_int_equal(cli_count_gpus(dir, ""), 0);
-  assert_int_equal(cli_count_gpus(dir, "1,3"), 2);
-  assert_int_equal(cli_count_gpus(dir, " 2 , 3 "), 2);
-  assert_int_equal(cli_count_gpus(dir, "0,7,1"), 1); /* CUDA stops at the first invalid */
-  assert_int_equal(cli_count_gpus(dir, "0,0"), 1);
-  assert_int_equal(cli_count_gpus(dir, "-1"), 0);
-  assert_int_equal(cli_count_gpus(dir, "none"), 0);
-  assert_int_equal(cli_count_gpus(dir, "GPU-8a2f,MIG-11"), 2);
-  assert_int_equal(cli_count_gpus(dir, "GPU-a,GPU-b,GPU-c,GPU-d,GPU-e"), 4);
-  assert_int_equal(cli_count_gpus(dir, "3,2,1,0"), 4);
+  assert_int_equal(gpus_count(dir, NULL), 4);
+  assert_int_equal(gpus_count(dir, ""), 0);
+  assert_int_equal(gpus_count(dir, "1,3"), 2);
+  assert_int_equal(gpus_count(dir, " 2 , 3 "), 2);
+  assert_int_equal(gpus_count(dir, "0,7,1"), 1); /* CUDA stops at the first invalid */
+  assert_int_equal(gpus_count(dir, "0,0"), 1);
+  assert_int_equal(gpus_count(dir, "-1"), 0);
+  assert_int_equal(gpus_count(dir, "none"), 0);
+  assert_int_equal(gpus_count(dir, "GPU-8a2f,MIG-11"), 2);
+  assert_int_equal(gpus_count(dir, "GPU-a,GPU-b,GPU-c,GPU-d,GPU-e"), 4);
+  assert_int_equal(gpus_count(dir, "3,2,1,0"), 4);
 
   for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) rm(dir, files[i]);
   assert_int_equal(rmdir(caps), 0);
   assert_int_equal(rmdir(dir), 0);
-  assert_int_equal(cli_count_gpus(dir, NULL), 0); /* no such directory */
+  assert_int_equal(gpus_count(dir, NULL), 0); /* no such directory */
 }
 
 /* The affinity mask is what counts: a child pinned to one CPU sees 1. */
@@ -752,7 +754,7 @@ static void test_nproc_auto(void **state) {
   /* Whatever this machine has, auto is at least one worker. */
   expect_ok(&r, RUN(&r, "--nproc_per_node=auto", "p"));
   assert_true(r.o.nproc_per_node >= 1);
-  int gpus = cli_count_gpus("/dev", saved);
+  int gpus = gpus_count("/dev", saved);
   int cpus = cli_count_cpus();
   if (cpus > CLI_MAX_LOCAL_RANKS) cpus = CLI_MAX_LOCAL_RANKS;
   assert_int_equal(r.o.nproc_per_node, gpus > 0 ? gpus : cpus);

@@ -37,6 +37,9 @@ static const char *write_tmp(const char *text) {
 /* Loads json (with sets), and resolves at world when world > 0; expects an error whose one line
  * starts with "plan error: <key>: ". Returns the message for further checks. */
 static char err_buf[2048];
+/* The device values the trainer of a build with both backends gives the plan. */
+static const char *const devices[] = {"auto", "cpu", "cuda", NULL};
+
 static const char *expect_error_sets(const char *json, const char *const *sets, int nsets, int world,
                                      const char *key) {
   plan_t p;
@@ -74,7 +77,7 @@ static void test_defaults(void **state) {
   (void)state;
   plan_t p;
   load_ok(&p, "{}", NULL, 0);
-  assert_int_equal(p.device, PLAN_DEVICE_AUTO);
+  assert_string_equal(p.device, "auto");
   assert_int_equal(p.seed, 1337);
   assert_int_equal(p.model.dim, 128);
   assert_int_equal(p.model.n_kv_heads, p.model.n_heads); /* absent: MHA */
@@ -317,9 +320,18 @@ static void test_key_errors(void **state) {
   expect_error("{\"data\":{\"val_fraction\":1}}", 0, "data.val_fraction");
   expect_error("{\"log\":{\"interval\":0}}", 0, "log.interval");
 
-  /* Enumerations. */
+  /* Enumerations. The device's values are the program's (plan_set_devices: the trainer's
+   * backends; main sets these); without a list any string is a device. */
   m = expect_error("{\"device\":\"gpu\"}", 0, "device");
-  assert_non_null(strstr(m, "cpu, cuda"));
+  assert_non_null(strstr(m, "must be one of auto, cpu, cuda, got \"gpu\""));
+  m = expect_error("{\"device\":1}", 0, "device");
+  assert_non_null(strstr(m, "must be one of auto, cpu, cuda, got 1"));
+  plan_set_devices(NULL);
+  plan_t any;
+  load_ok(&any, "{\"device\":\"gpu\"}", NULL, 0);
+  assert_string_equal(any.device, "gpu");
+  expect_error("{\"device\":1}", 0, "device");
+  plan_set_devices(devices);
   expect_error("{\"train\":{\"decay\":\"step\"}}", 0, "train.decay");
   expect_error("{\"data\":{\"format\":\"bin\"}}", 0, "data.format");
   expect_error("{\"parallel\":{\"mixed_precision\":{\"param_dtype\":\"fp16\"}}}", 0,
@@ -368,7 +380,7 @@ static void test_set_overrides(void **state) {
   assert_true(p.data.train[0] == '/'); /* from the working directory, made absolute */
   assert_true(p.train.lr == 1e-3);
   assert_true(p.train.min_lr == 3e-4); /* given in demo.json, not derived */
-  assert_int_equal(p.device, PLAN_DEVICE_CPU);
+  assert_string_equal(p.device, "cpu");
   assert_int_equal(p.seed, 42);
   assert_int_equal(p.parallel.reduce_dtype, PLAN_DTYPE_BF16);
   assert_int_equal(p.parallel.param_dtype, PLAN_DTYPE_FP32); /* follows device=cpu */
@@ -849,6 +861,7 @@ static void test_docs(void **state) {
 }
 
 int main(void) {
+  plan_set_devices(devices);
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_defaults),
       cmocka_unit_test(test_embedded_default_is_demo_json),

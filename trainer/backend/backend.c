@@ -1,35 +1,45 @@
-/* backend: picks a backend implementation by name.
+/* backend: the registry's lookups, and creation by name.
  *
- * "cpu" is always built; "cuda" exists only in builds with MESHRUN_HAVE_CUDA (the Makefile sets
- * it where nvcc is found; backend_cuda_create picks the GPU). This file holds no kernels; it
- * only dispatches creation and destruction, so the model and the trainer never name a
- * backend's file. The fatal path of device errors is fatal.c's. */
+ * Which backends exist is trainer/backend/registry.c's list; this file holds no kernels and
+ * names no backend, so that the model and the trainer never name a backend's file. The fatal
+ * path of device errors is fatal.c's. */
 #include "trainer/backend/backend.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+const backend_entry_t *backend_find(const char *name) {
+  for (int i = 0; name && backend_registry[i]; i++)
+    if (!strcmp(backend_registry[i]->name, name)) return backend_registry[i];
+  return NULL;
+}
+
+void backend_names(char *out, size_t len, const char *sep, int built_only) {
+  size_t n = 0;
+  if (len) out[0] = '\0';
+  for (int i = 0; backend_registry[i] && n < len; i++) {
+    if (built_only && !backend_registry[i]->create) continue;
+    int k = snprintf(out + n, len - n, "%s%s", n ? sep : "", backend_registry[i]->name);
+    if (k < 0) break;
+    n += (size_t)k;
+  }
+}
+
 backend_t *backend_create(const char *name, int threads, char *err, size_t errlen) {
   if (!name) name = "cpu";
-  if (!strcmp(name, "cpu")) return backend_cpu_create(threads, err, errlen);
-  if (!strcmp(name, "cuda")) {
-#ifdef MESHRUN_HAVE_CUDA
-    return backend_cuda_create(-1, err, errlen); /* threads mean nothing there; -1: GPU by LOCAL_RANK */
-#else
-    if (err && errlen)
-      snprintf(err, errlen, "backend error: \"cuda\" is not available in this build (built without nvcc); use \"cpu\"");
-    return NULL;
-#endif
+  const backend_entry_t *e = backend_find(name);
+  if (e && e->create) return e->create(-1, threads, err, errlen);
+  if (err && errlen) {
+    if (e) {
+      snprintf(err, errlen, "backend error: \"%s\" is not available in this build (%s); use \"cpu\"", name,
+               e->absent);
+    } else {
+      char known[256];
+      backend_names(known, sizeof known, ", ", 1);
+      snprintf(err, errlen, "backend error: unknown backend \"%s\" (known: %s)", name, known);
+    }
   }
-  if (err && errlen)
-    snprintf(err, errlen, "backend error: unknown backend \"%s\" (known: cpu%s)", name,
-#ifdef MESHRUN_HAVE_CUDA
-             ", cuda"
-#else
-             ""
-#endif
-    );
   return NULL;
 }
 

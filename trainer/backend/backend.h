@@ -1,9 +1,11 @@
 /* backend: memory and the kernels the Llama model needs, forward and backward.
  *
- * The model calls kernels only through this table, so it never sees a device type: "cpu"
- * (OpenBLAS sgemm, OpenMP threads for the rest; backend_cpu.c) and "cuda" (cuBLASLt, fused
- * kernels; backend_cuda.cu). All tensor pointers are device memory of the backend (plain host
- * memory for cpu), row-major. Integer ids (tokens, targets) are int32 device memory.
+ * The model calls kernels only through this table, so it never sees a device type. The backends
+ * are listed by the registry (backend_registry, trainer/backend/registry.c), each defined in its
+ * own file (backend_<name>.*: "cpu" with OpenBLAS and OpenMP, "cuda" with cuBLASLt and fused
+ * kernels); shared code loops over the registry and asks an entry or a backend_t what it can do,
+ * never which one it is. All tensor pointers are device memory of the backend (plain host memory
+ * for cpu), row-major. Integer ids (tokens, targets) are int32 device memory.
  *
  * Dtypes (mixed precision, PyTorch's MixedPrecisionPolicy): a kernel's last argument dt is the
  * dtype of its activation and parameter tensors (the compute copies): DT_F32, or DT_BF16 for
@@ -44,7 +46,8 @@ static inline const char *dtype_name(dtype_t dt) { return dt == DT_BF16 ? "bf16"
 typedef enum { BACKEND_MEM_HOST = 0, BACKEND_MEM_DEVICE } backend_mem_t;
 
 struct backend {
-  const char *name; /* "cpu", "cuda": for messages only, never compared outside backend.c */
+  const char *name; /* its registry entry's name: for messages, and compared only with registry
+                       names (which comm backend moves this device's memory) */
   char device[96];  /* the device's own name ("NVIDIA H100 80GB HBM3"); "" on cpu. Reports only */
   backend_mem_t mem;
   void *impl;       /* backend-private state */
@@ -161,29 +164,60 @@ struct backend {
                 float lr, float beta1, float beta2, float eps, float weight_decay, int step, float grad_scale);
 
   void (*destroy)(backend_t *be);
+
+  /* --- what the backend knows of its device, optional (NULL: nothing to say) */
+  /* The device's dense peak FLOP/s for matmuls whose operands are dt (bf16 tensor cores, or
+   * fp32 as TF32), for MFU; 0 when the device is not one the backend knows. */
+  double (*peak_flops)(backend_t *be, dtype_t dt);
+  /* Lets fp32 matmuls use TF32 tensor cores (10-bit mantissa inputs, fp32 accumulation); off by
+   * default (plain fp32). */
+  void (*set_tf32)(backend_t *be, int allow);
 };
 
-/* Creates a backend by name ("cpu"; "cuda" where built). threads <= 0: OMP_NUM_THREADS or
- * the number of CPUs. Returns NULL with a message in err. */
+/* One compute backend as the registry lists it. Its own file defines the entry
+ * (backend_entry_<name>, next to its create function); trainer/backend/registry.c lists the
+ * entries, one line each, in the order messages and --version name them. A backend that a build
+ * cannot compile (no toolkit) is listed all the same, through a stand-in file the Makefile picks
+ * instead (backend_<name>_absent.c: create NULL, and why), so that asking for it says why
+ * rather than "unknown". */
+typedef struct {
+  const char *name;   /* the plan's device value, the name in messages: "cpu" */
+  backend_mem_t mem;  /* where its tensors live: host backends need no device */
+  /* Creates the backend on device number device (< 0: the backend's choice, the only one or
+   * LOCAL_RANK's), with threads host threads where it has them (<= 0: OMP_NUM_THREADS or the
+   * CPUs). NULL with err, never fatal: device "auto" falls back on failure. NULL in a stand-in. */
+  backend_t *(*create)(int device, int threads, char *err, size_t errlen);
+  /* The devices this process may use, as meshrun counts them for --nproc_per_node=gpu
+   * (common/gpus.h); NULL on a host backend. */
+  int (*visible_devices)(void);
+  /* A stand-in's reason ("built without nvcc") and remedy ("rebuild where nvcc is found"). */
+  const char *absent, *remedy;
+} backend_entry_t;
+
+/* Every backend this trainer knows, NULL-terminated (trainer/backend/registry.c). */
+extern const backend_entry_t *const backend_registry[];
+/* The entry called name, or NULL. */
+const backend_entry_t *backend_find(const char *name);
+/* The registered names joined by sep ("cpu, cuda"), of built backends only (create not NULL)
+ * when built_only; out is always terminated. */
+void backend_names(char *out, size_t len, const char *sep, int built_only);
+
+/* Creates a backend by its registry name, on the device the backend chooses (device < 0 of
+ * backend_entry_t.create). threads <= 0: OMP_NUM_THREADS or the number of CPUs. Returns NULL
+ * with a message in err: an unknown name, one this build has not (the stand-in's reason), or
+ * the backend's own failure. */
 backend_t *backend_create(const char *name, int threads, char *err, size_t errlen);
 void backend_destroy(backend_t *be); /* accepts NULL */
 
+/* The cpu backend, which every build has (tests that compare against it create it directly). */
 backend_t *backend_cpu_create(int threads, char *err, size_t errlen);
 
-/* The one fatal path of device errors (trainer/backend/fatal.h's CUDA_CHECK, CUBLAS_CHECK, NCCL_CHECK
- * call it): prints "[trainer rank R host] file:line: call: message" to stderr (R from RANK, 0
- * when unset), calls the hook of backend_on_fatal (the comm room's: abort every live
+/* The one fatal path of device errors (the check macros of a device backend's library calls end
+ * in it): prints "[trainer rank R host] file:line: call: message" to stderr (R from RANK, 0 when
+ * unset), calls the hook of backend_on_fatal (the comm room's: abort every live
  * communicator, so peers fail at once), and exits with status 1. It never returns. */
 void backend_fatal(const char *file, int line, const char *call, const char *msg) __attribute__((noreturn));
 /* What backend_fatal calls before it exits (one hook; the last one set). */
 void backend_on_fatal(void (*hook)(const char *why));
-
-/* The cuda backend, in builds with MESHRUN_HAVE_CUDA only (backend_cuda.cu). device < 0: the
- * only visible GPU, else the one numbered LOCAL_RANK. With no GPU visible it returns NULL and
- * err starts "cuda: no GPU visible" (device "auto" falls back to cpu on it). */
-backend_t *backend_cuda_create(int device, char *err, size_t errlen);
-/* Lets the cuda backend's matmuls use TF32 tensor cores (10-bit mantissa inputs, fp32
- * accumulation); off by default (plain fp32). No effect on other backends. */
-void backend_cuda_set_tf32(backend_t *be, int allow);
 
 #endif

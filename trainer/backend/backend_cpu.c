@@ -1119,3 +1119,15 @@ backend_t *backend_cpu_create(int threads, char *err, size_t errlen) {
   be->destroy = cpu_destroy;
   return be;
 }
+
+/* The registry's entry (trainer/backend/registry.c): no device to pick or count; no peak
+ * FLOP/s known for a host CPU (log.peak_tflops gives one). */
+static backend_t *cpu_entry_create(int device, int threads, char *err, size_t errlen) {
+  return backend_cpu_create(threads, err, errlen);
+}
+
+const backend_entry_t backend_entry_cpu = {
+    .name = "cpu",
+    .mem = BACKEND_MEM_HOST,
+    .create = cpu_entry_create,
+};

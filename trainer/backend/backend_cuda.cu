@@ -5,7 +5,7 @@
  * Matrix products go through cuBLASLt (row-major operands, called as the column-major product
  * c^T = op(b)^T op(a)^T); their descriptors and the chosen algorithm are cached per shape,
  * transposition, dtypes and pointer alignment, so one shape always runs the same algorithm.
- * fp32 operands: plain fp32 by default; backend_cuda_set_tf32 lets them use TF32 tensor cores
+ * fp32 operands: plain fp32 by default; set_tf32 (backend.h) lets them use TF32 tensor cores
  * (10-bit mantissa inputs). bf16 operands: bf16 tensor cores with fp32 accumulation
  * (CUBLAS_COMPUTE_32F), the output bf16 (rounded once) or fp32 (the dW += dy^T x of the
  * parameter gradients).
@@ -37,7 +37,7 @@
  *
  * Not here: vectorized (2 or 8 bf16 per load) elementwise kernels, tensor-core attention,
  * overlap of communication. The fatal checks abort every live communicator before exiting
- * (trainer/backend/fatal.h). Head dims above 128 are not supported. */
+ * (trainer/backend/backend_cuda_check.h). Head dims above 128 are not supported. */
 #include <cublasLt.h>
 #include <cublas_api.h>
 #include <cuda_bf16.h>
@@ -55,8 +55,9 @@
 
 extern "C" {
 #include "common/env.h"
+#include "common/gpus.h"
 #include "trainer/backend/backend.h"
-#include "trainer/backend/fatal.h"
+#include "trainer/backend/backend_cuda_check.h"
 }
 
 #define MM_CACHE 128                  /* cached matmul shapes */
@@ -72,8 +73,8 @@ extern "C" {
 /* ------------------------------------------------------------------ fatal checks */
 
 /* Device errors have no recovery path inside a kernel call: CUDA_CHECK and CUBLAS_CHECK
- * (trainer/backend/fatal.h) print where, abort every live communicator so that peers do not hang, and
- * exit non-zero so that meshrun restarts or reports (backend_fatal). */
+ * (trainer/backend/backend_cuda_check.h) print where, abort every live communicator so that
+ * peers do not hang, and exit non-zero so that meshrun restarts or reports (backend_fatal). */
 /* after a kernel launch: launch errors now, execution errors at the next synchronizing call */
 #define LAUNCH_CHECK(name) CUDA_CHECK(cudaPeekAtLastError())
 
@@ -1402,12 +1403,30 @@ static void cu_destroy(backend_t *be) {
   free(be);
 }
 
-extern "C" void backend_cuda_set_tf32(backend_t *be, int allow) {
-  if (be && be->name && !strcmp(be->name, "cuda")) cuda_of(be)->allow_tf32 = allow != 0;
+static void cu_set_tf32(backend_t *be, int allow) { cuda_of(be)->allow_tf32 = allow != 0; }
+
+/* Dense tensor-core peaks from the vendors' data sheets, TFLOP/s (bf16, tf32). The first name
+ * that the device name contains wins, so the longer names come first. */
+static const struct {
+  const char *name;
+  double bf16, tf32;
+} gpu_peaks[] = {
+    {"H100 PCIe", 756, 378}, {"H100 NVL", 835, 418}, {"H100", 989, 495}, {"H200", 989, 495},
+    {"H800 PCIe", 756, 378}, {"H800", 989, 495},     {"GH200", 989, 495}, {"B200", 2250, 1100},
+    {"A100", 312, 156},      {"A800", 312, 156},      {"A10G", 70, 35},    {"A10", 125, 62.5},
+    {"L40S", 362, 183},      {"L4", 121, 60},         {"RTX 4090", 165, 82.6}, {"V100", 125, 0},
+};
+
+static double cu_peak_flops(backend_t *be, dtype_t dt) {
+  for (size_t i = 0; i < sizeof gpu_peaks / sizeof gpu_peaks[0]; i++)
+    if (strstr(be->device, gpu_peaks[i].name)) return 1e12 * (dt == DT_BF16 ? gpu_peaks[i].bf16 : gpu_peaks[i].tf32);
+  return 0;
 }
 
-/* Errors here are reported, not fatal: "device: auto" falls back to cpu on them. */
-extern "C" backend_t *backend_cuda_create(int device, char *err, size_t errlen) {
+/* device < 0: the only visible GPU, else the one numbered LOCAL_RANK. Errors here are reported,
+ * not fatal: "device: auto" falls back to cpu on them; with no GPU visible err starts "cuda: no
+ * GPU visible". threads mean nothing here. */
+static backend_t *cu_create(int device, int threads, char *err, size_t errlen) {
   int count = 0;
   cudaError_t ce = cudaGetDeviceCount(&count);
   if (ce != cudaSuccess || count == 0) {
@@ -1446,7 +1465,7 @@ extern "C" backend_t *backend_cuda_create(int device, char *err, size_t errlen) 
   {
     cudaDeviceProp prop;
     if ((e = cudaGetDeviceProperties(&prop, device)) != cudaSuccess) { what = "cudaGetDeviceProperties"; goto fail; }
-    snprintf(be->device, sizeof be->device, "%.95s", prop.name); /* MFU's peak (trainer/run/metrics) */
+    snprintf(be->device, sizeof be->device, "%.95s", prop.name); /* cu_peak_flops's key */
   }
   if ((e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device)) != cudaSuccess) {
     what = "cudaDeviceGetAttribute";
@@ -1495,6 +1514,8 @@ extern "C" backend_t *backend_cuda_create(int device, char *err, size_t errlen) 
   be->ce_shard_loss = cu_ce_shard_loss;
   be->adamw = cu_adamw;
   be->destroy = cu_destroy;
+  be->peak_flops = cu_peak_flops;
+  be->set_tf32 = cu_set_tf32;
   return be;
 
 fail:
@@ -1505,3 +1526,13 @@ fail:
   cu_destroy(be);
   return NULL;
 }
+
+/* The registry's entry (trainer/backend/registry.c). Positional: C++17 has no designated
+ * initializers. The GPUs are counted as meshrun counts them (common/gpus.h). */
+extern "C" const backend_entry_t backend_entry_cuda = {
+    "cuda",             /* name */
+    BACKEND_MEM_DEVICE, /* mem */
+    cu_create,          /* create */
+    gpus_visible,       /* visible_devices */
+    NULL, NULL,         /* absent, remedy */
+};

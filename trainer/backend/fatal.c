@@ -1,4 +1,4 @@
-/* fatal: backend_fatal, the one fatal path of device errors (see fatal.h), and the hook it calls
+/* fatal: backend_fatal, the one fatal path of device errors (see backend.h), and the hook it calls
  * before exiting (backend_on_fatal: the comm room sets it to abort every live communicator; a
  * program with backends but no communicators, a kernel test, has none). Its own file, so that
  * the comm room links it without the backend dispatch. */

@@ -6,8 +6,7 @@
  * one rank), and those go through the backend's copy when its buffers are device memory. It
  * knows nothing about sockets or devices. See comm.h for the contract.
  *
- * The nccl and staged backends are referenced weakly: a program that links only comm_cpu.c
- * (most unit tests and tools) still links, and asking it for them is a clear error.
+ * Which backends exist is trainer/comm/registry.c's list; this file names none of them.
  *
  * Point-to-point sends and receives are calls like the collectives (a kind of comm_call_t with a
  * peer): the same checks, stats, fault hooks, observer and issue order; only the two ranks take
@@ -59,31 +58,24 @@ struct comm_async {
   comm_stats_t pub;        /* c->stats as of the last finished call */
 };
 
-#pragma weak comm_nccl_create
-#pragma weak comm_staged_create
-
-typedef int (*backend_create_fn)(comm_t *c, const comm_config_t *cfg, char *err, size_t errlen);
-
-/* The backends: name, the memory they move, create function (NULL when weakly absent). */
-typedef struct {
-  const char *name;
-  comm_mem_t mem;
-  backend_create_fn create;
-} backend_entry_t;
-
-static const backend_entry_t *backend_by_name(const char *name) {
-  static const backend_entry_t table[] = {
-      {"cpu", COMM_MEM_HOST, comm_cpu_create},
-      {"nccl", COMM_MEM_DEVICE, comm_nccl_create},
-      {"staged", COMM_MEM_DEVICE, comm_staged_create},
-  };
-  for (size_t i = 0; i < sizeof table / sizeof table[0]; i++)
-    if (!strcmp(name, table[i].name)) return &table[i];
+const comm_entry_t *comm_find(const char *name) {
+  for (int i = 0; name && comm_registry[i]; i++)
+    if (!strcmp(comm_registry[i]->name, name)) return comm_registry[i];
   return NULL;
 }
 
+void comm_names(char *out, size_t len, const char *sep, const char *last) {
+  size_t k = 0;
+  if (len) out[0] = '\0';
+  for (int i = 0; comm_registry[i] && k < len; i++) {
+    int w = snprintf(out + k, len - k, "%s%s", !i ? "" : comm_registry[i + 1] ? sep : last, comm_registry[i]->name);
+    if (w < 0) break;
+    k += (size_t)w;
+  }
+}
+
 comm_mem_t comm_backend_memory(const char *backend) {
-  const backend_entry_t *b = backend_by_name(backend ? backend : "cpu");
+  const comm_entry_t *b = comm_find(backend ? backend : "cpu");
   return b ? b->mem : COMM_MEM_HOST;
 }
 
@@ -249,15 +241,16 @@ int comm_create(comm_t **out, const char *backend, const comm_config_t *cfg, cha
     return COMM_EINVAL;
   }
   if (!backend) backend = "cpu";
-  const backend_entry_t *entry = backend_by_name(backend);
-  backend_create_fn create = entry ? entry->create : NULL;
-  if (!create) {
-    if (entry)
-      snprintf(err, errlen, "comm_create %s: backend '%s' is not linked into this program (link "
-               "trainer/comm_%s.c)", cfg->name, backend, backend);
-    else
-      snprintf(err, errlen, "comm_create %s: unknown backend '%s' (known: cpu, nccl, staged)",
-               cfg->name, backend);
+  const comm_entry_t *entry = comm_find(backend);
+  if (!entry || !entry->create) {
+    if (entry) {
+      snprintf(err, errlen, "comm_create %s: backend %s is not built (%s); use cpu, or staged with a device "
+               "backend", cfg->name, backend, entry->absent);
+    } else {
+      char known[256];
+      comm_names(known, sizeof known, ", ", ", ");
+      snprintf(err, errlen, "comm_create %s: unknown backend '%s' (known: %s)", cfg->name, backend, known);
+    }
     return COMM_EINVAL;
   }
   comm_t *c = calloc(1, sizeof *c);
@@ -270,7 +263,7 @@ int comm_create(comm_t **out, const char *backend, const comm_config_t *cfg, cha
   c->size = cfg->size;
   c->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : comm_timeout_ms(0);
   c->mem = entry->mem;
-  int rc = create(c, cfg, err, errlen);
+  int rc = entry->create(c, cfg, err, errlen);
   if (rc != COMM_OK) {
     comm_destroy(c);
     return rc;

@@ -106,10 +106,38 @@ typedef struct comm comm_t;
  * through a communicator (compare backend_t.mem). */
 typedef enum { COMM_MEM_HOST = 0, COMM_MEM_DEVICE } comm_mem_t;
 
-/* Creates the communicator of one group with backend "cpu" (NULL), "nccl" or "staged".
+/* One comm backend as the registry lists it. Its own file defines the entry (comm_entry_<name>,
+ * next to its create function); trainer/comm/registry.c lists the entries, one line each, in the
+ * order messages name them. A backend that a build cannot compile is listed all the same,
+ * through a stand-in file the Makefile picks instead (comm_<name>_absent.c: create NULL, and
+ * why). The trainer chooses among them by these fields alone (trainer/run/device.c). */
+typedef struct comm_entry {
+  const char *name;   /* MESHRUN_COMM_BACKEND's value, comm_create's backend: "cpu" */
+  comm_mem_t mem;     /* where the buffers it moves live */
+  /* The compute backend (its registry name) whose device memory it moves, the only one it
+   * serves; NULL: any backend whose memory is of kind mem, or, for device memory, any backend at
+   * all (staging through comm_config_t.device's copies, which are memcpy on the host). */
+  const char *device;
+  /* 1: every local rank needs a device of its own; the default then takes it only where
+   * LOCAL_WORLD_SIZE devices are visible, else a backend without the need. */
+  int device_per_rank;
+  /* Fills c (comm_impl.h) for the group of cfg. NULL in a stand-in. */
+  int (*create)(struct comm *c, const comm_config_t *cfg, char *err, size_t errlen);
+  const char *absent; /* a stand-in's reason: "this build has no CUDA: nvcc was not found" */
+} comm_entry_t;
+
+/* Every comm backend this program knows, NULL-terminated (trainer/comm/registry.c). */
+extern const comm_entry_t *const comm_registry[];
+/* The entry called name, or NULL. */
+const comm_entry_t *comm_find(const char *name);
+/* The registered names joined by sep, the last two by last ("cpu, nccl or staged" with ", " and
+ * " or "); out is always terminated. */
+void comm_names(char *out, size_t len, const char *sep, const char *last);
+
+/* Creates the communicator of one group with a registered backend ("cpu" when NULL).
  * Collective over the group: every member calls it with the same name, size and generation.
- * Returns 0 and *out, or a code with the reason in err. A backend that this program was not
- * built or linked with is COMM_EINVAL with a message saying so. */
+ * Returns 0 and *out, or a code with the reason in err. An unknown backend, or one this build
+ * has not (a stand-in), is COMM_EINVAL with a message saying so. */
 int comm_create(comm_t **out, const char *backend, const comm_config_t *cfg, char *err,
                 size_t errlen);
 void comm_destroy(comm_t *c); /* accepts NULL */

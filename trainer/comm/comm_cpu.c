@@ -1,6 +1,6 @@
 /* comm_cpu: the "cpu" collective backend, rings of TCP connections between the group's ranks.
  *
- * Setup (comm_cpu_create): each rank listens on a kernel-chosen port, publishes
+ * Setup (cpu_create, its registry entry's): each rank listens on a kernel-chosen port, publishes
  * "comm/<group>/<generation>/<rank>" -> "host:port" in the store, connects to its right
  * neighbour (rank + 1) and accepts its left one (rank - 1), which identifies itself with a
  * hello naming the group, generation and ranks. Connect comes before accept: the listen
@@ -503,7 +503,7 @@ static int accept_left(const comm_config_t *cfg, int lfd, int left, int64_t dead
   }
 }
 
-int comm_cpu_create(comm_t *c, const comm_config_t *cfg, char *err, size_t errlen) {
+static int cpu_create(comm_t *c, const comm_config_t *cfg, char *err, size_t errlen) {
   cpu_t *p = calloc(1, sizeof *p);
   if (!p) {
     snprintf(err, errlen, "comm %s: out of memory", cfg->name);
@@ -610,3 +610,10 @@ error:
   snprintf(err, errlen, "comm %s (rank %d/%d): setup: %s", cfg->name, r, n, why);
   return rc;
 }
+
+/* The registry's entry (trainer/comm/registry.c): host memory, for the host backends. */
+const comm_entry_t comm_entry_cpu = {
+    .name = "cpu",
+    .mem = COMM_MEM_HOST,
+    .create = cpu_create,
+};

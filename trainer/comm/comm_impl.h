@@ -1,9 +1,9 @@
 /* comm_impl: what comm backends see of a communicator, and only they (comm*.c, and tests that
  * build a fake backend). Users include trainer/comm/comm.h, where comm_t is opaque.
  *
- * A backend fills c->ops and c->impl in its create function, moves bytes in its table's calls
- * (which arrive with valid arguments, size > 1 and count > 0; a point-to-point peer in range and
- * not this rank), and reports failures with comm_set_error(), returning its code. The dispatch
+ * A backend fills c->ops and c->impl in its create function (its registry entry's, comm.h's
+ * comm_entry_t), moves bytes in its table's calls (which arrive with valid arguments, size > 1
+ * and count > 0; a point-to-point peer in range and not this rank), and reports failures with comm_set_error(), returning its code. The dispatch
  * (comm.c) owns everything else: argument checks, the broken state, the message, stats, and the
  * registry of live communicators that the fatal path aborts. */
 #ifndef MESHRUN_COMM_IMPL_H
@@ -96,11 +96,5 @@ int comm_set_error(comm_t *c, int code, const char *fmt, ...) __attribute__((for
 
 /* Aborts every registered communicator whose backend table is ops (NULL: all of them). */
 void comm_abort_backend(const comm_ops_t *ops, const char *why);
-
-int comm_cpu_create(comm_t *c, const comm_config_t *cfg, char *err, size_t errlen);
-/* comm.c refers to these two weakly, so programs that link only comm_cpu.c (tests, tools) still
- * link; bin/trainer links every trainer .c file. Without CUDA, comm_nccl_create says so. */
-int comm_nccl_create(comm_t *c, const comm_config_t *cfg, char *err, size_t errlen);
-int comm_staged_create(comm_t *c, const comm_config_t *cfg, char *err, size_t errlen);
 
 #endif

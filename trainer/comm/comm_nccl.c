@@ -1,7 +1,7 @@
 /* comm_nccl: the "nccl" collective backend, one NCCL communicator per mesh group, on device
  * memory.
  *
- * Setup (comm_nccl_create): the GPU is LOCAL_RANK's (cudaSetDevice), after checking that
+ * Setup (nccl_create): the GPU is LOCAL_RANK's (cudaSetDevice), after checking that
  * LOCAL_WORLD_SIZE GPUs are visible: NCCL does not allow two ranks of a communicator on one
  * device, and several ranks sharing a GPU would otherwise fail deep inside NCCL or hang (use the
  * "staged" backend for that). The communicator then comes one of two ways:
@@ -43,8 +43,8 @@
  * (ncclCommAbort), so the peers' NCCL calls fail too, and it stays broken. Its abort op
  * (comm_abort, and comm_abort_all on the fatal path) is ncclCommAbort; comm_nccl_abort_all aborts
  * the nccl ones of comm.c's registry. Fatal CUDA errors of the calls around NCCL (events, streams)
- * go through CUDA_CHECK (trainer/backend/fatal.h): "[trainer rank R host] file:line: call: message",
- * abort everything, exit(1).
+ * go through CUDA_CHECK (trainer/backend/backend_cuda_check.h): "[trainer rank R host] file:line:
+ * call: message", abort everything, exit(1).
  *
  * Point-to-point: a send is ncclSend and a receive ncclRecv, each inside an ncclGroupStart /
  * ncclGroupEnd of its own, through the same start/wait path as the collectives (so the same
@@ -70,8 +70,6 @@
 #include "trainer/comm/comm_impl.h"
 #include "trainer/comm/comm_nccl.h"
 
-#ifdef MESHRUN_HAVE_CUDA
-
 #include <cuda_runtime.h>
 #include <nccl.h>
 #include <sched.h>
@@ -85,7 +83,7 @@
 #include "common/env.h"
 #include "common/net.h"
 #include "trainer/backend/backend.h"
-#include "trainer/backend/fatal.h"
+#include "trainer/backend/backend_cuda_check.h"
 
 /* ncclCommSplit appeared in NCCL 2.18.0; older headers build the init path only. */
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 18, 0)
@@ -681,16 +679,7 @@ static int use_split(const comm_config_t *cfg) {
 }
 #endif
 
-int comm_nccl_visible_gpus(void) {
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  return count;
-}
-
-int comm_nccl_create(comm_t *c, const comm_config_t *cfg, char *err, size_t errlen) {
+static int nccl_create(comm_t *c, const comm_config_t *cfg, char *err, size_t errlen) {
   char why[COMM_ERR_MAX] = "";
   int rc = COMM_OK;
   cudaError_t ce;
@@ -753,20 +742,13 @@ error:
   return rc;
 }
 
-#else /* no CUDA in this build: the names exist so the trainer links, and say why they fail */
-
-#include <stdio.h>
-
-int comm_nccl_create(comm_t *c, const comm_config_t *cfg, char *err, size_t errlen) {
-  snprintf(err, errlen, "comm_create %s: backend nccl is not built (this build has no CUDA: nvcc was "
-           "not found); use cpu, or staged with a device backend", cfg->name);
-  return COMM_EINVAL;
-}
-
-int comm_nccl_set_stream(comm_t *c, void *compute_stream) { return COMM_EINVAL; }
-
-void comm_nccl_abort_all(void) {}
-
-int comm_nccl_visible_gpus(void) { return 0; }
-
-#endif
+/* The registry's entry (trainer/comm/registry.c): the cuda backend's memory, one GPU per local
+ * rank (NCCL puts no two ranks of a communicator on one device). A build without CUDA compiles
+ * comm_nccl_absent.c instead. */
+const comm_entry_t comm_entry_nccl = {
+    .name = "nccl",
+    .mem = COMM_MEM_DEVICE,
+    .device = "cuda",
+    .device_per_rank = 1,
+    .create = nccl_create,
+};

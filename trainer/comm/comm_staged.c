@@ -332,7 +332,7 @@ static const comm_ops_t staged_ops = {
     .inline_async = 1, /* its copies go through the shared device backend: started = run at once */
 };
 
-int comm_staged_create(comm_t *c, const comm_config_t *cfg, char *err, size_t errlen) {
+static int staged_create(comm_t *c, const comm_config_t *cfg, char *err, size_t errlen) {
   backend_t *dev = cfg->device;
   if (!dev || !dev->to_host || !dev->to_device || !dev->copy) {
     snprintf(err, errlen, "comm_create %s: backend staged needs comm_config_t.device (the backend "
@@ -353,3 +353,12 @@ int comm_staged_create(comm_t *c, const comm_config_t *cfg, char *err, size_t er
   in.timeout_ms = c->timeout_ms;
   return comm_create(&p->inner, "cpu", &in, err, errlen);
 }
+
+/* The registry's entry (trainer/comm/registry.c): device memory of any backend (copied through
+ * its to_host and to_device), no device of its own needed: the default where a device backend's
+ * ranks share devices. */
+const comm_entry_t comm_entry_staged = {
+    .name = "staged",
+    .mem = COMM_MEM_DEVICE,
+    .create = staged_create,
+};

@@ -587,8 +587,8 @@ static int tp_setup(model_t *m, const model_tp_t *tpo, char *err, size_t errlen)
     return err_set(err, errlen, -1, "model error: backend %s lacks the tensor-parallel kernels (copy_2d, ce_shard_*)",
                 be->name);
   if (be->mem == BACKEND_MEM_DEVICE && comm_memory(m->tpc) == COMM_MEM_HOST)
-    return err_set(err, errlen, -1, "model error: tensor parallelism on backend %s needs a comm that takes device memory "
-                             "(nccl); comm %s moves host memory", be->name, comm_name(m->tpc));
+    return err_set(err, errlen, -1, "model error: tensor parallelism on backend %s needs a comm that takes device memory; "
+                             "comm %s moves host memory", be->name, comm_name(m->tpc));
   return 0;
 }
 

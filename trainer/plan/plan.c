@@ -30,7 +30,6 @@
 #include "trainer/plan/pipeline.h"
 
 /* Enums are stored through int pointers by the table code. */
-_Static_assert(sizeof(plan_device_t) == sizeof(int), "enum size");
 _Static_assert(sizeof(plan_sched_t) == sizeof(int), "enum size");
 _Static_assert(sizeof(plan_data_format_t) == sizeof(int), "enum size");
 _Static_assert(sizeof(plan_dtype_t) == sizeof(int), "enum size");
@@ -83,6 +82,7 @@ typedef enum {
   F_STR,    /* char buffer of .size bytes */
   F_PATHS,  /* char buffer of .size bytes: a string, or a list of strings kept one per line */
   F_ENUM,   /* int index into .names */
+  F_CHOICE, /* char buffer of .size bytes holding one of *.choices (any string while that is NULL) */
   F_TPPLAN, /* parallel.tp_plan: object module -> style, merged over the default Llama plan */
   F_PPSPLIT, /* parallel.pp_split: array of positive integers (layer boundaries) */
   F_SECT    /* object with the keys .sub */
@@ -92,16 +92,18 @@ typedef struct field {
   const char *name;
   fkind_t kind;
   size_t off;  /* offset in plan_t */
-  size_t size; /* F_STR buffer size */
+  size_t size; /* F_STR, F_PATHS, F_CHOICE buffer size */
   double lo, hi;
   int lo_open, hi_open;
   const char *const *names; /* F_ENUM, NULL-terminated */
+  const char *const *const *choices; /* F_CHOICE: where the NULL-terminated list is kept */
   double def;
   const char *sdef;
   const struct field *sub; /* F_SECT, terminated by name == NULL */
 } field_t;
 
-static const char *const device_names[] = {"auto", "cpu", "cuda", NULL};
+/* The device key's values (plan_set_devices); NULL: any string. */
+static const char *const *device_names;
 static const char *const sched_names[] = {"cosine", "linear", "constant", NULL};
 static const char *const format_names[] = {"auto", "text", "llmc", "u16", "u32", "synthetic", NULL};
 static const char *const dtype_names[] = {"fp32", "bf16", NULL};
@@ -123,6 +125,8 @@ static const char *const style_names[] = {"colwise", "rowwise", "sequence_parall
 #define K_STR(n, m, d) {.name = n, .kind = F_STR, .off = O(m), .size = SZ(m), .sdef = d}
 #define K_PATHS(n, m, d) {.name = n, .kind = F_PATHS, .off = O(m), .size = SZ(m), .sdef = d}
 #define K_ENUM(n, m, names_, d) {.name = n, .kind = F_ENUM, .off = O(m), .names = names_, .def = d}
+#define K_CHOICE(n, m, choices_, d)                                                                \
+  {.name = n, .kind = F_CHOICE, .off = O(m), .size = SZ(m), .choices = choices_, .sdef = d}
 #define K_SECT(n, sub_) {.name = n, .kind = F_SECT, .sub = sub_}
 #define K_END {.name = NULL}
 
@@ -230,7 +234,7 @@ static const field_t sample_fields[] = {
     K_END};
 
 static const field_t root_fields[] = {
-    K_ENUM("device", device, device_names, PLAN_DEVICE_AUTO),
+    K_CHOICE("device", device, &device_names, "auto"),
     K_U64("seed", seed, 1337),
     K_BOOL("overwrite", overwrite, 0),
     K_SECT("model", model_fields),
@@ -367,6 +371,7 @@ static void set_defaults(plan_t *p, const field_t *f) {
     case F_U64: *(uint64_t *)at(p, f->off) = (uint64_t)f->def; break;
     case F_DBL: *(double *)at(p, f->off) = f->def; break;
     case F_STR:
+    case F_CHOICE:
     case F_PATHS: snprintf((char *)at(p, f->off), f->size, "%s", f->sdef); break;
     case F_TPPLAN: set_default_tp_plan(&p->parallel); break;
     case F_PPSPLIT: p->parallel.n_pp_split = 0; break;
@@ -541,6 +546,19 @@ static int read_field(const cJSON *v, const field_t *f, plan_t *p, const char *p
         }
     list_names(f->names, allowed, sizeof allowed);
     return perr(err, errlen, path, "must be one of %s, got %s", allowed, got);
+  case F_CHOICE: {
+    const char *const *names = *f->choices;
+    int known = !names;
+    for (int i = 0; !known && names[i] && cJSON_IsString(v); i++) known = !strcmp(names[i], v->valuestring);
+    if (!known) {
+      list_names(names, allowed, sizeof allowed);
+      return perr(err, errlen, path, "must be one of %s, got %s", allowed, got);
+    }
+    if (!cJSON_IsString(v)) return perr(err, errlen, path, "must be a string, got %s", got);
+    if (strlen(v->valuestring) >= f->size) return perr(err, errlen, path, "must be shorter than %zu bytes", f->size);
+    snprintf((char *)at(p, f->off), f->size, "%s", v->valuestring);
+    return 0;
+  }
   }
   return 0;
 }
@@ -803,7 +821,7 @@ int plan_load(plan_t *p, const char *path, const char *const *sets, int nsets, c
   const cJSON *par = lookup(root, "parallel", NULL);
   p->parallel.param_dtype_explicit = par && lookup(par, "mixed_precision", "param_dtype");
   if (!p->parallel.param_dtype_explicit)
-    p->parallel.param_dtype = p->device == PLAN_DEVICE_CPU ? PLAN_DTYPE_FP32 : PLAN_DTYPE_BF16;
+    p->parallel.param_dtype = strcmp(p->device, "cpu") ? PLAN_DTYPE_BF16 : PLAN_DTYPE_FP32;
   cJSON_Delete(root);
   snprintf(p->source, sizeof p->source, "%s", name);
   p->rebased = rebased;
@@ -1244,7 +1262,8 @@ static cJSON *write_object(const plan_t *p, const field_t *f) {
       v = x < 0 ? cJSON_CreateNull() : cJSON_CreateBool(x);
       break;
     }
-    case F_STR: v = cJSON_CreateString((const char *)cat(p, f->off)); break;
+    case F_STR:
+    case F_CHOICE: v = cJSON_CreateString((const char *)cat(p, f->off)); break;
     case F_PATHS: {
       const char *text = (const char *)cat(p, f->off);
       if (!strchr(text, '\n')) {
@@ -1305,3 +1324,5 @@ char *plan_format(const plan_t *p, int indented) {
   cJSON_free(s);
   return out;
 }
+
+void plan_set_devices(const char *const *names) { device_names = names; }

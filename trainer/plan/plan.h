@@ -21,7 +21,7 @@
 #define PLAN_FILE_MAX (16 << 20) /* bytes; a plan file must be a regular file no larger */
 #define PLAN_EINVAL (-2)
 
-typedef enum { PLAN_DEVICE_AUTO = 0, PLAN_DEVICE_CPU, PLAN_DEVICE_CUDA } plan_device_t;
+#define PLAN_DEVICE_MAX 64 /* bytes of the device key's value, with its NUL */
 typedef enum { PLAN_SCHED_COSINE = 0, PLAN_SCHED_LINEAR, PLAN_SCHED_CONSTANT } plan_sched_t;
 typedef enum {
   PLAN_DATA_AUTO = 0, /* by extension/header: .txt -> text, llm.c magic -> llmc, .u16/.u32 raw */
@@ -154,8 +154,8 @@ typedef struct {
   char metrics_file[PLAN_PATH_MAX]; /* JSONL, "" = none */
   char trace_file[PLAN_PATH_MAX];   /* Chrome trace events (chrome://tracing, Perfetto), "" = none */
   int trace_steps;                  /* steps traced, from the first (default 3) */
-  double peak_tflops;               /* the device's peak for MFU, TFLOP/s; 0 = a known GPU's from the
-                                       table in trainer/run/metrics, else no MFU (FLOP/s alone) */
+  double peak_tflops;               /* the device's peak for MFU, TFLOP/s; 0 = the backend's own
+                                       (backend_t.peak_flops), else no MFU (FLOP/s alone) */
 } plan_log_t;
 
 typedef struct {
@@ -167,7 +167,7 @@ typedef struct {
 } plan_sample_t;
 
 typedef struct {
-  plan_device_t device;
+  char device[PLAN_DEVICE_MAX]; /* "auto" or a compute backend's name (plan_set_devices) */
   uint64_t seed;
   int overwrite; /* a run starting afresh may replace an earlier run's outputs (default false) */
   plan_model_t model;
@@ -184,6 +184,11 @@ typedef struct {
                                  (bits: model.init, data.train, data.val, data.tokenizer) */
 } plan_t;
 
+/* The values the device key takes: names, NULL-terminated, "auto" among them (the trainer
+ * passes its compute backends', trainer/run/device.h); a value outside them is a plan error
+ * naming them all. The list is borrowed until the next call. Until set, any string is taken, and
+ * the program checks it. */
+void plan_set_devices(const char *const *names);
 /* Parses path (NULL = the embedded default) and applies the overrides "key.path=value" in order.
  * Values of --set are parsed as JSON when they parse (numbers, true/false, arrays, objects),
  * else taken as strings. Returns 0 or PLAN_EINVAL with the one-line message in err. */

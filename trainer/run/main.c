@@ -117,11 +117,12 @@ static const char *usage_text =
     "Environment: RANK, WORLD_SIZE, LOCAL_RANK (set by meshrun; default 0, 1, 0), MESHRUN_STORE\n"
     "(host:port of meshrun's store; needed when WORLD_SIZE > 1), TORCHELASTIC_RESTART_COUNT, MESHRUN_ROUND,\n"
     "OMP_NUM_THREADS (cpu threads), MESHRUN_LOG_LEVEL (error, warn, info, debug), MESHRUN_COMM_BACKEND\n"
-    "(cpu, nccl or staged: the collectives of a multi-rank run; default by device: cpu on cpu, on cuda\n"
-    "nccl with a GPU per local rank, else staged), MESHRUN_COMM_TIMEOUT=SECONDS (overrides the plan's\n"
-    "parallel.comm_timeout_s, default 300: a collective or the comms' setup that gets no progress\n"
-    "from a peer for that long fails, naming the collective and the peer), MESHRUN_OP_PROFILE=STEP\n"
-    "(that step's time, kernel by kernel, printed after it).\n"
+    "({comms}: the collectives of a multi-rank run; default by device:\n"
+    "{comm_default}),\n"
+    "MESHRUN_COMM_TIMEOUT=SECONDS (overrides the plan's parallel.comm_timeout_s, default 300: a\n"
+    "collective or the comms' setup that gets no progress from a peer for that long fails, naming the\n"
+    "collective and the peer), MESHRUN_OP_PROFILE=STEP (that step's time, kernel by kernel, printed\n"
+    "after it).\n"
     "Exit status: 0 done, 1 runtime failure, 2 usage or plan error.\n";
 
 /* 'trainer sample --help' and 'trainer export --help': the command's own page. */
@@ -142,8 +143,30 @@ static const char *sample_usage_text =
     "  --set data.tokenizer=FILE    a tokenizer.json or llama2.c tokenizer.bin: the prompt is\n"
     "                               encoded and text streamed (an HF folder's own tokenizer.json\n"
     "                               is used when there is one); without one, bytes or ids\n"
-    "  --set device=cpu|cuda|auto\n"
+    "  --set device={devices}\n"
     "Exit status: 0 done, 1 runtime failure, 2 usage, plan or weights error.\n";
+
+/* Prints a usage text with its {names} filled in from the registries (device.h). */
+static void put_usage(const char *text) {
+  static const struct {
+    const char *name;
+    const char *(*value)(void);
+  } fills[] = {{"{devices}", device_usage_devices},
+               {"{comms}", device_usage_comms},
+               {"{comm_default}", device_usage_comm_default}};
+  while (*text) {
+    size_t i, n = strcspn(text, "{");
+    fwrite(text, 1, n, stdout);
+    text += n;
+    for (i = 0; *text && i < sizeof fills / sizeof fills[0]; i++)
+      if (!strncmp(text, fills[i].name, strlen(fills[i].name))) {
+        fputs(fills[i].value(), stdout);
+        text += strlen(fills[i].name);
+        break;
+      }
+    if (*text == '{') fputc(*text++, stdout); /* not one of ours */
+  }
+}
 
 static const char *export_usage_text =
     "usage: trainer export --format llama2c|hf [PLAN.json] --weights FILE --out PATH [--set ...]\n"
@@ -487,6 +510,7 @@ static int env_read(env_t *e, char *err, size_t errlen) {
  * step). Errors are the documented one-liners "plan error: <key.path>: ...". */
 static int plan_setup(plan_t *p, const args_t *a, int rank, int world, int *resuming, char *err, size_t errlen) {
   *resuming = 0;
+  plan_set_devices(device_names()); /* the device key takes the registered backends' names */
   if (plan_load(p, a->plan_path, a->sets, a->nsets, err, errlen) != 0) return -1;
   char from[PLAN_PATH_MAX + 64];
   int carried = 0;
@@ -703,7 +727,7 @@ static int eval_due(const plan_t *p, int step) {
 
 int main(int argc, char **argv) {
   if (argc > 1 && (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h"))) {
-    fputs(usage_text, stdout);
+    put_usage(usage_text);
     return 0;
   }
   if (argc > 1 && !strcmp(argv[1], "--version")) {
@@ -720,7 +744,7 @@ int main(int argc, char **argv) {
     return 2;
   }
   if (a.help) {
-    fputs(a.sample_mode ? sample_usage_text : a.export_mode ? export_usage_text : usage_text, stdout);
+    put_usage(a.sample_mode ? sample_usage_text : a.export_mode ? export_usage_text : usage_text);
     return 0;
   }
   char prefix[64];

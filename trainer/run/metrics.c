@@ -128,25 +128,6 @@ double metrics_flops_per_token(const plan_t *p) {
   return 6 * n + 12.0 * c->n_layers * d * p->train.seq_len;
 }
 
-/* Dense tensor-core peaks from the vendors' data sheets, TFLOP/s (bf16, tf32). The first name
- * that the device name contains wins, so the longer names come first. */
-static const struct {
-  const char *name;
-  double bf16, tf32;
-} gpu_peaks[] = {
-    {"H100 PCIe", 756, 378}, {"H100 NVL", 835, 418}, {"H100", 989, 495}, {"H200", 989, 495},
-    {"H800 PCIe", 756, 378}, {"H800", 989, 495},     {"GH200", 989, 495}, {"B200", 2250, 1100},
-    {"A100", 312, 156},      {"A800", 312, 156},      {"A10G", 70, 35},    {"A10", 125, 62.5},
-    {"L40S", 362, 183},      {"L4", 121, 60},         {"RTX 4090", 165, 82.6}, {"V100", 125, 0},
-};
-
-double metrics_gpu_peak_flops(const char *device, int bf16) {
-  if (!device || !device[0]) return 0;
-  for (size_t i = 0; i < sizeof gpu_peaks / sizeof gpu_peaks[0]; i++)
-    if (strstr(device, gpu_peaks[i].name)) return 1e12 * (bf16 ? gpu_peaks[i].bf16 : gpu_peaks[i].tf32);
-  return 0;
-}
-
 size_t metrics_peak_rss(void) {
   struct rusage ru;
   return getrusage(RUSAGE_SELF, &ru) == 0 ? (size_t)ru.ru_maxrss * 1024 : 0; /* Linux: KiB */
@@ -169,7 +150,8 @@ int metrics_open(metrics_t *mt, const plan_t *p, model_t *m, dp_t *dp, const mes
   mt->flops_per_token = metrics_flops_per_token(p);
   mt->world = world;
   mt->peak_flops = p->log.peak_tflops > 0 ? p->log.peak_tflops * 1e12
-                                          : metrics_gpu_peak_flops(be->device, model_param_dtype(m) == DT_BF16);
+                   : mt->be->peak_flops     ? mt->be->peak_flops(mt->be, model_param_dtype(m))
+                                            : 0;
 
   /* --- memory per rank (this rank's, and the largest of any rank) */
   memory_report_t mem;
@@ -251,7 +233,7 @@ void metrics_step(metrics_t *mt, int step, double loss, double lr, double gnorm,
   const double tps = (double)mt->tokens_per_step / dt;
   const double flops = tps * mt->flops_per_token / mt->world; /* per rank */
   const double mfu = mt->peak_flops > 0 ? flops / mt->peak_flops : 0;
-  /* peak memory: the device allocator's where there is one (cuda), else resident memory */
+  /* peak memory: the device allocator's where there is one, else resident memory */
   const size_t rss = mt->be && mt->be->mem_peak ? mt->be->mem_peak(mt->be) : metrics_peak_rss();
   char mfu_json[32] = "null";
   if (mt->peak_flops > 0) snprintf(mfu_json, sizeof mfu_json, "%.6f", mfu);

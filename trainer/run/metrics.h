@@ -10,9 +10,9 @@
  * A write that fails (a full disk, /dev/full) is one warning; no record is written after it (a
  * torn line would follow), training goes on, and metrics_close reports it so the run exits 1.
  * Throughput: the step line and record carry tokens/s, the model FLOP/s per rank (6N + 12 L d T
- * per token), MFU (that over the device's peak: log.peak_tflops, or a known GPU's from the table
- * here; none on cpu unless given) and the peak memory measured (resident memory of the process;
- * on cuda too, until the allocator's own peak is reported).
+ * per token), MFU (that over the device's peak: log.peak_tflops, or the backend's own figure for
+ * its device, backend_t.peak_flops; none on cpu unless given) and the peak memory measured (the
+ * device allocator's where the backend reports one, else resident memory of the process).
  * Not here: computing the values (train.c), the sample text (sample.c). */
 #ifndef MESHRUN_METRICS_H
 #define MESHRUN_METRICS_H
@@ -64,9 +64,6 @@ int metrics_pipeline(metrics_t *mt, int step, double busy_ms, double span_ms, in
 /* Model FLOPs of one trained token (forward and backward) for p's model and train.seq_len:
  * 6 N + 12 L d T, N the parameters of the matrix products. */
 double metrics_flops_per_token(const plan_t *p);
-/* The dense peak FLOP/s of a GPU named device (the CUDA device name) for bf16 (bf16 != 0) or
- * else TF32 tensor-core math; 0 when the name is not in the table. */
-double metrics_gpu_peak_flops(const char *device, int bf16);
 /* The process's peak resident memory, bytes (getrusage). */
 size_t metrics_peak_rss(void);
 

@@ -1,5 +1,6 @@
-/* fatal: the check macros of device library calls (CUDA, cuBLAS, NCCL), one per library, all
- * ending in the one fatal path, backend_fatal (trainer/backend/fatal.c; docs/STYLE.md, "Errors"):
+/* backend_cuda_check: the check macros of the CUDA libraries' calls (CUDA, cuBLAS, NCCL), one per
+ * library, all ending in the one fatal path, backend_fatal (trainer/backend/fatal.c;
+ * docs/STYLE.md, "Errors"):
  *
  *   [trainer rank R host] file:line: call: message
  *
@@ -11,8 +12,8 @@
  * Macros only: include this after the library's own header, in the files that make device calls
  * (backend_cuda.cu, comm_nccl.c). backend_fatal has C linkage, so the .cu file calls the same
  * function (fatal.c). */
-#ifndef MESHRUN_FATAL_H
-#define MESHRUN_FATAL_H
+#ifndef MESHRUN_BACKEND_CUDA_CHECK_H
+#define MESHRUN_BACKEND_CUDA_CHECK_H
 
 #include "trainer/backend/backend.h"
 
