@@ -1646,7 +1646,9 @@ static void on_relisten(uv_timer_t *t) {
 /* The last resort against accept failing over and over: libuv retries a failed accept at once,
  * in a loop that returns only when the listener is closed, so a failure nothing here can
  * cure would spin the loop forever. Close the listeners and open them again after
- * RELISTEN_MS (clients retry refused connections meanwhile). */
+ * RELISTEN_MS (clients retry refused connections meanwhile). Those waiting are reset; one whose
+ * handshake was under way may be left established on its client's side with nothing on ours,
+ * until the client's first segment draws a reset (the store's client sends its HELLO at once). */
 static void pause_listening(store_server_t *srv, const char *why) {
   if (srv->closing || srv->nlisteners == 0) return;
   log_error("store: accept: %s, and nothing to free: not accepting connections for %d ms (%zu connections open)",
