@@ -145,7 +145,7 @@ def run_with_sampler(cmd, env=None, timeout=600):
 
 def run_ours(trainer, size, m, steps, warmup, workdir, dtype="bf16", profile=False, timeout=600, device="cuda"):
     plan = {
-        "device": device, "seed": 1337,
+        "device": device, "seed": 1337, "overwrite": True,
         "model": {"dim": m["dim"], "n_layers": m["n_layers"], "n_heads": m["n_heads"],
                   "n_kv_heads": m["n_kv_heads"], "vocab_size": m["vocab_size"], "max_seq_len": m["seq"],
                   "multiple_of": m["multiple_of"], "ffn_dim_multiplier": m["ffn_mult"], "rope_theta": m["theta"]},

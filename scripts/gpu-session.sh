@@ -161,7 +161,7 @@ EOF
 
 smoke() {
   local sets=(configs/tiny.json --set "device=$DEV" --set train.steps=2 --set log.interval=1 --set eval.interval=0
-              --set sample.tokens=0 --set checkpoint.dir="$work/smoke-ckpt")
+              --set sample.tokens=0 --set checkpoint.dir="$work/smoke-ckpt" --set overwrite=true)
   if "$BIN/trainer" "${sets[@]}" 2>&1 | tee "$work/smoke.log" && [ "${PIPESTATUS[0]}" -eq 0 ]; then
     return 0
   fi

@@ -106,6 +106,7 @@ cat >"$work/plan.json" <<'EOF'
 {
   "device": "cpu",
   "seed": 1337,
+  "overwrite": true,
   "model": {"dim": 128, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 256,
             "max_seq_len": 64, "multiple_of": 32},
   "mesh": {"dp_replicate": 1, "dp_shard": 1, "tp": 1},
