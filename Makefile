@@ -102,7 +102,16 @@ ifneq ($(CU_SRC),)
     CUDA_LIBDIRS := $(NCCL_HOME)/lib $(CUDA_LIBDIRS)
     NCCL_LIB := $(if $(wildcard $(NCCL_HOME)/lib/libnccl.so),-lnccl,-l:libnccl.so.2)
   endif
-  CUDA_LIBS := $(foreach d,$(CUDA_LIBDIRS),-L$(d) -Wl,-rpath,$(d)) -lcublasLt -lcublas -lcudart $(NCCL_LIB) -lstdc++
+  CUDA_LIBS := $(foreach d,$(CUDA_LIBDIRS),-L$(d) -Wl,-rpath,$(d)) -lcublasLt -lcublas -lcudart $(NCCL_LIB) -lstdc++ -ldl
+  # cuDNN attention (trainer/backend/attention_cudnn.cpp): cudnn-frontend's headers (a header-only
+  # C++ library; scripts/install-deps.sh unpacks them from its PyPI wheel) and cuDNN's own header.
+  # libcudnn is opened at run time, never linked. Host code only, so g++ compiles it (nvcc takes
+  # four times as long over the frontend's templates).
+  CUDNN_FE_INC ?= /usr/local/share/cudnn-frontend/include
+  ifneq ($(and $(wildcard $(CUDNN_FE_INC)/cudnn_frontend.h),$(wildcard $(CUDA_HOME)/include/cudnn.h)),)
+    HAVE_CUDNN := 1
+    CXXFLAGS_CUDNN := -O1 -std=c++17 -Wall -fPIC -MMD -MP -I. -isystem $(CUDNN_FE_INC) -isystem $(CUDA_HOME)/include
+  endif
 endif
 endif
 
@@ -129,11 +138,16 @@ endif
 # its set, as a build without CUDA has it (_HOST: also the fuzz targets') or as this build does.
 CUDA_VARIANT     := trainer/backend/backend_cuda.cu trainer/comm/comm_nccl.c
 CUDA_STAND_INS   := trainer/backend/backend_cuda_absent.c trainer/comm/comm_nccl_absent.c
-NOT_BUILT        := $(if $(HAVE_CUDA),$(CUDA_STAND_INS),$(CUDA_VARIANT))
-BACKEND_SET_HOST := trainer/backend/registry.c trainer/backend/backend_cpu.c trainer/backend/backend_cuda_absent.c
+# The cuda backend's cuDNN attention: its file where cudnn-frontend is, its stand-in elsewhere.
+CUDNN_PART       := $(if $(HAVE_CUDNN),trainer/backend/attention_cudnn.cpp,trainer/backend/attention_cudnn_absent.c)
+NOT_BUILT        := $(if $(HAVE_CUDA),$(CUDA_STAND_INS),$(CUDA_VARIANT)) \
+                    $(filter-out $(if $(HAVE_CUDA),$(CUDNN_PART)),trainer/backend/attention_cudnn_absent.c)
+BACKEND_SET_HOST := trainer/backend/registry.c trainer/backend/attention_registry.c trainer/backend/backend_cpu.c \
+                    trainer/backend/backend_cuda_absent.c
 COMM_SET_HOST    := trainer/comm/registry.c trainer/comm/comm_cpu.c trainer/comm/comm_staged.c \
                     trainer/comm/comm_nccl_absent.c
-BACKEND_SET      := $(filter-out $(NOT_BUILT),$(BACKEND_SET_HOST) trainer/backend/backend_cuda.cu common/gpus_cuda.c)
+BACKEND_SET      := $(filter-out $(NOT_BUILT),$(BACKEND_SET_HOST) trainer/backend/backend_cuda.cu common/gpus_cuda.c) \
+                    $(if $(HAVE_CUDA),$(CUDNN_PART))
 COMM_SET         := $(filter-out $(NOT_BUILT),$(COMM_SET_HOST) trainer/comm/comm_nccl.c)
 
 COMMON_SRC   := $(wildcard common/*.c)
@@ -141,7 +155,8 @@ LAUNCHER_SRC := $(wildcard launcher/*.c)
 TRAINER_SRC  := $(filter-out $(NOT_BUILT),$(wildcard trainer/*/*.c))
 COMMON_OBJ   := $(COMMON_SRC:%.c=$(BUILD)/%.o)
 LAUNCHER_OBJ := $(LAUNCHER_SRC:%.c=$(BUILD)/%.o)
-TRAINER_OBJ  := $(TRAINER_SRC:%.c=$(BUILD)/%.o) $(if $(HAVE_CUDA),$(CU_SRC:%.cu=$(BUILD)/%.o))
+TRAINER_OBJ  := $(TRAINER_SRC:%.c=$(BUILD)/%.o) $(if $(HAVE_CUDA),$(CU_SRC:%.cu=$(BUILD)/%.o)) \
+                $(if $(HAVE_CUDNN),$(BUILD)/trainer/backend/attention_cudnn.o)
 # The etcd client is the launcher's (--rdzv_backend=etcd); the trainer has no use for it.
 ETCD_OBJ     := $(BUILD)/common/etcd.o $(BUILD)/common/http.o
 
@@ -175,6 +190,11 @@ $(BUILD)/%.o: %.cu
 	@$(if $(Q),echo "  NVCC    $<")
 	$(Q)$(NVCC) $(NVCCFLAGS) -c -o $@ $<
 
+$(BUILD)/%.o: %.cpp
+	@mkdir -p $(@D)
+	@$(if $(Q),echo "  CXX     $<")
+	$(Q)$(CXX) $(CXXFLAGS_CUDNN) -c -o $@ $<
+
 # A test or tool links its own object plus the sources its "// deps:" line names, and with
 # trainer/backend/backend.c or trainer/comm/comm.c the sets of their registries (above); the
 # CUDA libraries where those sets hold the cuda variant.
@@ -184,7 +204,7 @@ all_deps = $(call with_sets,$(call raw_deps,$(1)),$(BACKEND_SET),$(COMM_SET))
 needs_cuda = $(if $(HAVE_CUDA),$(or $(filter %.cu trainer/comm/comm_nccl.c,$(call all_deps,$(1))),$(findstring test/gpu/,$(1))))
 needs_dnnl = $(if $(filter 1,$(HAVE_DNNL)),$(filter test/tools/gemm_bench.c,$(1)))
 needs_pcre2 = $(filter trainer/formats/tokenizer.c,$(call raw_deps,$(1)))
-deps_of = $(sort $(patsubst %.cu,$(BUILD)/%.o,$(patsubst %.c,$(BUILD)/%.o,$(call all_deps,$(1)))))
+deps_of = $(sort $(patsubst %.cpp,$(BUILD)/%.o,$(patsubst %.cu,$(BUILD)/%.o,$(patsubst %.c,$(BUILD)/%.o,$(call all_deps,$(1))))))
 define link_rule
 $(2): $(BUILD)/$(1:%.c=%.o) $(call deps_of,$(1))
 	@mkdir -p $$(@D)

@@ -1,4 +1,4 @@
-// deps: trainer/plan/plan.c trainer/plan/pipeline.c common/fs.c common/err.c fuzz/support.c
+// deps: trainer/plan/plan.c trainer/plan/pipeline.c common/fs.c common/err.c fuzz/support.c trainer/backend/attention_registry.c
 // max_len: 8192
 /* fuzz_plan: the trainer's plan reader (plan_load, plan_resolve, plan_to_json) on arbitrary text.
  *

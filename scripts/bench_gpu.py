@@ -143,12 +143,15 @@ def run_with_sampler(cmd, env=None, timeout=600):
 
 # ---------------------------------------------------------------------------------------- ours
 
-def run_ours(trainer, size, m, steps, warmup, workdir, dtype="bf16", profile=False, timeout=600, device="cuda"):
+def run_ours(trainer, size, m, steps, warmup, workdir, dtype="bf16", profile=False, timeout=600, device="cuda",
+             attention="auto"):
+    tag = "%s-%s" % (size, attention)
     plan = {
         "device": device, "seed": 1337, "overwrite": True,
         "model": {"dim": m["dim"], "n_layers": m["n_layers"], "n_heads": m["n_heads"],
                   "n_kv_heads": m["n_kv_heads"], "vocab_size": m["vocab_size"], "max_seq_len": m["seq"],
-                  "multiple_of": m["multiple_of"], "ffn_dim_multiplier": m["ffn_mult"], "rope_theta": m["theta"]},
+                  "multiple_of": m["multiple_of"], "ffn_dim_multiplier": m["ffn_mult"], "rope_theta": m["theta"],
+                  "attention": attention},
         "mesh": {"dp_replicate": 1, "dp_shard": 1, "tp": 1},
         "parallel": {"mixed_precision": {"param_dtype": dtype, "reduce_dtype": "fp32"}},
         "train": {"steps": warmup + steps, "seq_len": m["seq"], "micro_batch_size": m["batch"],
@@ -156,11 +159,11 @@ def run_ours(trainer, size, m, steps, warmup, workdir, dtype="bf16", profile=Fal
                   "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95, "grad_clip": 1.0},
         "data": {"train": "", "format": "synthetic"},
         "eval": {"interval": 0, "batches": 1},
-        "checkpoint": {"dir": os.path.join(workdir, "ckpt-%s" % size), "interval": 0},
-        "log": {"interval": 1, "metrics_file": os.path.join(workdir, "ours-%s.jsonl" % size)},
+        "checkpoint": {"dir": os.path.join(workdir, "ckpt-%s" % tag), "interval": 0},
+        "log": {"interval": 1, "metrics_file": os.path.join(workdir, "ours-%s.jsonl" % tag)},
         "sample": {"tokens": 0},
     }
-    path = os.path.join(workdir, "plan-%s.json" % size)
+    path = os.path.join(workdir, "plan-%s.json" % tag)
     with open(path, "w") as f:
         json.dump(plan, f)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MESHRUN_STORE")}
@@ -175,8 +178,13 @@ def run_ours(trainer, size, m, steps, warmup, workdir, dtype="bf16", profile=Fal
             while end < len(lines) and lines[end].startswith("  "):
                 end += 1
             print("\n".join(lines[start:end]), flush=True)
+    # the trainer's "attention: ..." line: which kernel ran, or why the reference did
+    att = next((ln.split("attention: ", 1)[1] for ln in out.splitlines() if "attention: " in ln), "")
+    if att:
+        print("  %s attention=%s: %s" % (size, attention, att), flush=True)
     if rc != 0:
-        return {"error": "trainer exit %s: %s" % (rc, out.strip().splitlines()[-1] if out.strip() else "")}
+        return {"error": "trainer exit %s: %s" % (rc, out.strip().splitlines()[-1] if out.strip() else ""),
+                "attention": att}
     toks, ms, peak, loss = 0.0, 0.0, 0, None
     with open(plan["log"]["metrics_file"]) as f:
         for line in f:
@@ -189,7 +197,7 @@ def run_ours(trainer, size, m, steps, warmup, workdir, dtype="bf16", profile=Fal
     if ms <= 0:
         return {"error": "no measured steps in the metrics file"}
     return {"tokens_per_s": toks / (ms / 1e3), "mem_gib": mem, "alloc_gib": peak / 2**30, "loss": loss,
-            "mode": dtype + " mixed" if dtype == "bf16" else dtype}
+            "mode": dtype + " mixed" if dtype == "bf16" else dtype, "attention": att}
 
 
 # --------------------------------------------------------------------------------------- torch
@@ -408,6 +416,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=3, help="steps not measured")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--no-reference", action="store_true",
+                    help="no row of ours with model.attention reference (the fast path's baseline)")
     ap.add_argument("--device", default="cuda", help="our side's device (cpu: a dry run of this script)")
     ap.add_argument("--profile", action="store_true", help="our kernel-by-kernel profile of the last warmup step")
     ap.add_argument("--results", help="append one JSON object per measured row to this file")
@@ -466,6 +476,10 @@ def main():
                   (size, total / 1e6, hidden_dim(m), fpt / 1e9, m["batch"], m["seq"]), flush=True)
             runs = [("ours", lambda t: run_ours(trainer, size, m, args.steps, args.warmup, work,
                                                 profile=args.profile, timeout=t, device=args.device))]
+            if not args.no_reference:  # the reference kernels beside the fast path
+                runs.append(("ours reference", lambda t: run_ours(trainer, size, m, args.steps, args.warmup, work,
+                                                                  timeout=t, device=args.device,
+                                                                  attention="reference")))
             if have_torch:
                 if not args.no_compile:
                     runs.append(("torch compile", lambda t: run_torch(size, args.steps, args.warmup, True, t)))

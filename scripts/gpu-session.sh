@@ -112,6 +112,7 @@ versions() {
   echo "-- CUDA's libraries on this machine:"
   find /usr/local /usr/lib /opt -maxdepth 10 \( -name 'libcublasLt.so*' -o -name 'libnccl.so*' -o -name 'libcudart.so*' -o -name 'libcudnn.so*' \) \
     2>/dev/null | grep -v "^$work" | head -20
+  ldconfig -p 2>/dev/null | grep libcudnn.so.9 || true
   # One JSON object: each version read from the library itself (the runtime's own answer).
   python3 - "$results" <<'EOF' || true
 import ctypes, json, subprocess, sys
@@ -153,6 +154,16 @@ try:
     v["torch_nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "-"
 except Exception as e:
     v["torch"] = "unavailable (%s)" % e
+# What the trainer's dlopen of libcudnn.so.9 finds, asked in a process of its own (torch, above,
+# has loaded the cuDNN of its wheel into this one; loading another here broke its import once).
+probe = ("import ctypes\ntry:\n    f = ctypes.CDLL('libcudnn.so.9').cudnnGetVersion\n    f.restype = ctypes.c_size_t\n"
+         "    x = int(f()); print('%d.%d.%d' % (x // 10000, x % 10000 // 100, x % 100))\n"
+         "except OSError:\n    print('not found')")
+try:
+    v["cudnn_ours"] = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                                     timeout=30).stdout.strip()
+except Exception as e:
+    v["cudnn_ours"] = "n/a (%s)" % e
 print(json.dumps(v))
 with open(sys.argv[1], "a") as f:
     f.write(json.dumps(v) + "\n")

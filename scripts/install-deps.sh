@@ -51,3 +51,30 @@ if ! /usr/bin/python3 -c "import tokenizers, transformers" 2>/dev/null; then
   [ "$(id -u)" -eq 0 ] || pip_sudo="sudo"
   $pip_sudo /usr/bin/python3 -m pip install -q --break-system-packages tokenizers "transformers==4.49.0"
 fi
+
+# cudnn-frontend (NVIDIA's header-only C++ API over cuDNN's graph API), for the cuda backend's
+# cuDNN flash attention (trainer/backend/attention_cudnn.cpp): only where nvcc builds the cuda
+# backend. Its PyPI wheel carries the headers; they are unpacked to the folder the Makefile reads
+# (CUDNN_FE_INC). cuDNN itself (cudnn.h) comes with the CUDA toolkit here, and libcudnn.so.9 is
+# opened at run time on the GPU machine, so nothing else is installed.
+cudnn_fe=/usr/local/share/cudnn-frontend
+cudnn_fe_version=1.32.0
+if { command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; } &&
+   ! grep -qs "$cudnn_fe_version" "$cudnn_fe/VERSION"; then
+  echo "install-deps: unpacking cudnn-frontend $cudnn_fe_version's headers to $cudnn_fe" >&2
+  fe_tmp=$(mktemp -d)
+  /usr/bin/python3 -m pip download -q --no-deps --only-binary=:all: -d "$fe_tmp" \
+    "nvidia-cudnn-frontend==$cudnn_fe_version"
+  fe_sudo=""
+  [ "$(id -u)" -eq 0 ] || fe_sudo="sudo"
+  $fe_sudo /usr/bin/python3 - "$fe_tmp" "$cudnn_fe" "$cudnn_fe_version" <<'PY'
+import glob, os, sys, zipfile
+tmp, dest, version = sys.argv[1:]
+wheel = glob.glob(os.path.join(tmp, "*.whl"))[0]
+with zipfile.ZipFile(wheel) as z:
+    z.extractall(dest, [n for n in z.namelist() if n.startswith("include/")])
+with open(os.path.join(dest, "VERSION"), "w") as f:
+    f.write(version + "\n")
+PY
+  rm -rf "$fe_tmp"
+fi

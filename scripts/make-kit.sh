@@ -96,6 +96,21 @@ for _so in $(ldd "$MESHRUN_BIN/trainer" 2>/dev/null | awk '$2 == "=>" && $3 == "
     echo "kit: $_so from $_hit" >&2
   fi
 done
+# cuDNN (libcudnn.so.9) is opened at run time, so ldd does not ask for it: where the loader's
+# cache and LD_LIBRARY_PATH lack it, the same folders are searched (PyTorch's nvidia/cudnn/lib).
+_hit=""
+for _d in ${LD_LIBRARY_PATH//:/ }; do [ -e "$_d/libcudnn.so.9" ] && _hit=$_d && break; done
+if [ -z "$_hit" ] && ! ldconfig -p 2>/dev/null | grep -q 'libcudnn\.so\.9 '; then
+  for _d in "${_dirs[@]}"; do
+    if [ -e "$_d/libcudnn.so.9" ]; then _hit=$(cd "$_d" && pwd); break; fi
+  done
+  if [ -n "$_hit" ]; then
+    LD_LIBRARY_PATH=$LD_LIBRARY_PATH:$_hit
+    echo "kit: libcudnn.so.9 (opened at run time) from $_hit" >&2
+  else
+    echo "kit: libcudnn.so.9 not found: attention runs the reference kernel (model.attention auto)" >&2
+  fi
+fi
 export LD_LIBRARY_PATH
 echo "kit: $MESHRUN_KIT; LD_LIBRARY_PATH=$LD_LIBRARY_PATH" >&2
 _missing=$(ldd "$MESHRUN_BIN/trainer" 2>/dev/null | grep 'not found' || true)

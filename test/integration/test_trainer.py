@@ -265,6 +265,27 @@ def test_plan_errors_exit_2(tmp_path, sets, key):
     assert r.returncode == 2 and line.startswith(f"plan error: {key}: "), line
 
 
+def test_model_attention_on_cpu(tmp_path):
+    """model.attention: "cudnn" on a device without cuDNN is a plan error (exit 2, the device named);
+    "reference" and "auto" run the cpu's own kernel, and give the same losses (one kernel)."""
+    r, _ = train(tmp_path, ["model.attention=cudnn", "train.steps=2"])
+    line = one_error_line(r)
+    print(line)
+    assert r.returncode == 2 and line == ("plan error: model.attention: cudnn: device cpu has no fused attention "
+                                          "kernel: use auto or reference"), line
+    r, _ = train(tmp_path, ["model.attention=flash", "train.steps=2"])
+    line = one_error_line(r)
+    print(line)
+    assert r.returncode == 2 and line.startswith("plan error: model.attention: ") and "auto" in line, line
+    losses = {}
+    for mode in ("auto", "reference"):
+        r, metrics = train(tmp_path, [f"model.attention={mode}", "train.steps=3"], name=f"{mode}.jsonl")
+        assert r.returncode == 0, r.stderr
+        losses[mode] = [s["loss"] for s in read_metrics(metrics)[1]]
+    print(losses)
+    assert losses["auto"] == losses["reference"] and len(losses["auto"]) == 3
+
+
 @pytest.mark.parametrize("value, says", [
     ("1e12", "must be an integer from 1 to 2147483647 (2^31 - 1), got 1000000000000"),
     ("3000000000", "must be an integer from 1 to 2147483647 (2^31 - 1), got 3000000000"),

@@ -5,7 +5,8 @@
 
 Variants are files (docs/ARCHITECTURE.md, "Adding one"): a backend's code lives in files named
 after it, the build picks them, and shared logic asks the registries (trainer/backend/registry.c,
-trainer/comm/registry.c) instead of naming a backend.
+trainer/comm/registry.c, and trainer/backend/attention_registry.c for the attention kernels' names)
+instead of naming a backend.
 
 A file belongs to a backend when a part of its name between underscores is a registered backend's
 name or one of WORDS (backend_cuda.cu, backend_cuda_absent.c, comm_nccl.h, common/gpus_cuda.c);
@@ -23,7 +24,7 @@ import sys
 
 # The toolkits and libraries of the optional backends, and their vendor's device files.
 WORDS = ("cuda", "nccl", "cublas", "cudnn", "nvcc", "nvidia")
-REGISTRIES = ("trainer/backend/registry.c", "trainer/comm/registry.c")
+REGISTRIES = ("trainer/backend/registry.c", "trainer/comm/registry.c", "trainer/backend/attention_registry.c")
 REGISTERED = re.compile(r"^\s*X\((\w+)\)", re.M)
 
 

@@ -1,4 +1,4 @@
-// deps: trainer/plan/plan.c trainer/plan/pipeline.c common/fs.c common/err.c
+// deps: trainer/plan/plan.c trainer/plan/pipeline.c common/fs.c common/err.c trainer/backend/attention_registry.c
 /* test_plan: the plan module: defaults, one-line errors naming the key path, --set overrides,
  * plan_resolve (mesh, shapes, batches), Llama's hidden-size rule, the plan_to_json round trip,
  * and every shipped config under configs/ (run from the repository root, as `make unit` does).

@@ -35,6 +35,12 @@
 
 typedef struct backend backend_t;
 
+/* Which attention kernel (the plan's model.attention): the backend's fused one where it loads
+ * and takes the shape, else its reference ("auto"); the fused one or an error; the reference. Their
+ * names, in this order, are attention_names (trainer/backend/attention_registry.c). */
+typedef enum { ATTN_AUTO = 0, ATTN_FUSED, ATTN_REFERENCE } attn_choice_t;
+extern const char *const attention_names[];
+
 /* Element types of tensors (dtype_size gives the bytes of one element). */
 typedef enum { DT_F32 = 0, DT_BF16 = 1 } dtype_t;
 static inline size_t dtype_size(dtype_t dt) { return dt == DT_BF16 ? 2 : 4; }
@@ -68,7 +74,10 @@ struct backend {
   /* --- dense algebra. c(m,n) = alpha * op(a) op(b) + beta * c, row-major; op(a) is (m,k):
    * a is (m,k) or, with trans_a, (k,m); op(b) is (k,n): b is (k,n) or, with trans_b, (n,k).
    * a and b are ab_dt, c is c_dt; products accumulate in fp32 (beta * c too), rounded once
-   * when c is bf16. Combinations: (bf16, bf16), (bf16, fp32), (fp32, fp32). (The cpu backend
+   * when c is bf16, except that a bf16 c with beta != 0 may also have alpha op(a) op(b) rounded
+   * to bf16 before beta * c is added (cuBLASLt's epilogue for some shapes, as PyTorch's bf16
+   * addmm): within one more bf16 ulp of the larger term. Combinations: (bf16, bf16), (bf16,
+   * fp32), (fp32, fp32). (The cpu backend
    * computes a bf16 product as fp32 sgemm of the widened operands: products of two bf16 values
    * are exact in fp32.)
    * A linear layer y = x W^T with W (out,in):  matmul(y, x, W, N, out, in, 0, 1, 1, 0, dt, dt)
@@ -83,6 +92,10 @@ struct backend {
   void (*scale)(backend_t *be, float *x, float s, size_t n);  /* x *= s, fp32 */
   /* Sum of squares of x (fp32), accumulated in double, returned to the host (gradient norms). */
   double (*sumsq)(backend_t *be, const float *x, size_t n);
+  /* The sums of squares of n pieces of x, out[i] over x[offset[i]] .. x[offset[i] + count[i] - 1],
+   * each the same double sumsq gives for that piece, with one wait for the device in all (not one
+   * per piece): the gradient norm over a strategy's parameter pieces. */
+  void (*sumsq_parts)(backend_t *be, const float *x, const size_t *offset, const size_t *count, int n, double *out);
   /* dst (n elements of dst_dt) = src (n of src_dt): widening exact, narrowing rounded to nearest
    * even; the same dtype copies. dst and src do not overlap. */
   void (*convert)(backend_t *be, void *dst, dtype_t dst_dt, const void *src, dtype_t src_dt, size_t n);
@@ -109,15 +122,18 @@ struct backend {
 
   /* --- causal attention with grouped-query heads, scale 1/sqrt(D).
    * q (B,T,H,D), k and v (B,T,KV,D), out (B,T,H,D); head h uses kv head h / (H/KV).
-   * lse (B,H,T) fp32 saves the log-sum-exp of each softmax row for the backward, which
-   * recomputes the probabilities (no (T,T) matrix is kept between forward and backward). */
+   * lse (B,H,T) fp32 saves the natural log-sum-exp of each row of scaled scores for the
+   * backward, which recomputes the probabilities (no (T,T) matrix is kept between forward and
+   * backward). The backward WRITES dq, dk and dv (the one producer of those gradients; the
+   * exception to the accumulate rule above). Which kernel runs is attention_select's choice. */
   void (*attention_fwd)(backend_t *be, void *out, float *lse, const void *q, const void *k, const void *v, int b,
                         int t, int h, int kv, int d, dtype_t dt);
   void (*attention_bwd)(backend_t *be, void *dq, void *dk, void *dv, const void *dout, const void *q,
                         const void *k, const void *v, const void *out, const float *lse, int b, int t, int h, int kv,
                         int d, dtype_t dt);
 
-  /* --- SwiGLU. out(N,F) = silu(a) * g, with a = x W1^T and g = x W3^T. */
+  /* --- SwiGLU. out(N,F) = silu(a) * g, with a = x W1^T and g = x W3^T. The backward WRITES da
+   * and dg (their one producer; an exception to the accumulate rule, like attention_bwd). */
   void (*swiglu_fwd)(backend_t *be, void *out, const void *a, const void *g, size_t n, dtype_t dt);
   void (*swiglu_bwd)(backend_t *be, void *da, void *dg, const void *dout, const void *a, const void *g, size_t n,
                      dtype_t dt);
@@ -172,6 +188,13 @@ struct backend {
   /* Lets fp32 matmuls use TF32 tensor cores (10-bit mantissa inputs, fp32 accumulation); off by
    * default (plain fp32). */
   void (*set_tf32)(backend_t *be, int allow);
+  /* Chooses the attention kernel for the shape (b, t, h, kv, d) in dt, the model's (mode: an
+   * attn_choice_t): 1 when the backend's fused kernel will run, why saying which; 0 when its
+   * reference kernel will, why saying why under ATTN_AUTO; -1 when ATTN_FUSED asked for the fused
+   * kernel and it cannot run, why saying why. Other shapes later use the fused kernel where it
+   * takes them, else the reference. NULL: the backend has its reference kernel only. */
+  int (*attention_select)(backend_t *be, int mode, int b, int t, int h, int kv, int d, dtype_t dt, char *why,
+                          size_t len);
 };
 
 /* One compute backend as the registry lists it. Its own file defines the entry

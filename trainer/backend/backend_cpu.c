@@ -367,6 +367,11 @@ static double cpu_sumsq(backend_t *be, const float *x, size_t n) {
   return total;
 }
 
+static void cpu_sumsq_parts(backend_t *be, const float *x, const size_t *offset, const size_t *count, int n,
+                            double *out) {
+  for (int i = 0; i < n; i++) out[i] = cpu_sumsq(be, x + offset[i], count[i]);
+}
+
 /* Same dtypes: a byte copy, in chunks of PAR_MIN floats' bytes split among the threads. */
 static void cpu_convert(backend_t *be, void *dst, dtype_t dst_dt, const void *src, dtype_t src_dt, size_t n) {
   cpu_t *cp = cpu_of(be);
@@ -779,25 +784,28 @@ static void cpu_attention_fwd(backend_t *be, void *out, float *lse, const void *
   narrow(cp, out, s[3], nq);
 }
 
-/* bf16: dq, dk and dv sum over query blocks and query heads in fp32 scratch (their old values
- * widened first) and are rounded once at the end, not after every block. */
+/* bf16: dq, dk and dv sum over query blocks and query heads in fp32 scratch (from zero) and are
+ * rounded once at the end, not after every block. */
 static void cpu_attention_bwd(backend_t *be, void *dq, void *dk, void *dv, const void *dout, const void *q,
                               const void *k, const void *v, const void *out, const float *lse, int b, int t, int h,
                               int kv, int d, dtype_t dt) {
-  if (dt == DT_F32) {
+  const size_t nq = (size_t)b * t * h * d, nk = (size_t)b * t * kv * d;
+  if (dt == DT_F32) { /* the kernel accumulates; the contract writes */
+    memset(dq, 0, nq * sizeof(float));
+    memset(dk, 0, nk * sizeof(float));
+    memset(dv, 0, nk * sizeof(float));
     attention_bwd_f32(be, dq, dk, dv, dout, q, k, v, out, lse, b, t, h, kv, d);
     return;
   }
   cpu_t *cp = cpu_of(be);
-  size_t nq = (size_t)b * t * h * d, nk = (size_t)b * t * kv * d;
   float *s[8]; /* dq, dk, dv, dout, q, k, v, out */
   if (wide_bufs(cp, 8, (size_t[]){nq, nk, nk, nq, nq, nk, nk, nq}, s) != 0) {
     fill_nan_bf16(dq, nq);
     return;
   }
-  widen(cp, s[0], dq, nq);
-  widen(cp, s[1], dk, nk);
-  widen(cp, s[2], dv, nk);
+  memset(s[0], 0, nq * sizeof(float));
+  memset(s[1], 0, nk * sizeof(float));
+  memset(s[2], 0, nk * sizeof(float));
   widen(cp, s[3], dout, nq);
   widen(cp, s[4], q, nq);
   widen(cp, s[5], k, nk);
@@ -827,8 +835,8 @@ static void swiglu_bwd_f32(backend_t *be, float *da, float *dg, const float *dou
 #pragma omp parallel for num_threads(nt) schedule(static) if (n > PAR_MIN)
   for (size_t i = 0; i < n; i++) {
     float x = a[i], s = 1.0f / (1.0f + vexpf(-x)), d = dout[i];
-    da[i] += d * g[i] * s * (1.0f + x * (1.0f - s));
-    dg[i] += d * x * s;
+    da[i] = 0.0f + d * g[i] * s * (1.0f + x * (1.0f - s)); /* written; 0 + keeps the bits of += on zeros */
+    dg[i] = 0.0f + d * x * s;
   }
 }
 
@@ -856,14 +864,12 @@ static void cpu_swiglu_bwd(backend_t *be, void *da, void *dg, const void *dout, 
     return;
   }
   cpu_t *cp = cpu_of(be);
-  float *s[5]; /* da, dg, dout, a, g */
+  float *s[5]; /* da, dg (written by the kernel), dout, a, g */
   if (wide_bufs(cp, 5, (size_t[]){n, n, n, n, n}, s) != 0) {
     fill_nan_bf16(da, n);
     fill_nan_bf16(dg, n);
     return;
   }
-  widen(cp, s[0], da, n);
-  widen(cp, s[1], dg, n);
   widen(cp, s[2], dout, n);
   widen(cp, s[3], a, n);
   widen(cp, s[4], g, n);
@@ -1099,6 +1105,7 @@ backend_t *backend_cpu_create(int threads, char *err, size_t errlen) {
   be->add = cpu_add;
   be->scale = cpu_scale;
   be->sumsq = cpu_sumsq;
+  be->sumsq_parts = cpu_sumsq_parts;
   be->convert = cpu_convert;
   be->embedding_fwd = cpu_embedding_fwd;
   be->embedding_bwd = cpu_embedding_bwd;

@@ -1,19 +1,24 @@
 /* backend_cuda: the CUDA implementation of backend.h, fp32 or bf16 storage.
  *
- * Every call is queued on one stream that the backend owns; only to_device, to_host, sumsq
- * and synchronize wait for it (the first three because the host reads or reuses memory).
+ * Every call is queued on one stream that the backend owns; only to_device, to_host, sumsq,
+ * sumsq_parts (one wait for all its pieces) and synchronize wait for it (the host reads or
+ * reuses memory).
  * Matrix products go through cuBLASLt (row-major operands, called as the column-major product
  * c^T = op(b)^T op(a)^T); their descriptors and the chosen algorithm are cached per shape,
  * transposition, dtypes and pointer alignment, so one shape always runs the same algorithm.
  * fp32 operands: plain fp32 by default; set_tf32 (backend.h) lets them use TF32 tensor cores
  * (10-bit mantissa inputs). bf16 operands: bf16 tensor cores with fp32 accumulation
- * (CUBLAS_COMPUTE_32F), the output bf16 (rounded once) or fp32 (the dW += dy^T x of the
- * parameter gradients).
+ * (CUBLAS_COMPUTE_32F), the output bf16 or fp32 (the dW += dy^T x of the parameter gradients);
+ * a bf16 output's split-K partial sums are fp32 (the reduction-scheme preference).
+ * Attention: cuDNN's fused flash attention (tensor cores, attention_cudnn.h) where
+ * attention_select chose it (model.attention), else the reference kernel written here.
  * Everything else is a kernel written here: RMSNorm, RoPE, SwiGLU, embedding, softmax
- * cross-entropy and AdamW fused one pass each, and flash-style causal attention with
- * grouped-query heads that keeps no (T, T) matrix: tiles of 32 queries and 32 keys in shared
- * memory, an online softmax in the forward, the probabilities recomputed from the saved
- * log-sum-exp in the backward.
+ * cross-entropy and AdamW fused one pass each, and the reference flash-style causal attention
+ * with grouped-query heads that keeps no (T, T) matrix: tiles of 32 queries and 32 keys in
+ * shared memory, an online softmax in the forward, the probabilities recomputed from the saved
+ * log-sum-exp in the backward. In bf16 the SwiGLU, RMSNorm forward, RoPE and cross-entropy
+ * kernels load and store 8 elements (16 bytes) at a time where the pointers allow (bf16x8_t),
+ * with the same per-element arithmetic.
  *
  * Dtypes: each kernel is a template on its storage type T (float or __nv_bfloat16), and the
  * host wrapper picks the instantiation from the call's dt. Loads widen to fp32 (widen), all
@@ -35,9 +40,11 @@
  * looping over its query heads in order). The grid of every reduction depends on the sizes
  * only, never on the device.
  *
- * Not here: vectorized (2 or 8 bf16 per load) elementwise kernels, tensor-core attention,
- * overlap of communication. The fatal checks abort every live communicator before exiting
- * (trainer/backend/backend_cuda_check.h). Head dims above 128 are not supported. */
+ * cuDNN's backward is its deterministic algorithm (checked: reruns give the same bits).
+ *
+ * Not here: fused QKV and W1||W3 products, a multi-tensor AdamW, CUDA graphs, overlap of
+ * communication (issue 34's list). The fatal checks abort every live communicator before exiting
+ * (trainer/backend/backend_cuda_check.h). The reference attention takes head dims up to 128. */
 #include <cublasLt.h>
 #include <cublas_api.h>
 #include <cuda_bf16.h>
@@ -58,6 +65,7 @@ extern "C" {
 #include "common/gpus.h"
 #include "trainer/backend/backend.h"
 #include "trainer/backend/backend_cuda_check.h"
+#include "trainer/backend/attention_cudnn.h"
 }
 
 #define MM_CACHE 128                  /* cached matmul shapes */
@@ -103,6 +111,14 @@ __device__ __forceinline__ nv_bfloat16 narrow<nv_bfloat16>(float x) { return __f
       __VA_ARGS__;                                                                             \
     }                                                                                          \
   } while (0)
+
+/* Eight bf16 elements as one 16-byte load or store (the vectorized kernels' unit: their pointers
+ * are 16-byte aligned, aligned16, and a tail shorter than 8 goes to the one-element kernel). */
+typedef union {
+  uint4 u;
+  nv_bfloat16 h[8];
+} bf16x8_t;
+static int aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 
 /* ------------------------------------------------------------------ state */
 
@@ -152,6 +168,11 @@ typedef struct {
   int rope_t, rope_d, rope_offset, rope_valid;
   float rope_theta;
   mem_track_t mem;
+  /* attention: cuDNN's fused kernels once attention_select chose them (attention_cudnn.h) */
+  cudnn_att_t *cudnn;
+  int att_cudnn;         /* attention_select chose cuDNN: shapes it takes run there */
+  int att_fallback_said; /* a later shape that cuDNN refused has been reported */
+  scratch_t cudnn_ws;    /* cuDNN's workspace */
 } cuda_t;
 
 static cuda_t *cuda_of(backend_t *be) { return (cuda_t *)be->impl; }
@@ -383,6 +404,28 @@ static double cu_sumsq(backend_t *be, const float *x, size_t n) {
   return total;
 }
 
+/* The pieces' sums one after another on the stream, each with the kernels of cu_sumsq (so each
+ * sum has its bits), into a device array read back once: one wait instead of one per piece. */
+static void cu_sumsq_parts(backend_t *be, const float *x, const size_t *offset, const size_t *count, int n,
+                           double *out) {
+  cuda_t *cu = cuda_of(be);
+  if (n <= 0) return;
+  double *part = (double *)scratch_get(cu, &cu->sumsq, (SUMSQ_BLOCKS + (size_t)n) * sizeof(double));
+  double *totals = part + SUMSQ_BLOCKS;
+  for (int i = 0; i < n; i++) {
+    size_t g = (count[i] + 256 * 16 - 1) / (256 * 16);
+    if (g > SUMSQ_BLOCKS) g = SUMSQ_BLOCKS;
+    if (g) {
+      sumsq_partial_kernel<<<(unsigned)g, 256, 0, cu->stream>>>(part, x + offset[i], count[i]);
+      LAUNCH_CHECK("sumsq_partial_kernel");
+    }
+    sumsq_final_kernel<<<1, 1, 0, cu->stream>>>(totals + i, part, (int)g); /* g = 0 writes 0 */
+    LAUNCH_CHECK("sumsq_final_kernel");
+  }
+  CUDA_CHECK(cudaMemcpyAsync(out, totals, (size_t)n * sizeof(double), cudaMemcpyDeviceToHost, cu->stream));
+  CUDA_CHECK(cudaStreamSynchronize(cu->stream));
+}
+
 /* ------------------------------------------------------------------ matmul (cuBLASLt) */
 
 /* The largest power of two (at most 256) dividing the address, at least 2: a bf16 tensor
@@ -452,6 +495,14 @@ static mm_entry_t *mm_lookup(cuda_t *cu, int m, int n, int k, int ta, int tb, dt
   CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &a2, sizeof a2));
   CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &a3, sizeof a3));
   CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &a3, sizeof a3));
+  if (c_dt == DT_BF16) {
+    /* A split-K algorithm must add its partial sums in fp32 (the compute type), not in the bf16
+     * output (in place, or in output-type workspace): bf16 partials lose bits per split (an H200
+     * gave m=300 n=200 k=500 with both operands transposed results 1e-3 x max|c| off). */
+    uint32_t scheme = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &scheme,
+                                                      sizeof scheme));
+  }
   cublasLtMatmulHeuristicResult_t res;
   int found = 0;
   memset(&res, 0, sizeof res);
@@ -603,6 +654,44 @@ __global__ void rmsnorm_dw_kernel(float *dw, const float *part, int g, int c) {
   dw[j] += s;
 }
 
+/* bf16 rows of c = 8 c8 elements, 16-byte aligned: the forward above, 8 columns per load. (An
+ * 8-wide backward ran slower on an H200, 159 us against 123 for 8192 x 2048, its partial dw rows
+ * updated 32 bytes apart by neighbouring threads; docs/gpu.md says what would fix it.) */
+__global__ void rmsnorm_fwd_x8_kernel(uint4 *out, float *rstd, const uint4 *x, const uint4 *w, int c8, float eps) {
+  __shared__ float sh[32];
+  int i = blockIdx.x;
+  const uint4 *xi = x + (size_t)i * c8;
+  uint4 *oi = out + (size_t)i * c8;
+  float ss = 0.0f;
+  for (int j = threadIdx.x; j < c8; j += blockDim.x) {
+    bf16x8_t v;
+    v.u = xi[j];
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+      float xv = widen(v.h[k]);
+      ss += xv * xv;
+    }
+  }
+  ss = block_sum(ss, sh);
+  float r = 1.0f / sqrtf(ss / (float)(8 * c8) + eps);
+  if (threadIdx.x == 0) rstd[i] = r;
+  for (int j = threadIdx.x; j < c8; j += blockDim.x) {
+    bf16x8_t v, wv, o;
+    v.u = xi[j];
+    wv.u = w[j];
+#pragma unroll
+    for (int k = 0; k < 8; k++) o.h[k] = narrow<nv_bfloat16>(widen(v.h[k]) * r * widen(wv.h[k]));
+    oi[j] = o.u;
+  }
+}
+
+/* Threads for c8 groups a row: one group each, a multiple of 32, at most 1024. */
+static int rms_threads_x8(int c8) {
+  int t = 32;
+  while (t < 1024 && t < c8) t *= 2;
+  return t;
+}
+
 static int rms_threads(int c) {
   int t = 32;
   while (t < 1024 && t * 4 < c) t *= 2; /* about 4 columns per thread */
@@ -612,6 +701,12 @@ static int rms_threads(int c) {
 static void cu_rmsnorm_fwd(backend_t *be, void *out, float *rstd, const void *x, const void *w, int n, int c, float eps,
                            dtype_t dt) {
   if (n <= 0 || c <= 0) return;
+  if (dt == DT_BF16 && c % 8 == 0 && aligned16(out) && aligned16(x) && aligned16(w)) {
+    rmsnorm_fwd_x8_kernel<<<n, rms_threads_x8(c / 8), 0, cuda_of(be)->stream>>>(
+        (uint4 *)out, rstd, (const uint4 *)x, (const uint4 *)w, c / 8, eps);
+    LAUNCH_CHECK("rmsnorm_fwd_x8_kernel");
+    return;
+  }
   DT_DISPATCH(dt, rmsnorm_fwd_kernel<T><<<n, rms_threads(c), 0, cuda_of(be)->stream>>>((T *)out, rstd, (const T *)x,
                                                                                       (const T *)w, c, eps));
   LAUNCH_CHECK("rmsnorm_fwd_kernel");
@@ -662,6 +757,25 @@ __global__ void rope_kernel(T *x, const float *cs, const float *sn, size_t pairs
   }
 }
 
+/* bf16 with d a multiple of 8: four pairs of one head per 16-byte load, the same arithmetic. */
+__global__ void rope_x8_kernel(uint4 *x, const float *cs, const float *sn, size_t n8, int t, int h, int d, int half,
+                               float sign) {
+  for (size_t v = blockIdx.x * (size_t)blockDim.x + threadIdx.x; v < n8; v += (size_t)gridDim.x * blockDim.x) {
+    size_t e = v * 8, rest = e / d; /* (row, head) */
+    int i0 = (int)(e % d) / 2, p = (int)((rest / h) % t);
+    bf16x8_t xv;
+    xv.u = x[v];
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+      float c = cs[(size_t)p * half + i0 + q], s = sign * sn[(size_t)p * half + i0 + q];
+      float x0 = widen(xv.h[2 * q]), x1 = widen(xv.h[2 * q + 1]);
+      xv.h[2 * q] = narrow<nv_bfloat16>(__fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s)));
+      xv.h[2 * q + 1] = narrow<nv_bfloat16>(__fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c)));
+    }
+    x[v] = xv.u;
+  }
+}
+
 static void rope_apply(backend_t *be, void *x, int b, int t, int h, int d, int pos_offset, float theta, float sign,
                        dtype_t dt) {
   cuda_t *cu = cuda_of(be);
@@ -678,6 +792,12 @@ static void rope_apply(backend_t *be, void *x, int b, int t, int h, int d, int p
   }
   const float *cs = (const float *)cu->rope.p, *sn = cs + (size_t)t * half;
   size_t pairs = (size_t)b * t * h * half;
+  if (dt == DT_BF16 && d % 8 == 0 && aligned16(x)) {
+    size_t n8 = pairs / 4;
+    rope_x8_kernel<<<ew_blocks(n8), EW_THREADS, 0, cu->stream>>>((uint4 *)x, cs, sn, n8, t, h, d, half, sign);
+    LAUNCH_CHECK("rope_x8_kernel");
+    return;
+  }
   DT_DISPATCH(dt, rope_kernel<T><<<ew_blocks(pairs), EW_THREADS, 0, cu->stream>>>((T *)x, cs, sn, pairs, t, h, d, half,
                                                                                  sign));
   LAUNCH_CHECK("rope_kernel");
@@ -1108,10 +1228,63 @@ static void att_bwd_typed(cuda_t *cu, T *dq, T *dk, T *dv, const T *dout, const 
   else att_bwd_launch<128, T>(cu, dq, dk, dv, dout, q, k, v, lse, delta, b, t, h, kv, d);
 }
 
+/* cuDNN's workspace: the backend's scratch, so that its memory counts in the peak. */
+static void *cudnn_workspace(void *ctx, size_t bytes) {
+  cuda_t *cu = (cuda_t *)ctx;
+  return scratch_get(cu, &cu->cudnn_ws, bytes);
+}
+
+static int cu_attention_select(backend_t *be, int mode, int b, int t, int h, int kv, int d, dtype_t dt, char *why,
+                               size_t len) {
+  cuda_t *cu = cuda_of(be);
+  char e[400] = "";
+  int det = 1;
+  cu->att_cudnn = 0;
+  if (mode == ATTN_REFERENCE) {
+    snprintf(why, len, "the reference kernel (model.attention reference)");
+    return 0;
+  }
+  if (dt != DT_BF16)
+    snprintf(e, sizeof e, "cuDNN's flash attention needs bf16 compute, and param_dtype is %s", dtype_name(dt));
+  else if (!cu->cudnn)
+    cu->cudnn = cudnn_att_open(cu->stream, cudnn_workspace, cu, e, sizeof e);
+  if (cu->cudnn && !e[0] && cudnn_att_prepare(cu->cudnn, b, t, h, kv, d, &det, e, sizeof e) == 0) {
+    cu->att_cudnn = 1;
+    snprintf(why, len, "cuDNN %s fused flash attention%s", cudnn_att_version(cu->cudnn),
+             det ? "" : " (its backward is not deterministic: this cuDNN refused the deterministic one)");
+    return 1;
+  }
+  if (cu->cudnn && strncmp(e, "cuDNN", 5))
+    snprintf(why, len, "cuDNN %s refused B=%d T=%d H=%d KV=%d D=%d: %s", cudnn_att_version(cu->cudnn), b, t, h, kv,
+             d, e);
+  else
+    snprintf(why, len, "%s", e);
+  return mode == ATTN_FUSED ? -1 : 0;
+}
+
+/* Whether this call runs on cuDNN: chosen by attention_select, and the shape taken (a refused
+ * shape runs the reference kernel in both directions, said once). */
+static int att_on_cudnn(cuda_t *cu, int b, int t, int h, int kv, int d, dtype_t dt) {
+  if (!cu->att_cudnn || dt != DT_BF16) return 0;
+  char e[400];
+  if (cudnn_att_prepare(cu->cudnn, b, t, h, kv, d, NULL, e, sizeof e) == 0) return 1;
+  if (!cu->att_fallback_said)
+    fprintf(stderr, "trainer: attention B=%d T=%d H=%d KV=%d D=%d runs the reference kernel: cuDNN refused it: %s\n",
+            b, t, h, kv, d, e);
+  cu->att_fallback_said = 1;
+  return 0;
+}
+
 static void cu_attention_fwd(backend_t *be, void *out, float *lse, const void *q, const void *k, const void *v, int b,
                              int t, int h, int kv, int d, dtype_t dt) {
   cuda_t *cu = cuda_of(be);
   if (b <= 0 || t <= 0 || h <= 0) return;
+  if (att_on_cudnn(cu, b, t, h, kv, d, dt)) {
+    char e[400];
+    if (cudnn_att_fwd(cu->cudnn, out, lse, q, k, v, b, t, h, kv, d, e, sizeof e))
+      backend_fatal(__FILE__, __LINE__, "cudnn_att_fwd", e);
+    return;
+  }
   att_check_dims(h, kv, d);
   DT_DISPATCH(dt, att_fwd_typed<T>(cu, (T *)out, lse, (const T *)q, (const T *)k, (const T *)v, b, t, h, kv, d));
 }
@@ -1121,43 +1294,114 @@ static void cu_attention_bwd(backend_t *be, void *dq, void *dk, void *dv, const 
                              int kv, int d, dtype_t dt) {
   cuda_t *cu = cuda_of(be);
   if (b <= 0 || t <= 0 || h <= 0) return;
+  if (att_on_cudnn(cu, b, t, h, kv, d, dt)) {
+    char e[400];
+    if (cudnn_att_bwd(cu->cudnn, dq, dk, dv, dout, q, k, v, out, lse, b, t, h, kv, d, e, sizeof e))
+      backend_fatal(__FILE__, __LINE__, "cudnn_att_bwd", e);
+    return;
+  }
   att_check_dims(h, kv, d);
+  const size_t es = dtype_size(dt), nq = (size_t)b * t * h * d, nk = (size_t)b * t * kv * d;
+  CUDA_CHECK(cudaMemsetAsync(dq, 0, nq * es, cu->stream)); /* the kernels accumulate; the contract writes */
+  CUDA_CHECK(cudaMemsetAsync(dk, 0, nk * es, cu->stream));
+  CUDA_CHECK(cudaMemsetAsync(dv, 0, nk * es, cu->stream));
   DT_DISPATCH(dt, att_bwd_typed<T>(cu, (T *)dq, (T *)dk, (T *)dv, (const T *)dout, (const T *)q, (const T *)k,
                                    (const T *)v, (const T *)out, lse, b, t, h, kv, d));
 }
 
 /* ------------------------------------------------------------------ SwiGLU */
 
-template <typename T>
-__global__ void swiglu_fwd_kernel(T *out, const T *a, const T *g, size_t n) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-    float x = widen(a[i]);
-    out[i] = narrow<T>(x / (1.0f + expf(-x)) * widen(g[i]));
-  }
+/* One element of each direction, the same expressions whatever the width of the load. */
+__device__ __forceinline__ float swiglu_one(float x, float gv) { return x / (1.0f + expf(-x)) * gv; }
+/* silu(a) = a s, s = sigmoid(a); silu'(a) = s (1 + a (1 - s)). The gradients are written: 0 + ...
+ * keeps the bits that accumulating into zeroed buffers gave. */
+__device__ __forceinline__ void swiglu_grad_one(float x, float gv, float d, float &da, float &dg) {
+  float s = 1.0f / (1.0f + expf(-x));
+  da = 0.0f + d * gv * s * (1.0f + x * (1.0f - s));
+  dg = 0.0f + d * x * s;
 }
 
-/* silu(a) = a s, s = sigmoid(a); silu'(a) = s (1 + a (1 - s)). */
+template <typename T>
+__global__ void swiglu_fwd_kernel(T *out, const T *a, const T *g, size_t n) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+    out[i] = narrow<T>(swiglu_one(widen(a[i]), widen(g[i])));
+}
+
 template <typename T>
 __global__ void swiglu_bwd_kernel(T *da, T *dg, const T *dout, const T *a, const T *g, size_t n) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-    float x = widen(a[i]), s = 1.0f / (1.0f + expf(-x)), d = widen(dout[i]), gv = widen(g[i]);
-    da[i] = narrow<T>(widen(da[i]) + d * gv * s * (1.0f + x * (1.0f - s)));
-    dg[i] = narrow<T>(widen(dg[i]) + d * x * s);
+    float ga, gg;
+    swiglu_grad_one(widen(a[i]), widen(g[i]), widen(dout[i]), ga, gg);
+    da[i] = narrow<T>(ga);
+    dg[i] = narrow<T>(gg);
   }
 }
 
+
+__global__ void swiglu_fwd_x8_kernel(uint4 *out, const uint4 *a, const uint4 *g, size_t n8) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n8; i += (size_t)gridDim.x * blockDim.x) {
+    bf16x8_t av, gv, o;
+    av.u = a[i];
+    gv.u = g[i];
+#pragma unroll
+    for (int j = 0; j < 8; j++) o.h[j] = narrow<nv_bfloat16>(swiglu_one(widen(av.h[j]), widen(gv.h[j])));
+    out[i] = o.u;
+  }
+}
+
+__global__ void swiglu_bwd_x8_kernel(uint4 *da, uint4 *dg, const uint4 *dout, const uint4 *a, const uint4 *g,
+                                     size_t n8) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n8; i += (size_t)gridDim.x * blockDim.x) {
+    bf16x8_t av, gv, dv, oa, og;
+    av.u = a[i];
+    gv.u = g[i];
+    dv.u = dout[i];
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+      float ga, gg;
+      swiglu_grad_one(widen(av.h[j]), widen(gv.h[j]), widen(dv.h[j]), ga, gg);
+      oa.h[j] = narrow<nv_bfloat16>(ga);
+      og.h[j] = narrow<nv_bfloat16>(gg);
+    }
+    da[i] = oa.u;
+    dg[i] = og.u;
+  }
+}
+
+
 static void cu_swiglu_fwd(backend_t *be, void *out, const void *a, const void *g, size_t n, dtype_t dt) {
   if (!n) return;
-  DT_DISPATCH(dt, swiglu_fwd_kernel<T><<<ew_blocks(n), EW_THREADS, 0, cuda_of(be)->stream>>>(
-                      (T *)out, (const T *)a, (const T *)g, n));
+  cudaStream_t st = cuda_of(be)->stream;
+  size_t n8 = 0;
+  if (dt == DT_BF16 && aligned16(out) && aligned16(a) && aligned16(g) && (n8 = n / 8)) {
+    swiglu_fwd_x8_kernel<<<ew_blocks(n8), EW_THREADS, 0, st>>>((uint4 *)out, (const uint4 *)a, (const uint4 *)g, n8);
+    LAUNCH_CHECK("swiglu_fwd_x8_kernel");
+  }
+  size_t done = n8 * 8, es = dtype_size(dt);
+  if (done == n) return;
+  DT_DISPATCH(dt, swiglu_fwd_kernel<T><<<ew_blocks(n - done), EW_THREADS, 0, st>>>(
+                      (T *)((char *)out + done * es), (const T *)((const char *)a + done * es),
+                      (const T *)((const char *)g + done * es), n - done));
   LAUNCH_CHECK("swiglu_fwd_kernel");
 }
 
 static void cu_swiglu_bwd(backend_t *be, void *da, void *dg, const void *dout, const void *a, const void *g, size_t n,
                           dtype_t dt) {
   if (!n) return;
-  DT_DISPATCH(dt, swiglu_bwd_kernel<T><<<ew_blocks(n), EW_THREADS, 0, cuda_of(be)->stream>>>(
-                      (T *)da, (T *)dg, (const T *)dout, (const T *)a, (const T *)g, n));
+  cudaStream_t st = cuda_of(be)->stream;
+  size_t n8 = 0;
+  if (dt == DT_BF16 && aligned16(da) && aligned16(dg) && aligned16(dout) && aligned16(a) && aligned16(g) &&
+      (n8 = n / 8)) {
+    swiglu_bwd_x8_kernel<<<ew_blocks(n8), EW_THREADS, 0, st>>>((uint4 *)da, (uint4 *)dg, (const uint4 *)dout,
+                                                               (const uint4 *)a, (const uint4 *)g, n8);
+    LAUNCH_CHECK("swiglu_bwd_x8_kernel");
+  }
+  size_t done = n8 * 8, es = dtype_size(dt);
+  if (done == n) return;
+#define AT(p) ((char *)(p) + done * es)
+  DT_DISPATCH(dt, swiglu_bwd_kernel<T><<<ew_blocks(n - done), EW_THREADS, 0, st>>>(
+                      (T *)AT(da), (T *)AT(dg), (const T *)AT(dout), (const T *)AT(a), (const T *)AT(g), n - done));
+#undef AT
   LAUNCH_CHECK("swiglu_bwd_kernel");
 }
 
@@ -1235,9 +1479,91 @@ __global__ void cross_entropy_kernel(float *losses, T *dlogits, const T *logits,
 
 static int ce_threads(int v) { return v >= 8192 ? 1024 : v >= 1024 ? 256 : 64; }
 
+/* The block's (max, sum) merged into every thread, in a fixed tree (cross_entropy_kernel's). */
+__device__ __forceinline__ void lse_block(float &m, float &s, float *shm, float *shs) {
+  int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  for (int o = 16; o > 0; o >>= 1) {
+    float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
+    lse_merge(m, s, m2, s2);
+  }
+  if (lane == 0) shm[w] = m, shs[w] = s;
+  __syncthreads();
+  m = lane < nw ? shm[lane] : -INFINITY;
+  s = lane < nw ? shs[lane] : 0.0f;
+  for (int o = 16; o > 0; o >>= 1) {
+    float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
+    lse_merge(m, s, m2, s2);
+  }
+}
+
+/* bf16 rows read and written 8 elements (16 bytes) at a time: rows 16-byte aligned (ld a multiple
+ * of 8, aligned pointers). Each thread folds a group's max into its running (max, sum) once, so
+ * one exp per element plus one per group. Same contract as cross_entropy_kernel. */
+__global__ void cross_entropy_x8_kernel(float *losses, nv_bfloat16 *dlogits, const nv_bfloat16 *logits,
+                                        const int32_t *targets, int v, int ld, float grad_scale) {
+  __shared__ float shm[32], shs[32];
+  int i = blockIdx.x, tid = threadIdx.x, v8 = v / 8;
+  const nv_bfloat16 *li = logits + (size_t)i * ld;
+  nv_bfloat16 *di = dlogits ? dlogits + (size_t)i * ld : NULL;
+  int tg = targets[i];
+  if (tg < 0 || tg >= v) {
+    if (tid == 0) losses[i] = 0.0f;
+    if (di)
+      for (int j = tid; j < ld; j += blockDim.x) di[j] = narrow<nv_bfloat16>(0.0f);
+    return;
+  }
+  float m = -INFINITY, s = 0.0f;
+  const uint4 *l8 = (const uint4 *)li;
+  for (int j = tid; j < v8; j += blockDim.x) {
+    bf16x8_t x;
+    x.u = l8[j];
+    float f[8], mx = -INFINITY;
+#pragma unroll
+    for (int k = 0; k < 8; k++) f[k] = widen(x.h[k]), mx = fmaxf(mx, f[k]);
+    if (mx > m) s *= expf(m - mx), m = mx;
+#pragma unroll
+    for (int k = 0; k < 8; k++) s += expf(f[k] - m);
+  }
+  for (int j = v8 * 8 + tid; j < v; j += blockDim.x) { /* the tail past the last group */
+    float x = widen(li[j]);
+    if (x > m) s = s * expf(m - x) + 1.0f, m = x;
+    else s += expf(x - m);
+  }
+  float xt = widen(li[tg]); /* every thread reads it before any thread writes */
+  lse_block(m, s, shm, shs);
+  float lse = m + logf(s);
+  if (tid == 0) losses[i] = lse - xt;
+  if (!di) return;
+  __syncthreads(); /* the target's logit is read by all before the row is overwritten */
+  uint4 *d8 = (uint4 *)di;
+  for (int j = tid; j < v8; j += blockDim.x) {
+    bf16x8_t x, o;
+    x.u = l8[j];
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+      float g = expf(widen(x.h[k]) - lse) * grad_scale;
+      if (j * 8 + k == tg) g -= grad_scale;
+      o.h[k] = narrow<nv_bfloat16>(g);
+    }
+    d8[j] = o.u;
+  }
+  for (int j = v8 * 8 + tid; j < v; j += blockDim.x) {
+    float g = expf(widen(li[j]) - lse) * grad_scale;
+    if (j == tg) g -= grad_scale;
+    di[j] = narrow<nv_bfloat16>(g);
+  }
+  for (int j = v + tid; j < ld; j += blockDim.x) di[j] = narrow<nv_bfloat16>(0.0f);
+}
+
 static void cu_cross_entropy(backend_t *be, float *losses, void *dlogits, const void *logits, const int32_t *targets,
                              int n, int v, int ld, float grad_scale, dtype_t dt) {
   if (n <= 0) return;
+  if (dt == DT_BF16 && ld % 8 == 0 && aligned16(logits) && (!dlogits || aligned16(dlogits))) {
+    cross_entropy_x8_kernel<<<n, ce_threads(v), 0, cuda_of(be)->stream>>>(
+        losses, (nv_bfloat16 *)dlogits, (const nv_bfloat16 *)logits, targets, v, ld, grad_scale);
+    LAUNCH_CHECK("cross_entropy_x8_kernel");
+    return;
+  }
   DT_DISPATCH(dt, cross_entropy_kernel<T><<<n, ce_threads(v), 0, cuda_of(be)->stream>>>(
                       losses, (T *)dlogits, (const T *)logits, targets, v, ld, grad_scale));
   LAUNCH_CHECK("cross_entropy_kernel");
@@ -1394,6 +1720,8 @@ static void cu_destroy(backend_t *be) {
     scratch_free(cu, &cu->emb_pos_sorted);
     scratch_free(cu, &cu->emb_cub);
     scratch_free(cu, &cu->rope);
+    cudnn_att_close(cu->cudnn);
+    scratch_free(cu, &cu->cudnn_ws);
     if (cu->workspace) cudaFree(cu->workspace);
     free(cu->mem.v);
     if (cu->lt) cublasLtDestroy(cu->lt);
@@ -1496,6 +1824,7 @@ static backend_t *cu_create(int device, int threads, char *err, size_t errlen) {
   be->add = cu_add;
   be->scale = cu_scale;
   be->sumsq = cu_sumsq;
+  be->sumsq_parts = cu_sumsq_parts;
   be->convert = cu_convert;
   be->embedding_fwd = cu_embedding_fwd;
   be->embedding_bwd = cu_embedding_bwd;
@@ -1516,6 +1845,7 @@ static backend_t *cu_create(int device, int threads, char *err, size_t errlen) {
   be->destroy = cu_destroy;
   be->peak_flops = cu_peak_flops;
   be->set_tf32 = cu_set_tf32;
+  be->attention_select = cu_attention_select;
   return be;
 
 fail:

@@ -640,6 +640,26 @@ static int setup_chunks(model_t *m, const model_opts_t *opts, char *err, size_t 
   return 0;
 }
 
+/* model.attention (attn_choice_t) for this model's shape: the backend's choice said once, or -1
+ * with a plan error when the fused kernel was asked for and cannot be had. */
+static int attention_choose(model_t *m, int mode, int b, int t, char *err, size_t errlen) {
+  backend_t *be = m->be;
+  char why[512] = "";
+  if (!be->attention_select) {
+    if (mode == ATTN_FUSED)
+      return err_set(err, errlen, -1, "plan error: model.attention: %s: device %s has no fused attention kernel: "
+                     "use %s or %s", attention_names[ATTN_FUSED], be->name, attention_names[ATTN_AUTO],
+                     attention_names[ATTN_REFERENCE]);
+    return 0;
+  }
+  int r = be->attention_select(be, mode, b, t, m->Hl, m->KVl, m->D, m->dt, why, sizeof why);
+  if (r < 0)
+    return err_set(err, errlen, -1, "plan error: model.attention: %s: %s: use %s or %s", attention_names[ATTN_FUSED],
+                   why, attention_names[ATTN_AUTO], attention_names[ATTN_REFERENCE]);
+  log_rank0("attention: %s%s", r ? "" : "reference kernel: ", why);
+  return 0;
+}
+
 int model_create_opts(model_t **out, const plan_model_t *cfg, backend_t *be, const model_opts_t *opts, char *err,
                       size_t errlen) {
   *out = NULL;
@@ -793,6 +813,10 @@ int model_create_opts(model_t **out, const plan_model_t *cfg, backend_t *be, con
     log_debug("model: tp %d/%d: heads %d/%d, kv %d/%d, ffn %d/%d, vocab rows %d+%d (padded %d)%s%s", m->tp_rank, m->tp,
               m->Hl, m->H, m->KVl, m->KV, m->Fl, m->F, m->Ve, m->Vo, m->Vp, m->sp ? ", sequence parallel" : "",
               m->lp ? ", loss parallel" : "");
+  if (attention_choose(m, cfg->attention, max_b, max_t, err, errlen)) {
+    model_destroy(m);
+    return MODEL_EPLAN;
+  }
 
   *out = m;
   return 0;
@@ -1283,8 +1307,6 @@ static void block_backward(model_t *m, int l, int b, int t) {
 
   /* out = x_mid + h w2^T */
   rowwise_bwd(m, m->dh, a->h, cparam_of(m, lt->w2), grad_of(m, lt->w2), F, "all_gather of feed_forward gradient");
-  be->zero(be, m->da, (size_t)Np * F * m->es);
-  be->zero(be, m->dg, (size_t)Np * F * m->es);
   be->swiglu_bwd(be, m->da, m->dg, m->dh, a->a, a->g, (size_t)Np * F, m->dt);
   mm_dw(m, grad_of(m, lt->w1), m->da, a->xn_ffn, F, C);
   mm_dw(m, grad_of(m, lt->w3), m->dg, a->xn_ffn, F, C);
@@ -1294,9 +1316,12 @@ static void block_backward(model_t *m, int l, int b, int t) {
 
   /* x_mid = x + att wo^T */
   rowwise_bwd(m, m->datt, a->att, cparam_of(m, lt->wo), grad_of(m, lt->wo), HD, "all_gather of attention gradient");
-  be->zero(be, m->dq, (size_t)Np * HD * m->es);
-  be->zero(be, m->dk, (size_t)Np * KD * m->es);
-  be->zero(be, m->dv, (size_t)Np * KD * m->es);
+  const size_t rows = (size_t)b * t, pad = (size_t)Np - rows; /* attention writes B*T rows; SP padding stays 0 */
+  if (pad) {
+    be->zero(be, at(m, m->dq, rows * HD), pad * HD * m->es);
+    be->zero(be, at(m, m->dk, rows * KD), pad * KD * m->es);
+    be->zero(be, at(m, m->dv, rows * KD), pad * KD * m->es);
+  }
   be->attention_bwd(be, m->dq, m->dk, m->dv, m->datt, a->q, a->k, a->v, a->att, a->lse, b, t, m->Hl, m->KVl, m->D,
                     m->dt);
   be->rope_bwd(be, m->dq, b, t, m->Hl, m->D, 0, m->theta, m->dt);

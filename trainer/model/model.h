@@ -127,7 +127,10 @@ typedef struct {
 } model_memory_t;
 
 /* Builds the model for cfg (hidden_dim already resolved) and activations for batches of up to
- * max_b sequences of max_t tokens. decay_norms / decay_embeddings fill model_tensor_t.decay. */
+ * max_b sequences of max_t tokens. decay_norms / decay_embeddings fill model_tensor_t.decay.
+ * 0, or -1 with err, or MODEL_EPLAN with a plan error in err (model.attention cannot be had:
+ * exit 2, not retried). The attention kernel is chosen here for the (max_b, max_t) shape. */
+#define MODEL_EPLAN (-2)
 int model_create(model_t **out, const plan_model_t *cfg, backend_t *be, int max_b, int max_t,
                  int decay_norms, int decay_embeddings, char *err, size_t errlen);
 /* The general form: model_create is model_create_opts with tp NULL and flat buffers. */

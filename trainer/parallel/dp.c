@@ -121,8 +121,21 @@ int dp_rank_of(comm_t *c) { return c ? comm_rank(c) : 0; }
 
 int dp_norm_of(dp_impl_t *d, const float *g, comm_t *shard_hcomm, double *norm) {
   double split = 0, repl = 0;
+  if (!d->part_sumsq) {
+    const size_t n = d->n_parts > 0 ? (size_t)d->n_parts : 1;
+    d->part_off = malloc(n * sizeof *d->part_off);
+    d->part_len = malloc(n * sizeof *d->part_len);
+    d->part_sumsq = malloc(n * sizeof *d->part_sumsq);
+    if (!d->part_off || !d->part_len || !d->part_sumsq)
+      return dp_fail(d, COMM_ESYSTEM, "dp error: out of memory for the gradient norm parts");
+    for (int i = 0; i < d->n_parts; i++) {
+      d->part_off[i] = d->parts[i].offset;
+      d->part_len[i] = d->parts[i].numel;
+    }
+  }
+  d->be->sumsq_parts(d->be, g, d->part_off, d->part_len, d->n_parts, d->part_sumsq); /* one wait */
   for (int i = 0; i < d->n_parts; i++) {
-    double s = d->be->sumsq(d->be, g + d->parts[i].offset, d->parts[i].numel);
+    double s = d->part_sumsq[i];
     if (d->tp > 1 && d->parts[i].tp_split == MODEL_TP_REPLICATED) repl += s;
     else split += s;
   }
@@ -179,6 +192,9 @@ void dp_destroy(dp_t *dp) {
   free(d->goff);
   free(d->holder);
   free(d->parts);
+  free(d->part_off);
+  free(d->part_len);
+  free(d->part_sumsq);
   free(d->ck_ts);
   free(d->blo);
   free(d->bhi);

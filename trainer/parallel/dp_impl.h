@@ -139,6 +139,8 @@ struct dp_impl {
 
   dp_part_t *parts;
   int n_parts;
+  size_t *part_off, *part_len; /* (n_parts) the parts as sumsq_parts takes them (dp_norm_of) */
+  double *part_sumsq;
   model_tensor_t *ck_ts; /* (ck_nt) copies of the model's tensors: checkpoint chunks name them */
   int ck_nt;
   optim_t opt;

@@ -12,6 +12,8 @@
  * and the modules that use those keys do. Messages go to the caller's buffer; nothing exits. */
 #include "trainer/plan/plan.h"
 
+#include "trainer/backend/backend.h" /* attention_names */
+
 #include <cJSON.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -144,6 +146,7 @@ static const field_t model_fields[] = {
     K_DBL("norm_eps", model.norm_eps, 0, 1, INFINITY, 0, 1e-5),
     K_DBL("init_std", model.init_std, 0, 1, INFINITY, 0, 0.02),
     K_STR("init", model.init, ""),
+    K_ENUM("attention", model.attention, attention_names, ATTN_AUTO), /* backend.h's list */
     K_END};
 
 static const field_t mesh_fields[] = {

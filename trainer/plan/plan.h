@@ -58,6 +58,7 @@ typedef struct {
   double norm_eps;       /* default 1e-5 */
   double init_std;       /* default 0.02 */
   char init[PLAN_PATH_MAX]; /* "" = random from seed; else weights: ours, llama2.c .bin, HF dir */
+  int attention;         /* attn_choice_t (backend.h): which attention kernel (model.attention) */
 } plan_model_t;
 
 typedef struct {

@@ -853,7 +853,11 @@ int main(int argc, char **argv) {
     if (pipeline_setup(&ppr, p, mesh, err, sizeof err)) goto error;
     pp = &ppr;
   }
-  if (model_setup(&m, &tpo, p, be, mesh, pp, err, sizeof err)) goto error;
+  int mrc = model_setup(&m, &tpo, p, be, mesh, pp, err, sizeof err);
+  if (mrc) {
+    if (mrc == MODEL_EPLAN) code = 2, plan_failed = 1;
+    goto error;
+  }
   plan_json = plan_to_json(p);
   if (dp_create(&dp, m, be, mesh, p, err, sizeof err)) goto error;
   if (pp) {

@@ -124,6 +124,15 @@ static double w_sumsq(backend_t *be, const float *x, size_t n) {
   return r;
 }
 
+static void w_sumsq_parts(backend_t *be, const float *x, const size_t *offset, const size_t *count, int n,
+                          double *out) {
+  double t0 = prof_begin();
+  size_t all = 0;
+  for (int i = 0; i < n; i++) all += count[i];
+  P.orig.sumsq_parts(be, x, offset, count, n, out);
+  prof_end(t0, "sumsq_parts", 0, "%d parts n%zu fp32", n, all);
+}
+
 static void w_convert(backend_t *be, void *dst, dtype_t dst_dt, const void *src, dtype_t src_dt, size_t n) {
   double t0 = prof_begin();
   P.orig.convert(be, dst, dst_dt, src, src_dt, n);
@@ -253,6 +262,7 @@ int opprof_install(backend_t *be, int step, FILE *out) {
   be->add = w_add;
   be->scale = w_scale;
   be->sumsq = w_sumsq;
+  be->sumsq_parts = w_sumsq_parts;
   be->convert = w_convert;
   be->embedding_fwd = w_embedding_fwd;
   be->embedding_bwd = w_embedding_bwd;
