@@ -96,7 +96,7 @@ static int rank_world1(int rank, int n, store_t *st, void *arg) {
   /* The backend itself (the dispatch would answer a group of one without NCCL). */
   const comm_op_t ops[] = {COMM_SUM, COMM_AVG, COMM_MAX};
   for (int i = 0; i < 3; i++) {
-    int rc = c->ops->all_reduce(c, d, cnt, COMM_FLOAT32, ops[i]);
+    int rc = c->ops->all_reduce(c, d, cnt, DT_F32, ops[i]);
     if (rc) {
       fprintf(stderr, "nccl all_reduce: %s\n", comm_errmsg(c));
       return 1;
@@ -106,14 +106,14 @@ static int rank_world1(int rank, int n, store_t *st, void *arg) {
     snprintf(what, sizeof what, "all_reduce(%s) of %zu floats", comm_op_name(ops[i]), cnt);
     bad |= check(what, h, got, cnt);
   }
-  if (c->ops->broadcast(c, d, cnt, COMM_FLOAT32, 0) || c->ops->barrier(c)) {
+  if (c->ops->broadcast(c, d, cnt, DT_F32, 0) || c->ops->barrier(c)) {
     fprintf(stderr, "nccl broadcast/barrier: %s\n", comm_errmsg(c));
     return 1;
   }
   CK(cudaMemcpy(got, d, cnt * sizeof(float), cudaMemcpyDeviceToHost));
   bad |= check("broadcast", h, got, cnt);
   /* bf16 moves through NCCL too (a group of one returns it unchanged). */
-  if (c->ops->all_reduce(c, d, cnt / 2, COMM_BFLOAT16, COMM_SUM)) {
+  if (c->ops->all_reduce(c, d, cnt / 2, DT_BF16, COMM_SUM)) {
     fprintf(stderr, "nccl bf16 all_reduce: %s\n", comm_errmsg(c));
     return 1;
   }
@@ -121,14 +121,14 @@ static int rank_world1(int rank, int n, store_t *st, void *arg) {
   bad |= check("all_reduce(sum) as bf16 pairs", h, got, cnt);
   /* The dispatch's device copies. */
   CK(cudaMemset(d2, 0, cnt * sizeof(float)));
-  if (comm_all_gather(c, d, d2, cnt, COMM_FLOAT32) != COMM_OK) {
+  if (comm_all_gather(c, d, d2, cnt, DT_F32) != COMM_OK) {
     fprintf(stderr, "all_gather: %s\n", comm_errmsg(c));
     return 1;
   }
   CK(cudaMemcpy(got, d2, cnt * sizeof(float), cudaMemcpyDeviceToHost));
   bad |= check("all_gather (dispatch copy)", h, got, cnt);
   CK(cudaMemset(d2, 0, cnt * sizeof(float)));
-  if (comm_reduce_scatter(c, d, d2, cnt, COMM_FLOAT32, COMM_SUM) != COMM_OK) {
+  if (comm_reduce_scatter(c, d, d2, cnt, DT_F32, COMM_SUM) != COMM_OK) {
     fprintf(stderr, "reduce_scatter: %s\n", comm_errmsg(c));
     return 1;
   }
@@ -204,22 +204,22 @@ static int rank_staged(int rank, int n, store_t *st, void *arg) {
   fill(h, all, 10 + (uint64_t)rank);
   memcpy(want, h, cnt * sizeof(float));
   be->to_device(be, d, h, cnt * sizeof(float));
-  bad |= comm_all_reduce(ref, want, cnt, COMM_FLOAT32, COMM_SUM) || comm_all_reduce(stg, d, cnt, COMM_FLOAT32, COMM_SUM);
+  bad |= comm_all_reduce(ref, want, cnt, DT_F32, COMM_SUM) || comm_all_reduce(stg, d, cnt, DT_F32, COMM_SUM);
   be->to_host(be, got, d, cnt * sizeof(float));
   if (rank == 0) bad |= check("staged all_reduce(sum) vs cpu", want, got, cnt);
   else bad |= memcmp(want, got, cnt * sizeof(float)) != 0;
   be->to_device(be, d, h, all * sizeof(float));
-  bad |= comm_reduce_scatter(ref, h, want, cnt, COMM_FLOAT32, COMM_AVG) ||
-         comm_reduce_scatter(stg, d, d2, cnt, COMM_FLOAT32, COMM_AVG);
+  bad |= comm_reduce_scatter(ref, h, want, cnt, DT_F32, COMM_AVG) ||
+         comm_reduce_scatter(stg, d, d2, cnt, DT_F32, COMM_AVG);
   be->to_host(be, got, d2, cnt * sizeof(float));
   if (rank == 0) bad |= check("staged reduce_scatter(avg) vs cpu", want, got, cnt);
   else bad |= memcmp(want, got, cnt * sizeof(float)) != 0;
-  bad |= comm_all_gather(ref, h, want, cnt, COMM_FLOAT32) || comm_all_gather(stg, d, d2, cnt, COMM_FLOAT32);
+  bad |= comm_all_gather(ref, h, want, cnt, DT_F32) || comm_all_gather(stg, d, d2, cnt, DT_F32);
   be->to_host(be, got, d2, all * sizeof(float));
   if (rank == 0) bad |= check("staged all_gather vs cpu", want, got, all);
   else bad |= memcmp(want, got, all * sizeof(float)) != 0;
   memcpy(want, h, cnt * sizeof(float));
-  bad |= comm_broadcast(ref, want, cnt, COMM_FLOAT32, 1) || comm_broadcast(stg, d, cnt, COMM_FLOAT32, 1);
+  bad |= comm_broadcast(ref, want, cnt, DT_F32, 1) || comm_broadcast(stg, d, cnt, DT_F32, 1);
   be->to_host(be, got, d, cnt * sizeof(float));
   if (rank == 0) bad |= check("staged broadcast(root 1) vs cpu", want, got, cnt);
   else bad |= memcmp(want, got, cnt * sizeof(float)) != 0;

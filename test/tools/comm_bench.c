@@ -71,11 +71,11 @@ static double bus_factor(bench_op_t op, int n) {
 
 static int run_op(comm_t *c, bench_op_t op, float *a, float *b, size_t count) {
   switch (op) {
-  case OP_ALL_REDUCE: return comm_all_reduce(c, a, count, COMM_FLOAT32, COMM_SUM);
+  case OP_ALL_REDUCE: return comm_all_reduce(c, a, count, DT_F32, COMM_SUM);
   case OP_ALL_GATHER:
-    return comm_all_gather(c, a + (size_t)comm_rank(c) * count, a, count, COMM_FLOAT32);
-  case OP_REDUCE_SCATTER: return comm_reduce_scatter(c, a, b, count, COMM_FLOAT32, COMM_SUM);
-  default: return comm_broadcast(c, a, count, COMM_FLOAT32, 0);
+    return comm_all_gather(c, a + (size_t)comm_rank(c) * count, a, count, DT_F32);
+  case OP_REDUCE_SCATTER: return comm_reduce_scatter(c, a, b, count, DT_F32, COMM_SUM);
+  default: return comm_broadcast(c, a, count, DT_F32, 0);
   }
 }
 
@@ -168,8 +168,8 @@ static int bench_rank(int rank, int n, store_t *st, int generation, const char *
       float us = (float)((now_s() - t0) / o->iters * 1e6);
       long wrong = rc ? -1 : check_op(c, op, a, b, count, &rc);
       float stats[2] = {us, (float)wrong};
-      if (!rc) rc = comm_all_reduce(c, &stats[0], 1, COMM_FLOAT32, COMM_MAX);
-      if (!rc) rc = comm_all_reduce(c, &stats[1], 1, COMM_FLOAT32, COMM_SUM);
+      if (!rc) rc = comm_all_reduce(c, &stats[0], 1, DT_F32, COMM_MAX);
+      if (!rc) rc = comm_all_reduce(c, &stats[1], 1, DT_F32, COMM_SUM);
       if (rc) {
         fprintf(stderr, "comm_bench rank %d: %s\n", rank, comm_errmsg(c));
         break;

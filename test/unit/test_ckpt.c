@@ -129,7 +129,7 @@ typedef struct {
   char slots[MAXR][8192];
 } shm_t;
 
-static int shm_all_gather(comm_t *c, const void *in, void *out, size_t count, comm_dtype_t dtype) {
+static int shm_all_gather(comm_t *c, const void *in, void *out, size_t count, dtype_t dtype) {
   shm_t *s = c->impl;
   size_t bytes = count * 4;
   if (bytes > sizeof s->slots[0]) return COMM_EINVAL;
@@ -139,7 +139,7 @@ static int shm_all_gather(comm_t *c, const void *in, void *out, size_t count, co
   pthread_barrier_wait(&s->bar);
   return 0;
 }
-static int shm_broadcast(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, int root) {
+static int shm_broadcast(comm_t *c, void *buf, size_t count, dtype_t dtype, int root) {
   shm_t *s = c->impl;
   size_t bytes = count * 4;
   if (bytes > sizeof s->slots[0]) return COMM_EINVAL;

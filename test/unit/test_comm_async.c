@@ -62,12 +62,12 @@ static int rank_in_flight(int rank, int n, store_t *st, void *arg) {
   for (int k = 0; k < K; k++)
     for (size_t i = 0; i < N; i++) want[k * N + i] = got[k * N + i] = rnd(rank, i, k);
   for (int k = 0; k < K; k++)
-    if (comm_all_reduce(c, want + k * N, N, COMM_FLOAT32, COMM_SUM)) return 1;
-  if (comm_reduce_scatter(c, want, rs_want, N / (size_t)n / 4, COMM_FLOAT32, COMM_AVG))
+    if (comm_all_reduce(c, want + k * N, N, DT_F32, COMM_SUM)) return 1;
+  if (comm_reduce_scatter(c, want, rs_want, N / (size_t)n / 4, DT_F32, COMM_AVG))
     return 1;
   comm_req_t *req[K + 1];
   for (int k = 0; k < K; k++)
-    if (comm_start_all_reduce(c, got + k * N, N, COMM_FLOAT32, COMM_SUM, &req[k])) return 1;
+    if (comm_start_all_reduce(c, got + k * N, N, DT_F32, COMM_SUM, &req[k])) return 1;
   /* each wait finds its own and every earlier buffer final, whatever is still queued behind */
   int bad = 0;
   for (int k = 0; k < K; k++) {
@@ -87,7 +87,7 @@ static int rank_in_flight(int rank, int n, store_t *st, void *arg) {
       }
     }
   }
-  if (comm_start_reduce_scatter(c, got, rs_got, N / (size_t)n / 4, COMM_FLOAT32, COMM_AVG, &req[K]) ||
+  if (comm_start_reduce_scatter(c, got, rs_got, N / (size_t)n / 4, DT_F32, COMM_AVG, &req[K]) ||
       comm_wait(req[K], NULL))
     return 1;
   int d = first_diff(rs_got, rs_want, N / (size_t)n / 4);
@@ -116,8 +116,8 @@ static int rank_order(int rank, int n, store_t *st, void *arg) {
   float x[64], all[64 * 4];
   for (int i = 0; i < 64; i++) x[i] = (float)(rank + 1);
   comm_req_t *r;
-  if (comm_start_all_reduce(a, x, 64, COMM_FLOAT32, COMM_SUM, &r)) return 1;
-  if (comm_all_gather(a, x, all, 64, COMM_FLOAT32)) return 1; /* runs after r: x is the sum */
+  if (comm_start_all_reduce(a, x, 64, DT_F32, COMM_SUM, &r)) return 1;
+  if (comm_all_gather(a, x, all, 64, DT_F32)) return 1; /* runs after r: x is the sum */
   int bad = 0;
   const float sum = (float)(n * (n + 1) / 2);
   for (int i = 0; i < 64 * n; i++)
@@ -133,8 +133,8 @@ static int rank_order(int rank, int n, store_t *st, void *arg) {
   float y[16], z[16];
   for (int i = 0; i < 16; i++) y[i] = z[i] = 1;
   comm_req_t *ra = NULL;
-  if (rank == 0 && comm_start_all_reduce(a, y, 16, COMM_FLOAT32, COMM_SUM, &ra)) return 1;
-  if (comm_all_reduce(b, z, 16, COMM_FLOAT32, COMM_SUM)) return 1;
+  if (rank == 0 && comm_start_all_reduce(a, y, 16, DT_F32, COMM_SUM, &ra)) return 1;
+  if (comm_all_reduce(b, z, 16, DT_F32, COMM_SUM)) return 1;
   int done = 1;
   if (rank == 0 && comm_test(ra, &done)) return 1;
   if (rank == 0 && done) { /* the others have not joined a yet: it cannot be done */
@@ -142,7 +142,7 @@ static int rank_order(int rank, int n, store_t *st, void *arg) {
     bad = 1;
   }
   comm_barrier(b);
-  if (rank != 0 && comm_start_all_reduce(a, y, 16, COMM_FLOAT32, COMM_SUM, &ra)) return 1;
+  if (rank != 0 && comm_start_all_reduce(a, y, 16, DT_F32, COMM_SUM, &ra)) return 1;
   if (comm_wait(ra, NULL)) return 1;
   if (y[0] != (float)n || z[0] != (float)n) {
     fprintf(stderr, "rank %d: sums %g %g, want %d\n", rank, y[0], z[0], n);
@@ -176,9 +176,9 @@ static int rank_fault(int rank, int n, store_t *st, void *arg) {
   struct timespec t0, t1;
   clock_gettime(CLOCK_MONOTONIC, &t0);
   comm_req_t *r0, *r1, *r2;
-  if (comm_start_all_reduce(c, b0, 1 << 14, COMM_FLOAT32, COMM_SUM, &r0) ||
-      comm_start_all_reduce(c, b1, 1 << 14, COMM_FLOAT32, COMM_SUM, &r1) ||
-      comm_start_all_reduce(c, b2, 1 << 14, COMM_FLOAT32, COMM_SUM, &r2))
+  if (comm_start_all_reduce(c, b0, 1 << 14, DT_F32, COMM_SUM, &r0) ||
+      comm_start_all_reduce(c, b1, 1 << 14, DT_F32, COMM_SUM, &r1) ||
+      comm_start_all_reduce(c, b2, 1 << 14, DT_F32, COMM_SUM, &r2))
     return 1;
   int e0 = comm_wait(r0, NULL);
   char first[COMM_ERR_MAX];
@@ -197,7 +197,7 @@ static int rank_fault(int rank, int n, store_t *st, void *arg) {
       break;
     }
   comm_req_t *r3;
-  if (comm_start_all_reduce(c, b1, 16, COMM_FLOAT32, COMM_SUM, &r3) != e0 || r3) bad = 1; /* broken for good */
+  if (comm_start_all_reduce(c, b1, 16, DT_F32, COMM_SUM, &r3) != e0 || r3) bad = 1; /* broken for good */
   if (bad) fprintf(stderr, "rank %d: unexpected result of the fault among queued requests\n", rank);
   comm_destroy(c);
   return bad;

@@ -98,7 +98,7 @@ static int rank_all_reduce(int rank, int n, store_t *st, void *arg) {
     for (size_t o = 0; o < 3 && !bad; o++) {
       for (size_t i = 0; i < count; i++) buf[i] = val(rank, i);
       buf[count] = GUARD;
-      int rc = comm_all_reduce(c, buf, count, COMM_FLOAT32, k_ops[o]);
+      int rc = comm_all_reduce(c, buf, count, DT_F32, k_ops[o]);
       if (rc) {
         fprintf(stderr, "rank %d: %s\n", rank, comm_errmsg(c));
         bad = 1;
@@ -142,7 +142,7 @@ static int rank_all_gather(int rank, int n, store_t *st, void *arg) {
       out[total] = GUARD;
       float *src = inplace ? out + (size_t)rank * count : in;
       for (size_t i = 0; i < count; i++) src[i] = val(rank, i);
-      if (comm_all_gather(c, src, out, count, COMM_FLOAT32)) {
+      if (comm_all_gather(c, src, out, count, DT_F32)) {
         fprintf(stderr, "rank %d: %s\n", rank, comm_errmsg(c));
         bad = 1;
         break;
@@ -191,7 +191,7 @@ static int rank_reduce_scatter(int rank, int n, store_t *st, void *arg) {
     for (size_t o = 0; o < 3 && !bad; o++) {
       for (size_t i = 0; i < count; i++) out[i] = -99.0f;
       out[count] = GUARD;
-      if (comm_reduce_scatter(c, in, out, count, COMM_FLOAT32, k_ops[o])) {
+      if (comm_reduce_scatter(c, in, out, count, DT_F32, k_ops[o])) {
         fprintf(stderr, "rank %d: %s\n", rank, comm_errmsg(c));
         bad = 1;
         break;
@@ -235,7 +235,7 @@ static int rank_broadcast(int rank, int n, store_t *st, void *arg) {
     for (int root = 0; root < n && !bad; root++) {
       for (size_t i = 0; i < count; i++) buf[i] = val(rank, i);
       buf[count] = GUARD;
-      if (comm_broadcast(c, buf, count, COMM_FLOAT32, root)) {
+      if (comm_broadcast(c, buf, count, DT_F32, root)) {
         fprintf(stderr, "rank %d: %s\n", rank, comm_errmsg(c));
         bad = 1;
         break;
@@ -331,7 +331,7 @@ static int rank_determinism(int rank, int n, store_t *st, void *arg) {
   uint64_t h[2];
   for (int run = 0; run < 2; run++) {
     for (size_t i = 0; i < count; i++) buf[i] = rnd(rank, i);
-    if (comm_all_reduce(c, buf, count, COMM_FLOAT32, COMM_SUM)) {
+    if (comm_all_reduce(c, buf, count, DT_F32, COMM_SUM)) {
       fprintf(stderr, "rank %d: %s\n", rank, comm_errmsg(c));
       return 1;
     }
@@ -377,7 +377,7 @@ static int rank_bytes(int rank, int n, store_t *st, void *arg) {
   if (comm_open(&c, "bytes", rank, n, st, 10000)) return 1;
   float *buf = calloc(count, sizeof(float));
   comm_reset_stats(c);
-  if (comm_all_reduce(c, buf, count, COMM_FLOAT32, COMM_SUM)) {
+  if (comm_all_reduce(c, buf, count, DT_F32, COMM_SUM)) {
     fprintf(stderr, "rank %d: %s\n", rank, comm_errmsg(c));
     return 1;
   }
@@ -431,7 +431,7 @@ static int rank_peer_exit(int rank, int n, store_t *st, void *arg) {
   size_t count = 1u << 20;
   float *buf = calloc(count, sizeof(float));
   double t0 = now_s();
-  int rc = comm_all_reduce(c, buf, count, COMM_FLOAT32, COMM_SUM);
+  int rc = comm_all_reduce(c, buf, count, DT_F32, COMM_SUM);
   double dt = now_s() - t0;
   const char *msg = comm_errmsg(c);
   printf("  rank %d: rc=%s after %.3f s: %s\n", rank, comm_strerror(rc), dt, msg);
@@ -467,7 +467,7 @@ static int rank_stall(int rank, int n, store_t *st, void *arg) {
   }
   float buf[1000] = {0};
   double t0 = now_s();
-  int rc = comm_all_reduce(c, buf, 1000, COMM_FLOAT32, COMM_SUM);
+  int rc = comm_all_reduce(c, buf, 1000, DT_F32, COMM_SUM);
   double dt = now_s() - t0;
   const char *msg = comm_errmsg(c);
   printf("  rank %d: rc=%s after %.3f s: %s\n", rank, comm_strerror(rc), dt, msg);
@@ -503,7 +503,7 @@ static int rank_fatal(int rank, int n, store_t *st, void *arg) {
     size_t count = 1u << 16;
     float *buf = calloc(count, sizeof(float));
     double t0 = now_s();
-    int rc = comm_all_reduce(c, buf, count, COMM_FLOAT32, COMM_SUM);
+    int rc = comm_all_reduce(c, buf, count, DT_F32, COMM_SUM);
     double dt = now_s() - t0;
     printf("  rank 0: all_reduce rc=%s after %.3f s (limit 5 s, comm timeout 30 s): %s\n", comm_strerror(rc), dt,
            comm_errmsg(c));
@@ -565,7 +565,7 @@ static int rank_fail_next(int rank, int n, store_t *st, void *arg) {
   if (rank == 1) comm_fail_next(c);
   float buf[4096] = {0};
   double t0 = now_s();
-  int rc = comm_all_reduce(c, buf, 4096, COMM_FLOAT32, COMM_SUM);
+  int rc = comm_all_reduce(c, buf, 4096, DT_F32, COMM_SUM);
   double dt = now_s() - t0;
   printf("  rank %d: rc=%s after %.3f s: %s\n", rank, comm_strerror(rc), dt, comm_errmsg(c));
   int bad = dt > 5.0;
@@ -597,7 +597,7 @@ static void test_memory_and_abort(void **state) {
   comm_destroy(b);
   comm_abort_all("test");
   float x = 1;
-  assert_int_equal(comm_all_reduce(a, &x, 1, COMM_FLOAT32, COMM_SUM), COMM_ESYSTEM);
+  assert_int_equal(comm_all_reduce(a, &x, 1, DT_F32, COMM_SUM), COMM_ESYSTEM);
   printf("  after comm_abort_all: %s\n", comm_errmsg(a));
   assert_non_null(strstr(comm_errmsg(a), "comm solo (rank 0/1): aborted: test"));
   comm_destroy(a);
@@ -612,18 +612,18 @@ static void test_invalid_arguments(void **state) {
   comm_config_t cfg = {.name = "solo", .rank = 0, .size = 1};
   assert_int_equal(comm_create(&c, "cpu", &cfg, err, sizeof err), COMM_OK);
   float x[8] = {1, 2, 3, 4, 5, 6, 7, 8};
-  assert_int_equal(comm_broadcast(c, x, 8, COMM_FLOAT32, 1), COMM_EINVAL);
+  assert_int_equal(comm_broadcast(c, x, 8, DT_F32, 1), COMM_EINVAL);
   assert_non_null(strstr(comm_errmsg(c), "comm solo (rank 0/1): broadcast: root 1"));
-  assert_int_equal(comm_all_reduce(c, NULL, 8, COMM_FLOAT32, COMM_SUM), COMM_EINVAL);
-  assert_int_equal(comm_all_reduce(c, x, 8, COMM_FLOAT32, (comm_op_t)7), COMM_EINVAL);
-  assert_int_equal(comm_all_reduce(c, x, 8, (comm_dtype_t)9, COMM_SUM), COMM_EINVAL);
-  assert_int_equal(comm_all_gather(c, x + 1, x, 4, COMM_FLOAT32), COMM_EINVAL); /* overlap */
-  assert_int_equal(comm_reduce_scatter(c, x, x + 2, 4, COMM_FLOAT32, COMM_SUM), COMM_EINVAL);
+  assert_int_equal(comm_all_reduce(c, NULL, 8, DT_F32, COMM_SUM), COMM_EINVAL);
+  assert_int_equal(comm_all_reduce(c, x, 8, DT_F32, (comm_op_t)7), COMM_EINVAL);
+  assert_int_equal(comm_all_reduce(c, x, 8, (dtype_t)9, COMM_SUM), COMM_EINVAL);
+  assert_int_equal(comm_all_gather(c, x + 1, x, 4, DT_F32), COMM_EINVAL); /* overlap */
+  assert_int_equal(comm_reduce_scatter(c, x, x + 2, 4, DT_F32, COMM_SUM), COMM_EINVAL);
   /* Invalid arguments do not break the communicator. */
-  assert_int_equal(comm_all_reduce(c, x, 8, COMM_FLOAT32, COMM_SUM), COMM_OK);
+  assert_int_equal(comm_all_reduce(c, x, 8, DT_F32, COMM_SUM), COMM_OK);
   assert_true(x[7] == 8.0f);
   float y[4];
-  assert_int_equal(comm_reduce_scatter(c, x, y, 4, COMM_FLOAT32, COMM_AVG), COMM_OK);
+  assert_int_equal(comm_reduce_scatter(c, x, y, 4, DT_F32, COMM_AVG), COMM_OK);
   assert_true(y[3] == 4.0f);
   comm_destroy(c);
 
@@ -665,7 +665,7 @@ static int rank_mesh(int rank, int n, store_t *st, void *arg) {
   for (int g = 0; g < 5 && !bad; g++) {
     comm_t *c = mesh_comm(m, names[g]);
     float x[3] = {(float)(1 << rank), 1.0f, (float)rank};
-    if (!c || comm_all_reduce(c, x, 3, COMM_FLOAT32, COMM_SUM)) {
+    if (!c || comm_all_reduce(c, x, 3, DT_F32, COMM_SUM)) {
       fprintf(stderr, "rank %d: group %s: %s\n", rank, names[g], c ? comm_errmsg(c) : "missing");
       bad = 1;
       break;
@@ -735,7 +735,7 @@ static int rank_bf16_all_reduce(int rank, int n, store_t *st, void *arg) {
         want[i] = bf_expect(n, i, k_ops[o]);
       }
       buf[count] = want[count] = BF_GUARD;
-      if (comm_all_reduce(c, buf, count, COMM_BFLOAT16, k_ops[o])) {
+      if (comm_all_reduce(c, buf, count, DT_BF16, k_ops[o])) {
         fprintf(stderr, "rank %d: %s\n", rank, comm_errmsg(c));
         bad = 1;
         break;
@@ -770,7 +770,7 @@ static int rank_bf16_reduce_scatter(int rank, int n, store_t *st, void *arg) {
         want[i] = bf_expect(n, (size_t)rank * count + i, k_ops[o]);
       }
       out[count] = want[count] = BF_GUARD;
-      if (comm_reduce_scatter(c, in, out, count, COMM_BFLOAT16, k_ops[o])) {
+      if (comm_reduce_scatter(c, in, out, count, DT_BF16, k_ops[o])) {
         fprintf(stderr, "rank %d: %s\n", rank, comm_errmsg(c));
         bad = 1;
         break;
@@ -811,7 +811,7 @@ static int rank_bf16_all_gather(int rank, int n, store_t *st, void *arg) {
       out[total] = BF_GUARD;
       bf16_t *src = inplace ? out + (size_t)rank * count : in;
       for (size_t i = 0; i < count; i++) src[i] = bpat(rank, i);
-      if (comm_all_gather(c, src, out, count, COMM_BFLOAT16)) {
+      if (comm_all_gather(c, src, out, count, DT_BF16)) {
         fprintf(stderr, "rank %d: %s\n", rank, comm_errmsg(c));
         bad = 1;
         break;
@@ -846,7 +846,7 @@ static int rank_bf16_broadcast(int rank, int n, store_t *st, void *arg) {
         want[i] = bpat(root, i);
       }
       buf[count] = want[count] = BF_GUARD;
-      if (comm_broadcast(c, buf, count, COMM_BFLOAT16, root)) {
+      if (comm_broadcast(c, buf, count, DT_BF16, root)) {
         fprintf(stderr, "rank %d: %s\n", rank, comm_errmsg(c));
         bad = 1;
         break;
@@ -881,7 +881,7 @@ static int rank_bf16_rounding(int rank, int n, store_t *st, void *arg) {
   bf16_t buf[K];
   for (int i = 0; i < K; i++) buf[i] = bf16_from_f32(rank == 0 ? a[i] : b[i]);
   int bad = 0;
-  if (comm_all_reduce(c, buf, K, COMM_BFLOAT16, COMM_SUM)) {
+  if (comm_all_reduce(c, buf, K, DT_BF16, COMM_SUM)) {
     fprintf(stderr, "rank %d: %s\n", rank, comm_errmsg(c));
     bad = 1;
   }
@@ -945,7 +945,7 @@ static int rank_bf16_random(int rank, int n, store_t *st, void *arg) {
     for (int run = 0; run < 2 && !bad; run++) {
       bf16_t *dst = run ? again : buf;
       for (size_t i = 0; i < count; i++) dst[i] = brnd(rank, i);
-      if (comm_all_reduce(c, dst, count, COMM_BFLOAT16, op)) {
+      if (comm_all_reduce(c, dst, count, DT_BF16, op)) {
         fprintf(stderr, "rank %d: %s\n", rank, comm_errmsg(c));
         bad = 1;
       }
@@ -987,8 +987,8 @@ static int rank_bf16_random(int rank, int n, store_t *st, void *arg) {
              "ring-order model exact, bits equal on all ranks\n", comm_op_name(op), n, count, maxrel, tol);
     /* reduce_scatter: its slice is the all_reduce's chunk of the same inputs, bit for bit. */
     for (size_t i = 0; i < rs_total; i++) rs_ar[i] = rs_in[i] = brnd(rank, i);
-    if (bad || comm_reduce_scatter(c, rs_in, rs_out, rs_count, COMM_BFLOAT16, op) ||
-        comm_all_reduce(c, rs_ar, rs_total, COMM_BFLOAT16, op)) {
+    if (bad || comm_reduce_scatter(c, rs_in, rs_out, rs_count, DT_BF16, op) ||
+        comm_all_reduce(c, rs_ar, rs_total, DT_BF16, op)) {
       if (!bad) fprintf(stderr, "rank %d: %s\n", rank, comm_errmsg(c));
       bad = 1;
       break;
@@ -1014,7 +1014,7 @@ static void test_bf16_random(void **state) {
 /* The dispatch refuses bf16 to a backend whose table says float32 only (a fake one here: every
  * real backend moves bf16), and that refusal does not break the communicator. */
 static int fake_calls;
-static int fake_all_reduce(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, comm_op_t op) {
+static int fake_all_reduce(comm_t *c, void *buf, size_t count, dtype_t dtype, comm_op_t op) {
   fake_calls++;
   return COMM_OK;
 }
@@ -1024,11 +1024,11 @@ static void test_bf16_refused_by_fp32_backend(void **state) {
   comm_t c = {.ops = &fake_ops, .name = "fake.0", .rank = 0, .size = 2, .timeout_ms = 1000};
   bf16_t h[4] = {0};
   float f[4] = {0};
-  assert_int_equal(comm_all_reduce(&c, h, 4, COMM_BFLOAT16, COMM_SUM), COMM_EINVAL);
+  assert_int_equal(comm_all_reduce(&c, h, 4, DT_BF16, COMM_SUM), COMM_EINVAL);
   printf("  %s\n", comm_errmsg(&c));
   assert_non_null(strstr(comm_errmsg(&c), "all_reduce: backend fake supports float32 only"));
   assert_int_equal(fake_calls, 0);
-  assert_int_equal(comm_all_reduce(&c, f, 4, COMM_FLOAT32, COMM_SUM), COMM_OK);
+  assert_int_equal(comm_all_reduce(&c, f, 4, DT_F32, COMM_SUM), COMM_OK);
   assert_int_equal(fake_calls, 1);
   /* A one-rank cpu group answers bf16 itself, and a cpu group says it moves bf16. */
   char err[256] = "";
@@ -1036,7 +1036,7 @@ static void test_bf16_refused_by_fp32_backend(void **state) {
   comm_t *one = NULL;
   assert_int_equal(comm_create(&one, "cpu", &cfg, err, sizeof err), COMM_OK);
   h[0] = bf16_from_f32(1.5f);
-  assert_int_equal(comm_all_reduce(one, h, 4, COMM_BFLOAT16, COMM_AVG), COMM_OK);
+  assert_int_equal(comm_all_reduce(one, h, 4, DT_BF16, COMM_AVG), COMM_OK);
   assert_int_equal(h[0], bf16_from_f32(1.5f));
   assert_int_equal(one->ops->bf16, 1);
   comm_destroy(one);

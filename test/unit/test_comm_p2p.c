@@ -57,9 +57,9 @@ static void pattern(void *buf, size_t bytes, uint32_t salt) {
 #define GUARD_BYTE 0xa5
 
 /* 0 when buf holds pattern(salt) and an untouched guard element, else prints the first difference. */
-static int check_message(int rank, const char *what, const void *buf, size_t count, comm_dtype_t dtype,
+static int check_message(int rank, const char *what, const void *buf, size_t count, dtype_t dtype,
                          uint32_t salt) {
-  size_t esz = comm_dtype_size(dtype), bytes = count * esz;
+  size_t esz = dtype_size(dtype), bytes = count * esz;
   unsigned char *want = malloc(bytes ? bytes : 1);
   pattern(want, bytes, salt);
   const unsigned char *got = buf;
@@ -80,22 +80,22 @@ static int check_message(int rank, const char *what, const void *buf, size_t cou
   return bad;
 }
 
-static void *recv_buffer(size_t count, comm_dtype_t dtype) {
-  size_t bytes = (count + 1) * comm_dtype_size(dtype);
+static void *recv_buffer(size_t count, dtype_t dtype) {
+  size_t bytes = (count + 1) * dtype_size(dtype);
   void *b = malloc(bytes);
   if (b) memset(b, GUARD_BYTE, bytes);
   return b;
 }
 
-static const char *dname(comm_dtype_t d) { return d == COMM_FLOAT32 ? "float32" : "bfloat16"; }
+static const char *dname(dtype_t d) { return d == DT_F32 ? "float32" : "bfloat16"; }
 
 /* ---- 1. a pair: three messages, blocking then started; stats and observer ---- */
 
 typedef struct {
   size_t count;
-  comm_dtype_t dtype;
+  dtype_t dtype;
 } msg_t;
-static const msg_t k_msgs[] = {{10, COMM_FLOAT32}, {1000, COMM_BFLOAT16}, {(size_t)2 << 20, COMM_FLOAT32}};
+static const msg_t k_msgs[] = {{10, DT_F32}, {1000, DT_BF16}, {(size_t)2 << 20, DT_F32}};
 #define NMSGS (sizeof k_msgs / sizeof k_msgs[0])
 
 /* What the observer heard (index 0: "send", 1: "recv"); it runs on the progress thread too. */
@@ -139,7 +139,7 @@ static int rank_pair(int rank, int n, store_t *st, void *arg) {
   uint64_t total = 0;
   for (size_t m = 0; m < NMSGS; m++) {
     buf[m] = recv_buffer(k_msgs[m].count, k_msgs[m].dtype);
-    total += k_msgs[m].count * comm_dtype_size(k_msgs[m].dtype);
+    total += k_msgs[m].count * dtype_size(k_msgs[m].dtype);
   }
   int bad = 0;
   char what[96];
@@ -150,7 +150,7 @@ static int rank_pair(int rank, int n, store_t *st, void *arg) {
     for (size_t m = 0; m < NMSGS && !bad; m++) {
       const msg_t *k = &k_msgs[m];
       uint32_t salt = (uint32_t)(10 * round + m);
-      if (rank == 0) pattern(buf[m], k->count * comm_dtype_size(k->dtype), salt);
+      if (rank == 0) pattern(buf[m], k->count * dtype_size(k->dtype), salt);
       int rc = round == 0 ? (rank == 0 ? comm_send(c, buf[m], k->count, k->dtype, peer)
                                        : comm_recv(c, buf[m], k->count, k->dtype, peer))
                           : (rank == 0 ? comm_start_send(c, buf[m], k->count, k->dtype, peer, &req[m])
@@ -163,7 +163,7 @@ static int rank_pair(int rank, int n, store_t *st, void *arg) {
     for (size_t m = 0; m < NMSGS && round == 1; m++) {
       uint64_t sent = 99;
       int rc = comm_wait(req[m], &sent);
-      uint64_t want_sent = rank == 0 ? k_msgs[m].count * comm_dtype_size(k_msgs[m].dtype) : 0;
+      uint64_t want_sent = rank == 0 ? k_msgs[m].count * dtype_size(k_msgs[m].dtype) : 0;
       if (rc || sent != want_sent) {
         fprintf(stderr, "rank %d: wait %zu: rc %d sent %llu (want %llu): %s\n", rank, m, rc,
                 (unsigned long long)sent, (unsigned long long)want_sent, comm_errmsg(c));
@@ -194,8 +194,8 @@ static int rank_pair(int rank, int n, store_t *st, void *arg) {
   /* count 0: done at once on both sides, nothing reaches the backend (calls stays 6), NULL ok.
    * (After the observer check: a wait on such a call is still reported as a wait.) */
   comm_req_t *z = NULL;
-  if (!bad && (comm_send(c, NULL, 0, COMM_FLOAT32, peer) || comm_recv(c, NULL, 0, COMM_BFLOAT16, peer) ||
-               comm_start_recv(c, NULL, 0, COMM_FLOAT32, peer, &z) || comm_wait(z, NULL) ||
+  if (!bad && (comm_send(c, NULL, 0, DT_F32, peer) || comm_recv(c, NULL, 0, DT_BF16, peer) ||
+               comm_start_recv(c, NULL, 0, DT_F32, peer, &z) || comm_wait(z, NULL) ||
                check_stats(rank, "after count 0", c, rank == 0 ? 2 * total : 0, rank == 1 ? 2 * total : 0, 6))) {
     fprintf(stderr, "rank %d: count 0: %s\n", rank, comm_errmsg(c));
     bad = 1;
@@ -223,14 +223,14 @@ static int rank_two_directions(int rank, int n, store_t *st, void *arg) {
       fixture_comm_open(&bwd, "bwd", 1 - rank, 2, st, TIMEOUT_MS))
     return 1;
   comm_t *out = rank == 0 ? fwd : bwd, *in = rank == 0 ? bwd : fwd;
-  float *sbuf = malloc(EXCHANGE_COUNT * sizeof(float)), *rbuf = recv_buffer(EXCHANGE_COUNT, COMM_FLOAT32);
+  float *sbuf = malloc(EXCHANGE_COUNT * sizeof(float)), *rbuf = recv_buffer(EXCHANGE_COUNT, DT_F32);
   int bad = 0;
   double t0 = fixture_now_s();
   for (int round = 0; round < 3 && !bad; round++) {
     pattern(sbuf, EXCHANGE_COUNT * sizeof(float), (uint32_t)(100 + 10 * round + rank));
     comm_req_t *rs, *rr;
-    if (comm_start_send(out, sbuf, EXCHANGE_COUNT, COMM_FLOAT32, 1, &rs) ||
-        comm_start_recv(in, rbuf, EXCHANGE_COUNT, COMM_FLOAT32, 0, &rr)) {
+    if (comm_start_send(out, sbuf, EXCHANGE_COUNT, DT_F32, 1, &rs) ||
+        comm_start_recv(in, rbuf, EXCHANGE_COUNT, DT_F32, 0, &rr)) {
       fprintf(stderr, "rank %d: start: %s / %s\n", rank, comm_errmsg(out), comm_errmsg(in));
       return 1;
     }
@@ -243,7 +243,7 @@ static int rank_two_directions(int rank, int n, store_t *st, void *arg) {
     }
     char what[64];
     snprintf(what, sizeof what, "round %d, 8 MiB from rank %d", round, 1 - rank);
-    bad = check_message(rank, what, rbuf, EXCHANGE_COUNT, COMM_FLOAT32, (uint32_t)(100 + 10 * round + 1 - rank));
+    bad = check_message(rank, what, rbuf, EXCHANGE_COUNT, DT_F32, (uint32_t)(100 + 10 * round + 1 - rank));
   }
   if (!bad)
     printf("  rank %d: 3 rounds of 8 MiB both ways on two communicators in %.3f s, contents exact\n", rank,
@@ -268,8 +268,8 @@ static int rank_one_comm_both_ways(int rank, int n, store_t *st, void *arg) {
   float *sbuf = calloc(count, sizeof(float)), *rbuf = calloc(count, sizeof(float));
   comm_req_t *rs, *rr;
   double t0 = fixture_now_s();
-  if (comm_start_send(c, sbuf, count, COMM_FLOAT32, 1 - rank, &rs) ||
-      comm_start_recv(c, rbuf, count, COMM_FLOAT32, 1 - rank, &rr))
+  if (comm_start_send(c, sbuf, count, DT_F32, 1 - rank, &rs) ||
+      comm_start_recv(c, rbuf, count, DT_F32, 1 - rank, &rr))
     return 1;
   int es = comm_wait(rs, NULL), er = comm_wait(rr, NULL);
   double dt = fixture_now_s() - t0;
@@ -318,8 +318,8 @@ static int rank_ring(int rank, int n, store_t *st, void *arg) {
   comm_t *c;
   if (fixture_comm_open(&c, "ring", rank, n, st, TIMEOUT_MS)) return 1;
   const int right = (rank + 1) % n, left = (rank + n - 1) % n;
-  float *sbuf = malloc(RING_COUNT * sizeof(float)), *rbuf = recv_buffer(RING_COUNT, COMM_FLOAT32);
-  uint16_t *s16 = malloc(999 * 2), *r16 = recv_buffer(999, COMM_BFLOAT16);
+  float *sbuf = malloc(RING_COUNT * sizeof(float)), *rbuf = recv_buffer(RING_COUNT, DT_F32);
+  uint16_t *s16 = malloc(999 * 2), *r16 = recv_buffer(999, DT_BF16);
   int bad = 0;
   for (int round = 0; round < 2 && !bad; round++) {
     uint32_t salt = (uint32_t)(1000 + 10 * round);
@@ -328,21 +328,21 @@ static int rank_ring(int rank, int n, store_t *st, void *arg) {
     comm_req_t *req[4] = {NULL};
     int rc = 0;
     if (round == 0 && rank == 0)
-      rc = comm_send(c, sbuf, RING_COUNT, COMM_FLOAT32, right) || comm_send(c, s16, 999, COMM_BFLOAT16, right) ||
-           comm_recv(c, rbuf, RING_COUNT, COMM_FLOAT32, left) || comm_recv(c, r16, 999, COMM_BFLOAT16, left);
+      rc = comm_send(c, sbuf, RING_COUNT, DT_F32, right) || comm_send(c, s16, 999, DT_BF16, right) ||
+           comm_recv(c, rbuf, RING_COUNT, DT_F32, left) || comm_recv(c, r16, 999, DT_BF16, left);
     else if (round == 0)
-      rc = comm_recv(c, rbuf, RING_COUNT, COMM_FLOAT32, left) || comm_recv(c, r16, 999, COMM_BFLOAT16, left) ||
-           comm_send(c, sbuf, RING_COUNT, COMM_FLOAT32, right) || comm_send(c, s16, 999, COMM_BFLOAT16, right);
+      rc = comm_recv(c, rbuf, RING_COUNT, DT_F32, left) || comm_recv(c, r16, 999, DT_BF16, left) ||
+           comm_send(c, sbuf, RING_COUNT, DT_F32, right) || comm_send(c, s16, 999, DT_BF16, right);
     else if (rank == 0)
-      rc = comm_start_send(c, sbuf, RING_COUNT, COMM_FLOAT32, right, &req[0]) ||
-           comm_start_send(c, s16, 999, COMM_BFLOAT16, right, &req[1]) ||
-           comm_start_recv(c, rbuf, RING_COUNT, COMM_FLOAT32, left, &req[2]) ||
-           comm_start_recv(c, r16, 999, COMM_BFLOAT16, left, &req[3]);
+      rc = comm_start_send(c, sbuf, RING_COUNT, DT_F32, right, &req[0]) ||
+           comm_start_send(c, s16, 999, DT_BF16, right, &req[1]) ||
+           comm_start_recv(c, rbuf, RING_COUNT, DT_F32, left, &req[2]) ||
+           comm_start_recv(c, r16, 999, DT_BF16, left, &req[3]);
     else
-      rc = comm_start_recv(c, rbuf, RING_COUNT, COMM_FLOAT32, left, &req[0]) ||
-           comm_start_recv(c, r16, 999, COMM_BFLOAT16, left, &req[1]) ||
-           comm_start_send(c, sbuf, RING_COUNT, COMM_FLOAT32, right, &req[2]) ||
-           comm_start_send(c, s16, 999, COMM_BFLOAT16, right, &req[3]);
+      rc = comm_start_recv(c, rbuf, RING_COUNT, DT_F32, left, &req[0]) ||
+           comm_start_recv(c, r16, 999, DT_BF16, left, &req[1]) ||
+           comm_start_send(c, sbuf, RING_COUNT, DT_F32, right, &req[2]) ||
+           comm_start_send(c, s16, 999, DT_BF16, right, &req[3]);
     for (int i = 0; i < 4; i++) rc |= comm_wait(req[i], NULL) != 0;
     if (rc) {
       fprintf(stderr, "rank %d: ring round %d: %s\n", rank, round, comm_errmsg(c));
@@ -351,8 +351,8 @@ static int rank_ring(int rank, int n, store_t *st, void *arg) {
     }
     char what[64];
     snprintf(what, sizeof what, "ring of %d, round %d, from rank %d", n, round, left);
-    bad = check_message(rank, what, rbuf, RING_COUNT, COMM_FLOAT32, salt + (uint32_t)left) ||
-          check_message(rank, what, r16, 999, COMM_BFLOAT16, salt + 5 + (uint32_t)left);
+    bad = check_message(rank, what, rbuf, RING_COUNT, DT_F32, salt + (uint32_t)left) ||
+          check_message(rank, what, r16, 999, DT_BF16, salt + 5 + (uint32_t)left);
   }
   if (!bad && rank == 0)
     printf("  ring of %d: every rank got rank - 1's messages exactly, blocking and started\n", n);
@@ -392,29 +392,29 @@ static int rank_refusals(int rank, int n, store_t *st, void *arg) {
   const int say = rank == 0; /* one rank prints the messages */
   snprintf(want, sizeof want, "send to rank %d: point-to-point on the cpu comm only between ring neighbours: "
            "send to rank+1 (%d), receive from rank-1 (%d)", far, right, left);
-  bad |= expect(rank, say, "send to a non-neighbour", c, comm_send(c, x, 8, COMM_FLOAT32, far), COMM_EINVAL,
+  bad |= expect(rank, say, "send to a non-neighbour", c, comm_send(c, x, 8, DT_F32, far), COMM_EINVAL,
                 want);
   snprintf(want, sizeof want, "recv from rank %d: point-to-point on the cpu comm only between ring", right);
-  bad |= expect(rank, say, "recv from the right neighbour", c, comm_recv(c, x, 8, COMM_FLOAT32, right),
+  bad |= expect(rank, say, "recv from the right neighbour", c, comm_recv(c, x, 8, DT_F32, right),
                 COMM_EINVAL, want);
   snprintf(want, sizeof want, "send to rank %d: point-to-point", left);
-  bad |= expect(rank, say, "send to the left neighbour", c, comm_send(c, x, 8, COMM_FLOAT32, left), COMM_EINVAL,
+  bad |= expect(rank, say, "send to the left neighbour", c, comm_send(c, x, 8, DT_F32, left), COMM_EINVAL,
                 want);
   snprintf(want, sizeof want, "send to rank %d: that is this rank", rank);
-  bad |= expect(rank, say, "send to itself", c, comm_send(c, x, 8, COMM_FLOAT32, rank), COMM_EINVAL, want);
+  bad |= expect(rank, say, "send to itself", c, comm_send(c, x, 8, DT_F32, rank), COMM_EINVAL, want);
   snprintf(want, sizeof want, "recv from rank %d: peer not in a group of size %d", n, n);
-  bad |= expect(rank, say, "recv from rank n", c, comm_recv(c, x, 8, COMM_FLOAT32, n), COMM_EINVAL, want);
-  bad |= expect(rank, say, "send to rank -1", c, comm_send(c, x, 8, COMM_FLOAT32, -1), COMM_EINVAL,
+  bad |= expect(rank, say, "recv from rank n", c, comm_recv(c, x, 8, DT_F32, n), COMM_EINVAL, want);
+  bad |= expect(rank, say, "send to rank -1", c, comm_send(c, x, 8, DT_F32, -1), COMM_EINVAL,
                 "send to rank -1: peer not in a group");
   snprintf(want, sizeof want, "send to rank %d: NULL buffer", right);
-  bad |= expect(rank, say, "NULL buffer", c, comm_send(c, NULL, 8, COMM_FLOAT32, right), COMM_EINVAL, want);
-  bad |= expect(rank, say, "unknown dtype", c, comm_send(c, x, 8, (comm_dtype_t)7, right), COMM_EINVAL,
+  bad |= expect(rank, say, "NULL buffer", c, comm_send(c, NULL, 8, DT_F32, right), COMM_EINVAL, want);
+  bad |= expect(rank, say, "unknown dtype", c, comm_send(c, x, 8, (dtype_t)7, right), COMM_EINVAL,
                 "send: unknown dtype 7");
   /* count 0 does not excuse a wrong peer */
-  bad |= expect(rank, say, "count 0 to a non-neighbour", c, comm_send(c, NULL, 0, COMM_FLOAT32, far),
+  bad |= expect(rank, say, "count 0 to a non-neighbour", c, comm_send(c, NULL, 0, DT_F32, far),
                 COMM_EINVAL, "only between ring neighbours");
   comm_req_t *r = (comm_req_t *)x; /* must come back NULL */
-  bad |= expect(rank, say, "started send to a non-neighbour", c, comm_start_send(c, x, 8, COMM_FLOAT32, far, &r),
+  bad |= expect(rank, say, "started send to a non-neighbour", c, comm_start_send(c, x, 8, DT_F32, far, &r),
                 COMM_EINVAL, "only between ring neighbours");
   if (r) {
     fprintf(stderr, "rank %d: a refused start left a request\n", rank);
@@ -429,8 +429,8 @@ static int rank_refusals(int rank, int n, store_t *st, void *arg) {
   }
   float y[8] = {0};
   for (int i = 0; i < 8; i++) x[i] = (float)(rank * 10 + i);
-  int rc = rank == 0 ? comm_send(c, x, 8, COMM_FLOAT32, right) || comm_recv(c, y, 8, COMM_FLOAT32, left)
-                     : comm_recv(c, y, 8, COMM_FLOAT32, left) || comm_send(c, x, 8, COMM_FLOAT32, right);
+  int rc = rank == 0 ? comm_send(c, x, 8, DT_F32, right) || comm_recv(c, y, 8, DT_F32, left)
+                     : comm_recv(c, y, 8, DT_F32, left) || comm_send(c, x, 8, DT_F32, right);
   if (rc || y[7] != (float)(left * 10 + 7)) {
     fprintf(stderr, "rank %d: after the refusals: %s, y[7] = %g\n", rank, comm_errmsg(c), y[7]);
     bad = 1;
@@ -457,16 +457,16 @@ static void test_refusals_local(void **state) {
   comm_t *one = NULL;
   assert_int_equal(comm_create(&one, "cpu", &cfg, err, sizeof err), COMM_OK);
   float x[2] = {1, 2};
-  assert_int_equal(expect(0, 1, "send on a group of one", one, comm_send(one, x, 2, COMM_FLOAT32, 0), COMM_EINVAL,
+  assert_int_equal(expect(0, 1, "send on a group of one", one, comm_send(one, x, 2, DT_F32, 0), COMM_EINVAL,
                           "comm alone (rank 0/1): send to rank 0: that is this rank"), 0);
-  assert_int_equal(expect(0, 1, "recv on a group of one", one, comm_recv(one, x, 2, COMM_FLOAT32, 1), COMM_EINVAL,
+  assert_int_equal(expect(0, 1, "recv on a group of one", one, comm_recv(one, x, 2, DT_F32, 1), COMM_EINVAL,
                           "recv from rank 1: peer not in a group of size 1"), 0);
-  assert_int_equal(comm_send(one, x, 0, COMM_FLOAT32, 0), COMM_EINVAL); /* count 0 too */
+  assert_int_equal(comm_send(one, x, 0, DT_F32, 0), COMM_EINVAL); /* count 0 too */
   comm_destroy(one);
 
   static const comm_ops_t no_p2p = {.name = "fake", .barrier = fake_barrier, .bf16 = 1};
   comm_t c = {.ops = &no_p2p, .name = "fake.0", .rank = 0, .size = 2, .timeout_ms = 1000};
-  assert_int_equal(expect(0, 1, "send on a backend without it", &c, comm_send(&c, x, 2, COMM_FLOAT32, 1),
+  assert_int_equal(expect(0, 1, "send on a backend without it", &c, comm_send(&c, x, 2, DT_F32, 1),
                           COMM_EINVAL, "send to rank 1: backend fake has no point-to-point"), 0);
   assert_int_equal(comm_barrier(&c), COMM_OK); /* not broken */
   assert_int_equal(fake_sends, 1);
@@ -478,16 +478,16 @@ static void test_refusals_local(void **state) {
 typedef struct {
   const char *name;
   size_t send_count, recv_count;
-  comm_dtype_t send_dtype, recv_dtype;
+  dtype_t send_dtype, recv_dtype;
   int collective; /* rank 0 broadcasts instead of sending */
   const char *want;
 } mismatch_t;
 
 static const mismatch_t k_mismatches[] = {
-    {"mm-count", 64, 100, COMM_BFLOAT16, COMM_FLOAT32, 0,
+    {"mm-count", 64, 100, DT_BF16, DT_F32, 0,
      "recv of 100 float32 from rank 0 (127.0.0.1:"},
-    {"mm-dtype", 100, 50, COMM_BFLOAT16, COMM_FLOAT32, 0, "recv of 50 float32 from rank 0 (127.0.0.1:"},
-    {"mm-coll", 64, 64, COMM_FLOAT32, COMM_FLOAT32, 1,
+    {"mm-dtype", 100, 50, DT_BF16, DT_F32, 0, "recv of 50 float32 from rank 0 (127.0.0.1:"},
+    {"mm-coll", 64, 64, DT_F32, DT_F32, 1,
      "recv of 64 float32 from rank 0 (127.0.0.1:"},
 };
 static const char *const k_mismatch_tails[] = {") met a send of 64 bfloat16", ") met a send of 100 bfloat16",
@@ -505,7 +505,7 @@ static int rank_mismatch(int rank, int n, store_t *st, void *arg) {
       /* Its send fits the socket buffers and may well succeed; its next call must fail. */
       if (m->collective) comm_broadcast(c, buf, m->send_count, m->send_dtype, 0);
       else comm_send(c, buf, m->send_count, m->send_dtype, 1);
-      int rc = comm_recv(c, buf, 1, COMM_FLOAT32, 1);
+      int rc = comm_recv(c, buf, 1, DT_F32, 1);
       double dt = fixture_now_s() - t0;
       printf("  %s: sender's next call: %s after %.3f s: %s\n", m->name, comm_strerror(rc), dt, comm_errmsg(c));
       if (rc != COMM_EREMOTE || dt > PROMPT_S) {
@@ -521,7 +521,7 @@ static int rank_mismatch(int rank, int n, store_t *st, void *arg) {
         fprintf(stderr, "rank 1: %s: message lacks \"%s\"\n", m->name, want);
         bad = 1;
       }
-      if (comm_send(c, buf, 1, COMM_FLOAT32, 0) != COMM_EREMOTE) bad = 1; /* broken for good */
+      if (comm_send(c, buf, 1, DT_F32, 0) != COMM_EREMOTE) bad = 1; /* broken for good */
     }
     comm_destroy(c);
   }
@@ -552,7 +552,7 @@ static int rank_failure(int rank, int n, store_t *st, void *arg) {
   if (f == SEND_TO_DEAD) {
     if (rank == 1) _exit(0); /* sockets closed by the kernel */
     double t0 = fixture_now_s();
-    int rc = comm_send(c, buf, count, COMM_FLOAT32, 1);
+    int rc = comm_send(c, buf, count, DT_F32, 1);
     double dt = fixture_now_s() - t0;
     printf("  %s: rank 0: %s after %.3f s: %s\n", k_failure_names[f], comm_strerror(rc), dt, comm_errmsg(c));
     bad = rc != COMM_EREMOTE || dt > PROMPT_S || !strstr(comm_errmsg(c), "send: connection to rank 1 (127.0.0.1:");
@@ -561,11 +561,11 @@ static int rank_failure(int rank, int n, store_t *st, void *arg) {
     if (f == PEER_EXITS) _exit(0);
     if (f == PEER_ABORTS) {
       comm_abort(c, "test");
-      bad = comm_send(c, buf, 1, COMM_FLOAT32, 1) != COMM_ESYSTEM || !strstr(comm_errmsg(c), "aborted: test");
+      bad = comm_send(c, buf, 1, DT_F32, 1) != COMM_ESYSTEM || !strstr(comm_errmsg(c), "aborted: test");
     }
     if (f == PEER_FAULT) {
       comm_fail_next(c);
-      int rc = comm_send(c, buf, count, COMM_FLOAT32, 1);
+      int rc = comm_send(c, buf, count, DT_F32, 1);
       bad = rc != COMM_ESYSTEM || !strstr(comm_errmsg(c), "send: fault injected");
       printf("  %s: rank 0: %s: %s\n", k_failure_names[f], comm_strerror(rc), comm_errmsg(c));
     }
@@ -574,7 +574,7 @@ static int rank_failure(int rank, int n, store_t *st, void *arg) {
     if (fixture_await_key(st, "judged", TIMEOUT_MS)) bad = 1;
   } else {
     comm_req_t *r;
-    if (comm_start_recv(c, buf, count, COMM_FLOAT32, 0, &r)) return 1;
+    if (comm_start_recv(c, buf, count, DT_F32, 0, &r)) return 1;
     double t0 = fixture_now_s();
     store_set(st, "posted", "1", 1);
     int rc = comm_wait(r, NULL);
@@ -586,7 +586,7 @@ static int rank_failure(int rank, int n, store_t *st, void *arg) {
             !strstr(msg, "recv timed out after 0.5 s waiting for rank 0 (127.0.0.1:");
     else
       bad = rc != COMM_EREMOTE || dt > PROMPT_S || !strstr(msg, "recv: connection from rank 0 (127.0.0.1:");
-    if (comm_recv(c, buf, count, COMM_FLOAT32, 0) != rc) bad = 1; /* broken, with the first code */
+    if (comm_recv(c, buf, count, DT_F32, 0) != rc) bad = 1; /* broken, with the first code */
     store_set(st, "judged", "1", 1);
   }
   if (bad) fprintf(stderr, "rank %d: %s: unexpected failure report\n", rank, k_failure_names[f]);

@@ -183,7 +183,7 @@ static int rank_equivalence(int rank, int n, store_t *st, void *arg) {
       fill(h, cnt, 100 * (uint64_t)rank + ci);
       memcpy(want, h, bytes);
       dev->to_device(dev, d, h, bytes);
-      if (comm_all_reduce(ref, want, cnt, COMM_FLOAT32, op) || comm_all_reduce(stg, d, cnt, COMM_FLOAT32, op)) {
+      if (comm_all_reduce(ref, want, cnt, DT_F32, op) || comm_all_reduce(stg, d, cnt, DT_F32, op)) {
         fprintf(stderr, "rank %d: all_reduce: %s / %s\n", rank, comm_errmsg(ref), comm_errmsg(stg));
         bad = 1;
         break;
@@ -194,8 +194,8 @@ static int rank_equivalence(int rank, int n, store_t *st, void *arg) {
       /* reduce_scatter: input n * cnt, output cnt */
       fill(h, (size_t)n * cnt, 7 + 100 * (uint64_t)rank + ci);
       dev->to_device(dev, d, h, all);
-      if (comm_reduce_scatter(ref, h, want, cnt, COMM_FLOAT32, op) ||
-          comm_reduce_scatter(stg, d, d2, cnt, COMM_FLOAT32, op)) {
+      if (comm_reduce_scatter(ref, h, want, cnt, DT_F32, op) ||
+          comm_reduce_scatter(stg, d, d2, cnt, DT_F32, op)) {
         fprintf(stderr, "rank %d: reduce_scatter: %s / %s\n", rank, comm_errmsg(ref), comm_errmsg(stg));
         bad = 1;
         break;
@@ -210,7 +210,7 @@ static int rank_equivalence(int rank, int n, store_t *st, void *arg) {
     dev->to_device(dev, d, h, bytes);
     memset(got, 0, all);
     dev->to_device(dev, d2, got, all); /* zero the output */
-    if (comm_all_gather(ref, h, want, cnt, COMM_FLOAT32) || comm_all_gather(stg, d, d2, cnt, COMM_FLOAT32)) {
+    if (comm_all_gather(ref, h, want, cnt, DT_F32) || comm_all_gather(stg, d, d2, cnt, DT_F32)) {
       fprintf(stderr, "rank %d: all_gather: %s / %s\n", rank, comm_errmsg(ref), comm_errmsg(stg));
       bad = 1;
       break;
@@ -224,8 +224,8 @@ static int rank_equivalence(int rank, int n, store_t *st, void *arg) {
     float *slot = (float *)((char *)d2 + (size_t)rank * bytes);
     memset(want, 0, all);
     memcpy(want + (size_t)rank * cnt, h, bytes);
-    if (comm_all_gather(ref, want + (size_t)rank * cnt, want, cnt, COMM_FLOAT32) ||
-        comm_all_gather(stg, slot, d2, cnt, COMM_FLOAT32)) {
+    if (comm_all_gather(ref, want + (size_t)rank * cnt, want, cnt, DT_F32) ||
+        comm_all_gather(stg, slot, d2, cnt, DT_F32)) {
       fprintf(stderr, "rank %d: all_gather in place: %s\n", rank, comm_errmsg(stg));
       bad = 1;
       break;
@@ -237,7 +237,7 @@ static int rank_equivalence(int rank, int n, store_t *st, void *arg) {
     fill(h, cnt, 21 + 100 * (uint64_t)rank + ci);
     memcpy(want, h, bytes);
     dev->to_device(dev, d, h, bytes);
-    if (comm_broadcast(ref, want, cnt, COMM_FLOAT32, n - 1) || comm_broadcast(stg, d, cnt, COMM_FLOAT32, n - 1)) {
+    if (comm_broadcast(ref, want, cnt, DT_F32, n - 1) || comm_broadcast(stg, d, cnt, DT_F32, n - 1)) {
       fprintf(stderr, "rank %d: broadcast: %s / %s\n", rank, comm_errmsg(ref), comm_errmsg(stg));
       bad = 1;
       break;
@@ -293,10 +293,10 @@ static int rank_single(int rank, int n, store_t *st, void *arg) {
   float h[5] = {1, 2, 3, 4, 5}, got[5] = {0};
   float *d = fake_alloc(NULL, sizeof h), *d2 = fake_alloc(NULL, sizeof h);
   fake_to_device(NULL, d, h, sizeof h);
-  int bad = comm_all_reduce(c, d, 5, COMM_FLOAT32, COMM_SUM) || comm_reduce_scatter(c, d, d2, 5, COMM_FLOAT32, COMM_SUM);
+  int bad = comm_all_reduce(c, d, 5, DT_F32, COMM_SUM) || comm_reduce_scatter(c, d, d2, 5, DT_F32, COMM_SUM);
   fake_to_host(NULL, got, d2, sizeof got);
   bad |= same("reduce_scatter on one rank", 0, h, got, 5);
-  bad |= comm_all_gather(c, d, d2, 5, COMM_FLOAT32) != 0;
+  bad |= comm_all_gather(c, d, d2, 5, DT_F32) != 0;
   fake_to_host(NULL, got, d2, sizeof got);
   bad |= same("all_gather on one rank", 0, h, got, 5);
   fake_free(NULL, d);
@@ -432,7 +432,7 @@ static int rank_bf16(int rank, int n, store_t *st, void *arg) {
       }
       want[cnt] = BF_GUARD;
       put(dev, dv, h, cnt);
-      if (comm_all_reduce(stg, dv, cnt, COMM_BFLOAT16, op)) {
+      if (comm_all_reduce(stg, dv, cnt, DT_BF16, op)) {
         fprintf(stderr, "rank %d: all_reduce: %s\n", rank, comm_errmsg(stg));
         bad = 1;
         break;
@@ -446,7 +446,7 @@ static int rank_bf16(int rank, int n, store_t *st, void *arg) {
       put(dev, da, h, all);
       got[cnt] = BF_GUARD;
       dev->to_device(dev, dr, got, (cnt + 1) * 2);
-      if (comm_reduce_scatter(stg, da, dr, cnt, COMM_BFLOAT16, op)) {
+      if (comm_reduce_scatter(stg, da, dr, cnt, DT_BF16, op)) {
         fprintf(stderr, "rank %d: reduce_scatter: %s\n", rank, comm_errmsg(stg));
         bad = 1;
         break;
@@ -459,7 +459,7 @@ static int rank_bf16(int rank, int n, store_t *st, void *arg) {
       for (size_t i = 0; i < cnt; i++) want[i] = h[i] = brnd(rank, i, salt);
       want[cnt] = BF_GUARD;
       put(dev, dv, h, cnt);
-      if (comm_all_reduce(ref, want, cnt, COMM_BFLOAT16, op) || comm_all_reduce(stg, dv, cnt, COMM_BFLOAT16, op)) {
+      if (comm_all_reduce(ref, want, cnt, DT_BF16, op) || comm_all_reduce(stg, dv, cnt, DT_BF16, op)) {
         fprintf(stderr, "rank %d: all_reduce: %s / %s\n", rank, comm_errmsg(ref), comm_errmsg(stg));
         bad = 1;
         break;
@@ -482,8 +482,8 @@ static int rank_bf16(int rank, int n, store_t *st, void *arg) {
       /* reduce_scatter, random: staged == cpu */
       for (size_t i = 0; i < all; i++) h[i] = brnd(rank, i, salt + 7);
       put(dev, da, h, all);
-      if (comm_reduce_scatter(ref, h, want, cnt, COMM_BFLOAT16, op) ||
-          comm_reduce_scatter(stg, da, dr, cnt, COMM_BFLOAT16, op)) {
+      if (comm_reduce_scatter(ref, h, want, cnt, DT_BF16, op) ||
+          comm_reduce_scatter(stg, da, dr, cnt, DT_BF16, op)) {
         fprintf(stderr, "rank %d: reduce_scatter: %s / %s\n", rank, comm_errmsg(ref), comm_errmsg(stg));
         bad = 1;
         break;
@@ -501,7 +501,7 @@ static int rank_bf16(int rank, int n, store_t *st, void *arg) {
     put(dev, dv, h, cnt);
     memset(got, 0, all * 2);
     put(dev, da, got, all);
-    if (comm_all_gather(stg, dv, da, cnt, COMM_BFLOAT16)) {
+    if (comm_all_gather(stg, dv, da, cnt, DT_BF16)) {
       fprintf(stderr, "rank %d: all_gather: %s\n", rank, comm_errmsg(stg));
       bad = 1;
       break;
@@ -512,7 +512,7 @@ static int rank_bf16(int rank, int n, store_t *st, void *arg) {
     memset(got, 0, all * 2);
     memcpy(got + (size_t)rank * cnt, h, cnt * 2);
     put(dev, da, got, all);
-    if (comm_all_gather(stg, da + (size_t)rank * cnt, da, cnt, COMM_BFLOAT16)) {
+    if (comm_all_gather(stg, da + (size_t)rank * cnt, da, cnt, DT_BF16)) {
       fprintf(stderr, "rank %d: all_gather in place: %s\n", rank, comm_errmsg(stg));
       bad = 1;
       break;
@@ -528,7 +528,7 @@ static int rank_bf16(int rank, int n, store_t *st, void *arg) {
       }
       want[cnt] = BF_GUARD;
       put(dev, dv, h, cnt);
-      if (comm_broadcast(stg, dv, cnt, COMM_BFLOAT16, root)) {
+      if (comm_broadcast(stg, dv, cnt, DT_BF16, root)) {
         fprintf(stderr, "rank %d: broadcast: %s\n", rank, comm_errmsg(stg));
         bad = 1;
         break;
@@ -600,7 +600,7 @@ static int rank_peer_exit(int rank, int n, store_t *st, void *arg) {
   if (open_staged(&c, "dies", rank, n, st, &fake_device)) return 1;
   if (rank == 2) _exit(0);
   float *d = fake_alloc(NULL, 1000 * sizeof(float));
-  int rc = comm_all_reduce(c, d, 1000, COMM_FLOAT32, COMM_SUM);
+  int rc = comm_all_reduce(c, d, 1000, DT_F32, COMM_SUM);
   const char *msg = comm_errmsg(c);
   int bad = !(rc == COMM_EREMOTE || rc == COMM_ETIMEDOUT) || !strstr(msg, "comm dies (rank") ||
             !strstr(msg, "all_reduce");
@@ -642,15 +642,15 @@ static int rank_p2p_pair(int rank, int n, store_t *st, void *arg) {
   if (rank == 0) {
     dev->to_device(dev, df, hf, NF * sizeof(float));
     dev->to_device(dev, db, hb, NB * 2);
-    bad = comm_send(c, df, NF, COMM_FLOAT32, 1) || comm_start_send(c, db, NB, COMM_BFLOAT16, 1, &r) ||
+    bad = comm_send(c, df, NF, DT_F32, 1) || comm_start_send(c, db, NB, DT_BF16, 1, &r) ||
           comm_wait(r, NULL);
   } else {
     for (size_t i = 0; i <= NF; i++) gf[i] = GUARD_F32;
     for (size_t i = 0; i <= NB; i++) gb[i] = BF_GUARD;
     dev->to_device(dev, df, gf, sizeof gf);
     dev->to_device(dev, db, gb, sizeof gb);
-    bad = comm_start_recv(c, df, NF, COMM_FLOAT32, 0, &r) || comm_wait(r, NULL) ||
-          comm_recv(c, db, NB, COMM_BFLOAT16, 0);
+    bad = comm_start_recv(c, df, NF, DT_F32, 0, &r) || comm_wait(r, NULL) ||
+          comm_recv(c, db, NB, DT_BF16, 0);
     dev->to_host(dev, gf, df, sizeof gf);
     dev->to_host(dev, gb, db, sizeof gb);
     if (!bad) bad = same("staged recv of 1000 float32 (+ guard)", rank, hf, gf, NF + 1) ||
@@ -668,12 +668,12 @@ static int rank_p2p_pair(int rank, int n, store_t *st, void *arg) {
   }
   /* The mismatch. */
   if (!bad && rank == 0) {
-    comm_send(c, df, 7, COMM_FLOAT32, 1); /* fits the sockets: may succeed */
-    int rc = comm_recv(c, df, 1, COMM_FLOAT32, 1);
+    comm_send(c, df, 7, DT_F32, 1); /* fits the sockets: may succeed */
+    int rc = comm_recv(c, df, 1, DT_F32, 1);
     bad = rc != COMM_EREMOTE;
     printf("staged sender after the mismatch: %s: %s\n", comm_strerror(rc), comm_errmsg(c));
   } else if (!bad) {
-    int rc = comm_recv(c, df, 8, COMM_FLOAT32, 0);
+    int rc = comm_recv(c, df, 8, DT_F32, 0);
     const char *msg = comm_errmsg(c);
     printf("staged receiver of the mismatch: %s: %s\n", comm_strerror(rc), msg);
     bad = rc != COMM_EREMOTE || !strstr(msg, "comm stg-p2p (rank 1/2): recv of 8 float32 from rank 0 (127.0.0.1:") ||
@@ -702,7 +702,7 @@ static int rank_p2p_ring(int rank, int n, store_t *st, void *arg) {
   float *d = fake_alloc(NULL, 64 * sizeof(float)), *e = fake_alloc(NULL, 64 * sizeof(float));
   float h[64], got[64];
   int bad = 0;
-  int rc = comm_send(c, d, 64, COMM_FLOAT32, (rank + 2) % n);
+  int rc = comm_send(c, d, 64, DT_F32, (rank + 2) % n);
   if (rc != COMM_EINVAL || !strstr(comm_errmsg(c), "point-to-point on the staged comm only between ring neighbours")) {
     fprintf(stderr, "rank %d: send to a non-neighbour: %s: %s\n", rank, comm_strerror(rc), comm_errmsg(c));
     bad = 1;
@@ -711,8 +711,8 @@ static int rank_p2p_ring(int rank, int n, store_t *st, void *arg) {
   const int right = (rank + 1) % n, left = (rank + n - 1) % n;
   fill(h, 64, 500 + (uint64_t)rank);
   fake_to_device(NULL, d, h, sizeof h);
-  rc = rank == 0 ? comm_send(c, d, 64, COMM_FLOAT32, right) || comm_recv(c, e, 64, COMM_FLOAT32, left)
-                 : comm_recv(c, e, 64, COMM_FLOAT32, left) || comm_send(c, d, 64, COMM_FLOAT32, right);
+  rc = rank == 0 ? comm_send(c, d, 64, DT_F32, right) || comm_recv(c, e, 64, DT_F32, left)
+                 : comm_recv(c, e, 64, DT_F32, left) || comm_send(c, d, 64, DT_F32, right);
   if (rc) {
     fprintf(stderr, "rank %d: staged ring: %s\n", rank, comm_errmsg(c));
     bad = 1;
@@ -770,7 +770,7 @@ static int rank_p2p_two_directions(int rank, int n, store_t *st, void *arg) {
     fill(h, cnt, 1000 + 10 * (uint64_t)round + (uint64_t)rank);
     fake_to_device(NULL, ds, h, bytes);
     comm_req_t *rs = NULL, *rr = NULL;
-    if (comm_start_send(out, ds, cnt, COMM_FLOAT32, 1, &rs) || comm_start_recv(in, dr, cnt, COMM_FLOAT32, 0, &rr)) {
+    if (comm_start_send(out, ds, cnt, DT_F32, 1, &rs) || comm_start_recv(in, dr, cnt, DT_F32, 0, &rr)) {
       fprintf(stderr, "rank %d: start: %s / %s\n", rank, comm_errmsg(out), comm_errmsg(in));
       return 1;
     }
@@ -853,7 +853,7 @@ static int rank_p2p_order(int rank, int n, store_t *st, void *arg) {
     fake_to_device(NULL, db, hb, sizeof hb);
     comm_req_t *r = NULL;
     int done = 1;
-    if (comm_start_send(c, da, na, COMM_FLOAT32, 1, &r) || comm_test(r, &done)) {
+    if (comm_start_send(c, da, na, DT_F32, 1, &r) || comm_test(r, &done)) {
       fprintf(stderr, "rank 0: start_send: %s\n", comm_errmsg(c));
       return 1;
     }
@@ -863,7 +863,7 @@ static int rank_p2p_order(int rank, int n, store_t *st, void *arg) {
       bad = 1;
     }
     store_set(st, "stg-order/started", "1", 1);
-    int rb = comm_send(c, db, NB, COMM_FLOAT32, 1), rar = comm_all_reduce(c, dar, NR, COMM_FLOAT32, COMM_SUM);
+    int rb = comm_send(c, db, NB, DT_F32, 1), rar = comm_all_reduce(c, dar, NR, DT_F32, COMM_SUM);
     int ra = comm_wait(r, &sent);
     if (ra || rb || rar || sent != abytes) {
       fprintf(stderr, "rank 0: send A %s (%llu B), send B %s, all_reduce %s: %s\n", comm_strerror(ra),
@@ -872,8 +872,8 @@ static int rank_p2p_order(int rank, int n, store_t *st, void *arg) {
     }
   } else {
     if (fixture_await_key(st, "stg-order/started", TIMEOUT_MS)) return 1;
-    int ra = comm_recv(c, da, na, COMM_FLOAT32, 0), rb = ra ? ra : comm_recv(c, db, NB, COMM_FLOAT32, 0);
-    int rar = rb ? rb : comm_all_reduce(c, dar, NR, COMM_FLOAT32, COMM_SUM);
+    int ra = comm_recv(c, da, na, DT_F32, 0), rb = ra ? ra : comm_recv(c, db, NB, DT_F32, 0);
+    int rar = rb ? rb : comm_all_reduce(c, dar, NR, DT_F32, COMM_SUM);
     if (ra || rb || rar) {
       fprintf(stderr, "rank 1: recv A %s, recv B %s, all_reduce %s: %s\n", comm_strerror(ra), comm_strerror(rb),
               comm_strerror(rar), comm_errmsg(c));
@@ -893,7 +893,7 @@ static int rank_p2p_order(int rank, int n, store_t *st, void *arg) {
   }
   /* The staged stats: the two messages plus the all_reduce's ring traffic, as a cpu comm counts it. */
   comm_stats_t s, sr;
-  if (!bad && comm_all_reduce(ref, hr, NR, COMM_FLOAT32, COMM_SUM)) bad = 1;
+  if (!bad && comm_all_reduce(ref, hr, NR, DT_F32, COMM_SUM)) bad = 1;
   comm_get_stats(c, &s);
   comm_get_stats(ref, &sr);
   const uint64_t msgs = abytes + sizeof hb;
@@ -932,7 +932,7 @@ static int rank_p2p_send_fails(int rank, int n, store_t *st, void *arg) {
   float *d = fake_alloc(NULL, cnt * sizeof(float));
   comm_req_t *r = NULL;
   double t0 = fixture_now_s();
-  if (!d || comm_start_send(c, d, cnt, COMM_FLOAT32, 1, &r)) {
+  if (!d || comm_start_send(c, d, cnt, DT_F32, 1, &r)) {
     fprintf(stderr, "rank 0: start_send: %s\n", comm_errmsg(c));
     return 1;
   }
@@ -972,7 +972,7 @@ static int rank_p2p_destroy_pending(int rank, int n, store_t *st, void *arg) {
   if (rank == 0) {
     comm_req_t *r = NULL;
     fake_to_device(NULL, d, h, bytes);
-    if (comm_start_send(c, d, cnt, COMM_FLOAT32, 1, &r)) {
+    if (comm_start_send(c, d, cnt, DT_F32, 1, &r)) {
       fprintf(stderr, "rank 0: start_send: %s\n", comm_errmsg(c));
       return 1;
     }
@@ -982,7 +982,7 @@ static int rank_p2p_destroy_pending(int rank, int n, store_t *st, void *arg) {
   } else {
     float *got = malloc(bytes);
     if (!got || fixture_await_key(st, "stg-left/started", TIMEOUT_MS)) return 1;
-    if (comm_recv(c, d, cnt, COMM_FLOAT32, 0)) {
+    if (comm_recv(c, d, cnt, DT_F32, 0)) {
       fprintf(stderr, "rank 1: recv of a send left to comm_destroy: %s\n", comm_errmsg(c));
       bad = 1;
     } else {
@@ -1028,7 +1028,7 @@ static int rank_mesh_staged(int rank, int n, store_t *st, void *arg) {
      * memory through the cpu one: both sum 1 + rank over the same members. */
     float x[2] = {1.0f, (float)rank}, y[2] = {1.0f, (float)rank}, got[2];
     fake_to_device(NULL, d, x, sizeof x);
-    if (comm_all_reduce(c, d, 2, COMM_FLOAT32, COMM_SUM) || comm_all_reduce(h, y, 2, COMM_FLOAT32, COMM_SUM)) {
+    if (comm_all_reduce(c, d, 2, DT_F32, COMM_SUM) || comm_all_reduce(h, y, 2, DT_F32, COMM_SUM)) {
       fprintf(stderr, "rank %d: group %s: %s%s\n", rank, names[g], comm_errmsg(c), comm_errmsg(h));
       bad = 1;
       break;

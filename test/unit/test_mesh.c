@@ -145,7 +145,7 @@ static void test_world_of_one(void **state) {
     assert_int_equal(comm_size(c), 1);
     assert_int_equal(comm_rank(c), 0);
     float x[3] = {1.5f, -2.0f, 3.0f};
-    assert_int_equal(comm_all_reduce(c, x, 3, COMM_FLOAT32, COMM_AVG), COMM_OK);
+    assert_int_equal(comm_all_reduce(c, x, 3, DT_F32, COMM_AVG), COMM_OK);
     assert_true(x[0] == 1.5f && x[1] == -2.0f && x[2] == 3.0f);
     assert_int_equal(comm_barrier(c), COMM_OK);
   }

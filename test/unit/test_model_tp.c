@@ -268,7 +268,7 @@ static int rank_main(int rank, int n, store_t *st, void *arg) {
     /* the same loss bits on every tp rank */
     float all[64];
     float mine = loss;
-    if (comm_all_gather(comm, &mine, all, 1, COMM_FLOAT32)) bad = 1;
+    if (comm_all_gather(comm, &mine, all, 1, DT_F32)) bad = 1;
     for (int j = 0; j < n && !bad; j++)
       if (memcmp(&all[j], &mine, sizeof mine)) {
         fprintf(stderr, "rank %d: %s: loss %.9g differs from rank %d's %.9g\n", rank, c->name, mine, j, all[j]);

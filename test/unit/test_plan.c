@@ -108,9 +108,9 @@ static void test_defaults(void **state) {
     if (!strcmp(e->module, "norm") || !strcmp(e->module, "ffn_norm"))
       assert_int_equal(e->style, PLAN_TP_SEQUENCE_PARALLEL);
   }
-  assert_int_equal(p.parallel.param_dtype, PLAN_DTYPE_BF16);
+  assert_int_equal(p.parallel.param_dtype, DT_BF16);
   assert_int_equal(p.parallel.param_dtype_explicit, 0); /* defaulted: main may train fp32 instead */
-  assert_int_equal(p.parallel.reduce_dtype, PLAN_DTYPE_FP32);
+  assert_int_equal(p.parallel.reduce_dtype, DT_F32);
   assert_int_equal(p.parallel.allow_tf32, 1);
   assert_int_equal(p.parallel.activation_checkpoint, PLAN_AC_NONE);
   assert_int_equal(p.parallel.activation_checkpoint_every, 2);
@@ -136,7 +136,7 @@ static void test_defaults(void **state) {
 
   /* Defaults that follow other keys. */
   load_ok(&p, "{\"device\":\"cpu\",\"train\":{\"steps\":7,\"lr\":0.5},\"model\":{\"n_heads\":8}}", NULL, 0);
-  assert_int_equal(p.parallel.param_dtype, PLAN_DTYPE_FP32);
+  assert_int_equal(p.parallel.param_dtype, DT_F32);
   assert_int_equal(p.eval.interval, 1);
   assert_true(p.train.min_lr == 0.05);
   assert_int_equal(p.model.n_kv_heads, 8);
@@ -382,8 +382,8 @@ static void test_set_overrides(void **state) {
   assert_true(p.train.min_lr == 3e-4); /* given in demo.json, not derived */
   assert_string_equal(p.device, "cpu");
   assert_int_equal(p.seed, 42);
-  assert_int_equal(p.parallel.reduce_dtype, PLAN_DTYPE_BF16);
-  assert_int_equal(p.parallel.param_dtype, PLAN_DTYPE_FP32); /* follows device=cpu */
+  assert_int_equal(p.parallel.reduce_dtype, DT_BF16);
+  assert_int_equal(p.parallel.param_dtype, DT_F32); /* follows device=cpu */
   assert_int_equal(p.checkpoint.async, 1);
   assert_true(p.parallel.comm_timeout_s == 2.5);
   assert_string_equal(p.sample.prompt, "To be");
@@ -400,7 +400,7 @@ static void test_set_overrides(void **state) {
   const char *sets2[] = {"parallel.mixed_precision.param_dtype=fp32", "mesh={\"tp\":2,\"dp_shard\":2}",
                          "train.min_lr=null", "eval.interval=0"};
   load_ok(&p, "{}", sets2, 4);
-  assert_int_equal(p.parallel.param_dtype, PLAN_DTYPE_FP32);
+  assert_int_equal(p.parallel.param_dtype, DT_F32);
   assert_int_equal(p.parallel.param_dtype_explicit, 1);
   assert_int_equal(p.mesh.tp, 2);
   assert_int_equal(p.mesh.dp_shard, 2);
@@ -411,7 +411,7 @@ static void test_set_overrides(void **state) {
   /* param_dtype given in the file counts as explicit too, bf16 included; allow_tf32 turns off. */
   load_ok(&p, "{\"device\":\"cuda\",\"parallel\":{\"mixed_precision\":{\"param_dtype\":\"bf16\","
               "\"allow_tf32\":false}}}", NULL, 0);
-  assert_int_equal(p.parallel.param_dtype, PLAN_DTYPE_BF16);
+  assert_int_equal(p.parallel.param_dtype, DT_BF16);
   assert_int_equal(p.parallel.param_dtype_explicit, 1);
   assert_int_equal(p.parallel.allow_tf32, 0);
   const char *sets3[] = {"parallel.mixed_precision.allow_tf32=false"};

@@ -41,9 +41,11 @@ typedef struct backend backend_t;
 typedef enum { ATTN_AUTO = 0, ATTN_FUSED, ATTN_REFERENCE } attn_choice_t;
 extern const char *const attention_names[];
 
-/* Element types of tensors (dtype_size gives the bytes of one element). */
+/* Element types of tensors, the one dtype enum of the trainer: kernels, collectives (comm.h) and
+ * the plan's mixed-precision keys use it. dtype_size gives the bytes of one element, 0 for a
+ * value outside the enum (the comm layer refuses such a call). */
 typedef enum { DT_F32 = 0, DT_BF16 = 1 } dtype_t;
-static inline size_t dtype_size(dtype_t dt) { return dt == DT_BF16 ? 2 : 4; }
+static inline size_t dtype_size(dtype_t dt) { return dt == DT_BF16 ? 2 : dt == DT_F32 ? 4 : 0; }
 static inline const char *dtype_name(dtype_t dt) { return dt == DT_BF16 ? "bf16" : "fp32"; }
 
 /* Where a backend's memory lives: plain host memory (cpu) or a device's (cuda). Callers ask this,

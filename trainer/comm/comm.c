@@ -137,15 +137,7 @@ static int local_copy(comm_t *c, void *dst, const void *src, size_t bytes) {
   return COMM_OK;
 }
 
-comm_dtype_t comm_dtype_of(int backend_dtype) { return backend_dtype == DT_BF16 ? COMM_BFLOAT16 : COMM_FLOAT32; }
 
-size_t comm_dtype_size(comm_dtype_t dtype) {
-  switch (dtype) {
-  case COMM_FLOAT32: return 4;
-  case COMM_BFLOAT16: return 2;
-  }
-  return 0;
-}
 
 const char *comm_op_name(comm_op_t op) {
   switch (op) {
@@ -316,14 +308,14 @@ int comm_set_timeout(comm_t *c, int timeout_ms) {
 /* Common checks of every collective: a usable communicator, a known dtype the backend
  * supports (cpu, staged and nccl all move and reduce float32 and bfloat16; a backend whose
  * table leaves bf16 at 0 is refused bfloat16), a known op. */
-static int check_call(comm_t *c, const char *what, comm_dtype_t dtype, int has_op, comm_op_t op) {
+static int check_call(comm_t *c, const char *what, dtype_t dtype, int has_op, comm_op_t op) {
   /* A broken communicator keeps its first message: it names the peer that started it. */
   if (c->broken) {
     return c->broken;
   }
-  if (comm_dtype_size(dtype) == 0)
+  if (dtype_size(dtype) == 0)
     return comm_set_error(c, COMM_EINVAL, "%s: unknown dtype %d", what, (int)dtype);
-  if (dtype != COMM_FLOAT32 && c->size > 1 && !(c->ops && c->ops->bf16))
+  if (dtype != DT_F32 && c->size > 1 && !(c->ops && c->ops->bf16))
     return comm_set_error(c, COMM_EINVAL, "%s: backend %s supports float32 only", what,
                           c->ops ? c->ops->name : "?");
   if (has_op && op != COMM_SUM && op != COMM_AVG && op != COMM_MAX)
@@ -340,7 +332,7 @@ static const char *const call_names[] = {"all_reduce", "all_gather", "reduce_sca
  * input is the slot. Part of the operation: it runs when the operation runs, after whatever was
  * queued before it. */
 static int own_slot(comm_t *c, comm_call_t *k) {
-  const size_t bytes = k->count * comm_dtype_size(k->dtype);
+  const size_t bytes = k->count * dtype_size(k->dtype);
   char *slot = (char *)k->out + (size_t)c->rank * bytes;
   int rc = (const char *)k->in != slot ? local_copy(c, slot, k->in, bytes) : COMM_OK;
   k->in = slot;
@@ -377,7 +369,7 @@ static int prep(comm_t *c, comm_call_t *k, int *trivial) {
   *trivial = 1;
   int rc = check_call(c, what, k->dtype, has_op, k->op);
   if (rc) return rc;
-  const size_t esz = comm_dtype_size(k->dtype), n = k->count;
+  const size_t esz = dtype_size(k->dtype), n = k->count;
   switch (k->kind) {
   case COMM_CALL_ALL_REDUCE:
     if (n > 0 && !k->out) return comm_set_error(c, COMM_EINVAL, "all_reduce: NULL buffer");
@@ -562,7 +554,7 @@ static void async_free(comm_t *c) {
 static void waited(comm_t *c, const comm_call_t *k, int64_t t0) {
   int64_t t1 = now_ns();
   c->wait_ns += (uint64_t)(t1 - t0);
-  if (observer) observer(c, COMM_OBSERVE_WAIT, call_names[k->kind], k->count * comm_dtype_size(k->dtype), t0, t1);
+  if (observer) observer(c, COMM_OBSERVE_WAIT, call_names[k->kind], k->count * dtype_size(k->dtype), t0, t1);
 }
 
 /* Whether a started call goes to the backend's start: every call of a native backend (nccl), only
@@ -663,50 +655,50 @@ static int call(comm_t *c, comm_call_t k) {
   return rc;
 }
 
-int comm_all_reduce(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, comm_op_t op) {
+int comm_all_reduce(comm_t *c, void *buf, size_t count, dtype_t dtype, comm_op_t op) {
   return call(c, (comm_call_t){.kind = COMM_CALL_ALL_REDUCE, .out = buf, .count = count, .dtype = dtype, .op = op});
 }
-int comm_all_gather(comm_t *c, const void *in, void *out, size_t count, comm_dtype_t dtype) {
+int comm_all_gather(comm_t *c, const void *in, void *out, size_t count, dtype_t dtype) {
   return call(c, (comm_call_t){.kind = COMM_CALL_ALL_GATHER, .in = in, .out = out, .count = count, .dtype = dtype});
 }
-int comm_reduce_scatter(comm_t *c, const void *in, void *out, size_t count, comm_dtype_t dtype, comm_op_t op) {
+int comm_reduce_scatter(comm_t *c, const void *in, void *out, size_t count, dtype_t dtype, comm_op_t op) {
   return call(c, (comm_call_t){.kind = COMM_CALL_REDUCE_SCATTER, .in = in, .out = out, .count = count,
                                .dtype = dtype, .op = op});
 }
-int comm_broadcast(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, int root) {
+int comm_broadcast(comm_t *c, void *buf, size_t count, dtype_t dtype, int root) {
   return call(c, (comm_call_t){.kind = COMM_CALL_BROADCAST, .out = buf, .count = count, .dtype = dtype, .root = root});
 }
 int comm_barrier(comm_t *c) { return call(c, (comm_call_t){.kind = COMM_CALL_BARRIER}); }
 
-int comm_start_all_reduce(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, comm_op_t op, comm_req_t **req) {
+int comm_start_all_reduce(comm_t *c, void *buf, size_t count, dtype_t dtype, comm_op_t op, comm_req_t **req) {
   return start_call(c, (comm_call_t){.kind = COMM_CALL_ALL_REDUCE, .out = buf, .count = count, .dtype = dtype, .op = op},
                     req);
 }
-int comm_start_all_gather(comm_t *c, const void *in, void *out, size_t count, comm_dtype_t dtype, comm_req_t **req) {
+int comm_start_all_gather(comm_t *c, const void *in, void *out, size_t count, dtype_t dtype, comm_req_t **req) {
   return start_call(c, (comm_call_t){.kind = COMM_CALL_ALL_GATHER, .in = in, .out = out, .count = count, .dtype = dtype},
                     req);
 }
-int comm_start_reduce_scatter(comm_t *c, const void *in, void *out, size_t count, comm_dtype_t dtype, comm_op_t op,
+int comm_start_reduce_scatter(comm_t *c, const void *in, void *out, size_t count, dtype_t dtype, comm_op_t op,
                               comm_req_t **req) {
   return start_call(c, (comm_call_t){.kind = COMM_CALL_REDUCE_SCATTER, .in = in, .out = out, .count = count,
                                      .dtype = dtype, .op = op}, req);
 }
-int comm_start_broadcast(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, int root, comm_req_t **req) {
+int comm_start_broadcast(comm_t *c, void *buf, size_t count, dtype_t dtype, int root, comm_req_t **req) {
   return start_call(c, (comm_call_t){.kind = COMM_CALL_BROADCAST, .out = buf, .count = count, .dtype = dtype,
                                      .root = root}, req);
 }
 
-int comm_send(comm_t *c, const void *buf, size_t count, comm_dtype_t dtype, int peer) {
+int comm_send(comm_t *c, const void *buf, size_t count, dtype_t dtype, int peer) {
   return call(c, (comm_call_t){.kind = COMM_CALL_SEND, .in = buf, .count = count, .dtype = dtype, .peer = peer});
 }
-int comm_recv(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, int peer) {
+int comm_recv(comm_t *c, void *buf, size_t count, dtype_t dtype, int peer) {
   return call(c, (comm_call_t){.kind = COMM_CALL_RECV, .out = buf, .count = count, .dtype = dtype, .peer = peer});
 }
-int comm_start_send(comm_t *c, const void *buf, size_t count, comm_dtype_t dtype, int peer, comm_req_t **req) {
+int comm_start_send(comm_t *c, const void *buf, size_t count, dtype_t dtype, int peer, comm_req_t **req) {
   return start_call(c, (comm_call_t){.kind = COMM_CALL_SEND, .in = buf, .count = count, .dtype = dtype,
                                      .peer = peer}, req);
 }
-int comm_start_recv(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, int peer, comm_req_t **req) {
+int comm_start_recv(comm_t *c, void *buf, size_t count, dtype_t dtype, int peer, comm_req_t **req) {
   return start_call(c, (comm_call_t){.kind = COMM_CALL_RECV, .out = buf, .count = count, .dtype = dtype,
                                      .peer = peer}, req);
 }

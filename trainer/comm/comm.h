@@ -42,6 +42,7 @@
 #include <stdint.h>
 
 #include "common/store.h"
+#include "trainer/backend/backend.h" /* dtype_t */
 
 struct backend; /* trainer/backend/backend.h: the device whose memory "nccl" and "staged" move */
 
@@ -53,12 +54,12 @@ enum {
   COMM_ETIMEDOUT = -4, /* no progress from a peer within the timeout */
 };
 
-/* Element types, 4 and 2 bytes; every backend (cpu, staged, nccl) moves and reduces both.
+/* Element types: backend.h's dtype_t (DT_F32, DT_BF16: 4 and 2 bytes, dtype_size), the trainer's
+ * one dtype enum; every backend (cpu, staged, nccl) moves and reduces both.
  * bfloat16 (trainer/backend/bf16.h) is reduced the way NCCL does: each combining step widens to fp32,
  * adds (or compares) in fp32 and rounds the result once to nearest even; "cpu" and "staged" then
  * divide the finished sum by size once for AVG (fp32 division, one rounding). A bf16 SUM errs
  * by at most about (size - 1) * 2^-8 of sum |x| (2^-8 per rounding); MAX is exact. */
-typedef enum { COMM_FLOAT32 = 0, COMM_BFLOAT16 } comm_dtype_t;
 typedef enum { COMM_SUM = 0, COMM_AVG, COMM_MAX } comm_op_t;
 
 #define COMM_NAME_MAX 64
@@ -144,16 +145,16 @@ void comm_destroy(comm_t *c); /* accepts NULL */
 
 /* In place on count elements of every rank. AVG divides the sum by size (after summing, so every
  * rank gets identical bits). */
-int comm_all_reduce(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, comm_op_t op);
+int comm_all_reduce(comm_t *c, void *buf, size_t count, dtype_t dtype, comm_op_t op);
 /* Each rank contributes count elements; out (size * count) gets rank i's at out + i * count.
  * In place when in == out + rank * count. */
-int comm_all_gather(comm_t *c, const void *in, void *out, size_t count, comm_dtype_t dtype);
+int comm_all_gather(comm_t *c, const void *in, void *out, size_t count, dtype_t dtype);
 /* in holds size * count elements; out (count) gets slice rank of the reduction (SUM or AVG;
  * MAX also works). out may not overlap in. */
-int comm_reduce_scatter(comm_t *c, const void *in, void *out, size_t count, comm_dtype_t dtype,
+int comm_reduce_scatter(comm_t *c, const void *in, void *out, size_t count, dtype_t dtype,
                         comm_op_t op);
 /* Copies root's count elements into everyone's buf. */
-int comm_broadcast(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, int root);
+int comm_broadcast(comm_t *c, void *buf, size_t count, dtype_t dtype, int root);
 /* Returns once every member has entered the barrier. */
 int comm_barrier(comm_t *c);
 
@@ -189,8 +190,8 @@ int comm_barrier(comm_t *c);
  * rank must start its send before its receive (the pipeline's transport contract: asynchronous
  * sends, blocking receives). A later call of a staged communicator waits for its pending sends
  * first, so issue order holds as on "cpu". */
-int comm_send(comm_t *c, const void *buf, size_t count, comm_dtype_t dtype, int peer);
-int comm_recv(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, int peer);
+int comm_send(comm_t *c, const void *buf, size_t count, dtype_t dtype, int peer);
+int comm_recv(comm_t *c, void *buf, size_t count, dtype_t dtype, int peer);
 
 /* --- asynchronous collectives.
  * comm_start_* checks its arguments as the blocking call does, queues the operation and returns
@@ -212,17 +213,17 @@ int comm_recv(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, int peer);
  * started request must be waited for, also after a failure; comm_destroy waits for the ones
  * left (a caller that is exiting may skip that). NULL req: comm_wait returns 0. */
 typedef struct comm_req comm_req_t;
-int comm_start_all_reduce(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, comm_op_t op,
+int comm_start_all_reduce(comm_t *c, void *buf, size_t count, dtype_t dtype, comm_op_t op,
                           comm_req_t **req);
-int comm_start_all_gather(comm_t *c, const void *in, void *out, size_t count, comm_dtype_t dtype,
+int comm_start_all_gather(comm_t *c, const void *in, void *out, size_t count, dtype_t dtype,
                           comm_req_t **req);
 int comm_start_reduce_scatter(comm_t *c, const void *in, void *out, size_t count,
-                              comm_dtype_t dtype, comm_op_t op, comm_req_t **req);
-int comm_start_broadcast(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, int root,
+                              dtype_t dtype, comm_op_t op, comm_req_t **req);
+int comm_start_broadcast(comm_t *c, void *buf, size_t count, dtype_t dtype, int root,
                          comm_req_t **req);
-int comm_start_send(comm_t *c, const void *buf, size_t count, comm_dtype_t dtype, int peer,
+int comm_start_send(comm_t *c, const void *buf, size_t count, dtype_t dtype, int peer,
                     comm_req_t **req);
-int comm_start_recv(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, int peer,
+int comm_start_recv(comm_t *c, void *buf, size_t count, dtype_t dtype, int peer,
                     comm_req_t **req);
 int comm_wait(comm_req_t *req, uint64_t *sent);
 int comm_test(comm_req_t *req, int *done);
@@ -254,9 +255,6 @@ int comm_failed_any(void);
 const char *comm_strerror(int code);
 void comm_get_stats(const comm_t *c, comm_stats_t *out);
 void comm_reset_stats(comm_t *c);
-size_t comm_dtype_size(comm_dtype_t dtype); /* 0 for an unknown dtype */
-/* The comm dtype of a backend tensor dtype (backend.h's dtype_t: DT_F32, DT_BF16). */
-comm_dtype_t comm_dtype_of(int backend_dtype);
 const char *comm_op_name(comm_op_t op);     /* "sum", "avg", "max" */
 
 /* The memory kind of a backend by name (NULL: "cpu"), before any communicator exists; an

@@ -99,7 +99,7 @@ typedef struct {
   int forward;
   int reduce;
   comm_op_t op;
-  comm_dtype_t dtype;
+  dtype_t dtype;
   char *dst;
   const char *src;
   size_t reduced; /* elements already combined */
@@ -145,8 +145,8 @@ static void combine_bf16(bf16_t *dst, const bf16_t *a, const bf16_t *b, size_t n
 
 /* n elements of dtype from element offset `at` of each buffer: dst = a op b. */
 static void combine(char *dst, const char *a, const char *b, size_t at, size_t n,
-                    comm_dtype_t dtype, comm_op_t op) {
-  if (dtype == COMM_BFLOAT16)
+                    dtype_t dtype, comm_op_t op) {
+  if (dtype == DT_BF16)
     combine_bf16((bf16_t *)dst + at, (const bf16_t *)a + at, (const bf16_t *)b + at, n, op);
   else
     combine_f32((float *)dst + at, (const float *)a + at, (const float *)b + at, n, op);
@@ -204,7 +204,7 @@ static int xfer_run(comm_t *c, const char *what, xfer_t *x) {
         if (!x->control) c->stats.bytes_recv += (uint64_t)k;
         progress = 1;
         if (x->reduce) {
-          size_t ready = x->rcvd / comm_dtype_size(x->dtype);
+          size_t ready = x->rcvd / dtype_size(x->dtype);
           combine(x->dst, x->rbuf, x->src, x->reduced, ready - x->reduced, x->dtype, x->op);
           x->reduced = ready;
         }
@@ -248,9 +248,9 @@ static int ensure_scratch(comm_t *c, size_t bytes) {
 }
 
 /* AVG: the finished sum divided by the group size, once, in fp32; bf16 rounds the quotient. */
-static void scale_avg(void *x, size_t n, comm_dtype_t dtype, int size) {
+static void scale_avg(void *x, size_t n, dtype_t dtype, int size) {
   float d = (float)size;
-  if (dtype == COMM_BFLOAT16) {
+  if (dtype == DT_BF16) {
     bf16_t *h = x;
     for (size_t i = 0; i < n; i++) h[i] = bf16_from_f32(bf16_to_f32(h[i]) / d);
   } else {
@@ -276,10 +276,10 @@ static int ring_all_gather(comm_t *c, const char *what, char *buf, size_t esz, i
   return COMM_OK;
 }
 
-static int cpu_all_reduce(comm_t *c, void *vbuf, size_t count, comm_dtype_t dtype, comm_op_t op) {
+static int cpu_all_reduce(comm_t *c, void *vbuf, size_t count, dtype_t dtype, comm_op_t op) {
   cpu_t *p = c->impl;
   char *buf = vbuf;
-  size_t esz = comm_dtype_size(dtype);
+  size_t esz = dtype_size(dtype);
   int n = c->size, r = c->rank;
   chunks_balanced(p->off, count, n);
   int rc = ensure_scratch(c, (p->off[1] - p->off[0]) * esz); /* chunk 0 is a largest one */
@@ -301,19 +301,19 @@ static int cpu_all_reduce(comm_t *c, void *vbuf, size_t count, comm_dtype_t dtyp
   return ring_all_gather(c, "all_reduce", buf, esz, r);
 }
 
-static int cpu_all_gather(comm_t *c, const void *in, void *out, size_t count, comm_dtype_t dtype) {
+static int cpu_all_gather(comm_t *c, const void *in, void *out, size_t count, dtype_t dtype) {
   cpu_t *p = c->impl;
   chunks_uniform(p->off, count, c->size);
   /* the dispatch put `in` in our slot */
-  return ring_all_gather(c, "all_gather", out, comm_dtype_size(dtype), c->rank);
+  return ring_all_gather(c, "all_gather", out, dtype_size(dtype), c->rank);
 }
 
 static int cpu_reduce_scatter(comm_t *c, const void *vin, void *vout, size_t count,
-                              comm_dtype_t dtype, comm_op_t op) {
+                              dtype_t dtype, comm_op_t op) {
   cpu_t *p = c->impl;
   const char *in = vin;
   char *out = vout;
-  size_t esz = comm_dtype_size(dtype), bytes = count * esz;
+  size_t esz = dtype_size(dtype), bytes = count * esz;
   int n = c->size, r = c->rank;
   int rc = ensure_scratch(c, bytes);
   if (rc) return rc;
@@ -334,9 +334,9 @@ static int cpu_reduce_scatter(comm_t *c, const void *vin, void *vout, size_t cou
   return COMM_OK;
 }
 
-static int cpu_broadcast(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, int root) {
+static int cpu_broadcast(comm_t *c, void *buf, size_t count, dtype_t dtype, int root) {
   int n = c->size, pos = mod(c->rank - root, n); /* distance from the root along the ring */
-  size_t bytes = count * comm_dtype_size(dtype);
+  size_t bytes = count * dtype_size(dtype);
   xfer_t x = {.sbuf = buf, .slen = pos == n - 1 ? 0 : bytes,
               .rbuf = buf, .rlen = pos == 0 ? 0 : bytes, .forward = pos != 0};
   return xfer_run(c, "broadcast", &x);
@@ -356,24 +356,24 @@ static int cpu_barrier(comm_t *c) {
   return COMM_OK;
 }
 
-static const char *dtype_name(uint32_t dtype) {
-  return dtype == COMM_FLOAT32 ? "float32" : dtype == COMM_BFLOAT16 ? "bfloat16" : "elements of an unknown dtype";
+static const char *p2p_dtype_name(uint32_t dtype) { /* as a peer's header says it */
+  return dtype == DT_F32 ? "float32" : dtype == DT_BF16 ? "bfloat16" : "elements of an unknown dtype";
 }
 
 /* The dispatch checked peer: the right neighbour. Header, then payload, each sent whole. */
-static int cpu_send(comm_t *c, const void *buf, size_t count, comm_dtype_t dtype, int peer) {
+static int cpu_send(comm_t *c, const void *buf, size_t count, dtype_t dtype, int peer) {
   p2p_hdr_t h = {.magic = P2P_MAGIC, .dtype = (uint32_t)dtype, .count = count};
   xfer_t hx = {.sbuf = (const char *)&h, .slen = sizeof h, .control = 1};
   int rc = xfer_run(c, "send", &hx);
   if (rc) return rc;
-  xfer_t x = {.sbuf = buf, .slen = count * comm_dtype_size(dtype)};
+  xfer_t x = {.sbuf = buf, .slen = count * dtype_size(dtype)};
   return xfer_run(c, "send", &x);
 }
 
 /* The dispatch checked peer: the left neighbour. The header must announce what this receive
  * expects; anything else breaks the communicator, since the bytes that follow are not ours to
  * read (calls out of order, or sizes that differ between the two sides). */
-static int cpu_recv(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, int peer) {
+static int cpu_recv(comm_t *c, void *buf, size_t count, dtype_t dtype, int peer) {
   cpu_t *p = c->impl;
   p2p_hdr_t h = {0};
   xfer_t hx = {.rbuf = (char *)&h, .rlen = sizeof h, .control = 1};
@@ -381,11 +381,11 @@ static int cpu_recv(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, int 
   if (rc) return rc;
   if (h.magic != P2P_MAGIC)
     return fail(c, COMM_EREMOTE, "recv of %zu %s from %s met something that is not a send (is the peer in "
-                "a collective? calls out of order?)", count, dtype_name(dtype), p->left_label);
+                "a collective? calls out of order?)", count, p2p_dtype_name(dtype), p->left_label);
   if (h.count != count || h.dtype != (uint32_t)dtype)
-    return fail(c, COMM_EREMOTE, "recv of %zu %s from %s met a send of %llu %s", count, dtype_name(dtype),
-                p->left_label, (unsigned long long)h.count, dtype_name(h.dtype));
-  xfer_t x = {.rbuf = buf, .rlen = count * comm_dtype_size(dtype)};
+    return fail(c, COMM_EREMOTE, "recv of %zu %s from %s met a send of %llu %s", count, p2p_dtype_name(dtype),
+                p->left_label, (unsigned long long)h.count, p2p_dtype_name(h.dtype));
+  xfer_t x = {.rbuf = buf, .rlen = count * dtype_size(dtype)};
   return xfer_run(c, "recv", &x);
 }
 

@@ -20,7 +20,7 @@ typedef struct {
   const void *in; /* all_gather, reduce_scatter; the buffer of send */
   void *out;      /* all_gather, reduce_scatter; the buffer of all_reduce, broadcast and recv */
   size_t count;
-  comm_dtype_t dtype;
+  dtype_t dtype;
   comm_op_t op;
   int root;
   int peer;       /* send, recv: the other rank (group rank, never this one) */
@@ -29,26 +29,26 @@ typedef struct {
 /* The backend table. */
 typedef struct {
   const char *name;
-  int (*all_reduce)(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, comm_op_t op);
-  int (*all_gather)(comm_t *c, const void *in, void *out, size_t count, comm_dtype_t dtype);
-  int (*reduce_scatter)(comm_t *c, const void *in, void *out, size_t count, comm_dtype_t dtype,
+  int (*all_reduce)(comm_t *c, void *buf, size_t count, dtype_t dtype, comm_op_t op);
+  int (*all_gather)(comm_t *c, const void *in, void *out, size_t count, dtype_t dtype);
+  int (*reduce_scatter)(comm_t *c, const void *in, void *out, size_t count, dtype_t dtype,
                         comm_op_t op);
-  int (*broadcast)(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, int root);
+  int (*broadcast)(comm_t *c, void *buf, size_t count, dtype_t dtype, int root);
   int (*barrier)(comm_t *c);
   void (*destroy)(comm_t *c); /* releases impl; must accept a half-built impl */
   /* Point-to-point, optional (NULL: the dispatch refuses comm_send and comm_recv). They come
    * after destroy so that tables written positionally up to destroy (test fakes) stay valid.
    * Only this rank and peer take part; the k-th send to a peer matches its k-th receive from
    * this rank. */
-  int (*send)(comm_t *c, const void *buf, size_t count, comm_dtype_t dtype, int peer);
-  int (*recv)(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, int peer);
+  int (*send)(comm_t *c, const void *buf, size_t count, dtype_t dtype, int peer);
+  int (*recv)(comm_t *c, void *buf, size_t count, dtype_t dtype, int peer);
   int p2p_ring; /* 1: sends only to rank + 1 and receives only from rank - 1 (the links of a
                    ring: cpu, staged); the dispatch refuses other peers */
   /* Optional, for backends whose buffers are not host memory: the copies the dispatch makes
    * itself (all_gather's own slot, reduce_scatter on one rank), done before returning. NULL:
    * memcpy. */
   int (*copy)(comm_t *c, void *dst, const void *src, size_t bytes);
-  int bf16; /* 1: reduces and moves COMM_BFLOAT16 too, in fp32 with one rounding per combining
+  int bf16; /* 1: reduces and moves DT_BF16 too, in fp32 with one rounding per combining
               step (cpu, staged, nccl); 0: float32 only, the dispatch refuses bfloat16 */
   /* Optional: makes the peers' pending and later calls fail at once (comm_abort). It may run on
    * a fatal path at any point between calls, so it only shuts things down: no freeing, no

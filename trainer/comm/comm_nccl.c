@@ -289,7 +289,7 @@ static int progress(comm_t *c) {
 
 /* ---- collectives ---- */
 
-static ncclDataType_t nccl_dtype(comm_dtype_t d) { return d == COMM_BFLOAT16 ? ncclBfloat16 : ncclFloat32; }
+static ncclDataType_t nccl_dtype(dtype_t d) { return d == DT_BF16 ? ncclBfloat16 : ncclFloat32; }
 
 static ncclRedOp_t nccl_op(comm_op_t op) {
   switch (op) {
@@ -302,7 +302,7 @@ static ncclRedOp_t nccl_op(comm_op_t op) {
 
 /* Ring-equivalent payload of one rank for call, sent (received is the same for collectives). */
 static uint64_t ring_bytes(const comm_t *c, const comm_call_t *call) {
-  uint64_t bytes = (uint64_t)call->count * comm_dtype_size(call->dtype), n = (uint64_t)c->size;
+  uint64_t bytes = (uint64_t)call->count * dtype_size(call->dtype), n = (uint64_t)c->size;
   switch (call->kind) {
   case COMM_CALL_ALL_REDUCE: return bytes * 2 * (n - 1) / n;
   case COMM_CALL_ALL_GATHER:
@@ -318,7 +318,7 @@ static uint64_t ring_bytes(const comm_t *c, const comm_call_t *call) {
 /* Received bytes: a send receives nothing, a receive its buffer, a collective what it sends. */
 static uint64_t recv_bytes(const comm_t *c, const comm_call_t *call) {
   if (call->kind == COMM_CALL_SEND) return 0;
-  if (call->kind == COMM_CALL_RECV) return (uint64_t)call->count * comm_dtype_size(call->dtype);
+  if (call->kind == COMM_CALL_RECV) return (uint64_t)call->count * dtype_size(call->dtype);
   return ring_bytes(c, call);
 }
 
@@ -432,39 +432,39 @@ static int run(comm_t *c, const comm_call_t *call) {
   return rc ? rc : finish(c, t, 1);
 }
 
-static int nccl_all_reduce(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, comm_op_t op) {
+static int nccl_all_reduce(comm_t *c, void *buf, size_t count, dtype_t dtype, comm_op_t op) {
   comm_call_t call = {.kind = COMM_CALL_ALL_REDUCE, .out = buf, .count = count, .dtype = dtype, .op = op};
   return run(c, &call);
 }
 
-static int nccl_all_gather(comm_t *c, const void *in, void *out, size_t count, comm_dtype_t dtype) {
+static int nccl_all_gather(comm_t *c, const void *in, void *out, size_t count, dtype_t dtype) {
   comm_call_t call = {.kind = COMM_CALL_ALL_GATHER, .in = in, .out = out, .count = count, .dtype = dtype};
   return run(c, &call);
 }
 
-static int nccl_reduce_scatter(comm_t *c, const void *in, void *out, size_t count, comm_dtype_t dtype,
+static int nccl_reduce_scatter(comm_t *c, const void *in, void *out, size_t count, dtype_t dtype,
                                comm_op_t op) {
   comm_call_t call = {.kind = COMM_CALL_REDUCE_SCATTER, .in = in, .out = out, .count = count,
                       .dtype = dtype, .op = op};
   return run(c, &call);
 }
 
-static int nccl_broadcast(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, int root) {
+static int nccl_broadcast(comm_t *c, void *buf, size_t count, dtype_t dtype, int root) {
   comm_call_t call = {.kind = COMM_CALL_BROADCAST, .out = buf, .count = count, .dtype = dtype, .root = root};
   return run(c, &call);
 }
 
 static int nccl_barrier(comm_t *c) {
-  comm_call_t call = {.kind = COMM_CALL_BARRIER, .count = 1, .dtype = COMM_FLOAT32};
+  comm_call_t call = {.kind = COMM_CALL_BARRIER, .count = 1, .dtype = DT_F32};
   return run(c, &call);
 }
 
-static int nccl_send(comm_t *c, const void *buf, size_t count, comm_dtype_t dtype, int peer) {
+static int nccl_send(comm_t *c, const void *buf, size_t count, dtype_t dtype, int peer) {
   comm_call_t call = {.kind = COMM_CALL_SEND, .in = buf, .count = count, .dtype = dtype, .peer = peer};
   return run(c, &call);
 }
 
-static int nccl_recv(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, int peer) {
+static int nccl_recv(comm_t *c, void *buf, size_t count, dtype_t dtype, int peer) {
   comm_call_t call = {.kind = COMM_CALL_RECV, .out = buf, .count = count, .dtype = dtype, .peer = peer};
   return run(c, &call);
 }

@@ -30,7 +30,7 @@
  * destroy are waited for there, as comm_cpu's queue is.
  *
  * Both dtypes, float32 and bfloat16, as comm_cpu: the staging buffers are sized in bytes from
- * the element size (comm_dtype_size), and a bf16 reduction is the inner ring's (fp32 arithmetic,
+ * the element size (dtype_size), and a bf16 reduction is the inner ring's (fp32 arithmetic,
  * one rounding to bf16 per combining step).
  *
  * What it does not do: no overlap of collectives or receives (each copies, reduces or receives
@@ -129,9 +129,9 @@ static int stage_in(comm_t *c, size_t cap, size_t off, const void *src, size_t b
   return COMM_OK;
 }
 
-static int staged_all_reduce(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, comm_op_t op) {
+static int staged_all_reduce(comm_t *c, void *buf, size_t count, dtype_t dtype, comm_op_t op) {
   staged_t *p = c->impl;
-  size_t bytes = count * comm_dtype_size(dtype);
+  size_t bytes = count * dtype_size(dtype);
   comm_stats_t before;
   int rc = stage_in(c, bytes, 0, buf, bytes, &before);
   if (rc) return rc;
@@ -143,9 +143,9 @@ static int staged_all_reduce(comm_t *c, void *buf, size_t count, comm_dtype_t dt
 
 /* The dispatch has put this rank's input in its slot of out (device memory). Only that slot goes
  * down; the whole gathered buffer comes back up. */
-static int staged_all_gather(comm_t *c, const void *in, void *out, size_t count, comm_dtype_t dtype) {
+static int staged_all_gather(comm_t *c, const void *in, void *out, size_t count, dtype_t dtype) {
   staged_t *p = c->impl;
-  size_t esz = comm_dtype_size(dtype), slot = count * esz, bytes = (size_t)c->size * slot;
+  size_t esz = dtype_size(dtype), slot = count * esz, bytes = (size_t)c->size * slot;
   size_t off = (size_t)c->rank * slot; /* this rank's slot in the staging buffer */
   comm_stats_t before;
   int rc = stage_in(c, bytes, off, in, slot, &before);
@@ -159,9 +159,9 @@ static int staged_all_gather(comm_t *c, const void *in, void *out, size_t count,
 /* Input (size * count) and output (count) share the staging buffer: the output after the input,
  * since the inner reduce_scatter forbids overlap. */
 static int staged_reduce_scatter(comm_t *c, const void *in, void *out, size_t count,
-                                 comm_dtype_t dtype, comm_op_t op) {
+                                 dtype_t dtype, comm_op_t op) {
   staged_t *p = c->impl;
-  size_t esz = comm_dtype_size(dtype), obytes = count * esz, ibytes = (size_t)c->size * obytes;
+  size_t esz = dtype_size(dtype), obytes = count * esz, ibytes = (size_t)c->size * obytes;
   comm_stats_t before;
   int rc = stage_in(c, ibytes + obytes, 0, in, ibytes, &before);
   if (rc) return rc;
@@ -173,9 +173,9 @@ static int staged_reduce_scatter(comm_t *c, const void *in, void *out, size_t co
 }
 
 /* Only the root copies down and only the others copy back: the root's buffer is the answer. */
-static int staged_broadcast(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, int root) {
+static int staged_broadcast(comm_t *c, void *buf, size_t count, dtype_t dtype, int root) {
   staged_t *p = c->impl;
-  size_t bytes = count * comm_dtype_size(dtype);
+  size_t bytes = count * dtype_size(dtype);
   comm_stats_t before;
   int rc = stage_in(c, bytes, 0, c->rank == root ? buf : NULL, bytes, &before);
   if (rc) return rc;
@@ -193,9 +193,9 @@ static int staged_barrier(comm_t *c) {
 }
 
 /* Device to host, then the inner ring's send (to the right neighbour); the blocking send. */
-static int staged_send(comm_t *c, const void *buf, size_t count, comm_dtype_t dtype, int peer) {
+static int staged_send(comm_t *c, const void *buf, size_t count, dtype_t dtype, int peer) {
   staged_t *p = c->impl;
-  size_t bytes = count * comm_dtype_size(dtype);
+  size_t bytes = count * dtype_size(dtype);
   comm_stats_t before;
   int rc = stage_in(c, bytes, 0, buf, bytes, &before);
   if (rc) return rc;
@@ -203,9 +203,9 @@ static int staged_send(comm_t *c, const void *buf, size_t count, comm_dtype_t dt
 }
 
 /* The inner ring's receive (from the left neighbour), then host to device. */
-static int staged_recv(comm_t *c, void *buf, size_t count, comm_dtype_t dtype, int peer) {
+static int staged_recv(comm_t *c, void *buf, size_t count, dtype_t dtype, int peer) {
   staged_t *p = c->impl;
-  size_t bytes = count * comm_dtype_size(dtype);
+  size_t bytes = count * dtype_size(dtype);
   comm_stats_t before;
   int rc = stage_in(c, bytes, 0, NULL, 0, &before);
   if (rc) return rc;
@@ -223,7 +223,7 @@ static int staged_start(comm_t *c, const comm_call_t *call, void **token) {
   staged_t *p = c->impl;
   *token = NULL;
   if (call->kind != COMM_CALL_SEND) return comm_set_error(c, COMM_EINVAL, "staged: only sends start natively");
-  size_t bytes = call->count * comm_dtype_size(call->dtype);
+  size_t bytes = call->count * dtype_size(call->dtype);
   staged_send_t *s = calloc(1, sizeof *s);
   char *h = malloc(bytes);
   if (!s || !h) {

@@ -172,12 +172,12 @@ const char *ckpt_state_get(const ckpt_state_t *s, const char *key) {
 
 static int comm_gather_cb(void *ctx, const void *in, void *out, size_t bytes) {
   if (bytes % 4) return CKPT_EINVAL;
-  return comm_all_gather(ctx, in, out, bytes / 4, COMM_FLOAT32) ? CKPT_ECOMM : 0;
+  return comm_all_gather(ctx, in, out, bytes / 4, DT_F32) ? CKPT_ECOMM : 0;
 }
 
 static int comm_bcast_cb(void *ctx, void *buf, size_t bytes, int root) {
   if (bytes % 4) return CKPT_EINVAL;
-  return comm_broadcast(ctx, buf, bytes / 4, COMM_FLOAT32, root) ? CKPT_ECOMM : 0;
+  return comm_broadcast(ctx, buf, bytes / 4, DT_F32, root) ? CKPT_ECOMM : 0;
 }
 
 void ckpt_group_from_comm(ckpt_group_t *g, comm_t *c) {

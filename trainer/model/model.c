@@ -317,13 +317,13 @@ static void tp_check(model_t *m, int rc, const char *what) {
 }
 /* Activations travel in dt; the loss statistics in fp32 (tp_all_reduce's dt says which). */
 static void tp_all_reduce(model_t *m, void *buf, size_t n, dtype_t dt, comm_op_t op, const char *what) {
-  if (!m->comm_rc) tp_check(m, comm_all_reduce(m->tpc, buf, n, comm_dtype_of(dt), op), what);
+  if (!m->comm_rc) tp_check(m, comm_all_reduce(m->tpc, buf, n, dt, op), what);
 }
 static void tp_all_gather(model_t *m, void *out, const void *in, size_t n, const char *what) {
-  if (!m->comm_rc) tp_check(m, comm_all_gather(m->tpc, in, out, n, comm_dtype_of(m->dt)), what);
+  if (!m->comm_rc) tp_check(m, comm_all_gather(m->tpc, in, out, n, m->dt), what);
 }
 static void tp_reduce_scatter(model_t *m, void *out, const void *in, size_t n, const char *what) {
-  if (!m->comm_rc) tp_check(m, comm_reduce_scatter(m->tpc, in, out, n, comm_dtype_of(m->dt), COMM_SUM), what);
+  if (!m->comm_rc) tp_check(m, comm_reduce_scatter(m->tpc, in, out, n, m->dt, COMM_SUM), what);
 }
 
 /* Local rows -> all rows (cols wide). Under SP each rank holds its block of rows and the
@@ -932,7 +932,7 @@ int model_export_tensor(model_t *m, int i, float *host_full) {
   int rc = dev && host ? 0 : -1;
   if (rc) log_error("model: export of %s: out of memory", t->name);
   if (!rc) {
-    rc = comm_all_gather(m->tpc, param_of(m, i), dev, n, COMM_FLOAT32);
+    rc = comm_all_gather(m->tpc, param_of(m, i), dev, n, DT_F32);
     if (rc) log_error("model: export of %s: %s", t->name, comm_errmsg(m->tpc));
   }
   if (!rc) {
@@ -1008,7 +1008,6 @@ void model_set_unit_compute(model_t *m, int unit, const void *params_lp) {
 }
 
 dtype_t model_param_dtype(const model_t *m) { return m->dt; }
-dtype_t model_dtype_of(plan_dtype_t d) { return d == PLAN_DTYPE_BF16 ? DT_BF16 : DT_F32; }
 
 void model_zero_grad(model_t *m) {
   if (m->grads) m->be->zero(m->be, m->grads, m->num_params * sizeof(float));

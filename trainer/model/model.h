@@ -182,8 +182,6 @@ void model_set_unit_buffers(model_t *m, int unit, float *params, float *grads);
  * the unit's flat slice), which the kernels read until the next call. */
 void model_set_unit_compute(model_t *m, int unit, const void *params_lp);
 dtype_t model_param_dtype(const model_t *m);
-/* The backend's dtype of a plan dtype (parallel.mixed_precision.*): the one conversion. */
-dtype_t model_dtype_of(plan_dtype_t d);
 
 /* Statuses of model_forward and model_backward (0 = success); model_errmsg says why. */
 enum {

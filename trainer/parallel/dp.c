@@ -75,17 +75,17 @@ int dp_ops_wait(dp_impl_t *d, dp_op_t *ops, int n) {
 
 int dp_start_all_gather(dp_impl_t *d, dp_op_t *op, comm_t *c, const void *in, void *out, size_t n, dtype_t dt,
                         const char *what) {
-  int rc = comm_start_all_gather(c, in, out, n, comm_dtype_of(dt), &op->req);
+  int rc = comm_start_all_gather(c, in, out, n, dt, &op->req);
   return op_started(d, op, c, &d->traffic.all_gather, rc, "all_gather", what);
 }
 int dp_start_reduce_scatter(dp_impl_t *d, dp_op_t *op, comm_t *c, const void *in, void *out, size_t n, dtype_t dt,
                             const char *what) {
-  int rc = comm_start_reduce_scatter(c, in, out, n, comm_dtype_of(dt), COMM_AVG, &op->req);
+  int rc = comm_start_reduce_scatter(c, in, out, n, dt, COMM_AVG, &op->req);
   return op_started(d, op, c, &d->traffic.reduce_scatter, rc, "reduce_scatter", what);
 }
 static int start_all_reduce_op(dp_impl_t *d, dp_op_t *op, comm_t *c, void *buf, size_t n, dtype_t dt, comm_op_t rop,
                                const char *what) {
-  int rc = comm_start_all_reduce(c, buf, n, comm_dtype_of(dt), rop, &op->req);
+  int rc = comm_start_all_reduce(c, buf, n, dt, rop, &op->req);
   return op_started(d, op, c, &d->traffic.all_reduce, rc, "all_reduce", what);
 }
 int dp_start_all_reduce(dp_impl_t *d, dp_op_t *op, comm_t *c, void *buf, size_t n, dtype_t dt, const char *what) {
@@ -107,7 +107,7 @@ int dp_reduce_scatter(dp_impl_t *d, comm_t *c, const float *in, float *out, size
 }
 int dp_broadcast(dp_impl_t *d, comm_t *c, float *buf, size_t n, int root, const char *what) {
   dp_op_t o = {0};
-  int rc = comm_start_broadcast(c, buf, n, COMM_FLOAT32, root, &o.req);
+  int rc = comm_start_broadcast(c, buf, n, DT_F32, root, &o.req);
   return op_started(d, &o, c, &d->traffic.broadcast, rc, "broadcast", what) ? d->status : dp_op_wait(d, &o);
 }
 
@@ -274,7 +274,7 @@ int dp_create(dp_t **out, model_t *m, backend_t *be, const mesh_t *mesh, const p
   d->S = mesh ? mesh->dims[MESH_DP_SHARD] : 1;
   d->s = mesh ? mesh->coord[MESH_DP_SHARD] : 0;
   d->pdt = model_param_dtype(m);
-  d->rdt = model_dtype_of(p->parallel.reduce_dtype); /* the plan's, as the model was given it */
+  d->rdt = p->parallel.reduce_dtype; /* the plan's, as the model was given it */
 
   int rc = d->ops->setup(d, p, err, errlen);
   if (rc == 0 && d->rdt != DT_F32) rc = reduce_scratch(d, err, errlen);

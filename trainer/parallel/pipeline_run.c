@@ -144,7 +144,7 @@ int pp_run_step(pp_runner_t *r, const int32_t *tok, const int32_t *tgt, int b, i
   model_t *m = cfg->model;
   const int p = cfg->p, S = p * cfg->v, M = r->plan.m, rank = cfg->rank;
   const size_t bt = (size_t)b * t, n = model_boundary_numel(m, b, t);
-  const comm_dtype_t cdt = comm_dtype_of(model_param_dtype(m));
+  const dtype_t cdt = model_param_dtype(m);
   r->err[0] = '\0';
   memset(&r->stats, 0, sizeof r->stats);
   r->stats.bad_mb = -1;
@@ -235,7 +235,7 @@ int pp_run_forward(pp_runner_t *r, const int32_t *tok, const int32_t *tgt, int b
   model_t *m = cfg->model;
   const int p = cfg->p, S = p * cfg->v;
   const size_t n = model_boundary_numel(m, b, t);
-  const comm_dtype_t cdt = comm_dtype_of(model_param_dtype(m));
+  const dtype_t cdt = model_param_dtype(m);
   r->err[0] = '\0';
   *loss = 0;
   /* One micro-batch through the stages in order, slot 0 of each chunk (between steps every

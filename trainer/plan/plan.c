@@ -34,7 +34,7 @@
 /* Enums are stored through int pointers by the table code. */
 _Static_assert(sizeof(plan_sched_t) == sizeof(int), "enum size");
 _Static_assert(sizeof(plan_data_format_t) == sizeof(int), "enum size");
-_Static_assert(sizeof(plan_dtype_t) == sizeof(int), "enum size");
+_Static_assert(sizeof(dtype_t) == sizeof(int), "enum size");
 
 /* The embedded default: configs/demo.json, character for character in content (the unit test
  * parses both and compares, so they cannot drift). */
@@ -157,8 +157,8 @@ static const field_t mesh_fields[] = {
     K_END};
 
 static const field_t mp_fields[] = {
-    K_ENUM("param_dtype", parallel.param_dtype, dtype_names, PLAN_DTYPE_BF16), /* absent: by device */
-    K_ENUM("reduce_dtype", parallel.reduce_dtype, dtype_names, PLAN_DTYPE_FP32),
+    K_ENUM("param_dtype", parallel.param_dtype, dtype_names, DT_BF16), /* absent: by device */
+    K_ENUM("reduce_dtype", parallel.reduce_dtype, dtype_names, DT_F32),
     K_BOOL("allow_tf32", parallel.allow_tf32, 1),
     K_END};
 
@@ -824,7 +824,7 @@ int plan_load(plan_t *p, const char *path, const char *const *sets, int nsets, c
   const cJSON *par = lookup(root, "parallel", NULL);
   p->parallel.param_dtype_explicit = par && lookup(par, "mixed_precision", "param_dtype");
   if (!p->parallel.param_dtype_explicit)
-    p->parallel.param_dtype = strcmp(p->device, "cpu") ? PLAN_DTYPE_BF16 : PLAN_DTYPE_FP32;
+    p->parallel.param_dtype = strcmp(p->device, "cpu") ? DT_BF16 : DT_F32;
   cJSON_Delete(root);
   snprintf(p->source, sizeof p->source, "%s", name);
   p->rebased = rebased;

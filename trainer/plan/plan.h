@@ -16,6 +16,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "trainer/backend/backend.h" /* dtype_t: parallel.mixed_precision's values */
+
 #define PLAN_PATH_MAX 1024
 #define PLAN_PATHS_MAX 8192 /* data.train and data.val: a list of shards */
 #define PLAN_FILE_MAX (16 << 20) /* bytes; a plan file must be a regular file no larger */
@@ -31,7 +33,6 @@ typedef enum {
   PLAN_DATA_U32,      /* raw uint32 tokens */
   PLAN_DATA_SYNTHETIC /* deterministic pseudo-random tokens from the seed */
 } plan_data_format_t;
-typedef enum { PLAN_DTYPE_FP32 = 0, PLAN_DTYPE_BF16 } plan_dtype_t;
 /* parallel.activation_checkpoint: none; full (every block recomputes its forward in its
  * backward); selective = torchtitan's "layer" mode (every k-th block, k =
  * activation_checkpoint_every). */
@@ -83,9 +84,9 @@ typedef struct {
   int loss_parallel;         /* TP: default 1 when tp > 1 */
   plan_tp_entry_t tp_plan[PLAN_TP_PLAN_MAX]; /* default Llama plan when absent */
   int n_tp_plan;
-  plan_dtype_t param_dtype;  /* mixed_precision.param_dtype: compute copies, activations (cuda bf16, cpu fp32) */
+  dtype_t param_dtype;  /* mixed_precision.param_dtype: compute copies, activations (cuda bf16, cpu fp32) */
   int param_dtype_explicit;  /* 1 when param_dtype was given (file or --set), 0 when defaulted */
-  plan_dtype_t reduce_dtype; /* mixed_precision.reduce_dtype: gradient reductions, default fp32 */
+  dtype_t reduce_dtype; /* mixed_precision.reduce_dtype: gradient reductions, default fp32 */
   int allow_tf32;            /* mixed_precision.allow_tf32: TF32 tensor-core matmuls on cuda
                                 (default 1); no effect on cpu */
   plan_ac_t activation_checkpoint; /* default none */

@@ -235,10 +235,10 @@ static int comm_backend_choose(const backend_t *be, const backend_entry_t *d, co
  * backend has it. */
 static void precision_apply(plan_t *p, backend_t *be) {
   const int on_device = be->mem == BACKEND_MEM_DEVICE;
-  if (!p->parallel.param_dtype_explicit) p->parallel.param_dtype = on_device ? PLAN_DTYPE_BF16 : PLAN_DTYPE_FP32;
+  if (!p->parallel.param_dtype_explicit) p->parallel.param_dtype = on_device ? DT_BF16 : DT_F32;
   log_rank0("mixed precision: param_dtype %s, reduce_dtype %s%s",
-            p->parallel.param_dtype == PLAN_DTYPE_BF16 ? "bf16" : "fp32",
-            p->parallel.reduce_dtype == PLAN_DTYPE_BF16 ? "bf16" : "fp32",
+            p->parallel.param_dtype == DT_BF16 ? "bf16" : "fp32",
+            p->parallel.reduce_dtype == DT_BF16 ? "bf16" : "fp32",
             p->parallel.param_dtype_explicit ? "" : " (param_dtype: the device's default)");
   if (be->set_tf32) be->set_tf32(be, p->parallel.allow_tf32);
 }

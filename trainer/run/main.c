@@ -392,7 +392,7 @@ static void install_preempt(void) {
 static int preempt_agreed(const mesh_t *mesh, char *err, size_t errlen) {
   float sig = (float)preempt_sig;
   comm_t *wc = mesh ? mesh_host_comm(mesh, "world") : NULL;
-  if (wc && comm_all_reduce(wc, &sig, 1, COMM_FLOAT32, COMM_MAX)) {
+  if (wc && comm_all_reduce(wc, &sig, 1, DT_F32, COMM_MAX)) {
     snprintf(err, errlen, "agreeing on a preemption signal: %s", comm_errmsg(wc));
     return -1;
   }
@@ -637,8 +637,8 @@ static int model_setup(model_t **m, model_tp_t *tpo, const plan_t *p, backend_t 
   const int B = p->train.micro_batch_size, T = p->train.seq_len, tp = mesh ? mesh->dims[MESH_TP] : 1;
   model_opts_t opts = {.max_b = B, .max_t = T, .decay_norms = p->train.decay_norms,
                        .decay_embeddings = p->train.decay_embeddings, .checkpoint_every = plan_checkpoint_every(p),
-                       .param_dtype = model_dtype_of(p->parallel.param_dtype),
-                       .reduce_dtype = model_dtype_of(p->parallel.reduce_dtype),
+                       .param_dtype = p->parallel.param_dtype,
+                       .reduce_dtype = p->parallel.reduce_dtype,
                        .strategy_casts = dp_is_sharded(mesh)};
   if (!mesh) return model_create_opts(m, &p->model, be, &opts, err, errlen);
   *tpo = (model_tp_t){.comm = tp > 1 ? mesh_comm(mesh, "tp") : NULL,
@@ -676,7 +676,7 @@ static int final_weights(model_t *m, dp_t *dp, const mesh_t *mesh, const plan_t 
               : ckpt_msg_is_nospace(err)                                                         ? 2.0f
                                                                                                  : 1.0f;
   const float mine = wrc;
-  if (mesh && comm_all_reduce(mesh_host_comm(mesh, "world"), &wrc, 1, COMM_FLOAT32, COMM_MAX)) {
+  if (mesh && comm_all_reduce(mesh_host_comm(mesh, "world"), &wrc, 1, DT_F32, COMM_MAX)) {
     snprintf(err, errlen, "saving the final weights: %s", comm_errmsg(mesh_host_comm(mesh, "world")));
     return -1;
   }

@@ -77,7 +77,7 @@ static int memory_report(dp_t *dp, model_t *m, comm_t *world, memory_report_t *r
   float v[5] = {(float)(r->mine.param_bytes / 1024.0), (float)(r->mine.grad_bytes / 1024.0),
                 (float)(r->mine.optim_bytes / 1024.0), (float)(r->mine.work_bytes / 1024.0),
                 (float)(r->act.act_bytes / 1024.0)};
-  if (comm_all_reduce(world, v, 5, COMM_FLOAT32, COMM_MAX)) return -1;
+  if (comm_all_reduce(world, v, 5, DT_F32, COMM_MAX)) return -1;
   r->max.param_bytes = (size_t)((double)v[0] * 1024.0);
   r->max.grad_bytes = (size_t)((double)v[1] * 1024.0);
   r->max.optim_bytes = (size_t)((double)v[2] * 1024.0);
@@ -166,7 +166,7 @@ int metrics_open(metrics_t *mt, const plan_t *p, model_t *m, dp_t *dp, const mes
     comm_t *ppc = mesh_host_comm(mesh, "pp");
     float digit[4];
     for (int i = 0; i < 4; i++) digit[i] = (float)((np >> (12 * i)) & 0xfff);
-    if (comm_all_reduce(ppc, digit, 4, COMM_FLOAT32, COMM_SUM)) {
+    if (comm_all_reduce(ppc, digit, 4, DT_F32, COMM_SUM)) {
       snprintf(err, errlen, "%s", comm_errmsg(ppc));
       return -1;
     }
@@ -209,7 +209,7 @@ int metrics_open(metrics_t *mt, const plan_t *p, model_t *m, dp_t *dp, const mes
                    mem.mine.param_bytes, mem.mine.grad_bytes, mem.mine.optim_bytes, mem.mine.work_bytes,
                    mem.max.param_bytes, mem.max.grad_bytes, mem.max.optim_bytes, mem.max.work_bytes,
                    mem.act.act_bytes, mem.act.act_block_bytes, mem.act_max.act_bytes,
-                   dtype_name(model_param_dtype(m)), dtype_name(model_dtype_of(p->parallel.reduce_dtype)),
+                   dtype_name(model_param_dtype(m)), dtype_name(p->parallel.reduce_dtype),
                    start_step);
   }
 
@@ -276,7 +276,7 @@ int metrics_pipeline(metrics_t *mt, int step, double busy_ms, double span_ms, in
     snprintf(err, errlen, "out of memory for the pipeline's record");
     return -1;
   }
-  if (comm_all_gather(c, mine, all, N, COMM_FLOAT32)) {
+  if (comm_all_gather(c, mine, all, N, DT_F32)) {
     snprintf(err, errlen, "gathering the pipeline's timings: %s", comm_errmsg(c));
     free(all);
     return -1;

@@ -59,7 +59,7 @@ static int pipeline_step(train_t *t, int s, double *loss, int *bad_micro, pp_ste
   }
   /* only the last stage has these: the sum over pp adds zeros to them */
   float v[2] = {(float)(st->loss_sum / M), st->bad_mb >= 0 ? (float)(st->bad_mb + 1) : 0.0f};
-  if (comm_all_reduce(t->ppc, v, 2, COMM_FLOAT32, COMM_SUM)) {
+  if (comm_all_reduce(t->ppc, v, 2, DT_F32, COMM_SUM)) {
     snprintf(err, errlen, "step %d: sharing the loss over pp: %s", s + 1, comm_errmsg(t->ppc));
     return -1;
   }
@@ -100,7 +100,7 @@ int train_step(train_t *t, int s, train_result_t *out, char *err, size_t errlen)
   if (!t->pp) loss /= accum;
   if (t->dpc && t->dp_size > 1) { /* the logged loss is the global batch's: the mean over dp */
     float lf = (float)loss;
-    if (comm_all_reduce(t->dpc, &lf, 1, COMM_FLOAT32, COMM_AVG)) {
+    if (comm_all_reduce(t->dpc, &lf, 1, DT_F32, COMM_AVG)) {
       snprintf(err, errlen, "%s", comm_errmsg(t->dpc));
       return -1;
     }
@@ -165,7 +165,7 @@ int train_eval(train_t *t, double *out, char *err, size_t errlen) {
   }
   if (t->pp) {
     float s = (float)sum;
-    if (comm_all_reduce(t->ppc, &s, 1, COMM_FLOAT32, COMM_SUM)) {
+    if (comm_all_reduce(t->ppc, &s, 1, DT_F32, COMM_SUM)) {
       snprintf(err, errlen, "eval: %s", comm_errmsg(t->ppc));
       return -1;
     }
@@ -173,7 +173,7 @@ int train_eval(train_t *t, double *out, char *err, size_t errlen) {
   }
   if (n > 1) {
     float s = (float)sum;
-    if (comm_all_reduce(t->dpc, &s, 1, COMM_FLOAT32, COMM_SUM)) {
+    if (comm_all_reduce(t->dpc, &s, 1, DT_F32, COMM_SUM)) {
       snprintf(err, errlen, "eval: %s", comm_errmsg(t->dpc));
       return -1;
     }

@@ -43,7 +43,7 @@ typedef struct {
 } wire_tensor_t;
 
 static int bcast(comm_t *c, void *buf, size_t bytes, int root, char *err, size_t errlen) {
-  if (comm_broadcast(c, buf, bytes / 4, COMM_FLOAT32, root) == 0) return 0;
+  if (comm_broadcast(c, buf, bytes / 4, DT_F32, root) == 0) return 0;
   snprintf(err, errlen, "saving weights: gathering the pipeline stages' tensors: %s", comm_errmsg(c));
   return -1;
 }
