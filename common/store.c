@@ -23,6 +23,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/err.h"
 #include "common/net.h"
 #include "common/store_proto.h"
 
@@ -408,7 +409,7 @@ static int connect_once(store_t *s, const char *host, int port, const char *run_
 static int connect_store(store_t **out, const char *host, int port, const store_auth_t *auth, int timeout_ms,
                          int retry, char *err, size_t errlen) {
   if (!out || !host || !*host || port <= 0 || port > 65535) {
-    if (err && errlen) snprintf(err, errlen, "store_connect: bad host or port");
+    if (err && errlen) err_set(err, errlen, 0, "store_connect: bad host or port");
     return STORE_EINVAL;
   }
   *out = NULL;
@@ -416,8 +417,8 @@ static int connect_store(store_t **out, const char *host, int port, const store_
   const char *secret = auth && auth->secret ? auth->secret : "";
   if (strlen(run_id) > STORE_MAX_RUN_ID) {
     if (err && errlen)
-      snprintf(err, errlen, "store_connect: run id '%.40s...' is %zu bytes, over the limit of %d", run_id,
-               strlen(run_id), STORE_MAX_RUN_ID);
+      err_set(err, errlen, 0, "store_connect: run id '%.40s...' is %zu bytes, over the limit of %d", run_id,
+              strlen(run_id), STORE_MAX_RUN_ID);
     return STORE_EINVAL;
   }
   int64_t deadline = timeout_ms < 0 ? -1 : net_now_ms() + timeout_ms;
@@ -425,7 +426,7 @@ static int connect_store(store_t **out, const char *host, int port, const store_
   for (;;) {
     store_t *s = calloc(1, sizeof *s);
     if (!s) {
-      if (err && errlen) snprintf(err, errlen, "store_connect: out of memory");
+      if (err && errlen) err_set(err, errlen, 0, "store_connect: out of memory");
       return STORE_ENOMEM;
     }
     s->fd = -1;
@@ -437,7 +438,7 @@ static int connect_store(store_t **out, const char *host, int port, const store_
       *out = s;
       return 0;
     }
-    if (err && errlen) snprintf(err, errlen, "%s", s->err);
+    if (err && errlen) err_set(err, errlen, 0, "%s", s->err);
     store_close(s);
     /* A store at its connection limit may have room a moment later (its unauthenticated
      * connections time out or are evicted); anything else is answered already. */
@@ -465,7 +466,7 @@ int store_connect_endpoint(store_t **out, const char *endpoint, const store_auth
   if (out) *out = NULL;
   if (net_parse_endpoint(endpoint, host, sizeof host, &port, 0, 0, err, errlen)) return STORE_EINVAL;
   if (port == 0) {
-    if (err && errlen) snprintf(err, errlen, "store endpoint '%s' has no port; expected HOST:PORT", endpoint);
+    if (err && errlen) err_set(err, errlen, 0, "store endpoint '%s' has no port; expected HOST:PORT", endpoint);
     return STORE_EINVAL;
   }
   return store_connect(out, host, port, auth, timeout_ms, err, errlen);
@@ -476,8 +477,8 @@ int store_connect_env(store_t **out, int timeout_ms, char *err, size_t errlen) {
   const char *ep = getenv(STORE_ENV_ENDPOINT);
   if (!ep || !*ep) {
     if (err && errlen)
-      snprintf(err, errlen, "%s is not set: run under meshrun, or set %s=host:port (with %s and %s as the job's)",
-               STORE_ENV_ENDPOINT, STORE_ENV_ENDPOINT, STORE_ENV_RUN_ID, STORE_ENV_SECRET);
+      err_set(err, errlen, 0, "%s is not set: run under meshrun, or set %s=host:port (with %s and %s as the job's)",
+              STORE_ENV_ENDPOINT, STORE_ENV_ENDPOINT, STORE_ENV_RUN_ID, STORE_ENV_SECRET);
     return STORE_EINVAL;
   }
   store_auth_t auth = {.run_id = getenv(STORE_ENV_RUN_ID), .secret = getenv(STORE_ENV_SECRET)};

@@ -8,6 +8,7 @@
  * relocating it, and its first HMAC or RAND_bytes loaded OpenSSL's providers, another 1.4 ms;
  * every node of a 2048-node start on one machine paid both (scripts/bench-launcher.py --parts c).
  * No I/O and no policy here: the caller decides what a malformed frame or a wrong proof means. */
+#include "common/err.h"
 #include "common/store_proto.h"
 
 #include <errno.h>
@@ -151,27 +152,23 @@ int store_proto_parse_header(const uint8_t hdr[STORE_PROTO_HEADER], int want_req
                              int *op, char *err, size_t errlen) {
   uint32_t len = rd_u32(hdr);
   if (len < STORE_PROTO_HEADER || len > STORE_MAX_FRAME) {
-    snprintf(err, errlen, "frame length %u outside %u..%u", len, STORE_PROTO_HEADER, STORE_MAX_FRAME);
-    return STORE_EPROTO;
+    return err_set(err, errlen, STORE_EPROTO, "frame length %u outside %u..%u", len, STORE_PROTO_HEADER,
+                   STORE_MAX_FRAME);
   }
   if (hdr[4] != STORE_PROTO_MAGIC) {
-    snprintf(err, errlen, "bad magic byte 0x%02x (expected 0x%02x)", hdr[4], STORE_PROTO_MAGIC);
-    return STORE_EPROTO;
+    return err_set(err, errlen, STORE_EPROTO, "bad magic byte 0x%02x (expected 0x%02x)", hdr[4], STORE_PROTO_MAGIC);
   }
   if (hdr[5] != STORE_PROTO_VERSION) {
-    snprintf(err, errlen, "protocol version %u (expected %u)", hdr[5], STORE_PROTO_VERSION);
-    return STORE_EPROTO;
+    return err_set(err, errlen, STORE_EPROTO, "protocol version %u (expected %u)", hdr[5], STORE_PROTO_VERSION);
   }
   if (hdr[7] != 0) {
-    snprintf(err, errlen, "reserved header byte is 0x%02x, not 0", hdr[7]);
-    return STORE_EPROTO;
+    return err_set(err, errlen, STORE_EPROTO, "reserved header byte is 0x%02x, not 0", hdr[7]);
   }
   int o = hdr[6];
   int known = want_request ? (o >= STORE_OP_HELLO && o <= STORE_OP_LAST_)
                            : (o >= STORE_REP_OK && o <= STORE_REP_LAST_);
   if (!known) {
-    snprintf(err, errlen, "unknown %s op 0x%02x", want_request ? "request" : "reply", o);
-    return STORE_EPROTO;
+    return err_set(err, errlen, STORE_EPROTO, "unknown %s op 0x%02x", want_request ? "request" : "reply", o);
   }
   *frame_len = len;
   *op = o;

@@ -36,6 +36,7 @@
 #include <unistd.h>
 #include <uv.h>
 
+#include "common/err.h"
 #include "common/log.h"
 #include "common/net.h"
 #include "common/store.h"
@@ -491,13 +492,11 @@ static int setup_base_dir(agent_t *a, char *err, size_t errlen) {
     /* A folder of this run's own, <run_id>_<random> as torchrun names it: two runs with the
      * same --log_dir (and the default run id) never write into each other's attempt_0. */
     if (mkdir(o->log_dir, 0755) && errno != EEXIST) {
-      snprintf(err, errlen, "--log_dir %.900s: %s", o->log_dir, strerror(errno));
-      return -errno;
+      return err_set(err, errlen, -errno, "--log_dir %.900s: %s", o->log_dir, strerror(errno));
     }
     snprintf(a->base_dir, sizeof a->base_dir, "%s/%s_XXXXXX", o->log_dir, o->rdzv_id);
     if (!mkdtemp(a->base_dir)) {
-      snprintf(err, errlen, "--log_dir: creating %.900s: %s", a->base_dir, strerror(errno));
-      return -errno;
+      return err_set(err, errlen, -errno, "--log_dir: creating %.900s: %s", a->base_dir, strerror(errno));
     }
     chmod(a->base_dir, 0755); /* mkdtemp's 0700 would hide the logs from the user's group */
     log_info("worker logs: %s", a->base_dir);
@@ -517,8 +516,7 @@ static int setup_base_dir(agent_t *a, char *err, size_t errlen) {
   }
   snprintf(a->base_dir, sizeof a->base_dir, "%s/meshrun-%s-XXXXXX", tmp, o->rdzv_id);
   if (!mkdtemp(a->base_dir)) {
-    snprintf(err, errlen, "creating a temporary directory %.900s: %s", a->base_dir, strerror(errno));
-    return -errno;
+    return err_set(err, errlen, -errno, "creating a temporary directory %.900s: %s", a->base_dir, strerror(errno));
   }
   a->base_is_tmp = 1;
   /* Keep the logs, and say where. */
@@ -553,8 +551,7 @@ static int prepare_secret(agent_t *a, char *err, size_t errlen) {
   }
   unsigned char raw[32];
   if (getrandom(raw, sizeof raw, 0) != (ssize_t)sizeof raw) { /* 32 bytes: never cut short */
-    snprintf(err, errlen, "generating the job secret: the system's random source failed");
-    return -EIO;
+    return err_set(err, errlen, -EIO, "generating the job secret: the system's random source failed");
   }
   static const char hex[] = "0123456789abcdef";
   for (size_t i = 0; i < sizeof raw; i++) {
@@ -631,8 +628,7 @@ static int host_or_join(agent_t *a, int *refused, char *err, size_t errlen) {
     int prc = store_connect_once(&probe, o->rdzv_host, o->rdzv_port, &auth, PROBE_MS, err, errlen);
     if (prc == 0) {
       a->probe = probe; /* a store of this job listens there: rdzv joins through this connection */
-      snprintf(err, errlen, "a store of this job serves the endpoint");
-      return STORE_SERVER_EADDRINUSE;
+      return err_set(err, errlen, STORE_SERVER_EADDRINUSE, "a store of this job serves the endpoint");
     }
     store_close(probe);
     if (prc == STORE_EAUTH) {

@@ -46,6 +46,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "common/err.h"
 #include "common/fs.h"
 #include "common/gpus.h"
 #include "common/log.h"
@@ -230,13 +231,12 @@ static int hl_parse(const char *list, const char **pp, hl_expr_t *e, unsigned lo
     char c = *p;
     if (c == '\0' || c == ',' || isspace((unsigned char)c)) break;
     if (c == ']') {
-      snprintf(err, errlen, "']' without '[' at byte %td", p - list);
-      return -1;
+      return err_set(err, errlen, -1, "']' without '[' at byte %td", p - list);
     }
     if (c != '[') {
       if (!isgraph((unsigned char)c)) {
-        snprintf(err, errlen, "byte 0x%02x at byte %td is not part of a host name", (unsigned char)c, p - list);
-        return -1;
+        return err_set(err, errlen, -1, "byte 0x%02x at byte %td is not part of a host name", (unsigned char)c,
+                       p - list);
       }
       p++;
       continue;
@@ -244,13 +244,11 @@ static int hl_parse(const char *list, const char **pp, hl_expr_t *e, unsigned lo
     const char *close = p + 1;
     while (*close && *close != ']' && *close != '[') close++;
     if (*close != ']') {
-      snprintf(err, errlen, "'[' at byte %td is not closed", p - list);
-      return -1;
+      return err_set(err, errlen, -1, "'[' at byte %td is not closed", p - list);
     }
     int g = e->ngroups;
     if (g == HL_MAX_GROUPS) {
-      snprintf(err, errlen, "more than %d bracket groups in one name", HL_MAX_GROUPS);
-      return -1;
+      return err_set(err, errlen, -1, "more than %d bracket groups in one name", HL_MAX_GROUPS);
     }
     e->litlen[g] = (size_t)(p - e->lit[g]);
     e->grp[g] = p + 1;
@@ -264,9 +262,9 @@ static int hl_parse(const char *list, const char **pp, hl_expr_t *e, unsigned lo
       int w;
       const char *next = hl_range(q, end, &lo, &hi, &w);
       if (!next) {
-        snprintf(err, errlen, "\"[%.*s]\" at byte %td: expected numbers and LO-HI ranges (LO <= HI) separated by ','",
-                 (int)e->grplen[g], e->grp[g], p - list);
-        return -1;
+        return err_set(err, errlen, -1,
+                       "\"[%.*s]\" at byte %td: expected numbers and LO-HI ranges (LO <= HI) separated by ','",
+                       (int)e->grplen[g], e->grp[g], p - list);
       }
       n += hi - lo + 1;
       if (hl_digits(hi) > w) w = hl_digits(hi);
@@ -275,8 +273,7 @@ static int hl_parse(const char *list, const char **pp, hl_expr_t *e, unsigned lo
       q = next + 1;
     }
     if (n > HL_MAX_HOSTS || *count * n > HL_MAX_HOSTS) {
-      snprintf(err, errlen, "more than %d hosts", HL_MAX_HOSTS);
-      return -1;
+      return err_set(err, errlen, -1, "more than %d hosts", HL_MAX_HOSTS);
     }
     *count *= n;
     *maxlen += e->litlen[g] + (size_t)widest;
@@ -287,12 +284,10 @@ static int hl_parse(const char *list, const char **pp, hl_expr_t *e, unsigned lo
   e->litlen[e->ngroups] = (size_t)(p - e->lit[e->ngroups]);
   *maxlen += e->litlen[e->ngroups];
   if (p == *pp) {
-    snprintf(err, errlen, "empty host name at byte %td", p - list);
-    return -1;
+    return err_set(err, errlen, -1, "empty host name at byte %td", p - list);
   }
   if (*maxlen >= HL_HOST_MAX) {
-    snprintf(err, errlen, "a host name at byte %td is longer than %d bytes", *pp - list, HL_HOST_MAX - 1);
-    return -1;
+    return err_set(err, errlen, -1, "a host name at byte %td is longer than %d bytes", *pp - list, HL_HOST_MAX - 1);
   }
   *pp = p;
   return 0;
@@ -357,8 +352,7 @@ static long hl_walk(const char *list, hl_visit_t visit, void *arg, char *err, si
       if (pass == 0) {
         total += count;
         if (total > HL_MAX_HOSTS) {
-          snprintf(err, errlen, "more than %d hosts", HL_MAX_HOSTS);
-          return -1;
+          return err_set(err, errlen, -1, "more than %d hosts", HL_MAX_HOSTS);
         }
       } else if (hl_each(&e, visit, arg)) {
         return (long)total;
@@ -368,14 +362,12 @@ static long hl_walk(const char *list, hl_visit_t visit, void *arg, char *err, si
         p++;
         while (isspace((unsigned char)*p)) p++;
         if (!*p || *p == ',') {
-          snprintf(err, errlen, "empty host name at byte %td", p - list);
-          return -1;
+          return err_set(err, errlen, -1, "empty host name at byte %td", p - list);
         }
       }
     }
     if (total == 0) {
-      snprintf(err, errlen, "no host in the list");
-      return -1;
+      return err_set(err, errlen, -1, "no host in the list");
     }
   }
   return (long)total;
@@ -408,7 +400,7 @@ int cli_hostlist_expand(const char *list, char *out, size_t outlen, char *err, s
   long n = hl_walk(list, hl_append, &b, why, sizeof why);
   if (n < 0 || b.full) {
     if (n >= 0) snprintf(why, sizeof why, "%ld hosts do not fit in %zu bytes", n, outlen);
-    if (err && errlen) snprintf(err, errlen, "%s", why);
+    if (err && errlen) err_set(err, errlen, 0, "%s", why);
     return CLI_EUSAGE;
   }
   return (int)n;

@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/err.h"
 #include "common/fs.h"
 
 #define ERRFILE_MAX (1u << 20)
@@ -35,8 +36,7 @@ int errfile_parse(const char *json, size_t len, char *msg, size_t msglen, char *
   if (restart) *restart = ERRFILE_RESTART_UNSAID;
   cJSON *root = cJSON_ParseWithLength(json, len);
   if (!root) {
-    snprintf(err, errlen, "error file is not JSON");
-    return -EINVAL;
+    return err_set(err, errlen, -EINVAL, "error file is not JSON");
   }
   /* Read first: a worker that asks for no restart is heard even if its message is malformed. */
   const cJSON *own = cJSON_GetObjectItemCaseSensitive(root, "meshrun");
@@ -61,7 +61,7 @@ int errfile_parse(const char *json, size_t len, char *msg, size_t msglen, char *
     else if (cJSON_IsNumber(t)) snprintf(ts, tslen, "%.0f", t->valuedouble);
   }
   if (rc) {
-    snprintf(err, errlen, "error file has no \"message\" string");
+    err_set(err, errlen, 0, "error file has no \"message\" string");
     if (tslen) ts[0] = 0;
   }
   cJSON_Delete(root);
@@ -79,16 +79,16 @@ int errfile_read(const char *path, char *msg, size_t msglen, char *ts, size_t ts
   long long size;
   int rc = fs_read_file(path, ERRFILE_MAX, &buf, &n, &size);
   if (rc == -EINVAL)
-    snprintf(err, errlen, "%s: not a regular file", path);
+    err_set(err, errlen, 0, "%s: not a regular file", path);
   else if (rc == -EFBIG)
-    snprintf(err, errlen, "%s: error file is %s%lld bytes, over the %u byte limit; not read", path,
-             size < 0 ? "over " : "", size < 0 ? (long long)ERRFILE_MAX : size, ERRFILE_MAX);
+    err_set(err, errlen, 0, "%s: error file is %s%lld bytes, over the %u byte limit; not read", path,
+            size < 0 ? "over " : "", size < 0 ? (long long)ERRFILE_MAX : size, ERRFILE_MAX);
   else if (rc == -ENOMEM)
-    snprintf(err, errlen, "%s: out of memory", path);
+    err_set(err, errlen, 0, "%s: out of memory", path);
   else if (rc)
-    snprintf(err, errlen, "%s: %s", path, strerror(-rc));
+    err_set(err, errlen, 0, "%s: %s", path, strerror(-rc));
   else if (n == 0) {
-    snprintf(err, errlen, "%s: error file is empty", path);
+    err_set(err, errlen, 0, "%s: error file is empty", path);
     free(buf);
     rc = -EINVAL;
   }

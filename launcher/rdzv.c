@@ -21,6 +21,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/err.h"
 #include "common/etcd.h"
 #include "common/log.h"
 #include "common/net.h"
@@ -1571,8 +1572,7 @@ int rdzv_create(rdzv_t **out, uv_loop_t *loop, const rdzv_config_t *cfg, rdzv_ev
   rdzv_t *rz = calloc(1, sizeof *rz);
   if (!rz) {
     store_close(cfg->conn);
-    snprintf(err, errlen, "rdzv: out of memory");
-    return -ENOMEM;
+    return err_set(err, errlen, -ENOMEM, "rdzv: out of memory");
   }
   rz->cfg = *cfg;
   rz->cfg.conn = NULL;
@@ -1616,7 +1616,7 @@ int rdzv_create(rdzv_t **out, uv_loop_t *loop, const rdzv_config_t *cfg, rdzv_ev
   return 0;
 error:
   /* Half-built: the threads that started see stop at once (no command queued) and are joined. */
-  snprintf(err, errlen, "rdzv: starting: %s", uv_strerror(rc));
+  err_set(err, errlen, 0, "rdzv: starting: %s", uv_strerror(rc));
   uv_mutex_lock(&rz->mu);
   atomic_store(&rz->stop, 1);
   uv_cond_broadcast(&rz->cmd_cond);
@@ -1741,8 +1741,7 @@ static int by_key(const void *pa, const void *pb) {
 int rdzv_assign_ranks(const rdzv_node_t *nodes, int n, int my_idx, rdzv_assignment_t *a, int *rank0_idx, char *err,
                       size_t errlen) {
   if (n <= 0) {
-    snprintf(err, errlen, "no participants");
-    return -EINVAL;
+    return err_set(err, errlen, -EINVAL, "no participants");
   }
   /* By node rank only when every node gave one; then they must be distinct. */
   int by_rank = 1;
@@ -1750,8 +1749,7 @@ int rdzv_assign_ranks(const rdzv_node_t *nodes, int n, int my_idx, rdzv_assignme
     if (nodes[i].node_rank < 0) by_rank = 0;
   sort_key_t *order = malloc((size_t)n * sizeof *order);
   if (!order) {
-    snprintf(err, errlen, "out of memory");
-    return -ENOMEM;
+    return err_set(err, errlen, -ENOMEM, "out of memory");
   }
   int sorted = 1; /* by join index they always are: the list is in join order */
   for (int i = 0; i < n; i++) {
@@ -1762,8 +1760,8 @@ int rdzv_assign_ranks(const rdzv_node_t *nodes, int n, int my_idx, rdzv_assignme
   if (by_rank)
     for (int i = 1; i < n; i++)
       if (order[i].key == order[i - 1].key) {
-        snprintf(err, errlen, "two nodes (%s and %s) both have --node_rank=%d", nodes[order[i - 1].i].addr,
-                 nodes[order[i].i].addr, order[i].key);
+        err_set(err, errlen, 0, "two nodes (%s and %s) both have --node_rank=%d", nodes[order[i - 1].i].addr,
+                nodes[order[i].i].addr, order[i].key);
         free(order);
         return -EINVAL;
       }
@@ -1784,8 +1782,7 @@ int rdzv_assign_ranks(const rdzv_node_t *nodes, int n, int my_idx, rdzv_assignme
   *rank0_idx = nodes[order[0].i].idx;
   free(order);
   if (!found) {
-    snprintf(err, errlen, "node %d is not a participant", my_idx);
-    return -EINVAL;
+    return err_set(err, errlen, -EINVAL, "node %d is not a participant", my_idx);
   }
   a->nnodes = n;
   a->world_size = world;

@@ -59,6 +59,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "common/err.h"
 #include "common/log.h"
 #include "common/net.h"
 #include "common/store.h"
@@ -1618,7 +1619,7 @@ static int listen_on(store_server_t *srv, int port, char *err, size_t errlen) {
   if (rc < 0) {
     char ep[300];
     net_format_endpoint(ep, sizeof ep, *srv->host ? srv->host : "*", bp);
-    snprintf(err, errlen, "store server: listen %s: %s", ep, uv_strerror(rc));
+    err_set(err, errlen, 0, "store server: listen %s: %s", ep, uv_strerror(rc));
     for (int i = 0; i < nfd; i++) uv_close((uv_handle_t *)&srv->listeners[i], on_listener_closed);
     srv->nlisteners_closing += nfd;
     return rc;
@@ -1810,14 +1811,12 @@ int store_server_start(store_server_t **out, uv_loop_t *loop, const char *host, 
   if (opts) o = *opts;
   const char *run_id = o.run_id ? o.run_id : "";
   if (strlen(run_id) > STORE_MAX_RUN_ID) {
-    snprintf(err, errlen, "store server: run id '%.40s...' is %zu bytes, over the limit of %d", run_id,
-             strlen(run_id), STORE_MAX_RUN_ID);
-    return -EINVAL;
+    return err_set(err, errlen, -EINVAL, "store server: run id '%.40s...' is %zu bytes, over the limit of %d", run_id,
+                   strlen(run_id), STORE_MAX_RUN_ID);
   }
   store_server_t *srv = calloc(1, sizeof *srv);
   if (!srv) {
-    snprintf(err, errlen, "store server: out of memory");
-    return -ENOMEM;
+    return err_set(err, errlen, -ENOMEM, "store server: out of memory");
   }
   srv->loop = loop;
   srv->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
@@ -1835,7 +1834,7 @@ int store_server_start(store_server_t **out, uv_loop_t *loop, const char *host, 
   srv->frame_ms = o.frame_ms > 0 ? o.frame_ms : DEFAULT_FRAME_MS;
   int rc = 0;
   if (!srv->run_id || !srv->host || (o.secret && *o.secret && !srv->secret)) {
-    snprintf(err, errlen, "store server: out of memory");
+    err_set(err, errlen, 0, "store server: out of memory");
     rc = -ENOMEM;
   } else {
     rc = listen_on(srv, port, err, errlen);

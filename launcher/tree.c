@@ -42,6 +42,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/err.h"
 #include "common/log.h"
 
 /* How long the guard keeps killing what a dead meshrun left (a process in uninterruptible sleep
@@ -478,8 +479,7 @@ int tree_create(tree_t **out, int use_cgroup, char *err, size_t errlen) {
   tree_t *t = calloc(1, sizeof *t);
   *out = NULL;
   if (!t) {
-    snprintf(err, errlen, "tree: out of memory");
-    return -ENOMEM;
+    return err_set(err, errlen, -ENOMEM, "tree: out of memory");
   }
   t->self = getpid();
   t->guard_fd = t->guard_rd = -1;

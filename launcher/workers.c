@@ -27,6 +27,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/err.h"
 #include "common/fs.h"
 #include "common/log.h"
 #include "common/store.h"
@@ -98,7 +99,7 @@ static double wall_now(void) {
 static int mkdir_p(const char *path, char *err, size_t errlen) {
   char failed[PATH_MAX];
   int rc = fs_mkdir_p(path, failed, sizeof failed);
-  if (rc) snprintf(err, errlen, "mkdir %s: %s", failed, strerror(-rc));
+  if (rc) err_set(err, errlen, 0, "mkdir %s: %s", failed, strerror(-rc));
   return rc;
 }
 
@@ -348,8 +349,7 @@ int workers_create(workers_t **out, uv_loop_t *loop, const launcher_opts_t *opts
                    workers_idle_cb on_idle, void *arg, char *err, size_t errlen) {
   workers_t *w = calloc(1, sizeof *w);
   if (!w) {
-    snprintf(err, errlen, "workers: out of memory");
-    return -ENOMEM;
+    return err_set(err, errlen, -ENOMEM, "workers: out of memory");
   }
   w->loop = loop;
   w->opts = opts;
@@ -376,7 +376,7 @@ int workers_create(workers_t **out, uv_loop_t *loop, const launcher_opts_t *opts
   *out = w;
   return 0;
 error:
-  snprintf(err, errlen, "workers: SIGCHLD handler: %s", uv_strerror(rc));
+  err_set(err, errlen, 0, "workers: SIGCHLD handler: %s", uv_strerror(rc));
   tree_destroy(w->tree);
   free(w);
   return rc;
@@ -488,7 +488,7 @@ static int open_log(const char *dir, const char *name, char *err, size_t errlen)
   char path[PATH_MAX];
   snprintf(path, sizeof path, "%s/%s", dir, name);
   int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC, 0644);
-  if (fd < 0) snprintf(err, errlen, "open %s: %s", path, strerror(errno));
+  if (fd < 0) err_set(err, errlen, 0, "open %s: %s", path, strerror(errno));
   return fd;
 }
 
@@ -534,8 +534,7 @@ static int setup_stream(workers_t *w, worker_t *wk, stream_t *s, int is_err, con
   if (!to_file && !console) {
     int fd = open("/dev/null", O_WRONLY | O_CLOEXEC);
     if (fd < 0) {
-      snprintf(err, errlen, "open /dev/null: %s", strerror(errno));
-      return -errno;
+      return err_set(err, errlen, -errno, "open /dev/null: %s", strerror(errno));
     }
     *child_fd = fd;
     return 0;
@@ -550,8 +549,7 @@ static int setup_stream(workers_t *w, worker_t *wk, stream_t *s, int is_err, con
   }
   int p[2];
   if (pipe2(p, O_CLOEXEC)) {
-    snprintf(err, errlen, "pipe: %s", strerror(errno));
-    return -errno;
+    return err_set(err, errlen, -errno, "pipe: %s", strerror(errno));
   }
   s->line = s->raw ? NULL : malloc(LINE_MAX_BYTES);
   s->tail = is_err ? malloc(TAIL_BYTES) : NULL;
@@ -561,8 +559,7 @@ static int setup_stream(workers_t *w, worker_t *wk, stream_t *s, int is_err, con
     s->line = s->tail = NULL;
     close(p[0]);
     close(p[1]);
-    snprintf(err, errlen, "out of memory");
-    return -ENOMEM;
+    return err_set(err, errlen, -ENOMEM, "out of memory");
   }
   *pipe_rd = p[0];
   *child_fd = p[1];
@@ -694,10 +691,10 @@ static void exec_failure(const char *file, const char *prog, int e, char *err, s
   if (e == ENOENT) first_line(file, line, sizeof line);
   if (!strncmp(line, "#!", 2)) {
     const char *interp = line + 2 + strspn(line + 2, " \t");
-    snprintf(err, errlen, "exec %s: its interpreter %.*s is missing (%s)", prog, (int)strcspn(interp, " \t"),
-             interp, strerror(e));
+    err_set(err, errlen, 0, "exec %s: its interpreter %.*s is missing (%s)", prog, (int)strcspn(interp, " \t"), interp,
+            strerror(e));
   } else {
-    snprintf(err, errlen, "exec %s: %s", prog, strerror(e));
+    err_set(err, errlen, 0, "exec %s: %s", prog, strerror(e));
   }
 }
 
@@ -717,8 +714,7 @@ int workers_start(workers_t *w, const workers_round_t *r, char *err, size_t errl
   free_round(w);
   w->ws = calloc((size_t)r->nproc, sizeof *w->ws);
   if (!w->ws) {
-    snprintf(err, errlen, "out of memory");
-    return -ENOMEM;
+    return err_set(err, errlen, -ENOMEM, "out of memory");
   }
   w->n = r->nproc;
   w->running = 0;
@@ -730,13 +726,12 @@ int workers_start(workers_t *w, const workers_round_t *r, char *err, size_t errl
   /* PROGRAM ARGS, or for a Python PROGRAM (cli decided: -m, or *.py) torchrun's command */
   char **argv = cli_worker_argv(o);
   if (!argv) {
-    snprintf(err, errlen, "out of memory");
-    return -ENOMEM;
+    return err_set(err, errlen, -ENOMEM, "out of memory");
   }
   /* PATH is searched once here, not by each child's execvp. */
   char *file = w->program, why[128];
   if (workers_find_program(argv[0], file, sizeof w->program, why, sizeof why)) {
-    snprintf(err, errlen, "%s: %s", argv[0], why);
+    err_set(err, errlen, 0, "%s: %s", argv[0], why);
     free(argv);
     return -ENOEXEC;
   }
@@ -744,7 +739,7 @@ int workers_start(workers_t *w, const workers_round_t *r, char *err, size_t errl
   int rc = 0;
   int *reports = malloc((size_t)r->nproc * sizeof *reports);
   if (!reports) {
-    snprintf(err, errlen, "out of memory");
+    err_set(err, errlen, 0, "out of memory");
     free(argv);
     return -ENOMEM;
   }
@@ -784,7 +779,7 @@ int workers_start(workers_t *w, const workers_round_t *r, char *err, size_t errl
     char **env = build_env(w, r, wk);
     int rep[2] = {-1, -1};
     if (!env || pipe2(rep, O_CLOEXEC)) {
-      snprintf(err, errlen, "preparing rank %d: %s", wk->info.rank, env ? strerror(errno) : "out of memory");
+      err_set(err, errlen, 0, "preparing rank %d: %s", wk->info.rank, env ? strerror(errno) : "out of memory");
       rc = -ENOMEM;
     }
     pid_t pid = -1;
@@ -801,7 +796,7 @@ int workers_start(workers_t *w, const workers_round_t *r, char *err, size_t errl
       pthread_sigmask(SIG_SETMASK, &old, NULL);
       if (pid < 0) {
         rc = -fork_errno;
-        snprintf(err, errlen, "fork: %s", strerror(fork_errno));
+        err_set(err, errlen, 0, "fork: %s", strerror(fork_errno));
       }
     }
     env_free(env);
@@ -830,12 +825,12 @@ int workers_start(workers_t *w, const workers_round_t *r, char *err, size_t errl
       goto error;
     }
     if (out_rd >= 0 && (rc = open_pipe(w, &wk->out, out_rd))) {
-      snprintf(err, errlen, "reading rank %d's stdout: %s", wk->info.rank, uv_strerror(rc));
+      err_set(err, errlen, 0, "reading rank %d's stdout: %s", wk->info.rank, uv_strerror(rc));
       if (err_rd >= 0) close(err_rd);
       goto error;
     }
     if (err_rd >= 0 && (rc = open_pipe(w, &wk->err, err_rd))) {
-      snprintf(err, errlen, "reading rank %d's stderr: %s", wk->info.rank, uv_strerror(rc));
+      err_set(err, errlen, 0, "reading rank %d's stderr: %s", wk->info.rank, uv_strerror(rc));
       goto error;
     }
   }

@@ -1,4 +1,4 @@
-// deps: trainer/backend/backend.c trainer/backend/backend_cpu.c trainer/backend/backend_cuda.cu common/env.c trainer/backend/fatal.c
+// deps: trainer/backend/backend.c trainer/backend/backend_cpu.c trainer/backend/backend_cuda.cu common/env.c trainer/backend/fatal.c common/err.c
 /* test_backend_cuda: every kernel of the cuda backend against the cpu backend on the same
  * random inputs, in fp32 and in bf16, and the cuda kernels' determinism (the same inputs twice
  * give the same bits).

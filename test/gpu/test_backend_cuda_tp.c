@@ -1,4 +1,4 @@
-// deps: trainer/backend/backend.c trainer/backend/backend_cpu.c trainer/backend/backend_cuda.cu common/env.c trainer/backend/fatal.c
+// deps: trainer/backend/backend.c trainer/backend/backend_cpu.c trainer/backend/backend_cuda.cu common/env.c trainer/backend/fatal.c common/err.c
 /* test_backend_cuda_tp: the cuda backend's tensor-parallel kernels (copy_2d and the
  * vocab-parallel cross-entropy ce_shard_max / ce_shard_stats / ce_shard_loss) against the cpu
  * backend on the same random inputs, with fp32 and with bf16 logits. A vocabulary is cut into

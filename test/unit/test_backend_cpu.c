@@ -1,4 +1,4 @@
-// deps: trainer/backend/backend.c trainer/backend/backend_cpu.c trainer/model/rng.c common/env.c trainer/backend/fatal.c
+// deps: trainer/backend/backend.c trainer/backend/backend_cpu.c trainer/model/rng.c common/env.c trainer/backend/fatal.c common/err.c
 /* test_backend_cpu: every kernel of the cpu backend against a naive double-precision reference.
  *
  * Forward kernels are compared with a straightforward double implementation; backward kernels

@@ -1,4 +1,4 @@
-// deps: launcher/errfile.c common/log.c common/fs.c
+// deps: launcher/errfile.c common/log.c common/fs.c common/err.c
 /* Unit tests of errfile: the worker's TORCHELASTIC_ERROR_FILE to a message. torch's nested
  * format, the plain one, and the ways a file can be wrong (missing, empty, not JSON, no
  * message, too deep, too big, not a regular file); each gives the message or an error naming

@@ -1,4 +1,4 @@
-// deps: trainer/run/opprof.c trainer/backend/backend.c trainer/backend/backend_cpu.c trainer/model/rng.c common/env.c trainer/backend/fatal.c
+// deps: trainer/run/opprof.c trainer/backend/backend.c trainer/backend/backend_cpu.c trainer/model/rng.c common/env.c trainer/backend/fatal.c common/err.c
 /* test_opprof: the per-kernel step profile (MESHRUN_OP_PROFILE) on the cpu backend.
  *
  * Checks that only the chosen step is recorded, that every call of it is counted under its op

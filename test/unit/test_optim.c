@@ -1,4 +1,4 @@
-// deps: trainer/model/optim.c trainer/backend/backend.c trainer/backend/backend_cpu.c common/env.c trainer/backend/fatal.c
+// deps: trainer/model/optim.c trainer/backend/backend.c trainer/backend/backend_cpu.c common/env.c trainer/backend/fatal.c common/err.c
 /* test_optim: the LR schedule at its key steps, the clip scale and the gradient sum of squares,
  * AdamW steps against a double-precision reference written here (PyTorch's AdamW formulas,
  * decoupled decay, per-tensor decay flags), and sharded ranges giving the same bits as the

@@ -1,4 +1,4 @@
-// deps: launcher/tree.c common/log.c
+// deps: launcher/tree.c common/log.c common/err.c
 /* Unit tests of tree: what a worker leaves behind ends, with or without a cgroup. Each test forks
  * an "agent" process (the subreaper, the guard and the cgroup are per process, and this one
  * must stay clean); the agent forks a "worker" that leaves two sleeps behind, one under setsid

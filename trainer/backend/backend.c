@@ -3,6 +3,7 @@
  * Which backends exist is trainer/backend/registry.c's list; this file holds no kernels and
  * names no backend, so that the model and the trainer never name a backend's file. The fatal
  * path of device errors is fatal.c's. */
+#include "common/err.h"
 #include "trainer/backend/backend.h"
 
 #include <stdio.h>
@@ -32,12 +33,12 @@ backend_t *backend_create(const char *name, int threads, char *err, size_t errle
   if (e && e->create) return e->create(-1, threads, err, errlen);
   if (err && errlen) {
     if (e) {
-      snprintf(err, errlen, "backend error: \"%s\" is not available in this build (%s); use \"cpu\"", name,
-               e->absent);
+      err_set(err, errlen, 0, "backend error: \"%s\" is not available in this build (%s); use \"cpu\"", name,
+              e->absent);
     } else {
       char known[256];
       backend_names(known, sizeof known, ", ", 1);
-      snprintf(err, errlen, "backend error: unknown backend \"%s\" (known: %s)", name, known);
+      err_set(err, errlen, 0, "backend error: unknown backend \"%s\" (known: %s)", name, known);
     }
   }
   return NULL;

@@ -46,6 +46,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/err.h"
 #include "trainer/backend/bf16.h"
 
 #define ATT_BLOCK 64                  /* query rows per attention block */
@@ -1085,7 +1086,7 @@ backend_t *backend_cpu_create(int threads, char *err, size_t errlen) {
   if (!be || !cp) {
     free(be);
     free(cp);
-    if (err && errlen) snprintf(err, errlen, "backend error: cpu: out of memory");
+    if (err && errlen) err_set(err, errlen, 0, "backend error: cpu: out of memory");
     return NULL;
   }
   cp->threads = threads;

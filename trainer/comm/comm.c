@@ -37,6 +37,7 @@
 #include <time.h>
 
 #include "common/env.h"
+#include "common/err.h"
 #include "trainer/backend/backend.h"
 
 struct comm_req {
@@ -214,41 +215,37 @@ int comm_create(comm_t **out, const char *backend, const comm_config_t *cfg, cha
                 size_t errlen) {
   if (out) *out = NULL;
   if (!out || !cfg) {
-    snprintf(err, errlen, "comm_create: NULL argument");
-    return COMM_EINVAL;
+    return err_set(err, errlen, COMM_EINVAL, "comm_create: NULL argument");
   }
   if (!valid_name(cfg->name)) {
-    snprintf(err, errlen, "comm_create: group name '%s' must be 1..%d characters of [A-Za-z0-9_.-]",
-             cfg->name ? cfg->name : "(null)", COMM_NAME_MAX - 1);
-    return COMM_EINVAL;
+    return err_set(err, errlen, COMM_EINVAL, "comm_create: group name '%s' must be 1..%d characters of [A-Za-z0-9_.-]",
+                   cfg->name ? cfg->name : "(null)", COMM_NAME_MAX - 1);
   }
   if (cfg->size < 1 || cfg->rank < 0 || cfg->rank >= cfg->size) {
-    snprintf(err, errlen, "comm_create %s: rank %d is not in a group of size %d", cfg->name,
-             cfg->rank, cfg->size);
-    return COMM_EINVAL;
+    return err_set(err, errlen, COMM_EINVAL, "comm_create %s: rank %d is not in a group of size %d", cfg->name,
+                   cfg->rank, cfg->size);
   }
   if (cfg->size > 1 && !cfg->store) {
-    snprintf(err, errlen, "comm_create %s: a group of %d ranks needs a store", cfg->name,
-             cfg->size);
-    return COMM_EINVAL;
+    return err_set(err, errlen, COMM_EINVAL, "comm_create %s: a group of %d ranks needs a store", cfg->name, cfg->size);
   }
   if (!backend) backend = "cpu";
   const comm_entry_t *entry = comm_find(backend);
   if (!entry || !entry->create) {
     if (entry) {
-      snprintf(err, errlen, "comm_create %s: backend %s is not built (%s); use cpu, or staged with a device "
-               "backend", cfg->name, backend, entry->absent);
+      err_set(err, errlen, 0,
+              "comm_create %s: backend %s is not built (%s); use cpu, or staged with a device "
+              "backend",
+              cfg->name, backend, entry->absent);
     } else {
       char known[256];
       comm_names(known, sizeof known, ", ", ", ");
-      snprintf(err, errlen, "comm_create %s: unknown backend '%s' (known: %s)", cfg->name, backend, known);
+      err_set(err, errlen, 0, "comm_create %s: unknown backend '%s' (known: %s)", cfg->name, backend, known);
     }
     return COMM_EINVAL;
   }
   comm_t *c = calloc(1, sizeof *c);
   if (!c) {
-    snprintf(err, errlen, "comm_create %s: out of memory", cfg->name);
-    return COMM_ESYSTEM;
+    return err_set(err, errlen, COMM_ESYSTEM, "comm_create %s: out of memory", cfg->name);
   }
   snprintf(c->name, sizeof c->name, "%s", cfg->name);
   c->rank = cfg->rank;

@@ -55,6 +55,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/err.h"
 #include "common/net.h"
 #include "trainer/backend/bf16.h"
 
@@ -443,16 +444,17 @@ static int read_endpoint(const comm_config_t *cfg, int rank, int timeout_ms, cha
   int rc = store_get(cfg->store, key, &val, &len, timeout_ms);
   if (rc != STORE_OK) {
     if (rc == STORE_ETIMEDOUT)
-      snprintf(err, errlen, "rank %d published no endpoint within %g s (store key %s); did it "
-               "start?", rank, timeout_ms / 1000.0, key);
+      err_set(err, errlen, 0,
+              "rank %d published no endpoint within %g s (store key %s); did it "
+              "start?",
+              rank, timeout_ms / 1000.0, key);
     else
-      snprintf(err, errlen, "reading store key %s: %s", key, store_errmsg(cfg->store));
+      err_set(err, errlen, 0, "reading store key %s: %s", key, store_errmsg(cfg->store));
     return rc == STORE_ETIMEDOUT ? COMM_ETIMEDOUT : COMM_EREMOTE;
   }
   if (len == 0 || len >= eplen) {
     free(val);
-    snprintf(err, errlen, "store key %s holds a malformed endpoint (%zu bytes)", key, len);
-    return COMM_EREMOTE;
+    return err_set(err, errlen, COMM_EREMOTE, "store key %s holds a malformed endpoint (%zu bytes)", key, len);
   }
   memcpy(ep, val, len);
   ep[len] = '\0';
@@ -472,21 +474,18 @@ static int accept_left(const comm_config_t *cfg, int lfd, int left, int64_t dead
   for (;;) {
     int64_t wait = deadline - net_now_ms();
     if (wait <= 0) {
-      snprintf(err, errlen, "rank %d did not connect within the setup timeout", left);
-      return COMM_ETIMEDOUT;
+      return err_set(err, errlen, COMM_ETIMEDOUT, "rank %d did not connect within the setup timeout", left);
     }
     struct pollfd pf = {.fd = lfd, .events = POLLIN};
     int n = poll(&pf, 1, (int)(wait > 1000000 ? 1000000 : wait));
     if (n < 0 && errno != EINTR) {
-      snprintf(err, errlen, "poll on the listening socket: %s", strerror(errno));
-      return COMM_ESYSTEM;
+      return err_set(err, errlen, COMM_ESYSTEM, "poll on the listening socket: %s", strerror(errno));
     }
     if (n <= 0) continue;
     int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
     if (fd < 0) {
       if (errno == EINTR || errno == EAGAIN || errno == ECONNABORTED) continue;
-      snprintf(err, errlen, "accept: %s", strerror(errno));
-      return COMM_ESYSTEM;
+      return err_set(err, errlen, COMM_ESYSTEM, "accept: %s", strerror(errno));
     }
     hello_t h;
     int64_t hw = deadline - net_now_ms();
@@ -506,8 +505,7 @@ static int accept_left(const comm_config_t *cfg, int lfd, int left, int64_t dead
 static int cpu_create(comm_t *c, const comm_config_t *cfg, char *err, size_t errlen) {
   cpu_t *p = calloc(1, sizeof *p);
   if (!p) {
-    snprintf(err, errlen, "comm %s: out of memory", cfg->name);
-    return COMM_ESYSTEM;
+    return err_set(err, errlen, COMM_ESYSTEM, "comm %s: out of memory", cfg->name);
   }
   p->fd_send = p->fd_recv = -1;
   c->impl = p;
@@ -517,8 +515,7 @@ static int cpu_create(comm_t *c, const comm_config_t *cfg, char *err, size_t err
   p->right = mod(r + 1, n);
   p->off = calloc((size_t)n + 1, sizeof *p->off);
   if (!p->off) {
-    snprintf(err, errlen, "comm %s: out of memory", cfg->name);
-    return COMM_ESYSTEM;
+    return err_set(err, errlen, COMM_ESYSTEM, "comm %s: out of memory", cfg->name);
   }
   if (n == 1) return COMM_OK; /* the dispatch answers every call of a one-rank group */
 
@@ -607,8 +604,7 @@ static int cpu_create(comm_t *c, const comm_config_t *cfg, char *err, size_t err
 error:
   if (lfd >= 0) close(lfd);
   cpu_abort_links(p);
-  snprintf(err, errlen, "comm %s (rank %d/%d): setup: %s", cfg->name, r, n, why);
-  return rc;
+  return err_set(err, errlen, rc, "comm %s (rank %d/%d): setup: %s", cfg->name, r, n, why);
 }
 
 /* The registry's entry (trainer/comm/registry.c): host memory, for the host backends. */

@@ -81,6 +81,7 @@
 #include <unistd.h>
 
 #include "common/env.h"
+#include "common/err.h"
 #include "common/net.h"
 #include "trainer/backend/backend.h"
 #include "trainer/backend/backend_cuda_check.h"
@@ -685,8 +686,7 @@ static int nccl_create(comm_t *c, const comm_config_t *cfg, char *err, size_t er
   cudaError_t ce;
   nccl_impl_t *p = calloc(1, sizeof *p);
   if (!p) {
-    snprintf(err, errlen, "comm %s: out of memory", cfg->name);
-    return COMM_ESYSTEM;
+    return err_set(err, errlen, COMM_ESYSTEM, "comm %s: out of memory", cfg->name);
   }
   c->impl = p;
   c->ops = &nccl_ops;
@@ -696,9 +696,9 @@ static int nccl_create(comm_t *c, const comm_config_t *cfg, char *err, size_t er
   int count = 0;
   ce = cudaGetDeviceCount(&count);
   if (ce != cudaSuccess || count == 0) {
-    snprintf(err, errlen, "nccl: no GPU visible (cudaGetDeviceCount: %s; CUDA_VISIBLE_DEVICES=%s)",
-             ce != cudaSuccess ? cudaGetErrorString(ce) : "0 devices",
-             getenv("CUDA_VISIBLE_DEVICES") ? getenv("CUDA_VISIBLE_DEVICES") : "unset");
+    err_set(err, errlen, 0, "nccl: no GPU visible (cudaGetDeviceCount: %s; CUDA_VISIBLE_DEVICES=%s)",
+            ce != cudaSuccess ? cudaGetErrorString(ce) : "0 devices",
+            getenv("CUDA_VISIBLE_DEVICES") ? getenv("CUDA_VISIBLE_DEVICES") : "unset");
     (void)cudaGetLastError();
     return COMM_ESYSTEM;
   }
@@ -706,10 +706,11 @@ static int nccl_create(comm_t *c, const comm_config_t *cfg, char *err, size_t er
   env_int("LOCAL_RANK", 0, (1 << 20) - 1, 0, &local_rank);
   env_int("LOCAL_WORLD_SIZE", 0, (1 << 20) - 1, 1, &local_world);
   if (local_world > count || local_rank >= count) {
-    snprintf(err, errlen, "nccl: LOCAL_WORLD_SIZE %d but only %d GPU%s visible (LOCAL_RANK %d); NCCL "
-             "needs one GPU per rank: start fewer ranks per node, or use the staged comm backend to "
-             "share a GPU", local_world, count, count == 1 ? "" : "s", local_rank);
-    return COMM_EINVAL;
+    return err_set(err, errlen, COMM_EINVAL,
+                   "nccl: LOCAL_WORLD_SIZE %d but only %d GPU%s visible (LOCAL_RANK %d); NCCL "
+                   "needs one GPU per rank: start fewer ranks per node, or use the staged comm backend to "
+                   "share a GPU",
+                   local_world, count, count == 1 ? "" : "s", local_rank);
   }
   p->device = local_rank;
   const char *what = NULL;
@@ -738,8 +739,7 @@ static int nccl_create(comm_t *c, const comm_config_t *cfg, char *err, size_t er
 
 error:
   nccl_abort(p); /* peers already inside the init fail instead of waiting */
-  snprintf(err, errlen, "comm %s (rank %d/%d): nccl setup: %s", cfg->name, cfg->rank, cfg->size, why);
-  return rc;
+  return err_set(err, errlen, rc, "comm %s (rank %d/%d): nccl setup: %s", cfg->name, cfg->rank, cfg->size, why);
 }
 
 /* The registry's entry (trainer/comm/registry.c): the cuda backend's memory, one GPU per local

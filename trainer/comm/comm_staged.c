@@ -45,6 +45,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/err.h"
 #include "trainer/backend/backend.h"
 
 /* A started send (the dispatch's token): its bytes, copied off the device at the start, on their
@@ -335,14 +336,14 @@ static const comm_ops_t staged_ops = {
 static int staged_create(comm_t *c, const comm_config_t *cfg, char *err, size_t errlen) {
   backend_t *dev = cfg->device;
   if (!dev || !dev->to_host || !dev->to_device || !dev->copy) {
-    snprintf(err, errlen, "comm_create %s: backend staged needs comm_config_t.device (the backend "
-             "whose memory it copies through the host)", cfg->name);
-    return COMM_EINVAL;
+    return err_set(err, errlen, COMM_EINVAL,
+                   "comm_create %s: backend staged needs comm_config_t.device (the backend "
+                   "whose memory it copies through the host)",
+                   cfg->name);
   }
   staged_t *p = calloc(1, sizeof *p);
   if (!p) {
-    snprintf(err, errlen, "comm %s: out of memory", cfg->name);
-    return COMM_ESYSTEM;
+    return err_set(err, errlen, COMM_ESYSTEM, "comm %s: out of memory", cfg->name);
   }
   p->dev = dev;
   c->impl = p;

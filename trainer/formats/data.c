@@ -14,6 +14,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "common/err.h"
 #include "common/fs.h"
 #include "trainer/model/rng.h"
 #include "trainer/formats/tokenizer.h"
@@ -46,8 +47,7 @@ static int ends_with(const char *s, const char *suffix) {
 static int check_regular(const char *path, char *err, size_t errlen) {
   struct stat st;
   if (stat(path, &st) == 0 && !S_ISREG(st.st_mode)) {
-    snprintf(err, errlen, "data: cannot read %s: not a regular file", path);
-    return -1;
+    return err_set(err, errlen, -1, "data: cannot read %s: not a regular file", path);
   }
   return 0;
 }
@@ -56,8 +56,7 @@ static int check_regular(const char *path, char *err, size_t errlen) {
 static int llmc_magic_width(const char *path, char *err, size_t errlen) {
   FILE *fp = fopen(path, "rb");
   if (!fp) {
-    snprintf(err, errlen, "data: cannot open %s: %s", path, strerror(errno));
-    return -1;
+    return err_set(err, errlen, -1, "data: cannot open %s: %s", path, strerror(errno));
   }
   int32_t head[2] = {0, 0};
   size_t got = fread(head, sizeof(int32_t), 2, fp);
@@ -75,23 +74,23 @@ int data_detect_format(const char *path, plan_data_format_t f, char *err, size_t
   if (magic < 0) return DATA_EIO;
   if (f == PLAN_DATA_AUTO && magic) return PLAN_DATA_LLMC;
   if (f != PLAN_DATA_AUTO && f != PLAN_DATA_LLMC && magic) {
-    snprintf(err, errlen, "data: %s starts with an llm.c header (magic %d, uint%d tokens) but data.format is %s; "
-             "set data.format to llmc or auto", path, magic == 2 ? LLMC_MAGIC : LLMC_MAGIC_U32, 8 * magic,
-             data_format_name(f));
-    return DATA_EINVAL;
+    return err_set(err, errlen, DATA_EINVAL,
+                   "data: %s starts with an llm.c header (magic %d, uint%d tokens) but data.format is %s; "
+                   "set data.format to llmc or auto",
+                   path, magic == 2 ? LLMC_MAGIC : LLMC_MAGIC_U32, 8 * magic, data_format_name(f));
   }
   if (f == PLAN_DATA_LLMC && !magic) {
-    snprintf(err, errlen, "data: %s has no llm.c header (magic %d or %d) but data.format is llmc", path, LLMC_MAGIC,
-             LLMC_MAGIC_U32);
-    return DATA_EINVAL;
+    return err_set(err, errlen, DATA_EINVAL, "data: %s has no llm.c header (magic %d or %d) but data.format is llmc",
+                   path, LLMC_MAGIC, LLMC_MAGIC_U32);
   }
   if (f != PLAN_DATA_AUTO) return (int)f;
   if (ends_with(path, ".u16")) return PLAN_DATA_U16;
   if (ends_with(path, ".u32")) return PLAN_DATA_U32;
   if (ends_with(path, ".txt") || ends_with(path, ".text") || ends_with(path, ".md")) return PLAN_DATA_TEXT;
-  snprintf(err, errlen,
-           "data: cannot tell the format of %s (no llm.c header; extension not .txt/.u16/.u32); "
-           "set data.format to text, llmc, u16 or u32", path);
+  err_set(err, errlen, 0,
+          "data: cannot tell the format of %s (no llm.c header; extension not .txt/.u16/.u32); "
+          "set data.format to text, llmc, u16 or u32",
+          path);
   return DATA_EINVAL;
 }
 
@@ -116,14 +115,14 @@ static void stream_free(data_stream_t *s) {
 static data_shard_t *stream_add(data_stream_t *s, const char *path, char *err, size_t errlen) {
   data_shard_t *v = realloc(s->shards, (size_t)(s->n_shards + 1) * sizeof *v);
   if (!v) {
-    snprintf(err, errlen, "data: out of memory for the shard list");
+    err_set(err, errlen, 0, "data: out of memory for the shard list");
     return NULL;
   }
   s->shards = v;
   data_shard_t *sh = &v[s->n_shards];
   memset(sh, 0, sizeof *sh);
   if (!(sh->path = strdup(path))) {
-    snprintf(err, errlen, "data: out of memory for the shard list");
+    err_set(err, errlen, 0, "data: out of memory for the shard list");
     return NULL;
   }
   s->n_shards++;
@@ -144,8 +143,7 @@ static int encode_shard(data_shard_t *sh, const tokenizer_t *tok, char *err, siz
   size_t n = 0;
   char why[512];
   if (tokenizer_encode(tok, (const char *)sh->tokens, sh->n, &ids, &n, why, sizeof why) != 0) {
-    snprintf(err, errlen, "data: %s: cannot encode it with data.tokenizer: %s", sh->path, why);
-    return DATA_EINVAL;
+    return err_set(err, errlen, DATA_EINVAL, "data: %s: cannot encode it with data.tokenizer: %s", sh->path, why);
   }
   for (size_t i = 0; i < n; i++) put_le32(&ids[i], (uint32_t)ids[i]);
   if (sh->map_len) munmap(sh->map, sh->map_len);
@@ -164,19 +162,18 @@ static int map_shard(data_stream_t *s, const char *path, plan_data_format_t f, i
   if (check_regular(path, err, errlen)) return DATA_EIO;
   int fd = open(path, O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
-    snprintf(err, errlen, "data: cannot open %s: %s", path, strerror(errno));
-    return DATA_EIO;
+    return err_set(err, errlen, DATA_EIO, "data: cannot open %s: %s", path, strerror(errno));
   }
   struct stat st;
   if (fstat(fd, &st) != 0) {
-    snprintf(err, errlen, "data: cannot read %s: %s", path, strerror(errno));
+    err_set(err, errlen, 0, "data: cannot read %s: %s", path, strerror(errno));
     close(fd);
     return DATA_EIO;
   }
   size_t len = (size_t)st.st_size;
   void *map = NULL;
   if (len > 0 && (map = mmap(NULL, len, PROT_READ, MAP_PRIVATE, fd, 0)) == MAP_FAILED) {
-    snprintf(err, errlen, "data: cannot map %s: %s", path, strerror(errno));
+    err_set(err, errlen, 0, "data: cannot map %s: %s", path, strerror(errno));
     close(fd);
     return DATA_EIO;
   }
@@ -196,44 +193,44 @@ static int map_shard(data_stream_t *s, const char *path, plan_data_format_t f, i
   case PLAN_DATA_LLMC: {
     int32_t hdr[LLMC_HEADER_INTS];
     if (len < sizeof hdr) {
-      snprintf(err, errlen, "data: %s: too short for an llm.c header (%zu bytes, need %zu)", path, len, sizeof hdr);
-      return DATA_EINVAL;
+      return err_set(err, errlen, DATA_EINVAL, "data: %s: too short for an llm.c header (%zu bytes, need %zu)", path,
+                     len, sizeof hdr);
     }
     memcpy(hdr, raw, sizeof hdr);
     int width = hdr[0] == LLMC_MAGIC && hdr[1] == 1 ? 2 : hdr[0] == LLMC_MAGIC_U32 && hdr[1] == 7 ? 4 : 0;
     if (!width || hdr[2] < 0) {
-      snprintf(err, errlen,
-               "data: %s: bad llm.c header (magic %d, version %d, count %d; want magic %d version 1, or "
-               "magic %d version 7)", path, hdr[0], hdr[1], hdr[2], LLMC_MAGIC, LLMC_MAGIC_U32);
+      err_set(err, errlen, 0,
+              "data: %s: bad llm.c header (magic %d, version %d, count %d; want magic %d version 1, or "
+              "magic %d version 7)",
+              path, hdr[0], hdr[1], hdr[2], LLMC_MAGIC, LLMC_MAGIC_U32);
       return DATA_EINVAL;
     }
     sh->width = width;
     sh->n = (size_t)hdr[2];
     sh->tokens = raw + sizeof hdr;
     if ((len - sizeof hdr) / (size_t)width < sh->n) {
-      snprintf(err, errlen, "data: %s: header says %zu tokens but the file holds %zu", path, sh->n,
-               (len - sizeof hdr) / (size_t)width);
-      return DATA_EINVAL;
+      return err_set(err, errlen, DATA_EINVAL, "data: %s: header says %zu tokens but the file holds %zu", path, sh->n,
+                     (len - sizeof hdr) / (size_t)width);
     }
     break;
   }
   default:
-    snprintf(err, errlen, "data: %s: format %s is not a file format", path, data_format_name(f));
+    err_set(err, errlen, 0, "data: %s: format %s is not a file format", path, data_format_name(f));
     return DATA_EINVAL;
   }
   if (f == PLAN_DATA_TEXT && tok) {
     int rc = encode_shard(sh, tok, err, errlen);
     if (rc) return rc;
   } else if (sh->width > 1 && f != PLAN_DATA_LLMC && len % (size_t)sh->width != 0) {
-    snprintf(err, errlen, "data: %s: %zu bytes is not a whole number of %s tokens", path, len, data_format_name(f));
-    return DATA_EINVAL;
+    return err_set(err, errlen, DATA_EINVAL, "data: %s: %zu bytes is not a whole number of %s tokens", path, len,
+                   data_format_name(f));
   }
   if ((uint64_t)vocab < (1ull << (8 * sh->width)))
     for (size_t i = 0; i < sh->n; i++) {
       uint32_t id = shard_token(sh, i);
       if (id >= (uint32_t)vocab) {
-        snprintf(err, errlen, "data: %s: token id %u at position %zu is >= model.vocab_size %d", path, id, i, vocab);
-        return DATA_EINVAL;
+        return err_set(err, errlen, DATA_EINVAL, "data: %s: token id %u at position %zu is >= model.vocab_size %d",
+                       path, id, i, vocab);
       }
     }
   s->n += sh->n;
@@ -250,8 +247,10 @@ static int map_stream(data_stream_t *s, const char *key, const char *lines, plan
   size_t n = 0;
   int rc = fs_expand_paths(lines, &paths, &n, bad, sizeof bad);
   if (rc) {
-    if (rc == -ENOENT) snprintf(err, errlen, "data: %s: no file matches %s", key, bad);
-    else snprintf(err, errlen, "data: %s: cannot expand %s: %s", key, bad, strerror(-rc));
+    if (rc == -ENOENT)
+      err_set(err, errlen, 0, "data: %s: no file matches %s", key, bad);
+    else
+      err_set(err, errlen, 0, "data: %s: cannot expand %s: %s", key, bad, strerror(-rc));
     return rc == -ENOENT ? DATA_EIO : DATA_ENOMEM;
   }
   for (size_t i = 0; rc == 0 && i < n; i++) {
@@ -265,8 +264,8 @@ static int map_stream(data_stream_t *s, const char *key, const char *lines, plan
       *is_text = text;
       *first_format = (plan_data_format_t)g;
     } else if (*is_text != text) {
-      snprintf(err, errlen, "data: %s: %s is %s but the shards before it are %s; a split is all text or all ids",
-               key, paths[i], text ? "text" : "token ids", text ? "token ids" : "text");
+      err_set(err, errlen, 0, "data: %s: %s is %s but the shards before it are %s; a split is all text or all ids", key,
+              paths[i], text ? "text" : "token ids", text ? "token ids" : "text");
       rc = DATA_EINVAL;
       break;
     }
@@ -285,8 +284,7 @@ static int make_synthetic(data_stream_t *s, uint64_t seed, int vocab, size_t n, 
   if (!sh) {
     free(tok);
     free(succ);
-    snprintf(err, errlen, "data: out of memory for %zu synthetic tokens", n);
-    return DATA_ENOMEM;
+    return err_set(err, errlen, DATA_ENOMEM, "data: out of memory for %zu synthetic tokens", n);
   }
   rng_t r;
   rng_init(&r, seed ^ DATA_SALT, rng_hash_str("synthetic"));
@@ -323,14 +321,13 @@ int data_load(data_t *d, const plan_t *p, int need_val, char *err, size_t errlen
     if ((rc = make_synthetic(&d->train_src, p->seed, d->vocab_size, n, err, errlen))) return rc;
   } else {
     if (!train_name[0]) {
-      snprintf(err, errlen, "data: data.train is empty; give a token file or set data.format to synthetic");
-      return DATA_EINVAL;
+      return err_set(err, errlen, DATA_EINVAL,
+                     "data: data.train is empty; give a token file or set data.format to synthetic");
     }
     tokenizer_t *tok = NULL; /* data.tokenizer, for encoding text shards */
     char why[512];
     if (p->data.tokenizer[0] && tokenizer_load_within(&tok, p->data.tokenizer, d->vocab_size, why, sizeof why)) {
-      snprintf(err, errlen, "data: data.%s", why);
-      return DATA_EINVAL;
+      return err_set(err, errlen, DATA_EINVAL, "data: data.%s", why);
     }
     int is_text = -1;
     rc = map_stream(&d->train_src, "data.train", train_name, p->data.format, d->vocab_size, tok, &is_text,
@@ -358,17 +355,17 @@ int data_load(data_t *d, const plan_t *p, int need_val, char *err, size_t errlen
   }
 
   if (d->n_train < need) {
-    snprintf(err, errlen,
-             "data: %s: the train split has %zu tokens, fewer than one sequence (train.seq_len + 1 = %zu)%s",
-             train_name, d->n_train, need, d->n_val && !p->data.val[0] ? "; lower data.val_fraction or train.seq_len" : "");
+    err_set(err, errlen, 0,
+            "data: %s: the train split has %zu tokens, fewer than one sequence (train.seq_len + 1 = %zu)%s", train_name,
+            d->n_train, need, d->n_val && !p->data.val[0] ? "; lower data.val_fraction or train.seq_len" : "");
     data_free(d);
     return DATA_EINVAL;
   }
   if (need_val && d->n_val < need) {
-    snprintf(err, errlen,
-             "data: %s: the validation split has %zu tokens, fewer than one sequence (train.seq_len + 1 = %zu); "
-             "raise data.val_fraction, give data.val, or set eval.interval to 0",
-             p->data.val[0] ? (d->val_src.n_shards > 1 ? "data.val" : p->data.val) : train_name, d->n_val, need);
+    err_set(err, errlen, 0,
+            "data: %s: the validation split has %zu tokens, fewer than one sequence (train.seq_len + 1 = %zu); "
+            "raise data.val_fraction, give data.val, or set eval.interval to 0",
+            p->data.val[0] ? (d->val_src.n_shards > 1 ? "data.val" : p->data.val) : train_name, d->n_val, need);
     data_free(d);
     return DATA_EINVAL;
   }

@@ -1,5 +1,6 @@
 /* optim: AdamW per tensor segment through backend->adamw, the clip scale from a global
  * gradient norm, and the warmup + decay schedule (formulas in optim.h). */
+#include "common/err.h"
 #include "trainer/model/optim.h"
 
 #include <math.h>
@@ -18,8 +19,7 @@ int optim_init(optim_t *o, backend_t *be, const plan_train_t *cfg, const model_t
   o->eps = (float)cfg->eps;
   o->weight_decay = (float)cfg->weight_decay;
   if (count == 0) {
-    snprintf(err, errlen, "optim: empty parameter range");
-    return OPTIM_EINVAL;
+    return err_set(err, errlen, OPTIM_EINVAL, "optim: empty parameter range");
   }
 
   /* Clip each tensor to the range; the covered parts must tile it exactly. */
@@ -35,8 +35,8 @@ int optim_init(optim_t *o, backend_t *be, const plan_train_t *cfg, const model_t
     covered += hi - lo;
   }
   if (covered != count) {
-    snprintf(err, errlen, "optim: the tensors cover %zu of the %zu elements in range [%zu, %zu)", covered, count,
-             offset, offset + count);
+    err_set(err, errlen, 0, "optim: the tensors cover %zu of the %zu elements in range [%zu, %zu)", covered, count,
+            offset, offset + count);
     optim_free(o);
     return OPTIM_EINVAL;
   }
@@ -45,8 +45,8 @@ int optim_init(optim_t *o, backend_t *be, const plan_train_t *cfg, const model_t
   if (!o->m || !o->v) goto nomem;
   return 0;
 nomem:
-  snprintf(err, errlen, "optim: out of memory for AdamW state (2 x %zu floats = %.1f MiB)", count,
-           2.0 * (double)count * sizeof(float) / (1 << 20));
+  err_set(err, errlen, 0, "optim: out of memory for AdamW state (2 x %zu floats = %.1f MiB)", count,
+          2.0 * (double)count * sizeof(float) / (1 << 20));
   optim_free(o);
   return OPTIM_ENOMEM;
 }

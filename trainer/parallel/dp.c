@@ -23,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/err.h"
 #include "trainer/formats/ckpt.h"
 #include "trainer/parallel/dp_impl.h"
 
@@ -219,9 +220,8 @@ static int reduce_scratch(dp_impl_t *d, char *err, size_t errlen) {
   }
   d->rlp_n = n;
   if (n && !(d->rlp = d->be->alloc(d->be, n * dtype_size(d->rdt)))) {
-    snprintf(err, errlen, "dp error: out of memory for the %s gradient reduction buffer (%zu elements)",
-             dtype_name(d->rdt), n);
-    return -4;
+    return err_set(err, errlen, -4, "dp error: out of memory for the %s gradient reduction buffer (%zu elements)",
+                   dtype_name(d->rdt), n);
   }
   return 0;
 }
@@ -231,8 +231,7 @@ int dp_create(dp_t **out, model_t *m, backend_t *be, const mesh_t *mesh, const p
   *out = NULL;
   dp_impl_t *d = calloc(1, sizeof *d);
   if (!d) {
-    snprintf(err, errlen, "dp error: out of memory");
-    return -4;
+    return err_set(err, errlen, -4, "dp error: out of memory");
   }
   d->pub.ctx = d;
   d->ops = ops_for(mesh, p);
@@ -249,8 +248,7 @@ int dp_create(dp_t **out, model_t *m, backend_t *be, const mesh_t *mesh, const p
   d->unumel = calloc((size_t)d->n_units, sizeof *d->unumel);
   if (!d->uoff || !d->unumel) {
     dp_destroy(&d->pub);
-    snprintf(err, errlen, "dp error: out of memory");
-    return -4;
+    return err_set(err, errlen, -4, "dp error: out of memory");
   }
   for (int u = 0; u < d->n_units; u++) model_unit_range(m, u, &d->uoff[u], &d->unumel[u]);
 
@@ -267,8 +265,7 @@ int dp_create(dp_t **out, model_t *m, backend_t *be, const mesh_t *mesh, const p
     if ((mesh->dims[MESH_PP] > 1 && !d->pp_hcomm) || !d->dp_comm || !d->shard_comm || !d->rep_comm || !d->tp_comm || !d->dp_hcomm || !d->shard_hcomm ||
         !d->tp_hcomm) {
       dp_destroy(&d->pub);
-      snprintf(err, errlen, "dp error: the mesh is not connected (call mesh_connect first)");
-      return -2;
+      return err_set(err, errlen, -2, "dp error: the mesh is not connected (call mesh_connect first)");
     }
   }
   d->S = mesh ? mesh->dims[MESH_DP_SHARD] : 1;
@@ -354,8 +351,7 @@ int dp_ckpt_to_host(dp_t *dp, ckpt_chunks_t *cs, float **host, char *err, size_t
   dp_impl_t *d = dp_impl_of(dp);
   *host = NULL;
   if (drain(d)) {
-    snprintf(err, errlen, "%s", d->err);
-    return d->status;
+    return err_set(err, errlen, d->status, "%s", d->err);
   }
   dp_ck_range_t *r = malloc(DP_CK_RANGES_MAX(d->n_units) * sizeof *r);
   int nt = 0;
@@ -379,15 +375,13 @@ nomem:
   free(r);
   free(*host);
   *host = NULL;
-  snprintf(err, errlen, "dp error: out of memory copying the %s state for a checkpoint", d->pub.name);
-  return -4;
+  return err_set(err, errlen, -4, "dp error: out of memory copying the %s state for a checkpoint", d->pub.name);
 }
 
 int dp_ckpt_from_host(dp_t *dp, ckpt_t *ck, char *err, size_t errlen) {
   dp_impl_t *d = dp_impl_of(dp);
   if (drain(d)) {
-    snprintf(err, errlen, "%s", d->err);
-    return d->status;
+    return err_set(err, errlen, d->status, "%s", d->err);
   }
   dp_ck_range_t *r = malloc(DP_CK_RANGES_MAX(d->n_units) * sizeof *r);
   int nt = 0, rc = 0;
@@ -397,7 +391,7 @@ int dp_ckpt_from_host(dp_t *dp, ckpt_t *ck, char *err, size_t errlen) {
   for (int i = 0; i < n; i++) cmax = r[i].count > cmax ? r[i].count : cmax;
   float *h = malloc((cmax ? cmax : 1) * sizeof(float));
   if (!r || !ts || !h) {
-    snprintf(err, errlen, "dp error: out of memory loading a checkpoint");
+    err_set(err, errlen, 0, "dp error: out of memory loading a checkpoint");
     rc = -4;
   }
   const int tp_rank = dp_rank_of(d->tp_comm);
@@ -408,7 +402,7 @@ int dp_ckpt_from_host(dp_t *dp, ckpt_t *ck, char *err, size_t errlen) {
   if (d->ops->ck_loaded) {
     int lrc = d->ops->ck_loaded(d);
     if (lrc && rc == 0) {
-      snprintf(err, errlen, "%s", d->err);
+      err_set(err, errlen, 0, "%s", d->err);
       rc = lrc;
     }
   }

@@ -37,6 +37,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/err.h"
 #include "trainer/parallel/dp_impl.h"
 
 /* ------------------------------------------------------------------ the shard layout */
@@ -121,8 +122,8 @@ int dp_shard_setup(dp_impl_t *d, const plan_t *p, int nslots, int lp_gather, con
   return rc;
 nomem:
   free(segs);
-  snprintf(err, errlen, "dp error: out of memory for %s shards (%zu floats per shard buffer)", what, d->shard_total);
-  return -4;
+  return err_set(err, errlen, -4, "dp error: out of memory for %s shards (%zu floats per shard buffer)", what,
+                 d->shard_total);
 }
 
 /* ---- gradients: reduce-scatter out of the unit's gradient buffer, then (HSDP) all-reduce */

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "common/env.h"
+#include "common/err.h"
 
 static const char *const group_names[MESH_NGROUPS] = {"dp_replicate", "dp_shard", "tp", "dp",
                                                       "world", "pp"};
@@ -81,28 +82,31 @@ int mesh_create_pp(mesh_t **out, int pp, int dp_replicate, int dp_shard, int tp,
                    char *err, size_t errlen) {
   *out = NULL;
   if (pp < 1 || dp_replicate < 1 || dp_shard < 1 || tp < 1) {
-    snprintf(err, errlen, "mesh error: dimensions must be >= 1, got pp=%d dp_replicate=%d dp_shard=%d "
-             "tp=%d", pp, dp_replicate, dp_shard, tp);
-    return MESH_EINVAL;
+    return err_set(err, errlen, MESH_EINVAL,
+                   "mesh error: dimensions must be >= 1, got pp=%d dp_replicate=%d dp_shard=%d "
+                   "tp=%d",
+                   pp, dp_replicate, dp_shard, tp);
   }
   const long long n = (long long)pp * dp_replicate * dp_shard * tp;
   if (n != world) {
     if (pp == 1)
-      snprintf(err, errlen, "mesh error: dp_replicate=%d x dp_shard=%d x tp=%d = %lld ranks, but "
-               "the world has %d", dp_replicate, dp_shard, tp, n, world);
+      err_set(err, errlen, 0,
+              "mesh error: dp_replicate=%d x dp_shard=%d x tp=%d = %lld ranks, but "
+              "the world has %d",
+              dp_replicate, dp_shard, tp, n, world);
     else
-      snprintf(err, errlen, "mesh error: pp=%d x dp_replicate=%d x dp_shard=%d x tp=%d = %lld ranks, but "
-               "the world has %d", pp, dp_replicate, dp_shard, tp, n, world);
+      err_set(err, errlen, 0,
+              "mesh error: pp=%d x dp_replicate=%d x dp_shard=%d x tp=%d = %lld ranks, but "
+              "the world has %d",
+              pp, dp_replicate, dp_shard, tp, n, world);
     return MESH_EINVAL;
   }
   if (rank < 0 || rank >= world) {
-    snprintf(err, errlen, "mesh error: rank %d is outside a world of %d", rank, world);
-    return MESH_EINVAL;
+    return err_set(err, errlen, MESH_EINVAL, "mesh error: rank %d is outside a world of %d", rank, world);
   }
   mesh_t *m = calloc(1, sizeof *m);
   if (!m) {
-    snprintf(err, errlen, "mesh error: out of memory");
-    return MESH_EINVAL;
+    return err_set(err, errlen, MESH_EINVAL, "mesh error: out of memory");
   }
   m->world = world;
   m->rank = rank;
@@ -117,8 +121,7 @@ int mesh_create_pp(mesh_t **out, int pp, int dp_replicate, int dp_shard, int tp,
     grp->ranks = calloc((size_t)world, sizeof *grp->ranks);
     if (!grp->ranks) {
       mesh_destroy(m);
-      snprintf(err, errlen, "mesh error: out of memory");
-      return MESH_EINVAL;
+      return err_set(err, errlen, MESH_EINVAL, "mesh error: out of memory");
     }
     grp->size = members_of(m, g, rank, grp->ranks);
     grp->rank = -1;

@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/err.h"
 #include "common/log.h"
 
 static int save(checkpoint_t *c, dp_t *dp, int step, char *err, size_t errlen) {
@@ -33,7 +34,7 @@ static int save(checkpoint_t *c, dp_t *dp, int step, char *err, size_t errlen) {
   char cerr[256] = "";
   int crc = dp_ckpt_to_host(dp, &cs, &host, cerr, sizeof cerr);
   int rc = ckpt_writer_save(c->w, &st, crc ? NULL : cs.v, crc ? -1 : cs.n, err, errlen);
-  if (crc) snprintf(err, errlen, "%s", cerr);
+  if (crc) err_set(err, errlen, 0, "%s", cerr);
   ckpt_chunks_free(&cs);
   free(host);
   return rc ? rc : crc ? CKPT_EINVAL : 0;
@@ -53,7 +54,7 @@ static int failed(checkpoint_t *c, int rc, int step, char *err, size_t errlen) {
   if (rc == CKPT_ENOSPC || rc == CKPT_ECOMM) {
     char cause[2048];
     snprintf(cause, sizeof cause, "%s", err);
-    snprintf(err, errlen, "the checkpoint of step %d failed, stopping: %s", step, cause);
+    err_set(err, errlen, 0, "the checkpoint of step %d failed, stopping: %s", step, cause);
     if (rc == CKPT_ENOSPC) c->no_restart = 1;
     return -1;
   }
@@ -111,23 +112,27 @@ static int resume(checkpoint_t *c, dp_t *dp, int world, int restart, int round, 
   const uint64_t G = (uint64_t)p->train.global_batch_size, step = (uint64_t)meta->state.step;
   const uint64_t pos = meta->state.data_position;
   if (step ? pos % step != 0 : pos != 0) { /* no global batch explains it (the metadata checksum passed) */
-    snprintf(err, errlen, "checkpoint error: %s: data_position %llu is not a whole number of batches of its %llu "
-             "steps: the checkpoint is inconsistent", meta->path, (unsigned long long)pos, (unsigned long long)step);
+    err_set(err, errlen, 0,
+            "checkpoint error: %s: data_position %llu is not a whole number of batches of its %llu "
+            "steps: the checkpoint is inconsistent",
+            meta->path, (unsigned long long)pos, (unsigned long long)step);
     ckpt_close(ck);
     return 1;
   }
   if (meta->state.data_position != step * G) {
-    snprintf(err, errlen, "checkpoint error: %s consumed %llu samples in %llu steps (global batch %llu) but this "
-             "plan's train.global_batch_size is %llu: the data order would not continue; set "
-             "train.global_batch_size=%llu", meta->path, (unsigned long long)meta->state.data_position,
-             (unsigned long long)step, step ? (unsigned long long)(meta->state.data_position / step) : 0ULL,
-             (unsigned long long)G, step ? (unsigned long long)(meta->state.data_position / step) : 0ULL);
+    err_set(err, errlen, 0,
+            "checkpoint error: %s consumed %llu samples in %llu steps (global batch %llu) but this "
+            "plan's train.global_batch_size is %llu: the data order would not continue; set "
+            "train.global_batch_size=%llu",
+            meta->path, (unsigned long long)meta->state.data_position, (unsigned long long)step,
+            step ? (unsigned long long)(meta->state.data_position / step) : 0ULL, (unsigned long long)G,
+            step ? (unsigned long long)(meta->state.data_position / step) : 0ULL);
     ckpt_close(ck);
     return 2;
   }
   if (step > (uint64_t)p->train.steps) {
-    snprintf(err, errlen, "checkpoint error: %s is at step %llu, beyond train.steps %d", meta->path,
-             (unsigned long long)step, p->train.steps);
+    err_set(err, errlen, 0, "checkpoint error: %s is at step %llu, beyond train.steps %d", meta->path,
+            (unsigned long long)step, p->train.steps);
     ckpt_close(ck);
     return 2;
   }
@@ -237,8 +242,8 @@ int checkpoint_finish(checkpoint_t *c, char *err, size_t errlen) {
 
 int checkpoint_final_status(const checkpoint_t *c, char *err, size_t errlen) {
   if (!c->final_failed) return 0;
-  snprintf(err, errlen, "the checkpoint after the last step (%d) was not saved: %s", c->p->train.steps, c->final_err);
-  return -1;
+  return err_set(err, errlen, -1, "the checkpoint after the last step (%d) was not saved: %s", c->p->train.steps,
+                 c->final_err);
 }
 
 void checkpoint_free(checkpoint_t *c) {

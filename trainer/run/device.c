@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/err.h"
 #include "common/log.h"
 #include "trainer/comm/comm.h"
 
@@ -121,14 +122,14 @@ static int backend_open(const plan_t *p, int local_rank, backend_t **out, const 
   if (strcmp(p->device, "auto")) {
     const backend_entry_t *e = *entry = backend_find(p->device);
     if (!e) {
-      snprintf(err, errlen, "device \"%s\": unknown to this trainer (known: auto, %s)", p->device,
-               device_backends());
-      return 2;
+      return err_set(err, errlen, 2, "device \"%s\": unknown to this trainer (known: auto, %s)", p->device,
+                     device_backends());
     }
     if (!e->create) {
-      snprintf(err, errlen, "device \"%s\": this trainer was built without the %s backend; use device \"cpu\" or "
-               "\"auto\", or %s", e->name, e->name, e->remedy);
-      return 2;
+      return err_set(err, errlen, 2,
+                     "device \"%s\": this trainer was built without the %s backend; use device \"cpu\" or "
+                     "\"auto\", or %s",
+                     e->name, e->name, e->remedy);
     }
     if ((*out = entry_open(e, local_rank, err, errlen))) return 0;
     if (e->mem == BACKEND_MEM_HOST || (e->visible_devices && e->visible_devices() > 0))
@@ -160,8 +161,7 @@ static int backend_open(const plan_t *p, int local_rank, backend_t **out, const 
     *out = e->create(-1, 0, err, errlen);
     return *out ? 0 : 1;
   }
-  snprintf(err, errlen, "device auto: this trainer has no host backend");
-  return 1;
+  return err_set(err, errlen, 1, "device auto: this trainer has no host backend");
 }
 
 /* MESHRUN_COMM_BACKEND: NULL when unset or empty, else a registered comm backend's name.
@@ -177,9 +177,8 @@ static int comm_backend_env(const char **out, char *err, size_t errlen) {
   }
   char known[256];
   comm_names(known, sizeof known, ", ", ", ");
-  snprintf(err, errlen, "MESHRUN_COMM_BACKEND=%s: unknown comm backend (known: %s; unset it to choose by device)",
-           env, known);
-  return 2;
+  return err_set(err, errlen, 2,
+                 "MESHRUN_COMM_BACKEND=%s: unknown comm backend (known: %s; unset it to choose by device)", env, known);
 }
 
 /* The comm backend of the mesh's device collectives on backend be (of entry d): env
@@ -199,11 +198,13 @@ static int comm_backend_choose(const backend_t *be, const backend_entry_t *d, co
       char alt[256];
       comm_alternatives(d, alt, sizeof alt);
       if (c->device)
-        snprintf(err, errlen, "MESHRUN_COMM_BACKEND=%s needs device %s, and this run's device is %s: use %s", env,
-                 c->device, be->name, alt);
+        err_set(err, errlen, 0, "MESHRUN_COMM_BACKEND=%s needs device %s, and this run's device is %s: use %s", env,
+                c->device, be->name, alt);
       else
-        snprintf(err, errlen, "MESHRUN_COMM_BACKEND=%s moves host memory, and device %s keeps tensors in device "
-                 "memory: use %s", env, be->name, alt);
+        err_set(err, errlen, 0,
+                "MESHRUN_COMM_BACKEND=%s moves host memory, and device %s keeps tensors in device "
+                "memory: use %s",
+                env, be->name, alt);
       return 2;
     }
     snprintf(why, whylen, "MESHRUN_COMM_BACKEND");
@@ -222,8 +223,7 @@ static int comm_backend_choose(const backend_t *be, const backend_entry_t *d, co
              own ? ": one GPU per rank" : ": ranks share GPUs");
   }
   if (!c) {
-    snprintf(err, errlen, "device %s: no comm backend of this trainer moves its memory", be->name);
-    return 2;
+    return err_set(err, errlen, 2, "device %s: no comm backend of this trainer moves its memory", be->name);
   }
   *out = c->name;
   return 0;

@@ -12,6 +12,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/err.h"
 #include "common/log.h"
 
 #define LINE_MAX_LEN 1024
@@ -98,10 +99,10 @@ static int refuse(char *err, size_t errlen, const char *dir, const holder_t *h, 
   time_t t = (time_t)h->since;
   struct tm tm;
   if (gmtime_r(&t, &tm)) strftime(since, sizeof since, "%Y-%m-%dT%H:%M:%SZ", &tm);
-  snprintf(err, errlen, "plan error: checkpoint.dir: %s is in use by another run (host %s, pid %ld, job %s, since "
-           "%s%s): wait for it to end, or give this run its own checkpoint.dir", dir, h->host, h->pid, h->job,
-           since, why);
-  return 2;
+  return err_set(err, errlen, 2,
+                 "plan error: checkpoint.dir: %s is in use by another run (host %s, pid %ld, job %s, since "
+                 "%s%s): wait for it to end, or give this run its own checkpoint.dir",
+                 dir, h->host, h->pid, h->job, since, why);
 }
 
 static int take(const char *dir, int tries, char *err, size_t errlen) {
@@ -121,13 +122,11 @@ static int take(const char *dir, int tries, char *err, size_t errlen) {
     close(fd);
     if (!ok) {
       unlink(lk.path);
-      snprintf(err, errlen, "checkpoint.dir: writing %s: %s", lk.path, strerror(e));
-      return 1;
+      return err_set(err, errlen, 1, "checkpoint.dir: writing %s: %s", lk.path, strerror(e));
     }
   } else {
     if (errno != EEXIST) {
-      snprintf(err, errlen, "checkpoint.dir: creating %s: %s", lk.path, strerror(errno));
-      return 1;
+      return err_set(err, errlen, 1, "checkpoint.dir: creating %s: %s", lk.path, strerror(errno));
     }
     holder_t h;
     char old[LINE_MAX_LEN];
@@ -154,8 +153,7 @@ static int take(const char *dir, int tries, char *err, size_t errlen) {
       log_warn("checkpoint.dir %s: %s is not a lock this build wrote (\"%.80s\"); taking it over", dir, lk.path, old);
     }
     if ((rc = replace_file(lk.path, lk.line)) != 0) {
-      snprintf(err, errlen, "checkpoint.dir: replacing %s: %s", lk.path, strerror(-rc));
-      return 1;
+      return err_set(err, errlen, 1, "checkpoint.dir: replacing %s: %s", lk.path, strerror(-rc));
     }
     char now[LINE_MAX_LEN];
     if (read_holder(lk.path, &h, now, sizeof now) != 0 || !is_mine(now))

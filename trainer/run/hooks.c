@@ -7,6 +7,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "common/err.h"
 #include "common/log.h"
 #include "trainer/run/weights.h"
 
@@ -47,16 +48,14 @@ int hooks_initial_weights(hooks_t *h, model_t *m, dp_t *dp, const mesh_t *mesh, 
 
 int hooks_start(hooks_t *h, char *err, size_t errlen) {
   if (h->dump_batches && !(h->dump = fopen(h->dump_batches, "wb"))) {
-    snprintf(err, errlen, "cannot open %s: %s", h->dump_batches, strerror(errno));
-    return -1;
+    return err_set(err, errlen, -1, "cannot open %s: %s", h->dump_batches, strerror(errno));
   }
   return 0;
 }
 
 int hooks_batch(hooks_t *h, const int32_t *tok, const int32_t *tgt, size_t n, char *err, size_t errlen) {
   if (h->dump && (fwrite(tok, sizeof(int32_t), n, h->dump) != n || fwrite(tgt, sizeof(int32_t), n, h->dump) != n)) {
-    snprintf(err, errlen, "cannot write %s: %s", h->dump_batches, strerror(errno));
-    return -1;
+    return err_set(err, errlen, -1, "cannot write %s: %s", h->dump_batches, strerror(errno));
   }
   return 0;
 }

@@ -56,6 +56,7 @@
 #include <unistd.h>
 
 #include "common/env.h"
+#include "common/err.h"
 #include "common/fs.h"
 #include "common/log.h"
 #include "common/store.h"
@@ -393,8 +394,7 @@ static int preempt_agreed(const mesh_t *mesh, char *err, size_t errlen) {
   float sig = (float)preempt_sig;
   comm_t *wc = mesh ? mesh_host_comm(mesh, "world") : NULL;
   if (wc && comm_all_reduce(wc, &sig, 1, DT_F32, COMM_MAX)) {
-    snprintf(err, errlen, "agreeing on a preemption signal: %s", comm_errmsg(wc));
-    return -1;
+    return err_set(err, errlen, -1, "agreeing on a preemption signal: %s", comm_errmsg(wc));
   }
   return (int)sig;
 }
@@ -419,14 +419,12 @@ static int parse_args(args_t *a, int argc, char **argv, char *err, size_t errlen
     }
     if (!strcmp(s, "--set") || !strcmp(s, "-s")) {
       if (a->nsets == MAX_SETS) {
-        snprintf(err, errlen, "too many --set options (at most %d)", MAX_SETS);
-        return -1;
+        return err_set(err, errlen, -1, "too many --set options (at most %d)", MAX_SETS);
       }
       target = &a->sets[a->nsets++];
     } else if (!strncmp(s, "--set=", 6)) {
       if (a->nsets == MAX_SETS) {
-        snprintf(err, errlen, "too many --set options (at most %d)", MAX_SETS);
-        return -1;
+        return err_set(err, errlen, -1, "too many --set options (at most %d)", MAX_SETS);
       }
       a->sets[a->nsets++] = s + 6;
       continue;
@@ -446,36 +444,30 @@ static int parse_args(args_t *a, int argc, char **argv, char *err, size_t errlen
     } else if (!strcmp(s, "--dump-batches")) {
       target = &a->hooks.dump_batches;
     } else if (s[0] == '-' && s[1]) {
-      snprintf(err, errlen, "unknown option %s (see trainer --help)", s);
-      return -1;
+      return err_set(err, errlen, -1, "unknown option %s (see trainer --help)", s);
     } else if (!a->plan_path) {
       a->plan_path = s;
       continue;
     } else {
-      snprintf(err, errlen, "unexpected argument %s: one plan file at most (see trainer --help)", s);
-      return -1;
+      return err_set(err, errlen, -1, "unexpected argument %s: one plan file at most (see trainer --help)", s);
     }
     if (i + 1 >= argc) {
-      snprintf(err, errlen, "%s needs a value", s);
-      return -1;
+      return err_set(err, errlen, -1, "%s needs a value", s);
     }
     *target = argv[++i];
   }
   if (stop && (a->hooks.stop_after = atoi(stop)) <= 0) {
-    snprintf(err, errlen, "--stop-after needs a step number > 0, got %s", stop);
-    return -1;
+    return err_set(err, errlen, -1, "--stop-after needs a step number > 0, got %s", stop);
   }
   if ((a->sample_mode || a->export_mode) && !a->weights) {
-    snprintf(err, errlen, "trainer %s needs --weights FILE", a->sample_mode ? "sample" : "export");
-    return -1;
+    return err_set(err, errlen, -1, "trainer %s needs --weights FILE", a->sample_mode ? "sample" : "export");
   }
   if (a->export_mode && (!a->format || !a->out)) {
-    snprintf(err, errlen, "trainer export needs --format llama2c|hf and --out PATH");
-    return -1;
+    return err_set(err, errlen, -1, "trainer export needs --format llama2c|hf and --out PATH");
   }
   if (!a->sample_mode && !a->export_mode && a->weights) {
-    snprintf(err, errlen, "--weights is for 'trainer sample'; to start training from weights, set model.init");
-    return -1;
+    return err_set(err, errlen, -1,
+                   "--weights is for 'trainer sample'; to start training from weights, set model.init");
   }
   return 0;
 }
@@ -486,18 +478,16 @@ static int env_read(env_t *e, char *err, size_t errlen) {
       {"LOCAL_WORLD_SIZE", 1, 1, &e->local_world}, {"TORCHELASTIC_RESTART_COUNT", 0, 0, &e->restart}};
   for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++)
     if (env_int(vars[i].name, vars[i].lo, INT_MAX, vars[i].dflt, vars[i].out)) {
-      snprintf(err, errlen, "bad environment %s=%s: expected an integer >= %d", vars[i].name, env_text(vars[i].name),
-               vars[i].lo);
-      return -1;
+      return err_set(err, errlen, -1, "bad environment %s=%s: expected an integer >= %d", vars[i].name,
+                     env_text(vars[i].name), vars[i].lo);
     }
   if (env_int("MESHRUN_ROUND", 0, INT_MAX, e->restart, &e->round)) {
-    snprintf(err, errlen, "bad environment MESHRUN_ROUND=%s: expected an integer >= 0", env_text("MESHRUN_ROUND"));
-    return -1;
+    return err_set(err, errlen, -1, "bad environment MESHRUN_ROUND=%s: expected an integer >= 0",
+                   env_text("MESHRUN_ROUND"));
   }
   if (e->rank >= e->world) {
-    snprintf(err, errlen, "bad environment RANK=%s WORLD_SIZE=%s LOCAL_RANK=%s", env_text("RANK"),
-             env_text("WORLD_SIZE"), env_text("LOCAL_RANK"));
-    return -1;
+    return err_set(err, errlen, -1, "bad environment RANK=%s WORLD_SIZE=%s LOCAL_RANK=%s", env_text("RANK"),
+                   env_text("WORLD_SIZE"), env_text("LOCAL_RANK"));
   }
   return 0;
 }
@@ -534,8 +524,7 @@ static int plan_setup(plan_t *p, const args_t *a, int rank, int world, int *resu
   if (a->print_plan && rank == 0) {
     char *json = plan_format(p, 1);
     if (!json) {
-      snprintf(err, errlen, "out of memory");
-      return -1;
+      return err_set(err, errlen, -1, "out of memory");
     }
     fputs(json, stdout);
     fputc('\n', stdout);
@@ -579,10 +568,11 @@ static int check_outputs(const plan_t *p, int rank, int fresh, char *err, size_t
       ckpt_peek(p->checkpoint.dir, "auto", &st, from, sizeof from) != CKPT_ENOENT) {
     char newest[PLAN_PATH_MAX + 80] = "";
     if (from[0]) snprintf(newest, sizeof newest, " (the newest %s)", from);
-    snprintf(err, errlen, "plan error: checkpoint.resume: none, and checkpoint.dir %s holds an earlier run's "
-             "checkpoints%s, which this run's saves would replace: checkpoint.resume=auto continues that run, "
-             "--set overwrite=true starts over there", p->checkpoint.dir, newest);
-    return -1;
+    return err_set(err, errlen, -1,
+                   "plan error: checkpoint.resume: none, and checkpoint.dir %s holds an earlier run's "
+                   "checkpoints%s, which this run's saves would replace: checkpoint.resume=auto continues that run, "
+                   "--set overwrite=true starts over there",
+                   p->checkpoint.dir, newest);
   }
   return 0;
 }
@@ -606,9 +596,10 @@ static int mesh_setup(mesh_t **out, const plan_t *p, int rank, int world, const 
                       char *err, size_t errlen) {
   const char *ep = getenv("MESHRUN_STORE");
   if (!ep || !*ep) {
-    snprintf(err, errlen, "WORLD_SIZE=%d: the mesh's groups connect through meshrun's store, and MESHRUN_STORE is "
-                          "not set: run under meshrun, or set MESHRUN_STORE=host:port", world);
-    return 2;
+    return err_set(err, errlen, 2,
+                   "WORLD_SIZE=%d: the mesh's groups connect through meshrun's store, and MESHRUN_STORE is "
+                   "not set: run under meshrun, or set MESHRUN_STORE=host:port",
+                   world);
   }
   if (mesh_create_pp(out, p->mesh.pp, p->mesh.dp_replicate, p->mesh.dp_shard, p->mesh.tp, rank, world, err, errlen))
     return 2;
@@ -677,11 +668,10 @@ static int final_weights(model_t *m, dp_t *dp, const mesh_t *mesh, const plan_t 
                                                                                                  : 1.0f;
   const float mine = wrc;
   if (mesh && comm_all_reduce(mesh_host_comm(mesh, "world"), &wrc, 1, DT_F32, COMM_MAX)) {
-    snprintf(err, errlen, "saving the final weights: %s", comm_errmsg(mesh_host_comm(mesh, "world")));
-    return -1;
+    return err_set(err, errlen, -1, "saving the final weights: %s", comm_errmsg(mesh_host_comm(mesh, "world")));
   }
   if (wrc != 0.0f) {
-    if (mine == 0.0f) snprintf(err, errlen, "the final weights %s were not saved (rank 0 says why)", path);
+    if (mine == 0.0f) err_set(err, errlen, 0, "the final weights %s were not saved (rank 0 says why)", path);
     *no_restart = wrc == 2.0f;
     return -1;
   }
@@ -706,7 +696,7 @@ static int final_sample(model_t *m, backend_t *be, dp_t *dp, const mesh_t *mesh,
   FILE *out = rank == 0 ? stdout : fopen("/dev/null", "w");
   int rc = out ? sample_generate(m, be, p, is_text, out, err, errlen) : 0;
   if (out && out != stdout) fclose(out);
-  if (dp_status(dp)) snprintf(err, errlen, "sample: %s", dp_errmsg(dp));
+  if (dp_status(dp)) err_set(err, errlen, 0, "sample: %s", dp_errmsg(dp));
   return rc || dp_status(dp) ? -1 : 0;
 }
 

@@ -9,6 +9,7 @@
 #include <sys/resource.h>
 #include <time.h>
 
+#include "common/err.h"
 #include "common/log.h"
 #include "trainer/comm/comm.h"
 #include "trainer/run/weights.h"
@@ -157,8 +158,7 @@ int metrics_open(metrics_t *mt, const plan_t *p, model_t *m, dp_t *dp, const mes
   memory_report_t mem;
   comm_t *wc = mesh ? mesh_host_comm(mesh, "world") : NULL;
   if (memory_report(dp, m, wc, &mem)) {
-    snprintf(err, errlen, "%s", comm_errmsg(wc));
-    return -1;
+    return err_set(err, errlen, -1, "%s", comm_errmsg(wc));
   }
   size_t np = model_num_params(m);
   const int pp = mesh ? mesh->dims[MESH_PP] : 1;
@@ -167,8 +167,7 @@ int metrics_open(metrics_t *mt, const plan_t *p, model_t *m, dp_t *dp, const mes
     float digit[4];
     for (int i = 0; i < 4; i++) digit[i] = (float)((np >> (12 * i)) & 0xfff);
     if (comm_all_reduce(ppc, digit, 4, DT_F32, COMM_SUM)) {
-      snprintf(err, errlen, "%s", comm_errmsg(ppc));
-      return -1;
+      return err_set(err, errlen, -1, "%s", comm_errmsg(ppc));
     }
     np = 0;
     for (int i = 0; i < 4; i++) np += (size_t)digit[i] << (12 * i);
@@ -191,8 +190,7 @@ int metrics_open(metrics_t *mt, const plan_t *p, model_t *m, dp_t *dp, const mes
     /* A resumed run appends: the steps before the checkpoint stay; steps logged after it by the
      * run that stopped are logged again (readers take the last record of a step). */
     if (!(mt->f = fopen(p->log.metrics_file, resumed ? "a+" : "w"))) {
-      snprintf(err, errlen, "cannot open log.metrics_file %s: %s", p->log.metrics_file, strerror(errno));
-      return -1;
+      return err_set(err, errlen, -1, "cannot open log.metrics_file %s: %s", p->log.metrics_file, strerror(errno));
     }
     /* A killed writer's torn last line stays a line of its own (reads and writes of an update
      * stream are separated by a seek). */
@@ -273,11 +271,10 @@ int metrics_pipeline(metrics_t *mt, int step, double busy_ms, double span_ms, in
   const float mine[N] = {(float)busy_ms, (float)span_ms, (float)peak_inflight, (float)act_bytes};
   float *all = malloc((size_t)Q * N * sizeof(float));
   if (!all) {
-    snprintf(err, errlen, "out of memory for the pipeline's record");
-    return -1;
+    return err_set(err, errlen, -1, "out of memory for the pipeline's record");
   }
   if (comm_all_gather(c, mine, all, N, DT_F32)) {
-    snprintf(err, errlen, "gathering the pipeline's timings: %s", comm_errmsg(c));
+    err_set(err, errlen, 0, "gathering the pipeline's timings: %s", comm_errmsg(c));
     free(all);
     return -1;
   }
@@ -317,8 +314,8 @@ int metrics_close(metrics_t *mt, int *no_space, char *err, size_t errlen) {
   if (mt->f && fclose(mt->f) != 0 && !mt->err) metrics_failed(mt, errno, -1);
   mt->f = NULL;
   if (!mt->err) return 0;
-  snprintf(err, errlen, "log.metrics_file %s: %s failed: %s (the records from there on are lost)", mt->path, mt->what,
-           strerror(mt->err));
+  err_set(err, errlen, 0, "log.metrics_file %s: %s failed: %s (the records from there on are lost)", mt->path, mt->what,
+          strerror(mt->err));
   if (no_space) *no_space = mt->err == ENOSPC || mt->err == EDQUOT;
   return -1;
 }

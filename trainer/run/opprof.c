@@ -5,6 +5,7 @@
  * prof_end records it under its op name and a shape key formatted only then. Synchronizing
  * before the call makes the clock start when the device is idle, so the call's time is its own
  * and not the tail of the kernels queued before it. */
+#include "common/err.h"
 #include "trainer/run/opprof.h"
 
 #include <pthread.h>
@@ -49,8 +50,7 @@ int opprof_step_from_env(char *err, size_t errlen) {
   char *end = NULL;
   long v = strtol(s, &end, 10);
   if (*end || v < 1 || v > 1000000000L) {
-    snprintf(err, errlen, "MESHRUN_OP_PROFILE=%s: expected the step to profile, a positive integer", s);
-    return -1;
+    return err_set(err, errlen, -1, "MESHRUN_OP_PROFILE=%s: expected the step to profile, a positive integer", s);
   }
   return (int)v;
 }

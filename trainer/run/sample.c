@@ -176,11 +176,11 @@ static const float *next_logits(model_t *m, model_kv_t *kv, const gen_t *g, int 
   if (!kv) {
     int t = g->n < window ? g->n : window;
     if (model_forward(m, g->ids + g->n - t, NULL, 1, t, NULL)) {
-      snprintf(err, errlen, "%s", model_errmsg(m));
+      err_set(err, errlen, 0, "%s", model_errmsg(m));
       return NULL;
     }
     const float *l = model_logits(m);
-    if (!l) snprintf(err, errlen, "sample error: the model has no logits to sample from");
+    if (!l) err_set(err, errlen, 0, "sample error: the model has no logits to sample from");
     return l ? l + (size_t)(t - 1) * v : NULL;
   }
   int rc;
@@ -192,7 +192,7 @@ static const float *next_logits(model_t *m, model_kv_t *kv, const gen_t *g, int 
     rc = model_kv_forward(kv, g->ids + g->n - 1, 1);
   }
   if (rc) {
-    snprintf(err, errlen, "%s", model_errmsg(m));
+    err_set(err, errlen, 0, "%s", model_errmsg(m));
     return NULL;
   }
   return model_kv_logits(kv);
@@ -205,7 +205,7 @@ static int generate(gen_t *g, model_t *m, backend_t *be, model_kv_t *kv, int win
   sample_picker_t pk;
   float *row = malloc((size_t)v * sizeof *row);
   int rc = row ? sample_picker_init(&pk, &p->sample, p->seed, v, err, errlen) : -1;
-  if (!row) snprintf(err, errlen, "sample error: out of memory for a vocabulary of %d", v);
+  if (!row) err_set(err, errlen, 0, "sample error: out of memory for a vocabulary of %d", v);
   if (rc == 0) rc = gen_prompt(g, prompt, v, err, errlen);
   for (int k = 0; k < p->sample.sample_tokens && rc == 0; k++) {
     const float *logits = next_logits(m, kv, g, window, k == 0, err, errlen);

@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/err.h"
 #include "trainer/run/metrics.h"
 #include "trainer/run/opprof.h"
 #include "trainer/model/optim.h"
@@ -17,8 +18,7 @@ int train_init(train_t *t, char *err, size_t errlen) {
   t->tok = malloc((size_t)B * T * sizeof(int32_t));
   t->tgt = malloc((size_t)B * T * sizeof(int32_t));
   if (!t->tok || !t->tgt) {
-    snprintf(err, errlen, "out of memory for batches of %d x %d tokens", B, T);
-    return -1;
+    return err_set(err, errlen, -1, "out of memory for batches of %d x %d tokens", B, T);
   }
   return 0;
 }
@@ -33,9 +33,10 @@ void train_free(train_t *t) {
 /* The message of a failed forward or backward: the strategy's when it failed (its hooks run
  * inside the model's passes), else the model's. */
 static int pass_failed(train_t *t, const char *pass, int s, int micro, char *err, size_t errlen) {
-  if (dp_status(t->dp)) snprintf(err, errlen, "%s", dp_errmsg(t->dp));
-  else snprintf(err, errlen, "step %d (micro-batch %d): the %s failed: %s", s + 1, micro + 1, pass,
-                model_errmsg(t->m));
+  if (dp_status(t->dp))
+    err_set(err, errlen, 0, "%s", dp_errmsg(t->dp));
+  else
+    err_set(err, errlen, 0, "step %d (micro-batch %d): the %s failed: %s", s + 1, micro + 1, pass, model_errmsg(t->m));
   return -1;
 }
 
@@ -54,14 +55,12 @@ static int pipeline_step(train_t *t, int s, double *loss, int *bad_micro, pp_ste
     if (hooks_batch(t->hooks, t->tok + micro * bt, t->tgt + micro * bt, bt, err, errlen)) return -1;
   }
   if (pp_run_step(t->pp, t->tok, t->tgt, b, T, 1.0f / (float)M, st)) {
-    snprintf(err, errlen, "step %d: %s", s + 1, pp_run_errmsg(t->pp));
-    return -1;
+    return err_set(err, errlen, -1, "step %d: %s", s + 1, pp_run_errmsg(t->pp));
   }
   /* only the last stage has these: the sum over pp adds zeros to them */
   float v[2] = {(float)(st->loss_sum / M), st->bad_mb >= 0 ? (float)(st->bad_mb + 1) : 0.0f};
   if (comm_all_reduce(t->ppc, v, 2, DT_F32, COMM_SUM)) {
-    snprintf(err, errlen, "step %d: sharing the loss over pp: %s", s + 1, comm_errmsg(t->ppc));
-    return -1;
+    return err_set(err, errlen, -1, "step %d: sharing the loss over pp: %s", s + 1, comm_errmsg(t->ppc));
   }
   *loss = v[0];
   *bad_micro = (int)v[1];
@@ -101,8 +100,7 @@ int train_step(train_t *t, int s, train_result_t *out, char *err, size_t errlen)
   if (t->dpc && t->dp_size > 1) { /* the logged loss is the global batch's: the mean over dp */
     float lf = (float)loss;
     if (comm_all_reduce(t->dpc, &lf, 1, DT_F32, COMM_AVG)) {
-      snprintf(err, errlen, "%s", comm_errmsg(t->dpc));
-      return -1;
+      return err_set(err, errlen, -1, "%s", comm_errmsg(t->dpc));
     }
     loss = lf;
   }
@@ -110,27 +108,25 @@ int train_step(train_t *t, int s, train_result_t *out, char *err, size_t errlen)
     t->diverged = 1;
     char where[64] = "on another data-parallel rank";
     if (bad_micro) snprintf(where, sizeof where, "micro-batch %d", bad_micro);
-    snprintf(err, errlen,
-             "loss is %s at step %d (%s); the model diverged: lower train.lr, raise train.warmup_steps, "
-             "check model.init_std, or enable train.grad_clip",
-             isnan(loss) ? "nan" : "inf", s + 1, where);
+    err_set(err, errlen, 0,
+            "loss is %s at step %d (%s); the model diverged: lower train.lr, raise train.warmup_steps, "
+            "check model.init_std, or enable train.grad_clip",
+            isnan(loss) ? "nan" : "inf", s + 1, where);
     return -1;
   }
 
   double gnorm = 0;
   if (dp_grad_norm(t->dp, &gnorm)) {
-    snprintf(err, errlen, "%s", dp_errmsg(t->dp));
-    return -1;
+    return err_set(err, errlen, -1, "%s", dp_errmsg(t->dp));
   }
   if (!isfinite(gnorm)) {
     t->diverged = 1;
-    snprintf(err, errlen, "gradient norm is %s at step %d (loss %.4f); lower train.lr or check model.init_std",
-             isnan(gnorm) ? "nan" : "inf", s + 1, loss);
-    return -1;
+    return err_set(err, errlen, -1,
+                   "gradient norm is %s at step %d (loss %.4f); lower train.lr or check model.init_std",
+                   isnan(gnorm) ? "nan" : "inf", s + 1, loss);
   }
   if (dp_step(t->dp, lr, optim_clip_scale(gnorm, p->train.grad_clip))) {
-    snprintf(err, errlen, "%s", dp_errmsg(t->dp));
-    return -1;
+    return err_set(err, errlen, -1, "%s", dp_errmsg(t->dp));
   }
   t->be->synchronize(t->be);
   out->loss = loss;
@@ -154,28 +150,24 @@ int train_eval(train_t *t, double *out, char *err, size_t errlen) {
     float l = 0;
     if (t->pp) { /* through the stages; the loss on the last one's rank, 0 on the others */
       if (pp_run_forward(t->pp, t->tok, t->tgt, B, T, &l)) {
-        snprintf(err, errlen, "eval: %s", pp_run_errmsg(t->pp));
-        return -1;
+        return err_set(err, errlen, -1, "eval: %s", pp_run_errmsg(t->pp));
       }
     } else if (model_forward(t->m, t->tok, t->tgt, B, T, &l) || dp_status(t->dp)) {
-      snprintf(err, errlen, "eval: %s", dp_status(t->dp) ? dp_errmsg(t->dp) : model_errmsg(t->m));
-      return -1;
+      return err_set(err, errlen, -1, "eval: %s", dp_status(t->dp) ? dp_errmsg(t->dp) : model_errmsg(t->m));
     }
     if (k < batches) sum += l;
   }
   if (t->pp) {
     float s = (float)sum;
     if (comm_all_reduce(t->ppc, &s, 1, DT_F32, COMM_SUM)) {
-      snprintf(err, errlen, "eval: %s", comm_errmsg(t->ppc));
-      return -1;
+      return err_set(err, errlen, -1, "eval: %s", comm_errmsg(t->ppc));
     }
     sum = s;
   }
   if (n > 1) {
     float s = (float)sum;
     if (comm_all_reduce(t->dpc, &s, 1, DT_F32, COMM_SUM)) {
-      snprintf(err, errlen, "eval: %s", comm_errmsg(t->dpc));
-      return -1;
+      return err_set(err, errlen, -1, "eval: %s", comm_errmsg(t->dpc));
     }
     sum = s;
   }

@@ -22,8 +22,7 @@ int weights_make_parent_dirs(const char *path, char *err, size_t errlen) {
   char failed[PLAN_PATH_MAX + 64];
   int rc = fs_mkdir_parent(path, failed, sizeof failed);
   if (rc) {
-    snprintf(err, errlen, "cannot create directory %s: %s", failed, strerror(-rc));
-    return -1;
+    return err_set(err, errlen, -1, "cannot create directory %s: %s", failed, strerror(-rc));
   }
   return 0;
 }
@@ -44,8 +43,7 @@ typedef struct {
 
 static int bcast(comm_t *c, void *buf, size_t bytes, int root, char *err, size_t errlen) {
   if (comm_broadcast(c, buf, bytes / 4, DT_F32, root) == 0) return 0;
-  snprintf(err, errlen, "saving weights: gathering the pipeline stages' tensors: %s", comm_errmsg(c));
-  return -1;
+  return err_set(err, errlen, -1, "saving weights: gathering the pipeline stages' tensors: %s", comm_errmsg(c));
 }
 
 static int gather_stages(comm_t *ppc, st_tensor_t **ts, int *nt, float **extra, char **names, char *err,
@@ -66,8 +64,7 @@ static int gather_stages(comm_t *ppc, st_tensor_t **ts, int *nt, float **extra, 
     if (!w || (q != k && !data)) {
       free(w);
       free(data);
-      snprintf(err, errlen, "out of memory gathering %zu parameters of pipeline stage rank %d", total, k);
-      return -1;
+      return err_set(err, errlen, -1, "out of memory gathering %zu parameters of pipeline stage rank %d", total, k);
     }
     for (int i = 0; q == k && i < n; i++) {
       w[i] = (wire_tensor_t){.ndim = (*ts)[i].ndim, .rows = (int32_t)(*ts)[i].shape[0],
@@ -84,7 +81,7 @@ static int gather_stages(comm_t *ppc, st_tensor_t **ts, int *nt, float **extra, 
         if (grown) *ts = grown;
         free(nm);
         names[k] = NULL;
-        snprintf(err, errlen, "out of memory gathering the pipeline stages' tensors");
+        err_set(err, errlen, 0, "out of memory gathering the pipeline stages' tensors");
         rc = -1;
       } else {
         *ts = grown;
@@ -134,8 +131,7 @@ int weights_save(model_t *m, dp_t *dp, const mesh_t *mesh, int rank, const char 
     free(host);
     free(unit);
     free(ts);
-    snprintf(err, errlen, "out of memory copying %zu parameters to save them", total);
-    return -1;
+    return err_set(err, errlen, -1, "out of memory copying %zu parameters to save them", total);
   }
   int rc = 0;
   size_t at = 0;
@@ -151,7 +147,7 @@ int weights_save(model_t *m, dp_t *dp, const mesh_t *mesh, int rank, const char 
   }
   for (int u = 0; u < nu && rc == 0; u++) {
     if (dp_unit_open(dp, u)) {
-      snprintf(err, errlen, "saving weights: %s", dp_errmsg(dp));
+      err_set(err, errlen, 0, "saving weights: %s", dp_errmsg(dp));
       rc = -1;
       break;
     }
@@ -164,7 +160,7 @@ int weights_save(model_t *m, dp_t *dp, const mesh_t *mesh, int rank, const char 
       if (tp == 1) {
         memcpy((float *)ts[i].data, unit + (t->offset - uoff), t->numel * sizeof(float));
       } else if (model_export_tensor(m, i, (float *)ts[i].data) != 0) {
-        snprintf(err, errlen, "saving weights: assembling %s across tp failed (see the log)", t->name);
+        err_set(err, errlen, 0, "saving weights: assembling %s across tp failed (see the log)", t->name);
         rc = -1;
       }
     }
@@ -556,8 +552,7 @@ int weights_export(weights_file_t *f, const plan_model_t *cfg, const char *forma
                    const char *out, char *err, size_t errlen) {
   interop_format_t fmt;
   if (interop_format_parse(format, &fmt) || (fmt != INTEROP_LLAMA2C && fmt != INTEROP_HF)) {
-    snprintf(err, errlen, "--format %s: export writes llama2c or hf", format);
-    return 2;
+    return err_set(err, errlen, 2, "--format %s: export writes llama2c or hf", format);
   }
   export_src_t src = {.f = f};
   int rc = interop_export(cfg, get_from_file, &src, fmt, bos_id, eos_id, out, err, errlen);
