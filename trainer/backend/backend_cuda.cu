@@ -404,26 +404,78 @@ static double cu_sumsq(backend_t *be, const float *x, size_t n) {
   return total;
 }
 
-/* The pieces' sums one after another on the stream, each with the kernels of cu_sumsq (so each
- * sum has its bits), into a device array read back once: one wait instead of one per piece. */
+/* The pieces' sums in two launches and one wait. Piece i gets the blocks cu_sumsq would give it
+ * (g_i, from its size alone), numbered from first[i]: pass 1 runs every piece's blocks in one
+ * grid, each block doing for its piece exactly what sumsq_partial_kernel's block of the same index
+ * does (so each partial has the same bits); pass 2 has one thread per piece add that piece's g_i
+ * partials in order, as sumsq_final_kernel does. Each piece's sum is therefore cu_sumsq's, bit for
+ * bit. The table (offset, count, g, first per piece) travels with the call. */
+typedef struct {
+  size_t offset, count;
+  int g, first;
+} sumsq_piece_t;
+
+__global__ void sumsq_parts_partial_kernel(double *part, const float *x, const sumsq_piece_t *pieces, int n) {
+  __shared__ double sh[32];
+  int lo = 0, hi = n - 1; /* the piece whose blocks include this one: the last first <= blockIdx.x */
+  while (lo < hi) {
+    int mid = (lo + hi + 1) / 2;
+    if (pieces[mid].first <= (int)blockIdx.x) lo = mid;
+    else hi = mid - 1;
+  }
+  const sumsq_piece_t pc = pieces[lo];
+  const int b = (int)blockIdx.x - pc.first;
+  const float *xp = x + pc.offset;
+  double s = 0.0;
+  for (size_t i = (size_t)b * blockDim.x + threadIdx.x; i < pc.count; i += (size_t)pc.g * blockDim.x)
+    s += (double)xp[i] * (double)xp[i];
+  int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  s = warp_sum_d(s);
+  if (lane == 0) sh[w] = s;
+  __syncthreads();
+  if (w == 0) {
+    s = lane < nw ? sh[lane] : 0.0;
+    s = warp_sum_d(s);
+    if (lane == 0) part[blockIdx.x] = s;
+  }
+}
+
+__global__ void sumsq_parts_final_kernel(double *totals, const double *part, const sumsq_piece_t *pieces, int n) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  double s = 0.0;
+  for (int j = 0; j < pieces[i].g; j++) s += part[pieces[i].first + j];
+  totals[i] = s;
+}
+
 static void cu_sumsq_parts(backend_t *be, const float *x, const size_t *offset, const size_t *count, int n,
                            double *out) {
   cuda_t *cu = cuda_of(be);
   if (n <= 0) return;
-  double *part = (double *)scratch_get(cu, &cu->sumsq, (SUMSQ_BLOCKS + (size_t)n) * sizeof(double));
-  double *totals = part + SUMSQ_BLOCKS;
+  sumsq_piece_t *tab = (sumsq_piece_t *)malloc((size_t)n * sizeof *tab);
+  if (!tab) backend_fatal(__FILE__, __LINE__, "sumsq_parts", "out of host memory for the piece table");
+  int blocks = 0;
   for (int i = 0; i < n; i++) {
     size_t g = (count[i] + 256 * 16 - 1) / (256 * 16);
     if (g > SUMSQ_BLOCKS) g = SUMSQ_BLOCKS;
-    if (g) {
-      sumsq_partial_kernel<<<(unsigned)g, 256, 0, cu->stream>>>(part, x + offset[i], count[i]);
-      LAUNCH_CHECK("sumsq_partial_kernel");
-    }
-    sumsq_final_kernel<<<1, 1, 0, cu->stream>>>(totals + i, part, (int)g); /* g = 0 writes 0 */
-    LAUNCH_CHECK("sumsq_final_kernel");
+    tab[i] = (sumsq_piece_t){offset[i], count[i], (int)g, blocks};
+    blocks += (int)g;
   }
+  /* scratch: the table, then the partials, then the totals (8-byte aligned throughout) */
+  size_t tab_bytes = ((size_t)n * sizeof *tab + 7) & ~(size_t)7;
+  char *base = (char *)scratch_get(cu, &cu->sumsq, tab_bytes + ((size_t)blocks + (size_t)n) * sizeof(double));
+  sumsq_piece_t *dtab = (sumsq_piece_t *)base;
+  double *part = (double *)(base + tab_bytes), *totals = part + blocks;
+  CUDA_CHECK(cudaMemcpyAsync(dtab, tab, (size_t)n * sizeof *tab, cudaMemcpyHostToDevice, cu->stream));
+  if (blocks) {
+    sumsq_parts_partial_kernel<<<(unsigned)blocks, 256, 0, cu->stream>>>(part, x, dtab, n);
+    LAUNCH_CHECK("sumsq_parts_partial_kernel");
+  }
+  sumsq_parts_final_kernel<<<(unsigned)((n + 127) / 128), 128, 0, cu->stream>>>(totals, part, dtab, n);
+  LAUNCH_CHECK("sumsq_parts_final_kernel");
   CUDA_CHECK(cudaMemcpyAsync(out, totals, (size_t)n * sizeof(double), cudaMemcpyDeviceToHost, cu->stream));
-  CUDA_CHECK(cudaStreamSynchronize(cu->stream));
+  CUDA_CHECK(cudaStreamSynchronize(cu->stream)); /* also: tab may be freed once the copy is done */
+  free(tab);
 }
 
 /* ------------------------------------------------------------------ matmul (cuBLASLt) */
