@@ -237,28 +237,28 @@ integration: all
 DEMO_OUT := out/demo
 demo: $(BIN)/trainer $(BIN)/meshrun
 	$(Q)$(BIN)/trainer configs/demo.json --set log.metrics_file=$(DEMO_OUT)/metrics.jsonl --set overwrite=true
-	$(Q)/usr/bin/python3 scripts/plot_metrics.py $(DEMO_OUT)/metrics.jsonl -o $(DEMO_OUT)/loss.png --lr
+	$(Q)/usr/bin/python3 tools/plot_metrics.py $(DEMO_OUT)/metrics.jsonl -o $(DEMO_OUT)/loss.png --lr
 	@echo "demo: metrics in $(DEMO_OUT)/metrics.jsonl, loss curve in $(DEMO_OUT)/loss.png"
 
 # A story model end to end: a BPE tokenizer trained on tinyshakespeare and llm.c shards of it
-# (scripts/prepare_data.py), then a 2.8M-parameter Llama trained on them, which prints a sample
+# (tools/prepare_data.py), then a 2.8M-parameter Llama trained on them, which prints a sample
 # through the tokenizer (configs/stories.json; about 5 minutes on 2 cores).
 STORIES_OUT := out/stories
 stories: $(BIN)/trainer $(BIN)/meshrun
-	$(Q)$(PYTHON) scripts/prepare_data.py --train-tokenizer 1024 -o $(STORIES_OUT)/data data/tinyshakespeare.txt
+	$(Q)$(PYTHON) tools/prepare_data.py --train-tokenizer 1024 -o $(STORIES_OUT)/data data/tinyshakespeare.txt
 	$(Q)$(BIN)/trainer configs/stories.json --set overwrite=true
-	$(Q)$(PYTHON) scripts/plot_metrics.py $(STORIES_OUT)/metrics.jsonl -o $(STORIES_OUT)/loss.png --lr
+	$(Q)$(PYTHON) tools/plot_metrics.py $(STORIES_OUT)/metrics.jsonl -o $(STORIES_OUT)/loss.png --lr
 	@echo "stories: weights $(STORIES_OUT)/final.safetensors, metrics $(STORIES_OUT)/metrics.jsonl, loss curve $(STORIES_OUT)/loss.png"
 	@echo "stories: more text: $(BIN)/trainer sample configs/stories.json --weights $(STORIES_OUT)/final.safetensors --set seed=7"
 
 bench: all
-	$(Q)MESHRUN_BIN=$(abspath $(BIN)) MESHRUN_BUILD=$(abspath $(BUILD)) scripts/bench.sh
+	$(Q)MESHRUN_BIN=$(abspath $(BIN)) MESHRUN_BUILD=$(abspath $(BUILD)) bench/run.sh
 
 test-gpu: all
 	$(Q)MESHRUN_BIN=$(abspath $(BIN)) MESHRUN_BUILD=$(abspath $(BUILD)) scripts/test-gpu.sh $(GPU_BIN)
 
 bench-gpu: all
-	$(Q)scripts/bench-gpu.sh
+	$(Q)bench/bench_gpu.sh
 
 PREFIX ?= /usr/local
 install: $(BIN)/meshrun $(BIN)/trainer

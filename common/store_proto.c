@@ -6,7 +6,7 @@
  * Nettle (HMAC-SHA256, memeql_sec), never from a hash of our own. Nettle, linked statically,
  * and not OpenSSL's libcrypto: a process that merely loaded libcrypto spent about 0.4 ms
  * relocating it, and its first HMAC or RAND_bytes loaded OpenSSL's providers, another 1.4 ms;
- * every node of a 2048-node start on one machine paid both (scripts/bench-launcher.py --parts c).
+ * every node of a 2048-node start on one machine paid both (bench/bench_launcher.py --parts c).
  * No I/O and no policy here: the caller decides what a malformed frame or a wrong proof means. */
 #include "common/err.h"
 #include "common/store_proto.h"

@@ -21,7 +21,7 @@
 #   3. kernels: the kit's GPU test binaries (every kernel against the cpu backend in fp32 and
 #      bf16, NCCL bootstrap, the staged comm), through scripts/test-gpu.sh
 #   4. bench 1b: ours in bf16 with the kernel-by-kernel profile of one step, then torch.compile
-#      and torch eager, Llama 3.2 1B's shape at seq 2048 (scripts/bench_gpu.py)
+#      and torch eager, Llama 3.2 1B's shape at seq 2048 (bench/bench_gpu.py)
 #   5. training: 20 steps cuda vs cpu in fp32 and bf16, determinism, the GPU defaults, and the
 #      staged multi-rank plans on the one GPU (scripts/test-gpu.sh train,parallel)
 #   6. attention: PyTorch's SDPA backends (flash, cuDNN) forward + backward at the 1b shape, the
@@ -192,13 +192,13 @@ bench() { # bench SIZES [more bench_gpu.py arguments]
   local sizes=$1; shift
   local extra=()
   [ $dry = 1 ] && extra=(--no-torch --device cpu)
-  python3 scripts/bench_gpu.py --bin "$BIN" --sizes "$sizes" --results "$results" --deadline "$deadline" \
+  python3 bench/bench_gpu.py --bin "$BIN" --sizes "$sizes" --results "$results" --deadline "$deadline" \
     "${extra[@]}" "$@"
 }
 
 attention() {
   [ $dry = 1 ] && { echo "dry run: no PyTorch GPU attention"; return 0; }
-  python3 scripts/bench_gpu.py --attention --sizes 1b | tee -a "$work/attention.jsonl"
+  python3 bench/bench_gpu.py --attention --sizes 1b | tee -a "$work/attention.jsonl"
   sed 's/^{/{"check":"attention",/' "$work/attention.jsonl" >>"$results"
 }
 

@@ -17,7 +17,7 @@ pkgs=(
   clang libclang-rt-dev  # libFuzzer for the fuzz targets (make fuzz; short runs in make test)
   python3-pytest    # integration tests (real processes on loopback)
   python3-numpy python3-torch  # numerical oracle
-  python3-matplotlib           # scripts/plot_metrics.py
+  python3-matplotlib           # tools/plot_metrics.py
   procps iproute2
 )
 
@@ -37,7 +37,7 @@ fi
 # PyPI packages for Debian's python3, which the tests run under (Debian has neither; pip installs
 # them system-wide: CI machines are throwaway, and --break-system-packages is pip's word for that
 # on Debian 12):
-# - tokenizers (Hugging Face's own BPE): scripts/prepare_data.py trains and applies tokenizers
+# - tokenizers (Hugging Face's own BPE): tools/prepare_data.py trains and applies tokenizers
 #   with it, and test_tokenizer checks the C tokenizer's ids against it;
 # - transformers: test_hf_transformers loads `trainer export --format hf` folders with it
 #   (weights, tokenizer, generate). Pinned to 4.49.0, the newest that runs on Debian 12's torch

@@ -202,11 +202,11 @@ def worker_file(d, rank, rnd, suffix):
 
 @pytest.fixture
 def netcluster():
-    """Emulated clusters (scripts/netcluster.py; test/integration/netcluster.py): a factory,
+    """Emulated clusters (test/support/netcluster.py; test/integration/netcluster_pytest.py): a factory,
     netcluster(n_hosts, rate="2gbit", delay="200us", cpu=None) returns a started Cluster of network
     namespaces; every one made is torn down at teardown, also when the test failed. Skips with
     the reason where namespaces cannot be made."""
-    import netcluster as nc
+    import netcluster_pytest as nc
 
     made = []
 

@@ -1,4 +1,4 @@
-"""etcdcluster: a real etcd cluster inside the emulated hosts of scripts/netcluster.py, for tests.
+"""etcdcluster: a real etcd cluster inside the emulated hosts of test/support/netcluster.py, for tests.
 
     with EtcdCluster(c, [0, 1, 2], tmp_path) as e:   # one member per host index, started
         e.wait_ready(20)                               # every live member serves linearizable reads

@@ -40,7 +40,7 @@ batch of 16 sequences (24 for the 8 -> 6 ranks case, so that both worlds divide 
   (and from our safetensors) trains step 1 to the same loss bits; a wrong shape is refused with
   the interop message (exit 2); configs/stories260K.json loads data/stories260K.bin (../data from its
   folder), and without it says where the file comes from; configs/stories.json before `make
-  stories` names scripts/prepare_data.py.
+  stories` names tools/prepare_data.py.
 OMP_NUM_THREADS=1 everywhere (2 shared cores).
 """
 import json
@@ -607,9 +607,9 @@ def test_stories260k_config(tmp_path):
 
 def test_stories_config_says_how_data_is_made(tmp_path):
     """configs/stories.json before `make stories`: the missing shard's plan error names
-    scripts/prepare_data.py."""
+    tools/prepare_data.py."""
     r = subprocess.run([TRAINER, layout(tmp_path, "stories.json", []), "--set", "train.steps=1"], cwd=tmp_path,
                        env=clean_env(), capture_output=True, text=True, timeout=60)
     line = r.stderr.strip().splitlines()[-1]
     print(line)
-    assert r.returncode == 2 and line.startswith("plan error: data.") and "scripts/prepare_data.py" in line
+    assert r.returncode == 2 and line.startswith("plan error: data.") and "tools/prepare_data.py" in line

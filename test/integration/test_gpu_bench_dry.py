@@ -1,4 +1,4 @@
-"""The GPU window's benchmark and kernel profile, dry-run on the cpu (scripts/bench_gpu.py with
+"""The GPU window's benchmark and kernel profile, dry-run on the cpu (bench/bench_gpu.py with
 --device cpu, the path scripts/gpu-session.sh --dry-run takes): the trainer's MESHRUN_OP_PROFILE
 table is printed for the chosen step only, its kernel times add up to no more than that step,
 and the measured row lands in --results as JSON. A broken stage shows here, before GPU time is
@@ -19,7 +19,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 def test_bench_dry_run_profile_and_results(tmp_path):
     results = tmp_path / "results.jsonl"
-    r = subprocess.run([PYTHON, os.path.join(ROOT, "scripts", "bench_gpu.py"), "--bin", bin_dir(), "--sizes", "tiny",
+    r = subprocess.run([PYTHON, os.path.join(ROOT, "bench", "bench_gpu.py"), "--bin", bin_dir(), "--sizes", "tiny",
                         "--device", "cpu", "--no-torch", "--profile", "--steps", "3", "--warmup", "2",
                         "--results", str(results)], capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, OMP_NUM_THREADS="1"))

@@ -2,7 +2,7 @@
 
 What: two models go out as HF folders -- stories260K.bin (llama2.c, ../shared/data or
 MESHRUN_DATA; no tokenizer known) and a model trained here (untied, GQA, vocab 528 over a
-512-token BPE tokenizer that scripts/prepare_data.py trains on a slice of tinyshakespeare, on
+512-token BPE tokenizer that tools/prepare_data.py trains on a slice of tinyshakespeare, on
 shards of three short documents so that it learns to end them with <|endoftext|>). Then:
 - AutoModelForCausalLM.from_pretrained(folder) finds every tensor under its name, none left
   over, in float32 (torch_dtype "auto": the config's); its logits on random tokens equal our C

@@ -1,4 +1,4 @@
-"""test_multihost: meshrun across emulated hosts with distinct addresses (scripts/netcluster.py):
+"""test_multihost: meshrun across emulated hosts with distinct addresses (test/support/netcluster.py):
 one world over several hosts, a host killed, the store's host killed, a host partitioned and healed.
 
 Every host is a network namespace with its own 10.211.X.(i+1) address on one switch (2 Gbit/s,
@@ -63,7 +63,7 @@ import time
 import pytest
 
 import etcdcluster
-import netcluster as nc
+import netcluster_pytest as nc
 from conftest import MESHRUN, meshrun_guard, pid_alive, solo_env, tiny_plan
 from test_checkpoint import TOL, TRAINER, losses, read_records
 

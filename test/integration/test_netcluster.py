@@ -1,4 +1,4 @@
-"""test_netcluster: the emulated cluster network (scripts/netcluster.py) and meshrun across it.
+"""test_netcluster: the emulated cluster network (test/support/netcluster.py) and meshrun across it.
 
 - The cluster comes up: every host reaches every other over the switch, lo is up in every
   namespace, and the root namespace's addresses and links are the same before, during and after
@@ -20,7 +20,7 @@
   host's eth0 sent more than 1 MB), and its losses equal, bit for bit, those of the same plan at
   world size 4 on loopback (one meshrun, 4 processes): the ring collectives reduce in the same
   order whatever the transport.
-- `scripts/netcluster.py run` killed by SIGTERM while its nodes run leaves no namespace and no
+- `test/support/netcluster.py run` killed by SIGTERM while its nodes run leaves no namespace and no
   process behind.
 - A real 3-member etcd cluster (test/integration/etcdcluster.py), one member per emulated host on
   that host's address, serves: a put through member 0 reads back through member 2 (linearizable);
@@ -39,7 +39,7 @@ import time
 import pytest
 
 import etcdcluster
-import netcluster as nc
+import netcluster_pytest as nc
 from conftest import FAST_CONF, MESHRUN, Meshrun, bin_dir, pid_alive, pids_alive, wait_for
 
 REPO = nc.REPO
@@ -199,11 +199,11 @@ def test_meshrun_across_emulated_hosts_matches_loopback(netcluster, tmp_path):
 
 
 def test_cli_run_torn_down_by_sigterm(tmp_path):
-    """scripts/netcluster.py run, its meshrun nodes and their workers up, then SIGTERM to the
+    """test/support/netcluster.py run, its meshrun nodes and their workers up, then SIGTERM to the
     script: it exits, and neither a namespace of its own (named nc<its pid>-...) nor a process
     that ran in one is left."""
     nc.require()
-    script = os.path.join(REPO, "scripts", "netcluster.py")
+    script = os.path.join(REPO, "test", "support", "netcluster.py")
     worker = ["/usr/bin/python3", "-c", "import signal; signal.pause()"]  # runs until killed
     p = subprocess.Popen(["/usr/bin/python3", script, "run", "--hosts", "2", "--", "--nproc_per_node=1",
                           "--rdzv_conf=" + FAST_CONF] + worker, env=dict(os.environ, MESHRUN_BIN=bin_dir()),

@@ -170,7 +170,7 @@ def test_failure_in_flight_stops_every_rank(tmp_path, plan):
 def run_emulated(netcluster, d, extra, overlap):
     """hsdp 2x2 over 2 emulated hosts (2 ranks each, 2 Gbit/s links): the replicate all-reduce
     crosses the link. Returns (numbers, weights digest)."""
-    import netcluster as nc
+    import netcluster_pytest as nc
 
     os.makedirs(str(d), exist_ok=True)
     plan = os.path.join(str(d), "plan.json")

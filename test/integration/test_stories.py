@@ -5,7 +5,7 @@ printed without training, and a resume over a changed dataset named.
   the shipped 512-token BPE (data/tinyshakespeare-bpe512.json) trains on the tokenizer's ids: the
   run's train + val tokens (data_tokens + val_tokens in its records) equal the C tokenizer tool's count and PyPI tokenizers' count of the same
   text (tolerance 0), the start line names the tokenizer, and the sample prints text, not ids.
-- configs/stories.json (what `make stories` runs) trains on shards that scripts/prepare_data.py
+- configs/stories.json (what `make stories` runs) trains on shards that tools/prepare_data.py
   writes with a tokenizer it trains, and samples text through it; configs/stories260K.json
   fine-tunes llama2.c's stories260K on tinyshakespeare's tokens (not synthetic ones).
 - --print-plan prints the resolved plan as JSON and trains nothing; the printed plan, run again,
@@ -86,7 +86,7 @@ def test_text_through_the_tokenizer(tmp_path):
 
 def test_stories_plan_on_prepared_shards(tmp_path):
     (tmp_path / "corpus.txt").write_bytes(open(TEXT, "rb").read()[:200000])
-    prep = subprocess.run([PYTHON, os.path.join(REPO, "scripts", "prepare_data.py"), "--train-tokenizer", "400",
+    prep = subprocess.run([PYTHON, os.path.join(REPO, "tools", "prepare_data.py"), "--train-tokenizer", "400",
                            "--val-tokens", "4096", "-o", "data", "corpus.txt"],
                           cwd=str(tmp_path), capture_output=True, text=True, timeout=120)
     if prep.returncode != 0 and "No module named 'tokenizers'" in prep.stderr:

@@ -1,6 +1,6 @@
 """trainer/formats/tokenizer.c against Python's `tokenizers` (Hugging Face's library, the reference).
 
-What: scripts/prepare_data.py trains two byte-level BPE tokenizers of VOCAB ids on
+What: tools/prepare_data.py trains two byte-level BPE tokenizers of VOCAB ids on
 tinyshakespeare (GPT-2 style: ByteLevel with GPT-2's regex; and --llama3-regex: Split with
 Llama 3's regex + ByteLevel(use_regex=False)) and writes llm.c shards (uint16 for one, uint32 for
 the other, sharded and not). For each tokenizer, build/tools/tokenize (the C module) and the
@@ -36,7 +36,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
 BUILD = os.environ.get("MESHRUN_BUILD", os.path.join(ROOT, "build"))
 TOOL = os.path.join(BUILD, "tools", "tokenize")
-PREPARE = os.path.join(ROOT, "scripts", "prepare_data.py")
+PREPARE = os.path.join(ROOT, "tools", "prepare_data.py")
 PYTHON = "/usr/bin/python3"
 VOCAB = 1536
 EOT = "<|endoftext|>"

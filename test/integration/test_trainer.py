@@ -404,13 +404,13 @@ def test_plot_metrics_draws_a_png(tmp_path):
     r, metrics = train(tmp_path)
     assert r.returncode == 0, r.stderr
     png = tmp_path / "loss.png"
-    p = subprocess.run(["/usr/bin/python3", os.path.join(REPO, "scripts", "plot_metrics.py"), metrics, metrics,
+    p = subprocess.run(["/usr/bin/python3", os.path.join(REPO, "tools", "plot_metrics.py"), metrics, metrics,
                         "--labels", "a,b", "--lr", "-o", str(png)], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10000
     empty = tmp_path / "empty.jsonl"
     empty.write_text('{"plan": {}}\n')
-    p = subprocess.run(["/usr/bin/python3", os.path.join(REPO, "scripts", "plot_metrics.py"), str(empty),
+    p = subprocess.run(["/usr/bin/python3", os.path.join(REPO, "tools", "plot_metrics.py"), str(empty),
                         "-o", str(png)], capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and "no loss records" in p.stderr
 
@@ -516,7 +516,7 @@ def test_a_resumed_run_continues_its_outputs(tmp_path):
 def test_plot_is_not_replaced_by_other_data(tmp_path):
     """plot_metrics.py redraws a PNG drawn from the same metrics files (a run that went on), and
     refuses (exit 2, one line) to replace one drawn from others, or not by it, unless --overwrite."""
-    plot = [os.path.join(REPO, "scripts", "plot_metrics.py")]
+    plot = [os.path.join(REPO, "tools", "plot_metrics.py")]
     r, metrics = train(tmp_path)
     assert r.returncode == 0, r.stderr
     other = tmp_path / "other.jsonl"

@@ -1,5 +1,5 @@
 // deps:
-/* bench_worker: the worker of scripts/bench-launcher: records wall-clock timestamps.
+/* bench_worker: the worker of bench/bench_launcher: records wall-clock timestamps.
  *
  *   bench_worker DIR stamp        writes DIR/start.<RANK>.<attempt> = start time (ns), exits 0
  *   bench_worker DIR failover     attempt 0: rank 0 writes DIR/fail = its exit time and exits 1,

@@ -1,6 +1,6 @@
 // deps:
 /* netdelay: a learning Ethernet switch in user space that holds every frame for a fixed time,
- * for scripts/netcluster.py on kernels without sch_netem (the qdisc that normally adds delay).
+ * for test/support/netcluster.py on kernels without sch_netem (the qdisc that normally adds delay).
  *
  *   netdelay DELAY_US PORT...
  *

@@ -1098,7 +1098,7 @@ static const char *folder_hint(const plan_t *p, const char *key, char *buf, size
 }
 
 /* For a missing input, where such a file comes from: llm.c shards and tokenizers are what
- * scripts/prepare_data.py makes (make stories runs it for configs/stories.json); llama2.c's
+ * tools/prepare_data.py makes (make stories runs it for configs/stories.json); llama2.c's
  * checkpoints are published as karpathy/tinyllamas on Hugging Face. "" when nothing applies. */
 static const char *origin_hint(const plan_t *p, const char *key, const char *path) {
   size_t n = strlen(path);
@@ -1107,7 +1107,7 @@ static const char *origin_hint(const plan_t *p, const char *key, const char *pat
     return "; llama2.c checkpoints such as stories260K.bin are published at "
            "huggingface.co/karpathy/tinyllamas (the README's 'Other formats' says where to put it)";
   if ((!strncmp(key, "data.", 5) && (bin || p->data.format == PLAN_DATA_LLMC)) || !strcmp(key, "data.tokenizer"))
-    return "; scripts/prepare_data.py makes llm.c shards and tokenizers from text (make stories runs it for "
+    return "; tools/prepare_data.py makes llm.c shards and tokenizers from text (make stories runs it for "
            "configs/stories.json)";
   return "";
 }

@@ -1,10 +1,10 @@
 #!/usr/bin/python3
 """netcluster: an emulated cluster network on one machine, for meshrun's multi-node runs.
 
-    scripts/netcluster.py check                      can network namespaces be made here? (exit 0/1)
-    scripts/netcluster.py measure [--hosts N] [--rate R] [--delay D]   bring up, print RTT and throughput
-    scripts/netcluster.py run --hosts 2 --rate 2gbit --delay 200us [--cpu auto] -- [meshrun args...] PROGRAM [ARGS...]
-    scripts/netcluster.py clean                      delete namespaces left by netcluster runs that died
+    test/support/netcluster.py check                      can network namespaces be made here? (exit 0/1)
+    test/support/netcluster.py measure [--hosts N] [--rate R] [--delay D]   bring up, print RTT and throughput
+    test/support/netcluster.py run --hosts 2 --rate 2gbit --delay 200us [--cpu auto] -- [meshrun args...] PROGRAM [ARGS...]
+    test/support/netcluster.py clean                      delete namespaces left by netcluster runs that died
 
 Each emulated host is a Linux network namespace with one veth link ("eth0", 10.211.X.(i+1)/24, X
 random per cluster) to a bridge that lives in a namespace of its own (the switch, PREFIX-sw), so
@@ -57,7 +57,7 @@ import threading
 import time
 
 PYTHON = sys.executable or "/usr/bin/python3"
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # test/support/..
 NAME_RE = re.compile(r"^nc(\d+)-([0-9a-f]+)-(sw|h\d+|probe)$")
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """bench_parallel: each parallel plan at 4 ranks on the cpu backend, against one process.
 
-    MESHRUN_BIN=$PWD/bin /usr/bin/python3 scripts/bench_parallel.py [--steps N] [--warmup N] [--ranks N]
+    MESHRUN_BIN=$PWD/bin /usr/bin/python3 bench/bench_parallel.py [--steps N] [--warmup N] [--ranks N]
 
 Every plan trains the same model on the same global batch (Llama dim 128, 4 layers, 4 heads / 2 kv
 heads, vocab 256, global batch 16 x seq 64 = 1024 tokens per step, micro-batch 4 per rank) under

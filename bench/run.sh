@@ -18,13 +18,13 @@ THREADS=${BENCH_THREADS:-${OMP_NUM_THREADS:-$(nproc)}}
 # PyTorch's matmuls run in OpenBLAS, which ignores torch.set_num_threads: pin its pool too, so
 # both sides really use THREADS threads.
 bench_trainer() {
-  OPENBLAS_NUM_THREADS="$THREADS" "$PYTHON" scripts/bench_trainer.py --threads "$THREADS"
+  OPENBLAS_NUM_THREADS="$THREADS" "$PYTHON" bench/bench_trainer.py --threads "$THREADS"
 }
 
 # --- section: parallel. Each data/tensor-parallel plan at 4 ranks under bin/meshrun on the cpu
 # backend against one process: ms/step, tokens/s, ratio, and bytes each collective moves per step.
 bench_parallel() {
-  "$PYTHON" scripts/bench_parallel.py
+  "$PYTHON" bench/bench_parallel.py
 }
 
 # --- section: mixed. bf16 mixed precision against fp32: training throughput of bin/trainer and
@@ -32,22 +32,22 @@ bench_parallel() {
 # per step under FSDP and DDP at 4 ranks; per-rank memory by class and peak RSS with activation
 # checkpointing off, full and selective. OpenBLAS pinned as in bench_trainer, for PyTorch's side.
 bench_mixed() {
-  OPENBLAS_NUM_THREADS="$THREADS" "$PYTHON" scripts/bench_mixed.py --threads "$THREADS"
+  OPENBLAS_NUM_THREADS="$THREADS" "$PYTHON" bench/bench_mixed.py --threads "$THREADS"
 }
 
 # --- section: launcher. meshrun's start-to-exit, failure-to-restart and 64-node rendezvous
 # times, beside torchrun's when one is installed.
 bench_launcher() {
-  scripts/bench-launcher.sh
+  bench/bench_launcher.sh
 }
 
 # --- section: overlap. FSDP, HSDP and DDP with parallel.overlap off and on, one meshrun per
-# emulated host (scripts/netcluster.py: network namespaces, links of 0.5, 1 and 2 Gbit/s with
+# emulated host (test/support/netcluster.py: network namespaces, links of 0.5, 1 and 2 Gbit/s with
 # 200 us one way, a cgroup CPU budget per host): ms/step and the exposed communication
 # (comm_wait_ms) off and on, against the 60% target. Needs root (ip netns); says so and
 # passes where namespaces cannot be made.
 bench_overlap() {
-  "$PYTHON" scripts/bench_overlap.py
+  "$PYTHON" bench/bench_overlap.py
 }
 
 # --- section: pipeline. mesh.pp 2 and 4 with GPipe, 1F1B and interleaved 1F1B, one rank per
@@ -55,7 +55,7 @@ bench_overlap() {
 # (idle share of its step, from the runner's timestamps) beside (p-1)/(m+p-1) and its 1/v under
 # interleaving, micro-batches in flight and the activation arena per rank.
 bench_pipeline() {
-  "$PYTHON" scripts/bench_pipeline.py
+  "$PYTHON" bench/bench_pipeline.py
 }
 
 SECTIONS="launcher trainer parallel mixed overlap pipeline"

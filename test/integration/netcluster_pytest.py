@@ -1,11 +1,11 @@
-"""netcluster (tests' side): scripts/netcluster.py for integration tests, and the skip rule.
+"""netcluster_pytest: the emulated cluster network (test/support/netcluster.py) for integration
+tests, and the skip rule.
 
-scripts/netcluster.py is loaded under the name netcluster_core (this module is `netcluster` on
-the tests' path, so the script cannot be imported by that name here). require() skips the
-calling test with the reason where network namespaces cannot be made (not root, no iproute2,
-a kernel or container that refuses `ip netns add`): such a test never passes silently.
+The library is the module `netcluster` in test/support, imported by that name from there by the
+tests (through this module) and by the benchmarks alike. require() skips the calling test with the
+reason where network namespaces cannot be made (not root, no iproute2, a kernel or container that
+refuses `ip netns add`): such a test never passes silently.
 """
-import importlib.util
 import os
 import subprocess
 import sys
@@ -13,12 +13,8 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_PATH = os.path.join(REPO, "scripts", "netcluster.py")
-
-_spec = importlib.util.spec_from_file_location("netcluster_core", _PATH)
-core = importlib.util.module_from_spec(_spec)
-sys.modules["netcluster_core"] = core
-_spec.loader.exec_module(core)
+sys.path.insert(0, os.path.join(REPO, "test", "support"))
+import netcluster as core  # noqa: E402
 
 Cluster = core.Cluster
 NetclusterError = core.NetclusterError

@@ -1,12 +1,12 @@
 #!/usr/bin/python3
 """bench_overlap: communication overlap off and on, FSDP / HSDP / DDP across emulated hosts.
 
-    MESHRUN_BIN=$PWD/bin MESHRUN_BUILD=$PWD/build /usr/bin/python3 scripts/bench_overlap.py
+    MESHRUN_BIN=$PWD/bin MESHRUN_BUILD=$PWD/build /usr/bin/python3 bench/bench_overlap.py
         [--nodes 2,4] [--steps 8] [--rate 500mbit,1gbit,2gbit] [--delay 200us] [--cpu auto]
         [--plans fsdp,hsdp,ddp] [--off SET] [--on SET]
 
 One table per --rate. Each row runs bin/trainer under one bin/meshrun per emulated host
-(scripts/netcluster.py: network namespaces on one switch, every link shaped to the rate with
+(test/support/netcluster.py: network namespaces on one switch, every link shaped to the rate with
 --delay one way, by netem or, on kernels without it, the user-space switch build/tools/netdelay),
 one process per host (HSDP at 2 hosts: two per host, so that it has 4 ranks: dp_replicate across
 hosts x dp_shard 2 within one), OMP_NUM_THREADS=1 per rank. Each host gets its own CPU budget
@@ -39,8 +39,8 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import netcluster  # noqa: E402  (scripts/netcluster.py, beside this file)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "test", "support"))
+import netcluster  # noqa: E402  (test/support/netcluster.py, the emulated network's one module)
 
 MODEL = ["model.dim=384", "model.n_layers=4", "model.n_heads=6", "model.n_kv_heads=6", "model.hidden_dim=1024",
          "model.vocab_size=256", "model.max_seq_len=64"]

@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """bench_trainer: full training-step throughput of our trainer (cpu backend) vs PyTorch on CPU.
 
-    MESHRUN_BIN=$PWD/bin /usr/bin/python3 scripts/bench_trainer.py [--threads N] [--steps N] [--warmup N]
+    MESHRUN_BIN=$PWD/bin /usr/bin/python3 bench/bench_trainer.py [--threads N] [--steps N] [--warmup N]
 
 Both sides run the same model and batch at the same thread count, in this one run:
 Llama dim 384, 6 layers, 6 heads / 2 kv heads, hidden 1024, vocab 256 (~9.6M parameters),

@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """plot_metrics: draws loss curves from trainer metrics files (JSONL) into one PNG.
 
-    scripts/plot_metrics.py out/demo/metrics.jsonl [more.jsonl ...] -o loss.png [--lr] [--title T]
+    tools/plot_metrics.py out/demo/metrics.jsonl [more.jsonl ...] -o loss.png [--lr] [--title T]
 
 Each file is one run (labelled by its file name, or by --labels). Train loss is drawn as a thin
 line, eval loss as markers on the same colour; with --lr a second panel shows the learning rate.

@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """bench_mixed: bf16 mixed precision against fp32: throughput, collective bytes, per-rank memory.
 
-    MESHRUN_BIN=$PWD/bin /usr/bin/python3 scripts/bench_mixed.py [--threads N] [--steps N] [--warmup N]
+    MESHRUN_BIN=$PWD/bin /usr/bin/python3 bench/bench_mixed.py [--threads N] [--steps N] [--warmup N]
                                                                  [--comm-steps N] [--mem-steps N]
 
 Three tables, every ratio against the fp32 run of the same table, measured in this one run:

@@ -1,8 +1,8 @@
 #!/usr/bin/python3
 """prepare_data: text files -> a byte-level BPE tokenizer and llm.c-layout token shards.
 
-    scripts/prepare_data.py --train-tokenizer 2048 -o out/shakespeare data/tinyshakespeare.txt
-    scripts/prepare_data.py --tokenizer gpt2/tokenizer.json --shard-tokens 100000000 'fineweb/*.txt'
+    tools/prepare_data.py --train-tokenizer 2048 -o out/shakespeare data/tinyshakespeare.txt
+    tools/prepare_data.py --tokenizer gpt2/tokenizer.json --shard-tokens 100000000 'fineweb/*.txt'
 
 Tokenizer: --train-tokenizer VOCAB trains one on the input files with Hugging Face's
 `tokenizers` (GPT-2 style: ByteLevel pre-tokenizer with GPT-2's regex, all 256 bytes in the

@@ -1,12 +1,12 @@
 #!/usr/bin/python3
 """bench_pipeline: the pipeline's bubble and memory per stage, measured beside the theory.
 
-    MESHRUN_BIN=$PWD/bin MESHRUN_BUILD=$PWD/build /usr/bin/python3 scripts/bench_pipeline.py
+    MESHRUN_BIN=$PWD/bin MESHRUN_BUILD=$PWD/build /usr/bin/python3 bench/bench_pipeline.py
         [--pp 2,4] [--micro 8,16] [--schedules gpipe,1f1b,interleaved_1f1b] [--steps 6]
         [--rate 1gbit] [--delay 200us] [--cpu auto] [--loopback]
 
 One row per (pp, micro-batches, schedule): bin/trainer with mesh.pp = pp, one rank per emulated
-host (scripts/netcluster.py: network namespaces on one switch, links at --rate with --delay one
+host (test/support/netcluster.py: network namespaces on one switch, links at --rate with --delay one
 way, a cgroup CPU budget per host, as bench_overlap), or with --loopback (or where namespaces
 cannot be made) pp ranks of one meshrun on this machine's loopback, sharing its cores. The model:
 Llama dim 256, 8 layers, 4 heads, hidden 768, vocab 256, seq 64; every pipeline micro-batch is
@@ -36,8 +36,8 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import netcluster  # noqa: E402  (scripts/netcluster.py, beside this file)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "test", "support"))
+import netcluster  # noqa: E402  (test/support/netcluster.py, the emulated network's one module)
 
 MODEL = ["model.dim=256", "model.n_layers=8", "model.n_heads=4", "model.n_kv_heads=4", "model.hidden_dim=768",
          "model.vocab_size=256", "model.max_seq_len=64"]

@@ -14,8 +14,8 @@ the first all-gather, the last reduce-scatter and any excess of comm over comput
 tensor-parallel collectives sit on the critical path (not overlapped). HSDP's cross-node
 all-reduce overlaps the backward like DDP's buckets.
 
-    scripts/comm_model.py            # the table of docs/gpu.md
-    scripts/comm_model.py --busbw-ib 25 --alpha-ib 30   # other fabric figures (GB/s, us)
+    bench/comm_model.py            # the table of docs/gpu.md
+    bench/comm_model.py --busbw-ib 25 --alpha-ib 30   # other fabric figures (GB/s, us)
 
 Every figure the model takes is an argument; defaults are NVIDIA's published link rates with
 NCCL's usual efficiency (see --help), to be replaced by nccl-tests measured on the cluster."""

@@ -2,7 +2,7 @@
 """etcd's own CPU per request, through its JSON gateway and through gRPC, side by side.
 
 What bounds an etcd rendezvous of many nodes on a small machine is etcd's CPU per request, so
-this measures it: one etcd member on loopback (started as bench-launcher.py starts it), P
+this measures it: one etcd member on loopback (started as bench_launcher.py starts it), P
 clients in parallel, each sending N Range requests for one key over one kept connection; the
 etcd process's CPU (utime + stime from /proc) over the batch, divided by the requests.
 
@@ -29,7 +29,7 @@ import time
 import http.client
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-spec = importlib.util.spec_from_file_location("bench_launcher", os.path.join(HERE, "bench-launcher.py"))
+spec = importlib.util.spec_from_file_location("bench_launcher", os.path.join(HERE, "bench_launcher.py"))
 bench_launcher = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench_launcher)
 
