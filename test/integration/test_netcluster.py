@@ -6,10 +6,10 @@
   the `with` block raised, and a process started in a namespace is gone with it.
 - The shaping takes effect: one TCP stream at a tbf rate of 500 Mbit/s moves at most 5% above
   the rate and at least 60% of it, and an unshaped link between the same kind of namespaces at
-  least 1.5 x faster (so the limit is the shaping, not the machine). The round trip is 2 x the
-  one-way delay, within -10% / +400 us (Python's own ping-pong costs about 50-100 us), and the
-  delay is what the cluster added: the median round trip exceeds an undelayed cluster's by at
-  least 0.9 x 2 x delay. On kernels without sch_netem the delay comes from the user-space switch
+  least 1.5 x faster (so the limit is the shaping, not the machine). With a 2 ms delay the median
+  round trip exceeds an undelayed cluster's by at least 0.9 x 2 x delay (the delay is what the
+  cluster added), and the delaying element's own floor (the same cluster at 1 us) by less than
+  1.5 x 2 x delay (applied once per link each way, not twice; room for a late timer). On kernels without sch_netem the delay comes from the user-space switch
   (test/tools/netdelay); then the rate limit must still hold through it (at most 5% above a
   500 Mbit/s rate with 200 us of delay). Skipped, with the reason, only where neither exists.
 - A CPU budget holds: a busy loop on a host with cpu=0.25 gets at most 0.4 s of CPU in 1 s of
@@ -106,8 +106,12 @@ def test_rate_shapes_throughput(netcluster):
 
 
 def test_rtt_reflects_delay(netcluster):
+    """The delay lands once per link each way: RTT grows by 2 x delay over an undelayed cluster, and
+    by less than 1.5 x that over the delaying element's own floor. The delay is 2 ms so that a
+    timer's late wake-up on a loaded machine (hundreds of us on 2 busy cores: once 839 us over the
+    floor against a 200 us delay) stays far from what a delay applied twice would add (2 x)."""
     nc.require()
-    c = netcluster(2, rate="2gbit", delay="200us")
+    c = netcluster(2, rate="2gbit", delay="2ms")
     if not c.delay_applied:
         pytest.skip("delay not emulated on this kernel: %s" % c.shaping)
     plain = netcluster(2, rate="2gbit", delay=None)
@@ -124,10 +128,10 @@ def test_rtt_reflects_delay(netcluster):
     # Above the element's own floor the delay may run late (a timer's wake-up on a loaded machine)
     # but not twice over: what a delay applied twice, or per packet instead of per link, would do.
     print("rtt median %.0f us; undelayed %.0f us; through the delaying element at 1 us %.0f us; configured 2 x "
-          "200 us = %.0f us (tolerance: added over undelayed >= 0.9 x configured; added over the 1 us floor < 2 x "
+          "2 ms = %.0f us (tolerance: added over undelayed >= 0.9 x configured; added over the 1 us floor < 1.5 x "
           "configured) via %s" % (med * 1e6, base * 1e6, floor * 1e6, want * 1e6, c.shaping))
     assert med - base >= 0.9 * want
-    assert med - floor < 2 * want
+    assert med - floor < 1.5 * want
 
 
 def test_rate_holds_through_the_delaying_switch(netcluster):
