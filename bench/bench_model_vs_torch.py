@@ -1,7 +1,7 @@
 """bench_model_vs_torch: forward + backward time of our C model vs PyTorch CPU, same threads.
 
 Run by hand (not collected by pytest):
-    MESHRUN_BUILD=$PWD/build /usr/bin/python3 test/integration/bench_model_vs_torch.py [threads] [iters]
+    MESHRUN_BUILD=$PWD/build /usr/bin/python3 bench/bench_model_vs_torch.py [threads] [iters]
 Model: dim 384, 6 layers, 6 heads, vocab 256, hidden 1024 (~10.8M params), B=8, T=256, fp32.
 OPENBLAS_CORETYPE and the like are inherited by both sides, so both use the same sgemm kernels.
 PyTorch runs llama_ref.Llama (eager, explicit softmax attention) and, for reference, the same
@@ -16,7 +16,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(__file__))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "test", "integration"))  # llama_ref, the PyTorch Llama
 import llama_ref  # noqa: E402
 
 CFG = dict(dim=384, n_layers=6, n_heads=6, n_kv_heads=6, vocab_size=256, hidden_dim=1024)
