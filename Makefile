@@ -219,7 +219,11 @@ $(foreach t,$(GPU_SRC),$(eval $(call link_rule,$(t),$(t:test/gpu/%.c=$(BUILD)/te
 
 # The whole suite: C unit tests (each in its own process), then integration tests with real
 # processes on loopback and the PyTorch oracle.
-test: all
+# The build runs on every core (the cuda backend's nvcc and the cuDNN attention's g++ take the
+# longest; serially they add minutes to CI); the tests after it run as they always did.
+NPROC := $(shell nproc 2>/dev/null || echo 2)
+test:
+	$(Q)$(MAKE) --no-print-directory -j$(NPROC) all
 	$(Q)$(PYTHON) test/tools/check_rooms.py
 	$(Q)$(PYTHON) test/tools/check_backend_names.py
 	$(Q)$(MAKE) --no-print-directory unit
