@@ -41,8 +41,12 @@ for t in "$obj"/test-gpu/test_*; do [ -x "$t" ] && install -m 755 "$t" "$kit/tes
 # The cpu unit tests that need no CUDA library: enough to show the carried libraries load there.
 # Those that link the cuda backend (about 1.7 MB of kernels each, 17 MB in all) stay behind; they
 # run here in make test, and test-gpu checks the same kernels on the GPU.
+# (ldd's whole output first: `ldd | grep -q` under pipefail fails when grep's early exit cuts
+# ldd off, and a CUDA-linked test was once carried that way.)
 for t in "$obj"/test/test_*; do
-  [ -x "$t" ] && ! ldd "$t" | grep -q 'libcudart\|libcublas' && install -m 755 "$t" "$kit/test/"
+  [ -x "$t" ] || continue
+  libs=$(ldd "$t")
+  case "$libs" in *libcudart*|*libcublas*) ;; *) install -m 755 "$t" "$kit/test/" ;; esac
 done
 [ -n "$(ls "$kit/test-gpu")" ] || { echo "make-kit: no GPU test binaries were built" >&2; exit 1; }
 strip --strip-debug "$kit"/bin/* "$kit"/test-gpu/* "$kit"/test/*
