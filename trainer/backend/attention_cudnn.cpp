@@ -174,6 +174,27 @@ static void *workspace(cudnn_att *a, int64_t bytes) {
   return bytes > 0 ? a->ws(a->ws_ctx, (size_t)bytes) : nullptr;
 }
 
+/* The shape's plans, built when first asked for; NULL with why when cuDNN refused the shape. */
+static const shape_plans *ready(cudnn_att *a, int b, int t, int h, int kv, int d, char *why, size_t len) {
+  const shape_plans &p = plans_of(a, b, t, h, kv, d);
+  if (p.refused.empty()) return &p;
+  say(why, len, p.refused);
+  return nullptr;
+}
+
+/* Executes a built graph on the handle's stream: 0, or -1 with cuDNN's reason in why. */
+static int run(cudnn_att *a, const fe::graph::Graph &g, int64_t ws, std::unordered_map<int64_t, void *> &ptr,
+               const char *what, char *why, size_t len) {
+  try {
+    fe::error_t st = g.execute(a->handle, ptr, workspace(a, ws));
+    if (st.is_good()) return 0;
+    say(why, len, std::string(what) + ": " + one_line(st.get_message()));
+  } catch (const std::exception &x) {
+    say(why, len, one_line(x.what()));
+  }
+  return -1;
+}
+
 extern "C" {
 
 cudnn_att_t *cudnn_att_open(void *stream, cudnn_att_ws_fn ws, void *ws_ctx, char *why, size_t len) {
@@ -236,53 +257,30 @@ void cudnn_att_close(cudnn_att_t *a) {
 const char *cudnn_att_version(const cudnn_att_t *a) { return a ? a->version : ""; }
 
 int cudnn_att_prepare(cudnn_att_t *a, int b, int t, int h, int kv, int d, int *deterministic, char *why, size_t len) {
-  shape_plans &p = plans_of(a, b, t, h, kv, d);
-  if (!p.refused.empty()) {
-    say(why, len, p.refused);
-    return -1;
-  }
-  if (deterministic) *deterministic = p.deterministic;
+  const shape_plans *p = ready(a, b, t, h, kv, d, why, len);
+  if (!p) return -1;
+  if (deterministic) *deterministic = p->deterministic;
   return 0;
 }
 
 int cudnn_att_fwd(cudnn_att_t *a, void *out, float *lse, const void *q, const void *k, const void *v, int b, int t,
                   int h, int kv, int d, char *why, size_t len) {
-  shape_plans &p = plans_of(a, b, t, h, kv, d);
-  if (!p.refused.empty()) {
-    say(why, len, p.refused);
-    return -1;
-  }
+  const shape_plans *p = ready(a, b, t, h, kv, d, why, len);
+  if (!p) return -1;
   std::unordered_map<int64_t, void *> ptr = {
       {U_Q, (void *)q}, {U_K, (void *)k}, {U_V, (void *)v}, {U_O, out}, {U_STATS, (void *)lse}};
-  try {
-    fe::error_t st = p.fwd->execute(a->handle, ptr, workspace(a, p.ws_fwd));
-    if (st.is_good()) return 0;
-    say(why, len, "forward: " + one_line(st.get_message()));
-  } catch (const std::exception &x) {
-    say(why, len, one_line(x.what()));
-  }
-  return -1;
+  return run(a, *p->fwd, p->ws_fwd, ptr, "forward", why, len);
 }
 
 int cudnn_att_bwd(cudnn_att_t *a, void *dq, void *dk, void *dv, const void *dout, const void *q, const void *k,
                   const void *v, const void *out, const float *lse, int b, int t, int h, int kv, int d, char *why,
                   size_t len) {
-  shape_plans &p = plans_of(a, b, t, h, kv, d);
-  if (!p.refused.empty()) {
-    say(why, len, p.refused);
-    return -1;
-  }
+  const shape_plans *p = ready(a, b, t, h, kv, d, why, len);
+  if (!p) return -1;
   std::unordered_map<int64_t, void *> ptr = {{U_Q, (void *)q},     {U_K, (void *)k},        {U_V, (void *)v},
                                              {U_O, (void *)out},   {U_DO, (void *)dout},    {U_STATS, (void *)lse},
                                              {U_DQ, dq},           {U_DK, dk},              {U_DV, dv}};
-  try {
-    fe::error_t st = p.bwd->execute(a->handle, ptr, workspace(a, p.ws_bwd));
-    if (st.is_good()) return 0;
-    say(why, len, "backward: " + one_line(st.get_message()));
-  } catch (const std::exception &x) {
-    say(why, len, one_line(x.what()));
-  }
-  return -1;
+  return run(a, *p->bwd, p->ws_bwd, ptr, "backward", why, len);
 }
 
 }  // extern "C"

@@ -364,12 +364,14 @@ static void cu_convert(backend_t *be, void *dst, dtype_t dst_dt, const void *src
   }
 }
 
-/* Pass 1: block g of G sums x[i]^2 (in double) for i = g*256 + tid + j*G*256, then its threads
- * in a fixed tree. Pass 2: one thread adds the G partials in order. G depends on n only. */
-__global__ void sumsq_partial_kernel(double *part, const float *x, size_t n) {
+/* sumsq in two passes. Pass 1, block b of g: the sum of x[i]^2 (in double) for i = b*256 + tid +
+ * j*g*256, then its threads in a fixed tree; the block's partial lands in *out. Pass 2: one thread
+ * adds the g partials in order (sum_in_order). Depends on (n, b, g) alone, so a block of the
+ * batched kernel below gives the bits a block of sumsq_partial_kernel gives. */
+__device__ __forceinline__ void sumsq_block(double *out, const float *x, size_t n, int b, int g) {
   __shared__ double sh[32];
   double s = 0.0;
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+  for (size_t i = (size_t)b * blockDim.x + threadIdx.x; i < n; i += (size_t)g * blockDim.x)
     s += (double)x[i] * (double)x[i];
   int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
   s = warp_sum_d(s);
@@ -378,21 +380,33 @@ __global__ void sumsq_partial_kernel(double *part, const float *x, size_t n) {
   if (w == 0) {
     s = lane < nw ? sh[lane] : 0.0;
     s = warp_sum_d(s);
-    if (lane == 0) part[blockIdx.x] = s;
+    if (lane == 0) *out = s;
   }
 }
 
-__global__ void sumsq_final_kernel(double *total, const double *part, int g) {
+/* g partials added in order by one thread. */
+__device__ __forceinline__ double sum_in_order(const double *part, int g) {
   double s = 0.0;
   for (int i = 0; i < g; i++) s += part[i];
-  *total = s;
+  return s;
 }
+
+/* Blocks for n elements: one per 16 x 256, at most SUMSQ_BLOCKS (from n only, never the device). */
+static size_t sumsq_blocks(size_t n) {
+  size_t g = (n + 256 * 16 - 1) / (256 * 16);
+  return g > SUMSQ_BLOCKS ? SUMSQ_BLOCKS : g;
+}
+
+__global__ void sumsq_partial_kernel(double *part, const float *x, size_t n) {
+  sumsq_block(&part[blockIdx.x], x, n, (int)blockIdx.x, (int)gridDim.x);
+}
+
+__global__ void sumsq_final_kernel(double *total, const double *part, int g) { *total = sum_in_order(part, g); }
 
 static double cu_sumsq(backend_t *be, const float *x, size_t n) {
   cuda_t *cu = cuda_of(be);
   if (!n) return 0.0;
-  size_t g = (n + 256 * 16 - 1) / (256 * 16);
-  if (g > SUMSQ_BLOCKS) g = SUMSQ_BLOCKS;
+  size_t g = sumsq_blocks(n);
   double *part = (double *)scratch_get(cu, &cu->sumsq, (SUMSQ_BLOCKS + 1) * sizeof(double));
   sumsq_partial_kernel<<<(unsigned)g, 256, 0, cu->stream>>>(part, x, n);
   LAUNCH_CHECK("sumsq_partial_kernel");
@@ -416,7 +430,6 @@ typedef struct {
 } sumsq_piece_t;
 
 __global__ void sumsq_parts_partial_kernel(double *part, const float *x, const sumsq_piece_t *pieces, int n) {
-  __shared__ double sh[32];
   int lo = 0, hi = n - 1; /* the piece whose blocks include this one: the last first <= blockIdx.x */
   while (lo < hi) {
     int mid = (lo + hi + 1) / 2;
@@ -424,28 +437,12 @@ __global__ void sumsq_parts_partial_kernel(double *part, const float *x, const s
     else hi = mid - 1;
   }
   const sumsq_piece_t pc = pieces[lo];
-  const int b = (int)blockIdx.x - pc.first;
-  const float *xp = x + pc.offset;
-  double s = 0.0;
-  for (size_t i = (size_t)b * blockDim.x + threadIdx.x; i < pc.count; i += (size_t)pc.g * blockDim.x)
-    s += (double)xp[i] * (double)xp[i];
-  int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  s = warp_sum_d(s);
-  if (lane == 0) sh[w] = s;
-  __syncthreads();
-  if (w == 0) {
-    s = lane < nw ? sh[lane] : 0.0;
-    s = warp_sum_d(s);
-    if (lane == 0) part[blockIdx.x] = s;
-  }
+  sumsq_block(&part[blockIdx.x], x + pc.offset, pc.count, (int)blockIdx.x - pc.first, pc.g);
 }
 
 __global__ void sumsq_parts_final_kernel(double *totals, const double *part, const sumsq_piece_t *pieces, int n) {
   int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= n) return;
-  double s = 0.0;
-  for (int j = 0; j < pieces[i].g; j++) s += part[pieces[i].first + j];
-  totals[i] = s;
+  if (i < n) totals[i] = sum_in_order(part + pieces[i].first, pieces[i].g);
 }
 
 static void cu_sumsq_parts(backend_t *be, const float *x, const size_t *offset, const size_t *count, int n,
@@ -456,8 +453,7 @@ static void cu_sumsq_parts(backend_t *be, const float *x, const size_t *offset, 
   if (!tab) backend_fatal(__FILE__, __LINE__, "sumsq_parts", "out of host memory for the piece table");
   int blocks = 0;
   for (int i = 0; i < n; i++) {
-    size_t g = (count[i] + 256 * 16 - 1) / (256 * 16);
-    if (g > SUMSQ_BLOCKS) g = SUMSQ_BLOCKS;
+    size_t g = sumsq_blocks(count[i]);
     tab[i] = (sumsq_piece_t){offset[i], count[i], (int)g, blocks};
     blocks += (int)g;
   }
@@ -1289,6 +1285,7 @@ static void *cudnn_workspace(void *ctx, size_t bytes) {
 static int cu_attention_select(backend_t *be, int mode, int b, int t, int h, int kv, int d, dtype_t dt, char *why,
                                size_t len) {
   cuda_t *cu = cuda_of(be);
+  const int refused = mode == ATTN_FUSED ? -1 : 0; /* what a fused kernel that cannot run means */
   char e[400] = "";
   int det = 1;
   cu->att_cudnn = 0;
@@ -1296,22 +1293,20 @@ static int cu_attention_select(backend_t *be, int mode, int b, int t, int h, int
     snprintf(why, len, "the reference kernel (model.attention reference)");
     return 0;
   }
-  if (dt != DT_BF16)
-    snprintf(e, sizeof e, "cuDNN's flash attention needs bf16 compute, and param_dtype is %s", dtype_name(dt));
-  else if (!cu->cudnn)
-    cu->cudnn = cudnn_att_open(cu->stream, cudnn_workspace, cu, e, sizeof e);
-  if (cu->cudnn && !e[0] && cudnn_att_prepare(cu->cudnn, b, t, h, kv, d, &det, e, sizeof e) == 0) {
-    cu->att_cudnn = 1;
-    snprintf(why, len, "cuDNN %s fused flash attention%s", cudnn_att_version(cu->cudnn),
-             det ? "" : " (its backward is not deterministic: this cuDNN refused the deterministic one)");
-    return 1;
+  if (dt != DT_BF16) {
+    snprintf(why, len, "cuDNN's flash attention needs bf16 compute, and param_dtype is %s", dtype_name(dt));
+    return refused;
   }
-  if (cu->cudnn && strncmp(e, "cuDNN", 5))
+  if (!cu->cudnn && !(cu->cudnn = cudnn_att_open(cu->stream, cudnn_workspace, cu, why, len))) return refused;
+  if (cudnn_att_prepare(cu->cudnn, b, t, h, kv, d, &det, e, sizeof e)) {
     snprintf(why, len, "cuDNN %s refused B=%d T=%d H=%d KV=%d D=%d: %s", cudnn_att_version(cu->cudnn), b, t, h, kv,
              d, e);
-  else
-    snprintf(why, len, "%s", e);
-  return mode == ATTN_FUSED ? -1 : 0;
+    return refused;
+  }
+  cu->att_cudnn = 1;
+  snprintf(why, len, "cuDNN %s fused flash attention%s", cudnn_att_version(cu->cudnn),
+           det ? "" : " (its backward is not deterministic: this cuDNN refused the deterministic one)");
+  return 1;
 }
 
 /* Whether this call runs on cuDNN: chosen by attention_select, and the shape taken (a refused
@@ -1470,68 +1465,17 @@ __device__ __forceinline__ void lse_merge(float &m, float &s, float m2, float s2
   m = mn;
 }
 
-/* One block per row: each thread an online (max, sum) over its columns, merged in a fixed tree;
- * then the gradient row. The target's logit is read before any write (dlogits may alias), and
- * each gradient element is written by the thread that read its logit. */
-template <typename T>
-__global__ void cross_entropy_kernel(float *losses, T *dlogits, const T *logits, const int32_t *targets, int v, int ld,
-                                     float grad_scale) {
-  __shared__ float shm[32], shs[32];
-  __shared__ float sh_lse;
-  int i = blockIdx.x, tid = threadIdx.x, lane = tid & 31, w = tid >> 5, nw = blockDim.x >> 5;
-  const T *li = logits + (size_t)i * ld;
-  T *di = dlogits ? dlogits + (size_t)i * ld : NULL;
-  int tg = targets[i];
-  if (tg < 0 || tg >= v) {
-    if (tid == 0) losses[i] = 0.0f;
-    if (di)
-      for (int j = tid; j < ld; j += blockDim.x) di[j] = narrow<T>(0.0f);
-    return;
+/* One step of a thread's online (max, sum of exp(x - max)). */
+__device__ __forceinline__ void lse_push(float &m, float &s, float x) {
+  if (x > m) {
+    s = s * expf(m - x) + 1.0f;
+    m = x;
+  } else {
+    s += expf(x - m);
   }
-  float m = -INFINITY, s = 0.0f;
-  for (int j = tid; j < v; j += blockDim.x) {
-    float x = widen(li[j]);
-    if (x > m) {
-      s = s * expf(m - x) + 1.0f;
-      m = x;
-    } else {
-      s += expf(x - m);
-    }
-  }
-  float xt = tid == 0 ? widen(li[tg]) : 0.0f;
-  for (int o = 16; o > 0; o >>= 1) {
-    float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
-    lse_merge(m, s, m2, s2);
-  }
-  if (lane == 0) shm[w] = m, shs[w] = s;
-  __syncthreads();
-  if (w == 0) {
-    m = lane < nw ? shm[lane] : -INFINITY;
-    s = lane < nw ? shs[lane] : 0.0f;
-    for (int o = 16; o > 0; o >>= 1) {
-      float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
-      lse_merge(m, s, m2, s2);
-    }
-    if (lane == 0) {
-      float lse = m + logf(s);
-      sh_lse = lse;
-      losses[i] = lse - xt;
-    }
-  }
-  __syncthreads();
-  if (!di) return;
-  float lse = sh_lse;
-  for (int j = tid; j < v; j += blockDim.x) {
-    float g = expf(widen(li[j]) - lse) * grad_scale;
-    if (j == tg) g -= grad_scale;
-    di[j] = narrow<T>(g);
-  }
-  for (int j = v + tid; j < ld; j += blockDim.x) di[j] = narrow<T>(0.0f);
 }
 
-static int ce_threads(int v) { return v >= 8192 ? 1024 : v >= 1024 ? 256 : 64; }
-
-/* The block's (max, sum) merged into every thread, in a fixed tree (cross_entropy_kernel's). */
+/* The block's (max, sum) merged into every thread, in a fixed tree. */
 __device__ __forceinline__ void lse_block(float &m, float &s, float *shm, float *shs) {
   int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
   for (int o = 16; o > 0; o >>= 1) {
@@ -1548,6 +1492,47 @@ __device__ __forceinline__ void lse_block(float &m, float &s, float *shm, float 
   }
 }
 
+/* A row whose target is ignored (< 0) or out of range: loss 0 and, with dlogits, a zero row.
+ * Returns whether the row was one. */
+template <typename T>
+__device__ __forceinline__ bool ce_ignored_row(float *losses, T *di, int i, int tg, int v, int ld) {
+  if (tg >= 0 && tg < v) return false;
+  if (threadIdx.x == 0) losses[i] = 0.0f;
+  if (di)
+    for (int j = threadIdx.x; j < ld; j += blockDim.x) di[j] = narrow<T>(0.0f);
+  return true;
+}
+
+/* One block per row: each thread an online (max, sum) over its columns, merged in a fixed tree;
+ * then the gradient row. The target's logit is read before the tree's barrier, so before any
+ * write (dlogits may alias), and each gradient element is written by the thread that read its
+ * logit. */
+template <typename T>
+__global__ void cross_entropy_kernel(float *losses, T *dlogits, const T *logits, const int32_t *targets, int v, int ld,
+                                     float grad_scale) {
+  __shared__ float shm[32], shs[32];
+  int i = blockIdx.x, tid = threadIdx.x;
+  const T *li = logits + (size_t)i * ld;
+  T *di = dlogits ? dlogits + (size_t)i * ld : NULL;
+  int tg = targets[i];
+  if (ce_ignored_row(losses, di, i, tg, v, ld)) return;
+  float m = -INFINITY, s = 0.0f;
+  for (int j = tid; j < v; j += blockDim.x) lse_push(m, s, widen(li[j]));
+  float xt = tid == 0 ? widen(li[tg]) : 0.0f;
+  lse_block(m, s, shm, shs);
+  float lse = m + logf(s);
+  if (tid == 0) losses[i] = lse - xt;
+  if (!di) return;
+  for (int j = tid; j < v; j += blockDim.x) {
+    float g = expf(widen(li[j]) - lse) * grad_scale;
+    if (j == tg) g -= grad_scale;
+    di[j] = narrow<T>(g);
+  }
+  for (int j = v + tid; j < ld; j += blockDim.x) di[j] = narrow<T>(0.0f);
+}
+
+static int ce_threads(int v) { return v >= 8192 ? 1024 : v >= 1024 ? 256 : 64; }
+
 /* bf16 rows read and written 8 elements (16 bytes) at a time: rows 16-byte aligned (ld a multiple
  * of 8, aligned pointers). Each thread folds a group's max into its running (max, sum) once, so
  * one exp per element plus one per group. Same contract as cross_entropy_kernel. */
@@ -1558,12 +1543,7 @@ __global__ void cross_entropy_x8_kernel(float *losses, nv_bfloat16 *dlogits, con
   const nv_bfloat16 *li = logits + (size_t)i * ld;
   nv_bfloat16 *di = dlogits ? dlogits + (size_t)i * ld : NULL;
   int tg = targets[i];
-  if (tg < 0 || tg >= v) {
-    if (tid == 0) losses[i] = 0.0f;
-    if (di)
-      for (int j = tid; j < ld; j += blockDim.x) di[j] = narrow<nv_bfloat16>(0.0f);
-    return;
-  }
+  if (ce_ignored_row(losses, di, i, tg, v, ld)) return;
   float m = -INFINITY, s = 0.0f;
   const uint4 *l8 = (const uint4 *)li;
   for (int j = tid; j < v8; j += blockDim.x) {
@@ -1576,17 +1556,12 @@ __global__ void cross_entropy_x8_kernel(float *losses, nv_bfloat16 *dlogits, con
 #pragma unroll
     for (int k = 0; k < 8; k++) s += expf(f[k] - m);
   }
-  for (int j = v8 * 8 + tid; j < v; j += blockDim.x) { /* the tail past the last group */
-    float x = widen(li[j]);
-    if (x > m) s = s * expf(m - x) + 1.0f, m = x;
-    else s += expf(x - m);
-  }
-  float xt = widen(li[tg]); /* every thread reads it before any thread writes */
+  for (int j = v8 * 8 + tid; j < v; j += blockDim.x) lse_push(m, s, widen(li[j])); /* past the last group */
+  float xt = tid == 0 ? widen(li[tg]) : 0.0f; /* before the tree's barrier, so before any write */
   lse_block(m, s, shm, shs);
   float lse = m + logf(s);
   if (tid == 0) losses[i] = lse - xt;
   if (!di) return;
-  __syncthreads(); /* the target's logit is read by all before the row is overwritten */
   uint4 *d8 = (uint4 *)di;
   for (int j = tid; j < v8; j += blockDim.x) {
     bf16x8_t x, o;
