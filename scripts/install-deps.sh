@@ -78,3 +78,36 @@ with open(os.path.join(dest, "VERSION"), "w") as f:
 PY
   rm -rf "$fe_tmp"
 fi
+
+# cuobjdump and nvdisasm (NVIDIA's PyPI wheels), for test/tools/check_sass.py, which reads the
+# built kernels' machine code (16-byte accesses, local memory, tensor-core instructions): only
+# where nvcc builds the cuda backend and the toolkit lacks them. Unpacked to the folder the
+# Makefile looks in (CUOBJDUMP).
+cuda_inspect=/usr/local/share/cuda-inspect
+cuda_inspect_version=13.5.37
+if { command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; } &&
+   ! command -v cuobjdump >/dev/null 2>&1 && [ ! -x /usr/local/cuda/bin/cuobjdump ] &&
+   ! grep -qs "$cuda_inspect_version" "$cuda_inspect/VERSION"; then
+  echo "install-deps: unpacking cuobjdump and nvdisasm $cuda_inspect_version to $cuda_inspect/bin" >&2
+  ci_tmp=$(mktemp -d)
+  /usr/bin/python3 -m pip download -q --no-deps --only-binary=:all: -d "$ci_tmp" \
+    "nvidia-cuda-cuobjdump==$cuda_inspect_version" "nvidia-cuda-nvdisasm==$cuda_inspect_version"
+  ci_sudo=""
+  [ "$(id -u)" -eq 0 ] || ci_sudo="sudo"
+  $ci_sudo /usr/bin/python3 - "$ci_tmp" "$cuda_inspect" "$cuda_inspect_version" <<'PY'
+import glob, os, sys, zipfile
+tmp, dest, version = sys.argv[1:]
+os.makedirs(os.path.join(dest, "bin"), exist_ok=True)
+for wheel in glob.glob(os.path.join(tmp, "*.whl")):
+    with zipfile.ZipFile(wheel) as z:
+        for n in z.namelist():
+            if n.endswith(("/bin/cuobjdump", "/bin/nvdisasm")):
+                out = os.path.join(dest, "bin", os.path.basename(n))
+                with z.open(n) as src, open(out, "wb") as dst:
+                    dst.write(src.read())
+                os.chmod(out, 0o755)
+with open(os.path.join(dest, "VERSION"), "w") as f:
+    f.write(version + "\n")
+PY
+  rm -rf "$ci_tmp"
+fi
