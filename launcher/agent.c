@@ -648,20 +648,9 @@ static int host_or_join(agent_t *a, int *refused, char *err, size_t errlen) {
   }
 }
 
-int agent_run(launcher_opts_t *o) {
-  agent_t *a = calloc(1, sizeof *a);
-  char err[1024];
-  int rc, code = 1;
-  if (!a) {
-    log_error("out of memory");
-    return 1;
-  }
-  a->opts = o;
-  if ((rc = uv_loop_init(&a->loop))) {
-    log_error("event loop: %s", uv_strerror(rc));
-    free(a);
-    return 1;
-  }
+/* The handles that live on the loop from the start: the join and linger timers, and the signals
+ * forwarded to the workers. */
+static void init_handles(agent_t *a) {
   uv_timer_init(&a->loop, &a->join_timer);
   a->join_timer.data = a;
   uv_timer_init(&a->loop, &a->linger_timer);
@@ -671,33 +660,24 @@ int agent_run(launcher_opts_t *o) {
     a->sigs[i].data = a;
     uv_signal_start(&a->sigs[i], on_signal, FORWARDED[i]);
   }
-  /* Before any thread and any socket: its guard is a copy of this process (launcher/tree), and
-   * meshrun's move into its cgroup then overlaps the rest of the start. */
-  if (workers_create(&a->wk, &a->loop, o, on_worker_exit, on_workers_idle, a, err, sizeof err)) {
-    log_error("%s", err);
-    goto out;
-  }
-  /* The store holds a connection per worker and per peer node: the soft file limit (often
-   * 1024) is too tight for big jobs and for weathering idle connections from strangers. */
-  long nofile = store_server_raise_nofile();
-  log_debug("open file limit: %ld", nofile);
-  if (prepare_secret(a, err, sizeof err)) {
-    log_error("%s", err);
-    goto out;
-  }
-  /* Host the store when this node can bind the endpoint; otherwise be a client of whoever
-   * does. A port taken by something else is found out on the first request (rdzv). With
-   * etcd, every node serves a store of its own on a free port, for its workers' rounds when
-   * it is a round's first node. */
+}
+
+/* Host the store when this node can bind the endpoint; otherwise be a client of whoever does.
+ * A port taken by something else is found out on the first request (rdzv). With etcd, every
+ * node serves a store of its own on a free port, for its workers' rounds when it is a round's
+ * first node. This node's address goes into addr. Returns 0, or 1 after logging why not. */
+static int start_store(agent_t *a, char *addr, size_t addrlen) {
+  const launcher_opts_t *o = a->opts;
+  char err[1024];
+  int rc;
   snprintf(a->store_host, sizeof a->store_host, "%s", o->rdzv_host);
   int refused = 0, etcd = o->rdzv_backend == RDZV_BACKEND_ETCD;
-  char addr[RDZV_ADDR_MAX];
-  node_address(o, addr, sizeof addr);
+  node_address(o, addr, addrlen);
   if (etcd) {
     store_server_opts_t so = server_opts(o);
     if ((rc = store_server_start(&a->srv, &a->loop, addr, 0, &so, &a->store_port, err, sizeof err))) {
       log_error("serving this node's store on %s: %s", addr, err);
-      goto out;
+      return 1;
     }
     snprintf(a->store_host, sizeof a->store_host, "%s", addr);
   } else {
@@ -710,13 +690,13 @@ int agent_run(launcher_opts_t *o) {
     log_error("error: not joining: %s; give both jobs the same secret to share the port, or use another "
               "endpoint than %s",
               err, o->rdzv_endpoint_from);
-    goto out;
+    return 1;
   }
   if (rc == 0) {
     log_debug("serving the rendezvous store on port %d", a->store_port);
   } else if (o->rdzv_port == 0) {
     log_error("--standalone: cannot start the store: %s", err);
-    goto out;
+    return 1;
   } else {
     log_debug("not hosting the store (%s): connecting as a client", err);
     a->srv = NULL;
@@ -724,10 +704,14 @@ int agent_run(launcher_opts_t *o) {
   }
   if (etcd) snprintf(a->store_ep, sizeof a->store_ep, "%.200s (etcd)", o->rdzv_endpoints);
   else net_format_endpoint(a->store_ep, sizeof a->store_ep, a->store_host, a->store_port);
-  if (setup_base_dir(a, err, sizeof err)) {
-    log_error("%s", err);
-    goto out;
-  }
+  return 0;
+}
+
+/* The rendezvous, configured from the options and the store start_store settled on; it takes
+ * over the probe's connection. */
+static int start_rdzv(agent_t *a, const char *addr, char *err, size_t errlen) {
+  const launcher_opts_t *o = a->opts;
+  int etcd = o->rdzv_backend == RDZV_BACKEND_ETCD;
   a->drains = a->srv && !etcd;
   rdzv_config_t cfg = {.kv = etcd ? RDZV_KV_ETCD : RDZV_KV_C10D, .store_port = a->store_port,
                        .node_store_port = etcd ? a->store_port : 0, .nnodes_min = o->nnodes_min, .nnodes_max = o->nnodes_max,
@@ -746,20 +730,12 @@ int agent_run(launcher_opts_t *o) {
   snprintf(cfg.run_id, sizeof cfg.run_id, "%s", o->rdzv_id);
   snprintf(cfg.endpoint_from, sizeof cfg.endpoint_from, "%s", o->rdzv_endpoint_from);
   snprintf(cfg.addr, sizeof cfg.addr, "%s", addr);
-  if (rdzv_create(&a->rz, &a->loop, &cfg, on_rdzv, a, err, sizeof err)) {
-    log_error("%s", err);
-    goto out;
-  }
-  start_join(a);
-  arm_join_timer(a);
-  uv_run(&a->loop, UV_RUN_DEFAULT);
-  code = a->exit_code;
-  goto cleanup;
-out:
-  code = 1;
-  agent_exit(a, 1);
-  uv_run(&a->loop, UV_RUN_DEFAULT);
-cleanup:
+  return rdzv_create(&a->rz, &a->loop, &cfg, on_rdzv, a, err, errlen);
+}
+
+/* After the loop has run dry: the files of this run, rdzv, the workers, the loop and the agent.
+ * Returns code, or does not return when a rendezvous thread outlives rdzv_destroy. */
+static int finish(agent_t *a, int code) {
   store_close(a->probe);
   a->probe = NULL;
   if (a->base_shared && a->wk) workers_remove_files(a->wk);
@@ -780,4 +756,53 @@ cleanup:
   if (uv_loop_close(&a->loop)) log_debug("event loop: handles still open at exit");
   else free(a);
   return code;
+}
+
+int agent_run(launcher_opts_t *o) {
+  agent_t *a = calloc(1, sizeof *a);
+  char err[1024];
+  int rc;
+  if (!a) {
+    log_error("out of memory");
+    return 1;
+  }
+  a->opts = o;
+  if ((rc = uv_loop_init(&a->loop))) {
+    log_error("event loop: %s", uv_strerror(rc));
+    free(a);
+    return 1;
+  }
+  init_handles(a);
+  /* Before any thread and any socket: its guard is a copy of this process (launcher/tree), and
+   * meshrun's move into its cgroup then overlaps the rest of the start. */
+  if (workers_create(&a->wk, &a->loop, o, on_worker_exit, on_workers_idle, a, err, sizeof err)) {
+    log_error("%s", err);
+    goto out;
+  }
+  /* The store holds a connection per worker and per peer node: the soft file limit (often
+   * 1024) is too tight for big jobs and for weathering idle connections from strangers. */
+  long nofile = store_server_raise_nofile();
+  log_debug("open file limit: %ld", nofile);
+  if (prepare_secret(a, err, sizeof err)) {
+    log_error("%s", err);
+    goto out;
+  }
+  char addr[RDZV_ADDR_MAX];
+  if (start_store(a, addr, sizeof addr)) goto out;
+  if (setup_base_dir(a, err, sizeof err)) {
+    log_error("%s", err);
+    goto out;
+  }
+  if (start_rdzv(a, addr, err, sizeof err)) {
+    log_error("%s", err);
+    goto out;
+  }
+  start_join(a);
+  arm_join_timer(a);
+  uv_run(&a->loop, UV_RUN_DEFAULT);
+  return finish(a, a->exit_code);
+out:
+  agent_exit(a, 1);
+  uv_run(&a->loop, UV_RUN_DEFAULT);
+  return finish(a, 1);
 }

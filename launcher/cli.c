@@ -12,7 +12,7 @@
  * the command line; then PET_<FLAG> variables, as torchrun's argparse reads them (Kubeflow's
  * PyTorchJob sets them): a variable is the flag's default, so a flag on the command line wins
  * whole (PET_RDZV_CONF is not merged with --rdzv_conf); then, under Slurm with no rendezvous
- * flag given, Slurm's job variables; then the defaults. The command line is therefore read
+ * flag given, Slurm's job variables (cli_slurm.c); then the defaults. The command line is therefore read
  * twice: once for its shape (which flags, where PROGRAM starts, --help), once for the values
  * after the environment's, so that a bad PET_ value is named as such and cannot override argv.
  *
@@ -29,7 +29,10 @@
  * than PET_*, SLURM_*, MESHRUN_SLURM_PORT, PYTHON_EXEC, CUDA_VISIBLE_DEVICES for
  * --nproc_per_node=auto and MESHRUN_RDZV_TOKEN, make a secret up (the agent does, for
  * single-node jobs), or print anything but the one info line saying which options came from
- * Slurm (main prints err or cli_usage(); the agent warns about a token file's mode). */
+ * Slurm (main prints err or cli_usage(); the agent warns about a token file's mode).
+ *
+ * The module's other files (see cli_impl.h): cli_slurm.c, cli_probe.c (the CPUs) and
+ * cli_help.c (the --help text). */
 #include "launcher/cli.h"
 
 #include <ctype.h>
@@ -37,7 +40,6 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <math.h>
-#include <sched.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -46,43 +48,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "common/err.h"
 #include "common/fs.h"
 #include "common/gpus.h"
 #include "common/log.h"
 #include "common/net.h"
 #include "common/store.h"
-#include "launcher/agent.h"   /* exit statuses, for --help */
-#include "launcher/errfile.h" /* the permanent exit codes, for --help */
-#include "launcher/rdzv.h"    /* etcd's call timeout, for --help */
-
-/* Defaults, written once: cli_defaults() uses them and cli_usage() prints them. */
-#define DEF_RDZV_PORT 29400
-#define DEF_MASTER_PORT 29500
-#define DEF_JOIN_TIMEOUT 600
-#define DEF_LAST_CALL_TIMEOUT 30
-#define DEF_CLOSE_TIMEOUT 60
-#define DEF_HEARTBEAT_INTERVAL 1
-#define DEF_HEARTBEAT_TIMEOUT 5
-#define DEF_MONITOR_INTERVAL 0.1
-#define DEF_SHUTDOWN_TIMEOUT 30
-#define DEF_PROGRESS_INTERVAL 5
-#define DEF_MAX_RESTARTS 0
-#define DEF_RDZV_ID "none"
-#define DEF_ROLE "default"
-#define STR_(x) #x
-#define STR(x) STR_(x)
-
-/* What the user set explicitly, for the checks that combine flags. */
-typedef struct {
-  int nnodes_set;
-  int backend_set;
-  int endpoint_set;
-  int master_port_set;
-  int master_addr_set, node_rank_set, nproc_set, rdzv_id_set;
-  int redirects_max_rank, tee_max_rank, filter_max_rank; /* highest local rank named, -1 none */
-  char master_addr_flag[80], master_port_flag[80];       /* as given: "--master_addr", "PET_..." */
-} cli_seen_t;
+#include "launcher/cli_impl.h"
 
 typedef int (*cli_setter_t)(launcher_opts_t *o, cli_seen_t *seen, const char *flag,
                             const char *val, char *err, size_t errlen);
@@ -95,10 +66,7 @@ typedef struct {
   cli_setter_t set; /* NULL for the flags handled in cli_parse itself (help, version) */
 } cli_flag_t;
 
-static int usage_error(char *err, size_t errlen, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-
-static int usage_error(char *err, size_t errlen, const char *fmt, ...) {
+int cli_usage_error(char *err, size_t errlen, const char *fmt, ...) {
   if (err && errlen > 0) {
     int n = snprintf(err, errlen, "meshrun: ");
     if (n >= 0 && (size_t)n < errlen) {
@@ -111,8 +79,7 @@ static int usage_error(char *err, size_t errlen, const char *fmt, ...) {
   return CLI_EUSAGE;
 }
 
-/* Strict decimal integer: optional '-', digits, nothing else, fits in [lo, hi]. */
-static int parse_int(const char *s, long lo, long hi, long *out) {
+int cli_parse_int(const char *s, long lo, long hi, long *out) {
   const char *p = s;
   if (*p == '-') p++;
   if (!isdigit((unsigned char)*p)) return -1;
@@ -146,266 +113,6 @@ static int copy_string(char *dst, size_t dstlen, const char *val) {
   return 0;
 }
 
-/* ---- CPU counting for --nproc_per_node=auto (GPUs: common/gpus.h) ---- */
-
-int cli_count_cpus(void) {
-  /* The affinity mask, not the machine: under taskset or a cgroup cpuset the workers can only
-   * use these. Machines with more CPUs than a cpu_set_t holds need a bigger mask. */
-  for (int ncpu = 1024; ncpu <= (1 << 20); ncpu *= 2) {
-    cpu_set_t *set = CPU_ALLOC(ncpu);
-    if (!set) break;
-    size_t size = CPU_ALLOC_SIZE(ncpu);
-    CPU_ZERO_S(size, set);
-    if (sched_getaffinity(0, size, set) == 0) {
-      int n = CPU_COUNT_S(size, set);
-      CPU_FREE(set);
-      return n > 0 ? n : 1;
-    }
-    int e = errno;
-    CPU_FREE(set);
-    if (e != EINVAL) break;
-  }
-  long n = sysconf(_SC_NPROCESSORS_ONLN);
-  return n > 0 ? (int)n : 1;
-}
-
-/* ---- Slurm hostlists ("gpu-[01-03,07],cpu5") ----
- *
- * Expanded here rather than by running `scontrol show hostnames`: meshrun must not depend on
- * Slurm's tools being on the compute nodes' PATH, and only the first host is needed. The whole
- * list is checked before any host is visited, so a typo at its end is still an error. */
-
-#define HL_MAX_GROUPS 8       /* bracket groups in one host name */
-#define HL_MAX_HOSTS 1000000  /* more is a typo ("[0-99999999]"), not a cluster */
-#define HL_HOST_MAX 256       /* a host name's bytes with its NUL (rdzv_host's size) */
-
-/* One host expression: literal text around up to HL_MAX_GROUPS bracket groups. */
-typedef struct {
-  int ngroups;
-  const char *lit[HL_MAX_GROUPS + 1]; /* the text before group g; lit[ngroups] after the last */
-  size_t litlen[HL_MAX_GROUPS + 1];
-  const char *grp[HL_MAX_GROUPS];     /* the text inside group g's brackets */
-  size_t grplen[HL_MAX_GROUPS];
-} hl_expr_t;
-
-/* The number or LO-HI range at p, which ends at ',' or at end. At most 9 digits each (no
- * overflow; no cluster numbers its nodes past that); the width is LO's digit count, so "08-10"
- * gives 08 09 10 and "8-10" gives 8 9 10. Returns the position after it, or NULL. */
-static const char *hl_range(const char *p, const char *end, unsigned long *lo, unsigned long *hi,
-                            int *width) {
-  const char *q = p;
-  unsigned long a = 0, b;
-  while (q < end && isdigit((unsigned char)*q) && q - p < 10) a = a * 10 + (unsigned long)(*q++ - '0');
-  int n = (int)(q - p);
-  if (n == 0 || n > 9) return NULL;
-  b = a;
-  if (q < end && *q == '-') {
-    const char *r = ++q;
-    b = 0;
-    while (q < end && isdigit((unsigned char)*q) && q - r < 10) b = b * 10 + (unsigned long)(*q++ - '0');
-    if (q == r || q - r > 9 || b < a) return NULL;
-  }
-  if (q < end && *q != ',') return NULL;
-  *lo = a;
-  *hi = b;
-  *width = n;
-  return q;
-}
-
-static int hl_digits(unsigned long v) {
-  int n = 1;
-  while (v >= 10) v /= 10, n++;
-  return n;
-}
-
-/* Parses the expression at *pp (it ends at ',' or a blank outside brackets, or at the end of
- * the list) into e: its host count in *count, the length of its longest name in *maxlen. */
-static int hl_parse(const char *list, const char **pp, hl_expr_t *e, unsigned long *count,
-                    size_t *maxlen, char *err, size_t errlen) {
-  const char *p = *pp;
-  memset(e, 0, sizeof *e);
-  e->lit[0] = p;
-  *count = 1;
-  *maxlen = 0;
-  for (;;) {
-    char c = *p;
-    if (c == '\0' || c == ',' || isspace((unsigned char)c)) break;
-    if (c == ']') {
-      return err_set(err, errlen, -1, "']' without '[' at byte %td", p - list);
-    }
-    if (c != '[') {
-      if (!isgraph((unsigned char)c)) {
-        return err_set(err, errlen, -1, "byte 0x%02x at byte %td is not part of a host name", (unsigned char)c,
-                       p - list);
-      }
-      p++;
-      continue;
-    }
-    const char *close = p + 1;
-    while (*close && *close != ']' && *close != '[') close++;
-    if (*close != ']') {
-      return err_set(err, errlen, -1, "'[' at byte %td is not closed", p - list);
-    }
-    int g = e->ngroups;
-    if (g == HL_MAX_GROUPS) {
-      return err_set(err, errlen, -1, "more than %d bracket groups in one name", HL_MAX_GROUPS);
-    }
-    e->litlen[g] = (size_t)(p - e->lit[g]);
-    e->grp[g] = p + 1;
-    e->grplen[g] = (size_t)(close - p - 1);
-    /* Every range of the group: syntax, how many numbers, the widest one. */
-    const char *q = e->grp[g], *end = close;
-    unsigned long n = 0;
-    int widest = 0;
-    for (;;) {
-      unsigned long lo, hi;
-      int w;
-      const char *next = hl_range(q, end, &lo, &hi, &w);
-      if (!next) {
-        return err_set(err, errlen, -1,
-                       "\"[%.*s]\" at byte %td: expected numbers and LO-HI ranges (LO <= HI) separated by ','",
-                       (int)e->grplen[g], e->grp[g], p - list);
-      }
-      n += hi - lo + 1;
-      if (hl_digits(hi) > w) w = hl_digits(hi);
-      if (w > widest) widest = w;
-      if (next == end) break;
-      q = next + 1;
-    }
-    if (n > HL_MAX_HOSTS || *count * n > HL_MAX_HOSTS) {
-      return err_set(err, errlen, -1, "more than %d hosts", HL_MAX_HOSTS);
-    }
-    *count *= n;
-    *maxlen += e->litlen[g] + (size_t)widest;
-    e->ngroups++;
-    p = close + 1;
-    e->lit[e->ngroups] = p;
-  }
-  e->litlen[e->ngroups] = (size_t)(p - e->lit[e->ngroups]);
-  *maxlen += e->litlen[e->ngroups];
-  if (p == *pp) {
-    return err_set(err, errlen, -1, "empty host name at byte %td", p - list);
-  }
-  if (*maxlen >= HL_HOST_MAX) {
-    return err_set(err, errlen, -1, "a host name at byte %td is longer than %d bytes", *pp - list, HL_HOST_MAX - 1);
-  }
-  *pp = p;
-  return 0;
-}
-
-/* Called with each host name (NUL-terminated, len bytes); nonzero stops the walk. */
-typedef int (*hl_visit_t)(const char *host, size_t len, void *arg);
-
-/* Visits the hosts of one expression, the leftmost group varying slowest. 1 when visit stopped. */
-static int hl_each(const hl_expr_t *e, hl_visit_t visit, void *arg) {
-  struct {
-    const char *cur, *next; /* the range being walked, and where it ends */
-    unsigned long lo, hi, v;
-    int width;
-  } pos[HL_MAX_GROUPS];
-  for (int g = 0; g < e->ngroups; g++) {
-    pos[g].cur = e->grp[g];
-    pos[g].next = hl_range(pos[g].cur, e->grp[g] + e->grplen[g], &pos[g].lo, &pos[g].hi, &pos[g].width);
-    pos[g].v = pos[g].lo;
-  }
-  for (;;) {
-    char host[HL_HOST_MAX];
-    size_t n = 0;
-    for (int g = 0; g <= e->ngroups; g++) { /* fits: hl_parse checked the longest name */
-      memcpy(host + n, e->lit[g], e->litlen[g]);
-      n += e->litlen[g];
-      if (g < e->ngroups) n += (size_t)snprintf(host + n, sizeof host - n, "%0*lu", pos[g].width, pos[g].v);
-    }
-    host[n] = '\0';
-    if (visit(host, n, arg)) return 1;
-    int g = e->ngroups - 1;
-    for (; g >= 0; g--) {
-      const char *end = e->grp[g] + e->grplen[g];
-      if (pos[g].v < pos[g].hi) {
-        pos[g].v++;
-        break;
-      }
-      /* This range is done: the group's next one, or back to its first and carry left. */
-      int carry = pos[g].next == end;
-      pos[g].cur = carry ? e->grp[g] : pos[g].next + 1;
-      pos[g].next = hl_range(pos[g].cur, end, &pos[g].lo, &pos[g].hi, &pos[g].width);
-      pos[g].v = pos[g].lo;
-      if (!carry) break;
-    }
-    if (g < 0) return 0;
-  }
-}
-
-/* Checks the whole list, then visits its hosts in order until visit says stop. Returns the
- * number of hosts in the list (also when stopped early), or -1 with the reason in err. */
-static long hl_walk(const char *list, hl_visit_t visit, void *arg, char *err, size_t errlen) {
-  unsigned long total = 0;
-  for (int pass = 0; pass < 2; pass++) {
-    const char *p = list;
-    for (;;) {
-      while (isspace((unsigned char)*p)) p++;
-      if (!*p) break;
-      hl_expr_t e;
-      unsigned long count;
-      size_t maxlen;
-      if (hl_parse(list, &p, &e, &count, &maxlen, err, errlen)) return -1;
-      if (pass == 0) {
-        total += count;
-        if (total > HL_MAX_HOSTS) {
-          return err_set(err, errlen, -1, "more than %d hosts", HL_MAX_HOSTS);
-        }
-      } else if (hl_each(&e, visit, arg)) {
-        return (long)total;
-      }
-      while (isspace((unsigned char)*p)) p++;
-      if (*p == ',') {
-        p++;
-        while (isspace((unsigned char)*p)) p++;
-        if (!*p || *p == ',') {
-          return err_set(err, errlen, -1, "empty host name at byte %td", p - list);
-        }
-      }
-    }
-    if (total == 0) {
-      return err_set(err, errlen, -1, "no host in the list");
-    }
-  }
-  return (long)total;
-}
-
-typedef struct {
-  char *out;
-  size_t len, cap;
-  int full;
-} hl_buf_t;
-
-static int hl_append(const char *host, size_t n, void *arg) {
-  hl_buf_t *b = arg;
-  size_t sep = b->len ? 1 : 0;
-  if (b->len + sep + n + 1 > b->cap) {
-    b->full = 1;
-    return 1;
-  }
-  if (sep) b->out[b->len++] = ' ';
-  memcpy(b->out + b->len, host, n + 1);
-  b->len += n;
-  return 0;
-}
-
-int cli_hostlist_expand(const char *list, char *out, size_t outlen, char *err, size_t errlen) {
-  char why[256];
-  hl_buf_t b = {out, 0, outlen, 0};
-  if (err && errlen) err[0] = '\0';
-  if (out && outlen) out[0] = '\0';
-  long n = hl_walk(list, hl_append, &b, why, sizeof why);
-  if (n < 0 || b.full) {
-    if (n >= 0) snprintf(why, sizeof why, "%ld hosts do not fit in %zu bytes", n, outlen);
-    if (err && errlen) err_set(err, errlen, 0, "%s", why);
-    return CLI_EUSAGE;
-  }
-  return (int)n;
-}
-
 /* ---- one setter per flag ---- */
 
 static int set_nproc_per_node(launcher_opts_t *o, cli_seen_t *seen, const char *flag,
@@ -418,14 +125,14 @@ static int set_nproc_per_node(launcher_opts_t *o, cli_seen_t *seen, const char *
   } else if (strcmp(val, "gpu") == 0) {
     n = gpus_visible();
     if (n == 0)
-      return usage_error(err, errlen, "%s: \"gpu\" found no GPU (%s); expected N, auto, cpu or gpu", flag,
+      return cli_usage_error(err, errlen, "%s: \"gpu\" found no GPU (%s); expected N, auto, cpu or gpu", flag,
                          gpus_none_hint());
   } else if (strcmp(val, "cpu") == 0) {
     n = cli_count_cpus();
-  } else if (parse_int(val, 1, CLI_MAX_LOCAL_RANKS, &v) == 0) {
+  } else if (cli_parse_int(val, 1, CLI_MAX_LOCAL_RANKS, &v) == 0) {
     n = (int)v;
   } else {
-    return usage_error(err, errlen,
+    return cli_usage_error(err, errlen,
                        "%s: \"%s\" is not valid; expected N (1 <= N <= %d), auto, cpu or gpu",
                        flag, val, CLI_MAX_LOCAL_RANKS);
   }
@@ -442,7 +149,7 @@ static int set_nnodes(launcher_opts_t *o, cli_seen_t *seen, const char *flag, co
   const char *colon = strchr(val, ':');
   int ok;
   if (!colon) {
-    ok = parse_int(val, 1, 1 << 20, &lo) == 0;
+    ok = cli_parse_int(val, 1, 1 << 20, &lo) == 0;
     hi = lo;
   } else {
     size_t n = (size_t)(colon - val);
@@ -450,12 +157,12 @@ static int set_nnodes(launcher_opts_t *o, cli_seen_t *seen, const char *flag, co
     if (ok) {
       memcpy(buf, val, n);
       buf[n] = '\0';
-      ok = parse_int(buf, 1, 1 << 20, &lo) == 0 && parse_int(colon + 1, 1, 1 << 20, &hi) == 0 &&
+      ok = cli_parse_int(buf, 1, 1 << 20, &lo) == 0 && cli_parse_int(colon + 1, 1, 1 << 20, &hi) == 0 &&
            lo <= hi;
     }
   }
   if (!ok)
-    return usage_error(err, errlen,
+    return cli_usage_error(err, errlen,
                        "%s: \"%s\" is not valid; expected N or MIN:MAX with 1 <= MIN <= MAX",
                        flag, val);
   o->nnodes_min = (int)lo;
@@ -467,8 +174,8 @@ static int set_nnodes(launcher_opts_t *o, cli_seen_t *seen, const char *flag, co
 static int set_node_rank(launcher_opts_t *o, cli_seen_t *seen, const char *flag, const char *val,
                          char *err, size_t errlen) {
   long v;
-  if (parse_int(val, 0, 1 << 20, &v) != 0)
-    return usage_error(err, errlen, "%s: \"%s\" is not valid; expected an integer >= 0", flag,
+  if (cli_parse_int(val, 0, 1 << 20, &v) != 0)
+    return cli_usage_error(err, errlen, "%s: \"%s\" is not valid; expected an integer >= 0", flag,
                        val);
   o->node_rank = (int)v;
   seen->node_rank_set = 1;
@@ -481,7 +188,7 @@ static int set_rdzv_endpoint(launcher_opts_t *o, cli_seen_t *seen, const char *f
   char host[sizeof o->rdzv_host];
   int port = 0;
   if (copy_string(o->rdzv_endpoints, sizeof o->rdzv_endpoints, val) != 0)
-    return usage_error(err, errlen, "%s: \"%.200s...\" is not valid; expected at most %zu bytes", flag, val,
+    return cli_usage_error(err, errlen, "%s: \"%.200s...\" is not valid; expected at most %zu bytes", flag, val,
                        sizeof o->rdzv_endpoints - 1);
   /* A list is etcd's (checked with the backend, which may come later): its first member here. */
   char first[sizeof o->rdzv_endpoints];
@@ -492,7 +199,7 @@ static int set_rdzv_endpoint(launcher_opts_t *o, cli_seen_t *seen, const char *f
   {
     /* net's message names the endpoint and the fault, sometimes the form too. */
     if (!why[0]) snprintf(why, sizeof why, "\"%.200s\" is not valid", val);
-    return usage_error(err, errlen, "%s: %s%s", flag, why,
+    return cli_usage_error(err, errlen, "%s: %s%s", flag, why,
                        strstr(why, "expected") ? ""
                                                : "; expected HOST[:PORT], [IPV6]:PORT or IPV6 "
                                                  "with 1 <= PORT <= 65535");
@@ -514,7 +221,7 @@ static int set_rdzv_id(launcher_opts_t *o, cli_seen_t *seen, const char *flag, c
   for (const char *p = val; ok && *p; p++)
     ok = isalnum((unsigned char)*p) || strchr("._-", *p);
   if (!ok)
-    return usage_error(err, errlen, "%s: \"%.100s%s\" is not valid; expected 1..%d characters of " CLI_RUN_ID_CHARS
+    return cli_usage_error(err, errlen, "%s: \"%.100s%s\" is not valid; expected 1..%d characters of " CLI_RUN_ID_CHARS
                        ", not starting with '.'",
                        flag, val, n > 100 ? "..." : "", CLI_RUN_ID_MAX);
   memcpy(o->rdzv_id, val, n + 1);
@@ -531,7 +238,7 @@ static int set_rdzv_backend(launcher_opts_t *o, cli_seen_t *seen, const char *fl
   else if (strcmp(val, "etcd") == 0 || strcmp(val, "etcd-v2") == 0)
     o->rdzv_backend = RDZV_BACKEND_ETCD; /* torchrun's two names for its etcd backends */
   else
-    return usage_error(err, errlen, "%s: \"%s\" is not valid; expected c10d, etcd or static", flag, val);
+    return cli_usage_error(err, errlen, "%s: \"%s\" is not valid; expected c10d, etcd or static", flag, val);
   seen->backend_set = 1;
   return 0;
 }
@@ -547,7 +254,7 @@ static int set_rdzv_conf(launcher_opts_t *o, cli_seen_t *seen, const char *flag,
     size_t len = strcspn(p, ",");
     char item[1100];
     if (len >= sizeof item)
-      return usage_error(err, errlen, "%s: \"%.*s\" is too long; %s", flag, (int)len, p, expected);
+      return cli_usage_error(err, errlen, "%s: \"%.*s\" is too long; %s", flag, (int)len, p, expected);
     memcpy(item, p, len);
     item[len] = '\0';
     p += len;
@@ -556,7 +263,7 @@ static int set_rdzv_conf(launcher_opts_t *o, cli_seen_t *seen, const char *flag,
 
     char *eq = strchr(item, '=');
     if (!eq)
-      return usage_error(err, errlen, "%s: \"%s\" has no '='; %s", flag, item, expected);
+      return cli_usage_error(err, errlen, "%s: \"%s\" has no '='; %s", flag, item, expected);
     *eq = '\0';
     const char *value = eq + 1;
     for (char *k = item; *k; k++)
@@ -565,7 +272,7 @@ static int set_rdzv_conf(launcher_opts_t *o, cli_seen_t *seen, const char *flag,
     if (strcmp(item, "token_file") == 0) {
       /* Read in cli_validate, once the last token_file given is known. */
       if (copy_string(o->token_file, sizeof o->token_file, value) != 0)
-        return usage_error(err, errlen, "%s: token_file=\"%s\" is not valid; expected a path of 1..%zu bytes",
+        return cli_usage_error(err, errlen, "%s: token_file=\"%s\" is not valid; expected a path of 1..%zu bytes",
                            flag, value, sizeof o->token_file - 1);
       continue;
     }
@@ -588,9 +295,9 @@ static int set_rdzv_conf(launcher_opts_t *o, cli_seen_t *seen, const char *flag,
     else if (strcmp(item, "progress_interval") == 0)
       dst = &o->progress_interval_s, zero_ok = 1;
     else
-      return usage_error(err, errlen, "%s: unknown key \"%s\"; %s", flag, item, expected);
+      return cli_usage_error(err, errlen, "%s: unknown key \"%s\"; %s", flag, item, expected);
     if (parse_seconds(value, 0, zero_ok, dst) != 0)
-      return usage_error(err, errlen, "%s: %s=\"%s\" is not valid; expected seconds %s 0", flag,
+      return cli_usage_error(err, errlen, "%s: %s=\"%s\" is not valid; expected seconds %s 0", flag,
                          item, value, zero_ok ? ">=" : ">");
   }
   return 0;
@@ -628,19 +335,19 @@ static int resolve_secret(launcher_opts_t *o, char *err, size_t errlen) {
     size_t n;
     int rc = fs_read_file(o->token_file, CLI_SECRET_MAX + 254, &buf, &n, NULL);
     if (rc == -EINVAL)
-      return usage_error(err, errlen, "--rdzv_conf: token_file=%s: not a regular file; %s", o->token_file, form);
+      return cli_usage_error(err, errlen, "--rdzv_conf: token_file=%s: not a regular file; %s", o->token_file, form);
     if (rc == -EFBIG) {
       snprintf(why, sizeof why, "is over %d bytes", CLI_SECRET_MAX);
-      return usage_error(err, errlen, "--rdzv_conf: token_file=%s %s; %s", o->token_file, why, form);
+      return cli_usage_error(err, errlen, "--rdzv_conf: token_file=%s %s; %s", o->token_file, why, form);
     }
     if (rc)
-      return usage_error(err, errlen, "--rdzv_conf: token_file=%s: %s; %s", o->token_file, strerror(-rc), form);
+      return cli_usage_error(err, errlen, "--rdzv_conf: token_file=%s: %s; %s", o->token_file, strerror(-rc), form);
     struct stat st; /* for the agent's warning about a file others may read */
     if (stat(o->token_file, &st) != 0) st.st_mode = 0;
     rc = check_secret(buf, n, why, sizeof why);
     if (rc) {
       free(buf);
-      return usage_error(err, errlen, "--rdzv_conf: token_file=%s %s; %s", o->token_file, why, form);
+      return cli_usage_error(err, errlen, "--rdzv_conf: token_file=%s %s; %s", o->token_file, why, form);
     }
     memcpy(o->secret, buf, strlen(buf) + 1);
     free(buf);
@@ -656,7 +363,7 @@ static int resolve_secret(launcher_opts_t *o, char *err, size_t errlen) {
   if (bad) snprintf(why, sizeof why, "is %zu bytes", n);
   else bad = check_secret(memcpy(buf, env, n + 1), n, why, sizeof why);
   if (bad)
-    return usage_error(err, errlen,
+    return cli_usage_error(err, errlen,
                        STORE_ENV_SECRET ": %s; expected the job secret (" STR(CLI_SECRET_MIN) ".." STR(
                            CLI_SECRET_MAX) " bytes), or unset",
                        why);
@@ -693,7 +400,7 @@ static int set_master_addr(launcher_opts_t *o, cli_seen_t *seen, const char *fla
   for (const char *p = host; ok && *p; p++)
     ok = isgraph((unsigned char)*p);
   if (!ok)
-    return usage_error(err, errlen,
+    return cli_usage_error(err, errlen,
                        "%s: \"%s\" is not valid; expected a hostname or IP address without a "
                        "port (the port goes in --master_port)",
                        flag, val);
@@ -706,8 +413,8 @@ static int set_master_addr(launcher_opts_t *o, cli_seen_t *seen, const char *fla
 static int set_master_port(launcher_opts_t *o, cli_seen_t *seen, const char *flag,
                            const char *val, char *err, size_t errlen) {
   long v;
-  if (parse_int(val, 1, 65535, &v) != 0)
-    return usage_error(err, errlen, "%s: \"%s\" is not valid; expected a port 1..65535", flag,
+  if (cli_parse_int(val, 1, 65535, &v) != 0)
+    return cli_usage_error(err, errlen, "%s: \"%s\" is not valid; expected a port 1..65535", flag,
                        val);
   o->master_port = (int)v;
   snprintf(seen->master_port_flag, sizeof seen->master_port_flag, "%s", flag);
@@ -718,8 +425,8 @@ static int set_master_port(launcher_opts_t *o, cli_seen_t *seen, const char *fla
 static int set_max_restarts(launcher_opts_t *o, cli_seen_t *seen, const char *flag,
                             const char *val, char *err, size_t errlen) {
   long v;
-  if (parse_int(val, 0, 1000000, &v) != 0)
-    return usage_error(err, errlen, "%s: \"%s\" is not valid; expected an integer >= 0", flag,
+  if (cli_parse_int(val, 0, 1000000, &v) != 0)
+    return cli_usage_error(err, errlen, "%s: \"%s\" is not valid; expected an integer >= 0", flag,
                        val);
   o->max_restarts = (int)v;
   return 0;
@@ -728,14 +435,14 @@ static int set_max_restarts(launcher_opts_t *o, cli_seen_t *seen, const char *fl
 static int set_monitor_interval(launcher_opts_t *o, cli_seen_t *seen, const char *flag,
                                 const char *val, char *err, size_t errlen) {
   if (parse_seconds(val, 0, 0, &o->monitor_interval_s) != 0)
-    return usage_error(err, errlen, "%s: \"%s\" is not valid; expected seconds > 0", flag, val);
+    return cli_usage_error(err, errlen, "%s: \"%s\" is not valid; expected seconds > 0", flag, val);
   return 0;
 }
 
 static int set_shutdown_timeout(launcher_opts_t *o, cli_seen_t *seen, const char *flag,
                                 const char *val, char *err, size_t errlen) {
   if (parse_seconds(val, 0, 1, &o->shutdown_timeout_s) != 0)
-    return usage_error(err, errlen, "%s: \"%s\" is not valid; expected seconds >= 0", flag, val);
+    return cli_usage_error(err, errlen, "%s: \"%s\" is not valid; expected seconds >= 0", flag, val);
   return 0;
 }
 
@@ -747,8 +454,8 @@ static int parse_std(const char *flag, const char *val, int *all, int *per_rank,
       "expected 0 (none), 1 (stdout), 2 (stderr), 3 (both), or LOCAL_RANK:0..3[,...]";
   long v;
   if (!strchr(val, ':')) {
-    if (parse_int(val, 0, 3, &v) != 0)
-      return usage_error(err, errlen, "%s: \"%s\" is not valid; %s", flag, val, expected);
+    if (cli_parse_int(val, 0, 3, &v) != 0)
+      return cli_usage_error(err, errlen, "%s: \"%s\" is not valid; %s", flag, val, expected);
     *all = (int)v;
     for (int i = 0; i < CLI_MAX_LOCAL_RANKS; i++) per_rank[i] = -1;
     *max_rank = -1;
@@ -763,15 +470,15 @@ static int parse_std(const char *flag, const char *val, int *all, int *per_rank,
     char item[64], *colon;
     long r;
     if (len == 0 || len >= sizeof item)
-      return usage_error(err, errlen, "%s: \"%s\" is not valid; %s", flag, val, expected);
+      return cli_usage_error(err, errlen, "%s: \"%s\" is not valid; %s", flag, val, expected);
     memcpy(item, p, len);
     item[len] = '\0';
     colon = strchr(item, ':');
     if (!colon)
-      return usage_error(err, errlen, "%s: \"%s\" is not valid; %s", flag, val, expected);
+      return cli_usage_error(err, errlen, "%s: \"%s\" is not valid; %s", flag, val, expected);
     *colon = '\0';
-    if (parse_int(item, 0, CLI_MAX_LOCAL_RANKS - 1, &r) != 0 || parse_int(colon + 1, 0, 3, &v) != 0)
-      return usage_error(err, errlen, "%s: \"%s\" is not valid; %s", flag, val, expected);
+    if (cli_parse_int(item, 0, CLI_MAX_LOCAL_RANKS - 1, &r) != 0 || cli_parse_int(colon + 1, 0, 3, &v) != 0)
+      return cli_usage_error(err, errlen, "%s: \"%s\" is not valid; %s", flag, val, expected);
     tmp[r] = (int)v;
     if (r > hi) hi = (int)r;
     if (p[len] != ',') break;
@@ -797,7 +504,7 @@ static int set_tee(launcher_opts_t *o, cli_seen_t *seen, const char *flag, const
 static int set_log_dir(launcher_opts_t *o, cli_seen_t *seen, const char *flag, const char *val,
                        char *err, size_t errlen) {
   if (copy_string(o->log_dir, sizeof o->log_dir, val) != 0)
-    return usage_error(err, errlen, "%s: \"%s\" is not valid; expected a directory path of 1..%zu bytes",
+    return cli_usage_error(err, errlen, "%s: \"%s\" is not valid; expected a directory path of 1..%zu bytes",
                        flag, val, sizeof o->log_dir - 1);
   return 0;
 }
@@ -819,14 +526,14 @@ static int set_local_ranks_filter(launcher_opts_t *o, cli_seen_t *seen, const ch
     char item[32];
     long r;
     if (len == 0 || len >= sizeof item)
-      return usage_error(err, errlen,
+      return cli_usage_error(err, errlen,
                          "%s: \"%s\" is not valid; expected local ranks like 0 or 0,2 (each "
                          "0..%d)",
                          flag, val, CLI_MAX_LOCAL_RANKS - 1);
     memcpy(item, p, len);
     item[len] = '\0';
-    if (parse_int(item, 0, CLI_MAX_LOCAL_RANKS - 1, &r) != 0)
-      return usage_error(err, errlen,
+    if (cli_parse_int(item, 0, CLI_MAX_LOCAL_RANKS - 1, &r) != 0)
+      return cli_usage_error(err, errlen,
                          "%s: \"%s\" is not valid; expected local ranks like 0 or 0,2 (each "
                          "0..%d)",
                          flag, val, CLI_MAX_LOCAL_RANKS - 1);
@@ -847,7 +554,7 @@ static int set_role(launcher_opts_t *o, cli_seen_t *seen, const char *flag, cons
   for (const char *p = val; ok && *p; p++)
     ok = isgraph((unsigned char)*p);
   if (!ok)
-    return usage_error(err, errlen,
+    return cli_usage_error(err, errlen,
                        "%s: \"%s\" is not valid; expected a name of 1..%zu printable bytes "
                        "without spaces",
                        flag, val, sizeof o->role - 1);
@@ -937,100 +644,120 @@ void cli_defaults(launcher_opts_t *o) {
   snprintf(o->role, sizeof o->role, "%s", DEF_ROLE);
 }
 
-/* The checks between flags, then where the store lives. Order matters: --standalone first
- * (it fixes backend and node count), then the backend's own rules, then the node rank against
- * the node count, then per-rank lists against --nproc_per_node. */
-static int cli_validate(launcher_opts_t *o, const cli_seen_t *seen, char *err, size_t errlen) {
+/* ---- the checks between flags ---- */
+
+/* Flags that exclude each other: -m and --no_python; --standalone and an endpoint, another
+ * backend than c10d or more than one node; a list of endpoints without etcd. */
+static int check_conflicts(const launcher_opts_t *o, const cli_seen_t *seen, char *err, size_t errlen) {
   if (o->no_python && o->run_module)
-    return usage_error(err, errlen,
+    return cli_usage_error(err, errlen,
                        "--module: cannot be used with --no_python; expected one of them");
 
   if (o->standalone) {
     if (seen->endpoint_set)
-      return usage_error(err, errlen,
+      return cli_usage_error(err, errlen,
                          "--standalone: conflicts with --rdzv_endpoint; expected one of them "
                          "(--standalone hosts the store on 127.0.0.1 itself)");
     if (seen->backend_set && o->rdzv_backend != RDZV_BACKEND_C10D)
-      return usage_error(err, errlen,
+      return cli_usage_error(err, errlen,
                          "--standalone: conflicts with --rdzv_backend=%s; expected "
                          "--rdzv_backend=c10d or none",
                          o->rdzv_backend == RDZV_BACKEND_ETCD ? "etcd" : "static");
     if (seen->nnodes_set && (o->nnodes_min != 1 || o->nnodes_max != 1))
-      return usage_error(err, errlen,
+      return cli_usage_error(err, errlen,
                          "--standalone: conflicts with --nnodes=%d:%d; expected --nnodes=1 or "
                          "none (standalone is one node)",
                          o->nnodes_min, o->nnodes_max);
   }
 
   if (seen->endpoint_set && strchr(o->rdzv_endpoints, ',') && o->rdzv_backend != RDZV_BACKEND_ETCD)
-    return usage_error(err, errlen,
+    return cli_usage_error(err, errlen,
                        "--rdzv_endpoint: \"%.300s\" lists several endpoints; expected one HOST[:PORT] "
                        "(a list is for --rdzv_backend=etcd, the members of an etcd cluster)",
                        o->rdzv_endpoints);
+  return 0;
+}
+
+/* etcd: the cluster's members, each of which must parse; rdzv_host and rdzv_port become the
+ * first one's, whose port defaults to etcd's, not c10d's. */
+static int resolve_etcd(launcher_opts_t *o, const cli_seen_t *seen, char *err, size_t errlen) {
+  if (!seen->endpoint_set)
+    return cli_usage_error(err, errlen,
+                       "--rdzv_endpoint: missing; expected the etcd cluster's client endpoints "
+                       "HOST[:PORT],HOST[:PORT],... with --rdzv_backend=etcd (PORT default %d)",
+                       CLI_ETCD_PORT);
+  char list[sizeof o->rdzv_endpoints], *save = NULL;
+  int n = 0;
+  snprintf(list, sizeof list, "%s", o->rdzv_endpoints);
+  for (char *tok = strtok_r(list, ",", &save); tok; tok = strtok_r(NULL, ",", &save), n++) {
+    char host[sizeof o->rdzv_host], why[256] = "";
+    int port = 0;
+    if (!strncmp(tok, "http://", 7)) tok += 7;
+    if (net_parse_endpoint(tok, host, sizeof host, &port, CLI_ETCD_PORT, 0, why, sizeof why) != 0)
+      return cli_usage_error(err, errlen, "--rdzv_endpoint: etcd member \"%.300s\": %s%s", tok,
+                         why[0] ? why : "not valid", strstr(why, "expected") ? "" : "; expected HOST[:PORT]");
+    if (n == 0) {
+      memcpy(o->rdzv_host, host, sizeof host);
+      o->rdzv_port = port;
+    }
+  }
+  if (n == 0 || n > CLI_ETCD_MAX_MEMBERS)
+    return cli_usage_error(err, errlen, "--rdzv_endpoint: \"%.300s\" names %d etcd members; expected 1..%d", o->rdzv_endpoints,
+                       n, CLI_ETCD_MAX_MEMBERS);
+  return 0;
+}
+
+/* static: a fixed node count, a node rank (0 alone on one node), and without an endpoint the
+ * store at --master_addr:--master_port, or on 127.0.0.1 for one node. */
+static int resolve_static(launcher_opts_t *o, const cli_seen_t *seen, char *err, size_t errlen) {
+  if (o->nnodes_min != o->nnodes_max)
+    return cli_usage_error(err, errlen,
+                       "--nnodes: \"%d:%d\" is not valid with --rdzv_backend=static; expected N "
+                       "(static rendezvous is not elastic)",
+                       o->nnodes_min, o->nnodes_max);
+  if (o->node_rank < 0) {
+    if (o->nnodes_max > 1)
+      return cli_usage_error(err, errlen,
+                         "--node_rank: missing; expected 0..%d on each node with "
+                         "--rdzv_backend=static",
+                         o->nnodes_max - 1);
+    o->node_rank = 0;
+  }
+  if (seen->endpoint_set) return 0;
+  if (o->master_addr[0]) {
+    snprintf(o->rdzv_host, sizeof o->rdzv_host, "%s", o->master_addr);
+    o->rdzv_port = seen->master_port_set ? o->master_port : DEF_MASTER_PORT;
+    if (seen->master_port_set)
+      snprintf(o->rdzv_endpoint_from, sizeof o->rdzv_endpoint_from, "%s/%s", seen->master_addr_flag,
+               seen->master_port_flag);
+    else
+      snprintf(o->rdzv_endpoint_from, sizeof o->rdzv_endpoint_from,
+               "%s (port " STR(DEF_MASTER_PORT) ", --master_port's default)", seen->master_addr_flag);
+  } else if (o->nnodes_max == 1) {
+    snprintf(o->rdzv_host, sizeof o->rdzv_host, "127.0.0.1");
+    o->rdzv_port = seen->master_port_set ? o->master_port : 0;
+  } else {
+    return cli_usage_error(err, errlen,
+                       "--master_addr: missing; expected the address of node 0 (or "
+                       "--rdzv_endpoint) with --rdzv_backend=static and --nnodes=%d",
+                       o->nnodes_max);
+  }
+  return 0;
+}
+
+/* Where the rendezvous store lives, by backend; then --standalone's fixed choices, and on one
+ * node the workers' MASTER_PORT. */
+static int resolve_store(launcher_opts_t *o, const cli_seen_t *seen, char *err, size_t errlen) {
+  int rc;
   if (o->rdzv_backend == RDZV_BACKEND_ETCD) {
-    if (!seen->endpoint_set)
-      return usage_error(err, errlen,
-                         "--rdzv_endpoint: missing; expected the etcd cluster's client endpoints "
-                         "HOST[:PORT],HOST[:PORT],... with --rdzv_backend=etcd (PORT default %d)",
-                         CLI_ETCD_PORT);
-    /* Every member must parse; the first one's port defaults to etcd's, not c10d's. */
-    char list[sizeof o->rdzv_endpoints], *save = NULL;
-    int n = 0;
-    snprintf(list, sizeof list, "%s", o->rdzv_endpoints);
-    for (char *tok = strtok_r(list, ",", &save); tok; tok = strtok_r(NULL, ",", &save), n++) {
-      char host[sizeof o->rdzv_host], why[256] = "";
-      int port = 0;
-      if (!strncmp(tok, "http://", 7)) tok += 7;
-      if (net_parse_endpoint(tok, host, sizeof host, &port, CLI_ETCD_PORT, 0, why, sizeof why) != 0)
-        return usage_error(err, errlen, "--rdzv_endpoint: etcd member \"%.300s\": %s%s", tok,
-                           why[0] ? why : "not valid", strstr(why, "expected") ? "" : "; expected HOST[:PORT]");
-      if (n == 0) {
-        memcpy(o->rdzv_host, host, sizeof host);
-        o->rdzv_port = port;
-      }
-    }
-    if (n == 0 || n > CLI_ETCD_MAX_MEMBERS)
-      return usage_error(err, errlen, "--rdzv_endpoint: \"%.300s\" names %d etcd members; expected 1..%d", o->rdzv_endpoints,
-                         n, CLI_ETCD_MAX_MEMBERS);
+    if ((rc = resolve_etcd(o, seen, err, errlen))) return rc;
   } else if (o->rdzv_backend == RDZV_BACKEND_STATIC) {
-    if (o->nnodes_min != o->nnodes_max)
-      return usage_error(err, errlen,
-                         "--nnodes: \"%d:%d\" is not valid with --rdzv_backend=static; expected N "
-                         "(static rendezvous is not elastic)",
-                         o->nnodes_min, o->nnodes_max);
-    if (o->node_rank < 0) {
-      if (o->nnodes_max > 1)
-        return usage_error(err, errlen,
-                           "--node_rank: missing; expected 0..%d on each node with "
-                           "--rdzv_backend=static",
-                           o->nnodes_max - 1);
-      o->node_rank = 0;
-    }
-    if (!seen->endpoint_set) {
-      if (o->master_addr[0]) {
-        snprintf(o->rdzv_host, sizeof o->rdzv_host, "%s", o->master_addr);
-        o->rdzv_port = seen->master_port_set ? o->master_port : DEF_MASTER_PORT;
-        if (seen->master_port_set)
-          snprintf(o->rdzv_endpoint_from, sizeof o->rdzv_endpoint_from, "%s/%s", seen->master_addr_flag,
-                   seen->master_port_flag);
-        else
-          snprintf(o->rdzv_endpoint_from, sizeof o->rdzv_endpoint_from,
-                   "%s (port " STR(DEF_MASTER_PORT) ", --master_port's default)", seen->master_addr_flag);
-      } else if (o->nnodes_max == 1) {
-        snprintf(o->rdzv_host, sizeof o->rdzv_host, "127.0.0.1");
-        o->rdzv_port = seen->master_port_set ? o->master_port : 0;
-      } else {
-        return usage_error(err, errlen,
-                           "--master_addr: missing; expected the address of node 0 (or "
-                           "--rdzv_endpoint) with --rdzv_backend=static and --nnodes=%d",
-                           o->nnodes_max);
-      }
-    }
+    if ((rc = resolve_static(o, seen, err, errlen))) return rc;
   } else if (!seen->endpoint_set) {
     /* c10d with nowhere to meet: one node is torchrun --standalone; more is a mistake that
      * would otherwise surface as a join timeout ten minutes later. */
     if (o->nnodes_max > 1 && !o->standalone)
-      return usage_error(err, errlen,
+      return cli_usage_error(err, errlen,
                          "--rdzv_endpoint: missing; expected HOST[:PORT] of the rendezvous store "
                          "when --nnodes=%d:%d (or --standalone for one node)",
                          o->nnodes_min, o->nnodes_max);
@@ -1050,21 +777,12 @@ static int cli_validate(launcher_opts_t *o, const cli_seen_t *seen, char *err, s
     o->worker_master_port = o->master_port;
     o->rdzv_port = 0;
   }
+  return 0;
+}
 
-  if (o->node_rank >= o->nnodes_max)
-    return usage_error(err, errlen,
-                       "--node_rank: \"%d\" is not valid with --nnodes=%d:%d; expected 0..%d",
-                       o->node_rank, o->nnodes_min, o->nnodes_max, o->nnodes_max - 1);
-
-  if (o->heartbeat_timeout_s <= o->heartbeat_interval_s)
-    return usage_error(err, errlen,
-                       "--rdzv_conf: heartbeat_timeout=%g is not valid with "
-                       "heartbeat_interval=%g; expected heartbeat_timeout > heartbeat_interval",
-                       o->heartbeat_timeout_s, o->heartbeat_interval_s);
-
-  int rc = resolve_secret(o, err, errlen);
-  if (rc) return rc;
-
+/* The per-local-rank lists (--redirects, --tee, --local_ranks_filter) name local ranks below
+ * --nproc_per_node. */
+static int check_per_rank(const launcher_opts_t *o, const cli_seen_t *seen, char *err, size_t errlen) {
   static const struct {
     const char *flag;
     size_t off;
@@ -1076,7 +794,7 @@ static int cli_validate(launcher_opts_t *o, const cli_seen_t *seen, char *err, s
   for (size_t i = 0; i < sizeof per_rank / sizeof per_rank[0]; i++) {
     int hi = *(const int *)((const char *)seen + per_rank[i].off);
     if (hi >= o->nproc_per_node)
-      return usage_error(err, errlen,
+      return cli_usage_error(err, errlen,
                          "%s: local rank %d is not valid with --nproc_per_node=%d; expected local "
                          "ranks 0..%d",
                          per_rank[i].flag, hi, o->nproc_per_node, o->nproc_per_node - 1);
@@ -1084,112 +802,27 @@ static int cli_validate(launcher_opts_t *o, const cli_seen_t *seen, char *err, s
   return 0;
 }
 
-/* ---- Slurm ---- */
-
-static int slurm_missing(const char *name, const char *job, char *err, size_t errlen) {
-  return usage_error(err, errlen,
-                     "%s: not set, though SLURM_JOB_ID=%s is; expected meshrun started by srun on every "
-                     "node of the job (srun sets it), or rendezvous flags (--rdzv_endpoint, --nnodes, "
-                     "--node_rank, --master_addr, --standalone) to leave Slurm's variables alone",
-                     name, job);
-}
-
-/* A numeric Slurm variable: 0 with *out set, 1 when unset or empty, else CLI_EUSAGE. */
-static int slurm_int(const char *name, long lo, long hi, long *out, char *err, size_t errlen) {
-  const char *v = getenv(name);
-  if (!v || !*v) return 1;
-  if (parse_int(v, lo, hi, out) != 0)
-    return usage_error(err, errlen, "%s=\"%s\": not valid; expected an integer %ld..%ld", name, v, lo, hi);
-  return 0;
-}
-
-static int first_host(const char *host, size_t len, void *arg) {
-  memcpy(arg, host, len + 1);
-  return 1;
-}
-
-/* Under Slurm (SLURM_JOB_ID set) with no rendezvous choice of the user's (from argv or PET_:
- * --nnodes, --node_rank, --rdzv_endpoint, --rdzv_backend, --master_addr, --standalone), fills in
- * what `srun meshrun PROGRAM` on every node needs: the node count (SLURM_NNODES), this node's
- * rank (SLURM_NODEID), the endpoint (the first host of the step's node list, which runs node
- * rank 0, and a port computed from the job id so that every node computes the same), the run id
- * (the job id) and the workers per node (SLURM_NTASKS_PER_NODE above 1, else
- * SLURM_GPUS_ON_NODE). Values the user gave (--nproc_per_node, --rdzv_id, --master_port for the
- * port) stay. What was taken is described in note, for the one info line. */
-static int apply_slurm(launcher_opts_t *o, cli_seen_t *seen, char *note, size_t notelen, char *err,
-                       size_t errlen) {
-  const char *job = getenv("SLURM_JOB_ID");
-  if (!job || !*job) return 0;
-  if (seen->nnodes_set || seen->node_rank_set || seen->endpoint_set || seen->backend_set ||
-      seen->master_addr_set || o->standalone)
-    return 0;
-  long jobid, nnodes, nodeid, port, nproc = 0;
+/* The checks between flags, then where the store lives. Order matters: --standalone first
+ * (it fixes backend and node count), then the backend's own rules, then the node rank against
+ * the node count, then per-rank lists against --nproc_per_node. */
+static int cli_validate(launcher_opts_t *o, const cli_seen_t *seen, char *err, size_t errlen) {
   int rc;
-  if (parse_int(job, 0, 0xffffffffL, &jobid) != 0)
-    return usage_error(err, errlen, "SLURM_JOB_ID=\"%s\": not valid; expected Slurm's numeric job id", job);
-  if ((rc = slurm_int("SLURM_NNODES", 1, 1 << 20, &nnodes, err, errlen)))
-    return rc == 1 ? slurm_missing("SLURM_NNODES", job, err, errlen) : rc;
-  if ((rc = slurm_int("SLURM_NODEID", 0, nnodes - 1, &nodeid, err, errlen)))
-    return rc == 1 ? slurm_missing("SLURM_NODEID", job, err, errlen) : rc;
+  if ((rc = check_conflicts(o, seen, err, errlen))) return rc;
+  if ((rc = resolve_store(o, seen, err, errlen))) return rc;
 
-  /* The step's list when there is one (srun): SLURM_NODEID counts within the step, which may
-   * use only some of the job's nodes. */
-  const char *list_var = "SLURM_STEP_NODELIST";
-  const char *list = getenv(list_var);
-  if (!list || !*list) list = getenv(list_var = "SLURM_JOB_NODELIST");
-  if (!list || !*list) return slurm_missing("SLURM_JOB_NODELIST", job, err, errlen);
-  char host[HL_HOST_MAX], why[256];
-  if (hl_walk(list, first_host, host, why, sizeof why) < 0)
-    return usage_error(err, errlen, "%s=\"%s\": %s; expected Slurm's hostlist syntax, e.g. node[01-04,07],login1",
-                       list_var, list, why);
+  if (o->node_rank >= o->nnodes_max)
+    return cli_usage_error(err, errlen,
+                       "--node_rank: \"%d\" is not valid with --nnodes=%d:%d; expected 0..%d",
+                       o->node_rank, o->nnodes_min, o->nnodes_max, o->nnodes_max - 1);
 
-  const char *port_from;
-  if (seen->master_port_set) {
-    port = o->master_port;
-    port_from = "--master_port";
-  } else if ((rc = slurm_int("MESHRUN_SLURM_PORT", 1, 65535, &port, err, errlen)) == 0) {
-    port_from = "MESHRUN_SLURM_PORT";
-  } else if (rc == 1) {
-    port = CLI_SLURM_PORT_BASE + jobid % CLI_SLURM_PORT_SPAN;
-    port_from = "from the job id";
-  } else {
-    return rc;
-  }
+  if (o->heartbeat_timeout_s <= o->heartbeat_interval_s)
+    return cli_usage_error(err, errlen,
+                       "--rdzv_conf: heartbeat_timeout=%g is not valid with "
+                       "heartbeat_interval=%g; expected heartbeat_timeout > heartbeat_interval",
+                       o->heartbeat_timeout_s, o->heartbeat_interval_s);
 
-  /* Workers per node: SLURM_NTASKS_PER_NODE when above 1 (tasks asked for as workers, meshrun
-   * itself started once per node, e.g. from the batch script), else the node's GPUs. One task
-   * per node is the meshrun of `srun --ntasks-per-node=1 meshrun ...`, not its worker count. */
-  const char *nproc_from = NULL;
-  if (!seen->nproc_set) {
-    rc = slurm_int("SLURM_NTASKS_PER_NODE", 1, CLI_MAX_LOCAL_RANKS, &nproc, err, errlen);
-    if (rc < 0) return rc;
-    if (rc == 0 && nproc > 1) {
-      nproc_from = "SLURM_NTASKS_PER_NODE";
-    } else {
-      rc = slurm_int("SLURM_GPUS_ON_NODE", 0, CLI_MAX_LOCAL_RANKS, &nproc, err, errlen);
-      if (rc < 0) return rc;
-      if (rc == 0 && nproc > 0) nproc_from = "SLURM_GPUS_ON_NODE";
-    }
-  }
-
-  o->nnodes_min = o->nnodes_max = (int)nnodes;
-  o->node_rank = (int)nodeid;
-  memcpy(o->rdzv_host, host, strlen(host) + 1);
-  o->rdzv_port = (int)port;
-  if (nproc_from) o->nproc_per_node = (int)nproc;
-  if (!seen->rdzv_id_set) snprintf(o->rdzv_id, sizeof o->rdzv_id, "%s", job);
-  seen->nnodes_set = seen->node_rank_set = seen->endpoint_set = 1;
-  o->from_slurm = 1;
-  snprintf(o->rdzv_endpoint_from, sizeof o->rdzv_endpoint_from, "Slurm's %s (port %s)", list_var, port_from);
-  size_t n = (size_t)snprintf(note, notelen,
-                               "options from Slurm job %s: --nnodes=%ld (SLURM_NNODES) --node_rank=%ld "
-                               "(SLURM_NODEID) --rdzv_endpoint=%s:%ld (first host of %s; port %s)",
-                               job, nnodes, nodeid, host, port, list_var, port_from);
-  if (!seen->rdzv_id_set && n < notelen)
-    n += (size_t)snprintf(note + n, notelen - n, " --rdzv_id=%s (SLURM_JOB_ID)", job);
-  if (nproc_from && n < notelen)
-    snprintf(note + n, notelen - n, " --nproc_per_node=%ld (%s)", nproc, nproc_from);
-  return 0;
+  if ((rc = resolve_secret(o, err, errlen))) return rc;
+  return check_per_rank(o, seen, err, errlen);
 }
 
 /* ---- parsing ---- */
@@ -1213,20 +846,20 @@ static int next_flag(int argc, char **argv, int *i, const cli_flag_t **f, const 
     size_t len = eq ? (size_t)(eq - name) : strlen(name);
     *f = find_long(name, len);
     if (!*f)
-      return usage_error(err, errlen, "--%.*s: unknown flag; expected one of the flags in --help", (int)len, name);
+      return cli_usage_error(err, errlen, "--%.*s: unknown flag; expected one of the flags in --help", (int)len, name);
     if (eq) *val = eq + 1;
   } else {
     *f = find_short(a[1]);
-    if (!*f) return usage_error(err, errlen, "-%c: unknown flag; expected one of the flags in --help", a[1]);
+    if (!*f) return cli_usage_error(err, errlen, "-%c: unknown flag; expected one of the flags in --help", a[1]);
     if (a[2]) *val = a[2] == '=' ? a + 3 : a + 2;
   }
   char flag[72];
   snprintf(flag, sizeof flag, "--%s", (*f)->name);
   if (!(*f)->takes_value && *val)
-    return usage_error(err, errlen, "%s: takes no value, got \"%s\"; expected %s alone", flag, *val, flag);
+    return cli_usage_error(err, errlen, "%s: takes no value, got \"%s\"; expected %s alone", flag, *val, flag);
   if ((*f)->takes_value && !*val) {
     if (*i + 1 >= argc)
-      return usage_error(err, errlen, "%s: missing value; expected %s=VALUE or %s VALUE (see --help)", flag, flag,
+      return cli_usage_error(err, errlen, "%s: missing value; expected %s=VALUE or %s VALUE (see --help)", flag, flag,
                          flag);
     *val = argv[++*i];
   }
@@ -1238,7 +871,7 @@ static int next_flag(int argc, char **argv, int *i, const cli_flag_t **f, const 
  * which torchrun refuses, are taken too: they cannot mean anything else. */
 static int parse_env_bool(const char *v, int *on) {
   long n;
-  if (parse_int(v, LONG_MIN, LONG_MAX, &n) == 0) {
+  if (cli_parse_int(v, LONG_MIN, LONG_MAX, &n) == 0) {
     *on = n != 0;
     return 0;
   }
@@ -1267,7 +900,7 @@ static int apply_env(launcher_opts_t *o, cli_seen_t *seen, const unsigned char *
     if (!f->takes_value) {
       int on;
       if (parse_env_bool(v, &on) != 0)
-        return usage_error(err, errlen,
+        return cli_usage_error(err, errlen,
                            "%s: \"%s\" is not valid; expected 1 or 0 (read as torchrun does: an integer, "
                            "0 off, any other on), or true or false",
                            label, v);
@@ -1319,13 +952,13 @@ int cli_parse(launcher_opts_t *o, int argc, char **argv, char *err, size_t errle
   }
 
   if (prog >= argc)
-    return usage_error(err, errlen,
+    return cli_usage_error(err, errlen,
                        "missing PROGRAM; expected meshrun [OPTIONS] PROGRAM [ARGS...] (see --help)");
   o->program = argv[prog];
   o->prog_argv = &argv[prog];
   o->prog_argc = argc - prog;
   char note[768] = "";
-  if ((rc = apply_slurm(o, &seen, note, sizeof note, err, errlen))) return rc;
+  if ((rc = cli_apply_slurm(o, &seen, note, sizeof note, err, errlen))) return rc;
   choose_python(o);
   if ((rc = cli_validate(o, &seen, err, errlen))) return rc;
   if (o->from_slurm) log_info("%s", note);
@@ -1345,173 +978,4 @@ char **cli_worker_argv(const launcher_opts_t *o) {
   }
   for (int i = 0; i <= n; i++) argv[k++] = o->prog_argv[i]; /* its NULL too */
   return argv;
-}
-
-const char *cli_usage(void) {
-  return "usage: meshrun [OPTIONS] PROGRAM [ARGS...]\n"
-         "\n"
-         "Starts --nproc_per_node copies of PROGRAM on this node, joins them with the other\n"
-         "nodes of the run, and restarts the whole group on failure. torchrun's flags: each may\n"
-         "be spelled with '-' or '_' (--nproc-per-node, --nproc_per_node) and given as\n"
-         "--flag=VALUE or --flag VALUE. Options end at the first argument that is not one, or\n"
-         "at \"--\"; the rest is PROGRAM and its arguments.\n"
-         "\n"
-         "Workers:\n"
-         "  --nproc_per_node N|auto|cpu|gpu\n"
-         "                          workers on this node; auto: the visible GPUs, or the CPUs of\n"
-         "                          this process's affinity mask when there are none (default 1)\n"
-         "  --role NAME             worker role, ROLE_NAME (default " DEF_ROLE ")\n"
-         "  --no_python             exec PROGRAM as is, also one named *.py\n"
-         "  -m, --module            PROGRAM is a Python module: run \"PYTHON -u -m PROGRAM ARGS...\"\n"
-         "                          (not with --no_python)\n"
-         "  A PROGRAM named *.py runs as \"PYTHON -u PROGRAM ARGS...\", torchrun's command; PYTHON\n"
-         "  is $PYTHON_EXEC, else " CLI_PYTHON " from PATH. Any other PROGRAM is exec'd as is.\n"
-         "\n"
-         "Nodes and rendezvous:\n"
-         "  --nnodes N|MIN:MAX      nodes in the run; a range is elastic (default 1)\n"
-         "  --node_rank R           this node's rank 0..N-1; required with static and nnodes>1;\n"
-         "                          with c10d, orders nodes (default: order of joining)\n"
-         "  --rdzv_backend c10d|etcd|static\n"
-         "                          c10d: nodes meet at the store on --rdzv_endpoint, served by\n"
-         "                          the node that owns HOST; etcd: the job's state lives in an\n"
-         "                          etcd cluster, a node's liveness is an etcd lease, and the\n"
-         "                          workers' store moves to each round's first node (no node\n"
-         "                          is special); static: fixed --nnodes=N and --node_rank,\n"
-         "                          store on --master_addr (default c10d)\n"
-         "  --rdzv_endpoint HOST[:PORT]  (etcd: HOST[:PORT],HOST[:PORT],...)\n"
-         "                          the rendezvous store; IPv4, hostname, [IPV6]:PORT or IPV6;\n"
-         "                          required with c10d and nnodes>1 (PORT default " STR(DEF_RDZV_PORT) ");\n"
-         "                          with etcd, the cluster's client endpoints, tried in turn\n"
-         "                          (PORT default " STR(CLI_ETCD_PORT) ")\n"
-         "  --rdzv_id ID, --run_id ID\n"
-         "                          id shared by every node of one run (default " DEF_RDZV_ID "):\n"
-         "                          1.." STR(CLI_RUN_ID_MAX) " of " CLI_RUN_ID_CHARS ", not starting with '.'\n"
-         "                          (it names log folders and the job's keys)\n"
-         "  --rdzv_conf KEY=VALUE[,KEY=VALUE...]\n"
-         "                          token_file=PATH: the job secret (see Secret below);\n"
-         "                          in seconds: join_timeout (default " STR(DEF_JOIN_TIMEOUT) "),\n"
-         "                          last_call_timeout (default " STR(
-             DEF_LAST_CALL_TIMEOUT) ": wait after MIN nodes joined),\n"
-         "                          close_timeout (default " STR(DEF_CLOSE_TIMEOUT) "),\n"
-         "                          heartbeat_interval (default " STR(
-             DEF_HEARTBEAT_INTERVAL) "),\n"
-         "                          heartbeat_timeout (default " STR(
-             DEF_HEARTBEAT_TIMEOUT) ": a node silent longer is dead),\n"
-         "                          handshake_timeout (default " STR(STORE_HANDSHAKE_S) "; etcd " STR(
-             RDZV_ETCD_CALL_S) "): a node exits 1 when\n"
-         "                          the endpoint has not answered as a meshrun store (or etcd)\n"
-         "                          by then, and the store closes a connection that has not\n"
-         "                          proved the secret by then (a refused connection is retried\n"
-         "                          until join_timeout),\n"
-         "                          frame_timeout (default: the store's, 10: a frame over 4 KiB\n"
-         "                          that gets no byte for that long is dropped),\n"
-         "                          progress_interval (default " STR(
-             DEF_PROGRESS_INTERVAL) "; 0: none): a line this often while\n"
-         "                          waiting for nodes or for the store, with the time left\n"
-         "  --standalone            one node, store on 127.0.0.1 on a free port; implied by\n"
-         "                          c10d without --rdzv_endpoint and nnodes 1 (not with\n"
-         "                          --rdzv_endpoint)\n"
-         "  --master_addr HOST      static: node 0's address, where the store lives; also\n"
-         "                          overrides the workers' MASTER_ADDR (default: unset)\n"
-         "  --master_port PORT      one node: the workers' MASTER_PORT, every round (as torchrun;\n"
-         "                          meshrun's store takes a free port); several nodes with\n"
-         "                          static: the store's port (default " STR(DEF_MASTER_PORT) "), and the\n"
-         "                          workers get a free port each round\n"
-         "\n"
-         "Supervision:\n"
-         "  --max_restarts N        restarts of the worker group before giving up (default " STR(
-             DEF_MAX_RESTARTS) ")\n"
-         "  --monitor_interval S    seconds between worker health checks; exits are noticed at\n"
-         "                          once anyway (default " STR(DEF_MONITOR_INTERVAL) ")\n"
-         "  --shutdown_timeout S    seconds between SIGTERM and SIGKILL when stopping workers\n"
-         "                          (default " STR(DEF_SHUTDOWN_TIMEOUT) ")\n"
-         "  What a worker starts (in the background, under setsid, as a daemon) ends with its\n"
-         "  round and with meshrun, kill -9 of meshrun included: meshrun is its subreaper, keeps\n"
-         "  the workers in a cgroup of its own where cgroup v2 is writable (MESHRUN_CGROUP=0:\n"
-         "  finds them through /proc instead), and a guard process cleans up if meshrun dies.\n"
-         "\n"
-         "Output (STD: 0 none, 1 stdout, 2 stderr, 3 both; or per local rank: 0:1,1:2):\n"
-         "  -r, --redirects STD     send these streams to files in --log_dir only (default 0)\n"
-         "  -t, --tee STD           copy these streams to files in --log_dir too (default 0)\n"
-         "  --log_dir DIR           per-rank log files go here, in <run_id>_<random>/attempt_<n>/\n"
-         "                          <rank>/ (a new folder each run; attempt = rendezvous round)\n"
-         "                          (default: none; a temporary directory when --redirects or\n"
-         "                          --tee need one)\n"
-         "  --local_ranks_filter R[,R...]\n"
-         "                          show console lines of these local ranks only (default: all)\n"
-         "\n"
-         "Secret (the store admits only programs that hold it; every node needs the same one):\n"
-         "  --rdzv_conf token_file=PATH\n"
-         "                          read it from PATH (" STR(CLI_SECRET_MIN) ".." STR(
-             CLI_SECRET_MAX) " bytes, trailing whitespace\n"
-         "                          ignored; keep the file's mode 600)\n"
-         "  " STORE_ENV_SECRET "=SECRET\n"
-         "                          the same from the environment; token_file wins if both\n"
-         "                          are given. Neither: a single-node job makes a random one;\n"
-         "                          a multi-node job runs an open store (with a warning)\n"
-         "\n"
-         "Flags from the environment (torchrun's; Kubeflow's PyTorchJob sets them):\n"
-         "  PET_<FLAG>=VALUE        --<flag>'s value when the command line does not give it, e.g.\n"
-         "                          PET_NPROC_PER_NODE=4, PET_RDZV_ENDPOINT=host0:29400; switches\n"
-         "                          take an integer, 0 off, others on, or true/false\n"
-         "                          (PET_STANDALONE=1); empty counts as unset\n"
-         "\n"
-         "Slurm (\"srun meshrun PROGRAM\", one task per node, no rendezvous flags needed):\n"
-         "  With SLURM_JOB_ID set and none of --nnodes, --node_rank, --rdzv_endpoint, --rdzv_backend,\n"
-         "  --master_addr, --standalone given (nor their PET_ variables): --nnodes=SLURM_NNODES,\n"
-         "  --node_rank=SLURM_NODEID, --rdzv_endpoint=the first host of SLURM_STEP_NODELIST (else\n"
-         "  SLURM_JOB_NODELIST) on port " STR(CLI_SLURM_PORT_BASE) " + SLURM_JOB_ID % " STR(
-             CLI_SLURM_PORT_SPAN) " (MESHRUN_SLURM_PORT or\n"
-         "  --master_port choose another), --rdzv_id=SLURM_JOB_ID, --nproc_per_node=\n"
-         "  SLURM_NTASKS_PER_NODE when above 1 (1 is meshrun's own task), else SLURM_GPUS_ON_NODE.\n"
-         "  --nproc_per_node and --rdzv_id, when given, win. One info line says what was taken.\n"
-         "\n"
-         "  -h, --help              this text\n"
-         "  --version               meshrun's version (" MESHRUN_VERSION ")\n"
-         "\n"
-         "Environment of each worker:\n"
-         "  RANK, WORLD_SIZE              global rank and number of workers\n"
-         "  LOCAL_RANK, LOCAL_WORLD_SIZE  rank and number of workers on this node\n"
-         "  GROUP_RANK, GROUP_WORLD_SIZE  this node's rank and the number of nodes\n"
-         "  ROLE_NAME, ROLE_RANK, ROLE_WORLD_SIZE\n"
-         "  MASTER_ADDR, MASTER_PORT      rank 0's node and a free port there (for PyTorch)\n"
-         "  TORCHELASTIC_RESTART_COUNT    failure restarts so far, job-wide (as torchrun: a node\n"
-         "                                joining or leaving restarts workers without counting)\n"
-         "  MESHRUN_ROUND                 the rendezvous round: unique per round, up on every\n"
-         "                                restart (key per-round state with it)\n"
-         "  MESHRUN_JOB_ID                run id @ rendezvous endpoint: the same on every node,\n"
-         "                                round and restart of this job (and no other job's)\n"
-         "  TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID, TORCHELASTIC_ERROR_FILE\n"
-         "  OMP_NUM_THREADS=1             unless already set\n"
-         "  MESHRUN_STORE=HOST:PORT       the agent's key-value store\n"
-         "  MESHRUN_TREE                  this meshrun's id, by which its guard finds what the\n"
-         "                                workers started\n"
-         "  " STORE_ENV_SECRET "            the job secret for that store (when there is one)\n"
-         "\n"
-         "Exit status:\n"
-         "  0                       every worker exited 0\n"
-         "  CODE                    the root-cause worker's code (128+signal if a signal killed it),\n"
-         "                          once --max_restarts are spent, or at once when the failure is\n"
-         "                          permanent: the worker exited " STR(
-             ERRFILE_EXIT_USAGE) " (a usage or plan error) or\n"
-         "                          " STR(ERRFILE_EXIT_CONFIG) " (EX_CONFIG), or its TORCHELASTIC_ERROR_FILE holds\n"
-         "                          {\"meshrun\": {\"restart\": false}} (\"restart\": true makes 2 and 78\n"
-         "                          restartable), or a Python worker exited 1 after a\n"
-         "                          ModuleNotFoundError or ImportError (its last line on\n"
-         "                          stderr); every node of the job stops with that code\n"
-         "  2                       a usage error of meshrun's (one line naming the flag)\n"
-         "  " STR(AGENT_EXIT_STORE_LOST) "                      the rendezvous store was lost: the node serving it\n"
-         "                          died or was silent for heartbeat_timeout (EX_UNAVAILABLE);\n"
-         "                          with etcd: no etcd member could serve a call within " STR(RDZV_ETCD_CALL_S) " s\n"
-         "  127                     PROGRAM not found or not executable\n"
-         "  128+N                   meshrun itself got signal N (INT, TERM, HUP)\n"
-         "  1                       other launcher errors: the endpoint answered nothing within\n"
-         "                          handshake_timeout, or not as a meshrun store (or etcd), or\n"
-         "                          refused until join_timeout; too few nodes by join_timeout; ...\n"
-         "\n"
-         "Examples:\n"
-         "  meshrun --nproc_per_node=8 bin/trainer configs/llama-1b-fsdp-tp.json\n"
-         "  meshrun --nnodes=2 --nproc_per_node=8 --rdzv_endpoint=node0:29400 bin/trainer PLAN\n"
-         "  meshrun --nproc_per_node=4 train.py --epochs 3        (python3 -u train.py ...)\n"
-         "  srun --ntasks-per-node=1 meshrun bin/trainer PLAN   (Slurm: a worker per GPU of the job)\n";
 }

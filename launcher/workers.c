@@ -708,8 +708,8 @@ static void free_round(workers_t *w) {
   w->n = 0;
 }
 
-int workers_start(workers_t *w, const workers_round_t *r, char *err, size_t errlen) {
-  const launcher_opts_t *o = w->opts;
+/* Empties the previous round's table and makes this round's: r->nproc workers, none running. */
+static int new_round(workers_t *w, const workers_round_t *r, char *err, size_t errlen) {
   /* The previous round is idle (the agent waits for it), so its handles are closed. */
   free_round(w);
   w->ws = calloc((size_t)r->nproc, sizeof *w->ws);
@@ -723,6 +723,146 @@ int workers_start(workers_t *w, const workers_round_t *r, char *err, size_t errl
   w->idle_reported = 0;
   w->tree_left = 0;
   w->prefix = r->world_size > 1;
+  return 0;
+}
+
+/* The rank's folder in rank_dir (made only when the rank writes a log) and its error file,
+ * removed when a past run left one. */
+static int rank_files(const workers_t *w, const workers_round_t *r, worker_t *wk, char *rank_dir, size_t dirlen,
+                      char *err, size_t errlen) {
+  int rc;
+  /* <rank>/error.json next to the rank's logs, torchrun's layout; a rank that writes no log
+   * gets no directory of its own, only <rank>.error.json: a directory is an inode to make
+   * and remove per worker, which in a 1024-node start on one machine was a tenth of it. */
+  snprintf(rank_dir, dirlen, "%.3900s/%d", r->attempt_dir, wk->info.rank);
+  if (rank_writes_log(w->opts, r, wk->info.local_rank)) {
+    if ((rc = mkdir_p(rank_dir, err, errlen))) return rc;
+    snprintf(wk->info.error_file, sizeof wk->info.error_file, "%.4000s/error.json", rank_dir);
+  } else if (r->file_prefix[0]) {
+    snprintf(wk->info.error_file, sizeof wk->info.error_file, "%.3800s/%s%d.error.json", r->attempt_dir,
+             r->file_prefix, wk->info.local_rank);
+  } else {
+    snprintf(wk->info.error_file, sizeof wk->info.error_file, "%.4000s.error.json", rank_dir);
+  }
+  fs_unlink_if_there(wk->info.error_file);
+  return 0;
+}
+
+/* spawn_child with every signal blocked across the spawn: until the child has reset the
+ * dispositions, a signal would run libuv's handler in it, which writes to the parent's signal
+ * pipe (meshrun would see, say, a second SIGTERM it never got). The child unblocks. */
+static int spawn_blocked(child_args_t *ca, pid_t *pid, char *err, size_t errlen) {
+  sigset_t all, old;
+  sigfillset(&all);
+  pthread_sigmask(SIG_SETMASK, &all, &old);
+  *pid = spawn_child(ca);
+  int fork_errno = errno;
+  pthread_sigmask(SIG_SETMASK, &old, NULL);
+  if (*pid < 0) {
+    err_set(err, errlen, 0, "fork: %s", strerror(fork_errno));
+    return -fork_errno;
+  }
+  return 0;
+}
+
+/* After a failed spawn: the parent's ends of the output pipes and the log files, and the
+ * partial-line buffers, of a worker that never ran. */
+static void drop_streams(worker_t *wk, int out_rd, int err_rd) {
+  if (out_rd >= 0) close(out_rd);
+  if (err_rd >= 0) close(err_rd);
+  if (wk->out.file_fd >= 0) close(wk->out.file_fd);
+  if (wk->err.file_fd >= 0) close(wk->err.file_fd);
+  wk->out.file_fd = wk->err.file_fd = -1;
+  free(wk->out.line);
+  free(wk->err.line);
+  wk->out.line = wk->err.line = NULL;
+}
+
+/* Starts local rank i: its files, its streams, its environment, the child. *report gets the
+ * read end of the pipe on which the child's exec reports (read once every worker is started:
+ * the execs overlap). Returns 0, or an error in err; what was made for this worker that the
+ * round's cleanup does not reach is closed here. */
+static int start_worker(workers_t *w, const workers_round_t *r, int i, pid_t self, const char *file, char **argv,
+                        int *report, char *err, size_t errlen) {
+  worker_t *wk = &w->ws[i];
+  wk->owner = w;
+  wk->info.local_rank = i;
+  wk->info.rank = r->rank_offset + i;
+  wk->out.file_fd = wk->err.file_fd = -1;
+  char rank_dir[PATH_MAX];
+  int rc = rank_files(w, r, wk, rank_dir, sizeof rank_dir, err, errlen);
+  if (rc) return rc;
+  int out_child, out_rd, err_child, err_rd;
+  if ((rc = setup_stream(w, wk, &wk->out, 0, r, rank_dir, &out_child, &out_rd, err, errlen))) return rc;
+  if ((rc = setup_stream(w, wk, &wk->err, 1, r, rank_dir, &err_child, &err_rd, err, errlen))) {
+    if (out_child >= 0) close(out_child);
+    if (out_rd >= 0) close(out_rd);
+    return rc;
+  }
+  char **env = build_env(w, r, wk);
+  int rep[2] = {-1, -1};
+  if (!env || pipe2(rep, O_CLOEXEC)) {
+    err_set(err, errlen, 0, "preparing rank %d: %s", wk->info.rank, env ? strerror(errno) : "out of memory");
+    rc = -ENOMEM;
+  }
+  pid_t pid = -1;
+  if (!rc) {
+    child_args_t ca = {self, out_child, err_child, rep[1], file, argv, env};
+    rc = spawn_blocked(&ca, &pid, err, errlen);
+  }
+  env_free(env);
+  if (out_child >= 0) close(out_child);
+  if (err_child >= 0) close(err_child);
+  if (rep[1] >= 0) close(rep[1]);
+  if (rc) {
+    if (rep[0] >= 0) close(rep[0]);
+    drop_streams(wk, out_rd, err_rd);
+    return rc;
+  }
+  wk->info.pid = pid;
+  wk->info.running = 1;
+  wk->group_alive = 1;
+  w->running++;
+  tree_note_group(w->tree, pid);
+  *report = rep[0];
+  if (out_rd >= 0 && (rc = open_pipe(w, &wk->out, out_rd))) {
+    err_set(err, errlen, 0, "reading rank %d's stdout: %s", wk->info.rank, uv_strerror(rc));
+    if (err_rd >= 0) close(err_rd);
+    return rc;
+  }
+  if (err_rd >= 0 && (rc = open_pipe(w, &wk->err, err_rd))) {
+    err_set(err, errlen, 0, "reading rank %d's stderr: %s", wk->info.rank, uv_strerror(rc));
+    return rc;
+  }
+  return 0;
+}
+
+/* Reads and closes every report pipe: each gives EOF when its child's exec succeeded (CLOEXEC),
+ * or the errno. Returns 0, or the first failure (-ENOEXEC when the program itself cannot run),
+ * named in err. */
+static int exec_reports(int *reports, int n, const char *file, const char *prog, char *err, size_t errlen) {
+  int rc = 0;
+  for (int i = 0; i < n; i++) {
+    int e = 0;
+    ssize_t k;
+    do k = read(reports[i], &e, sizeof e);
+    while (k < 0 && errno == EINTR);
+    close(reports[i]);
+    reports[i] = -1;
+    if (k == (ssize_t)sizeof e && !rc) {
+      exec_failure(file, prog, e, err, errlen);
+      /* The program itself cannot run (vs. a resource running short, like ENOMEM or E2BIG). */
+      int cannot_run = e == ENOENT || e == EACCES || e == ENOEXEC || e == ENOTDIR || e == ELOOP || e == EISDIR;
+      rc = cannot_run ? -ENOEXEC : -e;
+    }
+  }
+  return rc;
+}
+
+int workers_start(workers_t *w, const workers_round_t *r, char *err, size_t errlen) {
+  const launcher_opts_t *o = w->opts;
+  int rc = new_round(w, r, err, errlen);
+  if (rc) return rc;
   /* PROGRAM ARGS, or for a Python PROGRAM (cli decided: -m, or *.py) torchrun's command */
   char **argv = cli_worker_argv(o);
   if (!argv) {
@@ -736,7 +876,6 @@ int workers_start(workers_t *w, const workers_round_t *r, char *err, size_t errl
     return -ENOEXEC;
   }
   pid_t self = getpid();
-  int rc = 0;
   int *reports = malloc((size_t)r->nproc * sizeof *reports);
   if (!reports) {
     err_set(err, errlen, 0, "out of memory");
@@ -748,107 +887,9 @@ int workers_start(workers_t *w, const workers_round_t *r, char *err, size_t errl
   if ((rc = mkdir_p(r->attempt_dir, err, errlen))) goto error;
   fs_unlink_if_there(w->stop_file);
   tree_round(w->tree);
-  for (int i = 0; i < r->nproc; i++) {
-    worker_t *wk = &w->ws[i];
-    wk->owner = w;
-    wk->info.local_rank = i;
-    wk->info.rank = r->rank_offset + i;
-    wk->out.file_fd = wk->err.file_fd = -1;
-    /* <rank>/error.json next to the rank's logs, torchrun's layout; a rank that writes no log
-     * gets no directory of its own, only <rank>.error.json: a directory is an inode to make
-     * and remove per worker, which in a 1024-node start on one machine was a tenth of it. */
-    char rank_dir[PATH_MAX];
-    snprintf(rank_dir, sizeof rank_dir, "%.3900s/%d", r->attempt_dir, wk->info.rank);
-    if (rank_writes_log(o, r, i)) {
-      if ((rc = mkdir_p(rank_dir, err, errlen))) goto error;
-      snprintf(wk->info.error_file, sizeof wk->info.error_file, "%.4000s/error.json", rank_dir);
-    } else if (r->file_prefix[0]) {
-      snprintf(wk->info.error_file, sizeof wk->info.error_file, "%.3800s/%s%d.error.json", r->attempt_dir,
-               r->file_prefix, i);
-    } else {
-      snprintf(wk->info.error_file, sizeof wk->info.error_file, "%.4000s.error.json", rank_dir);
-    }
-    fs_unlink_if_there(wk->info.error_file);
-    int out_child, out_rd, err_child, err_rd;
-    if ((rc = setup_stream(w, wk, &wk->out, 0, r, rank_dir, &out_child, &out_rd, err, errlen))) goto error;
-    if ((rc = setup_stream(w, wk, &wk->err, 1, r, rank_dir, &err_child, &err_rd, err, errlen))) {
-      if (out_child >= 0) close(out_child);
-      if (out_rd >= 0) close(out_rd);
-      goto error;
-    }
-    char **env = build_env(w, r, wk);
-    int rep[2] = {-1, -1};
-    if (!env || pipe2(rep, O_CLOEXEC)) {
-      err_set(err, errlen, 0, "preparing rank %d: %s", wk->info.rank, env ? strerror(errno) : "out of memory");
-      rc = -ENOMEM;
-    }
-    pid_t pid = -1;
-    if (!rc) {
-      /* Every signal blocked across the spawn: until the child has reset the dispositions, a
-       * signal would run libuv's handler in it, which writes to the parent's signal pipe
-       * (meshrun would see, say, a second SIGTERM it never got). The child unblocks. */
-      sigset_t all, old;
-      sigfillset(&all);
-      pthread_sigmask(SIG_SETMASK, &all, &old);
-      child_args_t ca = {self, out_child, err_child, rep[1], file, argv, env};
-      pid = spawn_child(&ca);
-      int fork_errno = errno;
-      pthread_sigmask(SIG_SETMASK, &old, NULL);
-      if (pid < 0) {
-        rc = -fork_errno;
-        err_set(err, errlen, 0, "fork: %s", strerror(fork_errno));
-      }
-    }
-    env_free(env);
-    if (out_child >= 0) close(out_child);
-    if (err_child >= 0) close(err_child);
-    if (rep[1] >= 0) close(rep[1]);
-    if (!rc) {
-      wk->info.pid = pid;
-      wk->info.running = 1;
-      wk->group_alive = 1;
-      w->running++;
-      tree_note_group(w->tree, pid);
-      reports[i] = rep[0]; /* read after every worker is forked: the execs overlap */
-      rep[0] = -1;
-    }
-    if (rep[0] >= 0) close(rep[0]);
-    if (rc) {
-      if (out_rd >= 0) close(out_rd);
-      if (err_rd >= 0) close(err_rd);
-      if (wk->out.file_fd >= 0) close(wk->out.file_fd);
-      if (wk->err.file_fd >= 0) close(wk->err.file_fd);
-      wk->out.file_fd = wk->err.file_fd = -1;
-      free(wk->out.line);
-      free(wk->err.line);
-      wk->out.line = wk->err.line = NULL;
-      goto error;
-    }
-    if (out_rd >= 0 && (rc = open_pipe(w, &wk->out, out_rd))) {
-      err_set(err, errlen, 0, "reading rank %d's stdout: %s", wk->info.rank, uv_strerror(rc));
-      if (err_rd >= 0) close(err_rd);
-      goto error;
-    }
-    if (err_rd >= 0 && (rc = open_pipe(w, &wk->err, err_rd))) {
-      err_set(err, errlen, 0, "reading rank %d's stderr: %s", wk->info.rank, uv_strerror(rc));
-      goto error;
-    }
-  }
-  /* Each report pipe gives EOF when its child's exec succeeded (CLOEXEC), or the errno. */
-  for (int i = 0; i < r->nproc; i++) {
-    int e = 0;
-    ssize_t k;
-    do k = read(reports[i], &e, sizeof e);
-    while (k < 0 && errno == EINTR);
-    close(reports[i]);
-    reports[i] = -1;
-    if (k == (ssize_t)sizeof e && !rc) {
-      exec_failure(file, argv[0], e, err, errlen);
-      /* The program itself cannot run (vs. a resource running short, like ENOMEM or E2BIG). */
-      int cannot_run = e == ENOENT || e == EACCES || e == ENOEXEC || e == ENOTDIR || e == ELOOP || e == EISDIR;
-      rc = cannot_run ? -ENOEXEC : -e;
-    }
-  }
+  for (int i = 0; i < r->nproc; i++)
+    if ((rc = start_worker(w, r, i, self, file, argv, &reports[i], err, errlen))) goto error;
+  rc = exec_reports(reports, r->nproc, file, argv[0], err, errlen);
   free(reports);
   reports = NULL;
   if (rc) goto error;

@@ -1,4 +1,4 @@
-// deps: launcher/cli.c common/gpus_cuda.c common/net.c common/err.c common/fs.c common/log.c
+// deps: launcher/cli.c launcher/cli_slurm.c launcher/cli_probe.c launcher/cli_help.c common/gpus_cuda.c common/net.c common/err.c common/fs.c common/log.c
 /* test_cli: meshrun's command line (launcher/cli.c).
  *
  * Every value flag is parsed in four ways (underscore/dash spelling x "--flag=v"/"--flag v")
