@@ -10,6 +10,7 @@
 
 #include <cmocka.h>
 
+#include "common/err.h"
 #include "trainer/model/optim.h"
 
 static const char *const TINY[] = {
@@ -22,15 +23,20 @@ static const char *const TINY[] = {
 };
 enum { NTINY = sizeof TINY / sizeof TINY[0], NSETS_MAX = 64 };
 
-void serial_run_open(serial_run_t *r, const char *const *sets, int nsets) {
-  memset(r, 0, sizeof *r);
+int serial_run_plan(plan_t *p, const char *const *sets, int nsets, int world, char *err, size_t errlen) {
   const char *all[NSETS_MAX];
-  assert_true(NTINY + nsets <= NSETS_MAX);
+  if (NTINY + nsets > NSETS_MAX) return err_set(err, errlen, -1, "serial_run: %d sets, at most %d", nsets, NSETS_MAX - NTINY);
   memcpy(all, TINY, sizeof TINY);
   for (int i = 0; i < nsets; i++) all[NTINY + i] = sets[i];
+  int rc = plan_load(p, NULL, all, NTINY + nsets, err, errlen);
+  if (rc == 0) rc = plan_resolve(p, world, err, errlen);
+  return rc;
+}
+
+void serial_run_open(serial_run_t *r, const char *const *sets, int nsets) {
+  memset(r, 0, sizeof *r);
   char err[1024] = "";
-  int rc = plan_load(&r->p, NULL, all, NTINY + nsets, err, sizeof err);
-  if (rc == 0) rc = plan_resolve(&r->p, 1, err, sizeof err);
+  int rc = serial_run_plan(&r->p, sets, nsets, 1, err, sizeof err);
   if (rc) printf("  plan: %s\n", err);
   assert_int_equal(rc, 0);
   r->be = backend_create("cpu", 1, err, sizeof err);

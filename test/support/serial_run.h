@@ -25,6 +25,10 @@ typedef struct {
 /* The tiny model: dim 16, 2 layers, 4 heads (2 kv), vocab 32, hidden 48, sequences of 8, micro
  * batch 2 (global batch 2), 4 steps, synthetic data; then sets ("key.path=value") in order. */
 void serial_run_open(serial_run_t *r, const char *const *sets, int nsets);
+/* The tiny model's plan with sets applied, resolved for world ranks, into *p: 0, or the plan's
+ * code with the message in err. Returns rather than asserts: forked ranks (test/support/fixture)
+ * must not reach cmocka's failure path. */
+int serial_run_plan(plan_t *p, const char *const *sets, int nsets, int world, char *err, size_t errlen);
 /* One optimizer step (1-based `step`) on a batch that is a function of step: forward, backward,
  * dp_grad_norm, the clip scale and dp_step at optim_lr. The loss; the norm into *gnorm. */
 float serial_run_step(serial_run_t *r, int step, double *gnorm);
