@@ -98,6 +98,7 @@
 #define RDZV_MSG_MAX 1024
 #define RDZV_SECRET_MAX 1024 /* bytes of the job secret, its NUL included */
 
+/* Where the keys live: rdzv_create picks the backend (launcher/rdzv_kv.h) from it. */
 typedef enum { RDZV_KV_C10D = 0, RDZV_KV_ETCD } rdzv_kv_kind_t;
 
 typedef struct {

@@ -1,4 +1,4 @@
-// deps: launcher/rdzv.c common/etcd.c common/http.c launcher/store_server.c common/store.c common/store_proto.c common/net.c common/log.c common/err.c
+// deps: launcher/rdzv.c launcher/rdzv_kv_store.c launcher/rdzv_kv_etcd.c common/etcd.c common/http.c launcher/store_server.c common/store.c common/store_proto.c common/net.c common/log.c common/err.c
 /* Unit tests of rdzv's pure decision logic: round closing, late joiners, rank assignment,
  * heartbeat verdicts, fatal ends, the end record's JSON round trip and the master record that
  * carries each round's restart count. No sockets, except the last tests: a store that stops
