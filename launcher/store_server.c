@@ -1156,189 +1156,223 @@ static void on_handshake_timeout(uv_timer_t *t) {
   conn_abort(c, STORE_ETIMEDOUT, "handshake not finished within %d ms", c->srv->handshake_ms);
 }
 
+/* ---- the operations ------------------------------------------------------------------ */
+
+/* One request being handled: its connection, op and payload, and a reader over the payload. */
+typedef struct {
+  conn_t *c;
+  int op;
+  const uint8_t *p;
+  size_t plen;
+  store_proto_reader_t r;
+} req_t;
+
+/* 0 when the whole payload was read and well formed; otherwise closes the connection and
+ * returns -1 (the handler then returns, releasing what it holds). */
+static int req_done(req_t *q) {
+  if (store_proto_reader_done(&q->r)) return 0;
+  conn_close(q->c, "malformed request payload");
+  return -1;
+}
+
+/* HELLO or AUTH once the handshake is done. */
+static void op_handshake_again(req_t *q) {
+  conn_finish(q->c, STORE_EPROTO, "%s after the handshake", store_proto_op_name(q->op));
+}
+
+/* SET: bytes key, bytes value. */
+static void op_set(req_t *q) {
+  const uint8_t *k, *v;
+  size_t kn, vn;
+  if (get_key(q->c, &q->r, &k, &kn)) return;
+  v = store_proto_get_bytes(&q->r, &vn);
+  if (req_done(q)) return;
+  int rc = set_key(q->c->srv, q->c->ns, k, kn, v, vn);
+  if (rc) store_err(q->c, rc, k, kn);
+  else send_empty(q->c, STORE_REP_OK);
+}
+
+/* GET: bytes key, i64 timeout_ms (0: do not wait, negative: no deadline); GET_NOWAIT: bytes
+ * key, answered NOKEY when it is missing. */
+static void op_get(req_t *q) {
+  conn_t *c = q->c;
+  const uint8_t *k;
+  size_t kn;
+  if (get_key(c, &q->r, &k, &kn)) return;
+  int64_t timeout_ms = q->op == STORE_OP_GET ? store_proto_get_i64(&q->r) : 0;
+  if (req_done(q)) return;
+  entry_t *e = tab_find(&c->srv->tab, c->ns, k, kn);
+  if (e) send_value(c, e);
+  else if (q->op == STORE_OP_GET_NOWAIT) send_empty(c, STORE_REP_NOKEY);
+  else if (timeout_ms == 0) send_empty(c, STORE_REP_TIMEOUT);
+  else park(c, q->op, q->p, q->plen, &k, &kn, 1, 0, hash_key(c->ns, k, kn), timeout_ms);
+}
+
+/* ADD: bytes key, i64 delta, to a decimal integer (absent: 0); answers the sum. */
+static void op_add(req_t *q) {
+  conn_t *c = q->c;
+  const uint8_t *k;
+  size_t kn;
+  if (get_key(c, &q->r, &k, &kn)) return;
+  int64_t delta = store_proto_get_i64(&q->r), cur, sum;
+  if (req_done(q)) return;
+  int shown = (int)(kn > 80 ? 80 : kn);
+  if (parse_int(tab_find(&c->srv->tab, c->ns, k, kn), &cur)) {
+    send_error(c, STORE_EINVAL, "add '%.*s': stored value is not a decimal integer", shown, (const char *)k);
+    return;
+  }
+  if (__builtin_add_overflow(cur, delta, &sum)) {
+    send_error(c, STORE_EINVAL, "add '%.*s': %lld + %lld overflows", shown, (const char *)k, (long long)cur,
+               (long long)delta);
+    return;
+  }
+  char txt[32];
+  int tn = snprintf(txt, sizeof txt, "%lld", (long long)sum);
+  int rc = set_key(c->srv, c->ns, k, kn, (const uint8_t *)txt, (size_t)tn);
+  if (rc) store_err(c, rc, k, kn);
+  else send_int(c, sum);
+}
+
+/* CAS: bytes key, u8 expect_absent, bytes expected, bytes desired; answers the value after. */
+static void op_cas(req_t *q) {
+  conn_t *c = q->c;
+  const uint8_t *k, *v, *v2;
+  size_t kn, vn, vn2;
+  if (get_key(c, &q->r, &k, &kn)) return;
+  uint8_t expect_absent = store_proto_get_u8(&q->r);
+  v = store_proto_get_bytes(&q->r, &vn);
+  v2 = store_proto_get_bytes(&q->r, &vn2);
+  if (req_done(q)) return;
+  entry_t *e = tab_find(&c->srv->tab, c->ns, k, kn);
+  int swap = expect_absent ? !e : (e && e->vlen == vn && memcmp(e->val, v, vn) == 0);
+  if (swap) {
+    int rc = set_key(c->srv, c->ns, k, kn, v2, vn2);
+    if (rc) {
+      store_err(c, rc, k, kn);
+      return;
+    }
+    e = tab_find(&c->srv->tab, c->ns, k, kn);
+  }
+  if (e) send_value(c, e);
+  else send_empty(c, STORE_REP_NOKEY);
+}
+
+/* WAIT and MULTI_GET: i64 timeout_ms, key list; answered once every key exists. */
+static void op_wait(req_t *q) {
+  conn_t *c = q->c;
+  const uint8_t **keys;
+  size_t *lens, n;
+  int64_t timeout_ms = store_proto_get_i64(&q->r);
+  if (get_keys(c, &q->r, &keys, &lens, &n)) return;
+  if (req_done(q) == 0) {
+    uint64_t h = 0;
+    size_t miss = try_answer(c, q->op, keys, lens, n, &h);
+    if (miss < n && timeout_ms == 0) send_empty(c, STORE_REP_TIMEOUT);
+    else if (miss < n) park(c, q->op, q->p, q->plen, keys, lens, n, miss, h, timeout_ms);
+  }
+  free(keys);
+  free(lens);
+}
+
+/* CHECK: key list; answers 1 when every key exists. */
+static void op_check(req_t *q) {
+  const uint8_t **keys;
+  size_t *lens, n;
+  if (get_keys(q->c, &q->r, &keys, &lens, &n)) return;
+  if (req_done(q) == 0) {
+    uint64_t h;
+    send_int(q->c, first_missing(q->c->srv, q->c->ns, keys, lens, n, &h) == n);
+  }
+  free(keys);
+  free(lens);
+}
+
+/* DELETE: bytes key; answers 1 when it existed. */
+static void op_delete(req_t *q) {
+  const uint8_t *k;
+  size_t kn;
+  if (get_key(q->c, &q->r, &k, &kn) || req_done(q)) return;
+  send_int(q->c, tab_del(&q->c->srv->tab, q->c->ns, k, kn));
+}
+
+/* MULTI_SET: u32 n, n x (bytes key, bytes value). The whole request is checked first, against
+ * the store's size too, so that a bad entry or a full store sets nothing. */
+static void op_multi_set(req_t *q) {
+  conn_t *c = q->c;
+  store_server_t *srv = c->srv;
+  const uint8_t *k, *v;
+  size_t kn, vn, total = 0;
+  uint32_t cnt = store_proto_get_u32(&q->r);
+  for (uint32_t i = 0; i < cnt && !q->r.bad; i++) {
+    if (get_key(c, &q->r, &k, &kn)) return;
+    store_proto_get_bytes(&q->r, &vn);
+    total += c->ns->len + kn + vn;
+  }
+  if (req_done(q)) return;
+  if (srv->tab.bytes + total > STORE_SERVER_MAX_BYTES) {
+    send_error(c, STORE_ENOMEM, "store full: %zu of %zu bytes used; refusing a multi_set of %zu bytes",
+               srv->tab.bytes, (size_t)STORE_SERVER_MAX_BYTES, total);
+    return;
+  }
+  store_proto_reader_init(&q->r, q->p, q->plen);
+  store_proto_get_u32(&q->r);
+  for (uint32_t i = 0; i < cnt; i++) {
+    k = store_proto_get_bytes(&q->r, &kn);
+    v = store_proto_get_bytes(&q->r, &vn);
+    int rc = set_key(srv, c->ns, k, kn, v, vn);
+    if (rc) {
+      store_err(c, rc, k, kn);
+      return;
+    }
+  }
+  send_empty(c, STORE_REP_OK);
+}
+
+/* NUM_KEYS: no payload; answers the number of this job's keys only. */
+static void op_num_keys(req_t *q) {
+  if (req_done(q)) return;
+  send_int(q->c, (int64_t)q->c->ns->nkeys);
+}
+
+/* The handler of each operation once the handshake is done; an op without one is unknown. */
+static void (*const op_handlers[STORE_OP_LAST_ + 1])(req_t *q) = {
+    [STORE_OP_HELLO] = op_handshake_again,
+    [STORE_OP_AUTH] = op_handshake_again,
+    [STORE_OP_SET] = op_set,
+    [STORE_OP_GET] = op_get,
+    [STORE_OP_GET_NOWAIT] = op_get,
+    [STORE_OP_ADD] = op_add,
+    [STORE_OP_CAS] = op_cas,
+    [STORE_OP_WAIT] = op_wait,
+    [STORE_OP_MULTI_GET] = op_wait,
+    [STORE_OP_CHECK] = op_check,
+    [STORE_OP_DELETE] = op_delete,
+    [STORE_OP_MULTI_SET] = op_multi_set,
+    [STORE_OP_NUM_KEYS] = op_num_keys,
+};
+
 /* Handles one request frame, in c's job's namespace. Malformed payloads close the connection. */
 static void handle(conn_t *c, int op, const uint8_t *p, size_t plen) {
-  store_server_t *srv = c->srv;
-  store_proto_reader_t r;
-  store_proto_reader_init(&r, p, plen);
-  const uint8_t *k = NULL, *v, *v2;
-  size_t kn = 0, vn, vn2;
-  const uint8_t **keys = NULL;
-  size_t *lens = NULL, n = 0;
-  int64_t i64;
-  int rc;
-  entry_t *e;
-  ns_t *ns = c->ns;
+  req_t q = {.c = c, .op = op, .p = p, .plen = plen};
+  store_proto_reader_init(&q.r, p, plen);
 
   /* Before the handshake is done only its next step is welcome; after it, neither step. */
   if (c->state != CONN_READY) {
     int want = c->state == CONN_HELLO ? STORE_OP_HELLO : STORE_OP_AUTH;
     if (op != want) {
       conn_finish(c, STORE_EAUTH, "%s before the handshake is done: this store belongs to job '%s' and expects %s",
-                  store_proto_op_name(op), srv->run_id, store_proto_op_name(want));
+                  store_proto_op_name(op), c->srv->run_id, store_proto_op_name(want));
       return;
     }
-    if (op == STORE_OP_HELLO) handle_hello(c, &r);
-    else handle_auth(c, &r);
+    if (op == STORE_OP_HELLO) handle_hello(c, &q.r);
+    else handle_auth(c, &q.r);
     return;
   }
-
-#define DONE_OR_CLOSE()                                                                       \
-  do {                                                                                        \
-    if (!store_proto_reader_done(&r)) {                                                       \
-      free(keys);                                                                             \
-      free(lens);                                                                             \
-      conn_close(c, "malformed request payload");                                             \
-      return;                                                                                 \
-    }                                                                                         \
-  } while (0)
-
-  switch (op) {
-  case STORE_OP_HELLO:
-  case STORE_OP_AUTH:
-    conn_finish(c, STORE_EPROTO, "%s after the handshake", store_proto_op_name(op));
-    return;
-
-  case STORE_OP_SET:
-    if (get_key(c, &r, &k, &kn)) return;
-    v = store_proto_get_bytes(&r, &vn);
-    DONE_OR_CLOSE();
-    if ((rc = set_key(srv, ns, k, kn, v, vn))) {
-      store_err(c, rc, k, kn);
-      return;
-    }
-    send_empty(c, STORE_REP_OK);
-    return;
-
-  case STORE_OP_GET:
-  case STORE_OP_GET_NOWAIT:
-    if (get_key(c, &r, &k, &kn)) return;
-    i64 = op == STORE_OP_GET ? store_proto_get_i64(&r) : 0;
-    DONE_OR_CLOSE();
-    if ((e = tab_find(&srv->tab, ns, k, kn))) send_value(c, e);
-    else if (op == STORE_OP_GET_NOWAIT) send_empty(c, STORE_REP_NOKEY);
-    else if (i64 == 0) send_empty(c, STORE_REP_TIMEOUT);
-    else park(c, op, p, plen, &k, &kn, 1, 0, hash_key(ns, k, kn), i64);
-    return;
-
-  case STORE_OP_ADD:
-    if (get_key(c, &r, &k, &kn)) return;
-    i64 = store_proto_get_i64(&r);
-    DONE_OR_CLOSE();
-    {
-      int64_t cur, sum;
-      e = tab_find(&srv->tab, ns, k, kn);
-      if (parse_int(e, &cur)) {
-        send_error(c, STORE_EINVAL, "add '%.*s': stored value is not a decimal integer", (int)(kn > 80 ? 80 : kn),
-                   (const char *)k);
-        return;
-      }
-      if (__builtin_add_overflow(cur, i64, &sum)) {
-        send_error(c, STORE_EINVAL, "add '%.*s': %lld + %lld overflows", (int)(kn > 80 ? 80 : kn), (const char *)k,
-                   (long long)cur, (long long)i64);
-        return;
-      }
-      char txt[32];
-      int tn = snprintf(txt, sizeof txt, "%lld", (long long)sum);
-      if ((rc = set_key(srv, ns, k, kn, (const uint8_t *)txt, (size_t)tn))) {
-        store_err(c, rc, k, kn);
-        return;
-      }
-      send_int(c, sum);
-    }
-    return;
-
-  case STORE_OP_CAS: {
-    if (get_key(c, &r, &k, &kn)) return;
-    uint8_t expect_absent = store_proto_get_u8(&r);
-    v = store_proto_get_bytes(&r, &vn);
-    v2 = store_proto_get_bytes(&r, &vn2);
-    DONE_OR_CLOSE();
-    e = tab_find(&srv->tab, ns, k, kn);
-    int swap = expect_absent ? !e : (e && e->vlen == vn && memcmp(e->val, v, vn) == 0);
-    if (swap) {
-      if ((rc = set_key(srv, ns, k, kn, v2, vn2))) {
-        store_err(c, rc, k, kn);
-        return;
-      }
-      e = tab_find(&srv->tab, ns, k, kn);
-    }
-    if (e) send_value(c, e);
-    else send_empty(c, STORE_REP_NOKEY);
-    return;
-  }
-
-  case STORE_OP_WAIT:
-  case STORE_OP_MULTI_GET:
-    i64 = store_proto_get_i64(&r);
-    if (get_keys(c, &r, &keys, &lens, &n)) return;
-    DONE_OR_CLOSE();
-    {
-      uint64_t h = 0;
-      size_t miss = try_answer(c, op, keys, lens, n, &h);
-      if (miss < n && i64 == 0) send_empty(c, STORE_REP_TIMEOUT);
-      else if (miss < n) park(c, op, p, plen, keys, lens, n, miss, h, i64);
-    }
-    free(keys);
-    free(lens);
-    return;
-
-  case STORE_OP_CHECK:
-    if (get_keys(c, &r, &keys, &lens, &n)) return;
-    DONE_OR_CLOSE();
-    {
-      uint64_t h;
-      send_int(c, first_missing(srv, ns, keys, lens, n, &h) == n);
-    }
-    free(keys);
-    free(lens);
-    return;
-
-  case STORE_OP_DELETE:
-    if (get_key(c, &r, &k, &kn)) return;
-    DONE_OR_CLOSE();
-    send_int(c, tab_del(&srv->tab, ns, k, kn));
-    return;
-
-  case STORE_OP_MULTI_SET: {
-    uint32_t cnt = store_proto_get_u32(&r);
-    size_t total = 0;
-    /* Validate the whole request first so that a bad entry sets nothing. */
-    for (uint32_t i = 0; i < cnt && !r.bad; i++) {
-      if (get_key(c, &r, &k, &kn)) return;
-      store_proto_get_bytes(&r, &vn);
-      total += ns->len + kn + vn;
-    }
-    DONE_OR_CLOSE();
-    if (srv->tab.bytes + total > STORE_SERVER_MAX_BYTES) {
-      send_error(c, STORE_ENOMEM, "store full: %zu of %zu bytes used; refusing a multi_set of %zu bytes",
-                 srv->tab.bytes, (size_t)STORE_SERVER_MAX_BYTES, total);
-      return;
-    }
-    store_proto_reader_init(&r, p, plen);
-    store_proto_get_u32(&r);
-    for (uint32_t i = 0; i < cnt; i++) {
-      k = store_proto_get_bytes(&r, &kn);
-      v = store_proto_get_bytes(&r, &vn);
-      if ((rc = set_key(srv, ns, k, kn, v, vn))) {
-        store_err(c, rc, k, kn);
-        return;
-      }
-    }
-    send_empty(c, STORE_REP_OK);
-    return;
-  }
-
-  case STORE_OP_NUM_KEYS:
-    DONE_OR_CLOSE();
-    send_int(c, (int64_t)ns->nkeys); /* this job's keys only */
-    return;
-
-  default:
+  if (op < 0 || op > STORE_OP_LAST_ || !op_handlers[op]) {
     conn_close(c, "unknown op");
     return;
   }
-#undef DONE_OR_CLOSE
+  op_handlers[op](&q);
 }
 
 static void on_frame_timeout(uv_timer_t *t);

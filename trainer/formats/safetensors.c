@@ -215,8 +215,8 @@ static int json_uint(const cJSON *j, uint64_t max, uint64_t *out) {
   return 1;
 }
 
-int st_open(st_file_t **out, const char *path, char *err, size_t errlen) {
-  *out = NULL;
+/* Maps the file at path into a new *out (nothing parsed yet). */
+static int map_file(st_file_t **out, const char *path, char *err, size_t errlen) {
   int fd = open(path, O_RDONLY | O_CLOEXEC);
   if (fd < 0) return err_set(err, errlen, ST_EIO, "safetensors: open %s: %s", path, strerror(errno));
   struct stat sb;
@@ -245,11 +245,134 @@ int st_open(st_file_t **out, const char *path, char *err, size_t errlen) {
     st_close(f);
     return err_set(err, errlen, ST_EIO, "safetensors: mmap %s: %s", path, strerror(e));
   }
+  *out = f;
+  return 0;
+}
+
+/* Copies the strings of the __metadata__ entry md into f->meta. */
+static int read_metadata(st_file_t *f, const cJSON *md, const char *path, char *err, size_t errlen) {
+  if (!cJSON_IsObject(md))
+    return err_set(err, errlen, ST_ECORRUPT, "safetensors: %s: __metadata__ is not an object", path);
+  int nm = cJSON_GetArraySize(md);
+  char **meta = realloc(f->meta, (2 * ((size_t)f->n_meta + (size_t)nm) + 2) * sizeof *meta);
+  if (!meta) return err_set(err, errlen, ST_ENOMEM, "safetensors: out of memory");
+  f->meta = meta;
+  const cJSON *kv;
+  cJSON_ArrayForEach(kv, md) {
+    if (!cJSON_IsString(kv))
+      return err_set(err, errlen, ST_ECORRUPT, "safetensors: %s: metadata %s is not a string", path, kv->string);
+    f->meta[2 * f->n_meta] = strdup(kv->string);
+    f->meta[2 * f->n_meta + 1] = strdup(kv->valuestring);
+    f->n_meta++;
+    if (!f->meta[2 * f->n_meta - 2] || !f->meta[2 * f->n_meta - 1])
+      return err_set(err, errlen, ST_ENOMEM, "safetensors: out of memory");
+  }
+  return 0;
+}
+
+/* Fills t's dtype and shape from an entry's "dtype" dt and "shape" sh, *numel with its count
+ * of elements; name is the entry's, for the messages. */
+static int read_dtype_shape(st_tensor_t *t, const cJSON *dt, const cJSON *sh, uint64_t *numel, const char *path,
+                            const char *name, char *err, size_t errlen) {
+  if (!strcmp(dt->valuestring, "F32"))
+    t->dtype = ST_F32;
+  else if (!strcmp(dt->valuestring, "I32"))
+    t->dtype = ST_I32;
+  else
+    return err_set(err, errlen, ST_ECORRUPT, "safetensors: %s: %s has dtype %s (only F32 and I32 are supported)", path,
+                   name, dt->valuestring);
+  t->ndim = cJSON_GetArraySize(sh);
+  if (t->ndim > ST_MAX_DIMS)
+    return err_set(err, errlen, ST_ECORRUPT, "safetensors: %s: %s has %d dimensions (max %d)", path, name, t->ndim,
+                   ST_MAX_DIMS);
+  *numel = 1;
+  for (int d = 0; d < t->ndim; d++) {
+    uint64_t v;
+    if (!json_uint(cJSON_GetArrayItem(sh, d), (uint64_t)1 << 40, &v))
+      return err_set(err, errlen, ST_ECORRUPT, "safetensors: %s: %s has an invalid shape", path, name);
+    t->shape[d] = (int64_t)v;
+    *numel *= v;
+    if (*numel > ((uint64_t)1 << 50))
+      return err_set(err, errlen, ST_ECORRUPT, "safetensors: %s: %s has an impossible shape", path, name);
+  }
+  return 0;
+}
+
+/* Adds the tensor of header entry e as f's next one; its bytes lie within the data_len bytes
+ * at data. */
+static int read_tensor(st_file_t *f, const cJSON *e, const unsigned char *data, uint64_t data_len, const char *path,
+                       char *err, size_t errlen) {
+  const char *name = e->string;
+  const cJSON *dt = cJSON_GetObjectItemCaseSensitive(e, "dtype");
+  const cJSON *sh = cJSON_GetObjectItemCaseSensitive(e, "shape");
+  const cJSON *of = cJSON_GetObjectItemCaseSensitive(e, "data_offsets");
+  if (!cJSON_IsObject(e) || !cJSON_IsString(dt) || !cJSON_IsArray(sh) || !cJSON_IsArray(of) ||
+      cJSON_GetArraySize(of) != 2)
+    return err_set(err, errlen, ST_ECORRUPT, "safetensors: %s: entry %s lacks dtype, shape or data_offsets", path,
+                   name);
+  st_tensor_t *t = &f->tensors[f->n];
+  uint64_t numel = 0;
+  int rc = read_dtype_shape(t, dt, sh, &numel, path, name, err, errlen);
+  if (rc) return rc;
+  uint64_t b0, b1;
+  if (!json_uint(cJSON_GetArrayItem(of, 0), data_len, &b0) || !json_uint(cJSON_GetArrayItem(of, 1), data_len, &b1) ||
+      b1 < b0)
+    return err_set(err, errlen, ST_ECORRUPT,
+                   "safetensors: %s: %s has data_offsets outside the %llu data bytes of the file (truncated?)", path,
+                   name, (unsigned long long)data_len);
+  if (b1 - b0 != numel * dtype_size(t->dtype))
+    return err_set(err, errlen, ST_ECORRUPT, "safetensors: %s: %s spans %llu bytes but its shape needs %llu", path,
+                   name, (unsigned long long)(b1 - b0), (unsigned long long)(numel * dtype_size(t->dtype)));
+  f->names[f->n] = strdup(name);
+  if (!f->names[f->n]) return err_set(err, errlen, ST_ENOMEM, "safetensors: out of memory");
+  t->name = f->names[f->n];
+  t->data = data + b0;
+  t->nbytes = (size_t)(b1 - b0);
+  f->n++;
+  return 0;
+}
+
+/* Reads every entry of the header object root: the metadata and the tensors. */
+static int read_header(st_file_t *f, const cJSON *root, const unsigned char *data, uint64_t data_len,
+                       const char *path, char *err, size_t errlen) {
+  int count = cJSON_GetArraySize(root);
+  f->tensors = calloc((size_t)count + 1, sizeof *f->tensors);
+  f->names = calloc((size_t)count + 1, sizeof *f->names);
+  f->meta = calloc(2 * (size_t)count + 2, sizeof *f->meta);
+  if (!f->tensors || !f->names || !f->meta) return err_set(err, errlen, ST_ENOMEM, "safetensors: out of memory");
+  const cJSON *e;
+  cJSON_ArrayForEach(e, root) {
+    int rc = !strcmp(e->string, "__metadata__") ? read_metadata(f, e, path, err, errlen)
+                                                 : read_tensor(f, e, data, data_len, path, err, errlen);
+    if (rc) return rc;
+  }
+  return 0;
+}
+
+/* Sorts f's tensors by offset (names travel with their tensors, so keep them in step) and
+ * checks that no two overlap. */
+static int sort_and_check_overlaps(st_file_t *f, const char *path, char *err, size_t errlen) {
+  qsort(f->tensors, (size_t)f->n, sizeof *f->tensors, cmp_offset);
+  for (int i = 0; i < f->n; i++)
+    f->names[i] = (char *)f->tensors[i].name;
+  for (int i = 1; i < f->n; i++) {
+    const char *prev_end = (const char *)f->tensors[i - 1].data + f->tensors[i - 1].nbytes;
+    if ((const char *)f->tensors[i].data < prev_end)
+      return err_set(err, errlen, ST_ECORRUPT, "safetensors: %s: tensors %s and %s overlap", path,
+                     f->tensors[i - 1].name, f->tensors[i].name);
+  }
+  return 0;
+}
+
+int st_open(st_file_t **out, const char *path, char *err, size_t errlen) {
+  *out = NULL;
+  st_file_t *f = NULL;
+  int rc = map_file(&f, path, err, errlen);
+  if (rc) return rc;
   const unsigned char *bytes = f->map;
-  uint64_t hlen = 0;
+  uint64_t fsize = f->map_len, hlen = 0;
   for (int i = 0; i < 8; i++)
     hlen |= (uint64_t)bytes[i] << (8 * i);
-  int rc = 0;
   cJSON *root = NULL;
   if (hlen > ST_MAX_HEADER || hlen > fsize - 8) {
     rc = err_set(err, errlen, ST_ECORRUPT, "safetensors: %s: header length %llu exceeds the file (%llu bytes)", path,
@@ -261,122 +384,8 @@ int st_open(st_file_t **out, const char *path, char *err, size_t errlen) {
     rc = err_set(err, errlen, ST_ECORRUPT, "safetensors: %s: header is not a JSON object", path);
     goto error;
   }
-  const unsigned char *data = bytes + 8 + hlen;
-  uint64_t data_len = fsize - 8 - hlen;
-  int count = cJSON_GetArraySize(root);
-  f->tensors = calloc((size_t)count + 1, sizeof *f->tensors);
-  f->names = calloc((size_t)count + 1, sizeof *f->names);
-  f->meta = calloc(2 * (size_t)count + 2, sizeof *f->meta);
-  if (!f->tensors || !f->names || !f->meta) {
-    rc = err_set(err, errlen, ST_ENOMEM, "safetensors: out of memory");
-    goto error;
-  }
-  const cJSON *e;
-  cJSON_ArrayForEach(e, root) {
-    if (!strcmp(e->string, "__metadata__")) {
-      if (!cJSON_IsObject(e)) {
-        rc = err_set(err, errlen, ST_ECORRUPT, "safetensors: %s: __metadata__ is not an object", path);
-        goto error;
-      }
-      int nm = cJSON_GetArraySize(e);
-      char **meta = realloc(f->meta, (2 * ((size_t)f->n_meta + (size_t)nm) + 2) * sizeof *meta);
-      if (!meta) {
-        rc = err_set(err, errlen, ST_ENOMEM, "safetensors: out of memory");
-        goto error;
-      }
-      f->meta = meta;
-      const cJSON *kv;
-      cJSON_ArrayForEach(kv, e) {
-        if (!cJSON_IsString(kv)) {
-          rc = err_set(err, errlen, ST_ECORRUPT, "safetensors: %s: metadata %s is not a string", path, kv->string);
-          goto error;
-        }
-        f->meta[2 * f->n_meta] = strdup(kv->string);
-        f->meta[2 * f->n_meta + 1] = strdup(kv->valuestring);
-        f->n_meta++;
-        if (!f->meta[2 * f->n_meta - 2] || !f->meta[2 * f->n_meta - 1]) {
-          rc = err_set(err, errlen, ST_ENOMEM, "safetensors: out of memory");
-          goto error;
-        }
-      }
-      continue;
-    }
-    const char *name = e->string;
-    const cJSON *dt = cJSON_GetObjectItemCaseSensitive(e, "dtype");
-    const cJSON *sh = cJSON_GetObjectItemCaseSensitive(e, "shape");
-    const cJSON *of = cJSON_GetObjectItemCaseSensitive(e, "data_offsets");
-    if (!cJSON_IsObject(e) || !cJSON_IsString(dt) || !cJSON_IsArray(sh) || !cJSON_IsArray(of) ||
-        cJSON_GetArraySize(of) != 2) {
-      rc =
-          err_set(err, errlen, ST_ECORRUPT, "safetensors: %s: entry %s lacks dtype, shape or data_offsets", path, name);
-      goto error;
-    }
-    st_tensor_t *t = &f->tensors[f->n];
-    if (!strcmp(dt->valuestring, "F32"))
-      t->dtype = ST_F32;
-    else if (!strcmp(dt->valuestring, "I32"))
-      t->dtype = ST_I32;
-    else {
-      rc = err_set(err, errlen, ST_ECORRUPT, "safetensors: %s: %s has dtype %s (only F32 and I32 are supported)", path,
-                   name, dt->valuestring);
-      goto error;
-    }
-    t->ndim = cJSON_GetArraySize(sh);
-    if (t->ndim > ST_MAX_DIMS) {
-      rc = err_set(err, errlen, ST_ECORRUPT, "safetensors: %s: %s has %d dimensions (max %d)", path, name, t->ndim,
-                   ST_MAX_DIMS);
-      goto error;
-    }
-    uint64_t numel = 1;
-    for (int d = 0; d < t->ndim; d++) {
-      uint64_t v;
-      if (!json_uint(cJSON_GetArrayItem(sh, d), (uint64_t)1 << 40, &v)) {
-        rc = err_set(err, errlen, ST_ECORRUPT, "safetensors: %s: %s has an invalid shape", path, name);
-        goto error;
-      }
-      t->shape[d] = (int64_t)v;
-      numel *= v;
-      if (numel > ((uint64_t)1 << 50)) {
-        rc = err_set(err, errlen, ST_ECORRUPT, "safetensors: %s: %s has an impossible shape", path, name);
-        goto error;
-      }
-    }
-    uint64_t b0, b1;
-    if (!json_uint(cJSON_GetArrayItem(of, 0), data_len, &b0) || !json_uint(cJSON_GetArrayItem(of, 1), data_len, &b1) ||
-        b1 < b0) {
-      rc = err_set(err, errlen, ST_ECORRUPT,
-                   "safetensors: %s: %s has data_offsets outside the %llu data bytes of the file (truncated?)", path,
-                   name, (unsigned long long)data_len);
-      goto error;
-    }
-    if (b1 - b0 != numel * dtype_size(t->dtype)) {
-      rc = err_set(err, errlen, ST_ECORRUPT, "safetensors: %s: %s spans %llu bytes but its shape needs %llu", path,
-                   name, (unsigned long long)(b1 - b0), (unsigned long long)(numel * dtype_size(t->dtype)));
-      goto error;
-    }
-    f->names[f->n] = strdup(name);
-    if (!f->names[f->n]) {
-      rc = err_set(err, errlen, ST_ENOMEM, "safetensors: out of memory");
-      goto error;
-    }
-    t->name = f->names[f->n];
-    t->data = data + b0;
-    t->nbytes = (size_t)(b1 - b0);
-    f->n++;
-  }
-  /* Sort by offset (names travel with their tensors, so keep them in step) and check that
-   * no two tensors overlap. */
-  qsort(f->tensors, (size_t)f->n, sizeof *f->tensors, cmp_offset);
-  for (int i = 0; i < f->n; i++)
-    f->names[i] = (char *)f->tensors[i].name;
-  for (int i = 1; i < f->n; i++) {
-    const char *prev_end = (const char *)f->tensors[i - 1].data + f->tensors[i - 1].nbytes;
-    if ((const char *)f->tensors[i].data < prev_end) {
-      rc = err_set(err, errlen, ST_ECORRUPT, "safetensors: %s: tensors %s and %s overlap", path, f->tensors[i - 1].name,
-                   f->tensors[i].name);
-      goto error;
-    }
-  }
+  if ((rc = read_header(f, root, bytes + 8 + hlen, fsize - 8 - hlen, path, err, errlen))) goto error;
+  if ((rc = sort_and_check_overlaps(f, path, err, errlen))) goto error;
   cJSON_Delete(root);
   *out = f;
   return 0;

@@ -1334,175 +1334,196 @@ static int32_t json_id(const cJSON *v) {
   return (int32_t)v->valuedouble;
 }
 
-static int load_json(tokenizer_t *t, const char *path, const char *buf, size_t len, const cJSON *config, char *err,
-                     size_t errlen) {
-  int rc = 0;
-  t->kind = TOK_BPE;
-  t->unk_id = -1;
-  t->space_id = -1;
-  uint32_t cp_of[256];
+/* What the steps of load_json share: the file, the vocab's strings by name, the tables being
+ * filled and a scratch buffer. */
+typedef struct {
+  tokenizer_t *t;
+  const char *path;
+  char *err;
+  size_t errlen;
   int16_t byte_of[324];
-  byte_level_tables(cp_of, byte_of);
-  smap_t names = {0}; /* the vocab's byte-level strings -> id, for merges and names */
-  arena_t names_a = {0}, keys = {0}, dec = {0};
-  char *tmp = NULL;
+  dstep_t dsteps[MAX_DSTEPS]; /* a sentencepiece-style decoder's steps */
+  int n_dsteps;
+  smap_t names; /* the vocab's byte-level strings -> id, for merges and names */
+  arena_t names_a, keys, dec;
+  int32_t max_id, n_vocab; /* largest id (vocab and added tokens), number of vocab entries */
+  size_t max_str;          /* longest vocab string */
+  char *tmp;
+  size_t tmp_cap;
+} json_load_t;
 
-  cJSON *root = cJSON_ParseWithLength(buf, len);
-  if (!root) {
-    const char *at = cJSON_GetErrorPtr();
-    size_t off = at && at >= buf && at <= buf + len ? (size_t)(at - buf) : 0;
-    return err_set(err, errlen, TOKENIZER_EFORMAT, "tokenizer: %s: bad JSON near byte %zu", path, off);
-  }
-#define FAIL(code, ...)                                                                                                \
-  do {                                                                                                                 \
-    rc = err_set(err, errlen, code, __VA_ARGS__);                                                                      \
-    goto done;                                                                                                         \
-  } while (0)
-#define OOM() FAIL(TOKENIZER_ENOMEM, "tokenizer: %s: out of memory", path)
-  if (!cJSON_IsObject(root)) FAIL(TOKENIZER_EFORMAT, "tokenizer: %s: the JSON is not an object", path);
+static int json_oom(json_load_t *l) {
+  return err_set(l->err, l->errlen, TOKENIZER_ENOMEM, "tokenizer: %s: out of memory", l->path);
+}
 
-  /* What the file asks for, checked before anything is built. */
-  const cJSON *model = cJSON_GetObjectItemCaseSensitive(root, "model");
-  if (!cJSON_IsObject(model)) FAIL(TOKENIZER_EFORMAT, "tokenizer: %s: no \"model\" object", path);
+/* The model object: BPE without the options we do not implement. */
+static int json_check_model(json_load_t *l, const cJSON *model) {
+  const char *path = l->path;
+  if (!cJSON_IsObject(model))
+    return err_set(l->err, l->errlen, TOKENIZER_EFORMAT, "tokenizer: %s: no \"model\" object", path);
   if (strcmp(type_of(model), "BPE") != 0)
-    FAIL(TOKENIZER_EUNSUPPORTED, "tokenizer: %s: model type %s is unsupported (only BPE)", path,
-         type_of(model)[0] ? type_of(model) : "(none)");
+    return err_set(l->err, l->errlen, TOKENIZER_EUNSUPPORTED, "tokenizer: %s: model type %s is unsupported (only BPE)",
+                   path, type_of(model)[0] ? type_of(model) : "(none)");
   if (!empty_or_null(cJSON_GetObjectItemCaseSensitive(model, "dropout")))
-    FAIL(TOKENIZER_EUNSUPPORTED, "tokenizer: %s: BPE dropout is unsupported", path);
+    return err_set(l->err, l->errlen, TOKENIZER_EUNSUPPORTED, "tokenizer: %s: BPE dropout is unsupported", path);
   if (!empty_or_null(cJSON_GetObjectItemCaseSensitive(model, "continuing_subword_prefix")) ||
       !empty_or_null(cJSON_GetObjectItemCaseSensitive(model, "end_of_word_suffix")))
-    FAIL(TOKENIZER_EUNSUPPORTED, "tokenizer: %s: BPE continuing_subword_prefix/end_of_word_suffix are unsupported",
-         path);
-  t->byte_fallback = flag(model, "byte_fallback", 0);
+    return err_set(l->err, l->errlen, TOKENIZER_EUNSUPPORTED,
+                   "tokenizer: %s: BPE continuing_subword_prefix/end_of_word_suffix are unsupported", path);
+  l->t->byte_fallback = flag(model, "byte_fallback", 0);
+  return 0;
+}
+
+/* The normalizer, the pre-tokenizer and the decoder. Byte-level (GPT-2, Llama 3) when the
+ * decoder or a pre-tokenizer says ByteLevel; else sentencepiece-style (Llama 2, Mistral,
+ * llama2.c's exported): characters, byte_fallback. */
+static int json_pipeline(json_load_t *l, const cJSON *root) {
+  static const char *const pre_name[] = {"Split", "ByteLevel", "Metaspace"};
+  tokenizer_t *t = l->t;
+  const char *path = l->path;
+  int rc, cap = 0;
   const cJSON *norm = cJSON_GetObjectItemCaseSensitive(root, "normalizer");
-  int cap = 0;
-  if (norm && !cJSON_IsNull(norm) && (rc = add_norm(t, norm, path, &cap, err, errlen))) goto done;
+  if (norm && !cJSON_IsNull(norm) && (rc = add_norm(t, norm, path, &cap, l->err, l->errlen))) return rc;
   const cJSON *dec_j = cJSON_GetObjectItemCaseSensitive(root, "decoder");
   const cJSON *pt = cJSON_GetObjectItemCaseSensitive(root, "pre_tokenizer");
   cap = 0;
-  if (pt && !cJSON_IsNull(pt) && (rc = add_pre(t, pt, path, &cap, err, errlen))) goto done;
-  /* Byte-level (GPT-2, Llama 3) when the decoder or a pre-tokenizer says ByteLevel; else
-   * sentencepiece-style (Llama 2, Mistral, llama2.c's exported): characters, byte_fallback. */
+  if (pt && !cJSON_IsNull(pt) && (rc = add_pre(t, pt, path, &cap, l->err, l->errlen))) return rc;
   int byte_level = strcmp(type_of(dec_j), "ByteLevel") == 0;
   for (int i = 0; i < t->n_pre; i++) byte_level |= t->pre[i].kind == PRE_BYTELEVEL;
-  static const char *const pre_name[] = {"Split", "ByteLevel", "Metaspace"};
-  dstep_t dsteps[MAX_DSTEPS];
-  int n_dsteps = 0, fused = 0;
-  if (byte_level) {
-    if (t->byte_fallback)
-      FAIL(TOKENIZER_EUNSUPPORTED, "tokenizer: %s: BPE with byte_fallback beside ByteLevel is unsupported", path);
-    if (strcmp(type_of(dec_j), "ByteLevel") != 0)
-      FAIL(TOKENIZER_EUNSUPPORTED, "tokenizer: %s: decoder %s with a ByteLevel pre_tokenizer is unsupported", path,
-           type_of(dec_j)[0] ? type_of(dec_j) : "null");
-    if (t->n_pre == 0)
-      FAIL(TOKENIZER_EUNSUPPORTED, "tokenizer: %s: no pre_tokenizer (byte-level BPE needs ByteLevel)", path);
-    for (int i = 0; i < t->n_pre; i++)
-      if ((t->pre[i].kind == PRE_BYTELEVEL) != (i == t->n_pre - 1) || t->pre[i].kind == PRE_METASPACE)
-        FAIL(TOKENIZER_EUNSUPPORTED,
-             "tokenizer: %s: pre_tokenizer must end in one ByteLevel (Split steps before it); step %d is %s", path, i,
-             pre_name[t->pre[i].kind]);
-  } else {
+  if (!byte_level) {
     t->spm = 1;
     for (int i = 0; i < t->n_pre; i++)
       if (t->pre[i].kind == PRE_METASPACE && i != t->n_pre - 1)
-        FAIL(TOKENIZER_EUNSUPPORTED, "tokenizer: %s: Metaspace must be the last pre_tokenizer step (it is step %d of %d)", path,
-             i + 1, t->n_pre);
-    if ((rc = spm_decoder(t, dec_j, dsteps, &n_dsteps, &fused, path, err, errlen))) goto done;
+        return err_set(l->err, l->errlen, TOKENIZER_EUNSUPPORTED,
+                       "tokenizer: %s: Metaspace must be the last pre_tokenizer step (it is step %d of %d)", path,
+                       i + 1, t->n_pre);
+    int fused = 0;
+    return spm_decoder(t, dec_j, l->dsteps, &l->n_dsteps, &fused, path, l->err, l->errlen);
   }
+  if (t->byte_fallback)
+    return err_set(l->err, l->errlen, TOKENIZER_EUNSUPPORTED,
+                   "tokenizer: %s: BPE with byte_fallback beside ByteLevel is unsupported", path);
+  if (strcmp(type_of(dec_j), "ByteLevel") != 0)
+    return err_set(l->err, l->errlen, TOKENIZER_EUNSUPPORTED,
+                   "tokenizer: %s: decoder %s with a ByteLevel pre_tokenizer is unsupported", path,
+                   type_of(dec_j)[0] ? type_of(dec_j) : "null");
+  if (t->n_pre == 0)
+    return err_set(l->err, l->errlen, TOKENIZER_EUNSUPPORTED,
+                   "tokenizer: %s: no pre_tokenizer (byte-level BPE needs ByteLevel)", path);
+  for (int i = 0; i < t->n_pre; i++)
+    if ((t->pre[i].kind == PRE_BYTELEVEL) != (i == t->n_pre - 1) || t->pre[i].kind == PRE_METASPACE)
+      return err_set(l->err, l->errlen, TOKENIZER_EUNSUPPORTED,
+                     "tokenizer: %s: pre_tokenizer must end in one ByteLevel (Split steps before it); step %d is %s",
+                     path, i, pre_name[t->pre[i].kind]);
+  return 0;
+}
 
-  /* The vocab's byte-level strings (for merges, added tokens and names), its largest id. */
-  const cJSON *vocab = cJSON_GetObjectItemCaseSensitive(model, "vocab"), *merges_j, *added_j, *it;
-  if (!cJSON_IsObject(vocab)) FAIL(TOKENIZER_EFORMAT, "tokenizer: %s: model.vocab is not an object", path);
-  merges_j = cJSON_GetObjectItemCaseSensitive(model, "merges");
-  if (merges_j && !cJSON_IsNull(merges_j) && !cJSON_IsArray(merges_j))
-    FAIL(TOKENIZER_EFORMAT, "tokenizer: %s: model.merges is not a list", path);
-  added_j = cJSON_GetObjectItemCaseSensitive(root, "added_tokens");
-  if (added_j && !cJSON_IsNull(added_j) && !cJSON_IsArray(added_j))
-    FAIL(TOKENIZER_EFORMAT, "tokenizer: %s: added_tokens is not a list", path);
-  int32_t max_id = -1, n_vocab = 0;
-  size_t max_str = 1;
+/* The vocab's byte-level strings (for merges, added tokens and names), its largest id. */
+static int json_vocab_names(json_load_t *l, const cJSON *vocab) {
+  const cJSON *it;
   cJSON_ArrayForEach(it, vocab) {
     int32_t id = json_id(it);
-    if (id < 0) FAIL(TOKENIZER_EFORMAT, "tokenizer: %s: vocab token \"%.40s\" has a bad id", path, it->string);
-    if (id > max_id) max_id = id;
+    if (id < 0)
+      return err_set(l->err, l->errlen, TOKENIZER_EFORMAT, "tokenizer: %s: vocab token \"%.40s\" has a bad id", l->path,
+                     it->string);
+    if (id > l->max_id) l->max_id = id;
     size_t sl = strlen(it->string);
-    if (sl > max_str) max_str = sl;
+    if (sl > l->max_str) l->max_str = sl;
     uint32_t off;
-    if (arena_add(&names_a, it->string, sl, &off)) OOM();
-    int r = smap_add(&names, names_a.b, off, (uint32_t)sl, id);
-    if (r < 0) OOM();
-    if (r) FAIL(TOKENIZER_EFORMAT, "tokenizer: %s: vocab token \"%.40s\" appears twice", path, it->string);
-    n_vocab++;
+    if (arena_add(&l->names_a, it->string, sl, &off)) return json_oom(l);
+    int r = smap_add(&l->names, l->names_a.b, off, (uint32_t)sl, id);
+    if (r < 0) return json_oom(l);
+    if (r)
+      return err_set(l->err, l->errlen, TOKENIZER_EFORMAT, "tokenizer: %s: vocab token \"%.40s\" appears twice",
+                     l->path, it->string);
+    l->n_vocab++;
   }
+  return 0;
+}
 
-  /* Added tokens take the ids the library gives them on load (it only warns when the file's
-   * differ): a content the vocab has, the vocab's id; any other, the next after the largest
-   * added id so far, or the vocab's entry count when that is larger. A repeated content is
-   * skipped. */
+/* Added tokens take the ids the library gives them on load (it only warns when the file's
+ * differ): a content the vocab has, the vocab's id; any other, the next after the largest
+ * added id so far, or the vocab's entry count when that is larger. A repeated content is
+ * skipped. */
+static int json_added_tokens(json_load_t *l, const cJSON *added_j) {
+  tokenizer_t *t = l->t;
+  const char *path = l->path;
   int n_list = cJSON_GetArraySize(added_j), k = 0;
-  if (n_list && !(t->added = calloc((size_t)n_list, sizeof *t->added))) OOM();
+  if (n_list && !(t->added = calloc((size_t)n_list, sizeof *t->added))) return json_oom(l);
   int32_t max_added = -1;
+  const cJSON *it;
   cJSON_ArrayForEach(it, added_j) {
     const cJSON *c = cJSON_GetObjectItemCaseSensitive(it, "content");
     if (!cJSON_IsString(c) || !c->valuestring[0] || json_id(cJSON_GetObjectItemCaseSensitive(it, "id")) < 0)
-      FAIL(TOKENIZER_EFORMAT, "tokenizer: %s: added_tokens[%d] needs a non-empty content and an id in [0, %d)", path, k,
-           TOK_MAX_ID);
+      return err_set(l->err, l->errlen, TOKENIZER_EFORMAT,
+                     "tokenizer: %s: added_tokens[%d] needs a non-empty content and an id in [0, %d)", path, k,
+                     TOK_MAX_ID);
     k++;
     if (flag(it, "single_word", 0))
-      FAIL(TOKENIZER_EUNSUPPORTED, "tokenizer: %s: added token %.40s: single_word is unsupported", path,
-           c->valuestring);
+      return err_set(l->err, l->errlen, TOKENIZER_EUNSUPPORTED,
+                     "tokenizer: %s: added token %.40s: single_word is unsupported", path, c->valuestring);
     int dup = 0;
     for (int i = 0; i < t->n_added && !dup; i++) dup = strcmp(t->added[i].content, c->valuestring) == 0;
     if (dup) continue;
     added_t *a = &t->added[t->n_added];
-    if (!(a->content = strdup(c->valuestring))) OOM();
+    if (!(a->content = strdup(c->valuestring))) return json_oom(l);
     t->n_added++;
     a->len = strlen(a->content);
     a->lstrip = flag(it, "lstrip", 0);
     a->rstrip = flag(it, "rstrip", 0);
     a->normalized = flag(it, "normalized", !flag(it, "special", 0));
-    a->id = smap_find(&names, names_a.b, a->content, a->len);
-    if (a->id < 0) a->id = max_added >= n_vocab ? max_added + 1 : n_vocab;
-    if (a->id >= TOK_MAX_ID) FAIL(TOKENIZER_EFORMAT, "tokenizer: %s: more than %d ids", path, TOK_MAX_ID);
+    a->id = smap_find(&l->names, l->names_a.b, a->content, a->len);
+    if (a->id < 0) a->id = max_added >= l->n_vocab ? max_added + 1 : l->n_vocab;
+    if (a->id >= TOK_MAX_ID)
+      return err_set(l->err, l->errlen, TOKENIZER_EFORMAT, "tokenizer: %s: more than %d ids", path, TOK_MAX_ID);
     if (a->id > max_added) max_added = a->id;
   }
-  if (max_added > max_id) max_id = max_added;
-  if (max_id < 0) FAIL(TOKENIZER_EFORMAT, "tokenizer: %s: the vocab is empty", path);
-  t->vocab_size = max_id + 1;
-  size_t tmp_cap = 2 * max_str + 2; /* a vocab string (and its decoding's scratch), a merge's two sides */
-  if (alloc_tables(t) || !(tmp = malloc(tmp_cap))) OOM();
+  if (max_added > l->max_id) l->max_id = max_added;
+  return 0;
+}
 
-  /* Vocab: decoded bytes; a key (the raw bytes) for tokens wholly of the byte-level alphabet,
-   * the only ones a byte-level word can become. */
+/* Vocab: decoded bytes; a key (the raw bytes) for tokens wholly of the byte-level alphabet,
+ * the only ones a byte-level word can become. Then the single bytes' ids. */
+static int json_vocab_tables(json_load_t *l, const cJSON *vocab) {
+  tokenizer_t *t = l->t;
+  char *tmp = l->tmp;
+  const cJSON *it;
   cJSON_ArrayForEach(it, vocab) {
     int32_t id = json_id(it);
-    size_t sl = strlen(it->string), l;
-    if (t->dec_len[id] != TOK_NO_PIECE) FAIL(TOKENIZER_EFORMAT, "tokenizer: %s: vocab id %d is used twice", path, id);
+    size_t sl = strlen(it->string), len;
+    if (t->dec_len[id] != TOK_NO_PIECE)
+      return err_set(l->err, l->errlen, TOKENIZER_EFORMAT, "tokenizer: %s: vocab id %d is used twice", l->path, id);
     int key = t->spm; /* sentencepiece-style: the string is the key; byte-level: its bytes, when all are */
-    if (t->spm) l = spm_decode_token(dsteps, n_dsteps, it->string, sl, tmp, tmp + max_str + 1);
-    else key = byte_level_decode(it->string, sl, tmp, &l, byte_of);
-    if (arena_add(&dec, tmp, l, &t->dec_off[id])) OOM();
-    t->dec_len[id] = (uint32_t)l;
+    if (t->spm) len = spm_decode_token(l->dsteps, l->n_dsteps, it->string, sl, tmp, tmp + l->max_str + 1);
+    else key = byte_level_decode(it->string, sl, tmp, &len, l->byte_of);
+    if (arena_add(&l->dec, tmp, len, &t->dec_off[id])) return json_oom(l);
+    t->dec_len[id] = (uint32_t)len;
     if (key) {
       const char *k = t->spm ? it->string : tmp;
-      size_t kl = t->spm ? sl : l;
-      if (arena_add(&keys, k, kl, &t->key_off[id])) OOM();
+      size_t kl = t->spm ? sl : len;
+      if (arena_add(&l->keys, k, kl, &t->key_off[id])) return json_oom(l);
       t->key_len[id] = (uint32_t)kl;
     }
   }
-  t->key_buf = keys.b, keys.b = NULL;
+  t->key_buf = l->keys.b, l->keys.b = NULL;
   for (int32_t i = 0; i < t->vocab_size; i++)
-    if (t->key_len[i] != TOK_NO_PIECE && smap_add(&t->keys, t->key_buf, t->key_off[i], t->key_len[i], i) < 0) OOM();
+    if (t->key_len[i] != TOK_NO_PIECE && smap_add(&t->keys, t->key_buf, t->key_off[i], t->key_len[i], i) < 0)
+      return json_oom(l);
   for (int b = 0; b < 256; b++) {
     char c = (char)b, name[8];
     t->byte_id[b] = smap_find(&t->keys, t->key_buf, &c, 1);
     snprintf(name, sizeof name, "<0x%02X>", b);
-    t->fallback_id[b] = t->byte_fallback ? smap_find(&names, names_a.b, name, 6) : -1;
+    t->fallback_id[b] = t->byte_fallback ? smap_find(&l->names, l->names_a.b, name, 6) : -1;
   }
+  return 0;
+}
 
-  /* Merges: "a b" or ["a", "b"]; rank = position. Both sides and their concatenation must be
-   * tokens of the vocab, as the library requires. */
+/* Merges: "a b" or ["a", "b"]; rank = position. Both sides and their concatenation must be
+ * tokens of the vocab, as the library requires. */
+static int json_merges(json_load_t *l, const cJSON *merges_j) {
+  const char *path = l->path;
   int rank = 0;
+  const cJSON *it;
   cJSON_ArrayForEach(it, merges_j) {
     const char *a = NULL, *b = NULL;
     size_t la = 0, lb = 0;
@@ -1513,41 +1534,40 @@ static int load_json(tokenizer_t *t, const char *path, const char *buf, size_t l
                cJSON_IsString(it->child->next)) {
       a = it->child->valuestring, la = strlen(a), b = it->child->next->valuestring, lb = strlen(b);
     }
-    if (!a) FAIL(TOKENIZER_EFORMAT, "tokenizer: %s: merges[%d] is neither \"a b\" nor [a, b]", path, rank);
-    int32_t ia = smap_find(&names, names_a.b, a, la), ib = smap_find(&names, names_a.b, b, lb);
+    if (!a)
+      return err_set(l->err, l->errlen, TOKENIZER_EFORMAT, "tokenizer: %s: merges[%d] is neither \"a b\" nor [a, b]",
+                     path, rank);
+    int32_t ia = smap_find(&l->names, l->names_a.b, a, la), ib = smap_find(&l->names, l->names_a.b, b, lb);
     if (ia < 0 || ib < 0)
-      FAIL(TOKENIZER_EFORMAT, "tokenizer: %s: merges[%d] names %.*s, which is not in the vocab", path, rank,
-           (int)(ia < 0 ? la : lb), ia < 0 ? a : b);
-    if (buf_reserve(&tmp, &tmp_cap, la + lb + 1)) OOM();
-    memcpy(tmp, a, la);
-    memcpy(tmp + la, b, lb);
-    int32_t id = smap_find(&names, names_a.b, tmp, la + lb);
+      return err_set(l->err, l->errlen, TOKENIZER_EFORMAT,
+                     "tokenizer: %s: merges[%d] names %.*s, which is not in the vocab", path, rank,
+                     (int)(ia < 0 ? la : lb), ia < 0 ? a : b);
+    if (buf_reserve(&l->tmp, &l->tmp_cap, la + lb + 1)) return json_oom(l);
+    memcpy(l->tmp, a, la);
+    memcpy(l->tmp + la, b, lb);
+    int32_t id = smap_find(&l->names, l->names_a.b, l->tmp, la + lb);
     if (id < 0)
-      FAIL(TOKENIZER_EFORMAT, "tokenizer: %s: merges[%d] makes %.*s, which is not in the vocab", path, rank,
-           (int)(la + lb), tmp);
-    if (pmap_put(&t->merges, ia, ib, rank, id)) OOM();
+      return err_set(l->err, l->errlen, TOKENIZER_EFORMAT,
+                     "tokenizer: %s: merges[%d] makes %.*s, which is not in the vocab", path, rank, (int)(la + lb),
+                     l->tmp);
+    if (pmap_put(&l->t->merges, ia, ib, rank, id)) return json_oom(l);
     rank++;
   }
+  return 0;
+}
 
-  const cJSON *unk = cJSON_GetObjectItemCaseSensitive(model, "unk_token");
-  if (cJSON_IsString(unk)) {
-    t->unk_id = smap_find(&names, names_a.b, unk->valuestring, strlen(unk->valuestring));
-    if (t->unk_id < 0)
-      FAIL(TOKENIZER_EFORMAT, "tokenizer: %s: unk_token %.40s is not in the vocab", path, unk->valuestring);
-  }
-  t->fuse_unk = flag(model, "fuse_unk", 0);
-  t->ignore_merges = flag(model, "ignore_merges", 0);
-
-  /* Added tokens decode as their content (ids are distinct: a vocab id is taken by one content
-   * at most), and are looked for by first byte, longest first. */
+/* Added tokens decode as their content (ids are distinct: a vocab id is taken by one content
+ * at most), and are looked for by first byte, longest first. */
+static int json_added_lookup(json_load_t *l) {
+  tokenizer_t *t = l->t;
   for (int i = 0; i < t->n_added; i++) {
     const added_t *a = &t->added[i];
-    if (arena_add(&dec, a->content, a->len, &t->dec_off[a->id])) OOM();
+    if (arena_add(&l->dec, a->content, a->len, &t->dec_off[a->id])) return json_oom(l);
     t->dec_len[a->id] = (uint32_t)a->len;
   }
-  t->dec_buf = dec.b, dec.b = NULL;
+  t->dec_buf = l->dec.b, l->dec.b = NULL;
   if (t->n_added) {
-    if (!(t->added_by_byte = malloc((size_t)t->n_added * sizeof *t->added_by_byte))) OOM();
+    if (!(t->added_by_byte = malloc((size_t)t->n_added * sizeof *t->added_by_byte))) return json_oom(l);
     for (int i = 0; i < t->n_added; i++) t->added_by_byte[i] = i;
     qsort_r(t->added_by_byte, (size_t)t->n_added, sizeof *t->added_by_byte, cmp_added_by_byte, t->added);
   }
@@ -1556,17 +1576,71 @@ static int load_json(tokenizer_t *t, const char *path, const char *buf, size_t l
     t->added_start[b] = i;
   }
   t->added_start[256] = t->n_added;
-  find_bos_eos(t, config, &names, names_a.b);
+  return 0;
+}
 
-done:
-#undef FAIL
-#undef OOM
+/* Builds t from the parsed tokenizer.json root, in the steps above. What the file asks for is
+ * checked before anything is built. */
+static int json_build(json_load_t *l, const cJSON *root, const cJSON *config) {
+  tokenizer_t *t = l->t;
+  const char *path = l->path;
+  int rc;
+  if (!cJSON_IsObject(root))
+    return err_set(l->err, l->errlen, TOKENIZER_EFORMAT, "tokenizer: %s: the JSON is not an object", path);
+  const cJSON *model = cJSON_GetObjectItemCaseSensitive(root, "model");
+  if ((rc = json_check_model(l, model)) || (rc = json_pipeline(l, root))) return rc;
+
+  const cJSON *vocab = cJSON_GetObjectItemCaseSensitive(model, "vocab");
+  if (!cJSON_IsObject(vocab))
+    return err_set(l->err, l->errlen, TOKENIZER_EFORMAT, "tokenizer: %s: model.vocab is not an object", path);
+  const cJSON *merges_j = cJSON_GetObjectItemCaseSensitive(model, "merges");
+  if (merges_j && !cJSON_IsNull(merges_j) && !cJSON_IsArray(merges_j))
+    return err_set(l->err, l->errlen, TOKENIZER_EFORMAT, "tokenizer: %s: model.merges is not a list", path);
+  const cJSON *added_j = cJSON_GetObjectItemCaseSensitive(root, "added_tokens");
+  if (added_j && !cJSON_IsNull(added_j) && !cJSON_IsArray(added_j))
+    return err_set(l->err, l->errlen, TOKENIZER_EFORMAT, "tokenizer: %s: added_tokens is not a list", path);
+  if ((rc = json_vocab_names(l, vocab)) || (rc = json_added_tokens(l, added_j))) return rc;
+  if (l->max_id < 0) return err_set(l->err, l->errlen, TOKENIZER_EFORMAT, "tokenizer: %s: the vocab is empty", path);
+  t->vocab_size = l->max_id + 1;
+  l->tmp_cap = 2 * l->max_str + 2; /* a vocab string (and its decoding's scratch), a merge's two sides */
+  if (alloc_tables(t) || !(l->tmp = malloc(l->tmp_cap))) return json_oom(l);
+  if ((rc = json_vocab_tables(l, vocab)) || (rc = json_merges(l, merges_j))) return rc;
+
+  const cJSON *unk = cJSON_GetObjectItemCaseSensitive(model, "unk_token");
+  if (cJSON_IsString(unk)) {
+    t->unk_id = smap_find(&l->names, l->names_a.b, unk->valuestring, strlen(unk->valuestring));
+    if (t->unk_id < 0)
+      return err_set(l->err, l->errlen, TOKENIZER_EFORMAT, "tokenizer: %s: unk_token %.40s is not in the vocab", path,
+                     unk->valuestring);
+  }
+  t->fuse_unk = flag(model, "fuse_unk", 0);
+  t->ignore_merges = flag(model, "ignore_merges", 0);
+  if ((rc = json_added_lookup(l))) return rc;
+  find_bos_eos(t, config, &l->names, l->names_a.b);
+  return 0;
+}
+
+static int load_json(tokenizer_t *t, const char *path, const char *buf, size_t len, const cJSON *config, char *err,
+                     size_t errlen) {
+  t->kind = TOK_BPE;
+  t->unk_id = -1;
+  t->space_id = -1;
+  cJSON *root = cJSON_ParseWithLength(buf, len);
+  if (!root) {
+    const char *at = cJSON_GetErrorPtr();
+    size_t off = at && at >= buf && at <= buf + len ? (size_t)(at - buf) : 0;
+    return err_set(err, errlen, TOKENIZER_EFORMAT, "tokenizer: %s: bad JSON near byte %zu", path, off);
+  }
+  json_load_t l = {.t = t, .path = path, .err = err, .errlen = errlen, .max_id = -1, .max_str = 1};
+  uint32_t cp_of[256];
+  byte_level_tables(cp_of, l.byte_of);
+  int rc = json_build(&l, root, config);
   cJSON_Delete(root);
-  smap_free(&names);
-  free(names_a.b);
-  free(keys.b);
-  free(dec.b);
-  free(tmp);
+  smap_free(&l.names);
+  free(l.names_a.b);
+  free(l.keys.b);
+  free(l.dec.b);
+  free(l.tmp);
   return rc;
 }
 
@@ -1847,85 +1921,94 @@ static void l2_fixed_parts(cJSON *root, int dummy_prefix) {
   cJSON_AddItemToArray(list, strip);
 }
 
-int tokenizer_llama2c_json(const tokenizer_t *t, char **json, size_t *len, char *err, size_t errlen) {
-  if (!t || !json) return err_set(err, errlen, TOKENIZER_EINVAL, "tokenizer: invalid arguments");
-  *json = NULL;
-  if (t->kind != TOK_LLAMA2C)
-    return err_set(err, errlen, TOKENIZER_EINVAL, "tokenizer: only a llama2.c tokenizer.bin is converted");
-  const int32_t v = t->vocab_size;
-  /* llama2.c falls back to id byte + 3 for a character it lacks, tokenizer.json to the token
-   * named <0xNN>: the same only when ids 3..258 are the byte tokens in order. */
+/* The pieces of a llama2.c tokenizer's tokenizer.json, built before the document. */
+typedef struct {
+  arena_t names;     /* each token's HF name, NUL after each */
+  uint32_t *off, *nl; /* (vocab_size) where each name is in names, its length */
+  uint8_t *special;  /* (vocab_size) whether the token is <unk>, <s> or </s> */
+  smap_t map;        /* non-special names -> id, for the merges */
+  l2merge_t *m;      /* (nm) the merges, best first */
+  size_t nm, mcap;
+} l2_doc_t;
+
+static int l2_oom(char *err, size_t errlen) {
+  return err_set(err, errlen, TOKENIZER_ENOMEM, "tokenizer: out of memory writing tokenizer.json");
+}
+
+/* llama2.c falls back to id byte + 3 for a character it lacks, tokenizer.json to the token
+ * named <0xNN>: the same only when ids 3..258 are the byte tokens in order. */
+static int l2_check_bytes(const tokenizer_t *t, char *err, size_t errlen) {
   for (int b = 0; b < 256; b++)
-    if (b + 3 >= v || !t->is_byte[b + 3] || (unsigned char)t->dec_buf[t->dec_off[b + 3]] != b)
+    if (b + 3 >= t->vocab_size || !t->is_byte[b + 3] || (unsigned char)t->dec_buf[t->dec_off[b + 3]] != b)
       return err_set(err, errlen, TOKENIZER_EUNSUPPORTED,
                      "tokenizer: id %d is not the byte token <0x%02X> (llama2.c falls back to byte + 3), so the "
                      "tokenizer has no tokenizer.json form",
                      b + 3, b);
-  arena_t names = {0};
-  uint32_t *off = malloc((size_t)v * sizeof *off), *nl = malloc((size_t)v * sizeof *nl);
-  uint8_t *special = calloc((size_t)v, 1);
-  smap_t map = {0}; /* non-special names -> id, for the merges */
-  l2merge_t *m = NULL;
-  size_t nm = 0, mcap = 0;
-  cJSON *root = cJSON_CreateObject();
-  int rc = 0;
-  if (!off || !nl || !special || !root) goto oom;
-  for (int32_t i = 0; i < v && !rc; i++) {
-    int sp;
-    if (l2_name(t, i, &names, &off[i], &nl[i], &sp)) goto oom;
-    special[i] = (uint8_t)sp;
-  }
-  if (!special[1] || !special[2]) { /* llama2.c's BOS and EOS are 1 and 2 whatever they read */
-    rc = err_set(err, errlen, TOKENIZER_EUNSUPPORTED,
-                 "tokenizer: ids 1 and 2 are not <s> and </s>, which llama2.c takes them for, so the tokenizer has no "
-                 "tokenizer.json form");
-    goto done;
-  }
-  for (int32_t i = 0; i < v; i++) {
-    const char *s = names.b + off[i];
-    uint32_t cp;
-    for (size_t j = 0, l; j < nl[i]; j += l)
-      if (!(l = utf8_next((const unsigned char *)s + j, nl[i] - j, &cp))) {
-        rc = err_set(err, errlen, TOKENIZER_EUNSUPPORTED,
-                     "tokenizer: token %d is not valid UTF-8, which tokenizer.json cannot hold", i);
-        goto done;
-      }
-    int r = smap_add(&map, names.b, off[i], nl[i], i);
-    if (r < 0) goto oom;
-    if (r) {
-      rc = err_set(err, errlen, TOKENIZER_EUNSUPPORTED,
-                   "tokenizer: tokens %d and %d are both \"%.40s\", which tokenizer.json cannot tell apart",
-                   smap_find(&map, names.b, s, nl[i]), i, s);
-      goto done;
-    }
-  }
-  /* Merges: every split of a piece into two pieces, at a character boundary, the best-scored
-   * merged piece first (llama2.c merges the pair whose concatenation scores best). */
-  for (int32_t i = 0; i < v; i++) {
-    if (special[i]) continue;
-    const char *s = names.b + off[i];
-    for (size_t k = 1; k < nl[i]; k++) {
-      if (((unsigned char)s[k] & 0xC0) == 0x80) continue;
-      int32_t a = smap_find(&map, names.b, s, k), b = smap_find(&map, names.b, s + k, nl[i] - k);
-      if (a < 0 || b < 0 || special[a] || special[b]) continue;
-      if (nm == mcap) {
-        mcap = mcap ? 2 * mcap : 1024;
-        l2merge_t *g = realloc(m, mcap * sizeof *g);
-        if (!g) goto oom;
-        m = g;
-      }
-      m[nm++] = (l2merge_t){.score = t->score[i], .id = i, .a = a, .b = b};
-    }
-  }
-  qsort(m, nm, sizeof *m, cmp_l2merge);
+  return 0;
+}
 
+/* Every token's name, checked to be one tokenizer.json can hold and tell from the others. */
+static int l2_names(const tokenizer_t *t, l2_doc_t *d, char *err, size_t errlen) {
+  const int32_t v = t->vocab_size;
+  for (int32_t i = 0; i < v; i++) {
+    int sp;
+    if (l2_name(t, i, &d->names, &d->off[i], &d->nl[i], &sp)) return l2_oom(err, errlen);
+    d->special[i] = (uint8_t)sp;
+  }
+  if (!d->special[1] || !d->special[2]) /* llama2.c's BOS and EOS are 1 and 2 whatever they read */
+    return err_set(err, errlen, TOKENIZER_EUNSUPPORTED,
+                   "tokenizer: ids 1 and 2 are not <s> and </s>, which llama2.c takes them for, so the tokenizer has "
+                   "no tokenizer.json form");
+  for (int32_t i = 0; i < v; i++) {
+    const char *s = d->names.b + d->off[i];
+    uint32_t cp;
+    for (size_t j = 0, l; j < d->nl[i]; j += l)
+      if (!(l = utf8_next((const unsigned char *)s + j, d->nl[i] - j, &cp)))
+        return err_set(err, errlen, TOKENIZER_EUNSUPPORTED,
+                       "tokenizer: token %d is not valid UTF-8, which tokenizer.json cannot hold", i);
+    int r = smap_add(&d->map, d->names.b, d->off[i], d->nl[i], i);
+    if (r < 0) return l2_oom(err, errlen);
+    if (r)
+      return err_set(err, errlen, TOKENIZER_EUNSUPPORTED,
+                     "tokenizer: tokens %d and %d are both \"%.40s\", which tokenizer.json cannot tell apart",
+                     smap_find(&d->map, d->names.b, s, d->nl[i]), i, s);
+  }
+  return 0;
+}
+
+/* Merges: every split of a piece into two pieces, at a character boundary, the best-scored
+ * merged piece first (llama2.c merges the pair whose concatenation scores best). */
+static int l2_merges(const tokenizer_t *t, l2_doc_t *d, char *err, size_t errlen) {
+  for (int32_t i = 0; i < t->vocab_size; i++) {
+    if (d->special[i]) continue;
+    const char *s = d->names.b + d->off[i];
+    for (size_t k = 1; k < d->nl[i]; k++) {
+      if (((unsigned char)s[k] & 0xC0) == 0x80) continue;
+      int32_t a = smap_find(&d->map, d->names.b, s, k), b = smap_find(&d->map, d->names.b, s + k, d->nl[i] - k);
+      if (a < 0 || b < 0 || d->special[a] || d->special[b]) continue;
+      if (d->nm == d->mcap) {
+        d->mcap = d->mcap ? 2 * d->mcap : 1024;
+        l2merge_t *g = realloc(d->m, d->mcap * sizeof *g);
+        if (!g) return l2_oom(err, errlen);
+        d->m = g;
+      }
+      d->m[d->nm++] = (l2merge_t){.score = t->score[i], .id = i, .a = a, .b = b};
+    }
+  }
+  qsort(d->m, d->nm, sizeof *d->m, cmp_l2merge);
+  return 0;
+}
+
+/* The document: the special tokens as added tokens, the fixed parts, and the BPE model. */
+static void l2_document(const tokenizer_t *t, const l2_doc_t *d, cJSON *root) {
+  const int32_t v = t->vocab_size;
   cJSON_AddStringToObject(root, "version", "1.0");
   cJSON_AddNullToObject(root, "truncation");
   cJSON_AddNullToObject(root, "padding");
   cJSON *added = cJSON_AddArrayToObject(root, "added_tokens");
   for (int32_t i = 0; i < v; i++) {
-    if (!special[i]) continue;
-    cJSON *a = json_pair("id", cJSON_CreateNumber(i), "content", cJSON_CreateString(names.b + off[i]));
+    if (!d->special[i]) continue;
+    cJSON *a = json_pair("id", cJSON_CreateNumber(i), "content", cJSON_CreateString(d->names.b + d->off[i]));
     static const char *const flags[] = {"single_word", "lstrip", "rstrip", "normalized"};
     for (int f = 0; f < 4; f++) cJSON_AddFalseToObject(a, flags[f]);
     cJSON_AddTrueToObject(a, "special");
@@ -1935,7 +2018,7 @@ int tokenizer_llama2c_json(const tokenizer_t *t, char **json, size_t *len, char 
   cJSON *model = cJSON_AddObjectToObject(root, "model");
   cJSON_AddStringToObject(model, "type", "BPE");
   cJSON_AddNullToObject(model, "dropout");
-  if (special[0]) cJSON_AddStringToObject(model, "unk_token", "<unk>");
+  if (d->special[0]) cJSON_AddStringToObject(model, "unk_token", "<unk>");
   else cJSON_AddNullToObject(model, "unk_token");
   cJSON_AddNullToObject(model, "continuing_subword_prefix");
   cJSON_AddNullToObject(model, "end_of_word_suffix");
@@ -1943,22 +2026,34 @@ int tokenizer_llama2c_json(const tokenizer_t *t, char **json, size_t *len, char 
   cJSON_AddTrueToObject(model, "byte_fallback");
   cJSON_AddFalseToObject(model, "ignore_merges");
   cJSON *vocab = cJSON_AddObjectToObject(model, "vocab"), *merges = cJSON_AddArrayToObject(model, "merges");
-  for (int32_t i = 0; vocab && i < v; i++) cJSON_AddNumberToObject(vocab, names.b + off[i], i);
-  for (size_t i = 0; merges && i < nm; i++) {
-    const char *pair[2] = {names.b + off[m[i].a], names.b + off[m[i].b]};
+  for (int32_t i = 0; vocab && i < v; i++) cJSON_AddNumberToObject(vocab, d->names.b + d->off[i], i);
+  for (size_t i = 0; merges && i < d->nm; i++) {
+    const char *pair[2] = {d->names.b + d->off[d->m[i].a], d->names.b + d->off[d->m[i].b]};
     cJSON_AddItemToArray(merges, cJSON_CreateStringArray(pair, 2));
   }
-  if (json_text(root, json, len)) goto oom;
-  goto done;
-oom:
-  rc = err_set(err, errlen, TOKENIZER_ENOMEM, "tokenizer: out of memory writing tokenizer.json");
-done:
+}
+
+int tokenizer_llama2c_json(const tokenizer_t *t, char **json, size_t *len, char *err, size_t errlen) {
+  if (!t || !json) return err_set(err, errlen, TOKENIZER_EINVAL, "tokenizer: invalid arguments");
+  *json = NULL;
+  if (t->kind != TOK_LLAMA2C)
+    return err_set(err, errlen, TOKENIZER_EINVAL, "tokenizer: only a llama2.c tokenizer.bin is converted");
+  int rc = l2_check_bytes(t, err, errlen);
+  if (rc) return rc;
+  const size_t v = (size_t)t->vocab_size;
+  l2_doc_t d = {.off = malloc(v * sizeof *d.off), .nl = malloc(v * sizeof *d.nl), .special = calloc(v, 1)};
+  cJSON *root = cJSON_CreateObject();
+  if (!d.off || !d.nl || !d.special || !root) rc = l2_oom(err, errlen);
+  else if (!(rc = l2_names(t, &d, err, errlen)) && !(rc = l2_merges(t, &d, err, errlen))) {
+    l2_document(t, &d, root);
+    if (json_text(root, json, len)) rc = l2_oom(err, errlen);
+  }
   cJSON_Delete(root);
-  free(names.b);
-  free(off);
-  free(nl);
-  free(special);
-  smap_free(&map);
-  free(m);
+  free(d.names.b);
+  free(d.off);
+  free(d.nl);
+  free(d.special);
+  smap_free(&d.map);
+  free(d.m);
   return rc;
 }
