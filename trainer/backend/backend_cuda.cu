@@ -1778,6 +1778,44 @@ static double cu_peak_flops(backend_t *be, dtype_t dt) {
   return 0;
 }
 
+/* The table's functions: memory, kernels and lifecycle, set once the device is ready. */
+static void cu_set_ops(backend_t *be) {
+  be->alloc = cu_alloc;
+  be->free = cu_free;
+  be->mem_peak = cu_mem_peak;
+  be->to_device = cu_to_device;
+  be->to_host = cu_to_host;
+  be->copy = cu_copy;
+  be->zero = cu_zero;
+  be->synchronize = cu_sync;
+  be->matmul = cu_matmul;
+  be->add = cu_add;
+  be->scale = cu_scale;
+  be->sumsq = cu_sumsq;
+  be->sumsq_parts = cu_sumsq_parts;
+  be->convert = cu_convert;
+  be->embedding_fwd = cu_embedding_fwd;
+  be->embedding_bwd = cu_embedding_bwd;
+  be->rmsnorm_fwd = cu_rmsnorm_fwd;
+  be->rmsnorm_bwd = cu_rmsnorm_bwd;
+  be->rope_fwd = cu_rope_fwd;
+  be->rope_bwd = cu_rope_bwd;
+  be->attention_fwd = cu_attention_fwd;
+  be->attention_bwd = cu_attention_bwd;
+  be->swiglu_fwd = cu_swiglu_fwd;
+  be->swiglu_bwd = cu_swiglu_bwd;
+  be->cross_entropy = cu_cross_entropy;
+  be->copy_2d = cu_copy_2d;
+  be->ce_shard_max = cu_ce_shard_max;
+  be->ce_shard_stats = cu_ce_shard_stats;
+  be->ce_shard_loss = cu_ce_shard_loss;
+  be->adamw = cu_adamw;
+  be->destroy = cu_destroy;
+  be->peak_flops = cu_peak_flops;
+  be->set_tf32 = cu_set_tf32;
+  be->attention_select = cu_attention_select;
+}
+
 /* device < 0: the only visible GPU, else the one numbered LOCAL_RANK. Errors here are reported,
  * not fatal: "device: auto" falls back to cpu on them; with no GPU visible err starts "cuda: no
  * GPU visible". threads mean nothing here. */
@@ -1839,40 +1877,7 @@ static backend_t *cu_create(int device, int threads, char *err, size_t errlen) {
     e = cudaGetLastError();
     goto fail;
   }
-  be->alloc = cu_alloc;
-  be->free = cu_free;
-  be->mem_peak = cu_mem_peak;
-  be->to_device = cu_to_device;
-  be->to_host = cu_to_host;
-  be->copy = cu_copy;
-  be->zero = cu_zero;
-  be->synchronize = cu_sync;
-  be->matmul = cu_matmul;
-  be->add = cu_add;
-  be->scale = cu_scale;
-  be->sumsq = cu_sumsq;
-  be->sumsq_parts = cu_sumsq_parts;
-  be->convert = cu_convert;
-  be->embedding_fwd = cu_embedding_fwd;
-  be->embedding_bwd = cu_embedding_bwd;
-  be->rmsnorm_fwd = cu_rmsnorm_fwd;
-  be->rmsnorm_bwd = cu_rmsnorm_bwd;
-  be->rope_fwd = cu_rope_fwd;
-  be->rope_bwd = cu_rope_bwd;
-  be->attention_fwd = cu_attention_fwd;
-  be->attention_bwd = cu_attention_bwd;
-  be->swiglu_fwd = cu_swiglu_fwd;
-  be->swiglu_bwd = cu_swiglu_bwd;
-  be->cross_entropy = cu_cross_entropy;
-  be->copy_2d = cu_copy_2d;
-  be->ce_shard_max = cu_ce_shard_max;
-  be->ce_shard_stats = cu_ce_shard_stats;
-  be->ce_shard_loss = cu_ce_shard_loss;
-  be->adamw = cu_adamw;
-  be->destroy = cu_destroy;
-  be->peak_flops = cu_peak_flops;
-  be->set_tf32 = cu_set_tf32;
-  be->attention_select = cu_attention_select;
+  cu_set_ops(be);
   return be;
 
 fail:

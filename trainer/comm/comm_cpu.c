@@ -502,6 +502,39 @@ static int accept_left(const comm_config_t *cfg, int lfd, int left, int64_t dead
   }
 }
 
+/* Setup's step 2: the right neighbour's endpoint from the store, a connection to it
+ * (p->fd_send) and our hello on it. COMM_OK, or a code with the cause in why. */
+static int connect_right(const comm_config_t *cfg, cpu_t *p, int64_t deadline, char *why, size_t whylen) {
+  char rep[EP_MAX], rhost[256];
+  int rport = 0;
+  int64_t wait = deadline - net_now_ms();
+  int rc = read_endpoint(cfg, p->right, wait > 0 ? (int)wait : 1, rep, sizeof rep, why, whylen);
+  if (rc) return rc;
+  peer_label(p->right_label, sizeof p->right_label, cfg, p->right, rep);
+  if (net_parse_endpoint(rep, rhost, sizeof rhost, &rport, 0, 0, why, whylen) != 0) return COMM_EREMOTE;
+  wait = deadline - net_now_ms();
+  p->fd_send = net_connect(rhost, rport, wait > 0 ? (int)wait : 1, why, whylen);
+  if (p->fd_send < 0) {
+    p->fd_send = -1;
+    return COMM_EREMOTE;
+  }
+  hello_t h;
+  memset(&h, 0, sizeof h);
+  h.magic = HELLO_MAGIC;
+  h.version = HELLO_VERSION;
+  h.generation = (uint32_t)cfg->generation;
+  h.src_rank = (uint32_t)cfg->rank;
+  h.dst_rank = (uint32_t)p->right;
+  h.size = (uint32_t)cfg->size;
+  snprintf(h.name, sizeof h.name, "%s", cfg->name);
+  int e = net_send_all(p->fd_send, &h, sizeof h);
+  if (e != 0) {
+    snprintf(why, whylen, "sending hello to %s: %s", p->right_label, strerror(-e));
+    return COMM_EREMOTE;
+  }
+  return COMM_OK;
+}
+
 static int cpu_create(comm_t *c, const comm_config_t *cfg, char *err, size_t errlen) {
   cpu_t *p = calloc(1, sizeof *p);
   if (!p) {
@@ -548,41 +581,12 @@ static int cpu_create(comm_t *c, const comm_config_t *cfg, char *err, size_t err
   }
 
   /* 2. Connect to the right neighbour and introduce ourselves. */
-  char rep[EP_MAX], lep[EP_MAX], rhost[256];
-  int rport = 0;
-  int64_t wait = deadline - net_now_ms();
-  rc = read_endpoint(cfg, p->right, wait > 0 ? (int)wait : 1, rep, sizeof rep, why, sizeof why);
+  rc = connect_right(cfg, p, deadline, why, sizeof why);
   if (rc) goto error;
-  peer_label(p->right_label, sizeof p->right_label, cfg, p->right, rep);
-  if (net_parse_endpoint(rep, rhost, sizeof rhost, &rport, 0, 0, why, sizeof why) != 0) {
-    rc = COMM_EREMOTE;
-    goto error;
-  }
-  wait = deadline - net_now_ms();
-  p->fd_send = net_connect(rhost, rport, wait > 0 ? (int)wait : 1, why, sizeof why);
-  if (p->fd_send < 0) {
-    p->fd_send = -1;
-    rc = COMM_EREMOTE;
-    goto error;
-  }
-  hello_t h;
-  memset(&h, 0, sizeof h);
-  h.magic = HELLO_MAGIC;
-  h.version = HELLO_VERSION;
-  h.generation = (uint32_t)cfg->generation;
-  h.src_rank = (uint32_t)r;
-  h.dst_rank = (uint32_t)p->right;
-  h.size = (uint32_t)n;
-  snprintf(h.name, sizeof h.name, "%s", cfg->name);
-  int e = net_send_all(p->fd_send, &h, sizeof h);
-  if (e != 0) {
-    snprintf(why, sizeof why, "sending hello to %s: %s", p->right_label, strerror(-e));
-    rc = COMM_EREMOTE;
-    goto error;
-  }
 
   /* 3. Accept the left neighbour. Its endpoint is read only to name it in messages. */
-  wait = deadline - net_now_ms();
+  char lep[EP_MAX];
+  int64_t wait = deadline - net_now_ms();
   rc = read_endpoint(cfg, p->left, wait > 0 ? (int)wait : 1, lep, sizeof lep, why, sizeof why);
   if (rc) goto error;
   peer_label(p->left_label, sizeof p->left_label, cfg, p->left, lep);

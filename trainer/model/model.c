@@ -660,29 +660,29 @@ static int attention_choose(model_t *m, int mode, int b, int t, char *err, size_
   return 0;
 }
 
-int model_create_opts(model_t **out, const plan_model_t *cfg, backend_t *be, const model_opts_t *opts, char *err,
-                      size_t errlen) {
-  *out = NULL;
-  if (!cfg || !be || !opts) return err_set(err, errlen, -1, "model error: no config, backend or options");
-  int max_b = opts->max_b, max_t = opts->max_t;
+/* cfg's shape and the batch capacity, checked before anything is allocated; *kv the number of
+ * kv heads (n_heads when n_kv_heads is not set). */
+static int check_config(const plan_model_t *cfg, int max_b, int max_t, int *kv, char *err, size_t errlen) {
   if (cfg->dim <= 0 || cfg->n_layers <= 0 || cfg->n_heads <= 0 || cfg->vocab_size <= 0 || cfg->hidden_dim <= 0)
     return err_set(err, errlen, -1, "model error: dim=%d n_layers=%d n_heads=%d vocab_size=%d hidden_dim=%d must all be > 0",
                 cfg->dim, cfg->n_layers, cfg->n_heads, cfg->vocab_size, cfg->hidden_dim);
-  int kv = cfg->n_kv_heads > 0 ? cfg->n_kv_heads : cfg->n_heads;
+  *kv = cfg->n_kv_heads > 0 ? cfg->n_kv_heads : cfg->n_heads;
   if (cfg->dim % cfg->n_heads != 0)
     return err_set(err, errlen, -1, "model error: n_heads=%d does not divide dim=%d", cfg->n_heads, cfg->dim);
-  if (cfg->n_heads % kv != 0)
-    return err_set(err, errlen, -1, "model error: n_kv_heads=%d does not divide n_heads=%d", kv, cfg->n_heads);
+  if (cfg->n_heads % *kv != 0)
+    return err_set(err, errlen, -1, "model error: n_kv_heads=%d does not divide n_heads=%d", *kv, cfg->n_heads);
   if ((cfg->dim / cfg->n_heads) % 2 != 0)
     return err_set(err, errlen, -1, "model error: head dim %d (dim/n_heads) must be even for RoPE", cfg->dim / cfg->n_heads);
   if (max_b <= 0 || max_t <= 0)
     return err_set(err, errlen, -1, "model error: max batch %d x %d tokens must be > 0", max_b, max_t);
   if (cfg->max_seq_len > 0 && max_t > cfg->max_seq_len)
     return err_set(err, errlen, -1, "model error: sequence length %d exceeds model.max_seq_len=%d", max_t, cfg->max_seq_len);
+  return 0;
+}
 
-  model_t *m = calloc(1, sizeof *m);
-  if (!m) return err_set(err, errlen, -1, "model error: out of memory");
-  m->be = be;
+/* m's dimensions from cfg and opts: the tp group's split of heads, hidden and vocabulary
+ * (tp_setup), the dtypes and the batch capacity. */
+static int set_dims(model_t *m, const plan_model_t *cfg, int kv, const model_opts_t *opts, char *err, size_t errlen) {
   m->C = cfg->dim;
   m->L = cfg->n_layers;
   m->H = cfg->n_heads;
@@ -698,10 +698,7 @@ int model_create_opts(model_t **out, const plan_model_t *cfg, backend_t *be, con
     m->tpc = opts->tp->comm;
     m->tp = comm_size(m->tpc);
     m->tp_rank = comm_rank(m->tpc);
-    if (tp_setup(m, opts->tp, err, errlen)) {
-      model_destroy(m);
-      return -1;
-    }
+    if (tp_setup(m, opts->tp, err, errlen)) return -1;
     fault_from_env(m);
   }
   for (int i = 0; i < (int)(sizeof m->pad_ids / sizeof m->pad_ids[0]); i++)
@@ -717,22 +714,23 @@ int model_create_opts(model_t **out, const plan_model_t *cfg, backend_t *be, con
   m->rdt = opts->reduce_dtype == DT_BF16 ? DT_BF16 : DT_F32;
   m->es = dtype_size(m->dt);
   m->strategy_casts = m->dt != DT_F32 && opts->strategy_casts;
-  m->max_b = max_b;
-  m->max_t = max_t;
+  m->max_b = opts->max_b;
+  m->max_t = opts->max_t;
   m->ckpt_every = opts->checkpoint_every > 0 ? opts->checkpoint_every : 0;
+  return 0;
+}
 
-  int L = m->L, C = m->C, HD = m->H * m->D, KD = m->KV * m->D, F = m->F;
-  if (setup_chunks(m, opts, err, errlen)) {
-    model_destroy(m);
-    return -1;
-  }
+/* The chunks and units this instance holds, and the tables sized by them. */
+static int alloc_tables(model_t *m, const model_opts_t *opts, char *err, size_t errlen) {
+  const int L = m->L;
+  if (setup_chunks(m, opts, err, errlen)) return -1;
   int held = 0;
   for (int c = 0; c < m->n_chunks; c++) held += m->chunks[c].n;
   m->u_embed = m->chunks[0].embed ? 0 : -1;
   m->u_head = m->chunks[m->n_chunks - 1].head ? (m->u_embed + 1) + held : -1;
   m->n_units = (m->u_embed >= 0) + held + (m->u_head >= 0);
   int np, ns, r0;
-  batch_rows(m, max_b * max_t, &np, &ns, &r0);
+  batch_rows(m, m->max_b * m->max_t, &np, &ns, &r0);
   m->tensors = calloc((size_t)(9 * L + 3), sizeof *m->tensors);
   m->layer = calloc((size_t)L, sizeof *m->layer);
   m->unit_offset = calloc((size_t)m->n_units, sizeof *m->unit_offset);
@@ -744,13 +742,15 @@ int model_create_opts(model_t **out, const plan_model_t *cfg, backend_t *be, con
   m->host_losses = calloc((size_t)np, sizeof *m->host_losses);
   if (!m->tensors || !m->layer || !m->unit_offset || !m->unit_numel || !m->unit_params || !m->unit_grads ||
       !m->unit_cparams || !m->acts ||
-      !m->host_losses) {
-    model_destroy(m);
+      !m->host_losses)
     return err_set(err, errlen, -1, "model error: out of memory");
-  }
+  return 0;
+}
 
-  /* Tensors in unit order; within a layer, in Meta's order. Shapes are the full ones. Only what
-   * this instance holds (its pipeline chunks) is created. */
+/* Tensors in unit order; within a layer, in Meta's order. Shapes are the full ones. Only what
+ * this instance holds (its pipeline chunks) is created. Then each unit's offset and size. */
+static void add_tensors(model_t *m, const model_opts_t *opts) {
+  int L = m->L, C = m->C, HD = m->H * m->D, KD = m->KV * m->D, F = m->F;
   int s_att_col = m->attn_split ? MODEL_TP_ROWS : MODEL_TP_REPLICATED;
   int s_att_row = m->attn_split ? MODEL_TP_COLS : MODEL_TP_REPLICATED;
   int s_ffn_col = m->ffn_split ? MODEL_TP_ROWS : MODEL_TP_REPLICATED;
@@ -790,7 +790,12 @@ int model_create_opts(model_t **out, const plan_model_t *cfg, backend_t *be, con
     if (m->unit_offset[t->unit] == (size_t)-1) m->unit_offset[t->unit] = t->offset;
     m->unit_numel[t->unit] += t->numel;
   }
+}
 
+/* The flat parameters and gradients (unless the strategy owns them), the bf16 compute copy
+ * (unless the strategy casts) and the activation arena, laid out and bound to slot 0. */
+static int alloc_buffers(model_t *m, char *err, size_t errlen) {
+  backend_t *be = m->be;
   if (!m->no_flat) {
     m->params = be->alloc(be, m->num_params * sizeof(float));
     m->grads = be->alloc(be, m->num_params * sizeof(float));
@@ -802,22 +807,43 @@ int model_create_opts(model_t **out, const plan_model_t *cfg, backend_t *be, con
   m->arena_bytes = an;
   if ((!m->no_flat && (!m->params || !m->grads)) || !m->arena || (lp_bytes && !m->params_lp)) {
     size_t mb = ((m->no_flat ? 0 : 2 * m->num_params * sizeof(float)) + lp_bytes + an) >> 20;
-    model_destroy(m);
     return err_set(err, errlen, -1, "model error: cannot allocate %zu MiB for parameters, gradients and activations", mb);
   }
   layout_acts(m, m->arena);
   bind_slot(m, 0, 0);
   for (int u = 0; u < m->n_units; u++)
     model_set_unit_buffers(m, u, NULL, NULL);
+  return 0;
+}
+
+/* m, allocated and given its backend, built up; on a failure the caller destroys it. */
+static int model_build(model_t *m, const plan_model_t *cfg, int kv, const model_opts_t *opts, char *err,
+                       size_t errlen) {
+  if (set_dims(m, cfg, kv, opts, err, errlen) || alloc_tables(m, opts, err, errlen)) return -1;
+  add_tensors(m, opts);
+  if (alloc_buffers(m, err, errlen)) return -1;
   if (m->tp > 1)
     log_debug("model: tp %d/%d: heads %d/%d, kv %d/%d, ffn %d/%d, vocab rows %d+%d (padded %d)%s%s", m->tp_rank, m->tp,
               m->Hl, m->H, m->KVl, m->KV, m->Fl, m->F, m->Ve, m->Vo, m->Vp, m->sp ? ", sequence parallel" : "",
               m->lp ? ", loss parallel" : "");
-  if (attention_choose(m, cfg->attention, max_b, max_t, err, errlen)) {
-    model_destroy(m);
-    return MODEL_EPLAN;
-  }
+  if (attention_choose(m, cfg->attention, opts->max_b, opts->max_t, err, errlen)) return MODEL_EPLAN;
+  return 0;
+}
 
+int model_create_opts(model_t **out, const plan_model_t *cfg, backend_t *be, const model_opts_t *opts, char *err,
+                      size_t errlen) {
+  *out = NULL;
+  if (!cfg || !be || !opts) return err_set(err, errlen, -1, "model error: no config, backend or options");
+  int kv = 0;
+  if (check_config(cfg, opts->max_b, opts->max_t, &kv, err, errlen)) return -1;
+  model_t *m = calloc(1, sizeof *m);
+  if (!m) return err_set(err, errlen, -1, "model error: out of memory");
+  m->be = be;
+  int rc = model_build(m, cfg, kv, opts, err, errlen);
+  if (rc) {
+    model_destroy(m);
+    return rc;
+  }
   *out = m;
   return 0;
 }
@@ -1144,6 +1170,53 @@ static int enter_chunk(model_t *m, int c, int k, const char *what) {
   return 0;
 }
 
+/* The embedding of the batch's tokens (m->tokens_dev) into the first block's input. */
+static int embed_forward(model_t *m) {
+  backend_t *be = m->be;
+  const int C = m->C;
+  int rc;
+  if ((rc = dp_gather(m, m->u_embed, 0))) return rc;
+  void *x0 = m->acts[0].x;
+  const void *table = cparam_of(m, m->tok_embeddings);
+  if (m->emb_split) {
+    /* vocab-parallel: rows [tp_rank * Ve, ...) here, zero rows for the other tokens; the sum
+     * over tp is the embedding (reduce-scattered onto this rank's rows under SP) */
+    void *y = m->sp ? m->sc_full : x0;
+    be->embedding_fwd(be, y, table, m->tokens_dev, m->Np, C, m->tp_rank * m->Ve, m->Ve, m->dt);
+    rows_from_full(m, y, x0, C, 1, "reduction of tok_embeddings output");
+  } else {
+    be->embedding_fwd(be, x0, table, m->tokens_dev + m->row0, m->Ns, C, 0, m->V, m->dt);
+  }
+  return dp_release(m, m->u_embed, 0);
+}
+
+/* The loss, the same on every tp rank: with targets every rank ends with the same per-row
+ * losses; m->logits_out is left on the logits a caller may read. */
+static void head_losses(model_t *m, int has_targets) {
+  backend_t *be = m->be;
+  const int Np = m->Np;
+  m->last_gathered = 0;
+  if (!m->out_split) {
+    m->logits_out = m->logits;
+    if (has_targets) be->cross_entropy(be, m->losses, NULL, m->logits, m->targets_dev, Np, m->V, m->V, 1.0f, m->dt);
+  } else if (m->lp && has_targets) {
+    /* loss parallel: the softmax denominators from per-shard pieces, logits never gathered */
+    int v = shard_vocab(m), v0 = m->tp_rank * m->Vo;
+    be->ce_shard_max(be, m->ce_max, m->logits, Np, v, m->Vo, m->dt);
+    tp_all_reduce(m, m->ce_max, (size_t)Np, DT_F32, COMM_MAX, "all_reduce(max) of logit row maxima");
+    be->ce_shard_stats(be, m->ce_stats, m->logits, m->ce_max, m->targets_dev, Np, v, m->Vo, v0, m->dt);
+    tp_all_reduce(m, m->ce_stats, 2 * (size_t)Np, DT_F32, COMM_SUM, "all_reduce of exp sums and target logits");
+    be->ce_shard_loss(be, m->losses, NULL, m->logits, m->ce_max, m->ce_stats, m->targets_dev, Np, v, m->Vo, v0, 1.0f,
+                      m->dt);
+  } else {
+    gather_logits(m);
+    m->last_gathered = 1;
+    m->logits_out = m->logits_full;
+    if (has_targets)
+      be->cross_entropy(be, m->losses, NULL, m->logits_full, m->targets_dev, Np, m->V, m->V, 1.0f, m->dt);
+  }
+}
+
 int model_forward(model_t *m, const int32_t *tokens, const int32_t *targets, int b, int t, float *loss) {
   if (m->n_chunks != 1 || !m->chunks[0].embed || !m->chunks[0].head) {
     if (loss) *loss = NAN;
@@ -1176,21 +1249,7 @@ int model_chunk_forward(model_t *m, int c, int k, const int32_t *tokens, const i
   if (ch->embed) ids_to_device(m, m->tokens_dev, tokens, N);
   if (ch->head && targets) ids_to_device(m, m->targets_dev, targets, N);
 
-  if (ch->embed) {
-    if ((rc = dp_gather(m, m->u_embed, 0))) return rc;
-    void *x0 = m->acts[0].x;
-    const void *table = cparam_of(m, m->tok_embeddings);
-    if (m->emb_split) {
-      /* vocab-parallel: rows [tp_rank * Ve, ...) here, zero rows for the other tokens; the sum
-       * over tp is the embedding (reduce-scattered onto this rank's rows under SP) */
-      void *y = m->sp ? m->sc_full : x0;
-      be->embedding_fwd(be, y, table, m->tokens_dev, Np, C, m->tp_rank * m->Ve, m->Ve, m->dt);
-      rows_from_full(m, y, x0, C, 1, "reduction of tok_embeddings output");
-    } else {
-      be->embedding_fwd(be, x0, table, m->tokens_dev + m->row0, m->Ns, C, 0, m->V, m->dt);
-    }
-    if ((rc = dp_release(m, m->u_embed, 0))) return rc;
-  }
+  if (ch->embed && (rc = embed_forward(m))) return rc;
 
   const int end = ch->first + ch->n;
   for (int l = ch->first; l < end; l++) {
@@ -1214,26 +1273,7 @@ int model_chunk_forward(model_t *m, int c, int k, const int32_t *tokens, const i
   mm(m, m->logits, m->xn_final, cparam_of(m, m->output), Np, m->Vo, C, 1, 0.0f);
   if ((rc = dp_release(m, uo, 0))) return rc;
 
-  /* The loss, the same on every tp rank: every rank ends with the same per-row losses. */
-  m->last_gathered = 0;
-  if (!m->out_split) {
-    m->logits_out = m->logits;
-    if (targets) be->cross_entropy(be, m->losses, NULL, m->logits, m->targets_dev, Np, m->V, m->V, 1.0f, m->dt);
-  } else if (m->lp && targets) {
-    /* loss parallel: the softmax denominators from per-shard pieces, logits never gathered */
-    int v = shard_vocab(m), v0 = m->tp_rank * m->Vo;
-    be->ce_shard_max(be, m->ce_max, m->logits, Np, v, m->Vo, m->dt);
-    tp_all_reduce(m, m->ce_max, (size_t)Np, DT_F32, COMM_MAX, "all_reduce(max) of logit row maxima");
-    be->ce_shard_stats(be, m->ce_stats, m->logits, m->ce_max, m->targets_dev, Np, v, m->Vo, v0, m->dt);
-    tp_all_reduce(m, m->ce_stats, 2 * (size_t)Np, DT_F32, COMM_SUM, "all_reduce of exp sums and target logits");
-    be->ce_shard_loss(be, m->losses, NULL, m->logits, m->ce_max, m->ce_stats, m->targets_dev, Np, v, m->Vo, v0, 1.0f,
-                      m->dt);
-  } else {
-    gather_logits(m);
-    m->last_gathered = 1;
-    m->logits_out = m->logits_full;
-    if (targets) be->cross_entropy(be, m->losses, NULL, m->logits_full, m->targets_dev, Np, m->V, m->V, 1.0f, m->dt);
-  }
+  head_losses(m, targets != NULL);
   if (m->comm_rc) return MODEL_ECOMM;
 
   m->last_ok = 1;

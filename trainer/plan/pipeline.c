@@ -203,123 +203,166 @@ static int chan_push(chan_t *c, msg_t m) {
 
 enum { ST_FWD = 1, ST_BWD = 2, ST_GOT_ACT = 4, ST_GOT_GRAD = 8, ST_SENT_ACT = 16, ST_SENT_GRAD = 32 };
 
-int pp_check(const pp_plan_t *pl, double f_cost, double b_cost, pp_stats_t *st, char *err,
-             size_t errlen) {
-  int p = pl->p, S = pl->p * pl->v, m = pl->m, rc = -1;
-  memset(st, 0, sizeof *st);
-  unsigned char *state = calloc((size_t)S * (size_t)m, 1); /* ST_* per (stage, mb) */
-  chan_t *ch = calloc((size_t)p * (size_t)p * 2, sizeof *ch);
-  int *pc = calloc((size_t)p, sizeof *pc), *inflight = calloc((size_t)p, sizeof *inflight);
-  double *clock = calloc((size_t)p, sizeof *clock), *busy = calloc((size_t)p, sizeof *busy);
-  if (!state || !ch || !pc || !inflight || !clock || !busy) {
-    err_set(err, errlen, -1, "out of memory checking the schedule");
-    goto out;
-  }
+/* The checker's simulation of a plan: each rank's position in its list (pc), its clock and
+ * busy time, the state of every (stage, micro-batch) and the channels between ranks. */
+typedef struct {
+  const pp_plan_t *pl;
+  int p, S, m;
+  double f_cost, b_cost;
+  pp_stats_t *st;
+  unsigned char *state; /* ST_* per (stage, mb) */
+  chan_t *ch;           /* per (source, destination, kind) */
+  int *pc, *inflight;
+  double *clock, *busy;
+} sim_t;
+
+/* Rank r's action a, the pc[r]-th of its list: 0 done, 1 a receive whose message was not sent
+ * yet (the rank waits), -1 with the violation in err. */
+static int sim_action(sim_t *z, int r, const pp_action_t *a, char *err, size_t errlen) {
+  const int p = z->p, S = z->S, m = z->m;
+  const int *pc = z->pc;
+  int *inflight = z->inflight;
+  double *clock = z->clock, *busy = z->busy;
+  chan_t *ch = z->ch;
+  pp_stats_t *st = z->st;
+  unsigned char *state = z->state;
+  const double f_cost = z->f_cost, b_cost = z->b_cost;
 #define CH(src, dst, grad) (&ch[((size_t)(src) * (size_t)p + (size_t)(dst)) * 2 + (grad)])
-#define BAD(...)                    \
-  do {                              \
-    err_set(err, errlen, -1, __VA_ARGS__); \
-    goto out;                       \
-  } while (0)
-  for (int moved = 1; moved;) {
-    moved = 0;
-    for (int r = 0; r < p; r++) {
-      for (; pc[r] < pl->n[r]; pc[r]++) {
-        const pp_action_t *a = &pl->act[r][pc[r]];
-        int s = a->stage, mb = a->mb;
-        const char *what = pp_kind_name((pp_kind_t)a->kind);
-        if (s < 0 || s >= S || mb < 0 || mb >= m)
-          BAD("rank %d action %d (%s): stage %d / micro-batch %d out of range", r, pc[r], what, s, mb);
-        if (s % p != r)
-          BAD("rank %d action %d: %s of stage %d, which lives on rank %d", r, pc[r], what, s, s % p);
-        unsigned char *x = &state[(size_t)s * (size_t)m + (size_t)mb];
-        if (a->kind == PP_FWD) {
-          if (*x & ST_FWD) BAD("rank %d: stage %d micro-batch %d forwarded twice", r, s, mb);
-          if (s > 0 && !(*x & ST_GOT_ACT))
-            BAD("rank %d: forward of stage %d micro-batch %d before its input was received", r, s, mb);
-          *x |= ST_FWD;
-          clock[r] += f_cost;
-          busy[r] += f_cost;
-          inflight[r]++;
-          if (r < 64 && inflight[r] > st->peak_inflight[r]) st->peak_inflight[r] = inflight[r];
-          if (inflight[r] > st->max_inflight) st->max_inflight = inflight[r];
-        } else if (a->kind == PP_BWD) {
-          if (*x & ST_BWD) BAD("rank %d: stage %d micro-batch %d backwarded twice", r, s, mb);
-          if (!(*x & ST_FWD))
-            BAD("rank %d: backward of stage %d micro-batch %d before its forward", r, s, mb);
-          if (s < S - 1 && !(*x & ST_GOT_GRAD))
-            BAD("rank %d: backward of stage %d micro-batch %d before its output gradient was received",
-                r, s, mb);
-          *x |= ST_BWD;
-          clock[r] += b_cost;
-          busy[r] += b_cost;
-          inflight[r]--;
-        } else if (a->kind == PP_SEND_ACT || a->kind == PP_SEND_GRAD) {
-          int grad = a->kind == PP_SEND_GRAD, flag = grad ? ST_SENT_GRAD : ST_SENT_ACT;
-          if (grad ? s == 0 : s == S - 1) BAD("rank %d: %s from stage %d, which has no neighbour there", r, what, s);
-          if (!(*x & (grad ? ST_BWD : ST_FWD)))
-            BAD("rank %d: %s of stage %d micro-batch %d before computing it", r, what, s, mb);
-          if (*x & flag) BAD("rank %d: %s of stage %d micro-batch %d twice", r, what, s, mb);
-          *x |= (unsigned char)flag;
-          int dst = (grad ? s - 1 : s + 1) % p;
-          if (chan_push(CH(r, dst, grad), (msg_t){.stage = s, .mb = mb, .t = clock[r]}))
-            BAD("out of memory checking the schedule");
-        } else if (a->kind == PP_RECV_ACT || a->kind == PP_RECV_GRAD) {
-          int grad = a->kind == PP_RECV_GRAD;
-          if (grad ? s == S - 1 : s == 0) BAD("rank %d: %s into stage %d, which has no neighbour there", r, what, s);
-          int from = grad ? s + 1 : s - 1, src = from % p;
-          chan_t *c = CH(src, r, grad);
-          if (!c->len) break; /* blocked until rank src sends */
-          msg_t g = c->q[c->head];
-          if (g.stage != from || g.mb != mb)
-            BAD("rank %d: %s of stage %d micro-batch %d, but the next message from rank %d is stage %d "
-                "micro-batch %d (messages arrive in send order)", r, what, s, mb, src, g.stage, g.mb);
-          c->head++;
-          c->len--;
-          if (g.t > clock[r]) clock[r] = g.t;
-          *x |= (unsigned char)(grad ? ST_GOT_GRAD : ST_GOT_ACT);
-        } else {
-          BAD("rank %d action %d: unknown kind %d", r, pc[r], a->kind);
-        }
-        moved = 1;
-      }
-    }
+#define BAD(...) return err_set(err, errlen, -1, __VA_ARGS__)
+  int s = a->stage, mb = a->mb;
+  const char *what = pp_kind_name((pp_kind_t)a->kind);
+  if (s < 0 || s >= S || mb < 0 || mb >= m)
+    BAD("rank %d action %d (%s): stage %d / micro-batch %d out of range", r, pc[r], what, s, mb);
+  if (s % p != r)
+    BAD("rank %d action %d: %s of stage %d, which lives on rank %d", r, pc[r], what, s, s % p);
+  unsigned char *x = &state[(size_t)s * (size_t)m + (size_t)mb];
+  if (a->kind == PP_FWD) {
+    if (*x & ST_FWD) BAD("rank %d: stage %d micro-batch %d forwarded twice", r, s, mb);
+    if (s > 0 && !(*x & ST_GOT_ACT))
+      BAD("rank %d: forward of stage %d micro-batch %d before its input was received", r, s, mb);
+    *x |= ST_FWD;
+    clock[r] += f_cost;
+    busy[r] += f_cost;
+    inflight[r]++;
+    if (r < 64 && inflight[r] > st->peak_inflight[r]) st->peak_inflight[r] = inflight[r];
+    if (inflight[r] > st->max_inflight) st->max_inflight = inflight[r];
+  } else if (a->kind == PP_BWD) {
+    if (*x & ST_BWD) BAD("rank %d: stage %d micro-batch %d backwarded twice", r, s, mb);
+    if (!(*x & ST_FWD))
+      BAD("rank %d: backward of stage %d micro-batch %d before its forward", r, s, mb);
+    if (s < S - 1 && !(*x & ST_GOT_GRAD))
+      BAD("rank %d: backward of stage %d micro-batch %d before its output gradient was received",
+          r, s, mb);
+    *x |= ST_BWD;
+    clock[r] += b_cost;
+    busy[r] += b_cost;
+    inflight[r]--;
+  } else if (a->kind == PP_SEND_ACT || a->kind == PP_SEND_GRAD) {
+    int grad = a->kind == PP_SEND_GRAD, flag = grad ? ST_SENT_GRAD : ST_SENT_ACT;
+    if (grad ? s == 0 : s == S - 1) BAD("rank %d: %s from stage %d, which has no neighbour there", r, what, s);
+    if (!(*x & (grad ? ST_BWD : ST_FWD)))
+      BAD("rank %d: %s of stage %d micro-batch %d before computing it", r, what, s, mb);
+    if (*x & flag) BAD("rank %d: %s of stage %d micro-batch %d twice", r, what, s, mb);
+    *x |= (unsigned char)flag;
+    int dst = (grad ? s - 1 : s + 1) % p;
+    if (chan_push(CH(r, dst, grad), (msg_t){.stage = s, .mb = mb, .t = clock[r]}))
+      BAD("out of memory checking the schedule");
+  } else if (a->kind == PP_RECV_ACT || a->kind == PP_RECV_GRAD) {
+    int grad = a->kind == PP_RECV_GRAD;
+    if (grad ? s == S - 1 : s == 0) BAD("rank %d: %s into stage %d, which has no neighbour there", r, what, s);
+    int from = grad ? s + 1 : s - 1, src = from % p;
+    chan_t *c = CH(src, r, grad);
+    if (!c->len) return 1; /* blocked until rank src sends */
+    msg_t g = c->q[c->head];
+    if (g.stage != from || g.mb != mb)
+      BAD("rank %d: %s of stage %d micro-batch %d, but the next message from rank %d is stage %d "
+          "micro-batch %d (messages arrive in send order)", r, what, s, mb, src, g.stage, g.mb);
+    c->head++;
+    c->len--;
+    if (g.t > clock[r]) clock[r] = g.t;
+    *x |= (unsigned char)(grad ? ST_GOT_GRAD : ST_GOT_ACT);
+  } else {
+    BAD("rank %d action %d: unknown kind %d", r, pc[r], a->kind);
   }
+  return 0;
+#undef BAD
+#undef CH
+}
+
+/* After every rank moved as far as it could: a rank left waiting is a deadlock, a (stage,
+ * micro-batch) not run both ways or a message not received an incomplete plan; else the
+ * makespan and the bubble into st. */
+static int sim_verdict(const sim_t *z, char *err, size_t errlen) {
+  const pp_plan_t *pl = z->pl;
+  const int p = z->p, S = z->S, m = z->m;
+  const int *pc = z->pc;
+  const double *clock = z->clock, *busy = z->busy;
+  const chan_t *ch = z->ch;
+  const unsigned char *state = z->state;
+  pp_stats_t *st = z->st;
   for (int r = 0; r < p; r++)
     if (pc[r] < pl->n[r]) {
       const pp_action_t *a = &pl->act[r][pc[r]];
-      BAD("deadlock: rank %d waits at action %d (%s of stage %d micro-batch %d) and no rank can move",
-          r, pc[r], pp_kind_name((pp_kind_t)a->kind), a->stage, a->mb);
+      return err_set(err, errlen, -1, "deadlock: rank %d waits at action %d (%s of stage %d micro-batch %d) and no "
+                     "rank can move", r, pc[r], pp_kind_name((pp_kind_t)a->kind), a->stage, a->mb);
     }
   for (int s = 0; s < S; s++)
     for (int mb = 0; mb < m; mb++) {
       unsigned x = state[(size_t)s * (size_t)m + (size_t)mb];
       if (!(x & ST_FWD) || !(x & ST_BWD))
-        BAD("incomplete: stage %d micro-batch %d never %s", s, mb, !(x & ST_FWD) ? "forwarded" : "backwarded");
+        return err_set(err, errlen, -1, "incomplete: stage %d micro-batch %d never %s", s, mb,
+                       !(x & ST_FWD) ? "forwarded" : "backwarded");
     }
   for (int i = 0; i < p * p * 2; i++)
     if (ch[i].len)
-      BAD("rank %d sent %s of stage %d micro-batch %d that rank %d never receives", i / 2 / p,
-          i % 2 ? "a gradient" : "an activation", ch[i].q[ch[i].head].stage, ch[i].q[ch[i].head].mb,
-          i / 2 % p);
+      return err_set(err, errlen, -1, "rank %d sent %s of stage %d micro-batch %d that rank %d never receives",
+                     i / 2 / p, i % 2 ? "a gradient" : "an activation", ch[i].q[ch[i].head].stage,
+                     ch[i].q[ch[i].head].mb, i / 2 % p);
   double span = 0, idle = 0;
   for (int r = 0; r < p; r++)
     if (clock[r] > span) span = clock[r];
   for (int r = 0; r < p; r++) idle += span > 0 ? (span - busy[r]) / span : 0;
   st->makespan = span;
   st->bubble = idle / p;
-  rc = 0;
-#undef BAD
-#undef CH
+  return 0;
+}
+
+int pp_check(const pp_plan_t *pl, double f_cost, double b_cost, pp_stats_t *st, char *err,
+             size_t errlen) {
+  int p = pl->p, S = pl->p * pl->v, m = pl->m, rc = -1;
+  memset(st, 0, sizeof *st);
+  sim_t z = {.pl = pl, .p = p, .S = S, .m = m, .f_cost = f_cost, .b_cost = b_cost, .st = st};
+  z.state = calloc((size_t)S * (size_t)m, 1);
+  z.ch = calloc((size_t)p * (size_t)p * 2, sizeof *z.ch);
+  z.pc = calloc((size_t)p, sizeof *z.pc);
+  z.inflight = calloc((size_t)p, sizeof *z.inflight);
+  z.clock = calloc((size_t)p, sizeof *z.clock);
+  z.busy = calloc((size_t)p, sizeof *z.busy);
+  if (!z.state || !z.ch || !z.pc || !z.inflight || !z.clock || !z.busy) {
+    err_set(err, errlen, -1, "out of memory checking the schedule");
+    goto out;
+  }
+  for (int moved = 1; moved;) {
+    moved = 0;
+    for (int r = 0; r < p; r++) {
+      for (; z.pc[r] < pl->n[r]; z.pc[r]++) {
+        int arc = sim_action(&z, r, &pl->act[r][z.pc[r]], err, errlen);
+        if (arc < 0) goto out;
+        if (arc > 0) break;
+        moved = 1;
+      }
+    }
+  }
+  rc = sim_verdict(&z, err, errlen);
 out:
-  if (ch)
-    for (int i = 0; i < p * p * 2; i++) free(ch[i].q);
-  free(ch);
-  free(state);
-  free(pc);
-  free(inflight);
-  free(clock);
-  free(busy);
+  if (z.ch)
+    for (int i = 0; i < p * p * 2; i++) free(z.ch[i].q);
+  free(z.ch);
+  free(z.state);
+  free(z.pc);
+  free(z.inflight);
+  free(z.clock);
+  free(z.busy);
   return rc;
 }
 

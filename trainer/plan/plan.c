@@ -934,14 +934,8 @@ int plan_pp_stage_first(const plan_t *p, int s) {
   return p->parallel.pp_split[s - 1];
 }
 
-int plan_resolve(plan_t *p, int world_size, char *err, size_t errlen) {
-  plan_mesh_t *m = &p->mesh;
-  plan_model_t *md = &p->model;
-  plan_train_t *t = &p->train;
-  if (err && errlen) err[0] = '\0';
-  if (world_size < 1) return perr(err, errlen, "WORLD_SIZE", "must be >= 1, got %d", world_size);
-
-  /* Mesh: at most one -1, which takes the rest of the world; then the product must match. */
+/* Mesh: at most one -1, which takes the rest of the world; then the product must match. */
+static int resolve_mesh(plan_mesh_t *m, int world_size, char *err, size_t errlen) {
   int *dims[4] = {&m->pp, &m->dp_replicate, &m->dp_shard, &m->tp};
   int n_rest = 0;
   long long known = 1; /* saturates just past world_size: any larger product is the same error */
@@ -983,8 +977,14 @@ int plan_resolve(plan_t *p, int world_size, char *err, size_t errlen) {
     return perr(err, errlen, "mesh", "%s = %s is more than WORLD_SIZE %d", names, vals, world_size);
   if (prod != world_size)
     return perr(err, errlen, "mesh", "%s = %lld does not equal WORLD_SIZE %d", names, prod, world_size);
+  return 0;
+}
 
-  /* Model shapes. */
+/* Model shapes (hidden_dim by Llama's rule when the plan leaves it 0), the sequence length and
+ * selective activation checkpointing against them. */
+static int check_shapes(plan_t *p, char *err, size_t errlen) {
+  plan_model_t *md = &p->model;
+  const plan_train_t *t = &p->train;
   if (md->dim % md->n_heads != 0)
     return perr(err, errlen, "model.dim", "%d is not divisible by model.n_heads %d", md->dim,
                 md->n_heads);
@@ -1004,8 +1004,14 @@ int plan_resolve(plan_t *p, int world_size, char *err, size_t errlen) {
     return perr(err, errlen, "parallel.activation_checkpoint_every",
                 "%d is above model.n_layers %d (selective would checkpoint no block)",
                 p->parallel.activation_checkpoint_every, md->n_layers);
+  return 0;
+}
 
-  /* Tensor parallelism: what the tp group splits must divide by tp. */
+/* Tensor parallelism: what the tp group splits must divide by tp; then sequence and loss
+ * parallelism resolved from the tp plan and checked against it. */
+static int resolve_tp(plan_t *p, char *err, size_t errlen) {
+  const plan_model_t *md = &p->model;
+  const plan_train_t *t = &p->train;
   static const char *const attn[] = {"attention.wq", "attention.wk", "attention.wv", "attention.wo"};
   static const char *const ffn[] = {"feed_forward.w1", "feed_forward.w3", "feed_forward.w2"};
   static const char *const norms[] = {"attention_norm", "ffn_norm", "norm"};
@@ -1014,7 +1020,7 @@ int plan_resolve(plan_t *p, int world_size, char *err, size_t errlen) {
       check_tp_group(p, ffn, 3, "shard w1, w3 colwise and w2 rowwise together, or replicate all three",
                      err, errlen))
     return PLAN_EINVAL;
-  int tp = m->tp;
+  int tp = p->mesh.tp;
   if (tp > 1) {
     if (md->n_heads % tp != 0)
       return perr(err, errlen, "mesh.tp", "%d does not divide model.n_heads %d", tp, md->n_heads);
@@ -1053,6 +1059,18 @@ int plan_resolve(plan_t *p, int world_size, char *err, size_t errlen) {
   if (p->parallel.loss_parallel == -1) p->parallel.loss_parallel = tp_style(p, "output") == PLAN_TP_COLWISE;
   if (p->parallel.loss_parallel && tp_style(p, "output") != PLAN_TP_COLWISE)
     return perr(err, errlen, "parallel.loss_parallel", "needs parallel.tp_plan.output colwise");
+  return 0;
+}
+
+int plan_resolve(plan_t *p, int world_size, char *err, size_t errlen) {
+  plan_mesh_t *m = &p->mesh;
+  plan_train_t *t = &p->train;
+  int rc;
+  if (err && errlen) err[0] = '\0';
+  if (world_size < 1) return perr(err, errlen, "WORLD_SIZE", "must be >= 1, got %d", world_size);
+  if ((rc = resolve_mesh(m, world_size, err, errlen)) || (rc = check_shapes(p, err, errlen)) ||
+      (rc = resolve_tp(p, err, errlen)))
+    return rc;
 
   /* Batches: global = micro * dp * accumulation steps. */
   long long dp = (long long)m->dp_replicate * m->dp_shard;

@@ -714,6 +714,301 @@ static int eval_due(const plan_t *p, int step) {
 }
 
 /* ------------------------------------------------------------------------------------------ */
+/* One run of the trainer: what main acquires, each field released by run_end through one path
+ * whatever step failed, and the outcome so far. code is the exit status of a failure (2 usage or
+ * plan, 1 runtime); plan_failed marks a plan's one-liner, which no restart would cure. */
+typedef struct {
+  args_t a;
+  env_t env;
+  char err[4096];
+  int code, plan_failed, no_restart, stopped, start_step, resumed, preempt_exit;
+  plan_t *p;
+  backend_t *be;
+  const char *comm_backend;
+  mesh_t *mesh;
+  data_t data;
+  model_t *m;
+  model_tp_t tpo; /* lives as long as the model, which may keep a pointer to it */
+  pp_runner_t ppr;
+  pp_runner_t *pp; /* &ppr under pipeline parallelism */
+  char *plan_json;
+  dp_t *dp;
+  checkpoint_t ck;
+  train_t tr;
+  metrics_t mt;
+} run_t;
+
+/* What a step of main returns: go on to the next, stop with a failure (r->code says which), or
+ * stop with nothing left to do (--print-plan, export, sample). */
+enum { RUN_FAIL = -1, RUN_ON = 0, RUN_DONE = 1 };
+
+/* The plan, and what can be refused before a device starts: the command's inputs and outputs,
+ * the checkpoint folder's lock and MESHRUN_OP_PROFILE (*prof_step). Export ends here. */
+static int run_plan(run_t *r, int *prof_step) {
+  char *err = r->err;
+  const size_t errlen = sizeof r->err;
+  args_t *a = &r->a;
+  const env_t *env = &r->env;
+  if (!(r->p = calloc(1, sizeof *r->p))) {
+    snprintf(err, errlen, "out of memory");
+    return RUN_FAIL;
+  }
+  plan_t *p = r->p;
+  r->code = 2;
+  int resuming = 0;
+  if (plan_setup(p, a, env->rank, env->world, &resuming, err, errlen)) {
+    r->plan_failed = 1; /* the message is already the documented one-liner */
+    return RUN_FAIL;
+  }
+  if (a->print_plan) return RUN_DONE; /* plan_setup printed it and found every input */
+  if (env->world > 1 && (a->sample_mode || a->export_mode || hooks_one_process(&a->hooks))) {
+    snprintf(err, errlen, "'trainer sample', 'trainer export', --dump-init and --dump-batches run in one process "
+             "(WORLD_SIZE=%d)", env->world);
+    return RUN_FAIL;
+  }
+  if (a->export_mode) { /* any weights to llama2.c or Hugging Face: no device, no model */
+    if ((r->code = export_run(p, a->weights, a->plan_path != NULL, a->sets, a->nsets, a->format, a->out, err,
+                              errlen)))
+      return RUN_FAIL;
+    return RUN_DONE;
+  }
+
+  const int fresh = !resuming && env->restart == 0 && env->round == 0;
+  if (!a->sample_mode && check_outputs(p, env->rank, fresh, err, errlen)) {
+    r->plan_failed = 1; /* code 2: the plan's outputs, a one-liner, never retried */
+    return RUN_FAIL;
+  }
+  if (!a->sample_mode && p->checkpoint.dir[0] && env->rank == 0 &&
+      (r->code = dirlock_take(p->checkpoint.dir, err, errlen))) { /* one run at a time (dirlock.h) */
+    r->plan_failed = r->code == 2;
+    return RUN_FAIL;
+  }
+  r->code = 2;
+  if (!a->sample_mode && (r->code = check_init_weights(p, err, errlen))) {
+    r->plan_failed = r->code == 2;
+    return RUN_FAIL;
+  }
+  r->code = 2;
+  if (!a->sample_mode) install_sigint(p, env->rank);
+  /* MESHRUN_OP_PROFILE=STEP: the kernel times of one step, printed after it (opprof.h); a bad
+   * value is refused before the device starts (code is 2 here) */
+  *prof_step = opprof_step_from_env(err, errlen);
+  if (*prof_step < 0) return RUN_FAIL;
+  return RUN_ON;
+}
+
+/* The device: the backend, its precision options, and the comm backend of a multi-rank run.
+ * Sample ends here. */
+static int run_device(run_t *r, int prof_step) {
+  char *err = r->err;
+  const size_t errlen = sizeof r->err;
+  const args_t *a = &r->a;
+  const env_t *env = &r->env;
+  plan_t *p = r->p;
+  if ((r->code = device_open(p, env->local_rank, env->local_world, env->world, &r->be, &r->comm_backend, err,
+                             errlen)))
+    return RUN_FAIL;
+  if (prof_step > 0 && !a->sample_mode) opprof_install(r->be, prof_step, stderr);
+  if (!a->sample_mode && r->be->mem == BACKEND_MEM_HOST &&
+      plan_check_memory(p, device_host_memory(), env->local_world, err, errlen)) {
+    r->code = 2, r->plan_failed = 1; /* more than the machine has: no restart makes it fit */
+    return RUN_FAIL;
+  }
+  if (a->sample_mode) { /* weights in, text out (one process) */
+    if ((r->code = sample_run(p, r->be, a->weights, a->plan_path != NULL, a->sets, a->nsets, err, errlen)))
+      return RUN_FAIL;
+    return RUN_DONE;
+  }
+  return RUN_ON;
+}
+
+/* The trace (log.trace_file) observes the collectives: open before the mesh, the groups every
+ * later collective runs on. code is 2 from here until the mesh: device_open left it 0, and a
+ * failure must not exit 0. */
+static int run_mesh(run_t *r) {
+  char *err = r->err;
+  const size_t errlen = sizeof r->err;
+  const env_t *env = &r->env;
+  plan_t *p = r->p;
+  r->code = 2;
+  if (trace_open(p->log.trace_file, env->rank, p->log.trace_steps, err, errlen)) return RUN_FAIL;
+  if (env->world > 1 &&
+      (r->code = mesh_setup(&r->mesh, p, env->rank, env->world, r->comm_backend, r->be, err, errlen)))
+    return RUN_FAIL;
+  if (trace_attach(err, errlen)) { /* rank 0 created the file before the mesh connected */
+    r->code = 2;
+    return RUN_FAIL;
+  }
+  r->code = 1;
+  return RUN_ON;
+}
+
+/* Data before the model: a wrong file fails before a large allocation. A file that is not what
+ * the plan says is the plan's error (exit 2, not retried); only memory is not. Then the model
+ * and the data-parallel strategy (it owns the optimizer over this rank's range). */
+static int run_model(run_t *r) {
+  char *err = r->err;
+  const size_t errlen = sizeof r->err;
+  plan_t *p = r->p;
+  int drc = data_load(&r->data, p, p->eval.interval > 0 && p->eval.batches > 0, err, errlen);
+  if (drc) {
+    if (drc != DATA_ENOMEM) r->code = 2, r->plan_failed = 1;
+    return RUN_FAIL;
+  }
+  if (r->mesh && r->mesh->dims[MESH_PP] > 1) {
+    if (pipeline_setup(&r->ppr, p, r->mesh, err, errlen)) return RUN_FAIL;
+    r->pp = &r->ppr;
+  }
+  int mrc = model_setup(&r->m, &r->tpo, p, r->be, r->mesh, r->pp, err, errlen);
+  if (mrc) {
+    if (mrc == MODEL_EPLAN) r->code = 2, r->plan_failed = 1;
+    return RUN_FAIL;
+  }
+  r->plan_json = plan_to_json(p);
+  if (dp_create(&r->dp, r->m, r->be, r->mesh, p, err, errlen)) return RUN_FAIL;
+  if (r->pp) {
+    r->ppr.cfg.model = r->m;
+    r->ppr.cfg.dp = r->dp;
+  }
+  return RUN_ON;
+}
+
+/* The checkpoint: resume (collective over the job), then a writer when checkpoint.dir is set;
+ * the initial weights unless resumed (random, our safetensors, llama2.c or Hugging Face); then
+ * the loop's state and the metrics. */
+static int run_start(run_t *r) {
+  char *err = r->err;
+  const size_t errlen = sizeof r->err;
+  args_t *a = &r->a;
+  const env_t *env = &r->env;
+  plan_t *p = r->p;
+  hooks_init(&a->hooks, env->rank);
+  if ((r->code = checkpoint_open(&r->ck, p, r->dp, r->mesh, &a->hooks, env->rank, env->world, env->restart,
+                                 env->round, r->plan_json, (uint64_t)r->data.train_src.n + r->data.val_src.n,
+                                 &r->start_step, &r->resumed, err, errlen)))
+    return RUN_FAIL;
+  if (p->checkpoint.on_signal) install_preempt();
+  if (!r->resumed && (r->code = weights_init(r->m, r->dp, p, err, errlen))) return RUN_FAIL;
+  r->code = 1;
+  if (hooks_initial_weights(&a->hooks, r->m, r->dp, r->mesh, r->plan_json, err, errlen)) return RUN_FAIL;
+
+  comm_t *dpc = r->mesh ? mesh_host_comm(r->mesh, "dp") : NULL;
+  r->tr = (train_t){.p = p, .m = r->m, .dp = r->dp, .be = r->be, .data = &r->data, .dpc = dpc, .mesh = r->mesh,
+                    .hooks = &a->hooks, .dp_rank = dpc ? comm_rank(dpc) : 0, .dp_size = dpc ? comm_size(dpc) : 1,
+                    .pp = r->pp, .ppc = r->pp ? mesh_host_comm(r->mesh, "pp") : NULL};
+  if (train_init(&r->tr, err, errlen) ||
+      metrics_open(&r->mt, p, r->m, r->dp, r->mesh, &r->data, r->be, env->rank, env->world, r->start_step,
+                   r->resumed, r->plan_json, err, errlen) ||
+      hooks_start(&a->hooks, err, errlen))
+    return RUN_FAIL;
+  return RUN_ON;
+}
+
+/* Step s (0-based, logged as s + 1): train, record, evaluate, checkpoint, and the stops (the
+ * hooks' and a preemption's). */
+static int run_step_once(run_t *r, int s) {
+  char *err = r->err;
+  const size_t errlen = sizeof r->err;
+  const plan_t *p = r->p;
+  train_result_t res;
+  run_step = s + 1;
+  hooks_stall(&r->a.hooks, s + 1);
+  if (train_step(&r->tr, s, &res, err, errlen)) {
+    /* Training is deterministic: a restart replays from the newest checkpoint bit for bit. An
+     * attempt that is itself a failure restart and saved nothing since it began was that
+     * replay, so every further restart would diverge at the same step. */
+    if (r->tr.diverged && r->env.restart > 0 && run_ckpt == r->start_step) {
+      size_t n = strlen(err);
+      snprintf(err + n, errlen - n, " (again after restart %d from step %d: the run replays bit for bit, so "
+               "no restart is tried)", r->env.restart, r->start_step);
+      r->no_restart = 1;
+    }
+    return RUN_FAIL;
+  }
+  metrics_step(&r->mt, s + 1, res.loss, res.lr, res.gnorm, res.dt, res.comm_wait);
+  if (r->pp && pipeline_record(&r->mt, r->m, s + 1, &res.pp, err, errlen)) return RUN_FAIL;
+  if (eval_due(p, s + 1)) {
+    double el = 0;
+    if (train_eval(&r->tr, &el, err, errlen)) return RUN_FAIL;
+    metrics_eval(&r->mt, s + 1, el);
+  }
+  if (checkpoint_after_step(&r->ck, r->dp, s + 1, err, errlen)) return RUN_FAIL;
+  if (r->ck.saved > 0 && !r->ck.pending) run_ckpt = r->ck.saved; /* committed, not still in flight */
+  metrics_skip_traffic(&r->mt); /* a checkpoint's traffic is not a step's */
+  r->stopped = hooks_stop(&r->a.hooks, s + 1, p->train.steps); /* as if killed here */
+  int sig = p->checkpoint.on_signal && s + 1 < p->train.steps ? preempt_agreed(r->mesh, err, errlen) : 0;
+  if (sig < 0) return RUN_FAIL;
+  if (sig > 0) { /* preempted: this step's checkpoint, then the signal's exit status */
+    if (checkpoint_now(&r->ck, r->dp, s + 1, err, errlen)) {
+      char why[sizeof r->err];
+      snprintf(why, sizeof why, "%s", err);
+      snprintf(err, errlen, "%s after step %d: the checkpoint failed: %.3900s", strsignal(sig), s + 1, why);
+      return RUN_FAIL;
+    }
+    log_rank0("%s after step %d: checkpoint saved; exiting %d (128 + the signal); checkpoint.resume=auto continues",
+              strsignal(sig), s + 1, 128 + sig);
+    metrics_skip_traffic(&r->mt);
+    r->preempt_exit = 128 + sig;
+    r->stopped = 1;
+  }
+  return RUN_ON;
+}
+
+/* The loop, until the last step or a stop, and the checkpoints still in flight after it. */
+static int run_train(run_t *r) {
+  run_ckpt = r->start_step;
+  run_phase = 1;
+  for (int s = r->start_step; s < r->p->train.steps && !r->stopped; s++)
+    if (run_step_once(r, s)) return RUN_FAIL;
+  if (checkpoint_finish(&r->ck, r->err, sizeof r->err)) return RUN_FAIL;
+  run_phase = 2;
+  return RUN_ON;
+}
+
+/* The final weights, then a sample; what failed without stopping the run decides the status. */
+static int run_finish(run_t *r) {
+  char *err = r->err;
+  const size_t errlen = sizeof r->err;
+  if (!r->stopped) {
+    metrics_done(&r->mt);
+    if (final_weights(r->m, r->dp, r->mesh, r->p, r->env.rank, r->plan_json, &r->no_restart, err, errlen) ||
+        final_sample(r->m, r->be, r->dp, r->mesh, r->p, r->data.is_text, r->env.rank, err, errlen) ||
+        checkpoint_final_status(&r->ck, err, errlen))
+      return RUN_FAIL;
+  }
+  if (metrics_close(&r->mt, r->stopped ? NULL : &r->no_restart, err, errlen)) return RUN_FAIL;
+  return RUN_ON;
+}
+
+/* The failure's report (a plan's one-liner, or the error file and meshrun's restart hint), then
+ * everything acquired, released whatever step stopped; the exit status. */
+static int run_end(run_t *r) {
+  failing = r->code != 0;
+  if (r->code && r->plan_failed) {
+    fprintf(stderr, "%s\n", r->err);
+    error_file_write(r->err, 0); /* a restart reads the same plan: meshrun is told not to try */
+  } else if (r->code) {
+    exit_error(r->code, r->err, !(r->no_restart || r->ck.no_restart));
+  }
+  checkpoint_free(&r->ck); /* a save still in flight (only after a failure) is waited for */
+  dirlock_release();
+  hooks_close(&r->a.hooks);
+  metrics_free(&r->mt);
+  dp_destroy(r->dp);
+  train_free(&r->tr);
+  data_free(&r->data);
+  free(r->plan_json);
+  pp_runner_free(&r->ppr);
+  model_destroy(r->m);
+  opprof_uninstall(r->be);
+  backend_destroy(r->be);
+  mesh_destroy(r->mesh);
+  trace_close();
+  free(r->p);
+  return r->code ? r->code : r->preempt_exit;
+}
+
+/* ------------------------------------------------------------------------------------------ */
 
 int main(int argc, char **argv) {
   if (argc > 1 && (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h"))) {
@@ -726,238 +1021,30 @@ int main(int argc, char **argv) {
   }
   ensure_passive_omp(argv);
   install_sigterm();
-  char err[4096] = "";
-  args_t a;
-  env_t env;
-  if (parse_args(&a, argc, argv, err, sizeof err) != 0 || (!a.help && env_read(&env, err, sizeof err) != 0)) {
-    fprintf(stderr, "trainer: %s\n", err);
+  run_t r = {.code = 1};
+  if (parse_args(&r.a, argc, argv, r.err, sizeof r.err) != 0 ||
+      (!r.a.help && env_read(&r.env, r.err, sizeof r.err) != 0)) {
+    fprintf(stderr, "trainer: %s\n", r.err);
     return 2;
   }
-  if (a.help) {
-    put_usage(a.sample_mode ? sample_usage_text : a.export_mode ? export_usage_text : usage_text);
+  if (r.a.help) {
+    put_usage(r.a.sample_mode ? sample_usage_text : r.a.export_mode ? export_usage_text : usage_text);
     return 0;
   }
   char prefix[64];
-  snprintf(prefix, sizeof prefix, "[trainer r%d/%d]", env.rank, env.world);
+  snprintf(prefix, sizeof prefix, "[trainer r%d/%d]", r.env.rank, r.env.world);
   log_init(prefix);
-  log_set_rank(env.rank, env.world);
+  log_set_rank(r.env.rank, r.env.world);
 
-  /* Everything acquired below is released at the end, through one path; code is the exit
-   * status of a failure (2 usage or plan, 1 runtime). */
-  int code = 1, plan_failed = 0, no_restart = 0, stopped = 0, start_step = 0, resumed = 0, preempt_exit = 0;
-  plan_t *p = NULL;
-  backend_t *be = NULL;
-  const char *comm_backend = NULL;
-  mesh_t *mesh = NULL;
-  data_t data = {0};
-  model_t *m = NULL;
-  model_tp_t tpo = {0}; /* lives as long as the model, which may keep a pointer to it */
-  pp_runner_t ppr = {0};
-  pp_runner_t *pp = NULL; /* &ppr under pipeline parallelism */
-  char *plan_json = NULL;
-  dp_t *dp = NULL;
-  checkpoint_t ck = {0};
-  train_t tr = {0};
-  metrics_t mt = {0};
-
-  /* --- plan */
-  if (!(p = calloc(1, sizeof *p))) {
-    snprintf(err, sizeof err, "out of memory");
-    goto error;
-  }
-  code = 2;
-  int resuming = 0;
-  if (plan_setup(p, &a, env.rank, env.world, &resuming, err, sizeof err)) {
-    plan_failed = 1; /* the message is already the documented one-liner */
-    goto error;
-  }
-  if (a.print_plan) goto done; /* plan_setup printed it and found every input */
-  if (env.world > 1 && (a.sample_mode || a.export_mode || hooks_one_process(&a.hooks))) {
-    snprintf(err, sizeof err, "'trainer sample', 'trainer export', --dump-init and --dump-batches run in one process "
-             "(WORLD_SIZE=%d)", env.world);
-    goto error;
-  }
-  if (a.export_mode) { /* any weights to llama2.c or Hugging Face: no device, no model */
-    if ((code = export_run(p, a.weights, a.plan_path != NULL, a.sets, a.nsets, a.format, a.out, err, sizeof err)))
-      goto error;
-    goto done;
-  }
-
-  const int fresh = !resuming && env.restart == 0 && env.round == 0;
-  if (!a.sample_mode && check_outputs(p, env.rank, fresh, err, sizeof err)) {
-    plan_failed = 1; /* code 2: the plan's outputs, a one-liner, never retried */
-    goto error;
-  }
-  if (!a.sample_mode && p->checkpoint.dir[0] && env.rank == 0 &&
-      (code = dirlock_take(p->checkpoint.dir, err, sizeof err))) { /* one run at a time (dirlock.h) */
-    plan_failed = code == 2;
-    goto error;
-  }
-  code = 2;
-  if (!a.sample_mode && (code = check_init_weights(p, err, sizeof err))) {
-    plan_failed = code == 2;
-    goto error;
-  }
-  code = 2;
-  if (!a.sample_mode) install_sigint(p, env.rank);
-  /* MESHRUN_OP_PROFILE=STEP: the kernel times of one step, printed after it (opprof.h); a bad
-   * value is refused before the device starts (code is 2 here) */
-  int prof_step = opprof_step_from_env(err, sizeof err);
-  if (prof_step < 0) goto error;
-
-  /* --- device: the backend, its precision options, and the comm backend of a multi-rank run */
-  if ((code = device_open(p, env.local_rank, env.local_world, env.world, &be, &comm_backend, err, sizeof err)))
-    goto error;
-  if (prof_step > 0 && !a.sample_mode) opprof_install(be, prof_step, stderr);
-  if (!a.sample_mode && be->mem == BACKEND_MEM_HOST &&
-      plan_check_memory(p, device_host_memory(), env.local_world, err, sizeof err)) {
-    code = 2, plan_failed = 1; /* more than the machine has: no restart makes it fit */
-    goto error;
-  }
-  if (a.sample_mode) { /* weights in, text out (one process) */
-    if ((code = sample_run(p, be, a.weights, a.plan_path != NULL, a.sets, a.nsets, err, sizeof err))) goto error;
-    goto done;
-  }
-
-  /* --- the trace (log.trace_file) observes the collectives: open before the mesh. code is 2
-   * from here until the mesh: device_open left it 0, and a failure must not exit 0. */
-  code = 2;
-  if (trace_open(p->log.trace_file, env.rank, p->log.trace_steps, err, sizeof err)) goto error;
-  /* --- mesh: the groups every later collective runs on */
-  if (env.world > 1 && (code = mesh_setup(&mesh, p, env.rank, env.world, comm_backend, be, err, sizeof err)))
-    goto error;
-  if (trace_attach(err, sizeof err)) { /* rank 0 created the file before the mesh connected */
-    code = 2;
-    goto error;
-  }
-  code = 1;
-  /* --- data before the model: a wrong file fails before a large allocation. A file that is
-   * not what the plan says is the plan's error (exit 2, not retried); only memory is not. */
-  int drc = data_load(&data, p, p->eval.interval > 0 && p->eval.batches > 0, err, sizeof err);
-  if (drc) {
-    if (drc != DATA_ENOMEM) code = 2, plan_failed = 1;
-    goto error;
-  }
-  /* --- model, then the data-parallel strategy (it owns the optimizer over this rank's range) */
-  if (mesh && mesh->dims[MESH_PP] > 1) {
-    if (pipeline_setup(&ppr, p, mesh, err, sizeof err)) goto error;
-    pp = &ppr;
-  }
-  int mrc = model_setup(&m, &tpo, p, be, mesh, pp, err, sizeof err);
-  if (mrc) {
-    if (mrc == MODEL_EPLAN) code = 2, plan_failed = 1;
-    goto error;
-  }
-  plan_json = plan_to_json(p);
-  if (dp_create(&dp, m, be, mesh, p, err, sizeof err)) goto error;
-  if (pp) {
-    ppr.cfg.model = m;
-    ppr.cfg.dp = dp;
-  }
-
-  /* --- checkpoint: resume (collective over the job), then a writer when checkpoint.dir is set */
-  hooks_init(&a.hooks, env.rank);
-  if ((code = checkpoint_open(&ck, p, dp, mesh, &a.hooks, env.rank, env.world, env.restart, env.round, plan_json,
-                              (uint64_t)data.train_src.n + data.val_src.n, &start_step, &resumed, err, sizeof err)))
-    goto error;
-  if (p->checkpoint.on_signal) install_preempt();
-  /* --- initial weights (unless resumed): random, our safetensors, llama2.c or Hugging Face */
-  if (!resumed && (code = weights_init(m, dp, p, err, sizeof err))) goto error;
-  code = 1;
-  if (hooks_initial_weights(&a.hooks, m, dp, mesh, plan_json, err, sizeof err)) goto error;
-
-  /* --- the loop. Step s (0-based) is logged as s + 1. */
-  comm_t *dpc = mesh ? mesh_host_comm(mesh, "dp") : NULL;
-  tr = (train_t){.p = p, .m = m, .dp = dp, .be = be, .data = &data, .dpc = dpc, .mesh = mesh, .hooks = &a.hooks,
-                 .dp_rank = dpc ? comm_rank(dpc) : 0, .dp_size = dpc ? comm_size(dpc) : 1, .pp = pp,
-                 .ppc = pp ? mesh_host_comm(mesh, "pp") : NULL};
-  if (train_init(&tr, err, sizeof err) ||
-      metrics_open(&mt, p, m, dp, mesh, &data, be, env.rank, env.world, start_step, resumed, plan_json, err,
-                   sizeof err) ||
-      hooks_start(&a.hooks, err, sizeof err))
-    goto error;
-  run_ckpt = start_step;
-  run_phase = 1;
-  for (int s = start_step; s < p->train.steps && !stopped; s++) {
-    train_result_t r;
-    run_step = s + 1;
-    hooks_stall(&a.hooks, s + 1);
-    if (train_step(&tr, s, &r, err, sizeof err)) {
-      /* Training is deterministic: a restart replays from the newest checkpoint bit for bit. An
-       * attempt that is itself a failure restart and saved nothing since it began was that
-       * replay, so every further restart would diverge at the same step. */
-      if (tr.diverged && env.restart > 0 && run_ckpt == start_step) {
-        size_t n = strlen(err);
-        snprintf(err + n, sizeof err - n, " (again after restart %d from step %d: the run replays bit for bit, so "
-                 "no restart is tried)", env.restart, start_step);
-        no_restart = 1;
-      }
-      goto error;
-    }
-    metrics_step(&mt, s + 1, r.loss, r.lr, r.gnorm, r.dt, r.comm_wait);
-    if (pp && pipeline_record(&mt, m, s + 1, &r.pp, err, sizeof err)) goto error;
-    if (eval_due(p, s + 1)) {
-      double el = 0;
-      if (train_eval(&tr, &el, err, sizeof err)) goto error;
-      metrics_eval(&mt, s + 1, el);
-    }
-    if (checkpoint_after_step(&ck, dp, s + 1, err, sizeof err)) goto error;
-    if (ck.saved > 0 && !ck.pending) run_ckpt = ck.saved; /* committed, not still in flight */
-    metrics_skip_traffic(&mt); /* a checkpoint's traffic is not a step's */
-    stopped = hooks_stop(&a.hooks, s + 1, p->train.steps); /* as if killed here */
-    int sig = p->checkpoint.on_signal && s + 1 < p->train.steps ? preempt_agreed(mesh, err, sizeof err) : 0;
-    if (sig < 0) goto error;
-    if (sig > 0) { /* preempted: this step's checkpoint, then the signal's exit status */
-      if (checkpoint_now(&ck, dp, s + 1, err, sizeof err)) {
-        char why[sizeof err];
-        snprintf(why, sizeof why, "%s", err);
-        snprintf(err, sizeof err, "%s after step %d: the checkpoint failed: %.3900s", strsignal(sig), s + 1, why);
-        goto error;
-      }
-      log_rank0("%s after step %d: checkpoint saved; exiting %d (128 + the signal); checkpoint.resume=auto continues",
-                strsignal(sig), s + 1, 128 + sig);
-      metrics_skip_traffic(&mt);
-      preempt_exit = 128 + sig;
-      stopped = 1;
-    }
-  }
-  if (checkpoint_finish(&ck, err, sizeof err)) goto error;
-  run_phase = 2;
-
-  /* --- final weights, then a sample; what failed without stopping the run decides the status */
-  if (!stopped) {
-    metrics_done(&mt);
-    if (final_weights(m, dp, mesh, p, env.rank, plan_json, &no_restart, err, sizeof err) ||
-        final_sample(m, be, dp, mesh, p, data.is_text, env.rank, err, sizeof err) ||
-        checkpoint_final_status(&ck, err, sizeof err))
-      goto error;
-  }
-  if (metrics_close(&mt, stopped ? NULL : &no_restart, err, sizeof err)) goto error;
-
-done:
-  code = 0;
-error:
-  failing = code != 0;
-  if (code && plan_failed) {
-    fprintf(stderr, "%s\n", err);
-    error_file_write(err, 0); /* a restart reads the same plan: meshrun is told not to try */
-  } else if (code) {
-    exit_error(code, err, !(no_restart || ck.no_restart));
-  }
-  checkpoint_free(&ck); /* a save still in flight (only after a failure) is waited for */
-  dirlock_release();
-  hooks_close(&a.hooks);
-  metrics_free(&mt);
-  dp_destroy(dp);
-  train_free(&tr);
-  data_free(&data);
-  free(plan_json);
-  pp_runner_free(&ppr);
-  model_destroy(m);
-  opprof_uninstall(be);
-  backend_destroy(be);
-  mesh_destroy(mesh);
-  trace_close();
-  free(p);
-  return code ? code : preempt_exit;
+  /* The steps in order; the first that fails or finishes the command ends the run. */
+  int prof_step = 0;
+  int st = run_plan(&r, &prof_step);
+  if (st == RUN_ON) st = run_device(&r, prof_step);
+  if (st == RUN_ON) st = run_mesh(&r);
+  if (st == RUN_ON) st = run_model(&r);
+  if (st == RUN_ON) st = run_start(&r);
+  if (st == RUN_ON) st = run_train(&r);
+  if (st == RUN_ON) st = run_finish(&r);
+  if (st != RUN_FAIL) r.code = 0;
+  return run_end(&r);
 }
