@@ -238,6 +238,7 @@ test:
 	$(Q)$(MAKE) --no-print-directory -j$(NPROC) all
 	$(Q)$(PYTHON) test/tools/check_rooms.py
 	$(Q)$(PYTHON) test/tools/check_backend_names.py
+	$(Q)$(PYTHON) test/tools/check_codes.py
 	$(Q)$(MAKE) --no-print-directory unit
 	$(Q)$(MAKE) --no-print-directory integration
 	$(Q)$(MAKE) --no-print-directory fuzz-ci
