@@ -239,6 +239,7 @@ test:
 	$(Q)$(PYTHON) test/tools/check_rooms.py
 	$(Q)$(PYTHON) test/tools/check_backend_names.py
 	$(Q)$(PYTHON) test/tools/check_funclen.py
+	$(Q)$(PYTHON) test/tools/check_codes.py
 	$(Q)$(MAKE) --no-print-directory unit
 	$(Q)$(MAKE) --no-print-directory integration
 	$(Q)$(MAKE) --no-print-directory fuzz-ci

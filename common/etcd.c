@@ -311,6 +311,7 @@ static int attempt(etcd_t *c, int i, const char *path, const char *body, int tim
   return 0;
 }
 
+/* 0, or -1 when the reply would pass MAX_REPLY or memory runs out. */
 static int buf_add(buf_t *b, const char *p, size_t n) {
   if (b->len + n + 1 > b->cap) {
     size_t cap = b->cap ? b->cap : 4096;

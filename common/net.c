@@ -290,6 +290,7 @@ static int listen_one(const struct sockaddr *sa, socklen_t salen, int v6only, in
   return fd;
 }
 
+/* The port fd is bound to, or -1 when getsockname fails. */
 static int bound_port_of(int fd) {
   struct sockaddr_storage ss;
   socklen_t sl = sizeof ss;

@@ -238,6 +238,8 @@ static int malformed(store_t *s, int op) {
   return mark_broken(s, STORE_EPROTO);
 }
 
+/* How long the client waits for the reply to a server-side wait of timeout_ms: the timeout and
+ * some slack; -1 (no limit) for a negative timeout. */
 static int wait_budget(int timeout_ms) {
   if (timeout_ms < 0) return -1;
   if (timeout_ms > INT_MAX - CLIENT_SLACK_MS) return INT_MAX;

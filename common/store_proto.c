@@ -196,7 +196,7 @@ int store_proto_proof(uint8_t out[STORE_PROTO_PROOF], const char *secret, int se
   const char *label = server_side ? PROOF_LABEL_SERVER : PROOF_LABEL_CLIENT;
   size_t ln = strlen(label);
   uint8_t msg[sizeof PROOF_LABEL_CLIENT + 2 * STORE_PROTO_NONCE + STORE_MAX_RUN_ID];
-  if (!secret || run_id_len > STORE_MAX_RUN_ID || (run_id_len && !run_id)) return -1;
+  if (!secret || run_id_len > STORE_MAX_RUN_ID || (run_id_len && !run_id)) return STORE_EINVAL;
   memcpy(msg, label, ln);
   memcpy(msg + ln, client_nonce, STORE_PROTO_NONCE);
   memcpy(msg + ln + STORE_PROTO_NONCE, server_nonce, STORE_PROTO_NONCE);

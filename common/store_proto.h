@@ -142,8 +142,8 @@ int store_proto_parse_header(const uint8_t hdr[STORE_PROTO_HEADER], int want_req
  * -1 when the generator failed. */
 int store_proto_nonce(uint8_t out[STORE_PROTO_NONCE]);
 /* A handshake proof (formulas above): the client's when server_side is 0, the server's
- * otherwise; run_id is the client's run id or the owner's, respectively. Returns 0, or -1 when
- * the HMAC could not be computed. */
+ * otherwise; run_id is the client's run id or the owner's, respectively. Returns 0, or
+ * STORE_EINVAL when the HMAC could not be computed (no secret, a run id over the limit). */
 int store_proto_proof(uint8_t out[STORE_PROTO_PROOF], const char *secret, int server_side,
                       const uint8_t client_nonce[STORE_PROTO_NONCE], const uint8_t server_nonce[STORE_PROTO_NONCE],
                       const void *run_id, size_t run_id_len);

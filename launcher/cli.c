@@ -92,7 +92,8 @@ int cli_parse_int(const char *s, long lo, long hi, long *out) {
   return 0;
 }
 
-/* Seconds as a plain decimal ("5", "0.25", "1e-3"): no hex, inf or nan; v >= lo (or > lo). */
+/* Seconds as a plain decimal ("5", "0.25", "1e-3"): no hex, inf or nan; v >= lo (or > lo). 0, or
+ * -1 for anything else (the caller names the flag). */
 static int parse_seconds(const char *s, double lo, int lo_inclusive, double *out) {
   if (!*s) return -1;
   for (const char *p = s; *p; p++)
@@ -106,6 +107,7 @@ static int parse_seconds(const char *s, double lo, int lo_inclusive, double *out
   return 0;
 }
 
+/* 0, or -1 when val is empty or does not fit (the caller names the flag). */
 static int copy_string(char *dst, size_t dstlen, const char *val) {
   size_t n = strlen(val);
   if (n == 0 || n >= dstlen) return -1;
@@ -304,7 +306,7 @@ static int set_rdzv_conf(launcher_opts_t *o, cli_seen_t *seen, const char *flag,
 }
 
 /* Cuts trailing whitespace (a token file usually ends in a newline) and checks what is left:
- * no NUL inside, CLI_SECRET_MIN..CLI_SECRET_MAX bytes. Returns 0 or a reason in why. */
+ * no NUL inside, CLI_SECRET_MIN..CLI_SECRET_MAX bytes. Returns 0, or -1 with a reason in why. */
 static int check_secret(char *buf, size_t n, char *why, size_t whylen) {
   while (n > 0 && isspace((unsigned char)buf[n - 1])) n--;
   buf[n] = '\0';
@@ -868,7 +870,8 @@ static int next_flag(int argc, char **argv, int *i, const cli_flag_t **f, const 
 }
 
 /* torchrun reads a boolean PET_ variable as int(value) != 0. "true" and "false" (any case),
- * which torchrun refuses, are taken too: they cannot mean anything else. */
+ * which torchrun refuses, are taken too: they cannot mean anything else. 0, or -1 for any other
+ * value (the caller names the variable). */
 static int parse_env_bool(const char *v, int *on) {
   long n;
   if (cli_parse_int(v, LONG_MIN, LONG_MAX, &n) == 0) {

@@ -62,7 +62,8 @@ static int hl_digits(unsigned long v) {
 }
 
 /* Parses the expression at *pp (it ends at ',' or a blank outside brackets, or at the end of
- * the list) into e: its host count in *count, the length of its longest name in *maxlen. */
+ * the list) into e: its host count in *count, the length of its longest name in *maxlen.
+ * Returns 0, or -1 with the reason in err. */
 static int hl_parse(const char *list, const char **pp, hl_expr_t *e, unsigned long *count,
                     size_t *maxlen, char *err, size_t errlen) {
   const char *p = *pp;

@@ -1208,6 +1208,7 @@ char *rdzv_end_encode(const rdzv_end_t *e) {
   return s;
 }
 
+/* 0 with the number o.name, or -1 when it is absent or not a number. */
 static int get_num(const cJSON *o, const char *name, double *out) {
   const cJSON *x = cJSON_GetObjectItemCaseSensitive(o, name);
   if (!cJSON_IsNumber(x)) return -1;

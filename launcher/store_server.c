@@ -984,7 +984,7 @@ static void store_err(conn_t *c, int rc, const uint8_t *k, size_t kn) {
                (size_t)STORE_SERVER_MAX_BYTES, (int)(kn > 80 ? 80 : kn), (const char *)k);
 }
 
-/* Parses the decimal integer stored at e (absent: 0). */
+/* Parses the decimal integer stored at e (absent: 0); -1 when it is not one. */
 static int parse_int(const entry_t *e, int64_t *v) {
   if (!e) {
     *v = 0;
@@ -1001,7 +1001,8 @@ static int parse_int(const entry_t *e, int64_t *v) {
   return 0;
 }
 
-/* Handles a key list "u32 n, n x bytes"; on success the key and length arrays are malloc'ed. */
+/* Handles a key list "u32 n, n x bytes"; on success the key and length arrays are malloc'ed.
+ * Returns 0, or -1 after an error reply or closing (as get_key). */
 static int get_keys(conn_t *c, store_proto_reader_t *r, const uint8_t ***keys, size_t **lens, size_t *n) {
   uint32_t cnt = store_proto_get_u32(r);
   *keys = NULL;
@@ -1062,7 +1063,7 @@ static void conn_authed(conn_t *c) {
 /* c has proved it holds the secret (or the store is open) and is about to be told so: it stays
  * unless its address already holds max_per_host connections past the handshake. Checked
  * before the reply, so that the client's store_connect fails naming the limit instead of its
- * first request. Returns 0 when c stays (counted for its address), else c is refused. */
+ * first request. Returns 0 when c stays (counted for its address), else -1: c is refused. */
 static int admit_host(conn_t *c) {
   store_server_t *srv = c->srv;
   peer_t *p = peer_get(srv, c->addr);
@@ -1565,7 +1566,7 @@ static size_t count_unauth_from(store_server_t *srv, const char *addr) {
  * refused, before its HELLO is answered, so that its store_connect names the limit. Refused
  * connections still lingering are not counted: they are off the handshake list, so a newcomer
  * never takes the place of one (that let every second newcomer past a full store), and
- * MAX_LINGER bounds them. Returns 0 when c stays. */
+ * MAX_LINGER bounds them. Returns 0 when c stays, -1 when it is refused. */
 static int admit_conn(conn_t *c) {
   store_server_t *srv = c->srv;
   if (srv->nclients - srv->linger.n <= srv->max_conns) return 0;
@@ -1635,7 +1636,7 @@ static int listen_on(store_server_t *srv, int port, char *err, size_t errlen) {
    * so clients meet us whichever they try first; EADDRINUSE when the endpoint is taken);
    * libuv then adopts the sockets. */
   int nfd = net_listen_all(srv->host, port, LISTEN_BACKLOG, fds, MAX_LISTENERS, &bp, err, errlen);
-  if (nfd < 0) return nfd == -EADDRINUSE ? STORE_SERVER_EADDRINUSE : nfd;
+  if (nfd < 0) return nfd; /* -EADDRINUSE is STORE_SERVER_EADDRINUSE */
   int rc = 0;
   for (int i = 0; i < nfd; i++) {
     srv->listeners[i].data = srv;

@@ -17,11 +17,14 @@
 #ifndef MESHRUN_STORE_SERVER_H
 #define MESHRUN_STORE_SERVER_H
 
+#include <errno.h>
 #include <stddef.h>
 #include <uv.h>
 
 #define STORE_SERVER_MAX_BYTES ((size_t)1 << 30)
-#define STORE_SERVER_EADDRINUSE (-98)
+/* store_server_start's codes are negative errno values, as net's and libuv's (the listen is a
+ * system call); this one, the port taken, is the one callers act on (they retry or join). */
+#define STORE_SERVER_EADDRINUSE (-EADDRINUSE)
 
 typedef struct store_server store_server_t;
 
@@ -47,7 +50,7 @@ typedef struct {
 
 /* Listens on host:port (port 0: a free port; host "" = all addresses) on loop. *bound_port gets
  * the port. opts NULL: run id "", no secret, default limits. Returns 0, STORE_SERVER_EADDRINUSE
- * when the port is taken, or another negative code; the message is in err. */
+ * when the port is taken, or another negative errno value; the message is in err. */
 int store_server_start(store_server_t **out, uv_loop_t *loop, const char *host, int port,
                        const store_server_opts_t *opts, int *bound_port, char *err, size_t errlen);
 /* Stops listening and disconnects every client. The memory is released by close callbacks:
@@ -67,7 +70,8 @@ size_t store_server_num_foreign(const store_server_t *srv);
  * by their announced length, so this stays within the budget plus 4 KiB per connection. */
 size_t store_server_inflight_bytes(const store_server_t *srv);
 
-/* Raises RLIMIT_NOFILE's soft limit to the hard limit; returns the new soft limit. */
+/* Raises RLIMIT_NOFILE's soft limit to the hard limit; returns the new soft limit, or -1 when
+ * getrlimit fails. */
 long store_server_raise_nofile(void);
 
 #endif

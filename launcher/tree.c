@@ -86,7 +86,8 @@ static void nap(double *delay) {
 /* ---- the job's cgroup ---- */
 
 /* This process's cgroup v2 directory: its "0::PATH" line of /proc/self/cgroup, under the
- * cgroup2 mount whose root holds PATH (a cgroup namespace's mount has its own root). */
+ * cgroup2 mount whose root holds PATH (a cgroup namespace's mount has its own root). 0, or -1
+ * when there is none (cgroup v1, no mount, too long). */
 static int own_cgroup_dir(char *out, size_t len) {
   char *line = NULL, path[4096] = "";
   size_t cap = 0;

@@ -660,7 +660,8 @@ static int child_main(void *arg) {
  * on a stack of its own, instead of fork. The child shares our memory until its exec, and we
  * wait until then, so there is no page table to copy and no page to fault in twice: fork cost
  * a node about a tenth of its start in a 1024-node job on one machine. child_exec only makes
- * system calls (no allocation, no stdio, no locks), which is all a child may do here. */
+ * system calls (no allocation, no stdio, no locks), which is all a child may do here. The pid,
+ * or -1 as fork gives it. */
 static pid_t spawn_child(child_args_t *a) {
   enum { STACK = 64 * 1024 };
   char *stack = malloc(STACK);

@@ -171,7 +171,7 @@ static void test_check_finite(void **state) {
   for (int k = 0; k < 5; k++) {
     const float keep = x[where[k]];
     x[where[k]] = bad[k];
-    assert_int_equal(st_check_finite(x, N, &at, &what), -1);
+    assert_int_equal(st_check_finite(x, N, &at, &what), 1);
     printf("  %s at %zu: found at %zu, named %s\n", names[k], where[k], at, what);
     assert_int_equal(at, where[k]);
     assert_string_equal(what, names[k]);
@@ -180,7 +180,7 @@ static void test_check_finite(void **state) {
   }
   x[2500] = NAN; /* the first of two */
   x[2999] = INFINITY;
-  assert_int_equal(st_check_finite(x, N, &at, &what), -1);
+  assert_int_equal(st_check_finite(x, N, &at, &what), 1);
   assert_int_equal(at, 2500);
 }
 

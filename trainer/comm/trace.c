@@ -114,11 +114,11 @@ static void observe(const comm_t *c, int what, const char *op, uint64_t bytes, i
 int trace_open(const char *path, int rank, int steps, char *err, size_t errlen) {
   if (!path || !*path) return 0;
   if (strlen(path) >= sizeof tr.path) {
-    return err_set(err, errlen, -1, "log.trace_file %.64s...: path too long", path);
+    return err_set(err, errlen, TRACE_EIO, "log.trace_file %.64s...: path too long", path);
   }
   snprintf(tr.path, sizeof tr.path, "%s", path);
   if (rank == 0 && (tr.fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_TRUNC, 0644)) < 0) {
-    return err_set(err, errlen, -1, "cannot open log.trace_file %s: %s", path, strerror(errno));
+    return err_set(err, errlen, TRACE_EIO, "cannot open log.trace_file %s: %s", path, strerror(errno));
   }
   tr.rank = rank;
   tr.steps = steps;
@@ -135,7 +135,7 @@ int trace_open(const char *path, int rank, int steps, char *err, size_t errlen) 
 int trace_attach(char *err, size_t errlen) {
   if (!tr.path[0] || tr.fd >= 0) return 0;
   if ((tr.fd = open(tr.path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644)) < 0) {
-    return err_set(err, errlen, -1, "cannot open log.trace_file %s: %s", tr.path, strerror(errno));
+    return err_set(err, errlen, TRACE_EIO, "cannot open log.trace_file %s: %s", tr.path, strerror(errno));
   }
   pthread_mutex_lock(&tr.mu);
   flush_locked();

@@ -25,11 +25,15 @@
 #include <stdint.h>
 #include <stddef.h>
 
-/* Opens the trace for this rank (path "" or NULL: tracing stays off). 0, or -1 with err. Also
+/* Return code of a trace that cannot be written (the path too long, the file not opened), with
+ * the reason in err. */
+#define TRACE_EIO (-1)
+
+/* Opens the trace for this rank (path "" or NULL: tracing stays off). 0, or TRACE_EIO with err. Also
  * installs the comm observer (comm_set_observer): call before the mesh connects. */
 int trace_open(const char *path, int rank, int steps, char *err, size_t errlen);
 /* A rank other than 0, after the mesh connected: opens the file and writes what it buffered.
- * 0 (also when tracing is off or already attached), or -1 with err. */
+ * 0 (also when tracing is off or already attached), or TRACE_EIO with err. */
 int trace_attach(char *err, size_t errlen);
 void trace_close(void); /* writes what is buffered; accepts a trace never opened */
 

@@ -47,16 +47,16 @@ static int ends_with(const char *s, const char *suffix) {
 static int check_regular(const char *path, char *err, size_t errlen) {
   struct stat st;
   if (stat(path, &st) == 0 && !S_ISREG(st.st_mode)) {
-    return err_set(err, errlen, -1, "data: cannot read %s: not a regular file", path);
+    return err_set(err, errlen, DATA_EIO, "data: cannot read %s: not a regular file", path);
   }
   return 0;
 }
 
-/* The llm.c header a file starts with: 2 (uint16 tokens), 4 (uint32), 0 none; -1 unreadable. */
+/* The llm.c header a file starts with: 2 (uint16 tokens), 4 (uint32), 0 none; DATA_EIO unreadable. */
 static int llmc_magic_width(const char *path, char *err, size_t errlen) {
   FILE *fp = fopen(path, "rb");
   if (!fp) {
-    return err_set(err, errlen, -1, "data: cannot open %s: %s", path, strerror(errno));
+    return err_set(err, errlen, DATA_EIO, "data: cannot open %s: %s", path, strerror(errno));
   }
   int32_t head[2] = {0, 0};
   size_t got = fread(head, sizeof(int32_t), 2, fp);

@@ -60,7 +60,7 @@ int st_check_finite(const float *x, size_t n, size_t *at, const char **what) {
       if (!isfinite(x[i])) {
         *at = i;
         *what = isnan(x[i]) ? "nan" : x[i] > 0 ? "inf" : "-inf";
-        return -1;
+        return 1;
       }
   }
   return 0;

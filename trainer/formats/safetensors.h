@@ -58,9 +58,10 @@ const char *st_metadata(const st_file_t *f, const char *key);
 /* Number of elements of a tensor (product of its shape; 1 for a scalar). */
 size_t st_numel(const st_tensor_t *t);
 
-/* Whether x[0..n) are all finite numbers: 0, or -1 with *at the first element that is a NaN or
- * an infinity and *what its name ("nan", "inf" or "-inf"). One pass over the floats, in blocks
- * the compiler vectorizes; every reader of weights and checkpoints checks what it reads with it. */
+/* Whether x[0..n) are all finite numbers: 0, or 1 (a finding, not an error) with *at the first
+ * element that is a NaN or an infinity and *what its name ("nan", "inf" or "-inf"). One pass over
+ * the floats, in blocks the compiler vectorizes; every reader of weights and checkpoints checks
+ * what it reads with it. */
 int st_check_finite(const float *x, size_t n, size_t *at, const char **what);
 
 #endif

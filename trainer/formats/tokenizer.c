@@ -181,6 +181,7 @@ static int smap_grow(smap_t *m) {
   return 0;
 }
 
+/* The value stored for key k (n bytes), or -1 when there is none. */
 static int32_t smap_find(const smap_t *m, const char *arena, const void *k, size_t n) {
   if (!m->cap) return -1;
   uint64_t h = hash_bytes(k, n);
@@ -383,7 +384,7 @@ static int sym_push(enc_t *e, int32_t id) {
   return 0;
 }
 
-/* The merge of ids a and b, if there is one: its id and priority. */
+/* The merge of ids a and b, if there is one: its id and priority; -1 when there is none. */
 static int32_t pair_merge(enc_t *e, int32_t a, int32_t b, double *pri) {
   const tokenizer_t *t = e->t;
   if (t->kind == TOK_BPE) {

@@ -128,7 +128,7 @@ int dp_norm_of(dp_impl_t *d, const float *g, comm_t *shard_hcomm, double *norm) 
     d->part_len = malloc(n * sizeof *d->part_len);
     d->part_sumsq = malloc(n * sizeof *d->part_sumsq);
     if (!d->part_off || !d->part_len || !d->part_sumsq)
-      return dp_fail(d, COMM_ESYSTEM, "dp error: out of memory for the gradient norm parts");
+      return dp_fail(d, DP_ENOMEM, "dp error: out of memory for the gradient norm parts");
     for (int i = 0; i < d->n_parts; i++) {
       d->part_off[i] = d->parts[i].offset;
       d->part_len[i] = d->parts[i].numel;
@@ -220,8 +220,9 @@ static int reduce_scratch(dp_impl_t *d, char *err, size_t errlen) {
   }
   d->rlp_n = n;
   if (n && !(d->rlp = d->be->alloc(d->be, n * dtype_size(d->rdt)))) {
-    return err_set(err, errlen, -4, "dp error: out of memory for the %s gradient reduction buffer (%zu elements)",
-                   dtype_name(d->rdt), n);
+    return err_set(err, errlen, DP_ENOMEM,
+                   "dp error: out of memory for the %s gradient reduction buffer (%zu elements)", dtype_name(d->rdt),
+                   n);
   }
   return 0;
 }
@@ -231,7 +232,7 @@ int dp_create(dp_t **out, model_t *m, backend_t *be, const mesh_t *mesh, const p
   *out = NULL;
   dp_impl_t *d = calloc(1, sizeof *d);
   if (!d) {
-    return err_set(err, errlen, -4, "dp error: out of memory");
+    return err_set(err, errlen, DP_ENOMEM, "dp error: out of memory");
   }
   d->pub.ctx = d;
   d->ops = ops_for(mesh, p);
@@ -248,7 +249,7 @@ int dp_create(dp_t **out, model_t *m, backend_t *be, const mesh_t *mesh, const p
   d->unumel = calloc((size_t)d->n_units, sizeof *d->unumel);
   if (!d->uoff || !d->unumel) {
     dp_destroy(&d->pub);
-    return err_set(err, errlen, -4, "dp error: out of memory");
+    return err_set(err, errlen, DP_ENOMEM, "dp error: out of memory");
   }
   for (int u = 0; u < d->n_units; u++) model_unit_range(m, u, &d->uoff[u], &d->unumel[u]);
 
@@ -265,7 +266,7 @@ int dp_create(dp_t **out, model_t *m, backend_t *be, const mesh_t *mesh, const p
     if ((mesh->dims[MESH_PP] > 1 && !d->pp_hcomm) || !d->dp_comm || !d->shard_comm || !d->rep_comm || !d->tp_comm || !d->dp_hcomm || !d->shard_hcomm ||
         !d->tp_hcomm) {
       dp_destroy(&d->pub);
-      return err_set(err, errlen, -2, "dp error: the mesh is not connected (call mesh_connect first)");
+      return err_set(err, errlen, DP_EINVAL, "dp error: the mesh is not connected (call mesh_connect first)");
     }
   }
   d->S = mesh ? mesh->dims[MESH_DP_SHARD] : 1;
@@ -375,7 +376,7 @@ nomem:
   free(r);
   free(*host);
   *host = NULL;
-  return err_set(err, errlen, -4, "dp error: out of memory copying the %s state for a checkpoint", d->pub.name);
+  return err_set(err, errlen, DP_ENOMEM, "dp error: out of memory copying the %s state for a checkpoint", d->pub.name);
 }
 
 int dp_ckpt_from_host(dp_t *dp, ckpt_t *ck, char *err, size_t errlen) {

@@ -42,6 +42,15 @@ typedef model_hooks_t dp_t;
 
 struct model;
 
+/* Return codes: 0, or negative with the message in err (dp_errmsg for the hooks' failures). The
+ * strategy's own are DP_EINVAL and DP_ENOMEM (the values of OPTIM_EINVAL and OPTIM_ENOMEM, which
+ * optim_init's failures pass through as); a collective that failed passes the comm's COMM_E*
+ * code through, and dp_ckpt_from_host a checkpoint read's CKPT_E*. */
+enum {
+  DP_EINVAL = -2, /* a bad call: the mesh not connected, the model built for another strategy */
+  DP_ENOMEM = -4,
+};
+
 typedef struct {
   size_t param_bytes, grad_bytes, optim_bytes; /* persistent per-rank state */
   size_t work_bytes; /* FSDP, ZeRO-2: gathered parameter / transient gradient buffers and scratch */

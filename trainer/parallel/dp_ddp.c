@@ -33,14 +33,14 @@ static int flat_setup(dp_impl_t *d, const plan_t *p, int zero1, char *err, size_
   d->params = model_params(d->m);
   d->grads = model_grads(d->m);
   if (!d->params || !d->grads) {
-    return err_set(err, errlen, -2,
+    return err_set(err, errlen, DP_EINVAL,
                    "dp error: the model has no flat buffers (created for FSDP?) but the mesh is not sharded");
   }
   model_tensor_t *tensors = malloc((size_t)nt * sizeof *tensors);
   d->parts = calloc((size_t)nt, sizeof *d->parts);
   if (!tensors || !d->parts) {
     free(tensors);
-    return err_set(err, errlen, -4, "dp error: out of memory");
+    return err_set(err, errlen, DP_ENOMEM, "dp error: out of memory");
   }
   for (int i = 0; i < nt; i++) {
     tensors[i] = *model_tensor(d->m, i);
@@ -68,7 +68,7 @@ static int make_buckets(dp_impl_t *d, const plan_t *p, char *err, size_t errlen)
   d->bucket_of = calloc((size_t)U, sizeof *d->bucket_of);
   d->bops = calloc((size_t)U, sizeof *d->bops);
   if (!d->blo || !d->bhi || !d->bucket_of || !d->bops) {
-    return err_set(err, errlen, -4, "dp error: out of memory");
+    return err_set(err, errlen, DP_ENOMEM, "dp error: out of memory");
   }
   const double cap = p->parallel.bucket_mb * 1048576.0;
   int contiguous = 1; /* the model lays units out in order; a bucket is one flat range only then */

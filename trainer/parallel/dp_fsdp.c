@@ -122,8 +122,8 @@ int dp_shard_setup(dp_impl_t *d, const plan_t *p, int nslots, int lp_gather, con
   return rc;
 nomem:
   free(segs);
-  return err_set(err, errlen, -4, "dp error: out of memory for %s shards (%zu floats per shard buffer)", what,
-                 d->shard_total);
+  return err_set(err, errlen, DP_ENOMEM, "dp error: out of memory for %s shards (%zu floats per shard buffer)",
+                 what, d->shard_total);
 }
 
 /* ---- gradients: reduce-scatter out of the unit's gradient buffer, then (HSDP) all-reduce */
@@ -314,7 +314,7 @@ static void fsdp_stale(dp_impl_t *d) {
  * with replicate the whole padded unit into its slot). The same values on every rank. */
 int dp_shard_init(dp_impl_t *d, uint64_t seed, double init_std, int replicate) {
   float *host = calloc(d->gmax, sizeof *host);
-  if (!host) return dp_fail(d, -4, "dp error: out of memory initializing parameters");
+  if (!host) return dp_fail(d, DP_ENOMEM, "dp error: out of memory initializing parameters");
   for (int u = 0; u < d->n_units; u++) {
     memset(host, 0, d->gmax * sizeof *host);
     model_init_unit_host(d->m, u, host, seed, init_std);

@@ -15,6 +15,7 @@
 static const char *const group_names[MESH_NGROUPS] = {"dp_replicate", "dp_shard", "tp", "dp",
                                                       "world", "pp"};
 
+/* The group's index, or -1 for a name that is none (the callers turn it into MESH_EINVAL). */
 static int group_index(const char *name) {
   if (!name) return -1;
   for (int g = 0; g < MESH_NGROUPS; g++)

@@ -52,10 +52,10 @@ static mbstate_t *st_of(pp_runner_t *r, int c, int mb) { return &((mbstate_t *)r
 int pp_runner_init(pp_runner_t *r, const pp_runner_config_t *cfg, char *err, size_t errlen) {
   memset(r, 0, sizeof *r);
   r->cfg = *cfg;
-  if (pp_generate(cfg->schedule, cfg->p, cfg->v, cfg->m, &r->plan, err, errlen)) return -1;
+  if (pp_generate(cfg->schedule, cfg->p, cfg->v, cfg->m, &r->plan, err, errlen)) return PP_EFAIL;
   if (cfg->v > PP_MAX_CHUNKS || cfg->rank < 0 || cfg->rank >= cfg->p) {
     pp_runner_free(r);
-    return err_set(err, errlen, -1, "pipeline: rank %d of %d with %d stages per rank is outside what the runner "
+    return err_set(err, errlen, PP_EFAIL, "pipeline: rank %d of %d with %d stages per rank is outside what the runner "
                    "handles (at most %d per rank)", cfg->rank, cfg->p, cfg->v, PP_MAX_CHUNKS);
   }
   pp_slots(&r->plan, cfg->rank, r->slots);
@@ -64,7 +64,7 @@ int pp_runner_init(pp_runner_t *r, const pp_runner_config_t *cfg, char *err, siz
   r->taken = calloc((size_t)cfg->v * r->smax, 1);
   if (!r->mbs || !r->taken) {
     pp_runner_free(r);
-    return err_set(err, errlen, -1, "pipeline: out of memory");
+    return err_set(err, errlen, PP_EFAIL, "pipeline: out of memory");
   }
   for (int c = 0; c < cfg->v; c++) {
     r->last_bwd[c] = -1;
@@ -89,7 +89,7 @@ void pp_runner_free(pp_runner_t *r) {
 
 /* Fails the step with "pipeline: <what> stage s micro-batch mb: <comm's message>". */
 static int comm_failed(pp_runner_t *r, comm_t *c, const char *what, int stage, int mb) {
-  return err_set(r->err, sizeof r->err, -1, "pipeline: %s of stage %d micro-batch %d failed: %s", what, stage,
+  return err_set(r->err, sizeof r->err, PP_EFAIL, "pipeline: %s of stage %d micro-batch %d failed: %s", what, stage,
                  mb + 1, comm_errmsg(c));
 }
 
@@ -121,12 +121,13 @@ static int take_slot(pp_runner_t *r, int c, int mb) {
     mbstate_t *o = st_of(r, c, j);
     if (o->slot >= 0 && o->send_grad && o->done) {
       const int stage = pp_stage_of(r->cfg.rank, c, r->cfg.p);
-      if (wait_req(r, &o->send_grad, r->cfg.send_grad, "sending the input gradient", stage, j)) return -1;
+      if (wait_req(r, &o->send_grad, r->cfg.send_grad, "sending the input gradient", stage, j)) return PP_EFAIL;
       give_slot(r, c, j);
       return take_slot(r, c, mb);
     }
   }
-  return err_set(r->err, sizeof r->err, -1, "pipeline: chunk %d has no free activation slot of %d for micro-batch %d "
+  return err_set(r->err, sizeof r->err, PP_EFAIL,
+                 "pipeline: chunk %d has no free activation slot of %d for micro-batch %d "
                  "(the schedule holds more than pp_slots counted)", c, r->slots[c], mb + 1);
 }
 
@@ -134,7 +135,7 @@ static int take_slot(pp_runner_t *r, int c, int mb) {
  * model's. */
 static int pass_failed(pp_runner_t *r, const char *pass, int stage, int mb) {
   const dp_t *dp = r->cfg.dp;
-  return err_set(r->err, sizeof r->err, -1, "pipeline: the %s of stage %d micro-batch %d failed: %s", pass, stage,
+  return err_set(r->err, sizeof r->err, PP_EFAIL, "pipeline: the %s of stage %d micro-batch %d failed: %s", pass, stage,
                  mb + 1, dp && dp_status(dp) ? dp_errmsg(dp) : model_errmsg(r->cfg.model));
 }
 
@@ -222,7 +223,7 @@ int pp_run_step(pp_runner_t *r, const int32_t *tok, const int32_t *tgt, int b, i
       w |= wait_req(r, &s->send_act, cfg->send_act, "sending the output activation", stage, mb);
       w |= wait_req(r, &s->recv_grad, cfg->recv_grad, "receiving the output gradient", stage, mb);
       w |= wait_req(r, &s->send_grad, cfg->send_grad, "sending the input gradient", stage, mb);
-      if (w && !rc) rc = -1;
+      if (w && !rc) rc = PP_EFAIL;
     }
   if (cfg->dp) dp_set_sync(cfg->dp, 1);
   r->stats.span_ns = now_ns() - t0;

@@ -53,19 +53,23 @@ typedef struct {
   pp_action_t **act;    /* act[r][0..n[r]-1] */
 } pp_plan_t;
 
+/* Return code of every failure here and of the runner (parallel/pipeline_run.c), with one line
+ * in err (or pp_run_errmsg) that says which: there is one kind, the caller only stops. */
+#define PP_EFAIL (-1)
+
 const char *pp_schedule_name(pp_schedule_t s);
 /* The stage rank `rank` (of p pipeline ranks) holds as its chunk c: stages are dealt round-robin,
  * so chunk c of rank q is stage q + c * p (interleaved schedules; c is 0 otherwise). */
 int pp_stage_of(int rank, int chunk, int p);
-int pp_schedule_parse(const char *name, pp_schedule_t *out); /* 0, or -1 for an unknown name */
+int pp_schedule_parse(const char *name, pp_schedule_t *out); /* 0, or PP_EFAIL for an unknown name */
 const char *pp_kind_name(pp_kind_t k);
 
-/* Whether the schedule can run p ranks, v stages per rank and m micro-batches; 0, or -1 with one
+/* Whether the schedule can run p ranks, v stages per rank and m micro-batches; 0, or PP_EFAIL with one
  * line in err naming what is wrong (1f1b: m >= p; interleaved: v >= 2 and m a multiple of p;
  * gpipe and 1f1b: v == 1). */
 int pp_validate(pp_schedule_t s, int p, int v, int m, char *err, size_t errlen);
 
-/* Generates the lists into *out (pp_free releases them); 0, or -1 with err (pp_validate's
+/* Generates the lists into *out (pp_free releases them); 0, or PP_EFAIL with err (pp_validate's
  * message, or out of memory). */
 int pp_generate(pp_schedule_t s, int p, int v, int m, pp_plan_t *out, char *err, size_t errlen);
 void pp_free(pp_plan_t *pl);
@@ -82,14 +86,14 @@ typedef struct {
 /* Proves pl complete (every (stage, mb) forwarded and backwarded exactly once, on the stage's
  * rank; a forward after its input arrived, a backward after its forward and its output gradient;
  * every send received once, every receive sent, on the right neighbour and in order) and free of
- * deadlock. 0 and *st filled, or -1 with the first violation in err. */
+ * deadlock. 0 and *st filled, or PP_EFAIL with the first violation in err. */
 int pp_check(const pp_plan_t *pl, double f_cost, double b_cost, pp_stats_t *st, char *err,
              size_t errlen);
 
 /* Layer split: cut n_layers blocks into n_stages contiguous stages minimising the largest stage
  * cost, where a block costs 1, the embedding adds embed_cost to stage 0 and norm + output add
  * head_cost to the last stage (in blocks). first[s] is stage s's first layer, first[n_stages] =
- * n_layers. 0, or -1 with err when a stage would get no block. */
+ * n_layers. 0, or PP_EFAIL with err when a stage would get no block. */
 int pp_split(int n_layers, int n_stages, double embed_cost, double head_cost, int *first,
              char *err, size_t errlen);
 
@@ -137,13 +141,13 @@ typedef struct {
 /* Activation slots each chunk of `rank` needs to run pl (slots[0..v-1]): the most micro-batches
  * between entering and leaving the chunk in the list, plus one for chunks that send gradients. */
 int pp_slots(const pp_plan_t *pl, int rank, int *slots);
-/* Generates the schedule and sizes the slots (r->slots: create the model with them). 0, or -1
+/* Generates the schedule and sizes the slots (r->slots: create the model with them). 0, or PP_EFAIL
  * with err. The model and comms may be set in r->cfg afterwards (before the first step). */
 int pp_runner_init(pp_runner_t *r, const pp_runner_config_t *cfg, char *err, size_t errlen);
 void pp_runner_free(pp_runner_t *r); /* accepts a zeroed runner */
 /* One step: m micro-batches of b sequences of t tokens (tok, tgt: host, micro-batch mb at
  * mb * b * t; only the first stage reads tok, only the last tgt), each backward scaled by
- * loss_scale. 0, or -1 with pp_run_errmsg (every transfer started has been waited for). */
+ * loss_scale. 0, or PP_EFAIL with pp_run_errmsg (every transfer started has been waited for). */
 int pp_run_step(pp_runner_t *r, const int32_t *tok, const int32_t *tgt, int b, int t, float loss_scale,
                 pp_step_stats_t *out);
 /* One forward of one batch through the stages, not pipelined (evaluation); *loss on the rank of
