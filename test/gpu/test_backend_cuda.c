@@ -960,6 +960,88 @@ static void test_adamw_bf16(void **state) {
   pair_free(&lp);
 }
 
+/* adamw_multi over segments of every kind: decayed and not (a large weight decay, so a wrong
+ * flag shows), longer than a chunk (16384) and of a few elements, starting off 4-element
+ * alignment (the one-at-a-time head and tail around the 4-wide middle), a gap no segment covers,
+ * with param_lp. Against the cpu backend's adamw_multi (itself adamw per segment, bit for bit):
+ * the adamw tolerances. Against the cuda adamw called per segment: the same bits (one formula),
+ * the gap untouched. Then all four pointers one float off 16-byte alignment (the scalar path). */
+static void adamw_multi_case(size_t shift) {
+  const adamw_segment_t segs[] = {
+      {0, 40001, 1}, {40001, 7, 0}, {40011, 16384, 1}, {56395, 3, 0}, {56398, 33000, 0}, {89398, 1, 1},
+  };
+  const int ns = (int)(sizeof segs / sizeof segs[0]);
+  const size_t n = 89399 + shift, gap = 40008; /* [40008, 40011) is in no segment */
+  const float wd = 0.5f;
+  pair_t p = pair_new(n, -1.0f, 1.0f), m = pair_new(n, 0.0f, 0.0f), v = pair_new(n, 0.0f, 0.0f);
+  pair_t lp = pair_new_dt(n, 5.0f, 6.0f, DT_BF16);
+  float *rp = gpu->alloc(gpu, n * sizeof(float)), *rm = gpu->alloc(gpu, n * sizeof(float));
+  float *rv = gpu->alloc(gpu, n * sizeof(float));
+  void *rlp = gpu->alloc(gpu, n * sizeof(bf16_t));
+  assert_true(rp && rm && rv && rlp);
+  gpu->copy(gpu, rp, p.g, n * sizeof(float));
+  gpu->copy(gpu, rlp, lp.g, n * sizeof(bf16_t));
+  for (int step = 1; step <= 3; step++) {
+    pair_t g = pair_new(n, -1.0f, 1.0f);
+    const size_t s = shift;
+    cpu->adamw_multi(cpu, (float *)p.c + s, (float *)g.c + s, (float *)m.c + s, (float *)v.c + s,
+                     (bf16_t *)lp.c + s, segs, ns, 1e-3f, 0.9f, 0.95f, 1e-8f, wd, step, 0.5f);
+    gpu->adamw_multi(gpu, (float *)p.g + s, (float *)g.g + s, (float *)m.g + s, (float *)v.g + s,
+                     (bf16_t *)lp.g + s, segs, ns, 1e-3f, 0.9f, 0.95f, 1e-8f, wd, step, 0.5f);
+    for (int i = 0; i < ns; i++) {
+      const size_t o = s + segs[i].offset;
+      gpu->adamw(gpu, rp + o, (float *)g.g + o, rm + o, rv + o, (bf16_t *)rlp + o, segs[i].numel, 1e-3f, 0.9f,
+                 0.95f, 1e-8f, segs[i].decay ? wd : 0.0f, step, 0.5f);
+    }
+    pair_free(&g);
+  }
+  printf("  adamw_multi, the range %zu float(s) past 16-byte alignment:\n", shift);
+  pair_check("adamw_multi (3 steps) param", &p, TOL_FP32);
+  pair_check("adamw_multi (3 steps) m", &m, TOL_FP32);
+  pair_check("adamw_multi (3 steps) v", &v, TOL_FP32);
+  pair_check("adamw_multi (3 steps) param_lp", &lp, TOL_FP32);
+  float *gp = pair_fetch(&p), *gm = pair_fetch(&m), *gv = pair_fetch(&v);
+  bf16_t *glp = pair_fetch(&lp);
+  float *hp = malloc(n * sizeof(float)), *hm = malloc(n * sizeof(float)), *hv = malloc(n * sizeof(float));
+  bf16_t *hlp = malloc(n * sizeof(bf16_t));
+  assert_true(hp && hm && hv && hlp);
+  gpu->to_host(gpu, hp, rp, n * sizeof(float));
+  gpu->to_host(gpu, hm, rm, n * sizeof(float));
+  gpu->to_host(gpu, hv, rv, n * sizeof(float));
+  gpu->to_host(gpu, hlp, rlp, n * sizeof(bf16_t));
+  size_t differ = 0;
+  for (size_t i = 0; i < n; i++)
+    differ += memcmp(&gp[i], &hp[i], 4) != 0 || memcmp(&gm[i], &hm[i], 4) != 0 || memcmp(&gv[i], &hv[i], 4) != 0 ||
+              glp[i] != hlp[i];
+  printf("  adamw_multi vs cuda adamw per segment: %zu of %zu elements differ in bits (tolerance 0)\n", differ, n);
+  assert_int_equal(differ, 0);
+  const float *p0 = (const float *)p.host;
+  const bf16_t *lp0 = (const bf16_t *)lp.host;
+  for (size_t i = shift + gap; i < shift + gap + 3; i++) /* the gap, untouched */
+    assert_true(memcmp(&gp[i], &p0[i], 4) == 0 && gm[i] == 0.0f && gv[i] == 0.0f && glp[i] == lp0[i]);
+  free(gp);
+  free(gm);
+  free(gv);
+  free(glp);
+  free(hp);
+  free(hm);
+  free(hv);
+  free(hlp);
+  gpu->free(gpu, rp);
+  gpu->free(gpu, rm);
+  gpu->free(gpu, rv);
+  gpu->free(gpu, rlp);
+  pair_free(&p);
+  pair_free(&m);
+  pair_free(&v);
+  pair_free(&lp);
+}
+
+static void test_adamw_multi(void **state) {
+  adamw_multi_case(0);
+  adamw_multi_case(1);
+}
+
 int main(void) {
   char err[512];
   setvbuf(stdout, NULL, _IOLBF, 0);
@@ -992,6 +1074,7 @@ int main(void) {
       cmocka_unit_test(test_attention_cudnn),
       cmocka_unit_test(test_cross_entropy_bf16),
       cmocka_unit_test(test_adamw_bf16),
+      cmocka_unit_test(test_adamw_multi),
       cmocka_unit_test(test_matmul_bf16),           /* the bf16 products last: see there */
       cmocka_unit_test(test_matmul_bf16_unaligned),
   };

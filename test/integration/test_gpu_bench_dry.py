@@ -33,7 +33,7 @@ def test_bench_dry_run_profile_and_results(tmp_path):
     assert step == 2
     assert calls > 50
     assert 0 < in_k <= step_ms + 0.05  # the printed figures are rounded to 0.1 ms
-    for op in ("matmul", "attention_fwd", "attention_bwd", "adamw", "cross_entropy", "(outside)"):
+    for op in ("matmul", "attention_fwd", "attention_bwd", "adamw_multi", "cross_entropy", "(outside)"):
         assert re.search(r"^  %s\s" % re.escape(op), r.stdout, re.M), op
     rows = [json.loads(line) for line in results.read_text().splitlines()]
     print(rows)

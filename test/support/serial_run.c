@@ -44,7 +44,7 @@ void serial_run_open(serial_run_t *r, const char *const *sets, int nsets) {
   assert_non_null(r->be);
   const plan_t *p = &r->p;
   model_opts_t opts = {.max_b = p->train.micro_batch_size, .max_t = p->train.seq_len,
-                       .decay_norms = p->train.decay_norms, .decay_embeddings = p->train.decay_embeddings};
+                       .param_dtype = p->parallel.param_dtype, .decay_norms = p->train.decay_norms, .decay_embeddings = p->train.decay_embeddings};
   rc = model_create_opts(&r->m, &p->model, r->be, &opts, err, sizeof err);
   if (rc) printf("  model: %s\n", err);
   assert_int_equal(rc, 0);

@@ -23,7 +23,8 @@ typedef struct {
 } serial_run_t;
 
 /* The tiny model: dim 16, 2 layers, 4 heads (2 kv), vocab 32, hidden 48, sequences of 8, micro
- * batch 2 (global batch 2), 4 steps, synthetic data; then sets ("key.path=value") in order. */
+ * batch 2 (global batch 2), 4 steps, synthetic data, fp32; then sets ("key.path=value") in order
+ * (parallel.mixed_precision.param_dtype=bf16 gives the model its bf16 compute copy). */
 void serial_run_open(serial_run_t *r, const char *const *sets, int nsets);
 /* The tiny model's plan with sets applied, resolved for world ranks, into *p: 0, or the plan's
  * code with the message in err. Returns rather than asserts: forked ranks (test/support/fixture)

@@ -1105,6 +1105,52 @@ static void test_bf16_adamw(void **state) {
   free(lp);
 }
 
+/* adamw_multi against adamw called per segment: the same bits in params, moments and param_lp,
+ * decayed and undecayed segments (a large weight decay, so a wrong flag shows), segments of
+ * every size (threaded and not), and the gap between two segments left as it was. */
+static void test_bf16_adamw_multi(void **state) {
+  const adamw_segment_t segs[] = {
+      {0, 30001, 1}, {30001, 7, 0}, {30011, 40000, 1}, {70011, 64, 0}, {70075, 1, 1},
+  };
+  const int ns = (int)(sizeof segs / sizeof segs[0]);
+  const size_t n = 70076, gap = 30008; /* [30008, 30011) is in no segment */
+  const float wd = 0.5f;
+  float *p = frand(n, 170, 1.0), *m = calloc(n, sizeof *m), *v = calloc(n, sizeof *v);
+  float *p2 = fcopy(p, n), *m2 = calloc(n, sizeof *m2), *v2 = calloc(n, sizeof *v2), *p3 = fcopy(p, n);
+  float *m3 = calloc(n, sizeof *m3), *v3 = calloc(n, sizeof *v3);
+  bf16_t *lp = hnan(n), *lp2 = hnan(n);
+  for (int step = 1; step <= 3; step++) {
+    float *g = frand(n, 180 + step, 1.0);
+    for (int i = 0; i < ns; i++) {
+      const size_t o = segs[i].offset;
+      be2->adamw(be2, p + o, g + o, m + o, v + o, lp + o, segs[i].numel, 1e-2f, 0.9f, 0.95f, 1e-8f,
+                 segs[i].decay ? wd : 0.0f, step, 0.5f);
+    }
+    be2->adamw_multi(be2, p2, g, m2, v2, lp2, segs, ns, 1e-2f, 0.9f, 0.95f, 1e-8f, wd, step, 0.5f);
+    be2->adamw_multi(be2, p3, g, m3, v3, NULL, segs, ns, 1e-2f, 0.9f, 0.95f, 1e-8f, wd, step, 0.5f);
+    free(g);
+  }
+  check_f32_same("adamw_multi params as adamw per segment", p2, p, n);
+  check_f32_same("adamw_multi first moment as adamw per segment", m2, m, n);
+  check_f32_same("adamw_multi second moment as adamw per segment", v2, v, n);
+  check_f32_same("adamw_multi without param_lp: params as with", p3, p2, n);
+  size_t lp_bad = 0;
+  for (size_t i = 0; i < n; i++) lp_bad += lp2[i] != lp[i];
+  printf("  %-58s %zu of %zu differ (tol: same bits)\n", "adamw_multi param_lp as adamw per segment", lp_bad, n);
+  assert_true(lp_bad == 0);
+  check_bf16("adamw_multi param_lp = round(param) (segments)", lp2, p2, gap);
+  float *p0 = frand(n, 170, 1.0);
+  for (size_t i = gap; i < gap + 3; i++) {
+    assert_memory_equal(&p2[i], &p0[i], sizeof(float)); /* untouched */
+    assert_true(m2[i] == 0.0f && v2[i] == 0.0f && lp2[i] == 0x7fc0);
+  }
+  assert_false(p2[0] == p0[0]); /* and the segments did move */
+  float *fs[] = {p0, p, m, v, p2, m2, v2, p3, m3, v3};
+  for (size_t i = 0; i < sizeof fs / sizeof fs[0]; i++) free(fs[i]);
+  free(lp);
+  free(lp2);
+}
+
 /* ------------------------------------------------------------------ determinism, creation */
 
 /* Runs the reducing kernels twice on the same inputs; the outputs must be the same bits. */
@@ -1204,7 +1250,7 @@ int main(void) {
       cmocka_unit_test(test_bf16_rope),      cmocka_unit_test(test_bf16_attention),
       cmocka_unit_test(test_bf16_swiglu),    cmocka_unit_test(test_bf16_cross_entropy),
       cmocka_unit_test(test_bf16_copy_2d),   cmocka_unit_test(test_bf16_ce_shard),
-      cmocka_unit_test(test_bf16_adamw),
+      cmocka_unit_test(test_bf16_adamw),     cmocka_unit_test(test_bf16_adamw_multi),
   };
   return cmocka_run_group_tests_name("backend_cpu", tests, setup, teardown);
 }

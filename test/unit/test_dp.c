@@ -232,12 +232,76 @@ static void test_checkpoint_ranges_round_trip(void **state) {
   assert_int_equal(testdir_remove(dir), 0);
 }
 
+static float loss_of(serial_run_t *r, int step) {
+  const int B = r->p.train.micro_batch_size, T = r->p.train.seq_len;
+  int32_t tok[64], tgt[64];
+  serial_run_batch(r, step, tok, tgt);
+  float loss;
+  assert_int_equal(model_forward(r->m, tok, tgt, B, T, &loss), 0);
+  return loss;
+}
+
+/* bf16: dp_step writes the model's compute copy with the masters, and the next forward reads it
+ * as it is (a master changed behind the model's back is not seen: the proof that no rounding
+ * ran), and it is the copy the forward rounds itself (the same loss after model_masters_changed).
+ * Masters written through model_params or model_import_tensor after a step are seen. */
+static void test_bf16_copy_from_step(void **state) {
+  const char *sa[] = {"parallel.mixed_precision.param_dtype=bf16"};
+  const char *sb[] = {"parallel.mixed_precision.param_dtype=bf16", "seed=99"};
+  serial_run_t a, b;
+  serial_run_open(&a, sa, 1);
+  serial_run_open(&b, sb, 2);
+  assert_int_equal(model_param_dtype(a.m), DT_BF16);
+  assert_non_null(model_compute_copy(a.m));
+  const size_t N = model_num_params(a.m);
+  float *pa = model_params(a.m), *host = malloc(N * sizeof(float));
+  assert_non_null(host);
+  double gn;
+  serial_run_step(&a, 1, &gn);
+  serial_run_step(&a, 2, &gn);
+  serial_run_step(&b, 1, &gn);
+  const float la = loss_of(&a, 3);
+  float *w = pa + model_find_tensor(a.m, "norm.weight")->offset; /* every row reads it */
+  const float keep = w[0];
+  w[0] += 1.0f; /* behind the model's back: the optimizer's copy stays in use */
+  const float behind = loss_of(&a, 3);
+  model_masters_changed(a.m);
+  const float seen = loss_of(&a, 3);
+  w[0] = keep;
+  model_masters_changed(a.m);
+  const float rounded = loss_of(&a, 3);
+  printf("  loss from the step's copy %.9g, rounded by the forward %.9g; a master changed behind the back: "
+         "%.9g, then announced: %.9g\n", la, rounded, behind, seen);
+  assert_memory_equal(&la, &rounded, sizeof la);
+  assert_memory_equal(&la, &behind, sizeof la);
+  assert_false(seen == la);
+
+  memcpy(model_params(b.m), model_params(a.m), N * sizeof(float)); /* b's step copy is stale now */
+  const float lb = loss_of(&b, 3);
+  serial_run_step(&b, 2, &gn);
+  for (int i = 0; i < model_num_tensors(a.m); i++) {
+    const model_tensor_t *t = model_tensor(a.m, i);
+    assert_int_equal(model_export_tensor(a.m, i, host), 0);
+    model_import_tensor(b.m, i, host);
+    assert_true(t->numel <= N);
+  }
+  const float lb2 = loss_of(&b, 3);
+  printf("  b after a's masters through model_params %.9g, through model_import_tensor %.9g (want %.9g)\n", lb,
+         lb2, la);
+  assert_memory_equal(&lb, &la, sizeof la);
+  assert_memory_equal(&lb2, &la, sizeof la);
+  free(host);
+  serial_run_close(&b);
+  serial_run_close(&a);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_step_is_adamw),
       cmocka_unit_test(test_grad_norm_by_hand),
       cmocka_unit_test(test_units_and_memory),
       cmocka_unit_test(test_checkpoint_ranges_round_trip),
+      cmocka_unit_test(test_bf16_copy_from_step),
   };
   return cmocka_run_group_tests_name("dp", tests, NULL, NULL);
 }

@@ -53,6 +53,13 @@ static inline const char *dtype_name(dtype_t dt) { return dt == DT_BF16 ? "bf16"
  * that moves host memory. */
 typedef enum { BACKEND_MEM_HOST = 0, BACKEND_MEM_DEVICE } backend_mem_t;
 
+/* One piece of the range adamw_multi updates: numel elements from offset (in elements from the
+ * range's start), with the call's weight decay (decay != 0) or none. */
+typedef struct {
+  size_t offset, numel;
+  int decay;
+} adamw_segment_t;
+
 struct backend {
   const char *name; /* its registry entry's name: for messages, and compared only with registry
                        names (which comm backend moves this device's memory) */
@@ -180,6 +187,15 @@ struct backend {
    * rounded to bf16 (n elements): the compute copy, written by the same pass. */
   void (*adamw)(backend_t *be, float *param, const float *grad, float *m, float *v, void *param_lp, size_t n,
                 float lr, float beta1, float beta2, float eps, float weight_decay, int step, float grad_scale);
+  /* The same update over the n_segs segments of one range in one pass (one launch on a device):
+   * param, grad, m, v (and param_lp, in bf16 elements) point at the range's start, and segment i
+   * updates its numel elements from its offset with weight_decay where segs[i].decay is set and
+   * with none where it is not. Every element gets the arithmetic adamw gives it, called per
+   * segment with weight_decay or 0: the same bits. Segments do not overlap; elements outside
+   * them are not touched. Optional: NULL, and the caller calls adamw per segment. */
+  void (*adamw_multi)(backend_t *be, float *param, const float *grad, float *m, float *v, void *param_lp,
+                      const adamw_segment_t *segs, int n_segs, float lr, float beta1, float beta2, float eps,
+                      float weight_decay, int step, float grad_scale);
 
   void (*destroy)(backend_t *be);
 

@@ -1042,23 +1042,55 @@ static void cpu_ce_shard_loss(backend_t *be, float *losses, void *dlogits, const
 /* ------------------------------------------------------------------ AdamW */
 
 /* PyTorch's AdamW, step for step: p *= 1 - lr wd; m, v moments; p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps).
- * With param_lp the bf16 compute copy is rounded from the new fp32 value in the same pass. */
+ * With param_lp the bf16 compute copy is rounded from the new fp32 value in the same pass.
+ * adamw_t holds what one call computes once; adamw_one updates element i (both entries use it,
+ * so a segment of adamw_multi gets adamw's bits). */
+typedef struct {
+  float beta1, beta2, eps, step_size, bc2_sqrt, grad_scale;
+} adamw_t;
+
+static adamw_t adamw_consts(float lr, float beta1, float beta2, float eps, int step, float grad_scale) {
+  float bc1 = 1.0f - powf(beta1, (float)step), bc2 = 1.0f - powf(beta2, (float)step);
+  return (adamw_t){beta1, beta2, eps, lr / bc1, sqrtf(bc2), grad_scale};
+}
+
+static inline void adamw_one(const adamw_t *a, float decay, float *param, const float *grad, float *m, float *v,
+                             bf16_t *lp, size_t i) {
+  float g = grad[i] * a->grad_scale;
+  float mi = a->beta1 * m[i] + (1.0f - a->beta1) * g;
+  float vi = a->beta2 * v[i] + (1.0f - a->beta2) * g * g;
+  m[i] = mi;
+  v[i] = vi;
+  float p = param[i] * decay;
+  param[i] = p - a->step_size * mi / (sqrtf(vi) / a->bc2_sqrt + a->eps);
+  if (lp) lp[i] = bf16_from_f32(param[i]);
+}
+
 static void cpu_adamw(backend_t *be, float *param, const float *grad, float *m, float *v, void *param_lp, size_t n,
                       float lr, float beta1, float beta2, float eps, float weight_decay, int step, float grad_scale) {
   int nt = cpu_of(be)->threads;
-  bf16_t *lp = param_lp;
-  float bc1 = 1.0f - powf(beta1, (float)step), bc2 = 1.0f - powf(beta2, (float)step);
-  float step_size = lr / bc1, bc2_sqrt = sqrtf(bc2), decay = 1.0f - lr * weight_decay;
+  const adamw_t a = adamw_consts(lr, beta1, beta2, eps, step, grad_scale);
+  const float decay = 1.0f - lr * weight_decay;
 #pragma omp parallel for num_threads(nt) schedule(static) if (n > PAR_MIN)
-  for (size_t i = 0; i < n; i++) {
-    float g = grad[i] * grad_scale;
-    float mi = beta1 * m[i] + (1.0f - beta1) * g;
-    float vi = beta2 * v[i] + (1.0f - beta2) * g * g;
-    m[i] = mi;
-    v[i] = vi;
-    float p = param[i] * decay;
-    param[i] = p - step_size * mi / (sqrtf(vi) / bc2_sqrt + eps);
-    if (lp) lp[i] = bf16_from_f32(param[i]);
+  for (size_t i = 0; i < n; i++) adamw_one(&a, decay, param, grad, m, v, param_lp, i);
+}
+
+/* One parallel region for all segments: the threads split each segment in turn, without a
+ * barrier between them (the elements are independent). */
+static void cpu_adamw_multi(backend_t *be, float *param, const float *grad, float *m, float *v, void *param_lp,
+                            const adamw_segment_t *segs, int n_segs, float lr, float beta1, float beta2, float eps,
+                            float weight_decay, int step, float grad_scale) {
+  int nt = cpu_of(be)->threads;
+  const adamw_t a = adamw_consts(lr, beta1, beta2, eps, step, grad_scale);
+  const float decay_on = 1.0f - lr * weight_decay, decay_off = 1.0f - lr * 0.0f; /* adamw's, with 0 */
+  size_t total = 0;
+  for (int s = 0; s < n_segs; s++) total += segs[s].numel;
+#pragma omp parallel num_threads(nt) if (total > PAR_MIN)
+  for (int s = 0; s < n_segs; s++) {
+    const size_t lo = segs[s].offset, hi = segs[s].offset + segs[s].numel;
+    const float decay = segs[s].decay ? decay_on : decay_off;
+#pragma omp for schedule(static) nowait
+    for (size_t i = lo; i < hi; i++) adamw_one(&a, decay, param, grad, m, v, param_lp, i);
   }
 }
 
@@ -1124,6 +1156,7 @@ backend_t *backend_cpu_create(int threads, char *err, size_t errlen) {
   be->ce_shard_stats = cpu_ce_shard_stats;
   be->ce_shard_loss = cpu_ce_shard_loss;
   be->adamw = cpu_adamw;
+  be->adamw_multi = cpu_adamw_multi;
   be->destroy = cpu_destroy;
   return be;
 }

@@ -173,6 +173,12 @@ typedef struct {
   int att_cudnn;         /* attention_select chose cuDNN: shapes it takes run there */
   int att_fallback_said; /* a later shape that cuDNN refused has been reported */
   scratch_t cudnn_ws;    /* cuDNN's workspace */
+  /* adamw_multi: the chunk table of the last segment list (adamw_segs, a host copy), on the
+   * device, rebuilt only when a call brings another list */
+  scratch_t adamw_tab;
+  adamw_segment_t *adamw_segs;
+  int adamw_nsegs;
+  unsigned adamw_chunks;
 } cuda_t;
 
 static cuda_t *cuda_of(backend_t *be) { return (cuda_t *)be->impl; }
@@ -1703,32 +1709,154 @@ static void cu_ce_shard_loss(backend_t *be, float *losses, void *dlogits, const 
 
 /* PyTorch's AdamW, step for step, on the fp32 master weights; the bias corrections come from
  * the host, computed as the cpu backend computes them. With param_lp the same pass writes the
- * bf16 compute copy: the updated parameter rounded once to nearest even. */
+ * bf16 compute copy: the updated parameter rounded once to nearest even. adamw_update is the
+ * per-element formula of both kernels (adamw_kernel, adamw_multi_kernel): the moments in
+ * place, the new parameter returned. */
+typedef struct {
+  float beta1, beta2, eps, step_size, bc2_sqrt, grad_scale;
+} adamw_args_t;
+
+static adamw_args_t adamw_args(float lr, float beta1, float beta2, float eps, int step, float grad_scale) {
+  float bc1 = 1.0f - powf(beta1, (float)step), bc2 = 1.0f - powf(beta2, (float)step);
+  return adamw_args_t{beta1, beta2, eps, lr / bc1, sqrtf(bc2), grad_scale};
+}
+
+__device__ __forceinline__ float adamw_update(float param, float grad, float &m, float &v, const adamw_args_t &a,
+                                              float decay) {
+  float g = grad * a.grad_scale;
+  m = a.beta1 * m + (1.0f - a.beta1) * g;
+  v = a.beta2 * v + (1.0f - a.beta2) * g * g;
+  float p = param * decay;
+  return p - a.step_size * m / (sqrtf(v) / a.bc2_sqrt + a.eps);
+}
+
+__device__ __forceinline__ void adamw_at(float *param, const float *grad, float *m, float *v, nv_bfloat16 *param_lp,
+                                         size_t i, const adamw_args_t &a, float decay) {
+  float mi = m[i], vi = v[i];
+  float np = adamw_update(param[i], grad[i], mi, vi, a, decay);
+  m[i] = mi;
+  v[i] = vi;
+  param[i] = np;
+  if (param_lp) param_lp[i] = __float2bfloat16_rn(np);
+}
+
 __global__ void adamw_kernel(float *param, const float *grad, float *m, float *v, nv_bfloat16 *param_lp, size_t n,
-                             float beta1, float beta2, float eps, float step_size, float bc2_sqrt, float decay,
-                             float grad_scale) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-    float g = grad[i] * grad_scale;
-    float mi = beta1 * m[i] + (1.0f - beta1) * g;
-    float vi = beta2 * v[i] + (1.0f - beta2) * g * g;
-    m[i] = mi;
-    v[i] = vi;
-    float p = param[i] * decay;
-    float np = p - step_size * mi / (sqrtf(vi) / bc2_sqrt + eps);
-    param[i] = np;
-    if (param_lp) param_lp[i] = __float2bfloat16_rn(np);
-  }
+                             adamw_args_t a, float decay) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+    adamw_at(param, grad, m, v, param_lp, i, a, decay);
 }
 
 static void cu_adamw(backend_t *be, float *param, const float *grad, float *m, float *v, void *param_lp, size_t n,
                      float lr, float beta1, float beta2, float eps, float weight_decay, int step, float grad_scale) {
   if (!n) return;
-  float bc1 = 1.0f - powf(beta1, (float)step), bc2 = 1.0f - powf(beta2, (float)step);
-  float step_size = lr / bc1, bc2_sqrt = sqrtf(bc2), decay = 1.0f - lr * weight_decay;
-  adamw_kernel<<<ew_blocks(n), EW_THREADS, 0, cuda_of(be)->stream>>>(param, grad, m, v, (nv_bfloat16 *)param_lp, n,
-                                                                    beta1, beta2, eps, step_size, bc2_sqrt, decay,
-                                                                    grad_scale);
+  adamw_kernel<<<ew_blocks(n), EW_THREADS, 0, cuda_of(be)->stream>>>(
+      param, grad, m, v, (nv_bfloat16 *)param_lp, n, adamw_args(lr, beta1, beta2, eps, step, grad_scale),
+      1.0f - lr * weight_decay);
   LAUNCH_CHECK("adamw_kernel");
+}
+
+/* adamw_multi: the segments cut into chunks of at most ADAMW_CHUNK elements (a multiple of 4,
+ * so a chunk starts as 4-aligned as its segment does), one block per chunk, all in one launch.
+ * Where param, grad, m and v are 16-byte aligned and param_lp 8-byte aligned (vec), a block
+ * moves the 4-aligned middle of its chunk 4 elements per load; the few elements before and
+ * after it one at a time. The arithmetic is adamw_update's either way. */
+#define ADAMW_CHUNK 16384
+typedef struct {
+  size_t start;  /* first element, from the range's start */
+  unsigned len;  /* elements, <= ADAMW_CHUNK */
+  unsigned decay;
+} adamw_chunk_t;
+
+__global__ void __launch_bounds__(EW_THREADS)
+    adamw_multi_kernel(const adamw_chunk_t *chunks, float *param, const float *grad, float *m, float *v,
+                       nv_bfloat16 *param_lp, adamw_args_t a, float decay_on, float decay_off, int vec) {
+  const adamw_chunk_t c = chunks[blockIdx.x];
+  const float decay = c.decay ? decay_on : decay_off;
+  unsigned head = 0, body = 0; /* [head, head + body) goes 4 at a time */
+  if (vec) {
+    head = (unsigned)((4 - (c.start & 3)) & 3);
+    if (head > c.len) head = c.len;
+    body = (c.len - head) & ~3u;
+  }
+  for (unsigned j = threadIdx.x; j < head; j += blockDim.x)
+    adamw_at(param, grad, m, v, param_lp, c.start + j, a, decay);
+  for (unsigned j = head + 4 * threadIdx.x; j < head + body; j += 4 * blockDim.x) {
+    const size_t i = c.start + j;
+    float4 p = *(const float4 *)(param + i), g = *(const float4 *)(grad + i);
+    float4 mi = *(const float4 *)(m + i), vi = *(const float4 *)(v + i);
+    p.x = adamw_update(p.x, g.x, mi.x, vi.x, a, decay);
+    p.y = adamw_update(p.y, g.y, mi.y, vi.y, a, decay);
+    p.z = adamw_update(p.z, g.z, mi.z, vi.z, a, decay);
+    p.w = adamw_update(p.w, g.w, mi.w, vi.w, a, decay);
+    *(float4 *)(param + i) = p;
+    *(float4 *)(m + i) = mi;
+    *(float4 *)(v + i) = vi;
+    if (param_lp) {
+      union {
+        uint2 u;
+        nv_bfloat16 h[4];
+      } w;
+      w.h[0] = __float2bfloat16_rn(p.x);
+      w.h[1] = __float2bfloat16_rn(p.y);
+      w.h[2] = __float2bfloat16_rn(p.z);
+      w.h[3] = __float2bfloat16_rn(p.w);
+      *(uint2 *)(param_lp + i) = w.u;
+    }
+  }
+  for (unsigned j = head + body + threadIdx.x; j < c.len; j += blockDim.x)
+    adamw_at(param, grad, m, v, param_lp, c.start + j, a, decay);
+}
+
+static int adamw_same_segs(const cuda_t *cu, const adamw_segment_t *segs, int n) {
+  if (!cu->adamw_segs || cu->adamw_nsegs != n) return 0;
+  for (int i = 0; i < n; i++) {
+    const adamw_segment_t *x = &cu->adamw_segs[i];
+    if (x->offset != segs[i].offset || x->numel != segs[i].numel || !x->decay != !segs[i].decay) return 0;
+  }
+  return 1;
+}
+
+/* The device chunk table of segs (cached: built and uploaded when the list changes, which an
+ * optimizer's never does), and its number of chunks. */
+static const adamw_chunk_t *adamw_table(cuda_t *cu, const adamw_segment_t *segs, int n) {
+  if (adamw_same_segs(cu, segs, n)) return (const adamw_chunk_t *)cu->adamw_tab.p;
+  size_t count = 0;
+  for (int i = 0; i < n; i++) count += (segs[i].numel + ADAMW_CHUNK - 1) / ADAMW_CHUNK;
+  if (count > 0x7fffffffu) backend_fatal(__FILE__, __LINE__, "adamw_multi", "too many chunks for one grid");
+  adamw_chunk_t *tab = (adamw_chunk_t *)malloc((count ? count : 1) * sizeof *tab);
+  adamw_segment_t *copy = (adamw_segment_t *)malloc((n > 0 ? (size_t)n : 1) * sizeof *copy);
+  if (!tab || !copy) backend_fatal(__FILE__, __LINE__, "adamw_multi", "out of host memory for the chunk table");
+  size_t k = 0;
+  for (int i = 0; i < n; i++) {
+    copy[i] = segs[i];
+    for (size_t done = 0; done < segs[i].numel; done += ADAMW_CHUNK) {
+      size_t len = segs[i].numel - done < ADAMW_CHUNK ? segs[i].numel - done : ADAMW_CHUNK;
+      tab[k++] = adamw_chunk_t{segs[i].offset + done, (unsigned)len, segs[i].decay ? 1u : 0u};
+    }
+  }
+  void *dev = scratch_get(cu, &cu->adamw_tab, count * sizeof *tab);
+  CUDA_CHECK(cudaMemcpyAsync(dev, tab, count * sizeof *tab, cudaMemcpyHostToDevice, cu->stream));
+  CUDA_CHECK(cudaStreamSynchronize(cu->stream)); /* tab is freed next */
+  free(tab);
+  free(cu->adamw_segs);
+  cu->adamw_segs = copy;
+  cu->adamw_nsegs = n;
+  cu->adamw_chunks = (unsigned)count;
+  return (const adamw_chunk_t *)dev;
+}
+
+static void cu_adamw_multi(backend_t *be, float *param, const float *grad, float *m, float *v, void *param_lp,
+                           const adamw_segment_t *segs, int n_segs, float lr, float beta1, float beta2, float eps,
+                           float weight_decay, int step, float grad_scale) {
+  cuda_t *cu = cuda_of(be);
+  const adamw_chunk_t *tab = adamw_table(cu, segs, n_segs);
+  if (!cu->adamw_chunks) return;
+  const int vec = aligned16(param) && aligned16(grad) && aligned16(m) && aligned16(v) &&
+                  ((uintptr_t)param_lp & 7u) == 0;
+  adamw_multi_kernel<<<cu->adamw_chunks, EW_THREADS, 0, cu->stream>>>(
+      tab, param, grad, m, v, (nv_bfloat16 *)param_lp, adamw_args(lr, beta1, beta2, eps, step, grad_scale),
+      1.0f - lr * weight_decay, 1.0f - lr * 0.0f, vec);
+  LAUNCH_CHECK("adamw_multi_kernel");
 }
 
 /* ------------------------------------------------------------------ lifecycle */
@@ -1749,6 +1877,8 @@ static void cu_destroy(backend_t *be) {
     scratch_free(cu, &cu->rope);
     cudnn_att_close(cu->cudnn);
     scratch_free(cu, &cu->cudnn_ws);
+    scratch_free(cu, &cu->adamw_tab);
+    free(cu->adamw_segs);
     if (cu->workspace) cudaFree(cu->workspace);
     free(cu->mem.v);
     if (cu->lt) cublasLtDestroy(cu->lt);
@@ -1810,6 +1940,7 @@ static void cu_set_ops(backend_t *be) {
   be->ce_shard_stats = cu_ce_shard_stats;
   be->ce_shard_loss = cu_ce_shard_loss;
   be->adamw = cu_adamw;
+  be->adamw_multi = cu_adamw_multi;
   be->destroy = cu_destroy;
   be->peak_flops = cu_peak_flops;
   be->set_tf32 = cu_set_tf32;

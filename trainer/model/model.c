@@ -157,6 +157,7 @@ struct model {
   float **unit_params, **unit_grads; /* current base of each unit (fp32) */
   const void **unit_cparams;         /* what the kernels read: unit_params in fp32, else bf16 */
   void *params_lp;                   /* bf16 without strategy_casts: the model's compute copy */
+  int lp_current;                    /* params_lp holds the masters' rounding (model_compute_written) */
 
   /* activations: dt unless marked fp32 */
   void *arena;
@@ -282,8 +283,9 @@ static int dp_gather(model_t *m, int u, int bwd) {
                      "unit %d has no %s buffer (no_flat_buffers: the strategy's gather must provide it)", u,
                      (bwd && !m->unit_grads[u]) ? "gradient" : m->dt == DT_F32 ? "parameter" : "bf16 parameter");
   /* The model's own bf16 copy: rounded from the fp32 parameters at every forward gather (any
-   * update since, by whatever path, is seen), reused by the backward of the same step. */
-  if (m->dt != DT_F32 && !m->strategy_casts && !bwd)
+   * update since, by whatever path, is seen), reused by the backward of the same step; not
+   * when the strategy's optimizer wrote it with the masters and nothing has written them since. */
+  if (m->dt != DT_F32 && !m->strategy_casts && !bwd && !m->lp_current)
     m->be->convert(m->be, (void *)m->unit_cparams[u], m->dt, m->unit_params[u], DT_F32, m->unit_numel[u]);
   return 0;
 }
@@ -925,6 +927,7 @@ void model_init_random(model_t *m, uint64_t seed, double init_std) {
   for (int u = 0; u < m->n_units; u++)
     maxn = m->unit_numel[u] > maxn ? m->unit_numel[u] : maxn;
   float *host = malloc(maxn * sizeof *host);
+  m->lp_current = 0;
   if (!host) {
     log_error("model: out of memory initializing parameters");
     return;
@@ -978,6 +981,7 @@ int model_export_tensor(model_t *m, int i, float *host_full) {
 
 void model_import_tensor(model_t *m, int i, const float *host_full) {
   const model_tensor_t *t = &m->tensors[i];
+  m->lp_current = 0;
   if (!m->unit_params[t->unit]) {
     log_error("model: import of %s: unit %d is not gathered", t->name, t->unit);
     return;
@@ -998,7 +1002,13 @@ void model_import_tensor(model_t *m, int i, const float *host_full) {
 
 void model_set_hooks(model_t *m, model_hooks_t *h) { m->dp = h; }
 size_t model_num_params(const model_t *m) { return m->num_params; }
-float *model_params(model_t *m) { return m->params; }
+float *model_params(model_t *m) {
+  m->lp_current = 0; /* the caller may write through it */
+  return m->params;
+}
+void *model_compute_copy(model_t *m) { return m->params && !m->strategy_casts ? m->params_lp : NULL; }
+void model_compute_written(model_t *m) { m->lp_current = model_compute_copy(m) != NULL; }
+void model_masters_changed(model_t *m) { m->lp_current = 0; }
 float *model_grads(model_t *m) { return m->grads; }
 int model_num_tensors(const model_t *m) { return m->n_tensors; }
 const model_tensor_t *model_tensor(const model_t *m, int i) {
@@ -1022,6 +1032,7 @@ void model_unit_range(const model_t *m, int unit, size_t *offset, size_t *numel)
 /* Without flat buffers (FSDP) NULL leaves the unit without parameters until the next gather. */
 void model_set_unit_buffers(model_t *m, int unit, float *params, float *grads) {
   if (unit < 0 || unit >= m->n_units) return;
+  m->lp_current = 0;
   m->unit_params[unit] = params ? params : m->params ? m->params + m->unit_offset[unit] : NULL;
   m->unit_grads[unit] = grads ? grads : m->grads ? m->grads + m->unit_offset[unit] : NULL;
   if (m->dt == DT_F32) m->unit_cparams[unit] = m->unit_params[unit];

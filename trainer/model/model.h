@@ -17,7 +17,9 @@
  * statistics (norms' rstd, softmax log-sum-exp, the losses) stay fp32. The compute copy comes
  * from the strategy's gather (model_set_unit_compute: FSDP all-gathers bf16 shards) or, by
  * default, from the model, which rounds the unit's fp32 parameters into its own bf16 copy at
- * each forward gather (so no update path can leave it stale) and reuses it in the backward.
+ * each forward gather (so no update path can leave it stale) and reuses it in the backward, or
+ * from the strategy's optimizer, which writes that copy with the masters in one pass
+ * (model_compute_copy).
  * Tensors are grouped into sharding units (see dp.h), each a
  * contiguous slice: unit 0 tok_embeddings, unit 1+l layer l, unit L+1 norm + output.
  * Linear weights are (out_features, in_features) as in PyTorch.
@@ -168,7 +170,9 @@ struct model_hooks {
 void model_set_hooks(model_t *m, model_hooks_t *h);
 
 size_t model_num_params(const model_t *m);
-float *model_params(model_t *m); /* device, flat */
+/* device, flat. The caller may write through it: the model's bf16 compute copy is rounded
+ * afresh at the next forward (see model_compute_copy). */
+float *model_params(model_t *m);
 float *model_grads(model_t *m);  /* device, flat, same layout */
 int model_num_tensors(const model_t *m);
 const model_tensor_t *model_tensor(const model_t *m, int i);
@@ -182,6 +186,16 @@ void model_set_unit_buffers(model_t *m, int unit, float *params, float *grads);
  * the unit's flat slice), which the kernels read until the next call. */
 void model_set_unit_compute(model_t *m, int unit, const void *params_lp);
 dtype_t model_param_dtype(const model_t *m);
+/* bf16 without strategy_casts, with flat buffers: the model's own compute copy (num_params bf16
+ * elements in the layout of model_params); NULL otherwise. A strategy whose optimizer rewrites
+ * all of it from the updated masters in the same pass (optim_step's params_lp) then calls
+ * model_compute_written, and the forward gathers read the copy as it is instead of rounding it
+ * again, until the masters may have been written otherwise: model_params, model_init_random,
+ * model_import_tensor, model_set_unit_buffers or model_masters_changed (a checkpoint load into
+ * the flat buffer) make each forward gather round it again. */
+void *model_compute_copy(model_t *m);
+void model_compute_written(model_t *m);
+void model_masters_changed(model_t *m);
 
 /* Statuses of model_forward and model_backward (0 = success); model_errmsg says why. */
 enum {

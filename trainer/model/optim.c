@@ -1,5 +1,6 @@
-/* optim: AdamW per tensor segment through backend->adamw, the clip scale from a global
- * gradient norm, and the warmup + decay schedule (formulas in optim.h). */
+/* optim: AdamW over the tensor segments in one backend->adamw_multi call (else adamw per
+ * segment), the clip scale from a global gradient norm, and the warmup + decay schedule
+ * (formulas in optim.h). */
 #include "common/err.h"
 #include "trainer/model/optim.h"
 
@@ -70,6 +71,11 @@ double optim_clip_scale(double grad_norm, double clip) {
 
 void optim_step(optim_t *o, float *params, const float *grads, void *params_lp, double lr, double grad_scale) {
   o->step++;
+  if (o->be->adamw_multi) {
+    o->be->adamw_multi(o->be, params, grads, o->m, o->v, params_lp, o->segs, o->n_segs, (float)lr, o->beta1,
+                       o->beta2, o->eps, o->weight_decay, o->step, (float)grad_scale);
+    return;
+  }
   for (int i = 0; i < o->n_segs; i++) {
     const optim_segment_t *s = &o->segs[i];
     void *lp = params_lp ? (char *)params_lp + s->offset * dtype_size(DT_BF16) : NULL;

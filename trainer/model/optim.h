@@ -31,11 +31,9 @@
 #define OPTIM_ENOMEM (-4)
 #define OPTIM_EINVAL (-2)
 
-typedef struct {
-  size_t offset; /* in floats, relative to the start of the optimizer's range */
-  size_t numel;
-  int decay;
-} optim_segment_t;
+/* A tensor's part of the range: offset in floats from the range's start, numel, decay flag (the
+ * backend's adamw_multi takes the table as it is). */
+typedef adamw_segment_t optim_segment_t;
 
 typedef struct {
   backend_t *be;
@@ -59,8 +57,10 @@ double optim_grad_sumsq(const optim_t *o, const float *grads);
 /* min(1, clip / norm); 1 when clip <= 0. norm must be finite. */
 double optim_clip_scale(double grad_norm, double clip);
 /* One AdamW update of the range: params and grads point at the range's first element
- * (model_params(m) + offset for the whole flat buffer, or a shard buffer). */
-/* params_lp (optional, bf16, the same layout as params): the compute copy, rewritten from the
+ * (model_params(m) + offset for the whole flat buffer, or a shard buffer). One backend call for
+ * all segments (adamw_multi), or one adamw per segment where the backend has no adamw_multi:
+ * the same bits either way.
+ * params_lp (optional, bf16, the same layout as params): the compute copy, rewritten from the
  * updated fp32 parameters by the same fused pass (backend adamw's param_lp). */
 void optim_step(optim_t *o, float *params, const float *grads, void *params_lp, double lr, double grad_scale);
 

@@ -396,6 +396,7 @@ int dp_ckpt_from_host(dp_t *dp, ckpt_t *ck, char *err, size_t errlen) {
     rc = -4;
   }
   const int tp_rank = dp_rank_of(d->tp_comm);
+  model_masters_changed(d->m); /* the model's flat masters among them: its bf16 copy is stale */
   for (int i = 0; i < n && rc == 0; i++) {
     rc = ckpt_read_range(ck, r[i].kind, ts, nt, tp_rank, r[i].flat, r[i].count, h, err, errlen);
     if (rc == 0) d->be->to_device(d->be, r[i].dev, h, r[i].count * sizeof(float));

@@ -9,8 +9,8 @@
  * contiguous slice [r * chunk, (r + 1) * chunk) of the flat buffer on each dp rank r (the last
  * rank also the tail); after updating it, an in-place all-gather (plus a broadcast of the tail)
  * makes the parameters whole again (fp32: the masters stay whole on every rank; under bf16 the
- * model rounds its compute copy from them at the next forward). Gradients are reduced in
- * reduce_dtype.
+ * model rounds its compute copy from them at the next forward, where serial and DDP have the
+ * optimizer's pass write it). Gradients are reduced in reduce_dtype.
  *
  * Buckets (PyTorch DDP's bucket_cap_mb: parallel.bucket_mb): runs of whole units, contiguous in
  * the flat buffer, filled in backward order (the output unit first) until they reach the cap. A
@@ -142,8 +142,12 @@ static const float *flat_unit_params(dp_impl_t *d, int u) { return d->params + d
 static void flat_zero_grad(dp_impl_t *d) { model_zero_grad(d->m); }
 static int flat_grad_norm(dp_impl_t *d, double *norm) { return dp_norm_of(d, d->grads, NULL, norm); }
 
+/* The whole flat buffer (opt_off 0): under bf16 the same pass rewrites the model's compute
+ * copy, so the next forward needs no rounding of its own. */
 static int ddp_step(dp_impl_t *d, double lr, double grad_scale) {
-  optim_step(&d->opt, d->params + d->opt_off, d->grads + d->opt_off, NULL, lr, grad_scale);
+  void *lp = model_compute_copy(d->m);
+  optim_step(&d->opt, d->params + d->opt_off, d->grads + d->opt_off, lp, lr, grad_scale);
+  if (lp) model_compute_written(d->m);
   return 0;
 }
 

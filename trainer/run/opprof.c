@@ -251,6 +251,15 @@ static void w_adamw(backend_t *be, float *param, const float *grad, float *m, fl
   prof_end(t0, "adamw", 0, "n%zu%s", n, param_lp ? " +bf16" : "");
 }
 
+static void w_adamw_multi(backend_t *be, float *param, const float *grad, float *m, float *v, void *param_lp,
+                          const adamw_segment_t *segs, int n_segs, float lr, float beta1, float beta2, float eps,
+                          float weight_decay, int step, float grad_scale) {
+  double t0 = prof_begin();
+  P.orig.adamw_multi(be, param, grad, m, v, param_lp, segs, n_segs, lr, beta1, beta2, eps, weight_decay, step,
+                     grad_scale);
+  prof_end(t0, "adamw_multi", 0, "segs%d%s", n_segs, param_lp ? " +bf16" : "");
+}
+
 int opprof_install(backend_t *be, int step, FILE *out) {
   if (P.be) return -1;
   memset(&P, 0, sizeof P);
@@ -280,6 +289,7 @@ int opprof_install(backend_t *be, int step, FILE *out) {
   be->ce_shard_stats = w_ce_shard_stats;
   be->ce_shard_loss = w_ce_shard_loss;
   be->adamw = w_adamw;
+  if (be->adamw_multi) be->adamw_multi = w_adamw_multi; /* NULL stays NULL: optim's fallback */
   return 0;
 }
 
