@@ -30,7 +30,8 @@
 #   8. sanitizer: compute-sanitizer memcheck over two cuda steps
 # --dry-run runs the same logic here without a GPU: device cpu throughout, a tiny benchmark size,
 # no PyTorch runs and no GPU test binaries, so a broken stage shows before device time is spent.
-# KIT (default build/kit) names another kit. Exits non-zero when a stage failed.
+# KIT (default build/kit) names another kit; a dry run without one runs the programs in
+# MESHRUN_BIN (test_gpu_session_dry.py, in make test). Exits non-zero when a stage failed.
 set -u
 dry=0; budget=540; out=""
 while [ $# -gt 0 ]; do
@@ -59,9 +60,15 @@ trap 'rm -rf "$work"' EXIT
 export PYTHONUNBUFFERED=1
 cd "$root"
 
-[ -f "$kit/env.sh" ] || { echo "gpu-session: no kit at $kit (scripts/make-kit.sh makes one; carry build/kit)"; exit 1; }
-# shellcheck disable=SC1091
-. "$kit/env.sh"
+if [ $dry = 1 ] && [ ! -f "$kit/env.sh" ] && [ -n "${MESHRUN_BIN:-}" ]; then
+  # A dry run needs no kit: it runs the binaries this checkout built (make test runs it so).
+  echo "gpu-session: dry run without a kit: the programs in $MESHRUN_BIN"
+  kit=${MESHRUN_BUILD:-$MESHRUN_BIN}
+else
+  [ -f "$kit/env.sh" ] || { echo "gpu-session: no kit at $kit (scripts/make-kit.sh makes one; carry build/kit)"; exit 1; }
+  # shellcheck disable=SC1091
+  . "$kit/env.sh"
+fi
 BIN=$MESHRUN_BIN
 DEV=cuda; [ $dry = 1 ] && DEV=cpu
 
