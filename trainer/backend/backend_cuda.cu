@@ -1207,7 +1207,8 @@ static size_t att_dkdv_smem(void) {
                                   2 * ATT_WARPS * ATT_ROWS * ATT_TILE + 2 * ATT_TILE);
 }
 
-/* Raises one storage type's kernels' dynamic shared-memory limits (above 48 KB needs it). */
+/* Raises one storage type's kernels' dynamic shared-memory limits (above 48 KB needs it). 0, or
+ * -1 when the device refuses. */
 template <int DP, typename T>
 static int att_setup_t(void) {
   if (cudaFuncSetAttribute(attn_fwd_kernel<DP, T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -1220,7 +1221,8 @@ static int att_setup_t(void) {
   return 0;
 }
 
-/* At create, for fp32 and bf16 tensors alike (the tiles are fp32 in both). */
+/* At create, for fp32 and bf16 tensors alike (the tiles are fp32 in both). 0, or -1 when the
+ * device's shared memory is too small for the tiles of head size DP. */
 template <int DP>
 static int att_setup(cuda_t *cu) {
   size_t need = att_dkdv_smem<DP>();

@@ -40,27 +40,27 @@ int pp_schedule_parse(const char *name, pp_schedule_t *out) {
       *out = (pp_schedule_t)i;
       return 0;
     }
-  return -1;
+  return PP_EFAIL;
 }
 
 int pp_validate(pp_schedule_t s, int p, int v, int m, char *err, size_t errlen) {
   const char *name = pp_schedule_name(s);
-  if ((unsigned)s >= PP_SCHEDULE_COUNT) return err_set(err, errlen, -1, "unknown pipeline schedule %d", (int)s);
-  if (p < 1) return err_set(err, errlen, -1, "pipeline degree %d: expected at least 1", p);
-  if (m < 1) return err_set(err, errlen, -1, "pp_microbatches %d: expected at least 1", m);
+  if ((unsigned)s >= PP_SCHEDULE_COUNT) return err_set(err, errlen, PP_EFAIL, "unknown pipeline schedule %d", (int)s);
+  if (p < 1) return err_set(err, errlen, PP_EFAIL, "pipeline degree %d: expected at least 1", p);
+  if (m < 1) return err_set(err, errlen, PP_EFAIL, "pp_microbatches %d: expected at least 1", m);
   if (s == PP_INTERLEAVED_1F1B) {
     if (v < 2)
-      return err_set(err, errlen, -1, "schedule interleaved_1f1b needs pp_stages_per_rank >= 2 (got %d)", v);
+      return err_set(err, errlen, PP_EFAIL, "schedule interleaved_1f1b needs pp_stages_per_rank >= 2 (got %d)", v);
     if (m % p)
-      return err_set(err, errlen, -1, "schedule interleaved_1f1b needs pp_microbatches (%d) to be a multiple "
+      return err_set(err, errlen, PP_EFAIL, "schedule interleaved_1f1b needs pp_microbatches (%d) to be a multiple "
                   "of the pipeline degree (%d)", m, p);
     return 0;
   }
   if (v != 1)
-    return err_set(err, errlen, -1, "schedule %s runs one stage per rank (pp_stages_per_rank %d); "
+    return err_set(err, errlen, PP_EFAIL, "schedule %s runs one stage per rank (pp_stages_per_rank %d); "
                 "interleaved_1f1b runs several", name, v);
   if (s == PP_1F1B && m < p)
-    return err_set(err, errlen, -1, "schedule 1f1b needs at least as many micro-batches as stages "
+    return err_set(err, errlen, PP_EFAIL, "schedule 1f1b needs at least as many micro-batches as stages "
                 "(pp_microbatches %d < pp %d)", m, p);
   return 0;
 }
@@ -161,7 +161,7 @@ void pp_free(pp_plan_t *pl) {
 
 int pp_generate(pp_schedule_t s, int p, int v, int m, pp_plan_t *out, char *err, size_t errlen) {
   memset(out, 0, sizeof *out);
-  if (pp_validate(s, p, v, m, err, errlen)) return -1;
+  if (pp_validate(s, p, v, m, err, errlen)) return PP_EFAIL;
   *out = (pp_plan_t){.schedule = s, .p = p, .v = v, .m = m};
   out->n = calloc((size_t)p, sizeof *out->n);
   out->act = calloc((size_t)p, sizeof *out->act);
@@ -171,7 +171,7 @@ int pp_generate(pp_schedule_t s, int p, int v, int m, pp_plan_t *out, char *err,
   free(cap);
   if (b.oom) {
     pp_free(out);
-    return err_set(err, errlen, -1, "out of memory for a %s schedule of %d ranks x %d micro-batches",
+    return err_set(err, errlen, PP_EFAIL, "out of memory for a %s schedule of %d ranks x %d micro-batches",
                 pp_schedule_name(s), p, m);
   }
   return 0;
@@ -189,6 +189,7 @@ typedef struct { /* one FIFO per (source, destination, kind): what was sent, not
   int head, len, cap;
 } chan_t;
 
+/* 0, or -1 when the queue cannot grow (out of memory). */
 static int chan_push(chan_t *c, msg_t m) {
   if (c->head + c->len == c->cap) {
     int cap = c->cap ? 2 * c->cap : 16;
@@ -228,7 +229,7 @@ static int sim_action(sim_t *z, int r, const pp_action_t *a, char *err, size_t e
   unsigned char *state = z->state;
   const double f_cost = z->f_cost, b_cost = z->b_cost;
 #define CH(src, dst, grad) (&ch[((size_t)(src) * (size_t)p + (size_t)(dst)) * 2 + (grad)])
-#define BAD(...) return err_set(err, errlen, -1, __VA_ARGS__)
+#define BAD(...) return err_set(err, errlen, PP_EFAIL, __VA_ARGS__)
   int s = a->stage, mb = a->mb;
   const char *what = pp_kind_name((pp_kind_t)a->kind);
   if (s < 0 || s >= S || mb < 0 || mb >= m)
@@ -303,19 +304,19 @@ static int sim_verdict(const sim_t *z, char *err, size_t errlen) {
   for (int r = 0; r < p; r++)
     if (pc[r] < pl->n[r]) {
       const pp_action_t *a = &pl->act[r][pc[r]];
-      return err_set(err, errlen, -1, "deadlock: rank %d waits at action %d (%s of stage %d micro-batch %d) and no "
+      return err_set(err, errlen, PP_EFAIL, "deadlock: rank %d waits at action %d (%s of stage %d micro-batch %d) and no "
                      "rank can move", r, pc[r], pp_kind_name((pp_kind_t)a->kind), a->stage, a->mb);
     }
   for (int s = 0; s < S; s++)
     for (int mb = 0; mb < m; mb++) {
       unsigned x = state[(size_t)s * (size_t)m + (size_t)mb];
       if (!(x & ST_FWD) || !(x & ST_BWD))
-        return err_set(err, errlen, -1, "incomplete: stage %d micro-batch %d never %s", s, mb,
+        return err_set(err, errlen, PP_EFAIL, "incomplete: stage %d micro-batch %d never %s", s, mb,
                        !(x & ST_FWD) ? "forwarded" : "backwarded");
     }
   for (int i = 0; i < p * p * 2; i++)
     if (ch[i].len)
-      return err_set(err, errlen, -1, "rank %d sent %s of stage %d micro-batch %d that rank %d never receives",
+      return err_set(err, errlen, PP_EFAIL, "rank %d sent %s of stage %d micro-batch %d that rank %d never receives",
                      i / 2 / p, i % 2 ? "a gradient" : "an activation", ch[i].q[ch[i].head].stage,
                      ch[i].q[ch[i].head].mb, i / 2 % p);
   double span = 0, idle = 0;
@@ -339,7 +340,7 @@ int pp_check(const pp_plan_t *pl, double f_cost, double b_cost, pp_stats_t *st, 
   z.clock = calloc((size_t)p, sizeof *z.clock);
   z.busy = calloc((size_t)p, sizeof *z.busy);
   if (!z.state || !z.ch || !z.pc || !z.inflight || !z.clock || !z.busy) {
-    err_set(err, errlen, -1, "out of memory checking the schedule");
+    err_set(err, errlen, PP_EFAIL, "out of memory checking the schedule");
     goto out;
   }
   for (int moved = 1; moved;) {
@@ -371,7 +372,7 @@ out:
 int pp_split(int n_layers, int n_stages, double embed_cost, double head_cost, int *first,
              char *err, size_t errlen) {
   if (n_stages < 1 || n_layers < n_stages)
-    return err_set(err, errlen, -1, "%d pipeline stages for %d layers: every stage needs at least one block",
+    return err_set(err, errlen, PP_EFAIL, "%d pipeline stages for %d layers: every stage needs at least one block",
                 n_stages, n_layers);
   /* best[s][l]: the smallest largest-stage cost of cutting layers 0..l-1 into s stages; cut[s][l]
    * the first layer of the s-th stage in that cut. O(S L^2), S and L are small. */
@@ -381,7 +382,7 @@ int pp_split(int n_layers, int n_stages, double embed_cost, double head_cost, in
   if (!best || !cut) {
     free(best);
     free(cut);
-    return err_set(err, errlen, -1, "out of memory splitting %d layers", n_layers);
+    return err_set(err, errlen, PP_EFAIL, "out of memory splitting %d layers", n_layers);
   }
   for (size_t i = 0; i < (size_t)(n_stages + 1) * L; i++) best[i] = -1; /* -1: no such cut */
   for (int s = 1; s <= n_stages; s++)

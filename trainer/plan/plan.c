@@ -719,7 +719,7 @@ static cJSON *rebased(const cJSON *v, const char *dir) {
 
 /* Rewrites the relative input paths in the tree as absolute paths from dir, so the resolved
  * plan (metadata, --print-plan, a plan written back and read elsewhere) names the same files
- * wherever it is read. */
+ * wherever it is read. 0, or -1 when memory runs out. */
 static int rebase_inputs(cJSON *root, const char *dir, unsigned *done) {
   for (size_t i = 0; i < N_INPUT_KEYS; i++) {
     cJSON *sect = cJSON_GetObjectItemCaseSensitive(root, input_keys[i][0]);
@@ -751,7 +751,7 @@ static char *plan_folder(const char *plan_path) {
 }
 
 /* First the plan file's own paths from its folder, then (after --set) the rest from the
- * working directory. */
+ * working directory. 0, or -1 when memory runs out. */
 static int absolute_inputs(cJSON *root, const char *plan_path, unsigned *done) {
   char *dir = plan_folder(plan_path);
   int rc = dir ? rebase_inputs(root, dir, done) : -1;
