@@ -185,7 +185,7 @@ def run_ours(trainer, size, m, steps, warmup, workdir, dtype="bf16", profile=Fal
     if rc != 0:
         return {"error": "trainer exit %s: %s" % (rc, out.strip().splitlines()[-1] if out.strip() else ""),
                 "attention": att}
-    toks, ms, peak, loss = 0.0, 0.0, 0, None
+    toks, ms, peak, loss, counts = 0.0, 0.0, 0, None, {}
     with open(plan["log"]["metrics_file"]) as f:
         for line in f:
             r = json.loads(line)
@@ -194,10 +194,12 @@ def run_ours(trainer, size, m, steps, warmup, workdir, dtype="bf16", profile=Fal
                 ms += r["step_ms"]
                 peak = max(peak, r.get("peak_mem_bytes", 0))
                 loss = r["loss"]
+                # what a step asked of the device (the trainer counts its backend's calls)
+                counts = {"kernels_per_step": r.get("kernels"), "host_syncs_per_step": r.get("host_syncs")}
     if ms <= 0:
         return {"error": "no measured steps in the metrics file"}
-    return {"tokens_per_s": toks / (ms / 1e3), "mem_gib": mem, "alloc_gib": peak / 2**30, "loss": loss,
-            "mode": dtype + " mixed" if dtype == "bf16" else dtype, "attention": att}
+    return dict({"tokens_per_s": toks / (ms / 1e3), "mem_gib": mem, "alloc_gib": peak / 2**30, "loss": loss,
+                 "mode": dtype + " mixed" if dtype == "bf16" else dtype, "attention": att}, **counts)
 
 
 # --------------------------------------------------------------------------------------- torch
@@ -399,12 +401,14 @@ def row_line(size, impl, r, fpt, peak, ref=None, ref_name="eager"):
     mfu = "%6.1f%%" % (100 * tps * fpt / peak) if peak else "    n/a"
     ratio = "%9.2fx" % (tps / ref) if ref else "       n/a"
     alloc = "%.2f" % r["alloc_gib"] if r.get("alloc_gib") is not None else "-"
-    return "%-6s %-14s %-22s %12.0f %7s %9.2f %9s %10s" % (size, impl, r["mode"], tps, mfu, r["mem_gib"], alloc,
-                                                           ratio)
+    k, h = r.get("kernels_per_step"), r.get("host_syncs_per_step")
+    counts = "%7s %6s" % (k if k is not None else "-", h if h is not None else "-")
+    return "%-6s %-14s %-22s %12.0f %7s %9.2f %9s %10s %s" % (size, impl, r["mode"], tps, mfu, r["mem_gib"], alloc,
+                                                              ratio, counts)
 
 
-HEADER = "%-6s %-14s %-22s %12s %7s %9s %9s %10s" % ("model", "impl", "mode", "tokens/s", "MFU", "smi GiB",
-                                                      "alloc GiB", "vs compile")
+HEADER = "%-6s %-14s %-22s %12s %7s %9s %9s %10s %7s %6s" % ("model", "impl", "mode", "tokens/s", "MFU", "smi GiB",
+                                                             "alloc GiB", "vs compile", "kernels", "syncs")
 
 
 def main():

@@ -119,9 +119,10 @@ def test_tiny_plan_trains_and_loss_falls(tmp_path):
     assert [s["step"] for s in steps] == list(range(1, 31))
     for s in steps:
         assert set(s) == {"step", "loss", "lr", "grad_norm", "tokens_per_s", "flops_per_s", "mfu", "peak_mem_bytes",
-                          "step_ms", "compute_ms", "comm_wait_ms"}
+                          "step_ms", "compute_ms", "comm_wait_ms", "kernels", "host_syncs"}
         assert s["tokens_per_s"] > 0 and s["step_ms"] > 0 and s["grad_norm"] > 0
         assert s["comm_wait_ms"] == 0 and s["compute_ms"] == s["step_ms"]  # one process: nothing to wait on
+        assert s["kernels"] > 0 and s["host_syncs"] == 2  # the step's two read-backs: its losses, the norm
     assert [e["step"] for e in evals] == [10, 20, 30]
     # Warmup then cosine decay: lr rises for 3 steps, then falls to min_lr (lr/10 by default).
     lrs = [s["lr"] for s in steps]

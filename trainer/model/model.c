@@ -566,9 +566,9 @@ static int tp_setup(model_t *m, const model_tp_t *tpo, char *err, size_t errlen)
     nf += tp_style(tpo, ffn[i], i < 2 ? PLAN_TP_COLWISE : PLAN_TP_ROWWISE) ==
           (i < 2 ? PLAN_TP_COLWISE : PLAN_TP_ROWWISE);
   if (na != 0 && na != 4)
-    return err_set(err, errlen, -1, "model error: tp plan: attention.wq/wk/wv colwise and wo rowwise go together");
+    return err_set(err, errlen, MODEL_EINVAL, "model error: tp plan: attention.wq/wk/wv colwise and wo rowwise go together");
   if (nf != 0 && nf != 3)
-    return err_set(err, errlen, -1, "model error: tp plan: feed_forward.w1/w3 colwise and w2 rowwise go together");
+    return err_set(err, errlen, MODEL_EINVAL, "model error: tp plan: feed_forward.w1/w3 colwise and w2 rowwise go together");
   m->attn_split = na == 4;
   m->ffn_split = nf == 3;
   m->emb_split = tp_style(tpo, "tok_embeddings", PLAN_TP_ROWWISE) == PLAN_TP_ROWWISE;
@@ -576,20 +576,20 @@ static int tp_setup(model_t *m, const model_tp_t *tpo, char *err, size_t errlen)
   m->sp = tpo->sequence_parallel != 0;
   m->lp = tpo->loss_parallel != 0 && m->out_split; /* output replicate: the ordinary loss */
   if (m->sp && (!m->attn_split || !m->ffn_split))
-    return err_set(err, errlen, -1, "model error: sequence parallelism needs the attention and feed_forward linears "
+    return err_set(err, errlen, MODEL_EINVAL, "model error: sequence parallelism needs the attention and feed_forward linears "
                              "sharded in the tp plan");
   if (m->attn_split && (m->H % m->tp || m->KV % m->tp))
-    return err_set(err, errlen, -1, "model error: mesh.tp=%d must divide n_heads=%d and n_kv_heads=%d", m->tp, m->H, m->KV);
+    return err_set(err, errlen, MODEL_EINVAL, "model error: mesh.tp=%d must divide n_heads=%d and n_kv_heads=%d", m->tp, m->H, m->KV);
   if (m->ffn_split && m->F % m->tp)
-    return err_set(err, errlen, -1, "model error: mesh.tp=%d must divide hidden_dim=%d", m->tp, m->F);
+    return err_set(err, errlen, MODEL_EINVAL, "model error: mesh.tp=%d must divide hidden_dim=%d", m->tp, m->F);
   if (m->tp > (int)(sizeof m->pad_ids / sizeof m->pad_ids[0]))
-    return err_set(err, errlen, -1, "model error: mesh.tp=%d is above the supported 64", m->tp);
+    return err_set(err, errlen, MODEL_EINVAL, "model error: mesh.tp=%d is above the supported 64", m->tp);
   const backend_t *be = m->be;
   if ((m->out_split && !be->copy_2d) || (m->lp && (!be->ce_shard_max || !be->ce_shard_stats || !be->ce_shard_loss)))
-    return err_set(err, errlen, -1, "model error: backend %s lacks the tensor-parallel kernels (copy_2d, ce_shard_*)",
+    return err_set(err, errlen, MODEL_EINVAL, "model error: backend %s lacks the tensor-parallel kernels (copy_2d, ce_shard_*)",
                 be->name);
   if (be->mem == BACKEND_MEM_DEVICE && comm_memory(m->tpc) == COMM_MEM_HOST)
-    return err_set(err, errlen, -1, "model error: tensor parallelism on backend %s needs a comm that takes device memory; "
+    return err_set(err, errlen, MODEL_EINVAL, "model error: tensor parallelism on backend %s needs a comm that takes device memory; "
                              "comm %s moves host memory", be->name, comm_name(m->tpc));
   return 0;
 }
@@ -616,7 +616,7 @@ static int setup_chunks(model_t *m, const model_opts_t *opts, char *err, size_t 
   const int n = opts->n_chunks > 0 ? opts->n_chunks : 1, L = m->L;
   m->chunks = calloc((size_t)n, sizeof *m->chunks);
   m->unit_of_layer = malloc((size_t)L * sizeof *m->unit_of_layer);
-  if (!m->chunks || !m->unit_of_layer) return err_set(err, errlen, -1, "model error: out of memory");
+  if (!m->chunks || !m->unit_of_layer) return err_set(err, errlen, MODEL_ENOMEM, "model error: out of memory");
   m->n_chunks = n;
   for (int l = 0; l < L; l++) m->unit_of_layer[l] = -1;
   int end = 0, u = 0;
@@ -626,7 +626,7 @@ static int setup_chunks(model_t *m, const model_opts_t *opts, char *err, size_t 
     ch->n = opts->n_chunks > 0 ? opts->chunk_layers[c] : L;
     ch->n_slots = opts->n_chunks > 0 && opts->chunk_slots ? opts->chunk_slots[c] : 1;
     if (ch->n < 1 || ch->first < end || ch->first > L - ch->n || ch->n_slots < 1)
-      return err_set(err, errlen, -1, "model error: pipeline chunk %d (layers %d..%d, %d slots) is empty, out of "
+      return err_set(err, errlen, MODEL_EINVAL, "model error: pipeline chunk %d (layers %d..%d, %d slots) is empty, out of "
                      "order or outside the model's %d layers", c, ch->first, ch->first + ch->n - 1, ch->n_slots, L);
     end = ch->first + ch->n;
     ch->embed = ch->first == 0;
@@ -634,29 +634,29 @@ static int setup_chunks(model_t *m, const model_opts_t *opts, char *err, size_t 
     if (c == 0 && ch->embed) u = 1;
     for (int l = ch->first; l < end; l++) m->unit_of_layer[l] = u++;
     ch->slots = calloc((size_t)ch->n_slots, sizeof *ch->slots);
-    if (!ch->slots) return err_set(err, errlen, -1, "model error: out of memory");
+    if (!ch->slots) return err_set(err, errlen, MODEL_ENOMEM, "model error: out of memory");
     for (int k = 0; k < ch->n_slots; k++)
       if (!(ch->slots[k].acts = calloc((size_t)ch->n, sizeof *ch->slots[k].acts)))
-        return err_set(err, errlen, -1, "model error: out of memory");
+        return err_set(err, errlen, MODEL_ENOMEM, "model error: out of memory");
   }
   return 0;
 }
 
-/* model.attention (attn_choice_t) for this model's shape: the backend's choice said once, or -1
- * with a plan error when the fused kernel was asked for and cannot be had. */
+/* model.attention (attn_choice_t) for this model's shape: the backend's choice said once, or
+ * MODEL_EPLAN with a plan error when the fused kernel was asked for and cannot be had. */
 static int attention_choose(model_t *m, int mode, int b, int t, char *err, size_t errlen) {
   backend_t *be = m->be;
   char why[512] = "";
   if (!be->attention_select) {
     if (mode == ATTN_FUSED)
-      return err_set(err, errlen, -1, "plan error: model.attention: %s: device %s has no fused attention kernel: "
+      return err_set(err, errlen, MODEL_EPLAN, "plan error: model.attention: %s: device %s has no fused attention kernel: "
                      "use %s or %s", attention_names[ATTN_FUSED], be->name, attention_names[ATTN_AUTO],
                      attention_names[ATTN_REFERENCE]);
     return 0;
   }
   int r = be->attention_select(be, mode, b, t, m->Hl, m->KVl, m->D, m->dt, why, sizeof why);
   if (r < 0)
-    return err_set(err, errlen, -1, "plan error: model.attention: %s: %s: use %s or %s", attention_names[ATTN_FUSED],
+    return err_set(err, errlen, MODEL_EPLAN, "plan error: model.attention: %s: %s: use %s or %s", attention_names[ATTN_FUSED],
                    why, attention_names[ATTN_AUTO], attention_names[ATTN_REFERENCE]);
   log_rank0("attention: %s%s", r ? "" : "reference kernel: ", why);
   return 0;
@@ -666,19 +666,19 @@ static int attention_choose(model_t *m, int mode, int b, int t, char *err, size_
  * kv heads (n_heads when n_kv_heads is not set). */
 static int check_config(const plan_model_t *cfg, int max_b, int max_t, int *kv, char *err, size_t errlen) {
   if (cfg->dim <= 0 || cfg->n_layers <= 0 || cfg->n_heads <= 0 || cfg->vocab_size <= 0 || cfg->hidden_dim <= 0)
-    return err_set(err, errlen, -1, "model error: dim=%d n_layers=%d n_heads=%d vocab_size=%d hidden_dim=%d must all be > 0",
+    return err_set(err, errlen, MODEL_EINVAL, "model error: dim=%d n_layers=%d n_heads=%d vocab_size=%d hidden_dim=%d must all be > 0",
                 cfg->dim, cfg->n_layers, cfg->n_heads, cfg->vocab_size, cfg->hidden_dim);
   *kv = cfg->n_kv_heads > 0 ? cfg->n_kv_heads : cfg->n_heads;
   if (cfg->dim % cfg->n_heads != 0)
-    return err_set(err, errlen, -1, "model error: n_heads=%d does not divide dim=%d", cfg->n_heads, cfg->dim);
+    return err_set(err, errlen, MODEL_EINVAL, "model error: n_heads=%d does not divide dim=%d", cfg->n_heads, cfg->dim);
   if (cfg->n_heads % *kv != 0)
-    return err_set(err, errlen, -1, "model error: n_kv_heads=%d does not divide n_heads=%d", *kv, cfg->n_heads);
+    return err_set(err, errlen, MODEL_EINVAL, "model error: n_kv_heads=%d does not divide n_heads=%d", *kv, cfg->n_heads);
   if ((cfg->dim / cfg->n_heads) % 2 != 0)
-    return err_set(err, errlen, -1, "model error: head dim %d (dim/n_heads) must be even for RoPE", cfg->dim / cfg->n_heads);
+    return err_set(err, errlen, MODEL_EINVAL, "model error: head dim %d (dim/n_heads) must be even for RoPE", cfg->dim / cfg->n_heads);
   if (max_b <= 0 || max_t <= 0)
-    return err_set(err, errlen, -1, "model error: max batch %d x %d tokens must be > 0", max_b, max_t);
+    return err_set(err, errlen, MODEL_EINVAL, "model error: max batch %d x %d tokens must be > 0", max_b, max_t);
   if (cfg->max_seq_len > 0 && max_t > cfg->max_seq_len)
-    return err_set(err, errlen, -1, "model error: sequence length %d exceeds model.max_seq_len=%d", max_t, cfg->max_seq_len);
+    return err_set(err, errlen, MODEL_EINVAL, "model error: sequence length %d exceeds model.max_seq_len=%d", max_t, cfg->max_seq_len);
   return 0;
 }
 
@@ -700,7 +700,8 @@ static int set_dims(model_t *m, const plan_model_t *cfg, int kv, const model_opt
     m->tpc = opts->tp->comm;
     m->tp = comm_size(m->tpc);
     m->tp_rank = comm_rank(m->tpc);
-    if (tp_setup(m, opts->tp, err, errlen)) return -1;
+    int rc = tp_setup(m, opts->tp, err, errlen);
+    if (rc) return rc;
     fault_from_env(m);
   }
   for (int i = 0; i < (int)(sizeof m->pad_ids / sizeof m->pad_ids[0]); i++)
@@ -725,7 +726,8 @@ static int set_dims(model_t *m, const plan_model_t *cfg, int kv, const model_opt
 /* The chunks and units this instance holds, and the tables sized by them. */
 static int alloc_tables(model_t *m, const model_opts_t *opts, char *err, size_t errlen) {
   const int L = m->L;
-  if (setup_chunks(m, opts, err, errlen)) return -1;
+  int rc = setup_chunks(m, opts, err, errlen);
+  if (rc) return rc;
   int held = 0;
   for (int c = 0; c < m->n_chunks; c++) held += m->chunks[c].n;
   m->u_embed = m->chunks[0].embed ? 0 : -1;
@@ -745,7 +747,7 @@ static int alloc_tables(model_t *m, const model_opts_t *opts, char *err, size_t 
   if (!m->tensors || !m->layer || !m->unit_offset || !m->unit_numel || !m->unit_params || !m->unit_grads ||
       !m->unit_cparams || !m->acts ||
       !m->host_losses)
-    return err_set(err, errlen, -1, "model error: out of memory");
+    return err_set(err, errlen, MODEL_ENOMEM, "model error: out of memory");
   return 0;
 }
 
@@ -809,7 +811,7 @@ static int alloc_buffers(model_t *m, char *err, size_t errlen) {
   m->arena_bytes = an;
   if ((!m->no_flat && (!m->params || !m->grads)) || !m->arena || (lp_bytes && !m->params_lp)) {
     size_t mb = ((m->no_flat ? 0 : 2 * m->num_params * sizeof(float)) + lp_bytes + an) >> 20;
-    return err_set(err, errlen, -1, "model error: cannot allocate %zu MiB for parameters, gradients and activations", mb);
+    return err_set(err, errlen, MODEL_ENOMEM, "model error: cannot allocate %zu MiB for parameters, gradients and activations", mb);
   }
   layout_acts(m, m->arena);
   bind_slot(m, 0, 0);
@@ -821,27 +823,28 @@ static int alloc_buffers(model_t *m, char *err, size_t errlen) {
 /* m, allocated and given its backend, built up; on a failure the caller destroys it. */
 static int model_build(model_t *m, const plan_model_t *cfg, int kv, const model_opts_t *opts, char *err,
                        size_t errlen) {
-  if (set_dims(m, cfg, kv, opts, err, errlen) || alloc_tables(m, opts, err, errlen)) return -1;
+  int rc;
+  if ((rc = set_dims(m, cfg, kv, opts, err, errlen)) || (rc = alloc_tables(m, opts, err, errlen))) return rc;
   add_tensors(m, opts);
-  if (alloc_buffers(m, err, errlen)) return -1;
+  if ((rc = alloc_buffers(m, err, errlen))) return rc;
   if (m->tp > 1)
     log_debug("model: tp %d/%d: heads %d/%d, kv %d/%d, ffn %d/%d, vocab rows %d+%d (padded %d)%s%s", m->tp_rank, m->tp,
               m->Hl, m->H, m->KVl, m->KV, m->Fl, m->F, m->Ve, m->Vo, m->Vp, m->sp ? ", sequence parallel" : "",
               m->lp ? ", loss parallel" : "");
-  if (attention_choose(m, cfg->attention, opts->max_b, opts->max_t, err, errlen)) return MODEL_EPLAN;
-  return 0;
+  return attention_choose(m, cfg->attention, opts->max_b, opts->max_t, err, errlen);
 }
 
 int model_create_opts(model_t **out, const plan_model_t *cfg, backend_t *be, const model_opts_t *opts, char *err,
                       size_t errlen) {
   *out = NULL;
-  if (!cfg || !be || !opts) return err_set(err, errlen, -1, "model error: no config, backend or options");
+  if (!cfg || !be || !opts) return err_set(err, errlen, MODEL_EINVAL, "model error: no config, backend or options");
   int kv = 0;
-  if (check_config(cfg, opts->max_b, opts->max_t, &kv, err, errlen)) return -1;
+  int rc = check_config(cfg, opts->max_b, opts->max_t, &kv, err, errlen);
+  if (rc) return rc;
   model_t *m = calloc(1, sizeof *m);
-  if (!m) return err_set(err, errlen, -1, "model error: out of memory");
+  if (!m) return err_set(err, errlen, MODEL_ENOMEM, "model error: out of memory");
   m->be = be;
-  int rc = model_build(m, cfg, kv, opts, err, errlen);
+  rc = model_build(m, cfg, kv, opts, err, errlen);
   if (rc) {
     model_destroy(m);
     return rc;
@@ -944,11 +947,11 @@ void model_init_random(model_t *m, uint64_t seed, double init_std) {
 }
 
 int model_export_tensor(model_t *m, int i, float *host_full) {
-  if (i < 0 || i >= m->n_tensors) return -1;
+  if (i < 0 || i >= m->n_tensors) return MODEL_EINVAL;
   const model_tensor_t *t = &m->tensors[i];
   if (!m->unit_params[t->unit]) {
     log_error("model: export of %s: unit %d is not gathered", t->name, t->unit);
-    return -1;
+    return MODEL_EINVAL;
   }
   if (t->tp_split == MODEL_TP_REPLICATED) {
     m->be->to_host(m->be, host_full, param_of(m, i), t->numel * sizeof(float));
@@ -1237,9 +1240,49 @@ int model_forward(model_t *m, const int32_t *tokens, const int32_t *targets, int
   return model_chunk_forward(m, 0, 0, tokens, targets, b, t, loss);
 }
 
+static int chunk_forward(model_t *m, int c, int k, const int32_t *tokens, const int32_t *targets, int b, int t,
+                         float *loss, float *rows, int *valid);
+
+/* The loss of a forward with targets: read back and averaged into *loss, or, with rows, left on
+ * the device (copied to rows) with the count of targets in *valid. */
+static void forward_loss(model_t *m, const int32_t *targets, int N, float *loss, float *rows, int *valid) {
+  backend_t *be = m->be;
+  int n_valid = 0;
+  for (int i = 0; i < N; i++) n_valid += targets[i] >= 0;
+  m->n_valid = n_valid;
+  m->last_has_targets = 1;
+  if (rows) {
+    be->copy(be, rows, m->losses, (size_t)N * sizeof(float));
+    *valid = n_valid;
+    return;
+  }
+  be->to_host(be, m->host_losses, m->losses, (size_t)N * sizeof(float));
+  if (loss) *loss = model_loss_of_rows(m->host_losses, N, n_valid);
+}
+
+float model_loss_of_rows(const float *rows, int n, int valid) {
+  /* an ignored target's row is +0: adding it leaves the sum as summing only the others does */
+  double sum = 0.0;
+  for (int i = 0; i < n; i++) sum += rows[i];
+  return valid > 0 ? (float)(sum / valid) : 0.0f;
+}
+
 int model_chunk_forward(model_t *m, int c, int k, const int32_t *tokens, const int32_t *targets, int b, int t,
                         float *loss) {
-  backend_t *be = m->be;
+  return chunk_forward(m, c, k, tokens, targets, b, t, loss, NULL, NULL);
+}
+
+int model_forward_rows(model_t *m, const int32_t *tokens, const int32_t *targets, int b, int t, float *rows,
+                       int *valid) {
+  *valid = 0;
+  if (!targets || !rows) return set_error(m, MODEL_EINVAL, "model_forward_rows needs targets and a rows buffer");
+  if (m->n_chunks != 1 || !m->chunks[0].embed || !m->chunks[0].head)
+    return set_error(m, MODEL_EINVAL, "model_forward_rows needs the whole model; this instance holds pipeline chunks");
+  return chunk_forward(m, 0, 0, tokens, targets, b, t, NULL, rows, valid);
+}
+
+static int chunk_forward(model_t *m, int c, int k, const int32_t *tokens, const int32_t *targets, int b, int t,
+                         float *loss, float *rows, int *valid) {
   int rc;
   if (loss) *loss = NAN;
   if ((rc = enter_chunk(m, c, k, "forward"))) return rc;
@@ -1293,19 +1336,8 @@ int model_chunk_forward(model_t *m, int c, int k, const int32_t *tokens, const i
     if (loss) *loss = 0.0f;
     return 0;
   }
-
-  be->to_host(be, m->host_losses, m->losses, (size_t)N * sizeof(float));
-  double sum = 0.0;
-  int valid = 0;
-  for (int i = 0; i < N; i++) {
-    if (targets[i] < 0) continue;
-    sum += m->host_losses[i];
-    valid++;
-  }
-  m->n_valid = valid;
-  m->last_has_targets = 1;
+  forward_loss(m, targets, N, loss, rows, valid);
   save_slot(m, c, k);
-  if (loss) *loss = valid > 0 ? (float)(sum / valid) : 0.0f;
   return 0;
 }
 
@@ -1549,31 +1581,31 @@ int model_kv_create(model_kv_t **out, model_t *m, int max_t, char *err, size_t e
   *out = NULL;
   backend_t *be = m->be;
   if (m->tp > 1 || m->n_chunks != 1 || !m->chunks[0].embed || !m->chunks[0].head)
-    return err_set(err, errlen, -1, "model error: KV-cache decoding needs the whole model on one process (no "
+    return err_set(err, errlen, MODEL_EINVAL, "model error: KV-cache decoding needs the whole model on one process (no "
                    "tensor parallelism, no pipeline chunks)");
   if (m->dt != DT_F32 && m->strategy_casts)
-    return err_set(err, errlen, -1, "model error: KV-cache decoding in bf16 needs the model's own compute copy "
+    return err_set(err, errlen, MODEL_EINVAL, "model error: KV-cache decoding in bf16 needs the model's own compute copy "
                    "(strategy_casts 0)");
-  if (max_t < 1) return err_set(err, errlen, -1, "model error: a KV cache of %d positions", max_t);
+  if (max_t < 1) return err_set(err, errlen, MODEL_EINVAL, "model error: a KV cache of %d positions", max_t);
   if (!be->copy_2d || !be->ce_shard_max || !be->ce_shard_stats || !be->ce_shard_loss)
-    return err_set(err, errlen, -1, "model error: backend %s lacks copy_2d or ce_shard_* (KV-cache decoding)",
+    return err_set(err, errlen, MODEL_EINVAL, "model error: backend %s lacks copy_2d or ce_shard_* (KV-cache decoding)",
                    be->name);
   model_kv_t *kv = calloc(1, sizeof *kv);
-  if (!kv) return err_set(err, errlen, -1, "model error: out of memory");
+  if (!kv) return err_set(err, errlen, MODEL_ENOMEM, "model error: out of memory");
   kv->m = m;
   kv->max_t = max_t;
   kv->span_max = (max_t + KV_SPAN_BLOCK - 1) / KV_SPAN_BLOCK * KV_SPAN_BLOCK;
   size_t bytes = kv_layout(kv, NULL);
   if (!(kv->mem = be->alloc(be, bytes))) { /* zeroed: cache rows not yet written hold 0 */
     free(kv);
-    return err_set(err, errlen, -1, "model error: cannot allocate %zu MiB for a KV cache of %d positions",
+    return err_set(err, errlen, MODEL_ENOMEM, "model error: cannot allocate %zu MiB for a KV cache of %d positions",
                    bytes >> 20, max_t);
   }
   kv_layout(kv, kv->mem);
   int32_t *outside = malloc((size_t)m->H * sizeof *outside);
   if (!outside) {
     model_kv_destroy(kv);
-    return err_set(err, errlen, -1, "model error: out of memory");
+    return err_set(err, errlen, MODEL_ENOMEM, "model error: out of memory");
   }
   for (int i = 0; i < m->H; i++) outside[i] = INT32_MAX;
   be->to_device(be, kv->outside, outside, (size_t)m->H * sizeof *outside);

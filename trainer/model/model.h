@@ -130,8 +130,9 @@ typedef struct {
 
 /* Builds the model for cfg (hidden_dim already resolved) and activations for batches of up to
  * max_b sequences of max_t tokens. decay_norms / decay_embeddings fill model_tensor_t.decay.
- * 0, or -1 with err, or MODEL_EPLAN with a plan error in err (model.attention cannot be had:
- * exit 2, not retried). The attention kernel is chosen here for the (max_b, max_t) shape. */
+ * 0, or with the message in err: MODEL_EINVAL (a shape, mesh or backend the model cannot be
+ * built for), MODEL_ENOMEM, or MODEL_EPLAN, a plan error (model.attention cannot be had: exit 2,
+ * not retried). The attention kernel is chosen here for the (max_b, max_t) shape. */
 #define MODEL_EPLAN (-2)
 int model_create(model_t **out, const plan_model_t *cfg, backend_t *be, int max_b, int max_t,
                  int decay_norms, int decay_embeddings, char *err, size_t errlen);
@@ -149,7 +150,8 @@ void model_init_unit_host(const model_t *m, int unit, float *host_out, uint64_t 
 /* Full (unsplit) tensor i from this rank's local slice, assembled across the tp group
  * (collective over tp: every tp rank calls it; all receive the full tensor into host_full,
  * full_shape[0]*full_shape[1] floats). The unit must be gathered (its current buffer holds
- * this rank's local values). Returns 0 or a negative comm error. */
+ * this rank's local values). Returns 0, MODEL_EINVAL (no such tensor, or its unit not gathered)
+ * or a negative comm error (COMM_E*). */
 int model_export_tensor(model_t *m, int i, float *host_full);
 /* Sets this rank's slice of tensor i from the full tensor in host memory (unit gathered). */
 void model_import_tensor(model_t *m, int i, const float *host_full);
@@ -205,6 +207,7 @@ enum {
                            and the peer); the tp group is broken for good */
   MODEL_ESTRATEGY = -3, /* the data-parallel strategy's gather, release or reduce_grads failed
                            (its own message is dp_errmsg's) */
+  MODEL_ENOMEM = -4,    /* model_create, model_kv_create: memory for the model or its cache */
 };
 #define MODEL_ERR_MAX 768
 
@@ -213,6 +216,14 @@ enum {
  * Returns 0, or a MODEL_E* status with the reason in model_errmsg and *loss = NAN. A loss that is
  * nan/inf with status 0 means the model diverged (callers check isfinite). loss may be NULL. */
 int model_forward(model_t *m, const int32_t *tokens, const int32_t *targets, int b, int t, float *loss);
+/* model_forward with targets whose loss stays on the device: the b*t per-row losses (+0 for an
+ * ignored target) are copied to rows, b*t floats of the backend's memory, and *valid gets the
+ * number of targets that count; nothing waits for the device. model_loss_of_rows turns the rows,
+ * once read back, into the loss model_forward would have returned, bit for bit. A training step
+ * reads the rows of all its micro-batches back at once. Statuses as model_forward's. */
+int model_forward_rows(model_t *m, const int32_t *tokens, const int32_t *targets, int b, int t, float *rows,
+                       int *valid);
+float model_loss_of_rows(const float *rows, int n, int valid);
 /* Backward of the last forward (which must have had targets and succeeded):
  * grads += d(loss * loss_scale)/dp. loss_scale is 1/grad_accum_steps under accumulation.
  * Returns 0, or a MODEL_E* status (a collective that failed anywhere in the backward included)

@@ -11,6 +11,7 @@
 
 #include "common/err.h"
 #include "common/log.h"
+#include "trainer/run/opprof.h"
 #include "trainer/comm/comm.h"
 #include "trainer/run/weights.h"
 
@@ -236,12 +237,19 @@ void metrics_step(metrics_t *mt, int step, double loss, double lr, double gnorm,
   char mfu_json[32] = "null";
   if (mt->peak_flops > 0) snprintf(mfu_json, sizeof mfu_json, "%.6f", mfu);
   traffic_step(mt, comm, sizeof comm);
+  /* what the step asked of the device, where the backend is counted (opprof) */
+  char counts[96] = "";
+  opcount_t c;
+  opprof_counts(NULL, &c);
+  if (c.kernels)
+    snprintf(counts, sizeof counts, ",\"kernels\":%llu,\"host_syncs\":%llu", (unsigned long long)c.kernels,
+             (unsigned long long)c.host_syncs);
   metrics_printf(mt, step,
                  "{\"step\":%d,\"loss\":%.9g,\"lr\":%.9g,\"grad_norm\":%.9g,\"tokens_per_s\":%.1f,"
                  "\"flops_per_s\":%.6g,\"mfu\":%s,\"peak_mem_bytes\":%zu,"
-                 "\"step_ms\":%.3f,\"compute_ms\":%.3f,\"comm_wait_ms\":%.3f%s}\n",
+                 "\"step_ms\":%.3f,\"compute_ms\":%.3f,\"comm_wait_ms\":%.3f%s%s}\n",
                  step, loss, lr, gnorm, tps, flops, mfu_json, rss, dt * 1e3, (dt - comm_wait) * 1e3, comm_wait * 1e3,
-                 comm);
+                 counts, comm);
   const int interval = mt->p->log.interval;
   if (interval > 0 && (step % interval == 0 || step == 1 || step == mt->steps)) {
     char tps_s[32], eta[32];

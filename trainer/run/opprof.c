@@ -30,6 +30,10 @@ static struct {
   FILE *out;
   int step;            /* the profiled step (1-based) */
   pthread_t thread;    /* the one that runs the step */
+  pthread_t owner;     /* the one that installed the wrapper: only its calls are counted */
+  opcount_t count;     /* since install */
+  opcount_t at_begin;  /* count when the current step began */
+  opcount_t last;      /* the last step that ended */
   int active;          /* inside the profiled step */
   int depth;           /* timed calls in progress (a wrapper calling another is not timed twice) */
   int dropped;         /* calls past PROF_MAX_KEYS distinct shapes */
@@ -55,9 +59,13 @@ int opprof_step_from_env(char *err, size_t errlen) {
   return (int)v;
 }
 
+static int counted(void) { return pthread_equal(pthread_self(), P.owner); }
+
 /* -2: not profiled (outside the step, or another thread: a comm's progress thread may convert
- * or copy while the step runs); -1: nested in a timed call; else the start time. */
+ * or copy while the step runs); -1: nested in a timed call; else the start time. Every call of
+ * the installing thread counts as a kernel. */
 static double prof_begin(void) {
+  if (counted()) P.count.kernels++;
   if (!P.active || !pthread_equal(pthread_self(), P.thread)) return -2;
   if (P.depth++ > 0) return -1;
   P.orig.synchronize(P.be);
@@ -117,7 +125,28 @@ static void w_scale(backend_t *be, float *x, float s, size_t n) {
   prof_end(t0, "scale", 0, "n%zu fp32", n);
 }
 
+/* --- counted only: the host's waits for the device and its copies */
+
+static void w_synchronize(backend_t *be) {
+  if (counted()) P.count.host_syncs++;
+  P.orig.synchronize(be);
+}
+
+static void w_to_host(backend_t *be, void *host_dst, const void *src, size_t bytes) {
+  if (counted()) {
+    P.count.host_syncs++;
+    P.count.bytes_to_host += bytes;
+  }
+  P.orig.to_host(be, host_dst, src, bytes);
+}
+
+static void w_to_device(backend_t *be, void *dst, const void *host_src, size_t bytes) {
+  if (counted()) P.count.bytes_to_device += bytes;
+  P.orig.to_device(be, dst, host_src, bytes);
+}
+
 static double w_sumsq(backend_t *be, const float *x, size_t n) {
+  if (counted()) P.count.host_syncs++;
   double t0 = prof_begin();
   double r = P.orig.sumsq(be, x, n);
   prof_end(t0, "sumsq", 0, "n%zu fp32", n);
@@ -126,6 +155,7 @@ static double w_sumsq(backend_t *be, const float *x, size_t n) {
 
 static void w_sumsq_parts(backend_t *be, const float *x, const size_t *offset, const size_t *count, int n,
                           double *out) {
+  if (counted()) P.count.host_syncs++;
   double t0 = prof_begin();
   size_t all = 0;
   for (int i = 0; i < n; i++) all += count[i];
@@ -267,6 +297,10 @@ int opprof_install(backend_t *be, int step, FILE *out) {
   P.orig = *be;
   P.out = out;
   P.step = step;
+  P.owner = pthread_self();
+  be->synchronize = w_synchronize;
+  be->to_host = w_to_host;
+  be->to_device = w_to_device;
   be->matmul = w_matmul;
   be->add = w_add;
   be->scale = w_scale;
@@ -301,7 +335,9 @@ void opprof_uninstall(backend_t *be) {
 }
 
 void opprof_step_begin(int step) {
-  if (!P.be || step != P.step) return;
+  if (!P.be) return;
+  P.at_begin = P.count;
+  if (step != P.step) return;
   P.n = P.dropped = P.depth = 0;
   /* the floor: what an empty timed call costs (the median of 21, robust to one slow wake-up) */
   double f[21];
@@ -335,7 +371,12 @@ static void print_row(FILE *o, const prof_entry_t *e, double step_s) {
 }
 
 void opprof_step_end(int step, double step_s) {
-  if (!P.be || !P.active || step != P.step) return;
+  if (!P.be) return;
+  P.last = (opcount_t){.kernels = P.count.kernels - P.at_begin.kernels,
+                       .host_syncs = P.count.host_syncs - P.at_begin.host_syncs,
+                       .bytes_to_device = P.count.bytes_to_device - P.at_begin.bytes_to_device,
+                       .bytes_to_host = P.count.bytes_to_host - P.at_begin.bytes_to_host};
+  if (!P.active || step != P.step) return;
   P.active = 0;
   FILE *o = P.out ? P.out : stderr;
   /* by op over every shape, then the shapes themselves */
@@ -388,4 +429,10 @@ double opprof_seconds(const char *op) {
   for (int i = 0; i < P.n; i++)
     if (!strcmp(P.e[i].op, op)) s += P.e[i].secs;
   return s;
+}
+
+void opprof_counts(opcount_t *total, opcount_t *last_step) {
+  opcount_t zero = {0};
+  if (total) *total = P.be ? P.count : zero;
+  if (last_step) *last_step = P.be ? P.last : zero;
 }

@@ -1,4 +1,11 @@
-/* opprof: where one training step's time goes, kernel by kernel (MESHRUN_OP_PROFILE=STEP).
+/* opprof: what each training step asks of the device, counted, and where one step's time goes,
+ * kernel by kernel (MESHRUN_OP_PROFILE=STEP).
+ *
+ * Counting runs in every step: each call of a compute entry (a kernel: one launch or more on a
+ * device backend), each call after which the host has waited for the device (a host sync:
+ * synchronize, to_host, sumsq, sumsq_parts), and the bytes copied each way. On the cpu backend,
+ * which runs the same model code, these are the numbers a GPU step would have, so tests hold
+ * them to budgets and the benchmarks report them.
  *
  * It wraps every compute entry of a backend's table (matmul, attention, norms, the optimizer,
  * ...) so that, during the one step it profiles, each call is bracketed by two synchronizations
@@ -12,8 +19,10 @@
  * total ms, mean us, share of the step, and for matmuls the achieved TFLOP/s. The step's time
  * outside the backend's kernels (host work, the comm's collectives, data) is the last row.
  *
- * Memory management (alloc, free, copies between host and device, zero, synchronize) is not
- * wrapped: it passes straight through. One backend per process is profiled (the trainer's). */
+ * Memory management is not timed: alloc, free, copy and zero pass straight through; to_device,
+ * to_host and synchronize are counted only. Calls from other threads than the one that
+ * installed the wrapper (a comm's progress thread) are neither counted nor timed. One backend
+ * per process is wrapped (the trainer's). */
 #ifndef MESHRUN_OPPROF_H
 #define MESHRUN_OPPROF_H
 
@@ -21,12 +30,22 @@
 
 #include "trainer/backend/backend.h"
 
+#include <stdint.h>
+
+/* What the device was asked to do. */
+typedef struct {
+  uint64_t kernels;    /* compute-entry calls */
+  uint64_t host_syncs; /* synchronize, to_host, sumsq, sumsq_parts */
+  uint64_t bytes_to_device, bytes_to_host;
+} opcount_t;
+
 /* The step to profile from MESHRUN_OP_PROFILE (1-based), 0 when unset or empty; -1 with a
  * message in err when it is not a positive integer. */
 int opprof_step_from_env(char *err, size_t errlen);
 
-/* Wraps be's compute entries (in place) so that step `step` (1-based) is profiled; the report
- * goes to out (NULL: stderr). Returns 0, or -1 when a backend is already wrapped. */
+/* Wraps be's compute entries and its host copies and synchronize (in place) so that every call is
+ * counted and step `step` (1-based; 0: none) is profiled; the report goes to out (NULL: stderr).
+ * Returns 0, or -1 when a backend is already wrapped. */
 int opprof_install(backend_t *be, int step, FILE *out);
 /* Undoes opprof_install (be's table as before); accepts a backend never wrapped. */
 void opprof_uninstall(backend_t *be);
@@ -35,6 +54,10 @@ void opprof_uninstall(backend_t *be);
  * printed. step_end takes the step's wall time in seconds (as the step line reports it). */
 void opprof_step_begin(int step);
 void opprof_step_end(int step, double step_s);
+
+/* The counts since opprof_install, and those of the last step that ended (opprof_step_begin to
+ * opprof_step_end); zeros when nothing is installed. */
+void opprof_counts(opcount_t *total, opcount_t *last_step);
 
 /* For tests: after the profiled step, the number of calls and the total seconds recorded for an
  * op name ("matmul", "rmsnorm_fwd", ...) over every shape; 0 for a name never called. */

@@ -20,6 +20,14 @@ int train_init(train_t *t, char *err, size_t errlen) {
   if (!t->tok || !t->tgt) {
     return err_set(err, errlen, -1, "out of memory for batches of %d x %d tokens", B, T);
   }
+  if (t->pp) return 0;
+  const size_t rows = (size_t)t->p->train.grad_accum_steps * B * T;
+  t->loss_rows = t->be->alloc(t->be, rows * sizeof(float));
+  t->loss_host = malloc(rows * sizeof(float));
+  t->loss_valid = malloc((size_t)t->p->train.grad_accum_steps * sizeof(int));
+  if (!t->loss_rows || !t->loss_host || !t->loss_valid) {
+    return err_set(err, errlen, -1, "out of memory for the losses of %zu rows", rows);
+  }
   return 0;
 }
 
@@ -27,7 +35,30 @@ void train_free(train_t *t) {
   if (!t) return;
   free(t->tok);
   free(t->tgt);
+  if (t->loss_rows) t->be->free(t->be, t->loss_rows);
+  free(t->loss_host);
+  free(t->loss_valid);
   t->tok = t->tgt = NULL;
+  t->loss_rows = t->loss_host = NULL;
+  t->loss_valid = NULL;
+}
+
+/* The step's loss from the per-row losses of its micro-batches, read back in one copy: each
+ * micro-batch's mean as model_forward computes it, summed in micro-batch order. The first whose
+ * loss is nan/inf (1-based) goes to *bad_micro. */
+static double micro_losses(train_t *t, int s, int accum, int n, int *bad_micro) {
+  t->be->to_host(t->be, t->loss_host, t->loss_rows, (size_t)accum * n * sizeof(float));
+  double loss = 0;
+  for (int micro = 0; micro < accum; micro++) {
+    float l = model_loss_of_rows(t->loss_host + (size_t)micro * n, n, t->loss_valid[micro]);
+    /* A diverged loss is not acted on here but after the loss is averaged over dp, where every
+     * rank sees it and stops at the same point: a rank leaving alone would strand its peers
+     * in the gradient reduction (and in a pending checkpoint commit). */
+    l = hooks_loss(t->hooks, s + 1, micro, l);
+    if (!isfinite(l) && !*bad_micro) *bad_micro = micro + 1;
+    loss += l;
+  }
+  return loss;
 }
 
 /* The message of a failed forward or backward: the strategy's when it failed (its hooks run
@@ -80,23 +111,18 @@ int train_step(train_t *t, int s, train_result_t *out, char *err, size_t errlen)
   int bad_micro = 0; /* first micro-batch of this step whose loss was nan/inf (1-based) */
   memset(&out->pp, 0, sizeof out->pp);
   if (t->pp && pipeline_step(t, s, &loss, &bad_micro, &out->pp, err, errlen)) return -1;
+  const int n = B * T;
   for (int micro = 0; !t->pp && micro < accum; micro++) {
     data_train_batch(t->data, s, micro, t->dp_rank, t->dp_size, B, t->tok, t->tgt);
-    if (hooks_batch(t->hooks, t->tok, t->tgt, (size_t)B * T, err, errlen)) return -1;
-    float l = 0;
-    if (model_forward(t->m, t->tok, t->tgt, B, T, &l) || dp_status(t->dp))
+    if (hooks_batch(t->hooks, t->tok, t->tgt, (size_t)n, err, errlen)) return -1;
+    if (model_forward_rows(t->m, t->tok, t->tgt, B, T, t->loss_rows + (size_t)micro * n, &t->loss_valid[micro]) ||
+        dp_status(t->dp))
       return pass_failed(t, "forward pass", s, micro, err, errlen);
-    /* A diverged loss is not acted on here but after the loss is averaged over dp, where every
-     * rank sees it and stops at the same point: a rank leaving alone would strand its peers
-     * in the gradient reduction (and in a pending checkpoint commit). */
-    l = hooks_loss(t->hooks, s + 1, micro, l);
-    if (!isfinite(l) && !bad_micro) bad_micro = micro + 1;
     dp_set_sync(t->dp, micro == accum - 1); /* gradients are synchronized once, on the last micro-step */
     if (model_backward(t->m, 1.0f / (float)accum) || dp_status(t->dp))
       return pass_failed(t, "backward pass", s, micro, err, errlen);
-    loss += l;
   }
-  if (!t->pp) loss /= accum;
+  if (!t->pp) loss = micro_losses(t, s, accum, n, &bad_micro) / accum;
   if (t->dpc && t->dp_size > 1) { /* the logged loss is the global batch's: the mean over dp */
     float lf = (float)loss;
     if (comm_all_reduce(t->dpc, &lf, 1, DT_F32, COMM_AVG)) {
@@ -128,7 +154,8 @@ int train_step(train_t *t, int s, train_result_t *out, char *err, size_t errlen)
   if (dp_step(t->dp, lr, optim_clip_scale(gnorm, p->train.grad_clip))) {
     return err_set(err, errlen, -1, "%s", dp_errmsg(t->dp));
   }
-  t->be->synchronize(t->be);
+  /* No wait for the optimizer's kernels: the next step's first read-back waits for them, and
+   * anything that reads the parameters (eval, a checkpoint) copies them back, which waits too. */
   out->loss = loss;
   out->lr = lr;
   out->gnorm = gnorm;

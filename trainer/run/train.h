@@ -38,6 +38,10 @@ typedef struct {
   hooks_t *hooks;
   int32_t *tok, *tgt; /* (micro_batch_size, seq_len) host batches (the whole step's under pp); train_init
                          allocates them */
+  /* Without pp: the per-row losses of the step's micro-batches, on the device (loss_rows) and read
+   * back once per step (loss_host), with each micro-batch's count of targets (loss_valid). */
+  float *loss_rows, *loss_host;
+  int *loss_valid;
   /* Pipeline parallelism (mesh.pp > 1; NULL otherwise): the runner of this rank's stages, and the
    * host comm of the pp group that shares the last stage's loss with the others. */
   pp_runner_t *pp;

@@ -1,0 +1,85 @@
+// deps: trainer/run/train.c trainer/run/hooks.c trainer/run/metrics.c trainer/run/opprof.c trainer/run/weights.c trainer/formats/data.c trainer/formats/tokenizer.c trainer/formats/ckpt.c trainer/formats/safetensors.c trainer/formats/interop.c trainer/parallel/dp.c trainer/parallel/dp_ddp.c trainer/parallel/dp_fsdp.c trainer/parallel/dp_zero2.c trainer/parallel/mesh.c trainer/parallel/pipeline_run.c trainer/model/model.c trainer/model/optim.c trainer/model/rng.c trainer/plan/plan.c trainer/plan/pipeline.c trainer/backend/backend.c trainer/backend/backend_cpu.c trainer/backend/fatal.c trainer/comm/comm.c trainer/comm/comm_cpu.c trainer/comm/trace.c common/store.c common/store_proto.c common/net.c common/log.c common/fs.c common/err.c common/env.c test/support/step_run.c test/support/serial_run.c
+/* test_opcount: what one training step asks of the device, counted on the cpu backend (which
+ * runs the same model code as a GPU backend) and held to budgets, so that launches and host
+ * synchronizations cannot creep back unnoticed:
+ *   - host syncs per optimizer step (outside logging): at most HOST_SYNC_BUDGET, whatever the
+ *     number of micro-batches;
+ *   - kernels per layer per micro-step: at most LAYER_KERNEL_BUDGET (see there why that number).
+ * A layer's count is the difference between the same run with two layers and with one, divided
+ * by the micro-steps: what the embedding, the classifier and the optimizer add drops out. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdio.h>
+
+#include <cmocka.h>
+
+#include "test/support/step_run.h"
+#include "trainer/run/opprof.h"
+
+enum { HOST_SYNC_BUDGET = 2 };
+
+/* llm.c's GPT-2 layer on an H100 (train_gpt2.cu: cuDNN attention, GELU in the FC matmul's
+ * epilogue, residual add fused with the next norm) launches 7 kernels forward and 15 backward
+ * (3 per linear: bias, input and weight gradients; attention; two norms): 22. The same layer in
+ * Llama's shape: no biases (-4 bias reductions), grouped-query attention with K and V as their
+ * own products beside Q (+2 forward, +4 backward), RoPE on q and k (+2, +2), and SwiGLU's third
+ * matrix W3 (+1, +2) and its gate, which no cuBLASLt epilogue computes (+1, +1): 22 - 4 + 6 + 4
+ * + 5 = 33. llm.c's AdamW is one launch over every parameter, so a layer adds no optimizer
+ * launch. (One product for Q||K||V and one for W1||W3 would make it 24: the budget to set then.) */
+enum { LAYER_KERNEL_BUDGET = 33 };
+
+typedef struct {
+  opcount_t step;  /* the last of the steps run */
+  int accum;
+} counted_t;
+
+static counted_t count_steps(int layers, int accum) {
+  char l[32], a[48];
+  snprintf(l, sizeof l, "model.n_layers=%d", layers);
+  snprintf(a, sizeof a, "train.global_batch_size=%d", 2 * accum);
+  const char *sets[] = {l, a, "train.steps=3", "log.interval=100", "eval.interval=0"};
+  step_run_t r;
+  char err[1024] = "";
+  int rc = step_run_open(&r, sets, 5, 0, 1, NULL, err, sizeof err);
+  if (rc) printf("  setup: %s\n", err);
+  assert_int_equal(rc, 0);
+  assert_int_equal(r.p.train.grad_accum_steps, accum);
+  assert_int_equal(opprof_install(r.be, 0, NULL), 0);
+  train_result_t res;
+  for (int s = 0; s < 3; s++) {
+    rc = train_step(&r.t, s, &res, err, sizeof err);
+    if (rc) printf("  step %d: %s\n", s + 1, err);
+    assert_int_equal(rc, 0);
+  }
+  counted_t c = {.accum = accum};
+  opprof_counts(NULL, &c.step);
+  opprof_uninstall(r.be);
+  step_run_close(&r);
+  return c;
+}
+
+static void check(int accum) {
+  counted_t one = count_steps(1, accum), two = count_steps(2, accum);
+  long per_layer = (long)(two.step.kernels - one.step.kernels);
+  printf("  %d micro-step(s): a step of 2 layers: %llu kernels, %llu host syncs, %llu B to device, %llu B to "
+         "host; per layer per micro-step: %.1f kernels (budget %d), host syncs per step %llu (budget %d)\n",
+         accum, (unsigned long long)two.step.kernels, (unsigned long long)two.step.host_syncs,
+         (unsigned long long)two.step.bytes_to_device, (unsigned long long)two.step.bytes_to_host,
+         (double)per_layer / accum, LAYER_KERNEL_BUDGET, (unsigned long long)two.step.host_syncs, HOST_SYNC_BUDGET);
+  assert_true(per_layer > 0);
+  assert_true(per_layer <= (long)LAYER_KERNEL_BUDGET * accum);
+  assert_true(two.step.host_syncs <= HOST_SYNC_BUDGET);
+  assert_true(one.step.host_syncs <= HOST_SYNC_BUDGET);
+}
+
+static void test_one_micro_step(void **state) { check(1); }
+static void test_four_micro_steps(void **state) { check(4); }
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_one_micro_step),
+      cmocka_unit_test(test_four_micro_steps),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
