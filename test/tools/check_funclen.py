@@ -55,6 +55,20 @@ def no_directives(text):
     return "\n".join(out)
 
 
+def last_called(head):
+    """The name before the last top-level parenthesis of a signature: the function's own, not an
+    attribute's (__launch_bounds__(256) kern(...))."""
+    depth, name = 0, "?"
+    for m in re.finditer(r"(\w+)?\s*([()])", head):
+        if m.group(2) == "(":
+            if depth == 0 and m.group(1):
+                name = m.group(1)
+            depth += 1
+        else:
+            depth -= 1
+    return name
+
+
 def functions(path):
     """(name, first line, length in lines) of each top-level function body in path. The braces of
     extern "C" { } and namespace { } blocks are seen through."""
@@ -72,7 +86,7 @@ def functions(path):
             if "f" not in stack and "b" not in stack:
                 m = re.search(r"(\w+)\s*\([^;{}]*\)[\s\w]*$", head)
                 ok = m and m.group(1) not in CONTROL and "=" not in head.split("(")[0]
-                start = (m.group(1), line) if ok else None
+                start = (last_called(head), line) if ok else None
                 stack.append("f" if ok else "b")
             else:
                 stack.append("i")
