@@ -201,6 +201,8 @@ struct model {
   /* state of the last forward (of the bound slot) */
   float *host_losses; /* (Np) host */
   int last_b, last_t, last_has_targets, last_ok, last_gathered;
+  int grad_ready;   /* the last forward also wrote the logits' gradient (model_forward_rows) ... */
+  float grad_scale; /* ... for this loss_scale */
   int n_valid;
 };
 
@@ -1204,15 +1206,52 @@ static int embed_forward(model_t *m) {
   return dp_release(m, m->u_embed, 0);
 }
 
-/* The loss, the same on every tp rank: with targets every rank ends with the same per-row
- * losses; m->logits_out is left on the logits a caller may read. */
-static void head_losses(model_t *m, int has_targets) {
+/* What a forward does with its loss. Without targets: nothing. With them, either read back and
+ * averaged into *loss, or left on the device (copied to rows, the count of targets in *valid);
+ * with grad (rows only) the same pass over the logits also writes their gradient, scaled by
+ * loss_scale / (targets that count), over the logits (their last use), for the backward. */
+typedef struct {
+  float *loss;
+  float *rows;
+  int *valid;
+  int grad;
+  float loss_scale;
+} loss_req_t;
+
+/* The cross-entropy of the head, the same on every tp rank: the per-row losses, and where gs is
+ * not NULL the logits' gradient scaled by *gs over this rank's logits (the full rows' gradient
+ * kept to this rank's columns where the logits were gathered). */
+static void head_cross_entropy(model_t *m, const float *gs) {
+  backend_t *be = m->be;
+  const int Np = m->Np;
+  const float scale = gs ? *gs : 1.0f;
+  if (!m->out_split) {
+    be->cross_entropy(be, m->losses, gs ? m->logits : NULL, m->logits, m->targets_dev, Np, m->V, m->V, scale, m->dt);
+  } else if (m->lp) {
+    int v = shard_vocab(m), v0 = m->tp_rank * m->Vo;
+    be->ce_shard_loss(be, m->losses, gs ? m->logits : NULL, m->logits, m->ce_max, m->ce_stats, m->targets_dev, Np, v,
+                      m->Vo, v0, scale, m->dt);
+  } else {
+    /* every rank has the gathered logits and the full gradient; it keeps its columns */
+    be->cross_entropy(be, m->losses, gs ? m->logits_full : NULL, m->logits_full, m->targets_dev, Np, m->V, m->V, scale,
+                      m->dt);
+    if (!gs) return;
+    be->zero(be, m->logits, (size_t)Np * m->Vo * m->es);
+    be->copy_2d(be, m->logits, m->Vo, at(m, m->logits_full, (size_t)m->tp_rank * m->Vo), m->V, Np, shard_vocab(m),
+                m->dt);
+  }
+}
+
+/* The head after its product: with targets every rank ends with the same per-row losses (and
+ * with q->grad the logits' gradient); m->logits_out is left on the logits a caller may read,
+ * NULL where their gradient overwrote them. */
+static void head_losses(model_t *m, int has_targets, const loss_req_t *q) {
   backend_t *be = m->be;
   const int Np = m->Np;
   m->last_gathered = 0;
+  m->grad_ready = 0;
   if (!m->out_split) {
     m->logits_out = m->logits;
-    if (has_targets) be->cross_entropy(be, m->losses, NULL, m->logits, m->targets_dev, Np, m->V, m->V, 1.0f, m->dt);
   } else if (m->lp && has_targets) {
     /* loss parallel: the softmax denominators from per-shard pieces, logits never gathered */
     int v = shard_vocab(m), v0 = m->tp_rank * m->Vo;
@@ -1220,14 +1259,20 @@ static void head_losses(model_t *m, int has_targets) {
     tp_all_reduce(m, m->ce_max, (size_t)Np, DT_F32, COMM_MAX, "all_reduce(max) of logit row maxima");
     be->ce_shard_stats(be, m->ce_stats, m->logits, m->ce_max, m->targets_dev, Np, v, m->Vo, v0, m->dt);
     tp_all_reduce(m, m->ce_stats, 2 * (size_t)Np, DT_F32, COMM_SUM, "all_reduce of exp sums and target logits");
-    be->ce_shard_loss(be, m->losses, NULL, m->logits, m->ce_max, m->ce_stats, m->targets_dev, Np, v, m->Vo, v0, 1.0f,
-                      m->dt);
   } else {
     gather_logits(m);
     m->last_gathered = 1;
     m->logits_out = m->logits_full;
-    if (has_targets)
-      be->cross_entropy(be, m->losses, NULL, m->logits_full, m->targets_dev, Np, m->V, m->V, 1.0f, m->dt);
+  }
+  if (!has_targets) return;
+  if (q->grad) {
+    float gs = m->n_valid > 0 ? q->loss_scale / (float)m->n_valid : 0.0f;
+    head_cross_entropy(m, &gs);
+    m->grad_ready = 1;
+    m->grad_scale = q->loss_scale;
+    m->logits_out = NULL;
+  } else {
+    head_cross_entropy(m, NULL);
   }
 }
 
@@ -1241,23 +1286,19 @@ int model_forward(model_t *m, const int32_t *tokens, const int32_t *targets, int
 }
 
 static int chunk_forward(model_t *m, int c, int k, const int32_t *tokens, const int32_t *targets, int b, int t,
-                         float *loss, float *rows, int *valid);
+                         const loss_req_t *q);
 
-/* The loss of a forward with targets: read back and averaged into *loss, or, with rows, left on
- * the device (copied to rows) with the count of targets in *valid. */
-static void forward_loss(model_t *m, const int32_t *targets, int N, float *loss, float *rows, int *valid) {
+/* The loss of a forward with targets, as q asks (the count of targets was taken before the head). */
+static void forward_loss(model_t *m, int N, const loss_req_t *q) {
   backend_t *be = m->be;
-  int n_valid = 0;
-  for (int i = 0; i < N; i++) n_valid += targets[i] >= 0;
-  m->n_valid = n_valid;
   m->last_has_targets = 1;
-  if (rows) {
-    be->copy(be, rows, m->losses, (size_t)N * sizeof(float));
-    *valid = n_valid;
+  if (q->rows) {
+    be->copy(be, q->rows, m->losses, (size_t)N * sizeof(float));
+    *q->valid = m->n_valid;
     return;
   }
   be->to_host(be, m->host_losses, m->losses, (size_t)N * sizeof(float));
-  if (loss) *loss = model_loss_of_rows(m->host_losses, N, n_valid);
+  if (q->loss) *q->loss = model_loss_of_rows(m->host_losses, N, m->n_valid);
 }
 
 float model_loss_of_rows(const float *rows, int n, int valid) {
@@ -1269,26 +1310,29 @@ float model_loss_of_rows(const float *rows, int n, int valid) {
 
 int model_chunk_forward(model_t *m, int c, int k, const int32_t *tokens, const int32_t *targets, int b, int t,
                         float *loss) {
-  return chunk_forward(m, c, k, tokens, targets, b, t, loss, NULL, NULL);
+  const loss_req_t q = {.loss = loss};
+  return chunk_forward(m, c, k, tokens, targets, b, t, &q);
 }
 
 int model_forward_rows(model_t *m, const int32_t *tokens, const int32_t *targets, int b, int t, float *rows,
-                       int *valid) {
+                       int *valid, float loss_scale) {
   *valid = 0;
   if (!targets || !rows) return set_error(m, MODEL_EINVAL, "model_forward_rows needs targets and a rows buffer");
   if (m->n_chunks != 1 || !m->chunks[0].embed || !m->chunks[0].head)
     return set_error(m, MODEL_EINVAL, "model_forward_rows needs the whole model; this instance holds pipeline chunks");
-  return chunk_forward(m, 0, 0, tokens, targets, b, t, NULL, rows, valid);
+  const loss_req_t q = {.rows = rows, .valid = valid, .grad = loss_scale != 0.0f, .loss_scale = loss_scale};
+  return chunk_forward(m, 0, 0, tokens, targets, b, t, &q);
 }
 
 static int chunk_forward(model_t *m, int c, int k, const int32_t *tokens, const int32_t *targets, int b, int t,
-                         float *loss, float *rows, int *valid) {
+                         const loss_req_t *q) {
   int rc;
-  if (loss) *loss = NAN;
+  if (q->loss) *q->loss = NAN;
   if ((rc = enter_chunk(m, c, k, "forward"))) return rc;
   const chunk_t *ch = &m->chunks[c];
   m->last_ok = 0;
   m->last_has_targets = 0;
+  m->grad_ready = 0;
   m->logits_out = NULL;
   save_slot(m, c, k);
   if ((ch->embed && !tokens) || b <= 0 || t <= 0 || b > m->max_b || t > m->max_t)
@@ -1301,7 +1345,11 @@ static int chunk_forward(model_t *m, int c, int k, const int32_t *tokens, const 
   batch_rows(m, N, &m->Np, &m->Ns, &m->row0);
   int Np = m->Np;
   if (ch->embed) ids_to_device(m, m->tokens_dev, tokens, N);
-  if (ch->head && targets) ids_to_device(m, m->targets_dev, targets, N);
+  if (ch->head && targets) {
+    ids_to_device(m, m->targets_dev, targets, N);
+    m->n_valid = 0;
+    for (int i = 0; i < N; i++) m->n_valid += targets[i] >= 0;
+  }
 
   if (ch->embed && (rc = embed_forward(m))) return rc;
 
@@ -1317,7 +1365,7 @@ static int chunk_forward(model_t *m, int c, int k, const int32_t *tokens, const 
     if (m->comm_rc) return MODEL_ECOMM;
     m->last_ok = 1;
     save_slot(m, c, k);
-    if (loss) *loss = 0.0f;
+    if (q->loss) *q->loss = 0.0f;
     return 0;
   }
 
@@ -1327,16 +1375,16 @@ static int chunk_forward(model_t *m, int c, int k, const int32_t *tokens, const 
   mm(m, m->logits, m->xn_final, cparam_of(m, m->output), Np, m->Vo, C, 1, 0.0f);
   if ((rc = dp_release(m, uo, 0))) return rc;
 
-  head_losses(m, targets != NULL);
+  head_losses(m, targets != NULL, q);
   if (m->comm_rc) return MODEL_ECOMM;
 
   m->last_ok = 1;
   save_slot(m, c, k);
   if (!targets) {
-    if (loss) *loss = 0.0f;
+    if (q->loss) *q->loss = 0.0f;
     return 0;
   }
-  forward_loss(m, targets, N, loss, rows, valid);
+  forward_loss(m, N, q);
   save_slot(m, c, k);
   return 0;
 }
@@ -1430,21 +1478,13 @@ int model_backward(model_t *m, float loss_scale) {
 static int head_backward(model_t *m, float loss_scale) {
   backend_t *be = m->be;
   int rc, Np = m->Np, C = m->C;
-  float gs = m->n_valid > 0 ? loss_scale / (float)m->n_valid : 0.0f;
-  /* dlogits (this rank's columns) overwrite the logits (their last use) */
-  if (!m->out_split) {
-    be->cross_entropy(be, m->losses, m->logits, m->logits, m->targets_dev, Np, m->V, m->V, gs, m->dt);
-  } else if (m->lp) {
-    int v = shard_vocab(m), v0 = m->tp_rank * m->Vo;
-    be->ce_shard_loss(be, m->losses, m->logits, m->logits, m->ce_max, m->ce_stats, m->targets_dev, Np, v, m->Vo, v0,
-                      gs, m->dt);
-  } else {
-    /* every rank has the gathered logits and the full gradient; it keeps its columns */
-    be->cross_entropy(be, m->losses, m->logits_full, m->logits_full, m->targets_dev, Np, m->V, m->V, gs, m->dt);
-    be->zero(be, m->logits, (size_t)Np * m->Vo * m->es);
-    be->copy_2d(be, m->logits, m->Vo, at(m, m->logits_full, (size_t)m->tp_rank * m->Vo), m->V, Np, shard_vocab(m),
-                m->dt);
+  /* dlogits (this rank's columns) overwrite the logits (their last use), unless the forward
+   * already wrote them for this loss_scale (model_forward_rows) */
+  if (!m->grad_ready || m->grad_scale != loss_scale) {
+    float gs = m->n_valid > 0 ? loss_scale / (float)m->n_valid : 0.0f;
+    head_cross_entropy(m, &gs);
   }
+  m->grad_ready = 0;
   int uo = m->u_head;
   if ((rc = dp_gather(m, uo, 1))) return rc;
   mm_dw(m, grad_of(m, m->output), m->logits, m->xn_final, m->Vo, C);

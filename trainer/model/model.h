@@ -220,9 +220,12 @@ int model_forward(model_t *m, const int32_t *tokens, const int32_t *targets, int
  * ignored target) are copied to rows, b*t floats of the backend's memory, and *valid gets the
  * number of targets that count; nothing waits for the device. model_loss_of_rows turns the rows,
  * once read back, into the loss model_forward would have returned, bit for bit. A training step
- * reads the rows of all its micro-batches back at once. Statuses as model_forward's. */
+ * reads the rows of all its micro-batches back at once. With loss_scale != 0 the classifier is
+ * one pass: the cross-entropy that computes the losses also writes the logits' gradient for a
+ * model_backward with that same loss_scale, which then does not read the logits again (another
+ * loss_scale recomputes it). Statuses as model_forward's. */
 int model_forward_rows(model_t *m, const int32_t *tokens, const int32_t *targets, int b, int t, float *rows,
-                       int *valid);
+                       int *valid, float loss_scale);
 float model_loss_of_rows(const float *rows, int n, int valid);
 /* Backward of the last forward (which must have had targets and succeeded):
  * grads += d(loss * loss_scale)/dp. loss_scale is 1/grad_accum_steps under accumulation.

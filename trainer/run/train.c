@@ -115,11 +115,13 @@ int train_step(train_t *t, int s, train_result_t *out, char *err, size_t errlen)
   for (int micro = 0; !t->pp && micro < accum; micro++) {
     data_train_batch(t->data, s, micro, t->dp_rank, t->dp_size, B, t->tok, t->tgt);
     if (hooks_batch(t->hooks, t->tok, t->tgt, (size_t)n, err, errlen)) return -1;
-    if (model_forward_rows(t->m, t->tok, t->tgt, B, T, t->loss_rows + (size_t)micro * n, &t->loss_valid[micro]) ||
+    const float scale = 1.0f / (float)accum; /* the loss is the micro-batches' mean */
+    if (model_forward_rows(t->m, t->tok, t->tgt, B, T, t->loss_rows + (size_t)micro * n, &t->loss_valid[micro],
+                           scale) ||
         dp_status(t->dp))
       return pass_failed(t, "forward pass", s, micro, err, errlen);
     dp_set_sync(t->dp, micro == accum - 1); /* gradients are synchronized once, on the last micro-step */
-    if (model_backward(t->m, 1.0f / (float)accum) || dp_status(t->dp))
+    if (model_backward(t->m, scale) || dp_status(t->dp))
       return pass_failed(t, "backward pass", s, micro, err, errlen);
   }
   if (!t->pp) loss = micro_losses(t, s, accum, n, &bad_micro) / accum;
