@@ -550,6 +550,17 @@ static int set_local_ranks_filter(launcher_opts_t *o, cli_seen_t *seen, const ch
   return 0;
 }
 
+static int set_merge_output(launcher_opts_t *o, cli_seen_t *seen, const char *flag, const char *val,
+                            char *err, size_t errlen) {
+  static const char *const names[] = {[CLI_MERGE_AUTO] = "auto", [CLI_MERGE_ON] = "on", [CLI_MERGE_OFF] = "off"};
+  for (int i = 0; i < 3; i++)
+    if (!strcmp(val, names[i])) {
+      o->merge_output = (cli_merge_t)i;
+      return 0;
+    }
+  return cli_usage_error(err, errlen, "%s: \"%s\" is not valid; expected auto, on or off", flag, val);
+}
+
 static int set_role(launcher_opts_t *o, cli_seen_t *seen, const char *flag, const char *val,
                     char *err, size_t errlen) {
   int ok = copy_string(o->role, sizeof o->role, val) == 0;
@@ -595,6 +606,7 @@ static const cli_flag_t cli_flags[] = {
     {"tee", 't', 1, 1, set_tee},
     {"log_dir", 0, 1, 1, set_log_dir},
     {"local_ranks_filter", 0, 1, 1, set_local_ranks_filter},
+    {"merge_output", 0, 1, 1, set_merge_output},
     {"role", 0, 1, 1, set_role},
     {"shutdown_timeout", 0, 1, 1, set_shutdown_timeout},
     {"no_python", 0, 0, 1, set_no_python},

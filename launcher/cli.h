@@ -34,6 +34,11 @@
  * ephemeral range (32768-60999), so no outgoing connection of the node holds it. */
 #define CLI_SLURM_PORT_BASE 20000
 #define CLI_SLURM_PORT_SPAN 12000
+/* --merge_output: whether identical console lines of several local ranks become one line
+ * (launcher/console.h). AUTO merges when more than CLI_MERGE_AUTO_RANKS local ranks reach the
+ * console. */
+typedef enum { CLI_MERGE_AUTO = 0, CLI_MERGE_ON, CLI_MERGE_OFF } cli_merge_t;
+#define CLI_MERGE_AUTO_RANKS 4
 
 /* A run id (--rdzv_id, PET_RDZV_ID): 1..CLI_RUN_ID_MAX of these characters, not starting with
  * '.'. It names folders and files and prefixes the job's keys, so no '/' and no "..". */
@@ -114,6 +119,7 @@ typedef struct {
   char log_dir[1024];        /* "" = no per-rank log files unless redirects/tee need one (then a temp dir) */
   int local_ranks_filter[CLI_MAX_LOCAL_RANKS]; /* 1 = show this local rank's console lines; all 1 by default */
   int local_ranks_filter_set;
+  cli_merge_t merge_output;  /* --merge_output: auto (default), on, off */
   double shutdown_timeout_s; /* SIGTERM -> SIGKILL grace, default 30 */
   char role[64];             /* ROLE_NAME, default "default" */
   int no_python;             /* --no_python: exec PROGRAM as is, even a .py file */

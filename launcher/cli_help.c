@@ -6,6 +6,7 @@
 #include "common/store.h"      /* the secret's variable, the handshake's default */
 #include "launcher/agent.h"    /* exit statuses */
 #include "launcher/cli_impl.h" /* the defaults */
+#include "launcher/console.h"  /* the merge window */
 #include "launcher/errfile.h"  /* the permanent exit codes */
 #include "launcher/rdzv.h"     /* etcd's call timeout */
 
@@ -101,6 +102,11 @@ const char *cli_usage(void) {
          "                          --tee need one)\n"
          "  --local_ranks_filter R[,R...]\n"
          "                          show console lines of these local ranks only (default: all)\n"
+         "  --merge_output auto|on|off\n"
+         "                          print a line that several local ranks print within a moment\n"
+         "                          (" STR(CONSOLE_WINDOW_MS) " ms; MESHRUN_MERGE_WINDOW_MS) once, prefixed with\n"
+         "                          the set of ranks: [ranks 0-3,6]:LINE; auto: when more than\n"
+         "                          " STR(CLI_MERGE_AUTO_RANKS) " local ranks reach the console (default auto)\n"
          "\n"
          "Secret (the store admits only programs that hold it; every node needs the same one):\n"
          "  --rdzv_conf token_file=PATH\n"

@@ -31,6 +31,7 @@
 #include "common/fs.h"
 #include "common/log.h"
 #include "common/store.h"
+#include "launcher/console.h"
 #include "launcher/tree.h"
 
 extern char **environ;
@@ -86,6 +87,12 @@ struct workers {
   int tree_left; /* every worker is reaped but what they started still runs: killed, not yet gone */
   uint64_t tree_kill_time; /* uv_hrtime of its first SIGKILL */
   tree_t *tree;  /* the workers' process trees (launcher/tree) */
+  /* --merge_output: this round's merged console lines, [0] stdout and [1] stderr (NULL: each
+   * line goes out at once), the timer for the oldest waiting one and when it is armed for. */
+  console_t *console[2];
+  uv_timer_t merge_timer;
+  uint64_t merge_due;
+  uint64_t merge_window_ns; /* CONSOLE_WINDOW_MS, or MESHRUN_MERGE_WINDOW_MS */
   char program[PATH_MAX];   /* what the workers exec'd, as found along PATH */
   char stop_file[PATH_MAX]; /* MESHRUN_STOP_FILE of this round's workers (workers_stop writes it) */
 };
@@ -94,6 +101,19 @@ static double wall_now(void) {
   struct timespec ts;
   clock_gettime(CLOCK_REALTIME, &ts);
   return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* The merge window: MESHRUN_MERGE_WINDOW_MS (milliseconds, 0..60000) or CONSOLE_WINDOW_MS. */
+static uint64_t merge_window_ns(void) {
+  const char *v = getenv("MESHRUN_MERGE_WINDOW_MS");
+  char *end = NULL;
+  double ms = v && *v ? strtod(v, &end) : CONSOLE_WINDOW_MS;
+  if (v && *v && (*end || !(ms >= 0 && ms <= 60000))) {
+    log_warn("MESHRUN_MERGE_WINDOW_MS=%s is not valid (expected milliseconds, 0..60000): using %d", v,
+             CONSOLE_WINDOW_MS);
+    ms = CONSOLE_WINDOW_MS;
+  }
+  return (uint64_t)(ms * 1e6);
 }
 
 static int mkdir_p(const char *path, char *err, size_t errlen) {
@@ -126,9 +146,72 @@ static void write_all(int fd, const char *p, size_t n) {
   }
 }
 
+static void on_merge_timer(uv_timer_t *t);
+
+/* The merge timer at the consoles' next deadline, stopped when nothing waits. */
+static void arm_merge(workers_t *w) {
+  uint64_t due = console_deadline(w->console[0]), d1 = console_deadline(w->console[1]);
+  if (d1 < due) due = d1;
+  if (due == w->merge_due) return;
+  w->merge_due = due;
+  if (due == UINT64_MAX) {
+    uv_timer_stop(&w->merge_timer);
+    return;
+  }
+  uint64_t now = uv_hrtime();
+  uv_timer_start(&w->merge_timer, on_merge_timer, due > now ? (due - now + 999999) / 1000000 : 0, 0);
+}
+
+static void on_merge_timer(uv_timer_t *t) {
+  workers_t *w = t->data;
+  uint64_t now = uv_hrtime();
+  console_flush_due(w->console[0], now);
+  console_flush_due(w->console[1], now);
+  w->merge_due = 0;
+  arm_merge(w);
+}
+
+static const int console_fds[2] = {STDOUT_FILENO, STDERR_FILENO};
+
+static void console_write(void *arg, const char *line, size_t n) { write_all(*(const int *)arg, line, n); }
+
+/* Everything the consoles hold goes out now (before meshrun's own lines about a failure). */
+static void flush_consoles(workers_t *w) {
+  console_flush_all(w->console[0]);
+  console_flush_all(w->console[1]);
+  arm_merge(w);
+}
+
+/* The consoles of a round of r->nproc workers when --merge_output asks for them: on, or auto
+ * with more than CLI_MERGE_AUTO_RANKS local ranks on the console (--local_ranks_filter); only
+ * where lines are prefixed (a world of one has nothing to merge). Last round's go first. */
+static int new_consoles(workers_t *w, const workers_round_t *r, char *err, size_t errlen) {
+  for (int k = 0; k < 2; k++) {
+    console_destroy(w->console[k]);
+    w->console[k] = NULL;
+  }
+  arm_merge(w);
+  const launcher_opts_t *o = w->opts;
+  int shown = 0;
+  for (int lr = 0; lr < r->nproc; lr++) shown += lr >= CLI_MAX_LOCAL_RANKS || o->local_ranks_filter[lr];
+  int merge = o->merge_output == CLI_MERGE_ON || (o->merge_output == CLI_MERGE_AUTO && shown > CLI_MERGE_AUTO_RANKS);
+  if (!merge || !w->prefix) return 0;
+  for (int k = 0; k < 2; k++)
+    if (console_create(&w->console[k], r->nproc, r->rank_offset, w->merge_window_ns, console_write,
+                       (void *)&console_fds[k]))
+      return err_set(err, errlen, -ENOMEM, "out of memory");
+  return 0;
+}
+
 static void emit_line(stream_t *s, const char *p, size_t n) {
   if (!s->console) return;
   worker_t *wk = s->owner;
+  console_t *c = wk->owner->console[s->is_err];
+  if (c) {
+    console_line(c, wk->info.local_rank, p, n, uv_hrtime());
+    arm_merge(wk->owner);
+    return;
+  }
   char pre[32];
   int pn = wk->owner->prefix ? snprintf(pre, sizeof pre, "[rank%d]:", wk->info.rank) : 0;
   /* One write per line, so lines from different workers never interleave mid-line. */
@@ -199,6 +282,11 @@ static void close_stream(stream_t *s) {
   s->open = 0;
   if (s->len) emit_line(s, s->line, s->len);
   s->len = 0;
+  workers_t *w = s->owner->owner;
+  if (s->console && w->console[s->is_err]) {
+    console_close(w->console[s->is_err], s->owner->info.local_rank, uv_hrtime());
+    arm_merge(w);
+  }
   uv_close((uv_handle_t *)&s->pipe, on_pipe_closed);
 }
 
@@ -280,6 +368,8 @@ static void worker_ended(workers_t *w, worker_t *wk, int reaped, int st) {
   if (w->stopping) kill(-wk->info.pid, SIGKILL);
   drain_now(&wk->out);
   drain_now(&wk->err);
+  /* A failure's last lines (a traceback) before what the agent says about it. */
+  if (wk->info.exit_code != 0) flush_consoles(w);
   if (w->on_exit) w->on_exit(w, &wk->info, w->arg);
 }
 
@@ -368,7 +458,10 @@ int workers_create(workers_t **out, uv_loop_t *loop, const launcher_opts_t *opts
   if ((rc = uv_signal_start(&w->sigchld, on_sigchld, SIGCHLD))) goto error;
   uv_timer_init(loop, &w->tick);
   uv_timer_init(loop, &w->grace);
-  w->tick.data = w->grace.data = w;
+  uv_timer_init(loop, &w->merge_timer);
+  w->tick.data = w->grace.data = w->merge_timer.data = w;
+  w->merge_due = UINT64_MAX;
+  w->merge_window_ns = merge_window_ns();
   /* As torchrun does with several workers a node: say once that each gets one OpenMP thread. */
   if (!getenv("OMP_NUM_THREADS") && opts->nproc_per_node > 1)
     log_info("OMP_NUM_THREADS=1 for each of the %d workers (it is not set here), so that they do not all take every "
@@ -517,6 +610,7 @@ static int setup_stream(workers_t *w, worker_t *wk, stream_t *s, int is_err, con
   int shown = lr >= CLI_MAX_LOCAL_RANKS || o->local_ranks_filter[lr];
   int to_file = r->log_files || (redir & bit) || (tee & bit);
   int console = shown && (!(redir & bit) || (tee & bit));
+  if (console && w->console[is_err]) console_open(w->console[is_err], lr);
   s->owner = wk;
   s->is_err = is_err;
   s->file_fd = -1;
@@ -724,7 +818,7 @@ static int new_round(workers_t *w, const workers_round_t *r, char *err, size_t e
   w->idle_reported = 0;
   w->tree_left = 0;
   w->prefix = r->world_size > 1;
-  return 0;
+  return new_consoles(w, r, err, errlen);
 }
 
 /* The rank's folder in rank_dir (made only when the rank writes a log) and its error file,
@@ -955,6 +1049,8 @@ int workers_count(const workers_t *w) { return w->n; }
 void workers_destroy(workers_t *w) {
   if (!w) return;
   free_round(w);
+  console_destroy(w->console[0]);
+  console_destroy(w->console[1]);
   tree_destroy(w->tree);
   free(w);
 }
@@ -1019,6 +1115,8 @@ void workers_close(workers_t *w) {
     close_stream(&w->ws[i].out);
     close_stream(&w->ws[i].err);
   }
+  flush_consoles(w);
+  uv_close((uv_handle_t *)&w->merge_timer, NULL);
 }
 
 void workers_remove_files(workers_t *w) {

@@ -6,7 +6,8 @@
  * died before the prctl). Exits are events: a uv_signal on SIGCHLD reaps with waitpid(pid,
  * WNOHANG), plus a fallback tick every --monitor_interval. Output comes back through pipes
  * read on the loop (uv_pipe_open): lines are prefixed "[rank<R>]:" when the world has more
- * than one worker, filtered by --local_ranks_filter, copied to per-rank files under
+ * than one worker (identical lines of several ranks merged into one by launcher/console, as
+ * --merge_output says), filtered by --local_ranks_filter, copied to per-rank files under
  * <attempt_dir>/<rank>/{stdout,stderr}.log when there is a log dir. --redirects without tee
  * points the child's fd straight at its file (no pipe); a stream nobody needs goes to the
  * console directly or to /dev/null.

@@ -112,6 +112,7 @@ static void test_defaults_struct(void **state) {
     assert_int_equal(o.local_ranks_filter[i], 1);
   }
   assert_int_equal(o.local_ranks_filter_set, 0);
+  assert_int_equal(o.merge_output, CLI_MERGE_AUTO);
   assert_string_equal(o.log_dir, "");
   assert_true(o.shutdown_timeout_s == 30);
   assert_string_equal(o.role, "default");
@@ -257,6 +258,9 @@ static void chk_filter_empty(const launcher_opts_t *o) {
   assert_int_equal(o->local_ranks_filter_set, 0);
   for (int i = 0; i < CLI_MAX_LOCAL_RANKS; i++) assert_int_equal(o->local_ranks_filter[i], 1);
 }
+static void chk_merge_off(const launcher_opts_t *o) { assert_int_equal(o->merge_output, CLI_MERGE_OFF); }
+static void chk_merge_on(const launcher_opts_t *o) { assert_int_equal(o->merge_output, CLI_MERGE_ON); }
+static void chk_merge_auto(const launcher_opts_t *o) { assert_int_equal(o->merge_output, CLI_MERGE_AUTO); }
 static void chk_role(const launcher_opts_t *o) { assert_string_equal(o->role, "trainer"); }
 static void chk_shutdown(const launcher_opts_t *o) { assert_true(o->shutdown_timeout_s == 2.5); }
 
@@ -294,6 +298,9 @@ static const flag_case_t flag_cases[] = {
     {"log_dir", "/tmp/logs x", {NULL}, chk_log_dir},
     {"local_ranks_filter", "0,2", {"--nproc_per_node=4"}, chk_filter},
     {"local_ranks_filter", "", {NULL}, chk_filter_empty},
+    {"merge_output", "off", {NULL}, chk_merge_off},
+    {"merge_output", "on", {NULL}, chk_merge_on},
+    {"merge_output", "auto", {"--merge_output=off"}, chk_merge_auto},
     {"role", "trainer", {NULL}, chk_role},
     {"shutdown_timeout", "2.5", {NULL}, chk_shutdown},
 };
@@ -571,6 +578,8 @@ static const error_case_t error_cases[] = {
     {"--local_ranks_filter", {"--local_ranks_filter=x", "p"}},
     {"--local_ranks_filter", {"--local_ranks_filter=-1", "p"}},
     {"--local_ranks_filter", {"--nproc_per_node=2", "--local-ranks-filter=3", "p"}},
+    {"--merge_output", {"--merge_output=yes", "p"}},
+    {"--merge_output", {"--merge-output=", "p"}},
     {"--role", {"--role=", "p"}},
     {"--role", {"--role=a b", "p"}},
     {"--module", {"--no_python", "--module", "p"}},
@@ -1344,7 +1353,7 @@ static void test_usage_text(void **state) {
       "close_timeout", "heartbeat_interval", "heartbeat_timeout", "--standalone",
       "--master_addr", "--master_port", "--max_restarts", "--monitor_interval",
       "--shutdown_timeout", "-r, --redirects", "-t, --tee", "--log_dir", "--local_ranks_filter",
-      "--role", "--no_python", "-m, --module", "-h, --help", "--version", "auto",
+      "--merge_output", "[ranks 0-3,6]", "MESHRUN_MERGE_WINDOW_MS", "--role", "--no_python", "-m, --module", "-h, --help", "--version", "auto",
       "default 600", "default 30", "default 60", "default 1", "default 5", "default 0.1",
       "default 29400", "default 29500", "default none", "default default", "default c10d",
       "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",

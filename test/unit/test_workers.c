@@ -1,4 +1,4 @@
-// deps: launcher/workers.c launcher/tree.c launcher/cli.c launcher/cli_slurm.c launcher/cli_probe.c launcher/cli_help.c common/gpus_cuda.c common/net.c common/err.c common/fs.c common/log.c
+// deps: launcher/workers.c launcher/console.c launcher/tree.c launcher/cli.c launcher/cli_slurm.c launcher/cli_probe.c launcher/cli_help.c common/gpus_cuda.c common/net.c common/err.c common/fs.c common/log.c
 /* test_workers: one round's worker processes (launcher/workers.h), in this process on a libuv
  * loop, with /bin/sh -c snippets as the workers (MESHRUN_CGROUP=0: the /proc way, which every
  * machine has). The loop runs until the round is idle (every worker reaped, its output
