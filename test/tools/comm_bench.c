@@ -14,7 +14,9 @@
  * -R ROUNDS: the flight recorder's cost instead (comm.h): all_reduce at each size, ITERS calls
  * with the recorder off then on (then on, off: the order alternates), ROUNDS times; the table
  * gives each side's median per call (the slowest rank's), their ratio and the difference per
- * call, the recorder's cost beside the collective it records.
+ * call, the recorder's cost beside the collective it records. Below the collective's noise that
+ * difference says little, so a last line times the recorder alone: ITERS x ROUNDS calls' records
+ * (issue, start, end through comm_impl.h, as the dispatch makes them), ns per call.
  *
  * Under meshrun (MESHRUN_STORE, RANK and WORLD_SIZE set) each worker is one rank. Alone it
  * starts a store on loopback in a thread and forks RANKS local ranks. It does not pin cores or
@@ -29,6 +31,7 @@
 #include "common/store.h"
 #include "test/support/fixture.h"
 #include "trainer/comm/comm.h"
+#include "trainer/comm/comm_impl.h" /* -R: the recorder's own calls, timed alone */
 
 typedef enum { OP_ALL_REDUCE = 0, OP_ALL_GATHER, OP_REDUCE_SCATTER, OP_BROADCAST, OP_COUNT } bench_op_t;
 static const char *const op_names[OP_COUNT] = {"all_reduce", "all_gather", "reduce_scatter",
@@ -182,6 +185,22 @@ static int bench_recorder(comm_t *c, int rank, float *a, const opts_t *o) {
     }
     size_t next = (size_t)(bytes * o->factor);
     bytes = next > bytes ? next : bytes + 1;
+  }
+  /* the recorder alone: what the dispatch adds to each call, without the call */
+  char err[256];
+  const long calls = (long)o->iters * o->rounds;
+  comm_call_t k = {.kind = COMM_CALL_ALL_REDUCE, .out = a, .count = 1, .dtype = DT_F32, .op = COMM_SUM};
+  if (!rc && !(rc = comm_flight_setup(COMM_FLIGHT_DEFAULT, err, sizeof err))) {
+    double t0 = now_s();
+    for (long i = 0; i < calls; i++) {
+      uint64_t t = comm_flight_issue(c, &k);
+      comm_flight_start(t);
+      comm_flight_end(c, t, COMM_OK);
+    }
+    double ns = (now_s() - t0) / (double)calls * 1e9;
+    if (rank == 0) printf("# recorder alone: %ld records of %d, %.1f ns per call\n", calls, COMM_FLIGHT_DEFAULT, ns);
+  } else if (!rc) {
+    fprintf(stderr, "comm_bench: %s\n", err);
   }
   if (rc) fprintf(stderr, "comm_bench rank %d: %s\n", rank, comm_errmsg(c));
   free(off);
