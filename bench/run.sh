@@ -58,7 +58,14 @@ bench_pipeline() {
   "$PYTHON" bench/bench_pipeline.py
 }
 
-SECTIONS="launcher trainer parallel mixed overlap pipeline"
+# --- section: flight. The comm flight recorder's cost: small all_reduces with it off and on, side
+# by side (comm_bench -R: medians, ratio, ns per call), and that cost times a tiny tp2 step's calls
+# over the step's time, against the goal of under 1%.
+bench_flight() {
+  "$PYTHON" bench/bench_flight.py
+}
+
+SECTIONS="launcher trainer parallel mixed overlap pipeline flight"
 
 failed=()
 for s in $SECTIONS; do

@@ -11,6 +11,13 @@
  * elements that differ from the exact expectation in one extra checked call (integer data).
  * The reference line is memcpy bandwidth of the largest size on this machine, same run.
  *
+ * -R ROUNDS: the flight recorder's cost instead (comm.h): all_reduce at each size, ITERS calls
+ * with the recorder off then on (then on, off: the order alternates), ROUNDS times; the table
+ * gives each side's median per call (the slowest rank's), their ratio and the difference per
+ * call, the recorder's cost beside the collective it records. Below the collective's noise that
+ * difference says little, so a last line times the recorder alone: ITERS x ROUNDS calls' records
+ * (issue, start, end through comm_impl.h, as the dispatch makes them), ns per call.
+ *
  * Under meshrun (MESHRUN_STORE, RANK and WORLD_SIZE set) each worker is one rank. Alone it
  * starts a store on loopback in a thread and forks RANKS local ranks. It does not pin cores or
  * measure latency percentiles. */
@@ -24,6 +31,7 @@
 #include "common/store.h"
 #include "test/support/fixture.h"
 #include "trainer/comm/comm.h"
+#include "trainer/comm/comm_impl.h" /* -R: the recorder's own calls, timed alone */
 
 typedef enum { OP_ALL_REDUCE = 0, OP_ALL_GATHER, OP_REDUCE_SCATTER, OP_BROADCAST, OP_COUNT } bench_op_t;
 static const char *const op_names[OP_COUNT] = {"all_reduce", "all_gather", "reduce_scatter",
@@ -35,6 +43,7 @@ typedef struct {
   double factor;
   int op; /* -1: all */
   int warmup, iters;
+  int rounds; /* -R: recorder off/on rounds; 0: the bandwidth table */
 } opts_t;
 
 static double now_s(void) {
@@ -125,6 +134,80 @@ static double memcpy_gbps(size_t bytes) {
   return gbps;
 }
 
+static int cmp_double(const void *x, const void *y) {
+  double a = *(const double *)x, b = *(const double *)y;
+  return a < b ? -1 : a > b;
+}
+
+/* ITERS all_reduces of count floats with the recorder of records entries: the slowest rank's
+ * microseconds per call, or a negative value on a failure. */
+static double recorder_phase(comm_t *c, float *a, size_t count, int records, const opts_t *o) {
+  char err[256];
+  if (comm_flight_setup(records, err, sizeof err)) return fprintf(stderr, "comm_bench: %s\n", err), -1;
+  int rc = comm_barrier(c);
+  double t0 = now_s();
+  for (int k = 0; k < o->iters && !rc; k++) rc = comm_all_reduce(c, a, count, DT_F32, COMM_SUM);
+  float us = (float)((now_s() - t0) / o->iters * 1e6);
+  if (!rc) rc = comm_all_reduce(c, &us, 1, DT_F32, COMM_MAX);
+  return rc ? -1 : us;
+}
+
+/* -R: the recorder off and on at each size, side by side (see the top). */
+static int bench_recorder(comm_t *c, int rank, float *a, const opts_t *o) {
+  if (rank == 0) {
+    printf("#\n# flight recorder: all_reduce, %d rounds of %d calls with it off and on (%d records)\n",
+           o->rounds, o->iters, COMM_FLIGHT_DEFAULT);
+    printf("# %10s %12s %10s %10s %8s %10s\n", "size", "count", "off", "on", "on/off", "on-off");
+    printf("# %10s %12s %10s %10s %8s %10s\n", "(B)", "(elements)", "(us)", "(us)", "", "(ns/call)");
+  }
+  double *off = calloc((size_t)o->rounds, sizeof *off), *on = calloc((size_t)o->rounds, sizeof *on);
+  int rc = !off || !on;
+  for (size_t bytes = o->min_bytes; bytes <= o->max_bytes && !rc;) {
+    size_t count = bytes / sizeof(float) ? bytes / sizeof(float) : 1;
+    memset(a, 0, count * sizeof(float));
+    for (int k = 0; k < o->warmup && !rc; k++) rc = comm_all_reduce(c, a, count, DT_F32, COMM_SUM);
+    for (int r = 0; r < o->rounds && !rc; r++) {
+      int first_on = r & 1; /* off, on; on, off; ... so that a drift of the machine cancels */
+      double x = recorder_phase(c, a, count, first_on ? COMM_FLIGHT_DEFAULT : 0, o);
+      double y = x < 0 ? -1 : recorder_phase(c, a, count, first_on ? 0 : COMM_FLIGHT_DEFAULT, o);
+      off[r] = first_on ? y : x;
+      on[r] = first_on ? x : y;
+      rc = x < 0 || y < 0;
+    }
+    if (rc) break;
+    qsort(off, (size_t)o->rounds, sizeof *off, cmp_double);
+    qsort(on, (size_t)o->rounds, sizeof *on, cmp_double);
+    double m0 = off[o->rounds / 2], m1 = on[o->rounds / 2];
+    if (rank == 0) {
+      printf("  %10zu %12zu %10.2f %10.2f %8.4f %10.0f\n", count * sizeof(float), count, m0, m1, m1 / m0,
+             (m1 - m0) * 1e3);
+      fflush(stdout);
+    }
+    size_t next = (size_t)(bytes * o->factor);
+    bytes = next > bytes ? next : bytes + 1;
+  }
+  /* the recorder alone: what the dispatch adds to each call, without the call */
+  char err[256];
+  const long calls = (long)o->iters * o->rounds;
+  comm_call_t k = {.kind = COMM_CALL_ALL_REDUCE, .out = a, .count = 1, .dtype = DT_F32, .op = COMM_SUM};
+  if (!rc && !(rc = comm_flight_setup(COMM_FLIGHT_DEFAULT, err, sizeof err))) {
+    double t0 = now_s();
+    for (long i = 0; i < calls; i++) {
+      uint64_t t = comm_flight_issue(c, &k);
+      comm_flight_start(t);
+      comm_flight_end(c, t, COMM_OK);
+    }
+    double ns = (now_s() - t0) / (double)calls * 1e9;
+    if (rank == 0) printf("# recorder alone: %ld records of %d, %.1f ns per call\n", calls, COMM_FLIGHT_DEFAULT, ns);
+  } else if (!rc) {
+    fprintf(stderr, "comm_bench: %s\n", err);
+  }
+  if (rc) fprintf(stderr, "comm_bench rank %d: %s\n", rank, comm_errmsg(c));
+  free(off);
+  free(on);
+  return rc;
+}
+
 static int bench_rank(int rank, int n, store_t *st, int generation, const char *host,
                       const opts_t *o) {
   char err[COMM_ERR_MAX] = "";
@@ -147,8 +230,8 @@ static int bench_rank(int rank, int n, store_t *st, int generation, const char *
     printf("# reference: memcpy of %zu B on one core: %.2f GB/s\n", o->max_bytes,
            memcpy_gbps(o->max_bytes));
   }
-  int rc = 0;
-  for (int op = 0; op < OP_COUNT && !rc; op++) {
+  int rc = o->rounds ? bench_recorder(c, rank, a, o) : 0;
+  for (int op = 0; op < OP_COUNT && !rc && !o->rounds; op++) {
     if (o->op >= 0 && o->op != op) continue;
     if (rank == 0) {
       printf("#\n# %s\n", op_names[op]);
@@ -205,14 +288,15 @@ static int run_local(const opts_t *o) {
 
 static void usage(void) {
   fprintf(stderr, "usage: comm_bench [-n RANKS] [-b MIN] [-e MAX] [-f FACTOR] "
-                  "[-o all_reduce|all_gather|reduce_scatter|broadcast|all] [-w WARMUP] [-i ITERS]\n");
+                  "[-o all_reduce|all_gather|reduce_scatter|broadcast|all] [-w WARMUP] [-i ITERS] "
+                  "[-R ROUNDS]\n");
 }
 
 int main(int argc, char **argv) {
   opts_t o = {.nranks = 4, .min_bytes = 1 << 20, .max_bytes = 64 << 20, .factor = 4, .op = OP_ALL_REDUCE,
               .warmup = 2, .iters = 10};
   int ch;
-  while ((ch = getopt(argc, argv, "n:b:e:f:o:w:i:h")) != -1) {
+  while ((ch = getopt(argc, argv, "n:b:e:f:o:w:i:R:h")) != -1) {
     switch (ch) {
     case 'n': o.nranks = atoi(optarg); break;
     case 'b':
@@ -231,12 +315,13 @@ int main(int argc, char **argv) {
       break;
     case 'w': o.warmup = atoi(optarg); break;
     case 'i': o.iters = atoi(optarg); break;
+    case 'R': o.rounds = atoi(optarg); break;
     default: return usage(), 2;
     }
   }
   if (o.nranks < 1 || o.nranks > 256 || o.iters < 1 || o.warmup < 0 || o.factor < 1 ||
-      o.min_bytes > o.max_bytes) {
-    fprintf(stderr, "comm_bench: need 1 <= RANKS <= 256, ITERS >= 1, FACTOR >= 1, MIN <= MAX\n");
+      o.min_bytes > o.max_bytes || o.rounds < 0 || o.rounds > 10000) {
+    fprintf(stderr, "comm_bench: need 1 <= RANKS <= 256, ITERS >= 1, FACTOR >= 1, MIN <= MAX, 0 <= ROUNDS <= 10000\n");
     return 2;
   }
   const char *store_ep = getenv("MESHRUN_STORE"), *rank_s = getenv("RANK"),

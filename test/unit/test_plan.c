@@ -116,6 +116,7 @@ static void test_defaults(void **state) {
   assert_int_equal(p.parallel.activation_checkpoint_every, 2);
   assert_int_equal(plan_checkpoint_every(&p), 0);
   assert_true(p.parallel.comm_timeout_s == 300);
+  assert_int_equal(p.parallel.comm_flight_records, 2048);
   assert_int_equal(p.train.steps, 1000);
   assert_int_equal(p.train.global_batch_size, 0);
   assert_true(p.train.min_lr == p.train.lr / 10);
@@ -304,6 +305,8 @@ static void test_key_errors(void **state) {
   expect_error("{\"train\":{\"beta1\":1.0}}", 0, "train.beta1");
   expect_error("{\"parallel\":{\"comm_timeout_s\":0}}", 0, "parallel.comm_timeout_s");
   expect_error("{\"parallel\":{\"comm_timeout_s\":1e6}}", 0, "parallel.comm_timeout_s");
+  expect_error("{\"parallel\":{\"comm_flight_records\":-1}}", 0, "parallel.comm_flight_records");
+  expect_error("{\"parallel\":{\"comm_flight_records\":1048577}}", 0, "parallel.comm_flight_records");
   expect_error("{\"train\":{\"beta2\":0}}", 0, "train.beta2");
   expect_error("{\"train\":{\"weight_decay\":-0.1}}", 0, "train.weight_decay");
   expect_error("{\"train\":{\"warmup_steps\":-1}}", 0, "train.warmup_steps");

@@ -17,7 +17,9 @@
  * a progress thread per
  * communicator that runs its queue in issue order through the blocking table (see "asynchronous
  * requests" below). The trace observer (comm_set_observer) hears of every call that ran and
- * every wait, and wait_ns counts the caller's blocked time.
+ * every wait, and wait_ns counts the caller's blocked time. The flight recorder (comm_flight.c)
+ * hears of every call that reaches a backend: issued where the caller issues it, started and
+ * ended where it runs (run_observed, or a native start and its wait).
  *
  * It also keeps the registry of live communicators (comm_create adds, comm_destroy removes), so
  * that a fatal device error can abort all of them before the process exits (comm_abort_all):
@@ -46,6 +48,7 @@ struct comm_req {
   int done, rc;
   uint64_t sent;
   void *token; /* native backends */
+  uint64_t flight; /* its flight recorder ticket */
   struct comm_req *next;
 };
 
@@ -102,6 +105,12 @@ static void live_remove(comm_t *c) {
       *q = c->next_live;
       break;
     }
+  pthread_mutex_unlock(&live_lock);
+}
+
+void comm_live_each(void (*fn)(const comm_t *c, void *arg), void *arg) {
+  pthread_mutex_lock(&live_lock);
+  for (comm_t *c = live; c; c = c->next_live) fn(c, arg);
   pthread_mutex_unlock(&live_lock);
 }
 
@@ -465,11 +474,13 @@ static int64_t now_ns(void) {
 }
 
 /* Runs one call and returns its result; the bytes it sent go to *sent, and the observer (the
- * trainer's trace) hears of it. */
-static int run_observed(comm_t *c, const comm_call_t *k, uint64_t *sent) {
+ * trainer's trace) and the flight recorder (its ticket) hear of it. */
+static int run_observed(comm_t *c, const comm_call_t *k, uint64_t ticket, uint64_t *sent) {
   uint64_t before = c->stats.bytes_sent;
   int64_t t0 = observer ? now_ns() : 0;
+  comm_flight_start(ticket);
   int rc = exec_call(c, k);
+  comm_flight_end(c, ticket, rc);
   *sent = c->stats.bytes_sent - before;
   if (observer) observer(c, COMM_OBSERVE_RUN, call_names[k->kind], *sent, t0, now_ns());
   return rc;
@@ -478,10 +489,15 @@ static int run_observed(comm_t *c, const comm_call_t *k, uint64_t *sent) {
 static void *progress_main(void *arg) {
   comm_t *c = arg;
   struct comm_async *a = c->async;
-  /* The trainer's signal handlers belong to its main thread. */
+  /* The trainer's signal handlers belong to its main thread; the flight recorder's stack signal
+   * reaches this one too, so that dumps show where it waits. */
   sigset_t all;
   sigfillset(&all);
+  sigdelset(&all, comm_flight_stack_signal());
   pthread_sigmask(SIG_BLOCK, &all, NULL);
+  char tname[16];
+  snprintf(tname, sizeof tname, "comm %.10s", c->name); /* the kernel keeps 15 characters */
+  pthread_setname_np(pthread_self(), tname);
   pthread_mutex_lock(&a->mu);
   for (;;) {
     while (!a->head && !a->stop) pthread_cond_wait(&a->work, &a->mu);
@@ -489,7 +505,7 @@ static void *progress_main(void *arg) {
     comm_req_t *r = a->head;
     pthread_mutex_unlock(&a->mu);
     uint64_t sent = 0;
-    int rc = run_observed(c, &r->call, &sent);
+    int rc = run_observed(c, &r->call, r->flight, &sent);
     pthread_mutex_lock(&a->mu);
     a->head = r->next;
     if (!a->head) a->tail = NULL;
@@ -573,18 +589,29 @@ static int start_call(comm_t *c, comm_call_t k0, comm_req_t **req) {
   if (!r) return comm_set_error(c, COMM_ESYSTEM, "out of memory for a request");
   r->c = c;
   r->call = *k;
+  *req = r;
   if (trivial) {
     r->done = 1;
-  } else if ((rc = async_init(c))) {
+    return COMM_OK;
+  }
+  if ((rc = async_init(c))) {
+    *req = NULL;
     free(r);
     return rc;
-  } else if (native_start(c, k)) {
+  }
+  r->flight = comm_flight_issue(c, k);
+  if (native_start(c, k)) {
     uint64_t before = c->stats.bytes_sent;
     if (!(r->rc = enter_backend(c, k))) r->rc = c->ops->start(c, k, &r->token);
     r->sent = c->stats.bytes_sent - before;
-    if (r->rc) r->done = 1;
+    if (r->rc) {
+      r->done = 1;
+      comm_flight_end(c, r->flight, r->rc);
+    } else {
+      comm_flight_start(r->flight);
+    }
   } else if (c->ops->inline_async) {
-    r->rc = run_observed(c, k, &r->sent);
+    r->rc = run_observed(c, k, r->flight, &r->sent);
     r->done = 1;
   } else {
     struct comm_async *a = c->async;
@@ -595,7 +622,6 @@ static int start_call(comm_t *c, comm_call_t k0, comm_req_t **req) {
     pthread_cond_signal(&a->work);
     pthread_mutex_unlock(&a->mu);
   }
-  *req = r;
   return COMM_OK;
 }
 
@@ -609,6 +635,7 @@ int comm_wait(comm_req_t *r, uint64_t *sent) {
     r->rc = c->ops->wait(c, r->token);
     r->sent += c->stats.bytes_sent - before;
     r->done = 1;
+    comm_flight_end(c, r->flight, r->rc);
   } else if (!r->done) {
     struct comm_async *a = c->async;
     pthread_mutex_lock(&a->mu);
@@ -647,7 +674,7 @@ static int call(comm_t *c, comm_call_t k) {
   if (rc || trivial) return rc;
   uint64_t sent;
   int64_t t0 = now_ns();
-  rc = run_observed(c, &k, &sent);
+  rc = run_observed(c, &k, comm_flight_issue(c, &k), &sent);
   waited(c, &k, t0);
   return rc;
 }

@@ -272,6 +272,55 @@ comm_mem_t comm_memory(const comm_t *c); /* the kind of c's backend */
 void comm_abort(comm_t *c, const char *why);
 void comm_abort_all(const char *why);
 
+/* --- the flight recorder: what this process's communicators did last, for a job that is stuck
+ * or slow. Every call that reaches a backend (a collective, send or receive, blocking or
+ * started; not a group of one or an empty buffer) is recorded by the dispatch in one ring per
+ * process of the last N calls: its communicator, its sequence number there (1, 2, ... in issue
+ * order; the k-th collective of a group is the k-th on every member), op, dtype, reduction,
+ * bytes (count x dtype size), peer or root, state (issued: queued or handed to the backend;
+ * started: the backend is moving its bytes; done; failed) and CLOCK_MONOTONIC times of issue,
+ * start and end. Recording is a few stores and one atomic increment per call, no lock.
+ * "nccl": done means comm_wait returned, which orders the stream after the operation, not that
+ * the device has finished it. A "staged" communicator's calls appear twice, once as its own and
+ * once as its inner "cpu" ring's (same name and sequence numbers; each record names its backend).
+ *
+ * A dump writes the ring, oldest first, as JSON lines into a file of the dump folder
+ * (MESHRUN_DUMP_DIR; else the folder of TORCHELASTIC_ERROR_FILE, the rank's log folder under
+ * meshrun; else /tmp/meshrun-dumps-<uid>), named flight-rank<RANK>-pid<pid>-<n>.jsonl (written
+ * as <name>.tmp and renamed once whole): first a
+ * header ({"type":"header", rank, host, pid, reason, and for every live communicator its
+ * "issued" and "done": the sequence numbers of its last call issued and last call completed),
+ * then one line per call ({"type":"op", ...}, newest last), then one line per thread of the
+ * process with its stack ({"type":"stack", "tid", "name", "frames"}: backtrace(3) symbols, a
+ * function's name where the program exports it, else binary(+offset) for addr2line). A dump
+ * happens on the first COMM_ETIMEDOUT of the process (on the thread that saw it, before the
+ * error returns), on SIGUSR1 once comm_dump_on_signal ran, and on comm_dump; one line on stderr
+ * names the file. Other threads' stacks: each thread is sent a real-time signal whose handler
+ * takes its backtrace; a thread that blocks it, or does not answer within a second (stuck in
+ * the kernel), is listed with "frames": [] and why. */
+#define COMM_FLIGHT_DEFAULT 2048 /* records, the trainer's parallel.comm_flight_records default */
+#define COMM_FLIGHT_MAX (1 << 20)
+/* The ring size to use: MESHRUN_COMM_FLIGHT_RECORDS when set to an integer in [0, COMM_FLIGHT_MAX]
+ * (an override for tests and one-off runs), else configured (the plan's key). 0: off. */
+int comm_flight_records(int configured);
+/* Sizes the ring (0: recording off; the sequence numbers still count) and clears it. Only while
+ * no call is in flight: before the first communicator (comm_create otherwise sizes it with
+ * comm_flight_records(COMM_FLIGHT_DEFAULT)), or between blocking calls (a benchmark). 0, or
+ * COMM_EINVAL / COMM_ESYSTEM with err. */
+int comm_flight_setup(int records, char *err, size_t errlen);
+/* Writes a dump now (reason: a word for the header, e.g. "request") and names its file in path
+ * (may be NULL) and on stderr. 0, or COMM_ESYSTEM with err (a folder or file that cannot be
+ * written). Not from a signal handler. */
+int comm_dump(const char *reason, char *path, size_t pathlen, char *err, size_t errlen);
+/* Makes SIGUSR1 write a dump (reason "signal"), the process going on: its handler only writes a
+ * byte to a pipe that a thread of the recorder waits on, and that thread dumps. Also installs
+ * the stack signal's handler. A later sigaction(SIGUSR1) (the trainer's checkpoint.on_signal)
+ * replaces it. 0, or COMM_ESYSTEM with err. */
+int comm_dump_on_signal(char *err, size_t errlen);
+/* The real-time signal the recorder sends a thread for its stack (SIGRTMIN + 4). A thread that
+ * blocks every signal should leave this one open to appear in dumps. */
+int comm_flight_stack_signal(void);
+
 /* Test hook (fault injection): the next call of c (collective, send or receive) that reaches the
  * backend fails as a lost connection would: c is aborted (peers fail at once) and the call returns COMM_ESYSTEM
  * with "<op>: fault injected" as its message. */

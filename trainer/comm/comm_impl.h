@@ -9,6 +9,9 @@
 #ifndef MESHRUN_COMM_IMPL_H
 #define MESHRUN_COMM_IMPL_H
 
+#include <stdatomic.h>
+#include <stdint.h>
+
 #include "trainer/comm/comm.h"
 
 /* One call (a collective or a point-to-point transfer), as the dispatch hands it to an
@@ -88,11 +91,27 @@ struct comm {
   struct comm *next_live; /* the registry of live communicators (comm.c) */
   uint64_t wait_ns;        /* the caller's blocked time (comm_stats_t.wait_ns) */
   struct comm_async *async; /* comm.c: the queue of started requests and its progress thread */
+  /* The flight recorder's sequence numbers (comm_flight.c): the last call issued (written by
+   * the calling thread) and the last completed (by the thread that ran it); read by dumps. */
+  _Atomic uint64_t flight_issued, flight_done;
 };
 
 /* Writes "comm <name> (rank r/n): <what>" into c->err and returns code; a system, remote or
  * timeout code also marks the communicator broken. */
 int comm_set_error(comm_t *c, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+
+/* The flight recorder (comm_flight.c), called by the dispatch only. comm_flight_issue records
+ * a call as it is issued (its communicator's next sequence number) and returns its ticket (0
+ * while recording is off); comm_flight_start and comm_flight_end (rc: the call's result) mark
+ * it started and finished, from whichever thread runs it. A ticket whose slot was reused since
+ * is ignored. comm_flight_end also advances c's last completed sequence number, and on the
+ * process's first COMM_ETIMEDOUT writes a dump naming the call. */
+uint64_t comm_flight_issue(comm_t *c, const comm_call_t *k);
+void comm_flight_start(uint64_t ticket);
+void comm_flight_end(comm_t *c, uint64_t ticket, int rc);
+
+/* Calls fn on every registered communicator, under the registry's lock (comm.c). */
+void comm_live_each(void (*fn)(const comm_t *c, void *arg), void *arg);
 
 /* Aborts every registered communicator whose backend table is ops (NULL: all of them). */
 void comm_abort_backend(const comm_ops_t *ops, const char *why);

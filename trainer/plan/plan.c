@@ -174,6 +174,7 @@ static const field_t parallel_fields[] = {
     K_BOOL("overlap", parallel.overlap, 1),
     K_DBL("bucket_mb", parallel.bucket_mb, 0, 1, 1e6, 0, 25),
     K_DBL("comm_timeout_s", parallel.comm_timeout_s, 1e-3, 0, 1e6, 1, 300),
+    K_INT("comm_flight_records", parallel.comm_flight_records, 0, 1 << 20, 2048), /* comm.h's COMM_FLIGHT_* */
     K_ENUM("pp_schedule", parallel.pp_schedule, pp_schedule_names, PLAN_PP_1F1B),
     K_INT("pp_microbatches", parallel.pp_microbatches, 0, INT_MAX, 0),
     K_INT("pp_stages_per_rank", parallel.pp_stages_per_rank, 0, 64, 0),

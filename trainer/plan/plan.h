@@ -98,6 +98,8 @@ typedef struct {
   double comm_timeout_s;     /* seconds a collective (or the comms' setup) may go without progress from
                                 a peer before it fails naming the collective (default 300);
                                 MESHRUN_COMM_TIMEOUT, when set, overrides it (comm_timeout_ms) */
+  int comm_flight_records;   /* calls the comm flight recorder keeps, 0 (off) .. 2^20 (default 2048);
+                                MESHRUN_COMM_FLIGHT_RECORDS, when set, overrides it (comm_flight_records) */
   /* Pipeline parallelism (mesh.pp > 1). */
   plan_pp_schedule_t pp_schedule; /* default 1f1b */
   int pp_microbatches;       /* micro-batches per step per dp rank; 0 in the file: train.grad_accum_steps

@@ -123,7 +123,9 @@ static const char *usage_text =
     "MESHRUN_COMM_TIMEOUT=SECONDS (overrides the plan's parallel.comm_timeout_s, default 300: a\n"
     "collective or the comms' setup that gets no progress from a peer for that long fails, naming the\n"
     "collective and the peer), MESHRUN_OP_PROFILE=STEP (that step's time, kernel by kernel, printed\n"
-    "after it).\n"
+    "after it), MESHRUN_COMM_FLIGHT_RECORDS=N (overrides parallel.comm_flight_records, default 2048:\n"
+    "the last calls of the comm flight recorder, dumped with every thread's stack on a comm timeout\n"
+    "and on SIGUSR1 into MESHRUN_DUMP_DIR, default the rank's log folder or /tmp/meshrun-dumps-UID).\n"
     "Exit status: 0 done, 1 runtime failure, 2 usage or plan error.\n";
 
 /* 'trainer sample --help' and 'trainer export --help': the command's own page. */
@@ -603,6 +605,12 @@ static int mesh_setup(mesh_t **out, const plan_t *p, int rank, int world, const 
   }
   if (mesh_create_pp(out, p->mesh.pp, p->mesh.dp_replicate, p->mesh.dp_shard, p->mesh.tp, rank, world, err, errlen))
     return 2;
+  /* The flight recorder before the first communicator; SIGUSR1 dumps it (checkpoint.on_signal,
+   * installed later, takes SIGUSR1 back for preemption). A run without the signal's dumps still
+   * trains. */
+  if (comm_flight_setup(comm_flight_records(p->parallel.comm_flight_records), err, errlen)) return 1;
+  char why[256];
+  if (comm_dump_on_signal(why, sizeof why)) log_warn("%s; SIGUSR1 will not dump", why);
   store_t *st = NULL;
   if (store_connect_env(&st, 60000, err, errlen)) return 1;
   int rc = mesh_connect(*out, comm_backend, be, st, -1, NULL, comm_timeout_ms(p->parallel.comm_timeout_s), err, errlen);
