@@ -24,6 +24,16 @@ WORKER = os.path.join(HERE, "worker.py")
 PYTHON = "/usr/bin/python3"
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _dump_dir(tmp_path_factory):
+    """Flight-recorder dumps (a comm timeout writes one) go to a folder of this session that
+    pytest removes with its other temporary folders, unless the test or its caller names one;
+    under meshrun they go to the run's log folder anyway."""
+    if "MESHRUN_DUMP_DIR" not in os.environ:
+        os.environ["MESHRUN_DUMP_DIR"] = str(tmp_path_factory.mktemp("dumps"))
+    yield
+
+
 def bin_dir():
     d = os.environ.get("MESHRUN_BIN")
     if not d:
