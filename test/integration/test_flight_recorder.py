@@ -15,6 +15,8 @@ test's MESHRUN_DUMP_DIR:
   the signal, bit for bit (the recorder never touches the arithmetic); with
   MESHRUN_COMM_FLIGHT_RECORDS=8 the dumps (after step 5, some 40 calls) keep exactly the last 8
   calls, consecutive, newest last.
+- SIGUSR1 where checkpoint.on_signal holds it (a checkpoint folder, the default on): the ranks
+  dump and also save a checkpoint and exit as preempted (138 = 128 + SIGUSR1).
 Every wait polls with a deadline; nothing sleeps a fixed time.
 """
 import glob
@@ -199,3 +201,25 @@ def test_sigusr1_dumps_and_the_run_goes_on(tmp_path):
         # every thread with a stack: the dump thread's own, and the main thread's by signal
         names = {s["name"] for s in stacks}
         assert "comm dump" in names and any(s["main"] and len(s["frames"]) > 2 for s in stacks), stacks
+
+
+def test_sigusr1_with_preemption_dumps_and_saves(tmp_path):
+    metrics, ck = tmp_path / "m.jsonl", tmp_path / "ck"
+    p, lines, reader = start(tmp_path, DDP_PLAN, {}, ["log.metrics_file=%s" % metrics, "checkpoint.dir=%s" % ck,
+                                                      "checkpoint.interval=1000"])
+    try:
+        wait_for(lambda: metrics.exists() and len(losses(metrics)) >= 3, 60, "step 3's metrics")
+        pids = [wait_for(lambda r=r: rank_pid(tmp_path, r), 10, "rank %d's process" % r) for r in (0, 1)]
+        for pid in pids:
+            os.kill(pid, signal.SIGUSR1)
+        got = [wait_for(lambda r=r: dumps(tmp_path, r), 30, "rank %d's dump" % r)[0] for r in (0, 1)]
+    finally:
+        rc = finish(p, reader)
+    text = "\n".join(lines)
+    saved = sorted(x for x in os.listdir(ck) if x.startswith("step-")) if ck.exists() else []
+    print("exit %s; dumps %s; checkpoints %s" % (rc, [os.path.basename(g) for g in got], saved))
+    assert rc == 138, text
+    assert saved, text
+    for r, path in enumerate(got):
+        h, _, _ = read_dump(path)
+        assert h["reason"] == "signal" and h["rank"] == r, h

@@ -317,6 +317,10 @@ int comm_dump(const char *reason, char *path, size_t pathlen, char *err, size_t 
  * the stack signal's handler. A later sigaction(SIGUSR1) (the trainer's checkpoint.on_signal)
  * replaces it. 0, or COMM_ESYSTEM with err. */
 int comm_dump_on_signal(char *err, size_t errlen);
+/* What SIGUSR1's handler does, for a handler that takes SIGUSR1 over (the trainer's
+ * checkpoint.on_signal, which then also saves): asks the recorder's thread for a dump.
+ * Async-signal-safe (one write to a pipe); nothing happens before comm_dump_on_signal. */
+void comm_dump_request(void);
 /* The real-time signal the recorder sends a thread for its stack (SIGRTMIN + 4). A thread that
  * blocks every signal should leave this one open to appear in dumps. */
 int comm_flight_stack_signal(void);

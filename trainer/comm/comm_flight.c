@@ -435,13 +435,16 @@ static void put_stacks(FILE *f) {
 
 static int sig_pipe[2] = {-1, -1};
 
-static void on_sigusr1(int sig) {
+void comm_dump_request(void) {
+  if (sig_pipe[1] < 0) return;
   int saved = errno;
   char b = 1;
   ssize_t w = write(sig_pipe[1], &b, 1); /* a full pipe already has a dump coming */
   (void)w;
   errno = saved;
 }
+
+static void on_sigusr1(int sig) { comm_dump_request(); }
 
 static void *signal_thread(void *arg) {
   sigset_t all;

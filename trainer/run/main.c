@@ -286,6 +286,7 @@ static int stop_allows_save(void) {
 }
 
 static void on_sigterm(int sig) {
+  if (sig == SIGUSR1) comm_dump_request(); /* a dump on SIGUSR1, with or without the save */
   if (failing || comm_failed_any()) return;
   if (preempt_on && (preempt_sig || stop_allows_save())) {
     if (!preempt_sig) {
@@ -606,8 +607,8 @@ static int mesh_setup(mesh_t **out, const plan_t *p, int rank, int world, const 
   if (mesh_create_pp(out, p->mesh.pp, p->mesh.dp_replicate, p->mesh.dp_shard, p->mesh.tp, rank, world, err, errlen))
     return 2;
   /* The flight recorder before the first communicator; SIGUSR1 dumps it (checkpoint.on_signal,
-   * installed later, takes SIGUSR1 back for preemption). A run without the signal's dumps still
-   * trains. */
+   * installed later, takes SIGUSR1 over for preemption and asks for the dump itself). A run
+   * without the signal's dumps still trains. */
   if (comm_flight_setup(comm_flight_records(p->parallel.comm_flight_records), err, errlen)) return 1;
   char why[256];
   if (comm_dump_on_signal(why, sizeof why)) log_warn("%s; SIGUSR1 will not dump", why);
