@@ -22,6 +22,8 @@ import os
 import re
 import sys
 
+from csource import blank
+
 # The toolkits and libraries of the optional backends, and their vendor's device files.
 WORDS = ("cuda", "nccl", "cublas", "cudnn", "nvcc", "nvidia")
 REGISTRIES = ("trainer/backend/registry.c", "trainer/comm/registry.c", "trainer/backend/attention_registry.c")
@@ -46,33 +48,6 @@ def registered(repo):
     return names
 
 
-def code_only(text):
-    """text with its comments blanked (newlines kept, so line numbers hold); strings stay."""
-    out, i, n = [], 0, len(text)
-    while i < n:
-        c = text[i]
-        if text.startswith("//", i):
-            j = text.find("\n", i)
-            j = n if j < 0 else j
-            out.append(" " * (j - i))
-            i = j
-        elif text.startswith("/*", i):
-            j = text.find("*/", i + 2)
-            j = n if j < 0 else j + 2
-            out.append(re.sub(r"[^\n]", " ", text[i:j]))
-            i = j
-        elif c in "\"'":
-            j = i + 1
-            while j < n and text[j] != c and text[j] != "\n":
-                j += 2 if text[j] == "\\" else 1
-            out.append(text[i:j + 1])
-            i = j + 1
-        else:
-            out.append(c)
-            i += 1
-    return "".join(out)
-
-
 def check(repo):
     names = registered(repo)
     owners = names | set(WORDS)
@@ -89,7 +64,8 @@ def check(repo):
         with open(os.path.join(repo, path), errors="replace") as fh:
             text = fh.read()
         lines = text.split("\n")
-        for k, line in enumerate(code_only(text).split("\n")):
+        # comments blanked, strings kept: a message that names a backend counts too
+        for k, line in enumerate(blank(text, strings=False).split("\n")):
             for m in pattern.finditer(line):
                 hits.append("%s:%d: %s: %s" % (path, k + 1, m.group(0).lower(), lines[k].strip()))
     return hits, shared, words, sorted(names)

@@ -13,36 +13,14 @@ import os
 import re
 import sys
 
+from csource import blank
+
 LIMIT = 100
 EXCEPTIONS = {
     ("launcher/cli_help.c", "cli_usage"): "help text: one printf of the usage, line for line",
 }
 SOURCES = (".c", ".cu", ".cpp")
 CONTROL = {"if", "while", "for", "switch", "return", "sizeof"}
-
-
-def blank(text):
-    """The text with comments, strings and character literals blanked (newlines kept)."""
-    out, i, n = [], 0, len(text)
-    while i < n:
-        if text.startswith("//", i):
-            j = text.find("\n", i)
-            j = n if j < 0 else j
-        elif text.startswith("/*", i):
-            j = text.find("*/", i + 2)
-            j = n if j < 0 else j + 2
-        elif text[i] in "\"'":
-            q, j = text[i], i + 1
-            while j < n and text[j] != q and text[j] != "\n":
-                j += 2 if text[j] == "\\" else 1
-            j = min(j + 1, n)
-        else:
-            out.append(text[i])
-            i += 1
-            continue
-        out.append(re.sub(r"[^\n]", " ", text[i:j]))
-        i = j
-    return "".join(out)
 
 
 def no_directives(text):

@@ -1249,7 +1249,6 @@ static void head_losses(model_t *m, int has_targets, const loss_req_t *q) {
   backend_t *be = m->be;
   const int Np = m->Np;
   m->last_gathered = 0;
-  m->grad_ready = 0;
   if (!m->out_split) {
     m->logits_out = m->logits;
   } else if (m->lp && has_targets) {
