@@ -141,6 +141,27 @@ struct backend {
                         const void *k, const void *v, const void *out, const float *lse, int b, int t, int h, int kv,
                         int d, dtype_t dt);
 
+  /* --- blocks of causal attention: the pieces of ring attention (context parallelism). A block
+   * is tq query rows at sequence positions q_pos .. q_pos + tq - 1 against tk keys at positions
+   * k_pos .. k_pos + tk - 1; a query sees the keys whose position is not past its own. q
+   * (B,tq,H,D), k and v (B,tk,KV,D) are dt; everything else is fp32. attention_fwd_block writes
+   * the block's out (B,tq,H,D) and lse (B,H,tq): a row that sees no key gets out 0 and lse
+   * -inf. attention_merge folds a block's result (out_b, lse_b) into a running one (out, lse;
+   * start from out 0, lse -inf) through their log-sum-exps, so that once every key block of a
+   * row is in, out and lse are the row's attention over all its keys (out is then converted to
+   * dt). attention_bwd_block ACCUMULATES the block's share of dq (B,tq,H,D) and dk, dv
+   * (B,tk,KV,D) into them, given dout and the row's whole out (dt, after every merge) and lse.
+   * attention_fwd and attention_bwd are the block t = tq = tk at positions 0 (same arithmetic on
+   * the cpu). Optional (NULL: the backend has no blocks; plans with context parallelism refuse
+   * it). */
+  void (*attention_fwd_block)(backend_t *be, float *out, float *lse, const void *q, const void *k, const void *v,
+                              int b, int tq, int tk, int h, int kv, int d, long q_pos, long k_pos, dtype_t dt);
+  void (*attention_merge)(backend_t *be, float *out, float *lse, const float *out_b, const float *lse_b, int b, int t,
+                          int h, int d);
+  void (*attention_bwd_block)(backend_t *be, float *dq, float *dk, float *dv, const void *dout, const void *q,
+                              const void *k, const void *v, const void *out, const float *lse, int b, int tq, int tk,
+                              int h, int kv, int d, long q_pos, long k_pos, dtype_t dt);
+
   /* --- SwiGLU. out(N,F) = silu(a) * g, with a = x W1^T and g = x W3^T. The backward WRITES da
    * and dg (their one producer; an exception to the accumulate rule, like attention_bwd). */
   void (*swiglu_fwd)(backend_t *be, void *out, const void *a, const void *g, size_t n, dtype_t dt);

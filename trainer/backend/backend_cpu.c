@@ -644,17 +644,22 @@ static float *att_scratch(cpu_t *cp, int t) {
   return cp->att_scratch;
 }
 
-/* Scores of query rows [r0, r1) against keys [0, r1), probabilities written in place, masked
- * entries 0. With lse_in the row log-sum-exps are given (backward), else computed into lse_out. */
-static void att_probs(float *s, int r0, int r1, const float *lse_in, float *lse_out) {
-  int nc = r1;
+/* Scores of query rows [r0, r1) of a block against its keys [0, nc), probabilities written in
+ * place, masked entries 0. Row i sees the keys j <= i + off (off: the query block's first
+ * position minus the key block's), none when that is below 0: then its probabilities are all 0
+ * and its lse -inf. With lse_in the row log-sum-exps are given (backward), else computed into
+ * lse_out. */
+static void att_probs(float *s, int r0, int r1, int nc, long off, const float *lse_in, float *lse_out) {
   for (int i = r0; i < r1; i++) {
     float *si = s + (size_t)(i - r0) * nc;
-    int valid = i + 1;
+    long seen = i + off + 1;
+    int valid = seen < 0 ? 0 : seen > nc ? nc : (int)seen;
     if (lse_in) {
       float l = lse_in[i];
       for (int j = 0; j < valid; j++)
         si[j] = vexpf(si[j] - l);
+    } else if (valid == 0) {
+      lse_out[i] = -INFINITY;
     } else {
       float mx = row_max(si, valid);
       for (int j = 0; j < valid; j++)
@@ -670,33 +675,50 @@ static void att_probs(float *s, int r0, int r1, const float *lse_in, float *lse_
   }
 }
 
-static void attention_fwd_f32(backend_t *be, float *out, float *lse, const float *q, const float *k, const float *v,
-                              int b, int t, int h, int kv, int d) {
+/* The keys a block of query rows [r0, r1) sees: [0, nc). */
+static int att_keys(int r1, int tk, long off) {
+  long nc = r1 + off;
+  return nc < 0 ? 0 : nc > tk ? tk : (int)nc;
+}
+
+/* One block: tq query rows at positions q_pos.. against tk keys at k_pos.. (attention_fwd_block's
+ * contract; the whole causal attention when tq = tk and q_pos = k_pos). */
+static void attention_fwd_block_f32(backend_t *be, float *out, float *lse, const float *q, const float *k,
+                                    const float *v, int b, int tq, int tk, int h, int kv, int d, long q_pos,
+                                    long k_pos) {
   cpu_t *cp = cpu_of(be);
-  float *scratch = att_scratch(cp, t);
+  float *scratch = att_scratch(cp, tk);
   if (!scratch) {
-    fill_nan(out, (size_t)b * t * h * d);
+    fill_nan(out, (size_t)b * tq * h * d);
     return;
   }
   size_t per = cp->att_scratch_floats;
   int group = h / kv, nt = cp->threads;
   int qs = h * d, ks = kv * d; /* row strides of q/out and k/v */
   float scale = 1.0f / sqrtf((float)d);
+  long off = q_pos - k_pos;
 #pragma omp parallel for num_threads(nt) schedule(static)
   for (int bh = 0; bh < b * h; bh++) {
     int bi = bh / h, hi = bh % h, ki = hi / group;
     float *s = scratch + per * omp_get_thread_num();
-    const float *qh = q + (size_t)bi * t * qs + (size_t)hi * d; /* (T, D) stride qs */
-    const float *kh = k + (size_t)bi * t * ks + (size_t)ki * d; /* (T, D) stride ks */
-    const float *vh = v + (size_t)bi * t * ks + (size_t)ki * d; /* (T, D) stride ks */
-    float *oh = out + (size_t)bi * t * qs + (size_t)hi * d;     /* (T, D) stride qs */
-    float *lh = lse + ((size_t)bi * h + hi) * t;                /* (T) */
-    for (int r0 = 0; r0 < t; r0 += ATT_BLOCK) {
-      int r1 = r0 + ATT_BLOCK < t ? r0 + ATT_BLOCK : t, mb = r1 - r0, nc = r1;
+    const float *qh = q + (size_t)bi * tq * qs + (size_t)hi * d; /* (tq, D) stride qs */
+    const float *kh = k + (size_t)bi * tk * ks + (size_t)ki * d; /* (tk, D) stride ks */
+    const float *vh = v + (size_t)bi * tk * ks + (size_t)ki * d; /* (tk, D) stride ks */
+    float *oh = out + (size_t)bi * tq * qs + (size_t)hi * d;     /* (tq, D) stride qs */
+    float *lh = lse + ((size_t)bi * h + hi) * tq;                /* (tq) */
+    for (int r0 = 0; r0 < tq; r0 += ATT_BLOCK) {
+      int r1 = r0 + ATT_BLOCK < tq ? r0 + ATT_BLOCK : tq, mb = r1 - r0, nc = att_keys(r1, tk, off);
+      if (nc == 0) { /* rows before every key: nothing seen */
+        for (int i = r0; i < r1; i++) {
+          memset(oh + (size_t)i * qs, 0, (size_t)d * sizeof(float));
+          lh[i] = -INFINITY;
+        }
+        continue;
+      }
       /* s (mb, nc) = scale * q[r0:r1] k[0:nc]^T */
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, mb, nc, d, scale, qh + (size_t)r0 * qs, qs, kh, ks, 0.0f, s,
                   nc);
-      att_probs(s, r0, r1, NULL, lh);
+      att_probs(s, r0, r1, nc, off, NULL, lh);
       /* out[r0:r1] (mb, D) = p v[0:nc] */
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, mb, d, nc, 1.0f, s, nc, vh, ks, 0.0f, oh + (size_t)r0 * qs,
                   qs);
@@ -704,41 +726,49 @@ static void attention_fwd_f32(backend_t *be, float *out, float *lse, const float
   }
 }
 
+static void attention_fwd_f32(backend_t *be, float *out, float *lse, const float *q, const float *k, const float *v,
+                              int b, int t, int h, int kv, int d) {
+  attention_fwd_block_f32(be, out, lse, q, k, v, b, t, t, h, kv, d, 0, 0);
+}
+
 /* Per (batch, kv head) task, over its query heads in order (deterministic dk/dv sums):
  *   p = exp(s - lse), dv += p^T do, dp = do v^T, ds = p * (dp - rowsum(do * o)),
  *   dq += scale ds k, dk += scale ds^T q. */
-static void attention_bwd_f32(backend_t *be, float *dq, float *dk, float *dv, const float *dout, const float *q,
-                              const float *k, const float *v, const float *out, const float *lse, int b, int t, int h,
-                              int kv, int d) {
+static void attention_bwd_block_f32(backend_t *be, float *dq, float *dk, float *dv, const float *dout,
+                                    const float *q, const float *k, const float *v, const float *out,
+                                    const float *lse, int b, int tq, int tk, int h, int kv, int d, long q_pos,
+                                    long k_pos) {
   cpu_t *cp = cpu_of(be);
-  float *scratch = att_scratch(cp, t);
+  float *scratch = att_scratch(cp, tk);
   if (!scratch) {
-    fill_nan(dq, (size_t)b * t * h * d);
+    fill_nan(dq, (size_t)b * tq * h * d);
     return;
   }
   size_t per = cp->att_scratch_floats;
   int group = h / kv, nt = cp->threads;
   int qs = h * d, ks = kv * d;
   float scale = 1.0f / sqrtf((float)d);
+  long off = q_pos - k_pos;
 #pragma omp parallel for num_threads(nt) schedule(static)
   for (int bk = 0; bk < b * kv; bk++) {
     int bi = bk / kv, ki = bk % kv;
-    float *p = scratch + per * omp_get_thread_num(), *dp = p + (size_t)ATT_BLOCK * t;
-    const float *kh = k + (size_t)bi * t * ks + (size_t)ki * d;
-    const float *vh = v + (size_t)bi * t * ks + (size_t)ki * d;
-    float *dkh = dk + (size_t)bi * t * ks + (size_t)ki * d;
-    float *dvh = dv + (size_t)bi * t * ks + (size_t)ki * d;
+    float *p = scratch + per * omp_get_thread_num(), *dp = p + (size_t)ATT_BLOCK * tk;
+    const float *kh = k + (size_t)bi * tk * ks + (size_t)ki * d;
+    const float *vh = v + (size_t)bi * tk * ks + (size_t)ki * d;
+    float *dkh = dk + (size_t)bi * tk * ks + (size_t)ki * d;
+    float *dvh = dv + (size_t)bi * tk * ks + (size_t)ki * d;
     for (int hi = ki * group; hi < (ki + 1) * group; hi++) {
-      const float *qh = q + (size_t)bi * t * qs + (size_t)hi * d;
-      const float *oh = out + (size_t)bi * t * qs + (size_t)hi * d;
-      const float *doh = dout + (size_t)bi * t * qs + (size_t)hi * d;
-      float *dqh = dq + (size_t)bi * t * qs + (size_t)hi * d;
-      const float *lh = lse + ((size_t)bi * h + hi) * t;
-      for (int r0 = 0; r0 < t; r0 += ATT_BLOCK) {
-        int r1 = r0 + ATT_BLOCK < t ? r0 + ATT_BLOCK : t, mb = r1 - r0, nc = r1;
+      const float *qh = q + (size_t)bi * tq * qs + (size_t)hi * d;
+      const float *oh = out + (size_t)bi * tq * qs + (size_t)hi * d;
+      const float *doh = dout + (size_t)bi * tq * qs + (size_t)hi * d;
+      float *dqh = dq + (size_t)bi * tq * qs + (size_t)hi * d;
+      const float *lh = lse + ((size_t)bi * h + hi) * tq;
+      for (int r0 = 0; r0 < tq; r0 += ATT_BLOCK) {
+        int r1 = r0 + ATT_BLOCK < tq ? r0 + ATT_BLOCK : tq, mb = r1 - r0, nc = att_keys(r1, tk, off);
+        if (nc == 0) continue; /* rows before every key of the block: no share of its gradients */
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, mb, nc, d, scale, qh + (size_t)r0 * qs, qs, kh, ks, 0.0f,
                     p, nc);
-        att_probs(p, r0, r1, lh, NULL);
+        att_probs(p, r0, r1, nc, off, lh, NULL);
         /* dv[0:nc] (nc, D) += p^T (nc, mb) do[r0:r1] (mb, D) */
         cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, nc, d, mb, 1.0f, p, nc, doh + (size_t)r0 * qs, qs, 1.0f,
                     dvh, ks);
@@ -763,6 +793,12 @@ static void attention_bwd_f32(backend_t *be, float *dq, float *dk, float *dv, co
       }
     }
   }
+}
+
+static void attention_bwd_f32(backend_t *be, float *dq, float *dk, float *dv, const float *dout, const float *q,
+                              const float *k, const float *v, const float *out, const float *lse, int b, int t, int h,
+                              int kv, int d) {
+  attention_bwd_block_f32(be, dq, dk, dv, dout, q, k, v, out, lse, b, t, t, h, kv, d, 0, 0);
 }
 
 static void cpu_attention_fwd(backend_t *be, void *out, float *lse, const void *q, const void *k, const void *v, int b,
@@ -816,6 +852,75 @@ static void cpu_attention_bwd(backend_t *be, void *dq, void *dk, void *dv, const
   narrow(cp, dq, s[0], nq);
   narrow(cp, dk, s[1], nk);
   narrow(cp, dv, s[2], nk);
+}
+
+/* Blocks of attention for context parallelism (backend.h, attention_fwd_block): bf16 inputs are
+ * widened; the block's out, lse and the gradients are fp32 by contract, so nothing is rounded. */
+static void cpu_attention_fwd_block(backend_t *be, float *out, float *lse, const void *q, const void *k,
+                                    const void *v, int b, int tq, int tk, int h, int kv, int d, long q_pos, long k_pos,
+                                    dtype_t dt) {
+  if (dt == DT_F32) {
+    attention_fwd_block_f32(be, out, lse, q, k, v, b, tq, tk, h, kv, d, q_pos, k_pos);
+    return;
+  }
+  cpu_t *cp = cpu_of(be);
+  size_t nq = (size_t)b * tq * h * d, nk = (size_t)b * tk * kv * d;
+  float *s[3]; /* q, k, v */
+  if (wide_bufs(cp, 3, (size_t[]){nq, nk, nk}, s) != 0) {
+    fill_nan(out, nq);
+    return;
+  }
+  widen(cp, s[0], q, nq);
+  widen(cp, s[1], k, nk);
+  widen(cp, s[2], v, nk);
+  attention_fwd_block_f32(be, out, lse, s[0], s[1], s[2], b, tq, tk, h, kv, d, q_pos, k_pos);
+}
+
+/* out, lse (the running result) and out_b, lse_b (a block's): per row, the weights of the two
+ * are exp(lse - lse_new) and exp(lse_b - lse_new), lse_new = log(exp(lse) + exp(lse_b)). A side
+ * whose lse is -inf has seen no key and weighs exactly 0. */
+static void cpu_attention_merge(backend_t *be, float *out, float *lse, const float *out_b, const float *lse_b, int b,
+                                int t, int h, int d) {
+  int nt = cpu_of(be)->threads;
+#pragma omp parallel for num_threads(nt) schedule(static)
+  for (int bh = 0; bh < b * h; bh++) {
+    int bi = bh / h, hi = bh % h;
+    for (int i = 0; i < t; i++) {
+      float *l = lse + (size_t)bh * t + i;
+      float lb = lse_b[(size_t)bh * t + i];
+      if (lb == -INFINITY) continue;
+      float *o = out + ((size_t)bi * t + i) * h * d + (size_t)hi * d;
+      const float *ob = out_b + ((size_t)bi * t + i) * h * d + (size_t)hi * d;
+      float mx = *l > lb ? *l : lb;
+      double wa = *l == -INFINITY ? 0.0 : exp((double)*l - mx), wb = exp((double)lb - mx), sum = wa + wb;
+      float fa = (float)(wa / sum), fb = (float)(wb / sum);
+      for (int j = 0; j < d; j++)
+        o[j] = fa * o[j] + fb * ob[j];
+      *l = mx + (float)log(sum);
+    }
+  }
+}
+
+static void cpu_attention_bwd_block(backend_t *be, float *dq, float *dk, float *dv, const void *dout, const void *q,
+                                    const void *k, const void *v, const void *out, const float *lse, int b, int tq,
+                                    int tk, int h, int kv, int d, long q_pos, long k_pos, dtype_t dt) {
+  if (dt == DT_F32) {
+    attention_bwd_block_f32(be, dq, dk, dv, dout, q, k, v, out, lse, b, tq, tk, h, kv, d, q_pos, k_pos);
+    return;
+  }
+  cpu_t *cp = cpu_of(be);
+  const size_t nq = (size_t)b * tq * h * d, nk = (size_t)b * tk * kv * d;
+  float *s[5]; /* dout, q, k, v, out */
+  if (wide_bufs(cp, 5, (size_t[]){nq, nq, nk, nk, nq}, s) != 0) {
+    fill_nan(dq, nq);
+    return;
+  }
+  widen(cp, s[0], dout, nq);
+  widen(cp, s[1], q, nq);
+  widen(cp, s[2], k, nk);
+  widen(cp, s[3], v, nk);
+  widen(cp, s[4], out, nq);
+  attention_bwd_block_f32(be, dq, dk, dv, s[0], s[1], s[2], s[3], s[4], lse, b, tq, tk, h, kv, d, q_pos, k_pos);
 }
 
 /* ------------------------------------------------------------------ SwiGLU */
@@ -1148,6 +1253,9 @@ backend_t *backend_cpu_create(int threads, char *err, size_t errlen) {
   be->rope_bwd = cpu_rope_bwd;
   be->attention_fwd = cpu_attention_fwd;
   be->attention_bwd = cpu_attention_bwd;
+  be->attention_fwd_block = cpu_attention_fwd_block;
+  be->attention_merge = cpu_attention_merge;
+  be->attention_bwd_block = cpu_attention_bwd_block;
   be->swiglu_fwd = cpu_swiglu_fwd;
   be->swiglu_bwd = cpu_swiglu_bwd;
   be->cross_entropy = cpu_cross_entropy;

@@ -227,6 +227,40 @@ static void w_attention_bwd(backend_t *be, void *dq, void *dk, void *dv, const v
   prof_end(t0, "attention_bwd", 5.0 * b * h * (double)t * t * d, "b%d t%d h%d kv%d d%d %s", b, t, h, kv, d, DT(dt));
 }
 
+/* The pairs (query, key) a block of attention computes: the causal part of the tq x tk square. */
+static double att_block_pairs(int tq, int tk, long q_pos, long k_pos) {
+  double pairs = 0;
+  for (int i = 0; i < tq; i++) {
+    long seen = q_pos + i - k_pos + 1;
+    pairs += seen < 0 ? 0 : seen > tk ? tk : seen;
+  }
+  return pairs;
+}
+
+static void w_attention_fwd_block(backend_t *be, float *out, float *lse, const void *q, const void *k, const void *v,
+                                  int b, int tq, int tk, int h, int kv, int d, long q_pos, long k_pos, dtype_t dt) {
+  double t0 = prof_begin();
+  P.orig.attention_fwd_block(be, out, lse, q, k, v, b, tq, tk, h, kv, d, q_pos, k_pos, dt);
+  prof_end(t0, "attention_fwd_block", 4.0 * b * h * att_block_pairs(tq, tk, q_pos, k_pos) * d,
+           "b%d tq%d tk%d h%d kv%d d%d q%ld k%ld %s", b, tq, tk, h, kv, d, q_pos, k_pos, DT(dt));
+}
+
+static void w_attention_merge(backend_t *be, float *out, float *lse, const float *out_b, const float *lse_b, int b,
+                              int t, int h, int d) {
+  double t0 = prof_begin();
+  P.orig.attention_merge(be, out, lse, out_b, lse_b, b, t, h, d);
+  prof_end(t0, "attention_merge", 0, "b%d t%d h%d d%d", b, t, h, d);
+}
+
+static void w_attention_bwd_block(backend_t *be, float *dq, float *dk, float *dv, const void *dout, const void *q,
+                                  const void *k, const void *v, const void *out, const float *lse, int b, int tq,
+                                  int tk, int h, int kv, int d, long q_pos, long k_pos, dtype_t dt) {
+  double t0 = prof_begin();
+  P.orig.attention_bwd_block(be, dq, dk, dv, dout, q, k, v, out, lse, b, tq, tk, h, kv, d, q_pos, k_pos, dt);
+  prof_end(t0, "attention_bwd_block", 10.0 * b * h * att_block_pairs(tq, tk, q_pos, k_pos) * d,
+           "b%d tq%d tk%d h%d kv%d d%d q%ld k%ld %s", b, tq, tk, h, kv, d, q_pos, k_pos, DT(dt));
+}
+
 static void w_swiglu_fwd(backend_t *be, void *out, const void *a, const void *g, size_t n, dtype_t dt) {
   double t0 = prof_begin();
   P.orig.swiglu_fwd(be, out, a, g, n, dt);
@@ -315,6 +349,9 @@ int opprof_install(backend_t *be, int step, FILE *out) {
   be->rope_bwd = w_rope_bwd;
   be->attention_fwd = w_attention_fwd;
   be->attention_bwd = w_attention_bwd;
+  if (be->attention_fwd_block) be->attention_fwd_block = w_attention_fwd_block; /* NULL stays NULL */
+  if (be->attention_merge) be->attention_merge = w_attention_merge;
+  if (be->attention_bwd_block) be->attention_bwd_block = w_attention_bwd_block;
   be->swiglu_fwd = w_swiglu_fwd;
   be->swiglu_bwd = w_swiglu_bwd;
   be->cross_entropy = w_cross_entropy;
