@@ -779,6 +779,92 @@ static void test_attention_bf16(void **state) {
   attention_case(1, 512, 4, 2, 128, DT_BF16);
 }
 
+/* ------------------------------------------------------------------ blocks of ring attention */
+
+/* A block's lse: the rows that see no key are -inf on both sides, the rest within tol of the
+ * cpu's relative to max|cpu|. */
+static void lse_check(const char *what, const pair_t *p, double tol) {
+  float *h = pair_fetch(p);
+  const float *c = p->c;
+  size_t inf_mismatch = 0, n_inf = 0;
+  double maxref = 0.0, maxdiff = 0.0;
+  for (size_t i = 0; i < p->n; i++) {
+    int ci = c[i] == -INFINITY, gi = h[i] == -INFINITY;
+    n_inf += ci;
+    if (ci || gi) {
+      inf_mismatch += ci != gi;
+      continue;
+    }
+    maxref = fmax(maxref, fabs((double)c[i]));
+    maxdiff = fmax(maxdiff, fabs((double)h[i] - c[i]));
+  }
+  double rel = maxref > 0.0 ? maxdiff / maxref : maxdiff;
+  printf("  %-44s %zu rows -inf (%zu where the other side is not); rel %.3e (tolerance %.0e)\n", what, n_inf,
+         inf_mismatch, rel, tol);
+  free(h);
+  assert_int_equal(inf_mismatch, 0);
+  assert_true(rel <= tol);
+}
+
+/* One block (queries at q_pos, keys at k_pos), the merge into a running result, and the block's
+ * backward accumulated into gradients that hold values already: cuda against cpu. The inputs
+ * are dt; outputs, the running result and the gradients fp32 (backend.h). */
+static void attention_block_case(int b, int tq, int tk, int h, int kv, int d, long q_pos, long k_pos, dtype_t dt) {
+  char what[160];
+  char shape[96];
+  snprintf(shape, sizeof shape, "%s b=%d tq=%d tk=%d h=%d kv=%d d=%d q@%ld k@%ld", dtype_name(dt), b, tq, tk, h, kv, d,
+           q_pos, k_pos);
+  size_t nq = (size_t)b * tq * h * d, nk = (size_t)b * tk * kv * d, nl = (size_t)b * h * tq;
+  pair_t q = pair_new_dt(nq, -2.0f, 2.0f, dt), k = pair_new_dt(nk, -2.0f, 2.0f, dt), v = pair_new_dt(nk, -1.0f, 1.0f, dt);
+  pair_t ob = pair_new(nq, 0.0f, 1.0f), lb = pair_new(nl, 0.0f, 1.0f);
+  cpu->attention_fwd_block(cpu, ob.c, lb.c, q.c, k.c, v.c, b, tq, tk, h, kv, d, q_pos, k_pos, dt);
+  gpu->attention_fwd_block(gpu, ob.g, lb.g, q.g, k.g, v.g, b, tq, tk, h, kv, d, q_pos, k_pos, dt);
+  snprintf(what, sizeof what, "attention_fwd_block %s out", shape);
+  pair_check(what, &ob, TOL_FP32);
+  snprintf(what, sizeof what, "attention_fwd_block %s lse", shape);
+  lse_check(what, &lb, TOL_FP32);
+
+  /* merge into a running result with finite lse (both sides from the cpu's block) */
+  gpu->to_device(gpu, ob.g, ob.c, pair_bytes(&ob));
+  gpu->to_device(gpu, lb.g, lb.c, pair_bytes(&lb));
+  pair_t run = pair_new(nq, -1.0f, 1.0f), rl = pair_new(nl, -1.0f, 3.0f);
+  cpu->attention_merge(cpu, run.c, rl.c, ob.c, lb.c, b, tq, h, d);
+  gpu->attention_merge(gpu, run.g, rl.g, ob.g, lb.g, b, tq, h, d);
+  snprintf(what, sizeof what, "attention_merge %s out", shape);
+  pair_check(what, &run, TOL_FP32);
+  snprintf(what, sizeof what, "attention_merge %s lse", shape);
+  lse_check(what, &rl, TOL_FP32);
+
+  /* backward with a whole row's out (dt) and finite lse, accumulating into non-zero gradients */
+  pair_t out = pair_new_dt(nq, -1.0f, 1.0f, dt), lse = pair_new(nl, 1.0f, 4.0f), dout = pair_new_dt(nq, -1.0f, 1.0f, dt);
+  pair_t dq = pair_new(nq, -1.0f, 1.0f), dk = pair_new(nk, -1.0f, 1.0f), dv = pair_new(nk, -1.0f, 1.0f);
+  cpu->attention_bwd_block(cpu, dq.c, dk.c, dv.c, dout.c, q.c, k.c, v.c, out.c, lse.c, b, tq, tk, h, kv, d, q_pos,
+                           k_pos, dt);
+  gpu->attention_bwd_block(gpu, dq.g, dk.g, dv.g, dout.g, q.g, k.g, v.g, out.g, lse.g, b, tq, tk, h, kv, d, q_pos,
+                           k_pos, dt);
+  const char *names[3] = {"dq", "dk", "dv"};
+  pair_t *grads[3] = {&dq, &dk, &dv};
+  for (int i = 0; i < 3; i++) {
+    snprintf(what, sizeof what, "attention_bwd_block %s %s", shape, names[i]);
+    pair_check(what, grads[i], TOL_FP32);
+  }
+  pair_t *all[] = {&q, &k, &v, &ob, &lb, &run, &rl, &out, &lse, &dout, &dq, &dk, &dv};
+  for (size_t i = 0; i < sizeof all / sizeof *all; i++) pair_free(all[i]);
+}
+
+/* A past block (every key seen), a diagonal one, one where the first rows see no key and the
+ * tiles straddle, and a future one (nothing seen, nothing accumulated); fp32 and bf16 inputs. */
+static void test_attention_blocks(void **state) {
+  (void)state;
+  for (int i = 0; i < 2; i++) {
+    dtype_t dt = i ? DT_BF16 : DT_F32;
+    attention_block_case(2, 100, 100, 4, 2, 64, 100, 0, dt);
+    attention_block_case(1, 96, 96, 8, 8, 128, 192, 192, dt);
+    attention_block_case(2, 70, 90, 6, 2, 40, 32, 64, dt);
+    attention_block_case(1, 64, 64, 4, 1, 16, 0, 128, dt);
+  }
+}
+
 /* cuDNN's fused flash attention (model.attention cudnn) against the cpu's bf16 kernel, each
  * backward from its own forward's out and lse. cuDNN multiplies the probabilities by V and
  * dout in bf16 (they are rounded to bf16 first), where ours keeps them fp32, so its outputs
@@ -1072,6 +1158,7 @@ int main(void) {
       cmocka_unit_test(test_rope_bf16),
       cmocka_unit_test(test_attention_bf16),
       cmocka_unit_test(test_attention_cudnn),
+      cmocka_unit_test(test_attention_blocks),
       cmocka_unit_test(test_cross_entropy_bf16),
       cmocka_unit_test(test_adamw_bf16),
       cmocka_unit_test(test_adamw_multi),

@@ -942,10 +942,15 @@ __device__ __forceinline__ void att_accum(float (*acc)[att_dims<DP>::DPL], const
   }
 }
 
-/* Forward: block (query tile, head, batch); the heaviest tiles (last queries) start first. */
-template <int DP, typename T>
-__global__ void __launch_bounds__(ATT_THREADS) attn_fwd_kernel(T *out, float *lse, const T *q, const T *k, const T *v,
-                                                                int t, int h, int kv, int d, float scale) {
+/* Forward: block (query tile, head, batch); the heaviest tiles (last queries) start first.
+ * tq queries against tk keys, query i seeing key j when j <= i + off (off: the queries' first
+ * position minus the keys'; the whole causal attention is tq = tk, off 0). Out is O: the
+ * tensors' type, or fp32 for a block of ring attention, whose rows that see no key get 0 and
+ * lse -inf. */
+template <int DP, typename T, typename O>
+__global__ void __launch_bounds__(ATT_THREADS) attn_fwd_kernel(O *out, float *lse, const T *q, const T *k, const T *v,
+                                                                int tq, int tk, int off, int h, int kv, int d,
+                                                                float scale) {
   constexpr int DS = att_dims<DP>::DS, DPL = att_dims<DP>::DPL;
   extern __shared__ float4 att_smem4[];
   float *Qs = (float *)att_smem4;        /* (32, DP)  queries, broadcast rows */
@@ -955,10 +960,10 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_fwd_kernel(T *out, float *ls
   int qt = gridDim.x - 1 - blockIdx.x, hi = blockIdx.y, bi = blockIdx.z, ki = hi / (h / kv);
   int q0 = qt * ATT_TILE, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   size_t qs = (size_t)h * d, ks = (size_t)kv * d;
-  const T *qb = q + (size_t)bi * t * qs + (size_t)hi * d;
-  const T *kb = k + (size_t)bi * t * ks + (size_t)ki * d;
-  const T *vb = v + (size_t)bi * t * ks + (size_t)ki * d;
-  att_load_tile<DP>(Qs, DP, qb, qs, q0, t, d);
+  const T *qb = q + (size_t)bi * tq * qs + (size_t)hi * d;
+  const T *kb = k + (size_t)bi * tk * ks + (size_t)ki * d;
+  const T *vb = v + (size_t)bi * tk * ks + (size_t)ki * d;
+  att_load_tile<DP>(Qs, DP, qb, qs, q0, tq, d);
   const float *myq = Qs + warp * ATT_ROWS * DP;
   float *myp = Ps + warp * ATT_ROWS * ATT_TILE;
   int qrow0 = q0 + warp * ATT_ROWS;
@@ -970,11 +975,11 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_fwd_kernel(T *out, float *ls
 #pragma unroll
     for (int i = 0; i < DPL; i++) o[r][i] = 0.0f;
   }
-  int last = min(q0 + ATT_TILE - 1, t - 1);
+  int last = min(q0 + ATT_TILE - 1 + off, tk - 1);
   for (int k0 = 0; k0 <= last; k0 += ATT_TILE) {
     __syncthreads(); /* the previous tiles are no longer read */
-    att_load_tile<DP>(Ks, DS, kb, ks, k0, t, d);
-    att_load_tile<DP>(Vs, DP, vb, ks, k0, t, d);
+    att_load_tile<DP>(Ks, DS, kb, ks, k0, tk, d);
+    att_load_tile<DP>(Vs, DP, vb, ks, k0, tk, d);
     __syncthreads();
     float s[ATT_ROWS];
 #pragma unroll
@@ -984,7 +989,7 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_fwd_kernel(T *out, float *ls
 #pragma unroll
     for (int r = 0; r < ATT_ROWS; r++) {
       int qi = qrow0 + r;
-      bool valid = qi < t && j <= qi;
+      bool valid = qi < tq && j < tk && j <= qi + off;
       float x = valid ? s[r] * scale : -INFINITY;
       float mnew = fmaxf(m[r], warp_max(x));
       float p = 0.0f, corr = 1.0f;
@@ -1002,18 +1007,19 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_fwd_kernel(T *out, float *ls
     att_accum<DP>(o, myp, Vs, DP, lane);
     __syncwarp();
   }
-  T *ob = out + (size_t)bi * t * qs + (size_t)hi * d;
-  float *lb = lse + ((size_t)bi * h + hi) * t;
+  O *ob = out + (size_t)bi * tq * qs + (size_t)hi * d;
+  float *lb = lse + ((size_t)bi * h + hi) * tq;
 #pragma unroll
   for (int r = 0; r < ATT_ROWS; r++) {
     int qi = qrow0 + r;
-    if (qi >= t) continue;
-    if (lane == 0) lb[qi] = m[r] + logf(l[r]);
-    float inv = 1.0f / l[r];
+    if (qi >= tq) continue;
+    bool seen = l[r] > 0.0f; /* a row before every key of a block saw none */
+    if (lane == 0) lb[qi] = seen ? m[r] + logf(l[r]) : -INFINITY;
+    float inv = seen ? 1.0f / l[r] : 0.0f;
 #pragma unroll
     for (int i = 0; i < DPL; i++) {
       int dd = lane + 32 * i;
-      if (dd < d) ob[(size_t)qi * qs + dd] = narrow<T>(o[r][i] * inv);
+      if (dd < d) ob[(size_t)qi * qs + dd] = narrow<O>(o[r][i] * inv);
     }
   }
 }
@@ -1036,11 +1042,13 @@ __global__ void attn_delta_kernel(float *delta, const T *out, const T *dout, int
 }
 
 /* dq: block (query tile, head, batch), over the key tiles up to the diagonal:
- * p = exp(scale q.k - lse), ds = p (do.v - delta), dq += scale ds k. */
-template <int DP, typename T>
-__global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dq_kernel(T *dq, const T *dout, const T *q, const T *k,
+ * p = exp(scale q.k - lse), ds = p (do.v - delta), dq += scale ds k. Geometry as the forward's;
+ * dq is G: the tensors' type, or fp32 for a block of ring attention. */
+template <int DP, typename T, typename G>
+__global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dq_kernel(G *dq, const T *dout, const T *q, const T *k,
                                                                    const T *v, const float *lse, const float *delta,
-                                                                   int t, int h, int kv, int d, float scale) {
+                                                                   int tq, int tk, int off, int h, int kv, int d,
+                                                                   float scale) {
   constexpr int DS = att_dims<DP>::DS, DPL = att_dims<DP>::DPL;
   extern __shared__ float4 att_smem4[];
   float *Qs = (float *)att_smem4;   /* (32, DP) */
@@ -1051,29 +1059,29 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dq_kernel(T *dq, const T
   int qt = gridDim.x - 1 - blockIdx.x, hi = blockIdx.y, bi = blockIdx.z, ki = hi / (h / kv);
   int q0 = qt * ATT_TILE, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   size_t qs = (size_t)h * d, ks = (size_t)kv * d;
-  const T *qb = q + (size_t)bi * t * qs + (size_t)hi * d;
-  const T *gb = dout + (size_t)bi * t * qs + (size_t)hi * d;
-  const T *kb = k + (size_t)bi * t * ks + (size_t)ki * d;
-  const T *vb = v + (size_t)bi * t * ks + (size_t)ki * d;
-  const float *lb = lse + ((size_t)bi * h + hi) * t, *db = delta + ((size_t)bi * h + hi) * t;
-  att_load_tile<DP>(Qs, DP, qb, qs, q0, t, d);
-  att_load_tile<DP>(dOs, DP, gb, qs, q0, t, d);
+  const T *qb = q + (size_t)bi * tq * qs + (size_t)hi * d;
+  const T *gb = dout + (size_t)bi * tq * qs + (size_t)hi * d;
+  const T *kb = k + (size_t)bi * tk * ks + (size_t)ki * d;
+  const T *vb = v + (size_t)bi * tk * ks + (size_t)ki * d;
+  const float *lb = lse + ((size_t)bi * h + hi) * tq, *db = delta + ((size_t)bi * h + hi) * tq;
+  att_load_tile<DP>(Qs, DP, qb, qs, q0, tq, d);
+  att_load_tile<DP>(dOs, DP, gb, qs, q0, tq, d);
   int qrow0 = q0 + warp * ATT_ROWS;
   float lr[ATT_ROWS], dr[ATT_ROWS], acc[ATT_ROWS][DPL];
 #pragma unroll
   for (int r = 0; r < ATT_ROWS; r++) {
     int qi = qrow0 + r;
-    lr[r] = qi < t ? lb[qi] : 0.0f;
-    dr[r] = qi < t ? db[qi] : 0.0f;
+    lr[r] = qi < tq ? lb[qi] : 0.0f;
+    dr[r] = qi < tq ? db[qi] : 0.0f;
 #pragma unroll
     for (int i = 0; i < DPL; i++) acc[r][i] = 0.0f;
   }
   float *myds = dSs + warp * ATT_ROWS * ATT_TILE;
-  int last = min(q0 + ATT_TILE - 1, t - 1);
+  int last = min(q0 + ATT_TILE - 1 + off, tk - 1);
   for (int k0 = 0; k0 <= last; k0 += ATT_TILE) {
     __syncthreads();
-    att_load_tile<DP>(Ks, DS, kb, ks, k0, t, d);
-    att_load_tile<DP>(Vs, DS, vb, ks, k0, t, d);
+    att_load_tile<DP>(Ks, DS, kb, ks, k0, tk, d);
+    att_load_tile<DP>(Vs, DS, vb, ks, k0, tk, d);
     __syncthreads();
     float s[ATT_ROWS], dp[ATT_ROWS];
 #pragma unroll
@@ -1084,7 +1092,7 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dq_kernel(T *dq, const T
 #pragma unroll
     for (int r = 0; r < ATT_ROWS; r++) {
       int qi = qrow0 + r;
-      bool valid = qi < t && j <= qi;
+      bool valid = qi < tq && j < tk && j <= qi + off;
       float p = valid ? expf(s[r] * scale - lr[r]) : 0.0f;
       myds[r * ATT_TILE + lane] = p * (dp[r] - dr[r]);
     }
@@ -1092,29 +1100,30 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dq_kernel(T *dq, const T
     att_accum<DP>(acc, myds, Ks, DS, lane);
     __syncwarp();
   }
-  T *dqb = dq + (size_t)bi * t * qs + (size_t)hi * d;
+  G *dqb = dq + (size_t)bi * tq * qs + (size_t)hi * d;
 #pragma unroll
   for (int r = 0; r < ATT_ROWS; r++) {
     int qi = qrow0 + r;
-    if (qi >= t) continue;
+    if (qi >= tq) continue;
 #pragma unroll
     for (int i = 0; i < DPL; i++) {
       int dd = lane + 32 * i;
       if (dd < d) {
-        T *p = dqb + (size_t)qi * qs + dd;
-        *p = narrow<T>(widen(*p) + scale * acc[r][i]);
+        G *p = dqb + (size_t)qi * qs + dd;
+        *p = narrow<G>(widen(*p) + scale * acc[r][i]);
       }
     }
   }
 }
 
 /* dk, dv: block (key tile, kv head, batch), over the group's query heads in order and, for each,
- * the query tiles from the diagonal on: dv += p^T do, dk += scale ds^T q. */
-template <int DP, typename T>
-__global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dkdv_kernel(T *dk, T *dv, const T *dout, const T *q,
+ * the query tiles from the diagonal on: dv += p^T do, dk += scale ds^T q. Geometry as the
+ * forward's; dk and dv are G. */
+template <int DP, typename T, typename G>
+__global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dkdv_kernel(G *dk, G *dv, const T *dout, const T *q,
                                                                      const T *k, const T *v, const float *lse,
-                                                                     const float *delta, int t, int h, int kv, int d,
-                                                                     float scale) {
+                                                                     const float *delta, int tq, int tk, int off,
+                                                                     int h, int kv, int d, float scale) {
   constexpr int DS = att_dims<DP>::DS, DPL = att_dims<DP>::DPL;
   extern __shared__ float4 att_smem4[];
   float *Ks = (float *)att_smem4;   /* (32, DP) keys, broadcast rows */
@@ -1128,10 +1137,12 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dkdv_kernel(T *dk, T *dv
   int kt = blockIdx.x, ki = blockIdx.y, bi = blockIdx.z, group = h / kv;
   int k0 = kt * ATT_TILE, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   size_t qs = (size_t)h * d, ks = (size_t)kv * d;
-  const T *kb = k + (size_t)bi * t * ks + (size_t)ki * d;
-  const T *vb = v + (size_t)bi * t * ks + (size_t)ki * d;
-  att_load_tile<DP>(Ks, DP, kb, ks, k0, t, d);
-  att_load_tile<DP>(Vs, DP, vb, ks, k0, t, d);
+  const T *kb = k + (size_t)bi * tk * ks + (size_t)ki * d;
+  const T *vb = v + (size_t)bi * tk * ks + (size_t)ki * d;
+  att_load_tile<DP>(Ks, DP, kb, ks, k0, tk, d);
+  att_load_tile<DP>(Vs, DP, vb, ks, k0, tk, d);
+  /* the first query tile with a query that sees key k0 (k0 itself when off = 0) */
+  int first = k0 - off > 0 ? (k0 - off) / ATT_TILE * ATT_TILE : 0;
   int krow0 = k0 + warp * ATT_ROWS;
   float dka[ATT_ROWS][DPL], dva[ATT_ROWS][DPL];
 #pragma unroll
@@ -1140,17 +1151,17 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dkdv_kernel(T *dk, T *dv
     for (int i = 0; i < DPL; i++) dka[r][i] = 0.0f, dva[r][i] = 0.0f;
   float *myp = Pss + warp * ATT_ROWS * ATT_TILE, *myds = dSs + warp * ATT_ROWS * ATT_TILE;
   for (int hi = ki * group; hi < (ki + 1) * group; hi++) {
-    const T *qb = q + (size_t)bi * t * qs + (size_t)hi * d;
-    const T *gb = dout + (size_t)bi * t * qs + (size_t)hi * d;
-    const float *lb = lse + ((size_t)bi * h + hi) * t, *db = delta + ((size_t)bi * h + hi) * t;
-    for (int q0 = k0; q0 < t; q0 += ATT_TILE) {
+    const T *qb = q + (size_t)bi * tq * qs + (size_t)hi * d;
+    const T *gb = dout + (size_t)bi * tq * qs + (size_t)hi * d;
+    const float *lb = lse + ((size_t)bi * h + hi) * tq, *db = delta + ((size_t)bi * h + hi) * tq;
+    for (int q0 = first; q0 < tq; q0 += ATT_TILE) {
       __syncthreads();
-      att_load_tile<DP>(Qs, DS, qb, qs, q0, t, d);
-      att_load_tile<DP>(dOs, DS, gb, qs, q0, t, d);
+      att_load_tile<DP>(Qs, DS, qb, qs, q0, tq, d);
+      att_load_tile<DP>(dOs, DS, gb, qs, q0, tq, d);
       if (threadIdx.x < ATT_TILE) {
         int qi = q0 + threadIdx.x;
-        Ls[threadIdx.x] = qi < t ? lb[qi] : 0.0f;
-        Dls[threadIdx.x] = qi < t ? db[qi] : 0.0f;
+        Ls[threadIdx.x] = qi < tq ? lb[qi] : 0.0f;
+        Dls[threadIdx.x] = qi < tq ? db[qi] : 0.0f;
       }
       __syncthreads();
       float s[ATT_ROWS], dp[ATT_ROWS];
@@ -1163,7 +1174,7 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dkdv_kernel(T *dk, T *dv
 #pragma unroll
       for (int r = 0; r < ATT_ROWS; r++) {
         int kj = krow0 + r;
-        bool valid = qi < t && kj <= qi;
+        bool valid = qi < tq && kj < tk && kj <= qi + off;
         float p = valid ? expf(s[r] * scale - lq) : 0.0f;
         myp[r * ATT_TILE + lane] = p;
         myds[r * ATT_TILE + lane] = p * (dp[r] - dlt);
@@ -1174,19 +1185,19 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dkdv_kernel(T *dk, T *dv
       __syncwarp();
     }
   }
-  T *dkb = dk + (size_t)bi * t * ks + (size_t)ki * d;
-  T *dvb = dv + (size_t)bi * t * ks + (size_t)ki * d;
+  G *dkb = dk + (size_t)bi * tk * ks + (size_t)ki * d;
+  G *dvb = dv + (size_t)bi * tk * ks + (size_t)ki * d;
 #pragma unroll
   for (int r = 0; r < ATT_ROWS; r++) {
     int kj = krow0 + r;
-    if (kj >= t) continue;
+    if (kj >= tk) continue;
 #pragma unroll
     for (int i = 0; i < DPL; i++) {
       int dd = lane + 32 * i;
       if (dd < d) {
-        T *pk = dkb + (size_t)kj * ks + dd, *pv = dvb + (size_t)kj * ks + dd;
-        *pk = narrow<T>(widen(*pk) + scale * dka[r][i]);
-        *pv = narrow<T>(widen(*pv) + dva[r][i]);
+        G *pk = dkb + (size_t)kj * ks + dd, *pv = dvb + (size_t)kj * ks + dd;
+        *pk = narrow<G>(widen(*pk) + scale * dka[r][i]);
+        *pv = narrow<G>(widen(*pv) + dva[r][i]);
       }
     }
   }
@@ -1207,50 +1218,59 @@ static size_t att_dkdv_smem(void) {
                                   2 * ATT_WARPS * ATT_ROWS * ATT_TILE + 2 * ATT_TILE);
 }
 
-/* Raises one storage type's kernels' dynamic shared-memory limits (above 48 KB needs it). 0, or
- * -1 when the device refuses. */
-template <int DP, typename T>
+/* Raises the dynamic shared-memory limits (above 48 KB needs it) of the kernels for tensors of
+ * type T with outputs and gradients of type O. 0, or -1 when the device refuses. */
+template <int DP, typename T, typename O>
 static int att_setup_t(void) {
-  if (cudaFuncSetAttribute(attn_fwd_kernel<DP, T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  if (cudaFuncSetAttribute(attn_fwd_kernel<DP, T, O>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            (int)att_fwd_smem<DP>()) != cudaSuccess ||
-      cudaFuncSetAttribute(attn_bwd_dq_kernel<DP, T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+      cudaFuncSetAttribute(attn_bwd_dq_kernel<DP, T, O>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            (int)att_dq_smem<DP>()) != cudaSuccess ||
-      cudaFuncSetAttribute(attn_bwd_dkdv_kernel<DP, T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+      cudaFuncSetAttribute(attn_bwd_dkdv_kernel<DP, T, O>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            (int)att_dkdv_smem<DP>()) != cudaSuccess)
     return -1;
   return 0;
 }
 
-/* At create, for fp32 and bf16 tensors alike (the tiles are fp32 in both). 0, or -1 when the
- * device's shared memory is too small for the tiles of head size DP. */
+/* At create, for fp32 and bf16 tensors alike (the tiles are fp32 in both), and bf16 tensors
+ * with fp32 outputs (the blocks of ring attention). 0, or -1 when the device's shared memory is
+ * too small for the tiles of head size DP. */
 template <int DP>
 static int att_setup(cuda_t *cu) {
   size_t need = att_dkdv_smem<DP>();
   if (att_fwd_smem<DP>() > need) need = att_fwd_smem<DP>();
   if (att_dq_smem<DP>() > need) need = att_dq_smem<DP>();
   if (need > cu->smem_optin) return -1;
-  return (att_setup_t<DP, float>() || att_setup_t<DP, nv_bfloat16>()) ? -1 : 0;
+  return (att_setup_t<DP, float, float>() || att_setup_t<DP, nv_bfloat16, nv_bfloat16>() ||
+          att_setup_t<DP, nv_bfloat16, float>())
+             ? -1
+             : 0;
 }
 
-template <int DP, typename T>
-static void att_fwd_launch(cuda_t *cu, T *out, float *lse, const T *q, const T *k, const T *v, int b, int t, int h,
-                           int kv, int d) {
-  dim3 grid((unsigned)((t + ATT_TILE - 1) / ATT_TILE), (unsigned)h, (unsigned)b);
-  attn_fwd_kernel<DP, T><<<grid, ATT_THREADS, att_fwd_smem<DP>(), cu->stream>>>(out, lse, q, k, v, t, h, kv, d,
-                                                                                1.0f / sqrtf((float)d));
+/* A call's geometry: tq queries against tk keys, query i seeing key j when j <= i + off. */
+typedef struct {
+  int b, tq, tk, off, h, kv, d;
+} att_geom_t;
+
+template <int DP, typename T, typename O>
+static void att_fwd_launch(cuda_t *cu, O *out, float *lse, const T *q, const T *k, const T *v, att_geom_t g) {
+  dim3 grid((unsigned)((g.tq + ATT_TILE - 1) / ATT_TILE), (unsigned)g.h, (unsigned)g.b);
+  attn_fwd_kernel<DP, T, O><<<grid, ATT_THREADS, att_fwd_smem<DP>(), cu->stream>>>(
+      out, lse, q, k, v, g.tq, g.tk, g.off, g.h, g.kv, g.d, 1.0f / sqrtf((float)g.d));
   LAUNCH_CHECK("attn_fwd_kernel");
 }
 
-template <int DP, typename T>
-static void att_bwd_launch(cuda_t *cu, T *dq, T *dk, T *dv, const T *dout, const T *q, const T *k, const T *v,
-                           const float *lse, const float *delta, int b, int t, int h, int kv, int d) {
-  unsigned tiles = (unsigned)((t + ATT_TILE - 1) / ATT_TILE);
-  float scale = 1.0f / sqrtf((float)d);
-  attn_bwd_dq_kernel<DP, T><<<dim3(tiles, (unsigned)h, (unsigned)b), ATT_THREADS, att_dq_smem<DP>(), cu->stream>>>(
-      dq, dout, q, k, v, lse, delta, t, h, kv, d, scale);
+template <int DP, typename T, typename G>
+static void att_bwd_launch(cuda_t *cu, G *dq, G *dk, G *dv, const T *dout, const T *q, const T *k, const T *v,
+                           const float *lse, const float *delta, att_geom_t g) {
+  unsigned qtiles = (unsigned)((g.tq + ATT_TILE - 1) / ATT_TILE), ktiles = (unsigned)((g.tk + ATT_TILE - 1) / ATT_TILE);
+  float scale = 1.0f / sqrtf((float)g.d);
+  attn_bwd_dq_kernel<DP, T, G><<<dim3(qtiles, (unsigned)g.h, (unsigned)g.b), ATT_THREADS, att_dq_smem<DP>(),
+                                 cu->stream>>>(dq, dout, q, k, v, lse, delta, g.tq, g.tk, g.off, g.h, g.kv, g.d, scale);
   LAUNCH_CHECK("attn_bwd_dq_kernel");
-  attn_bwd_dkdv_kernel<DP, T><<<dim3(tiles, (unsigned)kv, (unsigned)b), ATT_THREADS, att_dkdv_smem<DP>(), cu->stream>>>(
-      dk, dv, dout, q, k, v, lse, delta, t, h, kv, d, scale);
+  attn_bwd_dkdv_kernel<DP, T, G><<<dim3(ktiles, (unsigned)g.kv, (unsigned)g.b), ATT_THREADS, att_dkdv_smem<DP>(),
+                                   cu->stream>>>(dk, dv, dout, q, k, v, lse, delta, g.tq, g.tk, g.off, g.h, g.kv, g.d,
+                                                 scale);
   LAUNCH_CHECK("attn_bwd_dkdv_kernel");
 }
 
@@ -1262,26 +1282,27 @@ static void att_check_dims(int h, int kv, int d) {
   }
 }
 
-template <typename T>
-static void att_fwd_typed(cuda_t *cu, T *out, float *lse, const T *q, const T *k, const T *v, int b, int t, int h,
-                          int kv, int d) {
-  if (d <= 16) att_fwd_launch<16, T>(cu, out, lse, q, k, v, b, t, h, kv, d);
-  else if (d <= 32) att_fwd_launch<32, T>(cu, out, lse, q, k, v, b, t, h, kv, d);
-  else if (d <= 64) att_fwd_launch<64, T>(cu, out, lse, q, k, v, b, t, h, kv, d);
-  else att_fwd_launch<128, T>(cu, out, lse, q, k, v, b, t, h, kv, d);
+template <typename T, typename O>
+static void att_fwd_typed(cuda_t *cu, O *out, float *lse, const T *q, const T *k, const T *v, att_geom_t g) {
+  if (g.d <= 16) att_fwd_launch<16, T, O>(cu, out, lse, q, k, v, g);
+  else if (g.d <= 32) att_fwd_launch<32, T, O>(cu, out, lse, q, k, v, g);
+  else if (g.d <= 64) att_fwd_launch<64, T, O>(cu, out, lse, q, k, v, g);
+  else att_fwd_launch<128, T, O>(cu, out, lse, q, k, v, g);
 }
 
-template <typename T>
-static void att_bwd_typed(cuda_t *cu, T *dq, T *dk, T *dv, const T *dout, const T *q, const T *k, const T *v,
-                          const T *out, const float *lse, int b, int t, int h, int kv, int d) {
-  size_t rows = (size_t)b * t * h;
+/* Accumulates into dq, dk, dv (G); delta from the rows' whole out. */
+template <typename T, typename G>
+static void att_bwd_typed(cuda_t *cu, G *dq, G *dk, G *dv, const T *dout, const T *q, const T *k, const T *v,
+                          const T *out, const float *lse, att_geom_t g) {
+  size_t rows = (size_t)g.b * g.tq * g.h;
   float *delta = (float *)scratch_get(cu, &cu->att_delta, rows * sizeof(float));
-  attn_delta_kernel<T><<<(unsigned)((rows * 32 + 255) / 256), 256, 0, cu->stream>>>(delta, out, dout, b, t, h, d);
+  attn_delta_kernel<T><<<(unsigned)((rows * 32 + 255) / 256), 256, 0, cu->stream>>>(delta, out, dout, g.b, g.tq, g.h,
+                                                                                     g.d);
   LAUNCH_CHECK("attn_delta_kernel");
-  if (d <= 16) att_bwd_launch<16, T>(cu, dq, dk, dv, dout, q, k, v, lse, delta, b, t, h, kv, d);
-  else if (d <= 32) att_bwd_launch<32, T>(cu, dq, dk, dv, dout, q, k, v, lse, delta, b, t, h, kv, d);
-  else if (d <= 64) att_bwd_launch<64, T>(cu, dq, dk, dv, dout, q, k, v, lse, delta, b, t, h, kv, d);
-  else att_bwd_launch<128, T>(cu, dq, dk, dv, dout, q, k, v, lse, delta, b, t, h, kv, d);
+  if (g.d <= 16) att_bwd_launch<16, T, G>(cu, dq, dk, dv, dout, q, k, v, lse, delta, g);
+  else if (g.d <= 32) att_bwd_launch<32, T, G>(cu, dq, dk, dv, dout, q, k, v, lse, delta, g);
+  else if (g.d <= 64) att_bwd_launch<64, T, G>(cu, dq, dk, dv, dout, q, k, v, lse, delta, g);
+  else att_bwd_launch<128, T, G>(cu, dq, dk, dv, dout, q, k, v, lse, delta, g);
 }
 
 /* cuDNN's workspace: the backend's scratch, so that its memory counts in the peak. */
@@ -1341,7 +1362,8 @@ static void cu_attention_fwd(backend_t *be, void *out, float *lse, const void *q
     return;
   }
   att_check_dims(h, kv, d);
-  DT_DISPATCH(dt, att_fwd_typed<T>(cu, (T *)out, lse, (const T *)q, (const T *)k, (const T *)v, b, t, h, kv, d));
+  const att_geom_t g = {b, t, t, 0, h, kv, d};
+  DT_DISPATCH(dt, att_fwd_typed<T, T>(cu, (T *)out, lse, (const T *)q, (const T *)k, (const T *)v, g));
 }
 
 static void cu_attention_bwd(backend_t *be, void *dq, void *dk, void *dv, const void *dout, const void *q,
@@ -1360,8 +1382,69 @@ static void cu_attention_bwd(backend_t *be, void *dq, void *dk, void *dv, const 
   CUDA_CHECK(cudaMemsetAsync(dq, 0, nq * es, cu->stream)); /* the kernels accumulate; the contract writes */
   CUDA_CHECK(cudaMemsetAsync(dk, 0, nk * es, cu->stream));
   CUDA_CHECK(cudaMemsetAsync(dv, 0, nk * es, cu->stream));
-  DT_DISPATCH(dt, att_bwd_typed<T>(cu, (T *)dq, (T *)dk, (T *)dv, (const T *)dout, (const T *)q, (const T *)k,
-                                   (const T *)v, (const T *)out, lse, b, t, h, kv, d));
+  const att_geom_t g = {b, t, t, 0, h, kv, d};
+  DT_DISPATCH(dt, att_bwd_typed<T, T>(cu, (T *)dq, (T *)dk, (T *)dv, (const T *)dout, (const T *)q, (const T *)k,
+                                      (const T *)v, (const T *)out, lse, g));
+}
+
+/* ---- blocks of ring attention (backend.h): the reference kernels with the block's geometry
+ * and fp32 outputs. (cuDNN's kernel is not used for blocks yet.) */
+
+/* off = q_pos - k_pos, held to where it changes nothing: past tk every key is seen, below -tq
+ * none is. */
+static att_geom_t att_block_geom(int b, int tq, int tk, int h, int kv, int d, long q_pos, long k_pos) {
+  long off = q_pos - k_pos;
+  off = off > tk ? tk : off < -(long)tq - 1 ? -(long)tq - 1 : off;
+  return att_geom_t{b, tq, tk, (int)off, h, kv, d};
+}
+
+static void cu_attention_fwd_block(backend_t *be, float *out, float *lse, const void *q, const void *k, const void *v,
+                                   int b, int tq, int tk, int h, int kv, int d, long q_pos, long k_pos, dtype_t dt) {
+  if (b <= 0 || tq <= 0 || tk <= 0 || h <= 0) return;
+  att_check_dims(h, kv, d);
+  const att_geom_t g = att_block_geom(b, tq, tk, h, kv, d, q_pos, k_pos);
+  DT_DISPATCH(dt, att_fwd_typed<T, float>(cuda_of(be), out, lse, (const T *)q, (const T *)k, (const T *)v, g));
+}
+
+static void cu_attention_bwd_block(backend_t *be, float *dq, float *dk, float *dv, const void *dout, const void *q,
+                                   const void *k, const void *v, const void *out, const float *lse, int b, int tq,
+                                   int tk, int h, int kv, int d, long q_pos, long k_pos, dtype_t dt) {
+  if (b <= 0 || tq <= 0 || tk <= 0 || h <= 0) return;
+  att_check_dims(h, kv, d);
+  const att_geom_t g = att_block_geom(b, tq, tk, h, kv, d, q_pos, k_pos);
+  DT_DISPATCH(dt, att_bwd_typed<T, float>(cuda_of(be), dq, dk, dv, (const T *)dout, (const T *)q, (const T *)k,
+                                          (const T *)v, (const T *)out, lse, g));
+}
+
+/* One warp per (batch, query, head) row: the weights of the running result and of the block
+ * from their log-sum-exps (a side at -inf weighs exactly 0), then lse. */
+__global__ void attn_merge_kernel(float *out, float *lse, const float *out_b, const float *lse_b, int t, int h, int d,
+                                  size_t rows) {
+  size_t wid = (blockIdx.x * (size_t)blockDim.x + threadIdx.x) >> 5;
+  int lane = threadIdx.x & 31;
+  if (wid >= rows) return;
+  size_t bi = wid / ((size_t)t * h), rest = wid % ((size_t)t * h); /* wid walks (B,T,H) */
+  int ti = (int)(rest / h), hi = (int)(rest % h);
+  size_t li = (bi * h + hi) * t + ti; /* lse is (B,H,T) */
+  float la = lse[li], lb = lse_b[li];
+  if (lb == -INFINITY) return;
+  float mx = fmaxf(la, lb);
+  float wa = la == -INFINITY ? 0.0f : expf(la - mx), wb = expf(lb - mx), sum = wa + wb;
+  float fa = wa / sum, fb = wb / sum;
+  float *o = out + wid * d;
+  const float *ob = out_b + wid * d;
+  for (int j = lane; j < d; j += 32) o[j] = fa * o[j] + fb * ob[j];
+  __syncwarp();
+  if (lane == 0) lse[li] = mx + logf(sum);
+}
+
+static void cu_attention_merge(backend_t *be, float *out, float *lse, const float *out_b, const float *lse_b, int b,
+                               int t, int h, int d) {
+  size_t rows = (size_t)b * t * h;
+  if (!rows) return;
+  attn_merge_kernel<<<(unsigned)((rows * 32 + 255) / 256), 256, 0, cuda_of(be)->stream>>>(out, lse, out_b, lse_b, t, h,
+                                                                                         d, rows);
+  LAUNCH_CHECK("attn_merge_kernel");
 }
 
 /* ------------------------------------------------------------------ SwiGLU */
@@ -1934,6 +2017,9 @@ static void cu_set_ops(backend_t *be) {
   be->rope_bwd = cu_rope_bwd;
   be->attention_fwd = cu_attention_fwd;
   be->attention_bwd = cu_attention_bwd;
+  be->attention_fwd_block = cu_attention_fwd_block;
+  be->attention_merge = cu_attention_merge;
+  be->attention_bwd_block = cu_attention_bwd_block;
   be->swiglu_fwd = cu_swiglu_fwd;
   be->swiglu_bwd = cu_swiglu_bwd;
   be->cross_entropy = cu_cross_entropy;
