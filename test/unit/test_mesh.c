@@ -132,6 +132,65 @@ static void test_layout_pp(void **state) {
   assert_string_equal(err, "mesh error: pp=3 x dp_replicate=1 x dp_shard=2 x tp=2 = 12 ranks, but the world has 8");
 }
 
+/* dp_replicate 2 x dp_shard 2 x cp 2 x tp 2 = 16 ranks; rank 13 is (r, s, c, t) = (1, 1, 0, 1).
+ * cp sits between dp_shard and tp (torchtitan's order); the flattened groups list the outer
+ * coordinate slowest. Every group of every rank is checked against the layout formula. */
+static void test_layout_cp(void **state) {
+  char err[256] = "";
+  mesh_t *m = NULL;
+  int dims[MESH_NDIMS];
+  dims[MESH_PP] = 1, dims[MESH_DP_REPLICATE] = 2, dims[MESH_DP_SHARD] = 2, dims[MESH_CP] = 2, dims[MESH_TP] = 2;
+  assert_int_equal(mesh_create_dims(&m, dims, 13, 16, err, sizeof err), 0);
+  assert_int_equal(m->coord[MESH_DP_REPLICATE], 1);
+  assert_int_equal(m->coord[MESH_DP_SHARD], 1);
+  assert_int_equal(m->coord[MESH_CP], 0);
+  assert_int_equal(m->coord[MESH_TP], 1);
+  assert_members(m, "tp", (int[]){12, 13}, 2, 1, "tp.12");
+  assert_members(m, "cp", (int[]){13, 15}, 2, 0, "cp.13");
+  assert_members(m, "dp_shard", (int[]){9, 13}, 2, 1, "dp_shard.9");
+  assert_members(m, "dp", (int[]){1, 5, 9, 13}, 4, 3, "dp.1");
+  assert_members(m, "dp_shard_cp", (int[]){9, 11, 13, 15}, 4, 2, "dp_shard_cp.9");
+  assert_members(m, "dp_cp", (int[]){1, 3, 5, 7, 9, 11, 13, 15}, 8, 6, "dp_cp.1");
+  assert_int_equal(m->groups[MESH_GROUP_DP_SHARD_CP].alias, -1); /* rings of their own when cp > 1 */
+  assert_int_equal(m->groups[MESH_GROUP_DP_CP].alias, -1);
+  int a[16];
+  for (int rank = 0; rank < 16; rank++) {
+    int c[MESH_NDIMS];
+    mesh_coords(m, rank, c);
+    int want = (((c[MESH_DP_REPLICATE] * 2 + c[MESH_DP_SHARD]) * 2 + c[MESH_CP]) * 2) + c[MESH_TP];
+    assert_int_equal(want, rank);
+    int n = mesh_members(m, "dp_shard_cp", rank, a);
+    for (int i = 0; i < n; i++) { /* group rank s * cp + c */
+      int ca[MESH_NDIMS];
+      mesh_coords(m, a[i], ca);
+      assert_int_equal(ca[MESH_DP_SHARD] * 2 + ca[MESH_CP], i);
+      assert_true(ca[MESH_DP_REPLICATE] == c[MESH_DP_REPLICATE] && ca[MESH_TP] == c[MESH_TP]);
+    }
+  }
+  mesh_destroy(m);
+  dims[MESH_CP] = 3;
+  assert_int_equal(mesh_create_dims(&m, dims, 0, 16, err, sizeof err), MESH_EINVAL);
+  assert_string_equal(err, "mesh error: dp_replicate=2 x dp_shard=2 x cp=3 x tp=2 = 24 ranks, but the world has 16");
+  dims[MESH_CP] = 0;
+  assert_int_equal(mesh_create_dims(&m, dims, 0, 16, err, sizeof err), MESH_EINVAL);
+  assert_non_null(strstr(err, "must be >= 1"));
+}
+
+/* cp = 1: dp_shard_cp and dp_cp have dp_shard's and dp's members and, once connected, their
+ * communicators (no ring of their own, no traffic of their own). */
+static void test_cp_one_aliases(void **state) {
+  char err[256] = "";
+  mesh_t *m = make(1, 1, 1, 0);
+  assert_int_equal(m->groups[MESH_GROUP_DP_SHARD_CP].alias, MESH_GROUP_DP_SHARD);
+  assert_int_equal(m->groups[MESH_GROUP_DP_CP].alias, MESH_GROUP_DP);
+  assert_int_equal(mesh_connect(m, "cpu", NULL, NULL, 0, "127.0.0.1", 1000, err, sizeof err), 0);
+  assert_ptr_equal(mesh_comm(m, "dp_shard_cp"), mesh_comm(m, "dp_shard"));
+  assert_ptr_equal(mesh_comm(m, "dp_cp"), mesh_comm(m, "dp"));
+  assert_non_null(mesh_comm(m, "cp"));
+  assert_null(m->cp.send);
+  mesh_destroy(m); /* destroys each communicator once (ASan/valgrind would see a double free) */
+}
+
 /* A world of one: every group has size 1 and connecting needs no store; collectives are
  * no-ops that leave the data as it was. */
 static void test_world_of_one(void **state) {
@@ -180,6 +239,8 @@ int main(void) {
       cmocka_unit_test(test_layout_2x3x4),
       cmocka_unit_test(test_groups_consistent),
       cmocka_unit_test(test_layout_pp),
+      cmocka_unit_test(test_layout_cp),
+      cmocka_unit_test(test_cp_one_aliases),
       cmocka_unit_test(test_world_of_one),
       cmocka_unit_test(test_errors),
   };

@@ -152,16 +152,20 @@ int dp_norm_of(dp_impl_t *d, const float *g, comm_t *shard_hcomm, double *norm) 
 
 /* ------------------------------------------------------------------ create / destroy */
 
-int dp_is_sharded(const mesh_t *mesh) { return mesh && mesh->dims[MESH_DP_SHARD] > 1; }
+/* Parameters shard over dp_shard x cp: context parallelism alone is FSDP over its ranks (as
+ * torchtitan), so that the memory of the parameters falls with every rank. */
+static int shard_ranks(const mesh_t *mesh) { return mesh ? mesh->dims[MESH_DP_SHARD] * mesh->dims[MESH_CP] : 1; }
+
+int dp_is_sharded(const mesh_t *mesh) { return shard_ranks(mesh) > 1; }
 
 int dp_owns_buffers(const mesh_t *mesh, const plan_t *p) {
   return dp_is_sharded(mesh) || (mesh && mesh->dims[MESH_DP_REPLICATE] > 1 && p->parallel.zero == 2);
 }
 
-/* The one place that looks at the mesh and plan to choose: dp_shard > 1 is FSDP (HSDP with
+/* The one place that looks at the mesh and plan to choose: dp_shard x cp > 1 is FSDP (HSDP with
  * dp_replicate > 1 too), else dp_replicate > 1 is DDP (ZeRO-1/2 with parallel.zero). */
 static const dp_ops_t *ops_for(const mesh_t *mesh, const plan_t *p) {
-  int R = mesh ? mesh->dims[MESH_DP_REPLICATE] : 1, S = mesh ? mesh->dims[MESH_DP_SHARD] : 1;
+  int R = mesh ? mesh->dims[MESH_DP_REPLICATE] : 1, S = shard_ranks(mesh);
   if (S > 1) return R > 1 ? &dp_hsdp_ops : &dp_fsdp_ops;
   if (R == 1) return &dp_serial_ops;
   return p->parallel.zero == 2 ? &dp_zero2_ops : p->parallel.zero == 1 ? &dp_zero1_ops : &dp_ddp_ops;
@@ -254,12 +258,13 @@ int dp_create(dp_t **out, model_t *m, backend_t *be, const mesh_t *mesh, const p
   for (int u = 0; u < d->n_units; u++) model_unit_range(m, u, &d->uoff[u], &d->unumel[u]);
 
   if (mesh) {
-    d->dp_comm = mesh_comm(mesh, "dp");
-    d->shard_comm = mesh_comm(mesh, "dp_shard");
+    /* the ranks that hold the same parameters: dp, and cp's too (the same as dp's when cp = 1) */
+    d->dp_comm = mesh_comm(mesh, "dp_cp");
+    d->shard_comm = mesh_comm(mesh, "dp_shard_cp");
     d->rep_comm = mesh_comm(mesh, "dp_replicate");
     d->tp_comm = mesh_comm(mesh, "tp");
-    d->dp_hcomm = mesh_host_comm(mesh, "dp");
-    d->shard_hcomm = mesh_host_comm(mesh, "dp_shard");
+    d->dp_hcomm = mesh_host_comm(mesh, "dp_cp");
+    d->shard_hcomm = mesh_host_comm(mesh, "dp_shard_cp");
     d->tp_hcomm = mesh_host_comm(mesh, "tp");
     d->tp = mesh->dims[MESH_TP];
     d->pp_hcomm = mesh->dims[MESH_PP] > 1 ? mesh_host_comm(mesh, "pp") : NULL;
@@ -269,8 +274,8 @@ int dp_create(dp_t **out, model_t *m, backend_t *be, const mesh_t *mesh, const p
       return err_set(err, errlen, DP_EINVAL, "dp error: the mesh is not connected (call mesh_connect first)");
     }
   }
-  d->S = mesh ? mesh->dims[MESH_DP_SHARD] : 1;
-  d->s = mesh ? mesh->coord[MESH_DP_SHARD] : 0;
+  d->S = shard_ranks(mesh);
+  d->s = mesh ? mesh->coord[MESH_DP_SHARD] * mesh->dims[MESH_CP] + mesh->coord[MESH_CP] : 0; /* in dp_shard_cp */
   d->pdt = model_param_dtype(m);
   d->rdt = p->parallel.reduce_dtype; /* the plan's, as the model was given it */
 

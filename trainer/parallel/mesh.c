@@ -1,4 +1,4 @@
-/* mesh: layout arithmetic of the (pp, dp_replicate, dp_shard, tp) mesh and the creation of each
+/* mesh: layout arithmetic of the (pp, dp_replicate, dp_shard, cp, tp) mesh and the creation of each
  * group's communicator. The layout is computed once, from the same formula for every rank, so
  * all members of a group agree on its members, order and uid without talking. It does not
  * decide the dimensions (the plan does) or move data (comm does). */
@@ -12,8 +12,8 @@
 #include "common/env.h"
 #include "common/err.h"
 
-static const char *const group_names[MESH_NGROUPS] = {"dp_replicate", "dp_shard", "tp", "dp",
-                                                      "world", "pp"};
+static const char *const group_names[MESH_NGROUPS] = {"dp_replicate", "dp_shard", "tp", "dp", "world",
+                                                      "pp", "cp", "dp_shard_cp", "dp_cp"};
 
 /* The group's index, or -1 for a name that is none (the callers turn it into MESH_EINVAL). */
 static int group_index(const char *name) {
@@ -24,46 +24,63 @@ static int group_index(const char *name) {
 }
 
 void mesh_coords(const mesh_t *m, int rank, int coord[MESH_NDIMS]) {
-  int tp = m->dims[MESH_TP], ds = m->dims[MESH_DP_SHARD], dr = m->dims[MESH_DP_REPLICATE];
+  int tp = m->dims[MESH_TP], cp = m->dims[MESH_CP], ds = m->dims[MESH_DP_SHARD], dr = m->dims[MESH_DP_REPLICATE];
   coord[MESH_TP] = rank % tp;
-  coord[MESH_DP_SHARD] = (rank / tp) % ds;
-  coord[MESH_DP_REPLICATE] = (rank / (tp * ds)) % dr;
-  coord[MESH_PP] = rank / (tp * ds * dr);
+  coord[MESH_CP] = (rank / tp) % cp;
+  coord[MESH_DP_SHARD] = (rank / (tp * cp)) % ds;
+  coord[MESH_DP_REPLICATE] = (rank / (tp * cp * ds)) % dr;
+  coord[MESH_PP] = rank / (tp * cp * ds * dr);
+}
+
+/* The rank at coordinates c (indexed by MESH_*). */
+static int rank_of(const mesh_t *m, const int c[MESH_NDIMS]) {
+  return (((c[MESH_PP] * m->dims[MESH_DP_REPLICATE] + c[MESH_DP_REPLICATE]) * m->dims[MESH_DP_SHARD] +
+           c[MESH_DP_SHARD]) * m->dims[MESH_CP] + c[MESH_CP]) * m->dims[MESH_TP] + c[MESH_TP];
 }
 
 int mesh_rank_at_pp(const mesh_t *m, int q, int r, int s, int t) {
-  return ((q * m->dims[MESH_DP_REPLICATE] + r) * m->dims[MESH_DP_SHARD] + s) * m->dims[MESH_TP] + t;
+  int c[MESH_NDIMS];
+  c[MESH_PP] = q, c[MESH_DP_REPLICATE] = r, c[MESH_DP_SHARD] = s, c[MESH_TP] = t, c[MESH_CP] = m->coord[MESH_CP];
+  return rank_of(m, c);
 }
 
 int mesh_rank_at(const mesh_t *m, int r, int s, int t) { return mesh_rank_at_pp(m, m->coord[MESH_PP], r, s, t); }
 
-/* Members of group g containing `rank`, in group-rank order: the group's free coordinates vary
- * (r outer, s inner for "dp"), the others stay at rank's values. */
-static int members_of(const mesh_t *m, int g, int rank, int *ranks) {
-  int c[MESH_NDIMS];
-  mesh_coords(m, rank, c);
-  int R = m->dims[MESH_DP_REPLICATE], S = m->dims[MESH_DP_SHARD], T = m->dims[MESH_TP], Q = m->dims[MESH_PP];
-  int q = c[MESH_PP], n = 0;
+/* Which coordinates vary in group g, outermost first (the group-rank order); the others stay
+ * at the rank's values. Returns their number, or the private value -1 for the world (every
+ * rank). */
+static int free_dims(int g, int *dims) {
   switch (g) {
-  case MESH_GROUP_DP_REPLICATE:
-    for (int r = 0; r < R; r++) ranks[n++] = mesh_rank_at_pp(m, q, r, c[1], c[2]);
-    break;
-  case MESH_GROUP_DP_SHARD:
-    for (int s = 0; s < S; s++) ranks[n++] = mesh_rank_at_pp(m, q, c[0], s, c[2]);
-    break;
-  case MESH_GROUP_TP:
-    for (int t = 0; t < T; t++) ranks[n++] = mesh_rank_at_pp(m, q, c[0], c[1], t);
-    break;
-  case MESH_GROUP_DP:
-    for (int r = 0; r < R; r++)
-      for (int s = 0; s < S; s++) ranks[n++] = mesh_rank_at_pp(m, q, r, s, c[2]);
-    break;
-  case MESH_GROUP_WORLD:
+  case MESH_GROUP_DP_REPLICATE: dims[0] = MESH_DP_REPLICATE; return 1;
+  case MESH_GROUP_DP_SHARD: dims[0] = MESH_DP_SHARD; return 1;
+  case MESH_GROUP_TP: dims[0] = MESH_TP; return 1;
+  case MESH_GROUP_DP: dims[0] = MESH_DP_REPLICATE, dims[1] = MESH_DP_SHARD; return 2;
+  case MESH_GROUP_PP: dims[0] = MESH_PP; return 1;
+  case MESH_GROUP_CP: dims[0] = MESH_CP; return 1;
+  case MESH_GROUP_DP_SHARD_CP: dims[0] = MESH_DP_SHARD, dims[1] = MESH_CP; return 2;
+  case MESH_GROUP_DP_CP: dims[0] = MESH_DP_REPLICATE, dims[1] = MESH_DP_SHARD, dims[2] = MESH_CP; return 3;
+  default: return -1; /* world */
+  }
+}
+
+/* Members of group g containing `rank`, in group-rank order: the group's free coordinates vary
+ * (the outer one slowest, r before s before c for the flattened groups), the others stay at
+ * rank's values. */
+static int members_of(const mesh_t *m, int g, int rank, int *ranks) {
+  int c[MESH_NDIMS], fd[3], nf = free_dims(g, fd), n = 0;
+  if (nf < 0) {
     for (int i = 0; i < m->world; i++) ranks[n++] = i;
-    break;
-  case MESH_GROUP_PP:
-    for (int k = 0; k < Q; k++) ranks[n++] = mesh_rank_at_pp(m, k, c[0], c[1], c[2]);
-    break;
+    return n;
+  }
+  mesh_coords(m, rank, c);
+  int count = 1;
+  for (int i = 0; i < nf; i++) count *= m->dims[fd[i]];
+  for (int k = 0; k < count; k++) {
+    for (int i = nf - 1, rest = k; i >= 0; i--) { /* k in mixed radix, the last free dim fastest */
+      c[fd[i]] = rest % m->dims[fd[i]];
+      rest /= m->dims[fd[i]];
+    }
+    ranks[n++] = rank_of(m, c);
   }
   return n;
 }
@@ -81,25 +98,37 @@ int mesh_create(mesh_t **out, int dp_replicate, int dp_shard, int tp, int rank, 
 
 int mesh_create_pp(mesh_t **out, int pp, int dp_replicate, int dp_shard, int tp, int rank, int world,
                    char *err, size_t errlen) {
+  int dims[MESH_NDIMS];
+  dims[MESH_PP] = pp, dims[MESH_DP_REPLICATE] = dp_replicate, dims[MESH_DP_SHARD] = dp_shard, dims[MESH_TP] = tp;
+  dims[MESH_CP] = 1;
+  return mesh_create_dims(out, dims, rank, world, err, errlen);
+}
+
+/* "pp=2 x dp_replicate=1 x ..." over the dimensions a plan without them would not name (pp and
+ * cp only when not 1): the message of a world that does not match. */
+static void dims_text(char *out, size_t len, const int *d) {
+  int o = 0;
+  if (d[MESH_PP] != 1) o += snprintf(out + o, len - (size_t)o, "pp=%d x ", d[MESH_PP]);
+  o += snprintf(out + o, len - (size_t)o, "dp_replicate=%d x dp_shard=%d x ", d[MESH_DP_REPLICATE], d[MESH_DP_SHARD]);
+  if (d[MESH_CP] != 1) o += snprintf(out + o, len - (size_t)o, "cp=%d x ", d[MESH_CP]);
+  snprintf(out + o, len - (size_t)o, "tp=%d", d[MESH_TP]);
+}
+
+int mesh_create_dims(mesh_t **out, const int dims[MESH_NDIMS], int rank, int world, char *err, size_t errlen) {
   *out = NULL;
-  if (pp < 1 || dp_replicate < 1 || dp_shard < 1 || tp < 1) {
+  const int pp = dims[MESH_PP], dr = dims[MESH_DP_REPLICATE], ds = dims[MESH_DP_SHARD], tp = dims[MESH_TP],
+            cp = dims[MESH_CP];
+  if (pp < 1 || dr < 1 || ds < 1 || tp < 1 || cp < 1) {
     return err_set(err, errlen, MESH_EINVAL,
                    "mesh error: dimensions must be >= 1, got pp=%d dp_replicate=%d dp_shard=%d "
-                   "tp=%d",
-                   pp, dp_replicate, dp_shard, tp);
+                   "tp=%d%s",
+                   pp, dr, ds, tp, cp < 1 ? " cp < 1" : "");
   }
-  const long long n = (long long)pp * dp_replicate * dp_shard * tp;
+  const long long n = (long long)pp * dr * ds * tp * cp;
   if (n != world) {
-    if (pp == 1)
-      err_set(err, errlen, 0,
-              "mesh error: dp_replicate=%d x dp_shard=%d x tp=%d = %lld ranks, but "
-              "the world has %d",
-              dp_replicate, dp_shard, tp, n, world);
-    else
-      err_set(err, errlen, 0,
-              "mesh error: pp=%d x dp_replicate=%d x dp_shard=%d x tp=%d = %lld ranks, but "
-              "the world has %d",
-              pp, dp_replicate, dp_shard, tp, n, world);
+    char text[160];
+    dims_text(text, sizeof text, dims);
+    err_set(err, errlen, 0, "mesh error: %s = %lld ranks, but the world has %d", text, n, world);
     return MESH_EINVAL;
   }
   if (rank < 0 || rank >= world) {
@@ -111,10 +140,8 @@ int mesh_create_pp(mesh_t **out, int pp, int dp_replicate, int dp_shard, int tp,
   }
   m->world = world;
   m->rank = rank;
-  m->dims[MESH_DP_REPLICATE] = dp_replicate;
-  m->dims[MESH_DP_SHARD] = dp_shard;
-  m->dims[MESH_TP] = tp;
-  m->dims[MESH_PP] = pp;
+  for (int d = 0; d < MESH_NDIMS; d++)
+    m->dims[d] = dims[d];
   mesh_coords(m, rank, m->coord);
   for (int g = 0; g < MESH_NGROUPS; g++) {
     mesh_group_t *grp = &m->groups[g];
@@ -130,24 +157,66 @@ int mesh_create_pp(mesh_t **out, int pp, int dp_replicate, int dp_shard, int tp,
       if (grp->ranks[i] == rank) grp->rank = i;
     /* Members are listed in increasing rank order, so ranks[0] is the lowest. */
     snprintf(grp->uid, sizeof grp->uid, "%s.%d", group_names[g], grp->ranks[0]);
+    grp->alias = -1;
+  }
+  if (cp == 1) { /* the same members: the same communicators */
+    m->groups[MESH_GROUP_DP_SHARD_CP].alias = MESH_GROUP_DP_SHARD;
+    m->groups[MESH_GROUP_DP_CP].alias = MESH_GROUP_DP;
   }
   *out = m;
   return 0;
 }
 
-/* Destroys group g's communicators; the host one only when it is not the device one. */
+/* Destroys group g's communicators; the host one only when it is not the device one; an
+ * alias's belong to the group it names. */
 static void group_disconnect(mesh_group_t *grp) {
-  if (grp->host_comm != grp->comm) comm_destroy(grp->host_comm);
-  comm_destroy(grp->comm);
+  if (grp->alias < 0) {
+    if (grp->host_comm != grp->comm) comm_destroy(grp->host_comm);
+    comm_destroy(grp->comm);
+  }
   grp->comm = grp->host_comm = NULL;
 }
 
-static void channels_disconnect(mesh_pp_channels_t *ch) {
+static void channels_disconnect(mesh_t *m) {
+  mesh_pp_channels_t *ch = &m->pp;
   comm_destroy(ch->send_act);
   comm_destroy(ch->recv_act);
   comm_destroy(ch->send_grad);
   comm_destroy(ch->recv_grad);
   memset(ch, 0, sizeof *ch);
+  comm_destroy(m->cp.send);
+  comm_destroy(m->cp.recv);
+  memset(&m->cp, 0, sizeof m->cp);
+}
+
+/* One two-rank channel from group rank src to dst of a group whose members are ranks, named
+ * "<kind>.<sender's global rank>", the sender its rank 0; *slot receives it on either end. */
+static int connect_pair(const int *ranks, int src, int dst, const char *kind, const char *backend,
+                        struct backend *device, store_t *store, int generation, const char *host, int timeout_ms,
+                        comm_t **slot, int me, char *err, size_t errlen) {
+  char uid[COMM_NAME_MAX];
+  snprintf(uid, sizeof uid, "%s.%d", kind, ranks[src]);
+  const int members[2] = {ranks[src], ranks[dst]};
+  comm_config_t cfg = {.name = uid, .rank = me == src ? 0 : 1, .size = 2, .generation = generation,
+                       .store = store, .host = host, .timeout_ms = timeout_ms, .global_ranks = members,
+                       .device = device};
+  return comm_create(slot, backend, &cfg, err, errlen);
+}
+
+/* The cp ring's channels c -> c + 1 (mod cp), "cpring.<sender>": every member walks them in the
+ * same order, as the pipeline's below. */
+static int connect_cp_ring(mesh_t *m, const char *backend, struct backend *device, store_t *store, int generation,
+                           const char *host, int timeout_ms, char *err, size_t errlen) {
+  const int C = m->dims[MESH_CP], c = m->coord[MESH_CP];
+  const int *ranks = m->groups[MESH_GROUP_CP].ranks;
+  for (int k = 0; C > 1 && k < C; k++) {
+    const int dst = (k + 1) % C;
+    if (c != k && c != dst) continue;
+    int rc = connect_pair(ranks, k, dst, "cpring", backend, device, store, generation, host, timeout_ms,
+                          c == k ? &m->cp.send : &m->cp.recv, c, err, errlen);
+    if (rc != COMM_OK) return rc;
+  }
+  return COMM_OK;
 }
 
 /* The pipeline channels of this rank's pp group: for each pp rank k, an activation channel
@@ -164,15 +233,10 @@ static int connect_channels(mesh_t *m, const char *backend, struct backend *devi
     for (int k = 0; k < Q; k++) {
       const int src = kind == 0 ? k : (k + 1) % Q, dst = kind == 0 ? (k + 1) % Q : k;
       if (q != src && q != dst) continue;
-      char uid[COMM_NAME_MAX];
-      snprintf(uid, sizeof uid, "%s.%d", kind == 0 ? "ppact" : "ppgrad", pp[src]);
-      const int members[2] = {pp[src], pp[dst]};
-      comm_config_t cfg = {.name = uid, .rank = q == src ? 0 : 1, .size = 2, .generation = generation,
-                           .store = store, .host = host, .timeout_ms = timeout_ms, .global_ranks = members,
-                           .device = device};
       comm_t **slot = kind == 0 ? (q == src ? &m->pp.send_act : &m->pp.recv_act)
                                 : (q == src ? &m->pp.send_grad : &m->pp.recv_grad);
-      int rc = comm_create(slot, backend, &cfg, err, errlen);
+      int rc = connect_pair(pp, src, dst, kind == 0 ? "ppact" : "ppgrad", backend, device, store, generation, host,
+                            timeout_ms, slot, q, err, errlen);
       if (rc != COMM_OK) return rc;
     }
   return COMM_OK;
@@ -196,12 +260,18 @@ int mesh_connect(mesh_t *m, const char *backend, struct backend *device, store_t
   /* The world group comes first and the others are split from it ("nccl": ncclCommSplit, one
    * NCCL bootstrap per job instead of one per group; every rank makes the same splits in the
    * same order, its color the lowest member rank of its group). */
-  static const int order[MESH_NGROUPS] = {MESH_GROUP_WORLD, 0, 1, 2, 3, MESH_GROUP_PP};
-  _Static_assert(MESH_GROUP_WORLD == 4 && MESH_GROUP_PP == 5 && MESH_NGROUPS == 6,
+  static const int order[MESH_NGROUPS] = {MESH_GROUP_WORLD, 0, 1, 2, 3, MESH_GROUP_PP, MESH_GROUP_CP,
+                                          MESH_GROUP_DP_SHARD_CP, MESH_GROUP_DP_CP};
+  _Static_assert(MESH_GROUP_WORLD == 4 && MESH_GROUP_PP == 5 && MESH_GROUP_DP_CP == 8 && MESH_NGROUPS == 9,
                  "the order above lists every group once");
   for (int i = 0; i < MESH_NGROUPS; i++) {
     const int g = order[i];
     mesh_group_t *grp = &m->groups[g];
+    if (grp->alias >= 0) { /* connected before it in the order */
+      grp->comm = m->groups[grp->alias].comm;
+      grp->host_comm = m->groups[grp->alias].host_comm;
+      continue;
+    }
     comm_config_t cfg = {.name = grp->uid, .rank = grp->rank, .size = grp->size,
                          .generation = generation, .store = store, .host = host,
                          .timeout_ms = timeout_ms, .global_ranks = grp->ranks,
@@ -219,9 +289,11 @@ int mesh_connect(mesh_t *m, const char *backend, struct backend *device, store_t
     }
     if (rc == COMM_OK && g == MESH_GROUP_PP) rc = connect_channels(m, backend, device, store, generation, host,
                                                                    timeout_ms, err, errlen);
+    if (rc == COMM_OK && g == MESH_GROUP_CP) rc = connect_cp_ring(m, backend, device, store, generation, host,
+                                                                  timeout_ms, err, errlen);
     if (rc != COMM_OK) {
       for (int k = 0; k <= i; k++) group_disconnect(&m->groups[order[k]]);
-      channels_disconnect(&m->pp);
+      channels_disconnect(m);
       return rc;
     }
   }
@@ -230,7 +302,7 @@ int mesh_connect(mesh_t *m, const char *backend, struct backend *device, store_t
 
 void mesh_destroy(mesh_t *m) {
   if (!m) return;
-  channels_disconnect(&m->pp);
+  channels_disconnect(m);
   for (int g = 0; g < MESH_NGROUPS; g++) {
     group_disconnect(&m->groups[g]);
     free(m->groups[g].ranks);
@@ -267,6 +339,7 @@ static void stats_add(comm_stats_t *out, const comm_t *c) {
 void mesh_group_stats(const mesh_t *m, int g, comm_stats_t *out) {
   const mesh_group_t *grp = &m->groups[g];
   memset(out, 0, sizeof *out);
+  if (grp->alias >= 0) return; /* its traffic is the aliased group's */
   stats_add(out, grp->comm);
   if (grp->host_comm != grp->comm) stats_add(out, grp->host_comm);
 }
@@ -276,6 +349,7 @@ uint64_t mesh_wait_ns(const mesh_t *m) {
   comm_stats_t st;
   memset(&st, 0, sizeof st);
   for (int g = 0; g < MESH_NGROUPS; g++) {
+    if (m->groups[g].alias >= 0) continue;
     stats_add(&st, m->groups[g].comm);
     if (m->groups[g].host_comm != m->groups[g].comm) stats_add(&st, m->groups[g].host_comm);
   }
@@ -284,5 +358,7 @@ uint64_t mesh_wait_ns(const mesh_t *m) {
   stats_add(&st, m->pp.recv_act);
   stats_add(&st, m->pp.send_grad);
   stats_add(&st, m->pp.recv_grad);
+  stats_add(&st, m->cp.send); /* the ring attention's waits for K/V blocks */
+  stats_add(&st, m->cp.recv);
   return st.wait_ns;
 }

@@ -1,8 +1,8 @@
 /* mesh: the device mesh, as PyTorch's DeviceMesh: ranks laid out on (pp, dp_replicate, dp_shard,
- * tp) with pp outermost (as torchtitan) and tp innermost, and one communication group per
- * dimension.
+ * cp, tp) with pp outermost and tp innermost (torchtitan's order), and one communication group
+ * per dimension.
  *
- *   rank = (((q * dp_replicate + r) * dp_shard) + s) * tp + t      coordinates (r, s, t, q)
+ *   rank = ((((q * dp_replicate + r) * dp_shard + s) * cp + c) * tp + t    coordinates (r, s, t, q, c)
  *
  * q is the pipeline rank (coord[MESH_PP]); everything below it is one pipeline stage's mesh, so
  * a stage's dp and tp groups never cross stages.
@@ -15,6 +15,13 @@
  *                   r * dp_shard + s (the data-parallel index: which batch slice a rank reads)
  *   "world"         every rank
  *   "pp"            ranks that differ only in q (the pipeline: same (r, s, t), one per stage)
+ *   "cp"            ranks that differ only in c (context parallel: one sequence's chunks)
+ *   "dp_shard_cp"   ranks that differ in s or c: dp_shard x cp flattened, group rank s * cp + c
+ *                   (FSDP shards parameters over it, so its memory still falls with cp)
+ *   "dp_cp"         ranks that differ in r, s or c: the ranks that hold the same parameters
+ *                   apart from tp and pp (gradients are reduced over it)
+ * With cp = 1, "dp_shard_cp" and "dp_cp" have the members of "dp_shard" and "dp" and share their
+ * communicators (no rings of their own).
  * Members are listed in group-rank order. Dimensions of size 1 still get a (trivial) group, so
  * callers never test for NULL.
  *
@@ -42,9 +49,10 @@
 
 #define MESH_EINVAL (-1)
 
-enum { MESH_DP_REPLICATE = 0, MESH_DP_SHARD, MESH_TP, MESH_PP, MESH_NDIMS };
+enum { MESH_DP_REPLICATE = 0, MESH_DP_SHARD, MESH_TP, MESH_PP, MESH_CP, MESH_NDIMS };
 enum { MESH_GROUP_DP_REPLICATE = 0, MESH_GROUP_DP_SHARD, MESH_GROUP_TP, MESH_GROUP_DP,
-       MESH_GROUP_WORLD, MESH_GROUP_PP, MESH_NGROUPS };
+       MESH_GROUP_WORLD, MESH_GROUP_PP, MESH_GROUP_CP, MESH_GROUP_DP_SHARD_CP, MESH_GROUP_DP_CP,
+       MESH_NGROUPS };
 
 /* The pipeline's point-to-point channels of this rank (pp > 1; NULL otherwise): two-rank
  * communicators, one per direction and kind, whose rank 0 only sends and rank 1 only receives,
@@ -57,27 +65,37 @@ typedef struct {
   comm_t *send_grad, *recv_grad; /* to q - 1, from q + 1 */
 } mesh_pp_channels_t;
 
+/* The context-parallel ring of this rank (cp > 1; NULL otherwise): K/V blocks, and their
+ * gradients in the backward, travel from cp rank c to c + 1 (mod cp). Two two-rank
+ * communicators, as the pipeline's: send to c + 1, receive from c - 1. Device memory. */
 typedef struct {
-  char name[16];           /* "dp_replicate", "dp_shard", "tp", "dp", "world" */
+  comm_t *send, *recv;
+} mesh_cp_channels_t;
+
+typedef struct {
+  char name[16];           /* "dp_replicate", "dp_shard", "tp", "dp", "world", ... */
   char uid[COMM_NAME_MAX]; /* "tp.4": name and lowest member rank, unique in the job */
   int size;                /* members */
   int rank;                /* this process's rank in the group */
   int *ranks;              /* (size) members' global ranks in group-rank order */
   comm_t *comm;            /* device-memory communicator; NULL until mesh_connect */
   comm_t *host_comm;       /* host-memory ("cpu") one: comm itself when comm is "cpu" */
+  int alias;               /* >= 0: the group whose communicators these are (cp = 1), else -1 */
 } mesh_group_t;
 
 typedef struct {
   int world, rank;         /* job size and this process's rank */
-  int dims[MESH_NDIMS];    /* dp_replicate, dp_shard, tp, pp */
-  int coord[MESH_NDIMS];   /* this rank's (r, s, t, q) */
+  int dims[MESH_NDIMS];    /* dp_replicate, dp_shard, tp, pp, cp */
+  int coord[MESH_NDIMS];   /* this rank's (r, s, t, q, c) */
   mesh_group_t groups[MESH_NGROUPS];
   mesh_pp_channels_t pp;   /* filled by mesh_connect when pp > 1 */
+  mesh_cp_channels_t cp;   /* filled by mesh_connect when cp > 1 */
 } mesh_t;
 
-/* Lays out world = pp * dp_replicate * dp_shard * tp ranks (each >= 1) and this rank's groups.
- * Returns 0, or MESH_EINVAL with "mesh error: ..." in err. mesh_create is mesh_create_pp with
- * pp = 1. */
+/* Lays out world = pp * dp_replicate * dp_shard * cp * tp ranks (each >= 1; dims indexed by
+ * MESH_DP_REPLICATE ...) and this rank's groups. Returns 0, or MESH_EINVAL with "mesh error: ..."
+ * in err. mesh_create_pp is it with cp = 1, mesh_create with pp = cp = 1. */
+int mesh_create_dims(mesh_t **out, const int dims[MESH_NDIMS], int rank, int world, char *err, size_t errlen);
 int mesh_create_pp(mesh_t **out, int pp, int dp_replicate, int dp_shard, int tp, int rank, int world,
                    char *err, size_t errlen);
 int mesh_create(mesh_t **out, int dp_replicate, int dp_shard, int tp, int rank, int world,
@@ -104,8 +122,8 @@ void mesh_group_stats(const mesh_t *m, int g, comm_stats_t *out);
  * the sum of their comm_stats_t.wait_ns, the pipeline channels' included. 0 for NULL. */
 uint64_t mesh_wait_ns(const mesh_t *m);
 
-/* Coordinates (r, s, t, q) of any rank, and back: mesh_rank_at within this rank's pipeline
- * stage (q = coord[MESH_PP]), mesh_rank_at_pp on any. */
+/* Coordinates (r, s, t, q, c) of any rank, and back: mesh_rank_at within this rank's pipeline
+ * stage (q = coord[MESH_PP]), mesh_rank_at_pp on any; both at this rank's cp coordinate. */
 void mesh_coords(const mesh_t *m, int rank, int coord[MESH_NDIMS]);
 int mesh_rank_at(const mesh_t *m, int r, int s, int t);
 int mesh_rank_at_pp(const mesh_t *m, int q, int r, int s, int t);

@@ -104,6 +104,7 @@ static void traffic_step(metrics_t *mt, char *out, size_t len) {
                    (unsigned long long)(now.dp.reduce_scatter - last->dp.reduce_scatter),
                    (unsigned long long)(now.dp.broadcast - last->dp.broadcast));
   for (int g = 0; g < MESH_NGROUPS; g++) {
+    if (g >= MESH_GROUP_CP && mesh->dims[MESH_CP] == 1) continue; /* no context parallelism: no cp groups */
     comm_stats_t st;
     mesh_group_stats(mesh, g, &st);
     now.group[g] = st.bytes_sent;

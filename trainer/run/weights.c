@@ -114,7 +114,8 @@ int weights_save(model_t *m, dp_t *dp, const mesh_t *mesh, int rank, const char 
   const int r = mesh ? mesh->coord[MESH_DP_REPLICATE] : 0, sh = mesh ? mesh->coord[MESH_DP_SHARD] : 0;
   const int tp = mesh ? mesh->dims[MESH_TP] : 1;
   if (r != 0) return 0;
-  const int exporter = sh == 0; /* the tp group of shard 0 assembles; rank 0 is one of them */
+  const int cp = mesh ? mesh->coord[MESH_CP] : 0;
+  const int exporter = sh == 0 && cp == 0; /* the tp group of shard 0 assembles; rank 0 is one of them */
   const int nt = model_num_tensors(m), nu = model_num_units(m);
   size_t total = 0, umax = 0, uoff, unum;
   for (int i = 0; i < nt; i++) {

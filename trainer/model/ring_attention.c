@@ -1,0 +1,193 @@
+/* ring_attention: causal attention across the cp ring (see ring_attention.h). */
+#include "trainer/model/ring_attention.h"
+
+#include <stdio.h>
+#include <string.h>
+
+#include "common/err.h"
+
+int ring_attention_init(ring_attention_t *r, backend_t *be, comm_t *send, comm_t *recv, int cp, int rank, int b,
+                        int c, int h, int kv, int d, dtype_t dt, char *err, size_t errlen) {
+  memset(r, 0, sizeof *r);
+  if (cp < 2 || rank < 0 || rank >= cp || !send || !recv || b < 1 || c < 1 || h < 1 || kv < 1 || d < 1) {
+    return err_set(err, errlen, RING_EINVAL, "ring attention: bad geometry (cp %d rank %d b %d c %d h %d kv %d d %d)",
+                   cp, rank, b, c, h, kv, d);
+  }
+  if (!be->attention_fwd_block || !be->attention_merge || !be->attention_bwd_block) {
+    return err_set(err, errlen, RING_EINVAL, "ring attention: backend %s has no attention blocks", be->name);
+  }
+  *r = (ring_attention_t){.be = be, .send = send, .recv = recv, .cp = cp, .rank = rank, .b = b, .c = c, .h = h,
+                          .kv = kv, .d = d, .dt = dt};
+  r->nq = (size_t)b * c * h * d;
+  r->nk = (size_t)b * c * kv * d;
+  const size_t es = dtype_size(dt), nl = (size_t)b * h * c, f = sizeof(float);
+  for (int i = 0; i < 2; i++)
+    r->kvbuf[i] = be->alloc(be, 4 * r->nk * es);
+  r->ob = be->alloc(be, r->nq * f);
+  r->lb = be->alloc(be, nl * f);
+  r->acc = be->alloc(be, 2 * r->nq * f);
+  int ok = r->kvbuf[0] && r->kvbuf[1] && r->ob && r->lb && r->acc;
+  for (int i = 0; i < 3; i++)
+    ok = ok && (r->dkv[i] = be->alloc(be, 4 * r->nk * f));
+  if (!ok) {
+    ring_attention_free(r);
+    return err_set(err, errlen, RING_ENOMEM, "ring attention: out of memory for its buffers (%zu bytes)",
+                   2 * 4 * r->nk * es + (3 * r->nq + nl + 12 * r->nk) * f);
+  }
+  return 0;
+}
+
+void ring_attention_free(ring_attention_t *r) {
+  if (!r || !r->be) return;
+  backend_t *be = r->be;
+  be->free(be, r->kvbuf[0]);
+  be->free(be, r->kvbuf[1]);
+  be->free(be, r->ob);
+  be->free(be, r->lb);
+  be->free(be, r->acc);
+  for (int i = 0; i < 3; i++)
+    be->free(be, r->dkv[i]);
+  memset(r, 0, sizeof *r);
+}
+
+int ring_attention_chunk(const ring_attention_t *r, int i) { return i == 0 ? r->rank : 2 * r->cp - 1 - r->rank; }
+
+const char *ring_attention_errmsg(const ring_attention_t *r) { return r->errmsg; }
+
+/* The global chunk of local chunk i of cp rank src. */
+static int chunk_of(const ring_attention_t *r, int src, int i) { return i == 0 ? src : 2 * r->cp - 1 - src; }
+
+static char *at(const void *p, size_t elems, size_t es) { return (char *)p + elems * es; }
+
+/* A started transfer on the ring: the buffer's n elements to cp rank + 1 (send) or from
+ * rank - 1 (receive); each channel is a two-rank communicator whose sender is its rank 0. */
+static int start(ring_attention_t *r, int is_send, void *buf, size_t n, dtype_t dt, comm_req_t **req) {
+  int rc = is_send ? comm_start_send(r->send, buf, n, dt, 1, req) : comm_start_recv(r->recv, buf, n, dt, 0, req);
+  if (rc && !r->errmsg[0])
+    snprintf(r->errmsg, sizeof r->errmsg, "context-parallel ring: %s: %s", is_send ? "send" : "receive",
+             comm_errmsg(is_send ? r->send : r->recv));
+  return rc;
+}
+
+/* Waits for *req (NULL: nothing started) and forgets it; the first failure is the message. */
+static int finish(ring_attention_t *r, comm_req_t **req, int is_send) {
+  if (!*req) return 0;
+  int rc = comm_wait(*req, NULL);
+  *req = NULL;
+  if (rc && !r->errmsg[0])
+    snprintf(r->errmsg, sizeof r->errmsg, "context-parallel ring: %s: %s", is_send ? "send" : "receive",
+             comm_errmsg(is_send ? r->send : r->recv));
+  return rc;
+}
+
+/* This step's K/V (kvbuf[cur]) on to the next rank while the previous rank's arrive in the other
+ * buffer; not on the last step, whose K/V nobody needs. */
+static int kv_pass(ring_attention_t *r, int s, int cur, size_t nk, comm_req_t **sreq, comm_req_t **rreq) {
+  if (s == r->cp - 1) return 0;
+  int rc = start(r, 1, r->kvbuf[cur], 4 * nk, r->dt, sreq);
+  return rc ? rc : start(r, 0, r->kvbuf[cur ^ 1], 4 * nk, r->dt, rreq);
+}
+
+/* Own K then V of both chunks into kvbuf[0]: [K0 K1 V0 V1]. */
+static void kv_own(ring_attention_t *r, const void *k, const void *v, size_t nk) {
+  const size_t es = dtype_size(r->dt);
+  r->be->copy(r->be, r->kvbuf[0], k, 2 * nk * es);
+  r->be->copy(r->be, at(r->kvbuf[0], 2 * nk, es), v, 2 * nk * es);
+}
+
+int ring_attention_fwd(ring_attention_t *r, void *out, float *lse, const void *q, const void *k, const void *v,
+                       int b) {
+  backend_t *be = r->be;
+  const int c = r->c, h = r->h, kv = r->kv, d = r->d;
+  const size_t es = dtype_size(r->dt), nq = (size_t)b * c * h * d, nk = (size_t)b * c * kv * d,
+               nl = (size_t)b * h * c;
+  r->errmsg[0] = '\0';
+  kv_own(r, k, v, nk);
+  comm_req_t *sreq = NULL, *rreq = NULL;
+  int cur = 0, started[2] = {0, 0}, rc = 0;
+  for (int s = 0; s < r->cp && !rc; s++) {
+    const int src = (r->rank - s + r->cp) % r->cp;
+    rc = kv_pass(r, s, cur, nk, &sreq, &rreq);
+    for (int i = 0; i < 2 && !rc; i++)
+      for (int j = 0; j < 2; j++) {
+        const int gi = ring_attention_chunk(r, i), gj = chunk_of(r, src, j);
+        if (gj > gi) continue; /* keys after every query of the chunk */
+        const char *kj = at(r->kvbuf[cur], (size_t)j * nk, es), *vj = at(r->kvbuf[cur], (size_t)(2 + j) * nk, es);
+        float *acc = r->acc + (size_t)i * nq, *lacc = lse + (size_t)i * nl;
+        /* the first block of a chunk (its diagonal, in step 0) is written, the later ones merged */
+        be->attention_fwd_block(be, started[i] ? r->ob : acc, started[i] ? r->lb : lacc, at(q, (size_t)i * nq, es),
+                                kj, vj, b, c, c, h, kv, d, (long)gi * c, (long)gj * c, r->dt);
+        if (started[i]) be->attention_merge(be, acc, lacc, r->ob, r->lb, b, c, h, d);
+        started[i] = 1;
+      }
+    int rs = finish(r, &sreq, 1), rr = finish(r, &rreq, 0);
+    rc = rc ? rc : rs ? rs : rr;
+    cur ^= 1;
+  }
+  if (rc) return RING_ECOMM;
+  be->convert(be, out, r->dt, r->acc, DT_F32, 2 * nq);
+  return 0;
+}
+
+/* The gradients of the K/V in hand (dkv[blk]) on to the next rank, which holds those K/V next,
+ * and the previous rank's into dkv[2]; the send before (of the other buffer) is waited for
+ * first, so that a buffer is never written while it is sent. */
+static int grad_pass(ring_attention_t *r, int blk, size_t nk, comm_req_t **gs, comm_req_t **gr) {
+  int rc = finish(r, gs, 1);
+  if (!rc) rc = start(r, 1, r->dkv[blk], 4 * nk, DT_F32, gs);
+  if (!rc) rc = start(r, 0, r->dkv[2], 4 * nk, DT_F32, gr);
+  return rc;
+}
+
+/* One step's blocks: dq of both chunks accumulates in acc, the K/V in hand's gradients in g. */
+static void bwd_blocks(ring_attention_t *r, int src, const void *kvb, float *g, const void *dout, const void *q,
+                       const void *out, const float *lse, int b) {
+  backend_t *be = r->be;
+  const int c = r->c, h = r->h, kv = r->kv, d = r->d;
+  const size_t es = dtype_size(r->dt), nq = (size_t)b * c * h * d, nk = (size_t)b * c * kv * d,
+               nl = (size_t)b * h * c;
+  for (int i = 0; i < 2; i++)
+    for (int j = 0; j < 2; j++) {
+      const int gi = ring_attention_chunk(r, i), gj = chunk_of(r, src, j);
+      if (gj > gi) continue;
+      be->attention_bwd_block(be, r->acc + (size_t)i * nq, g + (size_t)j * nk, g + (size_t)(2 + j) * nk,
+                              at(dout, (size_t)i * nq, es), at(q, (size_t)i * nq, es), at(kvb, (size_t)j * nk, es),
+                              at(kvb, (size_t)(2 + j) * nk, es), at(out, (size_t)i * nq, es), lse + (size_t)i * nl, b,
+                              c, c, h, kv, d, (long)gi * c, (long)gj * c, r->dt);
+    }
+}
+
+int ring_attention_bwd(ring_attention_t *r, void *dq, void *dk, void *dv, const void *dout, const void *q,
+                       const void *k, const void *v, const void *out, const float *lse, int b) {
+  backend_t *be = r->be;
+  const size_t nq = (size_t)b * r->c * r->h * r->d, nk = (size_t)b * r->c * r->kv * r->d, f = sizeof(float);
+  r->errmsg[0] = '\0';
+  kv_own(r, k, v, nk);
+  be->zero(be, r->acc, 2 * nq * f);
+  comm_req_t *ks = NULL, *kr = NULL, *gs = NULL, *gr = NULL;
+  int cur = 0, blk = 0, rc = 0;
+  for (int s = 0; s < r->cp && !rc; s++) {
+    const int src = (r->rank - s + r->cp) % r->cp;
+    rc = kv_pass(r, s, cur, nk, &ks, &kr);
+    if (rc) break;
+    be->zero(be, r->dkv[blk], 4 * nk * f);
+    bwd_blocks(r, src, r->kvbuf[cur], r->dkv[blk], dout, q, out, lse, b);
+    if (s > 0) { /* what the ranks before added to these K/V's gradients */
+      rc = finish(r, &gr, 0);
+      if (rc) break;
+      be->add(be, r->dkv[blk], r->dkv[blk], r->dkv[2], 4 * nk, DT_F32);
+    }
+    rc = grad_pass(r, blk, nk, &gs, &gr);
+    blk ^= 1;
+    int rs = finish(r, &ks, 1), rr = finish(r, &kr, 0);
+    rc = rc ? rc : rs ? rs : rr;
+    cur ^= 1;
+  }
+  /* the last pass brought this rank's own K/V gradients home */
+  int rs = finish(r, &ks, 1), rr = finish(r, &kr, 0), g1 = finish(r, &gs, 1), g2 = finish(r, &gr, 0);
+  if (rc || rs || rr || g1 || g2) return RING_ECOMM;
+  be->convert(be, dq, r->dt, r->acc, DT_F32, 2 * nq);
+  be->convert(be, dk, r->dt, r->dkv[2], DT_F32, 2 * nk);
+  be->convert(be, dv, r->dt, at(r->dkv[2], 2 * nk, f), DT_F32, 2 * nk);
+  return 0;
+}
