@@ -1,4 +1,4 @@
-// deps: trainer/model/model.c trainer/comm/trace.c trainer/comm/comm.c trainer/comm/comm_cpu.c common/net.c common/store.c common/store_proto.c trainer/backend/backend.c trainer/backend/backend_cpu.c trainer/model/rng.c common/log.c common/err.c common/env.c trainer/backend/fatal.c
+// deps: trainer/model/model.c trainer/model/ring_attention.c trainer/comm/trace.c trainer/comm/comm.c trainer/comm/comm_cpu.c common/net.c common/store.c common/store_proto.c trainer/backend/backend.c trainer/backend/backend_cpu.c trainer/model/rng.c common/log.c common/err.c common/env.c trainer/backend/fatal.c
 /* model_bench: times forward + backward of a Llama on the cpu backend (no optimizer, no data).
  *
  *   model_bench [key=value ...]   keys: dim n_layers n_heads n_kv_heads vocab hidden b t iters threads

@@ -1,4 +1,4 @@
-// deps: trainer/model/model.c trainer/comm/trace.c trainer/comm/comm.c trainer/comm/comm_cpu.c common/net.c common/store.c common/store_proto.c trainer/backend/backend.c trainer/backend/backend_cpu.c trainer/model/rng.c trainer/formats/safetensors.c common/log.c common/err.c common/env.c test/support/model_cfg.c trainer/backend/fatal.c
+// deps: trainer/model/model.c trainer/model/ring_attention.c trainer/comm/trace.c trainer/comm/comm.c trainer/comm/comm_cpu.c common/net.c common/store.c common/store_proto.c trainer/backend/backend.c trainer/backend/backend_cpu.c trainer/model/rng.c trainer/formats/safetensors.c common/log.c common/err.c common/env.c test/support/model_cfg.c trainer/backend/fatal.c
 /* model_oracle: one forward + backward of a small Llama on the cpu backend, dumped for PyTorch.
  *
  *   model_oracle OUT.safetensors [key=value ...]

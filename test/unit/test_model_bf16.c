@@ -1,4 +1,4 @@
-// deps: trainer/model/model.c trainer/comm/trace.c trainer/comm/comm.c trainer/comm/comm_cpu.c common/net.c common/store.c common/store_proto.c trainer/backend/backend.c trainer/backend/backend_cpu.c trainer/model/rng.c common/log.c common/err.c common/env.c test/support/model_cfg.c trainer/backend/fatal.c
+// deps: trainer/model/model.c trainer/model/ring_attention.c trainer/comm/trace.c trainer/comm/comm.c trainer/comm/comm_cpu.c common/net.c common/store.c common/store_proto.c trainer/backend/backend.c trainer/backend/backend_cpu.c trainer/model/rng.c common/log.c common/err.c common/env.c test/support/model_cfg.c trainer/backend/fatal.c
 /* test_model_bf16: the model under param_dtype bf16 (model_opts_t.param_dtype), on the cpu
  * backend's real bf16 arithmetic.
  *

@@ -62,6 +62,7 @@
  *
  * It does not own the optimizer (trainer/model/optim) nor the data-parallel strategy (trainer/parallel/dp). */
 #include "trainer/model/model.h"
+#include "trainer/model/ring_attention.h"
 
 #include <limits.h>
 #include <math.h>
@@ -144,6 +145,8 @@ struct model {
   int strategy_casts;
   int max_b, max_t;
   int Np, Ns, row0; /* rows of the current batch: full (padded), local, first local row */
+  int cp;                /* context parallelism: 1 when ring is in use (model_opts_t.cp) */
+  ring_attention_t ring; /* its attention around the cp ring */
 
   /* parameters */
   int n_tensors;
@@ -521,6 +524,7 @@ void model_destroy(model_t *m) {
     m->be->free(m->be, m->params_lp);
     m->be->free(m->be, m->logits_f32);
   }
+  ring_attention_free(&m->ring);
   free(m->tensors);
   free(m->layer);
   free(m->unit_offset);
@@ -822,6 +826,30 @@ static int alloc_buffers(model_t *m, char *err, size_t errlen) {
   return 0;
 }
 
+/* Context parallelism: the ring for batches of max_b sequences of this rank's max_t tokens (two
+ * chunks of max_t / 2). Its blocks run the backend's own kernels, not a fused one. */
+static int cp_setup(model_t *m, const model_opts_t *opts, int mode, char *err, size_t errlen) {
+  const model_cp_t *cp = opts->cp;
+  if (!cp || cp->size <= 1) return 0;
+  if (m->max_t % 2)
+    return err_set(err, errlen, MODEL_EINVAL, "model error: context parallelism holds two chunks of each sequence, "
+                   "so a rank's tokens per sequence must be even, got %d", m->max_t);
+  if (mode == ATTN_FUSED)
+    return err_set(err, errlen, MODEL_EPLAN, "plan error: model.attention: %s: context parallelism's attention blocks "
+                   "run the reference kernels (no fused blocks yet): use %s or %s", attention_names[ATTN_FUSED],
+                   attention_names[ATTN_AUTO], attention_names[ATTN_REFERENCE]);
+  if (m->be->mem == BACKEND_MEM_DEVICE && comm_memory(cp->send) == COMM_MEM_HOST)
+    return err_set(err, errlen, MODEL_EINVAL, "model error: context parallelism on backend %s needs a comm that takes "
+                   "device memory; comm %s moves host memory", m->be->name, comm_name(cp->send));
+  int rc = ring_attention_init(&m->ring, m->be, cp->send, cp->recv, cp->size, cp->rank, m->max_b, m->max_t / 2, m->Hl,
+                               m->KVl, m->D, m->dt, err, errlen);
+  if (rc) return rc == RING_ENOMEM ? MODEL_ENOMEM : MODEL_EINVAL;
+  m->cp = 1;
+  log_rank0("attention: around the context-parallel ring of %d ranks (chunks of %d tokens, the backend's block kernels)",
+            cp->size, m->max_t / 2);
+  return 0;
+}
+
 /* m, allocated and given its backend, built up; on a failure the caller destroys it. */
 static int model_build(model_t *m, const plan_model_t *cfg, int kv, const model_opts_t *opts, char *err,
                        size_t errlen) {
@@ -833,6 +861,7 @@ static int model_build(model_t *m, const plan_model_t *cfg, int kv, const model_
     log_debug("model: tp %d/%d: heads %d/%d, kv %d/%d, ffn %d/%d, vocab rows %d+%d (padded %d)%s%s", m->tp_rank, m->tp,
               m->Hl, m->H, m->KVl, m->KV, m->Fl, m->F, m->Ve, m->Vo, m->Vp, m->sp ? ", sequence parallel" : "",
               m->lp ? ", loss parallel" : "");
+  if (opts->cp && opts->cp->size > 1) return cp_setup(m, opts, cfg->attention, err, errlen);
   return attention_choose(m, cfg->attention, opts->max_b, opts->max_t, err, errlen);
 }
 
@@ -1107,6 +1136,46 @@ static void norm_fwd(model_t *m, void *xn_full, float *rstd, const void *x, cons
   rows_to_full(m, xn_full, xn, m->C, what);
 }
 
+/* RoPE in place on x, the batch's rows of h heads (the backward's inverse with bwd): positions
+ * 0 .. t-1, or under context parallelism each of the rank's two chunks at its own. */
+static void rope_rows(model_t *m, void *x, int b, int t, int h, int bwd) {
+  backend_t *be = m->be;
+  void (*rope)(backend_t *, void *, int, int, int, int, int, float, dtype_t) = bwd ? be->rope_bwd : be->rope_fwd;
+  if (!m->cp) {
+    rope(be, x, b, t, h, m->D, 0, m->theta, m->dt);
+    return;
+  }
+  const int c = t / 2;
+  for (int i = 0; i < 2; i++)
+    rope(be, at(m, x, (size_t)i * b * c * h * m->D), b, c, h, m->D, ring_attention_chunk(&m->ring, i) * c, m->theta,
+         m->dt);
+}
+
+/* The first failure of the ring is the pass's (as tp_check's). */
+static void cp_check(model_t *m, int rc) {
+  if (!rc || m->comm_rc) return;
+  set_error(m, MODEL_ECOMM, "%s", ring_attention_errmsg(&m->ring));
+  m->comm_rc = rc;
+}
+
+static void attention_forward(model_t *m, layer_acts_t *a, int b, int t) {
+  if (!m->cp) {
+    m->be->attention_fwd(m->be, a->att, a->lse, a->q, a->k, a->v, b, t, m->Hl, m->KVl, m->D, m->dt);
+    return;
+  }
+  if (!m->comm_rc) cp_check(m, ring_attention_fwd(&m->ring, a->att, a->lse, a->q, a->k, a->v, b));
+}
+
+static void attention_backward(model_t *m, layer_acts_t *a, int b, int t) {
+  if (!m->cp) {
+    m->be->attention_bwd(m->be, m->dq, m->dk, m->dv, m->datt, a->q, a->k, a->v, a->att, a->lse, b, t, m->Hl, m->KVl,
+                         m->D, m->dt);
+    return;
+  }
+  if (!m->comm_rc)
+    cp_check(m, ring_attention_bwd(&m->ring, m->dq, m->dk, m->dv, m->datt, a->q, a->k, a->v, a->att, a->lse, b));
+}
+
 /* One transformer block, x -> out (both local rows (Ns, C)). out NULL: the recomputation of a
  * checkpointed block in its backward, which needs the saved set but not the output, so the
  * last rowwise product (and its collective, on every tp rank alike) is skipped. */
@@ -1120,9 +1189,9 @@ static void block_forward(model_t *m, int l, void *out, int b, int t) {
   mm(m, a->q, a->xn_att, cparam_of(m, lt->wq), Np, HD, C, 1, 0.0f);
   mm(m, a->k, a->xn_att, cparam_of(m, lt->wk), Np, KD, C, 1, 0.0f);
   mm(m, a->v, a->xn_att, cparam_of(m, lt->wv), Np, KD, C, 1, 0.0f);
-  be->rope_fwd(be, a->q, b, t, m->Hl, m->D, 0, m->theta, m->dt);
-  be->rope_fwd(be, a->k, b, t, m->KVl, m->D, 0, m->theta, m->dt);
-  be->attention_fwd(be, a->att, a->lse, a->q, a->k, a->v, b, t, m->Hl, m->KVl, m->D, m->dt);
+  rope_rows(m, a->q, b, t, m->Hl, 0);
+  rope_rows(m, a->k, b, t, m->KVl, 0);
+  attention_forward(m, a, b, t);
   if (Np > N) be->zero(be, at(m, a->att, (size_t)N * HD), (size_t)(Np - N) * HD * m->es); /* SP padding rows */
   /* x_mid = x + att wo^T */
   rowwise_fwd(m, a->x_mid, a->x, a->att, cparam_of(m, lt->wo), HD, m->attn_split, "reduction of attention.wo output");
@@ -1451,10 +1520,9 @@ static void block_backward(model_t *m, int l, int b, int t) {
     be->zero(be, at(m, m->dk, rows * KD), pad * KD * m->es);
     be->zero(be, at(m, m->dv, rows * KD), pad * KD * m->es);
   }
-  be->attention_bwd(be, m->dq, m->dk, m->dv, m->datt, a->q, a->k, a->v, a->att, a->lse, b, t, m->Hl, m->KVl, m->D,
-                    m->dt);
-  be->rope_bwd(be, m->dq, b, t, m->Hl, m->D, 0, m->theta, m->dt);
-  be->rope_bwd(be, m->dk, b, t, m->KVl, m->D, 0, m->theta, m->dt);
+  attention_backward(m, a, b, t);
+  rope_rows(m, m->dq, b, t, m->Hl, 1);
+  rope_rows(m, m->dk, b, t, m->KVl, 1);
   mm_dw(m, grad_of(m, lt->wq), m->dq, a->xn_att, HD, C);
   mm_dw(m, grad_of(m, lt->wk), m->dk, a->xn_att, KD, C);
   mm_dw(m, grad_of(m, lt->wv), m->dv, a->xn_att, KD, C);
@@ -1619,9 +1687,9 @@ static size_t kv_layout(model_kv_t *kv, void *base) {
 int model_kv_create(model_kv_t **out, model_t *m, int max_t, char *err, size_t errlen) {
   *out = NULL;
   backend_t *be = m->be;
-  if (m->tp > 1 || m->n_chunks != 1 || !m->chunks[0].embed || !m->chunks[0].head)
+  if (m->tp > 1 || m->cp || m->n_chunks != 1 || !m->chunks[0].embed || !m->chunks[0].head)
     return err_set(err, errlen, MODEL_EINVAL, "model error: KV-cache decoding needs the whole model on one process (no "
-                   "tensor parallelism, no pipeline chunks)");
+                   "tensor or context parallelism, no pipeline chunks)");
   if (m->dt != DT_F32 && m->strategy_casts)
     return err_set(err, errlen, MODEL_EINVAL, "model error: KV-cache decoding in bf16 needs the model's own compute copy "
                    "(strategy_casts 0)");

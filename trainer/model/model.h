@@ -82,10 +82,21 @@ typedef struct {
   int n_plan;
 } model_tp_t;
 
+/* Context parallelism (mesh.cp > 1): each sequence is cut into 2 * size chunks and this rank
+ * holds chunks rank and 2 size - 1 - rank (trainer/model/ring_attention.h). A batch here is the
+ * rank's rows of b sequences, chunk-major: t = 2c tokens a sequence, the first chunk of every
+ * sequence, then the second (ring_attention_take_rows arranges them). Attention runs around the
+ * ring; RoPE gives each chunk its positions in the whole sequence. Everything else is per row. */
+typedef struct {
+  struct comm *send, *recv; /* the ring's channels (mesh_t.cp) */
+  int size, rank;           /* mesh.cp and this rank's coordinate in it */
+} model_cp_t;
+
 typedef struct {
   int max_b, max_t;        /* activations are sized for batches up to (max_b, max_t) */
   int decay_norms, decay_embeddings;
   const model_tp_t *tp;    /* NULL: no tensor parallelism */
+  const model_cp_t *cp;    /* NULL or size 1: no context parallelism (max_t: this rank's tokens) */
   /* FSDP: the model allocates no flat parameter/gradient buffers (model_params and
    * model_grads return NULL); the strategy owns the shards and must point every unit at full
    * buffers with model_set_unit_buffers before the unit is used (dp gather). */

@@ -54,6 +54,15 @@ int ring_attention_chunk(const ring_attention_t *r, int i) { return i == 0 ? r->
 
 const char *ring_attention_errmsg(const ring_attention_t *r) { return r->errmsg; }
 
+void ring_attention_take_rows(int32_t *dst, const int32_t *src, int b, int t, int cp, int rank) {
+  const int c = t / (2 * cp);
+  for (int i = 0; i < 2; i++) {
+    const int g = i == 0 ? rank : 2 * cp - 1 - rank;
+    for (int bi = 0; bi < b; bi++)
+      memcpy(dst + ((size_t)i * b + bi) * c, src + (size_t)bi * t + (size_t)g * c, (size_t)c * sizeof *dst);
+  }
+}
+
 /* The global chunk of local chunk i of cp rank src. */
 static int chunk_of(const ring_attention_t *r, int src, int i) { return i == 0 ? src : 2 * r->cp - 1 - src; }
 

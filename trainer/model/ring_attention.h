@@ -22,6 +22,7 @@
 #define MESHRUN_RING_ATTENTION_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include "trainer/backend/backend.h"
 #include "trainer/comm/comm.h"
@@ -66,5 +67,10 @@ int ring_attention_bwd(ring_attention_t *r, void *dq, void *dk, void *dv, const 
                        const void *k, const void *v, const void *out, const float *lse, int b);
 
 const char *ring_attention_errmsg(const ring_attention_t *r);
+
+/* This rank's rows of b whole sequences of t tokens (host ids, (b, t)): dst (b * t / cp) gets,
+ * chunk-major, chunk rank of every sequence, then chunk 2 cp - 1 - rank of every sequence (the
+ * layout the forward takes). t must be a multiple of 2 cp; dst and src do not overlap. */
+void ring_attention_take_rows(int32_t *dst, const int32_t *src, int b, int t, int cp, int rank);
 
 #endif

@@ -154,6 +154,7 @@ static const field_t mesh_fields[] = {
     K_MESH("dp_shard", mesh.dp_shard, -1),
     K_MESH("tp", mesh.tp, 1),
     K_MESH("pp", mesh.pp, 1),
+    K_MESH("cp", mesh.cp, 1),
     K_END};
 
 static const field_t mp_fields[] = {
@@ -842,6 +843,8 @@ int plan_checkpoint_every(const plan_t *p) {
   }
 }
 
+int plan_local_seq_len(const plan_t *p) { return p->mesh.cp > 1 ? p->train.seq_len / p->mesh.cp : p->train.seq_len; }
+
 int plan_llama_hidden_dim(int dim, int multiple_of, double ffn_dim_multiplier) {
   long long hidden = 8LL * dim / 3; /* int(2 * (4 * dim) / 3) */
   if (ffn_dim_multiplier > 0) { /* clamped before the cast: a huge multiplier is refused later, not UB */
@@ -937,17 +940,17 @@ int plan_pp_stage_first(const plan_t *p, int s) {
 
 /* Mesh: at most one -1, which takes the rest of the world; then the product must match. */
 static int resolve_mesh(plan_mesh_t *m, int world_size, char *err, size_t errlen) {
-  int *dims[4] = {&m->pp, &m->dp_replicate, &m->dp_shard, &m->tp};
+  int *dims[5] = {&m->pp, &m->dp_replicate, &m->dp_shard, &m->cp, &m->tp};
   int n_rest = 0;
   long long known = 1; /* saturates just past world_size: any larger product is the same error */
-  for (int i = 0; i < 4; i++) {
+  for (int i = 0; i < 5; i++) {
     if (*dims[i] == -1)
       n_rest++;
     else if (__builtin_mul_overflow(known, (long long)*dims[i], &known) || known > world_size)
       known = (long long)world_size + 1;
   }
   if (n_rest > 1)
-    return perr(err, errlen, "mesh", "only one of pp, dp_replicate, dp_shard, tp may be -1");
+    return perr(err, errlen, "mesh", "only one of pp, dp_replicate, dp_shard, cp, tp may be -1");
   if (n_rest == 1) {
     if (known > world_size)
       return perr(err, errlen, "mesh", "the product of the entries other than -1 is more than WORLD_SIZE %d",
@@ -956,24 +959,22 @@ static int resolve_mesh(plan_mesh_t *m, int world_size, char *err, size_t errlen
       return perr(err, errlen, "mesh",
                   "the product of the entries other than -1 (%lld) does not divide WORLD_SIZE %d",
                   known, world_size);
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < 5; i++)
       if (*dims[i] == -1) *dims[i] = (int)(world_size / known);
   }
   long long prod = 1;
-  for (int i = 0; i < 4; i++)
+  for (int i = 0; i < 5; i++)
     if (__builtin_mul_overflow(prod, (long long)*dims[i], &prod) || prod > world_size) {
       prod = (long long)world_size + 1; /* saturated: reported as "more than WORLD_SIZE" below */
       break;
     }
-  /* Without a pipeline the messages name the three data/tensor dimensions only. */
-  char names[64], vals[64];
-  if (m->pp == 1) {
-    snprintf(names, sizeof names, "dp_replicate*dp_shard*tp");
-    snprintf(vals, sizeof vals, "%d*%d*%d", m->dp_replicate, m->dp_shard, m->tp);
-  } else {
-    snprintf(names, sizeof names, "pp*dp_replicate*dp_shard*tp");
-    snprintf(vals, sizeof vals, "%d*%d*%d*%d", m->pp, m->dp_replicate, m->dp_shard, m->tp);
-  }
+  /* The messages name pp and cp only when the plan uses them. */
+  char names[64], vals[80];
+  snprintf(names, sizeof names, "%sdp_replicate*dp_shard*%stp", m->pp != 1 ? "pp*" : "", m->cp != 1 ? "cp*" : "");
+  int o = m->pp != 1 ? snprintf(vals, sizeof vals, "%d*", m->pp) : 0;
+  o += snprintf(vals + o, sizeof vals - (size_t)o, "%d*%d*", m->dp_replicate, m->dp_shard);
+  if (m->cp != 1) o += snprintf(vals + o, sizeof vals - (size_t)o, "%d*", m->cp);
+  snprintf(vals + o, sizeof vals - (size_t)o, "%d", m->tp);
   if (prod > world_size)
     return perr(err, errlen, "mesh", "%s = %s is more than WORLD_SIZE %d", names, vals, world_size);
   if (prod != world_size)
@@ -1063,6 +1064,17 @@ static int resolve_tp(plan_t *p, char *err, size_t errlen) {
   return 0;
 }
 
+/* Context parallelism cuts each sequence into 2 * cp chunks, two a rank (an early one and a late
+ * one, so that the causal work is balanced). */
+static int check_cp(const plan_t *p, char *err, size_t errlen) {
+  const int cp = p->mesh.cp;
+  if (cp == 1) return 0;
+  if (p->train.seq_len % (2 * cp) != 0)
+    return perr(err, errlen, "train.seq_len", "%d is not divisible by 2 * mesh.cp = %d (context parallelism cuts "
+                "each sequence into 2 * cp chunks, two on each rank)", p->train.seq_len, 2 * cp);
+  return 0;
+}
+
 int plan_resolve(plan_t *p, int world_size, char *err, size_t errlen) {
   plan_mesh_t *m = &p->mesh;
   plan_train_t *t = &p->train;
@@ -1070,7 +1082,7 @@ int plan_resolve(plan_t *p, int world_size, char *err, size_t errlen) {
   if (err && errlen) err[0] = '\0';
   if (world_size < 1) return perr(err, errlen, "WORLD_SIZE", "must be >= 1, got %d", world_size);
   if ((rc = resolve_mesh(m, world_size, err, errlen)) || (rc = check_shapes(p, err, errlen)) ||
-      (rc = resolve_tp(p, err, errlen)))
+      (rc = resolve_tp(p, err, errlen)) || (rc = check_cp(p, err, errlen)))
     return rc;
 
   /* Batches: global = micro * dp * accumulation steps. */
@@ -1217,10 +1229,10 @@ double plan_param_count(const plan_t *p) {
 int plan_check_memory(const plan_t *p, double bytes, int ranks, char *err, size_t errlen) {
   if (bytes <= 0 || ranks < 1) return 0;
   const plan_mesh_t *m = &p->mesh;
-  const double n = plan_param_count(p), shards = (double)m->tp * m->pp * m->dp_shard;
+  const double n = plan_param_count(p), shards = (double)m->tp * m->pp * m->dp_shard * m->cp;
   const double state = n * 6 / shards + n * 8 / (shards * m->dp_replicate);
-  const double logits =
-      m->pp > 1 ? 0 : (double)p->train.micro_batch_size * p->train.seq_len * p->model.vocab_size / m->tp * 2;
+  const double logits = m->pp > 1 ? 0 : (double)p->train.micro_batch_size * plan_local_seq_len(p) *
+                                            p->model.vocab_size / m->tp * 2;
   const double need = state + logits, have = bytes / ranks;
   if (need <= have) return 0;
   const double G = 1024.0 * 1024 * 1024;
@@ -1229,13 +1241,13 @@ int plan_check_memory(const plan_t *p, double bytes, int ranks, char *err, size_
   return perr(err, errlen, "model", "one rank needs at least %.1f GiB (%.3g parameters: %.1f GiB of weights, "
               "gradients and AdamW moments over its shards; %.1f GiB of one micro-batch's logits), more than the "
               "%.1f GiB of this machine%s: shrink model or train.micro_batch_size, or shard more (mesh.dp_shard, "
-              "mesh.tp, mesh.pp)", need / G, n, state / G, logits / G, bytes / G, shared);
+              "mesh.tp, mesh.pp, mesh.cp)", need / G, n, state / G, logits / G, bytes / G, shared);
 }
 
 int plan_mesh_min_world(const plan_t *p) {
-  const int e[4] = {p->mesh.dp_replicate, p->mesh.dp_shard, p->mesh.tp, p->mesh.pp};
+  const int e[5] = {p->mesh.dp_replicate, p->mesh.dp_shard, p->mesh.tp, p->mesh.pp, p->mesh.cp};
   long long w = 1;
-  for (int i = 0; i < 4; i++)
+  for (int i = 0; i < 5; i++)
     if (e[i] > 0 && (w *= e[i]) > INT_MAX) return INT_MAX; /* resolve names the entry */
   return (int)w;
 }

@@ -65,6 +65,7 @@ typedef struct {
 typedef struct {
   int dp_replicate, dp_shard, tp; /* one may be -1 in the file: "the rest of WORLD_SIZE" */
   int pp;                         /* pipeline stages' ranks, outermost (default 1; may be the -1) */
+  int cp;                         /* context parallel: ranks sharing each sequence (default 1; may be the -1) */
 } plan_mesh_t;
 
 /* parallel.pp_schedule: the pipeline schedules (trainer/plan/pipeline.h's pp_schedule_t, same order). */
@@ -244,5 +245,8 @@ int plan_pp_stage_first(const plan_t *p, int s);
 /* The activation-checkpoint period for model_opts_t.checkpoint_every: 0 none, 1 full, k for
  * selective (every k-th block). */
 int plan_checkpoint_every(const plan_t *p);
+/* Tokens of each sequence on one rank: train.seq_len, divided by mesh.cp under context
+ * parallelism (the rank's two chunks). */
+int plan_local_seq_len(const plan_t *p);
 
 #endif

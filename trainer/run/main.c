@@ -604,8 +604,10 @@ static int mesh_setup(mesh_t **out, const plan_t *p, int rank, int world, const 
                    "not set: run under meshrun, or set MESHRUN_STORE=host:port",
                    world);
   }
-  if (mesh_create_pp(out, p->mesh.pp, p->mesh.dp_replicate, p->mesh.dp_shard, p->mesh.tp, rank, world, err, errlen))
-    return 2;
+  int dims[MESH_NDIMS];
+  dims[MESH_PP] = p->mesh.pp, dims[MESH_DP_REPLICATE] = p->mesh.dp_replicate, dims[MESH_DP_SHARD] = p->mesh.dp_shard;
+  dims[MESH_CP] = p->mesh.cp, dims[MESH_TP] = p->mesh.tp;
+  if (mesh_create_dims(out, dims, rank, world, err, errlen)) return 2;
   /* The flight recorder before the first communicator; SIGUSR1 dumps it (checkpoint.on_signal,
    * installed later, takes SIGUSR1 over for preemption and asks for the dump itself). A run
    * without the signal's dumps still trains. */
@@ -632,9 +634,9 @@ static int pipeline_setup(pp_runner_t *r, const plan_t *p, const mesh_t *mesh, c
 /* This rank's model: its pipeline stages (pp: the runner's slots), its tp slice under a mesh
  * (tpo, which must live as long as the model), no flat buffers when the strategy shards them,
  * the plan's mixed precision (FSDP and HSDP gather the bf16 compute copies themselves). */
-static int model_setup(model_t **m, model_tp_t *tpo, const plan_t *p, backend_t *be, const mesh_t *mesh,
-                       const pp_runner_t *ppr, char *err, size_t errlen) {
-  const int B = p->train.micro_batch_size, T = p->train.seq_len, tp = mesh ? mesh->dims[MESH_TP] : 1;
+static int model_setup(model_t **m, model_tp_t *tpo, model_cp_t *cpo, const plan_t *p, backend_t *be,
+                       const mesh_t *mesh, const pp_runner_t *ppr, char *err, size_t errlen) {
+  const int B = p->train.micro_batch_size, T = plan_local_seq_len(p), tp = mesh ? mesh->dims[MESH_TP] : 1;
   model_opts_t opts = {.max_b = B, .max_t = T, .decay_norms = p->train.decay_norms,
                        .decay_embeddings = p->train.decay_embeddings, .checkpoint_every = plan_checkpoint_every(p),
                        .param_dtype = p->parallel.param_dtype,
@@ -647,6 +649,9 @@ static int model_setup(model_t **m, model_tp_t *tpo, const plan_t *p, backend_t 
                       .plan = p->parallel.tp_plan,
                       .n_plan = p->parallel.n_tp_plan};
   opts.tp = tp > 1 ? tpo : NULL;
+  *cpo = (model_cp_t){.send = mesh->cp.send, .recv = mesh->cp.recv, .size = mesh->dims[MESH_CP],
+                      .rank = mesh->coord[MESH_CP]};
+  opts.cp = cpo->size > 1 ? cpo : NULL;
   opts.no_flat_buffers = dp_owns_buffers(mesh, p);
   int first[PP_MAX_CHUNKS], layers[PP_MAX_CHUNKS];
   if (ppr) { /* chunk c is stage pp_stage_of(q, c, pp); a pipeline micro-batch is accum * B / m sequences */
@@ -738,6 +743,7 @@ typedef struct {
   data_t data;
   model_t *m;
   model_tp_t tpo; /* lives as long as the model, which may keep a pointer to it */
+  model_cp_t cpo; /* the same */
   pp_runner_t ppr;
   pp_runner_t *pp; /* &ppr under pipeline parallelism */
   char *plan_json;
@@ -870,7 +876,7 @@ static int run_model(run_t *r) {
     if (pipeline_setup(&r->ppr, p, r->mesh, err, errlen)) return RUN_FAIL;
     r->pp = &r->ppr;
   }
-  int mrc = model_setup(&r->m, &r->tpo, p, r->be, r->mesh, r->pp, err, errlen);
+  int mrc = model_setup(&r->m, &r->tpo, &r->cpo, p, r->be, r->mesh, r->pp, err, errlen);
   if (mrc) {
     if (mrc == MODEL_EPLAN) r->code = 2, r->plan_failed = 1;
     return RUN_FAIL;
@@ -903,9 +909,12 @@ static int run_start(run_t *r) {
   r->code = 1;
   if (hooks_initial_weights(&a->hooks, r->m, r->dp, r->mesh, r->plan_json, err, errlen)) return RUN_FAIL;
 
+  /* batches are read per dp rank (the cp ranks of one share theirs); losses average over dp x cp */
   comm_t *dpc = r->mesh ? mesh_host_comm(r->mesh, "dp") : NULL;
-  r->tr = (train_t){.p = p, .m = r->m, .dp = r->dp, .be = r->be, .data = &r->data, .dpc = dpc, .mesh = r->mesh,
-                    .hooks = &a->hooks, .dp_rank = dpc ? comm_rank(dpc) : 0, .dp_size = dpc ? comm_size(dpc) : 1,
+  r->tr = (train_t){.p = p, .m = r->m, .dp = r->dp, .be = r->be, .data = &r->data,
+                    .dpc = r->mesh ? mesh_host_comm(r->mesh, "dp_cp") : NULL, .mesh = r->mesh, .hooks = &a->hooks,
+                    .dp_rank = dpc ? comm_rank(dpc) : 0, .dp_size = dpc ? comm_size(dpc) : 1,
+                    .cp_size = r->mesh ? r->mesh->dims[MESH_CP] : 1, .cp_rank = r->mesh ? r->mesh->coord[MESH_CP] : 0,
                     .pp = r->pp, .ppc = r->pp ? mesh_host_comm(r->mesh, "pp") : NULL};
   if (train_init(&r->tr, err, errlen) ||
       metrics_open(&r->mt, p, r->m, r->dp, r->mesh, &r->data, r->be, env->rank, env->world, r->start_step,

@@ -10,6 +10,7 @@
 #include "trainer/run/metrics.h"
 #include "trainer/run/opprof.h"
 #include "trainer/model/optim.h"
+#include "trainer/model/ring_attention.h"
 #include "trainer/comm/trace.h"
 
 int train_init(train_t *t, char *err, size_t errlen) {
@@ -17,7 +18,8 @@ int train_init(train_t *t, char *err, size_t errlen) {
   const int B = t->p->train.micro_batch_size * (t->pp ? t->p->train.grad_accum_steps : 1);
   t->tok = malloc((size_t)B * T * sizeof(int32_t));
   t->tgt = malloc((size_t)B * T * sizeof(int32_t));
-  if (!t->tok || !t->tgt) {
+  if (t->cp_size > 1) t->cp_scratch = malloc((size_t)B * T * sizeof(int32_t)); /* B: the step's under pp */
+  if (!t->tok || !t->tgt || (t->cp_size > 1 && !t->cp_scratch)) {
     return err_set(err, errlen, -1, "out of memory for batches of %d x %d tokens", B, T);
   }
   if (t->pp) return 0;
@@ -35,12 +37,29 @@ void train_free(train_t *t) {
   if (!t) return;
   free(t->tok);
   free(t->tgt);
+  free(t->cp_scratch);
+  t->cp_scratch = NULL;
   if (t->loss_rows) t->be->free(t->be, t->loss_rows);
   free(t->loss_host);
   free(t->loss_valid);
   t->tok = t->tgt = NULL;
   t->loss_rows = t->loss_host = NULL;
   t->loss_valid = NULL;
+}
+
+/* Context parallelism: this rank's rows of the n whole sequences in tok and tgt, in their place:
+ * each group of b sequences (a model batch) chunk-major (ring_attention_take_rows), the groups
+ * one after the other. */
+static void cp_rows(train_t *t, int32_t *tok, int32_t *tgt, int n, int b) {
+  const int T = t->p->train.seq_len, Tl = T / t->cp_size;
+  if (t->cp_size <= 1) return;
+  int32_t *ids[2] = {tok, tgt};
+  for (int i = 0; i < 2; i++) {
+    for (int g = 0; g < n / b; g++)
+      ring_attention_take_rows(t->cp_scratch + (size_t)g * b * Tl, ids[i] + (size_t)g * b * T, b, T, t->cp_size,
+                               t->cp_rank);
+    memcpy(ids[i], t->cp_scratch, (size_t)n * Tl * sizeof(int32_t));
+  }
 }
 
 /* The step's loss from the per-row losses of its micro-batches, read back in one copy: each
@@ -85,7 +104,8 @@ static int pipeline_step(train_t *t, int s, double *loss, int *bad_micro, pp_ste
     data_train_batch(t->data, s, micro, t->dp_rank, t->dp_size, B, t->tok + micro * bt, t->tgt + micro * bt);
     if (hooks_batch(t->hooks, t->tok + micro * bt, t->tgt + micro * bt, bt, err, errlen)) return -1;
   }
-  if (pp_run_step(t->pp, t->tok, t->tgt, b, T, 1.0f / (float)M, st)) {
+  cp_rows(t, t->tok, t->tgt, accum * B, b); /* the pipeline's micro-batches are b sequences */
+  if (pp_run_step(t->pp, t->tok, t->tgt, b, plan_local_seq_len(p), 1.0f / (float)M, st)) {
     return err_set(err, errlen, -1, "step %d: %s", s + 1, pp_run_errmsg(t->pp));
   }
   /* only the last stage has these: the sum over pp adds zeros to them */
@@ -111,12 +131,13 @@ int train_step(train_t *t, int s, train_result_t *out, char *err, size_t errlen)
   int bad_micro = 0; /* first micro-batch of this step whose loss was nan/inf (1-based) */
   memset(&out->pp, 0, sizeof out->pp);
   if (t->pp && pipeline_step(t, s, &loss, &bad_micro, &out->pp, err, errlen)) return -1;
-  const int n = B * T;
+  const int Tl = plan_local_seq_len(p), n = B * Tl; /* this rank's tokens: all of them, or its cp chunks */
   for (int micro = 0; !t->pp && micro < accum; micro++) {
     data_train_batch(t->data, s, micro, t->dp_rank, t->dp_size, B, t->tok, t->tgt);
-    if (hooks_batch(t->hooks, t->tok, t->tgt, (size_t)n, err, errlen)) return -1;
+    if (hooks_batch(t->hooks, t->tok, t->tgt, (size_t)B * T, err, errlen)) return -1;
+    cp_rows(t, t->tok, t->tgt, B, B);
     const float scale = 1.0f / (float)accum; /* the loss is the micro-batches' mean */
-    if (model_forward_rows(t->m, t->tok, t->tgt, B, T, t->loss_rows + (size_t)micro * n, &t->loss_valid[micro],
+    if (model_forward_rows(t->m, t->tok, t->tgt, B, Tl, t->loss_rows + (size_t)micro * n, &t->loss_valid[micro],
                            scale) ||
         dp_status(t->dp))
       return pass_failed(t, "forward pass", s, micro, err, errlen);
@@ -125,7 +146,7 @@ int train_step(train_t *t, int s, train_result_t *out, char *err, size_t errlen)
       return pass_failed(t, "backward pass", s, micro, err, errlen);
   }
   if (!t->pp) loss = micro_losses(t, s, accum, n, &bad_micro) / accum;
-  if (t->dpc && t->dp_size > 1) { /* the logged loss is the global batch's: the mean over dp */
+  if (t->dpc && comm_size(t->dpc) > 1) { /* the logged loss is the global batch's: the mean over dp (and cp) */
     float lf = (float)loss;
     if (comm_all_reduce(t->dpc, &lf, 1, DT_F32, COMM_AVG)) {
       return err_set(err, errlen, -1, "%s", comm_errmsg(t->dpc));
@@ -170,12 +191,13 @@ int train_step(train_t *t, int s, train_result_t *out, char *err, size_t errlen)
 
 int train_eval(train_t *t, double *out, char *err, size_t errlen) {
   const plan_t *p = t->p;
-  const int batches = p->eval.batches, B = p->train.micro_batch_size, T = p->train.seq_len;
-  const int n = t->dpc ? comm_size(t->dpc) : 1, r = t->dpc ? comm_rank(t->dpc) : 0;
+  const int batches = p->eval.batches, B = p->train.micro_batch_size, T = plan_local_seq_len(p);
+  const int n = t->dp_size, r = t->dp_rank; /* the batches go round dp; the cp ranks of one share them */
   double sum = 0;
   for (int j = 0; j < (batches + n - 1) / n; j++) {
     const int k = j * n + r;
     data_eval_batch(t->data, k < batches ? k : k % batches, B, t->tok, t->tgt);
+    cp_rows(t, t->tok, t->tgt, B, B);
     float l = 0;
     if (t->pp) { /* through the stages; the loss on the last one's rank, 0 on the others */
       if (pp_run_forward(t->pp, t->tok, t->tgt, B, T, &l)) {
@@ -193,12 +215,12 @@ int train_eval(train_t *t, double *out, char *err, size_t errlen) {
     }
     sum = s;
   }
-  if (n > 1) {
+  if (t->dpc && comm_size(t->dpc) > 1) { /* each cp rank's loss is its chunks' mean: the sum counts cp times */
     float s = (float)sum;
     if (comm_all_reduce(t->dpc, &s, 1, DT_F32, COMM_SUM)) {
       return err_set(err, errlen, -1, "eval: %s", comm_errmsg(t->dpc));
     }
-    sum = s;
+    sum = t->cp_size > 1 ? s / t->cp_size : s;
   }
   *out = sum / batches;
   return 0;

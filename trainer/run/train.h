@@ -25,7 +25,8 @@
 #include "trainer/plan/plan.h"
 
 /* What a step works with; main fills it once. Host values (the loss, eval sums) go through the
- * host comm of "dp" (dpc, NULL in one process); device tensors never pass through here. */
+ * host comm of "dp_cp" (dpc, NULL in one process: dp's ranks, and cp's, which read the same
+ * batches and hold different tokens of them); device tensors never pass through here. */
 typedef struct {
   const plan_t *p;
   model_t *m;
@@ -35,6 +36,7 @@ typedef struct {
   comm_t *dpc;
   const mesh_t *mesh; /* NULL in one process: its communicators' blocked time is the step's exposed communication */
   int dp_rank, dp_size;
+  int cp_size, cp_rank; /* context parallelism: this rank keeps its two chunks of each sequence read */
   hooks_t *hooks;
   int32_t *tok, *tgt; /* (micro_batch_size, seq_len) host batches (the whole step's under pp); train_init
                          allocates them */
@@ -42,6 +44,7 @@ typedef struct {
    * back once per step (loss_host), with each micro-batch's count of targets (loss_valid). */
   float *loss_rows, *loss_host;
   int *loss_valid;
+  int32_t *cp_scratch; /* cp > 1: a batch's ids while this rank's rows are taken out of it */
   /* Pipeline parallelism (mesh.pp > 1; NULL otherwise): the runner of this rank's stages, and the
    * host comm of the pp group that shares the last stage's loss with the others. */
   pp_runner_t *pp;
