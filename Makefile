@@ -146,7 +146,7 @@ endif
 # links a registry's dispatch (backend.c, comm.c) links the registry and every backend it lists:
 # its set, as a build without CUDA has it (_HOST: also the fuzz targets') or as this build does.
 # The comm dispatch's set also holds its second file, the flight recorder (comm_flight.c), and the
-# file helpers that one uses.
+# file helpers and the dump folder (common/dump.c) that one uses.
 CUDA_VARIANT     := trainer/backend/backend_cuda.cu trainer/comm/comm_nccl.c
 CUDA_STAND_INS   := trainer/backend/backend_cuda_absent.c trainer/comm/comm_nccl_absent.c
 # The cuda backend's cuDNN attention: its file where cudnn-frontend is, its stand-in elsewhere.
@@ -156,7 +156,8 @@ NOT_BUILT        := $(if $(HAVE_CUDA),$(CUDA_STAND_INS),$(CUDA_VARIANT)) \
 BACKEND_SET_HOST := trainer/backend/registry.c trainer/backend/attention_registry.c trainer/backend/backend_cpu.c \
                     trainer/backend/backend_cuda_absent.c
 COMM_SET_HOST    := trainer/comm/registry.c trainer/comm/comm_cpu.c trainer/comm/comm_staged.c \
-                    trainer/comm/comm_nccl_absent.c trainer/comm/comm_flight.c common/fs.c
+                    trainer/comm/comm_nccl_absent.c trainer/comm/comm_flight.c common/fs.c \
+                    common/dump.c
 BACKEND_SET      := $(filter-out $(NOT_BUILT),$(BACKEND_SET_HOST) trainer/backend/backend_cuda.cu common/gpus_cuda.c) \
                     $(if $(HAVE_CUDA),$(CUDNN_PART))
 COMM_SET         := $(filter-out $(NOT_BUILT),$(COMM_SET_HOST) trainer/comm/comm_nccl.c)

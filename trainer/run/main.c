@@ -915,6 +915,25 @@ static int run_start(run_t *r) {
   return RUN_ON;
 }
 
+/* meshrun's hang watch (--hang_timeout) reads the last step each rank finished from the file it
+ * names in MESHRUN_PROGRESS_FILE: the step as text at offset 0, rewritten after every step (one
+ * pwrite, no fsync), the start step when the loop begins. A file, not a pipe: nothing to inherit
+ * through a wrapper script, a write never blocks on a reader, and the file stays in the log
+ * folder beside the dumps. Best effort: a file that cannot be written costs one warning. */
+static void progress_write(int step) {
+  static int fd = -2;
+  if (fd == -2) {
+    const char *path = getenv("MESHRUN_PROGRESS_FILE");
+    fd = path && *path ? open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644) : -1;
+    if (path && *path && fd < 0) log_warn("MESHRUN_PROGRESS_FILE %s: %s; meshrun's hang watch will not see this "
+                                          "rank's steps", path, strerror(errno));
+  }
+  if (fd < 0) return;
+  char b[24];
+  int n = snprintf(b, sizeof b, "%-20d\n", step); /* fixed width: a shorter number leaves no digits behind */
+  if (pwrite(fd, b, (size_t)n, 0) < 0) fd = -1;
+}
+
 /* Step s (0-based, logged as s + 1): train, record, evaluate, checkpoint, and the stops (the
  * hooks' and a preemption's). */
 static int run_step_once(run_t *r, int s) {
@@ -937,6 +956,7 @@ static int run_step_once(run_t *r, int s) {
     return RUN_FAIL;
   }
   metrics_step(&r->mt, s + 1, res.loss, res.lr, res.gnorm, res.dt, res.comm_wait);
+  progress_write(s + 1);
   if (r->pp && pipeline_record(&r->mt, r->m, s + 1, &res.pp, err, errlen)) return RUN_FAIL;
   if (eval_due(p, s + 1)) {
     double el = 0;
@@ -969,6 +989,7 @@ static int run_step_once(run_t *r, int s) {
 static int run_train(run_t *r) {
   run_ckpt = r->start_step;
   run_phase = 1;
+  progress_write(r->start_step);
   for (int s = r->start_step; s < r->p->train.steps && !r->stopped; s++)
     if (run_step_once(r, s)) return RUN_FAIL;
   if (checkpoint_finish(&r->ck, r->err, sizeof r->err)) return RUN_FAIL;
