@@ -77,6 +77,7 @@
 #include "trainer/plan/pipeline.h"
 #include "trainer/plan/plan.h"
 #include "trainer/run/sample.h"
+#include "trainer/run/tensorboard.h"
 #include "trainer/comm/trace.h"
 #include "trainer/run/train.h"
 #include "trainer/run/weights.h"
@@ -540,10 +541,10 @@ static int plan_setup(plan_t *p, const args_t *a, int rank, int world, int *resu
 
 /* Every file a training run writes, checked before the device starts (a read-only folder found
  * after the last step would lose the weights): rank 0's final weights folder and metrics file,
- * the trace file. checkpoint.dir was checked with the inputs (plan_check_paths). A run that
+ * the trace file, the TensorBoard folder. checkpoint.dir was checked with the inputs (plan_check_paths). A run that
  * starts afresh (fresh: not a resume, a restart or a later round of a meshrun job, which
  * continue the outputs of the run they belong to) replaces no earlier run's results unless
- * the plan says overwrite: existing final weights, metrics or trace, or checkpoints in
+ * the plan says overwrite: existing final weights, metrics, trace or event files, or checkpoints in
  * checkpoint.dir with checkpoint.resume none (this run's saves would prune them), are refused. */
 static int check_outputs(const plan_t *p, int rank, int fresh, char *err, size_t errlen) {
   if (rank != 0) return 0;
@@ -558,12 +559,16 @@ static int check_outputs(const plan_t *p, int rank, int fresh, char *err, size_t
   if (p->log.metrics_file[0] && plan_check_output_file("log.metrics_file", p->log.metrics_file, err, errlen))
     return -1;
   if (p->log.trace_file[0] && plan_check_output_file("log.trace_file", p->log.trace_file, err, errlen)) return -1;
+  if (p->log.tensorboard_dir[0] &&
+      plan_check_output_dir("log.tensorboard_dir", p->log.tensorboard_dir, "", err, errlen))
+    return -1;
   if (!fresh || p->overwrite) return 0;
   if (plan_check_not_there(wkey, path, "an earlier run's final weights", err, errlen) ||
       (p->log.metrics_file[0] &&
        plan_check_not_there("log.metrics_file", p->log.metrics_file, "an earlier run's metrics", err, errlen)) ||
       (p->log.trace_file[0] &&
-       plan_check_not_there("log.trace_file", p->log.trace_file, "an earlier run's trace", err, errlen)))
+       plan_check_not_there("log.trace_file", p->log.trace_file, "an earlier run's trace", err, errlen)) ||
+      (p->log.tensorboard_dir[0] && tensorboard_check_fresh(p->log.tensorboard_dir, err, errlen)))
     return -1;
   ckpt_state_t st;
   char from[PLAN_PATH_MAX + 64] = "";
