@@ -57,6 +57,10 @@ NETTLE_LIBS   := -l:libnettle.a
 # PCRE2 (8-bit, libpcre2-dev): the tokenizer's pre-tokenizer regexes (\p{L}, lookahead); linked
 # by the trainer and by what links trainer/formats/tokenizer.c (needs_pcre2 below).
 PCRE2_LIBS    := -lpcre2-8
+# protobuf-c (libprotobuf-c-dev, static like libuv) and its compiler protoc-c
+# (protobuf-c-compiler): TensorBoard's event records (trainer/run/tensorboard.proto, below).
+PROTOBUF_C_LIBS := -l:libprotobuf-c.a
+PROTOC_C        := protoc-c
 else
 # Unpacked .debs: no pkg-config files to trust (they name /usr), and no update-alternatives links,
 # so OpenBLAS is taken from its openblas-pthread folder directly.
@@ -71,6 +75,8 @@ BLAS_LIBS    := -L$(DEPS_LIB)/openblas-pthread -Wl,-rpath-link,$(DEPS_LIB)/openb
 CMOCKA_LIBS  := -lcmocka
 NETTLE_LIBS   := $(DEPS_LIB)/libnettle.a
 PCRE2_LIBS    := $(DEPS_LIB)/libpcre2-8.a
+PROTOBUF_C_LIBS := $(DEPS_LIB)/libprotobuf-c.a
+PROTOC_C        := LD_LIBRARY_PATH=$(DEPS_LIB) $(DEPS_PREFIX)/usr/bin/protoc-c
 endif
 CFLAGS += $(UV_CFLAGS) $(CJSON_CFLAGS) $(BLAS_CFLAGS) -fopenmp
 LDFLAGS += -fopenmp
@@ -146,7 +152,7 @@ endif
 # links a registry's dispatch (backend.c, comm.c) links the registry and every backend it lists:
 # its set, as a build without CUDA has it (_HOST: also the fuzz targets') or as this build does.
 # The comm dispatch's set also holds its second file, the flight recorder (comm_flight.c), and the
-# file helpers that one uses.
+# file helpers and the dump folder (common/dump.c) that one uses.
 CUDA_VARIANT     := trainer/backend/backend_cuda.cu trainer/comm/comm_nccl.c
 CUDA_STAND_INS   := trainer/backend/backend_cuda_absent.c trainer/comm/comm_nccl_absent.c
 # The cuda backend's cuDNN attention: its file where cudnn-frontend is, its stand-in elsewhere.
@@ -156,7 +162,8 @@ NOT_BUILT        := $(if $(HAVE_CUDA),$(CUDA_STAND_INS),$(CUDA_VARIANT)) \
 BACKEND_SET_HOST := trainer/backend/registry.c trainer/backend/attention_registry.c trainer/backend/backend_cpu.c \
                     trainer/backend/backend_cuda_absent.c
 COMM_SET_HOST    := trainer/comm/registry.c trainer/comm/comm_cpu.c trainer/comm/comm_staged.c \
-                    trainer/comm/comm_nccl_absent.c trainer/comm/comm_flight.c common/fs.c
+                    trainer/comm/comm_nccl_absent.c trainer/comm/comm_flight.c common/fs.c \
+                    common/dump.c
 BACKEND_SET      := $(filter-out $(NOT_BUILT),$(BACKEND_SET_HOST) trainer/backend/backend_cuda.cu common/gpus_cuda.c) \
                     $(if $(HAVE_CUDA),$(CUDNN_PART))
 COMM_SET         := $(filter-out $(NOT_BUILT),$(COMM_SET_HOST) trainer/comm/comm_nccl.c)
@@ -168,6 +175,14 @@ COMMON_OBJ   := $(COMMON_SRC:%.c=$(BUILD)/%.o)
 LAUNCHER_OBJ := $(LAUNCHER_SRC:%.c=$(BUILD)/%.o)
 TRAINER_OBJ  := $(TRAINER_SRC:%.c=$(BUILD)/%.o) $(if $(HAVE_CUDA),$(CU_SRC:%.cu=$(BUILD)/%.o)) \
                 $(if $(HAVE_CUDNN),$(BUILD)/trainer/backend/attention_cudnn.o)
+# Code generated at build time, never committed: protoc-c compiles trainer/run/tensorboard.proto
+# into $(BUILD)/gen/trainer/run/tensorboard.pb-c.{c,h}; tensorboard.c includes the header by
+# that path under -I$(BUILD)/gen, and what links tensorboard.c links the generated object and
+# protobuf-c (PB_OBJ, needs_pb below).
+PB_PROTO := trainer/run/tensorboard.proto
+PB_GEN   := $(BUILD)/gen/$(PB_PROTO:.proto=.pb-c)
+PB_OBJ   := $(PB_GEN).o
+TRAINER_OBJ += $(PB_OBJ)
 # The etcd client is the launcher's (--rdzv_backend=etcd); the trainer has no use for it.
 ETCD_OBJ     := $(BUILD)/common/etcd.o $(BUILD)/common/http.o
 
@@ -190,12 +205,25 @@ $(BIN)/meshrun: $(LAUNCHER_OBJ) $(COMMON_OBJ)
 $(BIN)/trainer: $(TRAINER_OBJ) $(filter-out $(ETCD_OBJ),$(COMMON_OBJ))
 	@mkdir -p $(@D)
 	@$(if $(Q),echo "  LD      $@")
-	$(Q)$(CC) $(LDFLAGS) -rdynamic -o $@ $^ $(ALL_LIBS) $(PCRE2_LIBS) $(CUDA_LIBS)
+	$(Q)$(CC) $(LDFLAGS) -rdynamic -o $@ $^ $(ALL_LIBS) $(PCRE2_LIBS) $(PROTOBUF_C_LIBS) $(CUDA_LIBS)
 
 $(BUILD)/%.o: %.c
 	@mkdir -p $(@D)
 	@$(if $(Q),echo "  CC      $<")
 	$(Q)$(CC) $(CFLAGS) -c -o $@ $<
+
+# One protoc-c run makes both files (a grouped target, GNU make 4.3).
+$(PB_GEN).c $(PB_GEN).h &: $(PB_PROTO)
+	@mkdir -p $(BUILD)/gen
+	@$(if $(Q),echo "  PROTOC  $<")
+	$(Q)$(PROTOC_C) --proto_path=. --c_out=$(BUILD)/gen $<
+
+$(PB_OBJ): $(PB_GEN).c
+	@$(if $(Q),echo "  CC      $<")
+	$(Q)$(CC) $(CFLAGS) -I$(BUILD)/gen -c -o $@ $<
+
+$(BUILD)/trainer/run/tensorboard.o: CFLAGS += -I$(BUILD)/gen
+$(BUILD)/trainer/run/tensorboard.o: $(PB_GEN).h
 
 # ptxas reports each kernel's registers and spills (-Xptxas -v) into a log beside the object;
 # check_ptxas prints the table and fails the build, deleting the object, when a kernel spills.
@@ -220,12 +248,14 @@ all_deps = $(call with_sets,$(call raw_deps,$(1)),$(BACKEND_SET),$(COMM_SET))
 needs_cuda = $(if $(HAVE_CUDA),$(or $(filter %.cu trainer/comm/comm_nccl.c,$(call all_deps,$(1))),$(findstring test/gpu/,$(1))))
 needs_dnnl = $(if $(filter 1,$(HAVE_DNNL)),$(filter test/tools/gemm_bench.c,$(1)))
 needs_pcre2 = $(filter trainer/formats/tokenizer.c,$(call raw_deps,$(1)))
-deps_of = $(sort $(patsubst %.cpp,$(BUILD)/%.o,$(patsubst %.cu,$(BUILD)/%.o,$(patsubst %.c,$(BUILD)/%.o,$(call all_deps,$(1))))))
+needs_pb = $(filter trainer/run/tensorboard.c,$(call raw_deps,$(1)))
+deps_of = $(sort $(patsubst %.cpp,$(BUILD)/%.o,$(patsubst %.cu,$(BUILD)/%.o,$(patsubst %.c,$(BUILD)/%.o,$(call all_deps,$(1))))) \
+                 $(if $(call needs_pb,$(1)),$(PB_OBJ)))
 define link_rule
 $(2): $(BUILD)/$(1:%.c=%.o) $(call deps_of,$(1))
 	@mkdir -p $$(@D)
 	@$$(if $$(Q),echo "  LD      $$@")
-	$$(Q)$$(CC) $$(LDFLAGS) -o $$@ $$^ $$(ALL_LIBS) $$(CMOCKA_LIBS) $(if $(call needs_cuda,$(1)),$$(CUDA_LIBS)) $(if $(call needs_dnnl,$(1)),$$(DNNL_LIBS)) $(if $(call needs_pcre2,$(1)),$$(PCRE2_LIBS))
+	$$(Q)$$(CC) $$(LDFLAGS) -o $$@ $$^ $$(ALL_LIBS) $$(CMOCKA_LIBS) $(if $(call needs_cuda,$(1)),$$(CUDA_LIBS)) $(if $(call needs_dnnl,$(1)),$$(DNNL_LIBS)) $(if $(call needs_pcre2,$(1)),$$(PCRE2_LIBS)) $(if $(call needs_pb,$(1)),$$(PROTOBUF_C_LIBS))
 endef
 $(foreach t,$(UNIT_SRC),$(eval $(call link_rule,$(t),$(t:test/unit/%.c=$(BUILD)/test/%))))
 $(foreach t,$(TOOL_SRC),$(eval $(call link_rule,$(t),$(t:test/tools/%.c=$(BUILD)/tools/%))))

@@ -41,6 +41,7 @@
 #include "common/net.h"
 #include "common/store.h"
 #include "launcher/errfile.h"
+#include "launcher/hang.h"
 #include "launcher/rdzv.h"
 #include "launcher/store_server.h"
 #include "launcher/workers.h"
@@ -68,6 +69,7 @@ typedef struct {
   char store_ep[300];
   rdzv_t *rz;
   workers_t *wk;
+  hang_t *hang; /* --hang_timeout's watch; NULL when off */
   rdzv_assignment_t asg;
   uv_signal_t sigs[NFORWARDED];
   uv_timer_t join_timer;
@@ -109,6 +111,7 @@ static void agent_exit(agent_t *a, int code) {
   if (a->state == AGENT_EXITING) return;
   a->state = AGENT_EXITING;
   a->exit_code = code;
+  hang_unwatch(a->hang);
   uv_timer_stop(&a->join_timer);
   rdzv_shutdown(a->rz); /* no rdzv event comes after this; agent_run destroys it */
   if (a->wk && !workers_idle(a->wk)) {
@@ -140,6 +143,8 @@ static void close_all(agent_t *a) {
   /* Whatever may linger in the workers' process groups goes now, success or not. */
   workers_kill_all(a->wk);
   workers_close(a->wk);
+  hang_close(a->hang);
+  a->hang = NULL;
   if (!uv_is_closing((uv_handle_t *)&a->join_timer)) uv_close((uv_handle_t *)&a->join_timer, NULL);
   /* Other jobs sharing the port would lose their store: serve them until they leave. */
   size_t foreign = a->srv ? store_server_num_foreign(a->srv) : 0;
@@ -304,6 +309,26 @@ static void on_worker_exit(workers_t *w, const workers_info_t *info, void *arg) 
     if (tail) snprintf(tail, left, "; no restart tried: Python cannot import %s (%s)", what, exc);
   }
   log_warn("%s: stopping the other workers", e.reason);
+  hang_unwatch(a->hang);
+  a->state = AGENT_STOPPING;
+  a->local_failure = 1;
+  workers_stop(a->wk, SIGTERM, a->opts->shutdown_timeout_s, "failure");
+  rdzv_end_round(a->rz, &e);
+}
+
+/* The hang watch named a hang (its diagnosis is logged): the round ends as for a failure of the
+ * rank it names, and counts against --max_restarts like one. */
+static void on_hang(hang_t *h, const char *summary, int rank, void *arg) {
+  agent_t *a = arg;
+  if (a->state != AGENT_RUNNING) return;
+  rdzv_end_t e = {.kind = RDZV_END_FAILURE, .exit_code = 1, .rank = rank, .local_rank = rank - a->asg.rank_offset};
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  e.time = ts.tv_sec + ts.tv_nsec * 1e-9;
+  net_hostname(e.host, sizeof e.host);
+  snprintf(e.reason, sizeof e.reason, "%.*s", (int)strcspn(summary, "\n"), summary);
+  snprintf(e.message, sizeof e.message, "no step for --hang_timeout=%gs: %.900s", a->opts->hang_timeout_s, e.reason);
+  log_warn("hang: stopping the workers");
   a->state = AGENT_STOPPING;
   a->local_failure = 1;
   workers_stop(a->wk, SIGTERM, a->opts->shutdown_timeout_s, "failure");
@@ -371,6 +396,8 @@ static void on_rdzv(rdzv_t *rz, const rdzv_event_t *ev, void *arg) {
     if (wrc) {
       log_error("starting workers: %s", err);
       agent_exit(a, wrc == -ENOEXEC ? 127 : 1); /* the program cannot run: a shell's "command not found" */
+    } else {
+      hang_watch(a->hang, a->wk);
     }
     break;
   }
@@ -379,6 +406,7 @@ static void on_rdzv(rdzv_t *rz, const rdzv_event_t *ev, void *arg) {
       log_warn("round %d ended elsewhere (%s): %s; stopping workers", a->asg.round,
                rdzv_end_kind_name(ev->end.kind), ev->end.reason);
       a->state = AGENT_STOPPING;
+      hang_unwatch(a->hang);
       workers_stop(a->wk, SIGTERM, a->opts->shutdown_timeout_s, rdzv_end_kind_name(ev->end.kind));
     }
     if (a->state != AGENT_STOPPING) return; /* FINISHING: our work is done */
@@ -407,6 +435,7 @@ static void on_rdzv(rdzv_t *rz, const rdzv_event_t *ev, void *arg) {
     }
     if (a->state == AGENT_RUNNING) {
       a->state = AGENT_STOPPING;
+      hang_unwatch(a->hang);
       workers_stop(a->wk, SIGTERM, a->opts->shutdown_timeout_s, "fenced");
     }
     if (a->state != AGENT_STOPPING) return;
@@ -773,6 +802,10 @@ int agent_run(launcher_opts_t *o) {
     return 1;
   }
   init_handles(a);
+  if (o->hang_timeout_s > 0 && !(a->hang = hang_create(&a->loop, o->hang_timeout_s, on_hang, a))) {
+    log_error("out of memory");
+    goto out;
+  }
   /* Before any thread and any socket: its guard is a copy of this process (launcher/tree), and
    * meshrun's move into its cgroup then overlaps the rest of the start. */
   if (workers_create(&a->wk, &a->loop, o, on_worker_exit, on_workers_idle, a, err, sizeof err)) {

@@ -441,6 +441,14 @@ static int set_monitor_interval(launcher_opts_t *o, cli_seen_t *seen, const char
   return 0;
 }
 
+static int set_hang_timeout(launcher_opts_t *o, cli_seen_t *seen, const char *flag, const char *val, char *err,
+                            size_t errlen) {
+  if (parse_seconds(val, 0, 1, &o->hang_timeout_s) != 0)
+    return cli_usage_error(err, errlen, "%s: \"%s\" is not valid; expected seconds >= 0 (0 turns the hang watch off)",
+                           flag, val);
+  return 0;
+}
+
 static int set_shutdown_timeout(launcher_opts_t *o, cli_seen_t *seen, const char *flag,
                                 const char *val, char *err, size_t errlen) {
   if (parse_seconds(val, 0, 1, &o->shutdown_timeout_s) != 0)
@@ -587,7 +595,7 @@ static int set_module(launcher_opts_t *o, cli_seen_t *seen, const char *flag, co
 }
 
 /* env: every flag torchrun reads from PET_<FLAG> (all of its flags but --help), and meshrun's
- * own --shutdown_timeout alike. --run_id is another name of --rdzv_id: PET_RDZV_ID gives both. */
+ * own --shutdown_timeout and --hang_timeout alike. --run_id is another name of --rdzv_id: PET_RDZV_ID gives both. */
 static const cli_flag_t cli_flags[] = {
     {"nproc_per_node", 0, 1, 1, set_nproc_per_node},
     {"nnodes", 0, 1, 1, set_nnodes},
@@ -609,6 +617,7 @@ static const cli_flag_t cli_flags[] = {
     {"merge_output", 0, 1, 1, set_merge_output},
     {"role", 0, 1, 1, set_role},
     {"shutdown_timeout", 0, 1, 1, set_shutdown_timeout},
+    {"hang_timeout", 0, 1, 1, set_hang_timeout},
     {"no_python", 0, 0, 1, set_no_python},
     {"module", 'm', 0, 1, set_module},
     {"help", 'h', 0, 0, NULL},

@@ -121,6 +121,10 @@ typedef struct {
   int local_ranks_filter_set;
   cli_merge_t merge_output;  /* --merge_output: auto (default), on, off */
   double shutdown_timeout_s; /* SIGTERM -> SIGKILL grace, default 30 */
+  /* --hang_timeout: seconds without a finished step on any local rank, every worker alive,
+   * after which meshrun asks the workers for flight recorder dumps, prints a diagnosis and
+   * restarts them as for a failure (launcher/hang). 0 (the default): off. */
+  double hang_timeout_s;
   char role[64];             /* ROLE_NAME, default "default" */
   int no_python;             /* --no_python: exec PROGRAM as is, even a .py file */
   int run_module;            /* -m: PROGRAM is a module: "PYTHON -u -m PROGRAM ARGS" */

@@ -12,6 +12,7 @@
 
 const char *cli_usage(void) {
   return "usage: meshrun [OPTIONS] PROGRAM [ARGS...]\n"
+         "       meshrun diagnose DIR   the hang diagnosis from the dumps under DIR (a log folder)\n"
          "\n"
          "Starts --nproc_per_node copies of PROGRAM on this node, joins them with the other\n"
          "nodes of the run, and restarts the whole group on failure. torchrun's flags: each may\n"
@@ -88,6 +89,11 @@ const char *cli_usage(void) {
          "                          once anyway (default " STR(DEF_MONITOR_INTERVAL) ")\n"
          "  --shutdown_timeout S    seconds between SIGTERM and SIGKILL when stopping workers\n"
          "                          (default " STR(DEF_SHUTDOWN_TIMEOUT) ")\n"
+         "  --hang_timeout S        when every worker is alive but no rank has finished a step\n"
+         "                          for S seconds (the trainer reports its steps), ask each rank\n"
+         "                          for a flight recorder dump, print which rank hangs which\n"
+         "                          collective, and restart as for a failure; 0 turns it off\n"
+         "                          (default 0: a step's length has no bound meshrun can know)\n"
          "  What a worker starts (in the background, under setsid, as a daemon) ends with its\n"
          "  round and with meshrun, kill -9 of meshrun included: meshrun is its subreaper, keeps\n"
          "  the workers in a cgroup of its own where cgroup v2 is writable (MESHRUN_CGROUP=0:\n"
@@ -152,6 +158,8 @@ const char *cli_usage(void) {
          "  TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID, TORCHELASTIC_ERROR_FILE\n"
          "  OMP_NUM_THREADS=1             unless already set\n"
          "  MESHRUN_STORE=HOST:PORT       the agent's key-value store\n"
+         "  MESHRUN_PROGRESS_FILE         with --hang_timeout: where the worker writes the last\n"
+         "                                step it finished (the trainer does)\n"
          "  MESHRUN_TREE                  this meshrun's id, by which its guard finds what the\n"
          "                                workers started\n"
          "  " STORE_ENV_SECRET "            the job secret for that store (when there is one)\n"

@@ -512,7 +512,7 @@ static const char *const OWN_VARS[] = {
     "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
     "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "MESHRUN_STORE",
     "MESHRUN_ROUND", "MESHRUN_JOB_ID", "MESHRUN_STOP_FILE", "MESHRUN_TREE", "TORCHELASTIC_USE_AGENT_STORE",
-    STORE_ENV_SECRET, NULL};
+    "MESHRUN_PROGRESS_FILE", STORE_ENV_SECRET, NULL};
 
 static int is_own_var(const char *kv) {
   for (int i = 0; OWN_VARS[i]; i++) {
@@ -558,6 +558,9 @@ static char **build_env(const workers_t *w, const workers_round_t *r, const work
   if (!rc) rc = env_add(&env, &n, &cap, "MESHRUN_ROUND", "%d", r->round);
   if (!rc) rc = env_add(&env, &n, &cap, "MESHRUN_JOB_ID", "%s", r->job_id);
   if (!rc) rc = env_add(&env, &n, &cap, "MESHRUN_STOP_FILE", "%s", w->stop_file);
+  char progress[PATH_MAX];
+  if (!rc && w->opts->hang_timeout_s > 0 && !workers_progress_file(i, progress, sizeof progress))
+    rc = env_add(&env, &n, &cap, "MESHRUN_PROGRESS_FILE", "%s", progress);
   /* This meshrun's id after those of the meshruns it runs under: every guard finds the process. */
   const char *outer = getenv("MESHRUN_TREE");
   if (!rc)
@@ -840,6 +843,9 @@ static int rank_files(const workers_t *w, const workers_round_t *r, worker_t *wk
     snprintf(wk->info.error_file, sizeof wk->info.error_file, "%.4000s.error.json", rank_dir);
   }
   fs_unlink_if_there(wk->info.error_file);
+  char progress[PATH_MAX];
+  if (w->opts->hang_timeout_s > 0 && !workers_progress_file(&wk->info, progress, sizeof progress))
+    fs_unlink_if_there(progress);
   return 0;
 }
 
@@ -1121,6 +1127,18 @@ void workers_close(workers_t *w) {
 
 void workers_remove_files(workers_t *w) {
   if (w->stop_file[0]) fs_unlink_if_there(w->stop_file);
-  for (int i = 0; i < w->n; i++)
+  char progress[PATH_MAX];
+  for (int i = 0; i < w->n; i++) {
     if (w->ws[i].info.error_file[0]) fs_unlink_if_there(w->ws[i].info.error_file);
+    if (w->opts->hang_timeout_s > 0 && !workers_progress_file(&w->ws[i].info, progress, sizeof progress))
+      fs_unlink_if_there(progress);
+  }
+}
+
+int workers_progress_file(const workers_info_t *info, char *out, size_t len) {
+  const char *e = info->error_file;
+  size_t n = strlen(e), k = strlen("error.json");
+  if (n < k || strcmp(e + n - k, "error.json")) return -EINVAL;
+  int m = snprintf(out, len, "%.*sprogress", (int)(n - k), e);
+  return m < 0 || (size_t)m >= len ? -ENAMETOOLONG : 0;
 }

@@ -96,6 +96,10 @@ void workers_signal(workers_t *w, int sig);
  * itself is ending). A worker that can save its state (the trainer's checkpoint.on_signal) does
  * so for the first two and just ends for the others. */
 void workers_stop(workers_t *w, int sig, double grace_s, const char *reason);
+/* The file in which a worker reports the last step it finished, for --hang_timeout (its
+ * MESHRUN_PROGRESS_FILE, set only when --hang_timeout is on): beside its error file, "progress"
+ * in place of "error.json" (<rank>/progress, <rank>.progress). 0, or -EINVAL / -ENAMETOOLONG. */
+int workers_progress_file(const workers_info_t *info, char *out, size_t len);
 /* Unlinks the stop file and the last round's error files (in a temporary directory shared
  * with other nodes, at exit: file_prefix names them the same every round). */
 void workers_remove_files(workers_t *w);

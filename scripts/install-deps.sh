@@ -12,7 +12,8 @@ pkgs=(
   libcmocka-dev     # C unit tests
   nettle-dev        # Nettle (static): HMAC-SHA256 for the store's job secret, base64 for etcd
   libpcre2-dev      # the tokenizer's pre-tokenizer regexes (\p{L}, \p{N}, lookahead) as HF's use them
-  python3-pip       # PyPI's tokenizers for /usr/bin/python3 (below)
+  libprotobuf-c-dev protobuf-c-compiler  # TensorBoard's event records (protoc-c compiles our .proto at build time)
+  python3-pip       # PyPI's tokenizers, transformers and tensorboard for /usr/bin/python3 (below)
   etcd-server       # etcd for the etcd rendezvous tests (test_etcd)
   clang libclang-rt-dev  # libFuzzer for the fuzz targets (make fuzz; short runs in make test)
   python3-pytest    # integration tests (real processes on loopback)
@@ -43,13 +44,16 @@ fi
 #   (weights, tokenizer, generate). Pinned to 4.49.0, the newest that runs on Debian 12's torch
 #   1.13: 4.50 and later import torch.distributed.tensor (torch 2), 4.52 and later disable torch
 #   below 2.1. It does not depend on torch, so pip leaves python3-torch and python3-numpy alone;
-#   it takes tokenizers 0.21.x and huggingface_hub below 1.0 (test_tokenizer agrees with 0.21).
+#   it takes tokenizers 0.21.x and huggingface_hub below 1.0 (test_tokenizer agrees with 0.21);
+# - tensorboard: test_tensorboard reads log.tensorboard_dir's event files with TensorBoard's own
+#   reader (no TensorFlow needed). It asks numpy >= 1.12 only, so Debian's python3-numpy stays;
+#   it brings PyPI's protobuf, grpcio, werkzeug and their like, none of which torch imports.
 # One pip call, so that pip picks the tokenizers that transformers accepts.
-if ! /usr/bin/python3 -c "import tokenizers, transformers" 2>/dev/null; then
-  echo "install-deps: installing PyPI tokenizers and transformers 4.49.0 for /usr/bin/python3" >&2
+if ! /usr/bin/python3 -c "import tokenizers, transformers, tensorboard" 2>/dev/null; then
+  echo "install-deps: installing PyPI tokenizers, transformers 4.49.0 and tensorboard for /usr/bin/python3" >&2
   pip_sudo=""
   [ "$(id -u)" -eq 0 ] || pip_sudo="sudo"
-  $pip_sudo /usr/bin/python3 -m pip install -q --break-system-packages tokenizers "transformers==4.49.0"
+  $pip_sudo /usr/bin/python3 -m pip install -q --break-system-packages tokenizers "transformers==4.49.0" tensorboard
 fi
 
 # cudnn-frontend (NVIDIA's header-only C++ API over cuDNN's graph API), for the cuda backend's

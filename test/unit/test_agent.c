@@ -1,4 +1,4 @@
-// deps: launcher/agent.c launcher/cli.c launcher/cli_slurm.c launcher/cli_probe.c launcher/cli_help.c launcher/errfile.c launcher/rdzv.c launcher/rdzv_kv_store.c launcher/rdzv_kv_etcd.c launcher/store_server.c launcher/tree.c launcher/workers.c launcher/console.c common/etcd.c common/http.c common/gpus_cuda.c common/store.c common/store_proto.c common/net.c common/log.c common/fs.c common/err.c common/env.c
+// deps: launcher/agent.c launcher/hang.c launcher/diagnose.c common/dump.c launcher/cli.c launcher/cli_slurm.c launcher/cli_probe.c launcher/cli_help.c launcher/errfile.c launcher/rdzv.c launcher/rdzv_kv_store.c launcher/rdzv_kv_etcd.c launcher/store_server.c launcher/tree.c launcher/workers.c launcher/console.c common/etcd.c common/http.c common/gpus_cuda.c common/store.c common/store_proto.c common/net.c common/log.c common/fs.c common/err.c common/env.c
 /* test_agent: meshrun's agent (launcher/agent.h) run whole, in-process: agent_run in a forked
  * child of the test (it owns the process: its loop, signal handlers, subreaper), with
  * --standalone, so that it serves its own store and rendezvous on 127.0.0.1 at a free port.

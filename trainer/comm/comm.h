@@ -313,8 +313,9 @@ int comm_flight_setup(int records, char *err, size_t errlen);
  * written). Not from a signal handler. */
 int comm_dump(const char *reason, char *path, size_t pathlen, char *err, size_t errlen);
 /* Makes SIGUSR1 write a dump (reason "signal"), the process going on: its handler only writes a
- * byte to a pipe that a thread of the recorder waits on, and that thread dumps. Also installs
- * the stack signal's handler. A later sigaction(SIGUSR1) (the trainer's checkpoint.on_signal)
+ * byte to a pipe that a thread of the recorder waits on, and that thread dumps. meshrun's dump
+ * signal (common/dump.h: SIGRTMIN + 5, a dump and nothing else) does the same with reason
+ * "meshrun". Also installs the stack signal's handler. A later sigaction(SIGUSR1) (the trainer's checkpoint.on_signal)
  * replaces it. 0, or COMM_ESYSTEM with err. */
 int comm_dump_on_signal(char *err, size_t errlen);
 /* What SIGUSR1's handler does, for a handler that takes SIGUSR1 over (the trainer's

@@ -38,6 +38,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/dump.h"
 #include "common/env.h"
 #include "common/err.h"
 #include "common/fs.h"
@@ -247,18 +248,10 @@ static void put_header(FILE *f, const char *reason, const comm_t *c, const rec_t
   fprintf(f, "]}\n");
 }
 
-/* The dump folder (comm.h), made if missing; 0 or -errno. */
+/* The dump folder (comm.h, common/dump.h), made if missing; 0 or -errno. */
 static int dump_dir(char *dir, size_t len) {
-  const char *d = env_str("MESHRUN_DUMP_DIR"), *ef = env_str("TORCHELASTIC_ERROR_FILE");
-  struct stat sb;
-  if (d) {
-    snprintf(dir, len, "%s", d);
-  } else if (ef && fs_dirname(ef, dir, len) == 0 && stat(dir, &sb) == 0 && S_ISDIR(sb.st_mode)) {
-    return 0;
-  } else {
-    snprintf(dir, len, "/tmp/meshrun-dumps-%u", (unsigned)getuid());
-  }
-  return fs_mkdir_p(dir, NULL, 0);
+  int rc = dump_folder(env_str("TORCHELASTIC_ERROR_FILE"), dir, len);
+  return rc ? rc : fs_mkdir_p(dir, NULL, 0);
 }
 
 static void put_stacks(FILE *f);
@@ -435,16 +428,21 @@ static void put_stacks(FILE *f) {
 
 static int sig_pipe[2] = {-1, -1};
 
-void comm_dump_request(void) {
+/* One byte to the recorder's thread: 1 a dump on SIGUSR1, 2 meshrun's request. */
+static void ask_thread(char b) {
   if (sig_pipe[1] < 0) return;
   int saved = errno;
-  char b = 1;
   ssize_t w = write(sig_pipe[1], &b, 1); /* a full pipe already has a dump coming */
   (void)w;
   errno = saved;
 }
 
-static void on_sigusr1(int sig) { comm_dump_request(); }
+void comm_dump_request(void) { ask_thread(1); }
+
+static void on_sigusr1(int sig) { ask_thread(1); }
+
+/* meshrun's dump signal (common/dump.h). */
+static void on_dump_signal(int sig) { ask_thread(2); }
 
 static void *signal_thread(void *arg) {
   sigset_t all;
@@ -456,7 +454,9 @@ static void *signal_thread(void *arg) {
     ssize_t n = read(sig_pipe[0], b, sizeof b);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) return NULL;
-    if (comm_dump("signal", NULL, 0, err, sizeof err)) log_warn("%s", err);
+    /* One dump for the bytes read together; meshrun's request (byte 2) names itself. */
+    const char *reason = memchr(b, 2, (size_t)n) ? "meshrun" : "signal";
+    if (comm_dump(reason, NULL, 0, err, sizeof err)) log_warn("%s", err);
   }
 }
 
@@ -472,7 +472,9 @@ int comm_dump_on_signal(char *err, size_t errlen) {
   pthread_setname_np(t, "comm dump");
   struct sigaction sa = {.sa_handler = on_sigusr1, .sa_flags = SA_RESTART};
   sigemptyset(&sa.sa_mask);
-  if (sigaction(SIGUSR1, &sa, NULL))
+  struct sigaction sd = {.sa_handler = on_dump_signal, .sa_flags = SA_RESTART};
+  sigemptyset(&sd.sa_mask);
+  if (sigaction(SIGUSR1, &sa, NULL) || sigaction(dump_signal(), &sd, NULL))
     return err_set(err, errlen, COMM_ESYSTEM, "comm flight recorder: sigaction: %s", strerror(errno));
   return COMM_OK;
 }

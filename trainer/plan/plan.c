@@ -226,6 +226,7 @@ static const field_t log_fields[] = {
     K_INT("interval", log.interval, 1, INT_MAX, 1),
     K_STR("metrics_file", log.metrics_file, ""),
     K_STR("trace_file", log.trace_file, ""),
+    K_STR("tensorboard_dir", log.tensorboard_dir, ""),
     K_INT("trace_steps", log.trace_steps, 1, INT_MAX, 3),
     K_DBL("peak_tflops", log.peak_tflops, 0, 0, INFINITY, 0, 0),
     K_END};

@@ -159,6 +159,7 @@ typedef struct {
   char metrics_file[PLAN_PATH_MAX]; /* JSONL, "" = none */
   char trace_file[PLAN_PATH_MAX];   /* Chrome trace events (chrome://tracing, Perfetto), "" = none */
   int trace_steps;                  /* steps traced, from the first (default 3) */
+  char tensorboard_dir[PLAN_PATH_MAX]; /* TensorBoard event files (rank 0's scalars), "" = none */
   double peak_tflops;               /* the device's peak for MFU, TFLOP/s; 0 = the backend's own
                                        (backend_t.peak_flops), else no MFU (FLOP/s alone) */
 } plan_log_t;

@@ -77,6 +77,7 @@
 #include "trainer/plan/pipeline.h"
 #include "trainer/plan/plan.h"
 #include "trainer/run/sample.h"
+#include "trainer/run/tensorboard.h"
 #include "trainer/comm/trace.h"
 #include "trainer/run/train.h"
 #include "trainer/run/weights.h"
@@ -540,10 +541,10 @@ static int plan_setup(plan_t *p, const args_t *a, int rank, int world, int *resu
 
 /* Every file a training run writes, checked before the device starts (a read-only folder found
  * after the last step would lose the weights): rank 0's final weights folder and metrics file,
- * the trace file. checkpoint.dir was checked with the inputs (plan_check_paths). A run that
+ * the trace file, the TensorBoard folder. checkpoint.dir was checked with the inputs (plan_check_paths). A run that
  * starts afresh (fresh: not a resume, a restart or a later round of a meshrun job, which
  * continue the outputs of the run they belong to) replaces no earlier run's results unless
- * the plan says overwrite: existing final weights, metrics or trace, or checkpoints in
+ * the plan says overwrite: existing final weights, metrics, trace or event files, or checkpoints in
  * checkpoint.dir with checkpoint.resume none (this run's saves would prune them), are refused. */
 static int check_outputs(const plan_t *p, int rank, int fresh, char *err, size_t errlen) {
   if (rank != 0) return 0;
@@ -558,12 +559,16 @@ static int check_outputs(const plan_t *p, int rank, int fresh, char *err, size_t
   if (p->log.metrics_file[0] && plan_check_output_file("log.metrics_file", p->log.metrics_file, err, errlen))
     return -1;
   if (p->log.trace_file[0] && plan_check_output_file("log.trace_file", p->log.trace_file, err, errlen)) return -1;
+  if (p->log.tensorboard_dir[0] &&
+      plan_check_output_dir("log.tensorboard_dir", p->log.tensorboard_dir, "", err, errlen))
+    return -1;
   if (!fresh || p->overwrite) return 0;
   if (plan_check_not_there(wkey, path, "an earlier run's final weights", err, errlen) ||
       (p->log.metrics_file[0] &&
        plan_check_not_there("log.metrics_file", p->log.metrics_file, "an earlier run's metrics", err, errlen)) ||
       (p->log.trace_file[0] &&
-       plan_check_not_there("log.trace_file", p->log.trace_file, "an earlier run's trace", err, errlen)))
+       plan_check_not_there("log.trace_file", p->log.trace_file, "an earlier run's trace", err, errlen)) ||
+      (p->log.tensorboard_dir[0] && tensorboard_check_fresh(p->log.tensorboard_dir, err, errlen)))
     return -1;
   ckpt_state_t st;
   char from[PLAN_PATH_MAX + 64] = "";
@@ -924,6 +929,25 @@ static int run_start(run_t *r) {
   return RUN_ON;
 }
 
+/* meshrun's hang watch (--hang_timeout) reads the last step each rank finished from the file it
+ * names in MESHRUN_PROGRESS_FILE: the step as text at offset 0, rewritten after every step (one
+ * pwrite, no fsync), the start step when the loop begins. A file, not a pipe: nothing to inherit
+ * through a wrapper script, a write never blocks on a reader, and the file stays in the log
+ * folder beside the dumps. Best effort: a file that cannot be written costs one warning. */
+static void progress_write(int step) {
+  static int fd = -2;
+  if (fd == -2) {
+    const char *path = getenv("MESHRUN_PROGRESS_FILE");
+    fd = path && *path ? open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644) : -1;
+    if (path && *path && fd < 0) log_warn("MESHRUN_PROGRESS_FILE %s: %s; meshrun's hang watch will not see this "
+                                          "rank's steps", path, strerror(errno));
+  }
+  if (fd < 0) return;
+  char b[24];
+  int n = snprintf(b, sizeof b, "%-20d\n", step); /* fixed width: a shorter number leaves no digits behind */
+  if (pwrite(fd, b, (size_t)n, 0) < 0) fd = -1;
+}
+
 /* Step s (0-based, logged as s + 1): train, record, evaluate, checkpoint, and the stops (the
  * hooks' and a preemption's). */
 static int run_step_once(run_t *r, int s) {
@@ -946,6 +970,7 @@ static int run_step_once(run_t *r, int s) {
     return RUN_FAIL;
   }
   metrics_step(&r->mt, s + 1, res.loss, res.lr, res.gnorm, res.dt, res.comm_wait);
+  progress_write(s + 1);
   if (r->pp && pipeline_record(&r->mt, r->m, s + 1, &res.pp, err, errlen)) return RUN_FAIL;
   if (eval_due(p, s + 1)) {
     double el = 0;
@@ -978,6 +1003,7 @@ static int run_step_once(run_t *r, int s) {
 static int run_train(run_t *r) {
   run_ckpt = r->start_step;
   run_phase = 1;
+  progress_write(r->start_step);
   for (int s = r->start_step; s < r->p->train.steps && !r->stopped; s++)
     if (run_step_once(r, s)) return RUN_FAIL;
   if (checkpoint_finish(&r->ck, r->err, sizeof r->err)) return RUN_FAIL;

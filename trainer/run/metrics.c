@@ -212,6 +212,9 @@ int metrics_open(metrics_t *mt, const plan_t *p, model_t *m, dp_t *dp, const mes
                    dtype_name(model_param_dtype(m)), dtype_name(p->parallel.reduce_dtype),
                    start_step);
   }
+  if (rank == 0 && p->log.tensorboard_dir[0] &&
+      tensorboard_open(&mt->tb, p->log.tensorboard_dir, start_step + 1, err, errlen))
+    return -1;
 
   const int dp_size = mesh ? comm_size(mesh_host_comm(mesh, "dp")) : 1;
   const int encoded = data->format == PLAN_DATA_TEXT && !data->is_text; /* text through data.tokenizer */
@@ -269,6 +272,18 @@ void metrics_step(metrics_t *mt, int step, double loss, double lr, double gnorm,
               step, mt->steps, loss, lr, gnorm, tps_s, many ? " (job)" : "", fl, rss / 1048576.0, dt * 1e3, share,
               eta);
   }
+  tensorboard_t *tb = mt->tb; /* NULL: no events (every call does nothing) */
+  tensorboard_add(tb, "train/loss", loss);
+  tensorboard_add(tb, "train/lr", lr);
+  tensorboard_add(tb, "train/grad_norm", gnorm);
+  tensorboard_add(tb, "train/tokens_per_s", tps);
+  tensorboard_add(tb, "train/flops_per_s", flops);
+  if (mt->peak_flops > 0) tensorboard_add(tb, "train/mfu", mfu);
+  tensorboard_add(tb, "train/peak_mem_bytes", (double)rss);
+  tensorboard_add(tb, "train/step_ms", dt * 1e3);
+  tensorboard_add(tb, "train/compute_ms", (dt - comm_wait) * 1e3);
+  tensorboard_add(tb, "train/comm_wait_ms", comm_wait * 1e3);
+  tensorboard_write(tb, step);
 }
 
 int metrics_pipeline(metrics_t *mt, int step, double busy_ms, double span_ms, int peak_inflight, size_t act_bytes,
@@ -306,6 +321,8 @@ int metrics_pipeline(metrics_t *mt, int step, double busy_ms, double span_ms, in
 void metrics_eval(metrics_t *mt, int step, double loss) {
   const plan_t *p = mt->p;
   metrics_printf(mt, step, "{\"step\":%d,\"eval_loss\":%.9g}\n", step, loss);
+  tensorboard_add(mt->tb, "eval/loss", loss);
+  tensorboard_write(mt->tb, step);
   log_rank0("step %d/%d | eval loss %.4f (%d batches of %d x %d)", step, mt->steps, loss, p->eval.batches,
             p->train.micro_batch_size, p->train.seq_len);
   metrics_skip_traffic(mt); /* eval traffic is not a step's */
@@ -320,9 +337,11 @@ void metrics_done(metrics_t *mt) {
 }
 
 int metrics_close(metrics_t *mt, int *no_space, char *err, size_t errlen) {
+  const int tb_failed = tensorboard_close(mt->tb, no_space, err, errlen) != 0;
+  mt->tb = NULL;
   if (mt->f && fclose(mt->f) != 0 && !mt->err) metrics_failed(mt, errno, -1);
   mt->f = NULL;
-  if (!mt->err) return 0;
+  if (!mt->err) return tb_failed ? -1 : 0;
   err_set(err, errlen, 0, "log.metrics_file %s: %s failed: %s (the records from there on are lost)", mt->path, mt->what,
           strerror(mt->err));
   if (no_space) *no_space = mt->err == ENOSPC || mt->err == EDQUOT;
@@ -332,4 +351,6 @@ int metrics_close(metrics_t *mt, int *no_space, char *err, size_t errlen) {
 void metrics_free(metrics_t *mt) {
   if (mt && mt->f) fclose(mt->f);
   if (mt) mt->f = NULL;
+  if (mt) tensorboard_close(mt->tb, NULL, NULL, 0);
+  if (mt) mt->tb = NULL;
 }

@@ -5,7 +5,9 @@
  * per rank (this rank's and the maximum over ranks; act_bytes / act_block_bytes: the model's
  * activation arena as allocated, model_memory), one record per optimizer step with the
  * bytes this rank sent during it ("comm": by strategy collective and by mesh group), and one
- * per evaluation.
+ * per evaluation. In log.tensorboard_dir (rank 0, tensorboard.h): the step record's numbers as
+ * TensorBoard scalars, tagged train/<its key> (train/loss, train/mfu where MFU is known), and the
+ * eval loss as eval/loss.
  *
  * A write that fails (a full disk, /dev/full) is one warning; no record is written after it (a
  * torn line would follow), training goes on, and metrics_close reports it so the run exits 1.
@@ -27,6 +29,7 @@
 #include "trainer/parallel/mesh.h"
 #include "trainer/model/model.h"
 #include "trainer/plan/plan.h"
+#include "trainer/run/tensorboard.h"
 
 /* Bytes sent by this rank: by strategy collective, and per mesh group. */
 typedef struct {
@@ -42,6 +45,7 @@ typedef struct {
   int steps, start_step;
   long long tokens_per_step;
   FILE *f;            /* NULL: no records (log.metrics_file "", or not rank 0) */
+  tensorboard_t *tb;  /* the same scalars for TensorBoard; NULL: none (log.tensorboard_dir "", or not rank 0) */
   const char *path;
   int err;            /* errno of the first failed write; 0 while every write succeeded */
   char what[48];      /* what failed: "the first record", "the record of step 12", "the close" */
@@ -87,8 +91,8 @@ void metrics_eval(metrics_t *mt, int step, double loss);
 void metrics_skip_traffic(metrics_t *mt);
 /* The "done: N steps in T, X tok/s on average" line (when any step ran). */
 void metrics_done(metrics_t *mt);
-/* Closes the file; returns 0, or -1 with the message in err when any write (or the close)
- * failed, and then *no_space (when non-NULL) says whether it was a lack of space. */
+/* Closes the files; returns 0, or -1 with the message in err when any write (or the close) of
+ * the metrics file or the event file failed, and then *no_space (when non-NULL) says whether it was a lack of space. */
 int metrics_close(metrics_t *mt, int *no_space, char *err, size_t errlen);
 void metrics_free(metrics_t *mt); /* closes without reporting; accepts a zeroed metrics_t */
 
