@@ -1,4 +1,4 @@
-// deps: test/support/fixture.c trainer/model/ring_attention.c trainer/parallel/mesh.c trainer/comm/comm.c trainer/comm/comm_cpu.c trainer/comm/comm_flight.c common/store.c common/store_proto.c common/net.c common/log.c launcher/store_server.c trainer/backend/backend.c trainer/backend/backend_cpu.c trainer/model/rng.c common/err.c common/env.c trainer/backend/fatal.c common/dump.c
+// deps: test/support/fixture.c trainer/model/ring_attention.c trainer/parallel/mesh.c trainer/comm/comm.c trainer/comm/comm_cpu.c common/store.c common/store_proto.c common/net.c common/log.c launcher/store_server.c trainer/backend/backend.c trainer/backend/backend_cpu.c trainer/model/rng.c common/err.c common/env.c trainer/backend/fatal.c
 /* ring_oracle: ring attention over cp real processes on the cpu backend, dumped for PyTorch
  * (test/integration/test_context_parallel.py recomputes it with torch's autograd).
  *

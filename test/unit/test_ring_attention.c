@@ -1,4 +1,4 @@
-// deps: test/support/fixture.c trainer/model/ring_attention.c trainer/parallel/mesh.c trainer/comm/comm.c trainer/comm/comm_cpu.c trainer/comm/comm_flight.c common/store.c common/store_proto.c common/net.c common/log.c launcher/store_server.c trainer/backend/backend.c trainer/backend/backend_cpu.c trainer/model/rng.c common/err.c common/env.c trainer/backend/fatal.c
+// deps: test/support/fixture.c trainer/model/ring_attention.c trainer/parallel/mesh.c trainer/comm/comm.c trainer/comm/comm_cpu.c common/store.c common/store_proto.c common/net.c common/log.c launcher/store_server.c trainer/backend/backend.c trainer/backend/backend_cpu.c trainer/model/rng.c common/err.c common/env.c trainer/backend/fatal.c
 /* test_ring_attention: causal attention split over a context-parallel ring of real processes
  * (test/support/fixture: forked ranks, a store, loopback; the mesh's cp channels) equals the
  * attention of the whole sequence.
@@ -11,7 +11,13 @@
  * rescaling only). bf16 (inputs rounded to bf16, both sides): 1e-2 (the outputs are rounded to
  * bf16 once on each side, from fp32 values that differ as the fp32 ones do: up to one bf16 ulp,
  * 2^-8 relative). cp = 2, 3 and 4; GQA; chunks of 20 rows and of 70 (past the cpu kernel's
- * 64-row block); micro-batches of 2. Each check prints the observed error. */
+ * 64-row block); micro-batches of 2. Each check prints the observed error.
+ *
+ * The variants (ring_attention_set_rotate) run too: the ring without overlap must give the
+ * ring's bits exactly (the same blocks in the same order, only the waits move), and allgather
+ * the ring's forward bits exactly (the same blocks merged in the same order) and its backward
+ * within the tolerance above (the K/V gradients are summed by a reduce-scatter instead of along
+ * the ring). */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -87,6 +93,47 @@ static int compare(int rank, const char *what, const void *a, const void *ref, s
   return !(rel <= tol);
 }
 
+/* Bytes a and b (n each) equal: 0, else prints and 1. */
+static int same_bits(int rank, const char *what, const void *a, const void *b, size_t n) {
+  int same = !memcmp(a, b, n);
+  printf("  rank %d %-40s %s\n", rank, what, same ? "bit for bit the ring's" : "DIFFERS from the ring's");
+  return !same;
+}
+
+/* The ring without overlap and allgather against the ring's results (ro, rl, rdq, rdk, rdv). */
+static int variants(int rank, ring_attention_t *ring, comm_t *group, const void *q, const void *k, const void *v,
+                    const void *dout, const void *ro, const float *rl, const void *rdq, const void *rdk,
+                    const void *rdv, int b, size_t lq, size_t lk, size_t ll, double tol) {
+  const size_t es = dtype_size(ring->dt);
+  void *o = malloc(lq * es), *dq = malloc(lq * es), *dk = malloc(lk * es), *dv = malloc(lk * es);
+  float *l = malloc(ll * sizeof(float));
+  char err[256];
+  int bad = 0;
+  for (int variant = 0; variant < 2 && !bad; variant++) {
+    if (ring_attention_set_rotate(ring, variant ? RING_ROTATE_ALLGATHER : RING_ROTATE_RING, variant, group, err,
+                                  sizeof err) ||
+        ring_attention_fwd(ring, o, l, q, k, v, b) || ring_attention_bwd(ring, dq, dk, dv, dout, q, k, v, o, l, b)) {
+      fprintf(stderr, "rank %d: %s%s\n", rank, err, ring_attention_errmsg(ring));
+      bad = 1;
+      break;
+    }
+    const char *name = variant ? "allgather" : "ring without overlap";
+    char what[96];
+    snprintf(what, sizeof what, "%s: out and lse", name);
+    bad |= same_bits(rank, what, o, ro, lq * es) | (memcmp(l, rl, ll * sizeof(float)) != 0);
+    if (!variant) {
+      snprintf(what, sizeof what, "%s: dq, dk, dv", name);
+      bad |= same_bits(rank, what, dq, rdq, lq * es) | (memcmp(dk, rdk, lk * es) != 0) | (memcmp(dv, rdv, lk * es) != 0);
+    } else {
+      bad |= compare(rank, "allgather: dq against the ring's", dq, rdq, lq, ring->dt, tol);
+      bad |= compare(rank, "allgather: dk against the ring's", dk, rdk, lk, ring->dt, tol);
+      bad |= compare(rank, "allgather: dv against the ring's", dv, rdv, lk, ring->dt, tol);
+    }
+  }
+  free(o), free(dq), free(dk), free(dv), free(l);
+  return bad;
+}
+
 static int rank_ring(int rank, int n, store_t *st, void *arg) {
   const ring_case_t *k = arg;
   const int cp = n, b = k->b, c = k->c, h = k->h, kv = k->kv, d = k->d, t = 2 * cp * c;
@@ -136,6 +183,7 @@ static int rank_ring(int rank, int n, store_t *st, void *arg) {
     fprintf(stderr, "rank %d: %s\n", rank, ring_attention_errmsg(&ring));
     bad = 1;
   }
+  bad |= variants(rank, &ring, mesh_comm(m, "cp"), mq, mk, mv, mdo, ro, rl, rdq, rdk, rdv, b, lq, lk, ll, k->tol);
   char what[96];
   snprintf(what, sizeof what, "cp%d %s out (chunks %d, %d)", cp, dtype_name(dt), g[0], g[1]);
   bad |= compare(rank, what, ro, want_o, lq, dt, k->tol);

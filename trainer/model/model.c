@@ -510,7 +510,7 @@ static void save_slot(model_t *m, int c, int k) {
 }
 
 void model_memory(const model_t *m, model_memory_t *out) {
-  out->act_bytes = m->arena_bytes;
+  out->act_bytes = m->arena_bytes + ring_attention_bytes(&m->ring);
   out->act_block_bytes = m->block_bytes;
   out->compute_bytes = m->params_lp ? m->num_params * m->es : 0;
 }
@@ -843,10 +843,12 @@ static int cp_setup(model_t *m, const model_opts_t *opts, int mode, char *err, s
                    "device memory; comm %s moves host memory", m->be->name, comm_name(cp->send));
   int rc = ring_attention_init(&m->ring, m->be, cp->send, cp->recv, cp->size, cp->rank, m->max_b, m->max_t / 2, m->Hl,
                                m->KVl, m->D, m->dt, err, errlen);
+  if (!rc) rc = ring_attention_set_rotate(&m->ring, cp->rotate, cp->overlap, cp->group, err, errlen);
   if (rc) return rc == RING_ENOMEM ? MODEL_ENOMEM : MODEL_EINVAL;
   m->cp = 1;
-  log_rank0("attention: around the context-parallel ring of %d ranks (chunks of %d tokens, the backend's block kernels)",
-            cp->size, m->max_t / 2);
+  log_rank0("attention: context parallel over %d ranks, K/V by %s%s (chunks of %d tokens, the backend's block "
+            "kernels)", cp->size, cp->rotate == RING_ROTATE_ALLGATHER ? "all-gather" : "ring",
+            cp->rotate == RING_ROTATE_RING && !cp->overlap ? " without overlap" : "", m->max_t / 2);
   return 0;
 }
 

@@ -89,7 +89,9 @@ typedef struct {
  * ring; RoPE gives each chunk its positions in the whole sequence. Everything else is per row. */
 typedef struct {
   struct comm *send, *recv; /* the ring's channels (mesh_t.cp) */
+  struct comm *group;       /* the cp group (mesh_comm(mesh, "cp")), for rotate allgather */
   int size, rank;           /* mesh.cp and this rank's coordinate in it */
+  int rotate, overlap;      /* ring_attention.h's RING_ROTATE_*; the ring's transfers behind compute */
 } model_cp_t;
 
 typedef struct {

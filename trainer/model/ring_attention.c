@@ -17,7 +17,7 @@ int ring_attention_init(ring_attention_t *r, backend_t *be, comm_t *send, comm_t
     return err_set(err, errlen, RING_EINVAL, "ring attention: backend %s has no attention blocks", be->name);
   }
   *r = (ring_attention_t){.be = be, .send = send, .recv = recv, .cp = cp, .rank = rank, .b = b, .c = c, .h = h,
-                          .kv = kv, .d = d, .dt = dt};
+                          .kv = kv, .d = d, .dt = dt, .overlap = 1};
   r->nq = (size_t)b * c * h * d;
   r->nk = (size_t)b * c * kv * d;
   const size_t es = dtype_size(dt), nl = (size_t)b * h * c, f = sizeof(float);
@@ -37,9 +37,32 @@ int ring_attention_init(ring_attention_t *r, backend_t *be, comm_t *send, comm_t
   return 0;
 }
 
+int ring_attention_set_rotate(ring_attention_t *r, int rotate, int overlap, comm_t *group, char *err, size_t errlen) {
+  r->overlap = overlap;
+  if (rotate == RING_ROTATE_RING) {
+    r->rotate = rotate;
+    return 0;
+  }
+  if (rotate != RING_ROTATE_ALLGATHER || !group || comm_size(group) != r->cp || comm_rank(group) != r->rank) {
+    return err_set(err, errlen, RING_EINVAL, "ring attention: rotate %d needs the cp group's communicator", rotate);
+  }
+  const size_t n = (size_t)r->cp * 4 * r->nk;
+  r->gathered = r->be->alloc(r->be, n * dtype_size(r->dt));
+  r->gathered_grad = r->be->alloc(r->be, n * sizeof(float));
+  if (!r->gathered || !r->gathered_grad) {
+    return err_set(err, errlen, RING_ENOMEM, "ring attention: out of memory for every rank's K/V (%zu bytes)",
+                   n * (dtype_size(r->dt) + sizeof(float)));
+  }
+  r->group = group;
+  r->rotate = rotate;
+  return 0;
+}
+
 void ring_attention_free(ring_attention_t *r) {
   if (!r || !r->be) return;
   backend_t *be = r->be;
+  be->free(be, r->gathered);
+  be->free(be, r->gathered_grad);
   be->free(be, r->kvbuf[0]);
   be->free(be, r->kvbuf[1]);
   be->free(be, r->ob);
@@ -53,6 +76,14 @@ void ring_attention_free(ring_attention_t *r) {
 int ring_attention_chunk(const ring_attention_t *r, int i) { return i == 0 ? r->rank : 2 * r->cp - 1 - r->rank; }
 
 const char *ring_attention_errmsg(const ring_attention_t *r) { return r->errmsg; }
+
+size_t ring_attention_bytes(const ring_attention_t *r) {
+  if (!r->be) return 0;
+  const size_t es = dtype_size(r->dt), f = sizeof(float), nl = (size_t)r->b * r->h * r->c;
+  size_t n = 2 * 4 * r->nk * es + (r->nq + nl + 2 * r->nq + 3 * 4 * r->nk) * f;
+  if (r->gathered) n += (size_t)r->cp * 4 * r->nk * (es + f);
+  return n;
+}
 
 void ring_attention_take_rows(int32_t *dst, const int32_t *src, int b, int t, int cp, int rank) {
   const int c = t / (2 * cp);
@@ -104,37 +135,61 @@ static void kv_own(ring_attention_t *r, const void *k, const void *v, size_t nk)
   r->be->copy(r->be, at(r->kvbuf[0], 2 * nk, es), v, 2 * nk * es);
 }
 
-int ring_attention_fwd(ring_attention_t *r, void *out, float *lse, const void *q, const void *k, const void *v,
-                       int b) {
+/* The forward's blocks of the local queries against the K/V of cp rank src (kvb: its [K0 K1 V0
+ * V1]); started[i]: chunk i's running result holds a block already. */
+static void fwd_blocks(ring_attention_t *r, int src, const void *kvb, const void *q, float *lse, int b,
+                       int started[2]) {
   backend_t *be = r->be;
   const int c = r->c, h = r->h, kv = r->kv, d = r->d;
   const size_t es = dtype_size(r->dt), nq = (size_t)b * c * h * d, nk = (size_t)b * c * kv * d,
                nl = (size_t)b * h * c;
+  for (int i = 0; i < 2; i++)
+    for (int j = 0; j < 2; j++) {
+      const int gi = ring_attention_chunk(r, i), gj = chunk_of(r, src, j);
+      if (gj > gi) continue; /* keys after every query of the chunk */
+      const char *kj = at(kvb, (size_t)j * nk, es), *vj = at(kvb, (size_t)(2 + j) * nk, es);
+      float *acc = r->acc + (size_t)i * nq, *lacc = lse + (size_t)i * nl;
+      /* the first block of a chunk (its diagonal, in step 0) is written, the later ones merged */
+      be->attention_fwd_block(be, started[i] ? r->ob : acc, started[i] ? r->lb : lacc, at(q, (size_t)i * nq, es), kj,
+                              vj, b, c, c, h, kv, d, (long)gi * c, (long)gj * c, r->dt);
+      if (started[i]) be->attention_merge(be, acc, lacc, r->ob, r->lb, b, c, h, d);
+      started[i] = 1;
+    }
+}
+
+/* The cp group's collective on the K/V (or their gradients) of every rank; the first failure is
+ * the message. */
+static int group_check(ring_attention_t *r, int rc, const char *what) {
+  if (rc && !r->errmsg[0])
+    snprintf(r->errmsg, sizeof r->errmsg, "context-parallel %s: %s", what, comm_errmsg(r->group));
+  return rc;
+}
+
+int ring_attention_fwd(ring_attention_t *r, void *out, float *lse, const void *q, const void *k, const void *v,
+                       int b) {
+  const size_t nq = (size_t)b * r->c * r->h * r->d, nk = (size_t)b * r->c * r->kv * r->d,
+               es = dtype_size(r->dt);
   r->errmsg[0] = '\0';
   kv_own(r, k, v, nk);
+  int started[2] = {0, 0}, rc = 0;
+  if (r->rotate == RING_ROTATE_ALLGATHER) { /* every rank's K/V at once, the blocks in the ring's order */
+    rc = group_check(r, comm_all_gather(r->group, r->kvbuf[0], r->gathered, 4 * nk, r->dt), "all_gather of K/V");
+    for (int s = 0; s < r->cp && !rc; s++) {
+      const int src = (r->rank - s + r->cp) % r->cp;
+      fwd_blocks(r, src, at(r->gathered, (size_t)src * 4 * nk, es), q, lse, b, started);
+    }
+  }
   comm_req_t *sreq = NULL, *rreq = NULL;
-  int cur = 0, started[2] = {0, 0}, rc = 0;
-  for (int s = 0; s < r->cp && !rc; s++) {
+  for (int s = 0, cur = 0; r->rotate == RING_ROTATE_RING && s < r->cp && !rc; s++, cur ^= 1) {
     const int src = (r->rank - s + r->cp) % r->cp;
     rc = kv_pass(r, s, cur, nk, &sreq, &rreq);
-    for (int i = 0; i < 2 && !rc; i++)
-      for (int j = 0; j < 2; j++) {
-        const int gi = ring_attention_chunk(r, i), gj = chunk_of(r, src, j);
-        if (gj > gi) continue; /* keys after every query of the chunk */
-        const char *kj = at(r->kvbuf[cur], (size_t)j * nk, es), *vj = at(r->kvbuf[cur], (size_t)(2 + j) * nk, es);
-        float *acc = r->acc + (size_t)i * nq, *lacc = lse + (size_t)i * nl;
-        /* the first block of a chunk (its diagonal, in step 0) is written, the later ones merged */
-        be->attention_fwd_block(be, started[i] ? r->ob : acc, started[i] ? r->lb : lacc, at(q, (size_t)i * nq, es),
-                                kj, vj, b, c, c, h, kv, d, (long)gi * c, (long)gj * c, r->dt);
-        if (started[i]) be->attention_merge(be, acc, lacc, r->ob, r->lb, b, c, h, d);
-        started[i] = 1;
-      }
+    if (!r->overlap) rc = rc ? rc : finish(r, &sreq, 1) ? 1 : finish(r, &rreq, 0);
+    if (!rc) fwd_blocks(r, src, r->kvbuf[cur], q, lse, b, started);
     int rs = finish(r, &sreq, 1), rr = finish(r, &rreq, 0);
     rc = rc ? rc : rs ? rs : rr;
-    cur ^= 1;
   }
   if (rc) return RING_ECOMM;
-  be->convert(be, out, r->dt, r->acc, DT_F32, 2 * nq);
+  r->be->convert(r->be, out, r->dt, r->acc, DT_F32, 2 * nq);
   return 0;
 }
 
@@ -166,18 +221,36 @@ static void bwd_blocks(ring_attention_t *r, int src, const void *kvb, float *g, 
     }
 }
 
-int ring_attention_bwd(ring_attention_t *r, void *dq, void *dk, void *dv, const void *dout, const void *q,
-                       const void *k, const void *v, const void *out, const float *lse, int b) {
+/* allgather's backward: the blocks against every rank's K/V, each rank's gradients in its slot,
+ * then one reduce-scatter brings each rank the sum of its own (into dkv[2]). */
+static int bwd_allgather(ring_attention_t *r, const void *dout, const void *q, const void *out, const float *lse,
+                         int b, size_t nk) {
+  const size_t es = dtype_size(r->dt);
+  if (group_check(r, comm_all_gather(r->group, r->kvbuf[0], r->gathered, 4 * nk, r->dt), "all_gather of K/V"))
+    return RING_ECOMM;
+  r->be->zero(r->be, r->gathered_grad, (size_t)r->cp * 4 * nk * sizeof(float));
+  for (int s = 0; s < r->cp; s++) {
+    const int src = (r->rank - s + r->cp) % r->cp;
+    bwd_blocks(r, src, at(r->gathered, (size_t)src * 4 * nk, es), r->gathered_grad + (size_t)src * 4 * nk, dout, q,
+               out, lse, b);
+  }
+  if (group_check(r, comm_reduce_scatter(r->group, r->gathered_grad, r->dkv[2], 4 * nk, DT_F32, COMM_SUM),
+                  "reduce_scatter of the K/V gradients"))
+    return RING_ECOMM;
+  return 0;
+}
+
+/* The ring's backward; its K/V gradients end in dkv[2]. */
+static int bwd_ring(ring_attention_t *r, const void *dout, const void *q, const void *out, const float *lse, int b,
+                    size_t nk) {
   backend_t *be = r->be;
-  const size_t nq = (size_t)b * r->c * r->h * r->d, nk = (size_t)b * r->c * r->kv * r->d, f = sizeof(float);
-  r->errmsg[0] = '\0';
-  kv_own(r, k, v, nk);
-  be->zero(be, r->acc, 2 * nq * f);
+  const size_t f = sizeof(float);
   comm_req_t *ks = NULL, *kr = NULL, *gs = NULL, *gr = NULL;
   int cur = 0, blk = 0, rc = 0;
   for (int s = 0; s < r->cp && !rc; s++) {
     const int src = (r->rank - s + r->cp) % r->cp;
     rc = kv_pass(r, s, cur, nk, &ks, &kr);
+    if (!r->overlap) rc = rc ? rc : finish(r, &ks, 1) ? 1 : finish(r, &kr, 0);
     if (rc) break;
     be->zero(be, r->dkv[blk], 4 * nk * f);
     bwd_blocks(r, src, r->kvbuf[cur], r->dkv[blk], dout, q, out, lse, b);
@@ -187,6 +260,7 @@ int ring_attention_bwd(ring_attention_t *r, void *dq, void *dk, void *dv, const 
       be->add(be, r->dkv[blk], r->dkv[blk], r->dkv[2], 4 * nk, DT_F32);
     }
     rc = grad_pass(r, blk, nk, &gs, &gr);
+    if (!r->overlap) rc = rc ? rc : finish(r, &gs, 1);
     blk ^= 1;
     int rs = finish(r, &ks, 1), rr = finish(r, &kr, 0);
     rc = rc ? rc : rs ? rs : rr;
@@ -194,7 +268,19 @@ int ring_attention_bwd(ring_attention_t *r, void *dq, void *dk, void *dv, const 
   }
   /* the last pass brought this rank's own K/V gradients home */
   int rs = finish(r, &ks, 1), rr = finish(r, &kr, 0), g1 = finish(r, &gs, 1), g2 = finish(r, &gr, 0);
-  if (rc || rs || rr || g1 || g2) return RING_ECOMM;
+  return rc || rs || rr || g1 || g2 ? RING_ECOMM : 0;
+}
+
+int ring_attention_bwd(ring_attention_t *r, void *dq, void *dk, void *dv, const void *dout, const void *q,
+                       const void *k, const void *v, const void *out, const float *lse, int b) {
+  backend_t *be = r->be;
+  const size_t nq = (size_t)b * r->c * r->h * r->d, nk = (size_t)b * r->c * r->kv * r->d, f = sizeof(float);
+  r->errmsg[0] = '\0';
+  kv_own(r, k, v, nk);
+  be->zero(be, r->acc, 2 * nq * f);
+  int rc = r->rotate == RING_ROTATE_ALLGATHER ? bwd_allgather(r, dout, q, out, lse, b, nk)
+                                              : bwd_ring(r, dout, q, out, lse, b, nk);
+  if (rc) return rc;
   be->convert(be, dq, r->dt, r->acc, DT_F32, 2 * nq);
   be->convert(be, dk, r->dt, r->dkv[2], DT_F32, 2 * nk);
   be->convert(be, dv, r->dt, at(r->dkv[2], 2 * nk, f), DT_F32, 2 * nk);

@@ -17,6 +17,13 @@
  * receives on the mesh's two ring channels). Accumulators and the travelling gradients are
  * fp32 whatever the compute dtype; the outputs are rounded once.
  *
+ * Two variants (parallel.cp_rotate): "ring" above (overlap off with parallel.cp_overlap = false:
+ * each transfer is waited for before the blocks that follow it, to measure what the overlap
+ * hides), and "allgather" (torchtitan's other rotate method): the cp group all-gathers every
+ * rank's K/V once, the blocks run on them, and the backward's K/V gradients are summed back to
+ * their owners with one reduce-scatter; more memory (every rank's K/V at once), fewer and larger
+ * transfers, none of them overlapped.
+ *
  * One ring_attention_t serves every layer of a model (its buffers are scratch between calls). */
 #ifndef MESHRUN_RING_ATTENTION_H
 #define MESHRUN_RING_ATTENTION_H
@@ -31,9 +38,15 @@
 #define RING_ENOMEM (-2)
 #define RING_ECOMM (-3)
 
+enum { RING_ROTATE_RING = 0, RING_ROTATE_ALLGATHER = 1 };
+
 typedef struct {
   backend_t *be;
   comm_t *send, *recv; /* the mesh's cp channels: to cp rank + 1, from cp rank - 1 */
+  comm_t *group;       /* the cp group (allgather) */
+  int rotate, overlap; /* RING_ROTATE_*; ring: transfers overlap the blocks (1) or not */
+  void *gathered;      /* allgather: every rank's [K0 K1 V0 V1], (cp, 4 B c KV D) dt */
+  float *gathered_grad; /* allgather: their gradients, fp32 */
   int cp, rank;        /* ring size (> 1) and this rank's place in it */
   int b, c, h, kv, d;  /* micro-batch, chunk length, query heads, kv heads, head dim */
   dtype_t dt;          /* q, k, v, out and their gradients */
@@ -47,9 +60,13 @@ typedef struct {
 
 /* Sizes the ring for micro-batches of up to b sequences of chunk length c (T = 2 cp c) and
  * allocates its buffers on be. send and recv are the ring's channels (mesh_t.cp), cp > 1.
- * Returns 0 or RING_EINVAL / RING_ENOMEM with the reason in err. */
+ * Returns 0 or RING_EINVAL / RING_ENOMEM with the reason in err. The variant is "ring" with
+ * overlap; ring_attention_set_rotate chooses another. */
 int ring_attention_init(ring_attention_t *r, backend_t *be, comm_t *send, comm_t *recv, int cp, int rank, int b,
                         int c, int h, int kv, int d, dtype_t dt, char *err, size_t errlen);
+/* rotate RING_ROTATE_ALLGATHER needs group, the cp group's communicator (its buffers are
+ * allocated here); overlap applies to the ring. Returns 0 or RING_EINVAL / RING_ENOMEM. */
+int ring_attention_set_rotate(ring_attention_t *r, int rotate, int overlap, comm_t *group, char *err, size_t errlen);
 void ring_attention_free(ring_attention_t *r);
 
 /* The global chunk (0 .. 2 cp - 1) of this rank's local chunk i (0 or 1), and its first
@@ -67,6 +84,8 @@ int ring_attention_bwd(ring_attention_t *r, void *dq, void *dk, void *dv, const 
                        const void *k, const void *v, const void *out, const float *lse, int b);
 
 const char *ring_attention_errmsg(const ring_attention_t *r);
+/* Bytes of its buffers (0 for a zeroed, unused ring_attention_t): activation scratch. */
+size_t ring_attention_bytes(const ring_attention_t *r);
 
 /* This rank's rows of b whole sequences of t tokens (host ids, (b, t)): dst (b * t / cp) gets,
  * chunk-major, chunk rank of every sequence, then chunk 2 cp - 1 - rank of every sequence (the

@@ -111,6 +111,7 @@ static const char *const format_names[] = {"auto", "text", "llmc", "u16", "u32",
 static const char *const dtype_names[] = {"fp32", "bf16", NULL};
 static const char *const ac_names[] = {"none", "full", "selective", NULL};
 static const char *const pp_schedule_names[] = {"gpipe", "1f1b", "interleaved_1f1b", NULL};
+static const char *const cp_rotate_names[] = {"ring", "allgather", NULL};
 static const char *const style_names[] = {"colwise", "rowwise", "sequence_parallel",
                                           "prepare_module_input", "replicate", NULL};
 
@@ -173,6 +174,7 @@ static const field_t parallel_fields[] = {
     K_ENUM("activation_checkpoint", parallel.activation_checkpoint, ac_names, PLAN_AC_NONE),
     K_INT("activation_checkpoint_every", parallel.activation_checkpoint_every, 1, INT_MAX, 2),
     K_BOOL("overlap", parallel.overlap, 1),
+    K_ENUM("cp_rotate", parallel.cp_rotate, cp_rotate_names, PLAN_CP_RING),
     K_DBL("bucket_mb", parallel.bucket_mb, 0, 1, 1e6, 0, 25),
     K_DBL("comm_timeout_s", parallel.comm_timeout_s, 1e-3, 0, 1e6, 1, 300),
     K_INT("comm_flight_records", parallel.comm_flight_records, 0, 1 << 20, 2048), /* comm.h's COMM_FLIGHT_* */

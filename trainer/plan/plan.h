@@ -68,6 +68,9 @@ typedef struct {
   int cp;                         /* context parallel: ranks sharing each sequence (default 1; may be the -1) */
 } plan_mesh_t;
 
+/* parallel.cp_rotate: how K/V reach the other context-parallel ranks (ring_attention.h's order). */
+typedef enum { PLAN_CP_RING = 0, PLAN_CP_ALLGATHER = 1 } plan_cp_rotate_t;
+
 /* parallel.pp_schedule: the pipeline schedules (trainer/plan/pipeline.h's pp_schedule_t, same order). */
 typedef enum { PLAN_PP_GPIPE = 0, PLAN_PP_1F1B, PLAN_PP_INTERLEAVED_1F1B } plan_pp_schedule_t;
 #define PLAN_PP_SPLIT_MAX 256 /* stages at most: pp * pp_stages_per_rank */
@@ -93,8 +96,11 @@ typedef struct {
   plan_ac_t activation_checkpoint; /* default none */
   int activation_checkpoint_every; /* selective: blocks k-1, 2k-1, ... are checkpointed (default 2) */
   int overlap;               /* communication behind compute: FSDP prefetch, asynchronous reduce-scatter,
-                                DDP buckets reduced during the backward (default 1; 0: every collective
-                                blocks where it is issued). Bit-identical losses either way. */
+                                DDP buckets reduced during the backward, the cp ring's K/V transfers
+                                (default 1; 0: every collective blocks where it is issued).
+                                Bit-identical losses either way. */
+  int cp_rotate;             /* context parallelism's K/V exchange: PLAN_CP_RING (default) or
+                                PLAN_CP_ALLGATHER (trainer/model/ring_attention.h) */
   double bucket_mb;          /* DDP / ZeRO-1 gradient buckets, MiB (default 25, PyTorch's bucket_cap_mb) */
   double comm_timeout_s;     /* seconds a collective (or the comms' setup) may go without progress from
                                 a peer before it fails naming the collective (default 300);

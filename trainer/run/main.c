@@ -73,6 +73,7 @@
 #include "trainer/parallel/mesh.h"
 #include "trainer/run/metrics.h"
 #include "trainer/model/model.h"
+#include "trainer/model/ring_attention.h"
 #include "trainer/run/opprof.h"
 #include "trainer/plan/pipeline.h"
 #include "trainer/plan/plan.h"
@@ -654,8 +655,10 @@ static int model_setup(model_t **m, model_tp_t *tpo, model_cp_t *cpo, const plan
                       .plan = p->parallel.tp_plan,
                       .n_plan = p->parallel.n_tp_plan};
   opts.tp = tp > 1 ? tpo : NULL;
-  *cpo = (model_cp_t){.send = mesh->cp.send, .recv = mesh->cp.recv, .size = mesh->dims[MESH_CP],
-                      .rank = mesh->coord[MESH_CP]};
+  *cpo = (model_cp_t){.send = mesh->cp.send, .recv = mesh->cp.recv, .group = mesh_comm(mesh, "cp"),
+                      .size = mesh->dims[MESH_CP], .rank = mesh->coord[MESH_CP],
+                      .rotate = p->parallel.cp_rotate == PLAN_CP_ALLGATHER ? RING_ROTATE_ALLGATHER : RING_ROTATE_RING,
+                      .overlap = p->parallel.overlap};
   opts.cp = cpo->size > 1 ? cpo : NULL;
   opts.no_flat_buffers = dp_owns_buffers(mesh, p);
   int first[PP_MAX_CHUNKS], layers[PP_MAX_CHUNKS];

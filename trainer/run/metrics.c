@@ -174,13 +174,14 @@ int metrics_open(metrics_t *mt, const plan_t *p, model_t *m, dp_t *dp, const mes
     np = 0;
     for (int i = 0; i < 4; i++) np += (size_t)digit[i] << (12 * i);
   }
-  char pp_dim[32] = "";
+  char pp_dim[32] = "", cp_dim[32] = "";
   if (pp > 1) snprintf(pp_dim, sizeof pp_dim, "pp %d x ", pp);
+  if (mesh && mesh->dims[MESH_CP] > 1) snprintf(cp_dim, sizeof cp_dim, "cp %d x ", mesh->dims[MESH_CP]);
   if (mesh)
-    log_rank0("mesh %sdp_replicate %d x dp_shard %d x tp %d: %s; per rank: parameters %.2f MiB, gradients %.2f MiB, "
+    log_rank0("mesh %sdp_replicate %d x dp_shard %d x %stp %d: %s; per rank: parameters %.2f MiB, gradients %.2f MiB, "
               "optimizer state %.2f MiB, working buffers %.2f MiB, activations %.2f MiB (max over ranks: %.2f / "
               "%.2f / %.2f / %.2f / %.2f MiB)",
-              pp_dim, mesh->dims[MESH_DP_REPLICATE], mesh->dims[MESH_DP_SHARD], tp, dp->name,
+              pp_dim, mesh->dims[MESH_DP_REPLICATE], mesh->dims[MESH_DP_SHARD], cp_dim, tp, dp->name,
               mem.mine.param_bytes / 1048576.0, mem.mine.grad_bytes / 1048576.0, mem.mine.optim_bytes / 1048576.0,
               mem.mine.work_bytes / 1048576.0, mem.act.act_bytes / 1048576.0, mem.max.param_bytes / 1048576.0,
               mem.max.grad_bytes / 1048576.0, mem.max.optim_bytes / 1048576.0, mem.max.work_bytes / 1048576.0,
