@@ -65,7 +65,15 @@ bench_flight() {
   "$PYTHON" bench/bench_flight.py
 }
 
-SECTIONS="launcher trainer parallel mixed overlap pipeline flight"
+# --- section: cp. Context parallelism at cp 2 and 4, one rank per emulated host (as overlap), K/V
+# around the ring or all-gathered, parallel.overlap off and on: ms/step, exposed communication,
+# the share overlap removed against the most it could, and the K/V bytes per step against the
+# link's time for them.
+bench_cp() {
+  "$PYTHON" bench/bench_cp.py
+}
+
+SECTIONS="launcher trainer parallel mixed overlap pipeline flight cp"
 
 failed=()
 for s in $SECTIONS; do

@@ -342,6 +342,10 @@ void mesh_group_stats(const mesh_t *m, int g, comm_stats_t *out) {
   if (grp->alias >= 0) return; /* its traffic is the aliased group's */
   stats_add(out, grp->comm);
   if (grp->host_comm != grp->comm) stats_add(out, grp->host_comm);
+  if (g == MESH_GROUP_CP) { /* and its ring's */
+    stats_add(out, m->cp.send);
+    stats_add(out, m->cp.recv);
+  }
 }
 
 uint64_t mesh_wait_ns(const mesh_t *m) {

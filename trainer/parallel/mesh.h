@@ -116,7 +116,8 @@ comm_t *mesh_comm(const mesh_t *m, const char *name);
 /* The group's host-memory ("cpu") communicator, for values that live on the host. */
 comm_t *mesh_host_comm(const mesh_t *m, const char *name);
 /* Group g's traffic and blocked time: its device communicator's stats plus its host one's (when
- * that is another ring); zeros before mesh_connect. */
+ * that is another ring), and for "cp" its ring channels'; zeros before mesh_connect and for an
+ * alias (cp = 1: the traffic is the aliased group's). */
 void mesh_group_stats(const mesh_t *m, int g, comm_stats_t *out);
 /* Nanoseconds this process has spent blocked on the mesh's communicators (device and host ones):
  * the sum of their comm_stats_t.wait_ns, the pipeline channels' included. 0 for NULL. */
