@@ -13,7 +13,8 @@
 #      within 2e-2; and the defaults of a GPU machine: device auto picks cuda, and param_dtype
 #      left at its default trains in bf16 with one log line saying so;
 #   4. multi-rank plans on the one GPU through the staged comm under bin/meshrun (ddp2, fsdp2,
-#      tp2, pp2: the pipeline's sends and receives; MESHRUN_COMM_BACKEND=staged), each against the serial cuda losses within 1e-4 relative
+#      tp2, pp2: the pipeline's sends and receives; cp2: ring attention's blocks and sends;
+#      MESHRUN_COMM_BACKEND=staged), each against the serial cuda losses within 1e-4 relative
 #      (the parallel plans' tolerance on cpu), TF32 off; then, with 2 or more GPUs, the same plans
 #      with the comm backend the trainer picks there (nccl: one GPU per rank), within 1e-4 of the
 #      serial cuda losses too (skipped on one GPU);
@@ -197,22 +198,23 @@ fi # train
 
 # --- 4. multi-rank plans on one GPU (staged comm), then on several GPUs (nccl) -----------------
 FAST_CONF="join_timeout=20,last_call_timeout=0.5,heartbeat_interval=0.1,heartbeat_timeout=1"
-declare -A MESH=([ddp2]="2 1 1 1" [fsdp2]="1 2 1 1" [tp2]="1 1 2 1" [pp2]="1 1 1 2")
+declare -A MESH=([ddp2]="2 1 1 1 1" [fsdp2]="1 2 1 1 1" [tp2]="1 1 2 1 1" [pp2]="1 1 1 2 1" [cp2]="1 1 1 1 2")
 # parallel_plan PLAN COMM WANT [DTYPE]: 2 ranks under meshrun with MESHRUN_COMM_BACKEND=COMM (""
 # = the trainer's choice), losses against the serial cuda run of DTYPE (fp32: within 1e-4; bf16:
 # within 2e-2); the comm backend rank 0 logged must be WANT.
 parallel_plan() {
-  local plan=$1 comm=$2 want=$3 dtype=${4:-fp32} r s t q rc
+  local plan=$1 comm=$2 want=$3 dtype=${4:-fp32} r s t q c rc
   local name="$1_${3}_$dtype" ref="$work/cuda.jsonl" tol=1e-4
   [ "$dtype" = bf16 ] && ref="$work/cuda_bf16.jsonl" tol=2e-2
-  read -r r s t q <<<"${MESH[$plan]}"
+  read -r r s t q c <<<"${MESH[$plan]}"
   if [ ! -s "$ref" ]; then bad "$name (no serial cuda $dtype losses to compare with)"; return; fi
   (unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MESHRUN_STORE
    MESHRUN_COMM_BACKEND=$comm OMP_NUM_THREADS=2 timeout 300 "$MESHRUN" --standalone --nproc_per_node=2 \
      --rdzv_conf="$FAST_CONF" "$TRAINER" "$work/plan.json" --set "device=$DEV" \
      --set parallel.mixed_precision.param_dtype=$dtype --set parallel.mixed_precision.allow_tf32=false \
      --set "log.metrics_file=$work/$name.jsonl" \
-     --set mesh.dp_replicate=$r --set mesh.dp_shard=$s --set mesh.tp=$t --set mesh.pp=$q) >"$work/$name.log" 2>&1
+     --set mesh.dp_replicate=$r --set mesh.dp_shard=$s --set mesh.tp=$t --set mesh.pp=$q --set mesh.cp=$c) \
+     >"$work/$name.log" 2>&1
   rc=$?
   if [ $rc -ne 0 ]; then
     bad "$name run, status $rc"; grep -m3 -i "error\|trainer:" "$work/$name.log" | sed 's/^/   /'
@@ -223,15 +225,16 @@ parallel_plan() {
 }
 if has parallel; then
 echo "== parallel plans on one GPU through the staged comm (meshrun, 2 ranks each) vs serial cuda"
-for plan in ddp2 fsdp2 tp2 pp2; do parallel_plan $plan staged staged; done
+for plan in ddp2 fsdp2 tp2 pp2 cp2; do parallel_plan $plan staged staged; done
 parallel_plan fsdp2 staged staged bf16
 parallel_plan pp2 staged staged bf16
+parallel_plan cp2 staged staged bf16
 
 echo "== parallel plans on 2 GPUs through nccl (the trainer's choice with one GPU per rank)"
 ngpu=0
 [ "$DEV" = cuda ] && command -v nvidia-smi >/dev/null 2>&1 && ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
 if [ "$ngpu" -ge 2 ]; then
-  for plan in ddp2 fsdp2 tp2 pp2; do parallel_plan $plan "" nccl; done
+  for plan in ddp2 fsdp2 tp2 pp2 cp2; do parallel_plan $plan "" nccl; done
   parallel_plan fsdp2 "" nccl bf16
 else
   echo "   skipped: $ngpu GPU(s) visible, nccl needs one per rank"; skipped+=("nccl plans")
