@@ -11,7 +11,8 @@
   2e-3 relative (bf16 keeps 8 bits: an activation rounds to 2^-9 relative, and the two runs
   round different fp32 sums).
 - Checkpoints cross cp sizes: cp2 saves, cp4 resumes and saves, one process resumes that; each
-  continues the one-process losses within 1e-4.
+  continues the one-process losses within 1e-4. A worker of cp2 x fsdp2 killed mid-run: meshrun
+  restarts the round, which resumes and finishes on the one-process losses within 1e-4.
 - Activation bytes per rank (the first metrics record) at 16k tokens for cp 1, 2, 4 fall as 1/cp:
   cp 4 holds half of cp 2's (within 5%); cp 2 at most 1/1.7 of cp 1's (the ring's own buffers,
   per chunk as well, come on top of half of cp 1's arena).
@@ -19,6 +20,7 @@
 """
 import json
 import os
+import signal
 import struct
 import subprocess
 
@@ -26,6 +28,7 @@ import pytest
 import torch
 
 from conftest import FAST_CONF, Meshrun, bin_dir, solo_env, tiny_plan, wait_for
+from test_elastic import CONF as ELASTIC_CONF, resumed_step, wait_step, worker_pids
 
 BUILD = os.environ.get("MESHRUN_BUILD", os.path.join(os.path.dirname(__file__), "..", "..", "build"))
 ORACLE = os.path.join(BUILD, "tools", "ring_oracle")
@@ -287,6 +290,37 @@ def test_activation_memory_falls_with_cp(tmp_path):
     # adds the ring's own buffers (K/V double buffer, fp32 accumulators: per chunk too).
     assert abs(act[2] / act[4] - 2) <= 0.05 * 2
     assert act[1] / act[2] >= 1.7
+
+
+def test_worker_killed_restarts_and_resumes(serial, tmp_path):
+    """cp2 x fsdp2 under --max_restarts=1: kill -9 of a worker after step 6; meshrun restarts the
+    round, the ranks resume from the step-5 checkpoint (checkpoint.resume auto) and finish on the
+    one-process losses within 1e-4."""
+    with open(os.path.join(str(tmp_path), "plan.json"), "w") as f:
+        json.dump(PLAN, f)
+    sets = mesh_sets({"cp": 2, "dp_shard": 2}) + ["log.metrics_file=metrics.jsonl", "checkpoint.dir=ck",
+                                                  "checkpoint.interval=5", "checkpoint.resume=auto",
+                                                  "checkpoint.keep=0"]
+    args = [os.path.join(str(tmp_path), "plan.json")] + [x for kv in sets for x in ("--set", kv)]
+    m = Meshrun(["--nproc_per_node=4", "--max_restarts=1", "--rdzv_conf=" + ELASTIC_CONF, TRAINER] + args,
+                env={"OMP_NUM_THREADS": "1"}, cwd=str(tmp_path))
+    try:
+        wait_step(tmp_path, 1, 6, 120, "step 6")
+        pids = worker_pids(m.pid)
+        assert len(pids) == 4, pids
+        os.kill(pids[1], signal.SIGKILL)
+        assert m.wait(300) == 0, m.describe()
+    finally:
+        m.kill()
+    step, line = resumed_step(m.err)
+    assert "restart 1, round 1)" in line and "now world 4" in line, line
+    ref, got = values(serial()), values(tmp_path)
+    keys = sorted(k for k in ref if k[1] > step)
+    assert all(k in got for k in keys), "steps missing after the resume"
+    d = max_rel(ref, got, keys)
+    print("cp2 x fsdp2, a worker killed: %s; %d values after it, max rel diff %.2e from one process (tolerance "
+          "%.0e)" % (line, len(keys), d, TOL))
+    assert d <= TOL
 
 
 # ---- plan errors ----
