@@ -708,10 +708,11 @@ static int final_sample(model_t *m, backend_t *be, dp_t *dp, const mesh_t *mesh,
                         int rank, char *err, size_t errlen) {
   const int tp = mesh ? mesh->dims[MESH_TP] : 1;
   if (p->sample.sample_tokens <= 0 || !(rank == 0 || dp_is_sharded(mesh) || tp > 1)) return 0;
-  if (mesh && mesh->dims[MESH_PP] > 1) { /* the sampler runs the whole model's forward */
+  if (mesh && (mesh->dims[MESH_PP] > 1 || mesh->dims[MESH_CP] > 1)) { /* the sampler runs the whole model */
     char path[PLAN_PATH_MAX + 32];
     weights_final_path(p, path, sizeof path);
-    log_rank0("sample: not under pipeline parallelism; run `trainer sample %s` for one", path);
+    log_rank0("sample: not under %s parallelism; run `trainer sample %s` for one",
+              mesh->dims[MESH_PP] > 1 ? "pipeline" : "context", path);
     return 0;
   }
   log_rank0("sample (%d tokens, temperature %.2f):", p->sample.sample_tokens, p->sample.temperature);
