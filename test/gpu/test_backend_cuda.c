@@ -9,7 +9,8 @@
  * scale, embedding); 1e-6 for RoPE (the same roundings, but cos/sin tables from two math
  * libraries may differ in a last bit); 1e-10 for sumsq (double sums, other order); 5e-3 for
  * matmuls with TF32 allowed (inputs rounded to a 10-bit mantissa, about 5e-4 each, over k
- * products of uniform inputs).
+ * products of uniform inputs). The fused entries (qkv_rope_*, add_rmsnorm_fwd) are also held to
+ * the unfused cuda calls they replace: the same bits.
  *
  * bf16 (dt = DT_BF16): both backends read the same bf16 inputs (random values rounded to bf16),
  * widen them, compute in fp32 and round once per store, so their fp32 intermediates differ only
@@ -407,6 +408,27 @@ static void test_matmul_bf16_unaligned(void **state) {
 
 /* ------------------------------------------------------------------ elementwise */
 
+/* SwiGLU over rows of a and g side by side (ag (rows, 2f)); the backward writes dag, which
+ * starts from other random values on each side. */
+static void swiglu_case(int rows, int f, dtype_t dt) {
+  char what[96];
+  size_t n = (size_t)rows * f;
+  pair_t ag = pair_new_dt(2 * n, -4.0f, 4.0f, dt), out = pair_new_dt(n, -1.0f, 1.0f, dt);
+  cpu->swiglu_fwd(cpu, out.c, ag.c, rows, f, dt);
+  gpu->swiglu_fwd(gpu, out.g, ag.g, rows, f, dt);
+  snprintf(what, sizeof what, "swiglu_fwd %s rows=%d f=%d", dtype_name(dt), rows, f);
+  pair_check(what, &out, TOL_FP32);
+  pair_t dout = pair_new_dt(n, -1.0f, 1.0f, dt), dag = pair_new_dt(2 * n, -1.0f, 1.0f, dt);
+  cpu->swiglu_bwd(cpu, dag.c, dout.c, ag.c, rows, f, dt);
+  gpu->swiglu_bwd(gpu, dag.g, dout.g, ag.g, rows, f, dt);
+  snprintf(what, sizeof what, "swiglu_bwd %s rows=%d f=%d dag (written)", dtype_name(dt), rows, f);
+  pair_check(what, &dag, TOL_FP32);
+  pair_free(&ag);
+  pair_free(&out);
+  pair_free(&dout);
+  pair_free(&dag);
+}
+
 static void elementwise_case(dtype_t dt) {
   size_t n = 1000003;
   char what[96];
@@ -421,25 +443,11 @@ static void elementwise_case(dtype_t dt) {
   snprintf(what, sizeof what, "add in place %s", dtype_name(dt));
   if (dt == DT_BF16) pair_check_bits(what, &a);
   else pair_check(what, &a, 0.0);
-  pair_reset(&a);
-
-  cpu->swiglu_fwd(cpu, out.c, a.c, b.c, n, dt);
-  gpu->swiglu_fwd(gpu, out.g, a.g, b.g, n, dt);
-  snprintf(what, sizeof what, "swiglu_fwd %s", dtype_name(dt));
-  pair_check(what, &out, TOL_FP32);
-  pair_t dout = pair_new_dt(n, -1.0f, 1.0f, dt), da = pair_new_dt(n, -1.0f, 1.0f, dt), dg = pair_new_dt(n, -1.0f, 1.0f, dt);
-  cpu->swiglu_bwd(cpu, da.c, dg.c, dout.c, a.c, b.c, n, dt);
-  gpu->swiglu_bwd(gpu, da.g, dg.g, dout.g, a.g, b.g, n, dt);
-  snprintf(what, sizeof what, "swiglu_bwd %s da", dtype_name(dt));
-  pair_check(what, &da, TOL_FP32);
-  snprintf(what, sizeof what, "swiglu_bwd %s dg", dtype_name(dt));
-  pair_check(what, &dg, TOL_FP32);
   pair_free(&a);
   pair_free(&b);
   pair_free(&out);
-  pair_free(&dout);
-  pair_free(&da);
-  pair_free(&dg);
+  swiglu_case(977, 1024, dt); /* bf16: the 8-wide kernels */
+  swiglu_case(999, 1001, dt); /* f not a multiple of 8: the plain ones */
 }
 
 static void test_elementwise(void **state) {
@@ -708,6 +716,124 @@ static void test_rope_bf16(void **state) {
   pair_free(&x);
   pair_free(&y);
   pair_free(&z);
+}
+
+/* ------------------------------------------------------------------ fused entries */
+
+/* Two cuda buffers of n dt elements: the same bits (a fused kernel against the calls it replaces). */
+static void gpu_same_bits(const char *what, const void *x, const void *y, size_t n, dtype_t dt) {
+  size_t es = dtype_size(dt), differ = 0;
+  unsigned char *a = malloc(n * es + 1), *b = malloc(n * es + 1);
+  assert_non_null(a);
+  assert_non_null(b);
+  gpu->to_host(gpu, a, x, n * es);
+  gpu->to_host(gpu, b, y, n * es);
+  for (size_t i = 0; i < n; i++) differ += memcmp(a + i * es, b + i * es, es) != 0;
+  printf("  %-44s %s: %zu of %zu elements differ in bits from the unfused calls (tolerance 0)\n", what,
+         dtype_name(dt), differ, n);
+  free(a);
+  free(b);
+  assert_int_equal(differ, 0);
+}
+
+/* qkv_rope_fwd and qkv_rope_bwd: cuda against cpu (tolerance 1e-6, RoPE's: the same roundings
+ * over cos/sin tables from two math libraries), and against the unfused cuda calls (columns
+ * copied out with copy_2d, rope_fwd/rope_bwd on q and k): the same bits. */
+static void qkv_rope_case(int b, int t, int h, int kv, int d, int pos, dtype_t dt) {
+  char what[128];
+  const size_t rows = (size_t)b * t, HD = (size_t)h * d, KD = (size_t)kv * d, W = HD + 2 * KD, es = dtype_size(dt);
+  pair_t qkv = pair_new_dt(rows * W, -1.0f, 1.0f, dt), q = pair_new_dt(rows * HD, -1.0f, 1.0f, dt),
+         k = pair_new_dt(rows * KD, -1.0f, 1.0f, dt), v = pair_new_dt(rows * KD, -1.0f, 1.0f, dt);
+  cpu->qkv_rope_fwd(cpu, q.c, k.c, v.c, qkv.c, b, t, h, kv, d, pos, 10000.0f, dt);
+  gpu->qkv_rope_fwd(gpu, q.g, k.g, v.g, qkv.g, b, t, h, kv, d, pos, 10000.0f, dt);
+  snprintf(what, sizeof what, "qkv_rope_fwd b=%d t=%d h=%d kv=%d d=%d q", b, t, h, kv, d);
+  pair_check(what, &q, 1e-6);
+  pair_check("qkv_rope_fwd k", &k, 1e-6);
+  pair_check("qkv_rope_fwd v (copied)", &v, 0.0);
+  void *uq = gpu->alloc(gpu, rows * HD * es), *uk = gpu->alloc(gpu, rows * KD * es), *uw = gpu->alloc(gpu, rows * W * es);
+  assert_non_null(uq);
+  assert_non_null(uk);
+  assert_non_null(uw);
+  gpu->copy_2d(gpu, uq, (int)HD, qkv.g, (int)W, (int)rows, (int)HD, dt);
+  gpu->copy_2d(gpu, uk, (int)KD, on_gpu(&qkv, HD), (int)W, (int)rows, (int)KD, dt);
+  gpu->rope_fwd(gpu, uq, b, t, h, d, pos, 10000.0f, dt);
+  gpu->rope_fwd(gpu, uk, b, t, kv, d, pos, 10000.0f, dt);
+  gpu_same_bits("qkv_rope_fwd q", q.g, uq, rows * HD, dt);
+  gpu_same_bits("qkv_rope_fwd k", k.g, uk, rows * KD, dt);
+  /* backward from q, k, v as they are now (the same on both sides after pair_reset) */
+  pair_reset(&q);
+  pair_reset(&k);
+  pair_reset(&v);
+  cpu->qkv_rope_bwd(cpu, qkv.c, q.c, k.c, v.c, b, t, h, kv, d, pos, 10000.0f, dt);
+  gpu->qkv_rope_bwd(gpu, qkv.g, q.g, k.g, v.g, b, t, h, kv, d, pos, 10000.0f, dt);
+  pair_check("qkv_rope_bwd dqkv (written)", &qkv, 1e-6);
+  gpu->copy(gpu, uq, q.g, rows * HD * es);
+  gpu->copy(gpu, uk, k.g, rows * KD * es);
+  gpu->rope_bwd(gpu, uq, b, t, h, d, pos, 10000.0f, dt);
+  gpu->rope_bwd(gpu, uk, b, t, kv, d, pos, 10000.0f, dt);
+  gpu->copy_2d(gpu, uw, (int)W, uq, (int)HD, (int)rows, (int)HD, dt);
+  gpu->copy_2d(gpu, (char *)uw + HD * es, (int)W, uk, (int)KD, (int)rows, (int)KD, dt);
+  gpu->copy_2d(gpu, (char *)uw + (HD + KD) * es, (int)W, v.g, (int)KD, (int)rows, (int)KD, dt);
+  gpu_same_bits("qkv_rope_bwd dqkv", qkv.g, uw, rows * W, dt);
+  gpu->free(gpu, uq);
+  gpu->free(gpu, uk);
+  gpu->free(gpu, uw);
+  pair_free(&qkv);
+  pair_free(&q);
+  pair_free(&k);
+  pair_free(&v);
+}
+
+static void test_qkv_rope(void **state) {
+  qkv_rope_case(2, 37, 4, 2, 64, 0, DT_F32);
+  qkv_rope_case(1, 1, 4, 1, 128, 17, DT_F32); /* one decoding row at position 17 */
+  qkv_rope_case(2, 37, 4, 2, 64, 0, DT_BF16); /* the 8-wide kernel */
+  qkv_rope_case(1, 9, 2, 1, 12, 3, DT_BF16);  /* d 12: the plain one */
+}
+
+/* add_rmsnorm_fwd: cuda against cpu (rmsnorm's tolerance; sum: one add, one rounding, the
+ * same bits), and against the unfused cuda calls (add, rmsnorm_fwd): the same bits, with sum
+ * apart and aliasing a. */
+static void add_rmsnorm_case(int n, int c, dtype_t dt) {
+  char what[128];
+  const size_t nc = (size_t)n * c, es = dtype_size(dt);
+  pair_t a = pair_new_dt(nc, -2.0f, 2.0f, dt), y = pair_new_dt(nc, -2.0f, 2.0f, dt),
+         w = pair_new_dt((size_t)c, 0.5f, 1.5f, dt), sum = pair_new_dt(nc, 0.0f, 1.0f, dt),
+         out = pair_new_dt(nc, 0.0f, 1.0f, dt), rstd = pair_new((size_t)n, 0.0f, 1.0f);
+  cpu->add_rmsnorm_fwd(cpu, sum.c, out.c, rstd.c, a.c, y.c, w.c, n, c, 1e-5f, dt);
+  gpu->add_rmsnorm_fwd(gpu, sum.g, out.g, rstd.g, a.g, y.g, w.g, n, c, 1e-5f, dt);
+  snprintf(what, sizeof what, "add_rmsnorm_fwd n=%d c=%d sum", n, c);
+  pair_check_bits(what, &sum);
+  pair_check("add_rmsnorm_fwd out", &out, TOL_FP32);
+  pair_check("add_rmsnorm_fwd rstd", &rstd, TOL_FP32);
+  void *us = gpu->alloc(gpu, nc * es), *uo = gpu->alloc(gpu, nc * es), *ur = gpu->alloc(gpu, (size_t)n * 4);
+  assert_non_null(us);
+  assert_non_null(uo);
+  assert_non_null(ur);
+  gpu->add(gpu, us, a.g, y.g, nc, dt);
+  gpu->rmsnorm_fwd(gpu, uo, ur, us, w.g, n, c, 1e-5f, dt);
+  gpu_same_bits("add_rmsnorm_fwd sum", sum.g, us, nc, dt);
+  gpu_same_bits("add_rmsnorm_fwd out", out.g, uo, nc, dt);
+  gpu_same_bits("add_rmsnorm_fwd rstd (fp32)", rstd.g, ur, (size_t)n, DT_F32);
+  gpu->add_rmsnorm_fwd(gpu, a.g, out.g, rstd.g, a.g, y.g, w.g, n, c, 1e-5f, dt); /* sum aliasing a */
+  gpu_same_bits("add_rmsnorm_fwd sum aliasing a", a.g, us, nc, dt);
+  gpu_same_bits("add_rmsnorm_fwd out, sum aliasing a", out.g, uo, nc, dt);
+  gpu->free(gpu, us);
+  gpu->free(gpu, uo);
+  gpu->free(gpu, ur);
+  pair_free(&a);
+  pair_free(&y);
+  pair_free(&w);
+  pair_free(&sum);
+  pair_free(&out);
+  pair_free(&rstd);
+}
+
+static void test_add_rmsnorm(void **state) {
+  add_rmsnorm_case(67, 300, DT_F32);
+  add_rmsnorm_case(600, 1024, DT_F32);
+  add_rmsnorm_case(67, 300, DT_BF16);   /* c not a multiple of 8: the plain kernel */
+  add_rmsnorm_case(600, 1024, DT_BF16); /* the 8-wide kernel */
 }
 
 /* ------------------------------------------------------------------ attention */
@@ -1162,6 +1288,8 @@ int main(void) {
       cmocka_unit_test(test_cross_entropy_bf16),
       cmocka_unit_test(test_adamw_bf16),
       cmocka_unit_test(test_adamw_multi),
+      cmocka_unit_test(test_qkv_rope),
+      cmocka_unit_test(test_add_rmsnorm),
       cmocka_unit_test(test_matmul_bf16),           /* the bf16 products last: see there */
       cmocka_unit_test(test_matmul_bf16_unaligned),
   };

@@ -6,7 +6,8 @@
  * R, so dout = R), or, where the derivative is elementwise, with the analytic formula.
  * Errors are relative: max|kernel - ref| / max|ref|. Tolerances: 1e-5 for forwards (fp32
  * rounding), 1e-4 for backwards (fp32 plus O(h^2) finite-difference error), exact bits for the
- * determinism checks. Every check prints the observed error. Shapes are small and odd on
+ * determinism checks and for the fused entries (qkv_rope_*, add_rmsnorm_fwd) against the unfused
+ * calls they replace. Every check prints the observed error. Shapes are small and odd on
  * purpose (t = 67 crosses the 64-row attention block; ld > V pads the logits).
  *
  * The bf16 tests (test_bf16_*) run each kernel with DT_BF16 against the same kernel with DT_F32
@@ -432,10 +433,22 @@ static void test_attention(void **state) {
 
 /* ------------------------------------------------------------------ SwiGLU */
 
+/* ag's rows (n, 2f) from a and g (n, f each): a's row, then g's. */
+static void pack_rows(float *ag, const float *a, const float *g, int n, int f) {
+  for (int r = 0; r < n; r++) {
+    memcpy(ag + (size_t)r * 2 * f, a + (size_t)r * f, (size_t)f * sizeof(float));
+    memcpy(ag + (size_t)r * 2 * f + f, g + (size_t)r * f, (size_t)f * sizeof(float));
+  }
+}
+
 static void test_swiglu(void **state) {
-  size_t n = 20011;
+  int rows = 13, f = 1539; /* 20007 elements: threaded */
+  size_t n = (size_t)rows * f;
   float *a = frand(n, 30, 3.0), *g = frand(n, 31, 1.0), *R = frand(n, 32, 1.0), *out = malloc(n * sizeof *out);
-  be2->swiglu_fwd(be2, out, a, g, n, DT_F32);
+  float *ag = malloc(2 * n * sizeof *ag), *dag = malloc(2 * n * sizeof *dag), *da = malloc(n * sizeof *da),
+        *dg = malloc(n * sizeof *dg);
+  pack_rows(ag, a, g, rows, f);
+  be2->swiglu_fwd(be2, out, ag, rows, f, DT_F32);
   double *ref = malloc(n * sizeof *ref), *rda = malloc(n * sizeof *rda), *rdg = malloc(n * sizeof *rdg);
   double h = 1e-6;
   for (size_t i = 0; i < n; i++) {
@@ -446,17 +459,23 @@ static void test_swiglu(void **state) {
     rda[i] = R[i] * g[i] * (xp / (1.0 + exp(-xp)) - xm / (1.0 + exp(-xm))) / (2 * h);
     rdg[i] = R[i] * x * s;
   }
-  check("swiglu_fwd", max_rel(out, ref, n), FWD_TOL);
-  float *da = calloc(n, sizeof *da), *dg = calloc(n, sizeof *dg);
-  be2->swiglu_bwd(be2, da, dg, R, a, g, n, DT_F32);
-  check("swiglu_bwd da vs finite differences", max_rel(da, rda, n), BWD_TOL);
-  check("swiglu_bwd dg", max_rel(dg, rdg, n), FWD_TOL);
-  be2->swiglu_bwd(be2, da, dg, R, a, g, n, DT_F32); /* writes: a second call gives the same, not twice */
-  check("swiglu_bwd writes (called twice)", max_rel(dg, rdg, n), FWD_TOL);
+  check("swiglu_fwd (a, g packed in rows of 2f)", max_rel(out, ref, n), FWD_TOL);
+  for (int pass = 0; pass < 2; pass++) { /* writes: a second call gives the same, not twice */
+    be2->swiglu_bwd(be2, dag, R, ag, rows, f, DT_F32);
+    for (int r = 0; r < rows; r++) {
+      memcpy(da + (size_t)r * f, dag + (size_t)r * 2 * f, (size_t)f * sizeof(float));
+      memcpy(dg + (size_t)r * f, dag + (size_t)r * 2 * f + f, (size_t)f * sizeof(float));
+    }
+    check(pass ? "swiglu_bwd writes (called twice): dg" : "swiglu_bwd da vs finite differences", max_rel(da, rda, n),
+          BWD_TOL);
+    check("swiglu_bwd dg", max_rel(dg, rdg, n), FWD_TOL);
+  }
   free(a);
   free(g);
   free(R);
   free(out);
+  free(ag);
+  free(dag);
   free(ref);
   free(rda);
   free(rdg);
@@ -939,27 +958,133 @@ static void test_bf16_attention(void **state) {
 }
 
 static void test_bf16_swiglu(void **state) {
-  size_t n = 20011; /* threaded */
-  pair_t a = pair_rand(n, 110, 3.0), g = pair_rand(n, 111, 1.0), dout = pair_rand(n, 112, 1.0),
-         da = pair_rand(n, 113, 1.0), dg = pair_rand(n, 114, 1.0);
-  float *ref = fnan(n), *da_ref = fcopy(da.f, n), *dg_ref = fcopy(dg.f, n);
+  int rows = 7, f = 1429; /* 10003 of each: threaded, and no multiple of 8 */
+  size_t n = (size_t)rows * f;
+  pair_t ag = pair_rand(2 * n, 110, 3.0), dout = pair_rand(n, 112, 1.0), dag = pair_rand(2 * n, 113, 1.0);
+  float *ref = fnan(n), *dag_ref = fcopy(dag.f, 2 * n);
   bf16_t *out = hnan(n);
-  be2->swiglu_fwd(be2, ref, a.f, g.f, n, DT_F32);
-  be2->swiglu_fwd(be2, out, a.h, g.h, n, DT_BF16);
+  be2->swiglu_fwd(be2, ref, ag.f, rows, f, DT_F32);
+  be2->swiglu_fwd(be2, out, ag.h, rows, f, DT_BF16);
   check_bf16("swiglu_fwd", out, ref, n);
-  be2->swiglu_bwd(be2, da_ref, dg_ref, dout.f, a.f, g.f, n, DT_F32);
-  be2->swiglu_bwd(be2, da.h, dg.h, dout.h, a.h, g.h, n, DT_BF16);
-  check_bf16("swiglu_bwd da (written)", da.h, da_ref, n);
-  check_bf16("swiglu_bwd dg (written)", dg.h, dg_ref, n);
-  pair_free(&a);
-  pair_free(&g);
+  be2->swiglu_bwd(be2, dag_ref, dout.f, ag.f, rows, f, DT_F32);
+  be2->swiglu_bwd(be2, dag.h, dout.h, ag.h, rows, f, DT_BF16);
+  check_bf16("swiglu_bwd da, dg (written)", dag.h, dag_ref, 2 * n);
+  pair_free(&ag);
   pair_free(&dout);
-  pair_free(&da);
-  pair_free(&dg);
+  pair_free(&dag);
   free(ref);
-  free(da_ref);
-  free(dg_ref);
+  free(dag_ref);
   free(out);
+}
+
+/* ------------------------------------------------------------------ fused entries */
+
+/* Bytes of two buffers the same: prints how many elements of es bytes differ. */
+static void check_same_bits(const char *what, const void *got, const void *ref, size_t n, size_t es) {
+  size_t bad = 0;
+  for (size_t i = 0; i < n; i++)
+    bad += memcmp((const char *)got + i * es, (const char *)ref + i * es, es) != 0;
+  printf("  %-58s %zu of %zu differ (tol: same bits)\n", what, bad, n);
+  assert_true(bad == 0);
+}
+
+/* qkv_rope_fwd against the unfused path (columns copied out, rope_fwd on q and k), and
+ * qkv_rope_bwd against rope_bwd on copies packed: the same bits, in fp32 and bf16. The outputs
+ * start as NaN (written, not accumulated); dq, dk, dv must come back unchanged. */
+static void qkv_rope_case(backend_t *be, dtype_t dt, int b, int t, int h, int kv, int d, int pos) {
+  const size_t es = dtype_size(dt), rows = (size_t)b * t, HD = (size_t)h * d, KD = (size_t)kv * d,
+               W = HD + 2 * KD;
+  pair_t qkv = pair_rand(rows * W, 120, 1.0), g = pair_rand(rows * W, 121, 1.0);
+  const void *src = dt == DT_F32 ? (void *)qkv.f : (void *)qkv.h, *gsrc = dt == DT_F32 ? (void *)g.f : (void *)g.h;
+  char *q = malloc(rows * HD * es), *k = malloc(rows * KD * es), *v = malloc(rows * KD * es);
+  char *rq = malloc(rows * HD * es), *rk = malloc(rows * KD * es), *rv = malloc(rows * KD * es);
+  char *out = malloc(rows * W * es), *ref = malloc(rows * W * es);
+  memset(q, 0xff, rows * HD * es);
+  memset(k, 0xff, rows * KD * es);
+  memset(v, 0xff, rows * KD * es);
+  be->copy_2d(be, rq, (int)HD, src, (int)W, (int)rows, (int)HD, dt);
+  be->copy_2d(be, rk, (int)KD, (const char *)src + HD * es, (int)W, (int)rows, (int)KD, dt);
+  be->copy_2d(be, rv, (int)KD, (const char *)src + (HD + KD) * es, (int)W, (int)rows, (int)KD, dt);
+  be->rope_fwd(be, rq, b, t, h, d, pos, 10000.0f, dt);
+  be->rope_fwd(be, rk, b, t, kv, d, pos, 10000.0f, dt);
+  be->qkv_rope_fwd(be, q, k, v, src, b, t, h, kv, d, pos, 10000.0f, dt);
+  char what[128];
+  snprintf(what, sizeof what, "qkv_rope_fwd %s b=%d t=%d h=%d kv=%d d=%d: q", dtype_name(dt), b, t, h, kv, d);
+  check_same_bits(what, q, rq, rows * HD, es);
+  check_same_bits("  k", k, rk, rows * KD, es);
+  check_same_bits("  v", v, rv, rows * KD, es);
+  /* backward: the gradient's q, k, v columns as the inputs, the reference rotated in place */
+  be->copy_2d(be, q, (int)HD, gsrc, (int)W, (int)rows, (int)HD, dt);
+  be->copy_2d(be, k, (int)KD, (const char *)gsrc + HD * es, (int)W, (int)rows, (int)KD, dt);
+  be->copy_2d(be, v, (int)KD, (const char *)gsrc + (HD + KD) * es, (int)W, (int)rows, (int)KD, dt);
+  memcpy(rq, q, rows * HD * es);
+  memcpy(rk, k, rows * KD * es);
+  be->rope_bwd(be, rq, b, t, h, d, pos, 10000.0f, dt);
+  be->rope_bwd(be, rk, b, t, kv, d, pos, 10000.0f, dt);
+  be->copy_2d(be, ref, (int)W, rq, (int)HD, (int)rows, (int)HD, dt);
+  be->copy_2d(be, ref + HD * es, (int)W, rk, (int)KD, (int)rows, (int)KD, dt);
+  be->copy_2d(be, ref + (HD + KD) * es, (int)W, v, (int)KD, (int)rows, (int)KD, dt);
+  memset(out, 0xff, rows * W * es);
+  be->qkv_rope_bwd(be, out, q, k, v, b, t, h, kv, d, pos, 10000.0f, dt);
+  check_same_bits("qkv_rope_bwd dqkv (written)", out, ref, rows * W, es);
+  check_same_bits("  dq unchanged (row 0)", q, gsrc, HD, es);
+  check_same_bits("  dv unchanged (row 0)", v, (const char *)gsrc + (HD + KD) * es, KD, es);
+  pair_free(&qkv);
+  pair_free(&g);
+  free(q);
+  free(k);
+  free(v);
+  free(rq);
+  free(rk);
+  free(rv);
+  free(out);
+  free(ref);
+}
+
+static void test_qkv_rope(void **state) {
+  qkv_rope_case(be2, DT_F32, 2, 67, 4, 2, 32, 0); /* GQA, threaded */
+  qkv_rope_case(be1, DT_F32, 1, 5, 3, 3, 6, 3);   /* MHA, a position offset (KV-cache decoding) */
+  qkv_rope_case(be2, DT_BF16, 2, 67, 4, 2, 32, 0);
+  qkv_rope_case(be1, DT_BF16, 1, 1, 2, 1, 4, 9); /* one row at position 9 */
+}
+
+/* add_rmsnorm_fwd against add then rmsnorm_fwd: the same bits (sum, out, rstd), with sum apart
+ * and with sum aliasing a (x_mid over the residual it adds to, as the model may call it). */
+static void add_rmsnorm_case(backend_t *be, dtype_t dt, int n, int c) {
+  const size_t es = dtype_size(dt), nc = (size_t)n * c;
+  pair_t a = pair_rand(nc, 130, 1.0), y = pair_rand(nc, 131, 1.0), w = pair_rand((size_t)c, 132, 1.0);
+  const void *pa = dt == DT_F32 ? (void *)a.f : (void *)a.h, *py = dt == DT_F32 ? (void *)y.f : (void *)y.h,
+             *pw = dt == DT_F32 ? (void *)w.f : (void *)w.h;
+  char *sum = malloc(nc * es), *out = malloc(nc * es), *rsum = malloc(nc * es), *rout = malloc(nc * es);
+  float *rstd = fnan((size_t)n), *rrstd = fnan((size_t)n);
+  be->add(be, rsum, pa, py, nc, dt);
+  be->rmsnorm_fwd(be, rout, rrstd, rsum, pw, n, c, 1e-5f, dt);
+  be->add_rmsnorm_fwd(be, sum, out, rstd, pa, py, pw, n, c, 1e-5f, dt);
+  char what[128];
+  snprintf(what, sizeof what, "add_rmsnorm_fwd %s n=%d c=%d: sum", dtype_name(dt), n, c);
+  check_same_bits(what, sum, rsum, nc, es);
+  check_same_bits("  out", out, rout, nc, es);
+  check_same_bits("  rstd (fp32)", rstd, rrstd, (size_t)n, sizeof(float));
+  memcpy(sum, pa, nc * es); /* sum aliasing a */
+  be->add_rmsnorm_fwd(be, sum, out, rstd, sum, py, pw, n, c, 1e-5f, dt);
+  check_same_bits("  sum aliasing a: sum", sum, rsum, nc, es);
+  check_same_bits("  sum aliasing a: out", out, rout, nc, es);
+  pair_free(&a);
+  pair_free(&y);
+  pair_free(&w);
+  free(sum);
+  free(out);
+  free(rsum);
+  free(rout);
+  free(rstd);
+  free(rrstd);
+}
+
+static void test_add_rmsnorm(void **state) {
+  add_rmsnorm_case(be1, DT_F32, 13, 37);
+  add_rmsnorm_case(be2, DT_F32, 64, 300); /* threaded */
+  add_rmsnorm_case(be1, DT_BF16, 13, 37);
+  add_rmsnorm_case(be2, DT_BF16, 64, 300);
 }
 
 static void bf16_ce_case(int n, int v, int ld) {
@@ -1251,6 +1376,7 @@ int main(void) {
       cmocka_unit_test(test_bf16_swiglu),    cmocka_unit_test(test_bf16_cross_entropy),
       cmocka_unit_test(test_bf16_copy_2d),   cmocka_unit_test(test_bf16_ce_shard),
       cmocka_unit_test(test_bf16_adamw),     cmocka_unit_test(test_bf16_adamw_multi),
+      cmocka_unit_test(test_qkv_rope),       cmocka_unit_test(test_add_rmsnorm),
   };
   return cmocka_run_group_tests_name("backend_cpu", tests, setup, teardown);
 }

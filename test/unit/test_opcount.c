@@ -22,12 +22,14 @@ enum { HOST_SYNC_BUDGET = 2 };
 /* llm.c's GPT-2 layer on an H100 (train_gpt2.cu: cuDNN attention, GELU in the FC matmul's
  * epilogue, residual add fused with the next norm) launches 7 kernels forward and 15 backward
  * (3 per linear: bias, input and weight gradients; attention; two norms): 22. The same layer in
- * Llama's shape: no biases (-4 bias reductions), grouped-query attention with K and V as their
- * own products beside Q (+2 forward, +4 backward), RoPE on q and k (+2, +2), and SwiGLU's third
- * matrix W3 (+1, +2) and its gate, which no cuBLASLt epilogue computes (+1, +1): 22 - 4 + 6 + 4
- * + 5 = 33. llm.c's AdamW is one launch over every parameter, so a layer adds no optimizer
- * launch. (One product for Q||K||V and one for W1||W3 would make it 24: the budget to set then.) */
-enum { LAYER_KERNEL_BUDGET = 33 };
+ * Llama's shape, as the model runs it: no biases (-4 bias reductions); Q||K||V one product and
+ * W1||W3 one product, as GPT-2's c_attn and c_fc are (+0); RoPE on q and k, applied by the
+ * kernel that splits the product into q, k, v, and undone by the one that packs their gradients
+ * (+1, +1); SwiGLU's gate, which no cuBLASLt epilogue computes (+1, +1); the residual adds folded
+ * into the rowwise products (beta 1; a separate add, fused with the norm after it, only under
+ * tensor parallelism) (+0): 22 - 4 + 2 + 2 = 22, 9 forward and 13 backward. llm.c's AdamW is one
+ * launch over every parameter, so a layer adds no optimizer launch. */
+enum { LAYER_KERNEL_BUDGET = 22 };
 
 typedef struct {
   opcount_t step;  /* the last of the steps run */

@@ -21,7 +21,9 @@
  * - Shapes in comments use N = B*T rows, C = model dim, H = heads, KV = kv heads, D = head dim,
  *   V = vocab (local shard under tensor parallelism), F = hidden dim of the feed-forward.
  * - Backward kernels ACCUMULATE into every gradient they produce (dx +=, dw +=), as llm.c does:
- *   callers zero gradient buffers once per step. The one exception, rope_bwd, works in place.
+ *   callers zero gradient buffers once per step. The exceptions say so: rope_bwd works in place;
+ *   a gradient with one producer is WRITTEN by it (attention_bwd, qkv_rope_bwd, swiglu_bwd), so
+ *   that no buffer is zeroed to be added into once.
  *   A bf16 accumulation widens the old value, adds in fp32 and rounds once.
  * - With dt = DT_F32 every kernel computes exactly what it computed before dtypes existed
  *   (the same bits).
@@ -123,11 +125,30 @@ struct backend {
   void (*rmsnorm_bwd)(backend_t *be, void *dx, float *dw, const void *dout, const void *x, const void *w,
                       const float *rstd, int n, int c, dtype_t dt);
 
+  /* Residual add and RMSNorm in one pass (a sharded rowwise product's residual add, which the norm
+   * after it reads): sum(N,C) = a + b, rounded to dt and stored, then out and rstd as rmsnorm_fwd
+   * computes them from the stored sum: the bits of add followed by rmsnorm_fwd. sum may alias a;
+   * out aliases nothing. */
+  void (*add_rmsnorm_fwd)(backend_t *be, void *sum, void *out, float *rstd, const void *a, const void *b,
+                          const void *w, int n, int c, float eps, dtype_t dt);
+
   /* --- RoPE, in place on x (B,T,H,D). Adjacent pairs (2i, 2i+1) of each head rotate by
    * angle pos * theta^(-2i/D), pos = pos_offset + t (Meta's layout, as llama2.c checkpoints).
    * rope_bwd rotates a gradient back (by -angle), in place. */
   void (*rope_fwd)(backend_t *be, void *x, int b, int t, int h, int d, int pos_offset, float theta, dtype_t dt);
   void (*rope_bwd)(backend_t *be, void *dx, int b, int t, int h, int d, int pos_offset, float theta, dtype_t dt);
+
+  /* --- Q, K and V of one product (the fused linear of the adjacent wq, wk, wv) and back.
+   * qkv (B*T rows, (H + 2 KV) D) holds each row's q (H*D), k (KV*D) and v (KV*D) side by side.
+   * qkv_rope_fwd WRITES q (B,T,H,D) and k (B,T,KV,D) rotated as rope_fwd rotates them, and v
+   * (B,T,KV,D) copied; qkv_rope_bwd WRITES the B*T rows of dqkv from dq and dk rotated back as
+   * rope_bwd rotates them and dv copied (dq, dk, dv are only read). The arithmetic of rope_fwd
+   * and rope_bwd on the separate tensors, element for element: the same bits. No output
+   * overlaps an input. */
+  void (*qkv_rope_fwd)(backend_t *be, void *q, void *k, void *v, const void *qkv, int b, int t, int h, int kv,
+                       int d, int pos_offset, float theta, dtype_t dt);
+  void (*qkv_rope_bwd)(backend_t *be, void *dqkv, const void *dq, const void *dk, const void *dv, int b, int t,
+                       int h, int kv, int d, int pos_offset, float theta, dtype_t dt);
 
   /* --- causal attention with grouped-query heads, scale 1/sqrt(D).
    * q (B,T,H,D), k and v (B,T,KV,D), out (B,T,H,D); head h uses kv head h / (H/KV).
@@ -162,11 +183,12 @@ struct backend {
                               const void *k, const void *v, const void *out, const float *lse, int b, int tq, int tk,
                               int h, int kv, int d, long q_pos, long k_pos, dtype_t dt);
 
-  /* --- SwiGLU. out(N,F) = silu(a) * g, with a = x W1^T and g = x W3^T. The backward WRITES da
-   * and dg (their one producer; an exception to the accumulate rule, like attention_bwd). */
-  void (*swiglu_fwd)(backend_t *be, void *out, const void *a, const void *g, size_t n, dtype_t dt);
-  void (*swiglu_bwd)(backend_t *be, void *da, void *dg, const void *dout, const void *a, const void *g, size_t n,
-                     dtype_t dt);
+  /* --- SwiGLU over rows of one product of the adjacent w1, w3: ag (N, 2F) holds each row's
+   * a = x W1^T (F) and g = x W3^T (F) side by side; out (N,F) = silu(a) * g. The backward WRITES
+   * dag (N, 2F), da and dg side by side as a and g are (their one producer; an exception to the
+   * accumulate rule, like attention_bwd). */
+  void (*swiglu_fwd)(backend_t *be, void *out, const void *ag, int n, int f, dtype_t dt);
+  void (*swiglu_bwd)(backend_t *be, void *dag, const void *dout, const void *ag, int n, int f, dtype_t dt);
 
   /* --- softmax cross-entropy, fused forward and backward.
    * logits (N, ld) dt with V valid columns (ld >= V: columns past V are padding and ignored).

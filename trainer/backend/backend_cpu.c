@@ -538,6 +538,14 @@ static void cpu_rmsnorm_bwd(backend_t *be, void *dx, float *dw, const void *dout
   narrow(cp, dx, s[0], nc);
 }
 
+/* The add and the norm as the two entries compute them, one after the other: the same bits by
+ * construction (one pass over memory matters on a device, not here). */
+static void cpu_add_rmsnorm_fwd(backend_t *be, void *sum, void *out, float *rstd, const void *a, const void *b,
+                                const void *w, int n, int c, float eps, dtype_t dt) {
+  cpu_add(be, sum, a, b, (size_t)n * c, dt);
+  cpu_rmsnorm_fwd(be, out, rstd, sum, w, n, c, eps, dt);
+}
+
 /* ------------------------------------------------------------------ RoPE */
 
 /* Returns 0 or -1 when the table cannot be allocated. Angles are computed in double and
@@ -622,6 +630,80 @@ static void cpu_rope_fwd(backend_t *be, void *x, int b, int t, int h, int d, int
 }
 static void cpu_rope_bwd(backend_t *be, void *dx, int b, int t, int h, int d, int pos_offset, float theta, dtype_t dt) {
   rope_dt(be, dx, b, t, h, d, pos_offset, theta, -1.0f, dt);
+}
+
+/* ------------------------------------------------------------------ Q, K, V of one product */
+
+/* Element i of a dt buffer widened to fp32, and a value stored rounded to dt. */
+static inline float load_dt(const void *p, size_t i, dtype_t dt) {
+  return dt == DT_F32 ? ((const float *)p)[i] : bf16_to_f32(((const bf16_t *)p)[i]);
+}
+static inline void store_dt(void *p, size_t i, float v, dtype_t dt) {
+  if (dt == DT_F32) ((float *)p)[i] = v;
+  else ((bf16_t *)p)[i] = bf16_from_f32(v);
+}
+
+/* nh heads of one row from src (from element so) to dst (from do_), each pair rotated by the
+ * row's angles (cr, sr) times sign as rope_apply rotates it, or copied when cr is NULL (v). */
+static void qkv_heads(void *dst, size_t do_, const void *src, size_t so, int nh, int d, const float *cr,
+                      const float *sr, float sign, dtype_t dt) {
+  for (int hh = 0; hh < nh; hh++)
+    for (int i = 0; i < d / 2; i++) {
+      size_t s0 = so + (size_t)hh * d + 2 * i, d0 = do_ + (size_t)hh * d + 2 * i;
+      float x0 = load_dt(src, s0, dt), x1 = load_dt(src, s0 + 1, dt);
+      if (cr) {
+        float c = cr[i], s = sign * sr[i];
+        store_dt(dst, d0, x0 * c - x1 * s, dt);
+        store_dt(dst, d0 + 1, x0 * s + x1 * c, dt);
+      } else {
+        store_dt(dst, d0, x0, dt);
+        store_dt(dst, d0 + 1, x1, dt);
+      }
+    }
+}
+
+/* Rows of qkv <-> q, k, v (to_packed: toward qkv), q and k rotated by sign * angle. Widening a
+ * bf16 element, rotating in fp32 and rounding once is what rope_dt does over a whole tensor. */
+static void qkv_rope(backend_t *be, void *qkv, void *q, void *k, void *v, int b, int t, int h, int kv, int d,
+                     int pos_offset, float theta, float sign, int to_packed, dtype_t dt) {
+  cpu_t *cp = cpu_of(be);
+  const size_t rows = (size_t)b * t, HD = (size_t)h * d, KD = (size_t)kv * d, W = HD + 2 * KD;
+  if (rope_table(cp, t, d, pos_offset, theta) != 0) {
+    fprintf(stderr, "backend cpu: out of memory for the RoPE table (t=%d d=%d); output set to NaN\n", t, d);
+    void *outs[3] = {q, k, v};
+    size_t ns[3] = {rows * HD, rows * KD, rows * KD};
+    for (int i = 0; i < (to_packed ? 1 : 3); i++) {
+      void *o = to_packed ? qkv : outs[i];
+      size_t no = to_packed ? rows * W : ns[i];
+      if (dt == DT_F32) fill_nan(o, no);
+      else fill_nan_bf16(o, no);
+    }
+    return;
+  }
+  const int half = d / 2, nt = cp->threads;
+#pragma omp parallel for num_threads(nt) schedule(static) if (rows * W > PAR_MIN)
+  for (size_t r = 0; r < rows; r++) {
+    const float *cr = cp->rope_cos + (r % (size_t)t) * half, *sr = cp->rope_sin + (r % (size_t)t) * half;
+    void *part[3] = {q, k, v};
+    const size_t width[3] = {HD, KD, KD}, col[3] = {0, HD, HD + KD};
+    const int heads[3] = {h, kv, kv};
+    for (int i = 0; i < 3; i++) {
+      const float *c = i < 2 ? cr : NULL;
+      if (to_packed)
+        qkv_heads(qkv, r * W + col[i], part[i], r * width[i], heads[i], d, c, sr, sign, dt);
+      else
+        qkv_heads(part[i], r * width[i], qkv, r * W + col[i], heads[i], d, c, sr, sign, dt);
+    }
+  }
+}
+
+static void cpu_qkv_rope_fwd(backend_t *be, void *q, void *k, void *v, const void *qkv, int b, int t, int h, int kv,
+                             int d, int pos_offset, float theta, dtype_t dt) {
+  qkv_rope(be, (void *)qkv, q, k, v, b, t, h, kv, d, pos_offset, theta, 1.0f, 0, dt);
+}
+static void cpu_qkv_rope_bwd(backend_t *be, void *dqkv, const void *dq, const void *dk, const void *dv, int b, int t,
+                             int h, int kv, int d, int pos_offset, float theta, dtype_t dt) {
+  qkv_rope(be, dqkv, (void *)dq, (void *)dk, (void *)dv, b, t, h, kv, d, pos_offset, theta, -1.0f, 1, dt);
 }
 
 /* ------------------------------------------------------------------ attention */
@@ -925,63 +1007,70 @@ static void cpu_attention_bwd_block(backend_t *be, float *dq, float *dk, float *
 
 /* ------------------------------------------------------------------ SwiGLU */
 
-static void swiglu_fwd_f32(backend_t *be, float *out, const float *a, const float *g, size_t n) {
+/* Rows of ag hold a then g (f each); rows in parallel, each a loop GCC vectorizes. */
+static void swiglu_fwd_f32(backend_t *be, float *out, const float *ag, int n, int f) {
   int nt = cpu_of(be)->threads;
-#pragma omp parallel for num_threads(nt) schedule(static) if (n > PAR_MIN)
-  for (size_t i = 0; i < n; i++) {
-    float x = a[i];
-    out[i] = x / (1.0f + vexpf(-x)) * g[i];
+  const size_t F = (size_t)f;
+#pragma omp parallel for num_threads(nt) schedule(static) if ((size_t)n * F > PAR_MIN)
+  for (int r = 0; r < n; r++) {
+    const float *a = ag + (size_t)r * 2 * F, *g = a + F;
+    float *o = out + (size_t)r * F;
+    for (size_t j = 0; j < F; j++) {
+      float x = a[j];
+      o[j] = x / (1.0f + vexpf(-x)) * g[j];
+    }
   }
 }
 
-/* silu(a) = a s, s = sigmoid(a); silu'(a) = s (1 + a (1 - s)). */
-static void swiglu_bwd_f32(backend_t *be, float *da, float *dg, const float *dout, const float *a, const float *g,
-                           size_t n) {
+/* silu(a) = a s, s = sigmoid(a); silu'(a) = s (1 + a (1 - s)). dag's rows as ag's. */
+static void swiglu_bwd_f32(backend_t *be, float *dag, const float *dout, const float *ag, int n, int f) {
   int nt = cpu_of(be)->threads;
-#pragma omp parallel for num_threads(nt) schedule(static) if (n > PAR_MIN)
-  for (size_t i = 0; i < n; i++) {
-    float x = a[i], s = 1.0f / (1.0f + vexpf(-x)), d = dout[i];
-    da[i] = 0.0f + d * g[i] * s * (1.0f + x * (1.0f - s)); /* written; 0 + keeps the bits of += on zeros */
-    dg[i] = 0.0f + d * x * s;
+  const size_t F = (size_t)f;
+#pragma omp parallel for num_threads(nt) schedule(static) if ((size_t)n * F > PAR_MIN)
+  for (int r = 0; r < n; r++) {
+    const float *a = ag + (size_t)r * 2 * F, *g = a + F, *dr = dout + (size_t)r * F;
+    float *da = dag + (size_t)r * 2 * F, *dg = da + F;
+    for (size_t j = 0; j < F; j++) {
+      float x = a[j], s = 1.0f / (1.0f + vexpf(-x)), d = dr[j];
+      da[j] = 0.0f + d * g[j] * s * (1.0f + x * (1.0f - s)); /* written; 0 + keeps the bits of += on zeros */
+      dg[j] = 0.0f + d * x * s;
+    }
   }
 }
 
-static void cpu_swiglu_fwd(backend_t *be, void *out, const void *a, const void *g, size_t n, dtype_t dt) {
+static void cpu_swiglu_fwd(backend_t *be, void *out, const void *ag, int n, int f, dtype_t dt) {
   if (dt == DT_F32) {
-    swiglu_fwd_f32(be, out, a, g, n);
+    swiglu_fwd_f32(be, out, ag, n, f);
     return;
   }
   cpu_t *cp = cpu_of(be);
-  float *s[3]; /* a, g, out */
-  if (wide_bufs(cp, 3, (size_t[]){n, n, n}, s) != 0) {
-    fill_nan_bf16(out, n);
+  const size_t nf = (size_t)n * f;
+  float *s[2]; /* ag, out */
+  if (wide_bufs(cp, 2, (size_t[]){2 * nf, nf}, s) != 0) {
+    fill_nan_bf16(out, nf);
     return;
   }
-  widen(cp, s[0], a, n);
-  widen(cp, s[1], g, n);
-  swiglu_fwd_f32(be, s[2], s[0], s[1], n);
-  narrow(cp, out, s[2], n);
+  widen(cp, s[0], ag, 2 * nf);
+  swiglu_fwd_f32(be, s[1], s[0], n, f);
+  narrow(cp, out, s[1], nf);
 }
 
-static void cpu_swiglu_bwd(backend_t *be, void *da, void *dg, const void *dout, const void *a, const void *g, size_t n,
-                           dtype_t dt) {
+static void cpu_swiglu_bwd(backend_t *be, void *dag, const void *dout, const void *ag, int n, int f, dtype_t dt) {
   if (dt == DT_F32) {
-    swiglu_bwd_f32(be, da, dg, dout, a, g, n);
+    swiglu_bwd_f32(be, dag, dout, ag, n, f);
     return;
   }
   cpu_t *cp = cpu_of(be);
-  float *s[5]; /* da, dg (written by the kernel), dout, a, g */
-  if (wide_bufs(cp, 5, (size_t[]){n, n, n, n, n}, s) != 0) {
-    fill_nan_bf16(da, n);
-    fill_nan_bf16(dg, n);
+  const size_t nf = (size_t)n * f;
+  float *s[3]; /* dag (written by the kernel), dout, ag */
+  if (wide_bufs(cp, 3, (size_t[]){2 * nf, nf, 2 * nf}, s) != 0) {
+    fill_nan_bf16(dag, 2 * nf);
     return;
   }
-  widen(cp, s[2], dout, n);
-  widen(cp, s[3], a, n);
-  widen(cp, s[4], g, n);
-  swiglu_bwd_f32(be, s[0], s[1], s[2], s[3], s[4], n);
-  narrow(cp, da, s[0], n);
-  narrow(cp, dg, s[1], n);
+  widen(cp, s[1], dout, nf);
+  widen(cp, s[2], ag, 2 * nf);
+  swiglu_bwd_f32(be, s[0], s[1], s[2], n, f);
+  narrow(cp, dag, s[0], 2 * nf);
 }
 
 /* ------------------------------------------------------------------ cross-entropy */
@@ -1249,8 +1338,11 @@ backend_t *backend_cpu_create(int threads, char *err, size_t errlen) {
   be->embedding_bwd = cpu_embedding_bwd;
   be->rmsnorm_fwd = cpu_rmsnorm_fwd;
   be->rmsnorm_bwd = cpu_rmsnorm_bwd;
+  be->add_rmsnorm_fwd = cpu_add_rmsnorm_fwd;
   be->rope_fwd = cpu_rope_fwd;
   be->rope_bwd = cpu_rope_bwd;
+  be->qkv_rope_fwd = cpu_qkv_rope_fwd;
+  be->qkv_rope_bwd = cpu_qkv_rope_bwd;
   be->attention_fwd = cpu_attention_fwd;
   be->attention_bwd = cpu_attention_bwd;
   be->attention_fwd_block = cpu_attention_fwd_block;

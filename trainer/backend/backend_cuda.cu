@@ -659,20 +659,28 @@ static void cu_embedding_bwd(backend_t *be, float *dtable, const void *dout, con
 
 /* ------------------------------------------------------------------ RMSNorm */
 
+/* With y (add_rmsnorm_fwd), the row is x + y: add_kernel's sum, stored in sum first, and the
+ * second pass reads it back (each thread its own columns; sum may alias x). */
 template <typename T>
-__global__ void rmsnorm_fwd_kernel(T *out, float *rstd, const T *x, const T *w, int c, float eps) {
+__global__ void rmsnorm_fwd_kernel(T *out, float *rstd, const T *x, const T *w, int c, float eps, const T *y, T *sum) {
   __shared__ float sh[32];
   int i = blockIdx.x;
   const T *xi = x + (size_t)i * c;
   T *oi = out + (size_t)i * c;
   float ss = 0.0f;
   for (int j = threadIdx.x; j < c; j += blockDim.x) {
-    float xv = widen(xi[j]);
+    T xs = xi[j];
+    if (y) {
+      xs = narrow<T>(widen(xs) + widen(y[(size_t)i * c + j]));
+      sum[(size_t)i * c + j] = xs;
+    }
+    float xv = widen(xs);
     ss += xv * xv;
   }
   ss = block_sum(ss, sh);
   float r = 1.0f / sqrtf(ss / (float)c + eps);
   if (threadIdx.x == 0) rstd[i] = r;
+  if (y) xi = sum + (size_t)i * c;
   for (int j = threadIdx.x; j < c; j += blockDim.x) oi[j] = narrow<T>(widen(xi[j]) * r * widen(w[j]));
 }
 
@@ -711,7 +719,8 @@ __global__ void rmsnorm_dw_kernel(float *dw, const float *part, int g, int c) {
 /* bf16 rows of c = 8 c8 elements, 16-byte aligned: the forward above, 8 columns per load. (An
  * 8-wide backward ran slower on an H200, 159 us against 123 for 8192 x 2048, its partial dw rows
  * updated 32 bytes apart by neighbouring threads; docs/gpu.md says what would fix it.) */
-__global__ void rmsnorm_fwd_x8_kernel(uint4 *out, float *rstd, const uint4 *x, const uint4 *w, int c8, float eps) {
+__global__ void rmsnorm_fwd_x8_kernel(uint4 *out, float *rstd, const uint4 *x, const uint4 *w, int c8, float eps,
+                                      const uint4 *y, uint4 *sum) {
   __shared__ float sh[32];
   int i = blockIdx.x;
   const uint4 *xi = x + (size_t)i * c8;
@@ -720,6 +729,13 @@ __global__ void rmsnorm_fwd_x8_kernel(uint4 *out, float *rstd, const uint4 *x, c
   for (int j = threadIdx.x; j < c8; j += blockDim.x) {
     bf16x8_t v;
     v.u = xi[j];
+    if (y) {
+      bf16x8_t yv;
+      yv.u = y[(size_t)i * c8 + j];
+#pragma unroll
+      for (int k = 0; k < 8; k++) v.h[k] = narrow<nv_bfloat16>(widen(v.h[k]) + widen(yv.h[k]));
+      sum[(size_t)i * c8 + j] = v.u;
+    }
 #pragma unroll
     for (int k = 0; k < 8; k++) {
       float xv = widen(v.h[k]);
@@ -729,6 +745,7 @@ __global__ void rmsnorm_fwd_x8_kernel(uint4 *out, float *rstd, const uint4 *x, c
   ss = block_sum(ss, sh);
   float r = 1.0f / sqrtf(ss / (float)(8 * c8) + eps);
   if (threadIdx.x == 0) rstd[i] = r;
+  if (y) xi = sum + (size_t)i * c8;
   for (int j = threadIdx.x; j < c8; j += blockDim.x) {
     bf16x8_t v, wv, o;
     v.u = xi[j];
@@ -752,18 +769,40 @@ static int rms_threads(int c) {
   return t;
 }
 
-static void cu_rmsnorm_fwd(backend_t *be, void *out, float *rstd, const void *x, const void *w, int n, int c, float eps,
-                           dtype_t dt) {
+/* rmsnorm_fwd, or with y add_rmsnorm_fwd (sum = x + y first). The 8-wide kernel where out, the
+ * normed rows (x, or sum with y) and w are aligned, so that add_rmsnorm_fwd takes the kernel
+ * rmsnorm_fwd would take on sum (the same bits as the two calls); x or y unaligned then takes
+ * the two calls. */
+static void rmsnorm_launch(backend_t *be, void *out, float *rstd, const void *x, const void *w, int n, int c, float eps,
+                           const void *y, void *sum, dtype_t dt) {
   if (n <= 0 || c <= 0) return;
-  if (dt == DT_BF16 && c % 8 == 0 && aligned16(out) && aligned16(x) && aligned16(w)) {
-    rmsnorm_fwd_x8_kernel<<<n, rms_threads_x8(c / 8), 0, cuda_of(be)->stream>>>(
-        (uint4 *)out, rstd, (const uint4 *)x, (const uint4 *)w, c / 8, eps);
+  cudaStream_t st = cuda_of(be)->stream;
+  if (dt == DT_BF16 && c % 8 == 0 && aligned16(out) && aligned16(y ? sum : x) && aligned16(w)) {
+    if (y && !(aligned16(x) && aligned16(y))) {
+      cu_add(be, sum, x, y, (size_t)n * c, dt);
+      rmsnorm_launch(be, out, rstd, sum, w, n, c, eps, NULL, NULL, dt);
+      return;
+    }
+    rmsnorm_fwd_x8_kernel<<<n, rms_threads_x8(c / 8), 0, st>>>((uint4 *)out, rstd, (const uint4 *)x,
+                                                               (const uint4 *)w, c / 8, eps, (const uint4 *)y,
+                                                               (uint4 *)sum);
     LAUNCH_CHECK("rmsnorm_fwd_x8_kernel");
     return;
   }
-  DT_DISPATCH(dt, rmsnorm_fwd_kernel<T><<<n, rms_threads(c), 0, cuda_of(be)->stream>>>((T *)out, rstd, (const T *)x,
-                                                                                      (const T *)w, c, eps));
+  DT_DISPATCH(dt, rmsnorm_fwd_kernel<T><<<n, rms_threads(c), 0, st>>>((T *)out, rstd, (const T *)x, (const T *)w, c,
+                                                                     eps, (const T *)y, (T *)sum));
   LAUNCH_CHECK("rmsnorm_fwd_kernel");
+}
+
+static void cu_rmsnorm_fwd(backend_t *be, void *out, float *rstd, const void *x, const void *w, int n, int c, float eps,
+                           dtype_t dt) {
+  rmsnorm_launch(be, out, rstd, x, w, n, c, eps, NULL, NULL, dt);
+}
+
+/* Residual add and RMSNorm (backend.h) in one pass: rmsnorm_fwd's kernels over the sum. */
+static void cu_add_rmsnorm_fwd(backend_t *be, void *sum, void *out, float *rstd, const void *a, const void *b,
+                               const void *w, int n, int c, float eps, dtype_t dt) {
+  rmsnorm_launch(be, out, rstd, a, w, n, c, eps, b, sum, dt);
 }
 
 static void cu_rmsnorm_bwd(backend_t *be, void *dx, float *dw, const void *dout, const void *x, const void *w,
@@ -811,6 +850,18 @@ __global__ void rope_kernel(T *x, const float *cs, const float *sn, size_t pairs
   }
 }
 
+/* Four pairs of one head (8 bf16 values) rotated by the angles from cr, sr (times sign), with
+ * rope_kernel's arithmetic. */
+__device__ __forceinline__ void rope_rotate8(bf16x8_t &xv, const float *cr, const float *sr, float sign) {
+#pragma unroll
+  for (int q = 0; q < 4; q++) {
+    float c = cr[q], s = sign * sr[q];
+    float x0 = widen(xv.h[2 * q]), x1 = widen(xv.h[2 * q + 1]);
+    xv.h[2 * q] = narrow<nv_bfloat16>(__fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s)));
+    xv.h[2 * q + 1] = narrow<nv_bfloat16>(__fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c)));
+  }
+}
+
 /* bf16 with d a multiple of 8: four pairs of one head per 16-byte load, the same arithmetic. */
 __global__ void rope_x8_kernel(uint4 *x, const float *cs, const float *sn, size_t n8, int t, int h, int d, int half,
                                float sign) {
@@ -819,22 +870,15 @@ __global__ void rope_x8_kernel(uint4 *x, const float *cs, const float *sn, size_
     int i0 = (int)(e % d) / 2, p = (int)((rest / h) % t);
     bf16x8_t xv;
     xv.u = x[v];
-#pragma unroll
-    for (int q = 0; q < 4; q++) {
-      float c = cs[(size_t)p * half + i0 + q], s = sign * sn[(size_t)p * half + i0 + q];
-      float x0 = widen(xv.h[2 * q]), x1 = widen(xv.h[2 * q + 1]);
-      xv.h[2 * q] = narrow<nv_bfloat16>(__fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s)));
-      xv.h[2 * q + 1] = narrow<nv_bfloat16>(__fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c)));
-    }
+    rope_rotate8(xv, cs + (size_t)p * half + i0, sn + (size_t)p * half + i0, sign);
     x[v] = xv.u;
   }
 }
 
-static void rope_apply(backend_t *be, void *x, int b, int t, int h, int d, int pos_offset, float theta, float sign,
-                       dtype_t dt) {
+/* The (t, d/2) cos table then the sin table, from the cache or made now. */
+static const float *rope_cs(backend_t *be, int t, int d, int pos_offset, float theta) {
   cuda_t *cu = cuda_of(be);
   int half = d / 2;
-  if (b <= 0 || t <= 0 || h <= 0 || half <= 0) return;
   if (!(cu->rope_valid && cu->rope_t == t && cu->rope_d == d && cu->rope_offset == pos_offset &&
         cu->rope_theta == theta)) {
     float *tab = (float *)scratch_get(cu, &cu->rope, 2 * (size_t)t * half * sizeof(float));
@@ -844,7 +888,15 @@ static void rope_apply(backend_t *be, void *x, int b, int t, int h, int d, int p
     LAUNCH_CHECK("rope_table_kernel");
     cu->rope_t = t, cu->rope_d = d, cu->rope_offset = pos_offset, cu->rope_theta = theta, cu->rope_valid = 1;
   }
-  const float *cs = (const float *)cu->rope.p, *sn = cs + (size_t)t * half;
+  return (const float *)cu->rope.p;
+}
+
+static void rope_apply(backend_t *be, void *x, int b, int t, int h, int d, int pos_offset, float theta, float sign,
+                       dtype_t dt) {
+  cuda_t *cu = cuda_of(be);
+  int half = d / 2;
+  if (b <= 0 || t <= 0 || h <= 0 || half <= 0) return;
+  const float *cs = rope_cs(be, t, d, pos_offset, theta), *sn = cs + (size_t)t * half;
   size_t pairs = (size_t)b * t * h * half;
   if (dt == DT_BF16 && d % 8 == 0 && aligned16(x)) {
     size_t n8 = pairs / 4;
@@ -862,6 +914,91 @@ static void cu_rope_fwd(backend_t *be, void *x, int b, int t, int h, int d, int 
 }
 static void cu_rope_bwd(backend_t *be, void *dx, int b, int t, int h, int d, int pos_offset, float theta, dtype_t dt) {
   rope_apply(be, dx, b, t, h, d, pos_offset, theta, -1.0f, dt);
+}
+
+/* ------------------------------------------------------------------ Q, K, V of one product */
+
+/* Column c (even) of a packed row r of width hd + 2 kd: its place in q, k or v (rows of hd, kd,
+ * kd), and whether it rotates (q and k do). */
+template <typename P>
+__device__ __forceinline__ P *qkv_place(P *q, P *k, P *v, size_t r, int c, int hd, int kd, int &rot) {
+  rot = c < hd + kd;
+  return c < hd ? q + r * hd + c : c < hd + kd ? k + r * kd + (c - hd) : v + r * kd + (c - hd - kd);
+}
+
+/* One thread per pair of a packed row, between qkv and q, k, v (to_packed: toward qkv), with
+ * rope_kernel's arithmetic (explicit roundings: the cpu backend's bits). */
+template <typename T>
+__global__ void qkv_rope_kernel(T *qkv, T *q, T *k, T *v, const float *cs, const float *sn, size_t pairs, int t,
+                                int hd, int kd, int d, float sign, int to_packed) {
+  const int w2 = (hd + 2 * kd) / 2, half = d / 2;
+  for (size_t idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x; idx < pairs; idx += (size_t)gridDim.x * blockDim.x) {
+    size_t r = idx / w2;
+    int c = 2 * (int)(idx % w2), rot;
+    T *sp = qkv_place(q, k, v, r, c, hd, kd, rot), *pp = qkv + r * (2 * (size_t)w2) + c;
+    const T *src = to_packed ? sp : pp;
+    T *dst = to_packed ? pp : sp;
+    float x0 = widen(src[0]), x1 = widen(src[1]);
+    if (rot) {
+      int i = (c % d) / 2, p = (int)(r % t);
+      float cv = cs[(size_t)p * half + i], s = sign * sn[(size_t)p * half + i];
+      dst[0] = narrow<T>(__fsub_rn(__fmul_rn(x0, cv), __fmul_rn(x1, s)));
+      dst[1] = narrow<T>(__fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, cv)));
+    } else {
+      dst[0] = narrow<T>(x0);
+      dst[1] = narrow<T>(x1);
+    }
+  }
+}
+
+/* bf16 with d a multiple of 8: 8 columns of one head per 16-byte load and store. */
+__global__ void qkv_rope_x8_kernel(uint4 *qkv, uint4 *q, uint4 *k, uint4 *v, const float *cs, const float *sn,
+                                   size_t n8, int t, int hd8, int kd8, int d, float sign, int to_packed) {
+  const int w8 = hd8 + 2 * kd8, half = d / 2;
+  for (size_t g = blockIdx.x * (size_t)blockDim.x + threadIdx.x; g < n8; g += (size_t)gridDim.x * blockDim.x) {
+    size_t r = g / w8;
+    int c8 = (int)(g % w8), rot;
+    uint4 *sp = qkv_place(q, k, v, r, c8, hd8, kd8, rot), *pp = qkv + g;
+    bf16x8_t xv;
+    xv.u = to_packed ? *sp : *pp;
+    if (rot) {
+      int i0 = (c8 * 8 % d) / 2, p = (int)(r % t);
+      rope_rotate8(xv, cs + (size_t)p * half + i0, sn + (size_t)p * half + i0, sign);
+    }
+    if (to_packed) *pp = xv.u;
+    else *sp = xv.u;
+  }
+}
+
+static void qkv_rope(backend_t *be, void *qkv, void *q, void *k, void *v, int b, int t, int h, int kv, int d,
+                     int pos_offset, float theta, float sign, int to_packed, dtype_t dt) {
+  cuda_t *cu = cuda_of(be);
+  int half = d / 2;
+  if (b <= 0 || t <= 0 || h <= 0 || kv <= 0 || half <= 0) return;
+  const float *cs = rope_cs(be, t, d, pos_offset, theta), *sn = cs + (size_t)t * half;
+  const size_t rows = (size_t)b * t;
+  const int hd = h * d, kd = kv * d;
+  if (dt == DT_BF16 && d % 8 == 0 && aligned16(qkv) && aligned16(q) && aligned16(k) && aligned16(v)) {
+    size_t n8 = rows * (size_t)(hd + 2 * kd) / 8;
+    qkv_rope_x8_kernel<<<ew_blocks(n8), EW_THREADS, 0, cu->stream>>>((uint4 *)qkv, (uint4 *)q, (uint4 *)k,
+                                                                     (uint4 *)v, cs, sn, n8, t, hd / 8, kd / 8, d,
+                                                                     sign, to_packed);
+    LAUNCH_CHECK("qkv_rope_x8_kernel");
+    return;
+  }
+  size_t pairs = rows * (size_t)(hd + 2 * kd) / 2;
+  DT_DISPATCH(dt, qkv_rope_kernel<T><<<ew_blocks(pairs), EW_THREADS, 0, cu->stream>>>(
+                      (T *)qkv, (T *)q, (T *)k, (T *)v, cs, sn, pairs, t, hd, kd, d, sign, to_packed));
+  LAUNCH_CHECK("qkv_rope_kernel");
+}
+
+static void cu_qkv_rope_fwd(backend_t *be, void *q, void *k, void *v, const void *qkv, int b, int t, int h, int kv,
+                            int d, int pos_offset, float theta, dtype_t dt) {
+  qkv_rope(be, (void *)qkv, q, k, v, b, t, h, kv, d, pos_offset, theta, 1.0f, 0, dt);
+}
+static void cu_qkv_rope_bwd(backend_t *be, void *dqkv, const void *dq, const void *dk, const void *dv, int b, int t,
+                            int h, int kv, int d, int pos_offset, float theta, dtype_t dt) {
+  qkv_rope(be, dqkv, (void *)dq, (void *)dk, (void *)dv, b, t, h, kv, d, pos_offset, theta, -1.0f, 1, dt);
 }
 
 /* ------------------------------------------------------------------ attention */
@@ -1459,40 +1596,45 @@ __device__ __forceinline__ void swiglu_grad_one(float x, float gv, float d, floa
   dg = 0.0f + d * x * s;
 }
 
+/* Rows of ag hold a then g (f each): element i of out is row i / f, column i % f. */
 template <typename T>
-__global__ void swiglu_fwd_kernel(T *out, const T *a, const T *g, size_t n) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-    out[i] = narrow<T>(swiglu_one(widen(a[i]), widen(g[i])));
-}
-
-template <typename T>
-__global__ void swiglu_bwd_kernel(T *da, T *dg, const T *dout, const T *a, const T *g, size_t n) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-    float ga, gg;
-    swiglu_grad_one(widen(a[i]), widen(g[i]), widen(dout[i]), ga, gg);
-    da[i] = narrow<T>(ga);
-    dg[i] = narrow<T>(gg);
+__global__ void swiglu_fwd_kernel(T *out, const T *ag, size_t nf, int f) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < nf; i += (size_t)gridDim.x * blockDim.x) {
+    size_t ra = i / f * 2 * f + i % f;
+    out[i] = narrow<T>(swiglu_one(widen(ag[ra]), widen(ag[ra + f])));
   }
 }
 
+template <typename T>
+__global__ void swiglu_bwd_kernel(T *dag, const T *dout, const T *ag, size_t nf, int f) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < nf; i += (size_t)gridDim.x * blockDim.x) {
+    size_t ra = i / f * 2 * f + i % f;
+    float ga, gg;
+    swiglu_grad_one(widen(ag[ra]), widen(ag[ra + f]), widen(dout[i]), ga, gg);
+    dag[ra] = narrow<T>(ga);
+    dag[ra + f] = narrow<T>(gg);
+  }
+}
 
-__global__ void swiglu_fwd_x8_kernel(uint4 *out, const uint4 *a, const uint4 *g, size_t n8) {
+/* f a multiple of 8 (f8 groups a row): 8 columns per 16-byte load. */
+__global__ void swiglu_fwd_x8_kernel(uint4 *out, const uint4 *ag, size_t n8, int f8) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n8; i += (size_t)gridDim.x * blockDim.x) {
+    size_t ra = i / f8 * 2 * f8 + i % f8;
     bf16x8_t av, gv, o;
-    av.u = a[i];
-    gv.u = g[i];
+    av.u = ag[ra];
+    gv.u = ag[ra + f8];
 #pragma unroll
     for (int j = 0; j < 8; j++) o.h[j] = narrow<nv_bfloat16>(swiglu_one(widen(av.h[j]), widen(gv.h[j])));
     out[i] = o.u;
   }
 }
 
-__global__ void swiglu_bwd_x8_kernel(uint4 *da, uint4 *dg, const uint4 *dout, const uint4 *a, const uint4 *g,
-                                     size_t n8) {
+__global__ void swiglu_bwd_x8_kernel(uint4 *dag, const uint4 *dout, const uint4 *ag, size_t n8, int f8) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n8; i += (size_t)gridDim.x * blockDim.x) {
+    size_t ra = i / f8 * 2 * f8 + i % f8;
     bf16x8_t av, gv, dv, oa, og;
-    av.u = a[i];
-    gv.u = g[i];
+    av.u = ag[ra];
+    gv.u = ag[ra + f8];
     dv.u = dout[i];
 #pragma unroll
     for (int j = 0; j < 8; j++) {
@@ -1501,45 +1643,36 @@ __global__ void swiglu_bwd_x8_kernel(uint4 *da, uint4 *dg, const uint4 *dout, co
       oa.h[j] = narrow<nv_bfloat16>(ga);
       og.h[j] = narrow<nv_bfloat16>(gg);
     }
-    da[i] = oa.u;
-    dg[i] = og.u;
+    dag[ra] = oa.u;
+    dag[ra + f8] = og.u;
   }
 }
 
-
-static void cu_swiglu_fwd(backend_t *be, void *out, const void *a, const void *g, size_t n, dtype_t dt) {
-  if (!n) return;
+static void cu_swiglu_fwd(backend_t *be, void *out, const void *ag, int n, int f, dtype_t dt) {
+  if (n <= 0 || f <= 0) return;
   cudaStream_t st = cuda_of(be)->stream;
-  size_t n8 = 0;
-  if (dt == DT_BF16 && aligned16(out) && aligned16(a) && aligned16(g) && (n8 = n / 8)) {
-    swiglu_fwd_x8_kernel<<<ew_blocks(n8), EW_THREADS, 0, st>>>((uint4 *)out, (const uint4 *)a, (const uint4 *)g, n8);
+  const size_t nf = (size_t)n * f;
+  if (dt == DT_BF16 && f % 8 == 0 && aligned16(out) && aligned16(ag)) {
+    swiglu_fwd_x8_kernel<<<ew_blocks(nf / 8), EW_THREADS, 0, st>>>((uint4 *)out, (const uint4 *)ag, nf / 8, f / 8);
     LAUNCH_CHECK("swiglu_fwd_x8_kernel");
+    return;
   }
-  size_t done = n8 * 8, es = dtype_size(dt);
-  if (done == n) return;
-  DT_DISPATCH(dt, swiglu_fwd_kernel<T><<<ew_blocks(n - done), EW_THREADS, 0, st>>>(
-                      (T *)((char *)out + done * es), (const T *)((const char *)a + done * es),
-                      (const T *)((const char *)g + done * es), n - done));
+  DT_DISPATCH(dt, swiglu_fwd_kernel<T><<<ew_blocks(nf), EW_THREADS, 0, st>>>((T *)out, (const T *)ag, nf, f));
   LAUNCH_CHECK("swiglu_fwd_kernel");
 }
 
-static void cu_swiglu_bwd(backend_t *be, void *da, void *dg, const void *dout, const void *a, const void *g, size_t n,
-                          dtype_t dt) {
-  if (!n) return;
+static void cu_swiglu_bwd(backend_t *be, void *dag, const void *dout, const void *ag, int n, int f, dtype_t dt) {
+  if (n <= 0 || f <= 0) return;
   cudaStream_t st = cuda_of(be)->stream;
-  size_t n8 = 0;
-  if (dt == DT_BF16 && aligned16(da) && aligned16(dg) && aligned16(dout) && aligned16(a) && aligned16(g) &&
-      (n8 = n / 8)) {
-    swiglu_bwd_x8_kernel<<<ew_blocks(n8), EW_THREADS, 0, st>>>((uint4 *)da, (uint4 *)dg, (const uint4 *)dout,
-                                                               (const uint4 *)a, (const uint4 *)g, n8);
+  const size_t nf = (size_t)n * f;
+  if (dt == DT_BF16 && f % 8 == 0 && aligned16(dag) && aligned16(dout) && aligned16(ag)) {
+    swiglu_bwd_x8_kernel<<<ew_blocks(nf / 8), EW_THREADS, 0, st>>>((uint4 *)dag, (const uint4 *)dout,
+                                                                   (const uint4 *)ag, nf / 8, f / 8);
     LAUNCH_CHECK("swiglu_bwd_x8_kernel");
+    return;
   }
-  size_t done = n8 * 8, es = dtype_size(dt);
-  if (done == n) return;
-#define AT(p) ((char *)(p) + done * es)
-  DT_DISPATCH(dt, swiglu_bwd_kernel<T><<<ew_blocks(n - done), EW_THREADS, 0, st>>>(
-                      (T *)AT(da), (T *)AT(dg), (const T *)AT(dout), (const T *)AT(a), (const T *)AT(g), n - done));
-#undef AT
+  DT_DISPATCH(dt, swiglu_bwd_kernel<T><<<ew_blocks(nf), EW_THREADS, 0, st>>>((T *)dag, (const T *)dout,
+                                                                              (const T *)ag, nf, f));
   LAUNCH_CHECK("swiglu_bwd_kernel");
 }
 
@@ -2013,8 +2146,11 @@ static void cu_set_ops(backend_t *be) {
   be->embedding_bwd = cu_embedding_bwd;
   be->rmsnorm_fwd = cu_rmsnorm_fwd;
   be->rmsnorm_bwd = cu_rmsnorm_bwd;
+  be->add_rmsnorm_fwd = cu_add_rmsnorm_fwd;
   be->rope_fwd = cu_rope_fwd;
   be->rope_bwd = cu_rope_bwd;
+  be->qkv_rope_fwd = cu_qkv_rope_fwd;
+  be->qkv_rope_bwd = cu_qkv_rope_bwd;
   be->attention_fwd = cu_attention_fwd;
   be->attention_bwd = cu_attention_bwd;
   be->attention_fwd_block = cu_attention_fwd_block;

@@ -97,8 +97,7 @@ typedef struct {
   void *x_mid;     /* (Ns, C) x + attention */
   void *xn_ffn;    /* (Np, C) ffn_norm(x_mid), gathered */
   float *rstd_ffn; /* (Ns) fp32 */
-  void *a;         /* (Np, Fl) xn_ffn w1^T */
-  void *g;         /* (Np, Fl) xn_ffn w3^T */
+  void *ag;        /* (Np, 2*Fl): each row xn_ffn w1^T then xn_ffn w3^T (one product) */
   void *h;         /* (Np, Fl) silu(a) * g */
 } layer_acts_t;
 
@@ -180,7 +179,9 @@ struct model {
   void *datt;          /* (Np, Hl*D) */
   void *dq;            /* (Np, Hl*D) */
   void *dk, *dv;       /* (Np, KVl*D) */
-  void *dh, *da, *dg;  /* (Np, Fl) */
+  void *qkv;           /* (Np, (Hl + 2*KVl)*D): the fused product's rows, forward; their gradient */
+  void *dh;            /* (Np, Fl) */
+  void *dag;           /* (Np, 2*Fl): da then dg per row */
   /* tensor-parallel scratch (NULL when unused) */
   void *xn_loc;         /* (Ns, C) SP: a norm's output on the local rows, before the all-gather */
   void *sc_full;        /* (Np, C) partial rowwise outputs; gathered residual gradients */
@@ -400,8 +401,7 @@ static void carve_block_set(const model_t *m, layer_acts_t *a, void *base, size_
   a->x_mid = carve(base, off, Ns * C, es);
   a->xn_ffn = carve(base, off, Np * C, es);
   a->rstd_ffn = carve(base, off, Ns, f4);
-  a->a = carve(base, off, Np * F, es);
-  a->g = carve(base, off, Np * F, es);
+  a->ag = carve(base, off, Np * 2 * F, es);
   a->h = carve(base, off, Np * F, es);
 }
 
@@ -457,9 +457,9 @@ static size_t layout_acts(model_t *m, void *base) {
   m->dq = carve(base, &off, Np * HD, es);
   m->dk = carve(base, &off, Np * KD, es);
   m->dv = carve(base, &off, Np * KD, es);
+  m->qkv = carve(base, &off, Np * (HD + 2 * KD), es);
   m->dh = carve(base, &off, Np * F, es);
-  m->da = carve(base, &off, Np * F, es);
-  m->dg = carve(base, &off, Np * F, es);
+  m->dag = carve(base, &off, Np * 2 * F, es);
   m->xn_loc = carve(base, &off, m->sp ? Ns * C : 0, es);
   m->sc_full = carve(base, &off, m->tp > 1 ? Np * C : 0, es);
   m->sc_loc = carve(base, &off, m->sp ? Ns * C : 0, es);
@@ -787,6 +787,13 @@ static void add_tensors(model_t *m, const model_opts_t *opts) {
     LAYER_TENSOR(w2, "feed_forward.w2.weight", C, F, 2, 1, s_ffn_row);
     LAYER_TENSOR(w3, "feed_forward.w3.weight", F, C, 2, 1, s_ffn_col);
 #undef LAYER_TENSOR
+    /* w3 in memory right after w1, w2 after it (the two have the same size, also per tp shard):
+     * W1||W3 is one (2 Fl, C) matrix, one product forward and backward. The tensors' order, and
+     * with it every file's, stays Meta's: only the offsets move, which everything else reads per
+     * tensor. wq, wk, wv are adjacent already: Wq||Wk||Wv is one ((Hl + 2 KVl) D, C) matrix. */
+    size_t o2 = m->tensors[lt->w2].offset;
+    m->tensors[lt->w2].offset = m->tensors[lt->w3].offset;
+    m->tensors[lt->w3].offset = o2;
   }
   if (m->u_head >= 0) {
     m->norm = add_tensor(m, "norm.weight", m->u_head, C, 1, 1, opts->decay_norms, MODEL_TP_REPLICATED);
@@ -1115,42 +1122,56 @@ static void mm_dw(model_t *m, float *gw, const void *dy, const void *x, int out,
 
 /* out(local) = resid(local) + in(full) W^T, W (C, K). Sharded (rowwise): in and W hold this
  * rank's K slice, so the product is a partial sum over tp, reduced across the group before the
- * residual add. Replicated: each rank multiplies only its own rows. */
-static void rowwise_fwd(model_t *m, void *out, const void *resid, const void *in, const void *w, int k, int split,
-                        const char *what) {
-  backend_t *be = m->be;
+ * residual add; it returns the reduced product (local rows), which the caller adds (alone, or
+ * with the norm that follows: norm_fwd). Replicated: each rank multiplies only its own rows, the
+ * residual folded into the product (beta 1 over a copy of resid), and it returns NULL. */
+static const void *rowwise_product(model_t *m, void *out, const void *resid, const void *in, const void *w, int k,
+                                   int split, const char *what) {
   int C = m->C;
   if (!split) {
-    be->copy(be, out, resid, (size_t)m->Ns * C * m->es);
+    m->be->copy(m->be, out, resid, (size_t)m->Ns * C * m->es);
     mm(m, out, at(m, in, (size_t)m->row0 * k), w, m->Ns, C, k, 1, 1.0f);
-    return;
+    return NULL;
   }
   mm(m, m->sc_full, in, w, m->Np, C, k, 1, 0.0f);
-  const void *y = rows_from_full(m, m->sc_full, m->sc_loc, C, 1, what);
-  be->add(be, out, resid, y, (size_t)m->Ns * C, m->dt);
+  return rows_from_full(m, m->sc_full, m->sc_loc, C, 1, what);
+}
+
+static void rowwise_fwd(model_t *m, void *out, const void *resid, const void *in, const void *w, int k, int split,
+                        const char *what) {
+  const void *y = rowwise_product(m, out, resid, in, w, k, split, what);
+  if (y) m->be->add(m->be, out, resid, y, (size_t)m->Ns * m->C, m->dt);
 }
 
 /* xn_full = norm(x) over the local rows, then gathered to all rows under SP (the colwise
- * linears after it need every row). */
-static void norm_fwd(model_t *m, void *xn_full, float *rstd, const void *x, const void *w, const char *what) {
+ * linears after it need every row). With y (a sharded rowwise product, rowwise_product), x =
+ * resid + y is written first, in the norm's kernel (add_rmsnorm_fwd: the same bits). */
+static void norm_fwd(model_t *m, void *xn_full, float *rstd, void *x, const void *resid, const void *y, const void *w,
+                     const char *what) {
   void *xn = m->sp ? m->xn_loc : xn_full;
-  m->be->rmsnorm_fwd(m->be, xn, rstd, x, w, m->Ns, m->C, m->eps, m->dt);
+  if (y) m->be->add_rmsnorm_fwd(m->be, x, xn, rstd, resid, y, w, m->Ns, m->C, m->eps, m->dt);
+  else m->be->rmsnorm_fwd(m->be, xn, rstd, x, w, m->Ns, m->C, m->eps, m->dt);
   rows_to_full(m, xn_full, xn, m->C, what);
 }
 
-/* RoPE in place on x, the batch's rows of h heads (the backward's inverse with bwd): positions
- * 0 .. t-1, or under context parallelism each of the rank's two chunks at its own. */
-static void rope_rows(model_t *m, void *x, int b, int t, int h, int bwd) {
+/* Between the QKV product (m->qkv) and q, k, v: forward, q and k rotated out of it (and v
+ * copied); backward (bwd), the gradients m->dq, m->dk rotated back and m->dv packed into it.
+ * Positions 0 .. t-1, or under context parallelism each of the rank's two chunks at its own
+ * (the chunks' rows are contiguous: chunk-major). */
+static void qkv_rope(model_t *m, const layer_acts_t *a, int b, int t, int bwd) {
   backend_t *be = m->be;
-  void (*rope)(backend_t *, void *, int, int, int, int, int, float, dtype_t) = bwd ? be->rope_bwd : be->rope_fwd;
-  if (!m->cp) {
-    rope(be, x, b, t, h, m->D, 0, m->theta, m->dt);
-    return;
+  const int H = m->Hl, KV = m->KVl, D = m->D, n = m->cp ? 2 : 1, c = t / n;
+  for (int i = 0; i < n; i++) {
+    const size_t r = (size_t)i * b * c; /* the chunk's first row */
+    const int pos = m->cp ? ring_attention_chunk(&m->ring, i) * c : 0;
+    void *qkv = at(m, m->qkv, r * (size_t)(H + 2 * KV) * D);
+    if (bwd)
+      be->qkv_rope_bwd(be, qkv, at(m, m->dq, r * H * D), at(m, m->dk, r * KV * D), at(m, m->dv, r * KV * D), b, c, H,
+                       KV, D, pos, m->theta, m->dt);
+    else
+      be->qkv_rope_fwd(be, at(m, a->q, r * H * D), at(m, a->k, r * KV * D), at(m, a->v, r * KV * D), qkv, b, c, H,
+                       KV, D, pos, m->theta, m->dt);
   }
-  const int c = t / 2;
-  for (int i = 0; i < 2; i++)
-    rope(be, at(m, x, (size_t)i * b * c * h * m->D), b, c, h, m->D, ring_attention_chunk(&m->ring, i) * c, m->theta,
-         m->dt);
 }
 
 /* The first failure of the ring is the pass's (as tp_check's). */
@@ -1187,22 +1208,22 @@ static void block_forward(model_t *m, int l, void *out, int b, int t) {
   layer_acts_t *a = &m->acts[l];
   int N = b * t, Np = m->Np, C = m->C, HD = m->Hl * m->D, KD = m->KVl * m->D, F = m->Fl;
 
-  norm_fwd(m, a->xn_att, a->rstd_att, a->x, cparam_of(m, lt->attention_norm), "all_gather of attention_norm output");
-  mm(m, a->q, a->xn_att, cparam_of(m, lt->wq), Np, HD, C, 1, 0.0f);
-  mm(m, a->k, a->xn_att, cparam_of(m, lt->wk), Np, KD, C, 1, 0.0f);
-  mm(m, a->v, a->xn_att, cparam_of(m, lt->wv), Np, KD, C, 1, 0.0f);
-  rope_rows(m, a->q, b, t, m->Hl, 0);
-  rope_rows(m, a->k, b, t, m->KVl, 0);
+  norm_fwd(m, a->xn_att, a->rstd_att, a->x, NULL, NULL, cparam_of(m, lt->attention_norm),
+           "all_gather of attention_norm output");
+  /* Wq||Wk||Wv (adjacent from wq on): one product, then q and k rotated on their way out */
+  mm(m, m->qkv, a->xn_att, cparam_of(m, lt->wq), Np, HD + 2 * KD, C, 1, 0.0f);
+  qkv_rope(m, a, b, t, 0);
   attention_forward(m, a, b, t);
   if (Np > N) be->zero(be, at(m, a->att, (size_t)N * HD), (size_t)(Np - N) * HD * m->es); /* SP padding rows */
-  /* x_mid = x + att wo^T */
-  rowwise_fwd(m, a->x_mid, a->x, a->att, cparam_of(m, lt->wo), HD, m->attn_split, "reduction of attention.wo output");
-
-  norm_fwd(m, a->xn_ffn, a->rstd_ffn, a->x_mid, cparam_of(m, lt->ffn_norm), "all_gather of ffn_norm output");
-  mm(m, a->a, a->xn_ffn, cparam_of(m, lt->w1), Np, F, C, 1, 0.0f);
-  mm(m, a->g, a->xn_ffn, cparam_of(m, lt->w3), Np, F, C, 1, 0.0f);
-  be->swiglu_fwd(be, a->h, a->a, a->g, (size_t)Np * F, m->dt);
-  /* out = x_mid + h w2^T */
+  /* x_mid = x + att wo^T, added in ffn_norm's kernel when the product is sharded */
+  const void *y = rowwise_product(m, a->x_mid, a->x, a->att, cparam_of(m, lt->wo), HD, m->attn_split,
+                                  "reduction of attention.wo output");
+  norm_fwd(m, a->xn_ffn, a->rstd_ffn, a->x_mid, a->x, y, cparam_of(m, lt->ffn_norm), "all_gather of ffn_norm output");
+  /* W1||W3 (adjacent from w1 on, add_tensors): one product */
+  mm(m, a->ag, a->xn_ffn, cparam_of(m, lt->w1), Np, 2 * F, C, 1, 0.0f);
+  be->swiglu_fwd(be, a->h, a->ag, Np, F, m->dt);
+  /* out = x_mid + h w2^T; its add stays apart from the next norm, which belongs to the next
+   * unit (its parameters gathered only then; a checkpointed block recomputes from x) */
   if (out)
     rowwise_fwd(m, out, a->x_mid, a->h, cparam_of(m, lt->w2), F, m->ffn_split, "reduction of feed_forward.w2 output");
 }
@@ -1441,7 +1462,7 @@ static int chunk_forward(model_t *m, int c, int k, const int32_t *tokens, const 
 
   int uo = m->u_head;
   if ((rc = dp_gather(m, uo, 0))) return rc;
-  norm_fwd(m, m->xn_final, m->rstd_final, m->x_final, cparam_of(m, m->norm), "all_gather of norm output");
+  norm_fwd(m, m->xn_final, m->rstd_final, m->x_final, NULL, NULL, cparam_of(m, m->norm), "all_gather of norm output");
   mm(m, m->logits, m->xn_final, cparam_of(m, m->output), Np, m->Vo, C, 1, 0.0f);
   if ((rc = dp_release(m, uo, 0))) return rc;
 
@@ -1503,34 +1524,23 @@ static void block_backward(model_t *m, int l, int b, int t) {
   backend_t *be = m->be;
   const layer_tensors_t *lt = &m->layer[l];
   layer_acts_t *a = &m->acts[l];
-  int Np = m->Np, C = m->C, HD = m->Hl * m->D, KD = m->KVl * m->D, F = m->Fl;
+  int Np = m->Np, C = m->C, HD = m->Hl * m->D, KD = m->KVl * m->D, F = m->Fl, QKV = HD + 2 * KD;
 
   /* out = x_mid + h w2^T */
   rowwise_bwd(m, m->dh, a->h, cparam_of(m, lt->w2), grad_of(m, lt->w2), F, "all_gather of feed_forward gradient");
-  be->swiglu_bwd(be, m->da, m->dg, m->dh, a->a, a->g, (size_t)Np * F, m->dt);
-  mm_dw(m, grad_of(m, lt->w1), m->da, a->xn_ffn, F, C);
-  mm_dw(m, grad_of(m, lt->w3), m->dg, a->xn_ffn, F, C);
-  mm(m, m->dxn, m->da, cparam_of(m, lt->w1), Np, C, F, 0, 0.0f);
-  mm(m, m->dxn, m->dg, cparam_of(m, lt->w3), Np, C, F, 0, 1.0f);
+  be->swiglu_bwd(be, m->dag, m->dh, a->ag, Np, F, m->dt);
+  mm_dw(m, grad_of(m, lt->w1), m->dag, a->xn_ffn, 2 * F, C); /* W1||W3's gradient, adjacent as they are */
+  mm(m, m->dxn, m->dag, cparam_of(m, lt->w1), Np, C, 2 * F, 0, 0.0f);
   norm_bwd(m, lt->ffn_norm, a->x_mid, a->rstd_ffn, m->ffn_split, "reduction of ffn_norm output gradient");
 
   /* x_mid = x + att wo^T */
   rowwise_bwd(m, m->datt, a->att, cparam_of(m, lt->wo), grad_of(m, lt->wo), HD, "all_gather of attention gradient");
-  const size_t rows = (size_t)b * t, pad = (size_t)Np - rows; /* attention writes B*T rows; SP padding stays 0 */
-  if (pad) {
-    be->zero(be, at(m, m->dq, rows * HD), pad * HD * m->es);
-    be->zero(be, at(m, m->dk, rows * KD), pad * KD * m->es);
-    be->zero(be, at(m, m->dv, rows * KD), pad * KD * m->es);
-  }
   attention_backward(m, a, b, t);
-  rope_rows(m, m->dq, b, t, m->Hl, 1);
-  rope_rows(m, m->dk, b, t, m->KVl, 1);
-  mm_dw(m, grad_of(m, lt->wq), m->dq, a->xn_att, HD, C);
-  mm_dw(m, grad_of(m, lt->wk), m->dk, a->xn_att, KD, C);
-  mm_dw(m, grad_of(m, lt->wv), m->dv, a->xn_att, KD, C);
-  mm(m, m->dxn, m->dq, cparam_of(m, lt->wq), Np, C, HD, 0, 0.0f);
-  mm(m, m->dxn, m->dk, cparam_of(m, lt->wk), Np, C, KD, 0, 1.0f);
-  mm(m, m->dxn, m->dv, cparam_of(m, lt->wv), Np, C, KD, 0, 1.0f);
+  const size_t rows = (size_t)b * t, pad = (size_t)Np - rows; /* qkv_rope_bwd writes B*T rows; SP padding is 0 */
+  if (pad) be->zero(be, at(m, m->qkv, rows * QKV), pad * QKV * m->es);
+  qkv_rope(m, a, b, t, 1);
+  mm_dw(m, grad_of(m, lt->wq), m->qkv, a->xn_att, QKV, C); /* Wq||Wk||Wv's gradient */
+  mm(m, m->dxn, m->qkv, cparam_of(m, lt->wq), Np, C, QKV, 0, 0.0f);
   norm_bwd(m, lt->attention_norm, a->x, a->rstd_att, m->attn_split, "reduction of attention_norm output gradient");
 }
 
@@ -1639,12 +1649,14 @@ struct model_kv {
   void *x;        /* (n, C) the residual stream */
   void *xn;       /* (n, C) a norm's output */
   float *rstd;    /* (n) fp32 */
+  void *qkv;      /* (n, (H + 2*KV)*D) the fused product */
   void *q;        /* (n, H*D) after RoPE */
   void *k, *v;    /* (n, KV*D) the new positions' keys (after RoPE) and values */
   void *att;      /* (n, H*D) */
   float *lse;     /* (H, n) fp32 */
   void *x_mid;    /* (n, C) */
-  void *a, *g, *h; /* (n, F) */
+  void *ag;       /* (n, 2*F) a then g per row */
+  void *h;        /* (n, F) */
   void *scores;   /* (H, span_max) one query's scores, then its probabilities */
   float *rowmax;  /* (H) fp32 */
   float *stats;   /* (2H) fp32 */
@@ -1666,14 +1678,14 @@ static size_t kv_layout(model_kv_t *kv, void *base) {
   kv->x = carve(base, &off, T * C, es);
   kv->xn = carve(base, &off, T * C, es);
   kv->rstd = carve(base, &off, T, f4);
+  kv->qkv = carve(base, &off, T * (HD + 2 * KD), es);
   kv->q = carve(base, &off, T * HD, es);
   kv->k = carve(base, &off, T * KD, es);
   kv->v = carve(base, &off, T * KD, es);
   kv->att = carve(base, &off, T * HD, es);
   kv->lse = carve(base, &off, (size_t)m->H * T, f4);
   kv->x_mid = carve(base, &off, T * C, es);
-  kv->a = carve(base, &off, T * F, es);
-  kv->g = carve(base, &off, T * F, es);
+  kv->ag = carve(base, &off, T * 2 * F, es);
   kv->h = carve(base, &off, T * F, es);
   kv->scores = carve(base, &off, (size_t)m->H * kv->span_max, es);
   kv->rowmax = carve(base, &off, (size_t)m->H, f4);
@@ -1767,11 +1779,8 @@ static void kv_block(model_kv_t *kv, int l, int n, int pos) {
   const int C = m->C, H = m->H, KV = m->KV, D = m->D, HD = H * D, KD = KV * D, F = m->F;
   const size_t per_head = (size_t)kv->max_t * D, layer = (size_t)KV * per_head;
   be->rmsnorm_fwd(be, kv->xn, kv->rstd, kv->x, cparam_of(m, lt->attention_norm), n, C, m->eps, m->dt);
-  mm(m, kv->q, kv->xn, cparam_of(m, lt->wq), n, HD, C, 1, 0.0f);
-  mm(m, kv->k, kv->xn, cparam_of(m, lt->wk), n, KD, C, 1, 0.0f);
-  mm(m, kv->v, kv->xn, cparam_of(m, lt->wv), n, KD, C, 1, 0.0f);
-  be->rope_fwd(be, kv->q, 1, n, H, D, pos, m->theta, m->dt);
-  be->rope_fwd(be, kv->k, 1, n, KV, D, pos, m->theta, m->dt);
+  mm(m, kv->qkv, kv->xn, cparam_of(m, lt->wq), n, HD + 2 * KD, C, 1, 0.0f);
+  be->qkv_rope_fwd(be, kv->q, kv->k, kv->v, kv->qkv, 1, n, H, KV, D, pos, m->theta, m->dt);
   for (int j = 0; j < KV; j++) { /* rows (n, KV, D) -> kv head j's cache rows pos.. */
     size_t dst = l * layer + j * per_head + (size_t)pos * D;
     be->copy_2d(be, at(m, kv->kc, dst), D, at(m, kv->k, (size_t)j * D), KD, n, D, m->dt);
@@ -1784,9 +1793,8 @@ static void kv_block(model_kv_t *kv, int l, int n, int pos) {
   be->copy(be, kv->x_mid, kv->x, (size_t)n * C * m->es); /* x_mid = x + att wo^T */
   mm(m, kv->x_mid, kv->att, cparam_of(m, lt->wo), n, C, HD, 1, 1.0f);
   be->rmsnorm_fwd(be, kv->xn, kv->rstd, kv->x_mid, cparam_of(m, lt->ffn_norm), n, C, m->eps, m->dt);
-  mm(m, kv->a, kv->xn, cparam_of(m, lt->w1), n, F, C, 1, 0.0f);
-  mm(m, kv->g, kv->xn, cparam_of(m, lt->w3), n, F, C, 1, 0.0f);
-  be->swiglu_fwd(be, kv->h, kv->a, kv->g, (size_t)n * F, m->dt);
+  mm(m, kv->ag, kv->xn, cparam_of(m, lt->w1), n, 2 * F, C, 1, 0.0f);
+  be->swiglu_fwd(be, kv->h, kv->ag, n, F, m->dt);
   be->copy(be, kv->x, kv->x_mid, (size_t)n * C * m->es); /* out = x_mid + h w2^T */
   mm(m, kv->x, kv->h, cparam_of(m, lt->w2), n, C, F, 1, 1.0f);
 }

@@ -42,7 +42,9 @@ typedef struct model model_t;
 typedef struct {
   char name[96];   /* "layers.0.attention.wq.weight" */
   int unit;        /* sharding unit */
-  size_t offset;   /* in floats, from the start of the flat buffer */
+  size_t offset;   /* in floats, from the start of the flat buffer. Offsets need not grow with
+                      the tensor's index: a layer's w3 sits between w1 and w2 (model.c's fused
+                      W1||W3), while the tensors, and files, keep Meta's order */
   size_t numel;
   int ndim;        /* 1 or 2 */
   int shape[2];    /* (rows, cols) for 2-D; (n, 1) for 1-D */

@@ -197,6 +197,13 @@ static void w_rmsnorm_bwd(backend_t *be, void *dx, float *dw, const void *dout, 
   prof_end(t0, "rmsnorm_bwd", 0, "n%d c%d %s", n, c, DT(dt));
 }
 
+static void w_add_rmsnorm_fwd(backend_t *be, void *sum, void *out, float *rstd, const void *a, const void *b,
+                              const void *w, int n, int c, float eps, dtype_t dt) {
+  double t0 = prof_begin();
+  P.orig.add_rmsnorm_fwd(be, sum, out, rstd, a, b, w, n, c, eps, dt);
+  prof_end(t0, "add_rmsnorm_fwd", 0, "n%d c%d %s", n, c, DT(dt));
+}
+
 static void w_rope_fwd(backend_t *be, void *x, int b, int t, int h, int d, int pos_offset, float theta, dtype_t dt) {
   double t0 = prof_begin();
   P.orig.rope_fwd(be, x, b, t, h, d, pos_offset, theta, dt);
@@ -207,6 +214,20 @@ static void w_rope_bwd(backend_t *be, void *dx, int b, int t, int h, int d, int 
   double t0 = prof_begin();
   P.orig.rope_bwd(be, dx, b, t, h, d, pos_offset, theta, dt);
   prof_end(t0, "rope_bwd", 0, "b%d t%d h%d d%d %s", b, t, h, d, DT(dt));
+}
+
+static void w_qkv_rope_fwd(backend_t *be, void *q, void *k, void *v, const void *qkv, int b, int t, int h, int kv,
+                           int d, int pos_offset, float theta, dtype_t dt) {
+  double t0 = prof_begin();
+  P.orig.qkv_rope_fwd(be, q, k, v, qkv, b, t, h, kv, d, pos_offset, theta, dt);
+  prof_end(t0, "qkv_rope_fwd", 0, "b%d t%d h%d kv%d d%d %s", b, t, h, kv, d, DT(dt));
+}
+
+static void w_qkv_rope_bwd(backend_t *be, void *dqkv, const void *dq, const void *dk, const void *dv, int b, int t,
+                           int h, int kv, int d, int pos_offset, float theta, dtype_t dt) {
+  double t0 = prof_begin();
+  P.orig.qkv_rope_bwd(be, dqkv, dq, dk, dv, b, t, h, kv, d, pos_offset, theta, dt);
+  prof_end(t0, "qkv_rope_bwd", 0, "b%d t%d h%d kv%d d%d %s", b, t, h, kv, d, DT(dt));
 }
 
 /* Causal attention FLOPs as the MFU formula counts them would be the full square; here the
@@ -261,17 +282,16 @@ static void w_attention_bwd_block(backend_t *be, float *dq, float *dk, float *dv
            "b%d tq%d tk%d h%d kv%d d%d q%ld k%ld %s", b, tq, tk, h, kv, d, q_pos, k_pos, DT(dt));
 }
 
-static void w_swiglu_fwd(backend_t *be, void *out, const void *a, const void *g, size_t n, dtype_t dt) {
+static void w_swiglu_fwd(backend_t *be, void *out, const void *ag, int n, int f, dtype_t dt) {
   double t0 = prof_begin();
-  P.orig.swiglu_fwd(be, out, a, g, n, dt);
-  prof_end(t0, "swiglu_fwd", 0, "n%zu %s", n, DT(dt));
+  P.orig.swiglu_fwd(be, out, ag, n, f, dt);
+  prof_end(t0, "swiglu_fwd", 0, "n%d f%d %s", n, f, DT(dt));
 }
 
-static void w_swiglu_bwd(backend_t *be, void *da, void *dg, const void *dout, const void *a, const void *g, size_t n,
-                         dtype_t dt) {
+static void w_swiglu_bwd(backend_t *be, void *dag, const void *dout, const void *ag, int n, int f, dtype_t dt) {
   double t0 = prof_begin();
-  P.orig.swiglu_bwd(be, da, dg, dout, a, g, n, dt);
-  prof_end(t0, "swiglu_bwd", 0, "n%zu %s", n, DT(dt));
+  P.orig.swiglu_bwd(be, dag, dout, ag, n, f, dt);
+  prof_end(t0, "swiglu_bwd", 0, "n%d f%d %s", n, f, DT(dt));
 }
 
 static void w_cross_entropy(backend_t *be, float *losses, void *dlogits, const void *logits, const int32_t *targets,
@@ -345,8 +365,11 @@ int opprof_install(backend_t *be, int step, FILE *out) {
   be->embedding_bwd = w_embedding_bwd;
   be->rmsnorm_fwd = w_rmsnorm_fwd;
   be->rmsnorm_bwd = w_rmsnorm_bwd;
+  be->add_rmsnorm_fwd = w_add_rmsnorm_fwd;
   be->rope_fwd = w_rope_fwd;
   be->rope_bwd = w_rope_bwd;
+  be->qkv_rope_fwd = w_qkv_rope_fwd;
+  be->qkv_rope_bwd = w_qkv_rope_bwd;
   be->attention_fwd = w_attention_fwd;
   be->attention_bwd = w_attention_bwd;
   if (be->attention_fwd_block) be->attention_fwd_block = w_attention_fwd_block; /* NULL stays NULL */
