@@ -319,7 +319,8 @@ static void w_adamw_multi_dev(backend_t *be, float *param, const float *grad, fl
   double t0 = prof_begin();
   P.orig.adamw_multi_dev(be, param, grad, m, v, param_lp, segs, n_segs, lr, beta1, beta2, eps, weight_decay, step,
                          grad_scale);
-  prof_end(t0, "adamw_multi_dev", 0, "segs%d%s", n_segs, param_lp ? " +bf16" : "");
+  /* the same kernel as adamw_multi's: its row, the shape saying where the scale came from */
+  prof_end(t0, "adamw_multi", 0, "segs%d%s, scale on the device", n_segs, param_lp ? " +bf16" : "");
 }
 
 /* An upload's bytes count as to_device's; it is no host sync (nothing waits for the device). */
