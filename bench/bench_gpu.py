@@ -194,7 +194,8 @@ def run_ours(trainer, size, m, steps, warmup, workdir, dtype="bf16", profile=Fal
                 ms += r["step_ms"]
                 peak = max(peak, r.get("peak_mem_bytes", 0))
                 loss = r["loss"]
-                # what a step asked of the device (the trainer counts its backend's calls)
+                # what a step asked of the device (the trainer counts its backend's calls); the
+                # last step's: it reads the values of the steps before it (one host sync)
                 counts = {"kernels_per_step": r.get("kernels"), "host_syncs_per_step": r.get("host_syncs")}
     if ms <= 0:
         return {"error": "no measured steps in the metrics file"}

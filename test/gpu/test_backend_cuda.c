@@ -7,7 +7,9 @@
  * tensor's scale, so near-zero elements do not dominate), printed for every tensor. Tolerances:
  * 1e-5 for fp32 kernels; 0 where both backends do the same roundings in the same order (add,
  * scale, embedding); 1e-6 for RoPE (the same roundings, but cos/sin tables from two math
- * libraries may differ in a last bit); 1e-10 for sumsq (double sums, other order); 5e-3 for
+ * libraries may differ in a last bit); 1e-10 for sumsq and sumsq_groups (double sums, other
+ * order); 0 for step_loss, clip_scale, adamw_multi_dev and uploads (test_step_stats,
+ * test_uploads: the same operations in the same order, or copies); 5e-3 for
  * matmuls with TF32 allowed (inputs rounded to a 10-bit mantissa, about 5e-4 each, over k
  * products of uniform inputs). The fused entries (qkv_rope_*, add_rmsnorm_fwd) are also held to
  * the unfused cuda calls they replace: the same bits.
@@ -1254,6 +1256,158 @@ static void test_adamw_multi(void **state) {
   adamw_multi_case(1);
 }
 
+/* A step's statistics without host waits, against the cpu backend. step_loss: the rows added in
+ * the same order in double on both, so the same bits (tolerance 0), a poisoned micro-batch named
+ * the same. sumsq_groups: each group within 1e-10 of the cpu (the pieces' sums in another order,
+ * as sumsq), and the bits of the cuda sumsq_parts' pieces added in order. clip_scale on the same
+ * sums: the same bits (one sqrt and one division, correctly rounded on both). adamw_multi_dev:
+ * the bits of adamw_multi given the same scale. */
+static void step_loss_case(int poison_micro) {
+  const int n = 4999, accum = 3, valid[3] = {4000, 0, 4999};
+  pair_t rows = pair_new((size_t)n * accum, 0.0f, 5.0f);
+  double *sg = gpu->alloc(gpu, 2 * sizeof(double)), sc[2], sgh[2];
+  float *mg = gpu->alloc(gpu, sizeof(float)), mc = 0, mgh = 0;
+  assert_true(sg && mg);
+  for (int k = 0; k < accum; k++) {
+    cpu->step_loss(cpu, (const float *)rows.c + (size_t)k * n, n, valid[k], k, accum, k == poison_micro, sc, &mc);
+    gpu->step_loss(gpu, (const float *)rows.g + (size_t)k * n, n, valid[k], k, accum, k == poison_micro, sg, mg);
+  }
+  gpu->to_host(gpu, sgh, sg, sizeof sgh);
+  gpu->to_host(gpu, &mgh, mg, sizeof mgh);
+  printf("  step_loss (poison %d): cuda %.17g / %g / %.9g, cpu %.17g / %g / %.9g (tolerance 0)\n", poison_micro,
+         sgh[0], sgh[1], mgh, sc[0], sc[1], mc);
+  assert_memory_equal(sgh, sc, sizeof sc);
+  assert_memory_equal(&mgh, &mc, sizeof mc);
+  gpu->free(gpu, sg);
+  gpu->free(gpu, mg);
+  pair_free(&rows);
+}
+
+static void test_step_stats(void **state) {
+  step_loss_case(-1);
+  step_loss_case(1);
+  pair_t x = pair_new(3000001, -3.0f, 3.0f);
+  const size_t off[5] = {0, 5, 5, 4102, 1000000}, cnt[5] = {5, 0, 4097, 995898, 2000001};
+  const int grp[5] = {0, 1, 0, 1, 0};
+  double pg[5], sc[2], sg[2];
+  float hc[2], hg[2];
+  void *dev = gpu->alloc(gpu, 2 * sizeof(double) + 2 * sizeof(float));
+  assert_non_null(dev);
+  cpu->sumsq_groups(cpu, x.c, off, cnt, grp, 5, sc, hc);
+  for (int rep = 0; rep < 2; rep++) /* the second call runs on the cached table */
+    gpu->sumsq_groups(gpu, x.g, off, cnt, grp, 5, dev, (float *)((double *)dev + 2));
+  gpu->to_host(gpu, sg, dev, sizeof sg);
+  gpu->to_host(gpu, hg, (double *)dev + 2, sizeof hg);
+  gpu->sumsq_parts(gpu, x.g, off, cnt, 5, pg);
+  const double in_order[2] = {pg[0] + pg[2] + pg[4], pg[1] + pg[3]};
+  for (int g = 0; g < 2; g++) {
+    const double rel = fabs(sg[g] - sc[g]) / sc[g];
+    printf("  sumsq_groups group %d: cuda %.17g cpu %.17g rel %.3e (tolerance 1e-10); as sumsq_parts in order: %s; "
+           "share %s\n", g, sg[g], sc[g], rel, memcmp(&sg[g], &in_order[g], sizeof sg[g]) ? "DIFFERS" : "same bits",
+           hg[g] == (float)sg[g] ? "its fp32 rounding" : "WRONG");
+    assert_true(rel <= 1e-10);
+    assert_memory_equal(&sg[g], &in_order[g], sizeof sg[g]);
+    assert_true(hg[g] == (float)sg[g]);
+  }
+  static const double clips[] = {0.0, 1.0, 1e12};
+  double *ng = gpu->alloc(gpu, sizeof(double));
+  float *kg = gpu->alloc(gpu, sizeof(float));
+  assert_true(ng && kg);
+  for (int use = 0; use < 2; use++)
+    for (size_t c = 0; c < sizeof clips / sizeof clips[0]; c++) {
+      double nc, nh;
+      float kc, kh;
+      cpu->clip_scale(cpu, sg, hg, use, clips[c], &nc, &kc);
+      gpu->clip_scale(gpu, dev, (float *)((double *)dev + 2), use, clips[c], ng, kg);
+      gpu->to_host(gpu, &nh, ng, sizeof nh);
+      gpu->to_host(gpu, &kh, kg, sizeof kh);
+      printf("  clip_scale (shares %d, clip %g): cuda %.17g / %.9g, cpu %.17g / %.9g (tolerance 0)\n", use, clips[c],
+             nh, kh, nc, kc);
+      assert_memory_equal(&nh, &nc, sizeof nh);
+      assert_memory_equal(&kh, &kc, sizeof kh);
+    }
+  /* adamw_multi_dev against adamw_multi with the same scale, on the device */
+  const adamw_segment_t segs[] = {{0, 40001, 1}, {40001, 7, 0}, {40008, 16384, 1}};
+  const size_t n = 56392;
+  pair_t p = pair_new(n, -1.0f, 1.0f), gr = pair_new(n, -1.0f, 1.0f);
+  float *p2 = gpu->alloc(gpu, n * sizeof(float)), *m1 = gpu->alloc(gpu, n * sizeof(float));
+  float *v1 = gpu->alloc(gpu, n * sizeof(float)), *m2 = gpu->alloc(gpu, n * sizeof(float));
+  float *v2 = gpu->alloc(gpu, n * sizeof(float));
+  assert_true(p2 && m1 && v1 && m2 && v2);
+  gpu->copy(gpu, p2, p.g, n * sizeof(float));
+  const float scale = 0.37f;
+  gpu->to_device(gpu, kg, &scale, sizeof scale);
+  for (int step = 1; step <= 2; step++) {
+    gpu->adamw_multi(gpu, p.g, gr.g, m1, v1, NULL, segs, 3, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, step, scale);
+    gpu->adamw_multi_dev(gpu, p2, gr.g, m2, v2, NULL, segs, 3, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, step, kg);
+  }
+  float *a = pair_fetch(&p), *b = malloc(n * sizeof(float));
+  assert_non_null(b);
+  gpu->to_host(gpu, b, p2, n * sizeof(float));
+  size_t differ = 0;
+  for (size_t i = 0; i < n; i++) differ += memcmp(&a[i], &b[i], 4) != 0;
+  printf("  adamw_multi_dev vs adamw_multi, scale %.2f: %zu of %zu parameters differ in bits (tolerance 0)\n", scale,
+         differ, n);
+  assert_int_equal(differ, 0);
+  free(a);
+  free(b);
+  gpu->free(gpu, p2);
+  gpu->free(gpu, m1);
+  gpu->free(gpu, v1);
+  gpu->free(gpu, m2);
+  gpu->free(gpu, v2);
+  gpu->free(gpu, ng);
+  gpu->free(gpu, kg);
+  gpu->free(gpu, dev);
+  pair_free(&p);
+  pair_free(&gr);
+  pair_free(&x);
+}
+
+/* Uploads in turn through the two slots, each followed by a copy on the compute stream out of its
+ * destination (what a forward reads): every copy sees its own upload, none the next one into the
+ * same slot (tolerance 0), on both backends. */
+static void uploads_case(backend_t *be) {
+  enum { N = 1 << 20, UPLOADS = 8 };
+  int32_t *host[2], *dst[2], *out[UPLOADS];
+  for (int j = 0; j < 2; j++) {
+    host[j] = be->host_alloc_pinned(be, N * sizeof(int32_t));
+    dst[j] = be->alloc(be, N * sizeof(int32_t));
+    assert_true(host[j] && dst[j]);
+  }
+  for (int k = 0; k < UPLOADS; k++) {
+    const int j = k & 1;
+    out[k] = be->alloc(be, N * sizeof(int32_t));
+    assert_non_null(out[k]);
+    be->upload_host_wait(be, j);
+    for (int i = 0; i < N; i++) host[j][i] = k * 1000003 + i;
+    be->upload_async(be, dst[j], host[j], N * sizeof(int32_t), j);
+    be->upload_wait(be, j);
+    be->copy(be, out[k], dst[j], N * sizeof(int32_t));
+  }
+  int32_t *h = malloc(N * sizeof(int32_t));
+  assert_non_null(h);
+  size_t wrong = 0;
+  for (int k = 0; k < UPLOADS; k++) {
+    be->to_host(be, h, out[k], N * sizeof(int32_t));
+    for (int i = 0; i < N; i++) wrong += h[i] != k * 1000003 + i;
+    be->free(be, out[k]);
+  }
+  printf("  uploads on %s: %d of %d ids each through two slots, %zu wrong (tolerance 0)\n", be->name, UPLOADS, N,
+         wrong);
+  assert_int_equal(wrong, 0);
+  free(h);
+  for (int j = 0; j < 2; j++) {
+    be->host_free_pinned(be, host[j]);
+    be->free(be, dst[j]);
+  }
+}
+
+static void test_uploads(void **state) {
+  uploads_case(cpu);
+  uploads_case(gpu);
+}
+
 int main(void) {
   char err[512];
   setvbuf(stdout, NULL, _IOLBF, 0);
@@ -1290,6 +1444,8 @@ int main(void) {
       cmocka_unit_test(test_adamw_multi),
       cmocka_unit_test(test_qkv_rope),
       cmocka_unit_test(test_add_rmsnorm),
+      cmocka_unit_test(test_step_stats),
+      cmocka_unit_test(test_uploads),
       cmocka_unit_test(test_matmul_bf16),           /* the bf16 products last: see there */
       cmocka_unit_test(test_matmul_bf16_unaligned),
   };

@@ -43,8 +43,9 @@ def test_bench_dry_run_profile_and_results(tmp_path):
         assert row["check"] == "bench" and row["model"] == "tiny"
         assert row["mode"] == "bf16 mixed"
         assert row["tokens_per_s"] > 0
-        # what a step asked of the device: the trainer's counts, carried into every row of ours
-        assert row["kernels_per_step"] > 50 and row["host_syncs_per_step"] == 2, row
+        # what a step asked of the device: the trainer's counts (of the last step, which reads the
+        # loss and norm of the steps before it back in one copy), carried into every row of ours
+        assert row["kernels_per_step"] > 50 and row["host_syncs_per_step"] == 1, row
 
 
 def test_op_profile_bad_value_refused(tmp_path):

@@ -122,7 +122,10 @@ def test_tiny_plan_trains_and_loss_falls(tmp_path):
                           "step_ms", "compute_ms", "comm_wait_ms", "kernels", "host_syncs"}
         assert s["tokens_per_s"] > 0 and s["step_ms"] > 0 and s["grad_norm"] > 0
         assert s["comm_wait_ms"] == 0 and s["compute_ms"] == s["step_ms"]  # one process: nothing to wait on
-        assert s["kernels"] > 0 and s["host_syncs"] == 2  # the step's two read-backs: its losses, the norm
+        # the loss and the norm stay on the device; a step that logs (every 5th, the first), evaluates
+        # (every 10th) or saves (the last) reads them back, with those of the steps before it, in one copy
+        reads = s["step"] == 1 or s["step"] % 5 == 0
+        assert s["kernels"] > 0 and s["host_syncs"] == (1 if reads else 0), s
     assert [e["step"] for e in evals] == [10, 20, 30]
     # Warmup then cosine decay: lr rises for 3 steps, then falls to min_lr (lr/10 by default).
     lrs = [s["lr"] for s in steps]

@@ -6,9 +6,10 @@
  * - grad_accum_steps = 2 micro-batches of 2 sequences give the step that one micro-batch of the
  *   same 4 sequences gives: the loss and every parameter after two steps within a stated
  *   tolerance (float sums in another order), the observed differences printed;
- * - a nan loss (the hooks' fault, as a diverging model gives) fails the step with diverged set
- *   and the message that says what to do, before the optimizer: parameters and the update
- *   count are unchanged. */
+ * - a nan loss (the hooks' fault, as a diverging model gives) fails the step that reads it with
+ *   diverged set and the message that says what to do, naming the step that diverged: at once
+ *   when every step reads, and at the next read when the reads are spread (read_due), with the
+ *   steps before it read and good. */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -124,28 +125,52 @@ static void test_accumulation_is_the_combined_batch(void **state) {
   step_run_close(&w);
 }
 
-static void test_nan_loss_diverges(void **state) {
+/* Two micro-batches a step, and the hooks' nan loss on step 2. */
+static void open_nan_run(step_run_t *r) {
   static const char *sets[] = {"train.micro_batch_size=2", "train.global_batch_size=4"};
+  open_run(r, sets, 2);
+  r->hooks.nan_rank = 0;
+  r->hooks.nan_step = 2;
+}
+
+static void test_nan_loss_diverges(void **state) {
   step_run_t r;
-  open_run(&r, sets, 2);
-  r.hooks.nan_rank = 0;
-  r.hooks.nan_step = 2;
+  open_nan_run(&r);
   train_result_t res;
   step(&r, 0, &res);
   assert_int_equal(r.t.diverged, 0);
-  float *before = params_copy(&r);
   char err[1024] = "";
   assert_int_equal(train_step(&r.t, 1, &res, err, sizeof err), -1);
   printf("  step 2 with a nan loss: diverged %d, \"%s\"\n", r.t.diverged, err);
   assert_int_equal(r.t.diverged, 1);
   assert_string_equal(err, "loss is nan at step 2 (micro-batch 1); the model diverged: lower train.lr, raise "
                            "train.warmup_steps, check model.init_std, or enable train.grad_clip");
-  /* the optimizer did not run */
-  assert_int_equal(dp_optim_step(r.dp), 1);
-  float *after = params_copy(&r);
-  assert_memory_equal(before, after, model_num_params(r.m) * sizeof(float));
-  free(before);
-  free(after);
+  assert_int_equal(r.t.n_read, 0);
+  step_run_close(&r);
+}
+
+static int read_at_4(void *arg, int step) { return step == 4; }
+
+static void test_nan_loss_at_the_next_read(void **state) {
+  step_run_t r;
+  open_nan_run(&r);
+  r.t.read_due = read_at_4;
+  train_result_t res;
+  for (int s = 0; s < 3; s++) {
+    step(&r, s, &res);
+    assert_int_equal(res.read, 0);
+    assert_true(isnan(res.loss) && isnan(res.gnorm));
+  }
+  char err[1024] = "";
+  assert_int_equal(train_step(&r.t, 3, &res, err, sizeof err), -1);
+  printf("  steps 1-4, read at 4, a nan loss at 2: diverged %d, %d step(s) read, \"%s\"\n", r.t.diverged,
+         r.t.n_read, err);
+  assert_int_equal(r.t.diverged, 1);
+  assert_string_equal(err, "loss is nan at step 2 (micro-batch 1); the model diverged: lower train.lr, raise "
+                           "train.warmup_steps, check model.init_std, or enable train.grad_clip");
+  assert_int_equal(r.t.n_read, 1); /* step 1, good */
+  assert_int_equal(r.t.read_first, 0);
+  assert_true(isfinite(r.t.read_loss[0]) && isfinite(r.t.read_gnorm[0]) && r.t.read_gnorm[0] > 0);
   step_run_close(&r);
 }
 
@@ -154,6 +179,7 @@ int main(void) {
       cmocka_unit_test(test_loss_is_the_forward),
       cmocka_unit_test(test_accumulation_is_the_combined_batch),
       cmocka_unit_test(test_nan_loss_diverges),
+      cmocka_unit_test(test_nan_loss_at_the_next_read),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -240,6 +240,56 @@ struct backend {
                       const adamw_segment_t *segs, int n_segs, float lr, float beta1, float beta2, float eps,
                       float weight_decay, int step, float grad_scale);
 
+  /* --- a training step without host waits (trainer/run/train.c): its loss, gradient norm and
+   * clip scale stay in device memory, and AdamW reads the scale there. Required. None of these
+   * waits for the device; every pointer is device memory unless it says host. */
+  /* The loss of micro-batch `micro` (0-based) of `accum` from its n per-row losses (fp32): l is
+   * their sum in double, in order, over valid, rounded to fp32 (0 when valid is 0): the bits of
+   * model_loss_of_rows. With poison set, l is nan instead (a test's fault). stat (2 doubles):
+   * micro 0 sets stat[0] = l and stat[1] = 0, a later micro-batch adds l to stat[0]; stat[1]
+   * becomes micro + 1 at the first l that is not finite. The last (micro == accum - 1) then
+   * divides stat[0] by accum and writes *mean = (float)stat[0]. One thread adds the rows, in
+   * the host's order. */
+  void (*step_loss)(backend_t *be, const float *rows, int n, int valid, int micro, int accum, int poison,
+                    double *stat, float *mean);
+  /* sumsq_parts' sums of the n pieces (offset, count and group are host arrays), added in piece
+   * order into two groups (group[i] is 0 or 1): sums (2 doubles), and shares (2 floats) the same
+   * rounded to fp32, what a reduction across ranks moves. The piece table is cached on the
+   * device while a call brings the same one (a strategy's always does). */
+  void (*sumsq_groups)(backend_t *be, const float *x, const size_t *offset, const size_t *count, const int *group,
+                       int n, double *sums, float *shares);
+  /* The gradient norm and the clip scale: *norm = sqrt(sums[0] + sums[1]), or with use_shares
+   * (the shares were reduced across ranks) sqrt((double)shares[0] + (double)shares[1]); *scale =
+   * (float)min(1, clip / norm), 1 when clip <= 0: optim_clip_scale's value, in double, rounded
+   * once. (A norm that is not finite gives a scale that is not either: the caller's read of the
+   * norm stops the run.) */
+  void (*clip_scale)(backend_t *be, const double *sums, const float *shares, int use_shares, double clip,
+                     double *norm, float *scale);
+  /* adamw_multi with the gradient scale read from device memory (*grad_scale, fp32) when the
+   * kernel runs: the bits adamw_multi gives for that value. */
+  void (*adamw_multi_dev)(backend_t *be, float *param, const float *grad, float *m, float *v, void *param_lp,
+                          const adamw_segment_t *segs, int n_segs, float lr, float beta1, float beta2, float eps,
+                          float weight_decay, int step, const float *grad_scale);
+
+  /* --- batches uploaded while the device computes: pinned (page-locked) host memory, a copy
+   * stream beside the compute stream, and two slots used in turn (double buffering). Required;
+   * on a host backend plain memory, memcpy, and no waits. One upload goes:
+   *   upload_host_wait(slot)               the host may write the slot's pinned buffer again
+   *                                        (the slot's last upload has read it)
+   *   (the host writes the pinned buffer)
+   *   upload_async(dst, src, bytes, slot)  src (pinned) to dst (device) on the copy stream, once
+   *                                        the compute stream is done with the slot's last dst
+   *   upload_wait(slot)                    the compute stream waits for the copy: what is queued
+   *                                        after it may read dst
+   * A slot's dst is in use from its upload_wait until the other slot's next upload_wait: a
+   * caller alternates the slots and queues everything that reads dst in between. The host waits
+   * only in upload_host_wait, and only for the copy two uploads back. */
+  void *(*host_alloc_pinned)(backend_t *be, size_t bytes); /* zeroed; NULL when it cannot */
+  void (*host_free_pinned)(backend_t *be, void *p);        /* accepts NULL */
+  void (*upload_host_wait)(backend_t *be, int slot);
+  void (*upload_async)(backend_t *be, void *dst, const void *src, size_t bytes, int slot);
+  void (*upload_wait)(backend_t *be, int slot);
+
   void (*destroy)(backend_t *be);
 
   /* --- what the backend knows of its device, optional (NULL: nothing to say) */

@@ -1288,6 +1288,58 @@ static void cpu_adamw_multi(backend_t *be, float *param, const float *grad, floa
   }
 }
 
+/* ------------------------------------------------------------------ a step without host waits */
+
+/* The host's arithmetic of a step's statistics, on memory that is the host's anyway: the same
+ * bits as the code that read them back did (backend.h). */
+static void cpu_step_loss(backend_t *be, const float *rows, int n, int valid, int micro, int accum, int poison,
+                          double *stat, float *mean) {
+  double sum = 0.0;
+  for (int i = 0; i < n; i++) sum += rows[i];
+  float l = valid > 0 ? (float)(sum / valid) : 0.0f;
+  if (poison) l = NAN;
+  if (micro == 0) stat[0] = stat[1] = 0.0;
+  stat[0] += l;
+  if (!isfinite(l) && stat[1] == 0.0) stat[1] = micro + 1;
+  if (micro == accum - 1) {
+    stat[0] /= accum;
+    *mean = (float)stat[0];
+  }
+}
+
+static void cpu_sumsq_groups(backend_t *be, const float *x, const size_t *offset, const size_t *count,
+                             const int *group, int n, double *sums, float *shares) {
+  double s[2] = {0.0, 0.0};
+  for (int i = 0; i < n; i++) s[group[i] ? 1 : 0] += cpu_sumsq(be, x + offset[i], count[i]);
+  for (int g = 0; g < 2; g++) {
+    sums[g] = s[g];
+    shares[g] = (float)s[g];
+  }
+}
+
+static void cpu_clip_scale(backend_t *be, const double *sums, const float *shares, int use_shares, double clip,
+                           double *norm, float *scale) {
+  const double r = use_shares ? sqrt((double)shares[0] + (double)shares[1]) : sqrt(sums[0] + sums[1]);
+  *norm = r;
+  *scale = (float)(clip <= 0 || r <= clip ? 1.0 : clip / r);
+}
+
+static void cpu_adamw_multi_dev(backend_t *be, float *param, const float *grad, float *m, float *v, void *param_lp,
+                                const adamw_segment_t *segs, int n_segs, float lr, float beta1, float beta2,
+                                float eps, float weight_decay, int step, const float *grad_scale) {
+  cpu_adamw_multi(be, param, grad, m, v, param_lp, segs, n_segs, lr, beta1, beta2, eps, weight_decay, step,
+                  *grad_scale);
+}
+
+/* Host memory is the device's: an upload is a copy, and nothing runs beside it to wait for. */
+static void *cpu_alloc_pinned(backend_t *be, size_t bytes) { return calloc(1, bytes ? bytes : 1); }
+static void cpu_free_pinned(backend_t *be, void *p) { free(p); }
+static void cpu_upload_host_wait(backend_t *be, int slot) {}
+static void cpu_upload_async(backend_t *be, void *dst, const void *src, size_t bytes, int slot) {
+  cpu_copy(be, dst, src, bytes);
+}
+static void cpu_upload_wait(backend_t *be, int slot) {}
+
 /* ------------------------------------------------------------------ lifecycle */
 
 static void cpu_destroy(backend_t *be) {
@@ -1357,6 +1409,15 @@ backend_t *backend_cpu_create(int threads, char *err, size_t errlen) {
   be->ce_shard_loss = cpu_ce_shard_loss;
   be->adamw = cpu_adamw;
   be->adamw_multi = cpu_adamw_multi;
+  be->step_loss = cpu_step_loss;
+  be->sumsq_groups = cpu_sumsq_groups;
+  be->clip_scale = cpu_clip_scale;
+  be->adamw_multi_dev = cpu_adamw_multi_dev;
+  be->host_alloc_pinned = cpu_alloc_pinned;
+  be->host_free_pinned = cpu_free_pinned;
+  be->upload_host_wait = cpu_upload_host_wait;
+  be->upload_async = cpu_upload_async;
+  be->upload_wait = cpu_upload_wait;
   be->destroy = cpu_destroy;
   return be;
 }

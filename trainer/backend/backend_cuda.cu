@@ -2,7 +2,8 @@
  *
  * Every call is queued on one stream that the backend owns; only to_device, to_host, sumsq,
  * sumsq_parts (one wait for all its pieces) and synchronize wait for it (the host reads or
- * reuses memory).
+ * reuses memory). Uploads of batches run on a second stream, the copy stream, from pinned host
+ * memory, ordered against the compute stream by two events per slot (upload_async).
  * Matrix products go through cuBLASLt (row-major operands, called as the column-major product
  * c^T = op(b)^T op(a)^T); their descriptors and the chosen algorithm are cached per shape,
  * transposition, dtypes and pointer alignment, so one shape always runs the same algorithm.
@@ -150,6 +151,12 @@ typedef struct {
   size_t now, peak;
 } mem_track_t;
 
+/* A piece of sumsq_parts: its elements, and its blocks of pass 1 (g from first on). */
+typedef struct {
+  size_t offset, count;
+  int g, first;
+} sumsq_piece_t;
+
 typedef struct {
   int device;
   size_t smem_optin; /* the most dynamic shared memory one block may have */
@@ -179,6 +186,17 @@ typedef struct {
   adamw_segment_t *adamw_segs;
   int adamw_nsegs;
   unsigned adamw_chunks;
+  /* sumsq_groups: the device table of the last piece list (groups_tab, a host copy: pieces then
+   * groups), its partials and totals after it in groups_dev, rebuilt only when a call brings
+   * another list */
+  scratch_t groups_dev;
+  sumsq_piece_t *groups_tab;
+  int *groups_of;
+  int groups_n, groups_blocks;
+  /* uploads: the copy stream, and per slot the event of its last copy (copied) and the point of
+   * the compute stream after which its last destination is no longer read (freed) */
+  cudaStream_t copy_stream;
+  cudaEvent_t copied[2], freed[2];
 } cuda_t;
 
 static cuda_t *cuda_of(backend_t *be) { return (cuda_t *)be->impl; }
@@ -429,11 +447,7 @@ static double cu_sumsq(backend_t *be, const float *x, size_t n) {
  * grid, each block doing for its piece exactly what sumsq_partial_kernel's block of the same index
  * does (so each partial has the same bits); pass 2 has one thread per piece add that piece's g_i
  * partials in order, as sumsq_final_kernel does. Each piece's sum is therefore cu_sumsq's, bit for
- * bit. The table (offset, count, g, first per piece) travels with the call. */
-typedef struct {
-  size_t offset, count;
-  int g, first;
-} sumsq_piece_t;
+ * bit. The table (offset, count, g, first per piece: sumsq_piece_t) travels with the call. */
 
 __global__ void sumsq_parts_partial_kernel(double *part, const float *x, const sumsq_piece_t *pieces, int n) {
   int lo = 0, hi = n - 1; /* the piece whose blocks include this one: the last first <= blockIdx.x */
@@ -451,18 +465,24 @@ __global__ void sumsq_parts_final_kernel(double *totals, const double *part, con
   if (i < n) totals[i] = sum_in_order(part + pieces[i].first, pieces[i].g);
 }
 
-static void cu_sumsq_parts(backend_t *be, const float *x, const size_t *offset, const size_t *count, int n,
-                           double *out) {
-  cuda_t *cu = cuda_of(be);
-  if (n <= 0) return;
-  sumsq_piece_t *tab = (sumsq_piece_t *)malloc((size_t)n * sizeof *tab);
-  if (!tab) backend_fatal(__FILE__, __LINE__, "sumsq_parts", "out of host memory for the piece table");
+/* The piece table of (offset, count) into tab (n entries); returns the blocks of pass 1. */
+static int sumsq_pieces(sumsq_piece_t *tab, const size_t *offset, const size_t *count, int n) {
   int blocks = 0;
   for (int i = 0; i < n; i++) {
     size_t g = sumsq_blocks(count[i]);
     tab[i] = (sumsq_piece_t){offset[i], count[i], (int)g, blocks};
     blocks += (int)g;
   }
+  return blocks;
+}
+
+static void cu_sumsq_parts(backend_t *be, const float *x, const size_t *offset, const size_t *count, int n,
+                           double *out) {
+  cuda_t *cu = cuda_of(be);
+  if (n <= 0) return;
+  sumsq_piece_t *tab = (sumsq_piece_t *)malloc((size_t)n * sizeof *tab);
+  if (!tab) backend_fatal(__FILE__, __LINE__, "sumsq_parts", "out of host memory for the piece table");
+  int blocks = sumsq_pieces(tab, offset, count, n);
   /* scratch: the table, then the partials, then the totals (8-byte aligned throughout) */
   size_t tab_bytes = ((size_t)n * sizeof *tab + 7) & ~(size_t)7;
   char *base = (char *)scratch_get(cu, &cu->sumsq, tab_bytes + ((size_t)blocks + (size_t)n) * sizeof(double));
@@ -1987,7 +2007,9 @@ typedef struct {
 
 __global__ void __launch_bounds__(EW_THREADS)
     adamw_multi_kernel(const adamw_chunk_t *chunks, float *param, const float *grad, float *m, float *v,
-                       nv_bfloat16 *param_lp, adamw_args_t a, float decay_on, float decay_off, int vec) {
+                       nv_bfloat16 *param_lp, adamw_args_t a, const float *scale_dev, float decay_on,
+                       float decay_off, int vec) {
+  if (scale_dev) a.grad_scale = *scale_dev; /* adamw_multi_dev: the scale the device computed */
   const adamw_chunk_t c = chunks[blockIdx.x];
   const float decay = c.decay ? decay_on : decay_off;
   unsigned head = 0, body = 0; /* [head, head + body) goes 4 at a time */
@@ -2063,9 +2085,10 @@ static const adamw_chunk_t *adamw_table(cuda_t *cu, const adamw_segment_t *segs,
   return (const adamw_chunk_t *)dev;
 }
 
-static void cu_adamw_multi(backend_t *be, float *param, const float *grad, float *m, float *v, void *param_lp,
-                           const adamw_segment_t *segs, int n_segs, float lr, float beta1, float beta2, float eps,
-                           float weight_decay, int step, float grad_scale) {
+/* Both entries: the scale from the host (scale_dev NULL) or read by the kernel from scale_dev. */
+static void adamw_multi_launch(backend_t *be, float *param, const float *grad, float *m, float *v, void *param_lp,
+                               const adamw_segment_t *segs, int n_segs, float lr, float beta1, float beta2,
+                               float eps, float weight_decay, int step, float grad_scale, const float *scale_dev) {
   cuda_t *cu = cuda_of(be);
   const adamw_chunk_t *tab = adamw_table(cu, segs, n_segs);
   if (!cu->adamw_chunks) return;
@@ -2073,8 +2096,166 @@ static void cu_adamw_multi(backend_t *be, float *param, const float *grad, float
                   ((uintptr_t)param_lp & 7u) == 0;
   adamw_multi_kernel<<<cu->adamw_chunks, EW_THREADS, 0, cu->stream>>>(
       tab, param, grad, m, v, (nv_bfloat16 *)param_lp, adamw_args(lr, beta1, beta2, eps, step, grad_scale),
-      1.0f - lr * weight_decay, 1.0f - lr * 0.0f, vec);
+      scale_dev, 1.0f - lr * weight_decay, 1.0f - lr * 0.0f, vec);
   LAUNCH_CHECK("adamw_multi_kernel");
+}
+
+static void cu_adamw_multi(backend_t *be, float *param, const float *grad, float *m, float *v, void *param_lp,
+                           const adamw_segment_t *segs, int n_segs, float lr, float beta1, float beta2, float eps,
+                           float weight_decay, int step, float grad_scale) {
+  adamw_multi_launch(be, param, grad, m, v, param_lp, segs, n_segs, lr, beta1, beta2, eps, weight_decay, step,
+                     grad_scale, NULL);
+}
+
+/* ------------------------------------------------------------------ a step without host waits */
+
+/* One thread: the rows in the host's order (backend.h), then the step's running sum. */
+__global__ void step_loss_kernel(const float *rows, int n, int valid, int micro, int accum, int poison, double *stat,
+                                 float *mean) {
+  double sum = 0.0;
+  for (int i = 0; i < n; i++) sum += rows[i];
+  float l = valid > 0 ? (float)(sum / valid) : 0.0f;
+  if (poison) l = __int_as_float(0x7fc00000); /* nan */
+  if (micro == 0) stat[0] = stat[1] = 0.0;
+  stat[0] += l;
+  if (!isfinite(l) && stat[1] == 0.0) stat[1] = micro + 1;
+  if (micro == accum - 1) {
+    stat[0] /= accum;
+    *mean = (float)stat[0];
+  }
+}
+
+static void cu_step_loss(backend_t *be, const float *rows, int n, int valid, int micro, int accum, int poison,
+                         double *stat, float *mean) {
+  step_loss_kernel<<<1, 1, 0, cuda_of(be)->stream>>>(rows, n, valid, micro, accum, poison, stat, mean);
+  LAUNCH_CHECK("step_loss_kernel");
+}
+
+/* One thread adds the pieces' totals in piece order, per group. */
+__global__ void sumsq_groups_kernel(double *sums, float *shares, const double *totals, const int *group, int n) {
+  double s0 = 0.0, s1 = 0.0; /* scalars, not an indexed array: registers, not local memory */
+  for (int i = 0; i < n; i++) {
+    if (group[i]) s1 += totals[i];
+    else s0 += totals[i];
+  }
+  sums[0] = s0;
+  sums[1] = s1;
+  shares[0] = (float)s0;
+  shares[1] = (float)s1;
+}
+
+static int groups_same(const cuda_t *cu, const size_t *offset, const size_t *count, const int *group, int n) {
+  if (!cu->groups_tab || cu->groups_n != n) return 0;
+  for (int i = 0; i < n; i++)
+    if (cu->groups_tab[i].offset != offset[i] || cu->groups_tab[i].count != count[i] ||
+        !cu->groups_of[i] != !group[i])
+      return 0;
+  return 1;
+}
+
+/* The scratch of sumsq_groups: the piece table, the groups, the partials, the totals (8-byte
+ * aligned throughout); built and uploaded when the list changes, which a strategy's never does
+ * (the one wait is then, at the first step). */
+static char *groups_table(cuda_t *cu, const size_t *offset, const size_t *count, const int *group, int n,
+                          size_t *tab_bytes) {
+  *tab_bytes = (((size_t)n * sizeof(sumsq_piece_t) + 7) & ~(size_t)7) + (((size_t)n * sizeof(int) + 7) & ~(size_t)7);
+  if (groups_same(cu, offset, count, group, n)) return (char *)cu->groups_dev.p;
+  sumsq_piece_t *tab = (sumsq_piece_t *)malloc((size_t)n * sizeof *tab);
+  int *grp = (int *)malloc((size_t)n * sizeof *grp);
+  if (!tab || !grp) backend_fatal(__FILE__, __LINE__, "sumsq_groups", "out of host memory for the piece table");
+  cu->groups_blocks = sumsq_pieces(tab, offset, count, n);
+  for (int i = 0; i < n; i++) grp[i] = group[i] ? 1 : 0;
+  char *base = (char *)scratch_get(
+      cu, &cu->groups_dev, *tab_bytes + ((size_t)cu->groups_blocks + (size_t)n) * sizeof(double));
+  const size_t grp_at = ((size_t)n * sizeof *tab + 7) & ~(size_t)7;
+  CUDA_CHECK(cudaMemcpyAsync(base, tab, (size_t)n * sizeof *tab, cudaMemcpyHostToDevice, cu->stream));
+  CUDA_CHECK(cudaMemcpyAsync(base + grp_at, grp, (size_t)n * sizeof *grp, cudaMemcpyHostToDevice, cu->stream));
+  CUDA_CHECK(cudaStreamSynchronize(cu->stream)); /* the host tables are kept, but may change next */
+  free(cu->groups_tab);
+  free(cu->groups_of);
+  cu->groups_tab = tab;
+  cu->groups_of = grp;
+  cu->groups_n = n;
+  return base;
+}
+
+/* sumsq_parts' two passes (the same bits per piece), then the groups' sums: three launches. */
+static void cu_sumsq_groups(backend_t *be, const float *x, const size_t *offset, const size_t *count, const int *group,
+                            int n, double *sums, float *shares) {
+  cuda_t *cu = cuda_of(be);
+  if (n <= 0) {
+    CUDA_CHECK(cudaMemsetAsync(sums, 0, 2 * sizeof(double), cu->stream));
+    CUDA_CHECK(cudaMemsetAsync(shares, 0, 2 * sizeof(float), cu->stream));
+    return;
+  }
+  size_t tab_bytes;
+  char *base = groups_table(cu, offset, count, group, n, &tab_bytes);
+  const sumsq_piece_t *dtab = (const sumsq_piece_t *)base;
+  const int *dgrp = (const int *)(base + (((size_t)n * sizeof(sumsq_piece_t) + 7) & ~(size_t)7));
+  double *part = (double *)(base + tab_bytes), *totals = part + cu->groups_blocks;
+  if (cu->groups_blocks) {
+    sumsq_parts_partial_kernel<<<(unsigned)cu->groups_blocks, 256, 0, cu->stream>>>(part, x, dtab, n);
+    LAUNCH_CHECK("sumsq_parts_partial_kernel");
+  }
+  sumsq_parts_final_kernel<<<(unsigned)((n + 127) / 128), 128, 0, cu->stream>>>(totals, part, dtab, n);
+  LAUNCH_CHECK("sumsq_parts_final_kernel");
+  sumsq_groups_kernel<<<1, 1, 0, cu->stream>>>(sums, shares, totals, dgrp, n);
+  LAUNCH_CHECK("sumsq_groups_kernel");
+}
+
+__global__ void clip_scale_kernel(const double *sums, const float *shares, int use_shares, double clip, double *norm,
+                                  float *scale) {
+  const double r = use_shares ? sqrt((double)shares[0] + (double)shares[1]) : sqrt(sums[0] + sums[1]);
+  *norm = r;
+  *scale = (float)(clip <= 0 || r <= clip ? 1.0 : clip / r);
+}
+
+static void cu_clip_scale(backend_t *be, const double *sums, const float *shares, int use_shares, double clip,
+                          double *norm, float *scale) {
+  clip_scale_kernel<<<1, 1, 0, cuda_of(be)->stream>>>(sums, shares, use_shares, clip, norm, scale);
+  LAUNCH_CHECK("clip_scale_kernel");
+}
+
+static void cu_adamw_multi_dev(backend_t *be, float *param, const float *grad, float *m, float *v, void *param_lp,
+                               const adamw_segment_t *segs, int n_segs, float lr, float beta1, float beta2, float eps,
+                               float weight_decay, int step, const float *grad_scale) {
+  adamw_multi_launch(be, param, grad, m, v, param_lp, segs, n_segs, lr, beta1, beta2, eps, weight_decay, step, 1.0f,
+                     grad_scale);
+}
+
+/* Pinned memory is not the allocator's (mem_peak counts device memory only). */
+static void *cu_alloc_pinned(backend_t *be, size_t bytes) {
+  void *p = NULL;
+  if (cudaMallocHost(&p, bytes ? bytes : 16) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return NULL;
+  }
+  memset(p, 0, bytes ? bytes : 16);
+  return p;
+}
+
+static void cu_free_pinned(backend_t *be, void *p) {
+  if (p) CUDA_CHECK(cudaFreeHost(p));
+}
+
+/* The protocol of backend.h: the copy waits for freed[slot] (recorded on the compute stream at
+ * the other slot's upload_wait: everything that read this slot's last destination is before
+ * it), records copied[slot]; upload_wait makes the compute stream wait for copied[slot] and
+ * marks the other slot's destination free from there. An event never recorded is complete. */
+static void cu_upload_host_wait(backend_t *be, int slot) { CUDA_CHECK(cudaEventSynchronize(cuda_of(be)->copied[slot & 1])); }
+
+static void cu_upload_async(backend_t *be, void *dst, const void *src, size_t bytes, int slot) {
+  cuda_t *cu = cuda_of(be);
+  if (!bytes) return;
+  CUDA_CHECK(cudaStreamWaitEvent(cu->copy_stream, cu->freed[slot & 1], 0));
+  CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, cu->copy_stream));
+  CUDA_CHECK(cudaEventRecord(cu->copied[slot & 1], cu->copy_stream));
+}
+
+static void cu_upload_wait(backend_t *be, int slot) {
+  cuda_t *cu = cuda_of(be);
+  CUDA_CHECK(cudaStreamWaitEvent(cu->stream, cu->copied[slot & 1], 0));
+  CUDA_CHECK(cudaEventRecord(cu->freed[(slot & 1) ^ 1], cu->stream));
 }
 
 /* ------------------------------------------------------------------ lifecycle */
@@ -2097,6 +2278,14 @@ static void cu_destroy(backend_t *be) {
     scratch_free(cu, &cu->cudnn_ws);
     scratch_free(cu, &cu->adamw_tab);
     free(cu->adamw_segs);
+    scratch_free(cu, &cu->groups_dev);
+    free(cu->groups_tab);
+    free(cu->groups_of);
+    for (int i = 0; i < 2; i++) {
+      if (cu->copied[i]) cudaEventDestroy(cu->copied[i]);
+      if (cu->freed[i]) cudaEventDestroy(cu->freed[i]);
+    }
+    if (cu->copy_stream) cudaStreamDestroy(cu->copy_stream);
     if (cu->workspace) cudaFree(cu->workspace);
     free(cu->mem.v);
     if (cu->lt) cublasLtDestroy(cu->lt);
@@ -2165,6 +2354,15 @@ static void cu_set_ops(backend_t *be) {
   be->ce_shard_loss = cu_ce_shard_loss;
   be->adamw = cu_adamw;
   be->adamw_multi = cu_adamw_multi;
+  be->step_loss = cu_step_loss;
+  be->sumsq_groups = cu_sumsq_groups;
+  be->clip_scale = cu_clip_scale;
+  be->adamw_multi_dev = cu_adamw_multi_dev;
+  be->host_alloc_pinned = cu_alloc_pinned;
+  be->host_free_pinned = cu_free_pinned;
+  be->upload_host_wait = cu_upload_host_wait;
+  be->upload_async = cu_upload_async;
+  be->upload_wait = cu_upload_wait;
   be->destroy = cu_destroy;
   be->peak_flops = cu_peak_flops;
   be->set_tf32 = cu_set_tf32;
@@ -2224,6 +2422,16 @@ static backend_t *cu_create(int device, int threads, char *err, size_t errlen) {
     what = "cudaStreamCreate";
     goto fail;
   }
+  if ((e = cudaStreamCreateWithFlags(&cu->copy_stream, cudaStreamNonBlocking)) != cudaSuccess) {
+    what = "cudaStreamCreate(copy stream)";
+    goto fail;
+  }
+  for (int i = 0; i < 2; i++)
+    if ((e = cudaEventCreateWithFlags(&cu->copied[i], cudaEventDisableTiming)) != cudaSuccess ||
+        (e = cudaEventCreateWithFlags(&cu->freed[i], cudaEventDisableTiming)) != cudaSuccess) {
+      what = "cudaEventCreate(uploads)";
+      goto fail;
+    }
   if ((e = cudaMalloc(&cu->workspace, WORKSPACE_BYTES)) != cudaSuccess) { what = "cudaMalloc(workspace)"; goto fail; }
   mem_add(&cu->mem, (ptrdiff_t)WORKSPACE_BYTES);
   if ((bs = cublasLtCreate(&cu->lt)) != CUBLAS_STATUS_SUCCESS) { what = "cublasLtCreate"; goto fail; }

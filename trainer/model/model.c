@@ -195,6 +195,11 @@ struct model {
   const void *logits_out; /* the last forward's full logits (dt), NULL when none */
   float *logits_f32;    /* bf16: model_logits' widened copy (max_b * max_t, V), on first use */
   int32_t pad_ids[64];  /* -1s: token and target ids of SP padding rows (< tp of them) */
+  /* A whole model's batches go up through the backend's uploads (upload_ids): two device buffers
+   * of (2, Np) ids, tokens then targets, and their pinned host copies, used in turn (up_next).
+   * NULL: pipeline chunks, which copy into each slot's own ids. */
+  int32_t *up_dev[2], *up_host[2];
+  int up_next;
 
   /* pipeline: the chunks held (one covering every layer without pp) and the local unit numbering */
   int n_chunks;
@@ -523,6 +528,10 @@ void model_destroy(model_t *m) {
     m->be->free(m->be, m->arena);
     m->be->free(m->be, m->params_lp);
     m->be->free(m->be, m->logits_f32);
+    for (int j = 0; j < 2; j++) {
+      m->be->free(m->be, m->up_dev[j]);
+      m->be->host_free_pinned(m->be, m->up_host[j]);
+    }
   }
   ring_attention_free(&m->ring);
   free(m->tensors);
@@ -859,13 +868,31 @@ static int cp_setup(model_t *m, const model_opts_t *opts, int mode, char *err, s
   return 0;
 }
 
+/* The upload buffers of a whole model (one chunk with the embedding and the head, one slot). */
+static int alloc_uploads(model_t *m, char *err, size_t errlen) {
+  const chunk_t *ch = &m->chunks[0];
+  if (m->n_chunks != 1 || !ch->embed || !ch->head || ch->n_slots != 1) return 0;
+  int np, ns, r0;
+  batch_rows(m, m->max_b * m->max_t, &np, &ns, &r0);
+  const size_t bytes = 2 * (size_t)np * sizeof(int32_t);
+  for (int j = 0; j < 2; j++) {
+    m->up_dev[j] = m->be->alloc(m->be, bytes);
+    m->up_host[j] = m->be->host_alloc_pinned(m->be, bytes);
+    if (!m->up_dev[j] || !m->up_host[j])
+      return err_set(err, errlen, MODEL_ENOMEM, "model error: cannot allocate 2 x %zu bytes for the batches' uploads",
+                     bytes);
+  }
+  m->be->synchronize(m->be); /* alloc's zeroing (compute stream) is over before a copy writes them */
+  return 0;
+}
+
 /* m, allocated and given its backend, built up; on a failure the caller destroys it. */
 static int model_build(model_t *m, const plan_model_t *cfg, int kv, const model_opts_t *opts, char *err,
                        size_t errlen) {
   int rc;
   if ((rc = set_dims(m, cfg, kv, opts, err, errlen)) || (rc = alloc_tables(m, opts, err, errlen))) return rc;
   add_tensors(m, opts);
-  if ((rc = alloc_buffers(m, err, errlen))) return rc;
+  if ((rc = alloc_buffers(m, err, errlen)) || (rc = alloc_uploads(m, err, errlen))) return rc;
   if (m->tp > 1)
     log_debug("model: tp %d/%d: heads %d/%d, kv %d/%d, ffn %d/%d, vocab rows %d+%d (padded %d)%s%s", m->tp_rank, m->tp,
               m->Hl, m->H, m->KVl, m->KV, m->Fl, m->F, m->Ve, m->Vo, m->Vp, m->sp ? ", sequence parallel" : "",
@@ -1245,6 +1272,30 @@ static void ids_to_device(model_t *m, int32_t *dev, const int32_t *ids, int n) {
   if (m->Np > n) m->be->to_device(m->be, dev + n, m->pad_ids, (size_t)(m->Np - n) * sizeof(int32_t));
 }
 
+/* A whole model's ids through the backend's uploads (backend.h): the pinned copy of slot
+ * up_next, padded to Np rows as ids_to_device pads, goes up on the copy stream while the device
+ * still computes the micro-batch before (the host runs ahead of it: a step does not wait for the
+ * device), and the compute stream waits for it before the embedding. The slot's device buffer
+ * becomes the batch's ids until the other slot's next upload: the backward of this micro-batch
+ * reads them before the next forward. */
+static void upload_ids(model_t *m, slot_t *sl, const int32_t *tokens, const int32_t *targets, int n) {
+  backend_t *be = m->be;
+  const int j = m->up_next, Np = m->Np, pad = Np - n;
+  int32_t *h = m->up_host[j];
+  m->up_next ^= 1;
+  be->upload_host_wait(be, j);
+  memcpy(h, tokens, (size_t)n * sizeof *h);
+  memcpy(h + n, m->pad_ids, (size_t)pad * sizeof *h);
+  if (targets) {
+    memcpy(h + Np, targets, (size_t)n * sizeof *h);
+    memcpy(h + Np + n, m->pad_ids, (size_t)pad * sizeof *h);
+  }
+  be->upload_async(be, m->up_dev[j], h, (targets ? 2 : 1) * (size_t)Np * sizeof *h, j);
+  be->upload_wait(be, j);
+  sl->tokens_dev = m->tokens_dev = m->up_dev[j];
+  sl->targets_dev = m->targets_dev = m->up_dev[j] + Np;
+}
+
 /* Valid vocabulary columns of this rank's output shard (the last ones may be padding). */
 static int shard_vocab(const model_t *m) {
   int v = m->V - m->tp_rank * m->Vo;
@@ -1435,9 +1486,10 @@ static int chunk_forward(model_t *m, int c, int k, const int32_t *tokens, const 
   if (ch->head && targets && ++m->passes == m->fault_pass && !m->fault_bwd) comm_fail_next(m->tpc); /* tests only */
   batch_rows(m, N, &m->Np, &m->Ns, &m->row0);
   int Np = m->Np;
-  if (ch->embed) ids_to_device(m, m->tokens_dev, tokens, N);
+  if (m->up_dev[0]) upload_ids(m, &m->chunks[c].slots[k], tokens, targets, N);
+  else if (ch->embed) ids_to_device(m, m->tokens_dev, tokens, N);
   if (ch->head && targets) {
-    ids_to_device(m, m->targets_dev, targets, N);
+    if (!m->up_dev[0]) ids_to_device(m, m->targets_dev, targets, N);
     m->n_valid = 0;
     for (int i = 0; i < N; i++) m->n_valid += targets[i] >= 0;
   }

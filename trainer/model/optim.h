@@ -10,7 +10,8 @@
  * Clipping is global: norm = sqrt(sum over all gradients of g^2). optim_grad_sumsq returns the
  * range's share; a sharded caller all-reduces the shares before optim_clip_scale. The scale
  * min(1, clip / norm) is folded into the AdamW kernel (grad_scale), so gradients are never
- * rewritten.
+ * rewritten. A training step computes the same scale on the device (the backend's clip_scale)
+ * and hands it over there (optim_step_dev).
  *
  * LR schedule, for optimizer step s = 0 .. steps-1 (the s-th update):
  *   s < warmup:  lr * (s + 1) / warmup              (linear from 0; the first step is not wasted)
@@ -63,6 +64,11 @@ double optim_clip_scale(double grad_norm, double clip);
  * params_lp (optional, bf16, the same layout as params): the compute copy, rewritten from the
  * updated fp32 parameters by the same fused pass (backend adamw's param_lp). */
 void optim_step(optim_t *o, float *params, const float *grads, void *params_lp, double lr, double grad_scale);
+/* optim_step with the clip scale in device memory (*grad_scale, fp32, as a clip_scale kernel
+ * wrote it): one adamw_multi_dev call, the bits optim_step gives for that scale, and nothing
+ * waits for the device. */
+void optim_step_dev(optim_t *o, float *params, const float *grads, void *params_lp, double lr,
+                    const float *grad_scale);
 
 /* The learning rate of optimizer step s (0-based), per the schedule above. */
 double optim_lr(const plan_train_t *cfg, int s);

@@ -14,7 +14,10 @@
  * (summed over tp) and tensors replicated across tp (counted once); sharded storage adds up
  * over its shard group. Shares travel as fp32 (the cpu comm's only dtype): 1e-7 relative on a
  * clip scale. They are host values, so they go through the groups' host communicators (the
- * device ones themselves when the comm backend is cpu). */
+ * device ones themselves when the comm backend is cpu). A training step keeps them on the
+ * device instead (dp_clip_dev): the same sums and fp32 shares in device memory, reduced over the
+ * groups' device communicators in the same order, the norm and the clip scale computed there,
+ * and AdamW reading the scale there (dp_step_dev); nothing waits for the device. */
 #include "trainer/parallel/dp.h"
 
 #include <math.h>
@@ -120,24 +123,32 @@ void dp_add_part(dp_impl_t *d, size_t offset, size_t numel, int tp_split) {
 
 int dp_rank_of(comm_t *c) { return c ? comm_rank(c) : 0; }
 
+/* The parts as the backend's sums take them (made once): offsets, lengths, and the group of
+ * each, 1 for a tp-replicated part under tp (counted once), 0 for the rest (summed over tp). */
+static int norm_parts(dp_impl_t *d) {
+  if (d->part_sumsq) return 0;
+  const size_t n = d->n_parts > 0 ? (size_t)d->n_parts : 1;
+  d->part_off = malloc(n * sizeof *d->part_off);
+  d->part_len = malloc(n * sizeof *d->part_len);
+  d->part_group = malloc(n * sizeof *d->part_group);
+  d->part_sumsq = malloc(n * sizeof *d->part_sumsq);
+  if (!d->part_off || !d->part_len || !d->part_group || !d->part_sumsq)
+    return dp_fail(d, DP_ENOMEM, "dp error: out of memory for the gradient norm parts");
+  for (int i = 0; i < d->n_parts; i++) {
+    d->part_off[i] = d->parts[i].offset;
+    d->part_len[i] = d->parts[i].numel;
+    d->part_group[i] = d->tp > 1 && d->parts[i].tp_split == MODEL_TP_REPLICATED;
+  }
+  return 0;
+}
+
 int dp_norm_of(dp_impl_t *d, const float *g, comm_t *shard_hcomm, double *norm) {
   double split = 0, repl = 0;
-  if (!d->part_sumsq) {
-    const size_t n = d->n_parts > 0 ? (size_t)d->n_parts : 1;
-    d->part_off = malloc(n * sizeof *d->part_off);
-    d->part_len = malloc(n * sizeof *d->part_len);
-    d->part_sumsq = malloc(n * sizeof *d->part_sumsq);
-    if (!d->part_off || !d->part_len || !d->part_sumsq)
-      return dp_fail(d, DP_ENOMEM, "dp error: out of memory for the gradient norm parts");
-    for (int i = 0; i < d->n_parts; i++) {
-      d->part_off[i] = d->parts[i].offset;
-      d->part_len[i] = d->parts[i].numel;
-    }
-  }
+  if (norm_parts(d)) return d->status;
   d->be->sumsq_parts(d->be, g, d->part_off, d->part_len, d->n_parts, d->part_sumsq); /* one wait */
   for (int i = 0; i < d->n_parts; i++) {
     double s = d->part_sumsq[i];
-    if (d->tp > 1 && d->parts[i].tp_split == MODEL_TP_REPLICATED) repl += s;
+    if (d->part_group[i]) repl += s;
     else split += s;
   }
   float sums[2] = {(float)split, (float)repl};
@@ -148,6 +159,28 @@ int dp_norm_of(dp_impl_t *d, const float *g, comm_t *shard_hcomm, double *norm) 
   /* Unsharded without tp and pp, nothing travelled: the double sums stay exact. */
   *norm = shard_hcomm || d->tp > 1 || d->pp_hcomm ? sqrt((double)sums[0] + (double)sums[1]) : sqrt(split + repl);
   return 0;
+}
+
+int dp_clip_of(dp_impl_t *d, const float *g, comm_t *shard_comm, double clip, double *norm, float *scale) {
+  if (d->pp_hcomm)
+    return dp_fail(d, DP_EINVAL, "dp error: the gradient norm on the device does not add up pipeline stages");
+  if (norm_parts(d)) return d->status;
+  if (!d->norm_dev && !(d->norm_dev = d->be->alloc(d->be, 2 * sizeof(double) + 2 * sizeof(float))))
+    return dp_fail(d, DP_ENOMEM, "dp error: out of device memory for the gradient norm");
+  double *sums = d->norm_dev;
+  float *shares = (float *)(sums + 2);
+  d->be->sumsq_groups(d->be, g, d->part_off, d->part_len, d->part_group, d->n_parts, sums, shares);
+  /* the same reductions as dp_norm_of's, on the groups' device comms */
+  if (shard_comm && dp_all_reduce(d, shard_comm, shares, 2, COMM_SUM, "gradient norm")) return d->status;
+  if (d->tp > 1 && dp_all_reduce(d, d->tp_comm, shares, 1, COMM_SUM, "gradient norm")) return d->status;
+  d->be->clip_scale(d->be, sums, shares, shard_comm || d->tp > 1, clip, norm, scale);
+  return 0;
+}
+
+void dp_adamw(dp_impl_t *d, float *params, const float *grads, void *params_lp, double lr, double grad_scale,
+              const float *scale_dev) {
+  if (scale_dev) optim_step_dev(&d->opt, params, grads, params_lp, lr, scale_dev);
+  else optim_step(&d->opt, params, grads, params_lp, lr, grad_scale);
 }
 
 /* ------------------------------------------------------------------ create / destroy */
@@ -189,6 +222,7 @@ void dp_destroy(dp_t *dp) {
     d->be->free(d->be, d->sp_lp);
     d->be->free(d->be, d->gbuf_lp);
     d->be->free(d->be, d->rlp);
+    d->be->free(d->be, d->norm_dev);
   }
   free(d->uoff);
   free(d->unumel);
@@ -200,6 +234,7 @@ void dp_destroy(dp_t *dp) {
   free(d->part_off);
   free(d->part_len);
   free(d->part_sumsq);
+  free(d->part_group);
   free(d->ck_ts);
   free(d->blo);
   free(d->bhi);
@@ -335,7 +370,19 @@ int dp_grad_norm(dp_t *dp, double *norm) {
 int dp_step(dp_t *dp, double lr, double grad_scale) {
   dp_impl_t *d = dp_impl_of(dp);
   if (drain(d)) return d->status;
-  return d->ops->step(d, lr, grad_scale);
+  return d->ops->step(d, lr, grad_scale, NULL);
+}
+
+int dp_clip_dev(dp_t *dp, double clip, double *norm, float *scale) {
+  dp_impl_t *d = dp_impl_of(dp);
+  if (drain(d)) return d->status;
+  return d->ops->clip(d, clip, norm, scale);
+}
+
+int dp_step_dev(dp_t *dp, double lr, const float *grad_scale) {
+  dp_impl_t *d = dp_impl_of(dp);
+  if (drain(d)) return d->status;
+  return d->ops->step(d, lr, 1.0, grad_scale);
 }
 
 /* ------------------------------------------------------------------ checkpoints */

@@ -81,6 +81,13 @@ void dp_zero_grad(dp_t *dp);
 int dp_grad_norm(dp_t *dp, double *norm);
 /* One AdamW update of this rank's range, then whatever makes parameters whole again. */
 int dp_step(dp_t *dp, double lr, double grad_scale);
+/* dp_grad_norm and optim_clip_scale without the host: the global norm into *norm and the clip
+ * scale into *scale, both device memory (the backend's), with the same arithmetic and
+ * reductions (over the groups' device comms), and nothing waits for the device. Collective as
+ * dp_grad_norm is; not under pipeline parallelism (DP_EINVAL). */
+int dp_clip_dev(dp_t *dp, double clip, double *norm, float *scale);
+/* dp_step with the clip scale in device memory, as dp_clip_dev wrote it. */
+int dp_step_dev(dp_t *dp, double lr, const float *grad_scale);
 /* Unit u's full local parameters (this tp rank's slices) in the model's unit buffers, and back.
  * dp_unit_open is collective over dp_shard for FSDP; dp_unit_commit writes the rank's shard (or
  * the flat buffer) from the unit buffer after the caller changed it (model_import_tensor). */

@@ -141,18 +141,21 @@ static int flat_unit_noop(dp_impl_t *d, int u) { return 0; } /* the flat buffer 
 static const float *flat_unit_params(dp_impl_t *d, int u) { return d->params + d->uoff[u]; }
 static void flat_zero_grad(dp_impl_t *d) { model_zero_grad(d->m); }
 static int flat_grad_norm(dp_impl_t *d, double *norm) { return dp_norm_of(d, d->grads, NULL, norm); }
+static int flat_clip(dp_impl_t *d, double clip, double *norm, float *scale) {
+  return dp_clip_of(d, d->grads, NULL, clip, norm, scale);
+}
 
 /* The whole flat buffer (opt_off 0): under bf16 the same pass rewrites the model's compute
  * copy, so the next forward needs no rounding of its own. */
-static int ddp_step(dp_impl_t *d, double lr, double grad_scale) {
+static int ddp_step(dp_impl_t *d, double lr, double grad_scale, const float *scale_dev) {
   void *lp = model_compute_copy(d->m);
-  optim_step(&d->opt, d->params + d->opt_off, d->grads + d->opt_off, lp, lr, grad_scale);
+  dp_adamw(d, d->params + d->opt_off, d->grads + d->opt_off, lp, lr, grad_scale, scale_dev);
   if (lp) model_compute_written(d->m);
   return 0;
 }
 
-static int zero1_step(dp_impl_t *d, double lr, double grad_scale) {
-  optim_step(&d->opt, d->params + d->opt_off, d->grads + d->opt_off, NULL, lr, grad_scale);
+static int zero1_step(dp_impl_t *d, double lr, double grad_scale, const float *scale_dev) {
+  dp_adamw(d, d->params + d->opt_off, d->grads + d->opt_off, NULL, lr, grad_scale, scale_dev);
   /* Every rank's slice into place (in place: rank r's input is already at r * chunk), then
    * the few elements past dp * chunk from the last rank, which updated them. */
   int n = comm_size(d->dp_comm);
@@ -190,20 +193,20 @@ static void flat_memory(const dp_impl_t *d, dp_memory_t *out) {
 const dp_ops_t dp_serial_ops = {
     .name = "serial", .setup = ddp_setup, .init_params = flat_init_params,
     .unit_open = flat_unit_noop, .unit_commit = flat_unit_noop, .unit_params = flat_unit_params,
-    .zero_grad = flat_zero_grad, .grad_norm = flat_grad_norm, .step = ddp_step,
+    .zero_grad = flat_zero_grad, .grad_norm = flat_grad_norm, .clip = flat_clip, .step = ddp_step,
     .ck_ranges = ddp_ck_ranges, .memory = flat_memory,
 };
 
 const dp_ops_t dp_ddp_ops = {
     .name = "ddp", .setup = ddp_setup, .reduce_grads = ddp_reduce_grads, .init_params = flat_init_params,
     .unit_open = flat_unit_noop, .unit_commit = flat_unit_noop, .unit_params = flat_unit_params,
-    .zero_grad = flat_zero_grad, .grad_norm = flat_grad_norm, .step = ddp_step, .drain = ddp_drain,
-    .ck_ranges = ddp_ck_ranges, .memory = flat_memory,
+    .zero_grad = flat_zero_grad, .grad_norm = flat_grad_norm, .clip = flat_clip, .step = ddp_step,
+    .drain = ddp_drain, .ck_ranges = ddp_ck_ranges, .memory = flat_memory,
 };
 
 const dp_ops_t dp_zero1_ops = {
     .name = "ddp", .setup = zero1_setup, .reduce_grads = ddp_reduce_grads, .init_params = flat_init_params,
     .unit_open = flat_unit_noop, .unit_commit = flat_unit_noop, .unit_params = flat_unit_params,
-    .zero_grad = flat_zero_grad, .grad_norm = flat_grad_norm, .step = zero1_step, .drain = ddp_drain,
-    .ck_ranges = zero1_ck_ranges, .memory = flat_memory,
+    .zero_grad = flat_zero_grad, .grad_norm = flat_grad_norm, .clip = flat_clip, .step = zero1_step,
+    .drain = ddp_drain, .ck_ranges = zero1_ck_ranges, .memory = flat_memory,
 };

@@ -332,9 +332,12 @@ static int fsdp_init_params(dp_impl_t *d, uint64_t seed, double init_std) { retu
 
 
 static int fsdp_grad_norm(dp_impl_t *d, double *norm) { return dp_norm_of(d, d->sgrads, d->shard_hcomm, norm); }
+static int fsdp_clip(dp_impl_t *d, double clip, double *norm, float *scale) {
+  return dp_clip_of(d, d->sgrads, d->shard_comm, clip, norm, scale);
+}
 
-static int fsdp_step(dp_impl_t *d, double lr, double grad_scale) {
-  optim_step(&d->opt, d->sparams, d->sgrads, d->sp_lp, lr, grad_scale); /* and the bf16 copies, fused */
+static int fsdp_step(dp_impl_t *d, double lr, double grad_scale, const float *scale_dev) {
+  dp_adamw(d, d->sparams, d->sgrads, d->sp_lp, lr, grad_scale, scale_dev); /* and the bf16 copies, fused */
   fsdp_stale(d);
   return 0;
 }
@@ -366,7 +369,8 @@ const dp_ops_t dp_fsdp_ops = {
     .name = "fsdp", .setup = fsdp_setup, .gather = fsdp_gather, .release = fsdp_release,
     .reduce_grads = fsdp_reduce_grads, .init_params = fsdp_init_params, .unit_open = fsdp_unit_open,
     .unit_commit = dp_shard_unit_commit, .unit_params = dp_shard_unit_params, .zero_grad = dp_shard_zero_grad,
-    .grad_norm = fsdp_grad_norm, .step = fsdp_step, .drain = dp_shard_drain, .ck_ranges = fsdp_ck_ranges,
+    .grad_norm = fsdp_grad_norm, .clip = fsdp_clip, .step = fsdp_step, .drain = dp_shard_drain,
+    .ck_ranges = fsdp_ck_ranges,
     .ck_loaded = fsdp_ck_loaded, .memory = fsdp_memory,
 };
 
@@ -374,6 +378,7 @@ const dp_ops_t dp_hsdp_ops = {
     .name = "hsdp", .setup = hsdp_setup, .gather = fsdp_gather, .release = fsdp_release,
     .reduce_grads = fsdp_reduce_grads, .init_params = fsdp_init_params, .unit_open = fsdp_unit_open,
     .unit_commit = dp_shard_unit_commit, .unit_params = dp_shard_unit_params, .zero_grad = dp_shard_zero_grad,
-    .grad_norm = fsdp_grad_norm, .step = fsdp_step, .drain = dp_shard_drain, .ck_ranges = fsdp_ck_ranges,
+    .grad_norm = fsdp_grad_norm, .clip = fsdp_clip, .step = fsdp_step, .drain = dp_shard_drain,
+    .ck_ranges = fsdp_ck_ranges,
     .ck_loaded = fsdp_ck_loaded, .memory = fsdp_memory,
 };

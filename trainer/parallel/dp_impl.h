@@ -69,7 +69,11 @@ typedef struct {
   const float *(*unit_params)(dp_impl_t *d, int unit); /* after unit_open: unumel[u] floats */
   void (*zero_grad)(dp_impl_t *d);
   int (*grad_norm)(dp_impl_t *d, double *norm);
-  int (*step)(dp_impl_t *d, double lr, double grad_scale);
+  /* dp_clip_dev: the norm and the clip scale into device memory (dp_clip_of over its storage). */
+  int (*clip)(dp_impl_t *d, double clip, double *norm, float *scale);
+  /* The update with grad_scale, or with the scale in device memory when scale_dev is not NULL
+   * (dp_adamw picks). */
+  int (*step)(dp_impl_t *d, double lr, double grad_scale, const float *scale_dev);
   /* Waits for every collective still in flight (before anything reads or writes what they
    * use: the norm, the step, checkpoints, opening units). NULL: none are ever left. */
   int (*drain)(dp_impl_t *d);
@@ -140,7 +144,9 @@ struct dp_impl {
   dp_part_t *parts;
   int n_parts;
   size_t *part_off, *part_len; /* (n_parts) the parts as sumsq_parts takes them (dp_norm_of) */
+  int *part_group;             /* (n_parts) 1: tp-replicated under tp (counted once), else 0 */
   double *part_sumsq;
+  void *norm_dev; /* device: dp_clip_of's sums (2 doubles) and fp32 shares (2 floats) */
   model_tensor_t *ck_ts; /* (ck_nt) copies of the model's tensors: checkpoint chunks name them */
   int ck_nt;
   optim_t opt;
@@ -171,6 +177,14 @@ void dp_add_part(dp_impl_t *d, size_t offset, size_t numel, int tp_split);
 /* dp.c: the global gradient norm of storage g (laid out as d->parts): the sums of squares of
  * tp-split and tp-replicated parts, all-reduced over shard_hcomm (NULL: not sharded) and tp. */
 int dp_norm_of(dp_impl_t *d, const float *g, comm_t *shard_hcomm, double *norm);
+/* dp.c: dp_norm_of on the device: the sums (backend sumsq_groups), the fp32 shares all-reduced
+ * over shard_comm (NULL: not sharded) and tp with the device comms, then *norm and the clip scale
+ * *scale (device memory) from the backend's clip_scale; nothing waits for the device. Not under
+ * pipeline parallelism (DP_EINVAL): its stages add up over the host comm. */
+int dp_clip_of(dp_impl_t *d, const float *g, comm_t *shard_comm, double clip, double *norm, float *scale);
+/* dp.c: AdamW over a range: optim_step, or optim_step_dev when scale_dev is not NULL. */
+void dp_adamw(dp_impl_t *d, float *params, const float *grads, void *params_lp, double lr, double grad_scale,
+              const float *scale_dev);
 int dp_rank_of(comm_t *c); /* 0 for NULL */
 
 /* dp_fsdp.c: the per-unit shard layout over d->S shards (d->S, d->s set): unit u padded to

@@ -68,9 +68,12 @@ static int zero2_init_params(dp_impl_t *d, uint64_t seed, double init_std) { ret
 static int zero2_unit_open(dp_impl_t *d, int u) { return zero2_gather(&d->pub, u, 0); }
 
 static int zero2_grad_norm(dp_impl_t *d, double *norm) { return dp_norm_of(d, d->sgrads, d->dp_hcomm, norm); }
+static int zero2_clip(dp_impl_t *d, double clip, double *norm, float *scale) {
+  return dp_clip_of(d, d->sgrads, d->dp_comm, clip, norm, scale);
+}
 
-static int zero2_step(dp_impl_t *d, double lr, double grad_scale) {
-  optim_step(&d->opt, d->sparams, d->sgrads, NULL, lr, grad_scale);
+static int zero2_step(dp_impl_t *d, double lr, double grad_scale, const float *scale_dev) {
+  dp_adamw(d, d->sparams, d->sgrads, NULL, lr, grad_scale, scale_dev);
   for (int u = 0; u < d->n_units; u++) {
     char what[48];
     snprintf(what, sizeof what, "unit %d parameters", u);
@@ -102,5 +105,5 @@ const dp_ops_t dp_zero2_ops = {
     .name = "zero2", .setup = zero2_setup, .gather = zero2_gather, .reduce_grads = zero2_reduce_grads,
     .init_params = zero2_init_params, .unit_open = zero2_unit_open, .unit_commit = dp_shard_unit_commit,
     .unit_params = dp_shard_unit_params, .zero_grad = dp_shard_zero_grad, .grad_norm = zero2_grad_norm,
-    .step = zero2_step, .drain = dp_shard_drain, .ck_ranges = zero2_ck_ranges, .memory = zero2_memory,
+    .clip = zero2_clip, .step = zero2_step, .drain = dp_shard_drain, .ck_ranges = zero2_ck_ranges, .memory = zero2_memory,
 };

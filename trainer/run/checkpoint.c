@@ -186,10 +186,15 @@ static void keep_final_err(checkpoint_t *c, const char *err) {
 
 /* An async save in flight is committed by the first poll that finds every rank's writer done
  * (poll is collective: every rank calls it after every step), or before the next save starts. */
+int checkpoint_due(const checkpoint_t *c, int step) {
+  const plan_t *p = c->p;
+  return c->w && (step == p->train.steps || (p->checkpoint.interval > 0 && step % p->checkpoint.interval == 0));
+}
+
 int checkpoint_after_step(checkpoint_t *c, dp_t *dp, int step, char *err, size_t errlen) {
   if (!c->w) return 0;
   const plan_t *p = c->p;
-  const int due = step == p->train.steps || (p->checkpoint.interval > 0 && step % p->checkpoint.interval == 0);
+  const int due = checkpoint_due(c, step);
   int rc = 0, settled = 1;
   if (c->pending) {
     int64_t committed = -1;

@@ -56,6 +56,9 @@ int checkpoint_peek(plan_t *p, char *from, size_t fromlen, int *carried);
 int checkpoint_open(checkpoint_t *c, const plan_t *p, dp_t *dp, const mesh_t *mesh, hooks_t *hooks, int rank,
                     int world, int restart, int round, const char *plan_json, uint64_t data_tokens, int *start_step,
                     int *resumed, char *err, size_t errlen);
+/* Whether step `step` (1-based) saves a checkpoint: checkpoint.dir set, and the interval's step
+ * or the last. (The step's values are read before: a diverged state is never saved.) */
+int checkpoint_due(const checkpoint_t *c, int step);
 /* After step `step` (1-based): commits an asynchronous save that finished, saves when due.
  * Collective (every rank calls it after every step). Returns 0 (also after a failure the run
  * survives) or -1 when the run must stop, with the message in err. */

@@ -2,7 +2,6 @@
 #include "trainer/run/hooks.h"
 
 #include <errno.h>
-#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -60,8 +59,8 @@ int hooks_batch(hooks_t *h, const int32_t *tok, const int32_t *tgt, size_t n, ch
   return 0;
 }
 
-float hooks_loss(const hooks_t *h, int step, int micro, float loss) {
-  return h->nan_rank == h->rank && h->nan_step == step && micro == 0 ? NAN : loss;
+int hooks_nan_loss(const hooks_t *h, int step, int micro) {
+  return h->nan_rank == h->rank && h->nan_step == step && micro == 0;
 }
 
 void hooks_stall(const hooks_t *h, int step) {

@@ -7,7 +7,7 @@
  *   --dump-batches FILE         every micro-batch's tokens then targets, int32, in training order
  *                               (hooks_start opens it, hooks_batch writes)
  *   MESHRUN_FAULT_NAN=RANK:STEP that rank's first micro-batch of that step reports a nan loss,
- *                               as a rank whose data made the model diverge would (hooks_loss)
+ *                               as a rank whose data made the model diverge would (hooks_nan_loss)
  *   MESHRUN_FAULT_SAVE=RANK:STEP[:EIO|ENOSPC]   that rank's shard write of the checkpoint of that
  *                               step fails with that errno (default EIO), as a failing disk
  *                               would (hooks_ckpt_writer installs ckpt's "write" hook)
@@ -55,8 +55,9 @@ int hooks_initial_weights(hooks_t *h, model_t *m, dp_t *dp, const mesh_t *mesh, 
 int hooks_start(hooks_t *h, char *err, size_t errlen);
 /* Each micro-batch's tokens and targets (n each) before its forward. 0 or -1. */
 int hooks_batch(hooks_t *h, const int32_t *tok, const int32_t *tgt, size_t n, char *err, size_t errlen);
-/* The loss of micro-batch micro (0-based) of step `step` (1-based), possibly replaced by nan. */
-float hooks_loss(const hooks_t *h, int step, int micro, float loss);
+/* 1 when the loss of micro-batch micro (0-based) of step `step` (1-based) is to be replaced by
+ * nan (the step's statistics do it on the device: backend step_loss's poison). */
+int hooks_nan_loss(const hooks_t *h, int step, int micro);
 /* Before step `step` (1-based): on the stalling rank of that step, a warning and then no return
  * (pause() until a signal's default action ends the process; the trainer's SIGTERM handler lets
  * a second SIGTERM do that). */

@@ -20,9 +20,10 @@
  * Under a mesh: ranks of one dp slot (the tp ranks) read the same micro-batches, as dp rank
  * mesh "dp".rank of "dp".size; the logged loss is the mean over dp (equal to the one-process
  * loss of the same global batch); every rank takes part in saving (gathers across dp_shard and
- * tp); rank 0 writes. Host values (the loss, eval sums, the memory report, checkpoint
- * coordination, gradient-norm shares in trainer/parallel/dp) go through the mesh's host comms, cpu rings
- * whatever the backend.
+ * tp); rank 0 writes. Host values (eval sums, the memory report, checkpoint coordination, and
+ * under pipeline parallelism the loss and gradient-norm shares) go through the mesh's host comms,
+ * cpu rings whatever the backend; otherwise a step's loss and norm shares stay on the device and
+ * travel on the device comms (trainer/run/train.h), read back at the steps that log (read_due).
  *
  * Where the final weights go: <checkpoint.dir>/final.safetensors when checkpoint.dir is set,
  * else out/<plan file name without .json>/final.safetensors ("default" for the embedded plan),
@@ -899,6 +900,21 @@ static int run_model(run_t *r) {
   return RUN_ON;
 }
 
+/* Whether step `step` (1-based) reads the values of the steps before it back from the device
+ * (train.h): the steps whose values something needs at once, the console line, an evaluation, a
+ * checkpoint (never from a diverged state), the last step and a --stop-after. */
+static int read_due(void *arg, int step) {
+  const run_t *r = arg;
+  const plan_t *p = r->p;
+  return metrics_line_due(p, step) || eval_due(p, step) || checkpoint_due(&r->ck, step) || step == p->train.steps ||
+         step == r->a.hooks.stop_after;
+}
+
+/* The records of the steps train_step or train_read just read (also those before a diverged one). */
+static void record_read(run_t *r) {
+  metrics_step_values(&r->mt, r->tr.n_read, r->tr.read_loss, r->tr.read_gnorm);
+}
+
 /* The checkpoint: resume (collective over the job), then a writer when checkpoint.dir is set;
  * the initial weights unless resumed (random, our safetensors, llama2.c or Hugging Face); then
  * the loop's state and the metrics. */
@@ -924,7 +940,8 @@ static int run_start(run_t *r) {
                     .dpc = r->mesh ? mesh_host_comm(r->mesh, "dp_cp") : NULL, .mesh = r->mesh, .hooks = &a->hooks,
                     .dp_rank = dpc ? comm_rank(dpc) : 0, .dp_size = dpc ? comm_size(dpc) : 1,
                     .cp_size = r->mesh ? r->mesh->dims[MESH_CP] : 1, .cp_rank = r->mesh ? r->mesh->coord[MESH_CP] : 0,
-                    .pp = r->pp, .ppc = r->pp ? mesh_host_comm(r->mesh, "pp") : NULL};
+                    .pp = r->pp, .ppc = r->pp ? mesh_host_comm(r->mesh, "pp") : NULL,
+                    .read_due = read_due, .read_arg = r};
   if (train_init(&r->tr, err, errlen) ||
       metrics_open(&r->mt, p, r->m, r->dp, r->mesh, &r->data, r->be, env->rank, env->world, r->start_step,
                    r->resumed, r->plan_json, err, errlen) ||
@@ -962,6 +979,7 @@ static int run_step_once(run_t *r, int s) {
   run_step = s + 1;
   hooks_stall(&r->a.hooks, s + 1);
   if (train_step(&r->tr, s, &res, err, errlen)) {
+    record_read(r);
     /* Training is deterministic: a restart replays from the newest checkpoint bit for bit. An
      * attempt that is itself a failure restart and saved nothing since it began was that
      * replay, so every further restart would diverge at the same step. */
@@ -973,7 +991,8 @@ static int run_step_once(run_t *r, int s) {
     }
     return RUN_FAIL;
   }
-  metrics_step(&r->mt, s + 1, res.loss, res.lr, res.gnorm, res.dt, res.comm_wait);
+  metrics_step_done(&r->mt, s + 1, res.lr, res.dt, res.comm_wait);
+  if (res.read) record_read(r);
   progress_write(s + 1);
   if (r->pp && pipeline_record(&r->mt, r->m, s + 1, &res.pp, err, errlen)) return RUN_FAIL;
   if (eval_due(p, s + 1)) {
@@ -988,6 +1007,9 @@ static int run_step_once(run_t *r, int s) {
   int sig = p->checkpoint.on_signal && s + 1 < p->train.steps ? preempt_agreed(r->mesh, err, errlen) : 0;
   if (sig < 0) return RUN_FAIL;
   if (sig > 0) { /* preempted: this step's checkpoint, then the signal's exit status */
+    int rc = train_read(&r->tr, err, errlen); /* first the values: a diverged state is not saved */
+    record_read(r);
+    if (rc) return RUN_FAIL;
     if (checkpoint_now(&r->ck, r->dp, s + 1, err, errlen)) {
       char why[sizeof r->err];
       snprintf(why, sizeof why, "%s", err);

@@ -231,32 +231,56 @@ int metrics_open(metrics_t *mt, const plan_t *p, model_t *m, dp_t *dp, const mes
   return 0;
 }
 
-void metrics_step(metrics_t *mt, int step, double loss, double lr, double gnorm, double dt, double comm_wait) {
-  char comm[512];
+int metrics_line_due(const plan_t *p, int step) {
+  const int interval = p->log.interval;
+  return interval > 0 && (step % interval == 0 || step == 1 || step == p->train.steps);
+}
+
+void metrics_step_done(metrics_t *mt, int step, double lr, double dt, double comm_wait) {
   mt->t_in_steps += dt;
+  if (mt->npend == mt->cap) {
+    int cap = mt->cap ? 2 * mt->cap : 16;
+    metrics_pending_t *v = realloc(mt->pend, (size_t)cap * sizeof *v);
+    if (!v) {
+      log_warn("out of memory for the record of step %d: it is not written", step);
+      metrics_skip_traffic(mt);
+      return;
+    }
+    mt->pend = v;
+    mt->cap = cap;
+  }
+  metrics_pending_t *q = &mt->pend[mt->npend++];
+  *q = (metrics_pending_t){.step = step, .lr = lr, .dt = dt, .comm_wait = comm_wait};
+  /* peak memory: the device allocator's where there is one, else resident memory */
+  q->rss = mt->be && mt->be->mem_peak ? mt->be->mem_peak(mt->be) : metrics_peak_rss();
+  traffic_step(mt, q->comm, sizeof q->comm);
+  /* what the step asked of the device, where the backend is counted (opprof) */
+  opcount_t c;
+  opprof_counts(NULL, &c);
+  q->kernels = c.kernels;
+  q->host_syncs = c.host_syncs;
+}
+
+/* Step q's record and, when due, its console line. */
+static void step_record(metrics_t *mt, const metrics_pending_t *q, double loss, double gnorm) {
+  const int step = q->step;
+  const double dt = q->dt, comm_wait = q->comm_wait, lr = q->lr;
   const double tps = (double)mt->tokens_per_step / dt;
   const double flops = tps * mt->flops_per_token / mt->world; /* per rank */
   const double mfu = mt->peak_flops > 0 ? flops / mt->peak_flops : 0;
-  /* peak memory: the device allocator's where there is one, else resident memory */
-  const size_t rss = mt->be && mt->be->mem_peak ? mt->be->mem_peak(mt->be) : metrics_peak_rss();
   char mfu_json[32] = "null";
   if (mt->peak_flops > 0) snprintf(mfu_json, sizeof mfu_json, "%.6f", mfu);
-  traffic_step(mt, comm, sizeof comm);
-  /* what the step asked of the device, where the backend is counted (opprof) */
   char counts[96] = "";
-  opcount_t c;
-  opprof_counts(NULL, &c);
-  if (c.kernels)
-    snprintf(counts, sizeof counts, ",\"kernels\":%llu,\"host_syncs\":%llu", (unsigned long long)c.kernels,
-             (unsigned long long)c.host_syncs);
+  if (q->kernels)
+    snprintf(counts, sizeof counts, ",\"kernels\":%llu,\"host_syncs\":%llu", (unsigned long long)q->kernels,
+             (unsigned long long)q->host_syncs);
   metrics_printf(mt, step,
                  "{\"step\":%d,\"loss\":%.9g,\"lr\":%.9g,\"grad_norm\":%.9g,\"tokens_per_s\":%.1f,"
                  "\"flops_per_s\":%.6g,\"mfu\":%s,\"peak_mem_bytes\":%zu,"
                  "\"step_ms\":%.3f,\"compute_ms\":%.3f,\"comm_wait_ms\":%.3f%s%s}\n",
-                 step, loss, lr, gnorm, tps, flops, mfu_json, rss, dt * 1e3, (dt - comm_wait) * 1e3, comm_wait * 1e3,
-                 counts, comm);
-  const int interval = mt->p->log.interval;
-  if (interval > 0 && (step % interval == 0 || step == 1 || step == mt->steps)) {
+                 step, loss, lr, gnorm, tps, flops, mfu_json, q->rss, dt * 1e3, (dt - comm_wait) * 1e3,
+                 comm_wait * 1e3, counts, q->comm);
+  if (metrics_line_due(mt->p, step)) {
     char tps_s[32], eta[32];
     fmt_thousands(tps_s, sizeof tps_s, tps);
     double per_step = (metrics_now() - mt->t_loop) / (step - mt->start_step);
@@ -270,8 +294,8 @@ void metrics_step(metrics_t *mt, int step, double loss, double lr, double gnorm,
                      flops >= 1e12 ? "T" : "G", many ? "/rank" : "");
     if (mt->peak_flops > 0) snprintf(fl + k, sizeof fl - (size_t)k, " | MFU %.1f%%", 100 * mfu);
     log_rank0("step %d/%d | loss %.4f | lr %.2e | grad norm %.4f | %s tok/s%s | %s | mem %.0f MiB | %.1f ms%s | ETA %s",
-              step, mt->steps, loss, lr, gnorm, tps_s, many ? " (job)" : "", fl, rss / 1048576.0, dt * 1e3, share,
-              eta);
+              step, mt->steps, loss, lr, gnorm, tps_s, many ? " (job)" : "", fl, q->rss / 1048576.0, dt * 1e3,
+              share, eta);
   }
   tensorboard_t *tb = mt->tb; /* NULL: no events (every call does nothing) */
   tensorboard_add(tb, "train/loss", loss);
@@ -280,11 +304,23 @@ void metrics_step(metrics_t *mt, int step, double loss, double lr, double gnorm,
   tensorboard_add(tb, "train/tokens_per_s", tps);
   tensorboard_add(tb, "train/flops_per_s", flops);
   if (mt->peak_flops > 0) tensorboard_add(tb, "train/mfu", mfu);
-  tensorboard_add(tb, "train/peak_mem_bytes", (double)rss);
+  tensorboard_add(tb, "train/peak_mem_bytes", (double)q->rss);
   tensorboard_add(tb, "train/step_ms", dt * 1e3);
   tensorboard_add(tb, "train/compute_ms", (dt - comm_wait) * 1e3);
   tensorboard_add(tb, "train/comm_wait_ms", comm_wait * 1e3);
   tensorboard_write(tb, step);
+}
+
+void metrics_step_values(metrics_t *mt, int n, const double *loss, const double *gnorm) {
+  if (n > mt->npend) n = mt->npend;
+  for (int i = 0; i < n; i++) step_record(mt, &mt->pend[i], loss[i], gnorm[i]);
+  memmove(mt->pend, mt->pend + n, (size_t)(mt->npend - n) * sizeof *mt->pend);
+  mt->npend -= n;
+}
+
+void metrics_step(metrics_t *mt, int step, double loss, double lr, double gnorm, double dt, double comm_wait) {
+  metrics_step_done(mt, step, lr, dt, comm_wait);
+  metrics_step_values(mt, 1, &loss, &gnorm);
 }
 
 int metrics_pipeline(metrics_t *mt, int step, double busy_ms, double span_ms, int peak_inflight, size_t act_bytes,
@@ -350,8 +386,12 @@ int metrics_close(metrics_t *mt, int *no_space, char *err, size_t errlen) {
 }
 
 void metrics_free(metrics_t *mt) {
-  if (mt && mt->f) fclose(mt->f);
-  if (mt) mt->f = NULL;
-  if (mt) tensorboard_close(mt->tb, NULL, NULL, 0);
-  if (mt) mt->tb = NULL;
+  if (!mt) return;
+  if (mt->f) fclose(mt->f);
+  mt->f = NULL;
+  free(mt->pend);
+  mt->pend = NULL;
+  mt->npend = mt->cap = 0;
+  tensorboard_close(mt->tb, NULL, NULL, 0);
+  mt->tb = NULL;
 }

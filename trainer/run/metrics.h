@@ -11,6 +11,13 @@
  *
  * A write that fails (a full disk, /dev/full) is one warning; no record is written after it (a
  * torn line would follow), training goes on, and metrics_close reports it so the run exits 1.
+ * A step's record and line need its loss and gradient norm, which stay on the device until the
+ * trainer reads them (trainer/run/train.h: at the steps that log, evaluate, save or end the run):
+ * metrics_step_done keeps what the host knows of a step when it ends (its time, traffic, counts
+ * and memory), and metrics_step_values writes the records and lines of the steps kept once their
+ * values arrive, with the same fields and values as when each was written at its end. A run that
+ * is killed, or fails other than by diverging, loses the records of the steps since the last read
+ * (a divergence writes those of the steps before the one that diverged).
  * Throughput: the step line and record carry tokens/s, the model FLOP/s per rank (6N + 12 L d T
  * per token), MFU (that over the device's peak: log.peak_tflops, or the backend's own figure for
  * its device, backend_t.peak_flops; none on cpu unless given) and the peak memory measured (the
@@ -37,6 +44,15 @@ typedef struct {
   uint64_t group[MESH_NGROUPS];
 } metrics_traffic_t;
 
+/* What metrics_step_done keeps of a step until its values arrive. */
+typedef struct {
+  int step;
+  double lr, dt, comm_wait;
+  size_t rss;
+  uint64_t kernels, host_syncs;
+  char comm[512]; /* the record's "comm" object, or "" */
+} metrics_pending_t;
+
 typedef struct {
   const plan_t *p;
   dp_t *dp;
@@ -55,6 +71,8 @@ typedef struct {
   double peak_flops;  /* per rank, for MFU; 0 = unknown (no MFU) */
   double t_loop;      /* metrics_now() when the loop started */
   double t_in_steps;  /* seconds spent in optimizer steps */
+  metrics_pending_t *pend; /* (npend of cap) the steps done whose values have not arrived, oldest first */
+  int npend, cap;
 } metrics_t;
 
 /* Under pipeline parallelism, after a step: this rank's time in forwards and backwards, the
@@ -82,9 +100,19 @@ double metrics_now(void);
 int metrics_open(metrics_t *mt, const plan_t *p, model_t *m, dp_t *dp, const mesh_t *mesh, const data_t *data,
                  const backend_t *be, int rank, int world, int start_step, int resumed, const char *plan_json,
                  char *err, size_t errlen);
-/* Optimizer step `step` (1-based) done in dt seconds: its record and, every log.interval steps
- * (and on the first and last), its console line. */
+/* Optimizer step `step` (1-based) done in dt seconds: its record and, when metrics_line_due, its
+ * console line (metrics_step_done, then metrics_step_values for it). */
 void metrics_step(metrics_t *mt, int step, double loss, double lr, double gnorm, double dt, double comm_wait);
+/* Whether step `step` has a console line: every log.interval steps, the first and the last. */
+int metrics_line_due(const plan_t *p, int step);
+/* Step `step` ended now, in dt seconds: its traffic since the last record, the device counts of
+ * the step (opprof) and the peak memory are taken now and kept with lr, dt and comm_wait until
+ * its values arrive (a step that cannot be kept, for lack of memory, is one warning and no
+ * record). */
+void metrics_step_done(metrics_t *mt, int step, double lr, double dt, double comm_wait);
+/* The values of the n oldest steps kept (loss and gnorm, oldest first): their records and lines,
+ * then they are forgotten. */
+void metrics_step_values(metrics_t *mt, int n, const double *loss, const double *gnorm);
 /* The eval loss after step `step`: its record and line. Its traffic is not counted as a step's. */
 void metrics_eval(metrics_t *mt, int step, double loss);
 /* Forgets the traffic since the last record (a checkpoint's is not a step's). */

@@ -344,6 +344,45 @@ static void w_adamw_multi(backend_t *be, float *param, const float *grad, float 
   prof_end(t0, "adamw_multi", 0, "segs%d%s", n_segs, param_lp ? " +bf16" : "");
 }
 
+static void w_step_loss(backend_t *be, const float *rows, int n, int valid, int micro, int accum, int poison,
+                        double *stat, float *mean) {
+  double t0 = prof_begin();
+  P.orig.step_loss(be, rows, n, valid, micro, accum, poison, stat, mean);
+  prof_end(t0, "step_loss", 0, "n%d", n);
+}
+
+static void w_sumsq_groups(backend_t *be, const float *x, const size_t *offset, const size_t *count,
+                           const int *group, int n, double *sums, float *shares) {
+  double t0 = prof_begin();
+  size_t all = 0;
+  for (int i = 0; i < n; i++) all += count[i];
+  P.orig.sumsq_groups(be, x, offset, count, group, n, sums, shares);
+  prof_end(t0, "sumsq_groups", 0, "%d parts n%zu fp32", n, all);
+}
+
+static void w_clip_scale(backend_t *be, const double *sums, const float *shares, int use_shares, double clip,
+                         double *norm, float *scale) {
+  double t0 = prof_begin();
+  P.orig.clip_scale(be, sums, shares, use_shares, clip, norm, scale);
+  prof_end(t0, "clip_scale", 0, "%s", use_shares ? "shares" : "sums");
+}
+
+static void w_adamw_multi_dev(backend_t *be, float *param, const float *grad, float *m, float *v, void *param_lp,
+                              const adamw_segment_t *segs, int n_segs, float lr, float beta1, float beta2, float eps,
+                              float weight_decay, int step, const float *grad_scale) {
+  double t0 = prof_begin();
+  P.orig.adamw_multi_dev(be, param, grad, m, v, param_lp, segs, n_segs, lr, beta1, beta2, eps, weight_decay, step,
+                         grad_scale);
+  /* the same kernel as adamw_multi's: its row, the shape saying where the scale came from */
+  prof_end(t0, "adamw_multi", 0, "segs%d%s, scale on the device", n_segs, param_lp ? " +bf16" : "");
+}
+
+/* An upload's bytes count as to_device's; it is no host sync (nothing waits for the device). */
+static void w_upload_async(backend_t *be, void *dst, const void *src, size_t bytes, int slot) {
+  if (counted()) P.count.bytes_to_device += bytes;
+  P.orig.upload_async(be, dst, src, bytes, slot);
+}
+
 int opprof_install(backend_t *be, int step, FILE *out) {
   if (P.be) return -1;
   memset(&P, 0, sizeof P);
@@ -384,6 +423,11 @@ int opprof_install(backend_t *be, int step, FILE *out) {
   be->ce_shard_loss = w_ce_shard_loss;
   be->adamw = w_adamw;
   if (be->adamw_multi) be->adamw_multi = w_adamw_multi; /* NULL stays NULL: optim's fallback */
+  be->step_loss = w_step_loss;
+  be->sumsq_groups = w_sumsq_groups;
+  be->clip_scale = w_clip_scale;
+  be->adamw_multi_dev = w_adamw_multi_dev;
+  be->upload_async = w_upload_async;
   return 0;
 }
 

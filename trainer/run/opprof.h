@@ -20,7 +20,9 @@
  * outside the backend's kernels (host work, the comm's collectives, data) is the last row.
  *
  * Memory management is not timed: alloc, free, copy and zero pass straight through; to_device,
- * to_host and synchronize are counted only. Calls from other threads than the one that
+ * upload_async (bytes to the device), to_host and synchronize are counted only. upload_host_wait
+ * is no host sync: it waits for a copy two uploads back (double buffering), never for a value
+ * the device computed. Calls from other threads than the one that
  * installed the wrapper (a comm's progress thread) are neither counted nor timed. One backend
  * per process is wrapped (the trainer's). */
 #ifndef MESHRUN_OPPROF_H

@@ -13,22 +13,38 @@
 #include "trainer/model/ring_attention.h"
 #include "trainer/comm/trace.h"
 
+/* One step's values on the device (train.h). The backend writes stat (step_loss: the sum of the
+ * micro-batches' losses over accum, and the first that was not finite, 1-based) and loss_dp (the
+ * same rounded to fp32, then averaged over dp in place); dp_clip_dev writes gnorm. */
+typedef struct {
+  double stat[2];
+  double gnorm;
+  float loss_dp;
+  float pad;
+} step_rec_t;
+
 int train_init(train_t *t, char *err, size_t errlen) {
   const int T = t->p->train.seq_len;
   const int B = t->p->train.micro_batch_size * (t->pp ? t->p->train.grad_accum_steps : 1);
   t->tok = malloc((size_t)B * T * sizeof(int32_t));
   t->tgt = malloc((size_t)B * T * sizeof(int32_t));
+  t->read_loss = malloc(TRAIN_PENDING_MAX * sizeof *t->read_loss);
+  t->read_gnorm = malloc(TRAIN_PENDING_MAX * sizeof *t->read_gnorm);
   if (t->cp_size > 1) t->cp_scratch = malloc((size_t)B * T * sizeof(int32_t)); /* B: the step's under pp */
-  if (!t->tok || !t->tgt || (t->cp_size > 1 && !t->cp_scratch)) {
+  if (!t->tok || !t->tgt || !t->read_loss || !t->read_gnorm || (t->cp_size > 1 && !t->cp_scratch)) {
     return err_set(err, errlen, -1, "out of memory for batches of %d x %d tokens", B, T);
   }
+  t->pending = t->n_read = 0;
   if (t->pp) return 0;
-  const size_t rows = (size_t)t->p->train.grad_accum_steps * B * T;
+  const size_t rows = (size_t)B * T;
+  t->dpc_dev = t->mesh ? mesh_comm(t->mesh, "dp_cp") : NULL; /* the loss averages over dp and cp */
   t->loss_rows = t->be->alloc(t->be, rows * sizeof(float));
-  t->loss_host = malloc(rows * sizeof(float));
-  t->loss_valid = malloc((size_t)t->p->train.grad_accum_steps * sizeof(int));
-  if (!t->loss_rows || !t->loss_host || !t->loss_valid) {
-    return err_set(err, errlen, -1, "out of memory for the losses of %zu rows", rows);
+  t->scale = t->be->alloc(t->be, sizeof(float));
+  t->recs = t->be->alloc(t->be, TRAIN_PENDING_MAX * sizeof(step_rec_t));
+  t->recs_host = malloc(TRAIN_PENDING_MAX * sizeof(step_rec_t));
+  if (!t->loss_rows || !t->scale || !t->recs || !t->recs_host) {
+    return err_set(err, errlen, -1, "out of memory for the losses of %zu rows and %d steps' records", rows,
+                   TRAIN_PENDING_MAX);
   }
   return 0;
 }
@@ -37,14 +53,20 @@ void train_free(train_t *t) {
   if (!t) return;
   free(t->tok);
   free(t->tgt);
+  free(t->read_loss);
+  free(t->read_gnorm);
+  free(t->recs_host);
   free(t->cp_scratch);
   t->cp_scratch = NULL;
-  if (t->loss_rows) t->be->free(t->be, t->loss_rows);
-  free(t->loss_host);
-  free(t->loss_valid);
+  if (t->be) {
+    t->be->free(t->be, t->loss_rows);
+    t->be->free(t->be, t->scale);
+    t->be->free(t->be, t->recs);
+  }
   t->tok = t->tgt = NULL;
-  t->loss_rows = t->loss_host = NULL;
-  t->loss_valid = NULL;
+  t->read_loss = t->read_gnorm = NULL;
+  t->loss_rows = t->scale = NULL;
+  t->recs = t->recs_host = NULL;
 }
 
 /* Context parallelism: this rank's rows of the n whole sequences in tok and tgt, in their place:
@@ -62,23 +84,8 @@ static void cp_rows(train_t *t, int32_t *tok, int32_t *tgt, int n, int b) {
   }
 }
 
-/* The step's loss from the per-row losses of its micro-batches, read back in one copy: each
- * micro-batch's mean as model_forward computes it, summed in micro-batch order. The first whose
- * loss is nan/inf (1-based) goes to *bad_micro. */
-static double micro_losses(train_t *t, int s, int accum, int n, int *bad_micro) {
-  t->be->to_host(t->be, t->loss_host, t->loss_rows, (size_t)accum * n * sizeof(float));
-  double loss = 0;
-  for (int micro = 0; micro < accum; micro++) {
-    float l = model_loss_of_rows(t->loss_host + (size_t)micro * n, n, t->loss_valid[micro]);
-    /* A diverged loss is not acted on here but after the loss is averaged over dp, where every
-     * rank sees it and stops at the same point: a rank leaving alone would strand its peers
-     * in the gradient reduction (and in a pending checkpoint commit). */
-    l = hooks_loss(t->hooks, s + 1, micro, l);
-    if (!isfinite(l) && !*bad_micro) *bad_micro = micro + 1;
-    loss += l;
-  }
-  return loss;
-}
+/* More than one rank shares the step's loss (dp, or cp: its ranks hold parts of each sequence). */
+static int loss_shared(const train_t *t) { return t->dpc && comm_size(t->dpc) > 1; }
 
 /* The message of a failed forward or backward: the strategy's when it failed (its hooks run
  * inside the model's passes), else the model's. */
@@ -88,6 +95,49 @@ static int pass_failed(train_t *t, const char *pass, int s, int micro, char *err
   else
     err_set(err, errlen, 0, "step %d (micro-batch %d): the %s failed: %s", s + 1, micro + 1, pass, model_errmsg(t->m));
   return -1;
+}
+
+/* The divergence checks of step s (0-based) on its values, in the order the step computes them.
+ * bad_micro: the first micro-batch of this rank whose loss was nan/inf (1-based), 0 when none.
+ * A diverged loss is acted on after it is averaged over dp, where every rank sees it and stops at
+ * the same point: a rank leaving alone would strand its peers in a collective. */
+static int check_step(train_t *t, int s, double loss, int bad_micro, double gnorm, char *err, size_t errlen) {
+  if (!isfinite(loss)) {
+    t->diverged = 1;
+    char where[64] = "on another data-parallel rank";
+    if (bad_micro) snprintf(where, sizeof where, "micro-batch %d", bad_micro);
+    err_set(err, errlen, 0,
+            "loss is %s at step %d (%s); the model diverged: lower train.lr, raise train.warmup_steps, "
+            "check model.init_std, or enable train.grad_clip",
+            isnan(loss) ? "nan" : "inf", s + 1, where);
+    return -1;
+  }
+  if (!isfinite(gnorm)) {
+    t->diverged = 1;
+    return err_set(err, errlen, -1,
+                   "gradient norm is %s at step %d (loss %.4f); lower train.lr or check model.init_std",
+                   isnan(gnorm) ? "nan" : "inf", s + 1, loss);
+  }
+  return 0;
+}
+
+int train_read(train_t *t, char *err, size_t errlen) {
+  const int n = t->pending;
+  t->n_read = 0;
+  t->read_first = t->pending_first;
+  if (n == 0) return 0;
+  t->pending = 0;
+  step_rec_t *r = t->recs_host;
+  t->be->to_host(t->be, r, t->recs, (size_t)n * sizeof *r); /* the one wait */
+  for (int j = 0; j < n; j++) {
+    /* the logged loss is the global batch's: the mean over dp (fp32, as it travelled) */
+    const double loss = t->dpc_dev && loss_shared(t) ? (double)r[j].loss_dp : r[j].stat[0];
+    if (check_step(t, t->read_first + j, loss, (int)r[j].stat[1], r[j].gnorm, err, errlen)) return -1;
+    t->read_loss[j] = loss;
+    t->read_gnorm[j] = r[j].gnorm;
+    t->n_read = j + 1;
+  }
+  return 0;
 }
 
 /* The pipeline's share of a step: the step's batches, the schedule over pp_microbatches
@@ -118,70 +168,90 @@ static int pipeline_step(train_t *t, int s, double *loss, int *bad_micro, pp_ste
   return 0;
 }
 
-int train_step(train_t *t, int s, train_result_t *out, char *err, size_t errlen) {
-  const plan_t *p = t->p;
-  const int T = p->train.seq_len, B = p->train.micro_batch_size, accum = p->train.grad_accum_steps;
-  const double t0 = metrics_now();
-  const uint64_t wait0 = mesh_wait_ns(t->mesh);
-  trace_step_begin(s + 1);
-  opprof_step_begin(s + 1);
-  const double lr = optim_lr(&p->train, s);
-  double loss = 0;
-  dp_zero_grad(t->dp);
-  int bad_micro = 0; /* first micro-batch of this step whose loss was nan/inf (1-based) */
-  memset(&out->pp, 0, sizeof out->pp);
-  if (t->pp && pipeline_step(t, s, &loss, &bad_micro, &out->pp, err, errlen)) return -1;
-  const int Tl = plan_local_seq_len(p), n = B * Tl; /* this rank's tokens: all of them, or its cp chunks */
-  for (int micro = 0; !t->pp && micro < accum; micro++) {
-    data_train_batch(t->data, s, micro, t->dp_rank, t->dp_size, B, t->tok, t->tgt);
-    if (hooks_batch(t->hooks, t->tok, t->tgt, (size_t)B * T, err, errlen)) return -1;
-    cp_rows(t, t->tok, t->tgt, B, B);
-    const float scale = 1.0f / (float)accum; /* the loss is the micro-batches' mean */
-    if (model_forward_rows(t->m, t->tok, t->tgt, B, Tl, t->loss_rows + (size_t)micro * n, &t->loss_valid[micro],
-                           scale) ||
-        dp_status(t->dp))
-      return pass_failed(t, "forward pass", s, micro, err, errlen);
-    dp_set_sync(t->dp, micro == accum - 1); /* gradients are synchronized once, on the last micro-step */
-    if (model_backward(t->m, scale) || dp_status(t->dp))
-      return pass_failed(t, "backward pass", s, micro, err, errlen);
-  }
-  if (!t->pp) loss = micro_losses(t, s, accum, n, &bad_micro) / accum;
-  if (t->dpc && comm_size(t->dpc) > 1) { /* the logged loss is the global batch's: the mean over dp (and cp) */
+/* The pipeline's step, on the host: the loss (the mean over dp through the host comm), its
+ * check, the norm and its check, the update; this step's values are read at once. */
+static int pipeline_train(train_t *t, int s, double lr, train_result_t *out, char *err, size_t errlen) {
+  double loss = 0, gnorm = 0;
+  int bad_micro = 0;
+  if (pipeline_step(t, s, &loss, &bad_micro, &out->pp, err, errlen)) return -1;
+  if (loss_shared(t)) {
     float lf = (float)loss;
     if (comm_all_reduce(t->dpc, &lf, 1, DT_F32, COMM_AVG)) {
       return err_set(err, errlen, -1, "%s", comm_errmsg(t->dpc));
     }
     loss = lf;
   }
-  if (!isfinite(loss)) {
-    t->diverged = 1;
-    char where[64] = "on another data-parallel rank";
-    if (bad_micro) snprintf(where, sizeof where, "micro-batch %d", bad_micro);
-    err_set(err, errlen, 0,
-            "loss is %s at step %d (%s); the model diverged: lower train.lr, raise train.warmup_steps, "
-            "check model.init_std, or enable train.grad_clip",
-            isnan(loss) ? "nan" : "inf", s + 1, where);
-    return -1;
-  }
-
-  double gnorm = 0;
+  if (check_step(t, s, loss, bad_micro, 0.0, err, errlen)) return -1;
   if (dp_grad_norm(t->dp, &gnorm)) {
     return err_set(err, errlen, -1, "%s", dp_errmsg(t->dp));
   }
-  if (!isfinite(gnorm)) {
-    t->diverged = 1;
-    return err_set(err, errlen, -1,
-                   "gradient norm is %s at step %d (loss %.4f); lower train.lr or check model.init_std",
-                   isnan(gnorm) ? "nan" : "inf", s + 1, loss);
-  }
-  if (dp_step(t->dp, lr, optim_clip_scale(gnorm, p->train.grad_clip))) {
+  if (check_step(t, s, loss, bad_micro, gnorm, err, errlen)) return -1;
+  if (dp_step(t->dp, lr, optim_clip_scale(gnorm, t->p->train.grad_clip))) {
     return err_set(err, errlen, -1, "%s", dp_errmsg(t->dp));
   }
-  /* No wait for the optimizer's kernels: the next step's first read-back waits for them, and
+  t->read_first = s;
+  t->read_loss[0] = loss;
+  t->read_gnorm[0] = gnorm;
+  t->n_read = 1;
+  return 0;
+}
+
+/* The step on the device: per micro-batch its batch, forward (the per-row losses into loss_rows,
+ * turned into the step's loss by step_loss right after), backward; then the loss's mean over dp
+ * on the device comm (started and waited: with a device compute stream the wait is the stream's,
+ * not the host's), the norm and clip scale, the update. The values land in record `pending`. */
+static int device_train(train_t *t, int s, double lr, char *err, size_t errlen) {
+  const plan_t *p = t->p;
+  const int T = p->train.seq_len, B = p->train.micro_batch_size, accum = p->train.grad_accum_steps;
+  const int Tl = plan_local_seq_len(p), n = B * Tl; /* this rank's tokens: all of them, or its cp chunks */
+  if (t->pending == 0) t->pending_first = s;
+  step_rec_t *rec = (step_rec_t *)t->recs + t->pending;
+  for (int micro = 0; micro < accum; micro++) {
+    data_train_batch(t->data, s, micro, t->dp_rank, t->dp_size, B, t->tok, t->tgt);
+    if (hooks_batch(t->hooks, t->tok, t->tgt, (size_t)B * T, err, errlen)) return -1;
+    cp_rows(t, t->tok, t->tgt, B, B);
+    const float scale = 1.0f / (float)accum; /* the loss is the micro-batches' mean */
+    int valid = 0;
+    if (model_forward_rows(t->m, t->tok, t->tgt, B, Tl, t->loss_rows, &valid, scale) || dp_status(t->dp))
+      return pass_failed(t, "forward pass", s, micro, err, errlen);
+    t->be->step_loss(t->be, t->loss_rows, n, valid, micro, accum, hooks_nan_loss(t->hooks, s + 1, micro),
+                     rec->stat, &rec->loss_dp);
+    dp_set_sync(t->dp, micro == accum - 1); /* gradients are synchronized once, on the last micro-step */
+    if (model_backward(t->m, scale) || dp_status(t->dp))
+      return pass_failed(t, "backward pass", s, micro, err, errlen);
+  }
+  if (t->dpc_dev && loss_shared(t)) {
+    comm_req_t *req = NULL;
+    if (comm_start_all_reduce(t->dpc_dev, &rec->loss_dp, 1, DT_F32, COMM_AVG, &req) || comm_wait(req, NULL)) {
+      return err_set(err, errlen, -1, "%s", comm_errmsg(t->dpc_dev));
+    }
+  }
+  if (dp_clip_dev(t->dp, p->train.grad_clip, &rec->gnorm, t->scale) || dp_step_dev(t->dp, lr, t->scale)) {
+    return err_set(err, errlen, -1, "%s", dp_errmsg(t->dp));
+  }
+  t->pending++;
+  return 0;
+}
+
+int train_step(train_t *t, int s, train_result_t *out, char *err, size_t errlen) {
+  const double t0 = metrics_now();
+  const uint64_t wait0 = mesh_wait_ns(t->mesh);
+  trace_step_begin(s + 1);
+  opprof_step_begin(s + 1);
+  const double lr = optim_lr(&t->p->train, s);
+  dp_zero_grad(t->dp);
+  memset(out, 0, sizeof *out);
+  t->n_read = 0;
+  if (t->pp ? pipeline_train(t, s, lr, out, err, errlen) : device_train(t, s, lr, err, errlen)) return -1;
+  /* No wait for the optimizer's kernels unless this step reads: the read waits for them, and
    * anything that reads the parameters (eval, a checkpoint) copies them back, which waits too. */
-  out->loss = loss;
+  if (!t->pp && (!t->read_due || t->read_due(t->read_arg, s + 1) || t->pending == TRAIN_PENDING_MAX) &&
+      train_read(t, err, errlen))
+    return -1;
+  out->read = t->n_read;
+  out->loss = t->n_read ? t->read_loss[t->n_read - 1] : NAN;
+  out->gnorm = t->n_read ? t->read_gnorm[t->n_read - 1] : NAN;
   out->lr = lr;
-  out->gnorm = gnorm;
   out->dt = metrics_now() - t0;
   out->comm_wait = (double)(mesh_wait_ns(t->mesh) - wait0) * 1e-9;
   opprof_step_end(s + 1, out->dt);
@@ -215,7 +285,7 @@ int train_eval(train_t *t, double *out, char *err, size_t errlen) {
     }
     sum = s;
   }
-  if (t->dpc && comm_size(t->dpc) > 1) { /* each cp rank's loss is its chunks' mean: the sum counts cp times */
+  if (loss_shared(t)) { /* each cp rank's loss is its chunks' mean: the sum counts cp times */
     float s = (float)sum;
     if (comm_all_reduce(t->dpc, &s, 1, DT_F32, COMM_SUM)) {
       return err_set(err, errlen, -1, "eval: %s", comm_errmsg(t->dpc));

@@ -3,11 +3,24 @@
  * one), averages the loss over the micro-batches and over dp, then the gradient norm, clipping
  * and the optimizer, in that order, every floating-point operation as the loop always did them.
  *
- * A step stops before the optimizer on any error: a forward or backward that failed (the model's
- * or the strategy's status), a loss that is nan/inf on any dp rank (the ranks agree through the
- * loss all-reduce, so they stop together instead of stranding peers in a gradient reduction),
- * a gradient norm that is not finite. Not here: logging and records (metrics), checkpoints
- * (checkpoint), the test hooks' own logic (hooks: the step only calls them). */
+ * Without pipeline parallelism nothing in a step waits for the device: the loss (backend
+ * step_loss after each forward), its mean over dp (an all-reduce on the device comm), the
+ * gradient norm and the clip scale (dp_clip_dev) stay in device memory, AdamW reads the scale
+ * there (dp_step_dev), and each step's loss and norm land in a record of a small device array.
+ * The host reads the records of every step since the last read in one copy, when a step reads:
+ * every step by default, or where read_due says (the trainer: the steps that log, evaluate,
+ * save or end the run), and when the array is full (TRAIN_PENDING_MAX steps); train_read reads
+ * at any other point (before a save on a signal). Under pipeline parallelism the step reads its
+ * loss and norm on the host as it always did (two waits) and every step reads.
+ *
+ * The divergence checks happen at the read, on each step's values in order: a loss that is
+ * nan/inf on any dp rank (the ranks agree through the loss all-reduce, so they stop together),
+ * then a gradient norm that is not finite; the step named is the one that diverged, with the
+ * messages as always, and a run reports it at the next step that reads (the steps between ran
+ * on, on nan, and are never saved: a checkpoint reads first). A step stops at once on any other
+ * error: a forward or backward that failed (the model's or the strategy's status). Not here:
+ * logging and records (metrics), checkpoints (checkpoint), the test hooks' own logic (hooks: the
+ * step only calls them). */
 #ifndef MESHRUN_TRAIN_H
 #define MESHRUN_TRAIN_H
 
@@ -40,10 +53,21 @@ typedef struct {
   hooks_t *hooks;
   int32_t *tok, *tgt; /* (micro_batch_size, seq_len) host batches (the whole step's under pp); train_init
                          allocates them */
-  /* Without pp: the per-row losses of the step's micro-batches, on the device (loss_rows) and read
-   * back once per step (loss_host), with each micro-batch's count of targets (loss_valid). */
-  float *loss_rows, *loss_host;
-  int *loss_valid;
+  /* When a step reads its values back (with those of the steps before it not read yet): when
+   * read_due(read_arg, step) (1-based) says so; NULL: every step. */
+  int (*read_due)(void *arg, int step);
+  void *read_arg;
+  /* train_init fills the rest. Without pp: the per-row losses of the micro-batch just run
+   * (loss_rows), the device records of the steps not read yet (recs, pending of them from step
+   * pending_first, 0-based) and their host copy, the clip scale (device), and the device comm of
+   * "dp" (dpc_dev) that averages the loss. */
+  float *loss_rows, *scale;
+  void *recs, *recs_host;
+  int pending, pending_first;
+  comm_t *dpc_dev;
+  /* After a read: the values of n_read steps from read_first (0-based), oldest first. */
+  double *read_loss, *read_gnorm;
+  int n_read, read_first;
   int32_t *cp_scratch; /* cp > 1: a batch's ids while this rank's rows are taken out of it */
   /* Pipeline parallelism (mesh.pp > 1; NULL otherwise): the runner of this rank's stages, and the
    * host comm of the pp group that shares the last stage's loss with the others. */
@@ -52,22 +76,32 @@ typedef struct {
   int diverged; /* set by a train_step that failed on a non-finite loss or gradient norm */
 } train_t;
 
+/* The most steps whose values wait on the device for a read: a step reads when this many are. */
+#define TRAIN_PENDING_MAX 1024
+
 typedef struct {
-  double loss;  /* mean over micro-batches and dp */
+  int read;     /* the steps whose values this step read (t->n_read): 0, or this step's and those before */
+  double loss;  /* mean over micro-batches and dp; when read, else nan */
   double lr;
-  double gnorm; /* before clipping */
+  double gnorm; /* before clipping; when read, else nan */
   double dt;    /* seconds, from zero_grad to the optimizer's end on the device */
   double comm_wait; /* seconds of dt blocked on collectives (the exposed communication) */
   pp_step_stats_t pp; /* under pp: this rank's schedule (busy, span, in flight) */
 } train_result_t;
 
-/* Allocates the batches. Returns 0 or -1 with the message in err; train_free releases them. */
+/* Allocates the batches and the records. Returns 0 or -1 with the message in err; train_free
+ * releases them. */
 int train_init(train_t *t, char *err, size_t errlen);
 void train_free(train_t *t); /* accepts a zeroed train_t */
 
-/* Step s (0-based; logged as s + 1). Returns 0 with *out, or -1 with the message in err: the
- * optimizer has then not stepped. */
+/* Step s (0-based; logged as s + 1). Returns 0 with *out, or -1 with the message in err: a pass
+ * failed (the optimizer has then not stepped), or the read found a step that diverged (t->diverged
+ * set; t->n_read steps before it were read and are good). */
 int train_step(train_t *t, int s, train_result_t *out, char *err, size_t errlen);
+/* Reads the steps not read yet (one copy, a wait for the device; none when nothing waits) into
+ * t->n_read, t->read_first, t->read_loss and t->read_gnorm. Returns 0, or -1 with the message in
+ * err when one diverged (as train_step). */
+int train_read(train_t *t, char *err, size_t errlen);
 
 /* Mean eval loss over batches k = 0..eval.batches-1 (the one-process value). Under a mesh, dp
  * rank r runs batches k = r, r + dp, ... and the sums are added over "dp"; every rank runs the
