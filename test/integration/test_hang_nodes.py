@@ -24,6 +24,9 @@ round's end. Each scenario runs RUNS times; every run must name the right rank o
   to the step's reductions, which wait for rank 1. Named as the rank that skipped. (On the tp
   ring a skip does not hang: the calls' bytes slide into each other and the loss turns nan.)
 
+The stall also runs once with --rdzv_backend=etcd (one etcd member on a third host), where the
+nodes share the round's first node's store instead of the rendezvous's.
+
 Then `meshrun diagnose` over node 0's log folder prints the same summary: node 1's ranks' dumps
 were written there. Skipped, naming the reason, only where network namespaces cannot be made.
 """
@@ -37,6 +40,7 @@ import time
 
 import pytest
 
+import etcdcluster
 import netcluster_pytest as nc
 from conftest import FAST_CONF, MESHRUN, bin_dir, tiny_plan
 from test_hang import progress_pids, progress_steps
@@ -64,7 +68,7 @@ class Job:
     """One meshrun per host, each with its log folder d/logs<i>; stderr lines with the time each
     arrived, per node."""
 
-    def __init__(self, c, d, env, plan_json=PLAN):
+    def __init__(self, c, d, env, plan_json=PLAN, etcd=None):
         self.d = d
         plan = os.path.join(str(d), "plan.json")
         with open(plan, "w") as f:
@@ -73,8 +77,11 @@ class Job:
         e.update(env)
         args = ["--nproc_per_node=%d" % NPROC, "--max_restarts=0", "--rdzv_conf=" + FAST_CONF,
                 "--hang_timeout=%g" % HANG_S, "--shutdown_timeout=2", TRAINER, plan]
+        if etcd:  # the rendezvous in etcd; the workers' store is then the round's first node's own
+            args = ["--rdzv_backend=etcd"] + args
         self.procs = nc.start_meshrun(c, args, meshrun=MESHRUN, env=e, cwd=str(d), stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.PIPE, node_args=lambda i: ["--log_dir=%s" % self.logs(i)])
+                                      stderr=subprocess.PIPE, node_args=lambda i: ["--log_dir=%s" % self.logs(i)],
+                                      hosts=NODES, endpoint=etcd.endpoints() if etcd else None)
         self.lines = [[] for _ in self.procs]
         self.readers = [threading.Thread(target=self._read, args=(i,)) for i in range(len(self.procs))]
         for t in self.readers:
@@ -149,6 +156,20 @@ def test_rank_that_never_entered_is_named_across_nodes(netcluster, tmp_path, run
                             r"hang: rank 2 \(host [^,]+, node 1, pid \d+\) never entered \S+ #\d+ of group \S+, which "
                             r"ranks? [0-9,-]+ waits? in")
     assert "hooks_stall" in out
+
+
+def test_rank_that_never_entered_is_named_with_etcd(netcluster, tmp_path):
+    """The same through --rdzv_backend=etcd (one member on a host of its own): the nodes share
+    the round's first node's store, not the rendezvous's."""
+    ok, why = etcdcluster.available()
+    if not ok:
+        pytest.skip(why)
+    c = netcluster(NODES + 1)
+    e = etcdcluster.EtcdCluster(c, [NODES], str(tmp_path))
+    e.wait_ready()
+    job = Job(c, tmp_path, {"MESHRUN_FAULT_STALL": "2:3"}, etcd=e)
+    named_after_fault(job, 0, 2, "MESHRUN_FAULT_STALL: stalling before step 3",
+                      r"hang: rank 2 \(host [^,]+, node 1, pid \d+\) never entered \S+ #\d+ of group \S+")
 
 
 @pytest.mark.parametrize("run", range(RUNS))
