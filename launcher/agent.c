@@ -318,14 +318,19 @@ static void on_worker_exit(workers_t *w, const workers_info_t *info, void *arg) 
 
 /* The hang watch named a hang (its diagnosis is logged): the round ends as for a failure of the
  * rank it names, and counts against --max_restarts like one. */
-static void on_hang(hang_t *h, const char *summary, int rank, void *arg) {
+static void on_hang(hang_t *h, const char *summary, const diag_rank_t *named, void *arg) {
   agent_t *a = arg;
   if (a->state != AGENT_RUNNING) return;
+  int rank = named ? named->rank : -1;
   rdzv_end_t e = {.kind = RDZV_END_FAILURE, .exit_code = 1, .rank = rank, .local_rank = rank - a->asg.rank_offset};
   struct timespec ts;
   clock_gettime(CLOCK_REALTIME, &ts);
   e.time = ts.tv_sec + ts.tv_nsec * 1e-9;
   net_hostname(e.host, sizeof e.host);
+  if (named && named->node >= 0) { /* a rank of another node, perhaps: its own host and local rank */
+    e.local_rank = named->local_rank;
+    if (named->host[0]) snprintf(e.host, sizeof e.host, "%s", named->host);
+  }
   snprintf(e.reason, sizeof e.reason, "%.*s", (int)strcspn(summary, "\n"), summary);
   snprintf(e.message, sizeof e.message, "no step for --hang_timeout=%gs: %.900s", a->opts->hang_timeout_s, e.reason);
   log_warn("hang: stopping the workers");
@@ -359,6 +364,15 @@ static int make_attempt_dir(agent_t *a, int attempt, char *out, size_t len) {
   if (a->base_is_tmp) return snprintf(out, len, "%s", a->base_dir) >= (int)len ? -ENAMETOOLONG : 0;
   if (snprintf(out, len, "%.4000s/attempt_%d", a->base_dir, attempt) >= (int)len) return -ENAMETOOLONG;
   return 0;
+}
+
+/* The round's workers run: the hang watch, which several nodes keep together through the
+ * workers' store (launcher/hang.h). */
+static void watch_hangs(agent_t *a, const workers_round_t *r) {
+  hang_share_config_t job = {.secret = r->store_secret, .run_id = r->run_id, .round = r->round,
+                             .node = r->group_rank, .nnodes = r->group_world_size};
+  snprintf(job.endpoint, sizeof job.endpoint, "%s", r->store_endpoint);
+  hang_watch(a->hang, a->wk, &job);
 }
 
 static void on_rdzv(rdzv_t *rz, const rdzv_event_t *ev, void *arg) {
@@ -397,7 +411,7 @@ static void on_rdzv(rdzv_t *rz, const rdzv_event_t *ev, void *arg) {
       log_error("starting workers: %s", err);
       agent_exit(a, wrc == -ENOEXEC ? 127 : 1); /* the program cannot run: a shell's "command not found" */
     } else {
-      hang_watch(a->hang, a->wk);
+      watch_hangs(a, &r);
     }
     break;
   }

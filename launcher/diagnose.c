@@ -16,6 +16,7 @@
 
 #include "common/err.h"
 #include "common/fs.h"
+#include "launcher/console.h"
 
 #define DIAG_FILE_MAX (64u << 20) /* a dump of COMM_FLIGHT_MAX calls is well under this */
 
@@ -33,6 +34,8 @@ static void read_header(const cJSON *h, diag_rank_t *r) {
   r->rank = (int)get_num(h, "rank", -1);
   r->pid = (int)get_num(h, "pid", 0);
   r->unix_time = get_num(h, "unix_time", 0);
+  r->node = (int)get_num(h, "node", -1);
+  r->local_rank = (int)get_num(h, "local_rank", -1);
   copy_str(h, "host", r->host, sizeof r->host);
   char reason[32] = "", state[4] = "";
   copy_str(h, "reason", reason, sizeof reason);
@@ -56,9 +59,15 @@ static void read_op(const cJSON *o, diag_rank_t *r) {
   copy_str(o, "comm", comm, sizeof comm);
   copy_str(o, "op", op, sizeof op);
   uint64_t seq = (uint64_t)get_num(o, "seq", 0);
+  char state[16] = "";
+  copy_str(o, "state", state, sizeof state);
   for (int i = 0; i < r->ncomms; i++) {
     diag_comm_t *d = &r->comms[i];
     if (strcmp(d->name, comm)) continue;
+    if (!strcmp(state, "skipped") && seq > d->skipped) {
+      d->skipped = seq;
+      snprintf(d->skipped_op, sizeof d->skipped_op, "%s", op);
+    }
     if (seq == d->done + 1) {
       snprintf(d->next_op, sizeof d->next_op, "%s", op);
       d->next_bytes = (uint64_t)get_num(o, "bytes", 0);
@@ -110,6 +119,7 @@ static void read_stack(const cJSON *o, diag_rank_t *r) {
 int diag_parse(const char *text, size_t len, diag_rank_t *r, char *err, size_t errlen) {
   memset(r, 0, sizeof *r);
   r->rank = -1;
+  r->node = r->local_rank = -1;
   int header = 0;
   for (const char *p = text, *end = text + len; p < end;) {
     const char *nl = memchr(p, '\n', (size_t)(end - p));
@@ -150,6 +160,7 @@ void diag_stub(diag_rank_t *r, int rank, int pid, const char *host, char state) 
   memset(r, 0, sizeof *r);
   r->rank = rank;
   r->pid = pid;
+  r->node = r->local_rank = -1;
   r->state = state;
   snprintf(r->host, sizeof r->host, "%s", host ? host : "");
   struct timespec ts;
@@ -157,27 +168,108 @@ void diag_stub(diag_rank_t *r, int rank, int pid, const char *host, char state) 
   r->unix_time = ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-int diag_write_stub(const char *dir, const diag_rank_t *r) {
-  char path[4200];
-  snprintf(path, sizeof path, "%.4000s/flight-rank%d-pid%d-noanswer.jsonl", dir, r->rank, r->pid);
+static cJSON *header_json(const diag_rank_t *r) {
   cJSON *h = cJSON_CreateObject();
   cJSON_AddStringToObject(h, "type", "header");
-  cJSON_AddStringToObject(h, "reason", "noanswer");
+  cJSON_AddStringToObject(h, "reason", r->answered ? "digest" : "noanswer");
   cJSON_AddNumberToObject(h, "rank", r->rank);
   cJSON_AddStringToObject(h, "host", r->host);
+  if (r->node >= 0) cJSON_AddNumberToObject(h, "node", r->node);
+  if (r->local_rank >= 0) cJSON_AddNumberToObject(h, "local_rank", r->local_rank);
   cJSON_AddNumberToObject(h, "pid", r->pid);
   cJSON_AddNumberToObject(h, "unix_time", r->unix_time);
   char st[2] = {r->state, 0};
   cJSON_AddStringToObject(h, "state", st);
-  char *txt = cJSON_PrintUnformatted(h);
-  cJSON_Delete(h);
-  FILE *f = txt ? fopen(path, "we") : NULL;
-  int ok = f && fprintf(f, "%s\n", txt) > 0;
-  int e = txt ? errno : ENOMEM;
+  cJSON *comms = cJSON_AddArrayToObject(h, "comms");
+  for (int i = 0; i < r->ncomms; i++) {
+    const diag_comm_t *c = &r->comms[i];
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "name", c->name);
+    cJSON_AddNumberToObject(o, "size", c->size);
+    cJSON_AddNumberToObject(o, "issued", (double)c->issued);
+    cJSON_AddNumberToObject(o, "done", (double)c->done);
+    cJSON_AddItemToArray(comms, o);
+  }
+  return h;
+}
+
+static cJSON *op_json(const diag_comm_t *c, uint64_t seq, const char *op, uint64_t bytes) {
+  cJSON *o = cJSON_CreateObject();
+  cJSON_AddStringToObject(o, "type", "op");
+  cJSON_AddStringToObject(o, "comm", c->name);
+  cJSON_AddNumberToObject(o, "seq", (double)seq);
+  cJSON_AddStringToObject(o, "op", op);
+  cJSON_AddNumberToObject(o, "bytes", (double)bytes);
+  return o;
+}
+
+/* The lines of r's digest, in the order a dump has them: header, ops, the main thread. */
+static int digest_lines(const diag_rank_t *r, cJSON **lines, int max) {
+  int n = 0;
+  lines[n++] = header_json(r);
+  for (int i = 0; i < r->ncomms && n + 2 < max; i++) {
+    const diag_comm_t *c = &r->comms[i];
+    if (c->done_op[0]) lines[n++] = op_json(c, c->done, c->done_op, 0);
+    if (c->next_op[0]) lines[n++] = op_json(c, c->done + 1, c->next_op, c->next_bytes);
+    if (c->skipped && n + 2 < max) {
+      lines[n] = op_json(c, c->skipped, c->skipped_op, 0);
+      cJSON_AddStringToObject(lines[n++], "state", "skipped");
+    }
+  }
+  cJSON *st = cJSON_CreateObject();
+  cJSON_AddStringToObject(st, "type", "stack");
+  cJSON_AddTrueToObject(st, "main");
+  cJSON_AddTrueToObject(st, "dumping"); /* the frames are the main thread's own already */
+  cJSON *fr = cJSON_AddArrayToObject(st, "frames");
+  for (int f = 0; f < r->nframes; f++) cJSON_AddItemToArray(fr, cJSON_CreateString(r->frames[f]));
+  lines[n++] = st;
+  return n;
+}
+
+int diag_format(const diag_rank_t *r, char **out, size_t *len) {
+  cJSON *lines[2 * DIAG_MAX_COMMS + 2];
+  int n = digest_lines(r, lines, (int)(sizeof lines / sizeof lines[0]));
+  size_t used = 0, cap = 0;
+  char *text = NULL;
+  int rc = 0;
+  for (int i = 0; i < n; i++) {
+    char *l = rc ? NULL : cJSON_PrintUnformatted(lines[i]);
+    size_t k = l ? strlen(l) : 0;
+    char *grown = l && used + k + 2 > cap ? realloc(text, cap = 2 * (used + k + 2)) : text;
+    if (!l || !grown) rc = -ENOMEM;
+    else {
+      text = grown;
+      memcpy(text + used, l, k);
+      used += k;
+      text[used++] = '\n';
+      text[used] = 0;
+    }
+    free(l);
+    cJSON_Delete(lines[i]);
+  }
+  if (rc) {
+    free(text);
+    return rc;
+  }
+  *out = text;
+  *len = used;
+  return 0;
+}
+
+int diag_write(const char *dir, const diag_rank_t *r, const char *tag) {
+  char path[4200], *txt = NULL;
+  size_t len = 0;
+  snprintf(path, sizeof path, "%.4000s/flight-rank%d-pid%d-%.60s.jsonl", dir, r->rank, r->pid, tag);
+  if (diag_format(r, &txt, &len)) return -ENOMEM;
+  FILE *f = fopen(path, "we");
+  int ok = f && fwrite(txt, 1, len, f) == len;
+  int e = errno;
   if (f && fclose(f) && ok) ok = 0, e = errno;
   free(txt);
   return ok ? 0 : -e;
 }
+
+int diag_write_stub(const char *dir, const diag_rank_t *r) { return diag_write(dir, r, "noanswer"); }
 
 /* ---- a folder */
 
@@ -261,18 +353,20 @@ static void __attribute__((format(printf, 2, 3))) put(text_t *t, const char *fmt
   t->lines++;
 }
 
-/* "0,2-3" (ranks ascending), "..." past what fits. */
+/* The ranks as the console writes a rank set ("0-3,6": launcher/console.h), ",..." past what
+ * fits. */
 static void rank_list(const int *v, int n, char *out, size_t len) {
-  size_t k = 0;
-  out[0] = 0;
-  for (int i = 0; i < n && k + 24 < len; i++) {
-    int j = i;
-    while (j + 1 < n && v[j + 1] == v[j] + 1) j++;
-    k += (size_t)snprintf(out + k, len - k, "%s%d", i ? "," : "", v[i]);
-    if (j > i) k += (size_t)snprintf(out + k, len - k, "%s%d", j == i + 1 ? "," : "-", v[j]);
-    i = j;
-    if (i + 1 < n && k + 24 >= len) snprintf(out + k, len - k, ",...");
-  }
+  if (console_format_ranks(v, n, out, len) < len) return;
+  size_t k = len > 5 ? len - 5 : 0;
+  while (k > 0 && out[k] != ',') k--;
+  snprintf(out + k, len - k, ",...");
+}
+
+/* "host H, pid P", with the node on a job of several nodes: "host H, node N, pid P". */
+static const char *rank_where(const diag_rank_t *r, char *buf, size_t len) {
+  if (r->node >= 0) snprintf(buf, len, "host %s, node %d, pid %d", r->host, r->node, r->pid);
+  else snprintf(buf, len, "host %s, pid %d", r->host, r->pid);
+  return buf;
 }
 
 typedef struct {
@@ -282,6 +376,7 @@ typedef struct {
   int *waiting, nw;  /* ranks that issued N and did not complete it */
   int *behind, nb;   /* ranks that never issued N */
   const diag_comm_t *op; /* a waiting rank's view of call N */
+  int skipper;       /* the rank whose ring records call N as skipped, -1: none */
   int mismatch;      /* the waiting ranks name different ops or sizes for call N */
   char mismatch_text[160];
 } group_t;
@@ -303,9 +398,13 @@ static void analyse(group_t *g, const diag_rank_t *ranks, int n) {
     if (c->done < lo) lo = c->done;
   }
   g->call = lo + 1;
+  g->skipper = -1;
   for (int i = 0; i < n; i++) {
     const diag_comm_t *c = ranks[i].answered ? find_comm(&ranks[i], g->name) : NULL;
     if (!c) continue;
+    /* Past the call the others wait in, with a skip behind it: since the skip, its calls have
+     * met its peers' earlier ones (a ring or a channel does not tell them apart). */
+    if (g->skipper < 0 && c->skipped && c->skipped <= c->done && c->done >= g->call) g->skipper = ranks[i].rank;
     if (c->issued < g->call) {
       g->behind[g->nb++] = ranks[i].rank;
     } else if (c->done < g->call) {
@@ -352,7 +451,8 @@ typedef struct {
 /* The stuck groups, those with ranks behind or missing first. */
 static int stuck_first(const void *a, const void *b) {
   const group_t *x = a, *y = b;
-  int kx = (x->nb > 0) * 2 + (x->members < x->size), ky = (y->nb > 0) * 2 + (y->members < y->size);
+  int kx = (x->skipper >= 0) * 4 + (x->nb > 0) * 2 + (x->members < x->size),
+      ky = (y->skipper >= 0) * 4 + (y->nb > 0) * 2 + (y->members < y->size);
   if (kx != ky) return ky - kx;
   return strcmp(x->name, y->name);
 }
@@ -396,7 +496,7 @@ static const diag_rank_t *rank_of(const diag_t *d, int rank) {
 }
 
 static void summary(diag_t *d, text_t *t) {
-  char who[256], call[48];
+  char who[256], call[48], at[200];
   const group_t *g = d->ng ? &d->g[0] : NULL;
   if (g) {
     call_name(g, call, sizeof call);
@@ -406,17 +506,27 @@ static void summary(diag_t *d, text_t *t) {
     const diag_rank_t *s = &d->ranks[d->stubs[0]];
     d->named = s->rank;
     if (g)
-      put(t, "hang: rank %d (host %s, pid %d) did not answer the dump request (%s); rank%s %s wait%s in %s of group %s",
-          s->rank, s->host, s->pid, state_words(s->state), g->nw > 1 ? "s" : "", who, g->nw > 1 ? "" : "s", call,
+      put(t, "hang: rank %d (%s) did not answer the dump request (%s); rank%s %s wait%s in %s of group %s",
+          s->rank, rank_where(s, at, sizeof at), state_words(s->state), g->nw > 1 ? "s" : "", who, g->nw > 1 ? "" : "s", call,
           g->name);
     else
-      put(t, "hang: rank %d (host %s, pid %d) did not answer the dump request (%s)", s->rank, s->host, s->pid,
+      put(t, "hang: rank %d (%s) did not answer the dump request (%s)", s->rank, rank_where(s, at, sizeof at),
           state_words(s->state));
+  } else if (g && g->skipper >= 0) {
+    const diag_rank_t *b = rank_of(d, g->skipper);
+    const diag_comm_t *c = find_comm(b, g->name);
+    d->named = b->rank;
+    char now[64];
+    if (c->issued > c->done) snprintf(now, sizeof now, "waits in #%llu", (unsigned long long)c->issued);
+    else snprintf(now, sizeof now, "has completed #%llu", (unsigned long long)c->done);
+    put(t, "hang: rank %d (%s) skipped %s #%llu of group %s: it %s while rank%s %s wait%s in #%llu", b->rank,
+        rank_where(b, at, sizeof at), c->skipped_op, (unsigned long long)c->skipped, g->name, now,
+        g->nw > 1 ? "s" : "", who, g->nw > 1 ? "" : "s", (unsigned long long)g->call);
   } else if (g && g->nb) {
     const diag_rank_t *b = rank_of(d, g->behind[0]);
     d->named = b->rank;
-    put(t, "hang: rank %d (host %s, pid %d) never entered %s of group %s, which rank%s %s wait%s in", b->rank, b->host,
-        b->pid, call, g->name, g->nw > 1 ? "s" : "", who, g->nw > 1 ? "" : "s");
+    put(t, "hang: rank %d (%s) never entered %s of group %s, which rank%s %s wait%s in", b->rank,
+        rank_where(b, at, sizeof at), call, g->name, g->nw > 1 ? "s" : "", who, g->nw > 1 ? "" : "s");
   } else if (g && g->mismatch) {
     put(t, "hang: the ranks of group %s disagree on its call #%llu: rank %d: %s", g->name, (unsigned long long)g->call,
         g->waiting[0], g->mismatch_text);
@@ -455,13 +565,25 @@ static void stack_text(const diag_rank_t *r, char *out, size_t len) {
 }
 
 static void rank_lines(const diag_t *d, text_t *t) {
+  char at[200];
   int shown = 0;
   for (int i = 0; i < d->nstubs; i++, shown++) {
     const diag_rank_t *s = &d->ranks[d->stubs[i]];
-    put(t, "  rank %d (host %s, pid %d): did not answer the dump request: %s%s%c%s", s->rank, s->host, s->pid,
+    put(t, "  rank %d (%s): did not answer the dump request: %s%s%c%s", s->rank, rank_where(s, at, sizeof at),
         state_words(s->state), s->state ? " (state " : "", s->state ? s->state : ' ', s->state ? ")" : "");
   }
   if (d->all_stubs > d->nstubs) put(t, "  ... and %d more ranks that did not answer", d->all_stubs - d->nstubs);
+  for (int i = 0; i < d->ng && shown < DIAG_RANK_LINES; i++) {
+    const diag_rank_t *b = d->g[i].skipper >= 0 ? rank_of(d, d->g[i].skipper) : NULL;
+    if (!b) continue;
+    const diag_comm_t *c = find_comm(b, d->g[i].name);
+    char st[4 * 96 + 16];
+    stack_text(b, st, sizeof st);
+    put(t, "  rank %d (%s): skipped call #%llu (%s) of group %s, completed #%llu; stack: %s", b->rank,
+        rank_where(b, at, sizeof at), (unsigned long long)c->skipped, c->skipped_op, d->g[i].name,
+        (unsigned long long)c->done, st);
+    shown++;
+  }
   for (int i = 0; i < d->ng && shown < DIAG_RANK_LINES; i++) {
     const group_t *g = &d->g[i];
     for (int j = 0; j < g->nb && shown < DIAG_RANK_LINES; j++, shown++) {
@@ -469,8 +591,8 @@ static void rank_lines(const diag_t *d, text_t *t) {
       const diag_comm_t *c = find_comm(b, g->name);
       char st[4 * 96 + 16];
       stack_text(b, st, sizeof st);
-      put(t, "  rank %d (host %s, pid %d): last completed call #%llu%s%s%s of group %s; stack: %s", b->rank, b->host,
-          b->pid, (unsigned long long)c->done, c->done_op[0] ? " (" : "", c->done_op, c->done_op[0] ? ")" : "",
+      put(t, "  rank %d (%s): last completed call #%llu%s%s%s of group %s; stack: %s", b->rank,
+          rank_where(b, at, sizeof at), (unsigned long long)c->done, c->done_op[0] ? " (" : "", c->done_op, c->done_op[0] ? ")" : "",
           g->name, st);
     }
   }
@@ -479,7 +601,7 @@ static void rank_lines(const diag_t *d, text_t *t) {
       if (!d->ranks[i].answered) continue;
       char st[4 * 96 + 16];
       stack_text(&d->ranks[i], st, sizeof st);
-      put(t, "  rank %d (host %s, pid %d): stack: %s", d->ranks[i].rank, d->ranks[i].host, d->ranks[i].pid, st);
+      put(t, "  rank %d (%s): stack: %s", d->ranks[i].rank, rank_where(&d->ranks[i], at, sizeof at), st);
     }
   }
 }

@@ -11,8 +11,9 @@
  * The diagnosis, per group: N = the lowest last-completed number over its members, plus one:
  * the call the group is stuck on. Members that issued N wait in it; members that did not never
  * entered it; a group with fewer members than its size lacks the ranks that sent no dump. Its
- * first line names the rank to look at (a stub first, then a rank that never entered the call
- * that others wait in); the lines after say, per stuck group, who waits and who is missing, and
+ * first line names the rank to look at (a stub first, then a rank that skipped the call others
+ * wait in (recorded "skipped": it went on to later calls), then a rank that never entered the
+ * call that others wait in); the lines after say, per stuck group, who waits and who is missing, and
  * per named rank its last completed call and top frames.
  *
  * Pure functions over memory and files; no libuv, no signals (launcher/hang.c asks for dumps). */
@@ -33,11 +34,15 @@ typedef struct {
   char next_op[16];     /* the op of call done + 1 when the ring holds it, else "" */
   uint64_t next_bytes;
   char done_op[16];     /* the op of call done, else "" */
+  uint64_t skipped;     /* the newest call the ring records as skipped (a test's fault), else 0 */
+  char skipped_op[16];
 } diag_comm_t;
 
 typedef struct {
   int rank, pid;
   char host[128];
+  int node;          /* the node (group rank) of a job of several nodes, else -1 */
+  int local_rank;    /* its local rank there, -1 when not known (a dump alone does not say) */
   int answered;      /* 1: a dump; 0: a stub, the rank did not answer */
   char state;        /* a stub's /proc state ('T' or 't': stopped), 0 when unknown */
   double unix_time;  /* when the dump (or stub) was written */
@@ -54,8 +59,14 @@ int diag_parse(const char *text, size_t len, diag_rank_t *r, char *err, size_t e
 int diag_parse_file(const char *path, diag_rank_t *r, char *err, size_t errlen);
 /* A stub: a rank that did not answer. */
 void diag_stub(diag_rank_t *r, int rank, int pid, const char *host, char state);
-/* Writes a stub as flight-rank<R>-pid<P>-noanswer.jsonl in dir (a header line, reason
- * "noanswer", and its state). 0 or -errno. */
+/* What diag_parse keeps of r, as a dump's text again (malloc'ed into *out, *len its bytes): a
+ * header (reason "noanswer" for a stub, "digest" otherwise, with the node, the state and the
+ * communicators' counters), the op lines of the calls r names and the main thread's frames.
+ * diag_parse reads it back into the same r. 0 or -ENOMEM. */
+int diag_format(const diag_rank_t *r, char **out, size_t *len);
+/* Writes diag_format's text as flight-rank<R>-pid<P>-<tag>.jsonl in dir. 0 or -errno. */
+int diag_write(const char *dir, const diag_rank_t *r, const char *tag);
+/* A stub as flight-rank<R>-pid<P>-noanswer.jsonl in dir. 0 or -errno. */
 int diag_write_stub(const char *dir, const diag_rank_t *r);
 /* Every dump under dir (its subfolders too): per rank the newest, and of those the ones written
  * within DIAG_WINDOW_S of the newest of all (older ones belong to an earlier hang). *out is

@@ -18,12 +18,15 @@
 #include "common/fs.h"
 #include "common/log.h"
 #include "common/net.h"
+#include "launcher/hang_share.h"
 #include "launcher/diagnose.h"
 
 #define ASK_POLL_MS 20
 #define REPORT_MAX 8192
 
-enum { IDLE = 0, WATCHING, ASKING };
+/* SENT: a node other than 0 published its digests and waits for the round's end; GATHERING:
+ * node 0 waits for the other nodes' digests. */
+enum { IDLE = 0, WATCHING, ASKING, SENT, GATHERING };
 
 typedef struct {
   long long step;  /* the last step read, valid when reports */
@@ -43,7 +46,10 @@ struct hang {
   workers_t *wk;
   int phase, n;
   watched_t *w;
-  uint64_t last_change, ask_deadline; /* uv_now, ms */
+  uint64_t last_change, ask_deadline, gather_deadline; /* uv_now, ms */
+  hang_share_t *share; /* a job of several nodes, else NULL */
+  int node, nnodes;    /* this node's group rank and the round's nodes (1: alone) */
+  uint64_t counter;    /* the job's progress counter as last seen */
 };
 
 hang_t *hang_create(uv_loop_t *loop, double timeout_s, hang_cb cb, void *arg) {
@@ -60,8 +66,17 @@ hang_t *hang_create(uv_loop_t *loop, double timeout_s, hang_cb cb, void *arg) {
 
 static void on_tick(uv_timer_t *t);
 
-void hang_watch(hang_t *h, workers_t *wk) {
+void hang_watch(hang_t *h, workers_t *wk, const hang_share_config_t *job) {
   if (!h) return;
+  hang_share_stop(h->share);
+  h->share = NULL;
+  h->node = 0;
+  h->nnodes = 1;
+  h->counter = 0;
+  if (job && job->nnodes > 1 && (h->share = hang_share_start(job))) {
+    h->node = job->node;
+    h->nnodes = job->nnodes;
+  }
   free(h->w);
   h->n = workers_count(wk);
   h->w = calloc((size_t)h->n, sizeof *h->w);
@@ -83,10 +98,13 @@ void hang_unwatch(hang_t *h) {
   if (!h) return;
   h->phase = IDLE;
   uv_timer_stop(&h->timer);
+  hang_share_stop(h->share);
+  h->share = NULL;
 }
 
 static void on_closed(uv_handle_t *hd) {
   hang_t *h = hd->data;
+  hang_share_stop(h->share);
   free(h->w);
   free(h);
 }
@@ -138,8 +156,15 @@ static unsigned newest_dump(const char *dir, int rank, int pid, char *path, size
 }
 
 static void ask(hang_t *h) {
-  log_warn("--hang_timeout: no rank has finished a step for %gs while every worker runs; asking them for dumps",
-           h->timeout_s);
+  if (!h->share)
+    log_warn("--hang_timeout: no rank has finished a step for %gs while every worker runs; asking them for dumps",
+             h->timeout_s);
+  else if (h->node == 0)
+    log_warn("--hang_timeout: no rank of the job's %d nodes has finished a step for %gs while every worker runs; "
+             "asking every node's ranks for dumps", h->nnodes, h->timeout_s);
+  else
+    log_warn("--hang_timeout: node 0 found no step of the job for %gs; asking this node's ranks for dumps",
+             h->timeout_s);
   for (int i = 0; i < h->n; i++) {
     watched_t *w = &h->w[i];
     const workers_info_t *info = workers_info(h->wk, i);
@@ -181,26 +206,59 @@ static void common_dir(const hang_t *h, char *out, size_t len) {
   }
 }
 
-/* The dumps in (or the wait over): the diagnosis, logged, then the agent's turn. */
-static void diagnose(hang_t *h) {
-  diag_rank_t *r = calloc((size_t)h->n, sizeof *r);
+/* This node's ranks as the diagnosis reads them, into r (h->n at most): each dump that came,
+ * a stub (also written as a file) for each rank that did not answer. Returns how many. */
+static int local_ranks(hang_t *h, diag_rank_t *r) {
   char host[128] = "", err[512];
   net_hostname(host, sizeof host);
   int k = 0;
-  for (int i = 0; r && i < h->n; i++) {
+  for (int i = 0; i < h->n; i++) {
     watched_t *w = &h->w[i];
     const workers_info_t *info = workers_info(h->wk, i);
     if (!w->reports) continue;
-    if (w->answered && diag_parse_file(w->dump, &r[k], err, sizeof err) == 0) {
-      k++;
-      continue;
+    if (!w->answered || diag_parse_file(w->dump, &r[k], err, sizeof err)) {
+      if (w->answered) log_warn("%s", err);
+      diag_stub(&r[k], info->rank, info->pid, host, proc_state(info->pid));
+      r[k].local_rank = info->local_rank;
+      if (h->share) r[k].node = h->node;
+      int rc = diag_write_stub(w->dir, &r[k]);
+      if (rc) log_warn("cannot write rank %d's stub dump in %s: %s", info->rank, w->dir, strerror(-rc));
     }
-    if (w->answered) log_warn("%s", err);
-    diag_stub(&r[k], info->rank, info->pid, host, proc_state(info->pid));
-    int rc = diag_write_stub(w->dir, &r[k]);
-    if (rc) log_warn("cannot write rank %d's stub dump in %s: %s", info->rank, w->dir, strerror(-rc));
+    r[k].local_rank = info->local_rank;
+    if (h->share) r[k].node = h->node;
     k++;
   }
+  return k;
+}
+
+/* The other nodes' digests (text, one after the other) appended to *r (*n of *cap), each also
+ * written into where/<rank>/ as flight-rank<R>-pid<P>-node<N>.jsonl. */
+static void remote_ranks(const char *where, const char *text, diag_rank_t **r, int *n, int *cap) {
+  static const char mark[] = "\n{\"type\":\"header\"";
+  char err[256], dir[PATH_MAX + 16], tag[32];
+  for (const char *p = text; *p;) {
+    const char *start = p, *next = strstr(p, mark);
+    size_t len = next ? (size_t)(next - p) + 1 : strlen(p);
+    p += len;
+    if (*n == *cap) {
+      diag_rank_t *g = realloc(*r, (size_t)*cap * 2 * sizeof *g);
+      if (!g) return;
+      *r = g;
+      *cap *= 2;
+    }
+    diag_rank_t *d = &(*r)[*n];
+    if (diag_parse(start, len, d, err, sizeof err)) continue;
+    (*n)++;
+    snprintf(dir, sizeof dir, "%.4000s/%d", where, d->rank);
+    snprintf(tag, sizeof tag, "node%d", d->node);
+    int rc = fs_mkdir_p(dir, NULL, 0);
+    if (!rc) rc = diag_write(dir, d, tag);
+    if (rc) log_warn("cannot write rank %d's dump (from node %d) in %s: %s", d->rank, d->node, dir, strerror(-rc));
+  }
+}
+
+/* The diagnosis of ranks r[0..k), logged, then the agent's turn. */
+static void report(hang_t *h, const diag_rank_t *r, int k, const char *where) {
   char *text = malloc(REPORT_MAX);
   int named = -1;
   if (r && text) diag_report(r, k, text, REPORT_MAX, &named);
@@ -211,12 +269,51 @@ static void diagnose(hang_t *h) {
     *nl = 0;
     log_error("%s", line);
   }
-  char where[PATH_MAX];
-  common_dir(h, where, sizeof where);
   log_error("  dumps: %s (meshrun diagnose DIR prints this again)", where);
   hang_unwatch(h);
-  h->cb(h, text ? text : "hang: out of memory", named, h->arg);
+  const diag_rank_t *who = NULL;
+  for (int i = 0; i < k && named >= 0 && !who; i++)
+    if (r[i].rank == named) who = &r[i];
+  h->cb(h, text ? text : "hang: out of memory", who, h->arg);
   free(text);
+}
+
+/* The dumps in (or the wait over): alone or on node 0, the diagnosis of every rank whose
+ * dumps are in; on another node, its digests for node 0. */
+static void diagnose(hang_t *h) {
+  int cap = h->n > 0 ? 2 * h->n : 2, k;
+  diag_rank_t *r = calloc((size_t)cap, sizeof *r);
+  char where[PATH_MAX];
+  common_dir(h, where, sizeof where);
+  k = r ? local_ranks(h, r) : 0;
+  if (h->share && h->node != 0) {
+    char *all = NULL, *t;
+    size_t len = 0, tl;
+    for (int i = 0; i < k; i++) {
+      if (diag_format(&r[i], &t, &tl)) continue;
+      char *g = realloc(all, len + tl + 1);
+      if (g) memcpy(g + len, t, tl), len += tl, g[len] = 0, all = g;
+      free(t);
+    }
+    if (all) hang_share_publish(h->share, all, len);
+    log_warn("--hang_timeout: this node's %d dump%s went to node 0, which prints the diagnosis; dumps: %s", k,
+             k == 1 ? "" : "s", where);
+    free(all);
+    free(r);
+    h->phase = SENT;
+    uv_timer_stop(&h->timer);
+    return;
+  }
+  if (h->share) {
+    char *text = NULL;
+    size_t len;
+    int got = hang_share_gathered(h->share, &text, &len);
+    if (got < h->nnodes - 1)
+      log_warn("--hang_timeout: %d of the other %d nodes sent their dumps in time", got, h->nnodes - 1);
+    if (r && text) remote_ranks(where, text, &r, &k, &cap);
+    free(text);
+  }
+  report(h, r, k, where);
   free(r);
 }
 
@@ -229,27 +326,58 @@ static void tick_asking(hang_t *h) {
     if (newest_dump(w->dir, info->rank, info->pid, w->dump, sizeof w->dump) > w->before) w->answered = 1;
     else waiting++;
   }
-  if (!waiting || uv_now(h->loop) >= h->ask_deadline) diagnose(h);
+  if (waiting && uv_now(h->loop) < h->ask_deadline) return;
+  if (h->share && h->node == 0) { /* the other nodes' digests next */
+    hang_share_gather(h->share);
+    h->phase = GATHERING;
+    return;
+  }
+  diagnose(h);
+}
+
+static void tick_gathering(hang_t *h) {
+  char *text = NULL;
+  size_t len;
+  int got = hang_share_gathered(h->share, &text, &len);
+  free(text);
+  if (got >= h->nnodes - 1 || uv_now(h->loop) >= h->gather_deadline) diagnose(h);
 }
 
 static void tick_watching(hang_t *h) {
   if (workers_running(h->wk) != h->n) return; /* an exit is the agent's to handle */
   const uint64_t now = uv_now(h->loop);
   int any = 0;
+  uint64_t changed = 0;
   for (int i = 0; i < h->n; i++) {
     watched_t *w = &h->w[i];
     long long s = read_step(workers_info(h->wk, i));
     if (s < 0) continue;
-    if (!w->reports || s != w->step) h->last_change = now;
+    if (!w->reports || s != w->step) h->last_change = now, changed++;
     w->reports = 1;
     w->step = s;
     any = 1;
   }
-  if (any && (double)(now - h->last_change) >= h->timeout_s * 1000) ask(h);
+  if (h->share) { /* the job's view: node 0 judges it, every node answers its ask */
+    if (changed) hang_share_progress(h->share, changed);
+    uint64_t c = hang_share_counter(h->share);
+    if (c != h->counter) h->counter = c, h->last_change = now;
+    if (h->node != 0) {
+      if (hang_share_asked(h->share)) ask(h);
+      return;
+    }
+  }
+  if (any && (double)(now - h->last_change) >= h->timeout_s * 1000) {
+    if (h->share) {
+      hang_share_ask(h->share);
+      h->gather_deadline = now + HANG_GATHER_WAIT_MS;
+    }
+    ask(h);
+  }
 }
 
 static void on_tick(uv_timer_t *t) {
   hang_t *h = t->data;
   if (h->phase == WATCHING) tick_watching(h);
   else if (h->phase == ASKING) tick_asking(h);
+  else if (h->phase == GATHERING) tick_gathering(h);
 }

@@ -1032,6 +1032,10 @@ void workers_stop(workers_t *w, int sig, double grace_s, const char *reason) {
   /* SIGTERM (or the signal meshrun got) first so workers can flush and write their error
    * files; SIGKILL after the grace period for those that ignore it or hang. */
   workers_signal(w, sig);
+  /* A stopped worker (SIGSTOP, a debugger's ^Z) would hold the signal until SIGKILL: it
+   * continues now and acts on it within the grace. To one that runs, SIGCONT does nothing. */
+  for (int i = 0; i < w->n; i++)
+    if (w->ws[i].info.running) kill(-w->ws[i].info.pid, SIGCONT);
   if (w->running) uv_timer_start(&w->grace, on_grace, (uint64_t)(grace_s * 1000), 0);
 }
 

@@ -10,7 +10,13 @@ diagnosis must appear within --hang_timeout + 2 s of the fault:
   1 as the rank that never entered that call, with its pid; the fault's time is its stall line.
 - stopped: SIGSTOP to rank 1 once the ranks have reported a step (their progress files): it
   cannot answer the dump request; the summary names it as such, stopped, with its pid. The
-  fault's time is the kill.
+  fault's time is the kill. Stopping the workers continues it (SIGCONT after SIGTERM), so
+  meshrun exits before --shutdown_timeout's SIGKILL would come.
+- skipped: a two-stage pipeline instead (PP_PLAN), and MESHRUN_FAULT_SKIP=1:3:ppgrad makes rank 1
+  skip its first gradient send of step 3 (comm_skip_next, recorded "skipped"): its later sends
+  meet rank 0's earlier receives, rank 0 waits for one more at the end of the step while rank 1
+  waits in the step's reduction. The summary names rank 1 as the rank that skipped the send.
+  (test_hang_nodes.py runs the three across two emulated hosts.)
 
 Then `meshrun diagnose LOGDIR` prints the same summary from the files left there (exit 0), and a
 folder without dumps is exit 2 with one line. Waits poll with deadlines; nothing sleeps a fixed
@@ -31,6 +37,7 @@ from test_flight_recorder import finish
 
 TRAINER = os.path.join(bin_dir(), "trainer")
 HANG_S = 2.0
+SHUTDOWN_S = 2.0
 RUNS = 3
 RANKS = 2
 PLAN = tiny_plan(
@@ -42,15 +49,19 @@ PLAN = tiny_plan(
     parallel={"comm_timeout_s": 60},
 )
 
+PP_PLAN = dict(PLAN, mesh={"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": RANKS},
+               train=dict(PLAN["train"], global_batch_size=8),
+               parallel=dict(PLAN["parallel"], pp_microbatches=4))
 
-def start(d, env):
+
+def start(d, env, plan_json=PLAN):
     plan = os.path.join(str(d), "plan.json")
     with open(plan, "w") as f:
-        json.dump(PLAN, f)
+        json.dump(plan_json, f)
     e = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "SLURM_", "MESHRUN_"))}
     e.update({"OMP_NUM_THREADS": "1"}, **env)
     args = [MESHRUN, "--nproc_per_node=%d" % RANKS, "--max_restarts=0", "--rdzv_conf=" + FAST_CONF,
-            "--hang_timeout=%g" % HANG_S, "--shutdown_timeout=2", "--log_dir=" + str(d / "logs"), TRAINER, plan]
+            "--hang_timeout=%g" % HANG_S, "--shutdown_timeout=%g" % SHUTDOWN_S, "--log_dir=" + str(d / "logs"), TRAINER, plan]
     p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=e, cwd=str(d),
                          start_new_session=True)
     lines = []
@@ -65,7 +76,7 @@ def start(d, env):
 
 
 def progress_pids(d):
-    """{rank: pid} of the trainers that report progress into this test's log folder."""
+    """{rank: pid} of the trainers that report progress into this test's log folders (d/logs*)."""
     mine = str(d / "logs").encode()
     out = {}
     for pid in (int(x) for x in os.listdir("/proc") if x.isdigit()):
@@ -81,7 +92,7 @@ def progress_pids(d):
 
 def progress_steps(d):
     steps = []
-    for root, _, files in os.walk(str(d / "logs")):
+    for root, _, files in os.walk(str(d)):
         for f in files:
             if f == "progress":
                 with open(os.path.join(root, f)) as fh:
@@ -102,23 +113,32 @@ def check_diagnose_command(d, summary):
     return r.stdout
 
 
-@pytest.mark.parametrize("run", range(RUNS))
-def test_rank_that_never_entered_is_named(tmp_path, run):
-    p, lines, reader = start(tmp_path, {"MESHRUN_FAULT_STALL": "1:3"})
+def show(run, took, what, lines):
+    print("run %d: diagnosis %.2f s after %s (bound %.1f s)\n%s" % (run, took, what, HANG_S + 2, "\n".join(
+        l for _, l in lines if "[meshrun]" in l and ("hang" in l or l.split("] ", 1)[-1].startswith("  ")))))
+
+
+def named_after_fault(d, run, env, fault, pattern, plan_json=PLAN):
+    """A run with the fault of env, whose time is rank 1's line containing fault: the summary must
+    match pattern within the bound; returns what meshrun diagnose printed."""
+    p, lines, reader = start(d, env, plan_json)
     rc = finish(p, reader)
     text = "\n".join(l for _, l in lines)
-    stall = [t for t, l in lines if l.startswith("[rank1]") and "MESHRUN_FAULT_STALL: stalling before step 3" in l]
+    at = [t for t, l in lines if l.startswith("[rank1]") and fault in l]
     diag = diagnosis(lines)
-    assert rc == 1 and stall and diag, "rc=%d\n%s" % (rc, text)
-    took = diag[0][0] - stall[0]
-    summary = diag[0][1].split("[meshrun] ", 1)[1] if "[meshrun] " in diag[0][1] else diag[0][1]
-    summary = re.sub(r"^.*?(hang: )", r"\1", summary)
-    print("run %d: diagnosis %.2f s after the stall (bound %.1f s)\n%s" % (run, took, HANG_S + 2, "\n".join(
-        l for _, l in lines if "[meshrun]" in l and ("hang" in l or l.split("] ", 1)[-1].startswith("  ")))))
-    assert re.search(r"hang: rank 1 \(host [^,]+, pid \d+\) never entered \S+ #\d+ of group \S+, which rank 0 waits in",
-                     summary), text
+    assert rc == 1 and at and diag, "rc=%d\n%s" % (rc, text)
+    took = diag[0][0] - at[0]
+    summary = re.sub(r"^.*?(hang: )", r"\1", diag[0][1])
+    show(run, took, "the fault", lines)
+    assert re.search(pattern, summary), text
     assert took <= HANG_S + 2, "diagnosis %.2f s after the fault" % took
-    out = check_diagnose_command(tmp_path, summary)
+    return check_diagnose_command(d, summary)
+
+
+@pytest.mark.parametrize("run", range(RUNS))
+def test_rank_that_never_entered_is_named(tmp_path, run):
+    out = named_after_fault(tmp_path, run, {"MESHRUN_FAULT_STALL": "1:3"}, "MESHRUN_FAULT_STALL: stalling before step 3",
+                            r"hang: rank 1 \(host [^,]+, pid \d+\) never entered \S+ #\d+ of group \S+, which rank 0 waits in")
     assert "rank 1" in out and "hooks_stall" in out, out
 
 
@@ -137,17 +157,27 @@ def test_stopped_rank_is_named(tmp_path, run):
     os.kill(pids[1], signal.SIGSTOP)
     t0 = time.monotonic()
     rc = finish(p, reader)
+    t_exit = time.monotonic()
     text = "\n".join(l for _, l in lines)
     diag = diagnosis(lines)
     assert rc == 1 and diag, "rc=%d\n%s" % (rc, text)
     took = diag[0][0] - t0
     summary = re.sub(r"^.*?(hang: )", r"\1", diag[0][1])
-    print("run %d: diagnosis %.2f s after SIGSTOP (bound %.1f s)\n%s" % (run, took, HANG_S + 2, "\n".join(
-        l for _, l in lines if "[meshrun]" in l and ("hang" in l or l.split("] ", 1)[-1].startswith("  ")))))
+    show(run, took, "SIGSTOP", lines)
+    # the stopped rank continues with its SIGTERM (workers_stop's SIGCONT), not at SIGKILL after the grace
+    print("meshrun exited %.2f s after the diagnosis (SIGKILL would come after %g s)" % (t_exit - diag[0][0], SHUTDOWN_S))
+    assert t_exit - diag[0][0] < SHUTDOWN_S, "the stopped rank waited for SIGKILL"
     assert re.search(r"hang: rank 1 \(host [^,]+, pid %d\) did not answer the dump request \(stopped\)" % pids[1],
                      summary), text
     assert took <= HANG_S + 2, "diagnosis %.2f s after the fault" % took
     check_diagnose_command(tmp_path, summary)
+
+
+@pytest.mark.parametrize("run", range(RUNS))
+def test_rank_that_skipped_is_named(tmp_path, run):
+    named_after_fault(tmp_path, run, {"MESHRUN_FAULT_SKIP": "1:3:ppgrad"}, "MESHRUN_FAULT_SKIP: skipping",
+                      r"hang: rank 1 \(host [^,]+, pid \d+\) skipped send #\d+ of group ppgrad\.1: it (waits in|has "
+                      r"completed) #\d+ while rank 0 waits in #\d+", PP_PLAN)
 
 
 def test_diagnose_without_dumps_is_a_usage_error(tmp_path):

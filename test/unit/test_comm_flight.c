@@ -7,7 +7,8 @@
  * header's issued and done numbers of each communicator; blocking, started (progress thread) and
  * point-to-point calls are all recorded; recording off keeps no call but still counts; a comm
  * timeout writes a dump by itself, naming the communicator, op and sequence number of the call
- * that timed out, while the peer that never made the call is one behind; every thread of the
+ * that timed out, while the peer that never made the call is one behind; a call comm_skip_next
+ * skipped moves nothing, keeps its number and is recorded "skipped"; every thread of the
  * process appears with its stack, a thread that blocks the stack signal with the reason. */
 #include <dirent.h>
 #include <pthread.h>
@@ -220,6 +221,40 @@ static int rank_off(int rank, int n, store_t *st, void *arg) {
 
 static void test_recording_off(void **state) { assert_int_equal(fixture_run_ranks(2, rank_off, NULL, CHILD_ALARM_S), 0); }
 
+/* ---- comm_skip_next: rank 1 skips one all_reduce; it returns 0 at once without a byte, keeps its
+ * sequence number and is recorded "skipped"; its next call is the group's next (rank 0 makes
+ * only that one, and both meet there with each other's values) */
+
+static int rank_skip(int rank, int n, store_t *st, void *arg) {
+  char err[256], dir[64], path[512];
+  CHECK(own_dump_dir(dir, sizeof dir) == 0, "no dump folder");
+  CHECK(comm_flight_setup(16, err, sizeof err) == 0, "%s", err);
+  comm_t *c;
+  if (fixture_comm_open(&c, "skip", rank, n, st, 30000)) return 1;
+  float x = (float)(rank + 1), y = 7;
+  if (rank == 1) {
+    comm_skip_next(c);
+    CHECK(comm_all_reduce(c, &y, 1, DT_F32, COMM_SUM) == 0 && y == 7, "the skipped call moved %g", y);
+  }
+  CHECK(comm_all_reduce(c, &x, 1, DT_F32, COMM_SUM) == 0 && x == 3, "after the skip: %g", x);
+  CHECK(comm_dump("test", path, sizeof path, err, sizeof err) == 0, "%s", err);
+  dump_t d;
+  const cJSON *ops[MAX_LINES];
+  CHECK(dump_read(&d, path) == 0 && d.n > 0, "cannot read %s", path);
+  const cJSON *hc = header_comm(&d, "skip");
+  int k = of_type(&d, "op", ops), calls = rank == 1 ? 2 : 1;
+  CHECK(hc && num(hc, "issued") == calls && num(hc, "done") == calls && k == calls, "rank %d: %d calls", rank, k);
+  CHECK(rank == 0 || (!strcmp(str(ops[0], "state"), "skipped") && num(ops[0], "seq") == 1 &&
+                      !strcmp(str(ops[1], "state"), "done") && num(ops[1], "seq") == 2),
+        "%s", cJSON_PrintUnformatted(ops[0]));
+  dump_free(&d);
+  comm_destroy(c);
+  remove_dir(dir);
+  return 0;
+}
+
+static void test_skip_next(void **state) { assert_int_equal(fixture_run_ranks(2, rank_skip, NULL, CHILD_ALARM_S), 0); }
+
 /* ---- a timeout dumps by itself: the waiting rank names its call, the absent one is behind */
 
 static void *idle_thread(void *arg) {
@@ -306,6 +341,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_ring_keeps_the_last_n),
       cmocka_unit_test(test_recording_off),
+      cmocka_unit_test(test_skip_next),
       cmocka_unit_test(test_timeout_dumps),
       cmocka_unit_test(test_records_setting),
   };

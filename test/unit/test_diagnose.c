@@ -1,10 +1,12 @@
-// deps: launcher/diagnose.c common/fs.c common/err.c common/log.c
+// deps: launcher/diagnose.c launcher/console.c common/fs.c common/err.c common/log.c
 /* Unit tests of diagnose: crafted dumps (the flight recorder's JSON lines) to a diagnosis.
  * Four ranks of a group "world" (and two pairs "tp.0", "tp.1"): one rank behind, which never
  * entered the call the others wait in, is named in the summary with host, pid, its last
  * completed call and its frames less the signal handler's; a stub (no answer, stopped) is named
  * first, and the group it belongs to lacks a member; waiting ranks that disagree on the call are
- * named as such; idle groups are not reported. A folder: the newest dump per rank, older hangs
+ * named as such; idle groups are not reported; a rank whose ring records the call the others wait
+ * in as skipped is named as the one that skipped it; a digest (diag_format) reads back as the
+ * rank it was made from, its node shown in the lines. A folder: the newest dump per rank, older hangs
  * left out, stubs written and read back, and a folder without dumps gives none. */
 #include <errno.h>
 #include <setjmp.h>
@@ -157,6 +159,66 @@ static void write_file(const char *dir, const char *name, const char *text) {
   fclose(f);
 }
 
+/* A digest (diag_format) reads back as the rank it was made from, node included; the node then
+ * shows in the diagnosis's lines. */
+static void test_digest_round_trip(void **state) {
+  (void)state;
+  diag_rank_t r[4], back;
+  four(r, 41, "");
+  r[1].node = 1;
+  char *text = NULL, err[256];
+  size_t len = 0;
+  assert_int_equal(diag_format(&r[1], &text, &len), 0);
+  assert_int_equal(diag_parse(text, len, &back, err, sizeof err), 0);
+  free(text);
+  assert_int_equal(back.rank, 1);
+  assert_int_equal(back.node, 1);
+  assert_int_equal(back.pid, 1001);
+  assert_string_equal(back.host, "node0");
+  assert_true(back.answered);
+  assert_int_equal(back.ncomms, r[1].ncomms);
+  assert_int_equal(back.comms[0].issued, 41);
+  assert_int_equal(back.comms[0].done, 41);
+  assert_string_equal(back.comms[0].done_op, "all_gather");
+  assert_int_equal(back.nframes, r[1].nframes);
+  assert_string_equal(back.frames[1], "hooks_stall");
+  r[1] = back;
+  char out[8192];
+  int named;
+  diag_report(r, 4, out, sizeof out, &named);
+  assert_int_equal(named, 1);
+  assert_non_null(strstr(out, "hang: rank 1 (host node0, node 1, pid 1001) never entered all_reduce #42 of group "
+                              "world, which ranks 0,2,3 wait in\n"));
+}
+
+/* A rank whose ring records the call the others wait in as skipped is named as the one that
+ * skipped it, before any rank behind, with the call it waits in now. */
+static void test_skipped_call_is_named(void **state) {
+  (void)state;
+  diag_rank_t r[4];
+  four(r, 42, "all_reduce");
+  /* rank 1 skipped world's 42 (done), and waits in 43 */
+  r[1].comms[0].skipped = 42;
+  snprintf(r[1].comms[0].skipped_op, sizeof r[1].comms[0].skipped_op, "all_reduce");
+  r[1].comms[0].done = 42;
+  r[1].comms[0].issued = 43;
+  char out[8192];
+  int named;
+  diag_report(r, 4, out, sizeof out, &named);
+  assert_int_equal(named, 1);
+  assert_non_null(strstr(out, "hang: rank 1 (host node0, pid 1001) skipped all_reduce #42 of group world: it waits "
+                              "in #43 while ranks 0,2,3 wait in #42\n"));
+  /* and the skip survives a digest */
+  char *text = NULL, err[256];
+  size_t len = 0;
+  diag_rank_t back;
+  assert_int_equal(diag_format(&r[1], &text, &len), 0);
+  assert_int_equal(diag_parse(text, len, &back, err, sizeof err), 0);
+  free(text);
+  assert_int_equal(back.comms[0].skipped, 42);
+  assert_string_equal(back.comms[0].skipped_op, "all_reduce");
+}
+
 static void test_folder(void **state) {
   char dir[] = "/tmp/test_diagnose_XXXXXX", sub[64], text[4096], err[256];
   assert_non_null(mkdtemp(dir));
@@ -201,6 +263,8 @@ int main(void) {
       cmocka_unit_test(test_stub_is_named_first),
       cmocka_unit_test(test_disagreement),
       cmocka_unit_test(test_nothing_stuck),
+      cmocka_unit_test(test_digest_round_trip),
+      cmocka_unit_test(test_skipped_call_is_named),
       cmocka_unit_test(test_folder),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

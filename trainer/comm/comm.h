@@ -278,7 +278,7 @@ void comm_abort_all(const char *why);
  * process of the last N calls: its communicator, its sequence number there (1, 2, ... in issue
  * order; the k-th collective of a group is the k-th on every member), op, dtype, reduction,
  * bytes (count x dtype size), peer or root, state (issued: queued or handed to the backend;
- * started: the backend is moving its bytes; done; failed) and CLOCK_MONOTONIC times of issue,
+ * started: the backend is moving its bytes; done; failed; skipped: comm_skip_next's) and CLOCK_MONOTONIC times of issue,
  * start and end. Recording is a few stores and one atomic increment per call, no lock.
  * "nccl": done means comm_wait returned, which orders the stream after the operation, not that
  * the device has finished it. A "staged" communicator's calls appear twice, once as its own and
@@ -330,5 +330,12 @@ int comm_flight_stack_signal(void);
  * backend fails as a lost connection would: c is aborted (peers fail at once) and the call returns COMM_ESYSTEM
  * with "<op>: fault injected" as its message. */
 void comm_fail_next(comm_t *c);
+/* Test hook (fault injection): the next call of c that reaches the backend is skipped, as a rank
+ * whose code took another branch would skip it: it moves no bytes and returns 0 at once, its
+ * peers still wait in it. It keeps its sequence number, so that this rank's next call is the
+ * group's next one (the flight recorder marks it "skipped"); what the peers then see is what a
+ * skipped collective does to that backend. Calls that a backend starts natively ("nccl") are
+ * not skipped. */
+void comm_skip_next(comm_t *c);
 
 #endif

@@ -44,8 +44,8 @@
 #include "common/fs.h"
 #include "common/log.h"
 
-enum { ST_ISSUED = 0, ST_STARTED, ST_DONE, ST_FAILED };
-static const char *const state_names[] = {"issued", "started", "done", "failed"};
+enum { ST_ISSUED = 0, ST_STARTED, ST_DONE, ST_FAILED, ST_SKIPPED };
+static const char *const state_names[] = {"issued", "started", "done", "failed", "skipped"};
 static const char *const kind_names[] = {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier",
                                          "send", "recv"};
 
@@ -150,9 +150,9 @@ void comm_flight_end(comm_t *c, uint64_t ticket, int rc) {
   if (r) {
     r->rc = rc;
     r->t_end = now_ns();
-    atomic_store_explicit(&r->state, rc ? ST_FAILED : ST_DONE, memory_order_release);
+    atomic_store_explicit(&r->state, rc == COMM_SKIPPED ? ST_SKIPPED : rc ? ST_FAILED : ST_DONE, memory_order_release);
   }
-  if (!rc) {
+  if (!rc || rc == COMM_SKIPPED) {
     /* Calls of one communicator end in issue order, so its last completed one is the newest. */
     if (r) atomic_store_explicit(&c->flight_done, r->seq, memory_order_relaxed);
     else atomic_fetch_add_explicit(&c->flight_done, 1, memory_order_relaxed);

@@ -87,6 +87,7 @@ struct comm {
   comm_stats_t stats;
   comm_mem_t mem;         /* of its backend (comm_backend_memory) */
   int fail_next;          /* comm_fail_next armed */
+  int skip_next;          /* comm_skip_next armed */
   int fault_at, fault_calls; /* MESHRUN_FAULT_COLLECTIVE: the fault_at-th call fails (tests) */
   struct comm *next_live; /* the registry of live communicators (comm.c) */
   uint64_t wait_ns;        /* the caller's blocked time (comm_stats_t.wait_ns) */
@@ -106,6 +107,9 @@ int comm_set_error(comm_t *c, int code, const char *fmt, ...) __attribute__((for
  * it started and finished, from whichever thread runs it. A ticket whose slot was reused since
  * is ignored. comm_flight_end also advances c's last completed sequence number, and on the
  * process's first COMM_ETIMEDOUT writes a dump naming the call. */
+/* What the backend's turn returns for a call comm_skip_next skipped: comm_flight_end records it
+ * as "skipped" (and completed), and the dispatch returns COMM_OK to the caller. */
+#define COMM_SKIPPED 1
 uint64_t comm_flight_issue(comm_t *c, const comm_call_t *k);
 void comm_flight_start(uint64_t ticket);
 void comm_flight_end(comm_t *c, uint64_t ticket, int rc);

@@ -3,6 +3,7 @@
 
 #include <errno.h>
 #include <stdlib.h>
+#include <stdio.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -23,6 +24,10 @@ void hooks_init(hooks_t *h, int rank) {
   h->stall_rank = h->stall_step = -1;
   s = getenv("MESHRUN_FAULT_STALL");
   if (s && sscanf(s, "%d:%d", &h->stall_rank, &h->stall_step) != 2) h->stall_rank = -1;
+  h->skip_rank = h->skip_step = -1;
+  snprintf(h->skip_group, sizeof h->skip_group, "tp");
+  s = getenv("MESHRUN_FAULT_SKIP");
+  if (s && sscanf(s, "%d:%d:%15s", &h->skip_rank, &h->skip_step, h->skip_group) < 2) h->skip_rank = -1;
 }
 
 int hooks_one_process(const hooks_t *h) { return h->dump_init || h->dump_batches; }
@@ -67,6 +72,21 @@ void hooks_stall(const hooks_t *h, int step) {
   if (h->stall_rank != h->rank || h->stall_step != step) return;
   log_warn("MESHRUN_FAULT_STALL: stalling before step %d until a signal ends this process", step);
   for (;;) pause();
+}
+
+void hooks_skip(const hooks_t *h, int step, const mesh_t *mesh) {
+  if (h->skip_rank != h->rank || h->skip_step != step) return;
+  /* "ppact", "ppgrad": the pipeline's channels on which this rank sends (mesh.h) */
+  comm_t *c = !mesh                               ? NULL
+              : !strcmp(h->skip_group, "ppact")  ? mesh->pp.send_act
+              : !strcmp(h->skip_group, "ppgrad") ? mesh->pp.send_grad
+                                                 : mesh_comm(mesh, h->skip_group);
+  if (!c) {
+    log_warn("MESHRUN_FAULT_SKIP: the mesh has no group %s; nothing skipped", h->skip_group);
+    return;
+  }
+  log_warn("MESHRUN_FAULT_SKIP: skipping this rank's next call of %s in step %d", comm_name(c), step);
+  comm_skip_next(c);
 }
 
 int hooks_stop(const hooks_t *h, int step, int steps) {

@@ -14,6 +14,11 @@
  *   MESHRUN_FAULT_STALL=RANK:STEP  that rank stops before step STEP and waits for signals until
  *                               one ends it, as a hung device or a deadlocked process would: its
  *                               peers' next collective fails after the comm timeout (hooks_stall)
+ *   MESHRUN_FAULT_SKIP=RANK:STEP[:GROUP]  that rank skips its first call of GROUP's communicator
+ *                               (the mesh's dimension, default tp; "ppact", "ppgrad": the pipeline
+ *                               channel on which it sends activations, gradients) in step STEP,
+ *                               as a rank whose code took another branch would: comm_skip_next
+ *                               (hooks_skip)
  *
  * The two dumps serve the PyTorch oracle test and run in one process only. Not here: the
  * behaviour the hooks provoke (the loss check in train.c, the save policy in checkpoint.c). */
@@ -40,6 +45,8 @@ typedef struct {
   int nan_rank, nan_step;   /* MESHRUN_FAULT_NAN; nan_rank -1: off */
   int save_rank, save_step, save_err; /* MESHRUN_FAULT_SAVE; save_err 0: off */
   int stall_rank, stall_step; /* MESHRUN_FAULT_STALL; stall_rank -1: off */
+  int skip_rank, skip_step;   /* MESHRUN_FAULT_SKIP; skip_rank -1: off */
+  char skip_group[16];
 } hooks_t;
 
 /* Reads the fault variables for this rank. The flags stay as set. */
@@ -62,6 +69,9 @@ int hooks_nan_loss(const hooks_t *h, int step, int micro);
  * (pause() until a signal's default action ends the process; the trainer's SIGTERM handler lets
  * a second SIGTERM do that). */
 void hooks_stall(const hooks_t *h, int step);
+/* Before step `step` (1-based): on the skipping rank of that step, a warning and the skip armed on
+ * its group's communicator (none when the mesh has no such group). */
+void hooks_skip(const hooks_t *h, int step, const mesh_t *mesh);
 /* After step `step` (1-based) of steps and its checkpoint: 1 when the run stops here (logged). */
 int hooks_stop(const hooks_t *h, int step, int steps);
 void hooks_close(hooks_t *h); /* accepts a zeroed hooks_t */

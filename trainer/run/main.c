@@ -978,6 +978,7 @@ static int run_step_once(run_t *r, int s) {
   train_result_t res;
   run_step = s + 1;
   hooks_stall(&r->a.hooks, s + 1);
+  hooks_skip(&r->a.hooks, s + 1, r->mesh);
   if (train_step(&r->tr, s, &res, err, errlen)) {
     record_read(r);
     /* Training is deterministic: a restart replays from the newest checkpoint bit for bit. An
