@@ -1055,6 +1055,83 @@ static void test_attention_cudnn(void **state) {
   attention_cudnn_case(2, 1024, 16, 4, 64); /* Llama 3.2 1B's head layout at half its heads */
 }
 
+/* Blocks of ring attention on cuDNN (attention_select chose it for the chunk's shape): a past
+ * block (every key before every query: no mask) and a diagonal one (the causal mask), against the
+ * cpu's bf16 blocks with the tolerances of cuDNN's attention above. The forward's out (fp32, one
+ * bf16 rounding on cuDNN) and lse; then the backward from a row's out and lse as the ring hands
+ * them over (the cpu's block out rounded to bf16, its lse raised by 0.5 as if the row had met an
+ * earlier block too), accumulated into fp32 gradients that hold values already. With lo 1 the
+ * lse starts one float into its buffer, so that cuDNN's 16-byte aligned stats go through the
+ * backend's scratch, as a later chunk's may. Reruns give the same bits where cuDNN built its
+ * deterministic backward (det). */
+static void attention_block_cudnn_case(int b, int t, int h, int kv, int d, long q_pos, long k_pos, int lo, int det) {
+  char what[160], shape[96];
+  snprintf(shape, sizeof shape, "b=%d t=%d h=%d kv=%d d=%d q@%ld k@%ld", b, t, h, kv, d, q_pos, k_pos);
+  size_t nq = (size_t)b * t * h * d, nk = (size_t)b * t * kv * d, nl = (size_t)b * h * t;
+  pair_t q = pair_new_dt(nq, -2.0f, 2.0f, DT_BF16), k = pair_new_dt(nk, -2.0f, 2.0f, DT_BF16);
+  pair_t v = pair_new_dt(nk, -1.0f, 1.0f, DT_BF16);
+  pair_t ob = pair_new(nq, 0.0f, 1.0f), lb = pair_new(nl + 1, 0.0f, 1.0f);
+  float *lbc = (float *)lb.c + lo, *lbg = (float *)lb.g + lo;
+  cpu->attention_fwd_block(cpu, ob.c, lbc, q.c, k.c, v.c, b, t, t, h, kv, d, q_pos, k_pos, DT_BF16);
+  gpu->attention_fwd_block(gpu, ob.g, lbg, q.g, k.g, v.g, b, t, t, h, kv, d, q_pos, k_pos, DT_BF16);
+  snprintf(what, sizeof what, "cudnn attention_fwd_block %s out", shape);
+  pair_check(what, &ob, TOL_CUDNN_OUT);
+  snprintf(what, sizeof what, "cudnn attention_fwd_block %s lse", shape);
+  lse_check(what, &lb, TOL_CUDNN_LSE);
+
+  pair_t out = pair_new_dt(nq, 0.0f, 1.0f, DT_BF16), lse = pair_new(nl + 1, 0.0f, 1.0f);
+  for (size_t i = 0; i < nq; i++) ((bf16_t *)out.host)[i] = bf16_from_f32(((const float *)ob.c)[i]);
+  for (size_t i = 0; i < nl; i++) ((float *)lse.host)[i + lo] = lbc[i] + 0.5f;
+  pair_reset(&out);
+  pair_reset(&lse);
+  pair_t dout = pair_new_dt(nq, -1.0f, 1.0f, DT_BF16);
+  pair_t dq = pair_new(nq, -1.0f, 1.0f), dk = pair_new(nk, -1.0f, 1.0f), dv = pair_new(nk, -1.0f, 1.0f);
+  const float *lc = (const float *)lse.c + lo, *lg = (const float *)lse.g + lo;
+  cpu->attention_bwd_block(cpu, dq.c, dk.c, dv.c, dout.c, q.c, k.c, v.c, out.c, lc, b, t, t, h, kv, d, q_pos, k_pos,
+                           DT_BF16);
+  gpu->attention_bwd_block(gpu, dq.g, dk.g, dv.g, dout.g, q.g, k.g, v.g, out.g, lg, b, t, t, h, kv, d, q_pos, k_pos,
+                           DT_BF16);
+  const char *names[3] = {"dq", "dk", "dv"};
+  pair_t *grads[3] = {&dq, &dk, &dv};
+  void *first[3];
+  for (int i = 0; i < 3; i++) {
+    snprintf(what, sizeof what, "cudnn attention_bwd_block %s %s", shape, names[i]);
+    pair_check(what, grads[i], TOL_CUDNN_GRAD);
+    first[i] = snap(grads[i]);
+    gpu->to_device(gpu, grads[i]->g, grads[i]->host, pair_bytes(grads[i]));
+  }
+  if (det)
+    gpu->attention_bwd_block(gpu, dq.g, dk.g, dv.g, dout.g, q.g, k.g, v.g, out.g, lg, b, t, t, h, kv, d, q_pos, k_pos,
+                             DT_BF16);
+  for (int i = 0; i < 3; i++) {
+    snprintf(what, sizeof what, "cudnn attention_bwd_block %s", names[i]);
+    if (det) check_same_bits(what, grads[i], first[i]);
+    else free(first[i]);
+  }
+  pair_t *all[] = {&q, &k, &v, &ob, &lb, &out, &lse, &dout, &dq, &dk, &dv};
+  for (size_t i = 0; i < sizeof all / sizeof *all; i++) pair_free(all[i]);
+}
+
+/* cuDNN chosen for the chunk's shape; blocks of a chunk length that is not a multiple of a tile,
+ * grouped-query and multi-head, then a partial block (the reference kernel runs it: checked
+ * against the cpu at the fp32 tolerance). */
+static void test_attention_blocks_cudnn(void **state) {
+  (void)state;
+  const int shapes[][5] = {{2, 100, 4, 2, 64}, {1, 96, 8, 8, 128}};
+  char why[512] = "";
+  for (size_t s = 0; s < sizeof shapes / sizeof *shapes; s++) {
+    const int *x = shapes[s];
+    int r = gpu->attention_select(gpu, ATTN_FUSED, x[0], x[1], x[2], x[3], x[4], DT_BF16, why, sizeof why);
+    printf("  attention blocks b=%d t=%d h=%d kv=%d d=%d: %s\n", x[0], x[1], x[2], x[3], x[4], why);
+    assert_int_equal(r, 1);
+    const int det = !strstr(why, "not deterministic");
+    attention_block_cudnn_case(x[0], x[1], x[2], x[3], x[4], 3L * x[1], (long)x[1], (int)s, det);    /* past */
+    attention_block_cudnn_case(x[0], x[1], x[2], x[3], x[4], 2L * x[1], 2L * x[1], 1 - (int)s, det); /* diagonal */
+  }
+  attention_block_case(2, 70, 90, 6, 2, 40, 32, 64, DT_BF16); /* partial: the reference kernel */
+  gpu->attention_select(gpu, ATTN_REFERENCE, 1, 64, 4, 2, 64, DT_BF16, why, sizeof why); /* back to the reference */
+}
+
 /* ------------------------------------------------------------------ cross-entropy */
 
 static void ce_case(int n, int v, int ld, int alias, dtype_t dt) {
@@ -1439,6 +1516,7 @@ int main(void) {
       cmocka_unit_test(test_attention_bf16),
       cmocka_unit_test(test_attention_cudnn),
       cmocka_unit_test(test_attention_blocks),
+      cmocka_unit_test(test_attention_blocks_cudnn),
       cmocka_unit_test(test_cross_entropy_bf16),
       cmocka_unit_test(test_adamw_bf16),
       cmocka_unit_test(test_adamw_multi),

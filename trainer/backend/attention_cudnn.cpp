@@ -1,8 +1,10 @@
 /* attention_cudnn: cuDNN's fused flash attention for the cuda backend (attention_cudnn.h).
  *
  * One cudnn-frontend graph per direction and shape: the forward is SDPA with a causal mask
- * (top-left diagonal, right bound 0), scale 1/sqrt(D) and its stats (the log-sum-exp) as an
- * output; the backward is SDPA's backward from q, k, v, out, dout and those stats. Grouped-query
+ * (top-left diagonal, right bound 0), or with none for a shape asked for as not causal (a block
+ * of ring attention whose keys all precede its queries), scale 1/sqrt(D) and its stats (the
+ * log-sum-exp) as an output; the backward is SDPA's backward from q, k, v, out, dout and those
+ * stats, with the same mask. Grouped-query
  * heads are native (K and V have KV heads; cuDNN maps query head h to kv head h / (H/KV), as
  * backend.h does). The tensors are described by strides over the row-major (B,T,H,D) buffers, so
  * nothing is transposed or copied. Plans come from cuDNN's heuristics (mode A), built once per
@@ -38,7 +40,7 @@ struct shape_plans {
   std::string refused; /* non-empty: this shape cannot run here, and why */
 };
 
-typedef std::tuple<int, int, int, int, int> shape_key;
+typedef std::tuple<int, int, int, int, int, int> shape_key; /* b, t, h, kv, d, causal */
 
 }  // namespace
 
@@ -92,7 +94,7 @@ static std::string build(cudnn_att *a, fe::graph::Graph &g, int64_t *ws) {
   return "";
 }
 
-static std::string build_fwd(cudnn_att *a, shape_plans &p, int b, int t, int h, int kv, int d) {
+static std::string build_fwd(cudnn_att *a, shape_plans &p, int b, int t, int h, int kv, int d, bool causal) {
   auto g = new_graph();
   auto q = g->tensor(bthd("q", U_Q, b, t, h, d));
   auto k = g->tensor(bthd("k", U_K, b, t, kv, d));
@@ -100,7 +102,7 @@ static std::string build_fwd(cudnn_att *a, shape_plans &p, int b, int t, int h, 
   auto opt = fe::graph::SDPA_attributes()
                  .set_name("attention_fwd")
                  .set_generate_stats(true)
-                 .set_causal_mask(true)
+                 .set_causal_mask(causal)
                  .set_attn_scale(1.0f / sqrtf((float)d));
   auto outs = g->sdpa(q, k, v, opt);
   outs[0]->set_output(true).set_uid(U_O).set_dim({b, h, t, d}).set_stride({(int64_t)t * h * d, d, (int64_t)h * d, 1});
@@ -111,7 +113,8 @@ static std::string build_fwd(cudnn_att *a, shape_plans &p, int b, int t, int h, 
   return e;
 }
 
-static std::string build_bwd(cudnn_att *a, shape_plans &p, int b, int t, int h, int kv, int d, bool det) {
+static std::string build_bwd(cudnn_att *a, shape_plans &p, int b, int t, int h, int kv, int d, bool causal,
+                             bool det) {
   auto g = new_graph();
   auto q = g->tensor(bthd("q", U_Q, b, t, h, d));
   auto k = g->tensor(bthd("k", U_K, b, t, kv, d));
@@ -122,7 +125,7 @@ static std::string build_bwd(cudnn_att *a, shape_plans &p, int b, int t, int h, 
   stats_layout(stats, b, t, h);
   auto opt = fe::graph::SDPA_backward_attributes()
                  .set_name("attention_bwd")
-                 .set_causal_mask(true)
+                 .set_causal_mask(causal)
                  .set_attn_scale(1.0f / sqrtf((float)d))
                  .set_deterministic_algorithm(det);
   auto grads = g->sdpa_backward(q, k, v, o, dout, stats, opt);
@@ -139,8 +142,8 @@ static std::string build_bwd(cudnn_att *a, shape_plans &p, int b, int t, int h, 
   return e;
 }
 
-static shape_plans &plans_of(cudnn_att *a, int b, int t, int h, int kv, int d) {
-  shape_key key(b, t, h, kv, d);
+static shape_plans &plans_of(cudnn_att *a, int b, int t, int h, int kv, int d, bool causal) {
+  shape_key key(b, t, h, kv, d, causal);
   auto it = a->plans.find(key);
   if (it != a->plans.end()) return it->second;
   shape_plans &p = a->plans[key];
@@ -150,12 +153,12 @@ static shape_plans &plans_of(cudnn_att *a, int b, int t, int h, int kv, int d) {
     return p;
   }
   try {
-    e = build_fwd(a, p, b, t, h, kv, d);
+    e = build_fwd(a, p, b, t, h, kv, d, causal);
     if (!e.empty()) e = "forward: " + e;
     if (e.empty()) {
-      std::string det = build_bwd(a, p, b, t, h, kv, d, true);
+      std::string det = build_bwd(a, p, b, t, h, kv, d, causal, true);
       if (!det.empty()) { /* an older cuDNN: the nondeterministic backward, said by prepare */
-        e = build_bwd(a, p, b, t, h, kv, d, false);
+        e = build_bwd(a, p, b, t, h, kv, d, causal, false);
         if (!e.empty()) e = "backward: " + e + " (deterministic: " + det + ")";
       }
     }
@@ -175,8 +178,9 @@ static void *workspace(cudnn_att *a, int64_t bytes) {
 }
 
 /* The shape's plans, built when first asked for; NULL with why when cuDNN refused the shape. */
-static const shape_plans *ready(cudnn_att *a, int b, int t, int h, int kv, int d, char *why, size_t len) {
-  const shape_plans &p = plans_of(a, b, t, h, kv, d);
+static const shape_plans *ready(cudnn_att *a, int b, int t, int h, int kv, int d, int causal, char *why,
+                                size_t len) {
+  const shape_plans &p = plans_of(a, b, t, h, kv, d, causal != 0);
   if (p.refused.empty()) return &p;
   say(why, len, p.refused);
   return nullptr;
@@ -256,16 +260,17 @@ void cudnn_att_close(cudnn_att_t *a) {
 
 const char *cudnn_att_version(const cudnn_att_t *a) { return a ? a->version : ""; }
 
-int cudnn_att_prepare(cudnn_att_t *a, int b, int t, int h, int kv, int d, int *deterministic, char *why, size_t len) {
-  const shape_plans *p = ready(a, b, t, h, kv, d, why, len);
+int cudnn_att_prepare(cudnn_att_t *a, int b, int t, int h, int kv, int d, int causal, int *deterministic, char *why,
+                      size_t len) {
+  const shape_plans *p = ready(a, b, t, h, kv, d, causal, why, len);
   if (!p) return -1;
   if (deterministic) *deterministic = p->deterministic;
   return 0;
 }
 
 int cudnn_att_fwd(cudnn_att_t *a, void *out, float *lse, const void *q, const void *k, const void *v, int b, int t,
-                  int h, int kv, int d, char *why, size_t len) {
-  const shape_plans *p = ready(a, b, t, h, kv, d, why, len);
+                  int h, int kv, int d, int causal, char *why, size_t len) {
+  const shape_plans *p = ready(a, b, t, h, kv, d, causal, why, len);
   if (!p) return -1;
   std::unordered_map<int64_t, void *> ptr = {
       {U_Q, (void *)q}, {U_K, (void *)k}, {U_V, (void *)v}, {U_O, out}, {U_STATS, (void *)lse}};
@@ -273,9 +278,9 @@ int cudnn_att_fwd(cudnn_att_t *a, void *out, float *lse, const void *q, const vo
 }
 
 int cudnn_att_bwd(cudnn_att_t *a, void *dq, void *dk, void *dv, const void *dout, const void *q, const void *k,
-                  const void *v, const void *out, const float *lse, int b, int t, int h, int kv, int d, char *why,
-                  size_t len) {
-  const shape_plans *p = ready(a, b, t, h, kv, d, why, len);
+                  const void *v, const void *out, const float *lse, int b, int t, int h, int kv, int d, int causal,
+                  char *why, size_t len) {
+  const shape_plans *p = ready(a, b, t, h, kv, d, causal, why, len);
   if (!p) return -1;
   std::unordered_map<int64_t, void *> ptr = {{U_Q, (void *)q},     {U_K, (void *)k},        {U_V, (void *)v},
                                              {U_O, (void *)out},   {U_DO, (void *)dout},    {U_STATS, (void *)lse},

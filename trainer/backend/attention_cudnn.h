@@ -34,18 +34,22 @@ void cudnn_att_close(cudnn_att_t *a); /* accepts NULL */
 const char *cudnn_att_version(const cudnn_att_t *a);
 
 /* Builds, or finds built, the forward and backward plans of one shape; 0, or -1 with why (the
- * shape is refused; later calls with it answer the same at once). deterministic: the backward's
- * algorithm that gives the same bits every run (set to 0 when cuDNN refused it and a
- * nondeterministic one was built instead). */
-int cudnn_att_prepare(cudnn_att_t *a, int b, int t, int h, int kv, int d, int *deterministic, char *why, size_t len);
+ * shape is refused; later calls with it answer the same at once). A shape is (b, t, h, kv, d)
+ * and causal: 1 the causal mask (query i sees keys 0 .. i), 0 none (every query sees every key:
+ * a block of ring attention whose keys all come before its queries); each has its own plans.
+ * deterministic: the backward's algorithm that gives the same bits every run (set to 0 when
+ * cuDNN refused it and a nondeterministic one was built instead). */
+int cudnn_att_prepare(cudnn_att_t *a, int b, int t, int h, int kv, int d, int causal, int *deterministic, char *why,
+                      size_t len);
 
 /* Forward and backward of a prepared shape (they prepare it when it is not). The backward writes
- * dq, dk and dv (it does not accumulate). 0, or -1 with why. */
+ * dq, dk and dv (it does not accumulate) from out and lse as given: a block's backward takes
+ * its rows' whole out and lse. 0, or -1 with why. */
 int cudnn_att_fwd(cudnn_att_t *a, void *out, float *lse, const void *q, const void *k, const void *v, int b, int t,
-                  int h, int kv, int d, char *why, size_t len);
+                  int h, int kv, int d, int causal, char *why, size_t len);
 int cudnn_att_bwd(cudnn_att_t *a, void *dq, void *dk, void *dv, const void *dout, const void *q, const void *k,
-                  const void *v, const void *out, const float *lse, int b, int t, int h, int kv, int d, char *why,
-                  size_t len);
+                  const void *v, const void *out, const float *lse, int b, int t, int h, int kv, int d, int causal,
+                  char *why, size_t len);
 
 #ifdef __cplusplus
 }

@@ -18,21 +18,22 @@ const char *cudnn_att_version(const cudnn_att_t *a) {
   return "";
 }
 
-int cudnn_att_prepare(cudnn_att_t *a, int b, int t, int h, int kv, int d, int *deterministic, char *why, size_t len) {
-  (void)a, (void)b, (void)t, (void)h, (void)kv, (void)d, (void)deterministic;
+int cudnn_att_prepare(cudnn_att_t *a, int b, int t, int h, int kv, int d, int causal, int *deterministic, char *why,
+                      size_t len) {
+  (void)a, (void)b, (void)t, (void)h, (void)kv, (void)d, (void)causal, (void)deterministic;
   if (why && len) snprintf(why, len, "built without cudnn-frontend");
   return -1;
 }
 
 int cudnn_att_fwd(cudnn_att_t *a, void *out, float *lse, const void *q, const void *k, const void *v, int b, int t,
-                  int h, int kv, int d, char *why, size_t len) {
+                  int h, int kv, int d, int causal, char *why, size_t len) {
   (void)out, (void)lse, (void)q, (void)k, (void)v;
-  return cudnn_att_prepare(a, b, t, h, kv, d, NULL, why, len);
+  return cudnn_att_prepare(a, b, t, h, kv, d, causal, NULL, why, len);
 }
 
 int cudnn_att_bwd(cudnn_att_t *a, void *dq, void *dk, void *dv, const void *dout, const void *q, const void *k,
-                  const void *v, const void *out, const float *lse, int b, int t, int h, int kv, int d, char *why,
-                  size_t len) {
+                  const void *v, const void *out, const float *lse, int b, int t, int h, int kv, int d, int causal,
+                  char *why, size_t len) {
   (void)dq, (void)dk, (void)dv, (void)dout, (void)q, (void)k, (void)v, (void)out, (void)lse;
-  return cudnn_att_prepare(a, b, t, h, kv, d, NULL, why, len);
+  return cudnn_att_prepare(a, b, t, h, kv, d, causal, NULL, why, len);
 }

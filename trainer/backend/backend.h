@@ -173,8 +173,11 @@ struct backend {
    * dt). attention_bwd_block ACCUMULATES the block's share of dq (B,tq,H,D) and dk, dv
    * (B,tk,KV,D) into them, given dout and the row's whole out (dt, after every merge) and lse.
    * attention_fwd and attention_bwd are the block t = tq = tk at positions 0 (same arithmetic on
-   * the cpu). Optional (NULL: the backend has no blocks; plans with context parallelism refuse
-   * it). */
+   * the cpu). Where attention_select chose a fused kernel that takes blocks (cuda: cuDNN, for
+   * square blocks on the diagonal or wholly in the past, dt bf16), its outputs are bf16: the
+   * block's out then carries one bf16 rounding before it is widened into the fp32 out, and each
+   * block's share of dq, dk, dv one before it is added into the fp32 accumulators. Optional
+   * (NULL: the backend has no blocks; plans with context parallelism refuse it). */
   void (*attention_fwd_block)(backend_t *be, float *out, float *lse, const void *q, const void *k, const void *v,
                               int b, int tq, int tk, int h, int kv, int d, long q_pos, long k_pos, dtype_t dt);
   void (*attention_merge)(backend_t *be, float *out, float *lse, const float *out_b, const float *lse_b, int b, int t,

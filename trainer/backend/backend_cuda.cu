@@ -12,7 +12,8 @@
  * (CUBLAS_COMPUTE_32F), the output bf16 or fp32 (the dW += dy^T x of the parameter gradients);
  * a bf16 output's split-K partial sums are fp32 (the reduction-scheme preference).
  * Attention: cuDNN's fused flash attention (tensor cores, attention_cudnn.h) where
- * attention_select chose it (model.attention), else the reference kernel written here.
+ * attention_select chose it (model.attention), else the reference kernel written here; the
+ * blocks of ring attention likewise, where a block is one cuDNN's masks describe (below).
  * Everything else is a kernel written here: RMSNorm, RoPE, SwiGLU, embedding, softmax
  * cross-entropy and AdamW fused one pass each, and the reference flash-style causal attention
  * with grouped-query heads that keeps no (T, T) matrix: tiles of 32 queries and 32 keys in
@@ -180,6 +181,8 @@ typedef struct {
   int att_cudnn;         /* attention_select chose cuDNN: shapes it takes run there */
   int att_fallback_said; /* a later shape that cuDNN refused has been reported */
   scratch_t cudnn_ws;    /* cuDNN's workspace */
+  scratch_t att_blk;     /* a block on cuDNN: its bf16 out, or its bf16 dq | dk | dv */
+  scratch_t att_blk_lse; /* a block on cuDNN: its lse where the caller's is not 16-byte aligned */
   /* adamw_multi: the chunk table of the last segment list (adamw_segs, a host copy), on the
    * device, rebuilt only when a call brings another list */
   scratch_t adamw_tab;
@@ -359,6 +362,13 @@ template <typename D, typename S>
 __global__ void convert_kernel(D *dst, const S *src, size_t n) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
     dst[i] = narrow<D>(widen(src[i]));
+}
+
+/* acc += x: a bf16 result added into an fp32 accumulator, one fp32 add (the gradients of a block
+ * of ring attention on cuDNN) */
+__global__ void add_widen_kernel(float *acc, const nv_bfloat16 *x, size_t n) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+    acc[i] += widen(x[i]);
 }
 
 static void cu_add(backend_t *be, void *out, const void *a, const void *b, size_t n, dtype_t dt) {
@@ -1484,7 +1494,7 @@ static int cu_attention_select(backend_t *be, int mode, int b, int t, int h, int
     return refused;
   }
   if (!cu->cudnn && !(cu->cudnn = cudnn_att_open(cu->stream, cudnn_workspace, cu, why, len))) return refused;
-  if (cudnn_att_prepare(cu->cudnn, b, t, h, kv, d, &det, e, sizeof e)) {
+  if (cudnn_att_prepare(cu->cudnn, b, t, h, kv, d, 1, &det, e, sizeof e)) {
     snprintf(why, len, "cuDNN %s refused B=%d T=%d H=%d KV=%d D=%d: %s", cudnn_att_version(cu->cudnn), b, t, h, kv,
              d, e);
     return refused;
@@ -1495,15 +1505,16 @@ static int cu_attention_select(backend_t *be, int mode, int b, int t, int h, int
   return 1;
 }
 
-/* Whether this call runs on cuDNN: chosen by attention_select, and the shape taken (a refused
- * shape runs the reference kernel in both directions, said once). */
-static int att_on_cudnn(cuda_t *cu, int b, int t, int h, int kv, int d, dtype_t dt) {
-  if (!cu->att_cudnn || dt != DT_BF16) return 0;
+/* Whether this call runs on cuDNN: chosen by attention_select, and the shape taken with its mask
+ * (causal 1, none 0; -1: a block no mask of cuDNN's describes). A refused shape runs the
+ * reference kernel in both directions, said once. */
+static int att_on_cudnn(cuda_t *cu, int b, int t, int h, int kv, int d, int causal, dtype_t dt) {
+  if (!cu->att_cudnn || dt != DT_BF16 || causal < 0) return 0;
   char e[400];
-  if (cudnn_att_prepare(cu->cudnn, b, t, h, kv, d, NULL, e, sizeof e) == 0) return 1;
+  if (cudnn_att_prepare(cu->cudnn, b, t, h, kv, d, causal, NULL, e, sizeof e) == 0) return 1;
   if (!cu->att_fallback_said)
-    fprintf(stderr, "trainer: attention B=%d T=%d H=%d KV=%d D=%d runs the reference kernel: cuDNN refused it: %s\n",
-            b, t, h, kv, d, e);
+    fprintf(stderr, "trainer: attention%s B=%d T=%d H=%d KV=%d D=%d runs the reference kernel: cuDNN refused it: %s\n",
+            causal ? "" : " blocks without a mask", b, t, h, kv, d, e);
   cu->att_fallback_said = 1;
   return 0;
 }
@@ -1512,9 +1523,9 @@ static void cu_attention_fwd(backend_t *be, void *out, float *lse, const void *q
                              int t, int h, int kv, int d, dtype_t dt) {
   cuda_t *cu = cuda_of(be);
   if (b <= 0 || t <= 0 || h <= 0) return;
-  if (att_on_cudnn(cu, b, t, h, kv, d, dt)) {
+  if (att_on_cudnn(cu, b, t, h, kv, d, 1, dt)) {
     char e[400];
-    if (cudnn_att_fwd(cu->cudnn, out, lse, q, k, v, b, t, h, kv, d, e, sizeof e))
+    if (cudnn_att_fwd(cu->cudnn, out, lse, q, k, v, b, t, h, kv, d, 1, e, sizeof e))
       backend_fatal(__FILE__, __LINE__, "cudnn_att_fwd", e);
     return;
   }
@@ -1528,9 +1539,9 @@ static void cu_attention_bwd(backend_t *be, void *dq, void *dk, void *dv, const 
                              int kv, int d, dtype_t dt) {
   cuda_t *cu = cuda_of(be);
   if (b <= 0 || t <= 0 || h <= 0) return;
-  if (att_on_cudnn(cu, b, t, h, kv, d, dt)) {
+  if (att_on_cudnn(cu, b, t, h, kv, d, 1, dt)) {
     char e[400];
-    if (cudnn_att_bwd(cu->cudnn, dq, dk, dv, dout, q, k, v, out, lse, b, t, h, kv, d, e, sizeof e))
+    if (cudnn_att_bwd(cu->cudnn, dq, dk, dv, dout, q, k, v, out, lse, b, t, h, kv, d, 1, e, sizeof e))
       backend_fatal(__FILE__, __LINE__, "cudnn_att_bwd", e);
     return;
   }
@@ -1545,7 +1556,59 @@ static void cu_attention_bwd(backend_t *be, void *dq, void *dk, void *dv, const 
 }
 
 /* ---- blocks of ring attention (backend.h): the reference kernels with the block's geometry
- * and fp32 outputs. (cuDNN's kernel is not used for blocks yet.) */
+ * and fp32 outputs, or cuDNN's where attention_select chose it and the block is square (tq = tk)
+ * and either diagonal (q_pos = k_pos: the causal mask) or past (every key before every query:
+ * no mask) -- with balanced chunks of equal length every block of ring attention is one of the
+ * two. cuDNN's outputs are bf16: a block's out goes through scratch and is widened into the fp32
+ * out (one bf16 rounding, which backend.h states); its dq, dk, dv go through scratch and are
+ * added into the fp32 accumulators. */
+
+/* The cuDNN mask of a block: 1 causal (the diagonal), 0 none (every key seen), -1 neither. */
+static int att_block_mask(int tq, int tk, long q_pos, long k_pos) {
+  if (tq != tk) return -1;
+  if (q_pos == k_pos) return 1;
+  return q_pos - k_pos >= (long)tk - 1 ? 0 : -1; /* the first query sees the last key */
+}
+
+/* cuDNN takes its stats 16-byte aligned: the caller's lse, or scratch where it starts elsewhere
+ * (a later chunk's rows of (2,B,H,c) when B H c is not a multiple of 4); copy_in: scratch
+ * starts as lse. */
+static float *att_blk_stats(cuda_t *cu, const float *lse, size_t rows, int copy_in) {
+  if (((uintptr_t)lse & 15) == 0) return (float *)lse;
+  float *s = (float *)scratch_get(cu, &cu->att_blk_lse, rows * sizeof(float));
+  if (copy_in) CUDA_CHECK(cudaMemcpyAsync(s, lse, rows * sizeof(float), cudaMemcpyDeviceToDevice, cu->stream));
+  return s;
+}
+
+static void att_fwd_block_cudnn(cuda_t *cu, float *out, float *lse, const void *q, const void *k, const void *v, int b,
+                                int t, int h, int kv, int d, int causal) {
+  const size_t nq = (size_t)b * t * h * d, rows = (size_t)b * h * t;
+  nv_bfloat16 *o = (nv_bfloat16 *)scratch_get(cu, &cu->att_blk, nq * sizeof(nv_bfloat16));
+  float *st = att_blk_stats(cu, lse, rows, 0);
+  char e[400];
+  if (cudnn_att_fwd(cu->cudnn, o, st, q, k, v, b, t, h, kv, d, causal, e, sizeof e))
+    backend_fatal(__FILE__, __LINE__, "cudnn_att_fwd", e);
+  if (st != lse) CUDA_CHECK(cudaMemcpyAsync(lse, st, rows * sizeof(float), cudaMemcpyDeviceToDevice, cu->stream));
+  convert_kernel<float, nv_bfloat16><<<ew_blocks(nq), EW_THREADS, 0, cu->stream>>>(out, o, nq);
+  LAUNCH_CHECK("convert_kernel");
+}
+
+static void att_bwd_block_cudnn(cuda_t *cu, float *dq, float *dk, float *dv, const void *dout, const void *q,
+                                const void *k, const void *v, const void *out, const float *lse, int b, int t, int h,
+                                int kv, int d, int causal) {
+  const size_t nq = (size_t)b * t * h * d, nk = (size_t)b * t * kv * d;
+  nv_bfloat16 *g = (nv_bfloat16 *)scratch_get(cu, &cu->att_blk, (nq + 2 * nk) * sizeof(nv_bfloat16));
+  const float *st = att_blk_stats(cu, lse, (size_t)b * h * t, 1);
+  char e[400];
+  if (cudnn_att_bwd(cu->cudnn, g, g + nq, g + nq + nk, dout, q, k, v, out, st, b, t, h, kv, d, causal, e, sizeof e))
+    backend_fatal(__FILE__, __LINE__, "cudnn_att_bwd", e);
+  float *acc[3] = {dq, dk, dv};
+  const size_t n[3] = {nq, nk, nk}, at[3] = {0, nq, nq + nk};
+  for (int i = 0; i < 3; i++) {
+    add_widen_kernel<<<ew_blocks(n[i]), EW_THREADS, 0, cu->stream>>>(acc[i], g + at[i], n[i]);
+    LAUNCH_CHECK("add_widen_kernel");
+  }
+}
 
 /* off = q_pos - k_pos, held to where it changes nothing: past tk every key is seen, below -tq
  * none is. */
@@ -1558,19 +1621,31 @@ static att_geom_t att_block_geom(int b, int tq, int tk, int h, int kv, int d, lo
 static void cu_attention_fwd_block(backend_t *be, float *out, float *lse, const void *q, const void *k, const void *v,
                                    int b, int tq, int tk, int h, int kv, int d, long q_pos, long k_pos, dtype_t dt) {
   if (b <= 0 || tq <= 0 || tk <= 0 || h <= 0) return;
+  cuda_t *cu = cuda_of(be);
+  const int mask = att_block_mask(tq, tk, q_pos, k_pos);
+  if (att_on_cudnn(cu, b, tq, h, kv, d, mask, dt)) {
+    att_fwd_block_cudnn(cu, out, lse, q, k, v, b, tq, h, kv, d, mask);
+    return;
+  }
   att_check_dims(h, kv, d);
   const att_geom_t g = att_block_geom(b, tq, tk, h, kv, d, q_pos, k_pos);
-  DT_DISPATCH(dt, att_fwd_typed<T, float>(cuda_of(be), out, lse, (const T *)q, (const T *)k, (const T *)v, g));
+  DT_DISPATCH(dt, att_fwd_typed<T, float>(cu, out, lse, (const T *)q, (const T *)k, (const T *)v, g));
 }
 
 static void cu_attention_bwd_block(backend_t *be, float *dq, float *dk, float *dv, const void *dout, const void *q,
                                    const void *k, const void *v, const void *out, const float *lse, int b, int tq,
                                    int tk, int h, int kv, int d, long q_pos, long k_pos, dtype_t dt) {
   if (b <= 0 || tq <= 0 || tk <= 0 || h <= 0) return;
+  cuda_t *cu = cuda_of(be);
+  const int mask = att_block_mask(tq, tk, q_pos, k_pos);
+  if (att_on_cudnn(cu, b, tq, h, kv, d, mask, dt)) {
+    att_bwd_block_cudnn(cu, dq, dk, dv, dout, q, k, v, out, lse, b, tq, h, kv, d, mask);
+    return;
+  }
   att_check_dims(h, kv, d);
   const att_geom_t g = att_block_geom(b, tq, tk, h, kv, d, q_pos, k_pos);
-  DT_DISPATCH(dt, att_bwd_typed<T, float>(cuda_of(be), dq, dk, dv, (const T *)dout, (const T *)q, (const T *)k,
-                                          (const T *)v, (const T *)out, lse, g));
+  DT_DISPATCH(dt, att_bwd_typed<T, float>(cu, dq, dk, dv, (const T *)dout, (const T *)q, (const T *)k, (const T *)v,
+                                          (const T *)out, lse, g));
 }
 
 /* One warp per (batch, query, head) row: the weights of the running result and of the block
@@ -2276,6 +2351,8 @@ static void cu_destroy(backend_t *be) {
     scratch_free(cu, &cu->rope);
     cudnn_att_close(cu->cudnn);
     scratch_free(cu, &cu->cudnn_ws);
+    scratch_free(cu, &cu->att_blk);
+    scratch_free(cu, &cu->att_blk_lse);
     scratch_free(cu, &cu->adamw_tab);
     free(cu->adamw_segs);
     scratch_free(cu, &cu->groups_dev);
