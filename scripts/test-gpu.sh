@@ -13,7 +13,8 @@
 #      within 2e-2; and the defaults of a GPU machine: device auto picks cuda, and param_dtype
 #      left at its default trains in bf16 with one log line saying so;
 #   4. multi-rank plans on the one GPU through the staged comm under bin/meshrun (ddp2, fsdp2,
-#      tp2, pp2: the pipeline's sends and receives; cp2: ring attention's blocks and sends;
+#      tp2, pp2: the pipeline's sends and receives; cp2: ring attention's blocks and sends, in bf16
+#      on cuDNN's kernels where the serial run's attention is cuDNN's;
 #      MESHRUN_COMM_BACKEND=staged), each against the serial cuda losses within 1e-4 relative
 #      (the parallel plans' tolerance on cpu), TF32 off; then, with 2 or more GPUs, the same plans
 #      with the comm backend the trainer picks there (nccl: one GPU per rank), within 1e-4 of the
@@ -201,7 +202,9 @@ FAST_CONF="join_timeout=20,last_call_timeout=0.5,heartbeat_interval=0.1,heartbea
 declare -A MESH=([ddp2]="2 1 1 1 1" [fsdp2]="1 2 1 1 1" [tp2]="1 1 2 1 1" [pp2]="1 1 1 2 1" [cp2]="1 1 1 1 2")
 # parallel_plan PLAN COMM WANT [DTYPE]: 2 ranks under meshrun with MESHRUN_COMM_BACKEND=COMM (""
 # = the trainer's choice), losses against the serial cuda run of DTYPE (fp32: within 1e-4; bf16:
-# within 2e-2); the comm backend rank 0 logged must be WANT.
+# within 2e-2); the comm backend rank 0 logged must be WANT. A cp plan prints the line that says
+# which kernel ran its attention blocks; in bf16 on cuda, where the serial run's attention was
+# cuDNN's (model.attention auto), the ring's blocks must have run on it too.
 parallel_plan() {
   local plan=$1 comm=$2 want=$3 dtype=${4:-fp32} r s t q c rc
   local name="$1_${3}_$dtype" ref="$work/cuda.jsonl" tol=1e-4
@@ -220,6 +223,11 @@ parallel_plan() {
     bad "$name run, status $rc"; grep -m3 -i "error\|trainer:" "$work/$name.log" | sed 's/^/   /'
   elif ! grep -q "comm backend $want " "$work/$name.log"; then
     bad "$name: rank 0 did not log comm backend $want"; grep -m1 "comm backend" "$work/$name.log" | sed 's/^/   /'
+  elif [ "$c" -gt 1 ] && ! grep -m1 "context parallel over" "$work/$name.log" | sed 's/^/   /' | grep .; then
+    bad "$name: no log line saying which kernel ran the attention blocks"
+  elif [ "$c" -gt 1 ] && [ "$DEV" = cuda ] && [ "$dtype" = bf16 ] && grep -q "attention: cuDNN" "$work/cuda_bf16.log" &&
+       ! grep -q "blocks on the fused kernel" "$work/$name.log"; then
+    bad "$name: the serial run's attention was cuDNN's, the ring's blocks were not"
   elif compare "$ref" "$work/$name.jsonl" $tol rel; then ok "$name losses = serial cuda $dtype within $tol"
   else bad "$name losses vs serial cuda $dtype"; fi
 }

@@ -16,7 +16,8 @@
 - Activation bytes per rank (the first metrics record) at 16k tokens for cp 1, 2, 4 fall as 1/cp:
   cp 4 holds half of cp 2's (within 5%); cp 2 at most 1/1.7 of cp 1's (the ring's own buffers,
   per chunk as well, come on top of half of cp 1's arena).
-- Plan errors: one line, exit 2, before any rank starts training.
+- Plan errors: one line, exit 2, before any rank starts training (model.attention cudnn is the
+  whole sequence's plan error: the ring's blocks take the fused kernel where the device has one).
 """
 import json
 import os
@@ -333,6 +334,9 @@ def test_worker_killed_restarts_and_resumes(serial, tmp_path):
      "into 2 * cp chunks, two on each rank)"),
     (["mesh.cp=3"], 4, "plan error: mesh: dp_replicate*dp_shard*cp*tp = 3 does not equal WORLD_SIZE 4"),
     (["mesh.cp=0"], 2, "plan error: mesh.cp"),
+    # the blocks' kernel is chosen as a whole sequence's is: here the cpu's, which has no fused one
+    (["model.attention=cudnn"], 2,
+     "plan error: model.attention: cudnn: device cpu has no fused attention kernel: use auto or reference"),
 ])
 def test_plan_errors(tmp_path, sets, nproc, want):
     rc, err = run(tmp_path, nproc, {"cp": 2}, sets, timeout=60)

@@ -657,11 +657,14 @@ static int setup_chunks(model_t *m, const model_opts_t *opts, char *err, size_t 
   return 0;
 }
 
-/* model.attention (attn_choice_t) for this model's shape: the backend's choice said once, or
- * MODEL_EPLAN with a plan error when the fused kernel was asked for and cannot be had. */
-static int attention_choose(model_t *m, int mode, int b, int t, char *err, size_t errlen) {
+/* model.attention (attn_choice_t) for this model's shape (b sequences of t tokens, or of one
+ * chunk under context parallelism): the backend's choice said once, *fused (may be NULL) 1 when
+ * its fused kernel runs; or MODEL_EPLAN with a plan error when the fused kernel was asked for and
+ * cannot be had. */
+static int attention_choose(model_t *m, int mode, int b, int t, int *fused, char *err, size_t errlen) {
   backend_t *be = m->be;
   char why[512] = "";
+  if (fused) *fused = 0;
   if (!be->attention_select) {
     if (mode == ATTN_FUSED)
       return err_set(err, errlen, MODEL_EPLAN, "plan error: model.attention: %s: device %s has no fused attention kernel: "
@@ -674,6 +677,7 @@ static int attention_choose(model_t *m, int mode, int b, int t, char *err, size_
     return err_set(err, errlen, MODEL_EPLAN, "plan error: model.attention: %s: %s: use %s or %s", attention_names[ATTN_FUSED],
                    why, attention_names[ATTN_AUTO], attention_names[ATTN_REFERENCE]);
   log_rank0("attention: %s%s", r ? "" : "reference kernel: ", why);
+  if (fused) *fused = r;
   return 0;
 }
 
@@ -843,28 +847,30 @@ static int alloc_buffers(model_t *m, char *err, size_t errlen) {
 }
 
 /* Context parallelism: the ring for batches of max_b sequences of this rank's max_t tokens (two
- * chunks of max_t / 2). Its blocks run the backend's own kernels, not a fused one. */
+ * chunks of max_t / 2). Its blocks are chunk against chunk, each square and either on the
+ * diagonal or wholly in the past (balanced chunks), so the kernel is chosen on the chunk's shape:
+ * the backend's fused one where model.attention and the backend allow it, else its own. */
 static int cp_setup(model_t *m, const model_opts_t *opts, int mode, char *err, size_t errlen) {
   const model_cp_t *cp = opts->cp;
   if (!cp || cp->size <= 1) return 0;
   if (m->max_t % 2)
     return err_set(err, errlen, MODEL_EINVAL, "model error: context parallelism holds two chunks of each sequence, "
                    "so a rank's tokens per sequence must be even, got %d", m->max_t);
-  if (mode == ATTN_FUSED)
-    return err_set(err, errlen, MODEL_EPLAN, "plan error: model.attention: %s: context parallelism's attention blocks "
-                   "run the reference kernels (no fused blocks yet): use %s or %s", attention_names[ATTN_FUSED],
-                   attention_names[ATTN_AUTO], attention_names[ATTN_REFERENCE]);
+  int fused = 0;
+  int rc = attention_choose(m, mode, m->max_b, m->max_t / 2, &fused, err, errlen);
+  if (rc) return rc;
   if (m->be->mem == BACKEND_MEM_DEVICE && comm_memory(cp->send) == COMM_MEM_HOST)
     return err_set(err, errlen, MODEL_EINVAL, "model error: context parallelism on backend %s needs a comm that takes "
                    "device memory; comm %s moves host memory", m->be->name, comm_name(cp->send));
-  int rc = ring_attention_init(&m->ring, m->be, cp->send, cp->recv, cp->size, cp->rank, m->max_b, m->max_t / 2, m->Hl,
-                               m->KVl, m->D, m->dt, err, errlen);
+  rc = ring_attention_init(&m->ring, m->be, cp->send, cp->recv, cp->size, cp->rank, m->max_b, m->max_t / 2, m->Hl,
+                           m->KVl, m->D, m->dt, err, errlen);
   if (!rc) rc = ring_attention_set_rotate(&m->ring, cp->rotate, cp->overlap, cp->group, err, errlen);
   if (rc) return rc == RING_ENOMEM ? MODEL_ENOMEM : MODEL_EINVAL;
   m->cp = 1;
-  log_rank0("attention: context parallel over %d ranks, K/V by %s%s (chunks of %d tokens, the backend's block "
-            "kernels)", cp->size, cp->rotate == RING_ROTATE_ALLGATHER ? "all-gather" : "ring",
-            cp->rotate == RING_ROTATE_RING && !cp->overlap ? " without overlap" : "", m->max_t / 2);
+  log_rank0("attention: context parallel over %d ranks, K/V by %s%s (chunks of %d tokens, %s)", cp->size,
+            cp->rotate == RING_ROTATE_ALLGATHER ? "all-gather" : "ring",
+            cp->rotate == RING_ROTATE_RING && !cp->overlap ? " without overlap" : "", m->max_t / 2,
+            fused ? "blocks on the fused kernel above" : "the backend's block kernels");
   return 0;
 }
 
@@ -898,7 +904,7 @@ static int model_build(model_t *m, const plan_model_t *cfg, int kv, const model_
               m->Hl, m->H, m->KVl, m->KV, m->Fl, m->F, m->Ve, m->Vo, m->Vp, m->sp ? ", sequence parallel" : "",
               m->lp ? ", loss parallel" : "");
   if (opts->cp && opts->cp->size > 1) return cp_setup(m, opts, cfg->attention, err, errlen);
-  return attention_choose(m, cfg->attention, opts->max_b, opts->max_t, err, errlen);
+  return attention_choose(m, cfg->attention, opts->max_b, opts->max_t, NULL, err, errlen);
 }
 
 int model_create_opts(model_t **out, const plan_model_t *cfg, backend_t *be, const model_opts_t *opts, char *err,

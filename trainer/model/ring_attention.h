@@ -15,7 +15,8 @@
  * and sends them on; after the last step each rank receives its own. Transfers of the next
  * step's K/V run while the blocks of this one compute (the comm layer's started sends and
  * receives on the mesh's two ring channels). Accumulators and the travelling gradients are
- * fp32 whatever the compute dtype; the outputs are rounded once.
+ * fp32 whatever the compute dtype; the outputs are rounded once (and each block's results once
+ * before, where the backend's fused kernel with bf16 outputs runs the blocks: backend.h).
  *
  * Two variants (parallel.cp_rotate): "ring" above (overlap off with parallel.cp_overlap = false:
  * each transfer is waited for before the blocks that follow it, to measure what the overlap
