@@ -225,7 +225,10 @@ static int ring_step(ring_t *r, int wait_ms, char *err, size_t errlen) {
 static double ring_transfer(health_t *h, ring_t *r, const char *host, int port, double deadline, char *err,
                             size_t errlen) {
   char cerr[256];
-  r->out = net_connect(host, port, (int)((deadline - mono_s()) * 1000), cerr, sizeof cerr);
+  /* Once: the next node listened before it posted its address, so a refusal means it is gone
+   * (the rendezvous then ends the round), and a stop must not wait for retries. */
+  double left_ms = (deadline - mono_s()) * 1000;
+  r->out = net_connect_once(host, port, left_ms < CONNECT_MS ? (int)left_ms + 1 : CONNECT_MS, cerr, sizeof cerr);
   if (r->out < 0) return err_set(err, errlen, -1, "connecting to the next node: %s", cerr);
   double t0 = mono_s();
   while (!(r->acked && r->answered)) {
