@@ -42,6 +42,7 @@
 #include "common/store.h"
 #include "launcher/errfile.h"
 #include "launcher/hang.h"
+#include "launcher/health.h"
 #include "launcher/rdzv.h"
 #include "launcher/store_server.h"
 #include "launcher/workers.h"
@@ -52,8 +53,13 @@
 /* While other jobs use this agent's store after its job ended: how often it looks whether
  * they have all gone (the server has no event for it; a connection closing is rare here). */
 #define LINGER_CHECK_MS 100
+/* --health_check: what the check may take past heartbeat_timeout (a peer that never posts its
+ * result is by then a dead node to the rendezvous, which ends the round). */
+#define HEALTH_SLACK_S 10.0
 
-typedef enum { AGENT_JOINING = 0, AGENT_RUNNING, AGENT_STOPPING, AGENT_FINISHING, AGENT_EXITING } agent_state_t;
+/* CHECKING: the round is assigned and --health_check measures the nodes before its workers
+ * start (launcher/health). */
+typedef enum { AGENT_JOINING = 0, AGENT_CHECKING, AGENT_RUNNING, AGENT_STOPPING, AGENT_FINISHING, AGENT_EXITING } agent_state_t;
 
 static const int FORWARDED[] = {WORKERS_FORWARDED_SIGNALS};
 #define NFORWARDED ((int)(sizeof FORWARDED / sizeof FORWARDED[0]))
@@ -70,6 +76,10 @@ typedef struct {
   rdzv_t *rz;
   workers_t *wk;
   hang_t *hang; /* --hang_timeout's watch; NULL when off */
+  health_t *health;      /* --health_check's check of the round being assigned, while CHECKING */
+  workers_round_t round; /* what the workers start with once the check has passed */
+  int health_out;        /* the check left this node out: it leaves once the round has ended */
+  char addr[RDZV_ADDR_MAX]; /* this node's address (node_address) */
   rdzv_assignment_t asg;
   uv_signal_t sigs[NFORWARDED];
   uv_timer_t join_timer;
@@ -112,6 +122,8 @@ static void agent_exit(agent_t *a, int code) {
   a->state = AGENT_EXITING;
   a->exit_code = code;
   hang_unwatch(a->hang);
+  health_stop(a->health);
+  a->health = NULL;
   uv_timer_stop(&a->join_timer);
   rdzv_shutdown(a->rz); /* no rdzv event comes after this; agent_run destroys it */
   if (a->wk && !workers_idle(a->wk)) {
@@ -219,6 +231,14 @@ static void round_over(agent_t *a) {
   if (a->end.fatal) {
     print_summary(a);
     agent_exit(a, a->end.exit_code ? a->end.exit_code : 1);
+    return;
+  }
+  if (a->health_out) {
+    /* As an elastic node that leaves: the others go on without it; started again once healthy,
+     * it joins the job as a scale-up. */
+    log_error("round %d ended (%s): this node was left out by --health_check: exiting", a->asg.round,
+              rdzv_end_kind_name(a->end.kind));
+    agent_exit(a, 1);
     return;
   }
   log_info("round %d ended (%s): %s; re-rendezvous", a->asg.round, rdzv_end_kind_name(a->end.kind), a->end.reason);
@@ -375,6 +395,127 @@ static void watch_hangs(agent_t *a, const workers_round_t *r) {
   hang_watch(a->hang, a->wk, &job);
 }
 
+/* The workers' view of the assigned round. */
+static void round_of(agent_t *a, workers_round_t *out) {
+  const rdzv_assignment_t *g = &a->asg;
+  /* Two counters: the round names everything of this round (attempt dir, MESHRUN_ROUND) and
+   * goes up on every restart; the restart count, torchrun's, only on failures, so a node
+   * joining or leaving does not look like a failure to the program. */
+  workers_round_t r = {.restart_count = g->failures, .round = g->round, .rank_offset = g->rank_offset, .world_size = g->world_size,
+                       .group_rank = g->group_rank, .group_world_size = g->nnodes, .nproc = g->nproc,
+                       .master_port = g->master_port, .max_restarts = a->opts->max_restarts,
+                       .log_files = a->opts->log_dir[0] != 0};
+  snprintf(r.master_addr, sizeof r.master_addr, "%s", g->master_addr);
+  /* The workers' store: the rendezvous store (c10d), or the round's first node's (etcd). */
+  if (g->store_port > 0) net_format_endpoint(r.store_endpoint, sizeof r.store_endpoint, g->master_addr, g->store_port);
+  else snprintf(r.store_endpoint, sizeof r.store_endpoint, "%s", a->store_ep);
+  memcpy(r.store_secret, a->opts->secret, sizeof r.store_secret);
+  snprintf(r.run_id, sizeof r.run_id, "%s", a->opts->rdzv_id);
+  snprintf(r.job_id, sizeof r.job_id, "%.127s@%.300s", a->opts->rdzv_id, a->store_ep);
+  make_attempt_dir(a, g->round, r.attempt_dir, sizeof r.attempt_dir);
+  snprintf(r.file_prefix, sizeof r.file_prefix, "%s", a->file_prefix);
+  *out = r;
+}
+
+/* The round's workers start (after the health check, when on). */
+static void start_workers(agent_t *a) {
+  char err[512];
+  a->state = AGENT_RUNNING;
+  int wrc = workers_start(a->wk, &a->round, err, sizeof err);
+  if (wrc) {
+    log_error("starting workers: %s", err);
+    agent_exit(a, wrc == -ENOEXEC ? 127 : 1); /* the program cannot run: a shell's "command not found" */
+  } else {
+    watch_hangs(a, &a->round);
+  }
+}
+
+static void end_health(agent_t *a) {
+  health_stop(a->health);
+  a->health = NULL;
+}
+
+/* Names the nodes the check found unhealthy; the reason of the round's end (the first node
+ * left out) into e. Returns how many it leaves out, or -1 when out of memory. */
+static int judge_health(agent_t *a, const health_result_t *res, int n, double dt, rdzv_end_t *e) {
+  const launcher_opts_t *o = a->opts;
+  health_verdict_t *v = calloc((size_t)n, sizeof *v);
+  health_summary_t sum;
+  if (!v || health_judge(res, n, o->health_min_fraction, o->nnodes_min, v, &sum) < 0) {
+    free(v);
+    return -1;
+  }
+  char link[64] = "";
+  if (sum.net_median > 0) snprintf(link, sizeof link, ", median link %.0f MB/s", sum.net_median);
+  log_info("health check: round %d, %d node(s) in %.2fs: median GEMM %.1f GFLOP/s%s, %d below %g of a median",
+           a->asg.round, n, dt, sum.gemm_median, link, sum.unhealthy, o->health_min_fraction);
+  char line[RDZV_MSG_MAX];
+  for (int i = 0; i < n; i++) {
+    if (v[i] == HEALTH_OK) continue;
+    health_line(res, n, i, v[i], &sum, o->health_min_fraction, o->nnodes_min, o->nnodes_max, line, sizeof line);
+    log_warn("%s", line);
+    if (v[i] == HEALTH_OUT && !e->reason[0]) {
+      snprintf(e->reason, sizeof e->reason, "%s", line);
+      snprintf(e->host, sizeof e->host, "%s", res[i].host);
+    }
+  }
+  a->health_out = v[a->asg.group_rank] == HEALTH_OUT;
+  free(v);
+  return sum.left_out;
+}
+
+/* The check is over. Every node judged the same results alike: with nobody left out the
+ * workers start; otherwise every node asks to end the round (the first claim writes the end,
+ * of kind health: no failure counted), the nodes left out leave on that end and the others
+ * join the next round without them. A check that could not finish (a peer gone, the store)
+ * leaves the round unchecked: the rendezvous sees to dead peers. */
+static void on_health(health_t *h, void *arg) {
+  agent_t *a = arg;
+  const health_result_t *res;
+  int n, out = 0;
+  double dt;
+  char err[512];
+  rdzv_end_t e = {.kind = RDZV_END_HEALTH, .exit_code = 1, .rank = -1, .local_rank = -1};
+  if (a->state != AGENT_CHECKING) return;
+  if (health_results(h, &res, &n, &dt, err, sizeof err))
+    log_warn("health check: %s: round %d goes on unchecked", err, a->asg.round);
+  else if ((out = judge_health(a, res, n, dt, &e)) < 0)
+    log_warn("health check: out of memory: round %d goes on unchecked", a->asg.round);
+  end_health(a);
+  if (a->have_end) { /* another node's end of the round for the check came first */
+    a->state = AGENT_STOPPING;
+    round_over(a);
+    return;
+  }
+  if (out <= 0) {
+    start_workers(a);
+    return;
+  }
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  e.time = ts.tv_sec + ts.tv_nsec * 1e-9;
+  a->state = AGENT_STOPPING;
+  rdzv_end_round(a->rz, &e);
+}
+
+/* The round is assigned: --health_check measures the nodes before the workers start. */
+static void start_health(agent_t *a) {
+  const rdzv_assignment_t *g = &a->asg;
+  health_config_t cfg = {.secret = a->round.store_secret, .run_id = a->round.run_id, .round = g->round,
+                         .node = g->group_rank, .nnodes = g->nnodes,
+                         .keep = a->srv && a->opts->rdzv_backend != RDZV_BACKEND_ETCD,
+                         .timeout_s = a->opts->heartbeat_timeout_s + HEALTH_SLACK_S};
+  char err[512];
+  snprintf(cfg.endpoint, sizeof cfg.endpoint, "%s", a->round.store_endpoint);
+  snprintf(cfg.addr, sizeof cfg.addr, "%s", a->addr);
+  a->state = AGENT_CHECKING;
+  a->health_out = 0;
+  if (!(a->health = health_start(&a->loop, &cfg, on_health, a, err, sizeof err))) {
+    log_warn("health check: %s: round %d goes on unchecked", err, g->round);
+    start_workers(a);
+  }
+}
+
 static void on_rdzv(rdzv_t *rz, const rdzv_event_t *ev, void *arg) {
   agent_t *a = arg;
   if (a->state == AGENT_EXITING) return;
@@ -388,34 +529,25 @@ static void on_rdzv(rdzv_t *rz, const rdzv_event_t *ev, void *arg) {
     log_info("round %d: node %d of %d (group rank %d), ranks %d..%d of %d, master %s:%d, %d failure restart%s so far",
              g->round, g->group_rank, g->nnodes, g->group_rank, g->rank_offset, g->rank_offset + g->nproc - 1,
              g->world_size, g->master_addr, g->master_port, g->failures, g->failures == 1 ? "" : "s");
-    /* Two counters: the round names everything of this round (attempt dir, MESHRUN_ROUND) and
-     * goes up on every restart; the restart count, torchrun's, only on failures, so a node
-     * joining or leaving does not look like a failure to the program. */
-    workers_round_t r = {.restart_count = g->failures, .round = g->round, .rank_offset = g->rank_offset, .world_size = g->world_size,
-                         .group_rank = g->group_rank, .group_world_size = g->nnodes, .nproc = g->nproc,
-                         .master_port = g->master_port, .max_restarts = a->opts->max_restarts,
-                         .log_files = a->opts->log_dir[0] != 0};
-    snprintf(r.master_addr, sizeof r.master_addr, "%s", g->master_addr);
-    /* The workers' store: the rendezvous store (c10d), or the round's first node's (etcd). */
-    if (g->store_port > 0) net_format_endpoint(r.store_endpoint, sizeof r.store_endpoint, g->master_addr, g->store_port);
-    else snprintf(r.store_endpoint, sizeof r.store_endpoint, "%s", a->store_ep);
-    memcpy(r.store_secret, a->opts->secret, sizeof r.store_secret);
-    snprintf(r.run_id, sizeof r.run_id, "%s", a->opts->rdzv_id);
-    snprintf(r.job_id, sizeof r.job_id, "%.127s@%.300s", a->opts->rdzv_id, a->store_ep);
-    make_attempt_dir(a, g->round, r.attempt_dir, sizeof r.attempt_dir);
-    snprintf(r.file_prefix, sizeof r.file_prefix, "%s", a->file_prefix);
-    char err[512];
-    a->state = AGENT_RUNNING;
-    int wrc = workers_start(a->wk, &r, err, sizeof err);
-    if (wrc) {
-      log_error("starting workers: %s", err);
-      agent_exit(a, wrc == -ENOEXEC ? 127 : 1); /* the program cannot run: a shell's "command not found" */
-    } else {
-      watch_hangs(a, &r);
-    }
+    round_of(a, &a->round);
+    if (a->opts->health_check) start_health(a);
+    else start_workers(a);
     break;
   }
   case RDZV_EV_ROUND_END:
+    if (a->state == AGENT_CHECKING && ev->end.kind == RDZV_END_HEALTH) {
+      /* Another node judged first: every result is in, so this node's own judgement, which
+       * says whether it leaves, follows at once (on_health). */
+      a->end = ev->end;
+      a->have_end = 1;
+      return;
+    }
+    if (a->state == AGENT_CHECKING) {
+      log_warn("round %d ended elsewhere (%s) during the health check: %s", a->asg.round,
+               rdzv_end_kind_name(ev->end.kind), ev->end.reason);
+      end_health(a);
+      a->state = AGENT_STOPPING;
+    }
     if (a->state == AGENT_RUNNING) {
       log_warn("round %d ended elsewhere (%s): %s; stopping workers", a->asg.round,
                rdzv_end_kind_name(ev->end.kind), ev->end.reason);
@@ -446,6 +578,10 @@ static void on_rdzv(rdzv_t *rz, const rdzv_event_t *ev, void *arg) {
     if (a->state == AGENT_JOINING) {
       rdzv_join(a->rz);
       return;
+    }
+    if (a->state == AGENT_CHECKING) {
+      end_health(a);
+      a->state = AGENT_STOPPING;
     }
     if (a->state == AGENT_RUNNING) {
       a->state = AGENT_STOPPING;
@@ -834,8 +970,8 @@ int agent_run(launcher_opts_t *o) {
     log_error("%s", err);
     goto out;
   }
-  char addr[RDZV_ADDR_MAX];
-  if (start_store(a, addr, sizeof addr)) goto out;
+  char *addr = a->addr;
+  if (start_store(a, addr, sizeof a->addr)) goto out;
   if (setup_base_dir(a, err, sizeof err)) {
     log_error("%s", err);
     goto out;

@@ -449,6 +449,23 @@ static int set_hang_timeout(launcher_opts_t *o, cli_seen_t *seen, const char *fl
   return 0;
 }
 
+static int set_health_check(launcher_opts_t *o, cli_seen_t *seen, const char *flag, const char *val, char *err,
+                            size_t errlen) {
+  o->health_check = 1;
+  return 0;
+}
+
+static int set_health_min_fraction(launcher_opts_t *o, cli_seen_t *seen, const char *flag, const char *val, char *err,
+                                   size_t errlen) {
+  char *end;
+  double v = strtod(val, &end);
+  if (!*val || *end || !(v > 0 && v <= 1))
+    return cli_usage_error(err, errlen, "%s: \"%s\" is not valid; expected a fraction in (0, 1] of the median", flag,
+                           val);
+  o->health_min_fraction = v;
+  return 0;
+}
+
 static int set_shutdown_timeout(launcher_opts_t *o, cli_seen_t *seen, const char *flag,
                                 const char *val, char *err, size_t errlen) {
   if (parse_seconds(val, 0, 1, &o->shutdown_timeout_s) != 0)
@@ -595,7 +612,7 @@ static int set_module(launcher_opts_t *o, cli_seen_t *seen, const char *flag, co
 }
 
 /* env: every flag torchrun reads from PET_<FLAG> (all of its flags but --help), and meshrun's
- * own --shutdown_timeout and --hang_timeout alike. --run_id is another name of --rdzv_id: PET_RDZV_ID gives both. */
+ * own --shutdown_timeout, --hang_timeout and the --health_ flags alike. --run_id is another name of --rdzv_id: PET_RDZV_ID gives both. */
 static const cli_flag_t cli_flags[] = {
     {"nproc_per_node", 0, 1, 1, set_nproc_per_node},
     {"nnodes", 0, 1, 1, set_nnodes},
@@ -618,6 +635,8 @@ static const cli_flag_t cli_flags[] = {
     {"role", 0, 1, 1, set_role},
     {"shutdown_timeout", 0, 1, 1, set_shutdown_timeout},
     {"hang_timeout", 0, 1, 1, set_hang_timeout},
+    {"health_check", 0, 0, 1, set_health_check},
+    {"health_min_fraction", 0, 1, 1, set_health_min_fraction},
     {"no_python", 0, 0, 1, set_no_python},
     {"module", 'm', 0, 1, set_module},
     {"help", 'h', 0, 0, NULL},
@@ -664,6 +683,7 @@ void cli_defaults(launcher_opts_t *o) {
     o->local_ranks_filter[i] = 1;
   }
   o->shutdown_timeout_s = DEF_SHUTDOWN_TIMEOUT;
+  o->health_min_fraction = DEF_HEALTH_MIN_FRACTION;
   snprintf(o->role, sizeof o->role, "%s", DEF_ROLE);
 }
 

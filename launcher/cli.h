@@ -125,6 +125,11 @@ typedef struct {
    * after which meshrun asks the workers for flight recorder dumps, prints a diagnosis and
    * restarts them as for a failure (launcher/hang). 0 (the default): off. */
   double hang_timeout_s;
+  /* --health_check: before each round's workers start, every node measures a GEMM and its link
+   * to the next node (launcher/health); a node below health_min_fraction (default 0.5) of the
+   * median is named, and left out of the round while --nnodes' minimum still remains. */
+  int health_check;
+  double health_min_fraction;
   char role[64];             /* ROLE_NAME, default "default" */
   int no_python;             /* --no_python: exec PROGRAM as is, even a .py file */
   int run_module;            /* -m: PROGRAM is a module: "PYTHON -u -m PROGRAM ARGS" */

@@ -1096,6 +1096,7 @@ int rdzv_end_fatal(rdzv_end_kind_t kind, int64_t failures, int max_restarts, int
   case RDZV_END_FAILURE: return failures > max_restarts;
   case RDZV_END_DEAD_NODE: return survivors < nmin;
   case RDZV_END_SCALE_UP: return 0;
+  case RDZV_END_HEALTH: return 0; /* asked for only while enough healthy nodes remain */
   }
   return 1;
 }
@@ -1185,6 +1186,7 @@ const char *rdzv_end_kind_name(rdzv_end_kind_t k) {
   case RDZV_END_FAILURE: return "failure";
   case RDZV_END_DEAD_NODE: return "dead_node";
   case RDZV_END_SCALE_UP: return "scale_up";
+  case RDZV_END_HEALTH: return "health";
   }
   return "unknown";
 }
@@ -1231,6 +1233,7 @@ int rdzv_end_decode(const char *json, size_t len, rdzv_end_t *e) {
   if (!strcmp(kind, "failure")) e->kind = RDZV_END_FAILURE;
   else if (!strcmp(kind, "dead_node")) e->kind = RDZV_END_DEAD_NODE;
   else if (!strcmp(kind, "scale_up")) e->kind = RDZV_END_SCALE_UP;
+  else if (!strcmp(kind, "health")) e->kind = RDZV_END_HEALTH;
   else goto out;
   double d;
   const cJSON *f = cJSON_GetObjectItemCaseSensitive(o, "fatal");

@@ -50,8 +50,9 @@
  *   P/r<r>/done/<i>      participant i's workers all exited 0 (it stops heartbeating).
  *   P/r<r>/claim         compare_set by the first node to end round r (only that one counts a
  *                        failure), which then writes:
- *   P/r<r>/end           JSON rdzv_end_t: why round r ended (failure, dead node, scale-up), the
- *                        root cause and whether the job is over (fatal). Every agent watches it.
+ *   P/r<r>/end           JSON rdzv_end_t: why round r ended (failure, dead node, scale-up, the
+ *                        health check leaving nodes out), the root cause and whether the job
+ *                        is over (fatal). Every agent watches it.
  *   P/r<r>/seen/<i>      participant i read a fatal end. The store's node waits for these (at
  *                        most heartbeat_timeout) before it lets its agent exit and take the
  *                        store away: every node then ends with the job's real cause and code.
@@ -157,7 +158,9 @@ typedef struct {
                      * after a fatal end for RDZV_EV_DRAINED */
 } rdzv_assignment_t;
 
-typedef enum { RDZV_END_FAILURE = 0, RDZV_END_DEAD_NODE, RDZV_END_SCALE_UP } rdzv_end_kind_t;
+/* HEALTH: --health_check leaves nodes out (launcher/health.h); like a dead node's end, no
+ * failure is counted, and the nodes left out leave instead of joining the next round. */
+typedef enum { RDZV_END_FAILURE = 0, RDZV_END_DEAD_NODE, RDZV_END_SCALE_UP, RDZV_END_HEALTH } rdzv_end_kind_t;
 
 /* Why a round ended. For failures, the root cause: the first worker to fail on the node that
  * claimed the end. */

@@ -662,14 +662,15 @@ def meshrun_path():
 
 
 def start_meshrun(cluster, args, meshrun=None, env=None, rdzv_id=None, nnodes=None, node_args=None, hosts=None,
-                  endpoint=None, **popen_kwargs):
+                  endpoint=None, node_env=None, **popen_kwargs):
     """One meshrun per host: --nnodes=N --node_rank=i --rdzv_endpoint=<host 0>:<free port>, then
     args. Every node gets MESHRUN_COMM_HOST = its host's address and one job secret (a fresh
     random MESHRUN_RDZV_TOKEN unless env or the environment has one). nnodes: the --nnodes value
     when not the number of nodes, e.g. "2:4" for an elastic job; node_args(i): meshrun flags for
-    node i alone, put before args; hosts: how many hosts run a node (hosts 0..hosts-1; default
-    all, others may serve something else, such as etcd); endpoint: the --rdzv_endpoint value
-    instead of host 0's (etcd's members). Returns the Popens."""
+    node i alone, put before args; node_env(i): environment entries for node i alone (a fault);
+    hosts: how many hosts run a node (hosts 0..hosts-1; default all, others may serve something
+    else, such as etcd); endpoint: the --rdzv_endpoint value instead of host 0's (etcd's
+    members). Returns the Popens."""
     meshrun = meshrun or meshrun_path()
     hosts = cluster.n if hosts is None else hosts
     endpoint = endpoint or "%s:%d" % (cluster.addr(0), cluster.free_port(0))
@@ -681,6 +682,7 @@ def start_meshrun(cluster, args, meshrun=None, env=None, rdzv_id=None, nnodes=No
     procs = []
     for i in range(hosts):
         e = dict(base, MESHRUN_COMM_HOST=cluster.addr(i))
+        e.update(node_env(i) if node_env else {})
         argv = [meshrun, "--nnodes=%s" % (nnodes or hosts), "--node_rank=%d" % i,
                 "--rdzv_endpoint=%s" % endpoint, "--rdzv_id=%s" % rdzv_id]
         argv += list(node_args(i) if node_args else []) + list(args)

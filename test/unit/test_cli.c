@@ -938,6 +938,31 @@ static void clear_cli_env(void) {
 
 /* Every flag torchrun reads from PET_<FLAG> (and meshrun's own --shutdown_timeout) reaches its
  * field when the command line does not give it. */
+/* --health_check (a switch, also PET_HEALTH_CHECK) and --health_min_fraction in (0, 1]. */
+static void test_health_flags(void **state) {
+  run_t r;
+  expect_ok(&r, RUN(&r, "prog"));
+  assert_int_equal(r.o.health_check, 0);
+  assert_true(r.o.health_min_fraction == 0.5);
+  expect_ok(&r, RUN(&r, "--health-check", "--health_min_fraction=0.25", "prog"));
+  assert_int_equal(r.o.health_check, 1);
+  assert_true(r.o.health_min_fraction == 0.25);
+  expect_ok(&r, RUN(&r, "--health_min_fraction", "1", "prog"));
+  assert_true(r.o.health_min_fraction == 1);
+  const char *bad[] = {"0", "1.5", "-0.1", "half", ""};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    char arg[64];
+    snprintf(arg, sizeof arg, "--health_min_fraction=%s", bad[i]);
+    expect_usage(&r, RUN(&r, arg, "prog"), "--health_min_fraction");
+  }
+  setenv("PET_HEALTH_CHECK", "1", 1);
+  setenv("PET_HEALTH_MIN_FRACTION", "0.7", 1);
+  expect_ok(&r, RUN(&r, "prog"));
+  clear_cli_env();
+  assert_int_equal(r.o.health_check, 1);
+  assert_true(r.o.health_min_fraction == 0.7);
+}
+
 static void test_pet_every_flag(void **state) {
   run_t r;
   struct {
@@ -1413,6 +1438,7 @@ int main(void) {
       cmocka_unit_test(test_secret_token_file_errors),
       cmocka_unit_test(test_handshake_timeout),
       cmocka_unit_test(test_pet_every_flag),
+      cmocka_unit_test(test_health_flags),
       cmocka_unit_test(test_pet_command_line_wins),
       cmocka_unit_test(test_pet_bad_values),
       cmocka_unit_test(test_hostlist_expand),
