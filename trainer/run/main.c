@@ -992,7 +992,7 @@ static int run_step_once(run_t *r, int s) {
   hooks_skip(&r->a.hooks, s + 1, r->mesh);
   if (train_step(&r->tr, s, &res, err, errlen)) {
     record_read(r, 0);
-    origin_name(&r->tr, &r->sg, r->env.rank, err, errlen);
+    origin_name(&r->tr, &r->sg, r->env.rank, s, err, errlen);
     /* Training is deterministic: a restart replays from the newest checkpoint bit for bit. An
      * attempt that is itself a failure restart and saved nothing since it began was that
      * replay, so every further restart would diverge at the same step. */
@@ -1022,7 +1022,7 @@ static int run_step_once(run_t *r, int s) {
   if (sig < 0) return RUN_FAIL;
   if (sig > 0) { /* preempted: this step's checkpoint, then the signal's exit status */
     int rc = train_read(&r->tr, err, errlen); /* first the values: a diverged state is not saved */
-    if (rc) origin_name(&r->tr, &r->sg, r->env.rank, err, errlen);
+    if (rc) origin_name(&r->tr, &r->sg, r->env.rank, s, err, errlen);
     if (record_read(r, rc == 0) || rc) return RUN_FAIL;
     if (checkpoint_now(&r->ck, r->dp, s + 1, err, errlen)) {
       char why[sizeof r->err];

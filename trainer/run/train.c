@@ -135,6 +135,7 @@ int train_read(train_t *t, char *err, size_t errlen) {
     if (check_step(t, t->read_first + j, loss, (int)r[j].stat[1], r[j].gnorm, err, errlen)) {
       t->diverged_what = isfinite(loss) ? 2 : 1;
       t->diverged_micro = (int)r[j].stat[1];
+      t->diverged_step = t->read_first + j;
       return -1;
     }
     t->read_loss[j] = loss;
@@ -221,6 +222,7 @@ static int device_train(train_t *t, int s, double lr, char *err, size_t errlen) 
     t->be->step_loss(t->be, t->loss_rows, n, valid, micro, accum, hooks_nan_loss(t->hooks, s + 1, micro),
                      rec->stat, &rec->loss_dp);
     dp_set_sync(t->dp, micro == accum - 1); /* gradients are synchronized once, on the last micro-step */
+    if (micro == accum - 1) hooks_nan_grad(t->hooks, t->m, t->be, s + 1);
     if (model_backward(t->m, scale) || dp_status(t->dp))
       return pass_failed(t, "backward pass", s, micro, err, errlen);
   }
