@@ -44,7 +44,8 @@ PLAN = tiny_plan(eval={"interval": 4, "batches": 1})
 # "rel" (%.9g, %.6g), "abs" (%.Nf) or "int".
 FIELDS = {"loss": ("rel", 5e-9), "lr": ("rel", 5e-9), "grad_norm": ("rel", 5e-9), "tokens_per_s": ("abs", 0.05),
           "flops_per_s": ("rel", 5e-6), "mfu": ("abs", 5e-7), "peak_mem_bytes": ("int", 0),
-          "step_ms": ("abs", 5e-4), "compute_ms": ("abs", 5e-4), "comm_wait_ms": ("abs", 5e-4)}
+          "step_ms": ("abs", 5e-4), "compute_ms": ("abs", 5e-4), "comm_wait_ms": ("abs", 5e-4),
+          "straggler_spread_pct": ("abs", 5e-4)}
 
 
 def accumulator(folder):

@@ -119,9 +119,13 @@ def test_tiny_plan_trains_and_loss_falls(tmp_path):
     assert [s["step"] for s in steps] == list(range(1, 31))
     for s in steps:
         assert set(s) == {"step", "loss", "lr", "grad_norm", "tokens_per_s", "flops_per_s", "mfu", "peak_mem_bytes",
-                          "step_ms", "compute_ms", "comm_wait_ms", "kernels", "host_syncs"}
+                          "step_ms", "compute_ms", "comm_wait_ms", "compute_ms_min", "compute_ms_median",
+                          "compute_ms_max", "slowest_rank", "straggler_spread_pct", "kernels", "host_syncs"}
         assert s["tokens_per_s"] > 0 and s["step_ms"] > 0 and s["grad_norm"] > 0
         assert s["comm_wait_ms"] == 0 and s["compute_ms"] == s["step_ms"]  # one process: nothing to wait on
+        # one process: the spread over ranks is its own compute time
+        assert s["compute_ms_min"] == s["compute_ms_median"] == s["compute_ms_max"] == s["compute_ms"], s
+        assert s["slowest_rank"] == 0 and s["straggler_spread_pct"] == 0, s
         # the loss and the norm stay on the device; a step that logs (every 5th, the first), evaluates
         # (every 10th) or saves (the last) reads them back, with those of the steps before it, in one copy
         reads = s["step"] == 1 or s["step"] % 5 == 0

@@ -137,6 +137,9 @@ static void test_records(void **state) {
   near("comm_wait_ms", num(s, "comm_wait_ms"), 100, 1e-9);
   assert_true(num(s, "peak_mem_bytes") > 0);
   assert_null(cJSON_GetObjectItemCaseSensitive(s, "comm")); /* no mesh, no traffic */
+  /* one process: the spread over ranks is this rank's own compute time */
+  assert_true(num(s, "compute_ms_min") == num(s, "compute_ms") && num(s, "compute_ms_median") == num(s, "compute_ms"));
+  assert_true(num(s, "compute_ms_max") == num(s, "compute_ms") && num(s, "slowest_rank") == 0);
 
   assert_true(num(rec[2], "step") == 1 && num(rec[2], "eval_loss") == 2.25);
   for (int i = 0; i < n; i++) cJSON_Delete(rec[i]);
@@ -207,6 +210,47 @@ static void test_failed_write_is_one_warning(void **state) {
   free(text);
 }
 
+/* The spread of the ranks' compute time that metrics_step_values is given: its fields in the
+ * record, and the slowest rank with its host on the console line only when it is over the
+ * threshold. */
+static void test_spread(void **state) {
+  char path[320], log[320], err[512];
+  snprintf(path, sizeof path, "%s/metrics.jsonl", dir);
+  snprintf(log, sizeof log, "%s/stderr", dir);
+  serial_run_t r;
+  metrics_t mt;
+  char *plan_json;
+  open_metrics(&r, &mt, path, "log.peak_tflops=0", 0, &plan_json);
+  const straggler_stat_t sp[2] = {
+      {.min_ms = 10, .median_ms = 12, .max_ms = 30, .slowest = 3, .over = 1, .over_pct = 150, .host = "hostA"},
+      {.min_ms = 10, .median_ms = 11, .max_ms = 12, .slowest = 2, .over = 0, .over_pct = 9.1, .host = "hostB"}};
+  const double loss[2] = {2.5, 2.4}, gnorm[2] = {0.75, 0.7};
+  int saved = testfile_stderr_begin(log);
+  metrics_step_done(&mt, 1, 1e-3, 0.5, 0.1);
+  metrics_step_done(&mt, 2, 1e-3, 0.5, 0.1);
+  metrics_step_values(&mt, 2, loss, gnorm, sp);
+  char *text = testfile_stderr_end(saved, log);
+  printf("%s", text);
+  assert_int_equal(teststr_count(text, " | straggler rank 3 (hostA) +150% over the median"), 1);
+  assert_int_equal(teststr_count(text, "straggler"), 1); /* step 2's is under the threshold */
+  free(text);
+  assert_int_equal(metrics_close(&mt, NULL, err, sizeof err), 0);
+  cJSON *rec[4];
+  int n;
+  read_records(path, rec, 4, &n);
+  assert_int_equal(n, 3);
+  for (int i = 0; i < 2; i++) {
+    const cJSON *s = rec[1 + i];
+    assert_true(num(s, "compute_ms_min") == sp[i].min_ms && num(s, "compute_ms_median") == sp[i].median_ms);
+    assert_true(num(s, "compute_ms_max") == sp[i].max_ms && num(s, "slowest_rank") == sp[i].slowest);
+    near("straggler_spread_pct", num(s, "straggler_spread_pct"), sp[i].over_pct, 1e-4);
+  }
+  for (int i = 0; i < n; i++) cJSON_Delete(rec[i]);
+  metrics_free(&mt);
+  free(plan_json);
+  serial_run_close(&r);
+}
+
 static int setup(void **state) { return testdir_make(dir, sizeof dir, "meshrun-test-metrics"); }
 static int teardown(void **state) { return testdir_remove(dir); }
 
@@ -216,6 +260,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_no_peak_no_mfu, setup, teardown),
       cmocka_unit_test_setup_teardown(test_resumed_appends_after_torn_line, setup, teardown),
       cmocka_unit_test_setup_teardown(test_failed_write_is_one_warning, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_spread, setup, teardown),
   };
   return cmocka_run_group_tests_name("metrics", tests, NULL, NULL);
 }

@@ -231,6 +231,7 @@ static const field_t log_fields[] = {
     K_STR("tensorboard_dir", log.tensorboard_dir, ""),
     K_INT("trace_steps", log.trace_steps, 1, INT_MAX, 3),
     K_DBL("peak_tflops", log.peak_tflops, 0, 0, INFINITY, 0, 0),
+    K_DBL("straggler_pct", log.straggler_pct, 0, 0, INFINITY, 0, 20),
     K_END};
 
 static const field_t sample_fields[] = {

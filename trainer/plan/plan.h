@@ -168,6 +168,8 @@ typedef struct {
   char tensorboard_dir[PLAN_PATH_MAX]; /* TensorBoard event files (rank 0's scalars), "" = none */
   double peak_tflops;               /* the device's peak for MFU, TFLOP/s; 0 = the backend's own
                                        (backend_t.peak_flops), else no MFU (FLOP/s alone) */
+  double straggler_pct;             /* the console names the slowest rank when its compute time is
+                                       more than this % over the median (default 20) */
 } plan_log_t;
 
 typedef struct {

@@ -2,9 +2,11 @@
 #include "trainer/run/hooks.h"
 
 #include <errno.h>
+#include <math.h>
 #include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "common/err.h"
@@ -16,6 +18,12 @@ void hooks_init(hooks_t *h, int rank) {
   h->nan_rank = h->nan_step = -1;
   const char *s = getenv("MESHRUN_FAULT_NAN");
   if (s && sscanf(s, "%d:%d", &h->nan_rank, &h->nan_step) != 2) h->nan_rank = -1;
+  h->slow_rank = h->slow_ms = -1;
+  s = getenv("MESHRUN_FAULT_SLOW");
+  if (s && (sscanf(s, "%d:%d", &h->slow_rank, &h->slow_ms) != 2 || h->slow_ms < 0)) h->slow_rank = -1;
+  h->grad_rank = h->grad_step = -1;
+  s = getenv("MESHRUN_FAULT_NAN_GRAD");
+  if (s && sscanf(s, "%d:%d:%95s", &h->grad_rank, &h->grad_step, h->grad_tensor) != 3) h->grad_rank = -1;
   h->save_err = 0;
   char name[16] = "EIO";
   s = getenv("MESHRUN_FAULT_SAVE");
@@ -66,6 +74,26 @@ int hooks_batch(hooks_t *h, const int32_t *tok, const int32_t *tgt, size_t n, ch
 
 int hooks_nan_loss(const hooks_t *h, int step, int micro) {
   return h->nan_rank == h->rank && h->nan_step == step && micro == 0;
+}
+
+void hooks_nan_grad(const hooks_t *h, model_t *m, backend_t *be, int step) {
+  if (!h || h->grad_rank != h->rank || h->grad_step != step) return;
+  const model_tensor_t *x = model_find_tensor(m, h->grad_tensor);
+  float *g = model_grads(m);
+  if (!x || !g) {
+    log_warn("MESHRUN_FAULT_NAN_GRAD: %s; nothing poisoned", !x ? "no such tensor here" : "no flat gradient buffer");
+    return;
+  }
+  const float nan = NAN;
+  log_warn("MESHRUN_FAULT_NAN_GRAD: this rank's gradient of %s turns nan in step %d", x->name, step);
+  be->to_device(be, g + x->offset, &nan, sizeof nan);
+}
+
+void hooks_slow(const hooks_t *h) {
+  if (!h || h->slow_rank != h->rank) return;
+  struct timespec ts = {.tv_sec = h->slow_ms / 1000, .tv_nsec = (long)(h->slow_ms % 1000) * 1000000L};
+  while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+  }
 }
 
 void hooks_stall(const hooks_t *h, int step) {

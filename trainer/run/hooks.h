@@ -8,6 +8,14 @@
  *                               (hooks_start opens it, hooks_batch writes)
  *   MESHRUN_FAULT_NAN=RANK:STEP that rank's first micro-batch of that step reports a nan loss,
  *                               as a rank whose data made the model diverge would (hooks_nan_loss)
+ *   MESHRUN_FAULT_NAN_GRAD=RANK:STEP:TENSOR  that rank's own gradient of TENSOR (a model
+ *                               tensor's name) turns nan in step STEP, before the strategy reduces
+ *                               it, as a rank whose backward overflowed would (hooks_nan_grad;
+ *                               strategies with the model's flat gradient buffer: serial, DDP,
+ *                               ZeRO-1/2; under FSDP a warning and nothing)
+ *   MESHRUN_FAULT_SLOW=RANK:MS  that rank sleeps MS milliseconds inside every step (its
+ *                               compute time), as a rank on a slower or busier device would
+ *                               (hooks_slow); the straggler report names it (straggler.h)
  *   MESHRUN_FAULT_SAVE=RANK:STEP[:EIO|ENOSPC]   that rank's shard write of the checkpoint of that
  *                               step fails with that errno (default EIO), as a failing disk
  *                               would (hooks_ckpt_writer installs ckpt's "write" hook)
@@ -43,6 +51,9 @@ typedef struct {
   int rank;
   FILE *dump;
   int nan_rank, nan_step;   /* MESHRUN_FAULT_NAN; nan_rank -1: off */
+  int slow_rank, slow_ms;   /* MESHRUN_FAULT_SLOW; slow_rank -1: off */
+  int grad_rank, grad_step; /* MESHRUN_FAULT_NAN_GRAD; grad_rank -1: off */
+  char grad_tensor[96];
   int save_rank, save_step, save_err; /* MESHRUN_FAULT_SAVE; save_err 0: off */
   int stall_rank, stall_step; /* MESHRUN_FAULT_STALL; stall_rank -1: off */
   int skip_rank, skip_step;   /* MESHRUN_FAULT_SKIP; skip_rank -1: off */
@@ -65,6 +76,12 @@ int hooks_batch(hooks_t *h, const int32_t *tok, const int32_t *tgt, size_t n, ch
 /* 1 when the loss of micro-batch micro (0-based) of step `step` (1-based) is to be replaced by
  * nan (the step's statistics do it on the device: backend step_loss's poison). */
 int hooks_nan_loss(const hooks_t *h, int step, int micro);
+/* Before the backward of the last micro-batch of step `step` (1-based), on the poisoning rank:
+ * a nan into its gradient of the tensor named (the backward adds into it, so the nan is this
+ * rank's own and reaches the others only through the reduction). */
+void hooks_nan_grad(const hooks_t *h, model_t *m, backend_t *be, int step);
+/* Inside each step, on the slow rank: its delay (a sleep: the fault is the time it takes). */
+void hooks_slow(const hooks_t *h);
 /* Before step `step` (1-based): on the stalling rank of that step, a warning and then no return
  * (pause() until a signal's default action ends the process; the trainer's SIGTERM handler lets
  * a second SIGTERM do that). */

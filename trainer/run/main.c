@@ -76,9 +76,11 @@
 #include "trainer/model/model.h"
 #include "trainer/model/ring_attention.h"
 #include "trainer/run/opprof.h"
+#include "trainer/run/origin.h"
 #include "trainer/plan/pipeline.h"
 #include "trainer/plan/plan.h"
 #include "trainer/run/sample.h"
+#include "trainer/run/straggler.h"
 #include "trainer/run/tensorboard.h"
 #include "trainer/comm/trace.h"
 #include "trainer/run/train.h"
@@ -761,6 +763,7 @@ typedef struct {
   checkpoint_t ck;
   train_t tr;
   metrics_t mt;
+  straggler_t sg;
 } run_t;
 
 /* What a step of main returns: go on to the next, stop with a failure (r->code says which), or
@@ -910,9 +913,17 @@ static int read_due(void *arg, int step) {
          step == r->a.hooks.stop_after;
 }
 
-/* The records of the steps train_step or train_read just read (also those before a diverged one). */
-static void record_read(run_t *r) {
-  metrics_step_values(&r->mt, r->tr.n_read, r->tr.read_loss, r->tr.read_gnorm);
+/* The records of the steps train_step or train_read just read (also those before a diverged
+ * one), with the spread of the ranks' compute times: gathered over the job at a read that every
+ * rank reaches (ok), this rank's alone after a failure (a rank that failed otherwise is not at
+ * the same read, and the gather would strand the others). 0, or -1 with the message in r->err
+ * when the gather failed (never when not ok). */
+static int record_read(run_t *r, int ok) {
+  const int n = r->tr.n_read;
+  const int rc = straggler_gather(&r->sg, n, !ok, r->err, sizeof r->err);
+  if (ok) metrics_skip_traffic(&r->mt); /* the gather's traffic is not a step's */
+  metrics_step_values(&r->mt, n, r->tr.read_loss, r->tr.read_gnorm, rc ? NULL : r->sg.stat);
+  return rc;
 }
 
 /* The checkpoint: resume (collective over the job), then a writer when checkpoint.dir is set;
@@ -942,7 +953,7 @@ static int run_start(run_t *r) {
                     .cp_size = r->mesh ? r->mesh->dims[MESH_CP] : 1, .cp_rank = r->mesh ? r->mesh->coord[MESH_CP] : 0,
                     .pp = r->pp, .ppc = r->pp ? mesh_host_comm(r->mesh, "pp") : NULL,
                     .read_due = read_due, .read_arg = r};
-  if (train_init(&r->tr, err, errlen) ||
+  if (train_init(&r->tr, err, errlen) || straggler_open(&r->sg, r->mesh, env->rank, p->log.straggler_pct, err, errlen) ||
       metrics_open(&r->mt, p, r->m, r->dp, r->mesh, &r->data, r->be, env->rank, env->world, r->start_step,
                    r->resumed, r->plan_json, err, errlen) ||
       hooks_start(&a->hooks, err, errlen))
@@ -980,7 +991,8 @@ static int run_step_once(run_t *r, int s) {
   hooks_stall(&r->a.hooks, s + 1);
   hooks_skip(&r->a.hooks, s + 1, r->mesh);
   if (train_step(&r->tr, s, &res, err, errlen)) {
-    record_read(r);
+    record_read(r, 0);
+    origin_name(&r->tr, &r->sg, r->env.rank, s, err, errlen);
     /* Training is deterministic: a restart replays from the newest checkpoint bit for bit. An
      * attempt that is itself a failure restart and saved nothing since it began was that
      * replay, so every further restart would diverge at the same step. */
@@ -993,7 +1005,8 @@ static int run_step_once(run_t *r, int s) {
     return RUN_FAIL;
   }
   metrics_step_done(&r->mt, s + 1, res.lr, res.dt, res.comm_wait);
-  if (res.read) record_read(r);
+  straggler_step(&r->sg, (res.dt - res.comm_wait) * 1e3);
+  if (res.read && record_read(r, 1)) return RUN_FAIL;
   progress_write(s + 1);
   if (r->pp && pipeline_record(&r->mt, r->m, s + 1, &res.pp, err, errlen)) return RUN_FAIL;
   if (eval_due(p, s + 1)) {
@@ -1009,8 +1022,8 @@ static int run_step_once(run_t *r, int s) {
   if (sig < 0) return RUN_FAIL;
   if (sig > 0) { /* preempted: this step's checkpoint, then the signal's exit status */
     int rc = train_read(&r->tr, err, errlen); /* first the values: a diverged state is not saved */
-    record_read(r);
-    if (rc) return RUN_FAIL;
+    if (rc) origin_name(&r->tr, &r->sg, r->env.rank, s, err, errlen);
+    if (record_read(r, rc == 0) || rc) return RUN_FAIL;
     if (checkpoint_now(&r->ck, r->dp, s + 1, err, errlen)) {
       char why[sizeof r->err];
       snprintf(why, sizeof why, "%s", err);
@@ -1067,6 +1080,7 @@ static int run_end(run_t *r) {
   dirlock_release();
   hooks_close(&r->a.hooks);
   metrics_free(&r->mt);
+  straggler_free(&r->sg);
   dp_destroy(r->dp);
   train_free(&r->tr);
   data_free(&r->data);

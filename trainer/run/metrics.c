@@ -152,6 +152,7 @@ int metrics_open(metrics_t *mt, const plan_t *p, model_t *m, dp_t *dp, const mes
   mt->tokens_per_step = (long long)p->train.global_batch_size * T;
   mt->flops_per_token = metrics_flops_per_token(p);
   mt->world = world;
+  mt->rank = rank;
   mt->peak_flops = p->log.peak_tflops > 0 ? p->log.peak_tflops * 1e12
                    : mt->be->peak_flops     ? mt->be->peak_flops(mt->be, model_param_dtype(m))
                                             : 0;
@@ -261,8 +262,9 @@ void metrics_step_done(metrics_t *mt, int step, double lr, double dt, double com
   q->host_syncs = c.host_syncs;
 }
 
-/* Step q's record and, when due, its console line. */
-static void step_record(metrics_t *mt, const metrics_pending_t *q, double loss, double gnorm) {
+/* Step q's record and, when due, its console line; sp: the spread of the ranks' compute time. */
+static void step_record(metrics_t *mt, const metrics_pending_t *q, double loss, double gnorm,
+                        const straggler_stat_t *sp) {
   const int step = q->step;
   const double dt = q->dt, comm_wait = q->comm_wait, lr = q->lr;
   const double tps = (double)mt->tokens_per_step / dt;
@@ -277,9 +279,10 @@ static void step_record(metrics_t *mt, const metrics_pending_t *q, double loss, 
   metrics_printf(mt, step,
                  "{\"step\":%d,\"loss\":%.9g,\"lr\":%.9g,\"grad_norm\":%.9g,\"tokens_per_s\":%.1f,"
                  "\"flops_per_s\":%.6g,\"mfu\":%s,\"peak_mem_bytes\":%zu,"
-                 "\"step_ms\":%.3f,\"compute_ms\":%.3f,\"comm_wait_ms\":%.3f%s%s}\n",
+                 "\"step_ms\":%.3f,\"compute_ms\":%.3f,\"comm_wait_ms\":%.3f,\"compute_ms_min\":%.3f,"
+                 "\"compute_ms_median\":%.3f,\"compute_ms_max\":%.3f,\"slowest_rank\":%d,\"straggler_spread_pct\":%.3f%s%s}\n",
                  step, loss, lr, gnorm, tps, flops, mfu_json, q->rss, dt * 1e3, (dt - comm_wait) * 1e3,
-                 comm_wait * 1e3, counts, q->comm);
+                 comm_wait * 1e3, sp->min_ms, sp->median_ms, sp->max_ms, sp->slowest, sp->over_pct, counts, q->comm);
   if (metrics_line_due(mt->p, step)) {
     char tps_s[32], eta[32];
     fmt_thousands(tps_s, sizeof tps_s, tps);
@@ -293,9 +296,13 @@ static void step_record(metrics_t *mt, const metrics_pending_t *q, double loss, 
     int k = snprintf(fl, sizeof fl, "%.3g %sFLOP/s%s", flops >= 1e12 ? flops / 1e12 : flops / 1e9,
                      flops >= 1e12 ? "T" : "G", many ? "/rank" : "");
     if (mt->peak_flops > 0) snprintf(fl + k, sizeof fl - (size_t)k, " | MFU %.1f%%", 100 * mfu);
-    log_rank0("step %d/%d | loss %.4f | lr %.2e | grad norm %.4f | %s tok/s%s | %s | mem %.0f MiB | %.1f ms%s | ETA %s",
+    char slow[STRAGGLER_HOST_MAX + 64] = ""; /* the slowest rank, when over log.straggler_pct */
+    if (sp->over)
+      snprintf(slow, sizeof slow, " | straggler rank %d (%s) +%.0f%% over the median", sp->slowest, sp->host,
+               sp->over_pct);
+    log_rank0("step %d/%d | loss %.4f | lr %.2e | grad norm %.4f | %s tok/s%s | %s | mem %.0f MiB | %.1f ms%s%s | ETA %s",
               step, mt->steps, loss, lr, gnorm, tps_s, many ? " (job)" : "", fl, q->rss / 1048576.0, dt * 1e3,
-              share, eta);
+              share, slow, eta);
   }
   tensorboard_t *tb = mt->tb; /* NULL: no events (every call does nothing) */
   tensorboard_add(tb, "train/loss", loss);
@@ -308,19 +315,26 @@ static void step_record(metrics_t *mt, const metrics_pending_t *q, double loss, 
   tensorboard_add(tb, "train/step_ms", dt * 1e3);
   tensorboard_add(tb, "train/compute_ms", (dt - comm_wait) * 1e3);
   tensorboard_add(tb, "train/comm_wait_ms", comm_wait * 1e3);
+  tensorboard_add(tb, "train/straggler_spread_pct", sp->over_pct);
   tensorboard_write(tb, step);
 }
 
-void metrics_step_values(metrics_t *mt, int n, const double *loss, const double *gnorm) {
+void metrics_step_values(metrics_t *mt, int n, const double *loss, const double *gnorm,
+                         const straggler_stat_t *spread) {
   if (n > mt->npend) n = mt->npend;
-  for (int i = 0; i < n; i++) step_record(mt, &mt->pend[i], loss[i], gnorm[i]);
+  for (int i = 0; i < n; i++) {
+    const metrics_pending_t *q = &mt->pend[i];
+    const double own = (q->dt - q->comm_wait) * 1e3; /* without a spread: this rank's alone */
+    const straggler_stat_t mine = {.min_ms = own, .median_ms = own, .max_ms = own, .slowest = mt->rank, .host = ""};
+    step_record(mt, q, loss[i], gnorm[i], spread ? &spread[i] : &mine);
+  }
   memmove(mt->pend, mt->pend + n, (size_t)(mt->npend - n) * sizeof *mt->pend);
   mt->npend -= n;
 }
 
 void metrics_step(metrics_t *mt, int step, double loss, double lr, double gnorm, double dt, double comm_wait) {
   metrics_step_done(mt, step, lr, dt, comm_wait);
-  metrics_step_values(mt, 1, &loss, &gnorm);
+  metrics_step_values(mt, 1, &loss, &gnorm, NULL);
 }
 
 int metrics_pipeline(metrics_t *mt, int step, double busy_ms, double span_ms, int peak_inflight, size_t act_bytes,

@@ -36,6 +36,7 @@
 #include "trainer/parallel/mesh.h"
 #include "trainer/model/model.h"
 #include "trainer/plan/plan.h"
+#include "trainer/run/straggler.h"
 #include "trainer/run/tensorboard.h"
 
 /* Bytes sent by this rank: by strategy collective, and per mesh group. */
@@ -67,7 +68,7 @@ typedef struct {
   char what[48];      /* what failed: "the first record", "the record of step 12", "the close" */
   metrics_traffic_t traffic; /* the counters at the last record */
   double flops_per_token; /* model FLOPs of training, per token: 6N + 12 L d T (plan.md, log.peak_tflops) */
-  int world;
+  int world, rank;
   double peak_flops;  /* per rank, for MFU; 0 = unknown (no MFU) */
   double t_loop;      /* metrics_now() when the loop started */
   double t_in_steps;  /* seconds spent in optimizer steps */
@@ -110,9 +111,14 @@ int metrics_line_due(const plan_t *p, int step);
  * its values arrive (a step that cannot be kept, for lack of memory, is one warning and no
  * record). */
 void metrics_step_done(metrics_t *mt, int step, double lr, double dt, double comm_wait);
-/* The values of the n oldest steps kept (loss and gnorm, oldest first): their records and lines,
- * then they are forgotten. */
-void metrics_step_values(metrics_t *mt, int n, const double *loss, const double *gnorm);
+/* The values of the n oldest steps kept (loss and gnorm, oldest first) and the spread of the
+ * ranks' compute time of each (straggler.h; NULL: this rank's time alone): their records and
+ * lines, then they are forgotten. The record carries compute_ms_min, compute_ms_median,
+ * compute_ms_max, slowest_rank and straggler_spread_pct (the slowest rank's excess over the
+ * median, %; also TensorBoard's train/straggler_spread_pct); the console line names the slowest
+ * rank and its host when it is over log.straggler_pct. */
+void metrics_step_values(metrics_t *mt, int n, const double *loss, const double *gnorm,
+                         const straggler_stat_t *spread);
 /* The eval loss after step `step`: its record and line. Its traffic is not counted as a step's. */
 void metrics_eval(metrics_t *mt, int step, double loss);
 /* Forgets the traffic since the last record (a checkpoint's is not a step's). */

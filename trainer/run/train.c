@@ -132,7 +132,12 @@ int train_read(train_t *t, char *err, size_t errlen) {
   for (int j = 0; j < n; j++) {
     /* the logged loss is the global batch's: the mean over dp (fp32, as it travelled) */
     const double loss = t->dpc_dev && loss_shared(t) ? (double)r[j].loss_dp : r[j].stat[0];
-    if (check_step(t, t->read_first + j, loss, (int)r[j].stat[1], r[j].gnorm, err, errlen)) return -1;
+    if (check_step(t, t->read_first + j, loss, (int)r[j].stat[1], r[j].gnorm, err, errlen)) {
+      t->diverged_what = isfinite(loss) ? 2 : 1;
+      t->diverged_micro = (int)r[j].stat[1];
+      t->diverged_step = t->read_first + j;
+      return -1;
+    }
     t->read_loss[j] = loss;
     t->read_gnorm[j] = r[j].gnorm;
     t->n_read = j + 1;
@@ -217,6 +222,7 @@ static int device_train(train_t *t, int s, double lr, char *err, size_t errlen) 
     t->be->step_loss(t->be, t->loss_rows, n, valid, micro, accum, hooks_nan_loss(t->hooks, s + 1, micro),
                      rec->stat, &rec->loss_dp);
     dp_set_sync(t->dp, micro == accum - 1); /* gradients are synchronized once, on the last micro-step */
+    if (micro == accum - 1) hooks_nan_grad(t->hooks, t->m, t->be, s + 1);
     if (model_backward(t->m, scale) || dp_status(t->dp))
       return pass_failed(t, "backward pass", s, micro, err, errlen);
   }
@@ -238,6 +244,7 @@ int train_step(train_t *t, int s, train_result_t *out, char *err, size_t errlen)
   const uint64_t wait0 = mesh_wait_ns(t->mesh);
   trace_step_begin(s + 1);
   opprof_step_begin(s + 1);
+  hooks_slow(t->hooks);
   const double lr = optim_lr(&t->p->train, s);
   dp_zero_grad(t->dp);
   memset(out, 0, sizeof *out);

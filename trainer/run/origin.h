@@ -1,0 +1,33 @@
+/* origin: where a divergence came from. When a step's loss is not finite, every rank of the
+ * group that averages it ("dp_cp") sees the same nan and stops at the same read (train.h); before
+ * the run fails, their own losses of that step (each rank's first micro-batch whose loss was not
+ * finite, kept in its step record on the device) are gathered over that group, and the message
+ * names the lowest rank whose own loss was not finite, its host and the micro-batch. One host
+ * all-gather, at the failure only.
+ *
+ * When the gradient norm is not finite (every rank sees it: the norm sums all ranks' shares), the
+ * gradients still in memory are named when they are that step's (the read came at the step that
+ * diverged: a console line there, or log.interval 1): each rank finds the first tensor, in the
+ * model's order, whose gradient in the flat buffer holds a nan or inf, and the lowest over the job
+ * is named. These are the gradients after the reduction, so the tensor is named but not the rank
+ * it came from (under DDP every rank holds the reduced sum); under FSDP (no flat buffer) and
+ * when the read came later (the step's gradients are gone) the message says so. Not here: the check itself (train.c), the host names
+ * (straggler.c gathers them at the start). */
+#ifndef MESHRUN_ORIGIN_H
+#define MESHRUN_ORIGIN_H
+
+#include <stddef.h>
+
+#include "trainer/comm/comm.h"
+#include "trainer/run/straggler.h"
+#include "trainer/run/train.h"
+
+/* After train_step or train_read failed with t->diverged set in step s (0-based; every rank
+ * calls it then): appends "; first non-finite: rank R (host H), its own loss (micro-batch M)"
+ * when the loss diverged, or "; first non-finite gradient: NAME (...)" when the norm did, to the
+ * message in err (of length errlen); the host names come from sg (NULL: none). world_rank: this
+ * rank's. A gather that fails adds nothing: the message stays the divergence's. Does nothing
+ * under pipeline parallelism. */
+void origin_name(train_t *t, const straggler_t *sg, int world_rank, int s, char *err, size_t errlen);
+
+#endif
