@@ -32,6 +32,7 @@
 #ifndef MESHRUN_BACKEND_H
 #define MESHRUN_BACKEND_H
 
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -61,6 +62,22 @@ typedef struct {
   size_t offset, numel;
   int decay;
 } adamw_segment_t;
+
+/* AdamW's values of one update that change from step to step, in device memory where a step
+ * reads them (adamw_multi_dev), so that a captured step replays with the next step's values: the
+ * learning rate, the update count (from 1) and the bias corrections the host derived from them
+ * (adamw_step_make: the arithmetic every backend's adamw uses, the one place it is written). */
+typedef struct {
+  float lr;
+  int32_t step;
+  float step_size; /* lr / (1 - beta1^step) */
+  float bc2_sqrt;  /* sqrt(1 - beta2^step) */
+} adamw_step_t;
+
+static inline adamw_step_t adamw_step_make(float lr, float beta1, float beta2, int step) {
+  const float bc1 = 1.0f - powf(beta1, (float)step), bc2 = 1.0f - powf(beta2, (float)step);
+  return (adamw_step_t){lr, step, lr / bc1, sqrtf(bc2)};
+}
 
 struct backend {
   const char *name; /* its registry entry's name: for messages, and compared only with registry
@@ -268,11 +285,18 @@ struct backend {
    * norm stops the run.) */
   void (*clip_scale)(backend_t *be, const double *sums, const float *shares, int use_shares, double clip,
                      double *norm, float *scale);
-  /* adamw_multi with the gradient scale read from device memory (*grad_scale, fp32) when the
-   * kernel runs: the bits adamw_multi gives for that value. */
+  /* adamw_multi with the step's values read from device memory when the kernel runs: lr and step
+   * from *st (its step_size and bc2_sqrt as adamw_step_make made them), the gradient scale from
+   * *grad_scale (fp32): the bits adamw_multi gives for those values. Nothing of a call's
+   * arguments changes from one step to the next (a captured step replays it). */
   void (*adamw_multi_dev)(backend_t *be, float *param, const float *grad, float *m, float *v, void *param_lp,
-                          const adamw_segment_t *segs, int n_segs, float lr, float beta1, float beta2, float eps,
-                          float weight_decay, int step, const float *grad_scale);
+                          const adamw_segment_t *segs, int n_segs, float beta1, float beta2, float eps,
+                          float weight_decay, const adamw_step_t *st, const float *grad_scale);
+  /* bytes of pinned host memory (host_alloc_pinned's) to device memory, queued on the compute
+   * stream behind what is queued there, without a wait: src must stay as it is until the device
+   * has run the copy (a caller writes each step's values into its own slot of a ring). The
+   * step's small values go up this way (adamw_step_t). Required; a copy on a host backend. */
+  void (*to_device_async)(backend_t *be, void *dst, const void *src, size_t bytes);
 
   /* --- batches uploaded while the device computes: pinned (page-locked) host memory, a copy
    * stream beside the compute stream, and two slots used in turn (double buffering). Required;
@@ -294,6 +318,20 @@ struct backend {
   void (*upload_wait)(backend_t *be, int slot);
 
   void (*destroy)(backend_t *be);
+
+  /* --- graphs: a step's queued work recorded once and replayed (CUDA graphs). Optional: NULL on a
+   * backend that queues nothing (cpu), whose steps run as they are called. graph_begin starts
+   * recording what is queued on the compute stream from this thread (nothing runs until a launch);
+   * graph_end stops and returns the recorded work made ready to launch, or NULL with a line in err
+   * when something queued could not be recorded (a host wait, an allocation, another stream's
+   * work not joined to it); the recording is then dropped and the work queued since graph_begin
+   * did not run. graph_launch queues one replay on the compute stream, with the arguments and
+   * pointers of the recording: whatever changes between replays is read from device memory that
+   * the caller updated (to_device_async) before it. graph_destroy accepts NULL. */
+  int (*graph_begin)(backend_t *be, char *err, size_t errlen);
+  void *(*graph_end)(backend_t *be, char *err, size_t errlen);
+  int (*graph_launch)(backend_t *be, void *graph, char *err, size_t errlen);
+  void (*graph_destroy)(backend_t *be, void *graph);
 
   /* --- what the backend knows of its device, optional (NULL: nothing to say) */
   /* The device's dense peak FLOP/s for matmuls whose operands are dt (bf16 tensor cores, or
@@ -356,5 +394,13 @@ backend_t *backend_cpu_create(int threads, char *err, size_t errlen);
 void backend_fatal(const char *file, int line, const char *call, const char *msg) __attribute__((noreturn));
 /* What backend_fatal calls before it exits (one hook; the last one set). */
 void backend_on_fatal(void (*hook)(const char *why));
+
+/* A device backend's recording on this thread (graph_begin to graph_end, trainer/backend/fatal.c):
+ * while backend_recording is set, the backend's check macros keep the first error that only a
+ * recording has (a call it cannot hold, or any call after the recording broke) in
+ * backend_record_error instead of taking the fatal path, so that graph_end fails and the caller
+ * runs its steps unrecorded. */
+extern __thread int backend_recording;
+extern __thread int backend_record_error;
 
 #endif

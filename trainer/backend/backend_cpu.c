@@ -1244,8 +1244,8 @@ typedef struct {
 } adamw_t;
 
 static adamw_t adamw_consts(float lr, float beta1, float beta2, float eps, int step, float grad_scale) {
-  float bc1 = 1.0f - powf(beta1, (float)step), bc2 = 1.0f - powf(beta2, (float)step);
-  return (adamw_t){beta1, beta2, eps, lr / bc1, sqrtf(bc2), grad_scale};
+  const adamw_step_t st = adamw_step_make(lr, beta1, beta2, step);
+  return (adamw_t){beta1, beta2, eps, st.step_size, st.bc2_sqrt, grad_scale};
 }
 
 static inline void adamw_one(const adamw_t *a, float decay, float *param, const float *grad, float *m, float *v,
@@ -1325,9 +1325,9 @@ static void cpu_clip_scale(backend_t *be, const double *sums, const float *share
 }
 
 static void cpu_adamw_multi_dev(backend_t *be, float *param, const float *grad, float *m, float *v, void *param_lp,
-                                const adamw_segment_t *segs, int n_segs, float lr, float beta1, float beta2,
-                                float eps, float weight_decay, int step, const float *grad_scale) {
-  cpu_adamw_multi(be, param, grad, m, v, param_lp, segs, n_segs, lr, beta1, beta2, eps, weight_decay, step,
+                                const adamw_segment_t *segs, int n_segs, float beta1, float beta2, float eps,
+                                float weight_decay, const adamw_step_t *st, const float *grad_scale) {
+  cpu_adamw_multi(be, param, grad, m, v, param_lp, segs, n_segs, st->lr, beta1, beta2, eps, weight_decay, st->step,
                   *grad_scale);
 }
 
@@ -1413,6 +1413,7 @@ backend_t *backend_cpu_create(int threads, char *err, size_t errlen) {
   be->sumsq_groups = cpu_sumsq_groups;
   be->clip_scale = cpu_clip_scale;
   be->adamw_multi_dev = cpu_adamw_multi_dev;
+  be->to_device_async = cpu_copy;
   be->host_alloc_pinned = cpu_alloc_pinned;
   be->host_free_pinned = cpu_free_pinned;
   be->upload_host_wait = cpu_upload_host_wait;

@@ -2030,8 +2030,8 @@ typedef struct {
 } adamw_args_t;
 
 static adamw_args_t adamw_args(float lr, float beta1, float beta2, float eps, int step, float grad_scale) {
-  float bc1 = 1.0f - powf(beta1, (float)step), bc2 = 1.0f - powf(beta2, (float)step);
-  return adamw_args_t{beta1, beta2, eps, lr / bc1, sqrtf(bc2), grad_scale};
+  const adamw_step_t st = adamw_step_make(lr, beta1, beta2, step);
+  return adamw_args_t{beta1, beta2, eps, st.step_size, st.bc2_sqrt, grad_scale};
 }
 
 __device__ __forceinline__ float adamw_update(float param, float grad, float &m, float &v, const adamw_args_t &a,
@@ -2082,9 +2082,15 @@ typedef struct {
 
 __global__ void __launch_bounds__(EW_THREADS)
     adamw_multi_kernel(const adamw_chunk_t *chunks, float *param, const float *grad, float *m, float *v,
-                       nv_bfloat16 *param_lp, adamw_args_t a, const float *scale_dev, float decay_on,
-                       float decay_off, int vec) {
+                       nv_bfloat16 *param_lp, adamw_args_t a, const float *scale_dev, const adamw_step_t *st,
+                       float weight_decay, float decay_on, float decay_off, int vec) {
   if (scale_dev) a.grad_scale = *scale_dev; /* adamw_multi_dev: the scale the device computed */
+  if (st) { /* and the step's values the host put there: the host's arithmetic, unfused */
+    a.step_size = st->step_size;
+    a.bc2_sqrt = st->bc2_sqrt;
+    decay_on = __fsub_rn(1.0f, __fmul_rn(st->lr, weight_decay));
+    decay_off = __fsub_rn(1.0f, __fmul_rn(st->lr, 0.0f));
+  }
   const adamw_chunk_t c = chunks[blockIdx.x];
   const float decay = c.decay ? decay_on : decay_off;
   unsigned head = 0, body = 0; /* [head, head + body) goes 4 at a time */
@@ -2160,10 +2166,12 @@ static const adamw_chunk_t *adamw_table(cuda_t *cu, const adamw_segment_t *segs,
   return (const adamw_chunk_t *)dev;
 }
 
-/* Both entries: the scale from the host (scale_dev NULL) or read by the kernel from scale_dev. */
+/* Both entries: the scale and the step's values from the host (scale_dev and st NULL) or read by
+ * the kernel from scale_dev and st. */
 static void adamw_multi_launch(backend_t *be, float *param, const float *grad, float *m, float *v, void *param_lp,
                                const adamw_segment_t *segs, int n_segs, float lr, float beta1, float beta2,
-                               float eps, float weight_decay, int step, float grad_scale, const float *scale_dev) {
+                               float eps, float weight_decay, int step, float grad_scale, const float *scale_dev,
+                               const adamw_step_t *st) {
   cuda_t *cu = cuda_of(be);
   const adamw_chunk_t *tab = adamw_table(cu, segs, n_segs);
   if (!cu->adamw_chunks) return;
@@ -2171,7 +2179,7 @@ static void adamw_multi_launch(backend_t *be, float *param, const float *grad, f
                   ((uintptr_t)param_lp & 7u) == 0;
   adamw_multi_kernel<<<cu->adamw_chunks, EW_THREADS, 0, cu->stream>>>(
       tab, param, grad, m, v, (nv_bfloat16 *)param_lp, adamw_args(lr, beta1, beta2, eps, step, grad_scale),
-      scale_dev, 1.0f - lr * weight_decay, 1.0f - lr * 0.0f, vec);
+      scale_dev, st, weight_decay, 1.0f - lr * weight_decay, 1.0f - lr * 0.0f, vec);
   LAUNCH_CHECK("adamw_multi_kernel");
 }
 
@@ -2179,7 +2187,7 @@ static void cu_adamw_multi(backend_t *be, float *param, const float *grad, float
                            const adamw_segment_t *segs, int n_segs, float lr, float beta1, float beta2, float eps,
                            float weight_decay, int step, float grad_scale) {
   adamw_multi_launch(be, param, grad, m, v, param_lp, segs, n_segs, lr, beta1, beta2, eps, weight_decay, step,
-                     grad_scale, NULL);
+                     grad_scale, NULL, NULL);
 }
 
 /* ------------------------------------------------------------------ a step without host waits */
@@ -2292,10 +2300,16 @@ static void cu_clip_scale(backend_t *be, const double *sums, const float *shares
 }
 
 static void cu_adamw_multi_dev(backend_t *be, float *param, const float *grad, float *m, float *v, void *param_lp,
-                               const adamw_segment_t *segs, int n_segs, float lr, float beta1, float beta2, float eps,
-                               float weight_decay, int step, const float *grad_scale) {
-  adamw_multi_launch(be, param, grad, m, v, param_lp, segs, n_segs, lr, beta1, beta2, eps, weight_decay, step, 1.0f,
-                     grad_scale);
+                               const adamw_segment_t *segs, int n_segs, float beta1, float beta2, float eps,
+                               float weight_decay, const adamw_step_t *st, const float *grad_scale) {
+  /* lr 0 and step 1 on the host: placeholders the kernel replaces with *st (a finite step size) */
+  adamw_multi_launch(be, param, grad, m, v, param_lp, segs, n_segs, 0.0f, beta1, beta2, eps, weight_decay, 1, 1.0f,
+                     grad_scale, st);
+}
+
+/* The step's values: the pinned slot to the device behind the compute stream's work. */
+static void cu_to_device_async(backend_t *be, void *dst, const void *src, size_t bytes) {
+  if (bytes) CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, cuda_of(be)->stream));
 }
 
 /* Pinned memory is not the allocator's (mem_peak counts device memory only). */
@@ -2331,6 +2345,59 @@ static void cu_upload_wait(backend_t *be, int slot) {
   cuda_t *cu = cuda_of(be);
   CUDA_CHECK(cudaStreamWaitEvent(cu->stream, cu->copied[slot & 1], 0));
   CUDA_CHECK(cudaEventRecord(cu->freed[(slot & 1) ^ 1], cu->stream));
+}
+
+/* ------------------------------------------------------------------ graphs */
+
+/* Capture in thread-local mode: a comm's progress thread may still call CUDA while the step is
+ * recorded. An upload queued on the copy stream joins the capture through the events the compute
+ * stream waits for; the host's wait for an upload (upload_host_wait) breaks it, so a recorded
+ * step has its uploads queued outside. */
+static int cu_graph_begin(backend_t *be, char *err, size_t errlen) {
+  cudaError_t e = cudaStreamBeginCapture(cuda_of(be)->stream, cudaStreamCaptureModeThreadLocal);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    snprintf(err, errlen, "cudaStreamBeginCapture: %s", cudaGetErrorString(e));
+    return -1;
+  }
+  backend_recording = 1;
+  backend_record_error = 0;
+  return 0;
+}
+
+static void *cu_graph_end(backend_t *be, char *err, size_t errlen) {
+  cudaGraph_t g = NULL;
+  cudaGraphExec_t x = NULL;
+  const char *call = "cudaStreamEndCapture";
+  cudaError_t e = cudaStreamEndCapture(cuda_of(be)->stream, &g);
+  backend_recording = 0;
+  if (e == cudaSuccess && backend_record_error) e = (cudaError_t)backend_record_error;
+  if (e == cudaSuccess) {
+    call = "cudaGraphInstantiate";
+    e = cudaGraphInstantiate(&x, g, 0);
+  }
+  if (g) (void)cudaGraphDestroy(g);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    snprintf(err, errlen, "%s: %s", call, backend_record_error ? "a call the capture cannot hold" : cudaGetErrorString(e));
+    backend_record_error = 0;
+    return NULL;
+  }
+  return (void *)x;
+}
+
+static int cu_graph_launch(backend_t *be, void *graph, char *err, size_t errlen) {
+  cudaError_t e = cudaGraphLaunch((cudaGraphExec_t)graph, cuda_of(be)->stream);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    snprintf(err, errlen, "cudaGraphLaunch: %s", cudaGetErrorString(e));
+    return -1;
+  }
+  return 0;
+}
+
+static void cu_graph_destroy(backend_t *be, void *graph) {
+  if (graph) CUDA_CHECK(cudaGraphExecDestroy((cudaGraphExec_t)graph));
 }
 
 /* ------------------------------------------------------------------ lifecycle */
@@ -2435,6 +2502,11 @@ static void cu_set_ops(backend_t *be) {
   be->sumsq_groups = cu_sumsq_groups;
   be->clip_scale = cu_clip_scale;
   be->adamw_multi_dev = cu_adamw_multi_dev;
+  be->to_device_async = cu_to_device_async;
+  be->graph_begin = cu_graph_begin;
+  be->graph_end = cu_graph_end;
+  be->graph_launch = cu_graph_launch;
+  be->graph_destroy = cu_graph_destroy;
   be->host_alloc_pinned = cu_alloc_pinned;
   be->host_free_pinned = cu_free_pinned;
   be->upload_host_wait = cu_upload_host_wait;

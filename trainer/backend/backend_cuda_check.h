@@ -17,16 +17,31 @@
 
 #include "trainer/backend/backend.h"
 
+/* During a stream capture (backend_recording), an error of the capture itself, or any error
+ * once the capture has broken, is kept for graph_end (which then fails) instead of being fatal. */
+static inline int cuda_record_absorbs(int e, int capture_error) {
+  if (!backend_recording || !(capture_error || backend_record_error)) return 0;
+  if (!backend_record_error) backend_record_error = e;
+  return 1;
+}
+#define CUDA_CAPTURE_ERROR(e)                                                                  \
+  ((e) == cudaErrorStreamCaptureUnsupported || (e) == cudaErrorStreamCaptureInvalidated ||     \
+   (e) == cudaErrorStreamCaptureImplicit || (e) == cudaErrorStreamCaptureUnjoined ||           \
+   (e) == cudaErrorStreamCaptureIsolation || (e) == cudaErrorStreamCaptureUnmatched ||         \
+   (e) == cudaErrorStreamCaptureMerge || (e) == cudaErrorStreamCaptureWrongThread ||           \
+   (e) == cudaErrorCapturedEvent)
+
 #define CUDA_CHECK(call)                                                                       \
   do {                                                                                         \
     cudaError_t e_ = (call);                                                                   \
-    if (e_ != cudaSuccess) backend_fatal(__FILE__, __LINE__, #call, cudaGetErrorString(e_));   \
+    if (e_ != cudaSuccess && !cuda_record_absorbs((int)e_, CUDA_CAPTURE_ERROR(e_)))            \
+      backend_fatal(__FILE__, __LINE__, #call, cudaGetErrorString(e_));                        \
   } while (0)
 
 #define CUBLAS_CHECK(call)                                                                     \
   do {                                                                                         \
     cublasStatus_t s_ = (call);                                                                \
-    if (s_ != CUBLAS_STATUS_SUCCESS)                                                           \
+    if (s_ != CUBLAS_STATUS_SUCCESS && !cuda_record_absorbs((int)s_, 0))                       \
       backend_fatal(__FILE__, __LINE__, #call, cublasGetStatusString(s_));                     \
   } while (0)
 

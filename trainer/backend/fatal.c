@@ -11,6 +11,9 @@
 
 static void (*on_fatal)(const char *why);
 
+__thread int backend_recording;
+__thread int backend_record_error;
+
 void backend_on_fatal(void (*hook)(const char *why)) { on_fatal = hook; }
 
 void backend_fatal(const char *file, int line, const char *call, const char *msg) {

@@ -122,6 +122,11 @@ typedef struct comm_entry {
   /* 1: every local rank needs a device of its own; the default then takes it only where
    * LOCAL_WORLD_SIZE devices are visible, else a backend without the need. */
   int device_per_rank;
+  /* 1: its collectives can be recorded into a step's graph (backend.h, graph_begin): they queue
+   * on the caller's compute stream and no host thread waits for them. 0: they run on a host
+   * thread or wait on the host (cpu, staged), so a step with them is not recorded
+   * (train.graphs). */
+  int capturable;
   /* Fills c (comm_impl.h) for the group of cfg. NULL in a stand-in. */
   int (*create)(struct comm *c, const comm_config_t *cfg, char *err, size_t errlen);
   const char *absent; /* a stand-in's reason: "this build has no CUDA: nvcc was not found" */

@@ -750,5 +750,6 @@ const comm_entry_t comm_entry_nccl = {
     .mem = COMM_MEM_DEVICE,
     .device = "cuda",
     .device_per_rank = 1,
+    .capturable = 1,
     .create = nccl_create,
 };

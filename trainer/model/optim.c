@@ -69,11 +69,15 @@ double optim_clip_scale(double grad_norm, double clip) {
   return clip / grad_norm;
 }
 
-void optim_step_dev(optim_t *o, float *params, const float *grads, void *params_lp, double lr,
-                    const float *grad_scale) {
+adamw_step_t optim_next(optim_t *o, double lr) {
   o->step++;
-  o->be->adamw_multi_dev(o->be, params, grads, o->m, o->v, params_lp, o->segs, o->n_segs, (float)lr, o->beta1,
-                         o->beta2, o->eps, o->weight_decay, o->step, grad_scale);
+  return adamw_step_make((float)lr, o->beta1, o->beta2, o->step);
+}
+
+void optim_step_dev(optim_t *o, float *params, const float *grads, void *params_lp, const adamw_step_t *st,
+                    const float *grad_scale) {
+  o->be->adamw_multi_dev(o->be, params, grads, o->m, o->v, params_lp, o->segs, o->n_segs, o->beta1, o->beta2,
+                         o->eps, o->weight_decay, st, grad_scale);
 }
 
 void optim_step(optim_t *o, float *params, const float *grads, void *params_lp, double lr, double grad_scale) {

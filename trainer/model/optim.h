@@ -64,10 +64,14 @@ double optim_clip_scale(double grad_norm, double clip);
  * params_lp (optional, bf16, the same layout as params): the compute copy, rewritten from the
  * updated fp32 parameters by the same fused pass (backend adamw's param_lp). */
 void optim_step(optim_t *o, float *params, const float *grads, void *params_lp, double lr, double grad_scale);
-/* optim_step with the clip scale in device memory (*grad_scale, fp32, as a clip_scale kernel
- * wrote it): one adamw_multi_dev call, the bits optim_step gives for that scale, and nothing
- * waits for the device. */
-void optim_step_dev(optim_t *o, float *params, const float *grads, void *params_lp, double lr,
+/* The next update's values (the host's half of optim_step_dev): counts the update and returns lr
+ * (as fp32), the count and the bias corrections, for the caller to put in device memory. */
+adamw_step_t optim_next(optim_t *o, double lr);
+/* optim_step with the update's values in device memory: *st as optim_next made them, and the
+ * clip scale (*grad_scale, fp32, as a clip_scale kernel wrote it): one adamw_multi_dev call, the
+ * bits optim_step gives for those values, and nothing waits for the device. Its arguments are
+ * the same at every step (a recorded step replays it). */
+void optim_step_dev(optim_t *o, float *params, const float *grads, void *params_lp, const adamw_step_t *st,
                     const float *grad_scale);
 
 /* The learning rate of optimizer step s (0-based), per the schedule above. */

@@ -179,7 +179,7 @@ int dp_clip_of(dp_impl_t *d, const float *g, comm_t *shard_comm, double clip, do
 
 void dp_adamw(dp_impl_t *d, float *params, const float *grads, void *params_lp, double lr, double grad_scale,
               const float *scale_dev) {
-  if (scale_dev) optim_step_dev(&d->opt, params, grads, params_lp, lr, scale_dev);
+  if (scale_dev) optim_step_dev(&d->opt, params, grads, params_lp, d->step_dev, scale_dev);
   else optim_step(&d->opt, params, grads, params_lp, lr, grad_scale);
 }
 
@@ -379,10 +379,13 @@ int dp_clip_dev(dp_t *dp, double clip, double *norm, float *scale) {
   return d->ops->clip(d, clip, norm, scale);
 }
 
-int dp_step_dev(dp_t *dp, double lr, const float *grad_scale) {
+adamw_step_t dp_next_step(dp_t *dp, double lr) { return optim_next(&dp_impl_of(dp)->opt, lr); }
+
+int dp_step_dev(dp_t *dp, const adamw_step_t *st, const float *grad_scale) {
   dp_impl_t *d = dp_impl_of(dp);
   if (drain(d)) return d->status;
-  return d->ops->step(d, lr, 1.0, grad_scale);
+  d->step_dev = st;
+  return d->ops->step(d, 0.0, 1.0, grad_scale); /* lr and the count come from *st */
 }
 
 /* ------------------------------------------------------------------ checkpoints */

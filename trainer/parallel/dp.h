@@ -86,8 +86,12 @@ int dp_step(dp_t *dp, double lr, double grad_scale);
  * reductions (over the groups' device comms), and nothing waits for the device. Collective as
  * dp_grad_norm is; not under pipeline parallelism (DP_EINVAL). */
 int dp_clip_dev(dp_t *dp, double clip, double *norm, float *scale);
-/* dp_step with the clip scale in device memory, as dp_clip_dev wrote it. */
-int dp_step_dev(dp_t *dp, double lr, const float *grad_scale);
+/* The host's half of dp_step_dev: counts the update and returns its values (optim_next), which
+ * the caller puts in device memory before the step's kernels run. */
+adamw_step_t dp_next_step(dp_t *dp, double lr);
+/* dp_step with the update's values (*st, from dp_next_step) and the clip scale (as dp_clip_dev
+ * wrote it) in device memory: the same calls with the same arguments at every step. */
+int dp_step_dev(dp_t *dp, const adamw_step_t *st, const float *grad_scale);
 /* Unit u's full local parameters (this tp rank's slices) in the model's unit buffers, and back.
  * dp_unit_open is collective over dp_shard for FSDP; dp_unit_commit writes the rank's shard (or
  * the flat buffer) from the unit buffer after the caller changed it (model_import_tensor). */

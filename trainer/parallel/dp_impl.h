@@ -150,6 +150,7 @@ struct dp_impl {
   model_tensor_t *ck_ts; /* (ck_nt) copies of the model's tensors: checkpoint chunks name them */
   int ck_nt;
   optim_t opt;
+  const adamw_step_t *step_dev; /* dp_step_dev's update values in device memory, for dp_adamw */
   dp_traffic_t traffic;
   int status;
   char err[512];

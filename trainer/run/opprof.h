@@ -39,6 +39,7 @@ typedef struct {
   uint64_t kernels;    /* compute-entry calls */
   uint64_t host_syncs; /* synchronize, to_host, sumsq, sumsq_parts */
   uint64_t bytes_to_device, bytes_to_host;
+  uint64_t allocs;     /* alloc, free (of a buffer), host_alloc_pinned */
 } opcount_t;
 
 /* The step to profile from MESHRUN_OP_PROFILE (1-based), 0 when unset or empty; -1 with a
@@ -60,6 +61,20 @@ void opprof_step_end(int step, double step_s);
 /* The counts since opprof_install, and those of the last step that ended (opprof_step_begin to
  * opprof_step_end); zeros when nothing is installed. */
 void opprof_counts(opcount_t *total, opcount_t *last_step);
+
+/* The replay watch: what a step recorded once (a CUDA graph) would replay, checked on any
+ * backend. While watching, each call of the wrapped table between opprof_replay_mark(1) and
+ * opprof_replay_mark(0) of a step (the part of the step a device would record: trainer/run/
+ * train.c marks it) is kept as its op and arguments, pointers and scalars as passed, with the
+ * host syncs and allocations there. opprof_replay_diff then compares the last step that ended
+ * with the one `back` steps before it (1 or 2: the batches' two upload slots alternate, so with
+ * an odd number of uploads per step the pointers repeat every second step): 0 when the calls are
+ * the same and the marked part has no host sync and no allocation, 1 when not (msg names the
+ * first call that differs, or the count), -1 when fewer steps were watched. watch(0) stops and
+ * frees the lists; opprof_uninstall does too. */
+void opprof_replay_watch(int on);
+void opprof_replay_mark(int begin);
+int opprof_replay_diff(int back, char *msg, size_t len);
 
 /* For tests: after the profiled step, the number of calls and the total seconds recorded for an
  * op name ("matmul", "rmsnorm_fwd", ...) over every shape; 0 for a name never called. */

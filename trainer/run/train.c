@@ -42,7 +42,10 @@ int train_init(train_t *t, char *err, size_t errlen) {
   t->scale = t->be->alloc(t->be, sizeof(float));
   t->recs = t->be->alloc(t->be, TRAIN_PENDING_MAX * sizeof(step_rec_t));
   t->recs_host = malloc(TRAIN_PENDING_MAX * sizeof(step_rec_t));
-  if (!t->loss_rows || !t->scale || !t->recs || !t->recs_host) {
+  t->rec = t->be->alloc(t->be, sizeof(step_rec_t));
+  t->step_dev = t->be->alloc(t->be, sizeof(adamw_step_t));
+  t->step_host = t->be->host_alloc_pinned(t->be, TRAIN_PENDING_MAX * sizeof(adamw_step_t));
+  if (!t->loss_rows || !t->scale || !t->recs || !t->recs_host || !t->rec || !t->step_dev || !t->step_host) {
     return err_set(err, errlen, -1, "out of memory for the losses of %zu rows and %d steps' records", rows,
                    TRAIN_PENDING_MAX);
   }
@@ -62,11 +65,15 @@ void train_free(train_t *t) {
     t->be->free(t->be, t->loss_rows);
     t->be->free(t->be, t->scale);
     t->be->free(t->be, t->recs);
+    t->be->free(t->be, t->rec);
+    t->be->free(t->be, t->step_dev);
+    t->be->host_free_pinned(t->be, t->step_host);
   }
   t->tok = t->tgt = NULL;
   t->read_loss = t->read_gnorm = NULL;
   t->loss_rows = t->scale = NULL;
-  t->recs = t->recs_host = NULL;
+  t->recs = t->recs_host = t->rec = NULL;
+  t->step_dev = t->step_host = NULL;
 }
 
 /* Context parallelism: this rank's rows of the n whole sequences in tok and tgt, in their place:
@@ -201,16 +208,22 @@ static int pipeline_train(train_t *t, int s, double lr, train_result_t *out, cha
   return 0;
 }
 
-/* The step on the device: per micro-batch its batch, forward (the per-row losses into loss_rows,
- * turned into the step's loss by step_loss right after), backward; then the loss's mean over dp
- * on the device comm (started and waited: with a device compute stream the wait is the stream's,
- * not the host's), the norm and clip scale, the update. The values land in record `pending`. */
+/* The step on the device: its optimizer values up (their slot of step_host into step_dev); per
+ * micro-batch its batch, forward (the per-row losses into loss_rows, turned into the step's loss
+ * by step_loss right after), backward; then the loss's mean over dp on the device comm (started
+ * and waited: with a device compute stream the wait is the stream's, not the host's), the norm
+ * and clip scale, the update. The values land in rec, then in record `pending`: between the
+ * upload and that copy every call has the same arguments at every step (what a recorded step
+ * needs, opprof_replay_diff). */
 static int device_train(train_t *t, int s, double lr, char *err, size_t errlen) {
   const plan_t *p = t->p;
   const int T = p->train.seq_len, B = p->train.micro_batch_size, accum = p->train.grad_accum_steps;
   const int Tl = plan_local_seq_len(p), n = B * Tl; /* this rank's tokens: all of them, or its cp chunks */
   if (t->pending == 0) t->pending_first = s;
-  step_rec_t *rec = (step_rec_t *)t->recs + t->pending;
+  step_rec_t *rec = t->rec;
+  t->step_host[t->pending] = dp_next_step(t->dp, lr);
+  t->be->to_device_async(t->be, t->step_dev, &t->step_host[t->pending], sizeof *t->step_dev);
+  opprof_replay_mark(1);
   for (int micro = 0; micro < accum; micro++) {
     data_train_batch(t->data, s, micro, t->dp_rank, t->dp_size, B, t->tok, t->tgt);
     if (hooks_batch(t->hooks, t->tok, t->tgt, (size_t)B * T, err, errlen)) return -1;
@@ -232,9 +245,11 @@ static int device_train(train_t *t, int s, double lr, char *err, size_t errlen) 
       return err_set(err, errlen, -1, "%s", comm_errmsg(t->dpc_dev));
     }
   }
-  if (dp_clip_dev(t->dp, p->train.grad_clip, &rec->gnorm, t->scale) || dp_step_dev(t->dp, lr, t->scale)) {
+  if (dp_clip_dev(t->dp, p->train.grad_clip, &rec->gnorm, t->scale) || dp_step_dev(t->dp, t->step_dev, t->scale)) {
     return err_set(err, errlen, -1, "%s", dp_errmsg(t->dp));
   }
+  opprof_replay_mark(0);
+  t->be->copy(t->be, (step_rec_t *)t->recs + t->pending, rec, sizeof *rec);
   t->pending++;
   return 0;
 }

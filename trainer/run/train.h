@@ -60,9 +60,13 @@ typedef struct {
   /* train_init fills the rest. Without pp: the per-row losses of the micro-batch just run
    * (loss_rows), the device records of the steps not read yet (recs, pending of them from step
    * pending_first, 0-based) and their host copy, the clip scale (device), and the device comm of
-   * "dp" (dpc_dev) that averages the loss. */
+   * "dp" (dpc_dev) that averages the loss. A step writes its values into one record (rec, device)
+   * and copies it into recs at its end, and its optimizer values (adamw_step_t) go up from
+   * step_host[pending] (pinned, a slot per record: rewritten only after a read waited for the
+   * device) into step_dev, so that the step's kernels see the same pointers at every step. */
   float *loss_rows, *scale;
-  void *recs, *recs_host;
+  void *recs, *recs_host, *rec;
+  adamw_step_t *step_dev, *step_host;
   int pending, pending_first;
   comm_t *dpc_dev;
   /* After a read: the values of n_read steps from read_first (0-based), oldest first. */
