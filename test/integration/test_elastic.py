@@ -21,7 +21,8 @@ a kill to the first training step of the next round is measured from the same fi
 (d) (b) under pipeline parallelism (mesh.pp 2): two nodes of 2 ranks train as pp2 x dp2 (node A
     holds stage 0's two data-parallel ranks, node B stage 1's); node B is killed, node A restarts
     alone as pp2 x dp1 (one rank per stage), resumes from the pp2 x dp2 checkpoint and finishes on
-    the uninterrupted run's losses within 1e-4.
+    the uninterrupted run's losses within 1e-4. The same under context parallelism (mesh.cp 2):
+    cp2 x dp_shard 2 across the nodes, then node A alone as cp2 x dp_shard 1.
 """
 import os
 import random
@@ -154,7 +155,7 @@ def node(port, d, nproc=2, extra=()):
                    env={"OMP_NUM_THREADS": "1"}, cwd=str(d))
 
 
-@pytest.mark.parametrize("extra", [(), ("mesh.pp=2",)], ids=["fsdp", "pp2"])
+@pytest.mark.parametrize("extra", [(), ("mesh.pp=2",), ("mesh.cp=2",)], ids=["fsdp", "pp2", "cp2"])
 def test_kill_whole_node(uninterrupted, tmp_path, extra):
     port = free_port()
     a = node(port, tmp_path, extra=extra)
@@ -178,11 +179,12 @@ def test_kill_whole_node(uninterrupted, tmp_path, extra):
     assert "saved by world 4, now world 2" in line
     heads = [r for r in metrics(tmp_path) if "plan" in r]
     assert heads[-1]["world_size"] == 2
-    if extra:  # the pipeline survives the shrink: pp2 x dp2, then pp2 x dp1
-        meshes = [(h["plan"]["mesh"]["pp"], h["plan"]["mesh"]["dp_shard"]) for h in heads]
+    if extra:  # the pipeline (context parallelism) survives the shrink: x dp2, then x dp1
+        dim = extra[0].split("=")[0].split(".")[1]
+        meshes = [(h["plan"]["mesh"][dim], h["plan"]["mesh"]["dp_shard"]) for h in heads]
         assert meshes[0] == (2, 2) and meshes[-1] == (2, 1), meshes
     check_against(uninterrupted, tmp_path, step, "node killed, survivor alone (world 2%s)" % (
-        ", pp2 x dp1" if extra else ""))
+        ", %s2 x dp1" % dim if extra else ""))
 
 
 def _listening(port):

@@ -125,7 +125,7 @@ typedef struct comm_entry {
   /* 1: its collectives can be recorded into a step's graph (backend.h, graph_begin): they queue
    * on the caller's compute stream and no host thread waits for them. 0: they run on a host
    * thread or wait on the host (cpu, staged), so a step with them is not recorded
-   * (train.graphs). */
+   * (a recorded step: docs/gpu.md, "CUDA graphs"). */
   int capturable;
   /* Fills c (comm_impl.h) for the group of cfg. NULL in a stand-in. */
   int (*create)(struct comm *c, const comm_config_t *cfg, char *err, size_t errlen);

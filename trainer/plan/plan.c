@@ -107,7 +107,6 @@ typedef struct field {
 /* The device key's values (plan_set_devices); NULL: any string. */
 static const char *const *device_names;
 static const char *const sched_names[] = {"cosine", "linear", "constant", NULL};
-static const char *const graphs_names[] = {"auto", "on", "off", NULL};
 static const char *const format_names[] = {"auto", "text", "llmc", "u16", "u32", "synthetic", NULL};
 static const char *const dtype_names[] = {"fp32", "bf16", NULL};
 static const char *const ac_names[] = {"none", "full", "selective", NULL};
@@ -201,7 +200,6 @@ static const field_t train_fields[] = {
     K_DBL("beta2", train.beta2, 0, 1, 1, 1, 0.95),
     K_DBL("eps", train.eps, 0, 1, INFINITY, 0, 1e-8),
     K_DBL("grad_clip", train.grad_clip, 0, 0, INFINITY, 0, 1.0),
-    K_ENUM("graphs", train.graphs, graphs_names, PLAN_GRAPHS_AUTO),
     K_END};
 
 static const field_t data_fields[] = {

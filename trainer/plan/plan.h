@@ -25,9 +25,6 @@
 
 #define PLAN_DEVICE_MAX 64 /* bytes of the device key's value, with its NUL */
 typedef enum { PLAN_SCHED_COSINE = 0, PLAN_SCHED_LINEAR, PLAN_SCHED_CONSTANT } plan_sched_t;
-/* train.graphs: record the step once and replay it where the backend and the comm can
- * (auto), or that or a plan error (on), or never (off). */
-typedef enum { PLAN_GRAPHS_AUTO = 0, PLAN_GRAPHS_ON, PLAN_GRAPHS_OFF } plan_graphs_t;
 typedef enum {
   PLAN_DATA_AUTO = 0, /* by extension/header: .txt -> text, llm.c magic -> llmc, .u16/.u32 raw */
   PLAN_DATA_TEXT,     /* bytes, vocab 256 */
@@ -136,7 +133,6 @@ typedef struct {
   int decay_embeddings;   /* apply weight decay to the token embedding (default 0) */
   double beta1, beta2, eps; /* 0.9, 0.95, 1e-8 */
   double grad_clip;       /* global norm clip, default 1.0; 0 = off */
-  plan_graphs_t graphs;   /* auto (default), on, off */
 } plan_train_t;
 
 typedef struct {
