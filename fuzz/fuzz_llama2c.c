@@ -1,4 +1,4 @@
-// deps: trainer/formats/interop.c trainer/model/model.c trainer/comm/trace.c trainer/comm/comm.c trainer/comm/comm_cpu.c trainer/backend/backend.c trainer/backend/backend_cpu.c trainer/model/rng.c trainer/formats/safetensors.c common/net.c common/store.c common/store_proto.c common/log.c common/fs.c fuzz/support.c common/err.c common/env.c trainer/backend/fatal.c
+// deps: trainer/formats/interop.c trainer/model/model.c trainer/model/ring_attention.c trainer/comm/trace.c trainer/comm/comm.c trainer/comm/comm_cpu.c trainer/backend/backend.c trainer/backend/backend_cpu.c trainer/model/rng.c trainer/formats/safetensors.c common/net.c common/store.c common/store_proto.c common/log.c common/fs.c fuzz/support.c common/err.c common/env.c trainer/backend/fatal.c
 // max_len: 16384
 /* fuzz_llama2c: interop's readers: llama2.c checkpoints and Hugging Face directories.
  *
