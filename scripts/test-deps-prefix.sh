@@ -2,7 +2,7 @@
 # test-deps-prefix: proves the other way to a GPU machine: building there from .debs unpacked into
 # a prefix (make DEPS_PREFIX=DIR), with no -dev package installed. As root, in a private mount
 # namespace, the system's headers and link-time libraries of libuv, cJSON, OpenBLAS, cmocka,
-# Nettle and protobuf-c, and protobuf-c's compiler protoc-c, are covered (empty directories,
+# Nettle, PCRE2 and protobuf-c, and protobuf-c's compiler protoc-c, are covered (empty directories,
 # /dev/null files); the build must then take everything from the prefix (protoc-c runs from
 # there with the prefix's libprotoc), and a few unit tests run against the prefix's libraries.
 #
@@ -15,7 +15,8 @@ debs=${1:-$root/build/debs}
 prefix=$root/build/deps
 pkgs=(libuv1-dev libuv1 libcjson-dev libcjson1 libopenblas-dev libopenblas0-pthread libopenblas-pthread-dev
       libopenblas0 libcmocka-dev libcmocka0 nettle-dev libnettle8
-      libprotobuf-c-dev libprotobuf-c1 protobuf-c-compiler libprotoc32 libprotobuf32)
+      libprotobuf-c-dev libprotobuf-c1 protobuf-c-compiler libprotoc32 libprotobuf32
+      libpcre2-dev libpcre2-8-0)
 
 if [ "${MESHRUN_DEPS_HIDDEN:-}" != 1 ]; then
   [ "$(id -u)" -eq 0 ] || { echo "test-deps-prefix: needs root (a private mount namespace)"; echo "test-deps-prefix: 0 passed, 1 failed"; exit 1; }
@@ -35,6 +36,7 @@ for d in /usr/include/uv /usr/include/cjson /usr/include/nettle /usr/include/pro
   [ -d "$d" ] && mount --bind "$empty" "$d"
 done
 for f in /usr/include/uv.h /usr/include/cmocka.h /usr/include/cblas.h /usr/include/x86_64-linux-gnu/cblas.h \
+         /usr/include/pcre2.h /usr/lib/x86_64-linux-gnu/libpcre2-8.a \
          /usr/lib/x86_64-linux-gnu/{libuv,libcjson,libcmocka,libopenblas}.so \
          /usr/lib/x86_64-linux-gnu/{libuv_a,libnettle,libprotobuf-c}.a /usr/lib/x86_64-linux-gnu/libprotobuf-c.so \
          /usr/bin/protoc-c; do
@@ -43,7 +45,7 @@ done
 
 pass=0; fail=0
 # Negative control: without the prefix, the covered headers must be gone.
-if printf '#include <uv.h>\n#include <cjson/cJSON.h>\n#include <cblas.h>\n#include <nettle/hmac.h>\n#include <protobuf-c/protobuf-c.h>\n' |
+if printf '#include <uv.h>\n#include <cjson/cJSON.h>\n#include <cblas.h>\n#include <nettle/hmac.h>\n#include <protobuf-c/protobuf-c.h>\n#define PCRE2_CODE_UNIT_WIDTH 8\n#include <pcre2.h>\n' |
    cc -E -I/usr/include/x86_64-linux-gnu/openblas-pthread - >/dev/null 2>&1; then
   echo "   FAIL: the system's headers are still visible"; fail=$((fail+1))
 else
