@@ -144,8 +144,8 @@ def run_with_sampler(cmd, env=None, timeout=600):
 # ---------------------------------------------------------------------------------------- ours
 
 def run_ours(trainer, size, m, steps, warmup, workdir, dtype="bf16", profile=False, timeout=600, device="cuda",
-             attention="auto"):
-    tag = "%s-%s" % (size, attention)
+             attention="auto", graphs="auto"):
+    tag = "%s-%s-%s" % (size, attention, graphs)
     plan = {
         "device": device, "seed": 1337, "overwrite": True,
         "model": {"dim": m["dim"], "n_layers": m["n_layers"], "n_heads": m["n_heads"],
@@ -156,7 +156,7 @@ def run_ours(trainer, size, m, steps, warmup, workdir, dtype="bf16", profile=Fal
         "parallel": {"mixed_precision": {"param_dtype": dtype, "reduce_dtype": "fp32"}},
         "train": {"steps": warmup + steps, "seq_len": m["seq"], "micro_batch_size": m["batch"],
                   "global_batch_size": m["batch"], "lr": 3e-4, "warmup_steps": 2, "decay": "cosine",
-                  "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95, "grad_clip": 1.0},
+                  "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95, "grad_clip": 1.0, "cuda_graphs": graphs},
         "data": {"train": "", "format": "synthetic"},
         "eval": {"interval": 0, "batches": 1},
         "checkpoint": {"dir": os.path.join(workdir, "ckpt-%s" % tag), "interval": 0},
@@ -182,6 +182,9 @@ def run_ours(trainer, size, m, steps, warmup, workdir, dtype="bf16", profile=Fal
     att = next((ln.split("attention: ", 1)[1] for ln in out.splitlines() if "attention: " in ln), "")
     if att:
         print("  %s attention=%s: %s" % (size, attention, att), flush=True)
+    for ln in out.splitlines():  # what train.cuda_graphs did
+        if "cuda_graphs" in ln:
+            print("  %s graphs=%s: %s" % (size, graphs, ln.split("] ", 1)[-1]), flush=True)
     if rc != 0:
         return {"error": "trainer exit %s: %s" % (rc, out.strip().splitlines()[-1] if out.strip() else ""),
                 "attention": att}
@@ -194,9 +197,14 @@ def run_ours(trainer, size, m, steps, warmup, workdir, dtype="bf16", profile=Fal
                 ms += r["step_ms"]
                 peak = max(peak, r.get("peak_mem_bytes", 0))
                 loss = r["loss"]
-                # what a step asked of the device (the trainer counts its backend's calls); the
-                # last step's: it reads the values of the steps before it (one host sync)
-                counts = {"kernels_per_step": r.get("kernels"), "host_syncs_per_step": r.get("host_syncs")}
+                # what a step asked of the device (the trainer counts its backend's calls): the
+                # last step's (it reads the values of the steps before it: one host sync); the
+                # kernels of a step that ran its work or recorded it (a replay's are the host's
+                # few calls around one launch: host_calls_per_step)
+                counts["host_syncs_per_step"] = r.get("host_syncs")
+                key = "host_calls_per_step" if r.get("graph") == "replayed" else "kernels_per_step"
+                counts[key] = r.get("kernels")
+                counts["graph"] = r.get("graph", "none")
     if ms <= 0:
         return {"error": "no measured steps in the metrics file"}
     return dict({"tokens_per_s": toks / (ms / 1e3), "mem_gib": mem, "alloc_gib": peak / 2**30, "loss": loss,
@@ -424,6 +432,8 @@ def main():
     ap.add_argument("--no-reference", action="store_true",
                     help="no row of ours with model.attention reference (the fast path's baseline)")
     ap.add_argument("--device", default="cuda", help="our side's device (cpu: a dry run of this script)")
+    ap.add_argument("--graphs-row", action="store_true",
+                    help="a row of ours with train.cuda_graphs off beside the fast path (auto: recorded steps)")
     ap.add_argument("--profile", action="store_true", help="our kernel-by-kernel profile of the last warmup step")
     ap.add_argument("--results", help="append one JSON object per measured row to this file")
     ap.add_argument("--timeout", type=float, default=900, help="seconds for each run (ours, eager, compile)")
@@ -489,6 +499,9 @@ def main():
                 if not args.no_compile:
                     runs.append(("torch compile", lambda t: run_torch(size, args.steps, args.warmup, True, t)))
                 runs.append(("torch eager", lambda t: run_torch(size, args.steps, args.warmup, False, t)))
+            if args.graphs_row:  # the steps run unrecorded: what the recording saves (last: the least needed)
+                runs.append(("ours no graphs", lambda t: run_ours(trainer, size, m, args.steps, args.warmup, work,
+                                                                  timeout=t, device=args.device, graphs="off")))
             for impl, fn in runs:
                 t = budget()
                 r = fn(t) if t >= 20 else {"error": "skipped: the session's time budget is spent"}

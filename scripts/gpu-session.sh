@@ -26,7 +26,7 @@
 #      staged multi-rank plans on the one GPU (scripts/test-gpu.sh train,parallel)
 #   6. attention: PyTorch's SDPA backends (flash, cuDNN) forward + backward at the 1b shape, the
 #      yardstick for our attention kernels
-#   7. bench 125m: ours, torch.compile, torch eager
+#   7. bench 125m: ours, torch.compile, torch eager, ours with train.cuda_graphs off
 #   8. sanitizer: compute-sanitizer memcheck over two cuda steps
 # --dry-run runs the same logic here without a GPU: device cpu throughout, a tiny benchmark size,
 # no PyTorch runs and no GPU test binaries, so a broken stage shows before device time is spent.
@@ -225,13 +225,13 @@ else
   done
 fi
 if [ $dry = 1 ]; then
-  stage "bench tiny" 120 bench tiny --profile --steps 3 --warmup 2
+  stage "bench tiny" 120 bench tiny --profile --steps 4 --warmup 2 --graphs-row
 else
   stage "bench 1b" 330 bench 1b --profile
 fi
 stage training 180 test_gpu train,parallel
 stage attention 60 attention
-[ $dry = 1 ] || stage "bench 125m" 200 bench 125m
+[ $dry = 1 ] || stage "bench 125m" 200 bench 125m --graphs-row
 stage sanitizer 240 test_gpu sanitizer
 
 echo

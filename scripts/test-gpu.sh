@@ -11,7 +11,9 @@
 #      arithmetic up to summation order) and the cpu fp32 ones, each within 2e-2 relative; FSDP
 #      over 2 ranks in bf16 (staged comm, bf16 all-gathers) against the serial cuda bf16 losses
 #      within 2e-2; and the defaults of a GPU machine: device auto picks cuda, and param_dtype
-#      left at its default trains in bf16 with one log line saying so;
+#      left at its default trains in bf16 with one log line saying so; the cuda bf16 run recorded
+#      steps 3 and 4 (train.cuda_graphs auto) and replayed them, with the loss bits of the same
+#      run unrecorded;
 #   4. multi-rank plans on the one GPU through the staged comm under bin/meshrun (ddp2, fsdp2,
 #      tp2, pp2: the pipeline's sends and receives; cp2: ring attention's blocks and sends, in bf16
 #      on cuDNN's kernels where the serial run's attention is cuDNN's;
@@ -180,6 +182,18 @@ elif run cuda_bf16 "$DEV" bf16; then
     ok "cuda bf16 run twice: same loss bits"
   else bad "cuda bf16 determinism (two runs)"; tail_log cuda_bf16_again; fi
 else bad "cuda bf16 run"; tail_log cuda_bf16; fi
+
+echo "== recorded steps (train.cuda_graphs auto): the cuda bf16 run recorded steps 3 and 4; unrecorded, the same bits"
+if [ "$DEV" = cuda ]; then
+  if ! grep -q "train.cuda_graphs: step 4 recorded" "$work/cuda_bf16.log"; then
+    bad "the cuda bf16 run recorded no steps 3 and 4"; grep -m3 "cuda_graphs" "$work/cuda_bf16.log" | sed 's/^/   /'
+  elif run cuda_bf16_unrecorded "$DEV" bf16 train.cuda_graphs=off &&
+       compare "$work/cuda_bf16.jsonl" "$work/cuda_bf16_unrecorded.jsonl" 0 bits; then
+    ok "cuda bf16 replayed steps = unrecorded steps, same loss bits"
+  else bad "cuda bf16 replayed vs unrecorded steps"; tail_log cuda_bf16_unrecorded; fi
+else
+  echo "   skipped: TEST_GPU_DEVICE=$DEV (records nothing)"; skipped+=("graphs")
+fi
 
 echo "== the defaults on a GPU machine: device auto, param_dtype unset"
 if [ "$DEV" = cuda ]; then

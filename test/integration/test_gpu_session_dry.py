@@ -41,9 +41,10 @@ def test_dry_run_passes_every_stage(tmp_path):
     assert all(x["result"] == "pass" for x in stages), stages
     assert all(x["result"] == "pass" for x in recs if x.get("check") == "test-gpu")
     rows = [x for x in recs if x.get("check") == "bench"]
-    assert [x["impl"] for x in rows] == ["ours", "ours reference"]
-    for row in rows:
+    assert [x["impl"] for x in rows] == ["ours", "ours reference", "ours no graphs"]
+    for row in rows:  # the cpu records no step: every step's calls are its kernels
         assert row["tokens_per_s"] > 0 and row["kernels_per_step"] > 0 and row["host_syncs_per_step"] == 1, row
+        assert row["graph"] == "none" and "host_calls_per_step" not in row, row
     assert took < budget
 
 

@@ -273,25 +273,45 @@ def test_plan_errors_exit_2(tmp_path, sets, key):
     assert r.returncode == 2 and line.startswith(f"plan error: {key}: "), line
 
 
+def choice_on_cpu(tmp_path, key, refused, refused_line, bad, bad_says, modes):
+    """A plan choice the cpu lacks: key=refused is a plan error (exit 2, exactly refused_line);
+    key=bad is one whose line names the choices (bad_says); the modes run, silent about key, with
+    the same losses."""
+    r, _ = train(tmp_path, [f"{key}={refused}", "train.steps=2"])
+    line = one_error_line(r)
+    print(line)
+    assert r.returncode == 2 and line == refused_line, line
+    r, _ = train(tmp_path, [f"{key}={bad}", "train.steps=2"])
+    line = one_error_line(r)
+    print(line)
+    assert r.returncode == 2 and line.startswith(f"plan error: {key}: ") and bad_says in line, line
+    losses = {}
+    for mode in modes:
+        r, metrics = train(tmp_path, [f"{key}={mode}", "train.steps=3"], name=f"{mode}.jsonl")
+        assert r.returncode == 0, r.stderr
+        losses[mode] = [s["loss"] for s in read_metrics(metrics)[1]]
+        yield r, read_metrics(metrics)[1]
+    print(losses)
+    assert losses[modes[0]] == losses[modes[1]] and len(losses[modes[0]]) == 3
+
+
 def test_model_attention_on_cpu(tmp_path):
     """model.attention: "cudnn" on a device without cuDNN is a plan error (exit 2, the device named);
     "reference" and "auto" run the cpu's own kernel, and give the same losses (one kernel)."""
-    r, _ = train(tmp_path, ["model.attention=cudnn", "train.steps=2"])
-    line = one_error_line(r)
-    print(line)
-    assert r.returncode == 2 and line == ("plan error: model.attention: cudnn: device cpu has no fused attention "
-                                          "kernel: use auto or reference"), line
-    r, _ = train(tmp_path, ["model.attention=flash", "train.steps=2"])
-    line = one_error_line(r)
-    print(line)
-    assert r.returncode == 2 and line.startswith("plan error: model.attention: ") and "auto" in line, line
-    losses = {}
-    for mode in ("auto", "reference"):
-        r, metrics = train(tmp_path, [f"model.attention={mode}", "train.steps=3"], name=f"{mode}.jsonl")
-        assert r.returncode == 0, r.stderr
-        losses[mode] = [s["loss"] for s in read_metrics(metrics)[1]]
-    print(losses)
-    assert losses["auto"] == losses["reference"] and len(losses["auto"]) == 3
+    for _ in choice_on_cpu(tmp_path, "model.attention", "cudnn", "plan error: model.attention: cudnn: device cpu has "
+                           "no fused attention kernel: use auto or reference", "flash", "auto", ("auto", "reference")):
+        pass
+
+
+def test_cuda_graphs_on_cpu(tmp_path):
+    """train.cuda_graphs: "on" where the backend records nothing (cpu) is a plan error (exit 2, one
+    line naming the backend); a value not in auto/on/off is one too; "auto" runs there without a
+    word about graphs and without "graph" in the records, with the losses of "off"."""
+    for r, recs in choice_on_cpu(tmp_path, "train.cuda_graphs", "on", "plan error: train.cuda_graphs: on, but the cpu "
+                                 "backend runs each call as it comes and records nothing; use auto or off", "yes",
+                                 "auto, on, off", ("auto", "off")):
+        assert "train.cuda_graphs" not in r.stderr + r.stdout
+        assert all("graph" not in s for s in recs)
 
 
 @pytest.mark.parametrize("value, says", [

@@ -24,7 +24,7 @@ static int setup(step_run_t *r, int rank, int world, store_t *st, char *err, siz
     return -1;
   if (dp_init_params(r->dp, p->seed, p->model.init_std)) return err_set(err, errlen, -1, "%s", dp_errmsg(r->dp));
   if (data_load(&r->data, p, 1, err, errlen)) return -1;
-  r->hooks = (hooks_t){.rank = rank, .nan_rank = -1, .stall_rank = -1};
+  r->hooks = (hooks_t){.rank = rank, .nan_rank = -1, .slow_rank = -1, .grad_rank = -1, .stall_rank = -1, .skip_rank = -1};
   comm_t *dpc = r->mesh ? mesh_host_comm(r->mesh, "dp") : NULL;
   r->t = (train_t){.p = p, .m = r->m, .dp = r->dp, .be = r->be, .data = &r->data, .dpc = dpc, .mesh = r->mesh,
                    .hooks = &r->hooks, .dp_rank = dpc ? comm_rank(dpc) : 0, .dp_size = dpc ? comm_size(dpc) : 1};

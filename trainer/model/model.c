@@ -200,6 +200,13 @@ struct model {
    * NULL: pipeline chunks, which copy into each slot's own ids. */
   int32_t *up_dev[2], *up_host[2];
   int up_next;
+  /* model_stage: two device buffers of (n, 2, Np) ids used in turn and their pinned host copies;
+   * the parity staged last, its micro-batches (0: nothing staged yet), their shape and counts of
+   * targets that count */
+  int32_t *stage_dev[2], *stage_host[2];
+  size_t stage_cap; /* ids each buffer holds */
+  int stage_par, stage_n, stage_b, stage_t;
+  int *stage_valid;
 
   /* pipeline: the chunks held (one covering every layer without pp) and the local unit numbering */
   int n_chunks;
@@ -531,8 +538,11 @@ void model_destroy(model_t *m) {
     for (int j = 0; j < 2; j++) {
       m->be->free(m->be, m->up_dev[j]);
       m->be->host_free_pinned(m->be, m->up_host[j]);
+      m->be->free(m->be, m->stage_dev[j]);
+      m->be->host_free_pinned(m->be, m->stage_host[j]);
     }
   }
+  free(m->stage_valid);
   ring_attention_free(&m->ring);
   free(m->tensors);
   free(m->layer);
@@ -1302,6 +1312,26 @@ static void upload_ids(model_t *m, slot_t *sl, const int32_t *tokens, const int3
   sl->targets_dev = m->targets_dev = m->up_dev[j] + Np;
 }
 
+/* A forward's ids from the host: through the uploads (a whole model) or copied into the ids of
+ * the chunk's embedding and head; the count of targets that count. */
+static void batch_ids(model_t *m, int c, int k, const int32_t *tokens, const int32_t *targets, int n) {
+  const chunk_t *ch = &m->chunks[c];
+  if (m->up_dev[0]) upload_ids(m, &m->chunks[c].slots[k], tokens, targets, n);
+  else if (ch->embed) ids_to_device(m, m->tokens_dev, tokens, n);
+  if (!ch->head || !targets) return;
+  if (!m->up_dev[0]) ids_to_device(m, m->targets_dev, targets, n);
+  m->n_valid = 0;
+  for (int i = 0; i < n; i++) m->n_valid += targets[i] >= 0;
+}
+
+/* Micro-batch i of the ids staged last (model_stage) becomes the forward's. */
+static void staged_ids(model_t *m, slot_t *sl, int i) {
+  int32_t *ids = m->stage_dev[m->stage_par] + (size_t)i * 2 * m->Np;
+  sl->tokens_dev = m->tokens_dev = ids;
+  sl->targets_dev = m->targets_dev = ids + m->Np;
+  m->n_valid = m->stage_valid[i];
+}
+
 /* Valid vocabulary columns of this rank's output shard (the last ones may be padding). */
 static int shard_vocab(const model_t *m) {
   int v = m->V - m->tp_rank * m->Vo;
@@ -1365,6 +1395,7 @@ typedef struct {
   int *valid;
   int grad;
   float loss_scale;
+  int staged; /* 1 + the staged micro-batch whose ids the forward runs (model_stage), 0: none */
 } loss_req_t;
 
 /* The cross-entropy of the head, the same on every tp rank: the per-row losses, and where gs is
@@ -1472,6 +1503,86 @@ int model_forward_rows(model_t *m, const int32_t *tokens, const int32_t *targets
   return chunk_forward(m, 0, 0, tokens, targets, b, t, &q);
 }
 
+/* The staged buffers hold n micro-batches of np padded rows (2 ids a row) from here on. */
+static int stage_room(model_t *m, int n, int np) {
+  const size_t need = (size_t)n * 2 * np;
+  if (need <= m->stage_cap) return 0;
+  backend_t *be = m->be;
+  int *valid = realloc(m->stage_valid, (size_t)n * sizeof *valid);
+  if (!valid) return set_error(m, MODEL_ENOMEM, "out of memory for %d micro-batches' counts", n);
+  m->stage_valid = valid;
+  m->stage_cap = 0;
+  for (int j = 0; j < 2; j++) { /* a free waits for the device: nothing still reads the old ones */
+    be->free(be, m->stage_dev[j]);
+    be->host_free_pinned(be, m->stage_host[j]);
+    m->stage_dev[j] = be->alloc(be, need * sizeof(int32_t));
+    m->stage_host[j] = be->host_alloc_pinned(be, need * sizeof(int32_t));
+    if (!m->stage_dev[j] || !m->stage_host[j])
+      return set_error(m, MODEL_ENOMEM, "cannot allocate 2 x %zu bytes for a step's staged ids", need * sizeof(int32_t));
+  }
+  be->synchronize(be); /* alloc's zeroing (compute stream) is over before a copy writes them */
+  m->stage_cap = need;
+  return 0;
+}
+
+int model_stage_reserve(model_t *m, int n, int b, int t) {
+  m->err[0] = '\0';
+  if (n <= 0 || b <= 0 || t <= 0 || b > m->max_b || t > m->max_t)
+    return set_error(m, MODEL_EINVAL, "%d micro-batches of %d x %d tokens outside the model's capacity %d x %d", n, b,
+                     t, m->max_b, m->max_t);
+  int np, ns, r0;
+  batch_rows(m, b * t, &np, &ns, &r0);
+  return stage_room(m, n, np);
+}
+
+int model_stage(model_t *m, const int32_t *tokens, const int32_t *targets, int n, int b, int t, int *valid) {
+  m->err[0] = '\0';
+  if (m->n_chunks != 1 || !m->up_dev[0] || !tokens || !targets)
+    return set_error(m, MODEL_EINVAL, "model_stage needs the whole model, tokens and targets");
+  if (n <= 0 || b <= 0 || t <= 0 || b > m->max_b || t > m->max_t)
+    return set_error(m, MODEL_EINVAL, "%d micro-batches of %d x %d tokens outside the model's capacity %d x %d", n, b,
+                     t, m->max_b, m->max_t);
+  const int N = b * t;
+  int np, ns, r0, rc;
+  batch_rows(m, N, &np, &ns, &r0);
+  for (int i = 0; i < n; i++)
+    if ((rc = check_ids(m, tokens + (size_t)i * N, N, t, 0, "token")) ||
+        (rc = check_ids(m, targets + (size_t)i * N, N, t, 1, "target")))
+      return rc;
+  if ((rc = stage_room(m, n, np))) return rc;
+  backend_t *be = m->be;
+  const int j = m->stage_n ? m->stage_par ^ 1 : 0;
+  be->upload_host_wait(be, j);
+  for (int i = 0; i < n; i++) {
+    int32_t *h = m->stage_host[j] + (size_t)i * 2 * np;
+    const int32_t *ids[2] = {tokens + (size_t)i * N, targets + (size_t)i * N};
+    for (int w = 0; w < 2; w++) {
+      memcpy(h + (size_t)w * np, ids[w], (size_t)N * sizeof *h);
+      memcpy(h + (size_t)w * np + N, m->pad_ids, (size_t)(np - N) * sizeof *h);
+    }
+    valid[i] = 0;
+    for (int r = 0; r < N; r++) valid[i] += ids[1][r] >= 0;
+    m->stage_valid[i] = valid[i];
+  }
+  be->upload_async(be, m->stage_dev[j], m->stage_host[j], (size_t)n * 2 * np * sizeof(int32_t), j);
+  be->upload_wait(be, j);
+  m->stage_par = j;
+  m->stage_n = n;
+  m->stage_b = b;
+  m->stage_t = t;
+  return j;
+}
+
+int model_forward_staged(model_t *m, int i, int b, int t, float *rows, int *valid, float loss_scale) {
+  *valid = 0;
+  if (!rows || i < 0 || i >= m->stage_n || b != m->stage_b || t != m->stage_t)
+    return set_error(m, MODEL_EINVAL, "model_forward_staged: micro-batch %d of %d x %d tokens was not staged (%d of "
+                     "%d x %d were)", i + 1, b, t, m->stage_n, m->stage_b, m->stage_t);
+  const loss_req_t q = {.rows = rows, .valid = valid, .grad = loss_scale != 0.0f, .loss_scale = loss_scale,
+                        .staged = i + 1};
+  return chunk_forward(m, 0, 0, NULL, NULL, b, t, &q);
+}
+
 static int chunk_forward(model_t *m, int c, int k, const int32_t *tokens, const int32_t *targets, int b, int t,
                          const loss_req_t *q) {
   int rc;
@@ -1483,22 +1594,18 @@ static int chunk_forward(model_t *m, int c, int k, const int32_t *tokens, const 
   m->grad_ready = 0;
   m->logits_out = NULL;
   save_slot(m, c, k);
-  if ((ch->embed && !tokens) || b <= 0 || t <= 0 || b > m->max_b || t > m->max_t)
+  const int staged = q->staged > 0, has_targets = targets || staged;
+  if ((ch->embed && !tokens && !staged) || b <= 0 || t <= 0 || b > m->max_b || t > m->max_t)
     return set_error(m, MODEL_EINVAL, "batch %d x %d tokens outside the model's capacity %d x %d%s", b, t, m->max_b,
-                     m->max_t, tokens || !ch->embed ? "" : " (or no tokens)");
+                     m->max_t, tokens || staged || !ch->embed ? "" : " (or no tokens)");
   int N = b * t, C = m->C;
-  if (ch->embed && (rc = check_ids(m, tokens, N, t, 0, "token")) != 0) return rc;
+  if (ch->embed && !staged && (rc = check_ids(m, tokens, N, t, 0, "token")) != 0) return rc;
   if (ch->head && targets && (rc = check_ids(m, targets, N, t, 1, "target")) != 0) return rc;
-  if (ch->head && targets && ++m->passes == m->fault_pass && !m->fault_bwd) comm_fail_next(m->tpc); /* tests only */
+  if (ch->head && has_targets && ++m->passes == m->fault_pass && !m->fault_bwd) comm_fail_next(m->tpc); /* tests */
   batch_rows(m, N, &m->Np, &m->Ns, &m->row0);
   int Np = m->Np;
-  if (m->up_dev[0]) upload_ids(m, &m->chunks[c].slots[k], tokens, targets, N);
-  else if (ch->embed) ids_to_device(m, m->tokens_dev, tokens, N);
-  if (ch->head && targets) {
-    if (!m->up_dev[0]) ids_to_device(m, m->targets_dev, targets, N);
-    m->n_valid = 0;
-    for (int i = 0; i < N; i++) m->n_valid += targets[i] >= 0;
-  }
+  if (staged) staged_ids(m, &m->chunks[c].slots[k], q->staged - 1);
+  else batch_ids(m, c, k, tokens, targets, N);
 
   if (ch->embed && (rc = embed_forward(m))) return rc;
 
@@ -1524,12 +1631,12 @@ static int chunk_forward(model_t *m, int c, int k, const int32_t *tokens, const 
   mm(m, m->logits, m->xn_final, cparam_of(m, m->output), Np, m->Vo, C, 1, 0.0f);
   if ((rc = dp_release(m, uo, 0))) return rc;
 
-  head_losses(m, targets != NULL, q);
+  head_losses(m, has_targets, q);
   if (m->comm_rc) return MODEL_ECOMM;
 
   m->last_ok = 1;
   save_slot(m, c, k);
-  if (!targets) {
+  if (!has_targets) {
     if (q->loss) *q->loss = 0.0f;
     return 0;
   }

@@ -242,6 +242,18 @@ int model_forward(model_t *m, const int32_t *tokens, const int32_t *targets, int
 int model_forward_rows(model_t *m, const int32_t *tokens, const int32_t *targets, int b, int t, float *rows,
                        int *valid, float loss_scale);
 float model_loss_of_rows(const float *rows, int n, int valid);
+/* A training step's ids, staged: the n micro-batches of b x t tokens and targets (host, one
+ * micro-batch after the other, b*t each) are checked as model_forward checks them and go up in one
+ * upload into the staged buffer of the next parity (0 and 1 in turn: the upload of one step's ids
+ * runs while the device still reads the step before's); valid[i] gets micro-batch i's count of
+ * targets that count. model_forward_staged then runs micro-batch i of what was staged last as
+ * model_forward_rows runs its ids: from one step to the next of the same parity (returned) its
+ * calls have the same arguments, what a recorded step needs. Whole models only. */
+int model_stage(model_t *m, const int32_t *tokens, const int32_t *targets, int n, int b, int t, int *valid);
+/* Makes the staged buffers hold n micro-batches of b x t (their allocation waits for the device:
+ * done once before the steps, a step's model_stage then allocates nothing). 0 or a MODEL_E*. */
+int model_stage_reserve(model_t *m, int n, int b, int t);
+int model_forward_staged(model_t *m, int i, int b, int t, float *rows, int *valid, float loss_scale);
 /* Backward of the last forward (which must have had targets and succeeded):
  * grads += d(loss * loss_scale)/dp. loss_scale is 1/grad_accum_steps under accumulation.
  * Returns 0, or a MODEL_E* status (a collective that failed anywhere in the backward included)

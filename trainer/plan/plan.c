@@ -112,6 +112,7 @@ static const char *const dtype_names[] = {"fp32", "bf16", NULL};
 static const char *const ac_names[] = {"none", "full", "selective", NULL};
 static const char *const pp_schedule_names[] = {"gpipe", "1f1b", "interleaved_1f1b", NULL};
 static const char *const cp_rotate_names[] = {"ring", "allgather", NULL};
+static const char *const graphs_names[] = {"auto", "on", "off", NULL};
 static const char *const style_names[] = {"colwise", "rowwise", "sequence_parallel",
                                           "prepare_module_input", "replicate", NULL};
 
@@ -200,6 +201,7 @@ static const field_t train_fields[] = {
     K_DBL("beta2", train.beta2, 0, 1, 1, 1, 0.95),
     K_DBL("eps", train.eps, 0, 1, INFINITY, 0, 1e-8),
     K_DBL("grad_clip", train.grad_clip, 0, 0, INFINITY, 0, 1.0),
+    K_ENUM("cuda_graphs", train.graphs, graphs_names, PLAN_GRAPHS_AUTO),
     K_END};
 
 static const field_t data_fields[] = {

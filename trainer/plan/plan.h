@@ -68,6 +68,9 @@ typedef struct {
   int cp;                         /* context parallel: ranks sharing each sequence (default 1; may be the -1) */
 } plan_mesh_t;
 
+/* train.cuda_graphs: record a step after warm-up and replay it (train.h) where the backend can. */
+typedef enum { PLAN_GRAPHS_AUTO = 0, PLAN_GRAPHS_ON = 1, PLAN_GRAPHS_OFF = 2 } plan_graphs_t;
+
 /* parallel.cp_rotate: how K/V reach the other context-parallel ranks (ring_attention.h's order). */
 typedef enum { PLAN_CP_RING = 0, PLAN_CP_ALLGATHER = 1 } plan_cp_rotate_t;
 
@@ -133,6 +136,7 @@ typedef struct {
   int decay_embeddings;   /* apply weight decay to the token embedding (default 0) */
   double beta1, beta2, eps; /* 0.9, 0.95, 1e-8 */
   double grad_clip;       /* global norm clip, default 1.0; 0 = off */
+  int graphs;             /* train.cuda_graphs: PLAN_GRAPHS_AUTO (default), _ON or _OFF */
 } plan_train_t;
 
 typedef struct {

@@ -40,6 +40,11 @@ void hooks_init(hooks_t *h, int rank) {
 
 int hooks_one_process(const hooks_t *h) { return h->dump_init || h->dump_batches; }
 
+const char *hooks_step_fault(const hooks_t *h) {
+  return h->nan_rank >= 0 ? "MESHRUN_FAULT_NAN" : h->grad_rank >= 0 ? "MESHRUN_FAULT_NAN_GRAD"
+       : h->skip_rank >= 0 ? "MESHRUN_FAULT_SKIP" : NULL;
+}
+
 /* ckpt's hook: the "write" point of the faulty step fails with the chosen errno. */
 static int save_fault(const char *point, int64_t step, void *arg) {
   const hooks_t *h = arg;

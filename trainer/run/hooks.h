@@ -64,6 +64,10 @@ typedef struct {
 void hooks_init(hooks_t *h, int rank);
 /* Whether a hook that runs in one process only (a dump) is set. */
 int hooks_one_process(const hooks_t *h);
+/* The fault variable set for any rank that changes what one step does on the device (a nan
+ * poured into a loss or a gradient, a collective skipped), NULL when none: a recorded step would
+ * replay it at every step, or never. */
+const char *hooks_step_fault(const hooks_t *h);
 /* Before the checkpoint writer is created: the save fault of this rank, if any. */
 void hooks_ckpt_writer(hooks_t *h, ckpt_writer_config_t *wc);
 /* After the initial weights are set: --dump-init. Collective as weights_save is. 0 or -1. */

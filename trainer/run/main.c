@@ -953,7 +953,12 @@ static int run_start(run_t *r) {
                     .cp_size = r->mesh ? r->mesh->dims[MESH_CP] : 1, .cp_rank = r->mesh ? r->mesh->coord[MESH_CP] : 0,
                     .pp = r->pp, .ppc = r->pp ? mesh_host_comm(r->mesh, "pp") : NULL,
                     .read_due = read_due, .read_arg = r};
-  if (train_init(&r->tr, err, errlen) || straggler_open(&r->sg, r->mesh, env->rank, p->log.straggler_pct, err, errlen) ||
+  if (train_init(&r->tr, err, errlen)) return RUN_FAIL;
+  if (train_graphs_open(&r->tr, r->mesh ? r->comm_backend : NULL, err, errlen)) {
+    r->code = 2, r->plan_failed = 1;
+    return RUN_FAIL;
+  }
+  if (straggler_open(&r->sg, r->mesh, env->rank, p->log.straggler_pct, err, errlen) ||
       metrics_open(&r->mt, p, r->m, r->dp, r->mesh, &r->data, r->be, env->rank, env->world, r->start_step,
                    r->resumed, r->plan_json, err, errlen) ||
       hooks_start(&a->hooks, err, errlen))
@@ -1004,6 +1009,7 @@ static int run_step_once(run_t *r, int s) {
     }
     return RUN_FAIL;
   }
+  r->mt.step_graph = res.graph;
   metrics_step_done(&r->mt, s + 1, res.lr, res.dt, res.comm_wait);
   straggler_step(&r->sg, (res.dt - res.comm_wait) * 1e3);
   if (res.read && record_read(r, 1)) return RUN_FAIL;

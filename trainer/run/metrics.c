@@ -260,6 +260,7 @@ void metrics_step_done(metrics_t *mt, int step, double lr, double dt, double com
   opprof_counts(NULL, &c);
   q->kernels = c.kernels;
   q->host_syncs = c.host_syncs;
+  q->graph = mt->step_graph;
 }
 
 /* Step q's record and, when due, its console line; sp: the spread of the ranks' compute time. */
@@ -272,10 +273,11 @@ static void step_record(metrics_t *mt, const metrics_pending_t *q, double loss, 
   const double mfu = mt->peak_flops > 0 ? flops / mt->peak_flops : 0;
   char mfu_json[32] = "null";
   if (mt->peak_flops > 0) snprintf(mfu_json, sizeof mfu_json, "%.6f", mfu);
-  char counts[96] = "";
+  char counts[128] = "";
+  static const char *const graph[] = {"", ",\"graph\":\"recorded\"", ",\"graph\":\"replayed\""};
   if (q->kernels)
-    snprintf(counts, sizeof counts, ",\"kernels\":%llu,\"host_syncs\":%llu", (unsigned long long)q->kernels,
-             (unsigned long long)q->host_syncs);
+    snprintf(counts, sizeof counts, ",\"kernels\":%llu,\"host_syncs\":%llu%s", (unsigned long long)q->kernels,
+             (unsigned long long)q->host_syncs, graph[q->graph > 0 && q->graph < 3 ? q->graph : 0]);
   metrics_printf(mt, step,
                  "{\"step\":%d,\"loss\":%.9g,\"lr\":%.9g,\"grad_norm\":%.9g,\"tokens_per_s\":%.1f,"
                  "\"flops_per_s\":%.6g,\"mfu\":%s,\"peak_mem_bytes\":%zu,"

@@ -51,6 +51,7 @@ typedef struct {
   double lr, dt, comm_wait;
   size_t rss;
   uint64_t kernels, host_syncs;
+  int graph;      /* step_graph when it was done */
   char comm[512]; /* the record's "comm" object, or "" */
 } metrics_pending_t;
 
@@ -72,6 +73,10 @@ typedef struct {
   double peak_flops;  /* per rank, for MFU; 0 = unknown (no MFU) */
   double t_loop;      /* metrics_now() when the loop started */
   double t_in_steps;  /* seconds spent in optimizer steps */
+  /* How the caller ran the step it reports next (train.h's TRAIN_GRAPH_*: 0 run, 1 recorded, 2
+   * replayed): a recorded or replayed step's record says so ("graph"), its counts are the host's
+   * calls (a replay's work is one launch). */
+  int step_graph;
   metrics_pending_t *pend; /* (npend of cap) the steps done whose values have not arrived, oldest first */
   int npend, cap;
 } metrics_t;

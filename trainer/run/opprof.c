@@ -641,6 +641,8 @@ void opprof_uninstall(backend_t *be) {
   P.active = 0;
 }
 
+int opprof_timing(void) { return P.be && P.active; }
+
 void opprof_step_begin(int step) {
   if (!P.be) return;
   P.at_begin = P.count;

@@ -57,6 +57,9 @@ void opprof_uninstall(backend_t *be);
  * printed. step_end takes the step's wall time in seconds (as the step line reports it). */
 void opprof_step_begin(int step);
 void opprof_step_end(int step, double step_s);
+/* 1 inside the profiled step: its calls wait for the device around them, so it cannot be
+ * recorded (train.h, graphs). */
+int opprof_timing(void);
 
 /* The counts since opprof_install, and those of the last step that ended (opprof_step_begin to
  * opprof_step_end); zeros when nothing is installed. */

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "common/err.h"
+#include "common/log.h"
 #include "trainer/run/metrics.h"
 #include "trainer/run/opprof.h"
 #include "trainer/model/optim.h"
@@ -24,14 +25,17 @@ typedef struct {
 } step_rec_t;
 
 int train_init(train_t *t, char *err, size_t errlen) {
-  const int T = t->p->train.seq_len;
-  const int B = t->p->train.micro_batch_size * (t->pp ? t->p->train.grad_accum_steps : 1);
+  const int T = t->p->train.seq_len, accum = t->p->train.grad_accum_steps;
+  const int B = t->p->train.micro_batch_size * accum; /* the step's sequences */
   t->tok = malloc((size_t)B * T * sizeof(int32_t));
   t->tgt = malloc((size_t)B * T * sizeof(int32_t));
   t->read_loss = malloc(TRAIN_PENDING_MAX * sizeof *t->read_loss);
   t->read_gnorm = malloc(TRAIN_PENDING_MAX * sizeof *t->read_gnorm);
-  if (t->cp_size > 1) t->cp_scratch = malloc((size_t)B * T * sizeof(int32_t)); /* B: the step's under pp */
-  if (!t->tok || !t->tgt || !t->read_loss || !t->read_gnorm || (t->cp_size > 1 && !t->cp_scratch)) {
+  t->valid = calloc(3 * (size_t)accum, sizeof *t->valid);
+  t->graph_valid[0] = t->valid + accum;
+  t->graph_valid[1] = t->valid + 2 * accum;
+  if (t->cp_size > 1) t->cp_scratch = malloc((size_t)B * T * sizeof(int32_t));
+  if (!t->tok || !t->tgt || !t->read_loss || !t->read_gnorm || !t->valid || (t->cp_size > 1 && !t->cp_scratch)) {
     return err_set(err, errlen, -1, "out of memory for batches of %d x %d tokens", B, T);
   }
   t->pending = t->n_read = 0;
@@ -49,11 +53,19 @@ int train_init(train_t *t, char *err, size_t errlen) {
     return err_set(err, errlen, -1, "out of memory for the losses of %zu rows and %d steps' records", rows,
                    TRAIN_PENDING_MAX);
   }
+  if (model_stage_reserve(t->m, accum, t->p->train.micro_batch_size, plan_local_seq_len(t->p)))
+    return err_set(err, errlen, -1, "%s", model_errmsg(t->m));
   return 0;
 }
 
 void train_free(train_t *t) {
   if (!t) return;
+  for (int j = 0; j < 2; j++) {
+    if (t->be && t->graph[j]) t->be->graph_destroy(t->be, t->graph[j]);
+    t->graph[j] = NULL;
+  }
+  free(t->valid);
+  t->valid = NULL;
   free(t->tok);
   free(t->tgt);
   free(t->read_loss);
@@ -208,29 +220,38 @@ static int pipeline_train(train_t *t, int s, double lr, train_result_t *out, cha
   return 0;
 }
 
-/* The step on the device: its optimizer values up (their slot of step_host into step_dev); per
- * micro-batch its batch, forward (the per-row losses into loss_rows, turned into the step's loss
- * by step_loss right after), backward; then the loss's mean over dp on the device comm (started
- * and waited: with a device compute stream the wait is the stream's, not the host's), the norm
- * and clip scale, the update. The values land in rec, then in record `pending`: between the
- * upload and that copy every call has the same arguments at every step (what a recorded step
- * needs, opprof_replay_diff). */
-static int device_train(train_t *t, int s, double lr, char *err, size_t errlen) {
+/* The step's batches on the host (the loader's, this rank's rows of them under cp), staged on the
+ * device in one upload (model_stage) with the count of targets of each micro-batch in t->valid.
+ * Returns the staged parity, or -1. */
+static int stage_step(train_t *t, int s, char *err, size_t errlen) {
   const plan_t *p = t->p;
   const int T = p->train.seq_len, B = p->train.micro_batch_size, accum = p->train.grad_accum_steps;
-  const int Tl = plan_local_seq_len(p), n = B * Tl; /* this rank's tokens: all of them, or its cp chunks */
-  if (t->pending == 0) t->pending_first = s;
-  step_rec_t *rec = t->rec;
-  t->step_host[t->pending] = dp_next_step(t->dp, lr);
-  t->be->to_device_async(t->be, t->step_dev, &t->step_host[t->pending], sizeof *t->step_dev);
-  opprof_replay_mark(1);
+  const size_t bt = (size_t)B * T;
   for (int micro = 0; micro < accum; micro++) {
-    data_train_batch(t->data, s, micro, t->dp_rank, t->dp_size, B, t->tok, t->tgt);
-    if (hooks_batch(t->hooks, t->tok, t->tgt, (size_t)B * T, err, errlen)) return -1;
-    cp_rows(t, t->tok, t->tgt, B, B);
+    data_train_batch(t->data, s, micro, t->dp_rank, t->dp_size, B, t->tok + micro * bt, t->tgt + micro * bt);
+    if (hooks_batch(t->hooks, t->tok + micro * bt, t->tgt + micro * bt, bt, err, errlen)) return -1;
+  }
+  cp_rows(t, t->tok, t->tgt, accum * B, B);
+  const int par = model_stage(t->m, t->tok, t->tgt, accum, B, plan_local_seq_len(p), t->valid);
+  if (par < 0) return err_set(err, errlen, -1, "step %d: the batches: %s", s + 1, model_errmsg(t->m));
+  return par;
+}
+
+/* The step's work on the device between its uploads and its record's copy: per micro-batch the
+ * forward of its staged ids (the per-row losses into loss_rows, turned into the step's loss by
+ * step_loss right after), the backward; then the loss's mean over dp on the device comm (started
+ * and waited: with a device compute stream the wait is the stream's, not the host's), the norm
+ * and clip scale, the update; the values land in rec. Every call has the same arguments at every
+ * step of a parity (what a recorded step needs, opprof_replay_diff). */
+static int step_work(train_t *t, int s, char *err, size_t errlen) {
+  const plan_t *p = t->p;
+  const int B = p->train.micro_batch_size, accum = p->train.grad_accum_steps;
+  const int Tl = plan_local_seq_len(p), n = B * Tl; /* this rank's tokens: all of them, or its cp chunks */
+  step_rec_t *rec = t->rec;
+  for (int micro = 0; micro < accum; micro++) {
     const float scale = 1.0f / (float)accum; /* the loss is the micro-batches' mean */
     int valid = 0;
-    if (model_forward_rows(t->m, t->tok, t->tgt, B, Tl, t->loss_rows, &valid, scale) || dp_status(t->dp))
+    if (model_forward_staged(t->m, micro, B, Tl, t->loss_rows, &valid, scale) || dp_status(t->dp))
       return pass_failed(t, "forward pass", s, micro, err, errlen);
     t->be->step_loss(t->be, t->loss_rows, n, valid, micro, accum, hooks_nan_loss(t->hooks, s + 1, micro),
                      rec->stat, &rec->loss_dp);
@@ -248,8 +269,98 @@ static int device_train(train_t *t, int s, double lr, char *err, size_t errlen) 
   if (dp_clip_dev(t->dp, p->train.grad_clip, &rec->gnorm, t->scale) || dp_step_dev(t->dp, t->step_dev, t->scale)) {
     return err_set(err, errlen, -1, "%s", dp_errmsg(t->dp));
   }
+  return 0;
+}
+
+int train_graphs_open(train_t *t, const char *comm_backend, char *err, size_t errlen) {
+  const int mode = t->p->train.graphs;
+  const comm_entry_t *c = NULL;
+  for (int i = 0; comm_backend && comm_registry[i]; i++)
+    if (!strcmp(comm_registry[i]->name, comm_backend)) c = comm_registry[i];
+  char why[160] = "";
+  const char *fault = hooks_step_fault(t->hooks);
+  t->graphs = 0;
+  if (mode == PLAN_GRAPHS_OFF) return 0;
+  if (!t->be->graph_begin)
+    snprintf(why, sizeof why, "the %s backend runs each call as it comes and records nothing", t->be->name);
+  else if (t->pp)
+    snprintf(why, sizeof why, "the pipeline's schedule runs from the host (mesh.pp %d)", t->mesh->dims[MESH_PP]);
+  else if (c && !c->capturable)
+    snprintf(why, sizeof why, "the %s comm's collectives wait on the host", c->name);
+  else if (fault)
+    snprintf(why, sizeof why, "%s changes single steps", fault);
+  if (!why[0]) {
+    t->graphs = 1;
+    return 0;
+  }
+  if (mode == PLAN_GRAPHS_ON && !fault)
+    return err_set(err, errlen, 2, "plan error: train.cuda_graphs: on, but %s; use auto or off", why);
+  if (t->be->graph_begin) log_rank0("train.cuda_graphs %s: steps run unrecorded: %s", mode == PLAN_GRAPHS_ON ? "on"
+                                    : "auto", why);
+  return 0;
+}
+
+/* Recorded steps give up (the backend keeps nothing of a failed recording): one line, and every
+ * later step runs unrecorded. */
+static void graphs_off(train_t *t, int s, const char *why) {
+  log_warn("train.cuda_graphs: step %d could not be recorded (%s); steps run unrecorded from here", s + 1, why);
+  t->graphs = 0;
+}
+
+/* The step's work (step_work) run, recorded, or replayed: recorded once per staged parity after
+ * the warm-up (the recording then launched: recording runs nothing), replayed after that when the
+ * micro-batches count the targets the recording counted (their gradient scale is a launch
+ * argument), else run unrecorded with one line the first time. */
+static int graph_step(train_t *t, int s, int par, char *err, size_t errlen) {
+  backend_t *be = t->be;
+  const int accum = t->p->train.grad_accum_steps;
+  const size_t vb = (size_t)accum * sizeof *t->valid;
+  char why[256];
+  t->graph_last = TRAIN_GRAPH_RUN;
+  if (!t->graphs || opprof_timing() || t->graph_steps++ < TRAIN_GRAPH_WARMUP) return step_work(t, s, err, errlen);
+  if (t->graph[par]) {
+    if (!memcmp(t->valid, t->graph_valid[par], vb)) {
+      t->graph_last = TRAIN_GRAPH_REPLAYED;
+      return be->graph_launch(be, t->graph[par], err, errlen);
+    }
+    if (!t->graph_miss++)
+      log_warn("train.cuda_graphs: step %d's batches count other targets than the recorded step's; such steps run "
+               "unrecorded", s + 1);
+    return step_work(t, s, err, errlen);
+  }
+  if (be->graph_begin(be, why, sizeof why)) {
+    graphs_off(t, s, why);
+    return step_work(t, s, err, errlen);
+  }
+  const int rc = step_work(t, s, err, errlen);
+  void *g = be->graph_end(be, why, sizeof why);
+  if (rc || !g) {
+    be->graph_destroy(be, g);
+    if (rc) return rc;
+    graphs_off(t, s, why);
+    return step_work(t, s, err, errlen); /* the recorded work did not run */
+  }
+  t->graph[par] = g;
+  t->graph_last = TRAIN_GRAPH_RECORDED;
+  memcpy(t->graph_valid[par], t->valid, vb);
+  log_rank0("train.cuda_graphs: step %d recorded (staged batches of parity %d); the steps of its parity replay it",
+            s + 1, par);
+  return be->graph_launch(be, g, err, errlen);
+}
+
+/* The step on the device: its optimizer values up (their slot of step_host into step_dev) and its
+ * batches staged, then its work (graph_step), and its values copied from rec into record
+ * `pending`. */
+static int device_train(train_t *t, int s, double lr, char *err, size_t errlen) {
+  if (t->pending == 0) t->pending_first = s;
+  t->step_host[t->pending] = dp_next_step(t->dp, lr);
+  t->be->to_device_async(t->be, t->step_dev, &t->step_host[t->pending], sizeof *t->step_dev);
+  const int par = stage_step(t, s, err, errlen);
+  if (par < 0) return -1;
+  opprof_replay_mark(1);
+  if (graph_step(t, s, par, err, errlen)) return -1;
   opprof_replay_mark(0);
-  t->be->copy(t->be, (step_rec_t *)t->recs + t->pending, rec, sizeof *rec);
+  t->be->copy(t->be, (step_rec_t *)t->recs + t->pending, t->rec, sizeof(step_rec_t));
   t->pending++;
   return 0;
 }
@@ -271,6 +382,7 @@ int train_step(train_t *t, int s, train_result_t *out, char *err, size_t errlen)
       train_read(t, err, errlen))
     return -1;
   out->read = t->n_read;
+  out->graph = t->pp ? TRAIN_GRAPH_RUN : t->graph_last;
   out->loss = t->n_read ? t->read_loss[t->n_read - 1] : NAN;
   out->gnorm = t->n_read ? t->read_gnorm[t->n_read - 1] : NAN;
   out->lr = lr;

@@ -51,8 +51,8 @@ typedef struct {
   int dp_rank, dp_size;
   int cp_size, cp_rank; /* context parallelism: this rank keeps its two chunks of each sequence read */
   hooks_t *hooks;
-  int32_t *tok, *tgt; /* (micro_batch_size, seq_len) host batches (the whole step's under pp); train_init
-                         allocates them */
+  int32_t *tok, *tgt; /* (grad_accum_steps * micro_batch_size, seq_len) host batches: the whole step's;
+                         train_init allocates them */
   /* When a step reads its values back (with those of the steps before it not read yet): when
    * read_due(read_arg, step) (1-based) says so; NULL: every step. */
   int (*read_due)(void *arg, int step);
@@ -73,6 +73,14 @@ typedef struct {
   double *read_loss, *read_gnorm;
   int n_read, read_first;
   int32_t *cp_scratch; /* cp > 1: a batch's ids while this rank's rows are taken out of it */
+  /* Recorded steps (train.cuda_graphs; train_graphs_open decides): graphs 1 when steps are
+   * recorded here. The step's ids are staged before it (model_stage) into one of two buffers in
+   * turn, so each parity has its own recording (graph), made at the first step of that parity
+   * after TRAIN_GRAPH_WARMUP steps and replayed by the later ones whose micro-batches count the
+   * same targets (graph_valid; another count runs that step unrecorded). valid: the step's counts. */
+  int graphs, graph_steps, graph_miss, graph_last; /* graph_last: the last step's TRAIN_GRAPH_* */
+  void *graph[2];
+  int *valid, *graph_valid[2];
   /* Pipeline parallelism (mesh.pp > 1; NULL otherwise): the runner of this rank's stages, and the
    * host comm of the pp group that shares the last stage's loss with the others. */
   pp_runner_t *pp;
@@ -82,6 +90,10 @@ typedef struct {
    * this rank's first micro-batch of that step whose own loss was not finite (1-based, 0 none). */
   int diverged_what, diverged_micro, diverged_step; /* diverged_step 0-based */
 } train_t;
+
+/* Steps run unrecorded before the first recording: the first ones make what is made on first use
+ * (matrix-product plans, attention graphs, communicators' buffers), which a recording must not. */
+#define TRAIN_GRAPH_WARMUP 2
 
 /* The most steps whose values wait on the device for a read: a step reads when this many are. */
 #define TRAIN_PENDING_MAX 1024
@@ -94,12 +106,22 @@ typedef struct {
   double dt;    /* seconds, from zero_grad to the optimizer's end on the device */
   double comm_wait; /* seconds of dt blocked on collectives (the exposed communication) */
   pp_step_stats_t pp; /* under pp: this rank's schedule (busy, span, in flight) */
+  int graph; /* the step's work: TRAIN_GRAPH_RUN, _RECORDED (then launched) or _REPLAYED */
 } train_result_t;
+
+enum { TRAIN_GRAPH_RUN = 0, TRAIN_GRAPH_RECORDED = 1, TRAIN_GRAPH_REPLAYED = 2 };
 
 /* Allocates the batches and the records. Returns 0 or -1 with the message in err; train_free
  * releases them. */
 int train_init(train_t *t, char *err, size_t errlen);
 void train_free(train_t *t); /* accepts a zeroed train_t */
+/* Whether this run records its steps (t->graphs), after train_init: the plan's train.cuda_graphs
+ * against what can be recorded here: a backend with graph_begin, a comm whose collectives can be
+ * (comm_backend: the mesh's, NULL in one process), no pipeline (its schedule runs from the host),
+ * no fault variable that changes single steps. Under auto a reason not to is one line where the
+ * backend can record (none on a backend that records nothing); under on it is a plan error:
+ * returns 2 with the message in err (a fault variable: the line, as under auto). 0 otherwise. */
+int train_graphs_open(train_t *t, const char *comm_backend, char *err, size_t errlen);
 
 /* Step s (0-based; logged as s + 1). Returns 0 with *out, or -1 with the message in err: a pass
  * failed (the optimizer has then not stepped), or the read found a step that diverged (t->diverged
