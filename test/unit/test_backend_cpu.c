@@ -1362,6 +1362,94 @@ static int teardown(void **state) {
   return 0;
 }
 
+/* ------------------------------------------------------------------ step_skip */
+
+/* The reference of step_skip's z-score: mean and std from the sum and the sum of squares (not the
+ * kernel's two passes), over the window's values in slot order. */
+static double ref_z(const float *w, int n, double x, double *mean, double *std) {
+  double s = 0, q = 0;
+  for (int i = 0; i < n; i++) s += w[i], q += (double)w[i] * w[i];
+  *mean = s / n;
+  *std = sqrt(fmax(q / n - *mean * *mean, 0.0));
+  return (x - *mean) / *std;
+}
+
+/* One call of step_skip on a loss and a norm; the verdict, and the update flag it left. */
+static skip_verdict_t skip_one(skip_window_t *w, float loss, double norm, int nonfinite, double lz, double gz,
+                               int *flag) {
+  skip_verdict_t v;
+  adamw_step_t st = adamw_step_make(1e-3f, 0.9f, 0.95f, 1);
+  be1->step_skip(be1, &loss, &norm, nonfinite, lz, gz, w, &v, &st);
+  *flag = st.skip;
+  return v;
+}
+
+/* The window fills in slot order and wraps at SKIP_WINDOW; no z-score decides before SKIP_MIN
+ * values; a z-score over the threshold skips (loss first, then norm), leaves the window as it was
+ * and counts; a nan or an inf skips only with nonfinite set, and never enters the window; the
+ * z-score, mean and std match the reference within 1e-9 (relative). */
+static void test_step_skip(void **state) {
+  skip_window_t w;
+  memset(&w, 0, sizeof w);
+  int flag = 0;
+  float lv[SKIP_WINDOW + 40];
+  double gv[SKIP_WINDOW + 40];
+  for (int i = 0; i < SKIP_WINDOW + 40; i++) {
+    lv[i] = 3.0f + 0.01f * (float)((i * 37) % 17);
+    gv[i] = 1.0 + 0.02 * ((i * 11) % 13);
+  }
+  for (int i = 0; i < SKIP_MIN - 1; i++) assert_int_equal(skip_one(&w, lv[i], gv[i], 1, 3, 3, &flag).why, SKIP_NONE);
+  skip_verdict_t v = skip_one(&w, 100.0f, 100.0, 0, 3, 3, &flag); /* 15 values: no decision yet */
+  printf("  %-58s n %d, why %d (want 16, 0)\n", "a spike before SKIP_MIN values", w.n, v.why);
+  assert_int_equal(v.why, SKIP_NONE);
+  assert_int_equal(w.n, SKIP_MIN);
+  w.n = w.next = SKIP_MIN - 1; /* take the spike back out */
+  skip_one(&w, lv[SKIP_MIN - 1], gv[SKIP_MIN - 1], 1, 3, 3, &flag);
+  for (int i = SKIP_MIN; i < SKIP_WINDOW + 40; i++) skip_one(&w, lv[i], gv[i], 1, 3, 3, &flag);
+  printf("  %-58s n %d, next %d (want %d, 40)\n", "the window after 168 values", w.n, w.next, SKIP_WINDOW);
+  assert_int_equal(w.n, SKIP_WINDOW);
+  assert_int_equal(w.next, 40);
+  assert_true(w.loss[39] == lv[SKIP_WINDOW + 39] && w.loss[40] == lv[40] && w.norm[0] == (float)gv[SKIP_WINDOW]);
+  const skip_window_t before = w;
+  double mean, sd;
+  const double z = ref_z(w.loss, w.n, 3.5, &mean, &sd);
+  v = skip_one(&w, 3.5f, gv[0], 0, z * 0.99, 0, &flag);
+  const double dz = fabs(v.z - z) / z, dm = fabs(v.mean - mean) / mean, ds = fabs(v.std - sd) / sd;
+  printf("  %-58s z %.6f (ref %.6f), mean %.6f std %.6f; rel diff %.1e %.1e %.1e (tol 1e-9)\n",
+         "loss z-score over a full window", v.z, z, v.mean, v.std, dz, dm, ds);
+  assert_int_equal(v.why, SKIP_LOSS_Z);
+  assert_true(dz < 1e-9 && dm < 1e-9 && ds < 1e-9);
+  assert_int_equal(flag, 1);
+  assert_int_equal(v.total, 1);
+  assert_memory_equal(w.loss, before.loss, sizeof w.loss); /* a skipped step's values stay out */
+  assert_int_equal(w.n, before.n);
+  assert_int_equal(w.next, before.next);
+  v = skip_one(&w, 3.5f, gv[0], 0, z * 1.01, 0, &flag); /* just under the threshold: updates, enters */
+  assert_int_equal(v.why, SKIP_NONE);
+  assert_int_equal(flag, 0);
+  assert_true(w.loss[40] == 3.5f && w.next == 41);
+  const double gzr = ref_z(w.norm, w.n, 50.0, &mean, &sd);
+  v = skip_one(&w, lv[0], 50.0, 0, 0, gzr * 0.99, &flag);
+  printf("  %-58s why %d z %.3f (ref %.3f), total %d\n", "gradient norm z-score", v.why, v.z, gzr, v.total);
+  assert_int_equal(v.why, SKIP_NORM_Z);
+  assert_true(fabs(v.z - gzr) / gzr < 1e-9);
+  assert_int_equal(v.total, 2);
+  const skip_window_t before_nan = w;
+  v = skip_one(&w, NAN, gv[0], 0, 3, 3, &flag); /* nonfinite off: no skip, the run stops at the read */
+  assert_int_equal(v.why, SKIP_NONE);
+  assert_int_equal(flag, 0);
+  assert_int_equal(w.n, before_nan.n);
+  assert_int_equal(w.next, before_nan.next);
+  v = skip_one(&w, INFINITY, gv[0], 1, 0, 0, &flag);
+  assert_int_equal(v.why, SKIP_LOSS_NONFINITE);
+  assert_int_equal(flag, 1);
+  v = skip_one(&w, lv[0], NAN, 1, 0, 0, &flag);
+  printf("  %-58s why %d, total %d (want %d, 4)\n", "a nan norm with nonfinite", v.why, v.total, SKIP_NORM_NONFINITE);
+  assert_int_equal(v.why, SKIP_NORM_NONFINITE);
+  assert_int_equal(v.total, 4);
+  assert_int_equal(w.next, before_nan.next);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_matmul),         cmocka_unit_test(test_add_scale_sumsq),
@@ -1377,6 +1465,7 @@ int main(void) {
       cmocka_unit_test(test_bf16_copy_2d),   cmocka_unit_test(test_bf16_ce_shard),
       cmocka_unit_test(test_bf16_adamw),     cmocka_unit_test(test_bf16_adamw_multi),
       cmocka_unit_test(test_qkv_rope),       cmocka_unit_test(test_add_rmsnorm),
+      cmocka_unit_test(test_step_skip),
   };
   return cmocka_run_group_tests_name("backend_cpu", tests, setup, teardown);
 }

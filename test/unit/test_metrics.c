@@ -228,7 +228,7 @@ static void test_spread(void **state) {
   int saved = testfile_stderr_begin(log);
   metrics_step_done(&mt, 1, 1e-3, 0.5, 0.1);
   metrics_step_done(&mt, 2, 1e-3, 0.5, 0.1);
-  metrics_step_values(&mt, 2, loss, gnorm, sp);
+  metrics_step_values(&mt, 2, loss, gnorm, NULL, sp);
   char *text = testfile_stderr_end(saved, log);
   printf("%s", text);
   assert_int_equal(teststr_count(text, " | straggler rank 3 (hostA) +150% over the median"), 1);

@@ -41,14 +41,18 @@ typedef struct {
 
 static int read_at_3(void *arg, int step) { return step == 3; }
 
-static counted_t count_steps(int layers, int accum) {
+/* train.skip_*'s keys, on: one more launch per step (step_skip), none per layer. */
+static const char *const skip_sets[] = {"train.skip_nonfinite=true", "train.skip_loss_z=6", "train.skip_grad_z=6"};
+
+static counted_t count_steps(int layers, int accum, int skip) {
   char l[32], a[48];
   snprintf(l, sizeof l, "model.n_layers=%d", layers);
   snprintf(a, sizeof a, "train.global_batch_size=%d", 2 * accum);
-  const char *sets[] = {l, a, "train.steps=3", "log.interval=100", "eval.interval=0"};
+  const char *sets[] = {l, a, "train.steps=3", "log.interval=100", "eval.interval=0", skip_sets[0], skip_sets[1],
+                        skip_sets[2]};
   step_run_t r;
   char err[1024] = "";
-  int rc = step_run_open(&r, sets, 5, 0, 1, NULL, err, sizeof err);
+  int rc = step_run_open(&r, sets, skip ? 8 : 5, 0, 1, NULL, err, sizeof err);
   if (rc) printf("  setup: %s\n", err);
   assert_int_equal(rc, 0);
   assert_int_equal(r.p.train.grad_accum_steps, accum);
@@ -70,7 +74,7 @@ static counted_t count_steps(int layers, int accum) {
 }
 
 static void check(int accum) {
-  counted_t one = count_steps(1, accum), two = count_steps(2, accum);
+  counted_t one = count_steps(1, accum, 0), two = count_steps(2, accum, 0);
   long per_layer = (long)(two.step.kernels - one.step.kernels);
   printf("  %d micro-step(s): a step of 2 layers: %llu kernels, %llu B to device, %llu B to host; per layer per "
          "micro-step: %.1f kernels (budget %d); host syncs per step: %llu without a read (budget %d), %llu with the "
@@ -89,20 +93,37 @@ static void check(int accum) {
 static void test_one_micro_step(void **state) { check(1); }
 static void test_four_micro_steps(void **state) { check(4); }
 
+/* train.skip_* adds step_skip's one launch to a step, whatever the layers and micro-steps (the
+ * counts of the last of three steps), and no host sync. */
+static void test_skip_adds_one_launch(void **state) {
+  for (int accum = 1; accum <= 2; accum++) {
+    for (int layers = 1; layers <= 2; layers++) {
+      counted_t off = count_steps(layers, accum, 0), on = count_steps(layers, accum, 1);
+      const long more = (long)(on.step.kernels - off.step.kernels);
+      printf("  %d layer(s), %d micro-step(s): a step's kernels %llu with train.skip_*, %llu without: %ld more "
+             "(want 1); host syncs %llu and %llu\n", layers, accum, (unsigned long long)on.step.kernels,
+             (unsigned long long)off.step.kernels, more, (unsigned long long)on.step.host_syncs,
+             (unsigned long long)off.step.host_syncs);
+      assert_int_equal(more, 1);
+      assert_true(on.step.host_syncs == off.step.host_syncs);
+    }
+  }
+}
+
 /* A step that a device records once (a CUDA graph) and replays: after the first steps, the part
  * of each step train.c marks issues the same calls with the same arguments (pointers, scalars) as
  * the step two before (a step's batches are staged into one of two buffers in turn: a recording
  * per parity); and no host sync or allocation happens inside it. Under the
  * cosine schedule the learning rate changes at every step, so this fails where lr, the update
  * count or the step's record slot reach the kernels as arguments instead of device memory. */
-static void replays(int accum) {
+static void replays(int accum, int skip) {
   char a[48];
   snprintf(a, sizeof a, "train.global_batch_size=%d", 2 * accum);
   const char *sets[] = {"model.n_layers=2", a, "train.steps=6", "train.warmup_steps=2", "log.interval=100",
-                        "eval.interval=0"};
+                        "eval.interval=0", skip_sets[0], skip_sets[1], skip_sets[2]};
   step_run_t r;
   char err[1024] = "", msg[512] = "";
-  int rc = step_run_open(&r, sets, 6, 0, 1, NULL, err, sizeof err);
+  int rc = step_run_open(&r, sets, skip ? 9 : 6, 0, 1, NULL, err, sizeof err);
   if (rc) printf("  setup: %s\n", err);
   assert_int_equal(rc, 0);
   assert_int_equal(opprof_install(r.be, 0, NULL), 0);
@@ -117,7 +138,8 @@ static void replays(int accum) {
     assert_int_equal(rc, 0);
     if (s < 2 + back) continue; /* warm-up: the first steps allocate and build their tables */
     const int d = opprof_replay_diff(back, msg, sizeof msg);
-    printf("  %d micro-step(s), step %d against step %d: %s\n", accum, s + 1, s + 1 - back, msg);
+    printf("  %d micro-step(s)%s, step %d against step %d: %s\n", accum, skip ? ", train.skip_*" : "", s + 1,
+           s + 1 - back, msg);
     bad |= d != 0;
   }
   opprof_replay_watch(0);
@@ -126,8 +148,9 @@ static void replays(int accum) {
   assert_false(bad);
 }
 
-static void test_step_replays_one_micro_step(void **state) { replays(1); }
-static void test_step_replays_two_micro_steps(void **state) { replays(2); }
+static void test_step_replays_one_micro_step(void **state) { replays(1, 0); }
+static void test_step_replays_two_micro_steps(void **state) { replays(2, 0); }
+static void test_step_replays_with_skip(void **state) { replays(1, 1); }
 
 int main(void) {
   const struct CMUnitTest tests[] = {
@@ -135,6 +158,8 @@ int main(void) {
       cmocka_unit_test(test_four_micro_steps),
       cmocka_unit_test(test_step_replays_one_micro_step),
       cmocka_unit_test(test_step_replays_two_micro_steps),
+      cmocka_unit_test(test_step_replays_with_skip),
+      cmocka_unit_test(test_skip_adds_one_launch),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -294,6 +294,11 @@ static void test_key_errors(void **state) {
   expect_error("{\"parallel\":{\"reshard_after_forward\":1}}", 0, "parallel.reshard_after_forward");
   expect_error("{\"data\":{\"train\":7}}", 0, "data.train");
   expect_error("{\"train\":{\"lr\":\"fast\"}}", 0, "train.lr");
+  expect_error("{\"train\":{\"skip_loss_z\":-1}}", 0, "train.skip_loss_z");
+  expect_error("{\"train\":{\"skip_grad_z\":-0.5}}", 0, "train.skip_grad_z");
+  expect_error("{\"train\":{\"skip_nonfinite\":1}}", 0, "train.skip_nonfinite");
+  /* the skip is decided on the device; a pipeline's step runs on the host */
+  expect_error("{\"mesh\":{\"pp\":2,\"dp_shard\":1},\"train\":{\"skip_grad_z\":4}}", 2, "train.skip_grad_z");
   expect_error("{\"parallel\":{\"tp_plan\":[]}}", 0, "parallel.tp_plan");
 
   /* Out of range. */

@@ -72,12 +72,36 @@ typedef struct {
   int32_t step;
   float step_size; /* lr / (1 - beta1^step) */
   float bc2_sqrt;  /* sqrt(1 - beta2^step) */
+  int32_t skip;    /* 0 from the host; step_skip sets it on the device: no update this step */
 } adamw_step_t;
 
 static inline adamw_step_t adamw_step_make(float lr, float beta1, float beta2, int step) {
   const float bc1 = 1.0f - powf(beta1, (float)step), bc2 = 1.0f - powf(beta2, (float)step);
-  return (adamw_step_t){lr, step, lr / bc1, sqrtf(bc2)};
+  return (adamw_step_t){lr, step, lr / bc1, sqrtf(bc2), 0};
 }
+
+/* The skipping of a step's update (train.skip_nonfinite, train.skip_loss_z, train.skip_grad_z),
+ * decided on the device by step_skip. The window holds the loss and the gradient norm of the
+ * last SKIP_WINDOW steps that updated (fp32; a skipped step's values never enter it), oldest
+ * overwritten first; a z-score decides nothing until it holds SKIP_MIN values. It lives in
+ * device memory, and a checkpoint carries it. */
+#define SKIP_WINDOW 128
+#define SKIP_MIN 16
+typedef struct {
+  float loss[SKIP_WINDOW], norm[SKIP_WINDOW];
+  int32_t n;     /* values held, <= SKIP_WINDOW */
+  int32_t next;  /* the slot the next value goes into */
+  int32_t total; /* steps skipped since the run began */
+  int32_t pad;
+} skip_window_t;
+
+/* Why a step was skipped (skip_verdict_t.why); SKIP_NONE: it updated. */
+enum { SKIP_NONE = 0, SKIP_LOSS_NONFINITE, SKIP_NORM_NONFINITE, SKIP_LOSS_Z, SKIP_NORM_Z };
+typedef struct {
+  int32_t why;         /* SKIP_* */
+  int32_t total;       /* the window's total after this step (this one counted) */
+  double z, mean, std; /* the z-score that skipped it and the window's mean and std (0 otherwise) */
+} skip_verdict_t;
 
 struct backend {
   const char *name; /* its registry entry's name: for messages, and compared only with registry
@@ -287,11 +311,22 @@ struct backend {
                      double *norm, float *scale);
   /* adamw_multi with the step's values read from device memory when the kernel runs: lr and step
    * from *st (its step_size and bc2_sqrt as adamw_step_make made them), the gradient scale from
-   * *grad_scale (fp32): the bits adamw_multi gives for those values. Nothing of a call's
-   * arguments changes from one step to the next (a captured step replays it). */
+   * *grad_scale (fp32): the bits adamw_multi gives for those values; nothing at all when
+   * st->skip is set. Nothing of a call's arguments changes from one step to the next (a captured
+   * step replays it). */
   void (*adamw_multi_dev)(backend_t *be, float *param, const float *grad, float *m, float *v, void *param_lp,
                           const adamw_segment_t *segs, int n_segs, float beta1, float beta2, float eps,
                           float weight_decay, const adamw_step_t *st, const float *grad_scale);
+  /* Whether this step updates (the types above): *loss (fp32, the step's mean over dp) and *norm
+   * (the reduced gradient norm) against the window. With nonfinite set, a loss, then a norm,
+   * that is nan or inf skips; a finite loss (norm) whose z-score over the window's values,
+   * (x - mean) / std with the population std, is above loss_z (norm_z; 0: off) skips, once
+   * the window holds SKIP_MIN values and std > 0; checked in that order, the first that holds
+   * is the verdict. A skip adds 1 to win->total and sets st->skip, which makes adamw_multi_dev
+   * leave param, m, v and param_lp as they are; a step that updates with both values finite
+   * puts them into the window. *out gets the verdict. Required; one launch. */
+  void (*step_skip)(backend_t *be, const float *loss, const double *norm, int nonfinite, double loss_z,
+                    double norm_z, skip_window_t *win, skip_verdict_t *out, adamw_step_t *st);
   /* bytes of pinned host memory (host_alloc_pinned's) to device memory, queued on the compute
    * stream behind what is queued there, without a wait: src must stay as it is until the device
    * has run the copy (a caller writes each step's values into its own slot of a ring). The

@@ -1327,8 +1327,45 @@ static void cpu_clip_scale(backend_t *be, const double *sums, const float *share
 static void cpu_adamw_multi_dev(backend_t *be, float *param, const float *grad, float *m, float *v, void *param_lp,
                                 const adamw_segment_t *segs, int n_segs, float beta1, float beta2, float eps,
                                 float weight_decay, const adamw_step_t *st, const float *grad_scale) {
+  if (st->skip) return;
   cpu_adamw_multi(be, param, grad, m, v, param_lp, segs, n_segs, st->lr, beta1, beta2, eps, weight_decay, st->step,
                   *grad_scale);
+}
+
+/* The z-score of x over the n values of w (backend.h), with their mean and population std: two
+ * passes in double; 0 while n < SKIP_MIN or the values are all equal. */
+static double skip_z(const float *w, int n, double x, double *mean, double *std) {
+  double sum = 0.0, dev = 0.0;
+  for (int i = 0; i < n; i++) sum += w[i];
+  const double mu = n > 0 ? sum / n : 0.0;
+  for (int i = 0; i < n; i++) dev += (w[i] - mu) * (w[i] - mu);
+  *mean = mu;
+  *std = n > 0 ? sqrt(dev / n) : 0.0;
+  return n >= SKIP_MIN && *std > 0.0 ? (x - mu) / *std : 0.0;
+}
+
+static void cpu_step_skip(backend_t *be, const float *loss, const double *norm, int nonfinite, double loss_z,
+                          double norm_z, skip_window_t *win, skip_verdict_t *out, adamw_step_t *st) {
+  const double l = *loss, g = *norm;
+  double lm, ls, gm, gs;
+  const double lz = skip_z(win->loss, win->n, l, &lm, &ls), gz = skip_z(win->norm, win->n, g, &gm, &gs);
+  skip_verdict_t v = {SKIP_NONE, 0, 0.0, 0.0, 0.0};
+  if (nonfinite && !isfinite(l)) v.why = SKIP_LOSS_NONFINITE;
+  else if (nonfinite && !isfinite(g)) v.why = SKIP_NORM_NONFINITE;
+  else if (loss_z > 0 && isfinite(l) && lz > loss_z) v = (skip_verdict_t){SKIP_LOSS_Z, 0, lz, lm, ls};
+  else if (norm_z > 0 && isfinite(g) && gz > norm_z) v = (skip_verdict_t){SKIP_NORM_Z, 0, gz, gm, gs};
+  const float lf = (float)l, gf = (float)g;
+  if (v.why) {
+    win->total++;
+  } else if (isfinite(lf) && isfinite(gf)) {
+    win->loss[win->next] = lf;
+    win->norm[win->next] = gf;
+    win->next = (win->next + 1) % SKIP_WINDOW;
+    if (win->n < SKIP_WINDOW) win->n++;
+  }
+  v.total = win->total;
+  *out = v;
+  st->skip = v.why != SKIP_NONE;
 }
 
 /* Host memory is the device's: an upload is a copy, and nothing runs beside it to wait for. */
@@ -1413,6 +1450,7 @@ backend_t *backend_cpu_create(int threads, char *err, size_t errlen) {
   be->sumsq_groups = cpu_sumsq_groups;
   be->clip_scale = cpu_clip_scale;
   be->adamw_multi_dev = cpu_adamw_multi_dev;
+  be->step_skip = cpu_step_skip;
   be->to_device_async = cpu_copy;
   be->host_alloc_pinned = cpu_alloc_pinned;
   be->host_free_pinned = cpu_free_pinned;

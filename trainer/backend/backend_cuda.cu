@@ -2084,6 +2084,7 @@ __global__ void __launch_bounds__(EW_THREADS)
     adamw_multi_kernel(const adamw_chunk_t *chunks, float *param, const float *grad, float *m, float *v,
                        nv_bfloat16 *param_lp, adamw_args_t a, const float *scale_dev, const adamw_step_t *st,
                        float weight_decay, float decay_on, float decay_off, int vec) {
+  if (st && st->skip) return; /* step_skip's verdict: this step does not update */
   if (scale_dev) a.grad_scale = *scale_dev; /* adamw_multi_dev: the scale the device computed */
   if (st) { /* and the step's values the host put there: the host's arithmetic, unfused */
     a.step_size = st->step_size;
@@ -2307,6 +2308,48 @@ static void cu_adamw_multi_dev(backend_t *be, float *param, const float *grad, f
                      grad_scale, st);
 }
 
+/* step_skip's z-score (backend.h): the window's mean, then its population std, in double. */
+__device__ double skip_z(const float *w, int n, double x, double *mean, double *std) {
+  double sum = 0.0, dev = 0.0;
+  for (int i = 0; i < n; i++) sum += w[i];
+  const double mu = n > 0 ? sum / n : 0.0;
+  for (int i = 0; i < n; i++) dev += (w[i] - mu) * (w[i] - mu);
+  *mean = mu;
+  *std = n > 0 ? sqrt(dev / n) : 0.0;
+  return n >= SKIP_MIN && *std > 0.0 ? (x - mu) / *std : 0.0;
+}
+
+/* One thread: the verdict, the window and the update's flag, as backend.h orders them. */
+__global__ void step_skip_kernel(const float *loss, const double *norm, int nonfinite, double loss_z, double norm_z,
+                                 skip_window_t *win, skip_verdict_t *out, adamw_step_t *st) {
+  const double l = *loss, g = *norm;
+  double lm, ls, gm, gs;
+  const double lz = skip_z(win->loss, win->n, l, &lm, &ls), gz = skip_z(win->norm, win->n, g, &gm, &gs);
+  skip_verdict_t v = {SKIP_NONE, 0, 0.0, 0.0, 0.0};
+  if (nonfinite && !isfinite(l)) v.why = SKIP_LOSS_NONFINITE;
+  else if (nonfinite && !isfinite(g)) v.why = SKIP_NORM_NONFINITE;
+  else if (loss_z > 0 && isfinite(l) && lz > loss_z) v = skip_verdict_t{SKIP_LOSS_Z, 0, lz, lm, ls};
+  else if (norm_z > 0 && isfinite(g) && gz > norm_z) v = skip_verdict_t{SKIP_NORM_Z, 0, gz, gm, gs};
+  const float lf = (float)l, gf = (float)g;
+  if (v.why) {
+    win->total++;
+  } else if (isfinite(lf) && isfinite(gf)) {
+    win->loss[win->next] = lf;
+    win->norm[win->next] = gf;
+    win->next = (win->next + 1) % SKIP_WINDOW;
+    if (win->n < SKIP_WINDOW) win->n++;
+  }
+  v.total = win->total;
+  *out = v;
+  st->skip = v.why != SKIP_NONE;
+}
+
+static void cu_step_skip(backend_t *be, const float *loss, const double *norm, int nonfinite, double loss_z,
+                         double norm_z, skip_window_t *win, skip_verdict_t *out, adamw_step_t *st) {
+  step_skip_kernel<<<1, 1, 0, cuda_of(be)->stream>>>(loss, norm, nonfinite, loss_z, norm_z, win, out, st);
+  LAUNCH_CHECK("step_skip_kernel");
+}
+
 /* The step's values: the pinned slot to the device behind the compute stream's work. */
 static void cu_to_device_async(backend_t *be, void *dst, const void *src, size_t bytes) {
   if (bytes) CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, cuda_of(be)->stream));
@@ -2502,6 +2545,7 @@ static void cu_set_ops(backend_t *be) {
   be->sumsq_groups = cu_sumsq_groups;
   be->clip_scale = cu_clip_scale;
   be->adamw_multi_dev = cu_adamw_multi_dev;
+  be->step_skip = cu_step_skip;
   be->to_device_async = cu_to_device_async;
   be->graph_begin = cu_graph_begin;
   be->graph_end = cu_graph_end;

@@ -202,6 +202,9 @@ static const field_t train_fields[] = {
     K_DBL("eps", train.eps, 0, 1, INFINITY, 0, 1e-8),
     K_DBL("grad_clip", train.grad_clip, 0, 0, INFINITY, 0, 1.0),
     K_ENUM("cuda_graphs", train.graphs, graphs_names, PLAN_GRAPHS_AUTO),
+    K_BOOL("skip_nonfinite", train.skip_nonfinite, 0),
+    K_DBL("skip_loss_z", train.skip_loss_z, 0, 0, INFINITY, 0, 0),
+    K_DBL("skip_grad_z", train.skip_grad_z, 0, 0, INFINITY, 0, 0),
     K_END};
 
 static const field_t data_fields[] = {
@@ -851,6 +854,10 @@ int plan_checkpoint_every(const plan_t *p) {
 
 int plan_local_seq_len(const plan_t *p) { return p->mesh.cp > 1 ? p->train.seq_len / p->mesh.cp : p->train.seq_len; }
 
+int plan_skips(const plan_t *p) {
+  return p->train.skip_nonfinite || p->train.skip_loss_z > 0 || p->train.skip_grad_z > 0;
+}
+
 int plan_llama_hidden_dim(int dim, int multiple_of, double ffn_dim_multiplier) {
   long long hidden = 8LL * dim / 3; /* int(2 * (4 * dim) / 3) */
   if (ffn_dim_multiplier > 0) { /* clamped before the cast: a huge multiplier is refused later, not UB */
@@ -897,6 +904,10 @@ static int resolve_pp(plan_t *p, char *err, size_t errlen) {
     if (par->pp_microbatches == 0) par->pp_microbatches = t->grad_accum_steps;
     return 0; /* no pipeline: the schedule keys are inert */
   }
+  if (pp > 1 && plan_skips(p))
+    return perr(err, errlen, t->skip_nonfinite ? "train.skip_nonfinite" : t->skip_loss_z > 0 ? "train.skip_loss_z"
+                : "train.skip_grad_z", "a skip is decided on the device inside the step, and a pipeline-parallel "
+                "step (mesh.pp %d) runs on the host: set mesh.pp=1 or turn the train.skip_* keys off", pp);
   par->pp_stages_per_rank = v;
   if (par->pp_microbatches == 0) par->pp_microbatches = t->grad_accum_steps;
   const int mb = par->pp_microbatches, S = pp * v;

@@ -137,6 +137,9 @@ typedef struct {
   double beta1, beta2, eps; /* 0.9, 0.95, 1e-8 */
   double grad_clip;       /* global norm clip, default 1.0; 0 = off */
   int graphs;             /* train.cuda_graphs: PLAN_GRAPHS_AUTO (default), _ON or _OFF */
+  int skip_nonfinite;     /* a step whose loss or gradient norm is nan/inf does not update (default 0: it stops the run) */
+  double skip_loss_z;     /* a step whose loss is this many stds over the recent mean does not update; 0 = off */
+  double skip_grad_z;     /* the same for the gradient norm; 0 = off */
 } plan_train_t;
 
 typedef struct {
@@ -261,5 +264,8 @@ int plan_checkpoint_every(const plan_t *p);
 /* Tokens of each sequence on one rank: train.seq_len, divided by mesh.cp under context
  * parallelism (the rank's two chunks). */
 int plan_local_seq_len(const plan_t *p);
+/* Whether any of train.skip_nonfinite, train.skip_loss_z, train.skip_grad_z is on: the steps'
+ * updates may be skipped (their records then say so). */
+int plan_skips(const plan_t *p);
 
 #endif

@@ -9,6 +9,27 @@
 #include "common/err.h"
 #include "common/log.h"
 
+/* train.skip_*'s window as a checkpoint tensor: its losses, then its norms. */
+static const model_tensor_t skip_tensor = {.name = "window", .numel = 2 * SKIP_WINDOW, .ndim = 1,
+                                           .shape = {2 * SKIP_WINDOW, 1}, .tp_split = MODEL_TP_REPLICATED};
+
+/* The window into the save: its counts as extras, its values (every rank holds the same) into buf
+ * (2 * SKIP_WINDOW floats that live until the save) and, on rank 0, as a chunk. 0 or CKPT_ENOMEM. */
+static int skip_save(checkpoint_t *c, ckpt_state_t *st, ckpt_chunks_t *cs, float *buf) {
+  skip_window_t w;
+  c->skip_be->to_host(c->skip_be, &w, c->skip_dev, sizeof w);
+  memcpy(buf, w.loss, sizeof w.loss);
+  memcpy(buf + SKIP_WINDOW, w.norm, sizeof w.norm);
+  const char *keys[3] = {"skip_window_n", "skip_window_next", "skip_total"};
+  const int32_t vals[3] = {w.n, w.next, w.total};
+  for (int i = 0; i < 3; i++) {
+    char v[16];
+    snprintf(v, sizeof v, "%d", vals[i]);
+    ckpt_state_set(st, keys[i], v);
+  }
+  return c->rank == 0 ? ckpt_chunks_add_range(cs, "skip", &skip_tensor, 1, 0, 0, 2 * SKIP_WINDOW, buf) : 0;
+}
+
 static int save(checkpoint_t *c, dp_t *dp, int step, char *err, size_t errlen) {
   const plan_t *p = c->p;
   ckpt_state_t st;
@@ -33,6 +54,9 @@ static int save(checkpoint_t *c, dp_t *dp, int step, char *err, size_t errlen) {
    * a tensor, e.g. DDP's rank 0 of every parameter, a checkpoint without it would commit.) */
   char cerr[256] = "";
   int crc = dp_ckpt_to_host(dp, &cs, &host, cerr, sizeof cerr);
+  float skip_buf[2 * SKIP_WINDOW];
+  if (!crc && c->skip_dev && skip_save(c, &st, &cs, skip_buf))
+    crc = err_set(cerr, sizeof cerr, -1, "out of memory for the chunk of train.skip_*'s window");
   int rc = ckpt_writer_save(c->w, &st, crc ? NULL : cs.v, crc ? -1 : cs.n, err, errlen);
   if (crc) err_set(err, errlen, 0, "%s", cerr);
   ckpt_chunks_free(&cs);
@@ -80,6 +104,31 @@ int checkpoint_peek(plan_t *p, char *from, size_t fromlen, int *carried) {
     *carried = 1;
   }
   return 1;
+}
+
+/* The window the checkpoint carries, into skip_loaded (none: it was saved without train.skip_*,
+ * or the keys are off now). 0, or 2 with the message in err when it cannot be read or its counts
+ * are not a window's. */
+static int skip_load(checkpoint_t *c, ckpt_t *ck, char *err, size_t errlen) {
+  const ckpt_meta_t *meta = ckpt_meta(ck);
+  if (!plan_skips(c->p) || !ckpt_has(ck, "skip", "window")) return 0;
+  float buf[2 * SKIP_WINDOW];
+  if (ckpt_read_tensor(ck, "skip", "window", buf, 2 * SKIP_WINDOW, err, errlen)) return 2;
+  const char *n = ckpt_state_get(&meta->state, "skip_window_n"), *next = ckpt_state_get(&meta->state, "skip_window_next");
+  const char *total = ckpt_state_get(&meta->state, "skip_total");
+  skip_window_t *w = &c->skip_loaded;
+  memset(w, 0, sizeof *w);
+  w->n = n ? atoi(n) : -1;
+  w->next = next ? atoi(next) : -1;
+  w->total = total ? atoi(total) : -1;
+  if (w->n < 0 || w->n > SKIP_WINDOW || w->next < 0 || w->next >= SKIP_WINDOW || w->total < 0)
+    return err_set(err, errlen, 2, "checkpoint error: %s: train.skip_*'s window has counts n %s, next %s, total %s, "
+                   "not those of a window of %d", meta->path, n ? n : "(none)", next ? next : "(none)",
+                   total ? total : "(none)", SKIP_WINDOW);
+  memcpy(w->loss, buf, sizeof w->loss);
+  memcpy(w->norm, buf + SKIP_WINDOW, sizeof w->norm);
+  c->skip_resumed = 1;
+  return 0;
 }
 
 /* checkpoint.resume: "none", "auto" or a step directory. Sets *start_step (0: fresh); returns
@@ -147,6 +196,10 @@ static int resume(checkpoint_t *c, dp_t *dp, int world, int restart, int round, 
     ckpt_close(ck);
     return 1;
   }
+  if ((rc = skip_load(c, ck, err, errlen))) {
+    ckpt_close(ck);
+    return rc;
+  }
   dp_set_optim_step(dp, (int)meta->state.optim_step);
   log_rank0("resumed from %s (step %llu, saved by world %d, now world %d, restart %d, round %d)", meta->path,
             (unsigned long long)step, meta->world_size, world, restart < 0 ? 0 : restart, round < 0 ? 0 : round);
@@ -177,6 +230,12 @@ int checkpoint_open(checkpoint_t *c, const plan_t *p, dp_t *dp, const mesh_t *me
   ckpt_shape_from_plan(&wc.shape, &p->model);
   hooks_ckpt_writer(hooks, &wc);
   return ckpt_writer_create(&c->w, &wc, err, errlen) ? 1 : 0;
+}
+
+void checkpoint_skip_window(checkpoint_t *c, backend_t *be, skip_window_t *win) {
+  c->skip_be = be;
+  c->skip_dev = win;
+  if (c->skip_resumed) be->to_device(be, win, &c->skip_loaded, sizeof *win);
 }
 
 /* Keeps the cause of a failed final save for the end of the run. */

@@ -35,6 +35,12 @@ typedef struct {
   int no_restart;         /* a failure was a lack of space: ask meshrun not to restart */
   uint64_t data_tokens;   /* tokens in the train and val streams: saved, and compared at resume */
   char final_err[1024];
+  /* train.skip_*: the skip decision's window (device memory; NULL while checkpoint_skip_window
+   * has not given it), and the one a resume found (skip_resumed set). */
+  backend_t *skip_be;
+  const skip_window_t *skip_dev;
+  skip_window_t skip_loaded;
+  int skip_resumed;
 } checkpoint_t;
 
 /* Before the plan is resolved, for a training run: the checkpoint checkpoint.resume would load
@@ -56,6 +62,11 @@ int checkpoint_peek(plan_t *p, char *from, size_t fromlen, int *carried);
 int checkpoint_open(checkpoint_t *c, const plan_t *p, dp_t *dp, const mesh_t *mesh, hooks_t *hooks, int rank,
                     int world, int restart, int round, const char *plan_json, uint64_t data_tokens, int *start_step,
                     int *resumed, char *err, size_t errlen);
+/* train.skip_*: the skip decision's window in be's memory, from here on saved with every
+ * checkpoint (rank 0 its values as the tensor skip/window, every rank its counts as the extras
+ * skip_window_n, skip_window_next and skip_total), and loaded into it now from the checkpoint the
+ * run resumed from, where that one carries a window (else it stays empty). */
+void checkpoint_skip_window(checkpoint_t *c, backend_t *be, skip_window_t *win);
 /* Whether step `step` (1-based) saves a checkpoint: checkpoint.dir set, and the interval's step
  * or the last. (The step's values are read before: a diverged state is never saved.) */
 int checkpoint_due(const checkpoint_t *c, int step);

@@ -36,6 +36,10 @@ void hooks_init(hooks_t *h, int rank) {
   snprintf(h->skip_group, sizeof h->skip_group, "tp");
   s = getenv("MESHRUN_FAULT_SKIP");
   if (s && sscanf(s, "%d:%d:%15s", &h->skip_rank, &h->skip_step, h->skip_group) < 2) h->skip_rank = -1;
+  h->spike_rank = h->spike_step[0] = h->spike_step[1] = -1;
+  h->spike_now = 0;
+  s = getenv("MESHRUN_FAULT_SPIKE");
+  if (s && sscanf(s, "%d:%d:%d", &h->spike_rank, &h->spike_step[0], &h->spike_step[1]) < 2) h->spike_rank = -1;
 }
 
 int hooks_one_process(const hooks_t *h) { return h->dump_init || h->dump_batches; }
@@ -70,7 +74,13 @@ int hooks_start(hooks_t *h, char *err, size_t errlen) {
   return 0;
 }
 
-int hooks_batch(hooks_t *h, const int32_t *tok, const int32_t *tgt, size_t n, char *err, size_t errlen) {
+void hooks_spike(hooks_t *h, int step) {
+  h->spike_now = h->spike_rank == h->rank && (step == h->spike_step[0] || step == h->spike_step[1]);
+  if (h->spike_now) log_warn("MESHRUN_FAULT_SPIKE: this rank's targets of step %d are all token 0", step);
+}
+
+int hooks_batch(hooks_t *h, const int32_t *tok, int32_t *tgt, size_t n, char *err, size_t errlen) {
+  for (size_t i = 0; h->spike_now && i < n; i++) tgt[i] = 0;
   if (h->dump && (fwrite(tok, sizeof(int32_t), n, h->dump) != n || fwrite(tgt, sizeof(int32_t), n, h->dump) != n)) {
     return err_set(err, errlen, -1, "cannot write %s: %s", h->dump_batches, strerror(errno));
   }

@@ -13,6 +13,11 @@
  *                               it, as a rank whose backward overflowed would (hooks_nan_grad;
  *                               strategies with the model's flat gradient buffer: serial, DDP,
  *                               ZeRO-1/2; under FSDP a warning and nothing)
+ *   MESHRUN_FAULT_SPIKE=RANK:STEP[:STEP]  every target of that rank's micro-batches of that step
+ *                               (or of either step) becomes token 0, as a batch of bad data would:
+ *                               the step's loss and gradient norm jump (hooks_spike arms it for a
+ *                               step, hooks_batch rewrites the targets); for train.skip_loss_z and
+ *                               train.skip_grad_z
  *   MESHRUN_FAULT_SLOW=RANK:MS  that rank sleeps MS milliseconds inside every step (its
  *                               compute time), as a rank on a slower or busier device would
  *                               (hooks_slow); the straggler report names it (straggler.h)
@@ -57,6 +62,7 @@ typedef struct {
   int save_rank, save_step, save_err; /* MESHRUN_FAULT_SAVE; save_err 0: off */
   int stall_rank, stall_step; /* MESHRUN_FAULT_STALL; stall_rank -1: off */
   int skip_rank, skip_step;   /* MESHRUN_FAULT_SKIP; skip_rank -1: off */
+  int spike_rank, spike_step[2], spike_now; /* MESHRUN_FAULT_SPIKE; spike_rank -1: off */
   char skip_group[16];
 } hooks_t;
 
@@ -75,8 +81,11 @@ int hooks_initial_weights(hooks_t *h, model_t *m, dp_t *dp, const mesh_t *mesh, 
                           size_t errlen);
 /* Before the first step: opens --dump-batches. 0 or -1. */
 int hooks_start(hooks_t *h, char *err, size_t errlen);
-/* Each micro-batch's tokens and targets (n each) before its forward. 0 or -1. */
-int hooks_batch(hooks_t *h, const int32_t *tok, const int32_t *tgt, size_t n, char *err, size_t errlen);
+/* Each micro-batch's tokens and targets (n each) before its forward: the spike's targets, then the
+ * dump. 0 or -1. */
+int hooks_batch(hooks_t *h, const int32_t *tok, int32_t *tgt, size_t n, char *err, size_t errlen);
+/* Before step `step` (1-based): arms the spike for that step's batches on the spiking rank. */
+void hooks_spike(hooks_t *h, int step);
 /* 1 when the loss of micro-batch micro (0-based) of step `step` (1-based) is to be replaced by
  * nan (the step's statistics do it on the device: backend step_loss's poison). */
 int hooks_nan_loss(const hooks_t *h, int step, int micro);

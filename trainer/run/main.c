@@ -922,7 +922,7 @@ static int record_read(run_t *r, int ok) {
   const int n = r->tr.n_read;
   const int rc = straggler_gather(&r->sg, n, !ok, r->err, sizeof r->err);
   if (ok) metrics_skip_traffic(&r->mt); /* the gather's traffic is not a step's */
-  metrics_step_values(&r->mt, n, r->tr.read_loss, r->tr.read_gnorm, rc ? NULL : r->sg.stat);
+  metrics_step_values(&r->mt, n, r->tr.read_loss, r->tr.read_gnorm, r->tr.read_skip, rc ? NULL : r->sg.stat);
   return rc;
 }
 
@@ -963,6 +963,7 @@ static int run_start(run_t *r) {
                    r->resumed, r->plan_json, err, errlen) ||
       hooks_start(&a->hooks, err, errlen))
     return RUN_FAIL;
+  if (r->tr.skip_win) checkpoint_skip_window(&r->ck, r->be, r->tr.skip_win);
   return RUN_ON;
 }
 
@@ -995,6 +996,7 @@ static int run_step_once(run_t *r, int s) {
   run_step = s + 1;
   hooks_stall(&r->a.hooks, s + 1);
   hooks_skip(&r->a.hooks, s + 1, r->mesh);
+  hooks_spike(&r->a.hooks, s + 1);
   if (train_step(&r->tr, s, &res, err, errlen)) {
     record_read(r, 0);
     origin_name(&r->tr, &r->sg, r->env.rank, s, err, errlen);

@@ -2,6 +2,7 @@
 #include "trainer/run/metrics.h"
 
 #include <errno.h>
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -263,9 +264,28 @@ void metrics_step_done(metrics_t *mt, int step, double lr, double dt, double com
   q->graph = mt->step_graph;
 }
 
-/* Step q's record and, when due, its console line; sp: the spread of the ranks' compute time. */
+/* A skipped step's line (train.skip_*): why, in the words of the key that skipped it. */
+static void skip_line(const metrics_t *mt, int step, double loss, double gnorm, const skip_verdict_t *v) {
+  const plan_train_t *t = &mt->p->train;
+  switch (v->why) {
+  case SKIP_LOSS_NONFINITE: log_rank0("step %d skipped: loss %g (train.skip_nonfinite)", step, loss); break;
+  case SKIP_NORM_NONFINITE: log_rank0("step %d skipped: gradient norm %g (train.skip_nonfinite)", step, gnorm); break;
+  case SKIP_LOSS_Z:
+  case SKIP_NORM_Z: {
+    const int is_loss = v->why == SKIP_LOSS_Z;
+    log_rank0("step %d skipped: %s %.4g, z-score %.1f over train.%s %g (window mean %.4g, std %.3g)", step,
+              is_loss ? "loss" : "gradient norm", is_loss ? loss : gnorm, v->z, is_loss ? "skip_loss_z" : "skip_grad_z",
+              is_loss ? t->skip_loss_z : t->skip_grad_z, v->mean, v->std);
+    break;
+  }
+  default: break;
+  }
+}
+
+/* Step q's record and, when due, its console line; sk: its skip verdict (NULL: the keys are off);
+ * sp: the spread of the ranks' compute time. */
 static void step_record(metrics_t *mt, const metrics_pending_t *q, double loss, double gnorm,
-                        const straggler_stat_t *sp) {
+                        const skip_verdict_t *sk, const straggler_stat_t *sp) {
   const int step = q->step;
   const double dt = q->dt, comm_wait = q->comm_wait, lr = q->lr;
   const double tps = (double)mt->tokens_per_step / dt;
@@ -273,17 +293,27 @@ static void step_record(metrics_t *mt, const metrics_pending_t *q, double loss, 
   const double mfu = mt->peak_flops > 0 ? flops / mt->peak_flops : 0;
   char mfu_json[32] = "null";
   if (mt->peak_flops > 0) snprintf(mfu_json, sizeof mfu_json, "%.6f", mfu);
-  char counts[128] = "";
+  char counts[192] = "";
   static const char *const graph[] = {"", ",\"graph\":\"recorded\"", ",\"graph\":\"replayed\""};
+  int at = 0;
+  if (sk) {
+    at = snprintf(counts, sizeof counts, ",\"skipped\":%d,\"skipped_total\":%d", sk->why ? 1 : 0, sk->total);
+    mt->skipped_total = sk->total;
+    if (sk->why) skip_line(mt, step, loss, gnorm, sk);
+  }
   if (q->kernels)
-    snprintf(counts, sizeof counts, ",\"kernels\":%llu,\"host_syncs\":%llu%s", (unsigned long long)q->kernels,
-             (unsigned long long)q->host_syncs, graph[q->graph > 0 && q->graph < 3 ? q->graph : 0]);
+    snprintf(counts + at, sizeof counts - (size_t)at, ",\"kernels\":%llu,\"host_syncs\":%llu%s",
+             (unsigned long long)q->kernels, (unsigned long long)q->host_syncs,
+             graph[q->graph > 0 && q->graph < 3 ? q->graph : 0]);
+  char loss_s[32] = "null", gnorm_s[32] = "null"; /* JSON has no nan: a skipped step's may be one */
+  if (isfinite(loss)) snprintf(loss_s, sizeof loss_s, "%.9g", loss);
+  if (isfinite(gnorm)) snprintf(gnorm_s, sizeof gnorm_s, "%.9g", gnorm);
   metrics_printf(mt, step,
-                 "{\"step\":%d,\"loss\":%.9g,\"lr\":%.9g,\"grad_norm\":%.9g,\"tokens_per_s\":%.1f,"
+                 "{\"step\":%d,\"loss\":%s,\"lr\":%.9g,\"grad_norm\":%s,\"tokens_per_s\":%.1f,"
                  "\"flops_per_s\":%.6g,\"mfu\":%s,\"peak_mem_bytes\":%zu,"
                  "\"step_ms\":%.3f,\"compute_ms\":%.3f,\"comm_wait_ms\":%.3f,\"compute_ms_min\":%.3f,"
                  "\"compute_ms_median\":%.3f,\"compute_ms_max\":%.3f,\"slowest_rank\":%d,\"straggler_spread_pct\":%.3f%s%s}\n",
-                 step, loss, lr, gnorm, tps, flops, mfu_json, q->rss, dt * 1e3, (dt - comm_wait) * 1e3,
+                 step, loss_s, lr, gnorm_s, tps, flops, mfu_json, q->rss, dt * 1e3, (dt - comm_wait) * 1e3,
                  comm_wait * 1e3, sp->min_ms, sp->median_ms, sp->max_ms, sp->slowest, sp->over_pct, counts, q->comm);
   if (metrics_line_due(mt->p, step)) {
     char tps_s[32], eta[32];
@@ -321,14 +351,14 @@ static void step_record(metrics_t *mt, const metrics_pending_t *q, double loss, 
   tensorboard_write(tb, step);
 }
 
-void metrics_step_values(metrics_t *mt, int n, const double *loss, const double *gnorm,
+void metrics_step_values(metrics_t *mt, int n, const double *loss, const double *gnorm, const skip_verdict_t *skip,
                          const straggler_stat_t *spread) {
   if (n > mt->npend) n = mt->npend;
   for (int i = 0; i < n; i++) {
     const metrics_pending_t *q = &mt->pend[i];
     const double own = (q->dt - q->comm_wait) * 1e3; /* without a spread: this rank's alone */
     const straggler_stat_t mine = {.min_ms = own, .median_ms = own, .max_ms = own, .slowest = mt->rank, .host = ""};
-    step_record(mt, q, loss[i], gnorm[i], spread ? &spread[i] : &mine);
+    step_record(mt, q, loss[i], gnorm[i], skip ? &skip[i] : NULL, spread ? &spread[i] : &mine);
   }
   memmove(mt->pend, mt->pend + n, (size_t)(mt->npend - n) * sizeof *mt->pend);
   mt->npend -= n;
@@ -336,7 +366,7 @@ void metrics_step_values(metrics_t *mt, int n, const double *loss, const double 
 
 void metrics_step(metrics_t *mt, int step, double loss, double lr, double gnorm, double dt, double comm_wait) {
   metrics_step_done(mt, step, lr, dt, comm_wait);
-  metrics_step_values(mt, 1, &loss, &gnorm, NULL);
+  metrics_step_values(mt, 1, &loss, &gnorm, NULL, NULL);
 }
 
 int metrics_pipeline(metrics_t *mt, int step, double busy_ms, double span_ms, int peak_inflight, size_t act_bytes,
@@ -386,7 +416,10 @@ void metrics_done(metrics_t *mt) {
   char tps_s[32], total[32];
   fmt_thousands(tps_s, sizeof tps_s, (double)mt->tokens_per_step * (mt->steps - mt->start_step) / mt->t_in_steps);
   fmt_duration(total, sizeof total, metrics_now() - mt->t_loop);
-  log_rank0("done: %d steps in %s, %s tok/s on average", mt->steps - mt->start_step, total, tps_s);
+  char skipped[64] = "";
+  if (plan_skips(mt->p))
+    snprintf(skipped, sizeof skipped, "; %d step%s skipped", mt->skipped_total, mt->skipped_total == 1 ? "" : "s");
+  log_rank0("done: %d steps in %s, %s tok/s on average%s", mt->steps - mt->start_step, total, tps_s, skipped);
 }
 
 int metrics_close(metrics_t *mt, int *no_space, char *err, size_t errlen) {

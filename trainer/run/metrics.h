@@ -79,6 +79,7 @@ typedef struct {
   int step_graph;
   metrics_pending_t *pend; /* (npend of cap) the steps done whose values have not arrived, oldest first */
   int npend, cap;
+  int skipped_total;  /* train.skip_*: the last verdict's total */
 } metrics_t;
 
 /* Under pipeline parallelism, after a step: this rank's time in forwards and backwards, the
@@ -116,19 +117,22 @@ int metrics_line_due(const plan_t *p, int step);
  * its values arrive (a step that cannot be kept, for lack of memory, is one warning and no
  * record). */
 void metrics_step_done(metrics_t *mt, int step, double lr, double dt, double comm_wait);
-/* The values of the n oldest steps kept (loss and gnorm, oldest first) and the spread of the
- * ranks' compute time of each (straggler.h; NULL: this rank's time alone): their records and
- * lines, then they are forgotten. The record carries compute_ms_min, compute_ms_median,
- * compute_ms_max, slowest_rank and straggler_spread_pct (the slowest rank's excess over the
- * median, %; also TensorBoard's train/straggler_spread_pct); the console line names the slowest
- * rank and its host when it is over log.straggler_pct. */
-void metrics_step_values(metrics_t *mt, int n, const double *loss, const double *gnorm,
+/* The values of the n oldest steps kept (loss and gnorm, oldest first), their skip verdicts
+ * (train.skip_*; NULL when the keys are off) and the spread of the ranks' compute time of each
+ * (straggler.h; NULL: this rank's time alone): their records and lines, then they are forgotten.
+ * The record carries compute_ms_min, compute_ms_median, compute_ms_max, slowest_rank and
+ * straggler_spread_pct (the slowest rank's excess over the median, %; also TensorBoard's
+ * train/straggler_spread_pct); the console line names the slowest rank and its host when it is
+ * over log.straggler_pct. With verdicts the record also carries "skipped" (0 or 1) and
+ * "skipped_total", and a skipped step gets a line of its own saying why, whatever log.interval. */
+void metrics_step_values(metrics_t *mt, int n, const double *loss, const double *gnorm, const skip_verdict_t *skip,
                          const straggler_stat_t *spread);
 /* The eval loss after step `step`: its record and line. Its traffic is not counted as a step's. */
 void metrics_eval(metrics_t *mt, int step, double loss);
 /* Forgets the traffic since the last record (a checkpoint's is not a step's). */
 void metrics_skip_traffic(metrics_t *mt);
-/* The "done: N steps in T, X tok/s on average" line (when any step ran). */
+/* The "done: N steps in T, X tok/s on average" line (when any step ran), with "; K steps skipped"
+ * (since the run began, resumes included) under train.skip_*. */
 void metrics_done(metrics_t *mt);
 /* Closes the files; returns 0, or -1 with the message in err when any write (or the close) of
  * the metrics file or the event file failed, and then *no_space (when non-NULL) says whether it was a lack of space. */

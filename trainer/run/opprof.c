@@ -523,6 +523,14 @@ static void w_adamw_multi_dev(backend_t *be, float *param, const float *grad, fl
   prof_end(t0, "adamw_multi", 0, "segs%d%s, scale on the device", n_segs, param_lp ? " +bf16" : "");
 }
 
+static void w_step_skip(backend_t *be, const float *loss, const double *norm, int nonfinite, double loss_z,
+                        double norm_z, skip_window_t *win, skip_verdict_t *out, adamw_step_t *st) {
+  NOTE("step_skip", "%p %p %d %a %a %p %p %p", loss, norm, nonfinite, loss_z, norm_z, win, out, st);
+  double t0 = prof_begin();
+  P.orig.step_skip(be, loss, norm, nonfinite, loss_z, norm_z, win, out, st);
+  prof_end(t0, "step_skip", 0, "window");
+}
+
 /* An upload's bytes count as to_device's; it is no host sync (nothing waits for the device). */
 static void w_upload_async(backend_t *be, void *dst, const void *src, size_t bytes, int slot) {
   NOTE("upload_async", "%p %p %zu %d", dst, src, bytes, slot);
@@ -621,6 +629,7 @@ int opprof_install(backend_t *be, int step, FILE *out) {
   be->sumsq_groups = w_sumsq_groups;
   be->clip_scale = w_clip_scale;
   be->adamw_multi_dev = w_adamw_multi_dev;
+  be->step_skip = w_step_skip;
   be->upload_async = w_upload_async;
   be->alloc = w_alloc;
   be->free = w_free;

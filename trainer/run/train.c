@@ -16,12 +16,14 @@
 
 /* One step's values on the device (train.h). The backend writes stat (step_loss: the sum of the
  * micro-batches' losses over accum, and the first that was not finite, 1-based) and loss_dp (the
- * same rounded to fp32, then averaged over dp in place); dp_clip_dev writes gnorm. */
+ * same rounded to fp32, then averaged over dp in place); dp_clip_dev writes gnorm; step_skip
+ * writes skip (train.skip_*; zero otherwise). */
 typedef struct {
   double stat[2];
   double gnorm;
   float loss_dp;
   float pad;
+  skip_verdict_t skip;
 } step_rec_t;
 
 int train_init(train_t *t, char *err, size_t errlen) {
@@ -55,6 +57,9 @@ int train_init(train_t *t, char *err, size_t errlen) {
   }
   if (model_stage_reserve(t->m, accum, t->p->train.micro_batch_size, plan_local_seq_len(t->p)))
     return err_set(err, errlen, -1, "%s", model_errmsg(t->m));
+  if (plan_skips(t->p) && (!(t->skip_win = t->be->alloc(t->be, sizeof *t->skip_win)) ||
+                           !(t->read_skip = malloc(TRAIN_PENDING_MAX * sizeof *t->read_skip))))
+    return err_set(err, errlen, -1, "out of memory for the window of train.skip_*");
   return 0;
 }
 
@@ -72,8 +77,11 @@ void train_free(train_t *t) {
   free(t->read_gnorm);
   free(t->recs_host);
   free(t->cp_scratch);
+  free(t->read_skip);
   t->cp_scratch = NULL;
+  t->read_skip = NULL;
   if (t->be) {
+    t->be->free(t->be, t->skip_win);
     t->be->free(t->be, t->loss_rows);
     t->be->free(t->be, t->scale);
     t->be->free(t->be, t->recs);
@@ -86,6 +94,7 @@ void train_free(train_t *t) {
   t->loss_rows = t->scale = NULL;
   t->recs = t->recs_host = t->rec = NULL;
   t->step_dev = t->step_host = NULL;
+  t->skip_win = NULL;
 }
 
 /* Context parallelism: this rank's rows of the n whole sequences in tok and tgt, in their place:
@@ -151,7 +160,7 @@ int train_read(train_t *t, char *err, size_t errlen) {
   for (int j = 0; j < n; j++) {
     /* the logged loss is the global batch's: the mean over dp (fp32, as it travelled) */
     const double loss = t->dpc_dev && loss_shared(t) ? (double)r[j].loss_dp : r[j].stat[0];
-    if (check_step(t, t->read_first + j, loss, (int)r[j].stat[1], r[j].gnorm, err, errlen)) {
+    if (!r[j].skip.why && check_step(t, t->read_first + j, loss, (int)r[j].stat[1], r[j].gnorm, err, errlen)) {
       t->diverged_what = isfinite(loss) ? 2 : 1;
       t->diverged_micro = (int)r[j].stat[1];
       t->diverged_step = t->read_first + j;
@@ -159,6 +168,7 @@ int train_read(train_t *t, char *err, size_t errlen) {
     }
     t->read_loss[j] = loss;
     t->read_gnorm[j] = r[j].gnorm;
+    if (t->read_skip) t->read_skip[j] = r[j].skip;
     t->n_read = j + 1;
   }
   return 0;
@@ -220,6 +230,16 @@ static int pipeline_train(train_t *t, int s, double lr, train_result_t *out, cha
   return 0;
 }
 
+/* train.skip_*: whether the step updates, decided on the device between the norm and AdamW
+ * (backend step_skip; its arguments the same at every step). Returns 0. */
+static int skip_decide(train_t *t, step_rec_t *rec) {
+  const plan_train_t *tr = &t->p->train;
+  if (t->skip_win)
+    t->be->step_skip(t->be, &rec->loss_dp, &rec->gnorm, tr->skip_nonfinite, tr->skip_loss_z, tr->skip_grad_z,
+                     t->skip_win, &rec->skip, t->step_dev);
+  return 0;
+}
+
 /* The step's batches on the host (the loader's, this rank's rows of them under cp), staged on the
  * device in one upload (model_stage) with the count of targets of each micro-batch in t->valid.
  * Returns the staged parity, or -1. */
@@ -241,8 +261,9 @@ static int stage_step(train_t *t, int s, char *err, size_t errlen) {
  * forward of its staged ids (the per-row losses into loss_rows, turned into the step's loss by
  * step_loss right after), the backward; then the loss's mean over dp on the device comm (started
  * and waited: with a device compute stream the wait is the stream's, not the host's), the norm
- * and clip scale, the update; the values land in rec. Every call has the same arguments at every
- * step of a parity (what a recorded step needs, opprof_replay_diff). */
+ * and clip scale, the skip verdict (train.skip_*), the update; the values land in rec. Every call
+ * has the same arguments at every step of a parity (what a recorded step needs,
+ * opprof_replay_diff). */
 static int step_work(train_t *t, int s, char *err, size_t errlen) {
   const plan_t *p = t->p;
   const int B = p->train.micro_batch_size, accum = p->train.grad_accum_steps;
@@ -266,7 +287,8 @@ static int step_work(train_t *t, int s, char *err, size_t errlen) {
       return err_set(err, errlen, -1, "%s", comm_errmsg(t->dpc_dev));
     }
   }
-  if (dp_clip_dev(t->dp, p->train.grad_clip, &rec->gnorm, t->scale) || dp_step_dev(t->dp, t->step_dev, t->scale)) {
+  if (dp_clip_dev(t->dp, p->train.grad_clip, &rec->gnorm, t->scale) || skip_decide(t, rec) ||
+      dp_step_dev(t->dp, t->step_dev, t->scale)) {
     return err_set(err, errlen, -1, "%s", dp_errmsg(t->dp));
   }
   return 0;

@@ -13,6 +13,10 @@
  * at any other point (before a save on a signal). Under pipeline parallelism the step reads its
  * loss and norm on the host as it always did (two waits) and every step reads.
  *
+ * With train.skip_* on, each step's verdict (backend step_skip: skip its update or not) is made on
+ * the device between the gradient norm and AdamW, and read with the step's values; a skipped step
+ * is never a divergence.
+ *
  * The divergence checks happen at the read, on each step's values in order: a loss that is
  * nan/inf on any dp rank (the ranks agree through the loss all-reduce, so they stop together),
  * then a gradient norm that is not finite; the step named is the one that diverged, with the
@@ -72,6 +76,10 @@ typedef struct {
   /* After a read: the values of n_read steps from read_first (0-based), oldest first. */
   double *read_loss, *read_gnorm;
   int n_read, read_first;
+  /* train.skip_* (plan_skips; NULL otherwise): the skip decision's window (device), and after a
+   * read the verdicts of the n_read steps (host). */
+  skip_window_t *skip_win;
+  skip_verdict_t *read_skip;
   int32_t *cp_scratch; /* cp > 1: a batch's ids while this rank's rows are taken out of it */
   /* Recorded steps (train.cuda_graphs; train_graphs_open decides): graphs 1 when steps are
    * recorded here. The step's ids are staged before it (model_stage) into one of two buffers in
