@@ -489,6 +489,48 @@ static void test_elementwise(void **state) {
   pair_free(&x);
 }
 
+/* sumsq_parts_add: more pieces than one launch takes (SUMSQ_ADD_PIECES), empty and large ones,
+ * called twice into the same sums (so the second launch finds the ticket reset and adds on):
+ * each within 1e-10 of the cpu's; then a nan in one piece makes that piece's sum nan only. */
+static void test_sumsq_parts_add(void **state) {
+  enum { NP = SUMSQ_ADD_PIECES + 4 };
+  pair_t x = pair_new(2000003, -3.0f, 3.0f);
+  size_t off[NP], cnt[NP], at = 0;
+  for (int i = 0; i < NP; i++) {
+    cnt[i] = i == 3 ? 0 : i == 7 ? 1000000 : (size_t)(1 + 4099 * i);
+    off[i] = at;
+    at += cnt[i];
+  }
+  assert_true(at <= x.n);
+  double hc[NP] = {0}, hg[NP];
+  double *dg = gpu->alloc(gpu, NP * sizeof(double));
+  assert_non_null(dg);
+  for (int k = 0; k < 2; k++) {
+    cpu->sumsq_parts_add(cpu, x.c, off, cnt, NP, hc);
+    gpu->sumsq_parts_add(gpu, x.g, off, cnt, NP, dg);
+  }
+  gpu->to_host(gpu, hg, dg, sizeof hg);
+  double worst = 0.0;
+  for (int i = 0; i < NP; i++) {
+    const double rel = hc[i] > 0 ? fabs(hg[i] - hc[i]) / hc[i] : fabs(hg[i]);
+    worst = rel > worst ? rel : worst;
+  }
+  printf("  sumsq_parts_add, %d pieces twice: worst rel %.3e against the cpu (tolerance 1e-10); piece 7 cuda %.17g "
+         "cpu %.17g\n", NP, worst, hg[7], hc[7]);
+  assert_true(worst <= 1e-10);
+  const float nan = NAN;
+  gpu->to_device(gpu, (float *)x.g + off[9] + 5, &nan, sizeof nan);
+  gpu->zero(gpu, dg, NP * sizeof(double));
+  gpu->sumsq_parts_add(gpu, x.g, off, cnt, NP, dg);
+  gpu->to_host(gpu, hg, dg, sizeof hg);
+  int bad = 0;
+  for (int i = 0; i < NP; i++) bad += !isfinite(hg[i]) != (i == 9);
+  printf("  sumsq_parts_add with a nan in piece 9: %d pieces wrong (piece 9: %g)\n", bad, hg[9]);
+  assert_int_equal(bad, 0);
+  gpu->free(gpu, dg);
+  pair_free(&x);
+}
+
 static void test_elementwise_bf16(void **state) { elementwise_case(DT_BF16); }
 
 /* ------------------------------------------------------------------ convert */
@@ -1525,6 +1567,7 @@ int main(void) {
       cmocka_unit_test(test_memory),
       cmocka_unit_test(test_matmul),
       cmocka_unit_test(test_elementwise),
+      cmocka_unit_test(test_sumsq_parts_add),
       cmocka_unit_test(test_embedding),
       cmocka_unit_test(test_rmsnorm),
       cmocka_unit_test(test_rope),

@@ -14,9 +14,12 @@ Four ranks under meshrun (cpu backend, FSDP over dp_shard 4, one thread each):
   - MESHRUN_FAULT_NAN=R:3 makes rank R's own loss of step 3 nan; the console line is every 5 steps,
     so the read that finds it is step 5's (the deferred read): for R = 1, 2, 3 every rank's message
     says step 3 and "first non-finite: rank R (host H), its own loss (micro-batch 1)";
-  - MESHRUN_FAULT_NAN_GRAD (DDP over 4 ranks): the first non-finite gradient's tensor is named
-    (test_nan_gradient_names_the_tensor).
-Before the change, records had no compute_ms_min and no message named a rank: every case fails.
+  - MESHRUN_FAULT_NAN_GRAD=R:3:T under DDP, FSDP, HSDP and DDP x TP over 4 ranks, R not 0: every
+    rank's message names rank R, its host and tensor T, from the ranks' own gradients before the
+    reduction (test_nan_gradient_names_the_rank).
+Before the change, records had no compute_ms_min and no message named a rank: every case fails
+(the gradient's rank: before the local norms, the message named the tensor only, after the
+reduction, and under FSDP and HSDP nothing).
 """
 import json
 import os
@@ -117,23 +120,30 @@ def test_nan_loss_names_the_first_rank(tmp_path):
         assert [r["step"] for r in recs] == [1, 2], m.describe()  # the steps before the one that diverged
 
 
-def test_nan_gradient_names_the_tensor(tmp_path):
+def test_nan_gradient_names_the_rank(tmp_path):
     """MESHRUN_FAULT_NAN_GRAD=R:3:T turns rank R's own gradient of tensor T nan in step 3, before
-    DDP's all-reduce (dp_replicate 4): with a console line every step, the read at step 3 still has
-    step 3's gradients, and every rank's message names T, for three tensors (with R = 1, 2, 3) in
-    the model's order; with a line every 5 steps, the message says that step 3's gradients are
-    gone."""
-    tensors = ["tok_embeddings.weight", "layers.0.attention.wq.weight", "layers.1.feed_forward.w2.weight"]
-    for bad, tensor in zip((1, 2, 3), tensors):
-        rc, m, recs = run(tmp_path / ("grad%d" % bad), env={"MESHRUN_FAULT_NAN_GRAD": "%d:3:%s" % (bad, tensor)},
-                          sets=["mesh.dp_shard=1", "mesh.dp_replicate=4"], interval=1)
+    the strategy reduces it: with a console line every step, the read at step 3 still has step 3's
+    values, and every rank's message names R, its host and T, before the reduction, under DDP
+    (dp_replicate 4), FSDP (dp_shard 4), HSDP (2 x 2) and DDP x TP (dp_replicate 2, tp 2: T is
+    split over tp, so only R's slice is poisoned); with a line every 5 steps, the message says that
+    step 3's gradients are gone."""
+    host = socket.gethostname()
+    cases = [("ddp", ["mesh.dp_shard=1", "mesh.dp_replicate=4"], 1, "tok_embeddings.weight"),
+             ("fsdp", [], 2, "layers.0.attention.wq.weight"),
+             ("hsdp", ["mesh.dp_shard=2", "mesh.dp_replicate=2"], 3, "layers.1.feed_forward.w2.weight"),
+             ("tp", ["mesh.dp_shard=1", "mesh.dp_replicate=2", "mesh.tp=2"], 3, "layers.1.feed_forward.w1.weight")]
+    for name, sets, bad, tensor in cases:
+        rc, m, recs = run(tmp_path / name, env={"MESHRUN_FAULT_NAN_GRAD": "%d:3:%s" % (bad, tensor)}, sets=sets,
+                          interval=1)
         assert rc == 1, m.describe()
         lines = [l for l in m.err.splitlines() if l.startswith("[rank") and "gradient norm is nan at step 3" in l]
         assert {l.split("]:")[0] for l in lines} == {"[rank0", "[rank1", "[rank2", "[rank3"}, m.describe()
-        want = "; first non-finite gradient: %s (step 3's, after the reduction" % tensor
-        assert all(want in l for l in lines), m.describe()
+        want = "; first non-finite gradient: rank %d (host %s), %s, before the reduction (step 3's)" % (bad, host,
+                                                                                                      tensor)
+        print("%s: %s" % (name, lines[0].split("; ", 1)[-1]))
+        assert all(l.endswith(want) for l in lines), m.describe()
         assert [r["step"] for r in recs] == [1, 2], m.describe()
-    rc, m, recs = run(tmp_path / "late", env={"MESHRUN_FAULT_NAN_GRAD": "1:3:%s" % tensors[2]},
+    rc, m, recs = run(tmp_path / "late", env={"MESHRUN_FAULT_NAN_GRAD": "1:3:%s" % cases[0][3]},
                       sets=["mesh.dp_shard=1", "mesh.dp_replicate=4"], interval=5)
     assert rc == 1, m.describe()
     assert "gradient norm is nan at step 3" in m.err, m.describe()

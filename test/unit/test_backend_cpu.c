@@ -150,6 +150,26 @@ static void test_add_scale_sumsq(void **state) {
   printf("  sumsq_parts: %zu of 4 pieces the same bits as sumsq (tolerance: all)\n", same);
   assert_int_equal(same, 4);
   assert_true(parts[1] == 0.0);
+  /* sumsq_parts_add: each piece's sum added into what out held (twice: the sum doubles), against
+   * a plain C sum; a nan in one piece makes that piece's sum nan and no other */
+  double acc[4] = {1.0, 2.0, 0.0, 0.0}, worst = 0.0;
+  be2->sumsq_parts_add(be2, b, off, cnt, 4, acc);
+  be2->sumsq_parts_add(be2, b, off, cnt, 4, acc);
+  for (int i = 0; i < 4; i++) {
+    double want = i == 0 ? 1.0 : i == 1 ? 2.0 : 0.0;
+    for (size_t k = 0; k < cnt[i]; k++) want += 2.0 * (double)b[off[i] + k] * b[off[i] + k];
+    const double rel = fabs(acc[i] - want) / fmax(want, 1e-300);
+    printf("  sumsq_parts_add piece %d: %.17g, plain C %.17g, rel %.3e (tolerance 1e-12)\n", i, acc[i], want, rel);
+    worst = fmax(worst, rel);
+  }
+  assert_true(worst <= 1e-12);
+  const float keep = b[6000];
+  b[6000] = NAN;
+  double bad[4] = {0, 0, 0, 0};
+  be2->sumsq_parts_add(be2, b, off, cnt, 4, bad);
+  b[6000] = keep;
+  printf("  sumsq_parts_add with a nan at 6000: %g %g %g %g (nan in piece 3 only)\n", bad[0], bad[1], bad[2], bad[3]);
+  assert_true(isfinite(bad[0]) && isfinite(bad[1]) && isfinite(bad[2]) && isnan(bad[3]));
   free(a);
   free(b);
   free(o);

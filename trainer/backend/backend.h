@@ -63,6 +63,9 @@ typedef struct {
   int decay;
 } adamw_segment_t;
 
+/* The most pieces one launch of sumsq_parts_add takes (a call with more makes more launches). */
+#define SUMSQ_ADD_PIECES 16
+
 /* AdamW's values of one update that change from step to step, in device memory where a step
  * reads them (adamw_multi_dev), so that a captured step replays with the next step's values: the
  * learning rate, the update count (from 1) and the bias corrections the host derived from them
@@ -302,6 +305,13 @@ struct backend {
    * device while a call brings the same one (a strategy's always does). */
   void (*sumsq_groups)(backend_t *be, const float *x, const size_t *offset, const size_t *count, const int *group,
                        int n, double *sums, float *shares);
+  /* The n pieces' sums of squares added into out (n doubles): out[i] += the sum of x[offset[i]]^2
+   * .. x[offset[i] + count[i] - 1]^2 in double (offset and count are host arrays, read during the
+   * call; pieces do not overlap out). One launch on a device for up to SUMSQ_ADD_PIECES pieces,
+   * and no wait. A strategy's per-tensor sums of this rank's own gradients before it reduces them
+   * (dp.h), read only when a step's norm is not finite; their bits need not be sumsq's. */
+  void (*sumsq_parts_add)(backend_t *be, const float *x, const size_t *offset, const size_t *count, int n,
+                          double *out);
   /* The gradient norm and the clip scale: *norm = sqrt(sums[0] + sums[1]), or with use_shares
    * (the shares were reduced across ranks) sqrt((double)shares[0] + (double)shares[1]); *scale =
    * (float)min(1, clip / norm), 1 when clip <= 0: optim_clip_scale's value, in double, rounded

@@ -1317,6 +1317,11 @@ static void cpu_sumsq_groups(backend_t *be, const float *x, const size_t *offset
   }
 }
 
+static void cpu_sumsq_parts_add(backend_t *be, const float *x, const size_t *offset, const size_t *count, int n,
+                                double *out) {
+  for (int i = 0; i < n; i++) out[i] += cpu_sumsq(be, x + offset[i], count[i]);
+}
+
 static void cpu_clip_scale(backend_t *be, const double *sums, const float *shares, int use_shares, double clip,
                            double *norm, float *scale) {
   const double r = use_shares ? sqrt((double)shares[0] + (double)shares[1]) : sqrt(sums[0] + sums[1]);
@@ -1448,6 +1453,7 @@ backend_t *backend_cpu_create(int threads, char *err, size_t errlen) {
   be->adamw_multi = cpu_adamw_multi;
   be->step_loss = cpu_step_loss;
   be->sumsq_groups = cpu_sumsq_groups;
+  be->sumsq_parts_add = cpu_sumsq_parts_add;
   be->clip_scale = cpu_clip_scale;
   be->adamw_multi_dev = cpu_adamw_multi_dev;
   be->step_skip = cpu_step_skip;

@@ -193,6 +193,7 @@ typedef struct {
    * groups), its partials and totals after it in groups_dev, rebuilt only when a call brings
    * another list */
   scratch_t groups_dev;
+  scratch_t sumsq_add; /* sumsq_parts_add: SUMSQ_ADD_PIECES x SUMSQ_BLOCKS partials, then its ticket */
   sumsq_piece_t *groups_tab;
   int *groups_of;
   int groups_n, groups_blocks;
@@ -2287,6 +2288,57 @@ static void cu_sumsq_groups(backend_t *be, const float *x, const size_t *offset,
   LAUNCH_CHECK("sumsq_groups_kernel");
 }
 
+/* sumsq_parts_add's pieces, by value: no table to upload, and a recorded step replays the call
+ * as it was made. */
+typedef struct {
+  sumsq_piece_t p[SUMSQ_ADD_PIECES];
+  int n;
+} sumsq_add_arg_t;
+
+/* One launch: every piece's blocks as sumsq_parts' pass 1 numbers them write their partials; the
+ * block that finishes last (an integer ticket, so no float atomics: each piece's partials are
+ * added in order) adds each piece's partials into out[i] and resets the ticket for the next
+ * launch. Thread 0 wrote the block's partial (sumsq_block), so its fence orders the partial
+ * before the ticket. */
+__global__ void sumsq_add_kernel(double *out, const float *x, sumsq_add_arg_t a, double *part, unsigned *ticket) {
+  __shared__ int last;
+  int k = 0; /* the piece whose blocks include this one: the last whose first is not past it */
+  while (k + 1 < a.n && a.p[k + 1].first <= (int)blockIdx.x) k++;
+  sumsq_block(&part[blockIdx.x], x + a.p[k].offset, a.p[k].count, (int)blockIdx.x - a.p[k].first, a.p[k].g);
+  if (threadIdx.x == 0) {
+    __threadfence();
+    last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  if ((int)threadIdx.x < a.n) {
+    const volatile double *pp = part + a.p[threadIdx.x].first; /* other blocks' writes, not a cached copy */
+    double s = 0.0;
+    for (int i = 0; i < a.p[threadIdx.x].g; i++) s += pp[i];
+    out[threadIdx.x] += s;
+  }
+  if (threadIdx.x == 0) *ticket = 0;
+}
+
+static void cu_sumsq_parts_add(backend_t *be, const float *x, const size_t *offset, const size_t *count, int n,
+                               double *out) {
+  cuda_t *cu = cuda_of(be);
+  const size_t parts = (size_t)SUMSQ_ADD_PIECES * SUMSQ_BLOCKS;
+  const int fresh = cu->sumsq_add.p == NULL;
+  double *part = (double *)scratch_get(cu, &cu->sumsq_add, parts * sizeof(double) + sizeof(unsigned));
+  unsigned *ticket = (unsigned *)(part + parts);
+  if (fresh) CUDA_CHECK(cudaMemsetAsync(ticket, 0, sizeof *ticket, cu->stream));
+  for (int at = 0; at < n; at += SUMSQ_ADD_PIECES) {
+    sumsq_add_arg_t a;
+    a.n = n - at < SUMSQ_ADD_PIECES ? n - at : SUMSQ_ADD_PIECES;
+    const int blocks = sumsq_pieces(a.p, offset + at, count + at, a.n);
+    if (!blocks) continue; /* only empty pieces: nothing to add */
+    sumsq_add_kernel<<<(unsigned)blocks, 256, 0, cu->stream>>>(out + at, x, a, part, ticket);
+    LAUNCH_CHECK("sumsq_add_kernel");
+  }
+}
+
 __global__ void clip_scale_kernel(const double *sums, const float *shares, int use_shares, double clip, double *norm,
                                   float *scale) {
   const double r = use_shares ? sqrt((double)shares[0] + (double)shares[1]) : sqrt(sums[0] + sums[1]);
@@ -2466,6 +2518,7 @@ static void cu_destroy(backend_t *be) {
     scratch_free(cu, &cu->adamw_tab);
     free(cu->adamw_segs);
     scratch_free(cu, &cu->groups_dev);
+    scratch_free(cu, &cu->sumsq_add);
     free(cu->groups_tab);
     free(cu->groups_of);
     for (int i = 0; i < 2; i++) {
@@ -2543,6 +2596,7 @@ static void cu_set_ops(backend_t *be) {
   be->adamw_multi = cu_adamw_multi;
   be->step_loss = cu_step_loss;
   be->sumsq_groups = cu_sumsq_groups;
+  be->sumsq_parts_add = cu_sumsq_parts_add;
   be->clip_scale = cu_clip_scale;
   be->adamw_multi_dev = cu_adamw_multi_dev;
   be->step_skip = cu_step_skip;

@@ -123,6 +123,70 @@ void dp_add_part(dp_impl_t *d, size_t offset, size_t numel, int tp_split) {
 
 int dp_rank_of(comm_t *c) { return c ? comm_rank(c) : 0; }
 
+/* The tables of the local sums (dp_impl_t.local): each tensor's place in its unit, each unit's
+ * run of tensors. A model whose units' tensors are not consecutive keeps none (local stays NULL);
+ * out of memory is a failure. */
+static int local_setup(dp_impl_t *d, char *err, size_t errlen) {
+  const char *env = getenv("MESHRUN_LOCAL_NORMS");
+  const int nt = model_num_tensors(d->m);
+  /* none under pipeline parallelism: its step runs on the host and origin names nothing there */
+  if (!d->ops->reduce_grads || d->pp_hcomm || (env && !strcmp(env, "0")) || nt <= 0) return 0;
+  d->loc_off = malloc((size_t)nt * sizeof *d->loc_off);
+  d->loc_len = malloc((size_t)nt * sizeof *d->loc_len);
+  d->ufirst = calloc((size_t)d->n_units, sizeof *d->ufirst);
+  d->ucount = calloc((size_t)d->n_units, sizeof *d->ucount);
+  if (!d->loc_off || !d->loc_len || !d->ufirst || !d->ucount) goto nomem;
+  for (int i = 0; i < nt; i++) {
+    const model_tensor_t *t = model_tensor(d->m, i);
+    const int u = t->unit;
+    if (d->ucount[u] && d->ufirst[u] + d->ucount[u] != i) return 0;
+    if (!d->ucount[u]) d->ufirst[u] = i;
+    d->ucount[u]++;
+    d->loc_off[i] = t->offset - d->uoff[u];
+    d->loc_len[i] = t->numel;
+  }
+  if (!(d->local = d->be->alloc(d->be, (size_t)nt * sizeof(double)))) goto nomem;
+  return 0;
+nomem:
+  return err_set(err, errlen, DP_ENOMEM, "dp error: out of memory for the local gradient norms of %d tensors", nt);
+}
+
+void dp_before_reduce(dp_impl_t *d, int u, float *g) {
+  const int i = d->poison - 1;
+  if (d->poison && model_tensor(d->m, i)->unit == u) {
+    const float nan = NAN;
+    d->be->to_device(d->be, g + (model_tensor(d->m, i)->offset - d->uoff[u]), &nan, sizeof nan);
+    d->poison = 0;
+  }
+  if (d->local && d->sync && d->ucount[u]) /* the last micro-step's: the cost of one pass a step */
+    d->be->sumsq_parts_add(d->be, g, d->loc_off + d->ufirst[u], d->loc_len + d->ufirst[u], d->ucount[u],
+                           d->local + d->ufirst[u]);
+}
+
+int dp_local_first_bad(dp_t *dp, int *first) {
+  dp_impl_t *d = dp_impl_of(dp);
+  const int nt = model_num_tensors(d->m);
+  if (!d->ops->reduce_grads) return 1;
+  double *h = d->local ? malloc((size_t)nt * sizeof *h) : NULL;
+  if (!h) return DP_EINVAL;
+  d->be->to_host(d->be, h, d->local, (size_t)nt * sizeof *h);
+  int i = 0;
+  while (i < nt && isfinite(h[i])) i++;
+  free(h);
+  *first = i;
+  return 0;
+}
+
+int dp_poison_grad(dp_t *dp, const char *tensor) {
+  dp_impl_t *d = dp_impl_of(dp);
+  const int nt = model_num_tensors(d->m);
+  int i = 0;
+  while (i < nt && strcmp(model_tensor(d->m, i)->name, tensor)) i++;
+  if (i == nt || !d->ops->reduce_grads) return DP_EINVAL;
+  d->poison = i + 1;
+  return 0;
+}
+
 /* The parts as the backend's sums take them (made once): offsets, lengths, and the group of
  * each, 1 for a tp-replicated part under tp (counted once), 0 for the rest (summed over tp). */
 static int norm_parts(dp_impl_t *d) {
@@ -223,6 +287,7 @@ void dp_destroy(dp_t *dp) {
     d->be->free(d->be, d->gbuf_lp);
     d->be->free(d->be, d->rlp);
     d->be->free(d->be, d->norm_dev);
+    d->be->free(d->be, d->local);
   }
   free(d->uoff);
   free(d->unumel);
@@ -236,6 +301,10 @@ void dp_destroy(dp_t *dp) {
   free(d->part_sumsq);
   free(d->part_group);
   free(d->ck_ts);
+  free(d->loc_off);
+  free(d->loc_len);
+  free(d->ufirst);
+  free(d->ucount);
   free(d->blo);
   free(d->bhi);
   free(d->bucket_of);
@@ -316,6 +385,7 @@ int dp_create(dp_t **out, model_t *m, backend_t *be, const mesh_t *mesh, const p
 
   int rc = d->ops->setup(d, p, err, errlen);
   if (rc == 0 && d->rdt != DT_F32) rc = reduce_scratch(d, err, errlen);
+  if (rc == 0) rc = local_setup(d, err, errlen);
   if (rc) {
     dp_destroy(&d->pub);
     return rc;
@@ -359,6 +429,7 @@ void dp_zero_grad(dp_t *dp) {
   dp_impl_t *d = dp_impl_of(dp);
   drain(d);
   d->ops->zero_grad(d);
+  if (d->local) d->be->zero(d->be, d->local, (size_t)model_num_tensors(d->m) * sizeof(double));
 }
 
 int dp_grad_norm(dp_t *dp, double *norm) {

@@ -114,6 +114,7 @@ static int ddp_reduce_grads(dp_t *dp, int u) {
   dp_impl_t *d = dp_impl_of(dp);
   if (!d->sync) return 0; /* no_sync: accumulate locally until the last micro-step */
   const int b = d->bucket_of[u];
+  dp_before_reduce(d, u, d->grads + d->uoff[u]); /* in the bucket, its sum is not yet reduced */
   if (u != d->blo[b]) return 0; /* the bucket's lowest unit completes it */
   size_t off, n;
   bucket_range(d, b, &off, &n);

@@ -180,7 +180,8 @@ int dp_shard_reduce(dp_impl_t *d, int u) {
   op->unit = u;
   op->sync = d->sync;
   op->then = rs_done;
-  const float *g = dp_shard_gradbuf(d, u, 0);
+  float *g = dp_shard_gradbuf(d, u, 0);
+  dp_before_reduce(d, u, g);
   if (d->rdt == DT_F32)
     return dp_start_reduce_scatter(d, op, d->shard_comm, g, d->rstmp + (size_t)b * d->cmax, d->chunk[u], DT_F32, what);
   const size_t all = d->chunk[u] * (size_t)d->S;

@@ -147,6 +147,15 @@ struct dp_impl {
   int *part_group;             /* (n_parts) 1: tp-replicated under tp (counted once), else 0 */
   double *part_sumsq;
   void *norm_dev; /* device: dp_clip_of's sums (2 doubles) and fp32 shares (2 floats) */
+  /* This rank's own gradients before a reduction (dp_local_first_bad): per tensor, in the model's
+   * order, the sum of squares of what this rank reduced on the last micro-step (device doubles,
+   * zeroed with the gradients); loc_off and loc_len the tensors' places in their unit's gradients, ufirst and ucount
+   * each unit's tensors (consecutive in the model's order). local NULL: none kept (serial, which
+   * reduces nothing, or MESHRUN_LOCAL_NORMS=0). */
+  double *local;
+  size_t *loc_off, *loc_len;
+  int *ufirst, *ucount;
+  int poison; /* dp_poison_grad: 1 + the tensor whose gradient turns nan at its next reduction; 0 none */
   model_tensor_t *ck_ts; /* (ck_nt) copies of the model's tensors: checkpoint chunks name them */
   int ck_nt;
   optim_t opt;
@@ -173,6 +182,10 @@ int dp_start_all_reduce(dp_impl_t *d, dp_op_t *op, comm_t *c, void *buf, size_t 
                         const char *what); /* avg */
 int dp_op_wait(dp_impl_t *d, dp_op_t *op);
 int dp_ops_wait(dp_impl_t *d, dp_op_t *ops, int n); /* each of n, in order */
+/* dp.c: unit u's gradients g (its local layout, this rank's own) are about to be reduced: the
+ * armed poison of one of its tensors (dp_poison_grad), then their per-tensor sums of squares
+ * added into d->local (one launch). Every strategy that reduces calls it first. */
+void dp_before_reduce(dp_impl_t *d, int u, float *g);
 /* dp.c: a norm part (parts has room for one per tensor). */
 void dp_add_part(dp_impl_t *d, size_t offset, size_t numel, int tp_split);
 /* dp.c: the global gradient norm of storage g (laid out as d->parts): the sums of squares of

@@ -91,17 +91,19 @@ int hooks_nan_loss(const hooks_t *h, int step, int micro) {
   return h->nan_rank == h->rank && h->nan_step == step && micro == 0;
 }
 
-void hooks_nan_grad(const hooks_t *h, model_t *m, backend_t *be, int step) {
+void hooks_nan_grad(const hooks_t *h, model_t *m, backend_t *be, dp_t *dp, int step) {
   if (!h || h->grad_rank != h->rank || h->grad_step != step) return;
   const model_tensor_t *x = model_find_tensor(m, h->grad_tensor);
   float *g = model_grads(m);
-  if (!x || !g) {
+  /* without the flat buffer (FSDP, HSDP, ZeRO-2) the strategy poisons the unit's gradients
+   * before it reduces them */
+  if (!x || (!g && (!dp || dp_poison_grad(dp, x->name)))) {
     log_warn("MESHRUN_FAULT_NAN_GRAD: %s; nothing poisoned", !x ? "no such tensor here" : "no flat gradient buffer");
     return;
   }
   const float nan = NAN;
   log_warn("MESHRUN_FAULT_NAN_GRAD: this rank's gradient of %s turns nan in step %d", x->name, step);
-  be->to_device(be, g + x->offset, &nan, sizeof nan);
+  if (g) be->to_device(be, g + x->offset, &nan, sizeof nan);
 }
 
 void hooks_slow(const hooks_t *h) {

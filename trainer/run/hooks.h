@@ -10,9 +10,10 @@
  *                               as a rank whose data made the model diverge would (hooks_nan_loss)
  *   MESHRUN_FAULT_NAN_GRAD=RANK:STEP:TENSOR  that rank's own gradient of TENSOR (a model
  *                               tensor's name) turns nan in step STEP, before the strategy reduces
- *                               it, as a rank whose backward overflowed would (hooks_nan_grad;
- *                               strategies with the model's flat gradient buffer: serial, DDP,
- *                               ZeRO-1/2; under FSDP a warning and nothing)
+ *                               it, as a rank whose backward overflowed would (hooks_nan_grad:
+ *                               into the model's flat gradient buffer, or where there is none
+ *                               (FSDP, HSDP, ZeRO-2) into the unit's gradients as the strategy
+ *                               reduces them: dp_poison_grad)
  *   MESHRUN_FAULT_SPIKE=RANK:STEP[:STEP]  every target of that rank's micro-batches of that step
  *                               (or of either step) becomes token 0, as a batch of bad data would:
  *                               the step's loss and gradient norm jump (hooks_spike arms it for a
@@ -91,8 +92,9 @@ void hooks_spike(hooks_t *h, int step);
 int hooks_nan_loss(const hooks_t *h, int step, int micro);
 /* Before the backward of the last micro-batch of step `step` (1-based), on the poisoning rank:
  * a nan into its gradient of the tensor named (the backward adds into it, so the nan is this
- * rank's own and reaches the others only through the reduction). */
-void hooks_nan_grad(const hooks_t *h, model_t *m, backend_t *be, int step);
+ * rank's own and reaches the others only through the reduction); without the model's flat
+ * gradient buffer, strategy dp's reduction of that tensor's unit puts it there. */
+void hooks_nan_grad(const hooks_t *h, model_t *m, backend_t *be, dp_t *dp, int step);
 /* Inside each step, on the slow rank: its delay (a sleep: the fault is the time it takes). */
 void hooks_slow(const hooks_t *h);
 /* Before step `step` (1-based): on the stalling rank of that step, a warning and then no return

@@ -503,6 +503,16 @@ static void w_sumsq_groups(backend_t *be, const float *x, const size_t *offset, 
   prof_end(t0, "sumsq_groups", 0, "%d parts n%zu fp32", n, all);
 }
 
+static void w_sumsq_parts_add(backend_t *be, const float *x, const size_t *offset, const size_t *count, int n,
+                              double *out) {
+  NOTE("sumsq_parts_add", "%p %p %p %d %p", x, offset, count, n, out);
+  double t0 = prof_begin();
+  size_t all = 0;
+  for (int i = 0; i < n; i++) all += count[i];
+  P.orig.sumsq_parts_add(be, x, offset, count, n, out);
+  prof_end(t0, "sumsq_parts_add", 0, "%d parts n%zu fp32", n, all);
+}
+
 static void w_clip_scale(backend_t *be, const double *sums, const float *shares, int use_shares, double clip,
                          double *norm, float *scale) {
   NOTE("clip_scale", "%p %p %d %a %p %p", sums, shares, use_shares, clip, norm, scale);
@@ -627,6 +637,7 @@ int opprof_install(backend_t *be, int step, FILE *out) {
   if (be->adamw_multi) be->adamw_multi = w_adamw_multi; /* NULL stays NULL: optim's fallback */
   be->step_loss = w_step_loss;
   be->sumsq_groups = w_sumsq_groups;
+  be->sumsq_parts_add = w_sumsq_parts_add;
   be->clip_scale = w_clip_scale;
   be->adamw_multi_dev = w_adamw_multi_dev;
   be->step_skip = w_step_skip;

@@ -26,9 +26,51 @@ static int first_bad_tensor(train_t *t) {
   return i;
 }
 
-/* The gradient's part of origin_name: the first tensor over the job (world), when the gradients
- * are step s's. */
-static void name_gradient(train_t *t, int s, char *err, size_t errlen) {
+/* World rank r's host from the straggler table, "?" when it has none. */
+static const char *host_of(const straggler_t *sg, int r) {
+  return sg && sg->hosts && r < sg->size ? sg->hosts + (size_t)r * STRAGGLER_HOST_MAX : "?";
+}
+
+/* Per rank over the world (origin_gradient): its world rank, its first non-finite tensor before
+ * the reduction (the strategy's sums of its own gradients; under the serial strategy, which
+ * reduces nothing, its flat buffer) and after it (the flat buffer); the tensor count when none,
+ * -1 when not known. */
+enum { G_RANK, G_BEFORE, G_AFTER, G_N };
+
+/* The rank and tensor named from the gathered table all (n ranks): the lowest world rank whose
+ * own gradient was not finite, with its first such tensor; else the first tensor after the
+ * reduction. */
+static void name_from(train_t *t, const straggler_t *sg, const float *all, int n, int s, char *err, size_t errlen) {
+  const int nt = model_num_tensors(t->m);
+  const size_t len = strlen(err);
+  int rank = -1, before = nt, after = nt, known = 0, flat = 0;
+  for (int q = 0; q < n; q++) {
+    const float *r = all + (size_t)q * G_N;
+    known |= r[G_BEFORE] >= 0;
+    flat |= r[G_AFTER] >= 0;
+    if (r[G_BEFORE] >= 0 && (int)r[G_BEFORE] < nt && (rank < 0 || (int)r[G_RANK] < rank)) {
+      rank = (int)r[G_RANK];
+      before = (int)r[G_BEFORE];
+    }
+    if (r[G_AFTER] >= 0 && (int)r[G_AFTER] < after) after = (int)r[G_AFTER];
+  }
+  if (rank >= 0)
+    snprintf(err + len, errlen - len, "; first non-finite gradient: rank %d (host %s), %s, before the reduction "
+             "(step %d's)", rank, host_of(sg, rank), model_tensor(t->m, before)->name, s + 1);
+  else if (after < nt)
+    snprintf(err + len, errlen - len, "; first non-finite gradient: %s (step %d's, after the reduction over ranks, %s)",
+             model_tensor(t->m, after)->name, s + 1,
+             known ? "each rank's own gradients were finite before it" : "which hides the rank it came from");
+  else if (known)
+    snprintf(err + len, errlen - len, "; each rank's own gradients were finite at the reduction of step %d's last "
+             "micro-batch", s + 1);
+  else if (!flat)
+    snprintf(err + len, errlen - len, "; this strategy keeps no flat gradient buffer to name the tensor");
+}
+
+/* The gradient's part of origin_name: every rank's first non-finite tensors gathered over the
+ * job (world), when the sums and gradients are step s's. */
+static void name_gradient(train_t *t, const straggler_t *sg, int world_rank, int s, char *err, size_t errlen) {
   const size_t len = strlen(err);
   if (len >= errlen) return;
   if (t->diverged_step != s) {
@@ -38,27 +80,21 @@ static void name_gradient(train_t *t, int s, char *err, size_t errlen) {
   }
   comm_t *w = t->mesh ? mesh_host_comm(t->mesh, "world") : NULL;
   const int n = w ? comm_size(w) : 1;
-  float mine = (float)first_bad_tensor(t), *all = &mine;
-  if (n > 1 && (!(all = malloc((size_t)n * sizeof mine)) || comm_all_gather(w, &mine, all, 1, DT_F32))) {
+  int before = -1;
+  const int after = first_bad_tensor(t), rc = dp_local_first_bad(t->dp, &before);
+  float mine[G_N] = {(float)world_rank, (float)(rc == 1 ? after : rc ? -1 : before), (float)after}, *all = mine;
+  if (n > 1 && (!(all = malloc((size_t)n * sizeof mine)) || comm_all_gather(w, mine, all, G_N, DT_F32))) {
     free(all);
     return;
   }
-  int first = model_num_tensors(t->m);
-  for (int q = 0; q < n; q++)
-    if (all[q] >= 0 && (int)all[q] < first) first = (int)all[q];
-  const int none = all[0] < 0; /* no flat buffer: the same on every rank */
-  if (all != &mine) free(all);
-  if (none)
-    snprintf(err + len, errlen - len, "; this strategy keeps no flat gradient buffer to name the tensor");
-  else if (first < model_num_tensors(t->m))
-    snprintf(err + len, errlen - len, "; first non-finite gradient: %s (step %d's, after the reduction over "
-             "ranks, which hides the rank it came from)", model_tensor(t->m, first)->name, s + 1);
+  name_from(t, sg, all, n, s, err, errlen);
+  if (all != mine) free(all);
 }
 
 void origin_name(train_t *t, const straggler_t *sg, int world_rank, int s, char *err, size_t errlen) {
   if (!t->diverged || t->pp) return;
   if (t->diverged_what == 2) {
-    name_gradient(t, s, err, errlen);
+    name_gradient(t, sg, world_rank, s, err, errlen);
     return;
   }
   if (t->diverged_what != 1) return;
@@ -80,7 +116,6 @@ void origin_name(train_t *t, const straggler_t *sg, int world_rank, int s, char 
   if (all != mine) free(all);
   const size_t len = strlen(err);
   if (first < 0 || len >= errlen) return;
-  const char *host = sg && sg->hosts && first < sg->size ? sg->hosts + (size_t)first * STRAGGLER_HOST_MAX : "?";
   snprintf(err + len, errlen - len, "; first non-finite: rank %d (host %s), its own loss (micro-batch %d)", first,
-           host, micro);
+           host_of(sg, first), micro);
 }

@@ -277,7 +277,7 @@ static int step_work(train_t *t, int s, char *err, size_t errlen) {
     t->be->step_loss(t->be, t->loss_rows, n, valid, micro, accum, hooks_nan_loss(t->hooks, s + 1, micro),
                      rec->stat, &rec->loss_dp);
     dp_set_sync(t->dp, micro == accum - 1); /* gradients are synchronized once, on the last micro-step */
-    if (micro == accum - 1) hooks_nan_grad(t->hooks, t->m, t->be, s + 1);
+    if (micro == accum - 1) hooks_nan_grad(t->hooks, t->m, t->be, t->dp, s + 1);
     if (model_backward(t->m, scale) || dp_status(t->dp))
       return pass_failed(t, "backward pass", s, micro, err, errlen);
   }
