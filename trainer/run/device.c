@@ -229,13 +229,14 @@ static int comm_backend_choose(const backend_t *be, const backend_entry_t *d, co
   return 0;
 }
 
+dtype_t device_default_dtype(const backend_t *be) { return be->mem == BACKEND_MEM_DEVICE ? DT_BF16 : DT_F32; }
+
 /* Precision options on this device: param_dtype defaults to what PyTorch users get there (bf16
  * on a device, fp32 on the host, decided by the backend that opened, so "auto" falling back to
  * cpu trains in fp32); an explicit value is kept on either. TF32 as the plan says where the
  * backend has it. */
 static void precision_apply(plan_t *p, backend_t *be) {
-  const int on_device = be->mem == BACKEND_MEM_DEVICE;
-  if (!p->parallel.param_dtype_explicit) p->parallel.param_dtype = on_device ? DT_BF16 : DT_F32;
+  if (!p->parallel.param_dtype_explicit) p->parallel.param_dtype = device_default_dtype(be);
   log_rank0("mixed precision: param_dtype %s, reduce_dtype %s%s",
             p->parallel.param_dtype == DT_BF16 ? "bf16" : "fp32",
             p->parallel.reduce_dtype == DT_BF16 ? "bf16" : "fp32",

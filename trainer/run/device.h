@@ -26,6 +26,11 @@
 int device_open(plan_t *p, int local_rank, int local_world, int world, backend_t **be, const char **comm_backend,
                 char *err, size_t errlen);
 
+/* param_dtype's default on backend be: what PyTorch users get there, bf16 on a device, fp32 on
+ * the host (decided by the backend that opened). Also the dtype of meshrun's GEMM probe
+ * (trainer/run/health_gemm.h). */
+dtype_t device_default_dtype(const backend_t *be);
+
 /* The backends this trainer was built with, for --version: "cpu" or "cpu, cuda". */
 const char *device_backends(void);
 /* The plan's device values (plan_set_devices): "auto" and every registered compute backend,

@@ -70,6 +70,7 @@
 #include "trainer/run/dirlock.h"
 #include "trainer/parallel/dp.h"
 #include "trainer/run/export.h"
+#include "trainer/run/health_gemm.h"
 #include "trainer/run/hooks.h"
 #include "trainer/parallel/mesh.h"
 #include "trainer/run/metrics.h"
@@ -1115,6 +1116,8 @@ int main(int argc, char **argv) {
     return 0;
   }
   ensure_passive_omp(argv);
+  /* meshrun's --health_check runs this internal mode (not in --help) before a round. */
+  if (argc == 2 && !strcmp(argv[1], "--health-gemm")) return health_gemm_main();
   install_sigterm();
   run_t r = {.code = 1};
   if (parse_args(&r.a, argc, argv, r.err, sizeof r.err) != 0 ||
