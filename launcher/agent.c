@@ -445,10 +445,11 @@ static int judge_health(agent_t *a, const health_result_t *res, int n, double dt
     free(v);
     return -1;
   }
-  char link[64] = "";
+  char link[64] = "", rate[32];
   if (sum.net_median > 0) snprintf(link, sizeof link, ", median link %.0f MB/s", sum.net_median);
-  log_info("health check: round %d, %d node(s) in %.2fs: median GEMM %.1f GFLOP/s%s, %d below %g of a median",
-           a->asg.round, n, dt, sum.gemm_median, link, sum.unhealthy, o->health_min_fraction);
+  health_flops_text(sum.gemm_median, rate, sizeof rate);
+  log_info("health check: round %d, %d node(s) in %.2fs: median GEMM %s on %s%s, %d below %g of a median",
+           a->asg.round, n, dt, rate, sum.devices, link, sum.unhealthy, o->health_min_fraction);
   char line[RDZV_MSG_MAX];
   for (int i = 0; i < n; i++) {
     if (v[i] == HEALTH_OK) continue;
@@ -502,7 +503,7 @@ static void on_health(health_t *h, void *arg) {
 static void start_health(agent_t *a) {
   const rdzv_assignment_t *g = &a->asg;
   health_config_t cfg = {.secret = a->round.store_secret, .run_id = a->round.run_id, .round = g->round,
-                         .node = g->group_rank, .nnodes = g->nnodes,
+                         .node = g->group_rank, .nnodes = g->nnodes, .nproc = g->nproc,
                          .keep = a->srv && a->opts->rdzv_backend != RDZV_BACKEND_ETCD,
                          .timeout_s = a->opts->heartbeat_timeout_s + HEALTH_SLACK_S};
   char err[512];

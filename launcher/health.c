@@ -1,7 +1,8 @@
 /* health: the check before a round (see health.h). The thread's steps, in order: connect to the
- * store, the GEMM, listen and post this node's address, wait for every node's address (so that
- * no node sends to one still busy with its GEMM), the ring transfer, post the result, read
- * every node's. The judgement is pure and runs on the loop's side of the callback. */
+ * store, the GEMM (the trainer's probe, else the host loop), listen and post this node's
+ * address, wait for every node's address (so that no node sends to one still busy with its
+ * GEMM), the ring transfer, post the result, read every node's. The judgement is pure and runs
+ * on the loop's side of the callback. */
 #include "launcher/health.h"
 
 #include <errno.h>
@@ -17,6 +18,7 @@
 #include "common/log.h"
 #include "common/net.h"
 #include "common/store.h"
+#include "launcher/health_probe.h"
 
 #define CONNECT_MS 5000
 #define NET_CHUNK (256u << 10)
@@ -67,6 +69,17 @@ static double node_fraction(const health_result_t *r, const health_summary_t *su
   return f;
 }
 
+/* "cpu", "cuda x8": what measured node r's GEMM. */
+static void node_devices(const health_result_t *r, char *out, size_t len) {
+  if (r->devices > 1) snprintf(out, len, "%s x%d", r->device, r->devices);
+  else snprintf(out, len, "%s", r->device);
+}
+
+void health_flops_text(double gflops, char *out, size_t len) {
+  if (gflops >= 1000) snprintf(out, len, "%.1f TFLOP/s", gflops / 1000);
+  else snprintf(out, len, "%.1f GFLOP/s", gflops);
+}
+
 int health_judge(const health_result_t *res, int n, double min_fraction, int nnodes_min, health_verdict_t *verdict,
                  health_summary_t *sum) {
   memset(sum, 0, sizeof *sum);
@@ -79,6 +92,10 @@ int health_judge(const health_result_t *res, int n, double min_fraction, int nno
     if (res[i].mbps > 0) v[k++] = res[i].mbps;
   sum->net_median = health_median(v, k);
   free(v);
+  node_devices(&res[0], sum->devices, sizeof sum->devices);
+  for (int i = 1; i < n; i++)
+    if (strcmp(res[i].device, res[0].device) || res[i].devices != res[0].devices)
+      snprintf(sum->devices, sizeof sum->devices, "mixed devices");
   for (int i = 0; i < n; i++) {
     verdict[i] = node_fraction(&res[i], sum) < min_fraction ? HEALTH_WARN : HEALTH_OK;
     sum->unhealthy += verdict[i] == HEALTH_WARN;
@@ -106,9 +123,14 @@ void health_line(const health_result_t *res, int n, int i, health_verdict_t v, c
   if (net)
     k = snprintf(out, len, "health check: node %d (host %s) link to the next node %.0f MB/s is %.2f of the median "
                  "%.0f MB/s", i, r->host, r->mbps, r->mbps / sum->net_median, sum->net_median);
-  else
-    k = snprintf(out, len, "health check: node %d (host %s) GEMM %.1f GFLOP/s is %.2f of the median %.1f GFLOP/s", i,
-                 r->host, r->gflops, sum->gemm_median > 0 ? r->gflops / sum->gemm_median : 1, sum->gemm_median);
+  else {
+    char rate[32], med[32], dev[40];
+    health_flops_text(r->gflops, rate, sizeof rate);
+    health_flops_text(sum->gemm_median, med, sizeof med);
+    node_devices(r, dev, sizeof dev);
+    k = snprintf(out, len, "health check: node %d (host %s) GEMM %s on %s is %.2f of the median %s", i, r->host, rate,
+                 dev, sum->gemm_median > 0 ? r->gflops / sum->gemm_median : 1, med);
+  }
   if (k < 0 || (size_t)k >= len) return;
   out += k;
   len -= (size_t)k;
@@ -175,6 +197,37 @@ static double measure_gemm(health_t *h) {
   }
   free(m);
   return best;
+}
+
+/* This node's GEMM into mine: the trainer's probe on the workers' devices, else (no trainer
+ * beside meshrun, or it failed: one warning says why) the host loop. Nothing on a stop. */
+static void node_gemm(health_t *h, health_result_t *mine, double deadline) {
+  char path[4096], why[700], rate[32], dev[40];
+  health_probe_t p;
+  double t0 = mono_s(), left = deadline - t0;
+  int rc = health_probe_path(path, sizeof path, why, sizeof why);
+  if (!rc) {
+    char perr[600];
+    rc = health_probe_run(path, h->cfg.nproc, left < HEALTH_PROBE_TIMEOUT_S ? left : HEALTH_PROBE_TIMEOUT_S, &h->stop,
+                          &p, perr, sizeof perr);
+    if (rc) snprintf(why, sizeof why, "the trainer's GEMM probe (%.380s %s) failed: %.250s", path, HEALTH_PROBE_FLAG,
+                     perr);
+  }
+  if (atomic_load(&h->stop)) return;
+  if (!rc) {
+    mine->gflops = p.gflops;
+    mine->devices = p.devices;
+    snprintf(mine->device, sizeof mine->device, "%s", p.device);
+    health_flops_text(p.gflops, rate, sizeof rate);
+    node_devices(mine, dev, sizeof dev);
+    log_info("health check: this node's GEMM %s on %s in %s (%s %s, %.2fs)", rate, dev, p.dtype, path,
+             HEALTH_PROBE_FLAG, mono_s() - t0);
+    return;
+  }
+  log_warn("health check: %s: the GEMM runs on this host's CPU", why);
+  mine->gflops = measure_gemm(h);
+  mine->devices = 1;
+  snprintf(mine->device, sizeof mine->device, "%s", HEALTH_HOST_DEVICE);
 }
 
 typedef struct {
@@ -324,7 +377,8 @@ out:
 static int exchange(health_t *h, const health_result_t *mine, double deadline, char *err, size_t errlen) {
   int n = h->cfg.nnodes, rc = 0;
   char key[96], val[160];
-  snprintf(val, sizeof val, "%.6g %.6g %d %s", mine->gflops, mine->mbps, mine->keep, mine->host);
+  snprintf(val, sizeof val, "%.6g %.6g %d %s %s %d", mine->gflops, mine->mbps, mine->keep, mine->host, mine->device,
+           mine->devices);
   keyf(h, key, sizeof key, "res", h->cfg.node);
   if (store_set(h->st, key, val, strlen(val)))
     return err_set(err, errlen, -1, "the store %s: %s", h->cfg.endpoint, store_errmsg(h->st));
@@ -334,8 +388,14 @@ static int exchange(health_t *h, const health_result_t *mine, double deadline, c
   if (!rc) rc = gather(h, "res", vals, deadline, err, errlen);
   for (int i = 0; !rc && i < n; i++) {
     health_result_t *r = &h->res[i];
-    if (sscanf(vals[i], "%lf %lf %d %63s", &r->gflops, &r->mbps, &r->keep, r->host) != 4)
-      rc = err_set(err, errlen, -1, "node %d's result \"%.100s\" is not \"gflops mbps keep host\"", i, vals[i]);
+    /* A meshrun from before the probe posts four fields: its GEMM was the host loop. */
+    snprintf(r->device, sizeof r->device, "%s", HEALTH_HOST_DEVICE);
+    r->devices = 1;
+    int f = sscanf(vals[i], "%lf %lf %d %63s %15s %d", &r->gflops, &r->mbps, &r->keep, r->host, r->device,
+                   &r->devices);
+    if (f != 4 && f != 6)
+      rc = err_set(err, errlen, -1, "node %d's result \"%.100s\" is not \"gflops mbps keep host device devices\"",
+                   i, vals[i]);
   }
   for (int i = 0; vals && i < n; i++) free(vals[i]);
   free(vals);
@@ -357,7 +417,8 @@ static int check(health_t *h, char *err, size_t errlen) {
   net_hostname(mine.host, sizeof mine.host);
   for (char *p = mine.host; *p; p++)
     if (*p == ' ') *p = '_';
-  mine.gflops = measure_gemm(h);
+  node_gemm(h, &mine, deadline);
+  if (atomic_load(&h->stop)) return err_set(err, errlen, -1, "stopped");
   if (h->cfg.nnodes > 1 && (mine.mbps = measure_net(h, deadline, err, errlen)) < 0) return -1;
   if (exchange(h, &mine, deadline, err, errlen)) return -1;
   h->elapsed_s = mono_s() - t0;

@@ -1,4 +1,4 @@
-// deps: launcher/health.c common/store.c common/store_proto.c common/net.c common/log.c common/err.c common/env.c
+// deps: launcher/health.c launcher/health_probe.c common/store.c common/store_proto.c common/net.c common/log.c common/err.c common/env.c
 /* Unit tests of health's judgement (--health_check): the median of odd and even counts; a node
  * below the fraction of either median is named; left out worst first while --nnodes' minimum
  * remains, never the node that serves the store; the rest kept as a warning; and the lines
@@ -14,8 +14,9 @@
 #include "launcher/health.h"
 
 static health_result_t node(double gflops, double mbps, int keep) {
-  health_result_t r = {.gflops = gflops, .mbps = mbps, .keep = keep};
+  health_result_t r = {.gflops = gflops, .mbps = mbps, .keep = keep, .devices = 1};
   snprintf(r.host, sizeof r.host, "h");
+  snprintf(r.device, sizeof r.device, "cpu");
   return r;
 }
 
@@ -48,8 +49,9 @@ static void test_slow_gemm_left_out_or_kept(void **state) {
   assert_int_equal(v[2], HEALTH_OK);
   char line[512];
   health_line(r, 3, 1, v[1], &s, 0.5, 2, 3, line, sizeof line);
-  assert_string_equal(line, "health check: node 1 (host h) GEMM 3.0 GFLOP/s is 0.30 of the median 10.0 GFLOP/s: left "
-                            "out of this round (2 of --nnodes 2:3 remain)");
+  assert_string_equal(line, "health check: node 1 (host h) GEMM 3.0 GFLOP/s on cpu is 0.30 of the median 10.0 "
+                            "GFLOP/s: left out of this round (2 of --nnodes 2:3 remain)");
+  assert_string_equal(s.devices, "cpu");
   assert_int_equal(health_judge(r, 3, 0.5, 3, v, &s), 0);
   assert_int_equal(v[1], HEALTH_WARN);
   assert_int_equal(s.unhealthy, 1);
@@ -96,6 +98,32 @@ static void test_one_node(void **state) {
   assert_int_equal(v[0], HEALTH_OK);
 }
 
+/* What measured: the device kind and count in the lines and the summary, TFLOP/s from 1000
+ * GFLOP/s on; nodes that measured on different devices make "mixed devices". */
+static void test_devices(void **state) {
+  health_result_t r[3] = {node(700000, 0, 0), node(200000, 0, 0), node(710000, 0, 0)};
+  for (int i = 0; i < 3; i++) {
+    snprintf(r[i].device, sizeof r[i].device, "cuda");
+    r[i].devices = 8;
+  }
+  health_verdict_t v[3];
+  health_summary_t s;
+  char line[512], rate[32];
+  assert_int_equal(health_judge(r, 3, 0.5, 2, v, &s), 1);
+  assert_string_equal(s.devices, "cuda x8");
+  health_line(r, 3, 1, v[1], &s, 0.5, 2, 3, line, sizeof line);
+  assert_string_equal(line, "health check: node 1 (host h) GEMM 200.0 TFLOP/s on cuda x8 is 0.29 of the median 700.0 "
+                            "TFLOP/s: left out of this round (2 of --nnodes 2:3 remain)");
+  health_flops_text(999.94, rate, sizeof rate);
+  assert_string_equal(rate, "999.9 GFLOP/s");
+  health_flops_text(1000, rate, sizeof rate);
+  assert_string_equal(rate, "1.0 TFLOP/s");
+  snprintf(r[2].device, sizeof r[2].device, "host-cpu");
+  r[2].devices = 1;
+  health_judge(r, 3, 0.5, 2, v, &s);
+  assert_string_equal(s.devices, "mixed devices");
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_median),
@@ -104,6 +132,7 @@ int main(void) {
       cmocka_unit_test(test_worst_first),
       cmocka_unit_test(test_keep_and_link),
       cmocka_unit_test(test_one_node),
+      cmocka_unit_test(test_devices),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
