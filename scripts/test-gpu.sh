@@ -13,7 +13,8 @@
 #      within 2e-2; and the defaults of a GPU machine: device auto picks cuda, and param_dtype
 #      left at its default trains in bf16 with one log line saying so; the cuda bf16 run recorded
 #      steps 3 and 4 (train.cuda_graphs auto) and replayed them, with the loss bits of the same
-#      run unrecorded;
+#      run unrecorded; meshrun's health check measures the GPUs: `trainer --health-gemm` names
+#      cuda and bf16 above 200 TFLOP/s, and meshrun --health_check's line says cuda;
 #   4. multi-rank plans on the one GPU through the staged comm under bin/meshrun (ddp2, fsdp2,
 #      tp2, pp2: the pipeline's sends and receives; cp2: ring attention's blocks and sends, in bf16
 #      on cuDNN's kernels where the serial run's attention is cuDNN's;
@@ -209,6 +210,37 @@ if [ "$DEV" = cuda ]; then
 else
   echo "   skipped: TEST_GPU_DEVICE=$DEV"; skipped+=("defaults")
 fi
+
+# meshrun --health_check measures the GPUs through the trainer's probe (launcher/health_probe.h):
+# one line of JSON naming cuda and bf16, at more than 200 TFLOP/s (an H100's or H200's dense bf16
+# peak is ~990, cuBLASLt reaches 600-750 at 4096^3; fp32 products, or a GPU at a fraction of its
+# clocks, fall below), then meshrun's line saying so. Under TEST_GPU_DEVICE=cpu: cpu, fp32, > 0.
+echo "== the health check's GEMM: trainer --health-gemm, then meshrun --health_check's line"
+if [ "$DEV" = cuda ]; then hide=(); want=bf16; min=200000; nproc=gpu
+else hide=(CUDA_VISIBLE_DEVICES=); want=fp32; min=0; nproc=1; fi
+t0=$(date +%s.%N)
+probe=$( (unset RANK WORLD_SIZE LOCAL_RANK MESHRUN_STORE
+          env "${hide[@]}" LOCAL_WORLD_SIZE=1 timeout 60 "$TRAINER" --health-gemm) 2>"$work/probe.log")
+rc=$?
+took=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.2f", b - a }')
+if [ $rc -ne 0 ]; then bad "trainer --health-gemm (status $rc)"; tail -3 "$work/probe.log" | sed 's/^/   /'
+elif python3 -c '
+import json, sys
+p = json.loads(sys.argv[1])
+print("   %s: %.1f TFLOP/s (devices %s) on %s in %s, %ss in all (bound: > %g TFLOP/s)" % (
+    sys.argv[1], p["gflops"] / 1000, p["devices"], p["device"], p["dtype"], sys.argv[5], float(sys.argv[4]) / 1000))
+sys.exit(not (p["device"] == sys.argv[2] and p["dtype"] == sys.argv[3] and p["gflops"] > float(sys.argv[4])))
+' "$probe" "$DEV" "$want" "$min" "$took"; then ok "trainer --health-gemm: $DEV, $want, above the bound"
+else bad "trainer --health-gemm: not $DEV in $want above $min GFLOP/s"; fi
+(unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MESHRUN_STORE
+ env "${hide[@]}" timeout 120 "$MESHRUN" --standalone --nproc_per_node=$nproc --health_check --no_python /bin/true) \
+  >"$work/health.log" 2>&1
+rc=$?
+line=$(grep -m1 "health check: this node's GEMM" "$work/health.log")
+echo "   ${line:-no line}"
+if [ $rc -eq 0 ] && echo "$line" | grep -Eq "GEMM [0-9.]+ [TG]FLOP/s on $DEV( x[0-9]+)? in $want \\("; then
+  ok "meshrun --health_check: the GEMM measured on $DEV"
+else bad "meshrun --health_check on $DEV (status $rc)"; tail -3 "$work/health.log" | sed 's/^/   /'; fi
 fi # train
 
 # --- 4. multi-rank plans on one GPU (staged comm), then on several GPUs (nccl) -----------------
