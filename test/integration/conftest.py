@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -109,6 +110,30 @@ def solo_env(**extra):
         env.pop(k, None)
     env.update(extra)
     return env
+
+
+def timed_meshrun(d, plan_json, args, env, after=()):
+    """meshrun started in d (its own session) on plan_json written to d/plan.json: args are its
+    flags and the trainer, then come the plan's path and after (--set ...); env adds to the environment without PET_, SLURM_ or
+    MESHRUN_ variables and with one OpenMP thread. Returns (the Popen, [(time.monotonic(), stderr
+    line)], the thread that reads): each line is timed as it arrives, so a test sees when what was
+    said (join the thread once the process has ended)."""
+    plan = os.path.join(str(d), "plan.json")
+    with open(plan, "w") as f:
+        json.dump(plan_json, f)
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "SLURM_", "MESHRUN_"))}
+    e.update({"OMP_NUM_THREADS": "1"}, **env)
+    p = subprocess.Popen([MESHRUN] + list(args) + [plan] + list(after), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, env=e, cwd=str(d), start_new_session=True)
+    lines = []
+
+    def read():
+        for raw in p.stderr:
+            lines.append((time.monotonic(), raw.decode(errors="replace").rstrip("\n")))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    return p, lines, reader
 
 
 def tiny_plan(**sections):

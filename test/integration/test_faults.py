@@ -34,12 +34,11 @@ import json
 import os
 import re
 import subprocess
-import threading
 import time
 
 import pytest
 
-from conftest import FAST_CONF, MESHRUN, Meshrun, bin_dir, tiny_plan
+from conftest import FAST_CONF, Meshrun, bin_dir, timed_meshrun, tiny_plan
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAINER = os.path.join(bin_dir(), "trainer")
@@ -106,24 +105,11 @@ def test_failed_collective_stops_the_step_on_every_rank(tmp_path, phase, word):
 def run_stalled(d, sets, env):
     """meshrun with rank 1 stalled before step 3: (rc, [(arrival time, stderr line)], end time).
     Lines are timed as they arrive (a reader thread), so the test sees when each rank said what."""
-    plan = os.path.join(str(d), "plan.json")
-    with open(plan, "w") as f:
-        json.dump(PLAN, f)
-    e = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "SLURM_", "MESHRUN_"))}
-    e.update({"OMP_NUM_THREADS": "1", "MESHRUN_FAULT_STALL": "1:3"}, **env)
-    args = [MESHRUN, "--nproc_per_node=2", "--max_restarts=0", "--rdzv_conf=" + FAST_CONF, TRAINER, plan]
+    after = []
     for kv in sets:
-        args += ["--set", kv]
-    p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=e, cwd=str(d),
-                         start_new_session=True)
-    lines = []
-
-    def read():
-        for raw in p.stderr:
-            lines.append((time.monotonic(), raw.decode(errors="replace").rstrip("\n")))
-
-    reader = threading.Thread(target=read)
-    reader.start()
+        after += ["--set", kv]
+    p, lines, reader = timed_meshrun(d, PLAN, ["--nproc_per_node=2", "--max_restarts=0", "--rdzv_conf=" + FAST_CONF,
+                                               TRAINER], dict({"MESHRUN_FAULT_STALL": "1:3"}, **env), after)
     try:
         rc = p.wait(60)
     except subprocess.TimeoutExpired:

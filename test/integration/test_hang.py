@@ -22,17 +22,15 @@ Then `meshrun diagnose LOGDIR` prints the same summary from the files left there
 folder without dumps is exit 2 with one line. Waits poll with deadlines; nothing sleeps a fixed
 time.
 """
-import json
 import os
 import re
 import signal
 import subprocess
-import threading
 import time
 
 import pytest
 
-from conftest import FAST_CONF, MESHRUN, bin_dir, tiny_plan
+from conftest import FAST_CONF, MESHRUN, bin_dir, timed_meshrun, tiny_plan
 from test_flight_recorder import finish
 
 TRAINER = os.path.join(bin_dir(), "trainer")
@@ -55,24 +53,9 @@ PP_PLAN = dict(PLAN, mesh={"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": RANK
 
 
 def start(d, env, plan_json=PLAN):
-    plan = os.path.join(str(d), "plan.json")
-    with open(plan, "w") as f:
-        json.dump(plan_json, f)
-    e = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "SLURM_", "MESHRUN_"))}
-    e.update({"OMP_NUM_THREADS": "1"}, **env)
-    args = [MESHRUN, "--nproc_per_node=%d" % RANKS, "--max_restarts=0", "--rdzv_conf=" + FAST_CONF,
-            "--hang_timeout=%g" % HANG_S, "--shutdown_timeout=%g" % SHUTDOWN_S, "--log_dir=" + str(d / "logs"), TRAINER, plan]
-    p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=e, cwd=str(d),
-                         start_new_session=True)
-    lines = []
-
-    def read():
-        for raw in p.stderr:
-            lines.append((time.monotonic(), raw.decode(errors="replace").rstrip("\n")))
-
-    reader = threading.Thread(target=read)
-    reader.start()
-    return p, lines, reader
+    return timed_meshrun(d, plan_json, ["--nproc_per_node=%d" % RANKS, "--max_restarts=0", "--rdzv_conf=" + FAST_CONF,
+                                        "--hang_timeout=%g" % HANG_S, "--shutdown_timeout=%g" % SHUTDOWN_S,
+                                        "--log_dir=" + str(d / "logs"), TRAINER], env)
 
 
 def progress_pids(d):

@@ -6,6 +6,13 @@
 
 #include "common/err.h"
 
+/* What ring_attention_init allocates: two K/V buffers of the compute dtype; in fp32 one block's
+ * output and log-sum-exp, both chunks' running results and three K/V gradient buffers. */
+static size_t buffer_bytes(const ring_attention_t *r) {
+  const size_t es = dtype_size(r->dt), f = sizeof(float), nl = (size_t)r->b * r->h * r->c;
+  return 2 * 4 * r->nk * es + (r->nq + nl + 2 * r->nq + 3 * 4 * r->nk) * f;
+}
+
 int ring_attention_init(ring_attention_t *r, backend_t *be, comm_t *send, comm_t *recv, int cp, int rank, int b,
                         int c, int h, int kv, int d, dtype_t dt, char *err, size_t errlen) {
   memset(r, 0, sizeof *r);
@@ -30,9 +37,9 @@ int ring_attention_init(ring_attention_t *r, backend_t *be, comm_t *send, comm_t
   for (int i = 0; i < 3; i++)
     ok = ok && (r->dkv[i] = be->alloc(be, 4 * r->nk * f));
   if (!ok) {
+    const size_t bytes = buffer_bytes(r);
     ring_attention_free(r);
-    return err_set(err, errlen, RING_ENOMEM, "ring attention: out of memory for its buffers (%zu bytes)",
-                   2 * 4 * r->nk * es + (3 * r->nq + nl + 12 * r->nk) * f);
+    return err_set(err, errlen, RING_ENOMEM, "ring attention: out of memory for its buffers (%zu bytes)", bytes);
   }
   return 0;
 }
@@ -79,9 +86,8 @@ const char *ring_attention_errmsg(const ring_attention_t *r) { return r->errmsg;
 
 size_t ring_attention_bytes(const ring_attention_t *r) {
   if (!r->be) return 0;
-  const size_t es = dtype_size(r->dt), f = sizeof(float), nl = (size_t)r->b * r->h * r->c;
-  size_t n = 2 * 4 * r->nk * es + (r->nq + nl + 2 * r->nq + 3 * 4 * r->nk) * f;
-  if (r->gathered) n += (size_t)r->cp * 4 * r->nk * (es + f);
+  size_t n = buffer_bytes(r);
+  if (r->gathered) n += (size_t)r->cp * 4 * r->nk * (dtype_size(r->dt) + sizeof(float));
   return n;
 }
 
@@ -135,26 +141,50 @@ static void kv_own(ring_attention_t *r, const void *k, const void *v, size_t nk)
   r->be->copy(r->be, at(r->kvbuf[0], 2 * nk, es), v, 2 * nk * es);
 }
 
+/* The blocks of one step: the local chunks' (i) against the chunks of cp rank src (j) whose keys
+ * come no later than the chunk's queries (a later chunk: keys after every query), i then j;
+ * with the element counts of one chunk's q, k (or v) and lse. */
+typedef struct {
+  size_t es, nq, nk, nl;
+  int n, i[4], j[4];
+  long qpos[4], kpos[4];
+} blocks_t;
+
+static void visible_blocks(const ring_attention_t *r, int src, int b, blocks_t *bl) {
+  const int c = r->c;
+  bl->es = dtype_size(r->dt);
+  bl->nq = (size_t)b * c * r->h * r->d;
+  bl->nk = (size_t)b * c * r->kv * r->d;
+  bl->nl = (size_t)b * r->h * c;
+  bl->n = 0;
+  for (int i = 0; i < 2; i++)
+    for (int j = 0; j < 2; j++) {
+      const int gi = ring_attention_chunk(r, i), gj = chunk_of(r, src, j);
+      if (gj > gi) continue;
+      bl->i[bl->n] = i;
+      bl->j[bl->n] = j;
+      bl->qpos[bl->n] = (long)gi * c;
+      bl->kpos[bl->n++] = (long)gj * c;
+    }
+}
+
 /* The forward's blocks of the local queries against the K/V of cp rank src (kvb: its [K0 K1 V0
  * V1]); started[i]: chunk i's running result holds a block already. */
 static void fwd_blocks(ring_attention_t *r, int src, const void *kvb, const void *q, float *lse, int b,
                        int started[2]) {
   backend_t *be = r->be;
-  const int c = r->c, h = r->h, kv = r->kv, d = r->d;
-  const size_t es = dtype_size(r->dt), nq = (size_t)b * c * h * d, nk = (size_t)b * c * kv * d,
-               nl = (size_t)b * h * c;
-  for (int i = 0; i < 2; i++)
-    for (int j = 0; j < 2; j++) {
-      const int gi = ring_attention_chunk(r, i), gj = chunk_of(r, src, j);
-      if (gj > gi) continue; /* keys after every query of the chunk */
-      const char *kj = at(kvb, (size_t)j * nk, es), *vj = at(kvb, (size_t)(2 + j) * nk, es);
-      float *acc = r->acc + (size_t)i * nq, *lacc = lse + (size_t)i * nl;
-      /* the first block of a chunk (its diagonal, in step 0) is written, the later ones merged */
-      be->attention_fwd_block(be, started[i] ? r->ob : acc, started[i] ? r->lb : lacc, at(q, (size_t)i * nq, es), kj,
-                              vj, b, c, c, h, kv, d, (long)gi * c, (long)gj * c, r->dt);
-      if (started[i]) be->attention_merge(be, acc, lacc, r->ob, r->lb, b, c, h, d);
-      started[i] = 1;
-    }
+  blocks_t bl;
+  visible_blocks(r, src, b, &bl);
+  for (int k = 0; k < bl.n; k++) {
+    const int i = bl.i[k], j = bl.j[k];
+    const char *kj = at(kvb, (size_t)j * bl.nk, bl.es), *vj = at(kvb, (size_t)(2 + j) * bl.nk, bl.es);
+    float *acc = r->acc + (size_t)i * bl.nq, *lacc = lse + (size_t)i * bl.nl;
+    /* the first block of a chunk (its diagonal, in step 0) is written, the later ones merged */
+    be->attention_fwd_block(be, started[i] ? r->ob : acc, started[i] ? r->lb : lacc, at(q, (size_t)i * bl.nq, bl.es),
+                            kj, vj, b, r->c, r->c, r->h, r->kv, r->d, bl.qpos[k], bl.kpos[k], r->dt);
+    if (started[i]) be->attention_merge(be, acc, lacc, r->ob, r->lb, b, r->c, r->h, r->d);
+    started[i] = 1;
+  }
 }
 
 /* The cp group's collective on the K/V (or their gradients) of every rank; the first failure is
@@ -207,18 +237,16 @@ static int grad_pass(ring_attention_t *r, int blk, size_t nk, comm_req_t **gs, c
 static void bwd_blocks(ring_attention_t *r, int src, const void *kvb, float *g, const void *dout, const void *q,
                        const void *out, const float *lse, int b) {
   backend_t *be = r->be;
-  const int c = r->c, h = r->h, kv = r->kv, d = r->d;
-  const size_t es = dtype_size(r->dt), nq = (size_t)b * c * h * d, nk = (size_t)b * c * kv * d,
-               nl = (size_t)b * h * c;
-  for (int i = 0; i < 2; i++)
-    for (int j = 0; j < 2; j++) {
-      const int gi = ring_attention_chunk(r, i), gj = chunk_of(r, src, j);
-      if (gj > gi) continue;
-      be->attention_bwd_block(be, r->acc + (size_t)i * nq, g + (size_t)j * nk, g + (size_t)(2 + j) * nk,
-                              at(dout, (size_t)i * nq, es), at(q, (size_t)i * nq, es), at(kvb, (size_t)j * nk, es),
-                              at(kvb, (size_t)(2 + j) * nk, es), at(out, (size_t)i * nq, es), lse + (size_t)i * nl, b,
-                              c, c, h, kv, d, (long)gi * c, (long)gj * c, r->dt);
-    }
+  blocks_t bl;
+  visible_blocks(r, src, b, &bl);
+  const size_t es = bl.es, nq = bl.nq, nk = bl.nk;
+  for (int k = 0; k < bl.n; k++) {
+    const int i = bl.i[k], j = bl.j[k];
+    be->attention_bwd_block(be, r->acc + (size_t)i * nq, g + (size_t)j * nk, g + (size_t)(2 + j) * nk,
+                            at(dout, (size_t)i * nq, es), at(q, (size_t)i * nq, es), at(kvb, (size_t)j * nk, es),
+                            at(kvb, (size_t)(2 + j) * nk, es), at(out, (size_t)i * nq, es), lse + (size_t)i * bl.nl, b,
+                            r->c, r->c, r->h, r->kv, r->d, bl.qpos[k], bl.kpos[k], r->dt);
+  }
 }
 
 /* allgather's backward: the blocks against every rank's K/V, each rank's gradients in its slot,
