@@ -7,7 +7,7 @@
 #
 #   make fuzz      each target FUZZ_SECONDS (60) on the repo corpus; new inputs go to
 #                  $(BUILD)/fuzz/corpus/<name>/, never into the repo
-#   make fuzz-ci   each target FUZZ_CI_SECONDS (20) from an empty scratch corpus plus the repo one
+#   make fuzz-ci   each target FUZZ_CI_SECONDS (15) from an empty scratch corpus plus the repo one
 #                  (read-only), after the committed reproducers fuzz/crashes/<name>-*; fails on a crash
 #   make fuzz-merge  adds to fuzz/corpus/<name>/ the inputs of $(BUILD)/fuzz/corpus/<name>/ that
 #                  cover something new (libFuzzer -merge=1; files named by their SHA-1), to commit
@@ -16,7 +16,7 @@
 FUZZ_CC      ?= clang
 FUZZ_DIR     := $(BUILD)/fuzz
 FUZZ_SECONDS ?= 60
-FUZZ_CI_SECONDS ?= 20
+FUZZ_CI_SECONDS ?= 15
 FUZZ_JOBS    ?= 2
 FUZZ_SAN     ?= -fsanitize=address,undefined -fno-sanitize-recover=undefined
 FUZZ_CFLAGS  := -std=gnu11 -g -O1 -fno-omit-frame-pointer -Wall -Wextra -Wno-unused-parameter \

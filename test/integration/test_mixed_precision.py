@@ -150,24 +150,25 @@ def test_checkpoint_resumes_across_dtypes(tmp_path, first, second):
 
 
 def test_demo_bf16_within_3_percent_of_fp32(tmp_path):
-    """configs/demo.json, 300 steps, one process (about 80 s each on 2 cores): bf16's final loss
-    within 3% of fp32's."""
+    """configs/demo.json for 150 of its steps (the loss from 5.5 to about 2.13; the schedule cut to
+    150 steps), one process (about 30 s each on CI's 2 cores): bf16's final loss within 3% of
+    fp32's (3.1e-3 seen here; 300 steps took 116 s of CI's 20 minutes)."""
     final = {}
     for dt in ("fp32", "bf16"):
         d = tmp_path / dt
         d.mkdir()
         sets = ["--set", "parallel.mixed_precision.param_dtype=" + dt, "--set", "device=cpu",
                 "--set", "sample.tokens=0", "--set", "log.metrics_file=%s" % (d / "metrics.jsonl"),
-                "--set", "mesh.dp_shard=1", "--set", "data.train=%s" % TEXT]
+                "--set", "mesh.dp_shard=1", "--set", "data.train=%s" % TEXT, "--set", "train.steps=150"]
         env = solo_env(OMP_NUM_THREADS="2")  # the longest test here: both cores
         r = subprocess.run([TRAINER, os.path.join(REPO, "configs", "demo.json")] + sets, cwd=str(d), env=env,
                            capture_output=True, text=True, timeout=900)
         assert r.returncode == 0, r.stderr[-3000:]
         recs = [x for x in read_records(d) if "loss" in x]
-        assert recs[-1]["step"] == 300
+        assert recs[-1]["step"] == 150
         final[dt] = recs[-1]["loss"]
     rel = abs(final["bf16"] - final["fp32"]) / final["fp32"]
-    print("\ndemo 300 steps: final loss fp32 %.4f, bf16 %.4f, rel diff %.3e (tol 3e-2)" % (final["fp32"], final["bf16"], rel))
+    print("\ndemo 150 steps: final loss fp32 %.4f, bf16 %.4f, rel diff %.3e (tol 3e-2)" % (final["fp32"], final["bf16"], rel))
     assert rel <= 0.03
 
 
