@@ -59,16 +59,11 @@ def row(c, a, cp, rotate, meshrun, trainer, rate_bps):
     if errs:
         return "%4d %-9s  failed: %s" % (cp, rotate, "; ".join(errs))
     off, on = res["false"][0], res["true"][0]
-    med, f = bench_overlap.med, bench_overlap.f
-    s_off, s_on, e_off, e_on = med(off, "step_ms"), med(on, "step_ms"), med(off, "comm_wait_ms"), med(on, "comm_wait_ms")
-    ratio = e_on / e_off if e_off and e_on is not None else None
-    share = e_off / s_off if e_off is not None and s_off else None
-    bound = min(1.0, (s_off - e_off) / e_off) if e_off and s_off else None
-    mb = ring_mb(off)
-    wire = mb * 8e6 / rate_bps * 1e3 if mb is not None else None
-    pct = lambda x: f(None if x is None else 100 * x, "%.0f%%")
-    return COLS % (cp, rotate, f(s_off), f(s_on), f(e_off), f(e_on), pct(share), f(ratio, "%.2f"),
-                   pct(None if ratio is None else 1 - ratio), pct(bound), f(mb), f(wire, "%.0f"))
+    f = bench_overlap.f
+    x = bench_overlap.derived(off, on, ring_mb(off), rate_bps)
+    pct = lambda v: f(None if v is None else 100 * v, "%.0f%%")
+    return COLS % (cp, rotate, f(x["s_off"]), f(x["s_on"]), f(x["e_off"]), f(x["e_on"]), pct(x["share"]),
+                   f(x["ratio"], "%.2f"), pct(x["removed"]), pct(x["bound"]), f(x["mb"]), f(x["wire"], "%.0f"))
 
 
 def main():

@@ -96,6 +96,24 @@ def sent_mb(recs):
     return statistics.median(v) if v else None
 
 
+def derived(off, on, mb, rate_bps):
+    """A row's figures from the records of the run with overlap off and on: medians of the step
+    and of the exposed communication, exposed on/off (ratio) and the share it removed, the exposed
+    share of the step (off), the bound (below), and the wire time of mb MB a step at rate_bps."""
+    x = {"s_off": med(off, "step_ms"), "s_on": med(on, "step_ms"), "e_off": med(off, "comm_wait_ms"),
+         "e_on": med(on, "comm_wait_ms"), "mb": mb}
+    s_off, e_off, e_on = x["s_off"], x["e_off"], x["e_on"]
+    x["ratio"] = e_on / e_off if e_off and e_on is not None else None
+    x["removed"] = 1 - x["ratio"] if x["ratio"] is not None else None
+    x["share"] = e_off / s_off if e_off is not None and s_off else None
+    # The most any overlap could remove: communication can hide behind at most the step's compute
+    # (off: step - exposed), so min(1, compute / exposed). DDP and ZeRO hide behind the backward
+    # alone, about 2/3 of that.
+    x["bound"] = min(1.0, (s_off - e_off) / e_off) if e_off and s_off else None
+    x["wire"] = mb * 8e6 / rate_bps * 1e3 if mb is not None else None
+    return x
+
+
 def f(x, fmt="%.1f"):
     return "n/a" if x is None else fmt % x
 
@@ -162,17 +180,10 @@ def table(a, rate, meshrun, trainer, sets_off, sets_on):
                     print(rows[-1], file=sys.stderr, flush=True)
                     continue
                 off, on = res["off"][0], res["on"][0]
-                s_off, s_on = med(off, "step_ms"), med(on, "step_ms")
-                e_off, e_on = med(off, "comm_wait_ms"), med(on, "comm_wait_ms")
-                ratio = e_on / e_off if e_off and e_on is not None else None
-                removed = 1 - ratio if ratio is not None else None
-                mb = sent_mb(off)
-                wire = mb * 8e6 / rate_bps * 1e3 if mb is not None else None
-                share = e_off / s_off if e_off is not None and s_off else None
-                # The most any overlap could remove: communication can hide behind at most the
-                # step's compute (off: step - exposed), so min(1, compute / exposed). DDP and
-                # ZeRO hide behind the backward alone, about 2/3 of that.
-                bound = min(1.0, (s_off - e_off) / e_off) if e_off and s_off else None
+                x = derived(off, on, sent_mb(off), rate_bps)
+                s_off, s_on, e_off, e_on = x["s_off"], x["s_on"], x["e_off"], x["e_on"]
+                ratio, removed, share, bound, mb, wire = (x[k] for k in ("ratio", "removed", "share", "bound", "mb",
+                                                                           "wire"))
                 # The issue's target: where communication is at least half the step (off), overlap
                 # removes at least 60% of the exposed time. "-": this row is outside its domain;
                 # "bound": inside it, but even hiding every compute millisecond removes < 60%.
