@@ -14,12 +14,14 @@ Four ranks under meshrun (cpu backend, FSDP over dp_shard 4, one thread each):
   - MESHRUN_FAULT_NAN=R:3 makes rank R's own loss of step 3 nan; the console line is every 5 steps,
     so the read that finds it is step 5's (the deferred read): for R = 1, 2, 3 every rank's message
     says step 3 and "first non-finite: rank R (host H), its own loss (micro-batch 1)";
-  - MESHRUN_FAULT_NAN_GRAD=R:3:T under DDP, FSDP, HSDP and DDP x TP over 4 ranks, R not 0: every
-    rank's message names rank R, its host and tensor T, from the ranks' own gradients before the
-    reduction (test_nan_gradient_names_the_rank).
+  - the same under pp 2 x dp_shard 2 with R = 3, on the last stage (the only one with losses);
+  - MESHRUN_FAULT_NAN_GRAD=R:3:T under DDP, FSDP, HSDP, DDP x TP, PP x FSDP and PP x DDP over 4
+    ranks, R not 0: every rank's message names rank R, its host and tensor T, from the ranks' own
+    gradients before the reduction (test_nan_gradient_names_the_rank).
 Before the change, records had no compute_ms_min and no message named a rank: every case fails
 (the gradient's rank: before the local norms, the message named the tensor only, after the
-reduction, and under FSDP and HSDP nothing).
+reduction, and under FSDP and HSDP nothing; under pp nothing was named, and neither fault
+reached the pipeline's step).
 """
 import json
 import os
@@ -109,9 +111,12 @@ def test_spread_in_every_record_and_the_slow_rank_named(tmp_path):
 
 
 def test_nan_loss_names_the_first_rank(tmp_path):
+    """The last case is pp 2 x dp_shard 2: only the last stage's ranks (2 and 3) compute losses;
+    rank 3's is nan, and every rank, stage 0's too, names it."""
     host = socket.gethostname()
-    for bad in (1, 2, 3):
-        rc, m, recs = run(tmp_path / ("nan%d" % bad), env={"MESHRUN_FAULT_NAN": "%d:3" % bad}, interval=5)
+    for bad, sets in ((1, []), (2, []), (3, []), (3, ["mesh.pp=2", "mesh.dp_shard=2"])):
+        rc, m, recs = run(tmp_path / ("nan%d%s" % (bad, "pp" if sets else "")), env={"MESHRUN_FAULT_NAN": "%d:3" % bad},
+                          sets=sets, interval=5)
         assert rc == 1, m.describe()
         lines = [l for l in m.err.splitlines() if l.startswith("[rank") and "loss is nan at step 3" in l]
         assert {l.split("]:")[0] for l in lines} == {"[rank0", "[rank1", "[rank2", "[rank3"}, m.describe()
@@ -125,13 +130,16 @@ def test_nan_gradient_names_the_rank(tmp_path):
     the strategy reduces it: with a console line every step, the read at step 3 still has step 3's
     values, and every rank's message names R, its host and T, before the reduction, under DDP
     (dp_replicate 4), FSDP (dp_shard 4), HSDP (2 x 2) and DDP x TP (dp_replicate 2, tp 2: T is
-    split over tp, so only R's slice is poisoned); with a line every 5 steps, the message says that
-    step 3's gradients are gone."""
+    split over tp, so only R's slice is poisoned), pp 2 x dp_shard 2 and pp 2 x dp_replicate 2 (R
+    is rank 1, of stage 0, whose tensors the last stage's ranks do not hold: the name travels); with a line every 5 steps,
+    the message says that step 3's gradients are gone."""
     host = socket.gethostname()
     cases = [("ddp", ["mesh.dp_shard=1", "mesh.dp_replicate=4"], 1, "tok_embeddings.weight"),
              ("fsdp", [], 2, "layers.0.attention.wq.weight"),
              ("hsdp", ["mesh.dp_shard=2", "mesh.dp_replicate=2"], 3, "layers.1.feed_forward.w2.weight"),
-             ("tp", ["mesh.dp_shard=1", "mesh.dp_replicate=2", "mesh.tp=2"], 3, "layers.1.feed_forward.w1.weight")]
+             ("tp", ["mesh.dp_shard=1", "mesh.dp_replicate=2", "mesh.tp=2"], 3, "layers.1.feed_forward.w1.weight"),
+             ("pp", ["mesh.pp=2", "mesh.dp_shard=2"], 1, "layers.0.feed_forward.w2.weight"),
+             ("ppddp", ["mesh.pp=2", "mesh.dp_shard=1", "mesh.dp_replicate=2"], 1, "layers.0.attention.wo.weight")]
     for name, sets, bad, tensor in cases:
         rc, m, recs = run(tmp_path / name, env={"MESHRUN_FAULT_NAN_GRAD": "%d:3:%s" % (bad, tensor)}, sets=sets,
                           interval=1)

@@ -129,8 +129,9 @@ int dp_rank_of(comm_t *c) { return c ? comm_rank(c) : 0; }
 static int local_setup(dp_impl_t *d, char *err, size_t errlen) {
   const char *env = getenv("MESHRUN_LOCAL_NORMS");
   const int nt = model_num_tensors(d->m);
-  /* none under pipeline parallelism: its step runs on the host and origin names nothing there */
-  if (!d->ops->reduce_grads || d->pp_hcomm || (env && !strcmp(env, "0")) || nt <= 0) return 0;
+  /* under pipeline parallelism the tables are those of this rank's chunks (their tensors and
+   * units only, numbered locally in the model's order) */
+  if (!d->ops->reduce_grads || (env && !strcmp(env, "0")) || nt <= 0) return 0;
   d->loc_off = malloc((size_t)nt * sizeof *d->loc_off);
   d->loc_len = malloc((size_t)nt * sizeof *d->loc_len);
   d->ufirst = calloc((size_t)d->n_units, sizeof *d->ufirst);
@@ -153,7 +154,9 @@ nomem:
 
 void dp_before_reduce(dp_impl_t *d, int u, float *g) {
   const int i = d->poison - 1;
-  if (d->poison && model_tensor(d->m, i)->unit == u) {
+  /* at the reduction the sums below see: a strategy that reduces every micro-step (FSDP) reduces
+   * a pipeline's earlier micro-batches after the poison was armed (before the step) */
+  if (d->poison && d->sync && model_tensor(d->m, i)->unit == u) {
     const float nan = NAN;
     d->be->to_device(d->be, g + (model_tensor(d->m, i)->offset - d->uoff[u]), &nan, sizeof nan);
     d->poison = 0;

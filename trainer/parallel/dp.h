@@ -97,16 +97,19 @@ int dp_step_dev(dp_t *dp, const adamw_step_t *st, const float *grad_scale);
  * the unit's tensors into a device array (one launch per unit; no wait), on the last micro-step
  * of a step only: under DDP and ZeRO-1 the buffer then holds every micro-step's gradients; FSDP,
  * HSDP and ZeRO-2 reduce each micro-step's, and only the last one's are summed (an earlier
- * micro-step's nan reaches every rank through the reduction unnamed). The serial strategy reduces nothing and keeps
- * none; none are kept under pipeline parallelism either. MESHRUN_LOCAL_NORMS=0 turns them off (the benchmark of their cost).
+ * micro-step's nan reaches every rank through the reduction unnamed). The serial strategy
+ * reduces nothing and keeps none. Under pipeline parallelism they are this rank's chunks' tensors (model_tensor's local
+ * order), summed at each unit's reduction after its last backward of the step (dp_set_sync).
+ * MESHRUN_LOCAL_NORMS=0 turns them off (the benchmark of their cost).
  * dp_local_first_bad copies them from the device (a wait) and sets *first to the first tensor,
  * in the model's order, whose sum is not finite, or to the tensor count when none; it returns 0,
  * 1 when the strategy reduces nothing (serial: the gradients in the model's flat buffer are this
  * rank's own), or DP_EINVAL when the strategy keeps none. The sums are the last step's. */
 int dp_local_first_bad(dp_t *dp, int *first);
 /* A fault for tests (MESHRUN_FAULT_NAN_GRAD where the model has no flat gradient buffer): the
- * gradient of the tensor named turns nan at its next reduction, before the sums above. Returns
- * 0, or DP_EINVAL when no such tensor or the strategy reduces nothing. */
+ * gradient of the tensor named turns nan at its next reduction that synchronizes (dp_set_sync's
+ * last micro-step), before the sums above. Returns 0, or DP_EINVAL when no such tensor or the
+ * strategy reduces nothing. */
 int dp_poison_grad(dp_t *dp, const char *tensor);
 /* Unit u's full local parameters (this tp rank's slices) in the model's unit buffers, and back.
  * dp_unit_open is collective over dp_shard for FSDP; dp_unit_commit writes the rank's shard (or

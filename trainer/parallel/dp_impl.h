@@ -155,7 +155,7 @@ struct dp_impl {
   double *local;
   size_t *loc_off, *loc_len;
   int *ufirst, *ucount;
-  int poison; /* dp_poison_grad: 1 + the tensor whose gradient turns nan at its next reduction; 0 none */
+  int poison; /* dp_poison_grad: 1 + the tensor whose gradient turns nan at its next reduction with sync; 0 none */
   model_tensor_t *ck_ts; /* (ck_nt) copies of the model's tensors: checkpoint chunks name them */
   int ck_nt;
   optim_t opt;

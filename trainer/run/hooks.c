@@ -91,6 +91,13 @@ int hooks_nan_loss(const hooks_t *h, int step, int micro) {
   return h->nan_rank == h->rank && h->nan_step == step && micro == 0;
 }
 
+int hooks_nan_loss_pp(const hooks_t *h, int step, int last_stage) {
+  if (!hooks_nan_loss(h, step, 0)) return 0;
+  if (!last_stage) log_warn("MESHRUN_FAULT_NAN: this rank holds no loss (only the pipeline's last stage does); "
+                            "nothing poisoned");
+  return last_stage;
+}
+
 void hooks_nan_grad(const hooks_t *h, model_t *m, backend_t *be, dp_t *dp, int step) {
   if (!h || h->grad_rank != h->rank || h->grad_step != step) return;
   const model_tensor_t *x = model_find_tensor(m, h->grad_tensor);

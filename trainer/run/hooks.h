@@ -90,10 +90,16 @@ void hooks_spike(hooks_t *h, int step);
 /* 1 when the loss of micro-batch micro (0-based) of step `step` (1-based) is to be replaced by
  * nan (the step's statistics do it on the device: backend step_loss's poison). */
 int hooks_nan_loss(const hooks_t *h, int step, int micro);
+/* Pipeline parallelism, after step `step`'s schedule: 1 when its first micro-batch's loss is to
+ * be replaced by nan on this rank, which holds the last stage when last_stage is 1 (the only one
+ * with losses); a warning, and 0, when the fault names a rank of another stage. */
+int hooks_nan_loss_pp(const hooks_t *h, int step, int last_stage);
 /* Before the backward of the last micro-batch of step `step` (1-based), on the poisoning rank:
  * a nan into its gradient of the tensor named (the backward adds into it, so the nan is this
  * rank's own and reaches the others only through the reduction); without the model's flat
- * gradient buffer, strategy dp's reduction of that tensor's unit puts it there. */
+ * gradient buffer, strategy dp's reduction of that tensor's unit puts it there (the unit's
+ * reduction of its last micro-batch). Under pipeline parallelism: before the step's schedule, on
+ * a rank whose stages hold the tensor. */
 void hooks_nan_grad(const hooks_t *h, model_t *m, backend_t *be, dp_t *dp, int step);
 /* Inside each step, on the slow rank: its delay (a sleep: the fault is the time it takes). */
 void hooks_slow(const hooks_t *h);

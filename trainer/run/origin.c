@@ -2,6 +2,7 @@
 #include "trainer/run/origin.h"
 
 #include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -31,41 +32,54 @@ static const char *host_of(const straggler_t *sg, int r) {
   return sg && sg->hosts && r < sg->size ? sg->hosts + (size_t)r * STRAGGLER_HOST_MAX : "?";
 }
 
-/* Per rank over the world (origin_gradient): its world rank, its first non-finite tensor before
- * the reduction (the strategy's sums of its own gradients; under the serial strategy, which
- * reduces nothing, its flat buffer) and after it (the flat buffer); the tensor count when none,
- * -1 when not known. */
-enum { G_RANK, G_BEFORE, G_AFTER, G_N };
+/* Per rank over the world (name_gradient): its world rank and pipeline rank (0 without pp), its
+ * first non-finite tensor before the reduction (the strategy's sums of its own gradients; under
+ * the serial strategy, which reduces nothing, its flat buffer) and after it (the flat buffer):
+ * the index in its own model (-1 when none) and the name, and whether each is known. Indices
+ * compare between ranks of one pipeline stage only (a model holds its chunks' tensors), so the
+ * names travel too: the record goes through an all-gather as bytes (a multiple of floats). */
+enum { NAME_LEN = sizeof ((model_tensor_t *)0)->name };
+typedef struct {
+  int32_t rank, stage, known_before, known_after, before, after;
+  char before_name[NAME_LEN], after_name[NAME_LEN];
+} grad_rec_t;
+_Static_assert(sizeof(grad_rec_t) % sizeof(float) == 0, "grad_rec_t travels as floats");
 
-/* The rank and tensor named from the gathered table all (n ranks): the lowest world rank whose
+/* The rank and tensor named from the gathered records all (n ranks): the lowest world rank whose
  * own gradient was not finite, with its first such tensor; else the first tensor after the
- * reduction. */
-static void name_from(train_t *t, const straggler_t *sg, const float *all, int n, int s, char *err, size_t errlen) {
-  const int nt = model_num_tensors(t->m);
+ * reduction (the lowest pipeline rank's first: the model's order, except under interleaving,
+ * where a rank's stages are not consecutive). */
+static void name_from(const straggler_t *sg, const grad_rec_t *all, int n, int s, char *err, size_t errlen) {
   const size_t len = strlen(err);
-  int rank = -1, before = nt, after = nt, known = 0, flat = 0;
+  const grad_rec_t *before = NULL, *after = NULL;
+  int known = 0, flat = 0;
   for (int q = 0; q < n; q++) {
-    const float *r = all + (size_t)q * G_N;
-    known |= r[G_BEFORE] >= 0;
-    flat |= r[G_AFTER] >= 0;
-    if (r[G_BEFORE] >= 0 && (int)r[G_BEFORE] < nt && (rank < 0 || (int)r[G_RANK] < rank)) {
-      rank = (int)r[G_RANK];
-      before = (int)r[G_BEFORE];
-    }
-    if (r[G_AFTER] >= 0 && (int)r[G_AFTER] < after) after = (int)r[G_AFTER];
+    const grad_rec_t *r = &all[q];
+    known |= r->known_before;
+    flat |= r->known_after;
+    if (r->before >= 0 && (!before || r->rank < before->rank)) before = r;
+    if (r->after >= 0 && (!after || r->stage < after->stage || (r->stage == after->stage && r->after < after->after)))
+      after = r;
   }
-  if (rank >= 0)
+  if (before)
     snprintf(err + len, errlen - len, "; first non-finite gradient: rank %d (host %s), %s, before the reduction "
-             "(step %d's)", rank, host_of(sg, rank), model_tensor(t->m, before)->name, s + 1);
-  else if (after < nt)
+             "(step %d's)", before->rank, host_of(sg, before->rank), before->before_name, s + 1);
+  else if (after)
     snprintf(err + len, errlen - len, "; first non-finite gradient: %s (step %d's, after the reduction over ranks, %s)",
-             model_tensor(t->m, after)->name, s + 1,
+             after->after_name, s + 1,
              known ? "each rank's own gradients were finite before it" : "which hides the rank it came from");
   else if (known)
     snprintf(err + len, errlen - len, "; each rank's own gradients were finite at the reduction of step %d's last "
              "micro-batch", s + 1);
   else if (!flat)
     snprintf(err + len, errlen - len, "; this strategy keeps no flat gradient buffer to name the tensor");
+}
+
+/* Tensor i of t's model (the tensor count: none) into *index (-1: none) and name. */
+static void rec_tensor(train_t *t, int i, int32_t *index, char *name) {
+  const int nt = model_num_tensors(t->m);
+  *index = i >= 0 && i < nt ? i : -1;
+  if (*index >= 0) snprintf(name, NAME_LEN, "%s", model_tensor(t->m, i)->name);
 }
 
 /* The gradient's part of origin_name: every rank's first non-finite tensors gathered over the
@@ -82,27 +96,35 @@ static void name_gradient(train_t *t, const straggler_t *sg, int world_rank, int
   const int n = w ? comm_size(w) : 1;
   int before = -1;
   const int after = first_bad_tensor(t), rc = dp_local_first_bad(t->dp, &before);
-  float mine[G_N] = {(float)world_rank, (float)(rc == 1 ? after : rc ? -1 : before), (float)after}, *all = mine;
-  if (n > 1 && (!(all = malloc((size_t)n * sizeof mine)) || comm_all_gather(w, mine, all, G_N, DT_F32))) {
+  if (rc) before = rc == 1 ? after : -1;
+  grad_rec_t mine = {.rank = world_rank, .stage = t->pp ? comm_rank(t->ppc) : 0, .known_before = before >= 0,
+                     .known_after = after >= 0}, *all = &mine;
+  rec_tensor(t, before, &mine.before, mine.before_name);
+  rec_tensor(t, after, &mine.after, mine.after_name);
+  const size_t nf = sizeof mine / sizeof(float);
+  if (n > 1 && (!(all = malloc((size_t)n * sizeof mine)) || comm_all_gather(w, &mine, all, nf, DT_F32))) {
     free(all);
     return;
   }
-  name_from(t, sg, all, n, s, err, errlen);
-  if (all != mine) free(all);
+  name_from(sg, all, n, s, err, errlen);
+  if (all != &mine) free(all);
 }
 
 void origin_name(train_t *t, const straggler_t *sg, int world_rank, int s, char *err, size_t errlen) {
-  if (!t->diverged || t->pp) return;
+  if (!t->diverged) return;
   if (t->diverged_what == 2) {
     name_gradient(t, sg, world_rank, s, err, errlen);
     return;
   }
   if (t->diverged_what != 1) return;
-  const int n = t->dpc ? comm_size(t->dpc) : 1;
+  /* the ranks that share the loss: dp's and cp's, and under pp every stage's (the last one's
+   * ranks have losses, the others 0 micro-batches) */
+  comm_t *c = t->pp ? mesh_host_comm(t->mesh, "world") : t->dpc;
+  const int n = c ? comm_size(c) : 1;
   float mine[2] = {(float)world_rank, (float)t->diverged_micro}, *all = mine;
   if (n > 1) { /* (n, 2): each rank's world rank and first bad micro-batch */
     if (!(all = malloc((size_t)n * sizeof mine))) return;
-    if (comm_all_gather(t->dpc, mine, all, 2, DT_F32)) {
+    if (comm_all_gather(c, mine, all, 2, DT_F32)) {
       free(all);
       return;
     }

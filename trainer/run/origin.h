@@ -2,7 +2,9 @@
  * group that averages it ("dp_cp") sees the same nan and stops at the same read (train.h); before
  * the run fails, their own losses of that step (each rank's first micro-batch whose loss was not
  * finite, kept in its step record on the device) are gathered over that group, and the message
- * names the lowest rank whose own loss was not finite, its host and the micro-batch. One host
+ * names the lowest rank whose own loss was not finite, its host and the micro-batch. Under
+ * pipeline parallelism only the last stage's ranks compute losses (their micro-batches are the
+ * pipeline's), and every stage shares the loss: the gather is over the job (world). One host
  * all-gather, at the failure only.
  *
  * When the gradient norm is not finite (every rank sees it: the norm sums all ranks' shares), the
@@ -17,7 +19,9 @@
  * lowest rank of its tp group is named). When no rank's was (a reduction that overflowed), the
  * tensor after the reduction is named, or the message says that each rank's own gradients were
  * finite. When the read came later (the step's sums and gradients are gone) the message says
- * so. Not here: the check itself (train.c), the sums (the strategies, dp.h), the host names
+ * so. Under pipeline parallelism each rank's model holds its stages' tensors only: the ranks'
+ * tensors travel by name, and the step is always read at once (its values are that step's).
+ * Not here: the check itself (train.c), the sums (the strategies, dp.h), the host names
  * (straggler.c gathers them at the start). */
 #ifndef MESHRUN_ORIGIN_H
 #define MESHRUN_ORIGIN_H
@@ -33,8 +37,7 @@
  * when the loss diverged, or "; first non-finite gradient: rank R (host H), NAME, before the
  * reduction (step S's)" (or what origin's comment above says instead) when the norm did, to the
  * message in err (of length errlen); the host names come from sg (NULL: none). world_rank: this
- * rank's. A gather that fails adds nothing: the message stays the divergence's. Does nothing
- * under pipeline parallelism. */
+ * rank's. A gather that fails adds nothing: the message stays the divergence's. */
 void origin_name(train_t *t, const straggler_t *sg, int world_rank, int s, char *err, size_t errlen);
 
 #endif

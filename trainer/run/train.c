@@ -149,6 +149,15 @@ static int check_step(train_t *t, int s, double loss, int bad_micro, double gnor
   return 0;
 }
 
+/* Where step s (0-based) diverged, for origin_name: the loss (what 1) or the gradient norm (2),
+ * and this rank's own first micro-batch whose loss was not finite (1-based, 0 none). Returns -1. */
+static int diverged_at(train_t *t, int s, int what, int own_micro) {
+  t->diverged_what = what;
+  t->diverged_micro = own_micro;
+  t->diverged_step = s;
+  return -1;
+}
+
 int train_read(train_t *t, char *err, size_t errlen) {
   const int n = t->pending;
   t->n_read = 0;
@@ -160,12 +169,8 @@ int train_read(train_t *t, char *err, size_t errlen) {
   for (int j = 0; j < n; j++) {
     /* the logged loss is the global batch's: the mean over dp (fp32, as it travelled) */
     const double loss = t->dpc_dev && loss_shared(t) ? (double)r[j].loss_dp : r[j].stat[0];
-    if (!r[j].skip.why && check_step(t, t->read_first + j, loss, (int)r[j].stat[1], r[j].gnorm, err, errlen)) {
-      t->diverged_what = isfinite(loss) ? 2 : 1;
-      t->diverged_micro = (int)r[j].stat[1];
-      t->diverged_step = t->read_first + j;
-      return -1;
-    }
+    if (!r[j].skip.why && check_step(t, t->read_first + j, loss, (int)r[j].stat[1], r[j].gnorm, err, errlen))
+      return diverged_at(t, t->read_first + j, isfinite(loss) ? 2 : 1, (int)r[j].stat[1]);
     t->read_loss[j] = loss;
     t->read_gnorm[j] = r[j].gnorm;
     if (t->read_skip) t->read_skip[j] = r[j].skip;
@@ -189,8 +194,13 @@ static int pipeline_step(train_t *t, int s, double *loss, int *bad_micro, pp_ste
     if (hooks_batch(t->hooks, t->tok + micro * bt, t->tgt + micro * bt, bt, err, errlen)) return -1;
   }
   cp_rows(t, t->tok, t->tgt, accum * B, b); /* the pipeline's micro-batches are b sequences */
+  hooks_nan_grad(t->hooks, t->m, t->be, t->dp, s + 1);
   if (pp_run_step(t->pp, t->tok, t->tgt, b, plan_local_seq_len(p), 1.0f / (float)M, st)) {
     return err_set(err, errlen, -1, "step %d: %s", s + 1, pp_run_errmsg(t->pp));
+  }
+  if (hooks_nan_loss_pp(t->hooks, s + 1, t->pp->cfg.rank == t->pp->cfg.p - 1)) { /* stage S - 1 is rank p - 1's */
+    st->loss_sum = NAN;
+    st->bad_mb = 0;
   }
   /* only the last stage has these: the sum over pp adds zeros to them */
   float v[2] = {(float)(st->loss_sum / M), st->bad_mb >= 0 ? (float)(st->bad_mb + 1) : 0.0f};
@@ -215,11 +225,12 @@ static int pipeline_train(train_t *t, int s, double lr, train_result_t *out, cha
     }
     loss = lf;
   }
-  if (check_step(t, s, loss, bad_micro, 0.0, err, errlen)) return -1;
+  /* this rank's own loss: the last stage's, before the sums over pp and dp */
+  if (check_step(t, s, loss, bad_micro, 0.0, err, errlen)) return diverged_at(t, s, 1, out->pp.bad_mb + 1);
   if (dp_grad_norm(t->dp, &gnorm)) {
     return err_set(err, errlen, -1, "%s", dp_errmsg(t->dp));
   }
-  if (check_step(t, s, loss, bad_micro, gnorm, err, errlen)) return -1;
+  if (check_step(t, s, loss, bad_micro, gnorm, err, errlen)) return diverged_at(t, s, 2, 0);
   if (dp_step(t->dp, lr, optim_clip_scale(gnorm, t->p->train.grad_clip))) {
     return err_set(err, errlen, -1, "%s", dp_errmsg(t->dp));
   }

@@ -94,8 +94,9 @@ typedef struct {
   pp_runner_t *pp;
   comm_t *ppc;
   int diverged; /* set by a train_step that failed on a non-finite loss or gradient norm */
-  /* Where it diverged, without pp (set with diverged): the loss (1) or the gradient norm (2), and
-   * this rank's first micro-batch of that step whose own loss was not finite (1-based, 0 none). */
+  /* Where it diverged (set with diverged): the loss (1) or the gradient norm (2), and this rank's
+   * first micro-batch of that step whose own loss was not finite (1-based, 0 none; under pp the
+   * pipeline's micro-batches, on the last stage's ranks only). */
   int diverged_what, diverged_micro, diverged_step; /* diverged_step 0-based */
 } train_t;
 
