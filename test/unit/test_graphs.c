@@ -22,6 +22,7 @@ static struct {
   int begins, ends, launches, destroys;
   int fail_begin, fail_end_at; /* begin refuses; the end numbered fail_end_at (1-based) gives NULL */
   int launched[16];             /* the recordings launched, in order */
+  int tamper_at;                /* > 0: before that step (0-based), parity 0's recorded counts change */
 } F;
 
 static int fake_begin(backend_t *be, char *err, size_t errlen) {
@@ -56,7 +57,9 @@ static int steps(const char *graphs, int stand_ins, int n, int prof, char *got, 
   const char *sets[] = {"model.n_layers=2", "train.global_batch_size=4", "train.steps=10", "log.interval=100",
                         "eval.interval=0", g};
   step_run_t r;
+  const int tamper_at = F.tamper_at;
   memset(&F, 0, sizeof F);
+  F.tamper_at = tamper_at;
   int rc = step_run_open(&r, sets, 6, 0, 1, NULL, err, errlen);
   if (rc) printf("  setup: %s\n", err);
   assert_int_equal(rc, 0);
@@ -76,6 +79,7 @@ static int steps(const char *graphs, int stand_ins, int n, int prof, char *got, 
   for (int s = 0; !rc && s < n; s++) {
     train_result_t res;
     char e[1024] = "";
+    if (F.tamper_at && s == F.tamper_at) r.t.graph_valid[0][0]++; /* as if its batches had other targets */
     assert_int_equal(train_step(&r.t, s, &res, e, sizeof e), 0);
     got[s] = "rRP"[res.graph];
     got[s + 1] = '\0';
@@ -133,6 +137,22 @@ static void test_profiled_step_unrecorded(void **state) {
   for (int i = 0; i < 5; i++) assert_int_equal(F.launched[i], want[i]);
 }
 
+/* A step whose micro-batches count other targets than its parity's recording (their gradient
+ * scale is a launch argument) runs its work, one warning; the other parity still replays. */
+static void test_other_targets_run_unrecorded(void **state) {
+  char got[16] = "", err[512] = "";
+  F.tamper_at = 4;
+  assert_int_equal(steps("auto", 1, 8, 0, got, err, sizeof err), 0);
+  F.tamper_at = 0;
+  printf("  8 steps, parity 0's counts changed before step 5: %s; launches", got);
+  for (int i = 0; i < F.launches && i < 16; i++) printf(" %d", F.launched[i]);
+  printf("\n");
+  assert_string_equal(got, "rrRRrPrP");
+  const int want[] = {1, 2, 2, 2};
+  assert_int_equal(F.launches, 4);
+  for (int i = 0; i < 4; i++) assert_int_equal(F.launched[i], want[i]);
+}
+
 /* off records nothing; on where the backend records nothing is the plan's error (2, one line);
  * auto there is silent and runs every step. */
 static void test_plan_values(void **state) {
@@ -162,6 +182,7 @@ int main(void) {
       cmocka_unit_test(test_record_then_replay),
       cmocka_unit_test(test_failed_recording_runs_unrecorded),
       cmocka_unit_test(test_profiled_step_unrecorded),
+      cmocka_unit_test(test_other_targets_run_unrecorded),
       cmocka_unit_test(test_plan_values),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
