@@ -37,6 +37,7 @@
 #pragma GCC optimize("no-trapping-math")
 
 #include "trainer/backend/backend.h"
+#include "trainer/backend/step_skip_rule.h"
 
 #include <cblas.h>
 #include <float.h>
@@ -1337,40 +1338,9 @@ static void cpu_adamw_multi_dev(backend_t *be, float *param, const float *grad, 
                   *grad_scale);
 }
 
-/* The z-score of x over the n values of w (backend.h), with their mean and population std: two
- * passes in double; 0 while n < SKIP_MIN or the values are all equal. */
-static double skip_z(const float *w, int n, double x, double *mean, double *std) {
-  double sum = 0.0, dev = 0.0;
-  for (int i = 0; i < n; i++) sum += w[i];
-  const double mu = n > 0 ? sum / n : 0.0;
-  for (int i = 0; i < n; i++) dev += (w[i] - mu) * (w[i] - mu);
-  *mean = mu;
-  *std = n > 0 ? sqrt(dev / n) : 0.0;
-  return n >= SKIP_MIN && *std > 0.0 ? (x - mu) / *std : 0.0;
-}
-
 static void cpu_step_skip(backend_t *be, const float *loss, const double *norm, int nonfinite, double loss_z,
                           double norm_z, skip_window_t *win, skip_verdict_t *out, adamw_step_t *st) {
-  const double l = *loss, g = *norm;
-  double lm, ls, gm, gs;
-  const double lz = skip_z(win->loss, win->n, l, &lm, &ls), gz = skip_z(win->norm, win->n, g, &gm, &gs);
-  skip_verdict_t v = {SKIP_NONE, 0, 0.0, 0.0, 0.0};
-  if (nonfinite && !isfinite(l)) v.why = SKIP_LOSS_NONFINITE;
-  else if (nonfinite && !isfinite(g)) v.why = SKIP_NORM_NONFINITE;
-  else if (loss_z > 0 && isfinite(l) && lz > loss_z) v = (skip_verdict_t){SKIP_LOSS_Z, 0, lz, lm, ls};
-  else if (norm_z > 0 && isfinite(g) && gz > norm_z) v = (skip_verdict_t){SKIP_NORM_Z, 0, gz, gm, gs};
-  const float lf = (float)l, gf = (float)g;
-  if (v.why) {
-    win->total++;
-  } else if (isfinite(lf) && isfinite(gf)) {
-    win->loss[win->next] = lf;
-    win->norm[win->next] = gf;
-    win->next = (win->next + 1) % SKIP_WINDOW;
-    if (win->n < SKIP_WINDOW) win->n++;
-  }
-  v.total = win->total;
-  *out = v;
-  st->skip = v.why != SKIP_NONE;
+  skip_rule(*loss, *norm, nonfinite, loss_z, norm_z, win, out, st);
 }
 
 /* Host memory is the device's: an upload is a copy, and nothing runs beside it to wait for. */

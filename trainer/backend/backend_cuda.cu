@@ -66,6 +66,8 @@ extern "C" {
 #include "common/env.h"
 #include "common/gpus.h"
 #include "trainer/backend/backend.h"
+#define SKIP_RULE_FN static __device__ inline
+#include "trainer/backend/step_skip_rule.h"
 #include "trainer/backend/backend_cuda_check.h"
 #include "trainer/backend/attention_cudnn.h"
 }
@@ -2360,40 +2362,10 @@ static void cu_adamw_multi_dev(backend_t *be, float *param, const float *grad, f
                      grad_scale, st);
 }
 
-/* step_skip's z-score (backend.h): the window's mean, then its population std, in double. */
-__device__ double skip_z(const float *w, int n, double x, double *mean, double *std) {
-  double sum = 0.0, dev = 0.0;
-  for (int i = 0; i < n; i++) sum += w[i];
-  const double mu = n > 0 ? sum / n : 0.0;
-  for (int i = 0; i < n; i++) dev += (w[i] - mu) * (w[i] - mu);
-  *mean = mu;
-  *std = n > 0 ? sqrt(dev / n) : 0.0;
-  return n >= SKIP_MIN && *std > 0.0 ? (x - mu) / *std : 0.0;
-}
-
-/* One thread: the verdict, the window and the update's flag, as backend.h orders them. */
+/* One thread: the verdict, the window and the update's flag (step_skip_rule.h). */
 __global__ void step_skip_kernel(const float *loss, const double *norm, int nonfinite, double loss_z, double norm_z,
                                  skip_window_t *win, skip_verdict_t *out, adamw_step_t *st) {
-  const double l = *loss, g = *norm;
-  double lm, ls, gm, gs;
-  const double lz = skip_z(win->loss, win->n, l, &lm, &ls), gz = skip_z(win->norm, win->n, g, &gm, &gs);
-  skip_verdict_t v = {SKIP_NONE, 0, 0.0, 0.0, 0.0};
-  if (nonfinite && !isfinite(l)) v.why = SKIP_LOSS_NONFINITE;
-  else if (nonfinite && !isfinite(g)) v.why = SKIP_NORM_NONFINITE;
-  else if (loss_z > 0 && isfinite(l) && lz > loss_z) v = skip_verdict_t{SKIP_LOSS_Z, 0, lz, lm, ls};
-  else if (norm_z > 0 && isfinite(g) && gz > norm_z) v = skip_verdict_t{SKIP_NORM_Z, 0, gz, gm, gs};
-  const float lf = (float)l, gf = (float)g;
-  if (v.why) {
-    win->total++;
-  } else if (isfinite(lf) && isfinite(gf)) {
-    win->loss[win->next] = lf;
-    win->norm[win->next] = gf;
-    win->next = (win->next + 1) % SKIP_WINDOW;
-    if (win->n < SKIP_WINDOW) win->n++;
-  }
-  v.total = win->total;
-  *out = v;
-  st->skip = v.why != SKIP_NONE;
+  skip_rule(*loss, *norm, nonfinite, loss_z, norm_z, win, out, st);
 }
 
 static void cu_step_skip(backend_t *be, const float *loss, const double *norm, int nonfinite, double loss_z,
