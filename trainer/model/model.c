@@ -1288,6 +1288,12 @@ static void ids_to_device(model_t *m, int32_t *dev, const int32_t *ids, int n) {
   if (m->Np > n) m->be->to_device(m->be, dev + n, m->pad_ids, (size_t)(m->Np - n) * sizeof(int32_t));
 }
 
+/* n ids into h as np rows: the SP padding rows after them -1, as ids_to_device pads. */
+static void put_padded(const model_t *m, int32_t *h, const int32_t *ids, int n, int np) {
+  memcpy(h, ids, (size_t)n * sizeof *h);
+  memcpy(h + n, m->pad_ids, (size_t)(np - n) * sizeof *h);
+}
+
 /* A whole model's ids through the backend's uploads (backend.h): the pinned copy of slot
  * up_next, padded to Np rows as ids_to_device pads, goes up on the copy stream while the device
  * still computes the micro-batch before (the host runs ahead of it: a step does not wait for the
@@ -1296,16 +1302,12 @@ static void ids_to_device(model_t *m, int32_t *dev, const int32_t *ids, int n) {
  * reads them before the next forward. */
 static void upload_ids(model_t *m, slot_t *sl, const int32_t *tokens, const int32_t *targets, int n) {
   backend_t *be = m->be;
-  const int j = m->up_next, Np = m->Np, pad = Np - n;
+  const int j = m->up_next, Np = m->Np;
   int32_t *h = m->up_host[j];
   m->up_next ^= 1;
   be->upload_host_wait(be, j);
-  memcpy(h, tokens, (size_t)n * sizeof *h);
-  memcpy(h + n, m->pad_ids, (size_t)pad * sizeof *h);
-  if (targets) {
-    memcpy(h + Np, targets, (size_t)n * sizeof *h);
-    memcpy(h + Np + n, m->pad_ids, (size_t)pad * sizeof *h);
-  }
+  put_padded(m, h, tokens, n, Np);
+  if (targets) put_padded(m, h + Np, targets, n, Np);
   be->upload_async(be, m->up_dev[j], h, (targets ? 2 : 1) * (size_t)Np * sizeof *h, j);
   be->upload_wait(be, j);
   sl->tokens_dev = m->tokens_dev = m->up_dev[j];
@@ -1536,32 +1538,27 @@ int model_stage_reserve(model_t *m, int n, int b, int t) {
 }
 
 int model_stage(model_t *m, const int32_t *tokens, const int32_t *targets, int n, int b, int t, int *valid) {
-  m->err[0] = '\0';
   if (m->n_chunks != 1 || !m->up_dev[0] || !tokens || !targets)
     return set_error(m, MODEL_EINVAL, "model_stage needs the whole model, tokens and targets");
-  if (n <= 0 || b <= 0 || t <= 0 || b > m->max_b || t > m->max_t)
-    return set_error(m, MODEL_EINVAL, "%d micro-batches of %d x %d tokens outside the model's capacity %d x %d", n, b,
-                     t, m->max_b, m->max_t);
+  int rc = model_stage_reserve(m, n, b, t); /* the capacity checked; room made if not reserved */
+  if (rc) return rc;
   const int N = b * t;
-  int np, ns, r0, rc;
+  int np, ns, r0;
   batch_rows(m, N, &np, &ns, &r0);
   for (int i = 0; i < n; i++)
     if ((rc = check_ids(m, tokens + (size_t)i * N, N, t, 0, "token")) ||
         (rc = check_ids(m, targets + (size_t)i * N, N, t, 1, "target")))
       return rc;
-  if ((rc = stage_room(m, n, np))) return rc;
   backend_t *be = m->be;
   const int j = m->stage_n ? m->stage_par ^ 1 : 0;
   be->upload_host_wait(be, j);
   for (int i = 0; i < n; i++) {
     int32_t *h = m->stage_host[j] + (size_t)i * 2 * np;
-    const int32_t *ids[2] = {tokens + (size_t)i * N, targets + (size_t)i * N};
-    for (int w = 0; w < 2; w++) {
-      memcpy(h + (size_t)w * np, ids[w], (size_t)N * sizeof *h);
-      memcpy(h + (size_t)w * np + N, m->pad_ids, (size_t)(np - N) * sizeof *h);
-    }
+    const int32_t *tg = targets + (size_t)i * N;
+    put_padded(m, h, tokens + (size_t)i * N, N, np);
+    put_padded(m, h + np, tg, N, np);
     valid[i] = 0;
-    for (int r = 0; r < N; r++) valid[i] += ids[1][r] >= 0;
+    for (int r = 0; r < N; r++) valid[i] += tg[r] >= 0;
     m->stage_valid[i] = valid[i];
   }
   be->upload_async(be, m->stage_dev[j], m->stage_host[j], (size_t)n * 2 * np * sizeof(int32_t), j);

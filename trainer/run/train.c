@@ -112,6 +112,21 @@ static void cp_rows(train_t *t, int32_t *tok, int32_t *tgt, int n, int b) {
   }
 }
 
+/* Step s's batches on the host: every micro-batch of this data-parallel rank from the loader
+ * (through the test hooks) into tok and tgt, one after the other, then under cp this rank's rows
+ * of each group of b sequences (a model batch). 0 or -1 with the message in err. */
+static int step_batches(train_t *t, int s, int b, char *err, size_t errlen) {
+  const plan_t *p = t->p;
+  const int T = p->train.seq_len, B = p->train.micro_batch_size, accum = p->train.grad_accum_steps;
+  const size_t bt = (size_t)B * T;
+  for (int micro = 0; micro < accum; micro++) {
+    data_train_batch(t->data, s, micro, t->dp_rank, t->dp_size, B, t->tok + micro * bt, t->tgt + micro * bt);
+    if (hooks_batch(t->hooks, t->tok + micro * bt, t->tgt + micro * bt, bt, err, errlen)) return -1;
+  }
+  cp_rows(t, t->tok, t->tgt, accum * B, b);
+  return 0;
+}
+
 /* More than one rank shares the step's loss (dp, or cp: its ranks hold parts of each sequence). */
 static int loss_shared(const train_t *t) { return t->dpc && comm_size(t->dpc) > 1; }
 
@@ -186,14 +201,9 @@ int train_read(train_t *t, char *err, size_t errlen) {
 static int pipeline_step(train_t *t, int s, double *loss, int *bad_micro, pp_step_stats_t *st, char *err,
                          size_t errlen) {
   const plan_t *p = t->p;
-  const int T = p->train.seq_len, B = p->train.micro_batch_size, accum = p->train.grad_accum_steps;
+  const int B = p->train.micro_batch_size, accum = p->train.grad_accum_steps;
   const int M = p->parallel.pp_microbatches, b = accum * B / M;
-  const size_t bt = (size_t)B * T;
-  for (int micro = 0; micro < accum; micro++) {
-    data_train_batch(t->data, s, micro, t->dp_rank, t->dp_size, B, t->tok + micro * bt, t->tgt + micro * bt);
-    if (hooks_batch(t->hooks, t->tok + micro * bt, t->tgt + micro * bt, bt, err, errlen)) return -1;
-  }
-  cp_rows(t, t->tok, t->tgt, accum * B, b); /* the pipeline's micro-batches are b sequences */
+  if (step_batches(t, s, b, err, errlen)) return -1; /* the pipeline's micro-batches are b sequences */
   hooks_nan_grad(t->hooks, t->m, t->be, t->dp, s + 1);
   if (pp_run_step(t->pp, t->tok, t->tgt, b, plan_local_seq_len(p), 1.0f / (float)M, st)) {
     return err_set(err, errlen, -1, "step %d: %s", s + 1, pp_run_errmsg(t->pp));
@@ -256,13 +266,8 @@ static int skip_decide(train_t *t, step_rec_t *rec) {
  * Returns the staged parity, or -1. */
 static int stage_step(train_t *t, int s, char *err, size_t errlen) {
   const plan_t *p = t->p;
-  const int T = p->train.seq_len, B = p->train.micro_batch_size, accum = p->train.grad_accum_steps;
-  const size_t bt = (size_t)B * T;
-  for (int micro = 0; micro < accum; micro++) {
-    data_train_batch(t->data, s, micro, t->dp_rank, t->dp_size, B, t->tok + micro * bt, t->tgt + micro * bt);
-    if (hooks_batch(t->hooks, t->tok + micro * bt, t->tgt + micro * bt, bt, err, errlen)) return -1;
-  }
-  cp_rows(t, t->tok, t->tgt, accum * B, B);
+  const int B = p->train.micro_batch_size, accum = p->train.grad_accum_steps;
+  if (step_batches(t, s, B, err, errlen)) return -1;
   const int par = model_stage(t->m, t->tok, t->tgt, accum, B, plan_local_seq_len(p), t->valid);
   if (par < 0) return err_set(err, errlen, -1, "step %d: the batches: %s", s + 1, model_errmsg(t->m));
   return par;
@@ -307,9 +312,7 @@ static int step_work(train_t *t, int s, char *err, size_t errlen) {
 
 int train_graphs_open(train_t *t, const char *comm_backend, char *err, size_t errlen) {
   const int mode = t->p->train.graphs;
-  const comm_entry_t *c = NULL;
-  for (int i = 0; comm_backend && comm_registry[i]; i++)
-    if (!strcmp(comm_registry[i]->name, comm_backend)) c = comm_registry[i];
+  const comm_entry_t *c = comm_backend ? comm_find(comm_backend) : NULL;
   char why[160] = "";
   const char *fault = hooks_step_fault(t->hooks);
   t->graphs = 0;
