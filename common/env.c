@@ -39,6 +39,12 @@ int env_double(const char *name, double lo, double hi, double dflt, double *out)
   return 0;
 }
 
+double env_fraction(const char *name) {
+  double f = 1;
+  env_double(name, 0, 1, 1, &f); /* a value it refuses leaves the default */
+  return f > 0 && f < 1 ? f : 1;
+}
+
 int env_bool(const char *name, int dflt, int *out) {
   *out = dflt;
   const char *s = env_str(name);

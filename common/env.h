@@ -23,6 +23,9 @@ int env_int(const char *name, long lo, long hi, int dflt, int *out);
 int env_double(const char *name, double lo, double hi, double dflt, double *out);
 /* The same for a boolean (*out 0 or 1). */
 int env_bool(const char *name, int dflt, int *out);
+/* A fault's slow-down factor: the value when it is a number in (0, 1), else 1 (unset, empty,
+ * not a number, out of range: no slow-down). */
+double env_fraction(const char *name);
 
 #ifdef __cplusplus
 }

@@ -14,7 +14,9 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/env.h"
 #include "common/err.h"
+#include "common/gemm_rate.h"
 #include "common/log.h"
 #include "common/net.h"
 #include "common/store.h"
@@ -152,14 +154,6 @@ static double mono_s(void) {
   return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-/* A factor in (0, 1) from the environment, else 1. */
-static double fault_factor(const char *name) {
-  const char *s = getenv(name);
-  char *end;
-  double f = s && *s ? strtod(s, &end) : 1;
-  return s && *s && !*end && f > 0 && f < 1 ? f : 1;
-}
-
 /* c += a b, n x n, row-major; i-k-j so that the inner loop runs along rows. */
 static void gemm(const float *a, const float *b, float *c, int n) {
   for (int i = 0; i < n; i++)
@@ -169,32 +163,21 @@ static void gemm(const float *a, const float *b, float *c, int n) {
     }
 }
 
-/* GFLOP/s: the best of HEALTH_GEMM_SLICES slices, each products for HEALTH_GEMM_SLICE_S. */
+/* One product of the host loop: the matrices after each other in m (three of HEALTH_GEMM_N^2). */
+static void host_product(void *m) {
+  const size_t nn = (size_t)HEALTH_GEMM_N * HEALTH_GEMM_N;
+  gemm(m, (float *)m + nn, (float *)m + 2 * nn, HEALTH_GEMM_N);
+}
+
+/* GFLOP/s of the host loop: the best of HEALTH_GEMM_SLICES slices of products (gemm_rate.h). */
 static double measure_gemm(health_t *h) {
   const int n = HEALTH_GEMM_N;
   size_t nn = (size_t)n * n;
   float *m = malloc(3 * nn * sizeof *m);
   if (!m) return 0;
   for (size_t i = 0; i < 3 * nn; i++) m[i] = (float)((i * 7919) % 17) * 0.01f;
-  double fault = fault_factor(HEALTH_FAULT_GEMM_ENV), best = 0, flops = 2.0 * n * n * n;
-  for (int s = 0; s < HEALTH_GEMM_SLICES && !atomic_load(&h->stop); s++) {
-    double t0 = mono_s(), t = t0;
-    int count = 0;
-    while (t - t0 < HEALTH_GEMM_SLICE_S) {
-      double g0 = t;
-      gemm(m, m + nn, m + 2 * nn, n);
-      count++;
-      t = mono_s();
-      if (fault < 1) { /* the throttled node: the product took 1/fault of its time */
-        double pause = (t - g0) * (1 / fault - 1);
-        struct timespec ts = {.tv_sec = (time_t)pause, .tv_nsec = (long)((pause - (time_t)pause) * 1e9)};
-        nanosleep(&ts, NULL);
-        t = mono_s();
-      }
-    }
-    double rate = flops * count / (t - t0) / 1e9;
-    if (rate > best) best = rate;
-  }
+  const double best = gemm_rate_best(host_product, m, 2.0 * n * n * n, HEALTH_GEMM_SLICES, HEALTH_GEMM_SLICE_S,
+                                     env_fraction(GEMM_RATE_FAULT_ENV), &h->stop);
   free(m);
   return best;
 }
@@ -293,7 +276,7 @@ static double ring_transfer(health_t *h, ring_t *r, const char *host, int port, 
     if (ring_step(r, left * 1000 < POLL_SLICE_MS ? (int)(left * 1000) + 1 : POLL_SLICE_MS, err, errlen)) return -1;
   }
   double dt = mono_s() - t0;
-  return HEALTH_NET_BYTES / (dt > 1e-6 ? dt : 1e-6) / 1e6 * fault_factor(HEALTH_FAULT_NET_ENV);
+  return HEALTH_NET_BYTES / (dt > 1e-6 ? dt : 1e-6) / 1e6 * env_fraction(HEALTH_FAULT_NET_ENV);
 }
 
 static void keyf(const health_t *h, char *out, size_t len, const char *what, int node) {

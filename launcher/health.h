@@ -35,7 +35,6 @@
 #define HEALTH_GEMM_N 192     /* the host loop's side: three 144 KiB float matrices */
 #define HEALTH_GEMM_SLICES 4  /* the rate is the best slice's */
 #define HEALTH_GEMM_SLICE_S 0.06
-#define HEALTH_FAULT_GEMM_ENV "MESHRUN_FAULT_HEALTH_GEMM"
 #define HEALTH_FAULT_NET_ENV "MESHRUN_FAULT_HEALTH_NET"
 #define HEALTH_HOST_DEVICE "host-cpu" /* the device of meshrun's own loop */
 

@@ -1,4 +1,4 @@
-// deps: launcher/health.c launcher/health_probe.c common/store.c common/store_proto.c common/net.c common/log.c common/err.c common/env.c
+// deps: launcher/health.c launcher/health_probe.c common/gemm_rate.c common/store.c common/store_proto.c common/net.c common/log.c common/err.c common/env.c
 /* Unit tests of health's judgement (--health_check): the median of odd and even counts; a node
  * below the fraction of either median is named; left out worst first while --nnodes' minimum
  * remains, never the node that serves the store; the rest kept as a warning; and the lines

@@ -9,19 +9,15 @@
 #include <string.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "common/env.h"
 #include "common/err.h"
+#include "common/gemm_rate.h"
 #include "trainer/backend/backend.h"
-#include "trainer/comm/trace.h"
 #include "trainer/run/device.h"
 
 #define MAX_DEVICES 64
-#define FAULT_ENV "MESHRUN_FAULT_HEALTH_GEMM" /* meshrun's name for it (launcher/health.h) */
-
-static double now_s(void) { return (double)trace_now_ns() * 1e-9; }
 
 /* The backend the workers' device "auto" opens, without opening it: the first built device
  * backend that sees a device (*count of them), else the first built host backend (*count 1). */
@@ -42,9 +38,19 @@ static const backend_entry_t *probe_entry(int *count) {
   return NULL;
 }
 
-static void pause_s(double s) {
-  struct timespec ts = {.tv_sec = (time_t)s, .tv_nsec = (long)((s - (double)(time_t)s) * 1e9)};
-  nanosleep(&ts, NULL);
+/* A batch of products on one device, finished when it returns (gemm_rate_best's batch). */
+typedef struct {
+  backend_t *be;
+  void **m; /* c, a, b after each other: m[2] = m[0] m[1] */
+  int n, batch;
+  dtype_t dt;
+} products_t;
+
+static void products(void *arg) {
+  const products_t *p = arg;
+  for (int i = 0; i < p->batch; i++)
+    p->be->matmul(p->be, p->m[2], p->m[0], p->m[1], p->n, p->n, p->n, 0, 0, 1.0f, 0.0f, p->dt, p->dt);
+  p->be->synchronize(p->be);
 }
 
 /* One device's rate in GFLOP/s: three n x n matrices of dt, a product untimed, then the best
@@ -67,25 +73,8 @@ static double measure(backend_t *be, dtype_t dt, int n, int batch, double fault,
   be->convert(be, m[1], dt, f32, DT_F32, nn);
   be->matmul(be, m[2], m[0], m[1], n, n, n, 0, 0, 1.0f, 0.0f, dt, dt);
   be->synchronize(be);
-  const double flops = 2.0 * n * n * n;
-  best = 0;
-  for (int s = 0; s < HEALTH_GEMM_SLICES; s++) {
-    double t0 = now_s(), t = t0;
-    long count = 0;
-    while (t - t0 < HEALTH_GEMM_SLICE_S) {
-      double b0 = t;
-      for (int i = 0; i < batch; i++) be->matmul(be, m[2], m[0], m[1], n, n, n, 0, 0, 1.0f, 0.0f, dt, dt);
-      be->synchronize(be);
-      count += batch;
-      t = now_s();
-      if (fault < 1) { /* the throttled node: the batch took 1/fault of its time */
-        pause_s((t - b0) * (1 / fault - 1));
-        t = now_s();
-      }
-    }
-    double rate = flops * (double)count / (t - t0) / 1e9;
-    if (rate > best) best = rate;
-  }
+  products_t p = {.be = be, .m = m, .n = n, .batch = batch, .dt = dt};
+  best = gemm_rate_best(products, &p, 2.0 * n * n * n * batch, HEALTH_GEMM_SLICES, HEALTH_GEMM_SLICE_S, fault, NULL);
 out:
   for (int i = 0; i < 3; i++) be->free(be, m[i]);
   be->free(be, f32);
@@ -177,16 +166,13 @@ static int measure_devices(const backend_entry_t *e, int ndev, double fault, dou
 static int measure_all(double *rates, int *ndev, const backend_entry_t **entry, dtype_t *dt, char *err,
                        size_t errlen) {
   int visible = 0, local = 1;
-  double fault = 1;
   const backend_entry_t *e = *entry = probe_entry(&visible);
   if (!e) return err_set(err, errlen, -1, "no compute backend of this trainer opens here");
   if (env_int("LOCAL_WORLD_SIZE", 1, INT_MAX, 1, &local))
     return err_set(err, errlen, -1, "LOCAL_WORLD_SIZE=%s: not a count of workers >= 1", env_text("LOCAL_WORLD_SIZE"));
-  env_double(FAULT_ENV, 0, 1, 1, &fault);
-  if (fault <= 0) fault = 1;
   *ndev = e->mem == BACKEND_MEM_HOST ? 1 : local < visible ? local : visible;
   if (*ndev > MAX_DEVICES) *ndev = MAX_DEVICES;
-  return measure_devices(e, *ndev, fault, rates, dt, err, errlen);
+  return measure_devices(e, *ndev, env_fraction(GEMM_RATE_FAULT_ENV), rates, dt, err, errlen);
 }
 
 int health_gemm_main(void) {

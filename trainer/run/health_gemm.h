@@ -21,8 +21,9 @@
  * backend opens, a device's backend fails to open) are one line on stderr and exit status 1;
  * a device error inside a product takes the backend's fatal path (also exit 1).
  *
- * MESHRUN_FAULT_HEALTH_GEMM=F (0 < F < 1) throttles it to about F of its speed, as it throttles
- * meshrun's host GEMM: after each batch a pause of (1/F - 1) times the batch's time. */
+ * The slices and the throttle are meshrun's host loop's (common/gemm_rate.h, one measure for
+ * both): MESHRUN_FAULT_HEALTH_GEMM=F (0 < F < 1) throttles it to about F of its speed, a pause
+ * of (1/F - 1) times each batch's time after it. */
 #ifndef MESHRUN_HEALTH_GEMM_H
 #define MESHRUN_HEALTH_GEMM_H
 
