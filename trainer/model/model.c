@@ -1288,6 +1288,13 @@ static void ids_to_device(model_t *m, int32_t *dev, const int32_t *ids, int n) {
   if (m->Np > n) m->be->to_device(m->be, dev + n, m->pad_ids, (size_t)(m->Np - n) * sizeof(int32_t));
 }
 
+/* The targets among n that count (the others are -1: ignored). */
+static int count_targets(const int32_t *targets, int n) {
+  int valid = 0;
+  for (int i = 0; i < n; i++) valid += targets[i] >= 0;
+  return valid;
+}
+
 /* n ids into h as np rows: the SP padding rows after them -1, as ids_to_device pads. */
 static void put_padded(const model_t *m, int32_t *h, const int32_t *ids, int n, int np) {
   memcpy(h, ids, (size_t)n * sizeof *h);
@@ -1322,8 +1329,7 @@ static void batch_ids(model_t *m, int c, int k, const int32_t *tokens, const int
   else if (ch->embed) ids_to_device(m, m->tokens_dev, tokens, n);
   if (!ch->head || !targets) return;
   if (!m->up_dev[0]) ids_to_device(m, m->targets_dev, targets, n);
-  m->n_valid = 0;
-  for (int i = 0; i < n; i++) m->n_valid += targets[i] >= 0;
+  m->n_valid = count_targets(targets, n);
 }
 
 /* Micro-batch i of the ids staged last (model_stage) becomes the forward's. */
@@ -1557,9 +1563,7 @@ int model_stage(model_t *m, const int32_t *tokens, const int32_t *targets, int n
     const int32_t *tg = targets + (size_t)i * N;
     put_padded(m, h, tokens + (size_t)i * N, N, np);
     put_padded(m, h + np, tg, N, np);
-    valid[i] = 0;
-    for (int r = 0; r < N; r++) valid[i] += tg[r] >= 0;
-    m->stage_valid[i] = valid[i];
+    m->stage_valid[i] = valid[i] = count_targets(tg, N);
   }
   be->upload_async(be, m->stage_dev[j], m->stage_host[j], (size_t)n * 2 * np * sizeof(int32_t), j);
   be->upload_wait(be, j);

@@ -252,13 +252,12 @@ static int pipeline_train(train_t *t, int s, double lr, train_result_t *out, cha
 }
 
 /* train.skip_*: whether the step updates, decided on the device between the norm and AdamW
- * (backend step_skip; its arguments the same at every step). Returns 0. */
-static int skip_decide(train_t *t, step_rec_t *rec) {
+ * (backend step_skip; its arguments the same at every step). */
+static void skip_decide(train_t *t, step_rec_t *rec) {
   const plan_train_t *tr = &t->p->train;
   if (t->skip_win)
     t->be->step_skip(t->be, &rec->loss_dp, &rec->gnorm, tr->skip_nonfinite, tr->skip_loss_z, tr->skip_grad_z,
                      t->skip_win, &rec->skip, t->step_dev);
-  return 0;
 }
 
 /* The step's batches on the host (the loader's, this rank's rows of them under cp), staged on the
@@ -303,10 +302,10 @@ static int step_work(train_t *t, int s, char *err, size_t errlen) {
       return err_set(err, errlen, -1, "%s", comm_errmsg(t->dpc_dev));
     }
   }
-  if (dp_clip_dev(t->dp, p->train.grad_clip, &rec->gnorm, t->scale) || skip_decide(t, rec) ||
-      dp_step_dev(t->dp, t->step_dev, t->scale)) {
+  if (dp_clip_dev(t->dp, p->train.grad_clip, &rec->gnorm, t->scale))
     return err_set(err, errlen, -1, "%s", dp_errmsg(t->dp));
-  }
+  skip_decide(t, rec);
+  if (dp_step_dev(t->dp, t->step_dev, t->scale)) return err_set(err, errlen, -1, "%s", dp_errmsg(t->dp));
   return 0;
 }
 
